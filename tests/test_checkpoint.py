@@ -1,0 +1,259 @@
+"""DistributedCheckpoint in one process (a world of one, no process group)."""
+
+from __future__ import annotations
+
+import json
+import random
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+
+import torchrl_dcp as tdcp
+from torchrl_dcp.adapters import Adapter
+
+
+def trained(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(optim, 3)
+    for _ in range(2):
+        optim.zero_grad()
+        model(torch.randn(5, 3)).sum().backward()
+        optim.step()
+        sched.step()
+    return model, optim, sched
+
+
+def fresh(seed: int = 1):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    optim = torch.optim.Adam(model.parameters(), lr=0.5)
+    return model, optim, torch.optim.lr_scheduler.StepLR(optim, 7)
+
+
+def test_round_trip_into_fresh_objects_continues_identically(tmp_path: Path) -> None:
+    model, optim, sched = trained()
+    ckpt = tdcp.DistributedCheckpoint(model=model, optimizer=optim, scheduler=sched)
+    ckpt.register("rng", tdcp.RNGState())
+    path = ckpt.save(tmp_path / "c", step=2, metadata={"note": "x"})
+    expected_draws = (torch.rand(2), random.random(), np.random.rand())
+    x = torch.randn(5, 3)
+    optim.zero_grad()
+    model(x).sum().backward()
+    optim.step()
+    sched.step()
+
+    m2, o2, s2 = fresh()
+    ck2 = tdcp.DistributedCheckpoint(model=m2, optimizer=o2, scheduler=s2)
+    ck2.register("rng", tdcp.RNGState())
+    result = ck2.load(path)
+    assert result.loaded == {"model", "optimizer", "scheduler", "rng"} and result.step == 2
+    assert (torch.rand(2).tolist(), random.random(), np.random.rand()) == (expected_draws[0].tolist(), *expected_draws[1:])
+    assert torch.equal(torch.randn(5, 3), x)
+    o2.zero_grad()
+    m2(x).sum().backward()
+    o2.step()
+    s2.step()
+    for a, b in zip(model.state_dict().values(), m2.state_dict().values()):
+        assert torch.equal(a, b)
+    assert sched.state_dict() == s2.state_dict()
+    assert result.manifest["metadata"] == {"note": "x"}
+
+
+def test_layout_and_manifest(tmp_path: Path) -> None:
+    model, optim, _ = trained()
+    ckpt = tdcp.DistributedCheckpoint(model=model, optimizer=optim)
+    ckpt.register("stats", {"episodes": 3}, placement="per_rank")
+    path = ckpt.save(tmp_path / "c", step=5)
+    names = sorted(p.name for p in path.iterdir())
+    assert names == [".metadata", "__0_0.distcp", "manifest.json"]
+    m = json.loads((path / "manifest.json").read_text())
+    assert m["format"] == "torchrl_dcp" and m["format_version"] == 1 and m["world_size"] == 1
+    assert set(m["versions"]) == {"torch", "tensordict", "torchrl", "torchrl_dcp"}
+    assert m["components"]["model"]["placement"] == "replicated"
+    assert m["components"]["stats"]["ranks"]["0"]["state"]["items"] == [["episodes", 3]]
+    assert set(m["files"]) == {".metadata", "__0_0.distcp"}
+    assert all(f["checksum"].startswith("crc32:") for f in m["files"].values())
+
+
+def test_plain_dcp_load_finds_tensors_under_documented_keys(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    model, _, _ = trained()
+    path = tdcp.DistributedCheckpoint(model=model).save(tmp_path / "c")
+    target = {"replicated/model/0.weight": torch.empty(8, 3)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(target, checkpoint_id=str(path), no_dist=True)
+    assert torch.equal(target["replicated/model/0.weight"], model[0].weight)
+
+
+def test_partial_load_and_unrequested(tmp_path: Path) -> None:
+    model, optim, _ = trained()
+    path = tdcp.DistributedCheckpoint(model=model, optimizer=optim).save(tmp_path / "c")
+    m2, o2, _ = fresh()
+    before = dict(o2.state_dict()["param_groups"][0])
+    result = tdcp.DistributedCheckpoint(model=m2, optimizer=o2).load(path, components=["model"])
+    assert result.loaded == {"model"} and result.unrequested == {"optimizer"}
+    assert torch.equal(m2[0].weight, model[0].weight)
+    assert o2.state_dict()["param_groups"][0]["lr"] == before["lr"]
+
+
+def test_strictness_modes(tmp_path: Path) -> None:
+    model, _, _ = trained()
+    path = tdcp.DistributedCheckpoint(model=model).save(tmp_path / "c")
+    other = torch.nn.Linear(2, 2)
+    before = other.weight.clone()
+    ck = tdcp.DistributedCheckpoint(model=torch.nn.Linear(3, 3), extra={"a": 1})
+    ck.unregister("model")
+    ck.register("model", other)
+    with pytest.raises(tdcp.IncompatibleComponentError, match="extra") as info:
+        ck.load(path)
+    assert info.value.result.missing == {"extra"}
+    assert torch.equal(other.weight, before)  # nothing changed
+    with pytest.warns(UserWarning, match="missing"):
+        result = ck.load(path, strict="warn", components=["extra"])
+    assert result.missing == {"extra"} and not result.loaded
+    result = ck.load(path, strict="ignore")
+    assert result.missing == {"extra"} and "model" in result.incompatible
+    assert torch.equal(other.weight, before)
+    with pytest.raises(ValueError):
+        ck.load(path, strict="maybe")  # type: ignore[arg-type]
+
+
+def test_shape_change_is_incompatible_and_leaves_object_unchanged(tmp_path: Path) -> None:
+    path = tdcp.DistributedCheckpoint(w={"x": torch.ones(3)}).save(tmp_path / "c")
+    m = torch.nn.Linear(3, 2)
+    path2 = tdcp.DistributedCheckpoint(m=m).save(tmp_path / "d")
+    target = torch.nn.Linear(4, 2)
+    before = target.weight.clone()
+    with pytest.raises(tdcp.CheckpointError):
+        tdcp.DistributedCheckpoint(m=target).load(path2)
+    assert torch.equal(target.weight, before)
+    assert tdcp.DistributedCheckpoint(w={}).load(path).values["w"]["x"].tolist() == [1, 1, 1]
+
+
+def test_json_values_and_tensordict(tmp_path: Path) -> None:
+    stats = {"episodes": 3, "names": ["a", "b"], "best": None}
+    td = TensorDict({"obs": torch.randn(4, 3), "nested": {"r": torch.ones(4, 1)}}, batch_size=[4])
+    td.set_non_tensor("tag", "hello")
+    path = tdcp.DistributedCheckpoint(stats=stats, td=td, counter=7).save(tmp_path / "c")
+    stats2, td2 = {}, TensorDict({"old": torch.zeros(2)}, batch_size=[2])
+    result = tdcp.DistributedCheckpoint(stats=stats2, td=td2, counter=0).load(path)
+    assert stats2 == stats and result.values["counter"] == 7
+    assert td2.batch_size == (4,) and "old" not in td2.keys()
+    assert torch.equal(td2["obs"], td["obs"]) and torch.equal(td2["nested", "r"], td["nested", "r"])
+    assert td2.get_non_tensor("tag") == "hello"
+
+
+def test_save_components_and_options(tmp_path: Path) -> None:
+    calls = []
+
+    class Thing:
+        def state_dict(self, *args, **kwargs):
+            calls.append(("save", args, kwargs))
+            return {"v": torch.ones(1)}
+
+        def load_state_dict(self, state, *args, **kwargs):
+            calls.append(("load", args, kwargs))
+
+    ck = tdcp.DistributedCheckpoint(save_components=["thing"], thing=Thing(), big={"x": torch.zeros(10)})
+    ck.register("opt", Thing(), options=tdcp.CheckpointOptions(save_kwargs={"a": 1}))
+    path = ck.save(tmp_path / "c")
+    assert set(tdcp.read_manifest(path)["components"]) == {"thing"}
+    path = ck.save(
+        tmp_path / "d", components=["opt"], component_options={"opt": tdcp.CheckpointOptions(save_kwargs={"b": 2})}
+    )
+    assert calls[-1] == ("save", (), {"a": 1, "b": 2})
+    ck.load(path, components=["opt"], component_options={"opt": tdcp.CheckpointOptions(load_args=(True,))})
+    assert calls[-1] == ("load", (True,), {})
+    with pytest.raises(KeyError):
+        ck.save(tmp_path / "e", components=["nope"])
+
+
+def test_custom_adapter_per_instance_and_explicit(tmp_path: Path) -> None:
+    class Counter:
+        def __init__(self, n: int = 0) -> None:
+            self.n = n
+
+    class CounterAdapter(Adapter):
+        adapter_id = "test.counter"
+        default_placement = "per_rank"
+
+        def state(self, obj, ctx):
+            return {"n": obj.n}
+
+        def restore(self, obj, state, ctx):
+            obj.n = state["n"]
+
+    ck = tdcp.DistributedCheckpoint()
+    ck.register_adapter(Counter, CounterAdapter())
+    ck.register("c", Counter(5))
+    assert ck.placement("c") == "per_rank"
+    path = ck.save(tmp_path / "c")
+    target = Counter()
+    ck2 = tdcp.DistributedCheckpoint()
+    ck2.register("c", target, adapter=CounterAdapter())
+    ck2.load(path)
+    assert target.n == 5
+    with pytest.raises(tdcp.CheckpointError, match="no adapter"):
+        tdcp.DistributedCheckpoint(c=Counter()).save(tmp_path / "d")
+
+
+def test_map_location_and_version_skew(tmp_path: Path, caplog) -> None:
+    path = tdcp.DistributedCheckpoint(w={"x": torch.ones(2)}).save(tmp_path / "c")
+    m = json.loads((path / "manifest.json").read_text())
+    m["versions"]["torchrl"] = "0.0.1"
+    (path / "manifest.json").write_text(json.dumps(m))
+    with caplog.at_level("WARNING", logger="torchrl_dcp"):
+        result = tdcp.DistributedCheckpoint(w={}).load(path, map_location="cpu")
+    assert result.version_skew and result.comparison["versions"]["torchrl"]["checkpoint"] == "0.0.1"
+    assert "torchrl 0.0.1" in caplog.text
+    assert result.values["w"]["x"].device.type == "cpu"
+
+
+def test_encoding_error_at_save_names_component_and_key(tmp_path: Path) -> None:
+    with pytest.raises(tdcp.EncodingError, match=r"stats/bad"):
+        tdcp.DistributedCheckpoint(stats={"bad": object()}).save(tmp_path / "c")
+    with pytest.raises(tdcp.EncodingError, match="metadata"):
+        tdcp.DistributedCheckpoint(w={"x": 1}).save(tmp_path / "c", metadata={"x": object()})
+    assert not (tmp_path / "c").exists() and not list(tmp_path.iterdir())
+
+
+def test_overwrite_is_atomic_and_foreign_directories_are_kept(tmp_path: Path) -> None:
+    ck = tdcp.DistributedCheckpoint(w={"x": torch.ones(2)})
+    path = ck.save(tmp_path / "c", step=1)
+    ck.save(path, step=2)
+    assert tdcp.read_manifest(path)["step"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("precious")
+    with pytest.raises(tdcp.CheckpointError, match="not a torchrl_dcp checkpoint"):
+        ck.save(foreign)
+    assert (foreign / "notes.txt").read_text() == "precious"
+
+
+def test_stale_staging_is_removed_by_next_save(tmp_path: Path) -> None:
+    stale = tmp_path / ".c.tdcp-staging-dead"
+    stale.mkdir()
+    (stale / "__0_0.distcp").write_bytes(b"partial")
+    tdcp.DistributedCheckpoint(w={"x": 1}).save(tmp_path / "c")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+
+
+def test_register_validation() -> None:
+    ck = tdcp.DistributedCheckpoint(a=1)
+    with pytest.raises(KeyError):
+        ck.register("a", 2)
+    for bad in ["", "a/b", "../x", ".hidden"]:
+        with pytest.raises(ValueError):
+            ck.register(bad, 1)
+    with pytest.raises(ValueError):
+        ck.register("b", 1, placement="everywhere")  # type: ignore[arg-type]
+    assert "a" in ck and ck.components["a"] == 1

@@ -1,0 +1,115 @@
+from __future__ import annotations
+
+import json
+import math
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from torchrl_dcp.codec import decode, encode, tensor_specs
+from torchrl_dcp.errors import CheckpointFormatError, EncodingError
+
+
+def roundtrip(value):
+    skeleton, tensors = encode(value, "c")
+    skeleton = json.loads(json.dumps(skeleton, allow_nan=False))  # must survive real JSON
+    return decode(skeleton, {k: t.clone() for k, t in tensors.items()}), tensors
+
+
+def test_every_supported_leaf_round_trips() -> None:
+    od = OrderedDict(a=torch.ones(2))
+    od._metadata = {"": {"version": 1}}
+    value = {
+        "t": torch.arange(6, dtype=torch.int16).reshape(2, 3),
+        "bf": torch.ones(3, dtype=torch.bfloat16),
+        "empty": torch.empty(0, 4),
+        "scalar": torch.tensor(2.5),
+        "arr": np.arange(4, dtype=np.uint8),
+        "np_scalar": np.float32(1.5),
+        "np_int": np.int64(-3),
+        "nan": float("nan"),
+        "inf": -math.inf,
+        "size": torch.Size([2, 3]),
+        "dtype": torch.float16,
+        "device": torch.device("cpu"),
+        "tuple": (1, "a", None, True),
+        "set": {3, 1, 2},
+        "bytes": b"\x00\xff",
+        "complex": 1 + 2j,
+        "slice": slice(1, None, 2),
+        "range": range(0, 10, 3),
+        "path": Path("/a/b"),
+        "odict": od,
+        3: "int key",
+        "nested": [{"x": [torch.zeros(1)]}],
+    }
+    out, tensors = roundtrip(value)
+    assert torch.equal(out["t"], value["t"]) and out["t"].dtype == torch.int16
+    assert out["bf"].dtype == torch.bfloat16 and out["empty"].shape == (0, 4)
+    assert isinstance(out["arr"], np.ndarray) and out["arr"].dtype == np.uint8
+    assert type(out["np_scalar"]) is np.float32 and out["np_int"] == -3
+    assert math.isnan(out["nan"]) and out["inf"] == -math.inf
+    assert out["size"] == torch.Size([2, 3]) and out["dtype"] is torch.float16
+    assert out["tuple"] == (1, "a", None, True) and out["set"] == {1, 2, 3}
+    assert out["bytes"] == b"\x00\xff" and out["complex"] == 1 + 2j
+    assert out["slice"] == slice(1, None, 2) and out["range"] == range(0, 10, 3)
+    assert out["path"] == Path("/a/b") and out[3] == "int key"
+    assert isinstance(out["odict"], OrderedDict) and out["odict"]._metadata == {"": {"version": 1}}
+    assert "nested/0/x/0" in tensors
+
+
+def test_keys_are_paths_and_shared_tensors_are_stored_once() -> None:
+    w = torch.ones(3)
+    skeleton, tensors = encode({"a": {"b/c": w}, "alias": w}, "c")
+    assert list(tensors) == ["a/b%2Fc"]
+    out = decode(skeleton, tensors)
+    assert out["alias"] is out["a"]["b/c"]
+
+
+@pytest.mark.parametrize("bad", [object(), lambda: 0, {"k": {1, object()}}, np.array(["s"]), torch.ones(2).to_sparse()])
+def test_unencodable_value_names_its_path(bad) -> None:
+    with pytest.raises(EncodingError, match=r"policy/outer/inner"):
+        encode({"outer": {"inner": bad}}, "policy")
+
+
+def test_specs_describe_every_tensor() -> None:
+    skeleton, _ = encode({"a": torch.zeros(2, 3, dtype=torch.int64), "b": [torch.ones(1)]}, "c")
+    specs = {s.key: s for s in tensor_specs(skeleton)}
+    assert specs["a"].shape == (2, 3) and specs["a"].dtype == torch.int64
+    assert specs["b/0"].shape == (1,)
+
+
+@pytest.mark.parametrize(
+    "skeleton",
+    [{"t": "nope"}, {"t": "tensor", "key": "x"}, {"t": "dict", "items": 3}, {"t": "dtype", "v": "os.system"}, [1]],
+)
+def test_malformed_skeleton_is_a_format_error(skeleton) -> None:
+    with pytest.raises(CheckpointFormatError):
+        decode(skeleton, {})
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=5), children, max_size=4),
+    max_leaves=20,
+)
+
+
+@given(json_values)
+def test_json_values_round_trip(value) -> None:
+    out, tensors = roundtrip(value)
+    assert out == value and not tensors
+
+
+@given(st.recursive(st.none() | st.integers() | st.text() | st.booleans(), lambda c: st.lists(c) | st.dictionaries(st.sampled_from(["t", "v", "items", "key", "x"]), c), max_leaves=15))
+def test_random_skeletons_never_crash_otherwise(skeleton) -> None:
+    try:
+        decode(skeleton, {})
+        list(tensor_specs(skeleton))
+    except CheckpointFormatError:
+        pass

@@ -1,0 +1,127 @@
+"""Damaged, foreign and hostile checkpoints are refused with a CheckpointError naming the file."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+import torchrl_dcp as tdcp
+from torchrl_dcp.storage.checksums import file_checksum
+from torchrl_dcp.storage.filesystem import safe_load_metadata
+
+
+class _Payload:
+    """Unpickling this runs code: it creates a marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def save(tmp_path: Path) -> tuple[Path, torch.nn.Module]:
+    model = torch.nn.Linear(3, 2)
+    return tdcp.DistributedCheckpoint(model=model, stats={"n": 1}).save(tmp_path / "c", step=1), model
+
+
+def reseal(path: Path, name: str) -> None:
+    """Update the manifest's record of ``name`` so that only the content check remains."""
+    m = json.loads((path / "manifest.json").read_text())
+    m["files"][name] = {"size": (path / name).stat().st_size, "checksum": file_checksum(path / name)}
+    (path / "manifest.json").write_text(json.dumps(m))
+
+
+def load_into_fresh(path: Path) -> torch.nn.Module:
+    target = torch.nn.Linear(3, 2)
+    before = target.weight.detach().clone()
+    with pytest.raises(tdcp.CheckpointError) as info:
+        tdcp.DistributedCheckpoint(model=target, stats={}).load(path)
+    assert torch.equal(target.weight, before), "a failed load changed the object"
+    return info
+
+
+def test_planted_pickle_in_metadata_is_refused_and_never_run(tmp_path: Path) -> None:
+    path, _ = save(tmp_path)
+    marker = tmp_path / "pwned"
+    (path / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    reseal(path, ".metadata")
+    info = load_into_fresh(path)
+    assert isinstance(info.value, tdcp.UnsafeCheckpointError)
+    assert ".metadata" in str(info.value) and "pathlib.Path" not in str(info.value) or "refused" in str(info.value)
+    with pytest.raises(tdcp.UnsafeCheckpointError):
+        tdcp.verify(path)
+    assert not marker.exists()
+
+
+def test_planted_pickle_in_data_file_is_never_run(tmp_path: Path) -> None:
+    path, _ = save(tmp_path)
+    marker = tmp_path / "pwned"
+    data = path / "__0_0.distcp"
+    data.write_bytes(pickle.dumps(_Payload(marker)))
+    info = load_into_fresh(path)  # checksum mismatch
+    assert "__0_0.distcp" in str(info.value)
+    reseal(path, "__0_0.distcp")
+    load_into_fresh(path)  # content is only ever read with weights_only=True
+    assert not marker.exists()
+
+
+def test_metadata_pointing_outside_is_refused(tmp_path: Path) -> None:
+    path, _ = save(tmp_path)
+    metadata = safe_load_metadata(path / ".metadata")
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../etc/passwd"
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    reseal(path, ".metadata")
+    info = load_into_fresh(path)
+    assert "outside the checkpoint" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "damage, expected",
+    [
+        (lambda p: (p / "__0_0.distcp").write_bytes((p / "__0_0.distcp").read_bytes()[:-10]), "truncated"),
+        (lambda p: _flip(p / "__0_0.distcp"), "checksum"),
+        (lambda p: (p / "__0_0.distcp").unlink(), "missing"),
+        (lambda p: (p / "extra.bin").write_bytes(b"x"), "not listed"),
+        (lambda p: (p / "manifest.json").write_text("{not json"), "not valid JSON"),
+        (lambda p: _edit(p, world_size="two"), "world_size"),
+        (lambda p: _edit(p, format_version=99), "format version 99"),
+        (lambda p: _edit(p, format="something"), "format"),
+        (lambda p: (p / "manifest.json").unlink(), "no manifest.json"),
+    ],
+)
+def test_damage_is_refused_naming_the_file(tmp_path: Path, damage, expected: str) -> None:
+    path, _ = save(tmp_path)
+    damage(path)
+    info = load_into_fresh(path)
+    assert expected in str(info.value)
+    with pytest.raises(tdcp.CheckpointError, match=expected):
+        tdcp.verify(path)
+
+
+def test_foreign_empty_and_absent_paths(tmp_path: Path) -> None:
+    with pytest.raises(tdcp.CheckpointNotFoundError):
+        tdcp.DistributedCheckpoint(a=1).load(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(tdcp.CheckpointFormatError, match="no manifest.json"):
+        tdcp.DistributedCheckpoint(a=1).load(tmp_path / "empty")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(tdcp.CheckpointFormatError):
+        tdcp.DistributedCheckpoint(a=1).load(tmp_path / "file")
+
+
+def _flip(p: Path) -> None:
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    p.write_bytes(bytes(data))
+
+
+def _edit(p: Path, **fields) -> None:
+    m = json.loads((p / "manifest.json").read_text())
+    m.update(fields)
+    (p / "manifest.json").write_text(json.dumps(m))

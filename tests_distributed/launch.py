@@ -1,0 +1,104 @@
+"""Start real ranks as separate processes, like ``torchrun`` does, and collect what they did.
+
+Each rank runs ``python -m tests_distributed.worker <module:function> <args-json>`` with
+``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set (a free port per launch), a
+gloo process group, and a timeout. When a rank fails, the others are stopped (as
+torchrun does) and the failed ranks' output is shown in the assertion message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class RankResult:
+    rank: int
+    returncode: int
+    output: str
+    value: Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(
+    target: str,
+    world_size: int,
+    *args: Any,
+    timeout: float = 120,
+    expect_failure: bool = False,
+    env: dict[str, str] | None = None,
+) -> list[RankResult]:
+    """Run ``target`` (``"module:function"``) on ``world_size`` ranks; return every rank's result.
+
+    The function receives ``*args`` (JSON values) and returns a JSON value. Unless
+    ``expect_failure``, any rank that fails or a timeout fails the test with output.
+    """
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="tdcp-launch-") as tmp:
+        procs = []
+        for rank in range(world_size):
+            out_file = Path(tmp) / f"rank{rank}.json"
+            log = open(Path(tmp) / f"rank{rank}.log", "w+")
+            rank_env = {
+                **os.environ,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_WORLD_SIZE": str(world_size),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                "OMP_NUM_THREADS": "1",
+                "TDCP_RESULT": str(out_file),
+                **(env or {}),
+            }
+            cmd = [sys.executable, "-m", "tests_distributed.worker", target, json.dumps(list(args))]
+            procs.append((subprocess.Popen(cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), log, out_file))
+        deadline = time.monotonic() + timeout
+        timed_out = False
+        while any(p.poll() is None for p, _, _ in procs):
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            if any(p.poll() not in (None, 0) for p, _, _ in procs):
+                time.sleep(1.0)  # give the others a moment to fail on their own, then stop them
+                break
+            time.sleep(0.05)
+        for p, _, _ in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+            p.wait()
+        results = []
+        for rank, (p, log, out_file) in enumerate(procs):
+            log.seek(0)
+            output = log.read()
+            log.close()
+            value = json.loads(out_file.read_text()) if out_file.exists() else None
+            results.append(RankResult(rank, p.returncode, output, value))
+    failed = [r for r in results if r.returncode != 0]
+    if timed_out and not expect_failure:
+        raise AssertionError(f"{target} timed out after {timeout}s\n" + _outputs(results))
+    if failed and not expect_failure:
+        raise AssertionError(f"{target}: ranks {[r.rank for r in failed]} failed\n" + _outputs(failed))
+    return results
+
+
+def _outputs(results: list[RankResult]) -> str:
+    return "\n".join(f"----- rank {r.rank} (exit {r.returncode}) -----\n{r.output[-4000:]}" for r in results)

@@ -1,0 +1,147 @@
+"""Per-rank programs for the core multi-process tests (run through ``launch``)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import torchrl_dcp as tdcp
+
+
+def _objects(seed: int) -> dict[str, Any]:
+    rank = dist.get_rank()
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    big = {f"w{i}": torch.full((256,), float(seed + i)) for i in range(8)}  # replicated, several tensors
+    shard = {"values": torch.arange(5, dtype=torch.float64) + 100 * rank + seed, "rank": rank}
+    stats = {"episodes": 10 + rank + seed, "name": f"rank-{rank}"}
+    return {"model": model, "optimizer": optimizer, "big": big, "shard": shard, "stats": stats}
+
+
+def _checkpoint(objs: dict[str, Any]) -> tdcp.DistributedCheckpoint:
+    ckpt = tdcp.DistributedCheckpoint(model=objs["model"], optimizer=objs["optimizer"], big=objs["big"])
+    ckpt.register("shard", objs["shard"], placement="per_rank")
+    ckpt.register("stats", objs["stats"], placement="per_rank")
+    ckpt.register("rng", tdcp.RNGState())
+    return ckpt
+
+
+def _train_step(objs: dict[str, Any]) -> None:
+    x = torch.randn(8, 4)
+    loss = objs["model"](x).pow(2).mean()
+    objs["optimizer"].zero_grad()
+    loss.backward()
+    for p in objs["model"].parameters():
+        dist.all_reduce(p.grad)
+    objs["optimizer"].step()
+
+
+def _draws() -> list[float]:
+    return [torch.rand(1).item(), random.random(), float(np.random.rand())]
+
+
+def _fingerprint(objs: dict[str, Any]) -> list[float]:
+    return [float(p.double().sum()) for p in objs["model"].state_dict().values()]
+
+
+def save_then_draw(path: str, seed: int) -> dict[str, Any]:
+    """Train one step, save, and report what the next random draws and training give."""
+    rank = dist.get_rank()
+    random.seed(rank)
+    np.random.seed(rank)
+    torch.manual_seed(seed + rank)
+    objs = _objects(seed)
+    torch.manual_seed(seed + rank)
+    _train_step(objs)
+    ckpt = _checkpoint(objs)
+    ckpt.save(path, step=1, metadata={"seed": seed})
+    draws = _draws()
+    _train_step(objs)
+    return {"draws": draws, "after_step": _fingerprint(objs)}
+
+
+def load_then_draw(path: str, seed: int) -> dict[str, Any]:
+    """Fresh objects built with another seed, load, and report the same things."""
+    rank = dist.get_rank()
+    objs = _objects(seed + 1000)
+    ckpt = _checkpoint(objs)
+    result = ckpt.load(path)
+    draws = _draws()
+    _train_step(objs)
+    return {
+        "loaded": sorted(result.loaded),
+        "draws": draws,
+        "after_step": _fingerprint(objs),
+        "shard": objs["shard"]["values"].tolist(),
+        "shard_rank": objs["shard"]["rank"],
+        "stats": objs["stats"],
+        "big": [objs["big"][f"w{i}"][0].item() for i in range(8)],
+        "rank": rank,
+        "step": result.step,
+    }
+
+
+def load_replicated_only(path: str, seed: int) -> dict[str, Any]:
+    """On another world size: replicated components load, per-rank ones are refused clearly."""
+    objs = _objects(seed + 1000)
+    ckpt = _checkpoint(objs)
+    out: dict[str, Any] = {}
+    try:
+        ckpt.load(path)
+        out["full_load"] = "loaded"
+    except tdcp.WorldSizeMismatchError as err:
+        out["full_load"] = str(err)
+    result = ckpt.load(path, components=["model", "big"])
+    out["loaded"] = sorted(result.loaded)
+    out["unrequested"] = sorted(result.unrequested)
+    out["big"] = [objs["big"][f"w{i}"][0].item() for i in range(8)]
+    return out
+
+
+def save_and_die(path: str, seed: int, phase: str) -> None:
+    """Start a save to ``path`` and SIGKILL rank 1 at ``phase`` of it."""
+    import torchrl_dcp.checkpoint as core
+
+    objs = _objects(seed)
+    ckpt = _checkpoint(objs)
+    if dist.get_rank() == 1:
+        if phase == "write":
+            from torch.distributed.checkpoint import FileSystemWriter
+
+            original = FileSystemWriter.write_data
+
+            def write_and_die(self, plan, planner):  # type: ignore[no-untyped-def]
+                fut = original(self, plan, planner)
+                fut.wait()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            FileSystemWriter.write_data = write_and_die
+        elif phase == "checksum":
+
+            def die(p: Path) -> dict[str, Any]:
+                os.kill(os.getpid(), signal.SIGKILL)
+                raise AssertionError
+
+            core.describe_file = die
+    ckpt.save(path, step=2)
+
+
+def raise_on_one_rank(path: str, seed: int) -> dict[str, Any]:
+    """An unencodable value on rank 1 only: every rank gets a CheckpointError, nothing is written."""
+    objs = _objects(seed)
+    ckpt = _checkpoint(objs)
+    if dist.get_rank() == 1:
+        objs["stats"]["bad"] = object()
+    try:
+        ckpt.save(path, step=3)
+    except tdcp.CheckpointError as err:
+        return {"error": type(err).__name__, "message": str(err)}
+    return {"error": None}

@@ -1,0 +1,83 @@
+"""Core behaviour with 2 and 3 real ranks (gloo): round trips, partial loads, commit under SIGKILL."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import torchrl_dcp as tdcp
+from torchrl_dcp.storage.filesystem import safe_load_metadata
+from tests_distributed.launch import launch
+
+S = "tests_distributed.scenarios_core"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_round_trip_each_rank_gets_its_own_state(tmp_path: Path, world_size: int) -> None:
+    path = str(tmp_path / "ckpt")
+    saved = launch(f"{S}:save_then_draw", world_size, path, 7)
+    loaded = launch(f"{S}:load_then_draw", world_size, path, 7)
+    for s, l in zip(saved, loaded):
+        r = l.value["rank"]
+        assert l.value["loaded"] == ["big", "model", "optimizer", "rng", "shard", "stats"]
+        assert l.value["shard"] == [100 * r + 7 + i for i in range(5)]  # its own, never another rank's
+        assert l.value["shard_rank"] == r
+        assert l.value["stats"] == {"episodes": 10 + r + 7, "name": f"rank-{r}"}
+        assert l.value["draws"] == s.value["draws"]  # RNG streams continue identically
+        assert l.value["after_step"] == s.value["after_step"]  # model + optimizer continue identically
+        assert l.value["big"] == [7.0 + i for i in range(8)]
+        assert l.value["step"] == 1
+    manifest = tdcp.read_manifest(path)
+    assert manifest["world_size"] == world_size
+    assert sorted(manifest["components"]["shard"]["ranks"]) == [str(r) for r in range(world_size)]
+    tdcp.verify(path)
+    # replicated state is written once, and its writes are spread over several ranks
+    metadata = safe_load_metadata(Path(path) / ".metadata")
+    writers = {
+        info.relative_path.split("_")[2]
+        for index, info in metadata.storage_data.items()
+        if index.fqn.startswith("replicated/")
+    }
+    assert len(writers) > 1, writers
+    replicated = [k for k in metadata.state_dict_metadata if k.startswith("replicated/big/")]
+    assert len(replicated) == 8
+
+
+def test_other_world_size_loads_replicated_and_refuses_per_rank(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    launch(f"{S}:save_then_draw", 3, path, 5)
+    for r in launch(f"{S}:load_replicated_only", 2, path, 5):
+        assert "saved by 3 ranks" in r.value["full_load"] and "this job has 2" in r.value["full_load"]
+        assert r.value["loaded"] == ["big", "model"]
+        assert r.value["unrequested"] == ["optimizer", "rng", "shard", "stats"]
+        assert r.value["big"] == [5.0 + i for i in range(8)]
+
+
+@pytest.mark.parametrize("phase", ["write", "checksum"])
+def test_rank_killed_mid_save_keeps_previous_checkpoint(tmp_path: Path, phase: str) -> None:
+    path = str(tmp_path / "ckpt")
+    launch(f"{S}:save_then_draw", 2, path, 3)
+    before = (Path(path) / "manifest.json").read_bytes()
+    results = launch(f"{S}:save_and_die", 2, path, 4, phase, expect_failure=True, timeout=60)
+    assert results[1].returncode == -9  # SIGKILL
+    assert (Path(path) / "manifest.json").read_bytes() == before
+    tdcp.verify(path)
+    staged = [p.name for p in tmp_path.iterdir() if p.name != "ckpt"]
+    assert all(".tdcp-staging-" in name for name in staged)  # invisible, and only as staging
+    loaded = launch(f"{S}:load_then_draw", 2, path, 3)
+    assert all(r.value["step"] == 1 for r in loaded)
+    # the next save succeeds and removes what the killed one left
+    launch(f"{S}:save_then_draw", 2, path, 9)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert tdcp.read_manifest(path)["metadata"] == {"seed": 9}
+
+
+def test_failure_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    results = launch(f"{S}:raise_on_one_rank", 2, path, 1)
+    assert results[1].value["error"] == "EncodingError"
+    assert "stats/bad" in results[1].value["message"]
+    assert results[0].value["error"] == "CollectiveError"
+    assert "rank 1" in results[0].value["message"] and "stats/bad" in results[0].value["message"]
+    assert not (tmp_path / "ckpt").exists()

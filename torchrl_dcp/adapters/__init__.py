@@ -1,0 +1,47 @@
+"""Adapters: one per family of objects, chosen by type (see :func:`resolve_adapter`)."""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDictBase
+
+from torchrl_dcp.adapters.base import (
+    Adapter,
+    AdapterContext,
+    CheckpointOptions,
+    adapter_by_id,
+    register_adapter,
+    resolve_adapter,
+)
+from torchrl_dcp.adapters.json import JSONAdapter
+from torchrl_dcp.adapters.modules import ModuleAdapter, OptimizerAdapter
+from torchrl_dcp.adapters.rng import GeneratorAdapter, RNGState, RNGStateAdapter
+from torchrl_dcp.adapters.state_dict import StateDictAdapter
+from torchrl_dcp.adapters.tensordict import TensorDictAdapter
+
+register_adapter(torch.nn.Module, ModuleAdapter())
+register_adapter(torch.optim.Optimizer, OptimizerAdapter())
+register_adapter(TensorDictBase, TensorDictAdapter())
+register_adapter(RNGState, RNGStateAdapter())
+register_adapter(torch.Generator, GeneratorAdapter())
+for _adapter in (StateDictAdapter(), JSONAdapter()):
+    from torchrl_dcp.adapters import base as _base
+
+    _base._BY_ID[_adapter.adapter_id] = _adapter
+
+__all__ = [
+    "Adapter",
+    "AdapterContext",
+    "CheckpointOptions",
+    "GeneratorAdapter",
+    "JSONAdapter",
+    "ModuleAdapter",
+    "OptimizerAdapter",
+    "RNGState",
+    "RNGStateAdapter",
+    "StateDictAdapter",
+    "TensorDictAdapter",
+    "adapter_by_id",
+    "register_adapter",
+    "resolve_adapter",
+]

@@ -1,0 +1,164 @@
+"""The adapter protocol and the registry that picks an adapter for an object.
+
+An adapter turns one kind of object into nested *state* (tensors plus values the
+codec can store: dicts, lists, numbers, strings, dtypes, ...) and back. It never
+touches files: the checkpoint encodes the state, routes it to DCP and decodes it.
+
+Example:
+    >>> import torch
+    >>> from torchrl_dcp.adapters import Adapter, register_adapter
+    >>> class Counter:
+    ...     def __init__(self): self.n = 0
+    >>> class CounterAdapter(Adapter):
+    ...     adapter_id = "example.counter"
+    ...     def state(self, obj, ctx): return {"n": obj.n}
+    ...     def restore(self, obj, state, ctx): obj.n = state["n"]
+    >>> register_adapter(Counter, CounterAdapter())
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from torchrl_dcp.codec import TensorSpec
+from torchrl_dcp.placement import Placement
+
+__all__ = ["Adapter", "AdapterContext", "CheckpointOptions", "register_adapter", "resolve_adapter", "adapter_by_id"]
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """Arguments forwarded to a component's ``state_dict`` / ``load_state_dict``.
+
+    As in ``torchrl.checkpoint``: options given to ``save``/``load`` are merged over
+    those given at registration (keyword arguments shallow-merged, positional ones
+    replaced).
+
+    Example:
+        >>> from torchrl_dcp import CheckpointOptions
+        >>> CheckpointOptions(load_kwargs={"strict": False}).load_kwargs["strict"]
+        False
+    """
+
+    save_args: tuple[Any, ...] | None = None
+    save_kwargs: Mapping[str, Any] | None = None
+    load_args: tuple[Any, ...] | None = None
+    load_kwargs: Mapping[str, Any] | None = None
+
+    def merged(self, override: CheckpointOptions | None) -> CheckpointOptions:
+        if override is None:
+            return self
+        return CheckpointOptions(
+            save_args=self.save_args if override.save_args is None else override.save_args,
+            save_kwargs={**(self.save_kwargs or {}), **(override.save_kwargs or {})},
+            load_args=self.load_args if override.load_args is None else override.load_args,
+            load_kwargs={**(self.load_kwargs or {}), **(override.load_kwargs or {})},
+        )
+
+
+@dataclass
+class AdapterContext:
+    """What an adapter may know about the operation in progress."""
+
+    name: str
+    rank: int = 0
+    world_size: int = 1
+    options: CheckpointOptions = field(default_factory=CheckpointOptions)
+    map_location: Any = None
+    components: Mapping[str, Any] = field(default_factory=dict)
+    saved_world_size: int | None = None
+    source_rank: int | None = None
+
+    def device_for(self, saved_device: str) -> torch.device:
+        """The device a tensor saved on ``saved_device`` is restored to, after ``map_location``."""
+        loc = self.map_location
+        if loc is None:
+            device = torch.device(saved_device)
+        elif isinstance(loc, Mapping):
+            device = torch.device(loc.get(saved_device, loc.get(torch.device(saved_device), saved_device)))
+        elif callable(loc):
+            device = torch.device(loc(saved_device))
+        else:
+            device = torch.device(loc)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            device = torch.device("cpu")
+        return device
+
+
+class Adapter(abc.ABC):
+    """Turns one kind of object into nested state and back.
+
+    Subclasses set ``adapter_id`` (stable, stored in the manifest), ``version`` (of
+    the payload layout; bump it and register a migration when it changes) and may
+    set ``default_placement``.
+    """
+
+    adapter_id: str = ""
+    version: int = 1
+    default_placement: Placement = "replicated"
+
+    @abc.abstractmethod
+    def state(self, obj: Any, ctx: AdapterContext) -> Any:
+        """Return the object's state: tensors plus codec-safe values."""
+
+    @abc.abstractmethod
+    def restore(self, obj: Any, state: Any, ctx: AdapterContext) -> Any:
+        """Restore ``state`` into ``obj``; the return value goes to ``LoadResult.values``."""
+
+    def destinations(self, obj: Any, specs: list[TensorSpec], ctx: AdapterContext) -> dict[str, torch.Tensor] | None:
+        """Optionally return tensors DCP should load into in place (by key).
+
+        The default (``None``) lets the checkpoint allocate fresh tensors of the
+        saved shapes and dtypes on the mapped device. Keys left out are allocated too.
+        """
+        return None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(id={self.adapter_id!r}, version={self.version})"
+
+
+_REGISTRY: dict[type, Adapter] = {}
+_BY_ID: dict[str, Adapter] = {}
+
+
+def register_adapter(component_type: type, adapter: Adapter) -> None:
+    """Use ``adapter`` for every instance of ``component_type`` (and its subclasses)."""
+    if not isinstance(component_type, type):
+        raise TypeError("component_type must be a type")
+    if not isinstance(adapter, Adapter) or not adapter.adapter_id:
+        raise TypeError("adapter must be an Adapter instance with an adapter_id")
+    _REGISTRY[component_type] = adapter
+    _BY_ID[adapter.adapter_id] = adapter
+
+
+def adapter_by_id(adapter_id: str) -> Adapter | None:
+    return _BY_ID.get(adapter_id)
+
+
+def resolve_adapter(obj: Any, local: Mapping[type, Adapter] | None = None) -> Adapter:
+    """The most specific adapter for ``obj``: per-checkpoint registrations first, then global ones.
+
+    Falls back to the generic ``state_dict`` adapter for objects that have
+    ``state_dict``/``load_state_dict``, and to the JSON adapter for plain values.
+    """
+    from torchrl_dcp.adapters.json import JSONAdapter, is_plain_value
+    from torchrl_dcp.adapters.state_dict import StateDictAdapter
+
+    for klass in type(obj).__mro__:
+        if local and klass in local:
+            return local[klass]
+        if klass in _REGISTRY:
+            return _REGISTRY[klass]
+    if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
+        return StateDictAdapter()
+    if is_plain_value(obj):
+        return JSONAdapter()
+    raise TypeError(
+        f"no adapter for {type(obj).__module__}.{type(obj).__qualname__}: give it state_dict()/"
+        "load_state_dict(), pass adapter=..., or call register_adapter(type, adapter)"
+    )

@@ -1,0 +1,65 @@
+"""Adapter for plain values: dicts, lists and tuples of JSON scalars (and tensors).
+
+Loading returns the saved value in ``LoadResult.values[name]`` and, when the
+registered object is a mutable ``dict`` or ``list``, also updates it in place.
+
+Example:
+    >>> from torchrl_dcp.adapters.json import is_json_value
+    >>> is_json_value({"episodes": 3, "tags": ["a", "b"]})
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torchrl_dcp.adapters.base import Adapter, AdapterContext
+
+_SCALARS = (type(None), bool, int, float, str)
+
+
+def is_plain_value(value: Any) -> bool:
+    """A scalar or a plain ``dict``/``list``/``tuple``: stored by the JSON adapter.
+
+    Its content is checked when saving; an entry that cannot be stored raises
+    an error naming its key.
+    """
+    return isinstance(value, _SCALARS) or type(value) in (dict, list, tuple)
+
+
+def is_json_value(value: Any) -> bool:
+    """Plain containers (dict with str/int keys, list, tuple) of scalars or tensors."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, _SCALARS) or isinstance(item, torch.Tensor):
+            continue
+        if type(item) is dict:
+            if not all(isinstance(k, (str, int)) for k in item):
+                return False
+            stack.extend(item.values())
+        elif type(item) in (list, tuple):
+            stack.extend(item)
+        else:
+            return False
+    return True
+
+
+class JSONAdapter(Adapter):
+    """Stores the value itself; restores dicts and lists in place."""
+
+    adapter_id = "torchrl_dcp.json"
+    version = 1
+
+    def state(self, obj: Any, ctx: AdapterContext) -> Any:
+        return obj
+
+    def restore(self, obj: Any, state: Any, ctx: AdapterContext) -> Any:
+        if isinstance(obj, dict) and isinstance(state, dict):
+            obj.clear()
+            obj.update(state)
+        elif isinstance(obj, list) and isinstance(state, list):
+            obj[:] = state
+        return state

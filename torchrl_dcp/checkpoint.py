@@ -1,0 +1,645 @@
+"""``DistributedCheckpoint``: register components, save them from every rank, load them back.
+
+Example (one process; under ``torchrun`` every rank runs the same lines):
+    >>> import tempfile, torch
+    >>> import torchrl_dcp as tdcp
+    >>> policy = torch.nn.Linear(3, 2)
+    >>> ckpt = tdcp.DistributedCheckpoint(policy=policy)
+    >>> ckpt.register("rng", tdcp.RNGState())              # per_rank by default
+    >>> ckpt.register("stats", {"episodes": 3}, placement="per_rank")
+    >>> path = ckpt.save(tempfile.mkdtemp() + "/step-100", step=100)
+    >>> result = ckpt.load(path)
+    >>> sorted(result.loaded)
+    ['policy', 'rng', 'stats']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import re
+import warnings
+from collections.abc import Collection, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from torchrl_dcp import _dist
+from torchrl_dcp.adapters import Adapter, AdapterContext, CheckpointOptions, resolve_adapter
+from torchrl_dcp.codec import TensorSpec, decode, encode, tensor_specs
+from torchrl_dcp.errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CollectiveError,
+    EncodingError,
+    IncompatibleComponentError,
+    WorldSizeMismatchError,
+)
+from torchrl_dcp.manifest import MANIFEST, check_files, dumps, library_versions, new_manifest, read_manifest
+from torchrl_dcp.placement import Placement, check_placement, key_prefix
+from torchrl_dcp.planner import SafeLoadPlanner, SavePlanner
+from torchrl_dcp.storage.checksums import describe_file
+from torchrl_dcp.storage.commit import publish, remove_tree, stale_entries, staging_path, write_file_durably
+from torchrl_dcp.storage.filesystem import DCP_METADATA, SafeFileSystemReader, make_writer, safe_load_metadata
+
+logger = logging.getLogger("torchrl_dcp")
+
+Strictness = Literal["error", "warn", "ignore"]
+WorldSizeChange = Literal["error"]
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+
+
+@dataclass
+class LoadResult:
+    """What a load did, component by component (as ``torchrl.checkpoint.CheckpointLoadResult``).
+
+    Attributes:
+        loaded: components restored.
+        missing: requested components the checkpoint does not hold.
+        incompatible: components that could not be restored, with the reason.
+        unrequested: components in the checkpoint that were not requested.
+        values: what adapters returned (e.g. JSON values).
+        manifest: the checkpoint's manifest.
+        comparison: ``{"versions": {lib: {checkpoint, runtime, matches}}, "version_skew": bool}``.
+        path: the checkpoint that was read.
+    """
+
+    loaded: set[str] = field(default_factory=set)
+    missing: set[str] = field(default_factory=set)
+    incompatible: dict[str, str] = field(default_factory=dict)
+    unrequested: set[str] = field(default_factory=set)
+    values: dict[str, Any] = field(default_factory=dict)
+    manifest: dict[str, Any] = field(default_factory=dict)
+    comparison: dict[str, Any] = field(default_factory=dict)
+    path: Path | None = None
+
+    @property
+    def step(self) -> int | None:
+        return self.manifest.get("step")
+
+    @property
+    def version_skew(self) -> bool:
+        return bool(self.comparison.get("version_skew"))
+
+
+@dataclass
+class _Registration:
+    value: Any
+    placement: Placement
+    adapter: Adapter | None
+    options: CheckpointOptions
+    resolved: Adapter | None = None
+
+
+class DistributedCheckpoint:
+    """Saves and restores named components from every rank of a job through DCP.
+
+    Args:
+        strict: default reaction to missing or incompatible requested components:
+            ``"error"`` raises :class:`CheckpointError`, ``"warn"`` logs a warning,
+            ``"ignore"`` only records them in the :class:`LoadResult`.
+        save_components: default selection for :meth:`save` (e.g. leave the replay
+            buffer out of frequent saves); ``None`` saves everything.
+        timeout: timeout of the checkpoint's own gloo process group.
+        **components: components registered with their adapter's default placement
+            (``replicated`` for modules, optimizers and state dicts).
+
+    Every public method that touches a checkpoint is collective: all ranks call it.
+    """
+
+    def __init__(
+        self,
+        *,
+        strict: Strictness = "error",
+        save_components: Collection[str] | None = None,
+        timeout: datetime.timedelta | None = None,
+        **components: Any,
+    ) -> None:
+        _check_strict(strict)
+        self.strict = strict
+        self.save_components = None if save_components is None else frozenset(save_components)
+        self.timeout = timeout
+        self._components: dict[str, _Registration] = {}
+        self._local_adapters: dict[type, Adapter] = {}
+        for name, value in components.items():
+            self.register(name, value)
+
+    # ------------------------------------------------------------------ registration
+    @property
+    def components(self) -> Mapping[str, Any]:
+        """Read-only view of the registered objects by name."""
+        return {name: reg.value for name, reg in self._components.items()}
+
+    def placement(self, name: str) -> Placement:
+        return self._components[name].placement
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._components
+
+    def register(
+        self,
+        name: str,
+        component: Any,
+        *,
+        placement: Placement | None = None,
+        adapter: Adapter | None = None,
+        options: CheckpointOptions | None = None,
+    ) -> DistributedCheckpoint:
+        """Register ``component`` under ``name``; returns ``self``.
+
+        Args:
+            placement: ``"replicated"``, ``"per_rank"`` or ``"sharded"``; default: the adapter's.
+            adapter: explicit adapter (otherwise chosen by type at save/load time).
+            options: arguments forwarded to the component's state methods.
+        """
+        if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+            raise ValueError(f"component name {name!r} must match {_NAME.pattern} (no '/' and no '..')")
+        if name in self._components:
+            raise KeyError(f"component {name!r} is already registered")
+        if adapter is not None and not isinstance(adapter, Adapter):
+            raise TypeError("adapter must be a torchrl_dcp.Adapter instance")
+        resolved = adapter or self._adapter_for_value(component)
+        if placement is None:
+            placement = resolved.default_placement if resolved is not None else "replicated"
+        self._components[name] = _Registration(
+            component, check_placement(placement), adapter, options or CheckpointOptions(), resolved
+        )
+        return self
+
+    def unregister(self, name: str) -> None:
+        del self._components[name]
+
+    def register_adapter(self, component_type: type, adapter: Adapter) -> DistributedCheckpoint:
+        """Use ``adapter`` for instances of ``component_type`` in this checkpoint only."""
+        if not isinstance(component_type, type) or not isinstance(adapter, Adapter):
+            raise TypeError("register_adapter(type, Adapter instance)")
+        self._local_adapters[component_type] = adapter
+        for reg in self._components.values():
+            if reg.adapter is None:
+                reg.resolved = self._adapter_for_value(reg.value)
+        return self
+
+    def _adapter_for_value(self, value: Any) -> Adapter | None:
+        try:
+            return resolve_adapter(value, self._local_adapters)
+        except TypeError:
+            return None
+
+    def _adapter(self, name: str) -> Adapter:
+        reg = self._components[name]
+        if reg.adapter is not None:
+            return reg.adapter
+        if reg.resolved is None:
+            reg.resolved = resolve_adapter(reg.value, self._local_adapters)
+        return reg.resolved
+
+    def _ctx(self, name: str, options: CheckpointOptions | None, **kw: Any) -> AdapterContext:
+        reg = self._components[name]
+        return AdapterContext(
+            name=name,
+            rank=_dist.rank(),
+            world_size=_dist.world_size(),
+            options=reg.options.merged(options),
+            components=self.components,
+            **kw,
+        )
+
+    def _select(self, components: Collection[str] | None, default: Collection[str] | None) -> list[str]:
+        chosen = components if components is not None else default
+        if chosen is None:
+            return list(self._components)
+        if isinstance(chosen, str):
+            chosen = [chosen]
+        unknown = sorted(set(chosen) - set(self._components))
+        if unknown:
+            raise KeyError(f"not registered: {unknown}; registered components are {sorted(self._components)}")
+        return [n for n in self._components if n in set(chosen)]
+
+    # ------------------------------------------------------------------ save
+    def save(
+        self,
+        path: str | os.PathLike,
+        *,
+        step: int | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        components: Collection[str] | None = None,
+        component_options: Mapping[str, CheckpointOptions] | None = None,
+    ) -> Path:
+        """Save the selected components to the directory ``path`` (collective).
+
+        Every rank writes its own bytes at the same time into a staging directory
+        next to ``path``; rank 0 then writes ``manifest.json`` and moves the
+        directory into place atomically (replacing a checkpoint already there).
+
+        Args:
+            step: training step recorded in the manifest (default: ``metadata["step"]``).
+            metadata: JSON-safe user metadata stored in the manifest.
+            components: names to save (default: ``save_components`` or all).
+            component_options: per-component :class:`CheckpointOptions` overrides.
+
+        Returns:
+            The absolute checkpoint path.
+        """
+        destination = Path(path).expanduser().absolute()
+        names = self._select(components, self.save_components)
+        options = dict(component_options or {})
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise KeyError(f"options given for components that are not saved: {unknown}")
+        metadata = dict(metadata or {})
+        if step is None and isinstance(metadata.get("step"), int):
+            step = metadata["step"]
+        group = _dist.checkpoint_group(self.timeout)
+        rank, world = _dist.rank(), _dist.world_size()
+
+        # 1. encode locally; every rank learns of any rank's failure before anything is written
+        try:
+            records, flat = self._encode(names, options, rank)
+            _check_json(metadata, "metadata")
+            error = None
+        except Exception as err:  # reported collectively below
+            records, flat, error = {}, {}, err
+        _raise_first(_dist.all_gather(_describe_error(error), group), "encoding the state", error)
+
+        # 2. rank 0 prepares the staging directory and tells everyone where it is
+        staging, error = None, None
+        if rank == 0:
+            try:
+                if (destination.exists() or destination.is_symlink()) and not _is_replaceable(destination):
+                    raise CheckpointError(
+                        "exists and is not a torchrl_dcp checkpoint; refusing to replace it (choose another path)",
+                        path=destination,
+                    )
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                for stale in stale_entries(destination):
+                    remove_tree(stale)
+                staging = staging_path(destination)
+                staging.mkdir()
+            except Exception as err:
+                error = err
+        staging = _dist.broadcast_from_0((None if staging is None else str(staging), _describe_error(error)), group)
+        _raise_first([staging[1]], "preparing the staging directory", error)
+        staging = Path(staging[0])
+
+        try:
+            # 3. every rank writes its tensors at once
+            writer = make_writer(staging)
+            try:
+                with _quiet_single_process():
+                    dcp.save(flat, storage_writer=writer, planner=SavePlanner(), process_group=group, no_dist=group is None)
+            except CheckpointException as err:
+                raise CollectiveError(f"DCP save failed: {_summarize(err)}", path=destination) from None
+
+            # 4. checksums of the files this rank wrote; rank 0 gathers everything
+            error, files = None, {}
+            try:
+                files = {
+                    p.name: describe_file(p)
+                    for p in staging.iterdir()
+                    if p.name.startswith(f"__{rank}_") or (rank == 0 and p.name == DCP_METADATA)
+                }
+            except Exception as err:
+                error = err
+            per_rank = {n: r.pop("ranks_local") for n, r in records.items() if "ranks_local" in r}
+            gathered = _dist.gather_to_0((files, per_rank, _describe_error(error)), group)
+
+            # 5. rank 0 writes the manifest last and publishes
+            error = None
+            if rank == 0:
+                try:
+                    assert gathered is not None
+                    _raise_first([g[2] for g in gathered], "checksumming data files", None)
+                    all_files: dict[str, Any] = {}
+                    for f, _, _ in gathered:
+                        all_files.update(f)
+                    for name, rec in records.items():
+                        if rec["placement"] == "per_rank":
+                            rec["ranks"] = {str(r): {"state": g[1][name]} for r, g in enumerate(gathered)}
+                    manifest = new_manifest(
+                        world_size=world, components=records, files=all_files, metadata=metadata, step=step
+                    )
+                    write_file_durably(staging / MANIFEST, dumps(manifest))
+                    publish(staging, destination)
+                except BaseException as err:
+                    error = err
+            _raise_first(_dist.all_gather(_describe_error(error), group), "committing the checkpoint", error)
+        except BaseException:
+            if rank == 0:
+                remove_tree(staging)
+            raise
+        logger.info("saved checkpoint %s (step %s, %d components)", destination, step, len(names))
+        return destination
+
+    def _encode(
+        self, names: list[str], options: Mapping[str, CheckpointOptions], rank: int
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        records: dict[str, Any] = {}
+        flat: dict[str, torch.Tensor] = {}
+        for name in names:
+            reg = self._components[name]
+            adapter = self._adapter(name)
+            ctx = self._ctx(name, options.get(name))
+            skeleton, tensors = encode(adapter.state(reg.value, ctx), where=name)
+            prefix = key_prefix(reg.placement, name, rank)
+            for key, tensor in tensors.items():
+                if reg.placement == "per_rank" and _is_dtensor(tensor):
+                    raise EncodingError(f"component {name!r} holds a DTensor at {key!r}: use placement='sharded'")
+                flat[f"{prefix}/{key}"] = tensor
+            record: dict[str, Any] = {
+                "adapter": adapter.adapter_id,
+                "adapter_version": adapter.version,
+                "placement": reg.placement,
+                "num_tensors": len(tensors),
+                "nbytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+            }
+            if reg.placement == "per_rank":
+                record["ranks_local"] = skeleton
+            else:
+                record["state"] = skeleton
+            records[name] = record
+        return records, flat
+
+    # ------------------------------------------------------------------ load
+    def load(
+        self,
+        path: str | os.PathLike,
+        *,
+        components: Collection[str] | None = None,
+        strict: Strictness | None = None,
+        map_location: Any = None,
+        component_options: Mapping[str, CheckpointOptions] | None = None,
+        world_size_change: WorldSizeChange = "error",
+        verify: bool = True,
+    ) -> LoadResult:
+        """Restore components from the checkpoint at ``path`` (collective).
+
+        Args:
+            components: names to restore (default: every registered component).
+            strict: override of the checkpoint's default strictness.
+            map_location: device (or ``{saved: target}`` mapping, or callable) for tensors.
+            component_options: per-component :class:`CheckpointOptions` overrides.
+            world_size_change: what to do with per-rank components saved by another
+                number of ranks: ``"error"`` (default) raises :class:`WorldSizeMismatchError`.
+                Replicated components load at any world size.
+            verify: check the checksum of every file this rank reads before loading.
+
+        Returns:
+            A :class:`LoadResult`. Tensors are read into fresh buffers and copied into
+            the live objects only after every read succeeded.
+        """
+        strict = self.strict if strict is None else strict
+        _check_strict(strict)
+        if world_size_change != "error":
+            raise ValueError(f"world_size_change must be 'error', got {world_size_change!r}")
+        source = Path(path).expanduser().absolute()
+        requested = self._select(components, None)
+        options = dict(component_options or {})
+        group = _dist.checkpoint_group(self.timeout)
+        rank, world = _dist.rank(), _dist.world_size()
+
+        result = LoadResult(path=source)
+        plan: dict[str, tuple[Adapter, AdapterContext, Any, str]] = {}
+        flat: dict[str, torch.Tensor] = {}
+        error: BaseException | None = None
+        try:
+            manifest = read_manifest(source)
+            result.manifest = manifest
+            result.comparison = _compare_versions(manifest["versions"])
+            if result.version_skew:
+                logger.warning("checkpoint %s was saved with other library versions: %s", source, _skew_text(result))
+            saved = manifest["components"]
+            result.missing = {n for n in requested if n not in saved}
+            result.unrequested = set(saved) - set(requested)
+            saved_world = manifest["world_size"]
+            for name in requested:
+                if name not in saved:
+                    continue
+                rec = saved[name]
+                reg = self._components[name]
+                try:
+                    adapter = self._adapter(name)
+                except TypeError as err:
+                    result.incompatible[name] = str(err)
+                    continue
+                if rec["adapter"] != adapter.adapter_id or rec["adapter_version"] != adapter.version:
+                    result.incompatible[name] = (
+                        f"saved with adapter {rec['adapter']!r} v{rec['adapter_version']}, "
+                        f"the registered object uses {adapter.adapter_id!r} v{adapter.version}"
+                    )
+                    continue
+                if rec["placement"] != reg.placement:
+                    result.incompatible[name] = f"saved as {rec['placement']!r}, registered as {reg.placement!r}"
+                    continue
+                if rec["placement"] == "per_rank":
+                    if saved_world != world:
+                        raise WorldSizeMismatchError(
+                            f"component {name!r} is per_rank and was saved by {saved_world} ranks, this job has "
+                            f"{world}; load only replicated components (components=...) or resume with "
+                            f"{saved_world} ranks",
+                            path=source,
+                        )
+                    skeleton, src_rank = rec["ranks"][str(rank)]["state"], rank
+                else:
+                    skeleton, src_rank = rec["state"], rank
+                ctx = self._ctx(
+                    name, options.get(name), map_location=map_location, saved_world_size=saved_world, source_rank=src_rank
+                )
+                prefix = key_prefix(rec["placement"], name, src_rank)
+                try:
+                    flat.update(self._destinations(name, adapter, ctx, skeleton, prefix))
+                except CheckpointFormatError:
+                    raise
+                except Exception as err:
+                    result.incompatible[name] = f"cannot allocate its tensors: {err}"
+                    continue
+                plan[name] = (adapter, ctx, skeleton, prefix)
+            _report_issues(result, strict, source)
+            metadata = safe_load_metadata(source / DCP_METADATA) if (source / DCP_METADATA).exists() else None
+            if metadata is None and manifest["files"]:
+                raise CheckpointFormatError("DCP metadata file .metadata is missing", path=source)
+            needed = _files_for(metadata, flat) if metadata is not None else set()
+            check_files(source, manifest, checksum=needed if verify else False)
+        except BaseException as err:
+            error = err
+        _raise_first(_dist.all_gather(_describe_error(error), group), "validating the checkpoint", error)
+
+        # every rank reads its tensors (collective, even with nothing to read)
+        try:
+            with _quiet_single_process():
+                dcp.load(
+                flat,
+                storage_reader=SafeFileSystemReader(source, allowed_files=manifest["files"], metadata=metadata),
+                planner=SafeLoadPlanner(),
+                process_group=group,
+                no_dist=group is None,
+                )
+        except CheckpointException as err:
+            raise CollectiveError(f"DCP load failed: {_summarize(err)}", path=source, result=result) from None
+
+        # restore, RNG-like adapters last so nothing consumes random numbers after them
+        order = sorted(plan, key=lambda n: getattr(plan[n][0], "restore_last", False))
+        for name in order:
+            adapter, ctx, skeleton, prefix = plan[name]
+            try:
+                tensors = {spec.key: flat[f"{prefix}/{spec.key}"] for spec in tensor_specs(skeleton)}
+                value = adapter.restore(self._components[name].value, decode(skeleton, tensors), ctx)
+            except Exception as err:
+                result.incompatible[name] = f"{type(err).__name__}: {err}"
+                if strict == "error":
+                    raise IncompatibleComponentError(
+                        f"component {name!r} could not be restored: {err}", path=source, result=result
+                    ) from err
+                if strict == "warn":
+                    warnings.warn(f"{source}: component {name!r} could not be restored: {err}", stacklevel=2)
+                continue
+            result.loaded.add(name)
+            if value is not None:
+                result.values[name] = value
+        return result
+
+    def _destinations(
+        self, name: str, adapter: Adapter, ctx: AdapterContext, skeleton: Any, prefix: str
+    ) -> dict[str, torch.Tensor]:
+        specs = list(tensor_specs(skeleton))
+        given = adapter.destinations(self._components[name].value, specs, ctx) or {}
+        live: dict[str, Any] | None = None
+        out: dict[str, torch.Tensor] = {}
+        for spec in specs:
+            dest = given.get(spec.key)
+            if dest is None and _is_dtensor_spec(skeleton, spec):
+                if live is None:
+                    live = encode(adapter.state(self._components[name].value, ctx), where=name)[1]
+                if spec.key not in live or not _is_dtensor(live[spec.key]):
+                    raise IncompatibleComponentError(f"no live DTensor for sharded tensor {spec.key!r}")
+                dest = torch.empty_like(live[spec.key])
+            if dest is None:
+                dest = torch.empty(spec.shape, dtype=spec.dtype, device=ctx.device_for(spec.device))
+            out[f"{prefix}/{spec.key}"] = dest
+        return out
+
+
+# ---------------------------------------------------------------------- helpers
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns on every call without a process group; a world of one is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
+
+
+def _check_strict(strict: str) -> None:
+    if strict not in ("error", "warn", "ignore"):
+        raise ValueError(f"strict must be 'error', 'warn' or 'ignore', got {strict!r}")
+
+
+def _check_json(value: Any, where: str) -> None:
+    import json
+
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise EncodingError(f"{where} must be JSON-safe: {err}") from None
+
+
+def _is_dtensor(value: Any) -> bool:
+    from torchrl_dcp.codec import _is_dtensor as check
+
+    return check(value)
+
+
+def _is_dtensor_spec(skeleton: Any, spec: TensorSpec) -> bool:
+    stack = [skeleton]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("t") == "dtensor" and node.get("key") == spec.key:
+                return True
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
+
+
+def _is_replaceable(destination: Path) -> bool:
+    if not destination.is_dir() or destination.is_symlink():
+        return False
+    if not any(destination.iterdir()):
+        return True
+    try:
+        read_manifest(destination)
+        return True
+    except CheckpointError:
+        return False
+
+
+def _describe_error(error: BaseException | None) -> tuple[str, str, str | None] | None:
+    if error is None:
+        return None
+    path = getattr(error, "path", None)
+    message = getattr(error, "message", None) or str(error)
+    return (type(error).__name__, message, path)
+
+
+def _raise_first(statuses: list[Any], phase: str, own: BaseException | None) -> None:
+    """Raise on every rank if any rank failed; a rank re-raises its own error, others a summary."""
+    failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
+    if not failed:
+        return
+    if own is not None:
+        if isinstance(own, CheckpointError):
+            raise own
+        raise CheckpointError(f"{phase} failed: {type(own).__name__}: {own}") from own
+    r, (kind, message, path) = failed[0]
+    raise CollectiveError(f"rank {r} failed while {phase}: {kind}: {message}", path=path)
+
+
+def _summarize(err: CheckpointException) -> str:
+    failures = getattr(err, "failures", {}) or {}
+    parts = []
+    for r, exc in sorted(failures.items()):
+        text = str(exc[0] if isinstance(exc, tuple) else exc).strip().splitlines()
+        parts.append(f"rank {r}: {text[-1] if text else type(exc).__name__}")
+    return "; ".join(parts) or str(err)
+
+
+def _files_for(metadata: Any, flat: Mapping[str, torch.Tensor]) -> set[str]:
+    keys = set(flat)
+    return {info.relative_path for index, info in metadata.storage_data.items() if index.fqn in keys}
+
+
+def _report_issues(result: LoadResult, strict: str, source: Path) -> None:
+    if not (result.missing or result.incompatible):
+        return
+    problems = [f"missing {sorted(result.missing)}"] if result.missing else []
+    problems += [f"{n}: {why}" for n, why in sorted(result.incompatible.items())]
+    text = "; ".join(problems)
+    if strict == "error":
+        raise IncompatibleComponentError(
+            f"cannot load the requested components ({text}); pass components=[...] to choose, or strict='warn'",
+            path=source,
+            result=result,
+        )
+    if strict == "warn":
+        warnings.warn(f"{source}: {text}", stacklevel=3)
+
+
+def _compare_versions(saved: Mapping[str, Any]) -> dict[str, Any]:
+    runtime = library_versions()
+    versions = {
+        lib: {"checkpoint": saved.get(lib), "runtime": now, "matches": saved.get(lib) == now}
+        for lib, now in runtime.items()
+        if isinstance(saved.get(lib), str)
+    }
+    return {"versions": versions, "version_skew": any(not v["matches"] for v in versions.values())}
+
+
+def _skew_text(result: LoadResult) -> str:
+    return ", ".join(
+        f"{lib} {v['checkpoint']} -> {v['runtime']}" for lib, v in result.comparison["versions"].items() if not v["matches"]
+    )

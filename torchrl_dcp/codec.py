@@ -1,0 +1,299 @@
+"""Pickle-free encoding of nested state into a JSON skeleton plus flat tensors.
+
+``encode`` walks a nested value (dicts, lists, tuples, tensors, numpy arrays and
+scalars, dtypes, devices, sizes, ...) and returns a JSON-safe *skeleton* and a
+flat ``{key: tensor}`` mapping; ``decode`` rebuilds the value from the two.
+Keys are the nested path joined with ``/``. Nothing is ever pickled: a value the
+codec does not know raises :class:`~torchrl_dcp.errors.EncodingError` naming its
+path, at save time.
+
+Example:
+    >>> import torch
+    >>> from torchrl_dcp.codec import encode, decode
+    >>> skeleton, tensors = encode({"w": torch.ones(2), "step": 3})
+    >>> sorted(tensors)
+    ['w']
+    >>> decode(skeleton, tensors)["step"]
+    3
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path, PurePath
+from typing import Any
+
+import numpy as np
+import torch
+
+from torchrl_dcp.errors import CheckpointFormatError, EncodingError
+
+__all__ = ["TensorSpec", "encode", "decode", "tensor_specs", "dtype_from_name", "dtype_name", "escape_key"]
+
+_SCALAR_KINDS = (type(None), bool, int, str)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape, dtype and device of one saved tensor, enough to allocate it."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: str
+
+    def empty(self, device: torch.device | str | None = None) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=device or self.device)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: Any) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointFormatError(f"unknown torch dtype {name!r} in the checkpoint")
+    return dtype
+
+
+def escape_key(key: Any) -> str:
+    """One path segment for a mapping key or list index (``/`` and ``%`` escaped)."""
+    return str(key).replace("%", "%25").replace("/", "%2F")
+
+
+def _is_dtensor(value: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(value, DTensor)
+
+
+class _Encoder:
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.tensors: dict[str, Any] = {}
+        self._seen: dict[int, str] = {}
+
+    def key(self, path: str) -> str:
+        key, n = path or "_", 1
+        while key in self.tensors:
+            key, n = f"{path}~{n}", n + 1
+        return key
+
+    def fail(self, path: str, value: Any, why: str = "") -> EncodingError:
+        return EncodingError(
+            f"cannot store {type(value).__module__}.{type(value).__qualname__} at "
+            f"{self.where}/{path or '<root>'}{why}: torchrl_dcp never pickles; convert it to "
+            "tensors and JSON-safe values (dict, list, str, int, float, bool, None) or register "
+            "an adapter for its type"
+        )
+
+    def encode(self, value: Any, path: str) -> Any:
+        if isinstance(value, _SCALAR_KINDS):
+            return value
+        if isinstance(value, float):
+            return value if math.isfinite(value) else {"t": "float", "v": repr(value)}
+        if isinstance(value, torch.Tensor):
+            return self._tensor(value, path)
+        if isinstance(value, np.ndarray):
+            if value.dtype.kind not in "biufc":
+                raise self.fail(path, value, f" (numpy dtype {value.dtype})")
+            node = self._tensor(torch.from_numpy(np.ascontiguousarray(value)), path)
+            return {"t": "ndarray", "np_dtype": value.dtype.str, "tensor": node}
+        if isinstance(value, Mapping):
+            items, used = [], set()
+            for k, v in value.items():
+                if not isinstance(k, (str, int, bool, type(None), float, tuple)):
+                    raise self.fail(path, k, " (as a mapping key)")
+                segment = escape_key(k)
+                if segment in used:
+                    segment = f"{segment}~{type(k).__name__}"
+                used.add(segment)
+                items.append([self.encode(k, path), self.encode(v, f"{path}/{segment}" if path else segment)])
+            node: dict[str, Any] = {"t": "odict" if isinstance(value, OrderedDict) else "dict", "items": items}
+            metadata = getattr(value, "_metadata", None)
+            if metadata is not None:
+                node["metadata"] = self.encode(metadata, f"{path}/_metadata" if path else "_metadata")
+            if type(value) not in (dict, OrderedDict) and not hasattr(value, "_metadata"):
+                # other Mapping types (TensorDict, ...) come back as plain dicts
+                node["t"] = "dict"
+            return node
+        if isinstance(value, torch.Size):
+            return {"t": "size", "v": list(value)}
+        if isinstance(value, (list, tuple, set, frozenset)):
+            kind = {list: "list", tuple: "tuple", set: "set", frozenset: "frozenset"}.get(type(value))
+            if kind is None:
+                if isinstance(value, tuple) and hasattr(value, "_fields"):
+                    raise self.fail(path, value, " (namedtuple)")
+                kind = "list" if isinstance(value, list) else "tuple"
+            seq = sorted(value, key=repr) if kind in ("set", "frozenset") else value
+            return {
+                "t": kind,
+                "items": [self.encode(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(seq)],
+            }
+        if isinstance(value, torch.dtype):
+            return {"t": "dtype", "v": dtype_name(value)}
+        if isinstance(value, torch.device):
+            return {"t": "device", "v": str(value)}
+        if isinstance(value, np.generic):
+            if value.dtype.kind not in "biufc":
+                raise self.fail(path, value)
+            item = value.item()
+            if isinstance(item, complex):
+                item = [item.real, item.imag]
+            return {"t": "np", "dtype": value.dtype.str, "v": self.encode(item, path)}
+        if isinstance(value, complex):
+            return {"t": "complex", "v": [self.encode(value.real, path), self.encode(value.imag, path)]}
+        if isinstance(value, (bytes, bytearray)):
+            return {"t": type(value).__name__, "v": base64.b64encode(bytes(value)).decode("ascii")}
+        if isinstance(value, slice):
+            return {"t": "slice", "v": [self.encode(v, path) for v in (value.start, value.stop, value.step)]}
+        if isinstance(value, range):
+            return {"t": "range", "v": [value.start, value.stop, value.step]}
+        if isinstance(value, PurePath):
+            return {"t": "path", "v": str(value)}
+        if value is Ellipsis:
+            return {"t": "ellipsis"}
+        raise self.fail(path, value)
+
+    def _tensor(self, value: torch.Tensor, path: str) -> dict[str, Any]:
+        if _is_dtensor(value):
+            key = self.key(path)
+            self.tensors[key] = value
+            return {
+                "t": "dtensor",
+                "key": key,
+                "dtype": dtype_name(value.dtype),
+                "shape": list(value.shape),
+                "device": str(value.device),
+            }
+        if value.is_sparse or value.layout != torch.strided:
+            raise self.fail(path, value, f" (layout {value.layout})")
+        if value.is_quantized or value.is_nested:
+            raise self.fail(path, value, " (quantized or nested tensor)")
+        alias = self._seen.get(id(value))
+        if alias is not None:
+            return {"t": "alias", "key": alias}
+        key = self.key(path)
+        self._seen[id(value)] = key
+        self.tensors[key] = value.detach()
+        return {
+            "t": "tensor",
+            "key": key,
+            "dtype": dtype_name(value.dtype),
+            "shape": list(value.shape),
+            "device": str(value.device),
+        }
+
+
+def encode(value: Any, where: str = "state") -> tuple[Any, dict[str, torch.Tensor]]:
+    """Split ``value`` into a JSON-safe skeleton and a flat ``{key: tensor}`` dict.
+
+    Args:
+        value: nested state (dicts, sequences, tensors, arrays, JSON scalars, ...).
+        where: a name for error messages, e.g. the component name.
+
+    Raises:
+        EncodingError: a leaf cannot be stored without pickle (the message names its path).
+    """
+    encoder = _Encoder(where)
+    return encoder.encode(value, ""), encoder.tensors
+
+
+def tensor_specs(skeleton: Any) -> Iterator[TensorSpec]:
+    """Every tensor (and DTensor) leaf of a skeleton, with its shape, dtype and device."""
+    stack = [skeleton]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            kind = node.get("t")
+            if kind in ("tensor", "dtensor"):
+                shape = node.get("shape")
+                if not isinstance(node.get("key"), str) or not isinstance(shape, list):
+                    raise CheckpointFormatError(f"malformed tensor entry {node!r}")
+                if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+                    raise CheckpointFormatError(f"malformed tensor shape {shape!r}")
+                yield TensorSpec(node["key"], tuple(shape), dtype_from_name(node.get("dtype")), str(node.get("device", "cpu")))
+            else:
+                stack.extend(v for k, v in node.items() if k != "t")
+
+
+def _decode_scalar_float(v: Any) -> float:
+    if v not in ("nan", "inf", "-inf"):
+        raise CheckpointFormatError(f"malformed float {v!r}")
+    return float(v)
+
+
+def decode(skeleton: Any, tensors: Mapping[str, Any]) -> Any:
+    """Rebuild the value that :func:`encode` split; tensors come from ``tensors``.
+
+    Raises:
+        CheckpointFormatError: the skeleton is malformed or names a tensor that is absent.
+    """
+    try:
+        return _decode(skeleton, tensors)
+    except CheckpointFormatError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as err:
+        raise CheckpointFormatError(f"malformed state skeleton ({type(err).__name__}: {err})") from None
+
+
+def _decode(node: Any, tensors: Mapping[str, Any]) -> Any:
+    if isinstance(node, (type(None), bool, int, str, float)):
+        return node
+    if isinstance(node, list):
+        raise CheckpointFormatError("malformed state skeleton: bare list")
+    kind = node["t"]
+    if kind in ("tensor", "dtensor", "alias"):
+        key = node["key"]
+        if key not in tensors:
+            raise CheckpointFormatError(f"the state names tensor {key!r}, which was not loaded")
+        return tensors[key]
+    if kind == "ndarray":
+        array = _decode(node["tensor"], tensors).cpu().numpy()
+        return array.astype(np.dtype(node["np_dtype"]), copy=False)
+    if kind in ("dict", "odict"):
+        out: dict[Any, Any] = OrderedDict() if kind == "odict" else {}
+        for k, v in node["items"]:
+            out[_decode(k, tensors)] = _decode(v, tensors)
+        if "metadata" in node:
+            out._metadata = _decode(node["metadata"], tensors)  # type: ignore[attr-defined]
+        return out
+    if kind in ("list", "tuple", "set", "frozenset"):
+        items = [_decode(v, tensors) for v in node["items"]]
+        return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[kind](items)
+    if kind == "float":
+        return _decode_scalar_float(node["v"])
+    if kind == "size":
+        return torch.Size([int(v) for v in node["v"]])
+    if kind == "dtype":
+        return dtype_from_name(node["v"])
+    if kind == "device":
+        return torch.device(node["v"])
+    if kind == "np":
+        item = _decode(node["v"], tensors)
+        if isinstance(item, list):
+            item = complex(*item)
+        return np.dtype(node["dtype"]).type(item)
+    if kind == "complex":
+        return complex(*(_decode(v, tensors) for v in node["v"]))
+    if kind in ("bytes", "bytearray"):
+        raw = base64.b64decode(node["v"], validate=True)
+        return raw if kind == "bytes" else bytearray(raw)
+    if kind == "slice":
+        return slice(*(_decode(v, tensors) for v in node["v"]))
+    if kind == "range":
+        return range(*(int(v) for v in node["v"]))
+    if kind == "path":
+        return Path(node["v"])
+    if kind == "ellipsis":
+        return Ellipsis
+    raise CheckpointFormatError(f"unknown state entry kind {kind!r}")

@@ -1,0 +1,1 @@
+"""Runnable examples (``python -m torchrl_dcp.examples.<name>``, under ``torchrun``)."""

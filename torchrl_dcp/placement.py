@@ -1,0 +1,33 @@
+"""Where a component's state lives across ranks.
+
+- ``"replicated"``: identical on every rank (policy, optimizer). Written once; DCP
+  spreads the writes over the ranks. Key prefix ``replicated/<component>/``.
+- ``"per_rank"``: every rank has its own (RNG, collector, replay-buffer shard). Each
+  rank writes and restores its own copy under ``rank/<r>/<component>/``.
+- ``"sharded"``: DTensor / FSDP state, sharded by DCP itself under ``sharded/<component>/``.
+
+Example:
+    >>> from torchrl_dcp.placement import check_placement, key_prefix
+    >>> key_prefix(check_placement("per_rank"), "rng", rank=1)
+    'rank/1/rng'
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+Placement = Literal["replicated", "per_rank", "sharded"]
+PLACEMENTS: tuple[str, ...] = get_args(Placement)
+
+
+def check_placement(placement: str) -> Placement:
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    return placement  # type: ignore[return-value]
+
+
+def key_prefix(placement: Placement, component: str, rank: int) -> str:
+    """The DCP key prefix of a component's tensors (documented in docs/format.md)."""
+    if placement == "per_rank":
+        return f"rank/{rank}/{component}"
+    return f"{placement}/{component}"

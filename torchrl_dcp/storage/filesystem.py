@@ -1,0 +1,127 @@
+"""DCP storage reader/writer for checkpoint directories, without unpickling untrusted data.
+
+DCP's own ``FileSystemReader.read_metadata`` calls ``pickle.load`` on ``.metadata``.
+:class:`SafeFileSystemReader` reads it through :func:`safe_load_metadata`, an
+unpickler that admits only DCP's metadata classes, torch dtypes/sizes/layouts and
+paths, and checks that every data file the metadata names is a plain file name
+listed in the manifest.
+
+Example:
+    >>> import torch, tempfile
+    >>> import torch.distributed.checkpoint as dcp
+    >>> from torchrl_dcp.storage.filesystem import SafeFileSystemReader
+    >>> d = tempfile.mkdtemp()
+    >>> dcp.save({"x": torch.ones(2)}, checkpoint_id=d, no_dist=True)  # doctest: +SKIP
+    >>> sorted(SafeFileSystemReader(d).read_metadata().state_dict_metadata)  # doctest: +SKIP
+    ['x']
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, UnsafeCheckpointError
+
+DCP_METADATA = ".metadata"
+
+_ALLOWED: dict[str, frozenset[str]] = {
+    "torch.distributed.checkpoint.metadata": frozenset(
+        {
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "TensorProperties",
+            "ChunkStorageMetadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        }
+    ),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    "torch.serialization": frozenset({"_get_layout"}),
+    "torch": frozenset({"Size"}),
+    "pathlib": frozenset({"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"}),
+    "collections": frozenset({"OrderedDict"}),
+    "builtins": frozenset({"set", "frozenset", "slice"}),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file: BinaryIO, source: str) -> None:
+        super().__init__(file)
+        self.source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeCheckpointError(
+            f"refused to unpickle {module}.{name}: DCP metadata may only hold DCP's metadata classes; "
+            "the file was damaged or planted, do not load it",
+            path=self.source,
+        )
+
+
+def safe_load_metadata(path: str | os.PathLike, data: bytes | None = None) -> Metadata:
+    """Read DCP's ``.metadata`` with the allow-list unpickler; never runs code from the file."""
+    raw = Path(path).read_bytes() if data is None else data
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(raw), str(path)).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as err:
+        raise CheckpointIntegrityError(f"DCP metadata cannot be read ({type(err).__name__}: {err})", path=path) from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointFormatError(f"DCP metadata holds a {type(metadata).__name__}, not a Metadata", path=path)
+    return metadata
+
+
+def check_storage_files(metadata: Metadata, source: str, allowed: Collection[str] | None) -> None:
+    """Every data file DCP would open must be a plain name (and listed in the manifest)."""
+    for info in (metadata.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(rel, str) or not rel or "/" in rel or "\\" in rel or rel in (".", "..") or "\0" in rel:
+            raise CheckpointIntegrityError(f"DCP metadata points outside the checkpoint ({rel!r})", path=source)
+        if allowed is not None and rel not in allowed:
+            raise CheckpointIntegrityError(f"DCP metadata names {rel!r}, which the manifest does not list", path=source)
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` whose metadata is read without ``pickle.load``.
+
+    Args:
+        path: the checkpoint directory.
+        allowed_files: data file names the manifest lists; others are refused.
+        metadata: metadata already read (avoids a second read).
+    """
+
+    def __init__(
+        self, path: str | os.PathLike, allowed_files: Collection[str] | None = None, metadata: Metadata | None = None
+    ) -> None:
+        super().__init__(path)
+        self._allowed_files = None if allowed_files is None else frozenset(allowed_files)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        source = os.path.join(str(self.path), DCP_METADATA)
+        metadata = self._metadata or safe_load_metadata(source)
+        check_storage_files(metadata, source, self._allowed_files)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def make_writer(path: str | os.PathLike, thread_count: int = 1) -> FileSystemWriter:
+    """DCP's file writer: one file per rank, files fsynced, never overwriting."""
+    return FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=thread_count, overwrite=False)

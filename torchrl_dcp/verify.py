@@ -1,0 +1,66 @@
+"""Check a checkpoint's integrity without loading it into any object.
+
+Example:
+    >>> import tempfile, torch, torchrl_dcp as tdcp
+    >>> path = tdcp.DistributedCheckpoint(w=torch.nn.Linear(2, 2)).save(tempfile.mkdtemp() + "/c")
+    >>> tdcp.verify(path)["files"] >= 2
+    True
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from torchrl_dcp.codec import tensor_specs
+from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
+from torchrl_dcp.manifest import check_files, read_manifest
+from torchrl_dcp.placement import key_prefix
+from torchrl_dcp.storage.filesystem import DCP_METADATA, check_storage_files, safe_load_metadata
+
+
+def verify(path: str | os.PathLike) -> dict[str, Any]:
+    """Validate the manifest, every file's size and checksum, and that DCP's metadata
+    holds every tensor the manifest names with the same dtype and shape.
+
+    Returns:
+        A summary ``{"path", "files", "bytes", "tensors"}``.
+
+    Raises:
+        CheckpointError: naming the first problem found.
+    """
+    root = Path(path).expanduser().absolute()
+    manifest = read_manifest(root)
+    check_files(root, manifest, checksum=True)
+    tensors = 0
+    if manifest["files"]:
+        metadata = safe_load_metadata(root / DCP_METADATA)
+        check_storage_files(metadata, str(root / DCP_METADATA), manifest["files"])
+        saved = metadata.state_dict_metadata
+        for name, rec in manifest["components"].items():
+            states = (
+                [(int(r), s["state"]) for r, s in rec["ranks"].items()]
+                if rec["placement"] == "per_rank"
+                else [(0, rec["state"])]
+            )
+            for r, skeleton in states:
+                prefix = key_prefix(rec["placement"], name, r)
+                for spec in tensor_specs(skeleton):
+                    entry = saved.get(f"{prefix}/{spec.key}")
+                    props = getattr(entry, "properties", None)
+                    if entry is None or props is None or props.dtype != spec.dtype or tuple(entry.size) != spec.shape:
+                        raise CheckpointIntegrityError(
+                            f"component {name!r}: tensor {spec.key!r} is absent from DCP metadata or differs in "
+                            "dtype/shape",
+                            path=root / DCP_METADATA,
+                        )
+                    tensors += 1
+    elif manifest["components"] and any(rec.get("num_tensors") for rec in manifest["components"].values()):
+        raise CheckpointFormatError("manifest lists tensors but no data files", path=root)
+    return {
+        "path": str(root),
+        "files": len(manifest["files"]),
+        "bytes": sum(f["size"] for f in manifest["files"].values()),
+        "tensors": tensors,
+    }
