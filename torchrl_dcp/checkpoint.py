@@ -41,12 +41,13 @@ from torchrl_dcp.errors import (
     IncompatibleComponentError,
     WorldSizeMismatchError,
 )
-from torchrl_dcp.manifest import MANIFEST, check_files, dumps, library_versions, new_manifest, read_manifest
+from torchrl_dcp.manifest import MANIFEST, dumps, library_versions, new_manifest, read_manifest
 from torchrl_dcp.placement import Placement, check_placement, key_prefix
 from torchrl_dcp.planner import SafeLoadPlanner, SavePlanner
 from torchrl_dcp.storage.checksums import describe_file
 from torchrl_dcp.storage.commit import publish, remove_tree, stale_entries, staging_path, write_file_durably
-from torchrl_dcp.storage.filesystem import DCP_METADATA, SafeFileSystemReader, make_writer, safe_load_metadata
+from torchrl_dcp.storage.filesystem import DCP_METADATA, make_writer
+from torchrl_dcp.storage.source import open_source
 
 logger = logging.getLogger("torchrl_dcp")
 
@@ -86,6 +87,21 @@ class LoadResult:
     @property
     def version_skew(self) -> bool:
         return bool(self.comparison.get("version_skew"))
+
+
+@dataclass
+class _SaveJob:
+    """An encoded save, ready to be written: what every rank holds after the encode step."""
+
+    destination: Path
+    names: list[str]
+    records: dict[str, Any]
+    flat: dict[str, torch.Tensor]
+    metadata: dict[str, Any]
+    step: int | None
+    group: Any
+    rank: int
+    world_size: int
 
 
 @dataclass
@@ -266,6 +282,12 @@ class DistributedCheckpoint:
         except Exception as err:  # reported collectively below
             records, flat, error = {}, {}, err
         _raise_first(_dist.all_gather(_describe_error(error), group), "encoding the state", error)
+        job = _SaveJob(destination, names, records, flat, metadata, step, group, rank, world)
+        return self._write_and_commit(job)
+
+    def _write_and_commit(self, job: _SaveJob) -> Path:
+        """Steps after encoding: staging directory, DCP write, checksums, manifest, publish (collective)."""
+        destination, records, flat, group, rank = job.destination, job.records, job.flat, job.group, job.rank
 
         # 2. rank 0 prepares the staging directory and tells everyone where it is
         staging, error = None, None
@@ -322,7 +344,7 @@ class DistributedCheckpoint:
                         if rec["placement"] == "per_rank":
                             rec["ranks"] = {str(r): {"state": g[1][name]} for r, g in enumerate(gathered)}
                     manifest = new_manifest(
-                        world_size=world, components=records, files=all_files, metadata=metadata, step=step
+                        world_size=job.world_size, components=records, files=all_files, metadata=job.metadata, step=job.step
                     )
                     write_file_durably(staging / MANIFEST, dumps(manifest))
                     publish(staging, destination)
@@ -333,7 +355,7 @@ class DistributedCheckpoint:
             if rank == 0:
                 remove_tree(staging)
             raise
-        logger.info("saved checkpoint %s (step %s, %d components)", destination, step, len(names))
+        logger.info("saved checkpoint %s (step %s, %d components)", destination, job.step, len(job.names))
         return destination
 
     def _encode(
@@ -408,7 +430,8 @@ class DistributedCheckpoint:
         flat: dict[str, torch.Tensor] = {}
         error: BaseException | None = None
         try:
-            manifest = read_manifest(source)
+            src = open_source(source)
+            manifest = src.manifest()
             result.manifest = manifest
             result.comparison = _compare_versions(manifest["versions"])
             if result.version_skew:
@@ -460,11 +483,9 @@ class DistributedCheckpoint:
                     continue
                 plan[name] = (adapter, ctx, skeleton, prefix)
             _report_issues(result, strict, source)
-            metadata = safe_load_metadata(source / DCP_METADATA) if (source / DCP_METADATA).exists() else None
-            if metadata is None and manifest["files"]:
-                raise CheckpointFormatError("DCP metadata file .metadata is missing", path=source)
+            metadata = src.dcp_metadata()
             needed = _files_for(metadata, flat) if metadata is not None else set()
-            check_files(source, manifest, checksum=needed if verify else False)
+            src.check(needed if verify else False)
         except BaseException as err:
             error = err
         _raise_first(_dist.all_gather(_describe_error(error), group), "validating the checkpoint", error)
@@ -474,7 +495,7 @@ class DistributedCheckpoint:
             with _quiet_single_process():
                 dcp.load(
                 flat,
-                storage_reader=SafeFileSystemReader(source, allowed_files=manifest["files"], metadata=metadata),
+                storage_reader=src.storage_reader(),
                 planner=SafeLoadPlanner(),
                 process_group=group,
                 no_dist=group is None,

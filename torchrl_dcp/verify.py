@@ -10,14 +10,13 @@ Example:
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 from torchrl_dcp.codec import tensor_specs
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
-from torchrl_dcp.manifest import check_files, read_manifest
 from torchrl_dcp.placement import key_prefix
-from torchrl_dcp.storage.filesystem import DCP_METADATA, check_storage_files, safe_load_metadata
+from torchrl_dcp.storage.filesystem import DCP_METADATA
+from torchrl_dcp.storage.source import open_source
 
 
 def verify(path: str | os.PathLike) -> dict[str, Any]:
@@ -30,13 +29,13 @@ def verify(path: str | os.PathLike) -> dict[str, Any]:
     Raises:
         CheckpointError: naming the first problem found.
     """
-    root = Path(path).expanduser().absolute()
-    manifest = read_manifest(root)
-    check_files(root, manifest, checksum=True)
+    src = open_source(path)
+    root = src.path
+    manifest = src.manifest()
+    src.check(True)
     tensors = 0
-    if manifest["files"]:
-        metadata = safe_load_metadata(root / DCP_METADATA)
-        check_storage_files(metadata, str(root / DCP_METADATA), manifest["files"])
+    metadata = src.dcp_metadata()
+    if metadata is not None:
         saved = metadata.state_dict_metadata
         for name, rec in manifest["components"].items():
             states = (
