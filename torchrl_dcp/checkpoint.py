@@ -528,7 +528,8 @@ class DistributedCheckpoint:
         self, name: str, adapter: Adapter, ctx: AdapterContext, skeleton: Any, prefix: str
     ) -> dict[str, torch.Tensor]:
         specs = list(tensor_specs(skeleton))
-        given = adapter.destinations(self._components[name].value, specs, ctx) or {}
+        saved = decode(skeleton, {spec.key: spec for spec in specs})
+        given = adapter.destinations(self._components[name].value, saved, ctx) or {}
         live: dict[str, Any] | None = None
         out: dict[str, torch.Tensor] = {}
         for spec in specs:

@@ -258,7 +258,10 @@ def _decode(node: Any, tensors: Mapping[str, Any]) -> Any:
             raise CheckpointFormatError(f"the state names tensor {key!r}, which was not loaded")
         return tensors[key]
     if kind == "ndarray":
-        array = _decode(node["tensor"], tensors).cpu().numpy()
+        tensor = _decode(node["tensor"], tensors)
+        if not isinstance(tensor, torch.Tensor):  # a placeholder (e.g. a TensorSpec) while planning
+            return tensor
+        array = tensor.cpu().numpy()
         return array.astype(np.dtype(node["np_dtype"]), copy=False)
     if kind in ("dict", "odict"):
         out: dict[Any, Any] = OrderedDict() if kind == "odict" else {}

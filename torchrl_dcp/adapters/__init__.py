@@ -45,3 +45,14 @@ __all__ = [
     "register_adapter",
     "resolve_adapter",
 ]
+
+
+def _register_torchrl_adapters() -> None:
+    from torchrl.data.replay_buffers import ReplayBuffer
+
+    from torchrl_dcp.adapters.replay_buffer import ReplayBufferAdapter
+
+    register_adapter(ReplayBuffer, ReplayBufferAdapter())
+
+
+_register_torchrl_adapters()

@@ -110,11 +110,14 @@ class Adapter(abc.ABC):
     def restore(self, obj: Any, state: Any, ctx: AdapterContext) -> Any:
         """Restore ``state`` into ``obj``; the return value goes to ``LoadResult.values``."""
 
-    def destinations(self, obj: Any, specs: list[TensorSpec], ctx: AdapterContext) -> dict[str, torch.Tensor] | None:
-        """Optionally return tensors DCP should load into in place (by key).
+    def destinations(self, obj: Any, saved: Any, ctx: AdapterContext) -> dict[str, torch.Tensor] | None:
+        """Optionally return tensors DCP should read into in place, by tensor key.
 
-        The default (``None``) lets the checkpoint allocate fresh tensors of the
-        saved shapes and dtypes on the mapped device. Keys left out are allocated too.
+        ``saved`` is the saved state with every tensor replaced by its
+        :class:`~torchrl_dcp.codec.TensorSpec` (key, shape, dtype, device), so an adapter
+        can allocate lazily built storage from the checkpoint before DCP reads. The
+        default (``None``) lets the checkpoint allocate fresh tensors on the mapped
+        device; keys left out are allocated too.
         """
         return None
 
