@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from torchrl_dcp import _dist
 from torchrl_dcp.adapters import Adapter, AdapterContext, CheckpointOptions, resolve_adapter
-from torchrl_dcp.codec import TensorSpec, decode, encode, tensor_specs
+from torchrl_dcp.codec import TensorSpec, decode, encode, tensor_identity, tensor_specs, xref_key, xrefs
 from torchrl_dcp.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -41,19 +41,21 @@ from torchrl_dcp.errors import (
     IncompatibleComponentError,
     WorldSizeMismatchError,
 )
-from torchrl_dcp.manifest import MANIFEST, dumps, library_versions, new_manifest, read_manifest
+from torchrl_dcp.manifest import MANIFEST, dumps, library_versions, migrate_component, new_manifest, read_manifest
 from torchrl_dcp.placement import Placement, check_placement, key_prefix
 from torchrl_dcp.planner import SafeLoadPlanner, SavePlanner
 from torchrl_dcp.storage.checksums import describe_file
 from torchrl_dcp.storage.commit import publish, remove_tree, stale_entries, staging_path, write_file_durably
 from torchrl_dcp.storage.filesystem import DCP_METADATA, make_writer
 from torchrl_dcp.storage.source import open_source
+from torchrl_dcp.storage.writer import assign_writers, build_metadata, can_write_fast, describe, write_metadata, write_share
 
 logger = logging.getLogger("torchrl_dcp")
 
 Strictness = Literal["error", "warn", "ignore"]
 WorldSizeChange = Literal["error"]
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+_DTYPES = {str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
 
 
 @dataclass
@@ -310,36 +312,53 @@ class DistributedCheckpoint:
         staging = Path(staging[0])
 
         try:
-            # 3. every rank writes its tensors at once
-            writer = make_writer(staging)
-            try:
-                with _quiet_single_process():
-                    dcp.save(flat, storage_writer=writer, planner=SavePlanner(), process_group=group, no_dist=group is None)
-            except CheckpointException as err:
-                raise CollectiveError(f"DCP save failed: {_summarize(err)}", path=destination) from None
+            # 3. every rank writes its share at once: packed torch.save-compatible blobs, several threads per
+            #    rank, CRC32 computed while writing (storage/writer.py); DCP's own writer for DTensors & co.
+            fast = all(can_write_fast(t) for t in flat.values())
+            plans = _dist.all_gather((fast, describe(flat) if fast else None), group)
+            fast = all(ok for ok, _ in plans)
+            error, files, entries = None, {}, []
+            if fast:
+                try:
+                    out = write_share(flat, assign_writers([d for _, d in plans]), staging, rank)
+                    files, entries = out.files, out.entries
+                except Exception as err:  # reported collectively below
+                    error = err
+            else:
+                writer = make_writer(staging)
+                try:
+                    with _quiet_single_process():
+                        dcp.save(
+                            flat, storage_writer=writer, planner=SavePlanner(), process_group=group, no_dist=group is None
+                        )
+                except CheckpointException as err:
+                    raise CollectiveError(f"DCP save failed: {_summarize(err)}", path=destination) from None
 
-            # 4. checksums of the files this rank wrote; rank 0 gathers everything
-            error, files = None, {}
-            try:
-                files = {
-                    p.name: describe_file(p)
-                    for p in staging.iterdir()
-                    if p.name.startswith(f"__{rank}_") or (rank == 0 and p.name == DCP_METADATA)
-                }
-            except Exception as err:
-                error = err
+                # 4. checksums of the files this rank wrote
+                try:
+                    files = {
+                        p.name: describe_file(p)
+                        for p in staging.iterdir()
+                        if p.name.startswith(f"__{rank}_") or (rank == 0 and p.name == DCP_METADATA)
+                    }
+                except Exception as err:
+                    error = err
             per_rank = {n: r.pop("ranks_local") for n, r in records.items() if "ranks_local" in r}
-            gathered = _dist.gather_to_0((files, per_rank, _describe_error(error)), group)
+            gathered = _dist.gather_to_0((files, per_rank, _describe_error(error), entries), group)
 
             # 5. rank 0 writes the manifest last and publishes
             error = None
             if rank == 0:
                 try:
                     assert gathered is not None
-                    _raise_first([g[2] for g in gathered], "checksumming data files", None)
+                    _raise_first([g[2] for g in gathered], "writing data files", None)
                     all_files: dict[str, Any] = {}
-                    for f, _, _ in gathered:
+                    for f, _, _, _ in gathered:
                         all_files.update(f)
+                    if fast:  # DCP's metadata, as dcp.save would have written it
+                        tensors = {k: (_DTYPES[dt], shape) for _, d in plans for k, dt, shape, _ in d}
+                        dcp_entries = [e for g in gathered for e in g[3]]
+                        all_files[DCP_METADATA] = write_metadata(staging, build_metadata(tensors, dcp_entries, staging))
                     for name, rec in records.items():
                         if rec["placement"] == "per_rank":
                             rec["ranks"] = {str(r): {"state": g[1][name]} for r, g in enumerate(gathered)}
@@ -363,11 +382,17 @@ class DistributedCheckpoint:
     ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         records: dict[str, Any] = {}
         flat: dict[str, torch.Tensor] = {}
-        for name in names:
+        shared: dict[tuple[Any, ...], tuple[str, str]] = {}  # replicated tensors other components may reference
+        for name in sorted(names, key=lambda n: self._components[n].placement != "replicated"):
             reg = self._components[name]
             adapter = self._adapter(name)
             ctx = self._ctx(name, options.get(name))
-            skeleton, tensors = encode(adapter.state(reg.value, ctx), where=name)
+            skeleton, tensors = encode(adapter.state(reg.value, ctx), where=name, shared=shared)
+            if reg.placement == "replicated":
+                for key, tensor in tensors.items():
+                    ident = tensor_identity(tensor)
+                    if ident is not None:
+                        shared.setdefault(ident, (name, key))
             prefix = key_prefix(reg.placement, name, rank)
             for key, tensor in tensors.items():
                 if reg.placement == "per_rank" and _is_dtensor(tensor):
@@ -385,7 +410,7 @@ class DistributedCheckpoint:
             else:
                 record["state"] = skeleton
             records[name] = record
-        return records, flat
+        return {name: records[name] for name in names}, flat
 
     # ------------------------------------------------------------------ load
     def load(
@@ -450,6 +475,12 @@ class DistributedCheckpoint:
                 except TypeError as err:
                     result.incompatible[name] = str(err)
                     continue
+                if rec["adapter"] == adapter.adapter_id and rec["adapter_version"] != adapter.version:
+                    try:  # upgrade an older payload through registered migrations (docs/migrations.md)
+                        rec = migrate_component(name, rec, adapter.version, source)
+                    except CheckpointError as err:
+                        result.incompatible[name] = err.message
+                        continue
                 if rec["adapter"] != adapter.adapter_id or rec["adapter_version"] != adapter.version:
                     result.incompatible[name] = (
                         f"saved with adapter {rec['adapter']!r} v{rec['adapter_version']}, "
@@ -481,6 +512,17 @@ class DistributedCheckpoint:
                 except Exception as err:
                     result.incompatible[name] = f"cannot allocate its tensors: {err}"
                     continue
+                for ref_name, spec in xrefs(skeleton):
+                    ref = saved.get(ref_name)
+                    if ref is None or ref["placement"] != "replicated":
+                        raise CheckpointFormatError(
+                            f"component {name!r} refers to tensors of {ref_name!r}, which is not a replicated "
+                            "component of this checkpoint",
+                            path=source,
+                        )
+                    ref_key = f"{key_prefix('replicated', ref_name, rank)}/{spec.key}"
+                    if ref_key not in flat:
+                        flat[ref_key] = torch.empty(spec.shape, dtype=spec.dtype, device=ctx.device_for(spec.device))
                 plan[name] = (adapter, ctx, skeleton, prefix)
             _report_issues(result, strict, source)
             metadata = src.dcp_metadata()
@@ -509,6 +551,8 @@ class DistributedCheckpoint:
             adapter, ctx, skeleton, prefix = plan[name]
             try:
                 tensors = {spec.key: flat[f"{prefix}/{spec.key}"] for spec in tensor_specs(skeleton)}
+                for ref_name, spec in xrefs(skeleton):
+                    tensors[xref_key(ref_name, spec.key)] = flat[f"{key_prefix('replicated', ref_name, rank)}/{spec.key}"]
                 value = adapter.restore(self._components[name].value, decode(skeleton, tensors), ctx)
             except Exception as err:
                 result.incompatible[name] = f"{type(err).__name__}: {err}"
@@ -528,7 +572,9 @@ class DistributedCheckpoint:
         self, name: str, adapter: Adapter, ctx: AdapterContext, skeleton: Any, prefix: str
     ) -> dict[str, torch.Tensor]:
         specs = list(tensor_specs(skeleton))
-        saved = decode(skeleton, {spec.key: spec for spec in specs})
+        placeholders: dict[str, Any] = {spec.key: spec for spec in specs}
+        placeholders.update({xref_key(ref, spec.key): spec for ref, spec in xrefs(skeleton)})
+        saved = decode(skeleton, placeholders)
         given = adapter.destinations(self._components[name].value, saved, ctx) or {}
         live: dict[str, Any] | None = None
         out: dict[str, torch.Tensor] = {}

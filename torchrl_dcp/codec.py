@@ -74,11 +74,19 @@ def _is_dtensor(value: Any) -> bool:
     return isinstance(value, DTensor)
 
 
+def tensor_identity(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """Same memory, same view: two tensors with equal identities hold the same values."""
+    if t.numel() == 0 or _is_dtensor(t):
+        return None
+    return (str(t.device), t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
 class _Encoder:
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, shared: Mapping[tuple[Any, ...], tuple[str, str]] | None) -> None:
         self.where = where
         self.tensors: dict[str, Any] = {}
-        self._seen: dict[int, str] = {}
+        self._seen: dict[tuple[Any, ...], str] = {}
+        self._shared = shared or {}
 
     def key(self, path: str) -> str:
         key, n = path or "_", 1
@@ -177,11 +185,23 @@ class _Encoder:
             raise self.fail(path, value, f" (layout {value.layout})")
         if value.is_quantized or value.is_nested:
             raise self.fail(path, value, " (quantized or nested tensor)")
-        alias = self._seen.get(id(value))
+        ident = tensor_identity(value)
+        alias = self._seen.get(ident) if ident is not None else None
         if alias is not None:
             return {"t": "alias", "key": alias}
+        ref = self._shared.get(ident) if ident is not None else None
+        if ref is not None:
+            return {
+                "t": "xref",
+                "component": ref[0],
+                "key": ref[1],
+                "dtype": dtype_name(value.dtype),
+                "shape": list(value.shape),
+                "device": str(value.device),
+            }
         key = self.key(path)
-        self._seen[id(value)] = key
+        if ident is not None:
+            self._seen[ident] = key
         self.tensors[key] = value.detach()
         return {
             "t": "tensor",
@@ -192,18 +212,44 @@ class _Encoder:
         }
 
 
-def encode(value: Any, where: str = "state") -> tuple[Any, dict[str, torch.Tensor]]:
+def encode(
+    value: Any, where: str = "state", shared: Mapping[tuple[Any, ...], tuple[str, str]] | None = None
+) -> tuple[Any, dict[str, torch.Tensor]]:
     """Split ``value`` into a JSON-safe skeleton and a flat ``{key: tensor}`` dict.
 
     Args:
         value: nested state (dicts, sequences, tensors, arrays, JSON scalars, ...).
         where: a name for error messages, e.g. the component name.
+        shared: tensors already stored by other components, by :func:`tensor_identity`, as
+            ``(component, key)``: such a tensor becomes a reference (``xref``), not a copy.
 
     Raises:
         EncodingError: a leaf cannot be stored without pickle (the message names its path).
     """
-    encoder = _Encoder(where)
+    encoder = _Encoder(where, shared)
     return encoder.encode(value, ""), encoder.tensors
+
+
+def xrefs(skeleton: Any) -> Iterator[tuple[str, TensorSpec]]:
+    """Every reference to another component's tensor: ``(component, spec)``."""
+    stack = [skeleton]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            if node.get("t") == "xref":
+                comp, key, shape = node.get("component"), node.get("key"), node.get("shape")
+                if not isinstance(comp, str) or not isinstance(key, str) or not isinstance(shape, list):
+                    raise CheckpointFormatError(f"malformed tensor reference {node!r}")
+                yield comp, TensorSpec(key, tuple(int(s) for s in shape), dtype_from_name(node.get("dtype")), str(node.get("device", "cpu")))
+            else:
+                stack.extend(v for k, v in node.items() if k != "t")
+
+
+def xref_key(component: str, key: str) -> str:
+    """The key under which :func:`decode` looks up a reference to another component's tensor."""
+    return f"@{component}/{key}"
 
 
 def tensor_specs(skeleton: Any) -> Iterator[TensorSpec]:
@@ -252,8 +298,8 @@ def _decode(node: Any, tensors: Mapping[str, Any]) -> Any:
     if isinstance(node, list):
         raise CheckpointFormatError("malformed state skeleton: bare list")
     kind = node["t"]
-    if kind in ("tensor", "dtensor", "alias"):
-        key = node["key"]
+    if kind in ("tensor", "dtensor", "alias", "xref"):
+        key = node["key"] if kind != "xref" else xref_key(node["component"], node["key"])
         if key not in tensors:
             raise CheckpointFormatError(f"the state names tensor {key!r}, which was not loaded")
         return tensors[key]

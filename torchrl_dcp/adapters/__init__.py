@@ -48,11 +48,15 @@ __all__ = [
 
 
 def _register_torchrl_adapters() -> None:
+    from torchrl.collectors import BaseCollector, Collector
     from torchrl.data.replay_buffers import ReplayBuffer
 
+    from torchrl_dcp.adapters.collector import CollectorAdapter, MultiCollectorAdapter
     from torchrl_dcp.adapters.replay_buffer import ReplayBufferAdapter
 
     register_adapter(ReplayBuffer, ReplayBufferAdapter())
+    register_adapter(BaseCollector, MultiCollectorAdapter())
+    register_adapter(Collector, CollectorAdapter())
 
 
 _register_torchrl_adapters()

@@ -1,0 +1,140 @@
+"""Collectors: ``Collector`` exactly, ``MultiSyncCollector`` / ``MultiAsyncCollector`` as far as reachable.
+
+For a single-process ``Collector`` the state is ``collector.state_dict()`` (policy
+weights, env transform state such as ``VecNormV2`` statistics, frame and iteration
+counters, the trajectory-id pool) **plus** what ``state_dict()`` leaves out and
+an exact continuation needs: the in-flight *carrier* (current observation, step
+counters, episode rewards, last policy outputs, trajectory ids) and the state of
+every ``torch.Generator`` / NumPy ``Generator`` the environment owns (e.g.
+``PendulumEnv.rng``). Restoring writes the carrier back in place after the
+trajectory-id pool, so the next batch is the one an uninterrupted run collects.
+
+Multi-process collectors keep carriers, environments and their RNGs inside worker
+processes: only ``state_dict()`` is reachable (per-worker weights, transforms,
+counters). Their next batch after a restore is therefore not the uninterrupted
+one; see docs/components.md.
+
+Example:
+    >>> import torchrl_dcp as tdcp
+    >>> from torchrl_dcp.adapters.collector import CollectorAdapter
+    >>> CollectorAdapter.default_placement
+    'per_rank'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torchrl.collectors import BaseCollector, Collector
+
+from torchrl_dcp.adapters.base import Adapter, AdapterContext
+from torchrl_dcp.adapters.tensordict import tensordict_from_state, tensordict_state
+from torchrl_dcp.errors import IncompatibleComponentError
+
+
+def env_generators(env: Any) -> dict[str, Any]:
+    """Every ``torch.Generator`` and NumPy generator reachable from an env (through wrappers and transforms)."""
+    found: dict[str, Any] = {}
+    seen: set[int] = set()
+
+    def walk(obj: Any, path: str, depth: int) -> None:
+        if id(obj) in seen or depth > 6:
+            return
+        seen.add(id(obj))
+        attrs = dict(getattr(obj, "__dict__", {}))
+        attrs.update(getattr(obj, "_modules", None) or {})
+        for name, value in attrs.items():
+            if isinstance(value, (torch.Generator, np.random.Generator, np.random.RandomState)):
+                found[f"{path}{name}"] = value
+            elif isinstance(value, torch.nn.Module) and name != "policy":
+                walk(value, f"{path}{name}.", depth + 1)  # wrapped envs, transforms (envs are modules)
+            elif isinstance(value, (list, tuple)) and name in ("envs", "_envs"):
+                for i, child in enumerate(value):
+                    walk(child, f"{path}{name}.{i}.", depth + 1)
+
+    walk(env, "", 0)
+    return found
+
+
+def _generator_state(gen: Any) -> Any:
+    if isinstance(gen, torch.Generator):
+        return {"kind": "torch", "state": gen.get_state()}
+    if isinstance(gen, np.random.Generator):
+        return {"kind": "numpy", "state": gen.bit_generator.state}
+    return {"kind": "numpy_legacy", "state": _legacy_state(gen)}
+
+
+def _legacy_state(gen: np.random.RandomState) -> dict[str, Any]:
+    kind, keys, pos, has_gauss, gauss = gen.get_state(legacy=True)
+    return {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)}
+
+
+def _set_generator_state(gen: Any, saved: dict[str, Any]) -> None:
+    if saved["kind"] == "torch":
+        gen.set_state(saved["state"].cpu())
+    elif saved["kind"] == "numpy":
+        gen.bit_generator.state = saved["state"]
+    else:
+        s = saved["state"]
+        gen.set_state((s["kind"], s["keys"].numpy().astype(np.uint32), s["pos"], s["has_gauss"], s["gauss"]))
+
+
+class CollectorAdapter(Adapter):
+    """A single-process ``torchrl.collectors.Collector``, restored so the next batch is identical."""
+
+    adapter_id = "torchrl_dcp.collector"
+    version = 1
+    default_placement = "per_rank"
+
+    def state(self, collector: Collector, ctx: AdapterContext) -> Any:
+        carrier = getattr(collector, "_carrier", None)
+        return {
+            "state_dict": collector.state_dict(),
+            "carrier": None if carrier is None else tensordict_state(carrier),
+            "env_rngs": {name: _generator_state(g) for name, g in env_generators(collector.env).items()},
+        }
+
+    def restore(self, collector: Collector, state: Any, ctx: AdapterContext) -> Any:
+        if ctx.source_rank is not None and ctx.source_rank != ctx.rank:  # world size changed: fresh trajectories
+            return self._restore_fresh(collector, state, ctx)
+        collector.load_state_dict(state["state_dict"])
+        if state["carrier"] is not None:
+            saved = tensordict_from_state(state["carrier"], ctx)
+            carrier = collector._carrier
+            if carrier.batch_size != saved.batch_size:
+                raise IncompatibleComponentError(
+                    f"component {ctx.name!r}: the collector runs {tuple(carrier.batch_size)} envs, the checkpoint "
+                    f"holds {tuple(saved.batch_size)}"
+                )
+            carrier.update(saved, inplace=True)  # existing entries in place (others may hold them), new ones set
+        pool = state["state_dict"].get("traj_pool")
+        if pool is not None:  # load_state_dict allocated a new trajectory id: undo it, the carrier is restored
+            collector._traj_pool.load_state_dict(pool)
+        gens = env_generators(collector.env)
+        for name, saved_gen in state["env_rngs"].items():
+            if name not in gens:
+                raise IncompatibleComponentError(f"component {ctx.name!r}: the env has no generator {name!r} to restore")
+            _set_generator_state(gens[name], saved_gen)
+        return None
+
+    def _restore_fresh(self, collector: Collector, state: Any, ctx: AdapterContext) -> Any:
+        """After a world-size change: transforms, weights and counters; new trajectories, own env RNG."""
+        collector.load_state_dict(state["state_dict"])
+        return None
+
+
+class MultiCollectorAdapter(Adapter):
+    """``MultiSyncCollector`` / ``MultiAsyncCollector``: ``state_dict()`` only (workers hold the rest)."""
+
+    adapter_id = "torchrl_dcp.multi_collector"
+    version = 1
+    default_placement = "per_rank"
+
+    def state(self, collector: BaseCollector, ctx: AdapterContext) -> Any:
+        return collector.state_dict()
+
+    def restore(self, collector: BaseCollector, state: Any, ctx: AdapterContext) -> Any:
+        collector.load_state_dict(state)
+        return None
