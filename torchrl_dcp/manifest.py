@@ -1,21 +1,25 @@
 """The manifest: ``manifest.json``, written last, is what makes a checkpoint exist.
 
 It records the format version, the world size, library versions, every component
-(adapter id and version, placement, JSON state skeleton, per rank where needed),
-every data file with its size and checksum, and user metadata. Readers validate
-it strictly, refuse newer format versions and upgrade older ones through
-registered migrations.
+(adapter id and version, placement, JSON state skeleton, per rank where needed,
+and its tensor inventory), every data file with its size and checksum, and user
+metadata. Readers validate it strictly, refuse newer format versions and upgrade
+older ones step by step through registered migrations (:func:`register_migration`);
+older adapter payloads are upgraded the same way (:func:`register_adapter_migration`).
+See docs/migrations.md.
 
 Example:
     >>> from torchrl_dcp.manifest import FORMAT, FORMAT_VERSION
     >>> FORMAT, FORMAT_VERSION
-    ('torchrl_dcp', 1)
+    ('torchrl_dcp', 2)
 """
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
+import math
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -26,22 +30,165 @@ from torchrl_dcp.placement import PLACEMENTS
 from torchrl_dcp.storage.checksums import file_checksum
 
 FORMAT = "torchrl_dcp"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 30
 
 Migration = Callable[[dict[str, Any]], dict[str, Any]]
+PayloadMigration = Callable[[Any], Any]
 _MIGRATIONS: dict[int, Migration] = {}
+_ADAPTER_MIGRATIONS: dict[tuple[str, int], PayloadMigration] = {}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def register_migration(from_version: int) -> Callable[[Migration], Migration]:
-    """Register ``fn(manifest) -> manifest`` that upgrades ``from_version`` to ``from_version + 1``."""
+    """Register ``fn(manifest) -> manifest`` that upgrades ``from_version`` to ``from_version + 1``.
+
+    The function receives a deep copy (it may edit it in place) and must return the
+    manifest with ``format_version == from_version + 1``.
+
+    Example:
+        >>> from torchrl_dcp.manifest import register_migration
+        >>> @register_migration(2)  # doctest: +SKIP
+        ... def _v2_to_v3(m):
+        ...     m["format_version"] = 3
+        ...     return m
+    """
+    if not _is_int(from_version) or from_version < 1:
+        raise ValueError(f"from_version must be a positive integer, got {from_version!r}")
 
     def wrap(fn: Migration) -> Migration:
         _MIGRATIONS[from_version] = fn
         return fn
 
     return wrap
+
+
+def register_adapter_migration(adapter_id: str, from_version: int) -> Callable[[PayloadMigration], PayloadMigration]:
+    """Register ``fn(state) -> state`` upgrading ``adapter_id``'s payload from ``from_version`` to the next.
+
+    ``state`` is the component's saved state *skeleton* (JSON, see docs/format.md):
+    tensors appear as references ``{"t": "tensor", "key": ..., ...}`` that may be moved,
+    renamed or dropped, never rewritten (the key says where the bytes are). Applied by
+    :meth:`DistributedCheckpoint.load` to each saved state (every rank's, for per_rank
+    components) when the registered adapter is newer than the saved one.
+
+    Example:
+        >>> from torchrl_dcp.manifest import register_adapter_migration, skeleton_dict, make_skeleton_dict
+        >>> @register_adapter_migration("example.counter", 1)
+        ... def _counter_v1_to_v2(state):
+        ...     d = skeleton_dict(state)
+        ...     d["value"] = d.pop("count")  # renamed in v2; the tensor stays where it is
+        ...     return make_skeleton_dict(d)
+    """
+    if not isinstance(adapter_id, str) or not adapter_id or not _is_int(from_version) or from_version < 1:
+        raise ValueError("register_adapter_migration(adapter_id: str, from_version: positive int)")
+
+    def wrap(fn: PayloadMigration) -> PayloadMigration:
+        _ADAPTER_MIGRATIONS[(adapter_id, from_version)] = fn
+        return fn
+
+    return wrap
+
+
+def skeleton_dict(node: Any) -> dict[str, Any]:
+    """A saved dict's skeleton (``{"t": "dict", "items": [[k, v], ...]}``) as a Python dict of skeletons."""
+    if isinstance(node, dict) and node.get("t") in ("dict", "odict") and isinstance(node.get("items"), list):
+        return {k: v for k, v in node["items"]}
+    raise CheckpointFormatError(f"expected a dict skeleton, found {str(node)[:80]!r}")
+
+
+def make_skeleton_dict(mapping: dict[str, Any]) -> dict[str, Any]:
+    """The skeleton of a plain dict whose values are skeletons (inverse of :func:`skeleton_dict`)."""
+    return {"t": "dict", "items": [[k, v] for k, v in mapping.items()]}
+
+
+def migrate_component(name: str, record: dict[str, Any], target_version: int, source: Any = None) -> dict[str, Any]:
+    """A copy of the component ``record`` whose payload is upgraded to ``target_version``.
+
+    Raises:
+        CheckpointVersionError: a step of the chain is not registered, or the saved
+            payload is newer than ``target_version``.
+    """
+    adapter_id, version = record["adapter"], record["adapter_version"]
+    if version > target_version:
+        raise CheckpointVersionError(
+            f"component {name!r} was saved with {adapter_id!r} v{version}, the registered adapter reads up to "
+            f"v{target_version}: upgrade the library that provides it",
+            path=source,
+        )
+    out = copy.deepcopy(record)
+    while out["adapter_version"] < target_version:
+        current = out["adapter_version"]
+        fn = _ADAPTER_MIGRATIONS.get((adapter_id, current))
+        if fn is None:
+            raise CheckpointVersionError(
+                f"component {name!r} was saved with {adapter_id!r} v{current} and the registered adapter is "
+                f"v{target_version}, but no migration from v{current} is registered "
+                "(torchrl_dcp.manifest.register_adapter_migration)",
+                path=source,
+            )
+        try:
+            if out["placement"] == "per_rank":
+                for state in out["ranks"].values():
+                    state["state"] = fn(state["state"])
+            else:
+                out["state"] = fn(out["state"])
+        except Exception as err:
+            raise CheckpointFormatError(
+                f"component {name!r}: migrating {adapter_id!r} v{current} -> v{current + 1} failed "
+                f"({type(err).__name__}: {err})",
+                path=source,
+            ) from err
+        out["adapter_version"] = current + 1
+    out["inventory"] = component_inventory(name, out)
+    return out
+
+
+def component_inventory(name: str, record: dict[str, Any]) -> dict[str, Any]:
+    """``{dcp_key: {"dtype", "shape"}}`` of every tensor a component record's states name (all ranks)."""
+    from torchrl_dcp.codec import dtype_name, tensor_specs
+    from torchrl_dcp.placement import key_prefix
+
+    placement = record["placement"]
+    if placement == "per_rank":
+        states = [(int(r), s["state"]) for r, s in sorted(record["ranks"].items(), key=lambda kv: int(kv[0]))]
+    else:
+        states = [(0, record["state"])]
+    inventory: dict[str, Any] = {}
+    for rank, state in states:
+        prefix = key_prefix(placement, name, rank)
+        for spec in sorted(tensor_specs(state), key=lambda s: s.key):
+            inventory[f"{prefix}/{spec.key}"] = {"dtype": dtype_name(spec.dtype), "shape": list(spec.shape)}
+    return inventory
+
+
+def _with_inventory(name: str, record: dict[str, Any]) -> dict[str, Any]:
+    from torchrl_dcp.codec import dtype_from_name
+
+    record["inventory"] = component_inventory(name, record)
+    record["num_tensors"] = len(record["inventory"])
+    record["nbytes"] = sum(
+        math.prod(t["shape"]) * dtype_from_name(t["dtype"]).itemsize for t in record["inventory"].values()
+    )
+    return record
+
+
+@register_migration(1)
+def _v1_to_v2(manifest: dict[str, Any]) -> dict[str, Any]:
+    """v2 adds each component's tensor ``inventory`` and counts ``num_tensors``/``nbytes`` over every rank."""
+    components = manifest.get("components")
+    for name, record in (components.items() if isinstance(components, dict) else ()):
+        if isinstance(record, dict):
+            try:
+                _with_inventory(name, record)
+            except (KeyError, TypeError, AttributeError, ValueError) as err:
+                raise CheckpointFormatError(f"malformed v1 component {name!r}: {err}") from None
+    manifest["format_version"] = 2
+    return manifest
 
 
 def library_versions() -> dict[str, str]:
@@ -67,6 +214,7 @@ def new_manifest(
     metadata: dict[str, Any],
     step: int | None,
 ) -> dict[str, Any]:
+    components = {name: _with_inventory(name, dict(rec)) for name, rec in components.items()}
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -104,11 +252,16 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
         )
     if path.stat().st_size > MAX_MANIFEST_BYTES:
         raise CheckpointFormatError("manifest is implausibly large", path=path)
+    return loads_manifest(path.read_bytes(), path)
+
+
+def loads_manifest(data: bytes, source: Any) -> dict[str, Any]:
+    """Decode, validate and migrate manifest bytes (from a directory or an archive member)."""
     try:
-        raw = json.loads(path.read_bytes(), parse_constant=_refuse_constant)
+        raw = json.loads(data, parse_constant=_refuse_constant)
     except (ValueError, UnicodeDecodeError, RecursionError) as err:
-        raise CheckpointFormatError(f"manifest is not valid JSON ({err})", path=path) from None
-    return parse_manifest(raw, path)
+        raise CheckpointFormatError(f"manifest is not valid JSON ({err})", path=source) from None
+    return parse_manifest(raw, source)
 
 
 def _refuse_constant(name: str) -> Any:
@@ -130,20 +283,24 @@ def parse_manifest(raw: Any, source: Any) -> dict[str, Any]:
             "upgrade torchrl_dcp to load it",
             path=source,
         )
+    if version < FORMAT_VERSION:
+        raw = copy.deepcopy(raw)
     while raw["format_version"] < FORMAT_VERSION:
         current = raw["format_version"]
         migration = _MIGRATIONS.get(current)
         if migration is None:
-            raise CheckpointVersionError(f"no migration from format version {current}", path=source)
-        raw = migration(raw)
-        if raw.get("format_version") != current + 1:
+            raise CheckpointVersionError(
+                f"format version {current} is older than {FORMAT_VERSION} and no migration from it is registered",
+                path=source,
+            )
+        try:
+            raw = migration(raw)
+        except CheckpointFormatError as err:
+            raise CheckpointFormatError(f"migrating format version {current}: {err.message}", path=source) from None
+        if not isinstance(raw, dict) or raw.get("format_version") != current + 1:
             raise CheckpointVersionError(f"migration from format version {current} did not upgrade it", path=source)
     _validate(raw, source)
     return raw
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _validate(m: dict[str, Any], source: Any) -> None:
@@ -181,6 +338,16 @@ def _validate(m: dict[str, Any], source: Any) -> None:
                     raise bad(f"components[{name!r}].ranks[{r}] needs a state")
         elif "state" not in rec:
             raise bad(f"components[{name!r}] needs a state")
+        inventory = rec.get("inventory")
+        if not isinstance(inventory, dict) or not all(
+            isinstance(k, str)
+            and isinstance(t, dict)
+            and isinstance(t.get("dtype"), str)
+            and isinstance(t.get("shape"), list)
+            and all(_is_int(d) and d >= 0 for d in t["shape"])
+            for k, t in inventory.items()
+        ):
+            raise bad(f"components[{name!r}].inventory must map tensor keys to {{dtype, shape}}")
 
 
 def check_files(

@@ -14,6 +14,7 @@ from typing import Any
 
 from torchrl_dcp.codec import tensor_specs
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
+from torchrl_dcp.manifest import MANIFEST, component_inventory
 from torchrl_dcp.placement import key_prefix
 from torchrl_dcp.storage.filesystem import DCP_METADATA
 from torchrl_dcp.storage.source import open_source
@@ -43,6 +44,10 @@ def verify(path: str | os.PathLike) -> dict[str, Any]:
                 if rec["placement"] == "per_rank"
                 else [(0, rec["state"])]
             )
+            if rec["inventory"] != component_inventory(name, rec):
+                raise CheckpointIntegrityError(
+                    f"component {name!r}: the tensor inventory disagrees with its saved state", path=root / MANIFEST
+                )
             for r, skeleton in states:
                 prefix = key_prefix(rec["placement"], name, r)
                 for spec in tensor_specs(skeleton):

@@ -1,0 +1,281 @@
+"""Format and adapter-payload migrations: the committed v1 fixture loads through the chain."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import torchrl_dcp as tdcp
+from torchrl_dcp import manifest as mf
+from torchrl_dcp.manifest import make_skeleton_dict, register_adapter_migration, skeleton_dict
+
+FIXTURE = Path(__file__).parent / "fixtures" / "v1_checkpoint"
+
+
+@pytest.fixture(autouse=True)
+def _isolated_registries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Migrations registered by a test vanish after it."""
+    monkeypatch.setattr(mf, "_MIGRATIONS", dict(mf._MIGRATIONS))
+    monkeypatch.setattr(mf, "_ADAPTER_MIGRATIONS", dict(mf._ADAPTER_MIGRATIONS))
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.value, self.label, self.unit = -1, "", ""
+
+
+class CounterAdapterV2(tdcp.Adapter):
+    """v2 payload: ``{"value": tensor, "label": str, "unit": str}`` (v1 had ``count`` and no unit)."""
+
+    adapter_id = "tests.counter"
+    version = 2
+
+    def state(self, obj: Counter, ctx: Any) -> Any:
+        return {"value": torch.tensor([obj.value]), "label": obj.label, "unit": obj.unit}
+
+    def restore(self, obj: Counter, state: Any, ctx: Any) -> None:
+        obj.value, obj.label, obj.unit = int(state["value"][0]), state["label"], state["unit"]
+
+
+def register_counter_v1_to_v2() -> None:
+    @register_adapter_migration("tests.counter", 1)
+    def _counter_v1_to_v2(state: Any) -> Any:
+        d = skeleton_dict(state)
+        d["value"] = d.pop("count")  # the tensor reference moves; its bytes stay where they are
+        d["unit"] = "steps"
+        return make_skeleton_dict(d)
+
+
+def fresh(counter_adapter: tdcp.Adapter | None = None) -> tuple[tdcp.DistributedCheckpoint, dict[str, Any]]:
+    objs: dict[str, Any] = {
+        "policy": torch.nn.Linear(3, 2),
+        "stats": {},
+        "counter": Counter(),
+        "episode": {"return": torch.zeros(2)},
+    }
+    torch.nn.init.zeros_(objs["policy"].weight)
+    ckpt = tdcp.DistributedCheckpoint(policy=objs["policy"], stats=objs["stats"])
+    ckpt.register("counter", objs["counter"], adapter=counter_adapter or CounterAdapterV2())
+    ckpt.register("episode", objs["episode"], placement="per_rank")
+    return ckpt, objs
+
+
+def copy_fixture(tmp_path: Path) -> Path:
+    dst = tmp_path / "v1"
+    shutil.copytree(FIXTURE, dst)
+    return dst
+
+
+def edit_manifest(path: Path, **fields: Any) -> None:
+    m = json.loads((path / "manifest.json").read_text())
+    m.update(fields)
+    (path / "manifest.json").write_text(json.dumps(m))
+
+
+def test_fixture_really_is_format_v1() -> None:
+    raw = json.loads((FIXTURE / "manifest.json").read_text())
+    assert raw["format_version"] == 1
+    assert all("inventory" not in rec for rec in raw["components"].values())
+    assert raw["components"]["counter"]["adapter_version"] == 1
+    assert sum(f.stat().st_size for f in FIXTURE.iterdir()) < 16_000  # stays tiny
+
+
+def test_v1_to_v2_adds_the_tensor_inventory_a_fresh_save_writes(tmp_path: Path) -> None:
+    m = tdcp.read_manifest(FIXTURE)
+    assert m["format_version"] == mf.FORMAT_VERSION == 2
+    assert m["components"]["policy"]["inventory"] == {
+        "replicated/policy/bias": {"dtype": "float32", "shape": [2]},
+        "replicated/policy/weight": {"dtype": "float32", "shape": [2, 3]},
+    }
+    assert m["components"]["episode"]["inventory"] == {"rank/0/episode/return": {"dtype": "float32", "shape": [2]}}
+    assert m["components"]["counter"]["inventory"] == {"replicated/counter/count": {"dtype": "int64", "shape": [1]}}
+    assert m["components"]["stats"]["inventory"] == {} and m["components"]["stats"]["num_tensors"] == 0
+    assert m["components"]["policy"]["nbytes"] == 32 and m["components"]["policy"]["num_tensors"] == 2
+    # the migrated inventory equals what the v2 writer records for the same objects
+    ckpt, _ = fresh()
+    path = ckpt.save(tmp_path / "v2")
+    written = json.loads((path / "manifest.json").read_text())
+    assert written["format_version"] == 2
+    for name in ("policy", "episode", "stats"):
+        assert written["components"][name]["inventory"] == m["components"][name]["inventory"]
+    # migration works on a copy: parsing twice gives the same answer
+    raw = json.loads((FIXTURE / "manifest.json").read_text())
+    mf.parse_manifest(raw, "x")
+    assert raw["format_version"] == 1 and "inventory" not in raw["components"]["policy"]
+
+
+def test_v1_fixture_loads_through_the_chain_into_objects() -> None:
+    register_counter_v1_to_v2()
+    ckpt, objs = fresh()
+    result = ckpt.load(FIXTURE)
+    assert result.loaded == {"policy", "stats", "counter", "episode"}
+    torch.manual_seed(0)
+    expected = torch.nn.Linear(3, 2)  # what the fixture generator saved
+    assert torch.equal(objs["policy"].weight, expected.weight) and torch.equal(objs["policy"].bias, expected.bias)
+    assert objs["stats"] == {"episodes": 3, "name": "v1"}
+    c = objs["counter"]
+    assert (c.value, c.label, c.unit) == (41, "forty-one", "steps")
+    assert torch.equal(objs["episode"]["return"], torch.tensor([1.5, -2.0]))
+    assert result.step == 7 and result.manifest["metadata"]["reward"] == 1.25
+    assert result.manifest["format_version"] == 2
+    assert tdcp.verify(FIXTURE)["tensors"] == 4
+
+
+def test_missing_payload_migration_makes_the_component_incompatible() -> None:
+    ckpt, objs = fresh()
+    result = ckpt.load(FIXTURE, strict="ignore")
+    assert "counter" in result.incompatible and "no migration from v1" in result.incompatible["counter"]
+    assert "policy" in result.loaded and objs["counter"].value == -1
+    with pytest.raises(tdcp.IncompatibleComponentError, match="no migration from v1"):
+        fresh()[0].load(FIXTURE)
+
+
+def test_format_migrations_run_step_by_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[int] = []
+    v1_to_v2 = mf._MIGRATIONS[1]
+
+    def record_1(m: dict[str, Any]) -> dict[str, Any]:
+        seen.append(m["format_version"])
+        return v1_to_v2(m)
+
+    @mf.register_migration(2)
+    def record_2(m: dict[str, Any]) -> dict[str, Any]:
+        seen.append(m["format_version"])
+        m["metadata"]["upgraded_to_3"] = True
+        m["format_version"] = 3
+        return m
+
+    mf.register_migration(1)(record_1)
+    monkeypatch.setattr(mf, "FORMAT_VERSION", 3)
+    m = tdcp.read_manifest(FIXTURE)
+    assert seen == [1, 2] and m["format_version"] == 3 and m["metadata"]["upgraded_to_3"] is True
+    assert "inventory" in m["components"]["policy"]  # the v1 -> v2 step ran first
+
+
+def test_newer_format_is_refused_with_a_clear_error(tmp_path: Path) -> None:
+    path = copy_fixture(tmp_path)
+    edit_manifest(path, format_version=3)
+    with pytest.raises(tdcp.CheckpointVersionError, match="format version 3.*reads up to 2.*upgrade torchrl_dcp"):
+        tdcp.read_manifest(path)
+    with pytest.raises(tdcp.CheckpointVersionError):
+        fresh()[0].load(path)
+
+
+def test_missing_or_broken_format_migration_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    del mf._MIGRATIONS[1]
+    with pytest.raises(tdcp.CheckpointVersionError, match="no migration from it is registered"):
+        tdcp.read_manifest(FIXTURE)
+    mf.register_migration(1)(lambda m: m)  # forgets to bump the version
+    with pytest.raises(tdcp.CheckpointVersionError, match="did not upgrade it"):
+        tdcp.read_manifest(FIXTURE)
+
+
+class ScoreAdapter(tdcp.Adapter):
+    """A test-local adapter whose payload changed twice: v1 ``{"s": t}``, v2 ``{"score": t}``, v3 adds ``"scale"``."""
+
+    adapter_id = "tests.score"
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+
+    def state(self, obj: dict[str, Any], ctx: Any) -> Any:
+        key = "s" if self.version == 1 else "score"
+        out: dict[str, Any] = {key: obj["score"].clone()}
+        if self.version >= 3:
+            out["scale"] = obj.get("scale", 1.0)
+        return out
+
+    def restore(self, obj: dict[str, Any], state: Any, ctx: Any) -> None:
+        obj["score"] = state["score"] * state["scale"]
+
+
+def test_payload_migrations_chain_v1_to_v3_for_replicated_and_per_rank(tmp_path: Path) -> None:
+    calls: list[str] = []
+
+    @register_adapter_migration("tests.score", 1)
+    def _v1_to_v2(state: Any) -> Any:
+        calls.append("1->2")
+        d = skeleton_dict(state)
+        return make_skeleton_dict({"score": d["s"]})
+
+    @register_adapter_migration("tests.score", 2)
+    def _v2_to_v3(state: Any) -> Any:
+        calls.append("2->3")
+        return make_skeleton_dict({**skeleton_dict(state), "scale": 2.0})
+
+    saved = {"score": torch.tensor([1.0, 3.0])}
+    mine = {"score": torch.tensor([5.0])}
+    old = tdcp.DistributedCheckpoint()
+    old.register("shared", saved, adapter=ScoreAdapter(1))
+    old.register("mine", mine, adapter=ScoreAdapter(1), placement="per_rank")
+    path = old.save(tmp_path / "c")
+    assert tdcp.read_manifest(path)["components"]["shared"]["adapter_version"] == 1
+
+    shared, own = {}, {}
+    new = tdcp.DistributedCheckpoint()
+    new.register("shared", shared, adapter=ScoreAdapter(3))
+    new.register("mine", own, adapter=ScoreAdapter(3), placement="per_rank")
+    result = new.load(path)
+    assert result.loaded == {"shared", "mine"} and calls == ["1->2", "2->3", "1->2", "2->3"]
+    assert torch.equal(shared["score"], torch.tensor([2.0, 6.0])) and torch.equal(own["score"], torch.tensor([10.0]))
+    # only the v2 step is needed for a v2 reader
+    calls.clear()
+    two: dict[str, Any] = {}
+    ckpt = tdcp.DistributedCheckpoint()
+    ckpt.register("shared", two, adapter=ScoreAdapter(2))
+
+    class V2(ScoreAdapter):
+        def restore(self, obj: dict[str, Any], state: Any, ctx: Any) -> None:
+            obj["score"] = state["score"]
+
+    ckpt._components["shared"].adapter = V2(2)
+    ckpt.load(path, components=["shared"])
+    assert calls == ["1->2"] and torch.equal(two["score"], torch.tensor([1.0, 3.0]))
+
+
+def test_newer_payload_and_failing_migration_are_reported(tmp_path: Path) -> None:
+    data = {"score": torch.tensor([1.0])}
+    path = tdcp.DistributedCheckpoint().register("x", data, adapter=ScoreAdapter(3)).save(tmp_path / "c")
+    result = tdcp.DistributedCheckpoint().register("x", {}, adapter=ScoreAdapter(2)).load(path, strict="ignore")
+    assert "v3" in result.incompatible["x"] and "reads up to v2" in result.incompatible["x"]
+
+    path = tdcp.DistributedCheckpoint().register("x", data, adapter=ScoreAdapter(1)).save(tmp_path / "d")
+
+    @register_adapter_migration("tests.score", 1)
+    def _broken(state: Any) -> Any:
+        raise KeyError("nope")
+
+    result = tdcp.DistributedCheckpoint().register("x", {}, adapter=ScoreAdapter(2)).load(path, strict="ignore")
+    assert "v1 -> v2 failed" in result.incompatible["x"] and "KeyError" in result.incompatible["x"]
+
+
+def test_version_skew_is_reported_and_logged_not_fatal(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = copy_fixture(tmp_path)
+    m = json.loads((path / "manifest.json").read_text())
+    m["versions"]["torch"] = "2.0.0"
+    m["versions"]["torchrl"] = "0.1.0"
+    (path / "manifest.json").write_text(json.dumps(m))
+    register_counter_v1_to_v2()
+    ckpt, objs = fresh()
+    with caplog.at_level(logging.WARNING, logger="torchrl_dcp"):
+        result = ckpt.load(path)
+    assert result.loaded == {"policy", "stats", "counter", "episode"}
+    assert result.version_skew
+    assert result.comparison["versions"]["torch"] == {"checkpoint": "2.0.0", "runtime": torch.__version__, "matches": False}
+    assert result.comparison["versions"]["tensordict"]["matches"] is True
+    assert "torch 2.0.0 -> " in caplog.text and "torchrl 0.1.0 -> " in caplog.text
+
+
+def test_registration_arguments_are_checked() -> None:
+    with pytest.raises(ValueError):
+        mf.register_migration(0)
+    with pytest.raises(ValueError):
+        register_adapter_migration("", 1)
+    with pytest.raises(tdcp.CheckpointFormatError, match="expected a dict skeleton"):
+        skeleton_dict({"t": "list", "items": []})
