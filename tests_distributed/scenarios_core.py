@@ -113,24 +113,25 @@ def save_and_die(path: str, seed: int, phase: str) -> None:
     objs = _objects(seed)
     ckpt = _checkpoint(objs)
     if dist.get_rank() == 1:
-        if phase == "write":
-            from torch.distributed.checkpoint import FileSystemWriter
+        import torchrl_dcp.storage.writer as writer
 
-            original = FileSystemWriter.write_data
+        if phase == "write":  # killed in the middle of writing its data file
+            original_pwrite = writer._pwrite_all
 
-            def write_and_die(self, plan, planner):  # type: ignore[no-untyped-def]
-                fut = original(self, plan, planner)
-                fut.wait()
+            def write_and_die(fd, data, offset):  # type: ignore[no-untyped-def]
+                original_pwrite(fd, data, offset)
                 os.kill(os.getpid(), signal.SIGKILL)
 
-            FileSystemWriter.write_data = write_and_die
-        elif phase == "checksum":
+            writer._pwrite_all = write_and_die
+        elif phase == "checksum":  # killed after its file is written and checksummed, before reporting it
+            original_share = core.write_share
 
-            def die(p: Path) -> dict[str, Any]:
+            def die(*args, **kwargs):  # type: ignore[no-untyped-def]
+                original_share(*args, **kwargs)
                 os.kill(os.getpid(), signal.SIGKILL)
                 raise AssertionError
 
-            core.describe_file = die
+            core.write_share = die
     ckpt.save(path, step=2)
 
 
