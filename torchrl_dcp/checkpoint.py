@@ -31,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from torchrl_dcp import _dist
+from torchrl_dcp.async_save import AsyncSaver, SaveHandle
 from torchrl_dcp.adapters import Adapter, AdapterContext, CheckpointOptions, resolve_adapter
 from torchrl_dcp.codec import TensorSpec, decode, encode, tensor_identity, tensor_specs, xref_key, xrefs
 from torchrl_dcp.errors import (
@@ -104,6 +105,7 @@ class _SaveJob:
     group: Any
     rank: int
     world_size: int
+    stage_event: Any = None  # CUDA event the async writer waits for before reading staged tensors
 
 
 @dataclass
@@ -145,6 +147,7 @@ class DistributedCheckpoint:
         self.timeout = timeout
         self._components: dict[str, _Registration] = {}
         self._local_adapters: dict[type, Adapter] = {}
+        self._async = AsyncSaver()
         for name, value in components.items():
             self.register(name, value)
 
@@ -264,6 +267,59 @@ class DistributedCheckpoint:
         Returns:
             The absolute checkpoint path.
         """
+        self._async.wait_pending()
+        return self._write_and_commit(self._prepare_save(path, step, metadata, components, component_options))
+
+    def async_save(
+        self,
+        path: str | os.PathLike,
+        *,
+        step: int | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        components: Collection[str] | None = None,
+        component_options: Mapping[str, CheckpointOptions] | None = None,
+        stage_memmap: bool = False,
+    ) -> SaveHandle:
+        """Like :meth:`save`, but return once the state is staged in host memory (collective).
+
+        Tensors are copied into host buffers reused from the previous save (pinned, on
+        a side CUDA stream, for GPU tensors); a background thread then writes and
+        commits the checkpoint atomically. One save is in flight at a time: the next
+        ``save``/``async_save``/``load`` waits for it first, and re-raises its failure.
+
+        Args:
+            stage_memmap: also copy tensors backed by memory-mapped files (replay
+                buffers on ``LazyMemmapStorage``); by default they are written from the
+                file in place, so entries written to them meanwhile may or may not be saved.
+
+        Returns:
+            A :class:`SaveHandle`: ``wait()`` returns the path or raises a
+            :class:`CheckpointError` on every rank; ``done()`` polls.
+
+        Example:
+            >>> import tempfile, torch, torchrl_dcp as tdcp
+            >>> ckpt = tdcp.DistributedCheckpoint(model=torch.nn.Linear(2, 2))
+            >>> handle = ckpt.async_save(tempfile.mkdtemp() + "/c", step=3)
+            >>> handle.wait().name
+            'c'
+        """
+        self._async.wait_pending()
+        job = self._prepare_save(
+            path, step, metadata, components, component_options, stage=lambda f: self._async.stage(f, stage_memmap=stage_memmap)
+        )
+        event, job.stage_event = job.stage_event, None
+        return self._async.submit(job.destination, job.step, lambda: self._write_and_commit(job), event)
+
+    def _prepare_save(
+        self,
+        path: str | os.PathLike,
+        step: int | None,
+        metadata: Mapping[str, Any] | None,
+        components: Collection[str] | None,
+        component_options: Mapping[str, CheckpointOptions] | None,
+        stage: Any = None,
+    ) -> _SaveJob:
+        """Select, encode (and stage) on every rank; any rank's failure raises on all (collective)."""
         destination = Path(path).expanduser().absolute()
         names = self._select(components, self.save_components)
         options = dict(component_options or {})
@@ -276,16 +332,20 @@ class DistributedCheckpoint:
         group = _dist.checkpoint_group(self.timeout)
         rank, world = _dist.rank(), _dist.world_size()
 
+        stage_event = None
         # 1. encode locally; every rank learns of any rank's failure before anything is written
         try:
             records, flat = self._encode(names, options, rank)
+            if stage is not None:
+                flat, stage_event = stage(flat)
             _check_json(metadata, "metadata")
             error = None
         except Exception as err:  # reported collectively below
             records, flat, error = {}, {}, err
         _raise_first(_dist.all_gather(_describe_error(error), group), "encoding the state", error)
         job = _SaveJob(destination, names, records, flat, metadata, step, group, rank, world)
-        return self._write_and_commit(job)
+        job.stage_event = stage_event
+        return job
 
     def _write_and_commit(self, job: _SaveJob) -> Path:
         """Steps after encoding: staging directory, DCP write, checksums, manifest, publish (collective)."""
@@ -440,6 +500,7 @@ class DistributedCheckpoint:
             A :class:`LoadResult`. Tensors are read into fresh buffers and copied into
             the live objects only after every read succeeded.
         """
+        self._async.wait_pending()  # never interleave with a background save's collectives
         strict = self.strict if strict is None else strict
         _check_strict(strict)
         if world_size_change != "error":

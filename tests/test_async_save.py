@@ -1,0 +1,211 @@
+"""Async saves (content, failures, atomicity, buffer reuse) and the fast writer's DCP compatibility."""
+
+from __future__ import annotations
+
+import io
+import threading
+import zipfile
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import torchrl_dcp as tdcp
+import torchrl_dcp.checkpoint as core
+from torchrl_dcp.async_save import SaveHandle
+from torchrl_dcp.storage import writer as W
+from torchrl_dcp.storage.checksums import file_checksum
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "big": torch.randn(600_000, generator=g),  # > 1 MiB: split into chunks, written by several threads
+        "small": torch.randn(3, 4, generator=g),
+        "ints": torch.arange(10),
+        "flags": torch.tensor([True, False, True]),
+        "half": torch.randn(5, generator=g).bfloat16(),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 3),
+        "view": torch.arange(40.0).reshape(4, 10)[:, 3],  # non-contiguous view of a larger storage
+    }
+
+
+def _load(path: Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    target = {k: torch.zeros_like(v) for k, v in like.items()}
+    tdcp.DistributedCheckpoint(state=target).load(path)
+    return target
+
+
+# ---------------------------------------------------------------------- writer
+@pytest.mark.parametrize(
+    "dtype,shape",
+    [(torch.float32, (2, 3)), (torch.int64, ()), (torch.bool, (5,)), (torch.bfloat16, (3, 0, 2)), (torch.uint8, (70_000,))],
+)
+def test_blob_is_what_torch_save_writes(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    t = (torch.arange(int(torch.tensor(shape).prod().item()) if shape else 1) % 7).to(dtype).reshape(shape)
+    ref = io.BytesIO()
+    torch.save(t, ref)
+    assert zipfile.ZipFile(io.BytesIO(ref.getvalue())).read("archive/data.pkl") == W._data_pickle(dtype, shape, t.numel())
+    data = W.tensor_bytes(t)
+    head, tail = W._template(dtype, shape).parts(zlib.crc32(data))
+    blob = head + bytes(data) + tail
+    assert zipfile.ZipFile(io.BytesIO(blob)).testzip() is None  # every record's CRC is right
+    assert torch.equal(torch.load(io.BytesIO(blob), weights_only=True), t)
+
+
+def test_crc32_combine_matches_zlib_with_and_without_libz(monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = b"abc" * 100, bytes(range(256)) * 50
+    assert W.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    monkeypatch.setattr(W, "_COMBINE", None)
+    assert W.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_files_load_with_plain_dcp_and_inline_checksums_match(tmp_path: Path, threads: int) -> None:
+    flat = _state()
+    out = W.write_state(flat, tmp_path, group=None, rank=0, world_size=1, threads=threads)
+    for name, record in out.files.items():
+        assert record == {"size": (tmp_path / name).stat().st_size, "checksum": file_checksum(tmp_path / name)}
+    dest = {k: torch.empty_like(v) for k, v in flat.items()}
+    dcp.load(dest, checkpoint_id=str(tmp_path), no_dist=True)
+    for k, v in flat.items():
+        assert torch.equal(dest[k], v), k
+
+
+def test_assign_writers_balances_shared_keys_and_refuses_mismatches() -> None:
+    per_rank = [[(f"rank/{r}/x", "torch.float32", (4,), 16)] for r in range(2)]
+    shared = [(f"replicated/w{i}", "torch.float32", (100,), 400) for i in range(6)]
+    owner = W.assign_writers([per_rank[0] + shared, per_rank[1] + shared])
+    assert owner["rank/0/x"] == 0 and owner["rank/1/x"] == 1
+    assert sorted(owner[k] for k, *_ in shared) == [0, 0, 0, 1, 1, 1]
+    with pytest.raises(ValueError, match="replicated/w0"):
+        W.assign_writers([shared, [("replicated/w0", "torch.float64", (100,), 800)]])
+
+
+# ---------------------------------------------------------------------- async save
+def test_async_content_is_identical_to_a_sync_save(tmp_path: Path) -> None:
+    state = _state()
+    ckpt = tdcp.DistributedCheckpoint(state=state, stats={"episodes": 3})
+    sync = ckpt.save(tmp_path / "sync", step=1)
+    handle = ckpt.async_save(tmp_path / "async", step=1)
+    assert isinstance(handle, SaveHandle)
+    assert handle.wait() == tmp_path / "async" and handle.done()
+    for name in tdcp.read_manifest(sync)["files"]:
+        if name != ".metadata":  # metadata differs only by checkpoint path and save id
+            assert (sync / name).read_bytes() == (tmp_path / "async" / name).read_bytes(), name
+    tdcp.verify(tmp_path / "async")
+    loaded = _load(tmp_path / "async", state)
+    for k, v in state.items():
+        assert torch.equal(loaded[k], v), k
+
+
+def test_async_save_holds_the_state_at_the_call(tmp_path: Path) -> None:
+    model = torch.nn.Linear(64, 64)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ckpt = tdcp.DistributedCheckpoint(model=model)
+    handle = ckpt.async_save(tmp_path / "c", step=1)
+    with torch.no_grad():  # the training loop moves on while the save is written
+        for p in model.parameters():
+            p.add_(1.0)
+    handle.wait()
+    fresh = torch.nn.Linear(64, 64)
+    tdcp.DistributedCheckpoint(model=fresh).load(tmp_path / "c")
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_staging_buffers_are_reused_across_saves(tmp_path: Path) -> None:
+    state = {"w": torch.randn(1000), "b": torch.randn(10)}
+    ckpt = tdcp.DistributedCheckpoint(state=state)
+    ckpt.async_save(tmp_path / "a").wait()
+    ptrs = {k: b.data_ptr() for k, b in ckpt._async._buffers.items()}
+    assert len(ptrs) == 2 and all(p != state[k.split("/")[-1]].data_ptr() for k, p in ptrs.items())
+    state["w"].add_(1)
+    ckpt.async_save(tmp_path / "b").wait()
+    assert {k: b.data_ptr() for k, b in ckpt._async._buffers.items()} == ptrs
+    assert torch.equal(_load(tmp_path / "b", state)["w"], state["w"])
+
+
+def test_memmap_tensors_are_written_in_place_without_staging(tmp_path: Path) -> None:
+    from tensordict import MemoryMappedTensor
+
+    mm = MemoryMappedTensor.from_tensor(torch.arange(1000.0), filename=tmp_path / "buf.memmap")
+    ram = torch.arange(10.0)
+    staged, _ = core.AsyncSaver().stage({"mm": mm, "ram": ram})
+    assert staged["mm"].data_ptr() == mm.data_ptr()
+    assert staged["ram"].data_ptr() != ram.data_ptr()
+    copied, _ = core.AsyncSaver().stage({"mm": mm}, stage_memmap=True)
+    assert copied["mm"].data_ptr() != mm.data_ptr()
+    ckpt = tdcp.DistributedCheckpoint(state={"mm": mm})
+    ckpt.async_save(tmp_path / "c").wait()
+    assert torch.equal(_load(tmp_path / "c", {"mm": torch.zeros(1000)})["mm"], torch.arange(1000.0))
+
+
+def _failing_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(core, "write_share", fail)
+
+
+def test_background_failure_raises_at_wait_and_keeps_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = {"w": torch.ones(100)}
+    ckpt = tdcp.DistributedCheckpoint(state=state)
+    path = ckpt.save(tmp_path / "c", step=1)
+    before = (path / "manifest.json").read_bytes()
+    _failing_write(monkeypatch)
+    state["w"].add_(1)
+    handle = ckpt.async_save(path, step=2)
+    with pytest.raises(tdcp.CheckpointError, match="No space left"):
+        handle.wait()
+    assert isinstance(handle.exception(), tdcp.CheckpointError)
+    assert (path / "manifest.json").read_bytes() == before  # commit is atomic: the old one stands
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # staging removed
+    monkeypatch.undo()
+    assert torch.equal(_load(path, state)["w"], torch.ones(100))
+    ckpt.async_save(path, step=3).wait()  # the failure was reported once; saving works again
+    assert tdcp.read_manifest(path)["step"] == 3
+
+
+def test_background_failure_raises_at_the_next_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ckpt = tdcp.DistributedCheckpoint(state={"w": torch.ones(3)})
+    _failing_write(monkeypatch)
+    ckpt.async_save(tmp_path / "a")  # never waited on
+    with pytest.raises(tdcp.CheckpointError, match="No space left"):
+        ckpt.save(tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    _failing_write(monkeypatch)
+    ckpt.async_save(tmp_path / "a")
+    with pytest.raises(tdcp.CheckpointError, match="No space left"):
+        ckpt.async_save(tmp_path / "b")
+
+
+def test_one_save_in_flight_the_next_waits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    release, order = threading.Event(), []
+    original = core.write_share
+
+    def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
+        order.append(args[2].name)
+        release.wait(30)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(core, "write_share", slow)
+    ckpt = tdcp.DistributedCheckpoint(state={"w": torch.ones(3)})
+    first = ckpt.async_save(tmp_path / "a")
+    assert not first.done()
+    threading.Timer(0.2, release.set).start()
+    second = ckpt.async_save(tmp_path / "b")  # blocks until the first committed
+    assert first.done() and first.wait() == tmp_path / "a"
+    second.wait()
+    assert len(order) == 2 and order[0].startswith(".a.") and order[1].startswith(".b.")
+    with pytest.raises(TimeoutError):
+        release.clear()
+        ckpt.async_save(tmp_path / "c").wait(timeout=0.01)
+    release.set()
+    ckpt.load(tmp_path / "b")  # a load waits for the save in flight too
+    assert (tmp_path / "c" / "manifest.json").exists()

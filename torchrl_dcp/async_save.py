@@ -1,0 +1,186 @@
+"""Asynchronous saves: stage tensors into reused host buffers, write and commit in a background thread.
+
+:meth:`DistributedCheckpoint.async_save` encodes the state, copies every tensor into
+host memory kept from the previous save (pinned, on a side CUDA stream ordered after
+the step, when the tensor lives on a GPU), and returns a :class:`SaveHandle` while a
+single background thread writes the files and commits the checkpoint atomically.
+Collectives of the background write run on the checkpoint's own gloo group, in the
+same order on every rank. One save is in flight at a time: the next ``save``,
+``async_save`` or ``load`` first waits for it, and a failure in the background is
+raised (as a :class:`CheckpointError`, on every rank) by ``handle.wait()`` or by that
+next call, never swallowed.
+
+Tensors backed by a memory-mapped file (``LazyMemmapStorage`` replay buffers) are
+written from the file in place, without a staging copy, unless
+``stage_memmap=True``: entries added to such a buffer while the save is in flight
+may or may not be in the checkpoint.
+
+Example:
+    >>> import tempfile, torch, torchrl_dcp as tdcp
+    >>> model = torch.nn.Linear(4, 4)
+    >>> ckpt = tdcp.DistributedCheckpoint(model=model)
+    >>> handle = ckpt.async_save(tempfile.mkdtemp() + "/step-1", step=1)
+    >>> # ... keep training; the checkpoint is written meanwhile ...
+    >>> handle.wait().name
+    'step-1'
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchrl_dcp.errors import CheckpointError
+from torchrl_dcp.storage.writer import can_write_fast
+
+
+class SaveHandle:
+    """A save running in the background; :meth:`wait` returns its path or raises its failure."""
+
+    def __init__(self, path: Path, step: int | None, future: concurrent.futures.Future) -> None:
+        self.path = path
+        self.step = step
+        self._future = future
+        self.reported = False  # its failure was raised to the caller already
+        self.reported_before_now = False
+
+    def done(self) -> bool:
+        """True once the checkpoint is committed or the save has failed."""
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> Path:
+        """Block until committed; return the checkpoint path.
+
+        Raises:
+            CheckpointError: the background write or commit failed (on every rank).
+            TimeoutError: ``timeout`` seconds passed first (the save keeps running).
+        """
+        try:
+            return self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"async save to {self.path} still running after {timeout}s") from None
+        except CheckpointError:
+            self.reported_before_now, self.reported = self.reported, True
+            raise
+        except BaseException as err:
+            self.reported_before_now, self.reported = self.reported, True
+            raise CheckpointError(f"async save failed: {type(err).__name__}: {err}", path=self.path) from err
+
+    def exception(self) -> BaseException | None:
+        """The failure once done, else None (does not block)."""
+        return self._future.exception() if self._future.done() else None
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "running"
+        return f"SaveHandle({str(self.path)!r}, step={self.step}, {state})"
+
+
+def is_file_backed(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` lives in a memory-mapped file (MemoryMappedTensor, ``torch.from_file``)."""
+    if tensor.device.type != "cpu":
+        return False
+    try:
+        return bool(getattr(tensor.untyped_storage(), "filename", None))
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+class AsyncSaver:
+    """Staging buffers, the side CUDA stream and the one background writer of a checkpoint.
+
+    Staging buffers are kept by key and reused while the key's shape and dtype stay the
+    same, so after the first save staging is a copy into memory already touched.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: SaveHandle | None = None
+        self._stream: Any = None
+        self._lock = threading.Lock()
+
+    @property
+    def pending(self) -> SaveHandle | None:
+        return self._pending
+
+    def wait_pending(self) -> None:
+        """Wait for the save in flight; raise its failure as a :class:`CheckpointError` unless ``wait()`` did."""
+        handle, self._pending = self._pending, None
+        if handle is not None:
+            try:
+                handle.wait()
+            except CheckpointError:
+                if not handle.reported_before_now:
+                    raise
+
+    def stage(self, flat: Mapping[str, torch.Tensor], *, stage_memmap: bool = False) -> tuple[dict[str, Any], Any]:
+        """Copies of ``flat`` in reused host buffers; returns ``(staged, cuda_event_or_None)``.
+
+        CUDA tensors are copied on a side stream that waits for the current stream;
+        the current stream then waits for the copies, so the next step cannot
+        overwrite a tensor before it is copied, and the caller does not block.
+        """
+        if self._pending is not None and not self._pending.done():
+            raise RuntimeError("staging while a save is in flight would overwrite its buffers; wait for it first")
+        staged: dict[str, Any] = {}
+        buffers: dict[str, torch.Tensor] = {}
+        cuda = [k for k, t in flat.items() if isinstance(t, torch.Tensor) and t.device.type == "cuda"]
+        stream = None
+        if cuda:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            stream = self._stream
+            stream.wait_stream(torch.cuda.current_stream())
+        for key, tensor in flat.items():
+            if not isinstance(tensor, torch.Tensor) or not can_write_fast(tensor):
+                staged[key] = tensor.detach().clone() if isinstance(tensor, torch.Tensor) else tensor
+                continue
+            src = tensor.detach()
+            if not stage_memmap and is_file_backed(src):
+                staged[key] = src  # written from the file in place
+                continue
+            on_cuda = src.device.type == "cuda"
+            buf = self._buffers.get(key)
+            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype or (on_cuda and not buf.is_pinned()):
+                buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=on_cuda)
+            if on_cuda:
+                with torch.cuda.stream(stream):
+                    buf.copy_(src, non_blocking=True)
+                src.record_stream(stream)
+            else:
+                buf.copy_(src)
+            buffers[key] = buf
+            staged[key] = buf
+        self._buffers = buffers
+        event = None
+        if stream is not None:
+            event = torch.cuda.Event()
+            event.record(stream)
+            torch.cuda.current_stream().wait_stream(stream)
+        return staged, event
+
+    def submit(self, path: Path, step: int | None, run: Callable[[], Path], event: Any = None) -> SaveHandle:
+        """Run ``run`` (write + commit) in the background thread after ``event``; one at a time."""
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tdcp-async-save")
+
+        def task() -> Path:
+            if event is not None:
+                event.synchronize()
+            return run()
+
+        handle = SaveHandle(path, step, self._executor.submit(task))
+        self._pending = handle
+        return handle
+
+    def release(self) -> None:
+        """Drop the staging buffers (after waiting for the save in flight)."""
+        try:
+            self.wait_pending()
+        finally:
+            self._buffers = {}
