@@ -1,0 +1,262 @@
+"""Multi-rank SAC on ``PendulumEnv`` that checkpoints every N iterations and resumes exactly (the main job).
+
+Every rank collects with its own ``Collector`` into its own prioritized replay
+shard; the learner (actor, twin Q networks, temperature, target networks,
+optimizer, LR schedule) is replicated and kept identical by all-reducing the
+gradients. Checkpoints hold the learner once and every rank's collector,
+buffer and RNG streams, and are committed atomically; ``--resume`` continues
+from the newest committed one. The last lines print fingerprints of the
+weights, the buffer and the RNG streams: a run that was killed and resumed
+prints the same ones as a run that never stopped.
+
+Run (2 ranks on CPU, about a minute):
+    torchrun --standalone --nproc-per-node 2 -m torchrl_dcp.examples.sac
+    torchrun --standalone --nproc-per-node 2 -m torchrl_dcp.examples.sac --resume
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tensordict import TensorDictBase
+from tensordict.nn import NormalParamExtractor, TensorDictModule
+from torchrl.collectors import Collector
+from torchrl.data import LazyTensorStorage, TensorDictPrioritizedReplayBuffer
+from torchrl.envs import CatTensors, Compose, PendulumEnv, RewardSum, StepCounter, TransformedEnv, UnsqueezeTransform
+from torchrl.modules import MLP, ProbabilisticActor, TanhNormal, ValueOperator
+from torchrl.objectives import SACLoss, SoftUpdate
+
+import torchrl_dcp as tdcp
+
+
+def make_env(seed: int, device: torch.device) -> TransformedEnv:
+    env = TransformedEnv(
+        PendulumEnv(device=device),
+        Compose(
+            UnsqueezeTransform(-1, in_keys=["th", "thdot"], in_keys_inv=["th", "thdot"]),
+            CatTensors(["th", "thdot"], "observation", del_keys=False),
+            StepCounter(max_steps=100),
+            RewardSum(),
+        ),
+    )
+    env.set_seed(seed)
+    return env
+
+
+def make_learner(env: TransformedEnv, device: torch.device, hidden: int) -> tuple[Any, SACLoss]:
+    torch.manual_seed(0)  # identical learner on every rank
+    actor_net = torch.nn.Sequential(
+        MLP(in_features=2, out_features=2, num_cells=[hidden, hidden], activation_class=torch.nn.Tanh),
+        NormalParamExtractor(),
+    )
+    actor = ProbabilisticActor(
+        TensorDictModule(actor_net, in_keys=["observation"], out_keys=["loc", "scale"]),
+        in_keys=["loc", "scale"],
+        spec=env.action_spec,
+        distribution_class=TanhNormal,
+        distribution_kwargs={"low": env.action_spec.space.low, "high": env.action_spec.space.high},
+        return_log_prob=False,
+    ).to(device)
+    qvalue = ValueOperator(
+        MLP(in_features=3, out_features=1, num_cells=[hidden, hidden], activation_class=torch.nn.Tanh),
+        in_keys=["observation", "action"],
+    ).to(device)
+    loss = SACLoss(actor, qvalue, num_qvalue_nets=2, loss_function="l2", deactivate_vmap=True)
+    loss.make_value_estimator(gamma=0.99)
+    return actor, loss
+
+
+def fingerprint(*tensors: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class Job:
+    """Everything one rank holds, built identically on a fresh start and on a resume."""
+
+    def __init__(self, args: argparse.Namespace, rank: int, world: int, device: torch.device) -> None:
+        self.args, self.rank, self.world, self.device = args, rank, world, device
+        self.env = make_env(seed=1000 + rank, device=device)
+        self.actor, self.loss = make_learner(self.env, device, args.hidden)
+        self.target = SoftUpdate(self.loss, eps=0.99)  # built before any load: it copies online -> target weights
+        self.optimizer = torch.optim.Adam(self.loss.parameters(), lr=3e-3)
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=max(1, args.iterations // 3), gamma=0.5)
+        torch.manual_seed(2000 + rank)  # each rank explores (torch) and samples its buffer (numpy) with its own streams
+        np.random.seed(2000 + rank)
+        random.seed(2000 + rank)
+        self.collector = Collector(
+            self.env,
+            self.actor,
+            frames_per_batch=args.frames_per_batch,
+            total_frames=-1,
+            auto_register_policy_transforms=False,
+        )
+        self.buffer = TensorDictPrioritizedReplayBuffer(
+            alpha=0.7, beta=0.5, storage=LazyTensorStorage(args.buffer_size, device=device), batch_size=args.batch_size
+        )
+        self.counters = {"iteration": 0, "frames": 0, "updates": 0}
+        self.last_batch: TensorDictBase | None = None
+        self.last_sampled = torch.zeros(0, dtype=torch.long)
+        self.ckpt = tdcp.DistributedCheckpoint(
+            actor=self.actor, loss=self.loss, optimizer=self.optimizer, scheduler=self.scheduler
+        )
+        self.ckpt.register("counters", self.counters)  # identical on every rank: replicated
+        self.ckpt.register("collector", self.collector)  # per_rank by default
+        self.ckpt.register("buffer", self.buffer)  # per_rank by default
+        self.ckpt.register("rng", tdcp.RNGState())  # per_rank, restored last
+        self.rotation = Rotation(Path(args.ckpt_dir), keep_last=args.keep_last)
+
+    def iteration(self, batch: TensorDictBase) -> float:
+        self.last_batch = batch
+        self.buffer.extend(batch.reshape(-1))
+        loss_value = 0.0
+        if len(self.buffer) >= self.args.batch_size:
+            for _ in range(self.args.updates_per_batch):
+                sample = self.buffer.sample()
+                losses = self.loss(sample)
+                total = losses["loss_actor"] + losses["loss_qvalue"] + losses["loss_alpha"]
+                self.optimizer.zero_grad()
+                total.backward()
+                if self.world > 1:
+                    for p in self.loss.parameters():
+                        if p.grad is not None:
+                            dist.all_reduce(p.grad)
+                            p.grad /= self.world
+                self.optimizer.step()
+                self.target.step()
+                self.buffer.update_tensordict_priority(sample)
+                self.last_sampled = sample["index"]
+                self.counters["updates"] += 1
+                loss_value = float(total.detach())
+            self.scheduler.step()
+        self.counters["iteration"] += 1
+        self.counters["frames"] += batch.numel() * self.world
+        return loss_value
+
+    def fingerprints(self) -> dict[str, str]:
+        storage = self.buffer._storage._storage
+        sampler = self.buffer._sampler
+        idx = torch.arange(sampler._max_capacity)
+        return {
+            "learner": fingerprint(*self.loss.state_dict().values(), *self.target_params()),
+            "optimizer": fingerprint(*(t for s in self.optimizer.state.values() for t in s.values())),
+            "buffer": fingerprint(*(storage[: len(self.buffer)].get(k) for k in sorted(storage.keys(True, True), key=str))),
+            "trees": fingerprint(sampler._sum_tree[idx], sampler._min_tree[idx]),
+            "scheduler": fingerprint(torch.tensor([float(v) for v in self.scheduler.get_last_lr()]),
+                                     torch.tensor(self.scheduler.last_epoch)),
+            "sampled": fingerprint(self.last_sampled),
+            "batch": fingerprint(*(self.last_batch.get(k) for k in sorted(self.last_batch.keys(True, True), key=str)))
+            if self.last_batch is not None else "none",
+            "rng": fingerprint(torch.rand(4), torch.from_numpy(np.random.rand(4)), torch.tensor(random.random())),
+        }
+
+    def target_params(self) -> list[torch.Tensor]:
+        return [p for name, p in self.loss.named_buffers() if "target" in name]
+
+
+class Rotation:
+    """Step-named checkpoints under one directory, the newest ``keep_last`` kept."""
+
+    def __init__(self, directory: Path, keep_last: int) -> None:
+        self.directory, self.keep_last = directory, keep_last
+
+    def path(self, step: int) -> Path:
+        return self.directory / f"step-{step:08d}"
+
+    def latest(self) -> Path | None:
+        committed = []
+        for entry in self.directory.glob("step-*") if self.directory.is_dir() else []:
+            try:
+                committed.append((tdcp.read_manifest(entry)["step"], entry))
+            except tdcp.CheckpointError:
+                continue  # half-written or damaged: never resumed from
+        return max(committed)[1] if committed else None
+
+    def prune(self, rank: int) -> None:
+        if rank != 0:
+            return
+        entries = sorted(p for p in self.directory.glob("step-*") if (p / "manifest.json").exists())
+        for old in entries[: -self.keep_last]:
+            import shutil
+
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Multi-rank SAC on PendulumEnv with distributed checkpoints.")
+    p.add_argument("--iterations", type=int, default=100, help="collector batches per rank")
+    p.add_argument("--frames-per-batch", type=int, default=64)
+    p.add_argument("--updates-per-batch", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--buffer-size", type=int, default=2048, help="per-rank capacity (wraps around)")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--save-every", type=int, default=25, help="iterations between checkpoints")
+    p.add_argument("--keep-last", type=int, default=2)
+    p.add_argument("--ckpt-dir", default="ckpts/sac")
+    p.add_argument("--resume", action="store_true", help="continue from the newest committed checkpoint")
+    p.add_argument("--kill-at", type=int, default=None, help="SIGKILL every rank after this iteration (tests)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, str]:
+    args = parse_args(argv)
+    if "RANK" in os.environ and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    device = torch.device(f"cuda:{rank % torch.cuda.device_count()}") if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    job = Job(args, rank, world, device)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"SAC on PendulumEnv: {world} rank(s) on {device}, checkpoints in {args.ckpt_dir}", flush=True)
+
+    if args.resume:
+        latest = job.rotation.latest()
+        if latest is None:
+            say("no committed checkpoint found: starting fresh", flush=True)
+        else:
+            result = job.ckpt.load(latest)
+            say(f"resumed from {latest.name} (iteration {result.step}, {job.counters['frames']} frames)", flush=True)
+
+    start = time.monotonic()
+    collector = iter(job.collector)
+    while job.counters["iteration"] < args.iterations:
+        batch = next(collector)
+        loss = job.iteration(batch)
+        it = job.counters["iteration"]
+        if it % 10 == 0:
+            reward = batch["next", "reward"].mean().item()
+            say(f"iteration {it:4d}  frames {job.counters['frames']:6d}  reward {reward:8.3f}  loss {loss:8.3f}  "
+                f"buffer {len(job.buffer)}/rank  {time.monotonic() - start:5.1f}s", flush=True)
+        if it % args.save_every == 0:
+            path = job.ckpt.save(job.rotation.path(it), step=it, metadata={"frames": job.counters["frames"]})
+            job.rotation.prune(rank)
+            say(f"checkpoint saved: {path.name}", flush=True)
+        if args.kill_at is not None and it == args.kill_at:
+            if dist.is_initialized():
+                dist.barrier()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    prints = job.fingerprints()
+    print(f"rank {rank} final " + " ".join(f"{k}={v}" for k, v in prints.items()), flush=True)
+    job.collector.shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return prints
+
+
+if __name__ == "__main__":
+    main()
