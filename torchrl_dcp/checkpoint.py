@@ -682,17 +682,22 @@ def _is_dtensor(value: Any) -> bool:
     return check(value)
 
 
+_DTENSOR_KEYS: list[Any] = [None, frozenset()]  # (skeleton, its DTensor keys): one walk per skeleton, not per tensor
+
+
 def _is_dtensor_spec(skeleton: Any, spec: TensorSpec) -> bool:
-    stack = [skeleton]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            if node.get("t") == "dtensor" and node.get("key") == spec.key:
-                return True
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-    return False
+    if _DTENSOR_KEYS[0] is not skeleton:
+        keys, stack = set(), [skeleton]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, dict):
+                if node.get("t") == "dtensor":
+                    keys.add(node.get("key"))
+                stack.extend(node.values())
+            elif isinstance(node, list):
+                stack.extend(node)
+        _DTENSOR_KEYS[:] = [skeleton, frozenset(keys)]
+    return spec.key in _DTENSOR_KEYS[1]
 
 
 def _is_replaceable(destination: Path) -> bool:

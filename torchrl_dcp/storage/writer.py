@@ -497,14 +497,22 @@ def build_metadata(
     """DCP ``Metadata`` for whole (unsharded) tensors, identical to what ``dcp.save`` writes."""
     state: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
+    props: dict[torch.dtype, TensorProperties] = {}
+    zeros: dict[int, torch.Size] = {}
+    sizes: dict[tuple[int, ...], torch.Size] = {}
     for key, (dtype, shape) in tensors.items():
-        size = torch.Size(shape)
-        zeros = torch.Size([0] * len(shape))
-        state[key] = TensorStorageMetadata(
-            properties=TensorProperties(dtype=dtype), size=size, chunks=[ChunkStorageMetadata(offsets=zeros, sizes=size)]
-        )
+        size = sizes.get(shape)
+        if size is None:
+            size = sizes[shape] = torch.Size(shape)
+        zero = zeros.get(len(shape))
+        if zero is None:
+            zero = zeros[len(shape)] = torch.Size([0] * len(shape))
+        prop = props.get(dtype)
+        if prop is None:
+            prop = props[dtype] = TensorProperties(dtype=dtype)
+        state[key] = TensorStorageMetadata(prop, size, [ChunkStorageMetadata(zero, size)])
     for key, file, offset, length in entries:
-        storage[MetadataIndex(key, torch.Size([0] * len(tensors[key][1])), 0)] = _StorageInfo(file, offset, length)
+        storage[MetadataIndex(key, zeros[len(tensors[key][1])], 0)] = _StorageInfo(file, offset, length)
     return Metadata(
         state_dict_metadata=state,
         planner_data=None,
