@@ -287,7 +287,7 @@ def run_workload(w: Workload, rank: int, world: int, device: torch.device, root:
 
         def tsave() -> None:
             with open(tfile, "wb") as f:
-                torch.save(flat, f)
+                torch.save({k: v.as_subclass(torch.Tensor) for k, v in flat.items()}, f)
                 f.flush()
                 os.fsync(f.fileno())
 
