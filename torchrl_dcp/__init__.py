@@ -8,17 +8,49 @@ Example:
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
-from torchrl_dcp.adapters import (
-    Adapter,
-    AdapterContext,
-    CheckpointOptions,
-    RNGState,
-    register_adapter,
-)
-from torchrl_dcp.checkpoint import DistributedCheckpoint, LoadResult
-from torchrl_dcp.errors import (
+# Names whose modules import torch are imported on first use, so that torch-free tools
+# (``torchrl-dcp inspect / ls / convert``, tdcp.to_archive / to_directory) start in
+# milliseconds and stream multi-GB checkpoints in a few tens of MB of RSS (importing
+# torch alone costs ~0.5 GB of RSS). Add a new torch-dependent export here and below.
+_LAZY: dict[str, str] = {
+    "Adapter": "torchrl_dcp.adapters",
+    "AdapterContext": "torchrl_dcp.adapters",
+    "CheckpointOptions": "torchrl_dcp.adapters",
+    "RNGState": "torchrl_dcp.adapters",
+    "register_adapter": "torchrl_dcp.adapters",
+    "SaveHandle": "torchrl_dcp.async_save",
+    "DistributedCheckpoint": "torchrl_dcp.checkpoint",
+    "LoadResult": "torchrl_dcp.checkpoint",
+    "verify": "torchrl_dcp.verify",
+}
+
+if TYPE_CHECKING:
+    from torchrl_dcp.adapters import Adapter, AdapterContext, CheckpointOptions, RNGState, register_adapter
+    from torchrl_dcp.async_save import SaveHandle
+    from torchrl_dcp.checkpoint import DistributedCheckpoint, LoadResult
+    from torchrl_dcp.verify import verify
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torchrl_dcp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+from torchrl_dcp.convert import export_torchrl, to_archive, to_directory  # noqa: E402  (torch-free)
+from torchrl_dcp.errors import (  # noqa: E402
     CheckpointError,
     CheckpointFormatError,
     CheckpointIntegrityError,
@@ -30,9 +62,9 @@ from torchrl_dcp.errors import (
     UnsafeCheckpointError,
     WorldSizeMismatchError,
 )
-from torchrl_dcp.manifest import read_manifest
-from torchrl_dcp.placement import Placement
-from torchrl_dcp.verify import verify
+from torchrl_dcp.manifest import read_manifest  # noqa: E402
+from torchrl_dcp.placement import Placement  # noqa: E402
+from torchrl_dcp.rotation import CheckpointRotation, ResumeInfo, RotationEntry, resume  # noqa: E402
 
 __all__ = [
     "Adapter",
@@ -42,18 +74,26 @@ __all__ = [
     "CheckpointIntegrityError",
     "CheckpointNotFoundError",
     "CheckpointOptions",
+    "CheckpointRotation",
     "CheckpointVersionError",
     "CollectiveError",
     "DistributedCheckpoint",
     "EncodingError",
     "IncompatibleComponentError",
     "LoadResult",
+    "SaveHandle",
     "Placement",
     "RNGState",
+    "ResumeInfo",
+    "RotationEntry",
     "UnsafeCheckpointError",
     "WorldSizeMismatchError",
     "__version__",
+    "export_torchrl",
     "read_manifest",
     "register_adapter",
+    "resume",
+    "to_archive",
+    "to_directory",
     "verify",
 ]

@@ -1,8 +1,16 @@
-"""The ``torchrl-dcp`` command: inspect and verify checkpoints.
+"""The ``torchrl-dcp`` command: inspect, verify, convert, list and compare checkpoints.
+
+Every command takes a directory or an archive, prints a human summary, or JSON
+with ``--json``, and exits 1 with the failing file named when a checkpoint is
+damaged or refused. ``inspect``, ``ls`` and ``convert`` never import torch (they
+start in milliseconds and stream in bounded memory); ``verify`` and ``diff`` do.
 
 Example:
-    $ torchrl-dcp inspect ckpts/step-100
-    $ torchrl-dcp verify ckpts/step-100 && echo intact
+    $ torchrl-dcp inspect ckpts/step-000000000100
+    $ torchrl-dcp verify run.zip && echo intact
+    $ torchrl-dcp convert ckpts/step-000000000100 run.zip
+    $ torchrl-dcp ls ckpts --json
+    $ torchrl-dcp diff ckpts/step-000000000100 run.zip
 """
 
 from __future__ import annotations
@@ -10,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointError
@@ -19,18 +29,21 @@ def _inspect(path: str) -> dict[str, Any]:
     from torchrl_dcp.manifest import read_manifest
 
     m = read_manifest(path)
-    comps = {
-        name: {
-            "adapter": f"{rec['adapter']} v{rec['adapter_version']}",
+    comps = {}
+    for name, rec in m["components"].items():
+        inventory = rec["inventory"]
+        ranks = sorted(int(r) for r in rec["ranks"]) if rec["placement"] == "per_rank" else None
+        comps[name] = {
+            "adapter": rec["adapter"],
+            "adapter_version": rec["adapter_version"],
             "placement": rec["placement"],
-            "ranks": m["world_size"] if rec["placement"] == "per_rank" else None,
-            "tensors": rec.get("num_tensors"),
-            "bytes": rec.get("nbytes"),
+            "ranks": ranks,
+            "tensors": len(inventory),
+            "bytes": rec["nbytes"],
         }
-        for name, rec in m["components"].items()
-    }
     return {
-        "path": str(path),
+        "path": str(Path(path).absolute()),
+        "container": "archive" if Path(path).is_file() else "directory",
         "format_version": m["format_version"],
         "created_at": m.get("created_at"),
         "step": m.get("step"),
@@ -44,37 +57,230 @@ def _inspect(path: str) -> dict[str, Any]:
 
 
 def _print_inspect(info: dict[str, Any]) -> None:
-    print(f"{info['path']}: step {info['step']}, saved by {info['world_size']} rank(s) at {info['created_at']}")
-    print(f"  {info['files']} files, {info['bytes']:,} bytes; " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()))
+    print(f"{info['path']} ({info['container']}): step {info['step']}, saved by {info['world_size']} rank(s) at {info['created_at']}")
+    print(f"  format v{info['format_version']}, {info['files']} files, {info['bytes']:,} bytes; "
+          + ", ".join(f"{k} {v}" for k, v in info["versions"].items()))
     for name, c in info["components"].items():
-        ranks = f" x{c['ranks']} ranks" if c["ranks"] else ""
-        print(f"  {name:<24} {c['placement']:<10}{ranks:<10} {c['tensors']} tensors, {c['bytes']:,} bytes  [{c['adapter']}]")
+        ranks = f" ranks {c['ranks'][0]}..{c['ranks'][-1]}" if c["ranks"] else ""
+        print(f"  {name:<20} {c['placement']:<10}{ranks:<12} {c['tensors']:>5} tensors {c['bytes']:>14,} bytes  "
+              f"[{c['adapter']} v{c['adapter_version']}]")
     if info["metadata"]:
         print(f"  metadata: {json.dumps(info['metadata'])}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="torchrl-dcp", description="Inspect and verify torchrl_dcp checkpoints.")
+def _progress(label: str) -> Any:
+    if not sys.stderr.isatty():
+        return None
+    start = time.monotonic()
+    last = [0.0]
+
+    def show(done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - last[0] < 0.1 and done < total:
+            return
+        last[0] = now
+        frac = done / total if total else 1.0
+        bar = "#" * int(30 * frac)
+        rate = done / max(now - start, 1e-6) / 1e6
+        end = "\n" if done >= total else ""
+        print(f"\r{label} [{bar:<30}] {frac:6.1%} {done / 1e6:,.0f}/{total / 1e6:,.0f} MB {rate:,.0f} MB/s",
+              end=end, file=sys.stderr, flush=True)
+
+    return show
+
+
+def _convert(src: str, dst: str, overwrite: bool) -> dict[str, Any]:
+    from torchrl_dcp.convert import to_archive, to_directory
+
+    start = time.monotonic()
+    if Path(src).is_file():
+        out = to_directory(src, dst, overwrite=overwrite, progress=_progress("unpacking"))
+        kind = "directory"
+    else:
+        out = to_archive(src, dst, overwrite=overwrite, progress=_progress("packing"))
+        kind = "archive"
+    size = sum(f.stat().st_size for f in out.iterdir()) if out.is_dir() else out.stat().st_size
+    return {"ok": True, "source": str(Path(src).absolute()), "destination": str(out), "container": kind,
+            "bytes": size, "seconds": round(time.monotonic() - start, 3)}
+
+
+def _ls(directory: str, metric: str | None, mode: str) -> dict[str, Any]:
+    from torchrl_dcp.rotation import CheckpointRotation
+
+    d = Path(directory).expanduser().absolute()
+    if not d.is_dir():
+        raise CheckpointError("not a directory", path=d)
+    rotation = CheckpointRotation(d, keep_best=(metric, mode) if metric else None)  # type: ignore[arg-type]
+    entries = rotation.entries(include_uncommitted=True)
+    rows = []
+    for e in entries:
+        row = {"step": e.step, "name": e.path.name, "container": "archive" if e.archive else "directory",
+               "bytes": e.size, "committed": e.committed, "created_at": e.created_at}
+        if metric:
+            row[metric] = e.metric
+        rows.append(row)
+    latest, best = rotation.latest(), rotation.best()
+    return {"directory": str(d), "entries": rows, "latest": latest.name if latest else None,
+            "best": best.name if best else None}
+
+
+def _print_ls(info: dict[str, Any], metric: str | None) -> None:
+    print(f"{info['directory']}: {len(info['entries'])} entries, latest {info['latest']}"
+          + (f", best {info['best']} by {metric}" if metric else ""))
+    for row in info["entries"]:
+        flags = []
+        if row["name"] == info["latest"]:
+            flags.append("latest")
+        if metric and row["name"] == info["best"]:
+            flags.append("best")
+        state = "committed" if row["committed"] else "NOT COMMITTED"
+        score = f" {metric}={row.get(metric)}" if metric else ""
+        print(f"  {row['name']:<24} {row['step']:>10} {row['bytes']:>14,} bytes  {state:<13}{score} {' '.join(flags)}")
+
+
+def _diff(a: str, b: str, atol: float) -> dict[str, Any]:
+    from torchrl_dcp.reading import as_source, iter_inventory
+
+    sa, sb = as_source(a), as_source(b)
+    ma, mb = sa.manifest(), sb.manifest()
+    ca, cb = ma["components"], mb["components"]
+    out: dict[str, Any] = {
+        "a": str(sa.path), "b": str(sb.path),
+        "only_in_a": sorted(set(ca) - set(cb)), "only_in_b": sorted(set(cb) - set(ca)),
+        "components": {}, "identical": True,
+    }
+    if out["only_in_a"] or out["only_in_b"]:
+        out["identical"] = False
+    for name in sorted(set(ca) & set(cb)):
+        ra, rb = ca[name], cb[name]
+        entry: dict[str, Any] = {"tensors": {}, "state_differs": False, "layout_differs": False}
+        inv_a, inv_b = ra["inventory"], rb["inventory"]
+        if (ra["adapter"], ra["adapter_version"], ra["placement"]) != (rb["adapter"], rb["adapter_version"], rb["placement"]):
+            entry["layout_differs"] = True
+        if _strip_tensors(ra) != _strip_tensors(rb):
+            entry["state_differs"] = True  # non-tensor values (JSON leaves) differ
+        common = sorted(k for k in set(inv_a) & set(inv_b) if inv_a[k] == inv_b[k])
+        for key in sorted(set(inv_a) ^ set(inv_b)) + sorted(k for k in set(inv_a) & set(inv_b) if inv_a[k] != inv_b[k]):
+            entry["tensors"][key] = {"status": "only in a" if key not in inv_b else "only in b" if key not in inv_a
+                                     else "shape or dtype differs"}
+        if common:
+            import torch
+
+            tensors_b = dict(_restrict(iter_inventory(sb, name), set(common)))
+            for key, ta in _restrict(iter_inventory(sa, name), set(common)):
+                tb = tensors_b.pop(key)
+                if torch.equal(ta, tb):
+                    continue
+                if ta.is_floating_point() or ta.is_complex() or ta.dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+                    diff = (ta.double() - tb.double()).abs() if not ta.is_complex() else (ta - tb).abs()
+                    finite = diff[torch.isfinite(diff)]
+                    max_abs = float(finite.max()) if finite.numel() else float("nan")
+                else:
+                    max_abs = float("nan")
+                if max_abs <= atol:
+                    continue
+                entry["tensors"][key] = {"status": "values differ", "max_abs_diff": max_abs}
+        if entry["tensors"] or entry["state_differs"] or entry["layout_differs"]:
+            out["components"][name] = entry
+            out["identical"] = False
+    return out
+
+
+def _restrict(items: Any, keys: set[str]) -> Any:
+    return ((k, v) for k, v in items if k in keys)
+
+
+def _strip_tensors(rec: dict[str, Any]) -> Any:
+    """A component's saved states without tensor references: only the JSON values remain."""
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            if node.get("t") in ("tensor", "dtensor", "alias", "xref"):
+                return "<tensor>"
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    states = {r: s["state"] for r, s in rec["ranks"].items()} if rec["placement"] == "per_rank" else rec["state"]
+    return walk(states)
+
+
+def _print_diff(info: dict[str, Any]) -> None:
+    if info["identical"]:
+        print(f"identical: {info['a']} and {info['b']}")
+        return
+    for side in ("a", "b"):
+        if info[f"only_in_{side}"]:
+            print(f"only in {side}: {', '.join(info[f'only_in_{side}'])}")
+    for name, entry in info["components"].items():
+        notes = []
+        if entry["layout_differs"]:
+            notes.append("adapter/placement differ")
+        if entry["state_differs"]:
+            notes.append("non-tensor values differ")
+        print(f"{name}: {len(entry['tensors'])} tensors differ" + (f" ({'; '.join(notes)})" if notes else ""))
+        for key, t in entry["tensors"].items():
+            extra = f", max abs diff {t['max_abs_diff']:.6g}" if "max_abs_diff" in t else ""
+            print(f"  {key}: {t['status']}{extra}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="torchrl-dcp", description="Inspect, verify, convert and compare torchrl_dcp checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("inspect", help="components, placements, sizes, versions and metadata")
+    p = sub.add_parser("inspect", help="components, placements, ranks, tensors and bytes, versions, metadata")
     p.add_argument("path")
-    p.add_argument("--json", action="store_true")
-    p = sub.add_parser("verify", help="check every file's size and checksum; exit 1 on damage")
+    p = sub.add_parser("verify", help="check every file's size and checksum; exit 1 naming the damaged file")
     p.add_argument("path")
-    p.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
+    p = sub.add_parser("convert", help="directory -> archive (.zip) or archive -> directory, checksums verified")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at DST")
+    p = sub.add_parser("ls", help="a rotation directory: steps, sizes, committed or not, latest, best")
+    p.add_argument("directory")
+    p.add_argument("--metric", help="metadata key to rank entries by (shows the best one)")
+    p.add_argument("--mode", choices=("max", "min"), default="max")
+    p = sub.add_parser("diff", help="which components and tensors differ, with the max abs difference")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--atol", type=float, default=0.0, help="ignore tensor differences up to this (default 0)")
+    for action in sub.choices.values():
+        action.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command; 0 on success (``diff``: identical), 1 on a refused or damaged checkpoint (``diff``: differ)."""
+    args = _parser().parse_args(argv)
+    emit = (lambda info: print(json.dumps(info, indent=1, default=str))) if args.json else None
     try:
         if args.command == "inspect":
             info = _inspect(args.path)
-            print(json.dumps(info, indent=1)) if args.json else _print_inspect(info)
-        else:
+            emit(info) if emit else _print_inspect(info)
+        elif args.command == "verify":
             from torchrl_dcp.verify import verify
 
             summary = verify(args.path)
-            print(json.dumps({"ok": True, **summary}) if args.json else f"OK {summary['path']}: {summary['files']} files, {summary['bytes']:,} bytes, {summary['tensors']} tensors verified")
-    except CheckpointError as err:
-        if getattr(args, "json", False):
-            print(json.dumps({"ok": False, "error": str(err), "file": err.path}))
+            if emit:
+                emit({"ok": True, **summary})
+            else:
+                print(f"OK {summary['path']}: {summary['files']} files, {summary['bytes']:,} bytes, {summary['tensors']} tensors verified")
+        elif args.command == "convert":
+            info = _convert(args.src, args.dst, args.overwrite)
+            if emit:
+                emit(info)
+            else:
+                print(f"wrote {info['container']} {info['destination']} ({info['bytes']:,} bytes, {info['seconds']} s)")
+        elif args.command == "ls":
+            info = _ls(args.directory, args.metric, args.mode)
+            emit(info) if emit else _print_ls(info, args.metric)
+        else:
+            info = _diff(args.a, args.b, args.atol)
+            emit(info) if emit else _print_diff(info)
+            return 0 if info["identical"] else 1
+    except (CheckpointError, KeyError, ValueError) as err:
+        path = getattr(err, "path", None)
+        if args.json:
+            print(json.dumps({"ok": False, "error": str(err), "file": path}))
         else:
             print(f"error: {err}", file=sys.stderr)
         return 1

@@ -233,7 +233,7 @@ def dumps(manifest: dict[str, Any]) -> bytes:
 
 
 def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
-    """Read, validate and migrate ``<root>/manifest.json``.
+    """Read, validate and migrate ``<root>/manifest.json`` (or the manifest of the archive ``root``).
 
     Raises:
         CheckpointNotFoundError: ``root`` does not exist.
@@ -243,6 +243,10 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
     root = Path(root)
     if not root.exists():
         raise CheckpointNotFoundError("no checkpoint here: the path does not exist", path=root)
+    if root.is_file():  # a single-file archive
+        from torchrl_dcp.storage.archive import ArchiveSource
+
+        return ArchiveSource(root).manifest()
     if not root.is_dir():
         raise CheckpointFormatError("not a checkpoint directory", path=root)
     path = root / MANIFEST

@@ -1,4 +1,4 @@
-"""A committed checkpoint to read from: a directory today, a ZIP archive too (``open_source``).
+"""A committed checkpoint to read from: a directory or a single-file ZIP archive (``open_source``).
 
 A source validates and hands out what loading needs, without knowing about
 components: the manifest, a check of the files, DCP's metadata (read safely) and
@@ -77,5 +77,10 @@ class DirectorySource:
 
 
 def open_source(path: str | os.PathLike) -> CheckpointSource:
-    """The source for ``path``: a directory (ZIP archives are added by ``storage.archive``)."""
-    return DirectorySource(Path(path).expanduser().absolute())
+    """The source for ``path``: a ZIP archive when it is a regular file, a directory otherwise."""
+    path = Path(path).expanduser().absolute()
+    if path.is_file():
+        from torchrl_dcp.storage.archive import ArchiveSource
+
+        return ArchiveSource(path)
+    return DirectorySource(path)

@@ -1,0 +1,341 @@
+"""Single-file archives: conversion both ways, loads in place, refusals, ZIP64, export, bounded RSS."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import struct
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import torchrl_dcp as tdcp
+from torchrl_dcp.storage import archive_reader
+from torchrl_dcp.storage.archive import ALIGN, ArchiveSource, read_index
+from torchrl_dcp.storage.checksums import file_checksum
+
+
+def make(tmp_path: Path, n: int = 4) -> tuple[Path, dict]:
+    torch.manual_seed(0)
+    objs = {
+        "policy": torch.nn.Linear(64, 32),
+        "big": {f"w{i}": torch.randn(2048) for i in range(n)},
+        "stats": {"episodes": 5},
+    }
+    ckpt = tdcp.DistributedCheckpoint(**objs)
+    ckpt.register("rng", tdcp.RNGState())
+    return ckpt.save(tmp_path / "ckpt", step=12, metadata={"reward": 3.5}), objs
+
+
+def fresh() -> tuple[tdcp.DistributedCheckpoint, dict]:
+    objs = {"policy": torch.nn.Linear(64, 32), "big": {}, "stats": {}}
+    ckpt = tdcp.DistributedCheckpoint(**objs)
+    ckpt.register("rng", tdcp.RNGState())
+    return ckpt, objs
+
+
+def test_round_trip_is_byte_identical_aligned_stored_and_deterministic(tmp_path: Path) -> None:
+    path, _ = make(tmp_path)
+    archive = tdcp.to_archive(path, tmp_path / "ckpt.zip")
+    with zipfile.ZipFile(archive) as zf:
+        infos = zf.infolist()
+        assert zf.testzip() is None  # stock zip tools read it
+    assert [i.filename for i in infos][0] == "manifest.json"
+    assert sorted(i.filename for i in infos) == sorted(p.name for p in path.iterdir())
+    assert all(i.compress_type == zipfile.ZIP_STORED for i in infos)
+    members = read_index(archive)
+    assert all(m.data_offset % ALIGN == 0 for m in members.values())
+    back = tdcp.to_directory(archive, tmp_path / "back")
+    for f in path.iterdir():
+        assert (back / f.name).read_bytes() == f.read_bytes(), f.name
+    assert tdcp.to_archive(back, tmp_path / "again.zip").read_bytes() == archive.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again.zip", "back", "ckpt", "ckpt.zip"]  # no leftovers
+    assert tdcp.verify(archive)["tensors"] == tdcp.verify(path)["tensors"]
+    assert tdcp.read_manifest(archive) == tdcp.read_manifest(path)
+
+
+def test_load_from_archive_in_place_full_and_partial(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path, saved = make(tmp_path, n=16)
+    archive = tdcp.to_archive(path, tmp_path / "ckpt.zip")
+    ckpt, objs = fresh()
+    result = ckpt.load(archive)
+    assert result.loaded == {"policy", "big", "stats", "rng"} and result.step == 12
+    assert torch.equal(objs["policy"].weight, saved["policy"].weight)
+    assert all(torch.equal(objs["big"][k], v) for k, v in saved["big"].items())
+    assert objs["stats"] == {"episodes": 5}
+    assert not any(p.name.startswith("tdcp") for p in Path("/tmp").glob("tdcp*") if p.stat().st_mtime < 0)
+
+    # a partial load reads the policy's bytes, not the 16 x 8 KiB of "big"
+    counted: list[int] = []
+    original = archive_reader._CountingReader.readinto
+
+    def counting(self, b):  # type: ignore[no-untyped-def]
+        n = original(self, b)
+        counted.append(n or 0)
+        return n
+
+    monkeypatch.setattr(archive_reader._CountingReader, "readinto", counting)
+    ckpt, objs = fresh()
+    ckpt.load(archive, components=["policy"], verify=False)
+    assert torch.equal(objs["policy"].bias, saved["policy"].bias)
+    policy_bytes = (64 * 32 + 32) * 4
+    total = sum(f.stat().st_size for f in path.iterdir())
+    assert policy_bytes <= sum(counted) < policy_bytes + 16_384 < total // 4, (sum(counted), total)
+
+
+def test_direct_read_of_a_component(tmp_path: Path) -> None:
+    from torchrl_dcp.reading import read_component
+
+    path, saved = make(tmp_path)
+    archive = tdcp.to_archive(path, tmp_path / "c.zip")
+    state = read_component(archive, "policy")
+    assert torch.equal(state["weight"], saved["policy"].weight)
+    rng = read_component(archive, "rng", rank=0)
+    assert "torch" in rng or len(rng) > 0
+    with pytest.raises(ValueError, match="per_rank"):
+        read_component(archive, "rng")
+
+
+def _rewrite(archive: Path, out: Path, rename: dict[str, str] | None = None, extra: dict[str, bytes] | None = None,
+             compress: str | None = None) -> Path:
+    """A copy of ``archive`` with members renamed, added or compressed (built with stock zipfile)."""
+    with zipfile.ZipFile(archive) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            name = (rename or {}).get(info.filename, info.filename)
+            ctype = zipfile.ZIP_DEFLATED if info.filename == compress else zipfile.ZIP_STORED
+            dst.writestr(zipfile.ZipInfo(name), data, compress_type=ctype)
+        for name, data in (extra or {}).items():
+            dst.writestr(zipfile.ZipInfo(name), data)
+    return out
+
+
+@pytest.mark.parametrize(
+    "bad_name,error",
+    [
+        ("../evil.distcp", tdcp.CheckpointIntegrityError),
+        ("/abs/evil.distcp", tdcp.CheckpointIntegrityError),
+        ("dir\\evil.distcp", tdcp.CheckpointIntegrityError),
+        ("sub/evil.distcp", tdcp.CheckpointFormatError),
+    ],
+)
+def test_escaping_member_names_are_refused(tmp_path: Path, bad_name: str, error: type) -> None:
+    path, _ = make(tmp_path)
+    archive = tdcp.to_archive(path, tmp_path / "c.zip")
+    bad = _rewrite(archive, tmp_path / "bad.zip", extra={bad_name: b"x"})
+    for action in (lambda: fresh()[0].load(bad), lambda: tdcp.verify(bad), lambda: tdcp.to_directory(bad, tmp_path / "o")):
+        with pytest.raises(error) as info:
+            action()
+        assert bad_name in str(info.value)
+    assert not (tmp_path / "o").exists() and not (tmp_path / "evil.distcp").exists()
+
+
+def test_unlisted_missing_duplicate_and_compressed_members_are_refused(tmp_path: Path) -> None:
+    path, _ = make(tmp_path)
+    archive = tdcp.to_archive(path, tmp_path / "c.zip")
+    bad = _rewrite(archive, tmp_path / "extra.zip", extra={"__9_0.distcp": b"x"})
+    with pytest.raises(tdcp.CheckpointIntegrityError, match=r"__9_0.distcp: member not listed"):
+        fresh()[0].load(bad)
+    bad = _rewrite(archive, tmp_path / "missing.zip", rename={"__0_0.distcp": "__0_1.distcp"})
+    with pytest.raises(tdcp.CheckpointIntegrityError, match="__0_1.distcp: member not listed|__0_0.distcp"):
+        tdcp.verify(bad)
+    with pytest.warns(UserWarning, match="Duplicate name"):
+        bad = _rewrite(archive, tmp_path / "dup.zip", extra={"__0_0.distcp": b"x"})
+    with pytest.raises(tdcp.CheckpointFormatError, match=r"__0_0.distcp: the archive holds this member twice"):
+        fresh()[0].load(bad)
+    bad = _rewrite(archive, tmp_path / "deflated.zip", compress="__0_0.distcp")
+    with pytest.raises(tdcp.CheckpointFormatError, match=r"__0_0.distcp: member is compressed"):
+        tdcp.verify(bad)
+
+
+def _central_entry(data: bytes, name: str) -> int:
+    """Offset of ``name``'s central directory record."""
+    pos = data.index(b"PK\x01\x02" + data[data.index(b"PK\x01\x02") + 4 : data.index(b"PK\x01\x02") + 4][:0])
+    while True:
+        n, m, k = struct.unpack("<3H", data[pos + 28 : pos + 34])
+        if data[pos + 46 : pos + 46 + n] == name.encode():
+            return pos
+        pos = data.index(b"PK\x01\x02", pos + 46 + n + m + k)
+
+
+def test_damaged_central_directory_overlap_and_out_of_bounds_are_refused(tmp_path: Path) -> None:
+    path, _ = make(tmp_path)
+    archive = tdcp.to_archive(path, tmp_path / "c.zip")
+    data = archive.read_bytes()
+
+    truncated = tmp_path / "truncated.zip"
+    truncated.write_bytes(data[: len(data) - 30])  # the end record is gone
+    with pytest.raises(tdcp.CheckpointFormatError, match="central directory is damaged"):
+        fresh()[0].load(truncated)
+
+    # the manifest's record claims more bytes than it has: its data runs over the next member
+    pos = _central_entry(data, "manifest.json")
+    size = struct.unpack("<L", data[pos + 24 : pos + 28])[0]
+    overlap = bytearray(data)
+    overlap[pos + 20 : pos + 28] = struct.pack("<2L", size + 200, size + 200)
+    (tmp_path / "overlap.zip").write_bytes(overlap)
+    with pytest.raises(tdcp.CheckpointFormatError, match=r"::.metadata: member overlaps member 'manifest.json'"):
+        tdcp.verify(tmp_path / "overlap.zip")
+
+    pos = _central_entry(data, "__0_0.distcp")
+    beyond = bytearray(data)
+    beyond[pos + 20 : pos + 28] = struct.pack("<2L", 1 << 30, 1 << 30)
+    (tmp_path / "beyond.zip").write_bytes(beyond)
+    with pytest.raises(tdcp.CheckpointFormatError, match=r"__0_0.distcp: member data extends beyond"):
+        tdcp.verify(tmp_path / "beyond.zip")
+
+    # the central directory points at the wrong local header
+    moved = bytearray(data)
+    offset = struct.unpack("<L", data[pos + 42 : pos + 46])[0]
+    moved[pos + 42 : pos + 46] = struct.pack("<L", offset + 8)
+    (tmp_path / "moved.zip").write_bytes(moved)
+    with pytest.raises(tdcp.CheckpointFormatError, match=r"__0_0.distcp: local header is damaged"):
+        tdcp.verify(tmp_path / "moved.zip")
+
+
+def test_damaged_member_data_is_refused_naming_the_member(tmp_path: Path) -> None:
+    path, _ = make(tmp_path)
+    archive = tdcp.to_archive(path, tmp_path / "c.zip")
+    member = read_index(archive)["__0_0.distcp"]
+    raw = bytearray(archive.read_bytes())
+    raw[member.data_offset + member.size // 2] ^= 0x10
+    archive.write_bytes(raw)
+    ckpt, objs = fresh()
+    before = objs["policy"].weight.detach().clone()
+    with pytest.raises(tdcp.CheckpointIntegrityError, match=r"c.zip::__0_0.distcp: checksum is crc32:"):
+        ckpt.load(archive)
+    assert torch.equal(objs["policy"].weight, before)  # nothing restored
+    with pytest.raises(tdcp.CheckpointIntegrityError, match=r"::__0_0.distcp"):
+        tdcp.verify(archive)
+    with pytest.raises(tdcp.CheckpointIntegrityError, match=r"::__0_0.distcp"):
+        tdcp.to_directory(archive, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.zip", "ckpt"]  # staging removed, nothing published
+
+
+def test_planted_pickle_in_archived_metadata_is_never_run(tmp_path: Path) -> None:
+    path, _ = make(tmp_path)
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):  # type: ignore[no-untyped-def]
+            return (Path.touch, (marker,))
+
+    (path / ".metadata").write_bytes(pickle.dumps(Payload()))
+    m = json.loads((path / "manifest.json").read_text())
+    m["files"][".metadata"] = {"size": (path / ".metadata").stat().st_size, "checksum": file_checksum(path / ".metadata")}
+    (path / "manifest.json").write_text(json.dumps(m))
+    archive = tdcp.to_archive(path, tmp_path / "c.zip")
+    with pytest.raises(tdcp.UnsafeCheckpointError, match="c.zip::.metadata"):
+        fresh()[0].load(archive)
+    assert not marker.exists()
+
+
+def test_conversion_refuses_damage_and_existing_destinations(tmp_path: Path) -> None:
+    path, _ = make(tmp_path)
+    other = tdcp.to_archive(path, tmp_path / "c.zip")
+    with pytest.raises(tdcp.CheckpointError, match="already exists"):
+        tdcp.to_archive(path, other)
+    tdcp.to_archive(path, other, overwrite=True)
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(tdcp.CheckpointError, match="not a torchrl_dcp checkpoint"):
+        tdcp.to_archive(path, tmp_path / "notes.txt", overwrite=True)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    data = path / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    data.write_bytes(raw)
+    with pytest.raises(tdcp.CheckpointIntegrityError, match=r"ckpt/__0_0.distcp: checksum is"):
+        tdcp.to_archive(path, tmp_path / "d.zip")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.zip", "ckpt", "notes.txt"]  # no temp file left
+    with pytest.raises(tdcp.CheckpointFormatError, match="use to_directory"):
+        tdcp.to_archive(other, tmp_path / "x.zip")
+    with pytest.raises(tdcp.CheckpointFormatError, match="use to_archive"):
+        tdcp.to_directory(path, tmp_path / "x")
+
+
+def test_zip64_members_round_trip_and_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Members over the ZIP64 limit (lowered here so the test stays small) use ZIP64 records and stay aligned."""
+    path, saved = make(tmp_path)
+    with monkeypatch.context() as m:
+        m.setattr(zipfile, "ZIP64_LIMIT", 1000)
+        archive = tdcp.to_archive(path, tmp_path / "c.zip")
+    raw = archive.read_bytes()
+    assert b"PK\x06\x06" in raw  # the ZIP64 end of central directory record
+    with zipfile.ZipFile(archive) as zf:
+        assert zf.testzip() is None
+    assert all(m.data_offset % ALIGN == 0 for m in read_index(archive).values())
+    ckpt, objs = fresh()
+    ckpt.load(archive)
+    assert torch.equal(objs["policy"].weight, saved["policy"].weight)
+    back = tdcp.to_directory(archive, tmp_path / "back")
+    assert all((back / f.name).read_bytes() == f.read_bytes() for f in path.iterdir())
+
+
+def test_export_policy_for_torchrl_checkpoint_without_distributed(tmp_path: Path) -> None:
+    path, saved = make(tmp_path)
+    archive = tdcp.to_archive(path, tmp_path / "c.zip")
+    out = tdcp.export_torchrl(archive, tmp_path / "policy.torchrl", ["policy", "stats"])
+    torch.save(saved["policy"].state_dict(), tmp_path / "expected.pt")
+    script = textwrap.dedent(
+        f"""
+        import sys, torch
+        from torchrl.checkpoint import Checkpoint
+        policy, stats = torch.nn.Linear(64, 32), {{}}
+        result = Checkpoint(policy=policy, stats=stats).load({str(out)!r})
+        expected = torch.load({str(tmp_path / 'expected.pt')!r})
+        assert result.loaded == {{"policy", "stats"}}, result
+        assert all(torch.equal(policy.state_dict()[k], v) for k, v in expected.items())
+        assert stats == {{"episodes": 5}}, stats
+        assert result.manifest["metadata"]["step"] == 12
+        assert "torch.distributed" not in sys.modules or not torch.distributed.is_initialized()
+        print("ok")
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
+    with pytest.raises(ValueError, match="per_rank"):
+        tdcp.export_torchrl(path, tmp_path / "rng.torchrl", ["rng"])
+    with pytest.raises(KeyError, match="nope"):
+        tdcp.export_torchrl(path, tmp_path / "x.torchrl", ["nope"])
+    with pytest.raises(tdcp.CheckpointError, match="already exists"):
+        tdcp.export_torchrl(path, out, ["policy"])
+
+
+RSS_SCRIPT = """
+import sys, time
+import torchrl_dcp as tdcp
+src, zip_path, back = sys.argv[1:4]
+t0 = time.perf_counter(); tdcp.to_archive(src, zip_path); t1 = time.perf_counter()
+tdcp.to_directory(zip_path, back); t2 = time.perf_counter()
+hwm = [int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")][0]
+print(hwm * 1024, t1 - t0, t2 - t1, "torch" in sys.modules)
+"""
+
+
+@pytest.mark.slow
+def test_one_gigabyte_converts_both_ways_in_bounded_rss(tmp_path: Path) -> None:
+    """Peak RSS of a process converting a 1 GiB checkpoint to an archive and back (a behaviour, not a time)."""
+    tensors = {f"t{i}": torch.full((64 << 20,), float(i), dtype=torch.float32) for i in range(4)}  # 4 x 256 MiB
+    path = tdcp.DistributedCheckpoint(big=tensors).save(tmp_path / "big")
+    del tensors
+    size = sum(f.stat().st_size for f in path.iterdir())
+    assert size >= 1 << 30
+    proc = subprocess.run(
+        [sys.executable, "-c", RSS_SCRIPT, str(path), str(tmp_path / "big.zip"), str(tmp_path / "back")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    peak, t_pack, t_unpack, imported_torch = proc.stdout.split()
+    print(f"1 GiB: pack {size / float(t_pack) / 1e9:.2f} GB/s, unpack {size / float(t_unpack) / 1e9:.2f} GB/s, "
+          f"peak RSS {int(peak) / 2**20:.0f} MiB")
+    assert imported_torch == "False"  # conversion is pure streaming: it never needs torch
+    assert int(peak) < 100 << 20, f"peak RSS {int(peak) / 2**20:.0f} MiB"
+    assert all(file_checksum(tmp_path / "back" / f.name) == file_checksum(f) for f in path.iterdir())
+    shutil.rmtree(tmp_path / "back")
+    assert ArchiveSource(tmp_path / "big.zip").manifest()["components"]["big"]["nbytes"] == 1 << 30

@@ -1,0 +1,239 @@
+"""Conversions: checkpoint directory ↔ single-file ZIP archive, and export to ``torchrl.checkpoint``.
+
+Both directions stream every file through one reused buffer (memory stays bounded
+by ``buffer_size`` whatever the checkpoint's size), keep the data files byte for
+byte, verify every checksum on the way, and publish atomically (temporary name,
+fsync, rename, fsync of the directory). A checkpoint saved by any number of ranks
+converts the same way: it is one directory by then.
+
+Example:
+    >>> import tempfile, torch, torchrl_dcp as tdcp
+    >>> d = tempfile.mkdtemp()
+    >>> path = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(2, 1)).save(d + "/c")
+    >>> archive = tdcp.to_archive(path, d + "/c.zip")
+    >>> back = tdcp.to_directory(archive, d + "/c2")
+    >>> sorted(p.name for p in back.iterdir()) == sorted(p.name for p in path.iterdir())
+    True
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from typing import Any
+
+from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError
+from torchrl_dcp.manifest import MANIFEST, check_files, read_manifest
+from torchrl_dcp.storage.archive import BUFFER, DCP_METADATA, ArchiveSource, Progress, _copy_range, write_archive
+from torchrl_dcp.storage.commit import fsync_path, publish, remove_tree, staging_path, write_file_durably
+
+
+__all__ = ["to_archive", "to_directory", "export_torchrl", "is_archive"]
+
+
+def is_archive(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a regular file (an archive checkpoint) rather than a directory."""
+    return Path(path).is_file()
+
+
+def _destination(dst: str | os.PathLike, overwrite: bool) -> Path:
+    destination = Path(dst).expanduser().absolute()
+    if destination.exists() or destination.is_symlink():
+        if not overwrite:
+            raise CheckpointError("already exists; pass overwrite=True (CLI: --overwrite) to replace it", path=destination)
+        try:
+            from torchrl_dcp.storage.source import open_source
+
+            open_source(destination).manifest()
+        except CheckpointError:
+            raise CheckpointError(
+                "exists and is not a torchrl_dcp checkpoint; refusing to replace it", path=destination
+            ) from None
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    return destination
+
+
+def to_archive(
+    src_dir: str | os.PathLike,
+    dst_file: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    buffer_size: int = BUFFER,
+    progress: Progress | None = None,
+) -> Path:
+    """Pack the checkpoint directory ``src_dir`` into the single ZIP file ``dst_file``.
+
+    Args:
+        overwrite: replace an existing checkpoint at ``dst_file``.
+        buffer_size: the one copy buffer (bounds memory).
+        progress: called as ``progress(bytes_done, bytes_total)``.
+
+    Raises:
+        CheckpointIntegrityError: a file is missing, resized, unlisted or fails its
+            checksum (nothing is published).
+
+    Example:
+        >>> tdcp.to_archive("ckpts/step-100", "step-100.zip")  # doctest: +SKIP
+    """
+    src = Path(src_dir).expanduser().absolute()
+    if not src.exists():
+        raise CheckpointNotFoundError("no checkpoint here: the path does not exist", path=src)
+    if not src.is_dir():
+        raise CheckpointFormatError("not a checkpoint directory (already an archive? use to_directory)", path=src)
+    manifest = read_manifest(src)  # validated and migrated; the archive keeps the original bytes
+    check_files(src, manifest, checksum=False)
+    destination = _destination(dst_file, overwrite)
+    names = sorted(manifest["files"], key=lambda n: (n != DCP_METADATA, n))
+    files = [(n, src / n, manifest["files"][n]["size"], manifest["files"][n]["checksum"]) for n in names]
+    return write_archive(
+        files, (src / MANIFEST).read_bytes(), destination, buffer_size=buffer_size, progress=progress
+    )
+
+
+def to_directory(
+    src_file: str | os.PathLike,
+    dst_dir: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    buffer_size: int = BUFFER,
+    progress: Progress | None = None,
+) -> Path:
+    """Unpack the archive ``src_file`` into the checkpoint directory ``dst_dir``.
+
+    The files are written into a staging directory next to ``dst_dir`` with their
+    checksums verified, ``manifest.json`` last, then the directory is moved into place.
+
+    Example:
+        >>> tdcp.to_directory("step-100.zip", "ckpts/step-100")  # doctest: +SKIP
+    """
+    path = Path(src_file).expanduser().absolute()
+    if not path.exists():
+        raise CheckpointNotFoundError("no checkpoint here: the path does not exist", path=path)
+    if path.is_dir():
+        raise CheckpointFormatError("is a directory, not an archive (use to_archive)", path=path)
+    source = ArchiveSource(path)
+    manifest = source.manifest()
+    source.check(False)  # sizes and ZIP CRCs against the manifest
+    destination = _destination(dst_dir, overwrite)
+    files = manifest["files"]
+    total = sum(rec["size"] for rec in files.values())
+    done = 0
+
+    def advance(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(done, total)
+
+    staging = staging_path(destination)
+    staging.mkdir()
+    try:
+        buf = memoryview(bytearray(buffer_size))
+        with open(path, "rb", buffering=0) as f:
+            for name in sorted(files, key=lambda n: source.member(n).data_offset):
+                m = source.member(name)
+                with open(staging / name, "xb", buffering=0) as out:
+                    crc = _copy_range(f, m.data_offset, m.size, buf, out, advance)
+                    os.fsync(out.fileno())
+                actual = f"crc32:{crc:08x}"
+                if actual != files[name]["checksum"]:
+                    raise CheckpointIntegrityError(
+                        f"checksum is {actual}, the manifest says {files[name]['checksum']}: the member is damaged",
+                        path=f"{path}::{name}",
+                    )
+        write_file_durably(staging / MANIFEST, source.read_member(MANIFEST, 1 << 30))
+        fsync_path(staging)
+        publish(staging, destination)
+    except BaseException:
+        remove_tree(staging)
+        raise
+    return destination
+
+
+class _StateDict:
+    """A saved state presented as an object with ``state_dict()`` (what ``torchrl.checkpoint`` saves)."""
+
+    def __init__(self, state: Mapping[str, Any]) -> None:
+        self._state = state
+
+    def state_dict(self) -> Mapping[str, Any]:
+        return self._state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:  # pragma: no cover - export only
+        self._state = state
+
+
+_STATE_DICT_ADAPTERS = ("torchrl_dcp.module", "torchrl_dcp.optimizer", "torchrl_dcp.state_dict")
+
+
+def export_torchrl(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    components: Collection[str] | None = None,
+    *,
+    rank: int | None = None,
+    format: str = "archive",
+    metadata: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write selected components as a ``torchrl.checkpoint`` checkpoint, e.g. the policy for deployment.
+
+    Reads the components from ``src`` (directory or archive, any saved world size, no
+    process group needed) and saves them with ``torchrl.checkpoint.Checkpoint`` so that
+    ``torchrl.checkpoint.Checkpoint(policy=module).load(dst)`` restores them in a
+    plain process. Modules, optimizers and ``state_dict`` components become state
+    dicts; JSON components stay values.
+
+    Args:
+        components: names to export (default: every replicated component).
+        rank: which rank's state to export for per_rank components.
+        format: ``"archive"`` (one ZIP file) or ``"directory"``.
+        metadata: manifest metadata of the export (default: the source's, plus its step).
+
+    Example:
+        >>> tdcp.export_torchrl("ckpts/step-100", "policy.torchrl", ["policy"])  # doctest: +SKIP
+        >>> torchrl.checkpoint.Checkpoint(policy=policy).load("policy.torchrl")  # doctest: +SKIP
+    """
+    from torchrl.checkpoint import Checkpoint as TorchRLCheckpoint
+
+    from torchrl_dcp.reading import as_source, read_component
+
+    source = as_source(src)
+    manifest = source.manifest()
+    saved = manifest["components"]
+    if components is None:
+        components = [n for n, r in saved.items() if r["placement"] == "replicated"]
+    unknown = sorted(set(components) - set(saved))
+    if unknown:
+        raise KeyError(f"not in the checkpoint: {unknown}; it holds {sorted(saved)}")
+    values: dict[str, Any] = {}
+    for name in components:
+        rec = saved[name]
+        if rec["placement"] == "per_rank" and rank is None:
+            raise ValueError(f"component {name!r} is per_rank: pass rank=... to choose whose state to export")
+        state = read_component(source, name, rank=rank)
+        if rec["adapter"] in _STATE_DICT_ADAPTERS and isinstance(state, Mapping):
+            values[name] = _StateDict(state)
+        elif rec["adapter"] == "torchrl_dcp.json":
+            values[name] = state
+        else:
+            raise CheckpointFormatError(
+                f"component {name!r} ({rec['adapter']}) cannot be exported: export supports modules, optimizers, "
+                "state_dict objects and JSON values",
+                path=source.path,
+            )
+    destination = _destination_for_torchrl(dst, overwrite)
+    meta = dict(manifest["metadata"] if metadata is None else metadata)
+    if metadata is None:
+        meta.setdefault("step", manifest.get("step"))
+        meta["exported_from"] = str(source.path)
+    TorchRLCheckpoint(format=format, **values).save(destination, metadata=meta)  # type: ignore[arg-type]
+    return destination
+
+
+def _destination_for_torchrl(dst: str | os.PathLike, overwrite: bool) -> Path:
+    destination = Path(dst).expanduser().absolute()
+    if (destination.exists() or destination.is_symlink()) and not overwrite:
+        raise CheckpointError("already exists; pass overwrite=True to replace it", path=destination)
+    return destination  # torchrl.checkpoint replaces an existing one atomically

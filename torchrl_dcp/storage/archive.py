@@ -1,0 +1,351 @@
+"""Single-file ZIP archives of a checkpoint: written by streaming, read in place.
+
+An archive holds ``manifest.json`` and the checkpoint's files unchanged, STORED (no
+compression), each member's data aligned to 64 bytes (padding in an extra field),
+ZIP64 where a member needs it. :class:`ArchiveSource` reads one without extracting
+it: the central directory is validated, and DCP reads every tensor at its offset
+inside the ZIP, so partial loads read only the selected tensors' bytes.
+
+Example:
+    >>> import tempfile, torch, torchrl_dcp as tdcp
+    >>> d = tempfile.mkdtemp()
+    >>> path = tdcp.DistributedCheckpoint(w={"x": torch.ones(2)}).save(d + "/c")
+    >>> tdcp.to_archive(path, d + "/c.zip").name
+    'c.zip'
+    >>> from torchrl_dcp.storage.archive import ArchiveSource
+    >>> ArchiveSource(d + "/c.zip").manifest()["format"]
+    'torchrl_dcp'
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import uuid
+import zipfile
+import zlib
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError
+from torchrl_dcp.manifest import MANIFEST, MAX_MANIFEST_BYTES, loads_manifest
+
+if TYPE_CHECKING:  # this module stays importable without torch (conversion, inspection)
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from torchrl_dcp.storage.archive_reader import ArchiveReader
+
+DCP_METADATA = ".metadata"
+
+ALIGN = 64
+BUFFER = 4 << 20
+TMP_TAG = ".tdcp-tmp-"
+_LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # signature .. extra length: 30 bytes
+_LOCAL_SIG = b"PK\x03\x04"
+_PAD_ID = 0xD935  # the alignment extra field of Android's zipalign
+_FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # identical inputs give identical archives
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class Member:
+    """One STORED member: where its bytes are in the archive."""
+
+    name: str
+    header_offset: int
+    data_offset: int
+    size: int
+    crc: int
+
+
+def _checksum(crc: int) -> str:
+    return f"crc32:{crc:08x}"
+
+
+# ---------------------------------------------------------------------- reading
+def read_index(path: Path) -> dict[str, Member]:
+    """Validate the central directory and every local header; return the members by name.
+
+    Raises:
+        CheckpointFormatError: not a ZIP, a damaged central directory or local header,
+            a compressed, encrypted, duplicate, overlapping or out-of-bounds member.
+        CheckpointIntegrityError: a member name that could escape (absolute, ``..``, ``\\``).
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:  # our archives end with the end record (no comment); a data file
+            f.seek(max(0, size - 22))  # may itself be a ZIP (torch.save), whose end record must not be taken
+            end = f.read(22)
+        if len(end) != 22 or end[:4] != b"PK\x05\x06" or end[20:22] != b"\0\0":
+            raise CheckpointFormatError(
+                "no ZIP end record at the end of the file: not an archive, or its central directory is damaged "
+                "(truncated or with trailing bytes)",
+                path=path,
+            )
+        with zipfile.ZipFile(path) as zf:
+            infos, start_dir = zf.infolist(), zf.start_dir
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, struct.error, UnicodeDecodeError) as err:
+        raise CheckpointFormatError(
+            f"not a readable ZIP archive, or its central directory is damaged ({type(err).__name__}: {err})", path=path
+        ) from None
+    members: dict[str, Member] = {}
+    with open(path, "rb") as f:
+        for info in infos:
+            name = info.orig_filename
+            where = f"{path}::{name}"
+            _check_name(name, where)
+            if name in members:
+                raise CheckpointFormatError("the archive holds this member twice", path=where)
+            if info.flag_bits & 0x1:
+                raise CheckpointFormatError("member is encrypted; torchrl_dcp archives never are", path=where)
+            if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+                raise CheckpointFormatError(
+                    f"member is compressed (method {info.compress_type}); torchrl_dcp archives are STORED "
+                    "(convert the checkpoint again with tdcp.to_archive)",
+                    path=where,
+                )
+            f.seek(info.header_offset)
+            header = f.read(_LOCAL_HEADER.size)
+            if len(header) != _LOCAL_HEADER.size:
+                raise CheckpointFormatError("local header lies beyond the end of the archive", path=where)
+            sig, _, _, method, _, _, _, _, _, name_len, extra_len = _LOCAL_HEADER.unpack(header)
+            if sig != _LOCAL_SIG or method != zipfile.ZIP_STORED:
+                raise CheckpointFormatError("local header is damaged (central directory points elsewhere)", path=where)
+            if f.read(name_len) != name.encode("utf-8" if info.flag_bits & 0x800 else "cp437"):
+                raise CheckpointFormatError("local header names another member", path=where)
+            data_offset = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+            if data_offset + info.file_size > min(start_dir, size):
+                raise CheckpointFormatError("member data extends beyond the end of the archive", path=where)
+            members[name] = Member(name, info.header_offset, data_offset, info.file_size, info.CRC)
+    spans = sorted(members.values(), key=lambda m: m.header_offset)
+    for a, b in zip(spans, spans[1:]):
+        if a.data_offset + a.size > b.header_offset:
+            raise CheckpointFormatError(f"member overlaps member {a.name!r}", path=f"{path}::{b.name}")
+    return members
+
+
+def _check_name(name: str, where: str) -> None:
+    parts = name.split("/")
+    if (
+        not name
+        or name.startswith("/")
+        or "\\" in name
+        or "\0" in name
+        or ".." in parts
+        or (len(name) > 1 and name[1] == ":")
+    ):
+        raise CheckpointIntegrityError("member name escapes the archive (absolute, '..' or '\\'): refused", path=where)
+    if len(parts) != 1:
+        raise CheckpointFormatError("member is in a sub-directory; torchrl_dcp archives are flat", path=where)
+
+
+class ArchiveSource:
+    """A checkpoint stored as one ZIP archive, read in place (see :class:`~torchrl_dcp.storage.source.CheckpointSource`)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        if not self.path.exists():
+            raise CheckpointNotFoundError("no checkpoint here: the path does not exist", path=self.path)
+        self._members: dict[str, Member] | None = None
+        self._manifest: dict[str, Any] | None = None
+        self._metadata: Metadata | None = None
+        self.bytes_read = 0  # data bytes read through storage readers (tests, diagnostics)
+
+    @property
+    def members(self) -> dict[str, Member]:
+        if self._members is None:
+            self._members = read_index(self.path)
+        return self._members
+
+    def member(self, name: str) -> Member:
+        try:
+            return self.members[name]
+        except KeyError:
+            raise CheckpointIntegrityError(
+                "member listed in the manifest is missing from the archive", path=f"{self.path}::{name}"
+            ) from None
+
+    def read_member(self, name: str, limit: int) -> bytes:
+        m = self.member(name)
+        if m.size > limit:
+            raise CheckpointFormatError(f"member is implausibly large ({m.size} bytes)", path=f"{self.path}::{name}")
+        with open(self.path, "rb") as f:
+            f.seek(m.data_offset)
+            data = f.read(m.size)
+        if zlib.crc32(data) != m.crc:
+            raise CheckpointIntegrityError("member fails its ZIP CRC32: the archive is damaged", path=f"{self.path}::{name}")
+        return data
+
+    def manifest(self) -> dict[str, Any]:
+        if self._manifest is None:
+            if MANIFEST not in self.members:
+                raise CheckpointFormatError(f"the archive holds no {MANIFEST}: not a torchrl_dcp checkpoint", path=self.path)
+            manifest = loads_manifest(self.read_member(MANIFEST, MAX_MANIFEST_BYTES), f"{self.path}::{MANIFEST}")
+            for name in self.members:
+                if name != MANIFEST and name not in manifest["files"]:
+                    raise CheckpointIntegrityError(
+                        "member not listed in the manifest: the archive was altered", path=f"{self.path}::{name}"
+                    )
+            self._manifest = manifest
+        return self._manifest
+
+    def check(self, checksum: Iterable[str] | bool) -> None:
+        """Sizes (and ZIP CRCs against the manifest) of every listed member; data checksums of ``checksum``."""
+        files = self.manifest()["files"]
+        wanted = set(files) if checksum is True else set() if checksum is False else set(checksum)
+        for name, rec in files.items():
+            m, where = self.member(name), f"{self.path}::{name}"
+            if m.size != rec["size"]:
+                raise CheckpointIntegrityError(f"size is {m.size} bytes, the manifest says {rec['size']}", path=where)
+            if _checksum(m.crc) != rec["checksum"]:
+                raise CheckpointIntegrityError(
+                    f"ZIP CRC32 is {_checksum(m.crc)}, the manifest says {rec['checksum']}: the archive is damaged",
+                    path=where,
+                )
+        if wanted:
+            with open(self.path, "rb", buffering=0) as f:
+                buf = memoryview(bytearray(BUFFER))
+                for name in sorted(wanted & set(files), key=lambda n: self.member(n).data_offset):
+                    m = self.member(name)
+                    actual = _checksum(_copy_range(f, m.data_offset, m.size, buf, None))
+                    if actual != files[name]["checksum"]:
+                        raise CheckpointIntegrityError(
+                            f"checksum is {actual}, the manifest says {files[name]['checksum']}: the member is damaged",
+                            path=f"{self.path}::{name}",
+                        )
+
+    def dcp_metadata(self) -> Metadata | None:
+        if self._metadata is None:
+            files = self.manifest()["files"]
+            if DCP_METADATA not in self.members:
+                if files:
+                    raise CheckpointFormatError("DCP metadata member .metadata is missing", path=self.path)
+                return None
+            from torchrl_dcp.storage.filesystem import check_storage_files, safe_load_metadata
+
+            where = f"{self.path}::{DCP_METADATA}"
+            metadata = safe_load_metadata(where, data=self.read_member(DCP_METADATA, MAX_MANIFEST_BYTES))
+            check_storage_files(metadata, where, files)
+            for info in (metadata.storage_data or {}).values():
+                m = self.member(info.relative_path)
+                if info.offset < 0 or info.length < 0 or info.offset + info.length > m.size:
+                    raise CheckpointIntegrityError(
+                        f"DCP metadata points past the end of member {info.relative_path!r}", path=where
+                    )
+            self._metadata = metadata
+        return self._metadata
+
+    def storage_reader(self) -> ArchiveReader:
+        from torchrl_dcp.storage.archive_reader import ArchiveReader
+
+        return ArchiveReader(self, self.dcp_metadata())
+
+
+# ---------------------------------------------------------------------- writing
+def _copy_range(
+    f: BinaryIO, offset: int, size: int, buf: memoryview, out: BinaryIO | None, progress: Any = None, crc: bool = True
+) -> int:
+    """CRC32 of ``size`` bytes at ``offset`` of ``f``, copied to ``out`` on the way, through one reused buffer.
+
+    ``crc=False`` skips the checksum (when ``out`` computes it, as a ZIP member writer does) and returns 0.
+    """
+    f.seek(offset)
+    value, left = 0, size
+    while left:
+        n = f.readinto(buf[: min(len(buf), left)])
+        if not n:
+            raise CheckpointIntegrityError(f"file ended {left} bytes early", path=getattr(f, "name", None))
+        chunk = buf[:n]
+        if crc:
+            value = zlib.crc32(chunk, value)
+        if out is not None:
+            _write_all(out, chunk)
+        left -= n
+        if progress is not None:
+            progress(n)
+    return value
+
+
+def _write_all(out: BinaryIO, chunk: memoryview) -> None:
+    while chunk:  # one write() may move less than asked (about 2 GiB at most)
+        n = out.write(chunk)
+        chunk = chunk[n:] if n is not None else chunk[len(chunk) :]
+
+
+def _padding(name: str, offset: int, zip64: bool) -> bytes:
+    """An extra field that puts the member's data at a multiple of ALIGN."""
+    base = offset + _LOCAL_HEADER.size + len(name.encode()) + (20 if zip64 else 0) + 4
+    pad = (-base) % ALIGN
+    return struct.pack("<HH", _PAD_ID, pad) + b"\0" * pad
+
+
+def temporary_sibling(destination: Path) -> Path:
+    return destination.parent / f".{destination.name}{TMP_TAG}{uuid.uuid4().hex}"
+
+
+def write_archive(
+    files: Collection[tuple[str, Path, int, str]],
+    manifest_bytes: bytes,
+    destination: Path,
+    *,
+    buffer_size: int = BUFFER,
+    progress: Progress | None = None,
+) -> Path:
+    """Stream ``files`` (``(name, path, size, checksum)``) and the manifest into one archive, atomically.
+
+    Every file's CRC32 is computed while it is copied (the ZIP's own CRC of a STORED
+    member) and compared with ``checksum``; a mismatch aborts before anything is
+    published. The archive is written under a temporary name next to ``destination``,
+    fsynced and renamed into place; the directory is fsynced.
+    """
+    from torchrl_dcp.storage.commit import fsync_path
+
+    total = sum(size for _, _, size, _ in files)
+    done = 0
+
+    def advance(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(done, total)
+
+    tmp = temporary_sibling(destination)
+    buf = memoryview(bytearray(buffer_size))
+    try:
+        with open(tmp, "xb") as raw:
+            with zipfile.ZipFile(raw, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+                entries: list[tuple[str, Path | None, int, str | None]] = [(MANIFEST, None, len(manifest_bytes), None)]
+                entries += list(files)
+                for name, path, size, checksum in entries:
+                    info = zipfile.ZipInfo(name, date_time=_FIXED_TIME)
+                    info.compress_type = zipfile.ZIP_STORED
+                    info.external_attr = 0o644 << 16
+                    info.file_size = size
+                    zip64 = size * 1.05 > zipfile.ZIP64_LIMIT
+                    info.extra = _padding(name, zf.start_dir, zip64)
+                    with zf.open(info, "w", force_zip64=zip64) as out:
+                        if path is None:
+                            out.write(manifest_bytes)
+                            continue
+                        with open(path, "rb", buffering=0) as src:
+                            if os.fstat(src.fileno()).st_size != size:
+                                raise CheckpointIntegrityError(
+                                    f"size is {os.fstat(src.fileno()).st_size} bytes, the manifest says {size}", path=path
+                                )
+                            _copy_range(src, 0, size, buf, out, advance, crc=False)  # zipfile CRCs it
+                    if checksum is not None and _checksum(info.CRC) != checksum:
+                        raise CheckpointIntegrityError(
+                            f"checksum is {_checksum(info.CRC)}, the manifest says {checksum}: the file is damaged",
+                            path=path,
+                        )
+            raw.flush()
+            os.fsync(raw.fileno())
+        os.replace(tmp, destination)
+        fsync_path(destination.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return destination
