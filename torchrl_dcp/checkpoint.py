@@ -54,7 +54,7 @@ from torchrl_dcp.storage.writer import assign_writers, build_metadata, can_write
 logger = logging.getLogger("torchrl_dcp")
 
 Strictness = Literal["error", "warn", "ignore"]
-WorldSizeChange = Literal["error"]
+WorldSizeChange = Literal["error", "reshard"]
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 _DTYPES = {str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
 
@@ -492,8 +492,12 @@ class DistributedCheckpoint:
             map_location: device (or ``{saved: target}`` mapping, or callable) for tensors.
             component_options: per-component :class:`CheckpointOptions` overrides.
             world_size_change: what to do with per-rank components saved by another
-                number of ranks: ``"error"`` (default) raises :class:`WorldSizeMismatchError`.
-                Replicated components load at any world size.
+                number of ranks: ``"error"`` (default) raises :class:`WorldSizeMismatchError`
+                naming both sizes; ``"reshard"`` lets each adapter redistribute them (replay
+                buffers split their transitions over the new ranks, RNG streams are re-seeded
+                deterministically, collectors start fresh trajectories; see docs/resharding.md).
+                Components whose adapter cannot reshard still raise. Replicated components
+                load at any world size.
             verify: check the checksum of every file this rank reads before loading.
 
         Returns:
@@ -503,8 +507,8 @@ class DistributedCheckpoint:
         self._async.wait_pending()  # never interleave with a background save's collectives
         strict = self.strict if strict is None else strict
         _check_strict(strict)
-        if world_size_change != "error":
-            raise ValueError(f"world_size_change must be 'error', got {world_size_change!r}")
+        if world_size_change not in ("error", "reshard"):
+            raise ValueError(f"world_size_change must be 'error' or 'reshard', got {world_size_change!r}")
         source = Path(path).expanduser().absolute()
         requested = self._select(components, None)
         options = dict(component_options or {})
@@ -512,7 +516,7 @@ class DistributedCheckpoint:
         rank, world = _dist.rank(), _dist.world_size()
 
         result = LoadResult(path=source)
-        plan: dict[str, tuple[Adapter, AdapterContext, Any, str]] = {}
+        plan: dict[str, tuple[Adapter, AdapterContext, dict[int, tuple[Any, str]], bool]] = {}
         flat: dict[str, torch.Tensor] = {}
         error: BaseException | None = None
         try:
@@ -551,40 +555,42 @@ class DistributedCheckpoint:
                 if rec["placement"] != reg.placement:
                     result.incompatible[name] = f"saved as {rec['placement']!r}, registered as {reg.placement!r}"
                     continue
-                if rec["placement"] == "per_rank":
-                    if saved_world != world:
-                        raise WorldSizeMismatchError(
-                            f"component {name!r} is per_rank and was saved by {saved_world} ranks, this job has "
-                            f"{world}; load only replicated components (components=...) or resume with "
-                            f"{saved_world} ranks",
-                            path=source,
-                        )
-                    skeleton, src_rank = rec["ranks"][str(rank)]["state"], rank
-                else:
-                    skeleton, src_rank = rec["state"], rank
-                ctx = self._ctx(
-                    name, options.get(name), map_location=map_location, saved_world_size=saved_world, source_rank=src_rank
-                )
-                prefix = key_prefix(rec["placement"], name, src_rank)
+                reshard = rec["placement"] == "per_rank" and saved_world != world
+                if reshard and (world_size_change == "error" or not adapter.can_reshard):
+                    why = (
+                        f"pass world_size_change='reshard' to redistribute it"
+                        if adapter.can_reshard
+                        else f"its adapter {adapter.adapter_id!r} cannot be resharded"
+                    )
+                    raise WorldSizeMismatchError(
+                        f"component {name!r} is per_rank and was saved by {saved_world} ranks, this job has "
+                        f"{world}: {why}; or load only replicated components (components=...), or resume with "
+                        f"{saved_world} ranks",
+                        path=source,
+                    )
+                ctx = self._ctx(name, options.get(name), map_location=map_location, saved_world_size=saved_world)
                 try:
-                    flat.update(self._destinations(name, adapter, ctx, skeleton, prefix))
+                    sources = self._plan_sources(name, rec, adapter, ctx, reshard, rank, saved_world)
+                    for src_rank, (skeleton, prefix) in sources.items():
+                        flat.update(self._destinations(name, adapter, ctx, skeleton, prefix, in_place=not reshard))
                 except CheckpointFormatError:
                     raise
                 except Exception as err:
                     result.incompatible[name] = f"cannot allocate its tensors: {err}"
                     continue
-                for ref_name, spec in xrefs(skeleton):
-                    ref = saved.get(ref_name)
-                    if ref is None or ref["placement"] != "replicated":
-                        raise CheckpointFormatError(
-                            f"component {name!r} refers to tensors of {ref_name!r}, which is not a replicated "
-                            "component of this checkpoint",
-                            path=source,
-                        )
-                    ref_key = f"{key_prefix('replicated', ref_name, rank)}/{spec.key}"
-                    if ref_key not in flat:
-                        flat[ref_key] = torch.empty(spec.shape, dtype=spec.dtype, device=ctx.device_for(spec.device))
-                plan[name] = (adapter, ctx, skeleton, prefix)
+                for skeleton, _ in sources.values():
+                    for ref_name, spec in xrefs(skeleton):
+                        ref = saved.get(ref_name)
+                        if ref is None or ref["placement"] != "replicated":
+                            raise CheckpointFormatError(
+                                f"component {name!r} refers to tensors of {ref_name!r}, which is not a replicated "
+                                "component of this checkpoint",
+                                path=source,
+                            )
+                        ref_key = f"{key_prefix('replicated', ref_name, rank)}/{spec.key}"
+                        if ref_key not in flat:
+                            flat[ref_key] = torch.empty(spec.shape, dtype=spec.dtype, device=ctx.device_for(spec.device))
+                plan[name] = (adapter, ctx, sources, reshard)
             _report_issues(result, strict, source)
             metadata = src.dcp_metadata()
             needed = _files_for(metadata, flat) if metadata is not None else set()
@@ -609,12 +615,19 @@ class DistributedCheckpoint:
         # restore, RNG-like adapters last so nothing consumes random numbers after them
         order = sorted(plan, key=lambda n: getattr(plan[n][0], "restore_last", False))
         for name in order:
-            adapter, ctx, skeleton, prefix = plan[name]
+            adapter, ctx, sources, reshard = plan[name]
             try:
-                tensors = {spec.key: flat[f"{prefix}/{spec.key}"] for spec in tensor_specs(skeleton)}
-                for ref_name, spec in xrefs(skeleton):
-                    tensors[xref_key(ref_name, spec.key)] = flat[f"{key_prefix('replicated', ref_name, rank)}/{spec.key}"]
-                value = adapter.restore(self._components[name].value, decode(skeleton, tensors), ctx)
+                states = {}
+                for src_rank, (skeleton, prefix) in sources.items():
+                    tensors = {spec.key: flat[f"{prefix}/{spec.key}"] for spec in tensor_specs(skeleton)}
+                    for ref_name, spec in xrefs(skeleton):
+                        tensors[xref_key(ref_name, spec.key)] = flat[f"{key_prefix('replicated', ref_name, rank)}/{spec.key}"]
+                    states[src_rank] = decode(skeleton, tensors)
+                obj = self._components[name].value
+                if reshard:
+                    value = adapter.reshard(obj, states, ctx)
+                else:
+                    value = adapter.restore(obj, states[ctx.source_rank], ctx)
             except Exception as err:
                 result.incompatible[name] = f"{type(err).__name__}: {err}"
                 if strict == "error":
@@ -629,14 +642,30 @@ class DistributedCheckpoint:
                 result.values[name] = value
         return result
 
+    def _plan_sources(
+        self, name: str, rec: dict[str, Any], adapter: Adapter, ctx: AdapterContext, reshard: bool, rank: int, saved_world: int
+    ) -> dict[int, tuple[Any, str]]:
+        """Which saved states this rank reads: ``{source_rank: (skeleton, key prefix)}``."""
+        placement = rec["placement"]
+        if placement != "per_rank":
+            ctx.source_rank = rank
+            return {rank: (rec["state"], key_prefix(placement, name, rank))}
+        if not reshard:
+            ctx.source_rank = rank
+            return {rank: (rec["ranks"][str(rank)]["state"], key_prefix("per_rank", name, rank))}
+        skeletons = {r: rec["ranks"][str(r)]["state"] for r in range(saved_world)}
+        wanted = adapter.reshard_sources({r: _planning_view(sk) for r, sk in skeletons.items()}, ctx)
+        bad = [r for r in wanted if r not in skeletons]
+        if bad:
+            raise IncompatibleComponentError(f"component {name!r}: adapter asked for saved ranks {bad} that do not exist")
+        ctx.source_rank = wanted[0] if wanted else None
+        return {r: (skeletons[r], key_prefix("per_rank", name, r)) for r in wanted}
+
     def _destinations(
-        self, name: str, adapter: Adapter, ctx: AdapterContext, skeleton: Any, prefix: str
+        self, name: str, adapter: Adapter, ctx: AdapterContext, skeleton: Any, prefix: str, in_place: bool = True
     ) -> dict[str, torch.Tensor]:
         specs = list(tensor_specs(skeleton))
-        placeholders: dict[str, Any] = {spec.key: spec for spec in specs}
-        placeholders.update({xref_key(ref, spec.key): spec for ref, spec in xrefs(skeleton)})
-        saved = decode(skeleton, placeholders)
-        given = adapter.destinations(self._components[name].value, saved, ctx) or {}
+        given = (adapter.destinations(self._components[name].value, _planning_view(skeleton), ctx) if in_place else None) or {}
         live: dict[str, Any] | None = None
         out: dict[str, torch.Tensor] = {}
         for spec in specs:
@@ -698,6 +727,13 @@ def _is_dtensor_spec(skeleton: Any, spec: TensorSpec) -> bool:
                 stack.extend(node)
         _DTENSOR_KEYS[:] = [skeleton, frozenset(keys)]
     return spec.key in _DTENSOR_KEYS[1]
+
+
+def _planning_view(skeleton: Any) -> Any:
+    """The saved state with every tensor replaced by its TensorSpec (what adapters plan from)."""
+    placeholders: dict[str, Any] = {spec.key: spec for spec in tensor_specs(skeleton)}
+    placeholders.update({xref_key(ref, spec.key): spec for ref, spec in xrefs(skeleton)})
+    return decode(skeleton, placeholders)
 
 
 def _is_replaceable(destination: Path) -> bool:

@@ -73,6 +73,7 @@ class AdapterContext:
     components: Mapping[str, Any] = field(default_factory=dict)
     saved_world_size: int | None = None
     source_rank: int | None = None
+    plan: dict[str, Any] = field(default_factory=dict)  # carried from reshard_sources() to reshard()
 
     def device_for(self, saved_device: str) -> torch.device:
         """The device a tensor saved on ``saved_device`` is restored to, after ``map_location``."""
@@ -120,6 +121,22 @@ class Adapter(abc.ABC):
         device; keys left out are allocated too.
         """
         return None
+
+    #: whether :meth:`reshard_sources` / :meth:`reshard` are implemented (per_rank state only)
+    can_reshard: bool = False
+
+    def reshard_sources(self, saved: dict[int, Any], ctx: AdapterContext) -> list[int]:
+        """Saved ranks whose state this rank needs after a world-size change.
+
+        ``saved`` maps every saved rank to its state with :class:`TensorSpec` leaves
+        (JSON values are real), so the choice can depend on e.g. buffer lengths.
+        ``ctx.rank`` / ``ctx.world_size`` are the new ones, ``ctx.saved_world_size`` the old.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot reshard")
+
+    def reshard(self, obj: Any, states: dict[int, Any], ctx: AdapterContext) -> Any:
+        """Restore from the saved states of the ranks :meth:`reshard_sources` chose."""
+        raise NotImplementedError(f"{type(self).__name__} cannot reshard")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(id={self.adapter_id!r}, version={self.version})"

@@ -97,8 +97,6 @@ class CollectorAdapter(Adapter):
         }
 
     def restore(self, collector: Collector, state: Any, ctx: AdapterContext) -> Any:
-        if ctx.source_rank is not None and ctx.source_rank != ctx.rank:  # world size changed: fresh trajectories
-            return self._restore_fresh(collector, state, ctx)
         collector.load_state_dict(state["state_dict"])
         if state["carrier"] is not None:
             saved = tensordict_from_state(state["carrier"], ctx)
@@ -119,8 +117,16 @@ class CollectorAdapter(Adapter):
             _set_generator_state(gens[name], saved_gen)
         return None
 
-    def _restore_fresh(self, collector: Collector, state: Any, ctx: AdapterContext) -> Any:
-        """After a world-size change: transforms, weights and counters; new trajectories, own env RNG."""
+    can_reshard = True
+
+    def reshard_sources(self, saved: dict[int, Any], ctx: AdapterContext) -> list[int]:
+        return [ctx.rank % (ctx.saved_world_size or 1)]
+
+    def reshard(self, collector: Collector, states: dict[int, Any], ctx: AdapterContext) -> Any:
+        """After a world-size change: weights, env transforms (e.g. normalisation statistics) and
+        counters of saved rank ``rank % saved_world_size``; the in-flight episode and the env's own
+        generator are not taken over, so the collector starts fresh trajectories with its own seed."""
+        (state,) = states.values()
         collector.load_state_dict(state["state_dict"])
         return None
 

@@ -39,6 +39,7 @@ from torchrl.data.replay_buffers.storages import ListStorage, TensorStorage
 from torchrl.data.replay_buffers.writers import TensorDictMaxValueWriter
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
+from torchrl_dcp.adapters.rng import derived_seed
 from torchrl_dcp.codec import TensorSpec
 from torchrl_dcp.errors import EncodingError, IncompatibleComponentError
 
@@ -258,6 +259,14 @@ class ReplayBufferAdapter(Adapter):
     adapter_id = "torchrl_dcp.replay_buffer"
     version = 1
     default_placement = "per_rank"
+    can_reshard = True
+
+    def reshard_sources(self, saved: dict[int, Any], ctx: AdapterContext) -> list[int]:
+        return reshard_sources(saved, ctx)
+
+    def reshard(self, rb: ReplayBuffer, states: dict[int, Any], ctx: AdapterContext) -> Any:
+        reshard_buffer(rb, states, ctx)
+        return None
 
     def state(self, rb: ReplayBuffer, ctx: AdapterContext) -> Any:
         rb = _buffer(rb)
@@ -290,3 +299,153 @@ class ReplayBufferAdapter(Adapter):
                 rb.set_rng(torch.Generator(device=state["generator"]["device"]))
             rb._rng.set_state(state["generator"]["state"].cpu())
         return None
+
+
+# --------------------------------------------------------------------------- resharding
+def _age_order(saved: Mapping[str, Any]) -> torch.Tensor:
+    """Storage positions of a saved shard, oldest transition first."""
+    n = saved["storage"]["len"]
+    writer = saved["writer"]
+    cursor = writer.get("cursor") if writer["kind"] == "max_value" else writer["state"].get("_cursor")
+    order = torch.arange(n)
+    if writer["kind"] != "max_value" and isinstance(cursor, int) and n == saved["storage"]["max_size"] and n:
+        order = (order + cursor) % n
+    return order
+
+
+def _split(lengths: list[int], rank: int, world: int) -> list[tuple[int, int, int]]:
+    """``(saved_rank, lo, hi)`` slices of the saved shards (in age order) that new ``rank`` receives."""
+    total = sum(lengths)
+    start, end = rank * total // world, (rank + 1) * total // world
+    out, offset = [], 0
+    for src, n in enumerate(lengths):
+        lo, hi = max(start, offset), min(end, offset + n)
+        if lo < hi:
+            out.append((src, lo - offset, hi - offset))
+        offset += n
+    return out
+
+
+def _map_tree(tree: Any, fn: Any) -> Any:
+    if isinstance(tree, Mapping):
+        return {k: _map_tree(v, fn) for k, v in tree.items()}
+    return fn(tree)
+
+
+def _cat_trees(trees: list[Any]) -> Any:
+    first = trees[0]
+    if isinstance(first, Mapping):
+        return {k: _cat_trees([t[k] for t in trees]) for k in first}
+    return torch.cat(trees)
+
+
+def reshard_sources(saved: dict[int, Any], ctx: AdapterContext) -> list[int]:
+    """Saved shards new rank ``ctx.rank`` takes transitions from (see :func:`reshard_buffer`)."""
+    for r, state in saved.items():
+        if state["storage"]["initialized"] and state["storage"]["ndim"] != 1:
+            raise IncompatibleComponentError(
+                f"component {ctx.name!r}: storages with ndim > 1 cannot be resharded (saved rank {r})"
+            )
+    lengths = [saved[r]["storage"]["len"] for r in range(len(saved))]
+    ctx.plan["lengths"] = lengths
+    sources = [src for src, _, _ in _split(lengths, ctx.rank, ctx.world_size)]
+    return sources or [ctx.rank % len(saved)]  # nothing to receive: still take transforms/config from one
+
+
+def reshard_buffer(rb: ReplayBuffer, states: dict[int, Any], ctx: AdapterContext) -> None:
+    """Fill ``rb`` with this rank's part of the saved shards (their transitions, priorities, heap ranks).
+
+    The saved shards are concatenated in rank order, each oldest-first, and cut into
+    ``world_size`` contiguous, nearly equal parts: new rank ``r`` receives part ``r``.
+    Every transition lands on exactly one rank with its priority (sum/min-tree
+    leaves) and, for a max-value writer, its rank in the heap. Samplers without
+    replacement start a new epoch; a buffer's own generator is re-seeded from the
+    saved one and the new rank.
+    """
+    rb = _buffer(rb)
+    lengths = ctx.plan["lengths"]
+    pieces = _split(lengths, ctx.rank, ctx.world_size)
+    storage, sampler, writer = rb._storage, rb._sampler, rb._writer
+    datas, sums, mins, heap = [], [], [], []
+    offset = 0
+    for src, lo, hi in pieces:
+        state = states[src]
+        positions = _age_order(state)[lo:hi]
+        datas.append(_map_tree(state["storage"]["data"], lambda t, p=positions: t[p]))
+        if state["sampler"]["kind"] == "prioritized":
+            sums.append(state["sampler"]["sum"][positions])
+            mins.append(state["sampler"]["min"][positions])
+        if state["writer"]["kind"] == "max_value":
+            new_pos = {int(p): offset + i for i, p in enumerate(positions.tolist())}
+            for rank_value, index in zip(state["writer"]["heap_rank"].tolist(), state["writer"]["heap_index"].tolist()):
+                if index in new_pos:
+                    heap.append((rank_value, new_pos[index]))
+        offset += hi - lo
+    n = offset
+    any_state = states[min(states)]
+    if n:
+        data = _cat_trees(datas)
+        flat_specs = {}
+        _flatten_tensors(data, (), flat_specs)
+        if not storage.initialized:
+            if isinstance(data, Mapping):
+                template = TensorDict({k: torch.zeros(t.shape[1:], dtype=t.dtype) for k, t in flat_specs.items()}, [])
+            else:
+                template = torch.zeros(data.shape[1:], dtype=data.dtype)
+            storage._init(template)
+        live = storage._storage
+        capacity = int(live.shape[0])
+        if n > capacity:
+            raise IncompatibleComponentError(
+                f"component {ctx.name!r}: rank {ctx.rank} receives {n} transitions after resharding, its buffer "
+                f"holds {capacity}; build the buffers with a capacity of at least {n}"
+            )
+        for key, tensor in flat_specs.items():
+            (live.get(key) if key else live)[:n].copy_(tensor)
+        storage._len = n
+        storage.initialized = True
+    elif storage.initialized:
+        storage._len = 0
+    bump = getattr(storage, "_bump_mutation_revision", None)
+    if bump is not None:
+        bump()
+    capacity = int(storage.max_size)
+    if isinstance(writer, TensorDictMaxValueWriter):
+        writer._cursor = n % capacity
+        writer._write_count = n
+        heapq.heapify(heap)
+        writer._current_top_values = heap
+    elif hasattr(writer, "_cursor"):
+        writer._cursor = n % capacity
+        writer._write_count = n
+    if isinstance(sampler, PrioritizedSampler):
+        sampler._empty()
+        if n and sums:
+            index = torch.arange(n)
+            sampler._sum_tree[index] = torch.cat(sums)
+            sampler._min_tree[index] = torch.cat(mins)
+        if sampler._max_priority_within_buffer:
+            sampler._recompute_max_priority_from_tree()
+        else:
+            values = [s["sampler"]["max_priority"][0] for s in states.values() if s["sampler"]["kind"] == "prioritized"]
+            values = [torch.as_tensor(v) for v in values if v is not None]
+            sampler._max_priority = (torch.stack(values).max(), None) if values else (None, None)
+    elif hasattr(sampler, "_empty"):
+        sampler._empty()
+    transform = getattr(rb, "_transform", None)
+    if any_state["transform"] is not None and isinstance(transform, torch.nn.Module):
+        transform.load_state_dict(any_state["transform"])
+    rb._batch_size = any_state["batch_size"]
+    if any_state["generator"] is not None:
+        if getattr(rb, "_rng", None) is None:
+            rb.set_rng(torch.Generator(device=any_state["generator"]["device"]))
+        rb._rng.manual_seed(derived_seed(any_state["generator"]["state"], ctx.rank, ctx.world_size))
+
+
+
+def _flatten_tensors(tree: Any, prefix: tuple[str, ...], out: dict[tuple[str, ...], torch.Tensor]) -> None:
+    if isinstance(tree, Mapping):
+        for k, v in tree.items():
+            _flatten_tensors(v, (*prefix, k), out)
+    else:
+        out[prefix] = tree

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import random
 import warnings
 from typing import Any
@@ -68,17 +69,56 @@ class RNGState:
                 warnings.warn("the checkpoint holds CUDA RNG state but CUDA is not available: not restored", stacklevel=2)
 
 
+def derived_seed(saved_state: torch.Tensor, rank: int, world_size: int) -> int:
+    """A seed derived deterministically from a saved generator state and a (new) rank.
+
+    Used when the number of ranks changes: rank ``r`` of ``world_size`` continues
+    from the saved streams of rank ``r % saved_world_size``, re-seeded with this
+    value so that two new ranks reading the same saved stream do not draw the same
+    numbers.
+
+    Example:
+        >>> import torch
+        >>> s = torch.Generator().get_state()
+        >>> derived_seed(s, 0, 4) != derived_seed(s, 1, 4)
+        True
+    """
+    digest = hashlib.sha256(saved_state.detach().cpu().contiguous().numpy().tobytes())
+    digest.update(f"torchrl_dcp.reshard:{rank}/{world_size}".encode())
+    return int.from_bytes(digest.digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def _same_rank_source(ctx: AdapterContext) -> list[int]:
+    return [ctx.rank % (ctx.saved_world_size or 1)]
+
+
 class RNGStateAdapter(Adapter):
+    """Global RNG streams, per rank; after a world-size change, deterministically re-seeded."""
+
     adapter_id = "torchrl_dcp.rng"
     version = 1
     default_placement = "per_rank"
     restore_last = True
+    can_reshard = True
 
     def state(self, obj: RNGState, ctx: AdapterContext) -> Any:
         return obj.state_dict()
 
     def restore(self, obj: RNGState, state: Any, ctx: AdapterContext) -> Any:
         obj.load_state_dict(state)
+        return None
+
+    def reshard_sources(self, saved: dict[int, Any], ctx: AdapterContext) -> list[int]:
+        return _same_rank_source(ctx)
+
+    def reshard(self, obj: RNGState, states: dict[int, Any], ctx: AdapterContext) -> Any:
+        (state,) = states.values()
+        seed = derived_seed(state["torch"], ctx.rank, ctx.world_size)
+        random.seed(seed)
+        np.random.seed(seed % (1 << 32))
+        torch.manual_seed(seed)
+        if torch.cuda.is_available():
+            torch.cuda.manual_seed_all(seed)
         return None
 
 
@@ -88,6 +128,15 @@ class GeneratorAdapter(Adapter):
     adapter_id = "torchrl_dcp.generator"
     version = 1
     default_placement = "per_rank"
+    can_reshard = True
+
+    def reshard_sources(self, saved: dict[int, Any], ctx: AdapterContext) -> list[int]:
+        return _same_rank_source(ctx)
+
+    def reshard(self, obj: torch.Generator, states: dict[int, Any], ctx: AdapterContext) -> Any:
+        (state,) = states.values()
+        obj.manual_seed(derived_seed(state["state"], ctx.rank, ctx.world_size))
+        return None
 
     def state(self, obj: torch.Generator, ctx: AdapterContext) -> Any:
         return {"state": obj.get_state(), "device": str(obj.device)}

@@ -1,0 +1,65 @@
+"""Per-rank programs for resharding tests: prioritized replay shards saved on N ranks, loaded on M."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torchrl.data import LazyTensorStorage, TensorDictPrioritizedReplayBuffer
+
+import torchrl_dcp as tdcp
+
+
+def _buffer(capacity: int) -> TensorDictPrioritizedReplayBuffer:
+    return TensorDictPrioritizedReplayBuffer(alpha=0.6, beta=0.4, storage=LazyTensorStorage(capacity), batch_size=4)
+
+
+def _checkpoint(rb, policy) -> tdcp.DistributedCheckpoint:
+    ckpt = tdcp.DistributedCheckpoint(policy=policy)
+    ckpt.register("buffer", rb)
+    ckpt.register("rng", tdcp.RNGState())
+    return ckpt
+
+
+def _items(rb) -> list[list[float]]:
+    n = len(rb)
+    if n == 0:
+        return []
+    ids = rb._storage._storage["id"][:n].tolist()
+    leaves = rb._sampler._sum_tree[torch.arange(n)].tolist()
+    return [[i, p] for i, p in zip(ids, leaves)]
+
+
+def save_shards(path: str, capacity: int) -> dict[str, Any]:
+    rank = dist.get_rank()
+    torch.manual_seed(rank)
+    rb = _buffer(capacity)
+    n = 10 + 9 * rank  # unequal shards; rank 2 wraps around when capacity is small
+    ids = torch.arange(n, dtype=torch.float64) + 1000 * rank
+    idx = rb.extend(TensorDict({"id": ids, "obs": torch.randn(n, 3)}, [n]))
+    rb.update_priority(idx, (ids % 17 + 1).float())
+    policy = torch.nn.Linear(2, 2)
+    torch.nn.init.constant_(policy.weight, 0.25)
+    _checkpoint(rb, policy).save(path, step=5)
+    return {"items": _items(rb)}
+
+
+def load_resharded(path: str, capacity: int) -> dict[str, Any]:
+    rb = _buffer(capacity)
+    policy = torch.nn.Linear(2, 2)
+    ckpt = _checkpoint(rb, policy)
+    out: dict[str, Any] = {}
+    try:
+        ckpt.load(path)
+    except tdcp.WorldSizeMismatchError as err:
+        out["default_error"] = str(err)
+    ckpt.load(path, world_size_change="reshard")
+    out["items"] = _items(rb)
+    out["weight"] = policy.weight.flatten().tolist()
+    out["draw"] = torch.rand(1).item()
+    if len(rb):
+        out["sample_ok"] = bool(rb.sample()["id"].numel() == 4)
+    out["cursor"] = rb._writer._cursor
+    return out
