@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from torchrl_dcp import _dist
 from torchrl_dcp.async_save import AsyncSaver, SaveHandle
-from torchrl_dcp.adapters import Adapter, AdapterContext, CheckpointOptions, resolve_adapter
+from torchrl_dcp.adapters import Adapter, AdapterContext, CheckpointOptions, RNGState, resolve_adapter
 from torchrl_dcp.codec import TensorSpec, decode, encode, tensor_identity, tensor_specs, xref_key, xrefs
 from torchrl_dcp.errors import (
     CheckpointError,
@@ -187,10 +187,14 @@ class DistributedCheckpoint:
             raise TypeError("adapter must be a torchrl_dcp.Adapter instance")
         resolved = adapter or self._adapter_for_value(component)
         if placement is None:
-            placement = resolved.default_placement if resolved is not None else "replicated"
+            placement = _trainer_placement(name) or (resolved.default_placement if resolved is not None else "replicated")
         self._components[name] = _Registration(
             component, check_placement(placement), adapter, options or CheckpointOptions(), resolved
         )
+        if name == _TRAINER_MARKER and not any(isinstance(r.value, RNGState) for r in self._components.values()):
+            # a torchrl Trainer is binding this checkpoint: give every rank its RNG streams too
+            if "rng" not in self._components:
+                self.register("rng", RNGState())
         return self
 
     def unregister(self, name: str) -> None:
@@ -683,6 +687,20 @@ class DistributedCheckpoint:
 
 
 # ---------------------------------------------------------------------- helpers
+_TRAINER_MARKER = "trainer_state"  # what torchrl's Trainer registers when it binds a checkpoint
+
+
+def _trainer_placement(name: str) -> Placement | None:
+    """Placements for what a torchrl ``Trainer`` registers by name, where the type alone does not tell.
+
+    The Trainer's hooks (``trainer_module.<hook>``) and logger hold each rank's own
+    counters and logs: per rank. Buffers and collectors are per rank by type.
+    """
+    if name.startswith("trainer_module.") or name == "logger":
+        return "per_rank"
+    return None
+
+
 @contextlib.contextmanager
 def _quiet_single_process() -> Iterator[None]:
     """DCP warns on every call without a process group; a world of one is intended here."""

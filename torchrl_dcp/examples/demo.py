@@ -18,6 +18,7 @@ import hashlib
 import os
 import shutil
 import signal
+import sys
 from pathlib import Path
 
 import torch
@@ -113,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
                 dist.barrier()
             os.kill(os.getpid(), signal.SIGKILL)
 
-    print(f"rank {rank} final step {counters['step']} weights {fingerprint(model)} seen {seen.sum().item():.6f}", flush=True)
+    sys.stdout.write(f"rank {rank} final step {counters['step']} weights {fingerprint(model)} seen {seen.sum().item():.6f}\n")
+    sys.stdout.flush()
     if dist.is_initialized():
         dist.destroy_process_group()
 

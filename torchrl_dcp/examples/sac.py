@@ -21,8 +21,8 @@ import hashlib
 import os
 import random
 import signal
+import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -116,7 +116,7 @@ class Job:
         self.ckpt.register("collector", self.collector)  # per_rank by default
         self.ckpt.register("buffer", self.buffer)  # per_rank by default
         self.ckpt.register("rng", tdcp.RNGState())  # per_rank, restored last
-        self.rotation = Rotation(Path(args.ckpt_dir), keep_last=args.keep_last)
+        self.rotation = tdcp.CheckpointRotation(args.ckpt_dir, keep_last=args.keep_last)
 
     def iteration(self, batch: TensorDictBase) -> float:
         self.last_batch = batch
@@ -166,34 +166,6 @@ class Job:
         return [p for name, p in self.loss.named_buffers() if "target" in name]
 
 
-class Rotation:
-    """Step-named checkpoints under one directory, the newest ``keep_last`` kept."""
-
-    def __init__(self, directory: Path, keep_last: int) -> None:
-        self.directory, self.keep_last = directory, keep_last
-
-    def path(self, step: int) -> Path:
-        return self.directory / f"step-{step:08d}"
-
-    def latest(self) -> Path | None:
-        committed = []
-        for entry in self.directory.glob("step-*") if self.directory.is_dir() else []:
-            try:
-                committed.append((tdcp.read_manifest(entry)["step"], entry))
-            except tdcp.CheckpointError:
-                continue  # half-written or damaged: never resumed from
-        return max(committed)[1] if committed else None
-
-    def prune(self, rank: int) -> None:
-        if rank != 0:
-            return
-        entries = sorted(p for p in self.directory.glob("step-*") if (p / "manifest.json").exists())
-        for old in entries[: -self.keep_last]:
-            import shutil
-
-            shutil.rmtree(old, ignore_errors=True)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Multi-rank SAC on PendulumEnv with distributed checkpoints.")
     p.add_argument("--iterations", type=int, default=100, help="collector batches per rank")
@@ -224,12 +196,11 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     say(f"SAC on PendulumEnv: {world} rank(s) on {device}, checkpoints in {args.ckpt_dir}", flush=True)
 
     if args.resume:
-        latest = job.rotation.latest()
-        if latest is None:
+        info = job.rotation.resume(job.ckpt)  # the newest committed checkpoint (a damaged one is skipped)
+        if info is None:
             say("no committed checkpoint found: starting fresh", flush=True)
         else:
-            result = job.ckpt.load(latest)
-            say(f"resumed from {latest.name} (iteration {result.step}, {job.counters['frames']} frames)", flush=True)
+            say(f"resumed from {info.path.name} (iteration {info.step}, {job.counters['frames']} frames)", flush=True)
 
     start = time.monotonic()
     collector = iter(job.collector)
@@ -242,8 +213,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
             say(f"iteration {it:4d}  frames {job.counters['frames']:6d}  reward {reward:8.3f}  loss {loss:8.3f}  "
                 f"buffer {len(job.buffer)}/rank  {time.monotonic() - start:5.1f}s", flush=True)
         if it % args.save_every == 0:
-            path = job.ckpt.save(job.rotation.path(it), step=it, metadata={"frames": job.counters["frames"]})
-            job.rotation.prune(rank)
+            path = job.rotation.save(job.ckpt, step=it, metadata={"frames": job.counters["frames"]})
             say(f"checkpoint saved: {path.name}", flush=True)
         if args.kill_at is not None and it == args.kill_at:
             if dist.is_initialized():
@@ -251,7 +221,8 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
             os.kill(os.getpid(), signal.SIGKILL)
 
     prints = job.fingerprints()
-    print(f"rank {rank} final " + " ".join(f"{k}={v}" for k, v in prints.items()), flush=True)
+    sys.stdout.write(f"rank {rank} final " + " ".join(f"{k}={v}" for k, v in prints.items()) + "\n")  # one write:
+    sys.stdout.flush()  # lines of different ranks never interleave
     job.collector.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
