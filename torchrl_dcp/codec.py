@@ -232,19 +232,11 @@ def encode(
 
 def xrefs(skeleton: Any) -> Iterator[tuple[str, TensorSpec]]:
     """Every reference to another component's tensor: ``(component, spec)``."""
-    stack = [skeleton]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-        elif isinstance(node, dict):
-            if node.get("t") == "xref":
-                comp, key, shape = node.get("component"), node.get("key"), node.get("shape")
-                if not isinstance(comp, str) or not isinstance(key, str) or not isinstance(shape, list):
-                    raise CheckpointFormatError(f"malformed tensor reference {node!r}")
-                yield comp, TensorSpec(key, tuple(int(s) for s in shape), dtype_from_name(node.get("dtype")), str(node.get("device", "cpu")))
-            else:
-                stack.extend(v for k, v in node.items() if k != "t")
+    for node in _nodes(skeleton):
+        if node.get("t") == "xref":
+            if not isinstance(node.get("component"), str):
+                raise CheckpointFormatError(f"malformed tensor reference {node!r}")
+            yield node["component"], _spec(node)
 
 
 def xref_key(component: str, key: str) -> str:
@@ -254,22 +246,31 @@ def xref_key(component: str, key: str) -> str:
 
 def tensor_specs(skeleton: Any) -> Iterator[TensorSpec]:
     """Every tensor (and DTensor) leaf of a skeleton, with its shape, dtype and device."""
+    for node in _nodes(skeleton):
+        if node.get("t") in ("tensor", "dtensor"):
+            yield _spec(node)
+
+
+def _nodes(skeleton: Any) -> Iterator[dict[str, Any]]:
+    """Every dict node of a skeleton (depth first, without recursion)."""
     stack = [skeleton]
     while stack:
         node = stack.pop()
         if isinstance(node, list):
             stack.extend(node)
         elif isinstance(node, dict):
-            kind = node.get("t")
-            if kind in ("tensor", "dtensor"):
-                shape = node.get("shape")
-                if not isinstance(node.get("key"), str) or not isinstance(shape, list):
-                    raise CheckpointFormatError(f"malformed tensor entry {node!r}")
-                if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
-                    raise CheckpointFormatError(f"malformed tensor shape {shape!r}")
-                yield TensorSpec(node["key"], tuple(shape), dtype_from_name(node.get("dtype")), str(node.get("device", "cpu")))
-            else:
+            yield node
+            if node.get("t") not in ("tensor", "dtensor", "xref", "alias"):
                 stack.extend(v for k, v in node.items() if k != "t")
+
+
+def _spec(node: dict[str, Any]) -> TensorSpec:
+    key, shape = node.get("key"), node.get("shape")
+    if not isinstance(key, str) or not isinstance(shape, list):
+        raise CheckpointFormatError(f"malformed tensor entry {node!r}")
+    if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+        raise CheckpointFormatError(f"malformed tensor shape {shape!r}")
+    return TensorSpec(key, tuple(shape), dtype_from_name(node.get("dtype")), str(node.get("device", "cpu")))
 
 
 def _decode_scalar_float(v: Any) -> float:
@@ -288,8 +289,8 @@ def decode(skeleton: Any, tensors: Mapping[str, Any]) -> Any:
         return _decode(skeleton, tensors)
     except CheckpointFormatError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as err:
-        raise CheckpointFormatError(f"malformed state skeleton ({type(err).__name__}: {err})") from None
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, RecursionError) as err:
+        raise CheckpointFormatError(f"malformed state skeleton ({type(err).__name__}: {str(err)[:200]})") from None
 
 
 def _decode(node: Any, tensors: Mapping[str, Any]) -> Any:

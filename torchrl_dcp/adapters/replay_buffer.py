@@ -252,6 +252,23 @@ def restore_writer(writer: Any, saved: Mapping[str, Any], name: str) -> None:
     writer.load_state_dict(saved["state"])
 
 
+def restore_buffer_settings(rb: ReplayBuffer, saved: Mapping[str, Any], reseed_for: tuple[int, int] | None = None) -> None:
+    """Transforms, batch size and the buffer's own generator (re-seeded for ``(rank, world)`` when resharding)."""
+    transform = getattr(rb, "_transform", None)
+    if saved["transform"] is not None and isinstance(transform, torch.nn.Module):
+        transform.load_state_dict(saved["transform"])
+    rb._batch_size = saved["batch_size"]
+    generator = saved["generator"]
+    if generator is None:
+        return
+    if getattr(rb, "_rng", None) is None:
+        rb.set_rng(torch.Generator(device=generator["device"]))
+    if reseed_for is None:
+        rb._rng.set_state(generator["state"].cpu())
+    else:
+        rb._rng.manual_seed(derived_seed(generator["state"], *reseed_for))
+
+
 # --------------------------------------------------------------------------- adapter
 class ReplayBufferAdapter(Adapter):
     """A torchrl replay buffer and everything it needs to sample the same batches after a restore."""
@@ -290,14 +307,7 @@ class ReplayBufferAdapter(Adapter):
         restore_sampler(rb._sampler, state["sampler"], ctx.name)
         restore_writer(rb._writer, state["writer"], ctx.name)
         restore_storage(rb._storage, state["storage"])
-        transform = getattr(rb, "_transform", None)
-        if state["transform"] is not None and isinstance(transform, torch.nn.Module):
-            transform.load_state_dict(state["transform"])
-        rb._batch_size = state["batch_size"]
-        if state["generator"] is not None:
-            if getattr(rb, "_rng", None) is None:
-                rb.set_rng(torch.Generator(device=state["generator"]["device"]))
-            rb._rng.set_state(state["generator"]["state"].cpu())
+        restore_buffer_settings(rb, state)
         return None
 
 
@@ -432,14 +442,7 @@ def reshard_buffer(rb: ReplayBuffer, states: dict[int, Any], ctx: AdapterContext
             sampler._max_priority = (torch.stack(values).max(), None) if values else (None, None)
     elif hasattr(sampler, "_empty"):
         sampler._empty()
-    transform = getattr(rb, "_transform", None)
-    if any_state["transform"] is not None and isinstance(transform, torch.nn.Module):
-        transform.load_state_dict(any_state["transform"])
-    rb._batch_size = any_state["batch_size"]
-    if any_state["generator"] is not None:
-        if getattr(rb, "_rng", None) is None:
-            rb.set_rng(torch.Generator(device=any_state["generator"]["device"]))
-        rb._rng.manual_seed(derived_seed(any_state["generator"]["state"], ctx.rank, ctx.world_size))
+    restore_buffer_settings(rb, any_state, reseed_for=(ctx.rank, ctx.world_size))
 
 
 
