@@ -37,6 +37,7 @@ from torchrl_dcp.codec import TensorSpec, decode, encode, tensor_identity, tenso
 from torchrl_dcp.errors import (
     CheckpointError,
     CheckpointFormatError,
+    CheckpointIntegrityError,
     CollectiveError,
     EncodingError,
     IncompatibleComponentError,
@@ -598,7 +599,19 @@ class DistributedCheckpoint:
             _report_issues(result, strict, source)
             metadata = src.dcp_metadata()
             needed = _files_for(metadata, flat) if metadata is not None else set()
-            src.check(needed if verify else False)
+            # files whose tensors all land in fresh buffers are checksummed while being read (one pass, no
+            # live object changes before the whole file checked out); files holding tensors that an adapter
+            # reads into live objects in place (Adapter.destinations) are checksummed first
+            live = tuple(
+                f"{prefix}/"
+                for adapter, _, sources, reshard in plan.values()
+                if not reshard and type(adapter).destinations is not Adapter.destinations
+                for _, prefix in sources.values()
+            )
+            inline = set()
+            if verify and metadata is not None:
+                inline = needed - _files_for(metadata, {k: t for k, t in flat.items() if k.startswith(live)})
+            src.check(needed - inline if verify else False)
         except BaseException as err:
             error = err
         _raise_first(_dist.all_gather(_describe_error(error), group), "validating the checkpoint", error)
@@ -608,12 +621,16 @@ class DistributedCheckpoint:
             with _quiet_single_process():
                 dcp.load(
                 flat,
-                storage_reader=src.storage_reader(),
+                storage_reader=src.storage_reader(verify=inline),
                 planner=SafeLoadPlanner(),
                 process_group=group,
                 no_dist=group is None,
                 )
         except CheckpointException as err:
+            for failure in (getattr(err, "failures", None) or {}).values():  # a file failed its checksum: say so
+                exc = failure[0] if isinstance(failure, tuple) else failure
+                if isinstance(exc, CheckpointIntegrityError):
+                    raise CheckpointIntegrityError(exc.message, path=exc.path, result=result) from None
             raise CollectiveError(f"DCP load failed: {_summarize(err)}", path=source, result=result) from None
 
         # restore, RNG-like adapters last so nothing consumes random numbers after them

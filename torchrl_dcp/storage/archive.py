@@ -238,10 +238,12 @@ class ArchiveSource:
             self._metadata = metadata
         return self._metadata
 
-    def storage_reader(self) -> ArchiveReader:
+    def storage_reader(self, verify: Collection[str] = ()) -> ArchiveReader:
+        """A DCP reader over the members; ``verify``: members checksummed while read (fresh destinations only)."""
         from torchrl_dcp.storage.archive_reader import ArchiveReader
 
-        return ArchiveReader(self, self.dcp_metadata())
+        files = self.manifest()["files"]
+        return ArchiveReader(self, self.dcp_metadata(), verify={name: files[name]["checksum"] for name in verify})
 
 
 # ---------------------------------------------------------------------- writing

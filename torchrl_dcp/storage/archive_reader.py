@@ -14,7 +14,8 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Mapping
 from typing import Any, BinaryIO
 
 from torch.distributed.checkpoint.filesystem import FileSystem
@@ -23,7 +24,7 @@ from torch.distributed.checkpoint.utils import _create_file_view
 
 from torchrl_dcp.errors import CheckpointFormatError
 from torchrl_dcp.storage.archive import ArchiveSource
-from torchrl_dcp.storage.filesystem import SafeFileSystemReader
+from torchrl_dcp.storage.reader import InPlaceFileSystemReader, ReadSource
 
 
 class _ArchiveFileSystem(FileSystem):
@@ -48,6 +49,9 @@ class _ArchiveFileSystem(FileSystem):
             yield _create_file_view(counted, m.data_offset, m.size)
 
 
+_COUNT_LOCK = threading.Lock()
+
+
 class _CountingReader(io.RawIOBase):
     """A pass-through stream that counts the bytes read (``ArchiveSource.bytes_read``)."""
 
@@ -69,19 +73,47 @@ class _CountingReader(io.RawIOBase):
 
     def readinto(self, b: Any) -> int:
         n = self.f.readinto(b)
-        self.source.bytes_read += n or 0
+        with _COUNT_LOCK:
+            self.source.bytes_read += n or 0
         return n
+
+    def close(self) -> None:
+        self.f.close()
+        super().close()
 
     def read(self, size: int = -1) -> bytes:
         data = self.f.read(size)
-        self.source.bytes_read += len(data)
+        with _COUNT_LOCK:
+            self.source.bytes_read += len(data)
         return data
 
 
-class ArchiveReader(SafeFileSystemReader):
-    """DCP ``StorageReader`` over a ZIP archive: each tensor is read at its offset inside the member."""
+class ArchiveReader(InPlaceFileSystemReader):
+    """DCP ``StorageReader`` over a ZIP archive: each tensor is read in place at its offset inside the member.
 
-    def __init__(self, source: ArchiveSource, metadata: Metadata | None) -> None:
-        super().__init__(source.path, allowed_files=source.manifest()["files"], metadata=metadata)
+    Args:
+        source: the archive.
+        metadata: DCP metadata already read from it.
+        verify: ``{member: "crc32:<hex>"}`` checksummed while being read (fresh destinations only).
+    """
+
+    def __init__(self, source: ArchiveSource, metadata: Metadata | None, verify: Mapping[str, str] | None = None) -> None:
+        super().__init__(source.path, allowed_files=source.manifest()["files"], metadata=metadata, verify=verify)
         self.fs = _ArchiveFileSystem(source)
         self.path = str(source.path)
+        self.source = source
+
+    def read_source(self, relative_path: str) -> ReadSource:
+        m = self.source.member(relative_path)
+        return _MemberSource(self.source, m.data_offset, m.size, f"{self.source.path}::{relative_path}")
+
+
+class _MemberSource(ReadSource):
+    """A member of the archive: reads go through :class:`_CountingReader` (``ArchiveSource.bytes_read``)."""
+
+    def __init__(self, source: ArchiveSource, base: int, size: int, where: str) -> None:
+        super().__init__(source.path, base, size, where)
+        self.source = source
+
+    def open(self) -> BinaryIO:
+        return _CountingReader(super().open(), self.source)  # type: ignore[return-value]

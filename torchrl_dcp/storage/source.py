@@ -15,7 +15,7 @@ Example:
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,7 +24,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from torchrl_dcp.errors import CheckpointFormatError
 from torchrl_dcp.manifest import check_files, read_manifest
-from torchrl_dcp.storage.filesystem import DCP_METADATA, SafeFileSystemReader, check_storage_files, safe_load_metadata
+from torchrl_dcp.storage.filesystem import DCP_METADATA, check_storage_files, safe_load_metadata
+from torchrl_dcp.storage.reader import InPlaceFileSystemReader
 
 
 class CheckpointSource(Protocol):
@@ -41,8 +42,11 @@ class CheckpointSource(Protocol):
     def dcp_metadata(self) -> Metadata | None:
         """DCP's metadata, read without unpickling anything but DCP's own classes."""
 
-    def storage_reader(self) -> StorageReader:
-        """A DCP reader that opens only files the manifest lists."""
+    def storage_reader(self, verify: Collection[str] = ()) -> StorageReader:
+        """A DCP reader that opens only files the manifest lists, reading tensors in place.
+
+        ``verify``: files to checksum while they are read (only files whose destinations are fresh buffers).
+        """
 
 
 class DirectorySource:
@@ -72,8 +76,14 @@ class DirectorySource:
             check_storage_files(self._metadata, str(file), self.manifest()["files"])
         return self._metadata
 
-    def storage_reader(self) -> StorageReader:
-        return SafeFileSystemReader(self.path, allowed_files=self.manifest()["files"], metadata=self.dcp_metadata())
+    def storage_reader(self, verify: Collection[str] = ()) -> StorageReader:
+        files = self.manifest()["files"]
+        return InPlaceFileSystemReader(
+            self.path,
+            allowed_files=files,
+            metadata=self.dcp_metadata(),
+            verify={name: files[name]["checksum"] for name in verify},
+        )
 
 
 def open_source(path: str | os.PathLike) -> CheckpointSource:

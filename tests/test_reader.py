@@ -1,0 +1,220 @@
+"""The in-place storage reader: no intermediate tensors, bit-identical results, fallbacks, checksums while reading."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import torchrl_dcp as tdcp
+from torchrl_dcp.storage import reader as reader_mod
+from torchrl_dcp.storage.archive import ArchiveSource
+from torchrl_dcp.storage.checksums import file_checksum
+from torchrl_dcp.storage.reader import InPlaceFileSystemReader, zip_data_offset
+from torchrl_dcp.storage.writer import write_state
+
+warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    out = {
+        "f32": torch.randn(3, 5, generator=g),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4, dtype=torch.int64),
+        "bool": torch.rand(7, generator=g) > 0.5,
+        "bf16": torch.randn(4, 3, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(9, generator=g).to(torch.float16),
+        "f64": torch.randn(2, 2, 2, generator=g, dtype=torch.float64),
+        "i8": torch.randint(-128, 127, (33,), generator=g, dtype=torch.int8),
+        "u8": torch.randint(0, 255, (3, 84, 84), generator=g, dtype=torch.uint8),
+        "i32": torch.randint(-(2**31), 2**31 - 1, (5,), generator=g, dtype=torch.int32),
+        "c64": torch.randn(3, generator=g, dtype=torch.complex64),
+        "nan": torch.tensor([float("nan"), float("inf"), -0.0]),
+        "large": torch.randn(3 << 20, generator=g),  # 12 MiB: read in chunks, not batched
+    }
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
+
+
+def _count_fallbacks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    calls: list[str] = []
+    original = InPlaceFileSystemReader.fallback
+
+    def counted(self, req, planner, data):  # type: ignore[no-untyped-def]
+        calls.append(req.storage_index.fqn)
+        return original(self, req, planner, data)
+
+    monkeypatch.setattr(InPlaceFileSystemReader, "fallback", counted)
+    return calls
+
+
+def test_our_files_are_read_in_place_bit_identical_to_dcp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = _state()
+    (tmp_path / "c").mkdir()
+    out = write_state(state, tmp_path / "c", group=None, rank=0, world_size=1)
+    reference = {k: torch.empty_like(v) for k, v in state.items()}
+    dcp.load(reference, checkpoint_id=str(tmp_path / "c"), no_dist=True)  # DCP's own reader
+
+    fallbacks = _count_fallbacks(monkeypatch)
+    loads: list[int] = []
+    original_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(1) or original_load(*a, **k))
+    dest = {k: torch.full_like(v, 7) if v.dtype != torch.bool else torch.zeros_like(v) for k, v in state.items()}
+    ptrs = {k: v.data_ptr() for k, v in dest.items()}
+    reader = InPlaceFileSystemReader(tmp_path / "c", verify={"__0_0.distcp": out.files["__0_0.distcp"]["checksum"]})
+    dcp.load(dest, storage_reader=reader, no_dist=True)
+
+    assert fallbacks == [] and loads == []  # no intermediate tensor, no torch.load
+    assert {k: v.data_ptr() for k, v in dest.items()} == ptrs  # read into the destinations themselves
+    assert reader.stats["in_place"] >= len(state) - 1 and reader.stats["verified_files"] == 1
+    for k in state:
+        assert torch.equal(_bits(dest[k]), _bits(reference[k])), k
+        assert torch.equal(_bits(dest[k]), _bits(state[k])), k
+
+
+def test_plain_dcp_save_is_read_in_place_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = _state()
+    dcp.save(state, checkpoint_id=str(tmp_path / "d"), no_dist=True)
+    fallbacks = _count_fallbacks(monkeypatch)
+    dest = {k: torch.empty_like(v) for k, v in state.items()}
+    reader = InPlaceFileSystemReader(tmp_path / "d")
+    dcp.load(dest, storage_reader=reader, no_dist=True)
+    assert fallbacks == [] and reader.stats["in_place"] >= len(state) - 1
+    assert all(torch.equal(_bits(dest[k]), _bits(state[k])) for k in state)
+
+
+def test_fallback_for_unknown_layouts_and_non_contiguous_destinations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = _state()
+    dcp.save(state, checkpoint_id=str(tmp_path / "d"), no_dist=True)
+    fallbacks = _count_fallbacks(monkeypatch)
+
+    # a non-contiguous destination: DCP's path (torch.load + copy)
+    dest = {"f32": torch.empty(5, 3).t(), "large": torch.empty(3 << 20)}
+    dcp.load(dest, storage_reader=InPlaceFileSystemReader(tmp_path / "d"), no_dist=True)
+    assert fallbacks == ["f32"]
+    assert torch.equal(dest["f32"], state["f32"]) and torch.equal(dest["large"], state["large"])
+
+    # a record layout the reader does not recognise: DCP's path for every record, same result
+    fallbacks.clear()
+    monkeypatch.setattr(reader_mod, "record_data_offset", lambda *a, **k: None)
+    dest = {k: torch.empty_like(v) for k, v in state.items()}
+    dcp.load(dest, storage_reader=InPlaceFileSystemReader(tmp_path / "d"), no_dist=True)
+    assert len(fallbacks) >= len(state) - 1
+    assert all(torch.equal(_bits(dest[k]), _bits(state[k])) for k in state)
+
+
+def test_record_parser_refuses_what_it_does_not_know() -> None:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(torch.arange(6.0).reshape(2, 3), buf)
+    raw = buf.getvalue()
+
+    def read(o: int, n: int) -> bytes:
+        return raw[o : o + n]
+
+    at = zip_data_offset(read, len(raw), torch.float32, (2, 3))
+    assert at is not None and torch.frombuffer(bytearray(raw[at : at + 24]), dtype=torch.float32).tolist() == [0, 1, 2, 3, 4, 5]
+    assert zip_data_offset(read, len(raw), torch.float32, (3, 2)) is None  # another shape
+    assert zip_data_offset(read, len(raw), torch.int32, (2, 3)) is None  # another dtype
+    assert zip_data_offset(read, len(raw) - 1, torch.float32, (2, 3)) is None  # not a ZIP end
+    buf = io.BytesIO()
+    torch.save(torch.arange(6.0)[1:4], buf)  # a view: storage larger than the tensor
+    raw = buf.getvalue()
+    assert zip_data_offset(read, len(raw), torch.float32, (3,)) is None
+
+
+def _model_ckpt(tmp_path: Path) -> tuple[Path, torch.nn.Module]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 8))
+    return tdcp.DistributedCheckpoint(model=model).save(tmp_path / "m"), model
+
+
+def test_load_checksums_while_reading_and_refuses_a_flipped_byte(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path, model = _model_ckpt(tmp_path)
+    from torchrl_dcp.storage.source import DirectorySource
+
+    checked: list[object] = []
+    original = DirectorySource.check
+    monkeypatch.setattr(DirectorySource, "check", lambda self, checksum: checked.append(checksum) or original(self, checksum))
+    torch.manual_seed(1)
+    live = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 8))
+    tdcp.DistributedCheckpoint(model=live).load(path)
+    assert checked == [set()]  # no separate checksum pass: the data file was checksummed while read
+    assert all(torch.equal(a, b) for a, b in zip(live.state_dict().values(), model.state_dict().values()))
+
+    data = path / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    torch.manual_seed(2)
+    live = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 8))
+    before = {k: v.clone() for k, v in live.state_dict().items()}
+    with pytest.raises(tdcp.CheckpointIntegrityError, match="checksum") as info:
+        tdcp.DistributedCheckpoint(model=live).load(path)
+    assert "__0_0.distcp" in str(info.value)
+    assert all(torch.equal(before[k], v) for k, v in live.state_dict().items())  # nothing restored
+
+
+def test_live_in_place_destinations_are_checksummed_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tensordict import TensorDict
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    def buffer(seed: int) -> ReplayBuffer:
+        rb = ReplayBuffer(storage=LazyTensorStorage(64), batch_size=4)
+        g = torch.Generator().manual_seed(seed)
+        rb.extend(TensorDict({"obs": torch.randn(40, 3, generator=g)}, [40]))
+        return rb
+
+    path = tdcp.DistributedCheckpoint(rb=buffer(0)).save(tmp_path / "rb")
+    from torchrl_dcp.storage.source import DirectorySource
+
+    checked: list[object] = []
+    original = DirectorySource.check
+    monkeypatch.setattr(DirectorySource, "check", lambda self, checksum: checked.append(checksum) or original(self, checksum))
+    target = buffer(1)
+    tdcp.DistributedCheckpoint(rb=target).load(path)
+    assert checked == [{"__0_0.distcp"}]  # read into the live storage: verified before the read
+    assert torch.equal(target.storage._storage["obs"][:40], buffer(0).storage._storage["obs"][:40])
+
+    data = path / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    target = buffer(1)
+    before = target.storage._storage["obs"].clone()
+    with pytest.raises(tdcp.CheckpointIntegrityError, match="checksum"):
+        tdcp.DistributedCheckpoint(rb=target).load(path)
+    assert torch.equal(target.storage._storage["obs"], before)
+
+
+def test_archive_loads_in_place_and_refuses_a_damaged_member(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path, model = _model_ckpt(tmp_path)
+    archive = tdcp.to_archive(path, tmp_path / "m.zip")
+    fallbacks = _count_fallbacks(monkeypatch)
+    live = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 8))
+    tdcp.DistributedCheckpoint(model=live).load(archive)
+    assert fallbacks == []
+    assert all(torch.equal(a, b) for a, b in zip(live.state_dict().values(), model.state_dict().values()))
+
+    src = ArchiveSource(archive)
+    m = src.member("__0_0.distcp")
+    raw = bytearray(archive.read_bytes())
+    raw[m.data_offset + m.size // 2] ^= 0x01
+    archive.write_bytes(bytes(raw))
+    src = ArchiveSource(archive)
+    flat = {}
+    meta = src.dcp_metadata()
+    for key, item in meta.state_dict_metadata.items():
+        flat[key] = torch.empty(item.size, dtype=item.properties.dtype)
+    reader = src.storage_reader(verify=["__0_0.distcp"])
+    with pytest.raises(BaseException, match="checksum"):
+        dcp.load(flat, storage_reader=reader, no_dist=True)
+    assert file_checksum(path / "__0_0.distcp") == src.manifest()["files"]["__0_0.distcp"]["checksum"]

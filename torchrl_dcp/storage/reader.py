@@ -1,0 +1,550 @@
+"""DCP storage reader that reads tensor bytes straight into the destination tensors, checksumming on the way.
+
+DCP's ``FileSystemReader.read_data`` ``torch.load``\\ s every record into a fresh
+tensor and then copies it into the destination: two passes over new memory. Every
+record DCP (and :mod:`torchrl_dcp.storage.writer`) writes is a ``torch.save`` ZIP
+blob whose tensor bytes are one STORED member, so :class:`InPlaceFileSystemReader`
+locates that member (our writer's template, or the blob's central directory) and
+``readinto``\\ s the destination's own memory, with no intermediate tensor:
+
+- ``data.pkl`` is never unpickled: its bytes must equal what ``torch.save`` writes
+  for the expected dtype and shape (a contiguous tensor at storage offset 0), and
+  ``byteorder`` must be ``little``; anything else goes through DCP's path
+  (:meth:`InPlaceFileSystemReader.fallback`: ``torch.load(weights_only=True)`` + copy),
+  as do narrowed reads (resharded DTensors), non-contiguous or non-CPU destinations
+  and transformed records;
+- small records are read in batches (one read per ~8 MiB) and copied out; large ones
+  are read in 4 MiB chunks by up to ``threads`` threads (``TDCP_READ_THREADS``);
+- files named in ``verify`` are checksummed (CRC32, the manifest's) from the bytes
+  as they are read, gaps included, so a fully read file needs no second pass; a
+  mismatch raises :class:`~torchrl_dcp.errors.CheckpointIntegrityError` after the
+  reads. Only pass files whose destinations are fresh buffers: a live object read
+  in place would already be overwritten.
+- fresh destinations of 4 MiB or more are advised to use transparent huge pages
+  (``madvise``, where the kernel's mode is ``madvise``), which makes first-touch
+  page faults about 3x cheaper here (``TDCP_READ_HUGEPAGES=0`` disables it).
+
+Example:
+    >>> import tempfile, torch
+    >>> import torch.distributed.checkpoint as dcp
+    >>> from torchrl_dcp.storage.writer import write_state
+    >>> from torchrl_dcp.storage.reader import InPlaceFileSystemReader
+    >>> d = tempfile.mkdtemp()
+    >>> out = write_state({"w": torch.arange(4.0)}, d, group=None, rank=0, world_size=1)
+    >>> dest = {"w": torch.zeros(4)}
+    >>> reader = InPlaceFileSystemReader(d, verify={"__0_0.distcp": out.files["__0_0.distcp"]["checksum"]})
+    >>> dcp.load(dest, storage_reader=reader, no_dist=True)  # doctest: +SKIP
+    >>> dest["w"].tolist(), reader.stats["in_place"]  # doctest: +SKIP
+    ([0.0, 1.0, 2.0, 3.0], 1)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import io
+import os
+import struct
+import sys
+import threading
+import zlib
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, cast
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from torchrl_dcp.errors import CheckpointIntegrityError
+from torchrl_dcp.storage.filesystem import SafeFileSystemReader
+from torchrl_dcp.storage.writer import _STORAGE_NAMES, _data_pickle, _is_memmap_tensor, _template, crc32_combine
+
+CHUNK = 4 << 20  # read size of large records (and of checksummed gaps)
+SMALL = 1 << 20  # records below this are read in batches and copied out
+BATCH = 8 << 20  # bytes per batched read of small records
+PARALLEL = 32 << 20  # tensors at least this large are split between threads
+HUGEPAGE_MIN = 4 << 20
+_HUGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def default_threads() -> int:
+    """Reader threads for a large tensor: ``TDCP_READ_THREADS`` or up to 2."""
+    env = os.environ.get("TDCP_READ_THREADS")
+    if env:
+        return max(1, int(env))
+    return max(1, min(2, os.cpu_count() or 1))
+
+
+# ---------------------------------------------------------------------- files
+class ReadSource:
+    """One data file as a byte range of a real file: ``[base, base + size)`` of ``path``."""
+
+    def __init__(self, path: str | os.PathLike, base: int, size: int, where: str, on_read: Any = None) -> None:
+        self.path, self.base, self.size, self.where, self.on_read = str(path), base, size, where, on_read
+
+    def open(self) -> BinaryIO:
+        """A handle of its own (one per thread)."""
+        f = open(self.path, "rb", buffering=0)
+        try:
+            os.posix_fadvise(f.fileno(), self.base, self.size, os.POSIX_FADV_SEQUENTIAL)
+        except (AttributeError, OSError):  # pragma: no cover - not on every platform
+            pass
+        return f
+
+    def read_at(self, f: BinaryIO, offset: int, view: memoryview) -> None:
+        """Fill ``view`` with the bytes at ``offset`` (looping on short reads; one read moves at most ~2 GiB)."""
+        if offset < 0 or offset + len(view) > self.size:
+            raise CheckpointIntegrityError(
+                f"DCP metadata points past the end of the file (bytes {offset}..{offset + len(view)} of {self.size})",
+                path=self.where,
+            )
+        done = 0
+        f.seek(self.base + offset)
+        while done < len(view):
+            n = f.readinto(view[done:])
+            if not n:
+                raise CheckpointIntegrityError(f"file ended {len(view) - done} bytes early: truncated", path=self.where)
+            done += n
+        if self.on_read is not None:
+            self.on_read(done)
+
+
+# ---------------------------------------------------------------------- record layout
+def _u16(b: Any, at: int) -> int:
+    return struct.unpack_from("<H", b, at)[0]
+
+
+def _u32(b: Any, at: int) -> int:
+    return struct.unpack_from("<I", b, at)[0]
+
+
+@functools.lru_cache(maxsize=4096)
+def _expected_pickle(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
+    numel = 1
+    for s in shape:
+        numel *= s
+    return _data_pickle(dtype, shape, numel)
+
+
+def template_data_offset(head: Any, length: int, dtype: torch.dtype, shape: tuple[int, ...]) -> int | None:
+    """Where the tensor bytes start when the record is exactly our writer's template for ``(dtype, shape)``.
+
+    ``head`` holds at least the record's first ``len(template.head)`` bytes (fewer: ``None``).
+
+    Example:
+        >>> import torch
+        >>> from torchrl_dcp.storage.writer import _template
+        >>> tpl = _template(torch.float32, (3,))
+        >>> template_data_offset(tpl.head, tpl.length, torch.float32, (3,)) == len(tpl.head)
+        True
+    """
+    tpl = _template(dtype, shape)
+    n, at = len(tpl.head), tpl.head_crc_at
+    if length != tpl.length or len(head) < n:
+        return None
+    if head[:at] != tpl.head[:at] or head[at + 4 : n] != tpl.head[at + 4 :]:
+        return None
+    return n
+
+
+def zip_data_offset(read: Any, length: int, dtype: torch.dtype, shape: tuple[int, ...]) -> int | None:
+    """Where the tensor bytes start in a ``torch.save`` ZIP record of ``length`` bytes, or ``None``.
+
+    ``read(offset, n)`` returns ``n`` bytes of the record. Parses the central
+    directory (ZIP64 included) and the local headers; accepts only a record whose
+    members are STORED, whose ``data.pkl`` is byte-for-byte what ``torch.save``
+    writes for a contiguous ``dtype`` tensor of ``shape``, whose ``byteorder`` is
+    ``little`` and whose one storage ``data/0`` holds exactly the tensor's bytes.
+    Nothing is unpickled.
+    """
+    if length < 22:
+        return None
+    end = read(length - 22, 22)
+    if _u32(end, 0) != 0x06054B50 or _u16(end, 20) != 0:
+        return None
+    entries, cd_size, cd_offset = _u16(end, 10), _u32(end, 12), _u32(end, 16)
+    if 0xFFFF in (entries,) or 0xFFFFFFFF in (cd_size, cd_offset):
+        if length < 22 + 20 + 56:
+            return None
+        loc = read(length - 22 - 20, 20)
+        if _u32(loc, 0) != 0x07064B50:
+            return None
+        z64_at = struct.unpack_from("<Q", loc, 8)[0]
+        if z64_at + 56 > length:
+            return None
+        z64 = read(z64_at, 56)
+        if _u32(z64, 0) != 0x06064B50:
+            return None
+        entries, cd_size, cd_offset = struct.unpack_from("<QQQ", z64, 32)
+    if entries > 64 or cd_offset + cd_size > length or cd_size > 1 << 16:
+        return None
+    cd = read(cd_offset, cd_size)
+    members: dict[str, tuple[int, int, int]] = {}  # name: (method, size, local header offset)
+    at = 0
+    for _ in range(entries):
+        if at + 46 > len(cd) or _u32(cd, at) != 0x02014B50:
+            return None
+        method, csize, usize = _u16(cd, at + 10), _u32(cd, at + 20), _u32(cd, at + 24)
+        nlen, xlen, clen, offset = _u16(cd, at + 28), _u16(cd, at + 30), _u16(cd, at + 32), _u32(cd, at + 42)
+        name = bytes(cd[at + 46 : at + 46 + nlen]).decode("utf-8", "replace")
+        extra = cd[at + 46 + nlen : at + 46 + nlen + xlen]
+        x = 0
+        while x + 4 <= len(extra):  # ZIP64 extended information: the 0xFFFFFFFF fields, in order
+            tag, size = _u16(extra, x), _u16(extra, x + 2)
+            if tag == 1:
+                vals = list(struct.unpack_from(f"<{size // 8}Q", extra, x + 4))
+                if usize == 0xFFFFFFFF and vals:
+                    usize = vals.pop(0)
+                if csize == 0xFFFFFFFF and vals:
+                    csize = vals.pop(0)
+                if offset == 0xFFFFFFFF and vals:
+                    offset = vals.pop(0)
+            x += 4 + size
+        if csize != usize:
+            return None
+        members[name.rsplit("/", 1)[-1] if not name.endswith("/data/0") else "data/0"] = (method, usize, offset)
+        at += 46 + nlen + xlen + clen
+    if {"data.pkl", "byteorder", "data/0"} - set(members):
+        return None
+    storages = [n for n in members if n.startswith("data/") or n.isdigit()]
+    if storages != ["data/0"] or any(m[0] != 0 for m in members.values()):
+        return None
+
+    def payload(name: str) -> int | None:
+        method, size, offset = members[name]
+        if offset + 30 > length:
+            return None
+        local = read(offset, 30)
+        if _u32(local, 0) != 0x04034B50:
+            return None
+        start = offset + 30 + _u16(local, 26) + _u16(local, 28)
+        return start if start + size <= length else None
+
+    expected = _expected_pickle(dtype, shape)
+    pkl_at, order_at, data_at = payload("data.pkl"), payload("byteorder"), payload("data/0")
+    if pkl_at is None or order_at is None or data_at is None or members["data.pkl"][1] != len(expected):
+        return None
+    if bytes(read(pkl_at, len(expected))) != expected or members["byteorder"][1] != 6:
+        return None
+    if bytes(read(order_at, 6)) != b"little":
+        return None
+    numel = 1
+    for s in shape:
+        numel *= s
+    if members["data/0"][1] != numel * torch._utils._element_size(dtype):
+        return None
+    return data_at
+
+
+def record_data_offset(read: Any, head: Any, length: int, dtype: torch.dtype, shape: tuple[int, ...]) -> int | None:
+    """The tensor's byte offset inside a record: our template first (one compare), else the ZIP structure."""
+    at = template_data_offset(head, length, dtype, shape)
+    if at is not None:
+        return at
+    try:
+        return zip_data_offset(read, length, dtype, shape)
+    except (struct.error, ValueError, IndexError):
+        return None
+
+
+# ---------------------------------------------------------------------- destinations
+def _hugepages_wanted() -> bool:
+    if os.environ.get("TDCP_READ_HUGEPAGES", "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    try:
+        return "[madvise]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+
+
+_LIBC: list[Any] = []
+
+
+def _advise_hugepages(ptr: int, nbytes: int) -> None:
+    """Ask for transparent huge pages over the 2 MiB-aligned interior of ``[ptr, ptr + nbytes)`` (a hint)."""
+    if not _LIBC:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            libc.madvise.restype = ctypes.c_int
+            _LIBC.append(libc if _hugepages_wanted() else None)
+        except (OSError, AttributeError):  # pragma: no cover
+            _LIBC.append(None)
+    libc = _LIBC[0]
+    start, end = (ptr + _HUGE - 1) & ~(_HUGE - 1), (ptr + nbytes) & ~(_HUGE - 1)
+    if libc is not None and end > start:
+        libc.madvise(start, end - start, _MADV_HUGEPAGE)
+
+
+def destination_bytes(tensor: torch.Tensor) -> memoryview | None:
+    """A writable view of a contiguous CPU tensor's bytes (``None``: not readable in place)."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.is_quantized or tensor.layout != torch.strided:
+        return None
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray(0))
+    ptr = tensor.data_ptr()
+    if nbytes >= HUGEPAGE_MIN and not _is_memmap_tensor(tensor):
+        _advise_hugepages(ptr, nbytes)
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(ptr)).cast("B")
+
+
+# ---------------------------------------------------------------------- reading
+@dataclass
+class _Item:
+    req: ReadItem
+    offset: int
+    length: int
+    target: torch.Tensor | None = None  # set when the record may be read in place
+    view: memoryview | None = None
+
+
+class InPlaceFileSystemReader(SafeFileSystemReader):
+    """A :class:`SafeFileSystemReader` that reads tensor records into the destinations in place.
+
+    Args:
+        path: the checkpoint directory.
+        allowed_files: data file names the manifest lists; others are refused.
+        metadata: metadata already read.
+        verify: ``{file: "crc32:<hex>"}`` checksummed while being read (fresh destinations only).
+        threads: threads per large tensor (default :func:`default_threads`).
+
+    ``stats`` counts records read in place and through the fallback, and bytes read.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        allowed_files: Collection[str] | None = None,
+        metadata: Metadata | None = None,
+        *,
+        verify: Mapping[str, str] | None = None,
+        threads: int | None = None,
+    ) -> None:
+        super().__init__(path, allowed_files=allowed_files, metadata=metadata)
+        self.verify = dict(verify or {})
+        self.threads = threads or default_threads()
+        self.stats = {"in_place": 0, "fallback": 0, "bytes": 0, "verified_files": 0}
+
+    # -- overridable: where a data file's bytes are
+    def read_source(self, relative_path: str) -> ReadSource:
+        path = os.path.join(str(self.path), relative_path)
+        try:
+            size = os.stat(path).st_size
+        except OSError as err:
+            raise CheckpointIntegrityError(f"data file cannot be opened ({err.strerror})", path=path) from None
+        return ReadSource(path, 0, size, path)
+
+    # -- the fallback: DCP's own path for one record
+    def fallback(self, req: ReadItem, planner: LoadPlanner, data: bytes) -> None:
+        """Load one record as DCP does (``torch.load(weights_only=True)`` into a new tensor, then copy)."""
+        from torch.distributed._shard._utils import narrow_tensor_by_index  # what DCP uses
+
+        self.stats["fallback"] += 1
+        info = self.storage_data[req.storage_index]
+        stream = self.transforms.transform_load_stream(req, info.transform_descriptors or (), io.BytesIO(data))
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, io.BytesIO(stream.read(-1)))
+            return
+        seekable = stream if stream.seekable() else io.BytesIO(stream.read(-1))
+        tensor = cast(torch.Tensor, torch.load(seekable, map_location="cpu", weights_only=True))
+        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise CheckpointIntegrityError(
+                f"record {req.storage_index.fqn!r} holds {tuple(tensor.size())}, expected {tuple(target.size())}"
+            )
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)
+
+    def _in_place_target(self, req: ReadItem, planner: LoadPlanner) -> tuple[torch.Tensor, memoryview] | None:
+        info = self.storage_data[req.storage_index]
+        if req.type != LoadItemType.TENSOR or info.transform_descriptors or sys.byteorder != "little":
+            return None
+        if any(req.storage_offsets):
+            return None
+        target = planner.resolve_tensor(req).detach()
+        if tuple(target.shape) != tuple(req.lengths) or target.dtype not in _STORAGE_NAMES:
+            return None
+        view = destination_bytes(target)
+        return None if view is None else (target, view)
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[_Item]] = {}
+        for req in plan.items:
+            info = self.storage_data[req.storage_index]
+            per_file.setdefault(info.relative_path, []).append(_Item(req, info.offset, info.length))
+        for relative_path in sorted(per_file):
+            self._read_file(relative_path, per_file[relative_path], planner)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_file(self, relative_path: str, items: list[_Item], planner: LoadPlanner) -> None:
+        src = self.read_source(relative_path)
+        expected = self.verify.get(relative_path)
+        items.sort(key=lambda it: it.offset)
+        for it in items:
+            found = self._in_place_target(it.req, planner)
+            if found is not None:
+                it.target, it.view = found
+        pieces: list[tuple[int, int, int]] = []  # (offset, length, crc) of what was read, when verifying
+        tiled = expected is not None and all(a.offset + a.length <= b.offset for a, b in zip(items, items[1:]))
+        if expected is not None and not tiled:  # overlapping reads (narrowed shards): checksum the file first
+            self._check_whole(src, expected)
+            expected = None
+        crc = expected is not None
+        f = src.open()
+        try:
+            scratch = bytearray(BATCH)
+            pos, i = 0, 0
+            while i < len(items):
+                it = items[i]
+                if crc and it.offset > pos:
+                    pieces += self._read_gap(src, f, pos, it.offset, scratch)
+                if it.length >= SMALL:
+                    pieces += self._read_large(src, f, it, planner, crc)
+                    pos = it.offset + it.length
+                    i += 1
+                    continue
+                j = i + 1  # a batch of small, contiguous records
+                while (
+                    j < len(items)
+                    and items[j].length < SMALL
+                    and items[j].offset == items[j - 1].offset + items[j - 1].length
+                    and items[j].offset + items[j].length - it.offset <= BATCH
+                ):
+                    j += 1
+                start, end = it.offset, items[j - 1].offset + items[j - 1].length
+                view = memoryview(scratch)[: end - start] if end - start <= len(scratch) else memoryview(bytearray(end - start))
+                src.read_at(f, start, view)
+                self.stats["bytes"] += end - start
+                if crc:
+                    pieces.append((start, end - start, zlib.crc32(view)))
+                for item in items[i:j]:
+                    rel = item.offset - start
+                    self._place_small(item, view[rel : rel + item.length], planner)
+                pos, i = end, j
+            if crc and pos < src.size:
+                pieces += self._read_gap(src, f, pos, src.size, scratch)
+        finally:
+            f.close()
+        if crc:
+            self._compare(src, pieces, cast(str, expected))
+
+    def _place_small(self, item: _Item, record: memoryview, planner: LoadPlanner) -> None:
+        if item.view is not None and item.target is not None:
+            shape, dtype = tuple(item.target.shape), item.target.dtype
+            at = record_data_offset(lambda o, n: record[o : o + n], record, item.length, dtype, shape)
+            if at is not None:
+                item.view[:] = record[at : at + len(item.view)]
+                self.stats["in_place"] += 1
+                planner.commit_tensor(item.req, item.target)
+                return
+        self.fallback(item.req, planner, bytes(record))
+
+    def _read_large(self, src: ReadSource, f: BinaryIO, item: _Item, planner: LoadPlanner, crc: bool) -> list[tuple[int, int, int]]:
+        at = None
+        head = memoryview(bytearray(min(item.length, 4096)))
+        if item.view is not None and item.target is not None:
+            src.read_at(f, item.offset, head)
+            cache: dict[tuple[int, int], bytes] = {}
+
+            def read(o: int, n: int) -> Any:
+                if o + n <= len(head):
+                    return head[o : o + n]
+                if (o, n) not in cache:
+                    buf = memoryview(bytearray(n))
+                    src.read_at(f, item.offset + o, buf)
+                    cache[(o, n)] = bytes(buf)
+                return cache[(o, n)]
+
+            at = record_data_offset(read, head, item.length, item.target.dtype, tuple(item.target.shape))
+        if at is None or item.view is None:
+            data = memoryview(bytearray(item.length))
+            src.read_at(f, item.offset, data)
+            self.stats["bytes"] += item.length
+            self.fallback(item.req, planner, bytes(data))
+            return [(item.offset, item.length, zlib.crc32(data))] if crc else []
+        n = len(item.view)
+        prefix = read(0, at)  # the record's bytes before the tensor's (already read: checksummed, not re-read)
+        pieces = [(item.offset, at, zlib.crc32(prefix))] if crc else []
+        pieces += self._read_into(src, f, item.offset + at, item.view, crc)
+        tail = memoryview(bytearray(item.length - at - n))
+        src.read_at(f, item.offset + at + n, tail)
+        self.stats["bytes"] += item.length
+        if crc:
+            pieces.append((item.offset + at + n, len(tail), zlib.crc32(tail)))
+        self.stats["in_place"] += 1
+        planner.commit_tensor(item.req, item.target)
+        return pieces
+
+    def _read_into(self, src: ReadSource, f: BinaryIO, offset: int, view: memoryview, crc: bool) -> list[tuple[int, int, int]]:
+        """Read ``len(view)`` bytes at ``offset`` into ``view`` (split between threads when large)."""
+        n = len(view)
+        threads = self.threads if n >= PARALLEL else 1
+        bounds = [n * k // threads // CHUNK * CHUNK for k in range(threads)] + [n]
+        results: list[list[tuple[int, int, int]]] = [[] for _ in range(threads)]
+        errors: list[BaseException] = []
+
+        def run(k: int, handle: BinaryIO | None) -> None:
+            own = handle or src.open()
+            try:
+                for a in range(bounds[k], bounds[k + 1], CHUNK):
+                    part = view[a : min(a + CHUNK, bounds[k + 1])]
+                    src.read_at(own, offset + a, part)
+                    if crc:
+                        results[k].append((offset + a, len(part), zlib.crc32(part)))
+            except BaseException as err:  # re-raised below
+                errors.append(err)
+            finally:
+                if handle is None:
+                    own.close()
+
+        pool = [threading.Thread(target=run, args=(k, None), daemon=True) for k in range(1, threads)]
+        for t in pool:
+            t.start()
+        run(0, f)
+        for t in pool:
+            t.join()
+        if errors:
+            raise errors[0]
+        return [p for r in results for p in r]
+
+    def _read_gap(self, src: ReadSource, f: BinaryIO, start: int, end: int, scratch: bytearray) -> list[tuple[int, int, int]]:
+        out = []
+        for a in range(start, end, len(scratch)):
+            view = memoryview(scratch)[: min(len(scratch), end - a)]
+            src.read_at(f, a, view)
+            out.append((a, len(view), zlib.crc32(view)))
+        return out
+
+    def _check_whole(self, src: ReadSource, expected: str) -> None:
+        f = src.open()
+        try:
+            pieces = self._read_gap(src, f, 0, src.size, bytearray(BATCH))
+        finally:
+            f.close()
+        self._compare(src, pieces, expected)
+
+    def _compare(self, src: ReadSource, pieces: list[tuple[int, int, int]], expected: str) -> None:
+        value, pos = 0, 0
+        for offset, length, crc in sorted(pieces):
+            if offset != pos:
+                raise CheckpointIntegrityError(f"internal: checksummed bytes are not contiguous at {pos}", path=src.where)
+            value = crc32_combine(value, crc, length)
+            pos += length
+        if pos != src.size:
+            raise CheckpointIntegrityError(f"internal: checksummed {pos} of {src.size} bytes", path=src.where)
+        actual = f"crc32:{value:08x}"
+        self.stats["verified_files"] += 1
+        if actual != expected:
+            raise CheckpointIntegrityError(
+                f"checksum is {actual}, the manifest says {expected}: the file is damaged (found while reading it; "
+                "nothing was restored)",
+                path=src.where,
+            )
