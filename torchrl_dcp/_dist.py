@@ -1,19 +1,39 @@
 """Process-group helpers: rank, world size and the dedicated checkpoint group.
 
 Checkpoint collectives run on their own gloo group (created once per default
-group, collectively, at the first save or load) so they never interleave with the
-training's NCCL/gloo collectives. Without an initialised process group the world
-is one rank and every collective is a no-op.
+group and timeout, collectively, at the first save or load) so they never
+interleave with the training's NCCL/gloo collectives. Without an initialised
+process group the world is one rank and every collective is a no-op.
+
+Every collective here is preceded by a *monitored* barrier with the group's
+timeout: a rank that is stuck (or gone) turns into a :class:`CollectiveError` on
+every rank after at most the timeout, naming the silent ranks, instead of a hang
+or an anonymous gloo timeout. Rank 0 learns the silent ranks from the barrier and
+publishes them in the job's store, so the other ranks' errors name them too.
+
+Example:
+    >>> from torchrl_dcp import _dist
+    >>> _dist.all_gather("x", _dist.checkpoint_group())  # one process: a world of one
+    ['x']
 """
 
 from __future__ import annotations
 
 import datetime
+import re
 from typing import Any
 
 import torch.distributed as dist
 
-_GROUPS: dict[int, Any] = {}
+from torchrl_dcp.errors import CollectiveError
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's default for gloo groups
+
+_GROUPS: dict[tuple[int, float | None], Any] = {}
+_TIMEOUTS: dict[int, datetime.timedelta] = {}
+_NAMES: dict[int, str] = {}  # the same on every rank (groups are created in the same order everywhere)
+_SEQ: dict[int, int] = {}
+_SILENT = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 
 
 def initialized() -> bool:
@@ -29,39 +49,124 @@ def world_size() -> int:
 
 
 def checkpoint_group(timeout: datetime.timedelta | None = None) -> Any:
-    """The gloo group used for checkpoint collectives (collective on first call)."""
+    """The gloo group used for checkpoint collectives (collective on first call per timeout)."""
     if not initialized():
         return None
-    world = dist.group.WORLD
-    key = id(world)
-    group = _GROUPS.get(key)
+    world = id(dist.group.WORLD)
+    seconds = None if timeout is None else timeout.total_seconds()
+    if any(key[0] != world for key in _GROUPS):  # the default group was re-initialised
+        _GROUPS.clear()
+        _TIMEOUTS.clear()
+        _NAMES.clear()
+        _SEQ.clear()
+    group = _GROUPS.get((world, seconds))
     if group is None:
         group = dist.new_group(backend="gloo", timeout=timeout) if timeout else dist.new_group(backend="gloo")
-        _GROUPS.clear()
-        _GROUPS[key] = group
+        _GROUPS[(world, seconds)] = group
+        _TIMEOUTS[id(group)] = timeout or DEFAULT_TIMEOUT
+        _NAMES[id(group)] = f"{len(_GROUPS)}-{seconds}"
     return group
 
 
-def all_gather(obj: Any, group: Any) -> list[Any]:
+def group_timeout(group: Any) -> datetime.timedelta:
+    return _TIMEOUTS.get(id(group), DEFAULT_TIMEOUT)
+
+
+def _store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # no store (custom init); errors just name fewer ranks
+        return None
+
+
+def sync(group: Any, phase: str) -> None:
+    """Monitored barrier: every rank arrives within the timeout, or every rank raises naming the silent ones."""
+    if group is None:
+        return
+    seq = _SEQ.get(id(group), 0) + 1
+    _SEQ[id(group)] = seq
+    timeout = group_timeout(group)
+    me = dist.get_rank(group)
+    try:
+        dist.monitored_barrier(group, timeout=timeout, wait_all_ranks=True)
+        return
+    except RuntimeError as err:
+        text = str(err)
+    key = f"torchrl_dcp/silent/{_NAMES.get(id(group), 'g')}/{seq}"
+    store = _store()
+    silent = None
+    found = _SILENT.search(text)
+    if found:
+        silent = found.group(1).strip()
+        if store is not None:
+            try:
+                store.set(key, silent)
+            except Exception:
+                pass
+    elif store is not None and me != 0:
+        try:  # rank 0 publishes who it was waiting for when its own barrier times out
+            store.wait([key], datetime.timedelta(seconds=min(10.0, timeout.total_seconds())))
+            silent = store.get(key).decode()
+        except Exception:
+            silent = None
+    seconds = f"{timeout.total_seconds():g} s"
+    if silent is not None:
+        who = f"rank{'s' if ',' in silent else ''} {silent}"
+        raise CollectiveError(
+            f"{who} did not reach the checkpoint collective ({phase}) within {seconds}: stuck or dead. "
+            "Nothing was committed; the previous checkpoint is intact. Check that rank's log; raise "
+            "DistributedCheckpoint(timeout=...) if it is only slow"
+        ) from None
+    if "Connection closed by peer" in text or "Connection reset" in text:
+        raise CollectiveError(
+            f"a rank died during the checkpoint collective ({phase}) (gloo: {_last_line(text)}). Nothing was "
+            "committed; the previous checkpoint is intact. Check the logs of the other ranks"
+        ) from None
+    raise CollectiveError(
+        f"rank 0 (the coordinator) did not answer within {seconds} at the checkpoint collective ({phase}): it is "
+        f"stuck or dead, or waiting for another rank (its error names it). Nothing was committed; the previous "
+        f"checkpoint is intact (gloo: {_last_line(text)})"
+    ) from None
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "no details"
+
+
+def _collective(fn: Any, phase: str) -> Any:
+    try:
+        return fn()
+    except RuntimeError as err:
+        raise CollectiveError(
+            f"checkpoint collective ({phase}) failed: a rank died or the connection broke "
+            f"(gloo: {_last_line(str(err))}). Nothing was committed; the previous checkpoint is intact"
+        ) from None
+
+
+def all_gather(obj: Any, group: Any, phase: str = "exchanging status") -> list[Any]:
     """Every rank's ``obj`` (live, trusted values between our own ranks; never checkpoint content)."""
     if group is None:
         return [obj]
+    sync(group, phase)
     out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    _collective(lambda: dist.all_gather_object(out, obj, group=group), phase)
     return out
 
 
-def gather_to_0(obj: Any, group: Any) -> list[Any] | None:
+def gather_to_0(obj: Any, group: Any, phase: str = "gathering to rank 0") -> list[Any] | None:
     if group is None:
         return [obj]
+    sync(group, phase)
     out: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
-    dist.gather_object(obj, out, dst=0, group=group)
+    _collective(lambda: dist.gather_object(obj, out, dst=0, group=group), phase)
     return out
 
 
-def broadcast_from_0(obj: Any, group: Any) -> Any:
+def broadcast_from_0(obj: Any, group: Any, phase: str = "broadcast from rank 0") -> Any:
     if group is None:
         return obj
+    sync(group, phase)
     box = [obj]
-    dist.broadcast_object_list(box, src=0, group=group)
+    _collective(lambda: dist.broadcast_object_list(box, src=0, group=group), phase)
     return box[0]

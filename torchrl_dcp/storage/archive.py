@@ -107,6 +107,12 @@ def read_index(path: Path) -> dict[str, Member]:
                     "(convert the checkpoint again with tdcp.to_archive)",
                     path=where,
                 )
+            if not 0 <= info.header_offset < min(start_dir, size):
+                raise CheckpointFormatError(
+                    f"central directory puts the member at offset {info.header_offset}, outside the archive "
+                    "(the central directory is damaged)",
+                    path=where,
+                )
             f.seek(info.header_offset)
             header = f.read(_LOCAL_HEADER.size)
             if len(header) != _LOCAL_HEADER.size:

@@ -17,13 +17,19 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import os
 import shutil
+import socket
+import time
 import uuid
 from pathlib import Path
 
+from torchrl_dcp.errors import CheckpointError
+
 STAGING_TAG = ".tdcp-staging-"
 TRASH_TAG = ".tdcp-trash-"
+LOCK_TAG = ".tdcp-lock"
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -44,6 +50,103 @@ def stale_entries(destination: Path) -> list[Path]:
         return [p for p in destination.parent.iterdir() if p.name.startswith(prefixes)]
     except FileNotFoundError:
         return []
+
+
+def lock_path(destination: Path) -> Path:
+    return destination.parent / f".{destination.name}{LOCK_TAG}"
+
+
+class DestinationLock:
+    """Exclusive, non-blocking lock on one checkpoint path, held by rank 0 from staging to publish.
+
+    ``flock`` on ``.<name>.tdcp-lock`` beside the destination: a second job saving to
+    the same path gets a :class:`CheckpointError` at once instead of interleaving its
+    files or deleting the first job's staging directory. The kernel drops the lock
+    when its holder dies (SIGKILL included), so a killed save never blocks the next.
+    The lock file is removed while still locked; a waiter that locked a removed file
+    notices (inode check) and retries on the new one.
+
+    Example:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from torchrl_dcp.storage.commit import DestinationLock
+        >>> with DestinationLock(Path(tempfile.mkdtemp()) / "step-1"):
+        ...     pass
+    """
+
+    def __init__(self, destination: Path, wait: float = 2.0) -> None:
+        self.destination = destination
+        self.path = lock_path(destination)
+        self.wait = wait  # seconds to retry a held lock before failing (rides over a brief sweep)
+        self._fd: int | None = None
+
+    def acquire(self) -> DestinationLock:
+        deadline = time.monotonic() + self.wait
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as err:
+                holder = _read_holder(fd)
+                os.close(fd)
+                if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise
+                if time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                raise CheckpointError(
+                    f"another save to this path is in progress (lock {self.path.name} held by {holder}); "
+                    "two jobs must not save to the same checkpoint: wait for it to finish or choose another path",
+                    path=self.destination,
+                ) from None
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:  # the previous holder removed the file between our open and flock
+                os.close(fd)
+                continue
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+            self._fd = fd
+            return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)
+        finally:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> DestinationLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def sweep_stale_locks(directory: Path) -> None:
+    """Remove lock files left by killed saves in ``directory`` (a lock held by a live save is left alone)."""
+    try:
+        names = [p for p in directory.iterdir() if p.name.startswith(".") and p.name.endswith(LOCK_TAG)]
+    except OSError:
+        return
+    for path in names:
+        lock = DestinationLock(path.parent / path.name[1 : -len(LOCK_TAG)], wait=0.0)
+        try:
+            lock.acquire()
+        except (CheckpointError, OSError):
+            continue
+        lock.release()
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        return os.pread(fd, 200, 0).decode(errors="replace") or "another process"
+    except OSError:
+        return "another process"
 
 
 def remove_tree(path: Path) -> None:

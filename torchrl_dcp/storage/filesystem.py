@@ -21,7 +21,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -94,6 +94,21 @@ def check_storage_files(metadata: Metadata, source: str, allowed: Collection[str
             raise CheckpointIntegrityError(f"DCP metadata points outside the checkpoint ({rel!r})", path=source)
         if allowed is not None and rel not in allowed:
             raise CheckpointIntegrityError(f"DCP metadata names {rel!r}, which the manifest does not list", path=source)
+
+
+def check_storage_bounds(metadata: Metadata, source: str, files: Mapping[str, Mapping[str, Any]]) -> None:
+    """Every byte range DCP would read lies inside its file (sizes as the manifest records them)."""
+    for index, info in (metadata.storage_data or {}).items():
+        rec = files.get(info.relative_path)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if rec is None or not isinstance(offset, int) or not isinstance(length, int):
+            raise CheckpointIntegrityError(f"DCP metadata entry for {index.fqn!r} is malformed", path=source)
+        if offset < 0 or length < 0 or offset + length > rec["size"]:
+            raise CheckpointIntegrityError(
+                f"DCP metadata puts tensor {index.fqn!r} at bytes {offset}..{offset + length} of "
+                f"{info.relative_path}, which has {rec['size']} bytes: the checkpoint is inconsistent or forged",
+                path=source,
+            )
 
 
 class SafeFileSystemReader(FileSystemReader):

@@ -24,7 +24,13 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from torchrl_dcp.errors import CheckpointFormatError
 from torchrl_dcp.manifest import check_files, read_manifest
-from torchrl_dcp.storage.filesystem import DCP_METADATA, check_storage_files, safe_load_metadata
+from torchrl_dcp.storage.filesystem import (
+    DCP_METADATA,
+    SafeFileSystemReader,
+    check_storage_bounds,
+    check_storage_files,
+    safe_load_metadata,
+)
 from torchrl_dcp.storage.reader import InPlaceFileSystemReader
 
 
@@ -72,8 +78,14 @@ class DirectorySource:
                 if self.manifest()["files"]:
                     raise CheckpointFormatError("DCP metadata file .metadata is missing", path=self.path)
                 return None
-            self._metadata = safe_load_metadata(file)
-            check_storage_files(self._metadata, str(file), self.manifest()["files"])
+            # checked against the manifest before it is parsed: a damaged .metadata must not be mistaken
+            # for a different (valid-looking) layout
+            check_files(self.path, {"files": {k: v for k, v in self.manifest()["files"].items() if k == DCP_METADATA}},
+                        checksum=True, extra_ok=True)
+            metadata = safe_load_metadata(file)
+            check_storage_files(metadata, str(file), self.manifest()["files"])
+            check_storage_bounds(metadata, str(file), self.manifest()["files"])
+            self._metadata = metadata
         return self._metadata
 
     def storage_reader(self, verify: Collection[str] = ()) -> StorageReader:

@@ -1,0 +1,474 @@
+"""Damaged, foreign and hostile checkpoints: a CheckpointError naming the file, nothing run, nothing changed.
+
+Every damage case is applied to a real checkpoint of a module, an optimizer with
+state, a plain dict and a TensorDict; loading it must raise a ``CheckpointError``
+whose message names the file (or member) and the problem, leave every live object
+bit-for-bit unchanged, and ``verify`` must report the same damage without loading.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import torchrl_dcp as tdcp
+from torchrl_dcp.verify import verify
+from torchrl_dcp.storage.checksums import file_checksum
+
+DATA = "__0_0.distcp"
+
+
+class Payload:
+    """Unpickling this runs code: it creates ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {self.marker}",))
+
+
+# ---------------------------------------------------------------------- objects and snapshots
+def make_objects(seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(3, 4)).sum().backward()
+    optim.step()
+    stats = {"episodes": seed, "name": f"run-{seed}", "table": torch.arange(6.0) + seed}
+    td = TensorDict({"obs": torch.randn(5, 3), "nested": {"r": torch.randn(5)}}, batch_size=[5])
+    return {"model": model, "optim": optim, "stats": stats, "td": td}
+
+
+def checkpoint(objs: dict[str, Any]) -> tdcp.DistributedCheckpoint:
+    return tdcp.DistributedCheckpoint(**objs)
+
+
+def snapshot(objs: dict[str, Any]) -> Any:
+    """A deep copy of everything a load could change."""
+
+    def copy(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.detach().clone()
+        if isinstance(v, dict):
+            return {k: copy(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [copy(x) for x in v]
+        return v
+
+    return {
+        "model": copy(objs["model"].state_dict()),
+        "optim": copy(objs["optim"].state_dict()),
+        "stats": copy(objs["stats"]),
+        "td": copy(objs["td"].to_dict()),
+    }
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def saved(tmp_path: Path) -> Path:
+    return checkpoint(make_objects(1)).save(tmp_path / "ckpt", step=5, metadata={"run": "a"})
+
+
+def refuse_unchanged(path: Path, match: str | None = None) -> tdcp.CheckpointError:
+    """Load into fresh objects: must raise a CheckpointError and change nothing."""
+    objs = make_objects(2)
+    before = snapshot(objs)
+    with pytest.raises(tdcp.CheckpointError) as info:
+        checkpoint(objs).load(path)
+    assert same(snapshot(objs), before), f"a failed load changed the objects ({info.value})"
+    if match is not None:
+        assert match in str(info.value), str(info.value)
+    return info.value
+
+
+def reseal(path: Path, name: str) -> None:
+    """Record ``name``'s current size and checksum in the manifest (a consistent forgery)."""
+    m = json.loads((path / "manifest.json").read_text())
+    m["files"][name] = {"size": (path / name).stat().st_size, "checksum": file_checksum(path / name)}
+    (path / "manifest.json").write_text(json.dumps(m))
+
+
+def edit_manifest(path: Path, fn: Callable[[dict[str, Any]], None]) -> None:
+    m = json.loads((path / "manifest.json").read_text())
+    fn(m)
+    (path / "manifest.json").write_text(json.dumps(m))
+
+
+def flip(p: Path, at: float = 0.5) -> None:
+    data = bytearray(p.read_bytes())
+    data[int(len(data) * at)] ^= 0x01
+    p.write_bytes(bytes(data))
+
+
+def test_round_trip_is_exact(tmp_path: Path) -> None:
+    """The control: the same objects load back exactly (so the refusals below are about the damage)."""
+    path = saved(tmp_path)
+    objs = make_objects(2)
+    checkpoint(objs).load(path)
+    assert same(snapshot(objs), snapshot(make_objects(1)))
+    assert verify(path)["tensors"] > 0
+
+
+# ---------------------------------------------------------------------- damaged directories
+def _set(field: str, value: Any) -> Callable[[Path], None]:
+    return lambda p: edit_manifest(p, lambda m: m.__setitem__(field, value))
+
+
+def _component(fn: Callable[[dict[str, Any]], None]) -> Callable[[Path], None]:
+    return lambda p: edit_manifest(p, lambda m: fn(m["components"]))
+
+
+DAMAGE: dict[str, tuple[Callable[[Path], None], str, str]] = {
+    # name: (damage, file named in the message, problem named in the message)
+    "truncated data file": (lambda p: (p / DATA).write_bytes((p / DATA).read_bytes()[:-100]), DATA, "truncated"),
+    "data file grown": (lambda p: (p / DATA).write_bytes((p / DATA).read_bytes() + b"\0"), DATA, "size"),
+    "flipped byte in data": (lambda p: flip(p / DATA), DATA, "checksum"),
+    "flipped byte in tensor blob header": (lambda p: flip(p / DATA, 0.01), DATA, "checksum"),
+    "flipped byte in .metadata": (lambda p: flip(p / ".metadata"), ".metadata", "checksum"),
+    "missing data file": (lambda p: (p / DATA).unlink(), DATA, "missing"),
+    "missing .metadata": (lambda p: (p / ".metadata").unlink(), ".metadata", "missing"),
+    "extra file": (lambda p: (p / "notes.txt").write_text("hi"), "notes.txt", "not listed"),
+    "extra directory": (lambda p: (p / "sub").mkdir(), "sub", "not listed"),
+    "manifest not JSON": (lambda p: (p / "manifest.json").write_text("{'format': 1"), "manifest.json", "not valid JSON"),
+    "manifest truncated": (
+        lambda p: (p / "manifest.json").write_bytes((p / "manifest.json").read_bytes()[:50]),
+        "manifest.json",
+        "not valid JSON",
+    ),
+    "manifest NaN": (lambda p: (p / "manifest.json").write_text('{"format": NaN}'), "manifest.json", "not valid JSON"),
+    "manifest a list": (lambda p: (p / "manifest.json").write_text("[1, 2]"), "manifest.json", "not a JSON object"),
+    "manifest binary": (lambda p: (p / "manifest.json").write_bytes(b"\xff\xfe\x00\x01"), "manifest.json", "JSON"),
+    "world_size a string": (_set("world_size", "2"), "manifest.json", "world_size"),
+    "world_size zero": (_set("world_size", 0), "manifest.json", "world_size"),
+    "step a float": (_set("step", 1.5), "manifest.json", "step"),
+    "files a list": (_set("files", []), "manifest.json", "files"),
+    "components null": (_set("components", None), "manifest.json", "components"),
+    "file size negative": (
+        lambda p: edit_manifest(p, lambda m: m["files"][DATA].__setitem__("size", -1)),
+        "manifest.json",
+        DATA,
+    ),
+    "file listed with a path": (
+        lambda p: edit_manifest(p, lambda m: m["files"].__setitem__("../outside", {"size": 1, "checksum": "crc32:0"})),
+        "manifest.json",
+        "not a plain file name",
+    ),
+    "placement unknown": (
+        _component(lambda c: c["model"].__setitem__("placement", "everywhere")),
+        "manifest.json",
+        "placement",
+    ),
+    "adapter_version a string": (
+        _component(lambda c: c["model"].__setitem__("adapter_version", "1")),
+        "manifest.json",
+        "adapter_version",
+    ),
+    "inventory shape negative": (
+        _component(lambda c: next(iter(c["model"]["inventory"].values())).__setitem__("shape", [-1])),
+        "manifest.json",
+        "inventory",
+    ),
+    "newer format version": (_set("format_version", 999), "manifest.json", "format version 999"),
+    "format_version a string": (_set("format_version", "2"), "manifest.json", "format_version"),
+    "foreign format": (_set("format", "orbax"), "manifest.json", "format"),
+    "manifest removed": (lambda p: (p / "manifest.json").unlink(), "ckpt", "no manifest.json"),
+    "manifest a directory": (
+        lambda p: ((p / "manifest.json").unlink(), (p / "manifest.json").mkdir()),
+        "ckpt",
+        "no manifest.json",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGE))
+def test_damage_is_refused_naming_file_and_problem_objects_unchanged(tmp_path: Path, case: str) -> None:
+    damage, file, problem = DAMAGE[case]
+    path = saved(tmp_path)
+    damage(path)
+    err = refuse_unchanged(path)
+    text = str(err)
+    assert file in text and problem in text, text
+    with pytest.raises(tdcp.CheckpointError) as info:
+        verify(path)
+    assert file in str(info.value) and problem in str(info.value), str(info.value)
+
+
+def test_tensor_shape_in_skeleton_disagrees_with_data(tmp_path: Path) -> None:
+    """A manifest (consistently resealed) that claims other tensor shapes than the data: refused, unchanged."""
+    path = saved(tmp_path)
+
+    def grow(components: dict[str, Any]) -> None:
+        state = json.dumps(components["stats"]["state"]).replace("[6]", "[7]")
+        components["stats"]["state"] = json.loads(state)
+        from torchrl_dcp.manifest import component_inventory
+
+        components["stats"]["inventory"] = component_inventory("stats", components["stats"])
+
+    edit_manifest(path, lambda m: grow(m["components"]))
+    refuse_unchanged(path)
+    with pytest.raises(tdcp.CheckpointError, match="stats"):
+        verify(path)
+
+
+@pytest.mark.parametrize("kind", ["empty", "foreign", "dcp_only", "file", "absent"])
+def test_not_a_checkpoint(tmp_path: Path, kind: str) -> None:
+    target = tmp_path / "x"
+    if kind == "empty":
+        target.mkdir()
+    elif kind == "foreign":
+        target.mkdir()
+        (target / "model.pt").write_bytes(b"\x80\x04K\x01.")
+        (target / "README").write_text("not ours")
+    elif kind == "dcp_only":  # a plain DCP checkpoint: its pickled .metadata is never read without a manifest
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"w": torch.ones(2)}, checkpoint_id=str(target), no_dist=True)
+    elif kind == "file":
+        target.write_bytes(b"plain text, not a checkpoint")
+    err = refuse_unchanged(target)
+    assert str(target) in str(err)
+    expected = tdcp.CheckpointNotFoundError if kind == "absent" else tdcp.CheckpointError
+    assert isinstance(err, expected)
+    with pytest.raises(tdcp.CheckpointError):
+        verify(target)
+
+
+# ---------------------------------------------------------------------- symlinks
+@pytest.mark.parametrize("which", [DATA, ".metadata", "manifest.json"])
+def test_symlink_pointing_outside_is_refused(tmp_path: Path, which: str) -> None:
+    """A listed file replaced by a symlink to an identical copy outside the checkpoint: refused anyway."""
+    path = saved(tmp_path)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes((path / which).read_bytes())
+    (path / which).unlink()
+    (path / which).symlink_to(outside)
+    err = refuse_unchanged(path)
+    assert which in str(err) or (which == "manifest.json" and "manifest" in str(err)), str(err)
+    with pytest.raises(tdcp.CheckpointError):
+        verify(path)
+
+
+def test_extra_symlink_and_symlinked_checkpoint_directory(tmp_path: Path) -> None:
+    path = saved(tmp_path)
+    (path / "escape").symlink_to("/etc")
+    refuse_unchanged(path, "escape")
+    (path / "escape").unlink()
+    link = tmp_path / "link"
+    link.symlink_to(path)  # a link *to* a checkpoint is how users point at one: it loads
+    objs = make_objects(2)
+    checkpoint(objs).load(link)
+    assert same(snapshot(objs), snapshot(make_objects(1)))
+
+
+def test_save_never_writes_through_a_symlinked_destination(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("precious")
+    link = tmp_path / "ckpt"
+    link.symlink_to(victim)
+    with pytest.raises(tdcp.CheckpointError, match="refusing to replace"):
+        checkpoint(make_objects(1)).save(link)
+    assert (victim / "keep.txt").read_text() == "precious" and link.is_symlink()
+
+
+# ---------------------------------------------------------------------- planted pickles
+def test_pickle_in_metadata_never_runs(tmp_path: Path) -> None:
+    path = saved(tmp_path)
+    marker = tmp_path / "pwned"
+    (path / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    reseal(path, ".metadata")
+    err = refuse_unchanged(path)
+    assert isinstance(err, tdcp.UnsafeCheckpointError) and ".metadata" in str(err) and "refused" in str(err)
+    with pytest.raises(tdcp.UnsafeCheckpointError):
+        verify(path)
+    assert not marker.exists()
+
+
+def test_pickle_nested_inside_valid_metadata_never_runs(tmp_path: Path) -> None:
+    """The payload hidden inside a genuine Metadata object (as a planner_data value)."""
+    from torchrl_dcp.storage.filesystem import safe_load_metadata
+
+    path = saved(tmp_path)
+    marker = tmp_path / "pwned"
+    metadata = safe_load_metadata(path / ".metadata")
+    metadata.planner_data = {"x": Payload(marker)}
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    reseal(path, ".metadata")
+    err = refuse_unchanged(path)
+    assert isinstance(err, tdcp.UnsafeCheckpointError), err
+    assert not marker.exists()
+
+
+def test_pickle_in_data_file_never_runs(tmp_path: Path) -> None:
+    """A data file replaced by a pickle (checksums resealed): read only as tensor bytes, never unpickled."""
+    path = saved(tmp_path)
+    marker = tmp_path / "pwned"
+    (path / DATA).write_bytes(pickle.dumps(Payload(marker)))
+    refuse_unchanged(path, DATA)  # checksum
+    reseal(path, DATA)
+    refuse_unchanged(path)
+    with pytest.raises(tdcp.CheckpointError):
+        verify(path)  # verify never opens the blob as a pickle either
+    assert not marker.exists()
+
+
+def test_pickle_as_tensor_blob_payload_never_runs(tmp_path: Path) -> None:
+    """A torch.save blob whose data.pkl holds a payload, at a tensor's offset: weights_only refuses it."""
+    import io
+
+    path = saved(tmp_path)
+    marker = tmp_path / "pwned"
+    buf = io.BytesIO()
+    torch.save({"x": Payload(marker)}, buf)
+    blob = buf.getvalue()
+    data = bytearray((path / DATA).read_bytes())
+    data[: len(blob)] = blob  # over the first tensor's blob (the metadata still points at offset 0)
+    (path / DATA).write_bytes(bytes(data[: max(len(blob), len(data))]))
+    reseal(path, DATA)
+    refuse_unchanged(path)
+    assert not marker.exists()
+
+
+def test_pickle_in_manifest_or_extra_file_never_runs(tmp_path: Path) -> None:
+    path = saved(tmp_path)
+    marker = tmp_path / "pwned"
+    (path / "extra.pkl").write_bytes(pickle.dumps(Payload(marker)))
+    reseal(path, "extra.pkl")  # even listed in the manifest, an unknown file is never opened as pickle
+    objs = make_objects(2)
+    checkpoint(objs).load(path)
+    verify(path)
+    (path / "manifest.json").write_bytes(pickle.dumps(Payload(marker)))
+    refuse_unchanged(path, "not valid JSON")
+    assert not marker.exists()
+
+
+def test_metadata_naming_files_outside_or_unlisted(tmp_path: Path) -> None:
+    from torchrl_dcp.storage.filesystem import safe_load_metadata
+
+    for target, problem in (("../../etc/passwd", "outside the checkpoint"), ("/etc/passwd", "outside"), ("other.distcp", "does not list")):
+        path = tmp_path / target.replace("/", "_")
+        path = checkpoint(make_objects(1)).save(path)
+        metadata = safe_load_metadata(path / ".metadata")
+        for info in metadata.storage_data.values():
+            info.relative_path = target
+        (path / ".metadata").write_bytes(pickle.dumps(metadata))
+        reseal(path, ".metadata")
+        refuse_unchanged(path, problem)
+        with pytest.raises(tdcp.CheckpointError, match=problem):
+            verify(path)
+
+
+# ---------------------------------------------------------------------- archives
+def archive(tmp_path: Path) -> Path:
+    return tdcp.to_archive(saved(tmp_path), tmp_path / "ckpt.zip")
+
+
+def rewrite_zip(src: Path, dst: Path, rename: Callable[[str], str]) -> None:
+    """Copy ``src`` member by member (STORED) with renamed members."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
+        for info in zin.infolist():
+            zout.writestr(rename(info.filename), zin.read(info.filename))
+
+
+def test_archive_round_trip(tmp_path: Path) -> None:
+    path = archive(tmp_path)
+    objs = make_objects(2)
+    checkpoint(objs).load(path)
+    assert same(snapshot(objs), snapshot(make_objects(1)))
+    verify(path)
+
+
+ARCHIVE_DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
+    "truncated central directory": (lambda p: p.write_bytes(p.read_bytes()[:-30]), "central directory"),
+    "end record garbled": (lambda p: flip(p, 0.9999), "central directory"),
+    "central directory offset wrong": (
+        lambda p: _patch_end(p, lambda cd_size, cd_off: (cd_size, cd_off + 7)),
+        "central directory",
+    ),
+    "trailing bytes": (lambda p: p.write_bytes(p.read_bytes() + b"junk"), "end record"),
+    "flipped byte in a member": (lambda p: flip(p, 0.3), "damaged"),
+    "empty file": (lambda p: p.write_bytes(b""), "ZIP"),
+}
+
+
+def _patch_end(p: Path, fn: Callable[[int, int], tuple[int, int]]) -> None:
+    import struct
+
+    data = bytearray(p.read_bytes())
+    at = len(data) - 22
+    cd_size, cd_off = struct.unpack_from("<II", data, at + 12)
+    struct.pack_into("<II", data, at + 12, *fn(cd_size, cd_off))
+    p.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("case", sorted(ARCHIVE_DAMAGE))
+def test_damaged_archive_is_refused(tmp_path: Path, case: str) -> None:
+    damage, problem = ARCHIVE_DAMAGE[case]
+    path = archive(tmp_path)
+    damage(path)
+    err = refuse_unchanged(path)
+    assert "ckpt.zip" in str(err) and problem in str(err), str(err)
+    with pytest.raises(tdcp.CheckpointError, match=problem):
+        verify(path)
+
+
+@pytest.mark.parametrize("name", ["../evil.distcp", "/abs/evil.distcp", "sub/../../evil", "..\\evil", "sub/file"])
+def test_archive_member_escaping_is_refused(tmp_path: Path, name: str) -> None:
+    src = archive(tmp_path)
+    bad = tmp_path / "bad.zip"
+    rewrite_zip(src, bad, lambda n: name if n == DATA else n)
+    err = refuse_unchanged(bad)
+    assert "bad.zip" in str(err), str(err)
+    with pytest.raises(tdcp.CheckpointError):
+        verify(bad)
+    with pytest.raises(tdcp.CheckpointError):  # converting back never writes outside its target either
+        tdcp.to_directory(bad, tmp_path / "out")
+    assert not (tmp_path / "evil.distcp").exists() and not Path("/abs/evil.distcp").exists()
+
+
+def test_archive_symlink_member_is_refused(tmp_path: Path) -> None:
+    src = archive(tmp_path)
+    bad = tmp_path / "bad.zip"
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(bad, "w", zipfile.ZIP_STORED) as zout:
+        for info in zin.infolist():
+            if info.filename == DATA:
+                link = zipfile.ZipInfo(DATA)
+                link.external_attr = (0o120777 << 16) | 0x20  # a symlink entry
+                zout.writestr(link, "/etc/passwd")
+            else:
+                zout.writestr(info.filename, zin.read(info.filename))
+    refuse_unchanged(bad)
+    with pytest.raises(tdcp.CheckpointError):
+        tdcp.to_directory(bad, tmp_path / "out")
+    assert not (tmp_path / "out" / DATA).is_symlink()
+
+
+def test_pickle_in_archive_metadata_never_runs(tmp_path: Path) -> None:
+    path = saved(tmp_path)
+    marker = tmp_path / "pwned"
+    (path / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    reseal(path, ".metadata")
+    bad = tdcp.to_archive(path, tmp_path / "bad.zip")
+    err = refuse_unchanged(bad)
+    assert isinstance(err, tdcp.UnsafeCheckpointError), err
+    with pytest.raises(tdcp.UnsafeCheckpointError):
+        verify(bad)
+    assert not marker.exists()
