@@ -360,7 +360,13 @@ def run_workload(w: Workload, rank: int, world: int, device: torch.device, root:
         rec.time("torchrl_dcp load cold", lambda: ckpt.load(ours), before=cold)
     rec.time("torchrl_dcp load warm", lambda: ckpt.load(ours))
     if single and extras:
+        if can_drop:
+            rec.time("torchrl_dcp load cold (verify=False)", lambda: ckpt.load(ours, verify=False), before=cold)
         rec.time("torchrl_dcp load warm (verify=False)", lambda: ckpt.load(ours, verify=False))
+        from torchrl_dcp.storage.checksums import file_checksum
+
+        data_files = [p for p in ours.iterdir() if p.name.endswith(".distcp")]
+        rec.time("checksum pass alone, warm (CRC32 of the data files)", lambda: [file_checksum(p) for p in data_files])
 
     # archives (single process tool): conversion vs a plain copy, loads from the archive vs the directory
     if single and extras and hasattr(tdcp, "to_archive"):

@@ -218,3 +218,22 @@ def test_archive_loads_in_place_and_refuses_a_damaged_member(tmp_path: Path, mon
     with pytest.raises(BaseException, match="checksum"):
         dcp.load(flat, storage_reader=reader, no_dist=True)
     assert file_checksum(path / "__0_0.distcp") == src.manifest()["files"]["__0_0.distcp"]["checksum"]
+
+
+def test_fast_load_plan_equals_dcps(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    from torchrl_dcp.planner import SafeLoadPlanner
+    from torchrl_dcp.storage.filesystem import SafeFileSystemReader
+
+    state = _state()
+    state["param"] = torch.nn.Parameter(torch.ones(5))
+    dcp.save(state, checkpoint_id=str(tmp_path / "d"), no_dist=True)
+    metadata = SafeFileSystemReader(tmp_path / "d").read_metadata()
+    dest = {k: torch.empty_like(v) for k, v in state.items()}
+    ours, theirs = SafeLoadPlanner(), DefaultLoadPlanner(flatten_state_dict=False)
+    ours.set_up_planner(dest, metadata, True)
+    theirs.set_up_planner(dest, metadata, True)
+    assert ours.create_local_plan().items == theirs.create_local_plan().items
+    item = ours.create_local_plan().items[0]
+    assert ours.resolve_tensor(item) is dest[item.dest_index.fqn]
