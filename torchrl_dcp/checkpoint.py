@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import logging
 import os
 import re
@@ -47,7 +48,15 @@ from torchrl_dcp.manifest import MANIFEST, dumps, library_versions, migrate_comp
 from torchrl_dcp.placement import Placement, check_placement, key_prefix
 from torchrl_dcp.planner import SafeLoadPlanner, SavePlanner
 from torchrl_dcp.storage.checksums import describe_file
-from torchrl_dcp.storage.commit import publish, remove_tree, stale_entries, staging_path, write_file_durably
+from torchrl_dcp.storage.commit import (
+    DestinationLock,
+    publish,
+    remove_tree,
+    stale_entries,
+    staging_path,
+    sweep_stale_locks,
+    write_file_durably,
+)
 from torchrl_dcp.storage.filesystem import DCP_METADATA, make_writer
 from torchrl_dcp.storage.source import open_source
 from torchrl_dcp.storage.writer import assign_writers, build_metadata, can_write_fast, describe, write_metadata, write_share
@@ -347,7 +356,7 @@ class DistributedCheckpoint:
             error = None
         except Exception as err:  # reported collectively below
             records, flat, error = {}, {}, err
-        _raise_first(_dist.all_gather(_describe_error(error), group), "encoding the state", error)
+        _raise_first(_dist.all_gather(_describe_error(error), group, "encoding the state"), "encoding the state", error)
         job = _SaveJob(destination, names, records, flat, metadata, step, group, rank, world)
         job.stage_event = stage_event
         return job
@@ -356,31 +365,50 @@ class DistributedCheckpoint:
         """Steps after encoding: staging directory, DCP write, checksums, manifest, publish (collective)."""
         destination, records, flat, group, rank = job.destination, job.records, job.flat, job.group, job.rank
 
-        # 2. rank 0 prepares the staging directory and tells everyone where it is
-        staging, error = None, None
+        # 2. rank 0 locks the destination (a second job saving there fails at once), prepares the staging
+        #    directory and tells everyone where it is; the lock is held until the publish
+        staging, error, lock = None, None, None
         if rank == 0:
             try:
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                lock = DestinationLock(destination).acquire()
                 if (destination.exists() or destination.is_symlink()) and not _is_replaceable(destination):
                     raise CheckpointError(
                         "exists and is not a torchrl_dcp checkpoint; refusing to replace it (choose another path)",
                         path=destination,
                     )
-                destination.parent.mkdir(parents=True, exist_ok=True)
                 for stale in stale_entries(destination):
                     remove_tree(stale)
                 staging = staging_path(destination)
                 staging.mkdir()
             except Exception as err:
-                error = err
-        staging = _dist.broadcast_from_0((None if staging is None else str(staging), _describe_error(error)), group)
-        _raise_first([staging[1]], "preparing the staging directory", error)
-        staging = Path(staging[0])
+                error = _save_failure(err, "preparing the staging directory", destination)
+        try:
+            return self._write_staged(job, staging, error)
+        finally:
+            if lock is not None:
+                lock.release()
+                sweep_stale_locks(destination.parent)  # left by saves killed before they released theirs
+
+    def _write_staged(self, job: _SaveJob, staging: Path | None, error: BaseException | None) -> Path:
+        """Steps 3-5 of :meth:`_write_and_commit`, while rank 0 holds the destination lock."""
+        destination, records, flat, group, rank = job.destination, job.records, job.flat, job.group, job.rank
+        try:
+            status = _dist.broadcast_from_0(
+                (None if staging is None else str(staging), _describe_error(error)), group, "announcing the staging directory"
+            )
+        except BaseException:
+            if staging is not None:
+                remove_tree(staging)
+            raise
+        _raise_first([status[1]], "preparing the staging directory", error)
+        staging = Path(status[0])
 
         try:
             # 3. every rank writes its share at once: packed torch.save-compatible blobs, several threads per
             #    rank, CRC32 computed while writing (storage/writer.py); DCP's own writer for DTensors & co.
             fast = all(can_write_fast(t) for t in flat.values())
-            plans = _dist.all_gather((fast, describe(flat) if fast else None), group)
+            plans = _dist.all_gather((fast, describe(flat) if fast else None), group, "planning the writes")
             fast = all(ok for ok, _ in plans)
             error, files, entries = None, {}, []
             if fast:
@@ -388,7 +416,7 @@ class DistributedCheckpoint:
                     out = write_share(flat, assign_writers([d for _, d in plans]), staging, rank)
                     files, entries = out.files, out.entries
                 except Exception as err:  # reported collectively below
-                    error = err
+                    error = _save_failure(err, f"rank {rank} writing its data file", staging)
             else:
                 writer = make_writer(staging)
                 try:
@@ -407,12 +435,14 @@ class DistributedCheckpoint:
                         if p.name.startswith(f"__{rank}_") or (rank == 0 and p.name == DCP_METADATA)
                     }
                 except Exception as err:
-                    error = err
+                    error = _save_failure(err, f"rank {rank} checksumming its data files", staging)
             per_rank = {n: r.pop("ranks_local") for n, r in records.items() if "ranks_local" in r}
-            gathered = _dist.gather_to_0((files, per_rank, _describe_error(error), entries), group)
+            gathered = _dist.gather_to_0(
+                (files, per_rank, _describe_error(error), entries), group, "collecting file records"
+            )
 
             # 5. rank 0 writes the manifest last and publishes
-            error = None
+            own_error, error = error, None
             if rank == 0:
                 try:
                     assert gathered is not None
@@ -433,8 +463,9 @@ class DistributedCheckpoint:
                     write_file_durably(staging / MANIFEST, dumps(manifest))
                     publish(staging, destination)
                 except BaseException as err:
-                    error = err
-            _raise_first(_dist.all_gather(_describe_error(error), group), "committing the checkpoint", error)
+                    error = _save_failure(err, "committing the checkpoint", destination)
+            statuses = _dist.all_gather(_describe_error(error), group, "confirming the commit")
+            _raise_first(statuses, "committing the checkpoint", error or own_error)
         except BaseException:
             if rank == 0:
                 remove_tree(staging)
@@ -785,6 +816,18 @@ def _is_replaceable(destination: Path) -> bool:
         return False
 
 
+def _save_failure(err: BaseException, phase: str, path: Path | None) -> BaseException:
+    """A save step's failure as a :class:`CheckpointError` saying what to do (a full disk says so)."""
+    if isinstance(err, CheckpointError) or not isinstance(err, Exception):
+        return err
+    hint = "nothing was committed; the previous checkpoint at this path, if any, is intact"
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        hint = "the file system is full (or over quota): free space or save elsewhere; " + hint
+    wrapped = CheckpointError(f"{phase} failed: {type(err).__name__}: {err}; {hint}", path=path)
+    wrapped.__cause__ = err
+    return wrapped
+
+
 def _describe_error(error: BaseException | None) -> tuple[str, str, str | None] | None:
     if error is None:
         return None
@@ -810,8 +853,9 @@ def _summarize(err: CheckpointException) -> str:
     failures = getattr(err, "failures", {}) or {}
     parts = []
     for r, exc in sorted(failures.items()):
-        text = str(exc[0] if isinstance(exc, tuple) else exc).strip().splitlines()
-        parts.append(f"rank {r}: {text[-1] if text else type(exc).__name__}")
+        exc = exc[0] if isinstance(exc, tuple) else exc
+        text = str(exc).strip().splitlines()
+        parts.append(f"rank {r}: {type(exc).__name__}{': ' + text[-1] if text else ''}")
     return "; ".join(parts) or str(err)
 
 
