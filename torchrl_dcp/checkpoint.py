@@ -531,7 +531,7 @@ class DistributedCheckpoint:
                 number of ranks: ``"error"`` (default) raises :class:`WorldSizeMismatchError`
                 naming both sizes; ``"reshard"`` lets each adapter redistribute them (replay
                 buffers split their transitions over the new ranks, RNG streams are re-seeded
-                deterministically, collectors start fresh trajectories; see docs/resharding.md).
+                deterministically, collectors start fresh trajectories; see docs/components/resharding.md).
                 Components whose adapter cannot reshard still raise. Replicated components
                 load at any world size.
             verify: check the CRC32 of every file this rank reads: while reading it (one pass) when its
