@@ -11,7 +11,6 @@ from torchrl.data import (
     LazyMemmapStorage,
     LazyTensorStorage,
     ListStorage,
-    PrioritizedSampler,
     RandomSampler,
     ReplayBuffer,
     RoundRobinWriter,

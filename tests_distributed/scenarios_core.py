@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-from pathlib import Path
 from typing import Any
 
 import numpy as np

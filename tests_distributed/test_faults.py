@@ -8,7 +8,6 @@ and verifies, ``latest()`` never returns a partial one, surviving ranks get a
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import threading
 from pathlib import Path

@@ -363,7 +363,7 @@ class DistributedCheckpoint:
 
     def _write_and_commit(self, job: _SaveJob) -> Path:
         """Steps after encoding: staging directory, DCP write, checksums, manifest, publish (collective)."""
-        destination, records, flat, group, rank = job.destination, job.records, job.flat, job.group, job.rank
+        destination, rank = job.destination, job.rank
 
         # 2. rank 0 locks the destination (a second job saving there fails at once), prepares the staging
         #    directory and tells everyone where it is; the lock is held until the publish
@@ -596,7 +596,7 @@ class DistributedCheckpoint:
                 reshard = rec["placement"] == "per_rank" and saved_world != world
                 if reshard and (world_size_change == "error" or not adapter.can_reshard):
                     why = (
-                        f"pass world_size_change='reshard' to redistribute it"
+                        "pass world_size_change='reshard' to redistribute it"
                         if adapter.can_reshard
                         else f"its adapter {adapter.adapter_id!r} cannot be resharded"
                     )

@@ -25,7 +25,15 @@ from typing import Any
 
 from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError
 from torchrl_dcp.manifest import MANIFEST, check_files, read_manifest
-from torchrl_dcp.storage.archive import BUFFER, DCP_METADATA, ArchiveSource, Progress, _copy_range, write_archive
+from torchrl_dcp.storage.archive import (
+    BUFFER,
+    DCP_METADATA,
+    ArchiveSource,
+    Progress,
+    _copy_range,
+    byte_counter,
+    write_archive,
+)
 from torchrl_dcp.storage.commit import fsync_path, publish, remove_tree, staging_path, write_file_durably
 
 
@@ -117,15 +125,7 @@ def to_directory(
     source.check(False)  # sizes and ZIP CRCs against the manifest
     destination = _destination(dst_dir, overwrite)
     files = manifest["files"]
-    total = sum(rec["size"] for rec in files.values())
-    done = 0
-
-    def advance(n: int) -> None:
-        nonlocal done
-        done += n
-        if progress is not None:
-            progress(done, total)
-
+    advance = byte_counter(sum(rec["size"] for rec in files.values()), progress)
     staging = staging_path(destination)
     staging.mkdir()
     try:

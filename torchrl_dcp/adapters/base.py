@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from torchrl_dcp.codec import TensorSpec
 from torchrl_dcp.placement import Placement
 
 __all__ = ["Adapter", "AdapterContext", "CheckpointOptions", "register_adapter", "resolve_adapter", "adapter_by_id"]

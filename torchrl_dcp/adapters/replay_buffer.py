@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from tensordict import MemoryMappedTensor, TensorDict, TensorDictBase, is_tensor_collection
+from tensordict import MemoryMappedTensor, TensorDict, is_tensor_collection
 from torchrl.data.replay_buffers import ReplayBuffer
 from torchrl.data.replay_buffers.samplers import PrioritizedSampler
 from torchrl.data.replay_buffers.storages import ListStorage, TensorStorage
@@ -40,7 +40,6 @@ from torchrl.data.replay_buffers.writers import TensorDictMaxValueWriter
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
 from torchrl_dcp.adapters.rng import derived_seed
-from torchrl_dcp.codec import TensorSpec
 from torchrl_dcp.errors import EncodingError, IncompatibleComponentError
 
 
@@ -111,13 +110,20 @@ def storage_state(storage: Any) -> dict[str, Any]:
     return state
 
 
-def _flat_specs(tree: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], TensorSpec]:
-    if isinstance(tree, TensorSpec):
+def _flatten(tree: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    """Leaves of a nested mapping by key path (``()`` for a bare leaf)."""
+    if not isinstance(tree, Mapping):
         return {prefix: tree}
-    out: dict[tuple[str, ...], TensorSpec] = {}
+    out: dict[tuple[str, ...], Any] = {}
     for key, value in tree.items():
-        out.update(_flat_specs(value, (*prefix, key)))
+        out.update(_flatten(value, (*prefix, key)))
     return out
+
+
+def _allocate(storage: TensorStorage, leaves: Mapping[tuple[str, ...], Any], is_tensordict: bool, ndim: int) -> None:
+    """Initialise a lazy storage for items whose leaves have ``leaves[key].shape[ndim:]`` and dtype."""
+    items = {k: torch.zeros(tuple(v.shape[ndim:]), dtype=v.dtype) for k, v in leaves.items()}
+    storage._init(TensorDict(items, []) if is_tensordict else items[()])
 
 
 def storage_destinations(storage: TensorStorage, saved: Mapping[str, Any], name: str) -> dict[str, torch.Tensor]:
@@ -129,14 +135,9 @@ def storage_destinations(storage: TensorStorage, saved: Mapping[str, Any], name:
     ndim, rows = saved["ndim"], saved["rows"]
     if ndim != storage.ndim:
         raise IncompatibleComponentError(f"component {name!r}: storage ndim was {ndim}, the buffer's is {storage.ndim}")
-    flat = _flat_specs(saved["data"])
+    flat = _flatten(saved["data"])
     if not storage.initialized:
-        if saved["is_tensordict"]:
-            template = TensorDict({k: torch.zeros(s.shape[ndim:], dtype=s.dtype) for k, s in flat.items()}, [])
-        else:
-            spec = flat[()]
-            template = torch.zeros(spec.shape[ndim:], dtype=spec.dtype)
-        storage._init(template)
+        _allocate(storage, flat, saved["is_tensordict"], ndim)
     live = storage._storage
     capacity = int(live.shape[0])
     if rows > capacity:
@@ -395,14 +396,9 @@ def reshard_buffer(rb: ReplayBuffer, states: dict[int, Any], ctx: AdapterContext
     any_state = states[min(states)]
     if n:
         data = _cat_trees(datas)
-        flat_specs = {}
-        _flatten_tensors(data, (), flat_specs)
+        flat_specs = _flatten(data)
         if not storage.initialized:
-            if isinstance(data, Mapping):
-                template = TensorDict({k: torch.zeros(t.shape[1:], dtype=t.dtype) for k, t in flat_specs.items()}, [])
-            else:
-                template = torch.zeros(data.shape[1:], dtype=data.dtype)
-            storage._init(template)
+            _allocate(storage, flat_specs, isinstance(data, Mapping), 1)
         live = storage._storage
         capacity = int(live.shape[0])
         if n > capacity:
@@ -443,12 +439,3 @@ def reshard_buffer(rb: ReplayBuffer, states: dict[int, Any], ctx: AdapterContext
     elif hasattr(sampler, "_empty"):
         sampler._empty()
     restore_buffer_settings(rb, any_state, reseed_for=(ctx.rank, ctx.world_size))
-
-
-
-def _flatten_tensors(tree: Any, prefix: tuple[str, ...], out: dict[tuple[str, ...], torch.Tensor]) -> None:
-    if isinstance(tree, Mapping):
-        for k, v in tree.items():
-            _flatten_tensors(v, (*prefix, k), out)
-    else:
-        out[prefix] = tree

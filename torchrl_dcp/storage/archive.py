@@ -50,6 +50,19 @@ _FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # identical inputs give identical archives
 Progress = Callable[[int, int], None]
 
 
+def byte_counter(total: int, progress: Progress | None) -> Callable[[int], None]:
+    """A callback that adds copied bytes and reports ``progress(done, total)`` after each chunk."""
+    done = 0
+
+    def advance(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(done, total)
+
+    return advance
+
+
 @dataclass(frozen=True)
 class Member:
     """One STORED member: where its bytes are in the archive."""
@@ -311,15 +324,7 @@ def write_archive(
     """
     from torchrl_dcp.storage.commit import fsync_path
 
-    total = sum(size for _, _, size, _ in files)
-    done = 0
-
-    def advance(n: int) -> None:
-        nonlocal done
-        done += n
-        if progress is not None:
-            progress(done, total)
-
+    advance = byte_counter(sum(size for _, _, size, _ in files), progress)
     tmp = temporary_sibling(destination)
     buf = memoryview(bytearray(buffer_size))
     try:

@@ -26,7 +26,6 @@ from torchrl_dcp.errors import CheckpointFormatError
 from torchrl_dcp.manifest import check_files, read_manifest
 from torchrl_dcp.storage.filesystem import (
     DCP_METADATA,
-    SafeFileSystemReader,
     check_storage_bounds,
     check_storage_files,
     safe_load_metadata,
