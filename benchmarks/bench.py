@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchrl_dcp.storage.commit import fsync_path
+
 warnings.filterwarnings("ignore")
 
 CHUNK = 1 << 20
@@ -79,14 +81,6 @@ def sync_device() -> None:
         torch.cuda.synchronize()
 
 
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def tensor_views(tensors: list[torch.Tensor]) -> list[memoryview]:
     return [memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()) for t in tensors if t.numel()]
 
@@ -128,7 +122,7 @@ def copy_dir(src: Path, dst: Path) -> None:
     for p in src.iterdir():
         if p.is_file():
             shutil.copyfile(p, dst / p.name)
-            fsync_file(dst / p.name)
+            fsync_path(dst / p.name)
 
 
 class _StateHolder:
