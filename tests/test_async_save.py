@@ -75,6 +75,47 @@ def test_files_load_with_plain_dcp_and_inline_checksums_match(tmp_path: Path, th
         assert torch.equal(dest[k], v), k
 
 
+def test_writeback_is_started_for_every_written_byte(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchrl_dcp.storage import writeback as WB
+
+    if WB._SYNC_FILE_RANGE is None:
+        pytest.skip("sync_file_range is not available here")
+    started: list[tuple[int, int]] = []
+    lock = threading.Lock()
+    original = WB.start_writeback
+
+    def record(fd: int, offset: int, length: int) -> bool:
+        with lock:
+            started.append((offset, length))
+        return original(fd, offset, length)
+
+    monkeypatch.setattr(WB, "start_writeback", record)
+    monkeypatch.setattr(WB, "EVERY", 1 << 20)
+    flat = {"big": torch.randn(3_000_000), "small": torch.randn(10)}
+    out = W.write_state(flat, tmp_path, group=None, rank=0, world_size=1, threads=2)
+    size = out.files["__0_0.distcp"]["size"]
+    covered = sorted(started)
+    # the data chunks (all but the deferred blob header and tail) are handed to the kernel, none twice
+    assert all(a + n <= b for (a, n), (b, _) in zip(covered, covered[1:]))
+    assert sum(n for _, n in covered) >= 12_000_000 and covered[-1][0] + covered[-1][1] <= size
+    assert len(covered) >= 6 and all(n <= 2 << 20 for _, n in covered)  # batched, not one call for the whole file
+    dest = {k: torch.empty_like(v) for k, v in flat.items()}
+    dcp.load(dest, checkpoint_id=str(tmp_path), no_dist=True)
+    assert all(torch.equal(dest[k], v) for k, v in flat.items())
+
+
+def test_writeback_that_the_file_system_refuses_is_not_asked_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchrl_dcp.storage import writeback as WB
+
+    calls: list[int] = []
+    monkeypatch.setattr(WB, "_SYNC_FILE_RANGE", lambda fd, off, n, flags: calls.append(n) or -1)
+    wb = WB.Writeback(fd=0, every=10)
+    wb.written(0, 10)
+    wb.written(10, 10)
+    wb.flush()
+    assert calls == [10]  # refused once, then disabled
+
+
 def test_assign_writers_balances_shared_keys_and_refuses_mismatches() -> None:
     per_rank = [[(f"rank/{r}/x", "torch.float32", (4,), 16)] for r in range(2)]
     shared = [(f"replicated/w{i}", "torch.float32", (100,), 400) for i in range(6)]
