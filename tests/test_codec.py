@@ -86,7 +86,8 @@ def test_specs_describe_every_tensor() -> None:
 
 @pytest.mark.parametrize(
     "skeleton",
-    [{"t": "nope"}, {"t": "tensor", "key": "x"}, {"t": "dict", "items": 3}, {"t": "dtype", "v": "os.system"}, [1]],
+    [{"t": "nope"}, {"t": "tensor", "key": "x"}, {"t": "dict", "items": 3}, {"t": "dtype", "v": "os.system"}, [1],
+     {"t": "device", "v": "float32"}],  # fmt: skip
 )
 def test_malformed_skeleton_is_a_format_error(skeleton) -> None:
     with pytest.raises(CheckpointFormatError):

@@ -125,3 +125,16 @@ def _edit(p: Path, **fields) -> None:
     m = json.loads((p / "manifest.json").read_text())
     m.update(fields)
     (p / "manifest.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("value", [None, 3.5, "w"])
+def test_a_module_value_that_is_no_tensor_is_refused_before_any_copy(tmp_path: Path, value: object) -> None:
+    """A manifest whose skeleton turns ``bias`` into a non-tensor: load_state_dict would copy ``weight`` first."""
+    path, _ = save(tmp_path)
+    m = json.loads((path / "manifest.json").read_text())
+    items = m["components"]["model"]["state"]["items"]
+    assert [k for k, _ in items] == ["weight", "bias"]
+    items[1][1] = value
+    (path / "manifest.json").write_text(json.dumps(m))
+    info = load_into_fresh(path)
+    assert "'bias'" in str(info.value) and "a tensor in the module" in str(info.value)

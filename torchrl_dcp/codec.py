@@ -327,7 +327,10 @@ def _decode(node: Any, tensors: Mapping[str, Any]) -> Any:
     if kind == "dtype":
         return dtype_from_name(node["v"])
     if kind == "device":
-        return torch.device(node["v"])
+        try:
+            return torch.device(node["v"])
+        except RuntimeError as err:  # torch says "Invalid device string" with a RuntimeError
+            raise ValueError(str(err)) from None
     if kind == "np":
         item = _decode(node["v"], tensors)
         if isinstance(item, list):

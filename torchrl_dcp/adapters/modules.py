@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -36,8 +37,10 @@ class ModuleAdapter(Adapter):
 
     def restore(self, obj: torch.nn.Module, state: Any, ctx: AdapterContext) -> Any:
         strict = bool((ctx.options.load_kwargs or {}).get("strict", True))
+        current = get_model_state_dict(obj)
+        _check_values(current, state, ctx.name)  # load_state_dict would fail half-way, with some tensors copied
         if strict:
-            expected = set(get_model_state_dict(obj))
+            expected = set(current)
             missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
             if missing or unexpected:
                 raise IncompatibleComponentError(
@@ -47,6 +50,25 @@ class ModuleAdapter(Adapter):
                 )
         set_model_state_dict(obj, state, options=StateDictOptions(strict=strict))
         return None
+
+
+def _check_values(current: Mapping[str, Any], state: Any, name: str) -> None:
+    """Refuse, before anything is copied, a state whose values cannot be copied into the module's tensors."""
+    if not isinstance(state, Mapping):
+        raise IncompatibleComponentError(f"component {name!r}: the checkpoint holds a {type(state).__name__}, not a state_dict")
+    for key, value in state.items():
+        target = current.get(key)
+        if target is None:
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise IncompatibleComponentError(
+                f"component {name!r}: {key!r} is a {type(value).__name__} in the checkpoint, a tensor in the module"
+            )
+        if value.shape != target.shape:
+            raise IncompatibleComponentError(
+                f"component {name!r}: {key!r} has shape {tuple(value.shape)} in the checkpoint, "
+                f"{tuple(target.shape)} in the module"
+            )
 
 
 class OptimizerAdapter(Adapter):
