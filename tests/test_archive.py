@@ -262,8 +262,10 @@ def test_conversion_refuses_damage_and_existing_destinations(tmp_path: Path) -> 
 def test_zip64_members_round_trip_and_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Members over the ZIP64 limit (lowered here so the test stays small) use ZIP64 records and stay aligned."""
     path, saved = make(tmp_path)
+    from torchrl_dcp.storage import zipformat
+
     with monkeypatch.context() as m:
-        m.setattr(zipfile, "ZIP64_LIMIT", 1000)
+        m.setattr(zipformat, "ZIP64_LIMIT", 1000)
         archive = tdcp.to_archive(path, tmp_path / "c.zip")
     raw = archive.read_bytes()
     assert b"PK\x06\x06" in raw  # the ZIP64 end of central directory record

@@ -1,8 +1,8 @@
 """Conversions: checkpoint directory ↔ single-file ZIP archive, and export to ``torchrl.checkpoint``.
 
-Both directions stream every file through one reused buffer (memory stays bounded
-by ``buffer_size`` whatever the checkpoint's size), keep the data files byte for
-byte, verify every checksum on the way, and publish atomically (temporary name,
+Both directions copy every file with several threads through reused buffers
+(memory stays bounded by ``buffer_size`` whatever the checkpoint's size), keep the
+data files byte for byte, verify every checksum on the way, and publish atomically (temporary name,
 fsync, rename, fsync of the directory). A checkpoint saved by any number of ranks
 converts the same way: it is one directory by then.
 
@@ -30,10 +30,10 @@ from torchrl_dcp.storage.archive import (
     DCP_METADATA,
     ArchiveSource,
     Progress,
-    _copy_range,
     byte_counter,
     write_archive,
 )
+from torchrl_dcp.storage.copying import CopyRange, copy_ranges
 from torchrl_dcp.storage.commit import fsync_path, publish, remove_tree, staging_path, write_file_durably
 
 
@@ -74,7 +74,7 @@ def to_archive(
 
     Args:
         overwrite: replace an existing checkpoint at ``dst_file``.
-        buffer_size: the one copy buffer (bounds memory).
+        buffer_size: memory for the copy buffers of all threads together.
         progress: called as ``progress(bytes_done, bytes_total)``.
 
     Raises:
@@ -129,19 +129,28 @@ def to_directory(
     staging = staging_path(destination)
     staging.mkdir()
     try:
-        buf = memoryview(bytearray(buffer_size))
-        with open(path, "rb", buffering=0) as f:
-            for name in sorted(files, key=lambda n: source.member(n).data_offset):
+        names = sorted(files, key=lambda n: source.member(n).data_offset)
+        archive = os.open(path, os.O_RDONLY)
+        outs: list[int] = []
+        try:
+            ranges = []
+            for name in names:
+                outs.append(os.open(staging / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
                 m = source.member(name)
-                with open(staging / name, "xb", buffering=0) as out:
-                    crc = _copy_range(f, m.data_offset, m.size, buf, out, advance)
-                    os.fsync(out.fileno())
-                actual = f"crc32:{crc:08x}"
-                if actual != files[name]["checksum"]:
-                    raise CheckpointIntegrityError(
-                        f"checksum is {actual}, the manifest says {files[name]['checksum']}: the member is damaged",
-                        path=f"{path}::{name}",
-                    )
+                ranges.append(CopyRange(archive, m.data_offset, m.size, outs[-1], 0, f"{path}::{name}"))
+            crcs = copy_ranges(ranges, buffer_size=buffer_size, progress=advance)
+            for fd in outs:
+                os.fsync(fd)
+        finally:
+            for fd in [archive, *outs]:
+                os.close(fd)
+        for name, crc in zip(names, crcs):
+            actual = f"crc32:{crc:08x}"
+            if actual != files[name]["checksum"]:
+                raise CheckpointIntegrityError(
+                    f"checksum is {actual}, the manifest says {files[name]['checksum']}: the member is damaged",
+                    path=f"{path}::{name}",
+                )
         write_file_durably(staging / MANIFEST, source.read_member(MANIFEST, 1 << 30))
         fsync_path(staging)
         publish(staging, destination)

@@ -27,10 +27,11 @@ import zlib
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError
 from torchrl_dcp.manifest import MANIFEST, MAX_MANIFEST_BYTES, loads_manifest
+from torchrl_dcp.storage.zipformat import ZIPALIGN_PAD, central_entry, end_records, local_header
 
 if TYPE_CHECKING:  # this module stays importable without torch (conversion, inspection)
     from torch.distributed.checkpoint.metadata import Metadata
@@ -39,13 +40,11 @@ if TYPE_CHECKING:  # this module stays importable without torch (conversion, ins
 
 DCP_METADATA = ".metadata"
 
-ALIGN = 64
+ALIGN = 64  # every member's data starts at a multiple of this (zipformat.ALIGN)
 BUFFER = 4 << 20
 TMP_TAG = ".tdcp-tmp-"
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # signature .. extra length: 30 bytes
 _LOCAL_SIG = b"PK\x03\x04"
-_PAD_ID = 0xD935  # the alignment extra field of Android's zipalign
-_FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # identical inputs give identical archives
 
 Progress = Callable[[int, int], None]
 
@@ -224,17 +223,22 @@ class ArchiveSource:
                     f"ZIP CRC32 is {_checksum(m.crc)}, the manifest says {rec['checksum']}: the archive is damaged",
                     path=where,
                 )
-        if wanted:
-            with open(self.path, "rb", buffering=0) as f:
-                buf = memoryview(bytearray(BUFFER))
-                for name in sorted(wanted & set(files), key=lambda n: self.member(n).data_offset):
-                    m = self.member(name)
-                    actual = _checksum(_copy_range(f, m.data_offset, m.size, buf, None))
-                    if actual != files[name]["checksum"]:
-                        raise CheckpointIntegrityError(
-                            f"checksum is {actual}, the manifest says {files[name]['checksum']}: the member is damaged",
-                            path=f"{self.path}::{name}",
-                        )
+        names = sorted(wanted & set(files), key=lambda n: self.member(n).data_offset)
+        if names:
+            from torchrl_dcp.storage.copying import CopyRange, copy_ranges
+
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                members = [self.member(n) for n in names]
+                crcs = copy_ranges([CopyRange(fd, m.data_offset, m.size, None, 0, str(self.path)) for m in members])
+            finally:
+                os.close(fd)
+            for name, crc in zip(names, crcs):
+                if _checksum(crc) != files[name]["checksum"]:
+                    raise CheckpointIntegrityError(
+                        f"checksum is {_checksum(crc)}, the manifest says {files[name]['checksum']}: the member is damaged",
+                        path=f"{self.path}::{name}",
+                    )
 
     def dcp_metadata(self) -> Metadata | None:
         if self._metadata is None:
@@ -266,99 +270,78 @@ class ArchiveSource:
 
 
 # ---------------------------------------------------------------------- writing
-def _copy_range(
-    f: BinaryIO, offset: int, size: int, buf: memoryview, out: BinaryIO | None, progress: Any = None, crc: bool = True
-) -> int:
-    """CRC32 of ``size`` bytes at ``offset`` of ``f``, copied to ``out`` on the way, through one reused buffer.
-
-    ``crc=False`` skips the checksum (when ``out`` computes it, as a ZIP member writer does) and returns 0.
-    """
-    f.seek(offset)
-    value, left = 0, size
-    while left:
-        n = f.readinto(buf[: min(len(buf), left)])
-        if not n:
-            raise CheckpointIntegrityError(f"file ended {left} bytes early", path=getattr(f, "name", None))
-        chunk = buf[:n]
-        if crc:
-            value = zlib.crc32(chunk, value)
-        if out is not None:
-            _write_all(out, chunk)
-        left -= n
-        if progress is not None:
-            progress(n)
-    return value
-
-
-def _write_all(out: BinaryIO, chunk: memoryview) -> None:
-    while chunk:  # one write() may move less than asked (about 2 GiB at most)
-        n = out.write(chunk)
-        chunk = chunk[n:] if n is not None else chunk[len(chunk) :]
-
-
-def _padding(name: str, offset: int, zip64: bool) -> bytes:
-    """An extra field that puts the member's data at a multiple of ALIGN."""
-    base = offset + _LOCAL_HEADER.size + len(name.encode()) + (20 if zip64 else 0) + 4
-    pad = (-base) % ALIGN
-    return struct.pack("<HH", _PAD_ID, pad) + b"\0" * pad
-
-
 def temporary_sibling(destination: Path) -> Path:
     return destination.parent / f".{destination.name}{TMP_TAG}{uuid.uuid4().hex}"
 
 
 def write_archive(
-    files: Collection[tuple[str, Path, int, str]],
+    files: Collection[tuple[str, Path, int, str | None]],
     manifest_bytes: bytes,
     destination: Path,
     *,
     buffer_size: int = BUFFER,
     progress: Progress | None = None,
+    threads: int | None = None,
 ) -> Path:
-    """Stream ``files`` (``(name, path, size, checksum)``) and the manifest into one archive, atomically.
+    """Copy ``files`` (``(name, path, size, checksum)``) and the manifest into one archive, atomically.
 
-    Every file's CRC32 is computed while it is copied (the ZIP's own CRC of a STORED
-    member) and compared with ``checksum``; a mismatch aborts before anything is
-    published. The archive is written under a temporary name next to ``destination``,
-    fsynced and renamed into place; the directory is fsynced.
+    The layout is computed first (a local header's size does not depend on the CRC),
+    then several threads copy the files to their offsets, computing each file's CRC32
+    on the way (``storage/copying.py``); a CRC that differs from ``checksum`` aborts
+    before anything is published. The headers and the central directory are written
+    last, the archive under a temporary name next to ``destination``, fsynced and
+    renamed into place; the directory is fsynced.
     """
     from torchrl_dcp.storage.commit import fsync_path
+    from torchrl_dcp.storage.copying import CopyRange, copy_ranges, pwrite_all
 
+    entries: list[tuple[str, Path | None, int, str | None]] = [(MANIFEST, None, len(manifest_bytes), None)]
+    entries += list(files)
+    layout: list[tuple[bytes, int, int]] = []  # encoded name, header offset, data offset
+    offset = 0
+    for name, _, size, _ in entries:
+        encoded = name.encode()
+        data_offset = offset + len(local_header(encoded, 0, size, offset, pad=ZIPALIGN_PAD))
+        layout.append((encoded, offset, data_offset))
+        offset = data_offset + size
+    cd_offset = offset
     advance = byte_counter(sum(size for _, _, size, _ in files), progress)
     tmp = temporary_sibling(destination)
-    buf = memoryview(bytearray(buffer_size))
+    sources: list[int] = []
     try:
-        with open(tmp, "xb") as raw:
-            with zipfile.ZipFile(raw, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
-                entries: list[tuple[str, Path | None, int, str | None]] = [(MANIFEST, None, len(manifest_bytes), None)]
-                entries += list(files)
-                for name, path, size, checksum in entries:
-                    info = zipfile.ZipInfo(name, date_time=_FIXED_TIME)
-                    info.compress_type = zipfile.ZIP_STORED
-                    info.external_attr = 0o644 << 16
-                    info.file_size = size
-                    zip64 = size * 1.05 > zipfile.ZIP64_LIMIT
-                    info.extra = _padding(name, zf.start_dir, zip64)
-                    with zf.open(info, "w", force_zip64=zip64) as out:
-                        if path is None:
-                            out.write(manifest_bytes)
-                            continue
-                        with open(path, "rb", buffering=0) as src:
-                            if os.fstat(src.fileno()).st_size != size:
-                                raise CheckpointIntegrityError(
-                                    f"size is {os.fstat(src.fileno()).st_size} bytes, the manifest says {size}", path=path
-                                )
-                            _copy_range(src, 0, size, buf, out, advance, crc=False)  # zipfile CRCs it
-                    if checksum is not None and _checksum(info.CRC) != checksum:
-                        raise CheckpointIntegrityError(
-                            f"checksum is {_checksum(info.CRC)}, the manifest says {checksum}: the file is damaged",
-                            path=path,
-                        )
-            raw.flush()
-            os.fsync(raw.fileno())
+        out = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            ranges = []
+            for (name, path, size, _), (_, _, data_offset) in zip(entries[1:], layout[1:]):
+                assert path is not None
+                fd = os.open(path, os.O_RDONLY)
+                sources.append(fd)
+                actual = os.fstat(fd).st_size
+                if actual != size:
+                    raise CheckpointIntegrityError(f"size is {actual} bytes, the manifest says {size}", path=path)
+                ranges.append(CopyRange(fd, 0, size, out, data_offset, str(path)))
+            crcs = [zlib.crc32(manifest_bytes)]
+            crcs += copy_ranges(ranges, threads=threads, buffer_size=buffer_size, progress=advance)
+            for (name, path, _, checksum), crc in zip(entries, crcs):
+                if checksum is not None and _checksum(crc) != checksum:
+                    raise CheckpointIntegrityError(
+                        f"checksum is {_checksum(crc)}, the manifest says {checksum}: the file is damaged", path=path
+                    )
+            pwrite_all(out, manifest_bytes, layout[0][2])
+            directory = bytearray()
+            for (_, _, size, _), (encoded, header_offset, _), crc in zip(entries, layout, crcs):
+                pwrite_all(out, local_header(encoded, crc, size, header_offset, pad=ZIPALIGN_PAD), header_offset)
+                directory += central_entry(encoded, crc, size, header_offset, mode=0o644)
+            pwrite_all(out, bytes(directory) + end_records(len(entries), cd_offset, len(directory)), cd_offset)
+            os.fsync(out)
+        finally:
+            os.close(out)
         os.replace(tmp, destination)
         fsync_path(destination.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    finally:
+        for fd in sources:
+            os.close(fd)
     return destination

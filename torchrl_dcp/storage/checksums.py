@@ -12,11 +12,15 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import zlib
 from pathlib import Path
+from typing import Any
 
 CHUNK = 8 << 20
+_U32 = 0xFFFFFFFF
 
 
 def file_checksum(path: str | os.PathLike, chunk: int = CHUNK) -> str:
@@ -36,3 +40,56 @@ def file_checksum(path: str | os.PathLike, chunk: int = CHUNK) -> str:
 def describe_file(path: Path) -> dict[str, object]:
     """The manifest record of one file: its size and checksum."""
     return {"size": path.stat().st_size, "checksum": file_checksum(path)}
+
+
+def _load_combine() -> Any:
+    name = ctypes.util.find_library("z") or "libz.so.1"
+    try:
+        lib = ctypes.CDLL(name)
+    except OSError:
+        return None
+    for fn, off in (("crc32_combine64", ctypes.c_int64), ("crc32_combine", ctypes.c_long)):
+        f = getattr(lib, fn, None)
+        if f is not None:
+            f.argtypes = [ctypes.c_ulong, ctypes.c_ulong, off]
+            f.restype = ctypes.c_ulong
+            return f
+    return None
+
+
+_COMBINE = _load_combine()
+
+
+def _gf2_times(mat: list[int], vec: int) -> int:
+    out, i = 0, 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32 of ``A + B`` from ``crc(A)``, ``crc(B)`` and ``len(B)`` (zlib's algorithm)."""
+    if len2 <= 0:
+        return crc1
+    if _COMBINE is not None:
+        return int(_COMBINE(crc1, crc2, len2)) & _U32
+    odd = [0xEDB88320] + [1 << i for i in range(31)]
+    even = [_gf2_times(odd, odd[n]) for n in range(32)]
+    odd = [_gf2_times(even, even[n]) for n in range(32)]
+    while True:
+        even = [_gf2_times(odd, odd[n]) for n in range(32)]
+        if len2 & 1:
+            crc1 = _gf2_times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = [_gf2_times(even, even[n]) for n in range(32)]
+        if len2 & 1:
+            crc1 = _gf2_times(odd, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+    return (crc1 ^ crc2) & _U32

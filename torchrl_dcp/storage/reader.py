@@ -60,7 +60,8 @@ from torch.futures import Future
 
 from torchrl_dcp.errors import CheckpointIntegrityError
 from torchrl_dcp.storage.filesystem import SafeFileSystemReader
-from torchrl_dcp.storage.writer import _STORAGE_NAMES, _data_pickle, _is_memmap_tensor, _template, crc32_combine
+from torchrl_dcp.storage.checksums import crc32_combine
+from torchrl_dcp.storage.writer import _STORAGE_NAMES, _data_pickle, _is_memmap_tensor, _template
 
 CHUNK = 4 << 20  # read size of large records (and of checksummed gaps)
 SMALL = 1 << 20  # records below this are read in batches and copied out

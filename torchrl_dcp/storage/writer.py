@@ -36,8 +36,6 @@ Example (one process):
 from __future__ import annotations
 
 import collections
-import ctypes
-import ctypes.util
 import io
 import os
 import pickle
@@ -62,67 +60,14 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from torchrl_dcp.storage.checksums import crc32_combine
+from torchrl_dcp.storage.copying import default_threads, pwrite_all, run_split
 from torchrl_dcp.storage.writeback import Writeback
+from torchrl_dcp.storage.zipformat import central_entry, end_records, local_header
 
 CHUNK = 1 << 20  # 1 MiB writes measured fastest here (perf.md)
 SMALL = 1 << 20  # blobs below this are built whole in memory and packed
-ALIGN = 64  # torch.save aligns record data to 64 bytes
 DCP_VERSION = "1.0.0"
-_U32 = 0xFFFFFFFF
-
-
-# ---------------------------------------------------------------------- CRC32 combine
-def _load_combine() -> Any:
-    name = ctypes.util.find_library("z") or "libz.so.1"
-    try:
-        lib = ctypes.CDLL(name)
-    except OSError:
-        return None
-    for fn, off in (("crc32_combine64", ctypes.c_int64), ("crc32_combine", ctypes.c_long)):
-        f = getattr(lib, fn, None)
-        if f is not None:
-            f.argtypes = [ctypes.c_ulong, ctypes.c_ulong, off]
-            f.restype = ctypes.c_ulong
-            return f
-    return None
-
-
-_COMBINE = _load_combine()
-
-
-def _gf2_times(mat: list[int], vec: int) -> int:
-    out, i = 0, 0
-    while vec:
-        if vec & 1:
-            out ^= mat[i]
-        vec >>= 1
-        i += 1
-    return out
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC32 of ``A + B`` from ``crc(A)``, ``crc(B)`` and ``len(B)`` (zlib's algorithm)."""
-    if len2 <= 0:
-        return crc1
-    if _COMBINE is not None:
-        return int(_COMBINE(crc1, crc2, len2)) & _U32
-    odd = [0xEDB88320] + [1 << i for i in range(31)]
-    even = [_gf2_times(odd, odd[n]) for n in range(32)]
-    odd = [_gf2_times(even, even[n]) for n in range(32)]
-    while True:
-        even = [_gf2_times(odd, odd[n]) for n in range(32)]
-        if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-        odd = [_gf2_times(even, even[n]) for n in range(32)]
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-    return (crc1 ^ crc2) & _U32
 
 
 # ---------------------------------------------------------------------- torch.save-compatible blobs
@@ -169,51 +114,6 @@ def _data_pickle(dtype: torch.dtype, shape: tuple[int, ...], numel: int) -> byte
     return buf.getvalue()
 
 
-def _local_header(name: bytes, crc: int, size: int, offset: int) -> bytes:
-    """Local file header at ``offset``, padded so that the record's data is 64-byte aligned."""
-    zip64 = size >= _U32
-    extra = struct.pack("<HHQQ", 1, 16, size, size) if zip64 else b""
-    base = offset + 30 + len(name) + len(extra)
-    pad = (-(base + 4)) % ALIGN
-    extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad
-    sz = _U32 if zip64 else size
-    head = struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0, 0, 0, 0x21, crc, sz, sz, len(name), len(extra))
-    return head + name + extra
-
-
-def _central_entry(name: bytes, crc: int, size: int, offset: int) -> bytes:
-    fields = []
-    if size >= _U32:
-        fields += [size, size]
-    if offset >= _U32:
-        fields.append(offset)
-    extra = struct.pack("<HH", 1, 8 * len(fields)) + struct.pack(f"<{len(fields)}Q", *fields) if fields else b""
-    zip64 = bool(fields)
-    sz = _U32 if size >= _U32 else size
-    off = _U32 if offset >= _U32 else offset
-    return (
-        struct.pack(
-            "<IHHHHHHIIIHHHHHII",
-            0x02014B50, 45 if zip64 else 20, 45 if zip64 else 20, 0, 0, 0, 0x21,
-            crc, sz, sz, len(name), len(extra), 0, 0, 0, 0, off,
-        )
-        + name
-        + extra
-    )  # fmt: skip
-
-
-def _end_records(entries: int, cd_offset: int, cd_size: int) -> bytes:
-    out = b""
-    if cd_offset >= _U32 or cd_size >= _U32:
-        z64 = cd_offset + cd_size
-        out += struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, entries, entries, cd_size, cd_offset)
-        out += struct.pack("<IIQI", 0x07064B50, 0, z64, 1)
-    out += struct.pack(
-        "<IHHHHIIH", 0x06054B50, 0, 0, entries, entries, min(cd_size, _U32), min(cd_offset, _U32), 0
-    )
-    return out
-
-
 @dataclass
 class _Template:
     """A blob is ``head(crc) + data + tail(crc)``; only the data record's CRC varies."""
@@ -254,7 +154,7 @@ def _build_template(dtype: torch.dtype, shape: tuple[int, ...]) -> _Template:
     out = head
     for name, data, size in records:
         crc = zlib.crc32(data) if data is not None else 0
-        local = _local_header(name, crc, size, offset)
+        local = local_header(name, crc, size, offset)
         if data is None:
             head_crc_at = len(head) + 14
         out += local
@@ -269,8 +169,8 @@ def _build_template(dtype: torch.dtype, shape: tuple[int, ...]) -> _Template:
     for name, crc, size, off, is_data in central:
         if is_data:
             tail_crc_at = len(tail) + len(cd) + 16
-        cd += _central_entry(name, crc, size, off)
-    tail += cd + _end_records(len(central), cd_offset, len(cd))
+        cd += central_entry(name, crc, size, off)
+    tail += cd + end_records(len(central), cd_offset, len(cd))
     return _Template(bytes(head), bytes(tail), head_crc_at, tail_crc_at, nbytes)
 
 
@@ -379,16 +279,6 @@ class _Unit:
         self.offset, self.data, self.crc, self.deferred = offset, data, 0, deferred
 
 
-def _pwrite_all(fd: int, data: Any, offset: int) -> None:
-    view = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else memoryview(data)
-    done = 0
-    while done < len(view):
-        n = os.pwrite(fd, view[done:], offset + done)
-        if n <= 0:
-            raise OSError(f"pwrite wrote {n} bytes")
-        done += n
-
-
 def write_file(
     path: str | os.PathLike, tensors: list[tuple[str, torch.Tensor]], *, threads: int = 2, fsync: bool = True
 ) -> tuple[list[tuple[str, int, int]], dict[str, Any]]:
@@ -446,46 +336,25 @@ def write_file(
         work = [u for u in units if u.deferred is None]
         total = sum(len(u.data) for u in work)
         n_threads = max(1, min(threads, total // (8 * CHUNK) or 1))
-        errors: list[BaseException] = []
 
         def run(part: list[_Unit]) -> None:
             writeback = Writeback(fd) if fsync else None
-            try:
-                for u in part:
-                    _pwrite_all(fd, u.data, u.offset)
-                    if writeback is not None:
-                        writeback.written(u.offset, len(u.data))
-                    u.crc = zlib.crc32(u.data)
+            for u in part:
+                pwrite_all(fd, u.data, u.offset)
                 if writeback is not None:
-                    writeback.flush()
-            except BaseException as err:  # re-raised below
-                errors.append(err)
+                    writeback.written(u.offset, len(u.data))
+                u.crc = zlib.crc32(u.data)
+            if writeback is not None:
+                writeback.flush()
 
-        if n_threads == 1:
-            run(work)
-        else:
-            parts: list[list[_Unit]] = [[] for _ in range(n_threads)]
-            share, acc, i = total / n_threads, 0, 0
-            for u in work:
-                if acc >= share * (i + 1) and i < n_threads - 1:
-                    i += 1
-                parts[i].append(u)
-                acc += len(u.data)
-            pool = [threading.Thread(target=run, args=(p,), daemon=True) for p in parts[1:]]
-            for t in pool:
-                t.start()
-            run(parts[0])
-            for t in pool:
-                t.join()
-        if errors:
-            raise errors[0]
+        run_split(work, [len(u.data) for u in work], n_threads, run)
         for tpl, head_unit, data_units, tail_unit in large:
             crc = 0
             for u in data_units:
                 crc = crc32_combine(crc, u.crc, len(u.data))
             head_unit.data, tail_unit.data = tpl.parts(crc)
             for u in (head_unit, tail_unit):
-                _pwrite_all(fd, u.data, u.offset)
+                pwrite_all(fd, u.data, u.offset)
                 u.crc = zlib.crc32(u.data)
         if fsync:
             os.fsync(fd)
@@ -541,14 +410,6 @@ def write_metadata(directory: Path, metadata: Metadata) -> dict[str, Any]:
         os.fsync(f.fileno())
     os.replace(tmp, directory / ".metadata")
     return {"size": len(data), "checksum": f"crc32:{zlib.crc32(data):08x}"}
-
-
-def default_threads() -> int:
-    """Writer threads per rank: ``TDCP_WRITE_THREADS`` or up to 4 (at least 2 where there are 2 CPUs)."""
-    env = os.environ.get("TDCP_WRITE_THREADS")
-    if env:
-        return max(1, int(env))
-    return max(1, min(4, os.cpu_count() or 1))
 
 
 def write_state(

@@ -1,0 +1,59 @@
+"""The threaded range copier under archives and conversions: content, CRCs, short sources, errors in threads."""
+
+from __future__ import annotations
+
+import os
+import zlib
+from pathlib import Path
+
+import pytest
+
+import torchrl_dcp as tdcp
+from torchrl_dcp.storage import copying
+from torchrl_dcp.storage.copying import CopyRange, copy_ranges, run_split
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_ranges_are_copied_with_their_crcs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
+    monkeypatch.setattr(copying, "MIN_PIECE", 7)  # many pieces, split over the threads
+    data = os.urandom(5000)
+    (tmp_path / "src").write_bytes(data)
+    src = os.open(tmp_path / "src", os.O_RDONLY)
+    dst = os.open(tmp_path / "dst", os.O_RDWR | os.O_CREAT)
+    spans = [(0, 1000, 3000), (1000, 0, 0), (1000, 2500, 100), (4000, 1000, 4000)]  # (src_offset, size, dst_offset)
+    done: list[int] = []
+    try:
+        ranges = [CopyRange(src, a, n, dst, b, "src") for a, n, b in spans]
+        crcs = copy_ranges(ranges, threads=threads, buffer_size=64, progress=done.append)
+        checks = copy_ranges([CopyRange(src, a, n, None, 0, "src") for a, n, _ in spans], threads=threads, buffer_size=64)
+    finally:
+        os.close(src)
+        os.close(dst)
+    assert crcs == checks == [zlib.crc32(data[a : a + n]) for a, n, _ in spans]
+    out = (tmp_path / "dst").read_bytes()
+    assert out[3000:4000] == data[:1000] and out[100:2600] == data[1000:3500] and out[4000:] == data[4000:]
+    assert out[:100] == b"\0" * 100
+    assert sum(done) == 4500
+
+
+def test_a_short_source_is_an_integrity_error_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "src").write_bytes(b"x" * 100)
+    src = os.open(tmp_path / "src", os.O_RDONLY)
+    try:
+        with pytest.raises(tdcp.CheckpointIntegrityError, match=r"src: file ended 50 bytes early"):
+            copy_ranges([CopyRange(src, 0, 150, None, 0, str(tmp_path / "src"))])
+    finally:
+        os.close(src)
+
+
+def test_run_split_balances_runs_and_reraises_from_any_thread() -> None:
+    seen: list[list[int]] = []
+    run_split(list(range(10)), [1] * 10, 2, seen.append)
+    assert sorted(seen) == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+
+    def fail_on_second(part: list[int]) -> None:
+        if 9 in part:
+            raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        run_split(list(range(10)), [1] * 10, 2, fail_on_second)
