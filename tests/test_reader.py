@@ -35,6 +35,10 @@ def _state() -> dict[str, torch.Tensor]:
         "c64": torch.randn(3, generator=g, dtype=torch.complex64),
         "nan": torch.tensor([float("nan"), float("inf"), -0.0]),
         "large": torch.randn(3 << 20, generator=g),  # 12 MiB: read in chunks, not batched
+        # records of 1-32 MiB next to each other: read one per thread at a time
+        "mid_a": torch.randn(400_000, generator=g),
+        "mid_b": torch.randint(0, 255, (2 << 20,), generator=g, dtype=torch.uint8),
+        "mid_c": torch.randn(300_000, generator=g, dtype=torch.float64),
     }
     return out
 
@@ -238,3 +242,22 @@ def test_fast_load_plan_equals_dcps(tmp_path: Path) -> None:
     assert ours.create_local_plan().items == theirs.create_local_plan().items
     item = ours.create_local_plan().items[0]
     assert ours.resolve_tensor(item) is dest[item.dest_index.fqn]
+
+
+@pytest.mark.parametrize("where", [0.1, 0.3, 0.5, 0.7, 0.9, 1.0])
+def test_a_flipped_byte_anywhere_fails_the_inline_checksum(tmp_path: Path, where: float) -> None:
+    """Records read in one thread, in several at once, split between threads, and the bytes between them."""
+    state = _state()
+    (tmp_path / "c").mkdir()
+    out = write_state(state, tmp_path / "c", group=None, rank=0, world_size=1)
+    data = tmp_path / "c" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[min(int(len(raw) * where), len(raw) - 1)] ^= 0x10
+    data.write_bytes(bytes(raw))
+    dest = {k: torch.empty_like(v) for k, v in state.items()}
+    reader = InPlaceFileSystemReader(tmp_path / "c", verify={"__0_0.distcp": out.files["__0_0.distcp"]["checksum"]}, threads=2)
+    with pytest.raises(dcp.api.CheckpointException) as info:
+        dcp.load(dest, storage_reader=reader, no_dist=True)
+    (failure,) = info.value.failures.values()
+    failure = failure[0] if isinstance(failure, tuple) else failure
+    assert isinstance(failure, tdcp.CheckpointIntegrityError) and "the file is damaged" in str(failure)

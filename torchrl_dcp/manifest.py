@@ -27,7 +27,7 @@ from typing import Any
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError, CheckpointVersionError
 from torchrl_dcp.placement import PLACEMENTS
-from torchrl_dcp.storage.checksums import file_checksum
+from torchrl_dcp.storage.checksums import files_checksums
 
 FORMAT = "torchrl_dcp"
 FORMAT_VERSION = 2
@@ -385,12 +385,12 @@ def check_files(
         size = path.stat().st_size
         if size != rec["size"]:
             raise CheckpointIntegrityError(f"size is {size} bytes, the manifest says {rec['size']}: truncated or altered", path=path)
-        if name in wanted:
-            actual = file_checksum(path)
-            if actual != rec["checksum"]:
-                raise CheckpointIntegrityError(
-                    f"checksum is {actual}, the manifest says {rec['checksum']}: the file is damaged", path=path
-                )
+    names = [name for name in files if name in wanted]
+    for name, actual in zip(names, files_checksums([root / name for name in names])):
+        if actual != files[name]["checksum"]:
+            raise CheckpointIntegrityError(
+                f"checksum is {actual}, the manifest says {files[name]['checksum']}: the file is damaged", path=root / name
+            )
     if not extra_ok:
         for entry in root.iterdir():
             if entry.name != MANIFEST and entry.name not in files:

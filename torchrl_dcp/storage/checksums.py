@@ -1,4 +1,4 @@
-"""Streaming CRC32 checksums of checkpoint files, in bounded memory.
+"""CRC32 checksums of checkpoint files (threaded, in bounded memory), and combining CRCs of adjacent pieces.
 
 Example:
     >>> import tempfile, os
@@ -24,17 +24,23 @@ _U32 = 0xFFFFFFFF
 
 
 def file_checksum(path: str | os.PathLike, chunk: int = CHUNK) -> str:
-    """``"crc32:<hex>"`` of a file, read in ``chunk``-sized pieces into one reused buffer."""
-    crc = 0
-    buf = bytearray(chunk)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(view)
-            if not n:
-                break
-            crc = zlib.crc32(view[:n], crc)
-    return f"crc32:{crc:08x}"
+    """``"crc32:<hex>"`` of a file (several threads, memory bounded by ``chunk``)."""
+    return files_checksums([path], chunk)[0]
+
+
+def files_checksums(paths: list[str | os.PathLike], chunk: int = CHUNK) -> list[str]:
+    """``"crc32:<hex>"`` of each file; the work is split between threads (``storage/copying.py``)."""
+    from torchrl_dcp.storage.copying import CopyRange, copy_ranges
+
+    fds: list[int] = []
+    try:
+        for path in paths:
+            fds.append(os.open(path, os.O_RDONLY))
+        ranges = [CopyRange(fd, 0, os.fstat(fd).st_size, None, 0, str(p)) for fd, p in zip(fds, paths)]
+        return [f"crc32:{crc:08x}" for crc in copy_ranges(ranges, buffer_size=chunk)]
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def describe_file(path: Path) -> dict[str, object]:

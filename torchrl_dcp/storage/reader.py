@@ -14,7 +14,9 @@ locates that member (our writer's template, or the blob's central directory) and
   as do narrowed reads (resharded DTensors), non-contiguous or non-CPU destinations
   and transformed records;
 - small records are read in batches (one read per ~8 MiB) and copied out; large ones
-  are read in 4 MiB chunks by up to ``threads`` threads (``TDCP_READ_THREADS``);
+  are read in 4 MiB chunks by up to ``threads`` threads (``TDCP_READ_THREADS``):
+  a record of 32 MiB or more is split between them, smaller ones are read one per
+  thread at a time;
 - files named in ``verify`` are checksummed (CRC32, the manifest's) from the bytes
   as they are read, gaps included, so a fully read file needs no second pass; a
   mismatch raises :class:`~torchrl_dcp.errors.CheckpointIntegrityError` after the
@@ -61,6 +63,7 @@ from torch.futures import Future
 from torchrl_dcp.errors import CheckpointIntegrityError
 from torchrl_dcp.storage.filesystem import SafeFileSystemReader
 from torchrl_dcp.storage.checksums import crc32_combine
+from torchrl_dcp.storage.copying import run_split
 from torchrl_dcp.storage.writer import _STORAGE_NAMES, _data_pickle, _is_memmap_tensor, _template
 
 CHUNK = 4 << 20  # read size of large records (and of checksummed gaps)
@@ -330,6 +333,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         self.verify = dict(verify or {})
         self.threads = threads or default_threads()
         self.stats = {"in_place": 0, "fallback": 0, "bytes": 0, "verified_files": 0}
+        self._lock = threading.Lock()  # stats and planner calls, from the threads reading large records
 
     # -- overridable: where a data file's bytes are
     def read_source(self, relative_path: str) -> ReadSource:
@@ -408,9 +412,17 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
                 if crc and it.offset > pos:
                     pieces += self._read_gap(src, f, pos, it.offset, scratch)
                 if it.length >= SMALL:
-                    pieces += self._read_large(src, f, it, planner, crc)
-                    pos = it.offset + it.length
-                    i += 1
+                    j = i + 1  # a run of large records: spread over the threads, one record each at a time
+                    while j < len(items) and items[j].length >= SMALL:
+                        j += 1
+                    run = items[i:j]
+                    if crc:  # the bytes between them
+                        for a, b in zip(run, run[1:]):
+                            if b.offset > a.offset + a.length:
+                                pieces += self._read_gap(src, f, a.offset + a.length, b.offset, scratch)
+                    pieces += self._read_run(src, f, run, planner, crc)
+                    pos = max(pos, max(r.offset + r.length for r in run))
+                    i = j
                     continue
                 j = i + 1  # a batch of small, contiguous records
                 while (
@@ -448,7 +460,27 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
                 return
         self.fallback(item.req, planner, bytes(record))
 
-    def _read_large(self, src: ReadSource, f: BinaryIO, item: _Item, planner: LoadPlanner, crc: bool) -> list[tuple[int, int, int]]:
+    def _read_run(self, src: ReadSource, f: BinaryIO, run: list[_Item], planner: LoadPlanner, crc: bool) -> list[tuple[int, int, int]]:
+        """Read several large records: each split between the threads when huge, else one per thread at once."""
+        if self.threads == 1 or len(run) == 1 or any(it.length >= PARALLEL for it in run):
+            return [p for it in run for p in self._read_large(src, f, it, planner, crc)]
+        out: list[tuple[int, int, int]] = []
+
+        def work(part: list[_Item]) -> None:
+            own = src.open()  # a handle per thread
+            try:
+                found = [p for it in part for p in self._read_large(src, own, it, planner, crc, threads=1)]
+            finally:
+                own.close()
+            with self._lock:
+                out.extend(found)
+
+        run_split(run, [it.length for it in run], self.threads, work)
+        return out
+
+    def _read_large(
+        self, src: ReadSource, f: BinaryIO, item: _Item, planner: LoadPlanner, crc: bool, threads: int | None = None
+    ) -> list[tuple[int, int, int]]:
         at = None
         head = memoryview(bytearray(min(item.length, 4096)))
         if item.view is not None and item.target is not None:
@@ -468,26 +500,30 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         if at is None or item.view is None:
             data = memoryview(bytearray(item.length))
             src.read_at(f, item.offset, data)
-            self.stats["bytes"] += item.length
-            self.fallback(item.req, planner, bytes(data))
+            with self._lock:
+                self.stats["bytes"] += item.length
+                self.fallback(item.req, planner, bytes(data))
             return [(item.offset, item.length, zlib.crc32(data))] if crc else []
         n = len(item.view)
         prefix = read(0, at)  # the record's bytes before the tensor's (already read: checksummed, not re-read)
         pieces = [(item.offset, at, zlib.crc32(prefix))] if crc else []
-        pieces += self._read_into(src, f, item.offset + at, item.view, crc)
+        pieces += self._read_into(src, f, item.offset + at, item.view, crc, threads)
         tail = memoryview(bytearray(item.length - at - n))
         src.read_at(f, item.offset + at + n, tail)
-        self.stats["bytes"] += item.length
         if crc:
             pieces.append((item.offset + at + n, len(tail), zlib.crc32(tail)))
-        self.stats["in_place"] += 1
-        planner.commit_tensor(item.req, item.target)
+        with self._lock:
+            self.stats["bytes"] += item.length
+            self.stats["in_place"] += 1
+            planner.commit_tensor(item.req, item.target)
         return pieces
 
-    def _read_into(self, src: ReadSource, f: BinaryIO, offset: int, view: memoryview, crc: bool) -> list[tuple[int, int, int]]:
+    def _read_into(
+        self, src: ReadSource, f: BinaryIO, offset: int, view: memoryview, crc: bool, threads: int | None = None
+    ) -> list[tuple[int, int, int]]:
         """Read ``len(view)`` bytes at ``offset`` into ``view`` (split between threads when large)."""
         n = len(view)
-        threads = self.threads if n >= PARALLEL else 1
+        threads = (threads or self.threads) if n >= PARALLEL else 1
         bounds = [n * k // threads // CHUNK * CHUNK for k in range(threads)] + [n]
         results: list[list[tuple[int, int, int]]] = [[] for _ in range(threads)]
         errors: list[BaseException] = []
