@@ -257,3 +257,39 @@ def test_register_validation() -> None:
     with pytest.raises(ValueError):
         ck.register("b", 1, placement="everywhere")  # type: ignore[arg-type]
     assert "a" in ck and ck.components["a"] == 1
+
+
+def test_the_garbage_collector_is_paused_during_save_and_load_and_restored(tmp_path: Path) -> None:
+    import gc
+
+    from torchrl_dcp import _gc
+
+    seen: list[bool] = []
+
+    class Probe:
+        def state_dict(self) -> dict:
+            seen.append(gc.isenabled())
+            return {"w": torch.ones(2)}
+
+        def load_state_dict(self, sd: dict) -> None:
+            seen.append(gc.isenabled())
+
+    assert gc.isenabled()
+    ckpt = tdcp.DistributedCheckpoint(p=Probe())
+    path = ckpt.save(tmp_path / "c")
+    ckpt.load(path)
+    assert seen == [False, False] and gc.isenabled()
+    with pytest.raises(tdcp.CheckpointError):
+        ckpt.load(tmp_path / "absent")
+    assert gc.isenabled()  # restored after a failure too
+    gc.disable()
+    try:
+        ckpt.save(tmp_path / "c")
+        assert not gc.isenabled()  # a collector the user turned off stays off
+    finally:
+        gc.enable()
+    with _gc.gc_paused():
+        with _gc.gc_paused():
+            pass
+        assert not gc.isenabled()  # nested: still paused until the outer block ends
+    assert gc.isenabled()

@@ -32,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from torchrl_dcp import _dist
+from torchrl_dcp._gc import gc_paused
 from torchrl_dcp.async_save import AsyncSaver, SaveHandle
 from torchrl_dcp.adapters import Adapter, AdapterContext, CheckpointOptions, RNGState, resolve_adapter
 from torchrl_dcp.codec import TensorSpec, decode, encode, tensor_identity, tensor_specs, xref_key, xrefs
@@ -282,7 +283,8 @@ class DistributedCheckpoint:
             The absolute checkpoint path.
         """
         self._async.wait_pending()
-        return self._write_and_commit(self._prepare_save(path, step, metadata, components, component_options))
+        with gc_paused():
+            return self._write_and_commit(self._prepare_save(path, step, metadata, components, component_options))
 
     def async_save(
         self,
@@ -318,9 +320,11 @@ class DistributedCheckpoint:
             'c'
         """
         self._async.wait_pending()
-        job = self._prepare_save(
-            path, step, metadata, components, component_options, stage=lambda f: self._async.stage(f, stage_memmap=stage_memmap)
-        )
+        with gc_paused():
+            job = self._prepare_save(
+                path, step, metadata, components, component_options,
+                stage=lambda f: self._async.stage(f, stage_memmap=stage_memmap),
+            )  # fmt: skip
         event, job.stage_event = job.stage_event, None
         return self._async.submit(job.destination, job.step, lambda: self._write_and_commit(job), event)
 
@@ -445,23 +449,24 @@ class DistributedCheckpoint:
             own_error, error = error, None
             if rank == 0:
                 try:
-                    assert gathered is not None
-                    _raise_first([g[2] for g in gathered], "writing data files", None)
-                    all_files: dict[str, Any] = {}
-                    for f, _, _, _ in gathered:
-                        all_files.update(f)
-                    if fast:  # DCP's metadata, as dcp.save would have written it
-                        tensors = {k: (_DTYPES[dt], shape) for _, d in plans for k, dt, shape, _ in d}
-                        dcp_entries = [e for g in gathered for e in g[3]]
-                        all_files[DCP_METADATA] = write_metadata(staging, build_metadata(tensors, dcp_entries, staging))
-                    for name, rec in records.items():
-                        if rec["placement"] == "per_rank":
-                            rec["ranks"] = {str(r): {"state": g[1][name]} for r, g in enumerate(gathered)}
-                    manifest = new_manifest(
-                        world_size=job.world_size, components=records, files=all_files, metadata=job.metadata, step=job.step
-                    )
-                    write_file_durably(staging / MANIFEST, dumps(manifest))
-                    publish(staging, destination)
+                    with gc_paused():  # thousands of small objects: metadata and manifest
+                        assert gathered is not None
+                        _raise_first([g[2] for g in gathered], "writing data files", None)
+                        all_files: dict[str, Any] = {}
+                        for f, _, _, _ in gathered:
+                            all_files.update(f)
+                        if fast:  # DCP's metadata, as dcp.save would have written it
+                            tensors = {k: (_DTYPES[dt], shape) for _, d in plans for k, dt, shape, _ in d}
+                            dcp_entries = [e for g in gathered for e in g[3]]
+                            all_files[DCP_METADATA] = write_metadata(staging, build_metadata(tensors, dcp_entries, staging))
+                        for name, rec in records.items():
+                            if rec["placement"] == "per_rank":
+                                rec["ranks"] = {str(r): {"state": g[1][name]} for r, g in enumerate(gathered)}
+                        manifest = new_manifest(
+                            world_size=job.world_size, components=records, files=all_files, metadata=job.metadata, step=job.step
+                        )
+                        write_file_durably(staging / MANIFEST, dumps(manifest))
+                        publish(staging, destination)
                 except BaseException as err:
                     error = _save_failure(err, "committing the checkpoint", destination)
             statuses = _dist.all_gather(_describe_error(error), group, "confirming the commit")
@@ -542,6 +547,19 @@ class DistributedCheckpoint:
             A :class:`LoadResult`. Tensors are read into fresh buffers and copied into
             the live objects only after every read succeeded.
         """
+        with gc_paused():
+            return self._load(path, components, strict, map_location, component_options, world_size_change, verify)
+
+    def _load(
+        self,
+        path: str | os.PathLike,
+        components: Collection[str] | None,
+        strict: Strictness | None,
+        map_location: Any,
+        component_options: Mapping[str, CheckpointOptions] | None,
+        world_size_change: WorldSizeChange,
+        verify: bool,
+    ) -> LoadResult:
         self._async.wait_pending()  # never interleave with a background save's collectives
         strict = self.strict if strict is None else strict
         _check_strict(strict)

@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import base64
+import functools
 import math
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
@@ -50,6 +51,7 @@ class TensorSpec:
         return torch.empty(self.shape, dtype=self.dtype, device=device or self.device)
 
 
+@functools.lru_cache(maxsize=None)
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -66,12 +68,23 @@ def escape_key(key: Any) -> str:
     return str(key).replace("%", "%25").replace("/", "%2F")
 
 
-def _is_dtensor(value: Any) -> bool:
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+@functools.lru_cache(maxsize=1)
+def _dtensor_class() -> type | None:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch built without distributed
+        return None
+    return DTensor
+
+
+def _is_dtensor(value: Any) -> bool:
+    if type(value) in _PLAIN_TENSORS:  # the common case, without the isinstance walk
         return False
-    return isinstance(value, DTensor)
+    cls = _dtensor_class()
+    return cls is not None and isinstance(value, cls)
 
 
 def tensor_identity(t: torch.Tensor) -> tuple[Any, ...] | None:
