@@ -115,13 +115,13 @@ def save_and_die(path: str, seed: int, phase: str) -> None:
         import torchrl_dcp.storage.writer as writer
 
         if phase == "write":  # killed in the middle of writing its data file
-            original_pwrite = writer._pwrite_all
+            original_pwrite = writer.pwrite_all
 
             def write_and_die(fd, data, offset):  # type: ignore[no-untyped-def]
                 original_pwrite(fd, data, offset)
                 os.kill(os.getpid(), signal.SIGKILL)
 
-            writer._pwrite_all = write_and_die
+            writer.pwrite_all = write_and_die
         elif phase == "checksum":  # killed after its file is written and checksummed, before reporting it
             original_share = core.write_share
 

@@ -84,7 +84,7 @@ def arm(phase: str) -> None:
 
         _dist.broadcast_from_0 = broadcast_and_die
     elif phase in ("write", "async_write"):  # in the middle of writing its data file
-        original_pwrite = writer._pwrite_all
+        original_pwrite = writer.pwrite_all
         calls = [0]
 
         def pwrite_and_die(fd, data, offset):  # type: ignore[no-untyped-def]
@@ -93,7 +93,7 @@ def arm(phase: str) -> None:
             if calls[0] >= 2 or len(data) > 4096:
                 _die()
 
-        writer._pwrite_all = pwrite_and_die
+        writer.pwrite_all = pwrite_and_die
     elif phase == "after_data":  # its data written and checksummed, before reporting it
         original_share = core.write_share
 
@@ -210,12 +210,12 @@ def full_disk(directory: str, mode: str) -> dict[str, Any]:
     if mode == "tmpfs":
         objs["shard"]["values"] = torch.zeros(200_000, dtype=torch.float64)  # 1.6 MB per rank: does not fit
     elif mode == "data" and rank == 1:
-        original = writer._pwrite_all
+        original = writer.pwrite_all
 
         def full(fd, data, offset):  # type: ignore[no-untyped-def]
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-        writer._pwrite_all = full
+        writer.pwrite_all = full
     elif mode == "manifest" and rank == 0:
         def full_manifest(path, data):  # type: ignore[no-untyped-def]
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
@@ -228,7 +228,7 @@ def full_disk(directory: str, mode: str) -> dict[str, Any]:
     except tdcp.CheckpointError as err:
         out["error"], out["message"] = type(err).__name__, str(err)
     if mode == "data" and rank == 1:
-        writer._pwrite_all = original
+        writer.pwrite_all = original
     if mode == "manifest" and rank == 0:
         from torchrl_dcp.storage.commit import write_file_durably
 

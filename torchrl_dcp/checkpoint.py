@@ -117,6 +117,7 @@ class _SaveJob:
     rank: int
     world_size: int
     stage_event: Any = None  # CUDA event the async writer waits for before reading staged tensors
+    plans: list[tuple[bool, Any]] = field(default_factory=list)  # every rank's (fast, describe(flat))
 
 
 @dataclass
@@ -337,7 +338,10 @@ class DistributedCheckpoint:
         component_options: Mapping[str, CheckpointOptions] | None,
         stage: Any = None,
     ) -> _SaveJob:
-        """Select, encode (and stage) on every rank; any rank's failure raises on all (collective)."""
+        """Select, encode (and stage) on every rank; any rank's failure raises on all (collective).
+
+        With ``stage`` (async saves), each rank stages only the tensors it will write.
+        """
         destination = Path(path).expanduser().absolute()
         names = self._select(components, self.save_components)
         options = dict(component_options or {})
@@ -350,19 +354,31 @@ class DistributedCheckpoint:
         group = _dist.checkpoint_group(self.timeout)
         rank, world = _dist.rank(), _dist.world_size()
 
-        stage_event = None
-        # 1. encode locally; every rank learns of any rank's failure before anything is written
+        # 1. encode locally; every rank learns of any rank's failure before anything is written, and what
+        #    every rank holds (to plan which rank writes each replicated tensor)
         try:
             records, flat = self._encode(names, options, rank)
-            if stage is not None:
-                flat, stage_event = stage(flat)
             _check_json(metadata, "metadata")
-            error = None
+            fast = all(can_write_fast(t) for t in flat.values())
+            plan, error = (fast, describe(flat) if fast else None), None
         except Exception as err:  # reported collectively below
-            records, flat, error = {}, {}, err
-        _raise_first(_dist.all_gather(_describe_error(error), group, "encoding the state"), "encoding the state", error)
+            records, flat, plan, error = {}, {}, (False, None), err
+        gathered = _dist.all_gather((_describe_error(error), plan), group, "encoding the state")
+        _raise_first([g[0] for g in gathered], "encoding the state", error)
         job = _SaveJob(destination, names, records, flat, metadata, step, group, rank, world)
-        job.stage_event = stage_event
+        job.plans = [g[1] for g in gathered]
+        if stage is not None:
+            # 2. async: copy to host buffers what this rank will write (with our writer, its share of the
+            #    replicated tensors; everything when DCP's writer decides)
+            try:
+                owner = assign_writers([d for _, d in job.plans]) if all(ok for ok, _ in job.plans) else None
+                mine = {k: t for k, t in flat.items() if owner is None or owner[k] == rank}
+                staged, job.stage_event = stage(mine)
+                job.flat = {k: staged.get(k, t) for k, t in flat.items()}  # the others are never read
+                error = None
+            except Exception as err:
+                error = err
+            _raise_first(_dist.all_gather(_describe_error(error), group, "staging"), "staging the state", error)
         return job
 
     def _write_and_commit(self, job: _SaveJob) -> Path:
@@ -411,8 +427,7 @@ class DistributedCheckpoint:
         try:
             # 3. every rank writes its share at once: packed torch.save-compatible blobs, several threads per
             #    rank, CRC32 computed while writing (storage/writer.py); DCP's own writer for DTensors & co.
-            fast = all(can_write_fast(t) for t in flat.values())
-            plans = _dist.all_gather((fast, describe(flat) if fast else None), group, "planning the writes")
+            plans = job.plans
             fast = all(ok for ok, _ in plans)
             error, files, entries = None, {}, []
             if fast:
