@@ -40,15 +40,17 @@ def rotation_saves(directory: str, steps: list[int], archive: bool, kill: str | 
 
             d.gather_to_0 = lambda *a, **k: _kill_self()  # type: ignore[assignment]
         if step == kill_step and kill == "archive" and dist.get_rank() == 0:
-            import torchrl_dcp.storage.archive as a
+            import dataclasses
 
-            original = a._copy_range
+            import torchrl_dcp.storage.copying as c
 
-            def copy_then_die(f, offset, size, buf, out, progress=None, crc=True):  # type: ignore[no-untyped-def]
-                original(f, offset, size // 2, buf, out, progress, crc)
+            original = c.copy_ranges
+
+            def copy_then_die(ranges, **kwargs):  # type: ignore[no-untyped-def]
+                original([dataclasses.replace(r, size=r.size // 2) for r in ranges], **kwargs)  # half of each file
                 _kill_self()
 
-            a._copy_range = copy_then_die
+            c.copy_ranges = copy_then_die
         names.append(rotation.save(ckpt, step=step, metadata={"reward": float(step % 3)}).name)
     return names
 
