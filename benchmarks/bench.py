@@ -313,7 +313,15 @@ def run_workload(w: Workload, rank: int, world: int, device: torch.device, root:
 
         obj = built["state"] if not built["replicated"] else _StateHolder(flat)
         trl = root / "torchrl"
-        rec.time("torchrl.checkpoint save", lambda: Checkpoint(state=obj).save(trl), before=fresh(trl))
+        rec.time("torchrl.checkpoint save (no fsync)", lambda: Checkpoint(state=obj).save(trl), before=fresh(trl))
+
+        def trl_durable() -> None:  # torchrl.checkpoint never fsyncs: what making its files durable adds
+            Checkpoint(state=obj).save(trl)
+            for p in sorted(trl.rglob("*"), key=lambda p: -len(p.parts)):
+                fsync_path(p)
+            fsync_path(trl)
+
+        rec.time("torchrl.checkpoint save (+fsync)", trl_durable, before=fresh(trl))
         if can_drop:
             rec.time("torchrl.checkpoint load cold", lambda: Checkpoint(state=obj).load(trl), before=cold)
         rec.time("torchrl.checkpoint load warm", lambda: Checkpoint(state=obj).load(trl))

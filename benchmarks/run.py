@@ -113,7 +113,7 @@ def ratios(rows: list[dict[str, Any]], ranks: list[int]) -> list[dict[str, Any]]
             r = div(secs(w, f"torchrl_dcp load {temp}"), secs(w, f"torchrl_dcp load from archive {temp}"))
             add(f"{w}: archive load / directory load ({temp})", r, ">= 0.9", None if r is None else r >= 0.9)
     for w in ("rb_mujoco", "rb_pixels"):
-        r = div(secs(w, "torchrl.checkpoint save"), secs(w, "torchrl_dcp save"))
+        r = div(secs(w, "torchrl.checkpoint save (+fsync)"), secs(w, "torchrl_dcp save"))
         add(f"{w}: save speed vs torchrl.checkpoint", r, ">= 1", None if r is None else r >= 1)
         for n in ranks:
             if n > 1:
