@@ -118,6 +118,7 @@ class _SaveJob:
     world_size: int
     stage_event: Any = None  # CUDA event the async writer waits for before reading staged tensors
     plans: list[tuple[bool, Any]] = field(default_factory=list)  # every rank's (fast, describe(flat))
+    owner: dict[str, int] | None = None  # which rank writes each key (our writer); None: DCP's writer decides
 
 
 @dataclass
@@ -367,11 +368,16 @@ class DistributedCheckpoint:
         _raise_first([g[0] for g in gathered], "encoding the state", error)
         job = _SaveJob(destination, names, records, flat, metadata, step, group, rank, world)
         job.plans = [g[1] for g in gathered]
+        if all(ok for ok, _ in job.plans):
+            try:  # the same answer on every rank, from the same input: all ranks raise together
+                job.owner = assign_writers([d for _, d in job.plans])
+            except ValueError as err:  # replicated keys that differ between ranks
+                raise _save_failure(err, "planning the writes", destination) from err
         if stage is not None:
             # 2. async: copy to host buffers what this rank will write (with our writer, its share of the
             #    replicated tensors; everything when DCP's writer decides)
             try:
-                owner = assign_writers([d for _, d in job.plans]) if all(ok for ok, _ in job.plans) else None
+                owner = job.owner
                 mine = {k: t for k, t in flat.items() if owner is None or owner[k] == rank}
                 staged, job.stage_event = stage(mine)
                 job.flat = {k: staged.get(k, t) for k, t in flat.items()}  # the others are never read
@@ -428,11 +434,11 @@ class DistributedCheckpoint:
             # 3. every rank writes its share at once: packed torch.save-compatible blobs, several threads per
             #    rank, CRC32 computed while writing (storage/writer.py); DCP's own writer for DTensors & co.
             plans = job.plans
-            fast = all(ok for ok, _ in plans)
+            fast = job.owner is not None
             error, files, entries = None, {}, []
             if fast:
                 try:
-                    out = write_share(flat, assign_writers([d for _, d in plans]), staging, rank)
+                    out = write_share(flat, job.owner, staging, rank)
                     files, entries = out.files, out.entries
                 except Exception as err:  # reported collectively below
                     error = _save_failure(err, f"rank {rank} writing its data file", staging)

@@ -23,7 +23,7 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError
+from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError
 from torchrl_dcp.manifest import MANIFEST, check_files, read_manifest
 from torchrl_dcp.storage.archive import (
     BUFFER,
@@ -33,6 +33,7 @@ from torchrl_dcp.storage.archive import (
     byte_counter,
     write_archive,
 )
+from torchrl_dcp.storage.checksums import checksum_mismatch, format_crc
 from torchrl_dcp.storage.copying import CopyRange, copy_ranges
 from torchrl_dcp.storage.commit import fsync_path, publish, remove_tree, staging_path, write_file_durably
 
@@ -145,12 +146,8 @@ def to_directory(
             for fd in [archive, *outs]:
                 os.close(fd)
         for name, crc in zip(names, crcs):
-            actual = f"crc32:{crc:08x}"
-            if actual != files[name]["checksum"]:
-                raise CheckpointIntegrityError(
-                    f"checksum is {actual}, the manifest says {files[name]['checksum']}: the member is damaged",
-                    path=f"{path}::{name}",
-                )
+            if format_crc(crc) != files[name]["checksum"]:
+                raise checksum_mismatch(format_crc(crc), files[name]["checksum"], f"{path}::{name}", "member")
         write_file_durably(staging / MANIFEST, source.read_member(MANIFEST, 1 << 30))
         fsync_path(staging)
         publish(staging, destination)

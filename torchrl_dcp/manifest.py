@@ -27,7 +27,7 @@ from typing import Any
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError, CheckpointVersionError
 from torchrl_dcp.placement import PLACEMENTS
-from torchrl_dcp.storage.checksums import files_checksums
+from torchrl_dcp.storage.checksums import checksum_mismatch, files_checksums
 
 FORMAT = "torchrl_dcp"
 FORMAT_VERSION = 2
@@ -388,9 +388,7 @@ def check_files(
     names = [name for name in files if name in wanted]
     for name, actual in zip(names, files_checksums([root / name for name in names])):
         if actual != files[name]["checksum"]:
-            raise CheckpointIntegrityError(
-                f"checksum is {actual}, the manifest says {files[name]['checksum']}: the file is damaged", path=root / name
-            )
+            raise checksum_mismatch(actual, files[name]["checksum"], root / name)
     if not extra_ok:
         for entry in root.iterdir():
             if entry.name != MANIFEST and entry.name not in files:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError
 from torchrl_dcp.manifest import MANIFEST, MAX_MANIFEST_BYTES, loads_manifest
+from torchrl_dcp.storage.checksums import checksum_mismatch, format_crc
 from torchrl_dcp.storage.zipformat import ZIPALIGN_PAD, central_entry, end_records, local_header
 
 if TYPE_CHECKING:  # this module stays importable without torch (conversion, inspection)
@@ -71,10 +72,6 @@ class Member:
     data_offset: int
     size: int
     crc: int
-
-
-def _checksum(crc: int) -> str:
-    return f"crc32:{crc:08x}"
 
 
 # ---------------------------------------------------------------------- reading
@@ -218,9 +215,9 @@ class ArchiveSource:
             m, where = self.member(name), f"{self.path}::{name}"
             if m.size != rec["size"]:
                 raise CheckpointIntegrityError(f"size is {m.size} bytes, the manifest says {rec['size']}", path=where)
-            if _checksum(m.crc) != rec["checksum"]:
+            if format_crc(m.crc) != rec["checksum"]:
                 raise CheckpointIntegrityError(
-                    f"ZIP CRC32 is {_checksum(m.crc)}, the manifest says {rec['checksum']}: the archive is damaged",
+                    f"ZIP CRC32 is {format_crc(m.crc)}, the manifest says {rec['checksum']}: the archive is damaged",
                     path=where,
                 )
         names = sorted(wanted & set(files), key=lambda n: self.member(n).data_offset)
@@ -234,11 +231,8 @@ class ArchiveSource:
             finally:
                 os.close(fd)
             for name, crc in zip(names, crcs):
-                if _checksum(crc) != files[name]["checksum"]:
-                    raise CheckpointIntegrityError(
-                        f"checksum is {_checksum(crc)}, the manifest says {files[name]['checksum']}: the member is damaged",
-                        path=f"{self.path}::{name}",
-                    )
+                if format_crc(crc) != files[name]["checksum"]:
+                    raise checksum_mismatch(format_crc(crc), files[name]["checksum"], f"{self.path}::{name}", "member")
 
     def dcp_metadata(self) -> Metadata | None:
         if self._metadata is None:
@@ -323,10 +317,8 @@ def write_archive(
             crcs = [zlib.crc32(manifest_bytes)]
             crcs += copy_ranges(ranges, threads=threads, buffer_size=buffer_size, progress=advance)
             for (name, path, _, checksum), crc in zip(entries, crcs):
-                if checksum is not None and _checksum(crc) != checksum:
-                    raise CheckpointIntegrityError(
-                        f"checksum is {_checksum(crc)}, the manifest says {checksum}: the file is damaged", path=path
-                    )
+                if checksum is not None and format_crc(crc) != checksum:
+                    raise checksum_mismatch(format_crc(crc), checksum, path)
             pwrite_all(out, manifest_bytes, layout[0][2])
             directory = bytearray()
             for (_, _, size, _), (encoded, header_offset, _), crc in zip(entries, layout, crcs):

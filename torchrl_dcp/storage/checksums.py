@@ -15,12 +15,23 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-import zlib
 from pathlib import Path
 from typing import Any
 
+from torchrl_dcp.errors import CheckpointIntegrityError
+
 CHUNK = 8 << 20
 _U32 = 0xFFFFFFFF
+
+
+def format_crc(crc: int) -> str:
+    """The manifest's spelling of a CRC32: ``"crc32:<8 hex digits>"``."""
+    return f"crc32:{crc:08x}"
+
+
+def checksum_mismatch(actual: str, expected: str, path: Any, what: str = "file") -> CheckpointIntegrityError:
+    """The error for data whose checksum differs from the manifest's."""
+    return CheckpointIntegrityError(f"checksum is {actual}, the manifest says {expected}: the {what} is damaged", path=path)
 
 
 def file_checksum(path: str | os.PathLike, chunk: int = CHUNK) -> str:
@@ -37,7 +48,7 @@ def files_checksums(paths: list[str | os.PathLike], chunk: int = CHUNK) -> list[
         for path in paths:
             fds.append(os.open(path, os.O_RDONLY))
         ranges = [CopyRange(fd, 0, os.fstat(fd).st_size, None, 0, str(p)) for fd, p in zip(fds, paths)]
-        return [f"crc32:{crc:08x}" for crc in copy_ranges(ranges, buffer_size=chunk)]
+        return [format_crc(crc) for crc in copy_ranges(ranges, buffer_size=chunk)]
     finally:
         for fd in fds:
             os.close(fd)

@@ -62,7 +62,7 @@ from torch.futures import Future
 
 from torchrl_dcp.errors import CheckpointIntegrityError
 from torchrl_dcp.storage.filesystem import SafeFileSystemReader
-from torchrl_dcp.storage.checksums import crc32_combine
+from torchrl_dcp.storage.checksums import crc32_combine, format_crc
 from torchrl_dcp.storage.copying import run_split
 from torchrl_dcp.storage.writer import _STORAGE_NAMES, _data_pickle, _is_memmap_tensor, _template
 
@@ -526,30 +526,21 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         threads = (threads or self.threads) if n >= PARALLEL else 1
         bounds = [n * k // threads // CHUNK * CHUNK for k in range(threads)] + [n]
         results: list[list[tuple[int, int, int]]] = [[] for _ in range(threads)]
-        errors: list[BaseException] = []
 
-        def run(k: int, handle: BinaryIO | None) -> None:
-            own = handle or src.open()
-            try:
-                for a in range(bounds[k], bounds[k + 1], CHUNK):
-                    part = view[a : min(a + CHUNK, bounds[k + 1])]
-                    src.read_at(own, offset + a, part)
-                    if crc:
-                        results[k].append((offset + a, len(part), zlib.crc32(part)))
-            except BaseException as err:  # re-raised below
-                errors.append(err)
-            finally:
-                if handle is None:
-                    own.close()
+        def run(part: list[int]) -> None:
+            for k in part:  # one slice per thread; the calling thread (slice 0) reuses ``f``
+                own = f if k == 0 else src.open()
+                try:
+                    for a in range(bounds[k], bounds[k + 1], CHUNK):
+                        piece = view[a : min(a + CHUNK, bounds[k + 1])]
+                        src.read_at(own, offset + a, piece)
+                        if crc:
+                            results[k].append((offset + a, len(piece), zlib.crc32(piece)))
+                finally:
+                    if own is not f:
+                        own.close()
 
-        pool = [threading.Thread(target=run, args=(k, None), daemon=True) for k in range(1, threads)]
-        for t in pool:
-            t.start()
-        run(0, f)
-        for t in pool:
-            t.join()
-        if errors:
-            raise errors[0]
+        run_split(list(range(threads)), [1] * threads, threads, run)
         return [p for r in results for p in r]
 
     def _read_gap(self, src: ReadSource, f: BinaryIO, start: int, end: int, scratch: bytearray) -> list[tuple[int, int, int]]:
@@ -577,7 +568,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
             pos += length
         if pos != src.size:
             raise CheckpointIntegrityError(f"internal: checksummed {pos} of {src.size} bytes", path=src.where)
-        actual = f"crc32:{value:08x}"
+        actual = format_crc(value)
         self.stats["verified_files"] += 1
         if actual != expected:
             raise CheckpointIntegrityError(

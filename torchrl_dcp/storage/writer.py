@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from torchrl_dcp.storage.checksums import crc32_combine
+from torchrl_dcp.storage.checksums import crc32_combine, format_crc
 from torchrl_dcp.storage.copying import default_threads, pwrite_all, run_split
 from torchrl_dcp.storage.writeback import Writeback
 from torchrl_dcp.storage.zipformat import central_entry, end_records, local_header
@@ -363,7 +363,7 @@ def write_file(
     crc = 0
     for u in units:
         crc = crc32_combine(crc, u.crc, len(u.data))
-    return entries, {"size": offset, "checksum": f"crc32:{crc:08x}"}
+    return entries, {"size": offset, "checksum": format_crc(crc)}
 
 
 # ---------------------------------------------------------------------- DCP metadata
@@ -409,7 +409,7 @@ def write_metadata(directory: Path, metadata: Metadata) -> dict[str, Any]:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, directory / ".metadata")
-    return {"size": len(data), "checksum": f"crc32:{zlib.crc32(data):08x}"}
+    return {"size": len(data), "checksum": format_crc(zlib.crc32(data))}
 
 
 def write_state(
