@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import torchrl_dcp as tdcp
-from torchrl_dcp.storage import archive_reader
-from torchrl_dcp.storage.archive import ALIGN, ArchiveSource, read_index
+from torchrl_dcp.storage import reader as reader_module
+from torchrl_dcp.storage.archive import ALIGN, ArchiveContainer, read_index
 from torchrl_dcp.storage.checksums import file_checksum
 
 
@@ -73,14 +73,13 @@ def test_load_from_archive_in_place_full_and_partial(tmp_path: Path, monkeypatch
 
     # a partial load reads the policy's bytes, not the 16 x 8 KiB of "big"
     counted: list[int] = []
-    original = archive_reader._CountingReader.readinto
+    original = reader_module.RangeFile.read_at
 
-    def counting(self, b):  # type: ignore[no-untyped-def]
-        n = original(self, b)
-        counted.append(n or 0)
-        return n
+    def counting(self, f, offset, view):  # type: ignore[no-untyped-def]
+        original(self, f, offset, view)
+        counted.append(len(view))
 
-    monkeypatch.setattr(archive_reader._CountingReader, "readinto", counting)
+    monkeypatch.setattr(reader_module.RangeFile, "read_at", counting)
     ckpt, objs = fresh()
     ckpt.load(archive, components=["policy"], verify=False)
     assert torch.equal(objs["policy"].bias, saved["policy"].bias)
@@ -90,7 +89,7 @@ def test_load_from_archive_in_place_full_and_partial(tmp_path: Path, monkeypatch
 
 
 def test_direct_read_of_a_component(tmp_path: Path) -> None:
-    from torchrl_dcp.reading import read_component
+    from torchrl_dcp.extract import read_component
 
     path, saved = make(tmp_path)
     archive = tdcp.to_archive(path, tmp_path / "c.zip")
@@ -340,4 +339,4 @@ def test_one_gigabyte_converts_both_ways_in_bounded_rss(tmp_path: Path) -> None:
     assert int(peak) < 100 << 20, f"peak RSS {int(peak) / 2**20:.0f} MiB"
     assert all(file_checksum(tmp_path / "back" / f.name) == file_checksum(f) for f in path.iterdir())
     shutil.rmtree(tmp_path / "back")
-    assert ArchiveSource(tmp_path / "big.zip").manifest()["components"]["big"]["nbytes"] == 1 << 30
+    assert ArchiveContainer(tmp_path / "big.zip").manifest()["components"]["big"]["nbytes"] == 1 << 30

@@ -13,8 +13,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import torchrl_dcp as tdcp
-import torchrl_dcp.checkpoint as core
+import torchrl_dcp.save_engine as core
+from torchrl_dcp.async_save import AsyncSaver
 from torchrl_dcp.async_save import SaveHandle
+from torchrl_dcp.storage import record as R
 from torchrl_dcp.storage import writer as W
 from torchrl_dcp.storage.checksums import file_checksum
 
@@ -48,9 +50,9 @@ def test_blob_is_what_torch_save_writes(dtype: torch.dtype, shape: tuple[int, ..
     t = (torch.arange(int(torch.tensor(shape).prod().item()) if shape else 1) % 7).to(dtype).reshape(shape)
     ref = io.BytesIO()
     torch.save(t, ref)
-    assert zipfile.ZipFile(io.BytesIO(ref.getvalue())).read("archive/data.pkl") == W._data_pickle(dtype, shape, t.numel())
-    data = W.tensor_bytes(t)
-    head, tail = W._template(dtype, shape).parts(zlib.crc32(data))
+    assert zipfile.ZipFile(io.BytesIO(ref.getvalue())).read("archive/data.pkl") == R.data_pickle(dtype, shape, t.numel())
+    data = R.tensor_bytes(t)
+    head, tail = R.template(dtype, shape).parts(zlib.crc32(data))
     blob = head + bytes(data) + tail
     assert zipfile.ZipFile(io.BytesIO(blob)).testzip() is None  # every record's CRC is right
     assert torch.equal(torch.load(io.BytesIO(blob), weights_only=True), t)
@@ -68,7 +70,7 @@ def test_crc32_combine_matches_zlib_with_and_without_libz(monkeypatch: pytest.Mo
 @pytest.mark.parametrize("threads", [1, 3])
 def test_files_load_with_plain_dcp_and_inline_checksums_match(tmp_path: Path, threads: int) -> None:
     flat = _state()
-    out = W.write_state(flat, tmp_path, group=None, rank=0, world_size=1, threads=threads)
+    out = W.write_state(flat, tmp_path, threads=threads)
     for name, record in out.files.items():
         assert record == {"size": (tmp_path / name).stat().st_size, "checksum": file_checksum(tmp_path / name)}
     dest = {k: torch.empty_like(v) for k, v in flat.items()}
@@ -94,7 +96,7 @@ def test_writeback_is_started_for_every_written_byte(tmp_path: Path, monkeypatch
     monkeypatch.setattr(WB, "start_writeback", record)
     monkeypatch.setattr(WB, "EVERY", 1 << 20)
     flat = {"big": torch.randn(3_000_000), "small": torch.randn(10)}
-    out = W.write_state(flat, tmp_path, group=None, rank=0, world_size=1, threads=2)
+    out = W.write_state(flat, tmp_path, threads=2)
     size = out.files["__0_0.distcp"]["size"]
     covered = sorted(started)
     # the data chunks (all but the deferred blob header and tail) are handed to the kernel, none twice
@@ -118,14 +120,16 @@ def test_writeback_that_the_file_system_refuses_is_not_asked_again(monkeypatch: 
     assert calls == [10]  # refused once, then disabled
 
 
-def test_assign_writers_balances_shared_keys_and_refuses_mismatches() -> None:
-    per_rank = [[(f"rank/{r}/x", "torch.float32", (4,), 16)] for r in range(2)]
-    shared = [(f"replicated/w{i}", "torch.float32", (100,), 400) for i in range(6)]
-    owner = W.assign_writers([per_rank[0] + shared, per_rank[1] + shared])
+def test_plan_writes_balances_shared_keys_and_refuses_mismatches() -> None:
+    from torchrl_dcp.planner import TensorInfo, plan_writes
+
+    per_rank = [[TensorInfo(f"rank/{r}/x", "torch.float32", (4,), 16)] for r in range(2)]
+    shared = [TensorInfo(f"replicated/w{i}", "torch.float32", (100,), 400) for i in range(6)]
+    owner = plan_writes([per_rank[0] + shared, per_rank[1] + shared]).owner
     assert owner["rank/0/x"] == 0 and owner["rank/1/x"] == 1
-    assert sorted(owner[k] for k, *_ in shared) == [0, 0, 0, 1, 1, 1]
-    with pytest.raises(ValueError, match="replicated/w0"):
-        W.assign_writers([shared, [("replicated/w0", "torch.float64", (100,), 800)]])
+    assert sorted(owner[t.key] for t in shared) == [0, 0, 0, 1, 1, 1]
+    with pytest.raises(tdcp.CheckpointError, match="replicated/w0"):
+        plan_writes([shared, [TensorInfo("replicated/w0", "torch.float64", (100,), 800)]])
 
 
 # ---------------------------------------------------------------------- async save
@@ -177,10 +181,10 @@ def test_memmap_tensors_are_written_in_place_without_staging(tmp_path: Path) -> 
 
     mm = MemoryMappedTensor.from_tensor(torch.arange(1000.0), filename=tmp_path / "buf.memmap")
     ram = torch.arange(10.0)
-    staged, _ = core.AsyncSaver().stage({"mm": mm, "ram": ram})
+    staged, _ = AsyncSaver().stage({"mm": mm, "ram": ram})
     assert staged["mm"].data_ptr() == mm.data_ptr()
     assert staged["ram"].data_ptr() != ram.data_ptr()
-    copied, _ = core.AsyncSaver().stage({"mm": mm}, stage_memmap=True)
+    copied, _ = AsyncSaver().stage({"mm": mm}, stage_memmap=True)
     assert copied["mm"].data_ptr() != mm.data_ptr()
     ckpt = tdcp.DistributedCheckpoint(state={"mm": mm})
     ckpt.async_save(tmp_path / "c").wait()

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import torchrl_dcp as tdcp
-from torchrl_dcp.verify import verify
+from torchrl_dcp.verification import verify
 from torchrl_dcp.codec import decode, encode, tensor_specs, xrefs
 from torchrl_dcp.manifest import FORMAT, FORMAT_VERSION, loads_manifest, parse_manifest
 

@@ -21,7 +21,7 @@ import torch
 from tensordict import TensorDict
 
 import torchrl_dcp as tdcp
-from torchrl_dcp.verify import verify
+from torchrl_dcp.verification import verify
 from torchrl_dcp.storage.checksums import file_checksum
 
 DATA = "__0_0.distcp"

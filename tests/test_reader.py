@@ -11,9 +11,10 @@ import torch.distributed.checkpoint as dcp
 
 import torchrl_dcp as tdcp
 from torchrl_dcp.storage import reader as reader_mod
-from torchrl_dcp.storage.archive import ArchiveSource
 from torchrl_dcp.storage.checksums import file_checksum
-from torchrl_dcp.storage.reader import InPlaceFileSystemReader, zip_data_offset
+from torchrl_dcp.storage.reader import InPlaceFileSystemReader
+from torchrl_dcp.storage.record import zip_data_offset
+from torchrl_dcp.storage.source import open_source
 from torchrl_dcp.storage.writer import write_state
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -62,7 +63,7 @@ def _count_fallbacks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def test_our_files_are_read_in_place_bit_identical_to_dcp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     state = _state()
     (tmp_path / "c").mkdir()
-    out = write_state(state, tmp_path / "c", group=None, rank=0, world_size=1)
+    out = write_state(state, tmp_path / "c")
     reference = {k: torch.empty_like(v) for k, v in state.items()}
     dcp.load(reference, checkpoint_id=str(tmp_path / "c"), no_dist=True)  # DCP's own reader
 
@@ -143,11 +144,11 @@ def _model_ckpt(tmp_path: Path) -> tuple[Path, torch.nn.Module]:
 
 def test_load_checksums_while_reading_and_refuses_a_flipped_byte(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path, model = _model_ckpt(tmp_path)
-    from torchrl_dcp.storage.source import DirectorySource
+    from torchrl_dcp.storage.container import DirectoryContainer
 
     checked: list[object] = []
-    original = DirectorySource.check
-    monkeypatch.setattr(DirectorySource, "check", lambda self, checksum: checked.append(checksum) or original(self, checksum))
+    original = DirectoryContainer.check
+    monkeypatch.setattr(DirectoryContainer, "check", lambda self, checksum: checked.append(checksum) or original(self, checksum))
     torch.manual_seed(1)
     live = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 8))
     tdcp.DistributedCheckpoint(model=live).load(path)
@@ -178,11 +179,11 @@ def test_live_in_place_destinations_are_checksummed_first(tmp_path: Path, monkey
         return rb
 
     path = tdcp.DistributedCheckpoint(rb=buffer(0)).save(tmp_path / "rb")
-    from torchrl_dcp.storage.source import DirectorySource
+    from torchrl_dcp.storage.container import DirectoryContainer
 
     checked: list[object] = []
-    original = DirectorySource.check
-    monkeypatch.setattr(DirectorySource, "check", lambda self, checksum: checked.append(checksum) or original(self, checksum))
+    original = DirectoryContainer.check
+    monkeypatch.setattr(DirectoryContainer, "check", lambda self, checksum: checked.append(checksum) or original(self, checksum))
     target = buffer(1)
     tdcp.DistributedCheckpoint(rb=target).load(path)
     assert checked == [{"__0_0.distcp"}]  # read into the live storage: verified before the read
@@ -209,12 +210,12 @@ def test_archive_loads_in_place_and_refuses_a_damaged_member(tmp_path: Path, mon
     assert fallbacks == []
     assert all(torch.equal(a, b) for a, b in zip(live.state_dict().values(), model.state_dict().values()))
 
-    src = ArchiveSource(archive)
-    m = src.member("__0_0.distcp")
+    src = open_source(archive)
+    m = src.container.member("__0_0.distcp")
     raw = bytearray(archive.read_bytes())
     raw[m.data_offset + m.size // 2] ^= 0x01
     archive.write_bytes(bytes(raw))
-    src = ArchiveSource(archive)
+    src = open_source(archive)
     flat = {}
     meta = src.dcp_metadata()
     for key, item in meta.state_dict_metadata.items():
@@ -249,7 +250,7 @@ def test_a_flipped_byte_anywhere_fails_the_inline_checksum(tmp_path: Path, where
     """Records read in one thread, in several at once, split between threads, and the bytes between them."""
     state = _state()
     (tmp_path / "c").mkdir()
-    out = write_state(state, tmp_path / "c", group=None, rank=0, world_size=1)
+    out = write_state(state, tmp_path / "c")
     data = tmp_path / "c" / "__0_0.distcp"
     raw = bytearray(data.read_bytes())
     raw[min(int(len(raw) * where), len(raw) - 1)] ^= 0x10

@@ -8,7 +8,7 @@ import pytest
 
 import torchrl_dcp as tdcp
 from tests_distributed.launch import launch
-from torchrl_dcp.verify import verify
+from torchrl_dcp.verification import verify
 
 ROUNDS = 20
 KEEP = 2

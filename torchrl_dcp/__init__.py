@@ -26,14 +26,14 @@ _LAZY: dict[str, str] = {
     "SaveHandle": "torchrl_dcp.async_save",
     "DistributedCheckpoint": "torchrl_dcp.checkpoint",
     "LoadResult": "torchrl_dcp.checkpoint",
-    "verify": "torchrl_dcp.verify",
+    "verify": "torchrl_dcp.verification",
 }
 
 if TYPE_CHECKING:
     from torchrl_dcp.adapters import Adapter, AdapterContext, CheckpointOptions, RNGState, register_adapter
     from torchrl_dcp.async_save import SaveHandle
     from torchrl_dcp.checkpoint import DistributedCheckpoint, LoadResult
-    from torchrl_dcp.verify import verify
+    from torchrl_dcp.verification import verify
 
 
 def __getattr__(name: str) -> Any:
@@ -62,7 +62,7 @@ from torchrl_dcp.errors import (  # noqa: E402
     UnsafeCheckpointError,
     WorldSizeMismatchError,
 )
-from torchrl_dcp.manifest import read_manifest  # noqa: E402
+from torchrl_dcp.storage.container import read_manifest  # noqa: E402
 from torchrl_dcp.placement import Placement  # noqa: E402
 from torchrl_dcp.rotation import CheckpointRotation, ResumeInfo, RotationEntry, resume  # noqa: E402
 

@@ -26,7 +26,7 @@ from torchrl_dcp.errors import CheckpointError
 
 
 def _inspect(path: str) -> dict[str, Any]:
-    from torchrl_dcp.manifest import read_manifest
+    from torchrl_dcp.storage.container import read_manifest
 
     m = read_manifest(path)
     comps = {}
@@ -139,7 +139,7 @@ def _print_ls(info: dict[str, Any], metric: str | None) -> None:
 
 
 def _diff(a: str, b: str, atol: float) -> dict[str, Any]:
-    from torchrl_dcp.reading import as_source, iter_inventory
+    from torchrl_dcp.extract import as_source, iter_inventory
 
     sa, sb = as_source(a), as_source(b)
     ma, mb = sa.manifest(), sb.manifest()
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             info = _inspect(args.path)
             emit(info) if emit else _print_inspect(info)
         elif args.command == "verify":
-            from torchrl_dcp.verify import verify
+            from torchrl_dcp.verification import verify
 
             summary = verify(args.path)
             if emit:

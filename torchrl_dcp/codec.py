@@ -33,7 +33,7 @@ import torch
 
 from torchrl_dcp.errors import CheckpointFormatError, EncodingError
 
-__all__ = ["TensorSpec", "encode", "decode", "tensor_specs", "dtype_from_name", "dtype_name", "escape_key"]
+__all__ = ["TensorSpec", "encode", "decode", "tensor_specs", "dtype_from_name", "dtype_name", "escape_key", "is_dtensor"]
 
 _SCALAR_KINDS = (type(None), bool, int, str)
 
@@ -46,8 +46,10 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
     device: str
+    dtensor: bool = False  # saved from a DTensor (placement "sharded"): loaded into a DTensor destination
 
     def empty(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """A fresh tensor of this shape and dtype on ``device`` (default: the saved device)."""
         return torch.empty(self.shape, dtype=self.dtype, device=device or self.device)
 
 
@@ -80,7 +82,8 @@ def _dtensor_class() -> type | None:
     return DTensor
 
 
-def _is_dtensor(value: Any) -> bool:
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a ``DTensor`` (plain tensors answer without an ``isinstance`` walk)."""
     if type(value) in _PLAIN_TENSORS:  # the common case, without the isinstance walk
         return False
     cls = _dtensor_class()
@@ -89,7 +92,7 @@ def _is_dtensor(value: Any) -> bool:
 
 def tensor_identity(t: torch.Tensor) -> tuple[Any, ...] | None:
     """Same memory, same view: two tensors with equal identities hold the same values."""
-    if t.numel() == 0 or _is_dtensor(t):
+    if t.numel() == 0 or is_dtensor(t):
         return None
     return (str(t.device), t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
@@ -184,7 +187,7 @@ class _Encoder:
         raise self.fail(path, value)
 
     def _tensor(self, value: torch.Tensor, path: str) -> dict[str, Any]:
-        if _is_dtensor(value):
+        if is_dtensor(value):
             key = self.key(path)
             self.tensors[key] = value
             return {
@@ -283,7 +286,10 @@ def _spec(node: dict[str, Any]) -> TensorSpec:
         raise CheckpointFormatError(f"malformed tensor entry {node!r}")
     if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
         raise CheckpointFormatError(f"malformed tensor shape {shape!r}")
-    return TensorSpec(key, tuple(shape), dtype_from_name(node.get("dtype")), str(node.get("device", "cpu")))
+    device = node.get("device", "cpu")
+    if not isinstance(device, str):
+        raise CheckpointFormatError(f"malformed tensor device {device!r}")
+    return TensorSpec(key, tuple(shape), dtype_from_name(node.get("dtype")), device, node.get("t") == "dtensor")
 
 
 def _decode_scalar_float(v: Any) -> float:

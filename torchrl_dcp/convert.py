@@ -24,26 +24,15 @@ from pathlib import Path
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError
-from torchrl_dcp.manifest import MANIFEST, check_files, read_manifest
-from torchrl_dcp.storage.archive import (
-    BUFFER,
-    DCP_METADATA,
-    ArchiveSource,
-    Progress,
-    byte_counter,
-    write_archive,
-)
+from torchrl_dcp.storage.archive import BUFFER, ArchiveContainer, Progress, byte_counter, write_archive
+from torchrl_dcp.storage.container import DirectoryContainer, open_container, read_whole
+from torchrl_dcp.storage.layout import DCP_METADATA, MANIFEST, MAX_MANIFEST_BYTES
 from torchrl_dcp.storage.checksums import checksum_mismatch, format_crc
 from torchrl_dcp.storage.copying import CopyRange, copy_ranges
 from torchrl_dcp.storage.commit import fsync_path, publish, remove_tree, staging_path, write_file_durably
 
 
-__all__ = ["to_archive", "to_directory", "export_torchrl", "is_archive"]
-
-
-def is_archive(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a regular file (an archive checkpoint) rather than a directory."""
-    return Path(path).is_file()
+__all__ = ["to_archive", "to_directory", "export_torchrl"]
 
 
 def _destination(dst: str | os.PathLike, overwrite: bool) -> Path:
@@ -52,9 +41,7 @@ def _destination(dst: str | os.PathLike, overwrite: bool) -> Path:
         if not overwrite:
             raise CheckpointError("already exists; pass overwrite=True (CLI: --overwrite) to replace it", path=destination)
         try:
-            from torchrl_dcp.storage.source import open_source
-
-            open_source(destination).manifest()
+            open_container(destination).manifest()
         except CheckpointError:
             raise CheckpointError(
                 "exists and is not a torchrl_dcp checkpoint; refusing to replace it", path=destination
@@ -90,13 +77,14 @@ def to_archive(
         raise CheckpointNotFoundError("no checkpoint here: the path does not exist", path=src)
     if not src.is_dir():
         raise CheckpointFormatError("not a checkpoint directory (already an archive? use to_directory)", path=src)
-    manifest = read_manifest(src)  # validated and migrated; the archive keeps the original bytes
-    check_files(src, manifest, checksum=False)
+    container = DirectoryContainer(src)
+    manifest = container.manifest()  # validated and migrated; the archive keeps the original bytes
+    container.check(False)
     destination = _destination(dst_file, overwrite)
     names = sorted(manifest["files"], key=lambda n: (n != DCP_METADATA, n))
     files = [(n, src / n, manifest["files"][n]["size"], manifest["files"][n]["checksum"]) for n in names]
     return write_archive(
-        files, (src / MANIFEST).read_bytes(), destination, buffer_size=buffer_size, progress=progress
+        files, read_whole(src / MANIFEST, MAX_MANIFEST_BYTES), destination, buffer_size=buffer_size, progress=progress
     )
 
 
@@ -121,7 +109,7 @@ def to_directory(
         raise CheckpointNotFoundError("no checkpoint here: the path does not exist", path=path)
     if path.is_dir():
         raise CheckpointFormatError("is a directory, not an archive (use to_archive)", path=path)
-    source = ArchiveSource(path)
+    source = ArchiveContainer(path)
     manifest = source.manifest()
     source.check(False)  # sizes and ZIP CRCs against the manifest
     destination = _destination(dst_dir, overwrite)
@@ -148,7 +136,7 @@ def to_directory(
         for name, crc in zip(names, crcs):
             if format_crc(crc) != files[name]["checksum"]:
                 raise checksum_mismatch(format_crc(crc), files[name]["checksum"], f"{path}::{name}", "member")
-        write_file_durably(staging / MANIFEST, source.read_member(MANIFEST, 1 << 30))
+        write_file_durably(staging / MANIFEST, source.read_raw_member(MANIFEST, MAX_MANIFEST_BYTES))
         fsync_path(staging)
         publish(staging, destination)
     except BaseException:
@@ -203,7 +191,7 @@ def export_torchrl(
     """
     from torchrl.checkpoint import Checkpoint as TorchRLCheckpoint
 
-    from torchrl_dcp.reading import as_source, read_component
+    from torchrl_dcp.extract import as_source, read_component
 
     source = as_source(src)
     manifest = source.manifest()

@@ -20,19 +20,15 @@ import copy
 import datetime
 import json
 import math
-import os
-from collections.abc import Callable, Iterable
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError, CheckpointVersionError
+from torchrl_dcp.errors import CheckpointFormatError, CheckpointVersionError
 from torchrl_dcp.placement import PLACEMENTS
-from torchrl_dcp.storage.checksums import checksum_mismatch, files_checksums
+from torchrl_dcp.storage.layout import MANIFEST, MAX_MANIFEST_BYTES  # noqa: F401  (re-exported)
 
 FORMAT = "torchrl_dcp"
 FORMAT_VERSION = 2
-MANIFEST = "manifest.json"
-MAX_MANIFEST_BYTES = 1 << 30
 
 Migration = Callable[[dict[str, Any]], dict[str, Any]]
 PayloadMigration = Callable[[Any], Any]
@@ -214,7 +210,7 @@ def new_manifest(
     metadata: dict[str, Any],
     step: int | None,
 ) -> dict[str, Any]:
-    components = {name: _with_inventory(name, dict(rec)) for name, rec in components.items()}
+    """A manifest of the current format; ``components`` already carry their inventory (computed at encode)."""
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -240,33 +236,6 @@ def dumps(manifest: dict[str, Any]) -> bytes:
         b'{"a":[1,2],"b":1}\\n'
     """
     return (json.dumps(manifest, sort_keys=True, allow_nan=False, separators=(",", ":")) + "\n").encode()
-
-
-def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
-    """Read, validate and migrate ``<root>/manifest.json`` (or the manifest of the archive ``root``).
-
-    Raises:
-        CheckpointNotFoundError: ``root`` does not exist.
-        CheckpointFormatError: no manifest (a foreign or unfinished directory), or a malformed one.
-        CheckpointVersionError: written by a newer torchrl_dcp.
-    """
-    root = Path(root)
-    if not root.exists():
-        raise CheckpointNotFoundError("no checkpoint here: the path does not exist", path=root)
-    if root.is_file():  # a single-file archive
-        from torchrl_dcp.storage.archive import ArchiveSource
-
-        return ArchiveSource(root).manifest()
-    if not root.is_dir():
-        raise CheckpointFormatError("not a checkpoint directory", path=root)
-    path = root / MANIFEST
-    if path.is_symlink() or not path.is_file():
-        raise CheckpointFormatError(
-            f"no {MANIFEST}: not a torchrl_dcp checkpoint, or a save that never committed", path=root
-        )
-    if path.stat().st_size > MAX_MANIFEST_BYTES:
-        raise CheckpointFormatError("manifest is implausibly large", path=path)
-    return loads_manifest(path.read_bytes(), path)
 
 
 def loads_manifest(data: bytes, source: Any) -> dict[str, Any]:
@@ -362,34 +331,3 @@ def _validate(m: dict[str, Any], source: Any) -> None:
             for k, t in inventory.items()
         ):
             raise bad(f"components[{name!r}].inventory must map tensor keys to {{dtype, shape}}")
-
-
-def check_files(
-    root: Path, manifest: dict[str, Any], *, checksum: Iterable[str] | bool = True, extra_ok: bool = False
-) -> None:
-    """Check that the files the manifest lists exist with their sizes (and checksums).
-
-    Args:
-        checksum: ``True`` for every file, ``False`` for none, or the names to checksum.
-        extra_ok: accept files the manifest does not list.
-
-    Raises:
-        CheckpointIntegrityError: naming the first file that is missing, resized, altered or unexpected.
-    """
-    files: dict[str, Any] = manifest["files"]
-    wanted = set(files) if checksum is True else set() if checksum is False else set(checksum)
-    for name, rec in files.items():
-        path = root / name
-        if path.is_symlink() or not path.is_file():
-            raise CheckpointIntegrityError("data file listed in the manifest is missing (or not a regular file)", path=path)
-        size = path.stat().st_size
-        if size != rec["size"]:
-            raise CheckpointIntegrityError(f"size is {size} bytes, the manifest says {rec['size']}: truncated or altered", path=path)
-    names = [name for name in files if name in wanted]
-    for name, actual in zip(names, files_checksums([root / name for name in names])):
-        if actual != files[name]["checksum"]:
-            raise checksum_mismatch(actual, files[name]["checksum"], root / name)
-    if not extra_ok:
-        for entry in root.iterdir():
-            if entry.name != MANIFEST and entry.name not in files:
-                raise CheckpointIntegrityError("file not listed in the manifest: the checkpoint was altered", path=entry)

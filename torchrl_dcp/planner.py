@@ -1,22 +1,30 @@
-"""DCP planners: what each rank writes and reads.
+"""Planning: which rank writes each tensor (:func:`plan_writes`), and DCP's save/load planners.
 
-Per-rank state already carries rank-specific keys (``rank/<r>/...``) when it
-reaches DCP, so DCP's key-based de-duplication can only merge truly replicated
-state, whose writes it then balances across ranks. The load planner refuses byte
-items (DCP would ``torch.load(weights_only=False)`` them) and checks every
-destination's dtype and shape against the saved metadata, which DCP does not do
-for dtypes.
+Per-rank state already carries rank-specific keys (``rank/<r>/...``) when it is
+planned, so only truly replicated state appears on several ranks; each such tensor
+is written by the least-loaded rank that holds it, so all ranks write their share
+at once. The plan is computed on every rank from the same gathered input, so every
+rank reaches the same answer without another exchange. State our writer cannot
+encode (DTensors, ...) goes through DCP's own writer, whose de-duplication balances
+the same way (:class:`SavePlanner`). The load planner refuses byte items (DCP would
+``torch.load(weights_only=False)`` them) and checks every destination's dtype and
+shape against the saved metadata, which DCP does not do for dtypes.
 
 Example:
-    >>> from torchrl_dcp.planner import SavePlanner, SafeLoadPlanner
-    >>> SavePlanner().flatten_state_dict
-    False
+    >>> from torchrl_dcp.planner import TensorInfo, plan_writes
+    >>> a = [TensorInfo("replicated/p/w", "torch.float32", (4,), 16), TensorInfo("rank/0/r/x", "torch.int64", (1,), 8)]
+    >>> b = [TensorInfo("replicated/p/w", "torch.float32", (4,), 16), TensorInfo("rank/1/r/x", "torch.int64", (1,), 8)]
+    >>> plan = plan_writes([a, b])
+    >>> plan.backend, plan.share(0), plan.share(1)
+    ('fast', ['replicated/p/w', 'rank/0/r/x'], ['rank/1/r/x'])
 """
 
 from __future__ import annotations
 
 import io
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
@@ -24,7 +32,85 @@ from torch.distributed.checkpoint.default_planner import create_default_local_lo
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from torchrl_dcp.errors import IncompatibleComponentError, UnsafeCheckpointError
+from torchrl_dcp.errors import EncodingError, IncompatibleComponentError, UnsafeCheckpointError
+from torchrl_dcp.storage.record import can_write_fast
+
+WriteBackend = Literal["fast", "dcp"]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What ranks exchange about one tensor to plan the writes."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def tensor_infos(flat: Mapping[str, torch.Tensor]) -> list[TensorInfo] | None:
+    """This rank's tensors as :class:`TensorInfo`, or ``None`` when our writer cannot encode one of them."""
+    if not all(can_write_fast(t) for t in flat.values()):
+        return None
+    return [TensorInfo(k, str(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for k, t in flat.items()]
+
+
+@dataclass
+class WritePlan:
+    """Who writes what, identical on every rank.
+
+    Attributes:
+        backend: ``"fast"`` (our writer, :mod:`torchrl_dcp.storage.writer`) or ``"dcp"``
+            (DCP's own writer, for DTensors and other tensors ours does not encode).
+        owner: the rank that writes each key (``"fast"`` only).
+        tensors: every key of the save with its dtype and shape (``"fast"`` only).
+    """
+
+    backend: WriteBackend
+    owner: dict[str, int] = field(default_factory=dict)
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+
+    def share(self, rank: int) -> list[str]:
+        """The keys ``rank`` writes, in the order they were planned."""
+        return [k for k, r in self.owner.items() if r == rank]
+
+
+def plan_writes(per_rank: list[list[TensorInfo] | None]) -> WritePlan:
+    """Plan a save from every rank's :func:`tensor_infos` (the same answer on every rank).
+
+    Raises:
+        EncodingError: a key has a different dtype or shape on two ranks (replicated
+            state that is not the same everywhere).
+    """
+    if any(infos is None for infos in per_rank):
+        return WritePlan("dcp")
+    holders: dict[str, list[int]] = {}
+    tensors: dict[str, TensorInfo] = {}
+    for r, infos in enumerate(per_rank):
+        for info in infos or ():
+            seen = tensors.get(info.key)
+            if seen is None:
+                tensors[info.key] = info
+                holders[info.key] = [r]
+                continue
+            if (seen.dtype, seen.shape) != (info.dtype, info.shape):
+                raise EncodingError(
+                    f"tensor {info.key!r} is {seen.dtype} {seen.shape} on rank {holders[info.key][0]} but "
+                    f"{info.dtype} {info.shape} on rank {r}; replicated state must be the same on every rank "
+                    "(register the component with placement='per_rank' if each rank has its own)"
+                )
+            holders[info.key].append(r)
+    load = [0] * len(per_rank)
+    owner: dict[str, int] = {}
+    for key, ranks in holders.items():  # single holders first: their bytes are fixed
+        if len(ranks) == 1:
+            owner[key] = ranks[0]
+            load[ranks[0]] += tensors[key].nbytes
+    for key in sorted((k for k, r in holders.items() if len(r) > 1), key=lambda k: (-tensors[k].nbytes, k)):
+        r = min(holders[key], key=lambda h: (load[h], h))
+        owner[key] = r
+        load[r] += tensors[key].nbytes
+    return WritePlan("fast", {k: owner[k] for k in tensors}, tensors)
 
 
 class SavePlanner(DefaultSavePlanner):
@@ -98,6 +184,6 @@ def _is_plain(obj: Any) -> bool:
     """A plain tensor (no DTensor/ShardedTensor/checkpointable protocol): DCP treats it as one chunk."""
     if type(obj) in (torch.Tensor, torch.nn.Parameter):
         return True
-    from torchrl_dcp.storage.writer import _is_memmap_tensor
+    from torchrl_dcp.storage.record import is_memmap_tensor
 
-    return _is_memmap_tensor(obj) and not hasattr(obj, "__create_chunk_list__") and not hasattr(obj, "__get_tensor_shard__")
+    return is_memmap_tensor(obj) and not hasattr(obj, "__create_chunk_list__") and not hasattr(obj, "__get_tensor_shard__")

@@ -9,7 +9,6 @@ from torchrl_dcp.adapters.base import (
     Adapter,
     AdapterContext,
     CheckpointOptions,
-    adapter_by_id,
     register_adapter,
     resolve_adapter,
 )
@@ -24,10 +23,6 @@ register_adapter(torch.optim.Optimizer, OptimizerAdapter())
 register_adapter(TensorDictBase, TensorDictAdapter())
 register_adapter(RNGState, RNGStateAdapter())
 register_adapter(torch.Generator, GeneratorAdapter())
-for _adapter in (StateDictAdapter(), JSONAdapter()):
-    from torchrl_dcp.adapters import base as _base
-
-    _base._BY_ID[_adapter.adapter_id] = _adapter
 
 __all__ = [
     "Adapter",
@@ -41,7 +36,6 @@ __all__ = [
     "RNGStateAdapter",
     "StateDictAdapter",
     "TensorDictAdapter",
-    "adapter_by_id",
     "register_adapter",
     "resolve_adapter",
 ]

@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import abc
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +28,7 @@ import torch
 
 from torchrl_dcp.placement import Placement
 
-__all__ = ["Adapter", "AdapterContext", "CheckpointOptions", "register_adapter", "resolve_adapter", "adapter_by_id"]
+__all__ = ["Adapter", "AdapterContext", "CheckpointOptions", "register_adapter", "resolve_adapter"]
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,6 @@ class AdapterContext:
     world_size: int = 1
     options: CheckpointOptions = field(default_factory=CheckpointOptions)
     map_location: Any = None
-    components: Mapping[str, Any] = field(default_factory=dict)
     saved_world_size: int | None = None
     source_rank: int | None = None
     plan: dict[str, Any] = field(default_factory=dict)  # carried from reshard_sources() to reshard()
@@ -121,6 +121,27 @@ class Adapter(abc.ABC):
         """
         return None
 
+    def validate(self, obj: Any, saved: dict[int, Any], ctx: AdapterContext) -> None:
+        """Raise (e.g. :class:`~torchrl_dcp.errors.IncompatibleComponentError`) if ``saved`` cannot be restored into ``obj``.
+
+        Called while the load is planned, before anything changes, with every saved
+        state this rank will read (``{saved_rank: state}``, tensors as
+        :class:`~torchrl_dcp.codec.TensorSpec`); ``ctx.saved_world_size`` tells whether
+        the load reshards. The default accepts everything.
+        """
+
+    def snapshot(self, obj: Any, ctx: AdapterContext) -> Any:
+        """What :meth:`rollback` needs to put ``obj`` back as it is now (taken before a load changes anything).
+
+        The default is a deep copy of :meth:`state` (tensors cloned). Adapters whose
+        objects are large and read in place (replay-buffer storages) keep less.
+        """
+        return copy.deepcopy(self.state(obj, ctx))
+
+    def rollback(self, obj: Any, snapshot: Any, ctx: AdapterContext) -> None:
+        """Undo a load of ``obj`` (it failed, here or on another rank): restore :meth:`snapshot`'s value."""
+        self.restore(obj, snapshot, ctx)
+
     #: whether :meth:`reshard_sources` / :meth:`reshard` are implemented (per_rank state only)
     can_reshard: bool = False
 
@@ -142,7 +163,6 @@ class Adapter(abc.ABC):
 
 
 _REGISTRY: dict[type, Adapter] = {}
-_BY_ID: dict[str, Adapter] = {}
 
 
 def register_adapter(component_type: type, adapter: Adapter) -> None:
@@ -152,11 +172,6 @@ def register_adapter(component_type: type, adapter: Adapter) -> None:
     if not isinstance(adapter, Adapter) or not adapter.adapter_id:
         raise TypeError("adapter must be an Adapter instance with an adapter_id")
     _REGISTRY[component_type] = adapter
-    _BY_ID[adapter.adapter_id] = adapter
-
-
-def adapter_by_id(adapter_id: str) -> Adapter | None:
-    return _BY_ID.get(adapter_id)
 
 
 def resolve_adapter(obj: Any, local: Mapping[type, Adapter] | None = None) -> Adapter:

@@ -4,16 +4,14 @@ Loading returns the saved value in ``LoadResult.values[name]`` and, when the
 registered object is a mutable ``dict`` or ``list``, also updates it in place.
 
 Example:
-    >>> from torchrl_dcp.adapters.json import is_json_value
-    >>> is_json_value({"episodes": 3, "tags": ["a", "b"]})
+    >>> from torchrl_dcp.adapters.json import is_plain_value
+    >>> is_plain_value({"episodes": 3, "tags": ["a", "b"]})
     True
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-import torch
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
 
@@ -27,24 +25,6 @@ def is_plain_value(value: Any) -> bool:
     an error naming its key.
     """
     return isinstance(value, _SCALARS) or type(value) in (dict, list, tuple)
-
-
-def is_json_value(value: Any) -> bool:
-    """Plain containers (dict with str/int keys, list, tuple) of scalars or tensors."""
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, _SCALARS) or isinstance(item, torch.Tensor):
-            continue
-        if type(item) is dict:
-            if not all(isinstance(k, (str, int)) for k in item):
-                return False
-            stack.extend(item.values())
-        elif type(item) in (list, tuple):
-            stack.extend(item)
-        else:
-            return False
-    return True
 
 
 class JSONAdapter(Adapter):

@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import heapq
 from collections.abc import Mapping
 from typing import Any
@@ -310,6 +311,58 @@ class ReplayBufferAdapter(Adapter):
         restore_storage(rb._storage, state["storage"])
         restore_buffer_settings(rb, state)
         return None
+
+    def validate(self, rb: ReplayBuffer, saved: dict[int, Any], ctx: AdapterContext) -> None:
+        """After a world-size change: this rank's buffer must hold the transitions it receives."""
+        lengths = ctx.plan.get("lengths")
+        if lengths is None:
+            return  # same world size: the destinations check the capacity
+        n = sum(hi - lo for _, lo, hi in _split(lengths, ctx.rank, ctx.world_size))
+        capacity = int(_buffer(rb)._storage.max_size)
+        if n > capacity:
+            raise IncompatibleComponentError(
+                f"component {ctx.name!r}: rank {ctx.rank} receives {n} transitions after resharding, its buffer "
+                f"holds {capacity}; build the buffers with a capacity of at least {n}"
+            )
+
+    def snapshot(self, rb: ReplayBuffer, ctx: AdapterContext) -> Any:
+        """Everything but the storage rows (read in place, never copied): the storage's own attributes, the
+        sampler, writer, transforms, batch size and generator."""
+        rb = _buffer(rb)
+        storage = rb._storage
+        rng = getattr(rb, "_rng", None)
+        transform = getattr(rb, "_transform", None)
+        return {
+            "storage": {a: getattr(storage, a, None) for a in _STORAGE_ATTRS},
+            "settings": copy.deepcopy(
+                {
+                    "sampler": sampler_state(rb._sampler),
+                    "writer": writer_state(rb._writer),
+                    "transform": transform.state_dict() if isinstance(transform, torch.nn.Module) else None,
+                    "batch_size": rb._batch_size,
+                    "generator": None if rng is None else {"state": rng.get_state(), "device": str(rng.device)},
+                }
+            ),
+        }
+
+    def rollback(self, rb: ReplayBuffer, snapshot: Any, ctx: AdapterContext) -> None:
+        """Put back the storage's attributes (a storage allocated by the load is dropped) and the settings.
+
+        Rows already read in place keep what was read (docs/reliability.md)."""
+        rb = _buffer(rb)
+        for attr, value in snapshot["storage"].items():
+            if hasattr(rb._storage, attr) and value is not None:
+                setattr(rb._storage, attr, value)
+        if not snapshot["storage"]["initialized"]:
+            rb._storage._storage = snapshot["storage"]["_storage"]
+            rb._storage.initialized = False
+        settings = snapshot["settings"]
+        restore_sampler(rb._sampler, settings["sampler"], ctx.name)
+        restore_writer(rb._writer, settings["writer"], ctx.name)
+        restore_buffer_settings(rb, settings)
+
+
+_STORAGE_ATTRS = ("_storage", "initialized", "_len", "_last_cursor")
 
 
 # --------------------------------------------------------------------------- resharding

@@ -2,7 +2,7 @@
 
 An archive holds ``manifest.json`` and the checkpoint's files unchanged, STORED (no
 compression), each member's data aligned to 64 bytes (padding in an extra field),
-ZIP64 where a member needs it. :class:`ArchiveSource` reads one without extracting
+ZIP64 where a member needs it. :class:`ArchiveContainer` reads one without extracting
 it: the central directory is validated, and DCP reads every tensor at its offset
 inside the ZIP, so partial loads read only the selected tensors' bytes.
 
@@ -12,8 +12,8 @@ Example:
     >>> path = tdcp.DistributedCheckpoint(w={"x": torch.ones(2)}).save(d + "/c")
     >>> tdcp.to_archive(path, d + "/c.zip").name
     'c.zip'
-    >>> from torchrl_dcp.storage.archive import ArchiveSource
-    >>> ArchiveSource(d + "/c.zip").manifest()["format"]
+    >>> from torchrl_dcp.storage.archive import ArchiveContainer
+    >>> ArchiveContainer(d + "/c.zip").manifest()["format"]
     'torchrl_dcp'
 """
 
@@ -23,23 +23,17 @@ import os
 import struct
 import uuid
 import zipfile
-import zlib
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError
-from torchrl_dcp.manifest import MANIFEST, MAX_MANIFEST_BYTES, loads_manifest
-from torchrl_dcp.storage.checksums import checksum_mismatch, format_crc
+from torchrl_dcp.manifest import loads_manifest
+from torchrl_dcp.storage.container import ByteRange, open_regular
+from torchrl_dcp.storage.layout import MANIFEST, MAX_MANIFEST_BYTES
+from torchrl_dcp.storage.checksums import checksum_mismatch, crc32, fds_checksums, format_crc
 from torchrl_dcp.storage.zipformat import ZIPALIGN_PAD, central_entry, end_records, local_header
-
-if TYPE_CHECKING:  # this module stays importable without torch (conversion, inspection)
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    from torchrl_dcp.storage.archive_reader import ArchiveReader
-
-DCP_METADATA = ".metadata"
 
 ALIGN = 64  # every member's data starts at a multiple of this (zipformat.ALIGN)
 BUFFER = 4 << 20
@@ -157,8 +151,8 @@ def _check_name(name: str, where: str) -> None:
         raise CheckpointFormatError("member is in a sub-directory; torchrl_dcp archives are flat", path=where)
 
 
-class ArchiveSource:
-    """A checkpoint stored as one ZIP archive, read in place (see :class:`~torchrl_dcp.storage.source.CheckpointSource`)."""
+class ArchiveContainer:
+    """A checkpoint stored as one ZIP archive, read in place (see :class:`~torchrl_dcp.storage.container.Container`)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
@@ -166,7 +160,6 @@ class ArchiveSource:
             raise CheckpointNotFoundError("no checkpoint here: the path does not exist", path=self.path)
         self._members: dict[str, Member] | None = None
         self._manifest: dict[str, Any] | None = None
-        self._metadata: Metadata | None = None
         self.bytes_read = 0  # data bytes read through storage readers (tests, diagnostics)
 
     @property
@@ -183,14 +176,17 @@ class ArchiveSource:
                 "member listed in the manifest is missing from the archive", path=f"{self.path}::{name}"
             ) from None
 
-    def read_member(self, name: str, limit: int) -> bytes:
+    def read_raw_member(self, name: str, limit: int) -> bytes:
+        """A member's bytes, checked against its ZIP CRC (also members the manifest does not list: itself)."""
         m = self.member(name)
         if m.size > limit:
             raise CheckpointFormatError(f"member is implausibly large ({m.size} bytes)", path=f"{self.path}::{name}")
-        with open(self.path, "rb") as f:
-            f.seek(m.data_offset)
-            data = f.read(m.size)
-        if zlib.crc32(data) != m.crc:
+        fd = open_regular(self.path)
+        try:
+            data = os.pread(fd, m.size, m.data_offset)
+        finally:
+            os.close(fd)
+        if len(data) != m.size or crc32(data) != m.crc:
             raise CheckpointIntegrityError("member fails its ZIP CRC32: the archive is damaged", path=f"{self.path}::{name}")
         return data
 
@@ -198,7 +194,7 @@ class ArchiveSource:
         if self._manifest is None:
             if MANIFEST not in self.members:
                 raise CheckpointFormatError(f"the archive holds no {MANIFEST}: not a torchrl_dcp checkpoint", path=self.path)
-            manifest = loads_manifest(self.read_member(MANIFEST, MAX_MANIFEST_BYTES), f"{self.path}::{MANIFEST}")
+            manifest = loads_manifest(self.read_raw_member(MANIFEST, MAX_MANIFEST_BYTES), f"{self.path}::{MANIFEST}")
             for name in self.members:
                 if name != MANIFEST and name not in manifest["files"]:
                     raise CheckpointIntegrityError(
@@ -206,6 +202,22 @@ class ArchiveSource:
                     )
             self._manifest = manifest
         return self._manifest
+
+    def read_member(self, name: str, limit: int) -> bytes | None:
+        rec = self.manifest()["files"].get(name)
+        if rec is None:
+            return None
+        if self.member(name).size != rec["size"]:
+            raise CheckpointIntegrityError(
+                f"size is {self.member(name).size} bytes, the manifest says {rec['size']}", path=f"{self.path}::{name}"
+            )
+        return self.read_raw_member(name, limit)
+
+    def byte_range(self, name: str) -> ByteRange:
+        if name not in self.manifest()["files"]:
+            raise CheckpointIntegrityError("member is not listed in the manifest: refused", path=f"{self.path}::{name}")
+        m = self.member(name)
+        return ByteRange(str(self.path), m.data_offset, m.size, f"{self.path}::{name}")
 
     def check(self, checksum: Iterable[str] | bool) -> None:
         """Sizes (and ZIP CRCs against the manifest) of every listed member; data checksums of ``checksum``."""
@@ -222,45 +234,15 @@ class ArchiveSource:
                 )
         names = sorted(wanted & set(files), key=lambda n: self.member(n).data_offset)
         if names:
-            from torchrl_dcp.storage.copying import CopyRange, copy_ranges
-
-            fd = os.open(self.path, os.O_RDONLY)
+            fd = open_regular(self.path)
             try:
                 members = [self.member(n) for n in names]
-                crcs = copy_ranges([CopyRange(fd, m.data_offset, m.size, None, 0, str(self.path)) for m in members])
+                crcs = fds_checksums([(fd, m.data_offset, m.size, str(self.path)) for m in members])
             finally:
                 os.close(fd)
             for name, crc in zip(names, crcs):
-                if format_crc(crc) != files[name]["checksum"]:
-                    raise checksum_mismatch(format_crc(crc), files[name]["checksum"], f"{self.path}::{name}", "member")
-
-    def dcp_metadata(self) -> Metadata | None:
-        if self._metadata is None:
-            files = self.manifest()["files"]
-            if DCP_METADATA not in self.members:
-                if files:
-                    raise CheckpointFormatError("DCP metadata member .metadata is missing", path=self.path)
-                return None
-            from torchrl_dcp.storage.filesystem import check_storage_files, safe_load_metadata
-
-            where = f"{self.path}::{DCP_METADATA}"
-            metadata = safe_load_metadata(where, data=self.read_member(DCP_METADATA, MAX_MANIFEST_BYTES))
-            check_storage_files(metadata, where, files)
-            for info in (metadata.storage_data or {}).values():
-                m = self.member(info.relative_path)
-                if info.offset < 0 or info.length < 0 or info.offset + info.length > m.size:
-                    raise CheckpointIntegrityError(
-                        f"DCP metadata points past the end of member {info.relative_path!r}", path=where
-                    )
-            self._metadata = metadata
-        return self._metadata
-
-    def storage_reader(self, verify: Collection[str] = ()) -> ArchiveReader:
-        """A DCP reader over the members; ``verify``: members checksummed while read (fresh destinations only)."""
-        from torchrl_dcp.storage.archive_reader import ArchiveReader
-
-        files = self.manifest()["files"]
-        return ArchiveReader(self, self.dcp_metadata(), verify={name: files[name]["checksum"] for name in verify})
+                if crc != files[name]["checksum"]:
+                    raise checksum_mismatch(crc, files[name]["checksum"], f"{self.path}::{name}", "member")
 
 
 # ---------------------------------------------------------------------- writing
@@ -314,7 +296,7 @@ def write_archive(
                 if actual != size:
                     raise CheckpointIntegrityError(f"size is {actual} bytes, the manifest says {size}", path=path)
                 ranges.append(CopyRange(fd, 0, size, out, data_offset, str(path)))
-            crcs = [zlib.crc32(manifest_bytes)]
+            crcs = [crc32(manifest_bytes)]
             crcs += copy_ranges(ranges, threads=threads, buffer_size=buffer_size, progress=advance)
             for (name, path, _, checksum), crc in zip(entries, crcs):
                 if checksum is not None and format_crc(crc) != checksum:

@@ -1,4 +1,9 @@
-"""CRC32 checksums of checkpoint files (threaded, in bounded memory), and combining CRCs of adjacent pieces.
+"""CRC-32 of checkpoint bytes: one implementation (:func:`crc32`), file checksums, and combining CRCs of pieces.
+
+:func:`crc32` is ISA-L's implementation (the ``isal`` package, installed with
+torchrl_dcp) where it is available, else ``zlib``'s: the same polynomial and the same
+values, about 4x faster here (14.5 vs 3.6 GB/s on one thread, shared/notes/perf.md),
+so the format does not depend on which one computed a checksum.
 
 Example:
     >>> import tempfile, os
@@ -15,6 +20,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +29,21 @@ from torchrl_dcp.errors import CheckpointIntegrityError
 
 CHUNK = 8 << 20
 _U32 = 0xFFFFFFFF
+
+
+def _implementation() -> tuple[Callable[..., int], str]:
+    if os.environ.get("TDCP_CRC32", "") != "zlib":
+        try:
+            from isal import isal_zlib
+
+            return isal_zlib.crc32, "isal"
+        except ImportError:  # pragma: no cover - isal is a dependency; zlib is the fallback
+            pass
+    return zlib.crc32, "zlib"
+
+
+#: ``crc32(data, value=0)``: CRC-32 of a bytes-like object (ISA-L's where available, else zlib's)
+crc32, CRC32_IMPLEMENTATION = _implementation()
 
 
 def format_crc(crc: int) -> str:
@@ -40,21 +62,26 @@ def file_checksum(path: str | os.PathLike, chunk: int = CHUNK) -> str:
 
 
 def files_checksums(paths: list[str | os.PathLike], chunk: int = CHUNK) -> list[str]:
-    """``"crc32:<hex>"`` of each file; the work is split between threads (``storage/copying.py``)."""
-    from torchrl_dcp.storage.copying import CopyRange, copy_ranges
-
+    """``"crc32:<hex>"`` of each file (opened without following links); the work is split between threads."""
     fds: list[int] = []
     try:
         for path in paths:
-            fds.append(os.open(path, os.O_RDONLY))
-        ranges = [CopyRange(fd, 0, os.fstat(fd).st_size, None, 0, str(p)) for fd, p in zip(fds, paths)]
-        return [format_crc(crc) for crc in copy_ranges(ranges, buffer_size=chunk)]
+            fds.append(os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)))
+        return fds_checksums([(fd, 0, os.fstat(fd).st_size, str(p)) for fd, p in zip(fds, paths)], chunk)
     finally:
         for fd in fds:
             os.close(fd)
 
 
-def describe_file(path: Path) -> dict[str, object]:
+def fds_checksums(ranges: list[tuple[int, int, int, str]], chunk: int = CHUNK) -> list[str]:
+    """``"crc32:<hex>"`` of each ``(fd, offset, size, name)`` byte range, split between threads (``copying.py``)."""
+    from torchrl_dcp.storage.copying import CopyRange, copy_ranges
+
+    spans = [CopyRange(fd, offset, size, None, 0, name) for fd, offset, size, name in ranges]
+    return [format_crc(crc) for crc in copy_ranges(spans, buffer_size=chunk)]
+
+
+def file_record(path: Path) -> dict[str, object]:
     """The manifest record of one file: its size and checksum."""
     return {"size": path.stat().st_size, "checksum": file_checksum(path)}
 

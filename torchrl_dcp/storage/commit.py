@@ -15,7 +15,6 @@ Example:
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import fcntl
 import os
@@ -26,6 +25,7 @@ import uuid
 from pathlib import Path
 
 from torchrl_dcp.errors import CheckpointError
+from torchrl_dcp.storage.libc import libc
 
 STAGING_TAG = ".tdcp-staging-"
 TRASH_TAG = ".tdcp-trash-"
@@ -176,11 +176,7 @@ def write_file_durably(path: Path, data: bytes) -> None:
 
 def _exchange(a: Path, b: Path) -> bool:
     """Atomically swap two paths; False when the platform or file system cannot."""
-    libc_name = ctypes.util.find_library("c")
-    if not libc_name:
-        return False
-    libc = ctypes.CDLL(libc_name, use_errno=True)
-    renameat2 = getattr(libc, "renameat2", None)
+    renameat2 = getattr(libc(), "renameat2", None)
     if renameat2 is None:
         return False
     res = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import os
 import threading
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from torchrl_dcp.errors import CheckpointIntegrityError
-from torchrl_dcp.storage.checksums import crc32_combine
+from torchrl_dcp.storage.checksums import crc32, crc32_combine
 from torchrl_dcp.storage.writeback import Writeback
 
 BUFFER = 4 << 20
@@ -37,12 +36,22 @@ T = TypeVar("T")
 MIN_PIECE = 1 << 20
 
 
-def default_threads() -> int:
-    """I/O threads per process: ``TDCP_WRITE_THREADS`` or up to 4 (2 where there are 2 CPUs)."""
-    env = os.environ.get("TDCP_WRITE_THREADS")
+def _threads(variable: str, cap: int) -> int:
+    env = os.environ.get(variable)
     if env:
         return max(1, int(env))
-    return max(1, min(4, os.cpu_count() or 1))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cap, cpus))
+
+
+def default_threads() -> int:
+    """Write/copy threads per process: ``TDCP_WRITE_THREADS``, else up to 4 (bounded by this node's CPUs)."""
+    return _threads("TDCP_WRITE_THREADS", 4)
+
+
+def read_threads() -> int:
+    """Reader threads per large tensor: ``TDCP_READ_THREADS``, else up to 2 (bounded by this node's CPUs)."""
+    return _threads("TDCP_READ_THREADS", 2)
 
 
 @dataclass(frozen=True)
@@ -148,7 +157,7 @@ def copy_ranges(
             r = ranges[i]
             chunk = view[:n]
             _read_into(r.src, chunk, r.src_offset + off, r.name)
-            crcs[(i, off)] = zlib.crc32(chunk)
+            crcs[(i, off)] = crc32(chunk)
             if r.dst is not None:
                 pwrite_all(r.dst, chunk, r.dst_offset + off)
                 if writeback:

@@ -30,8 +30,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, UnsafeCheckpointError
+from torchrl_dcp.storage.layout import DCP_METADATA, is_plain_name
 
-DCP_METADATA = ".metadata"
 
 _ALLOWED: dict[str, frozenset[str]] = {
     "torch.distributed.checkpoint.metadata": frozenset(
@@ -74,7 +74,12 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def safe_load_metadata(path: str | os.PathLike, data: bytes | None = None) -> Metadata:
     """Read DCP's ``.metadata`` with the allow-list unpickler; never runs code from the file."""
-    raw = Path(path).read_bytes() if data is None else data
+    if data is None:
+        from torchrl_dcp.storage.container import read_whole
+        from torchrl_dcp.storage.layout import MAX_MANIFEST_BYTES
+
+        data = read_whole(path, MAX_MANIFEST_BYTES)
+    raw = data
     try:
         metadata = _MetadataUnpickler(io.BytesIO(raw), str(path)).load()
     except UnsafeCheckpointError:
@@ -90,7 +95,7 @@ def check_storage_files(metadata: Metadata, source: str, allowed: Collection[str
     """Every data file DCP would open must be a plain name (and listed in the manifest)."""
     for info in (metadata.storage_data or {}).values():
         rel = getattr(info, "relative_path", None)
-        if not isinstance(rel, str) or not rel or "/" in rel or "\\" in rel or rel in (".", "..") or "\0" in rel:
+        if not isinstance(rel, str) or not is_plain_name(rel):
             raise CheckpointIntegrityError(f"DCP metadata points outside the checkpoint ({rel!r})", path=source)
         if allowed is not None and rel not in allowed:
             raise CheckpointIntegrityError(f"DCP metadata names {rel!r}, which the manifest does not list", path=source)

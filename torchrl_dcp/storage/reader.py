@@ -32,7 +32,7 @@ Example:
     >>> from torchrl_dcp.storage.writer import write_state
     >>> from torchrl_dcp.storage.reader import InPlaceFileSystemReader
     >>> d = tempfile.mkdtemp()
-    >>> out = write_state({"w": torch.arange(4.0)}, d, group=None, rank=0, world_size=1)
+    >>> out = write_state({"w": torch.arange(4.0)}, d)
     >>> dest = {"w": torch.zeros(4)}
     >>> reader = InPlaceFileSystemReader(d, verify={"__0_0.distcp": out.files["__0_0.distcp"]["checksum"]})
     >>> dcp.load(dest, storage_reader=reader, no_dist=True)  # doctest: +SKIP
@@ -46,11 +46,9 @@ import ctypes
 import functools
 import io
 import os
-import struct
 import sys
 import threading
-import zlib
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, cast
@@ -61,10 +59,13 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from torchrl_dcp.errors import CheckpointIntegrityError
+from torchrl_dcp.storage.checksums import crc32, crc32_combine, format_crc
+from torchrl_dcp.storage.container import ByteRange, Container, open_regular
+from torchrl_dcp.storage.copying import read_threads, run_split
+from torchrl_dcp.storage.layout import is_plain_name
+from torchrl_dcp.storage.libc import libc
 from torchrl_dcp.storage.filesystem import SafeFileSystemReader
-from torchrl_dcp.storage.checksums import crc32_combine, format_crc
-from torchrl_dcp.storage.copying import run_split
-from torchrl_dcp.storage.writer import _STORAGE_NAMES, _data_pickle, _is_memmap_tensor, _template
+from torchrl_dcp.storage.record import STORAGE_NAMES, is_memmap_tensor, record_data_offset
 
 CHUNK = 4 << 20  # read size of large records (and of checksummed gaps)
 SMALL = 1 << 20  # records below this are read in batches and copied out
@@ -75,24 +76,21 @@ _HUGE = 2 << 20
 _MADV_HUGEPAGE = 14
 
 
-def default_threads() -> int:
-    """Reader threads for a large tensor: ``TDCP_READ_THREADS`` or up to 2."""
-    env = os.environ.get("TDCP_READ_THREADS")
-    if env:
-        return max(1, int(env))
-    return max(1, min(2, os.cpu_count() or 1))
-
-
 # ---------------------------------------------------------------------- files
-class ReadSource:
-    """One data file as a byte range of a real file: ``[base, base + size)`` of ``path``."""
+class RangeFile:
+    """Reads inside one data file's :class:`~torchrl_dcp.storage.container.ByteRange` (a file, or a ZIP member).
 
-    def __init__(self, path: str | os.PathLike, base: int, size: int, where: str, on_read: Any = None) -> None:
-        self.path, self.base, self.size, self.where, self.on_read = str(path), base, size, where, on_read
+    Every handle is opened without following links and must be a regular file;
+    ``on_read(n)`` is told of every ``n`` bytes read.
+    """
+
+    def __init__(self, byte_range: ByteRange, on_read: Any = None) -> None:
+        self.path, self.base, self.size, self.where = byte_range.path, byte_range.base, byte_range.size, byte_range.where
+        self.on_read = on_read
 
     def open(self) -> BinaryIO:
         """A handle of its own (one per thread)."""
-        f = open(self.path, "rb", buffering=0)
+        f = os.fdopen(open_regular(self.path, self.where), "rb", buffering=0)
         try:
             os.posix_fadvise(f.fileno(), self.base, self.size, os.POSIX_FADV_SEQUENTIAL)
         except (AttributeError, OSError):  # pragma: no cover - not on every platform
@@ -117,145 +115,8 @@ class ReadSource:
             self.on_read(done)
 
 
-# ---------------------------------------------------------------------- record layout
-def _u16(b: Any, at: int) -> int:
-    return struct.unpack_from("<H", b, at)[0]
-
-
-def _u32(b: Any, at: int) -> int:
-    return struct.unpack_from("<I", b, at)[0]
-
-
-@functools.lru_cache(maxsize=4096)
-def _expected_pickle(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
-    numel = 1
-    for s in shape:
-        numel *= s
-    return _data_pickle(dtype, shape, numel)
-
-
-def template_data_offset(head: Any, length: int, dtype: torch.dtype, shape: tuple[int, ...]) -> int | None:
-    """Where the tensor bytes start when the record is exactly our writer's template for ``(dtype, shape)``.
-
-    ``head`` holds at least the record's first ``len(template.head)`` bytes (fewer: ``None``).
-
-    Example:
-        >>> import torch
-        >>> from torchrl_dcp.storage.writer import _template
-        >>> tpl = _template(torch.float32, (3,))
-        >>> template_data_offset(tpl.head, tpl.length, torch.float32, (3,)) == len(tpl.head)
-        True
-    """
-    tpl = _template(dtype, shape)
-    n, at = len(tpl.head), tpl.head_crc_at
-    if length != tpl.length or len(head) < n:
-        return None
-    if head[:at] != tpl.head[:at] or head[at + 4 : n] != tpl.head[at + 4 :]:
-        return None
-    return n
-
-
-def zip_data_offset(read: Any, length: int, dtype: torch.dtype, shape: tuple[int, ...]) -> int | None:
-    """Where the tensor bytes start in a ``torch.save`` ZIP record of ``length`` bytes, or ``None``.
-
-    ``read(offset, n)`` returns ``n`` bytes of the record. Parses the central
-    directory (ZIP64 included) and the local headers; accepts only a record whose
-    members are STORED, whose ``data.pkl`` is byte-for-byte what ``torch.save``
-    writes for a contiguous ``dtype`` tensor of ``shape``, whose ``byteorder`` is
-    ``little`` and whose one storage ``data/0`` holds exactly the tensor's bytes.
-    Nothing is unpickled.
-    """
-    if length < 22:
-        return None
-    end = read(length - 22, 22)
-    if _u32(end, 0) != 0x06054B50 or _u16(end, 20) != 0:
-        return None
-    entries, cd_size, cd_offset = _u16(end, 10), _u32(end, 12), _u32(end, 16)
-    if 0xFFFF in (entries,) or 0xFFFFFFFF in (cd_size, cd_offset):
-        if length < 22 + 20 + 56:
-            return None
-        loc = read(length - 22 - 20, 20)
-        if _u32(loc, 0) != 0x07064B50:
-            return None
-        z64_at = struct.unpack_from("<Q", loc, 8)[0]
-        if z64_at + 56 > length:
-            return None
-        z64 = read(z64_at, 56)
-        if _u32(z64, 0) != 0x06064B50:
-            return None
-        entries, cd_size, cd_offset = struct.unpack_from("<QQQ", z64, 32)
-    if entries > 64 or cd_offset + cd_size > length or cd_size > 1 << 16:
-        return None
-    cd = read(cd_offset, cd_size)
-    members: dict[str, tuple[int, int, int]] = {}  # name: (method, size, local header offset)
-    at = 0
-    for _ in range(entries):
-        if at + 46 > len(cd) or _u32(cd, at) != 0x02014B50:
-            return None
-        method, csize, usize = _u16(cd, at + 10), _u32(cd, at + 20), _u32(cd, at + 24)
-        nlen, xlen, clen, offset = _u16(cd, at + 28), _u16(cd, at + 30), _u16(cd, at + 32), _u32(cd, at + 42)
-        name = bytes(cd[at + 46 : at + 46 + nlen]).decode("utf-8", "replace")
-        extra = cd[at + 46 + nlen : at + 46 + nlen + xlen]
-        x = 0
-        while x + 4 <= len(extra):  # ZIP64 extended information: the 0xFFFFFFFF fields, in order
-            tag, size = _u16(extra, x), _u16(extra, x + 2)
-            if tag == 1:
-                vals = list(struct.unpack_from(f"<{size // 8}Q", extra, x + 4))
-                if usize == 0xFFFFFFFF and vals:
-                    usize = vals.pop(0)
-                if csize == 0xFFFFFFFF and vals:
-                    csize = vals.pop(0)
-                if offset == 0xFFFFFFFF and vals:
-                    offset = vals.pop(0)
-            x += 4 + size
-        if csize != usize:
-            return None
-        members[name.rsplit("/", 1)[-1] if not name.endswith("/data/0") else "data/0"] = (method, usize, offset)
-        at += 46 + nlen + xlen + clen
-    if {"data.pkl", "byteorder", "data/0"} - set(members):
-        return None
-    storages = [n for n in members if n.startswith("data/") or n.isdigit()]
-    if storages != ["data/0"] or any(m[0] != 0 for m in members.values()):
-        return None
-
-    def payload(name: str) -> int | None:
-        method, size, offset = members[name]
-        if offset + 30 > length:
-            return None
-        local = read(offset, 30)
-        if _u32(local, 0) != 0x04034B50:
-            return None
-        start = offset + 30 + _u16(local, 26) + _u16(local, 28)
-        return start if start + size <= length else None
-
-    expected = _expected_pickle(dtype, shape)
-    pkl_at, order_at, data_at = payload("data.pkl"), payload("byteorder"), payload("data/0")
-    if pkl_at is None or order_at is None or data_at is None or members["data.pkl"][1] != len(expected):
-        return None
-    if bytes(read(pkl_at, len(expected))) != expected or members["byteorder"][1] != 6:
-        return None
-    if bytes(read(order_at, 6)) != b"little":
-        return None
-    numel = 1
-    for s in shape:
-        numel *= s
-    if members["data/0"][1] != numel * torch._utils._element_size(dtype):
-        return None
-    return data_at
-
-
-def record_data_offset(read: Any, head: Any, length: int, dtype: torch.dtype, shape: tuple[int, ...]) -> int | None:
-    """The tensor's byte offset inside a record: our template first (one compare), else the ZIP structure."""
-    at = template_data_offset(head, length, dtype, shape)
-    if at is not None:
-        return at
-    try:
-        return zip_data_offset(read, length, dtype, shape)
-    except (struct.error, ValueError, IndexError):
-        return None
-
-
 # ---------------------------------------------------------------------- destinations
+@functools.lru_cache(maxsize=1)
 def _hugepages_wanted() -> bool:
     if os.environ.get("TDCP_READ_HUGEPAGES", "1") == "0" or not sys.platform.startswith("linux"):
         return False
@@ -265,23 +126,14 @@ def _hugepages_wanted() -> bool:
         return False
 
 
-_LIBC: list[Any] = []
-
-
 def _advise_hugepages(ptr: int, nbytes: int) -> None:
     """Ask for transparent huge pages over the 2 MiB-aligned interior of ``[ptr, ptr + nbytes)`` (a hint)."""
-    if not _LIBC:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            libc.madvise.restype = ctypes.c_int
-            _LIBC.append(libc if _hugepages_wanted() else None)
-        except (OSError, AttributeError):  # pragma: no cover
-            _LIBC.append(None)
-    libc = _LIBC[0]
+    lib = libc()
+    if lib is None or not _hugepages_wanted():
+        return
     start, end = (ptr + _HUGE - 1) & ~(_HUGE - 1), (ptr + nbytes) & ~(_HUGE - 1)
-    if libc is not None and end > start:
-        libc.madvise(start, end - start, _MADV_HUGEPAGE)
+    if end > start:
+        lib.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(_MADV_HUGEPAGE))
 
 
 def destination_bytes(tensor: torch.Tensor) -> memoryview | None:
@@ -292,7 +144,7 @@ def destination_bytes(tensor: torch.Tensor) -> memoryview | None:
     if nbytes == 0:
         return memoryview(bytearray(0))
     ptr = tensor.data_ptr()
-    if nbytes >= HUGEPAGE_MIN and not _is_memmap_tensor(tensor):
+    if nbytes >= HUGEPAGE_MIN and not is_memmap_tensor(tensor):
         _advise_hugepages(ptr, nbytes)
     return memoryview((ctypes.c_ubyte * nbytes).from_address(ptr)).cast("B")
 
@@ -311,38 +163,49 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
     """A :class:`SafeFileSystemReader` that reads tensor records into the destinations in place.
 
     Args:
-        path: the checkpoint directory.
-        allowed_files: data file names the manifest lists; others are refused.
-        metadata: metadata already read.
+        location: a :class:`~torchrl_dcp.storage.container.Container` (directory or archive: only the files
+            its manifest lists are read), or a plain directory of DCP files.
+        metadata: DCP metadata already read (else read safely from ``location``).
         verify: ``{file: "crc32:<hex>"}`` checksummed while being read (fresh destinations only).
-        threads: threads per large tensor (default :func:`default_threads`).
+        threads: threads per large tensor (default :func:`read_threads`).
+        on_read: called with the number of bytes after every read (diagnostics, tests).
 
     ``stats`` counts records read in place and through the fallback, and bytes read.
     """
 
     def __init__(
         self,
-        path: str | os.PathLike,
-        allowed_files: Collection[str] | None = None,
+        location: str | os.PathLike | Container,
         metadata: Metadata | None = None,
         *,
         verify: Mapping[str, str] | None = None,
         threads: int | None = None,
+        on_read: Any = None,
     ) -> None:
-        super().__init__(path, allowed_files=allowed_files, metadata=metadata)
+        self.container: Container | None = None if isinstance(location, (str, os.PathLike)) else location
+        if self.container is not None:
+            super().__init__(self.container.path, allowed_files=self.container.manifest()["files"], metadata=metadata)
+        else:
+            super().__init__(location, metadata=metadata)  # type: ignore[arg-type]
         self.verify = dict(verify or {})
-        self.threads = threads or default_threads()
+        self.threads = threads or read_threads()
+        self.on_read = on_read
         self.stats = {"in_place": 0, "fallback": 0, "bytes": 0, "verified_files": 0}
         self._lock = threading.Lock()  # stats and planner calls, from the threads reading large records
 
-    # -- overridable: where a data file's bytes are
-    def read_source(self, relative_path: str) -> ReadSource:
+    def read_source(self, relative_path: str) -> RangeFile:
+        """Where a data file's bytes are: in the container, or the whole file of that name in ``path``."""
+        if self.container is not None:
+            return RangeFile(self.container.byte_range(relative_path), self.on_read)
         path = os.path.join(str(self.path), relative_path)
+        if not is_plain_name(relative_path):
+            raise CheckpointIntegrityError(f"DCP metadata points outside the checkpoint ({relative_path!r})", path=path)
+        fd = open_regular(path)
         try:
-            size = os.stat(path).st_size
-        except OSError as err:
-            raise CheckpointIntegrityError(f"data file cannot be opened ({err.strerror})", path=path) from None
-        return ReadSource(path, 0, size, path)
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        return RangeFile(ByteRange(path, 0, size, path), self.on_read)
 
     # -- the fallback: DCP's own path for one record
     def fallback(self, req: ReadItem, planner: LoadPlanner, data: bytes) -> None:
@@ -373,7 +236,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         if any(req.storage_offsets):
             return None
         target = planner.resolve_tensor(req).detach()
-        if tuple(target.shape) != tuple(req.lengths) or target.dtype not in _STORAGE_NAMES:
+        if tuple(target.shape) != tuple(req.lengths) or target.dtype not in STORAGE_NAMES:
             return None
         view = destination_bytes(target)
         return None if view is None else (target, view)
@@ -437,7 +300,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
                 src.read_at(f, start, view)
                 self.stats["bytes"] += end - start
                 if crc:
-                    pieces.append((start, end - start, zlib.crc32(view)))
+                    pieces.append((start, end - start, crc32(view)))
                 for item in items[i:j]:
                     rel = item.offset - start
                     self._place_small(item, view[rel : rel + item.length], planner)
@@ -460,7 +323,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
                 return
         self.fallback(item.req, planner, bytes(record))
 
-    def _read_run(self, src: ReadSource, f: BinaryIO, run: list[_Item], planner: LoadPlanner, crc: bool) -> list[tuple[int, int, int]]:
+    def _read_run(self, src: RangeFile, f: BinaryIO, run: list[_Item], planner: LoadPlanner, crc: bool) -> list[tuple[int, int, int]]:
         """Read several large records: each split between the threads when huge, else one per thread at once."""
         if self.threads == 1 or len(run) == 1 or any(it.length >= PARALLEL for it in run):
             return [p for it in run for p in self._read_large(src, f, it, planner, crc)]
@@ -479,7 +342,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         return out
 
     def _read_large(
-        self, src: ReadSource, f: BinaryIO, item: _Item, planner: LoadPlanner, crc: bool, threads: int | None = None
+        self, src: RangeFile, f: BinaryIO, item: _Item, planner: LoadPlanner, crc: bool, threads: int | None = None
     ) -> list[tuple[int, int, int]]:
         at = None
         head = memoryview(bytearray(min(item.length, 4096)))
@@ -503,15 +366,15 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
             with self._lock:
                 self.stats["bytes"] += item.length
                 self.fallback(item.req, planner, bytes(data))
-            return [(item.offset, item.length, zlib.crc32(data))] if crc else []
+            return [(item.offset, item.length, crc32(data))] if crc else []
         n = len(item.view)
         prefix = read(0, at)  # the record's bytes before the tensor's (already read: checksummed, not re-read)
-        pieces = [(item.offset, at, zlib.crc32(prefix))] if crc else []
+        pieces = [(item.offset, at, crc32(prefix))] if crc else []
         pieces += self._read_into(src, f, item.offset + at, item.view, crc, threads)
         tail = memoryview(bytearray(item.length - at - n))
         src.read_at(f, item.offset + at + n, tail)
         if crc:
-            pieces.append((item.offset + at + n, len(tail), zlib.crc32(tail)))
+            pieces.append((item.offset + at + n, len(tail), crc32(tail)))
         with self._lock:
             self.stats["bytes"] += item.length
             self.stats["in_place"] += 1
@@ -519,7 +382,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         return pieces
 
     def _read_into(
-        self, src: ReadSource, f: BinaryIO, offset: int, view: memoryview, crc: bool, threads: int | None = None
+        self, src: RangeFile, f: BinaryIO, offset: int, view: memoryview, crc: bool, threads: int | None = None
     ) -> list[tuple[int, int, int]]:
         """Read ``len(view)`` bytes at ``offset`` into ``view`` (split between threads when large)."""
         n = len(view)
@@ -535,7 +398,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
                         piece = view[a : min(a + CHUNK, bounds[k + 1])]
                         src.read_at(own, offset + a, piece)
                         if crc:
-                            results[k].append((offset + a, len(piece), zlib.crc32(piece)))
+                            results[k].append((offset + a, len(piece), crc32(piece)))
                 finally:
                     if own is not f:
                         own.close()
@@ -543,15 +406,15 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         run_split(list(range(threads)), [1] * threads, threads, run)
         return [p for r in results for p in r]
 
-    def _read_gap(self, src: ReadSource, f: BinaryIO, start: int, end: int, scratch: bytearray) -> list[tuple[int, int, int]]:
+    def _read_gap(self, src: RangeFile, f: BinaryIO, start: int, end: int, scratch: bytearray) -> list[tuple[int, int, int]]:
         out = []
         for a in range(start, end, len(scratch)):
             view = memoryview(scratch)[: min(len(scratch), end - a)]
             src.read_at(f, a, view)
-            out.append((a, len(view), zlib.crc32(view)))
+            out.append((a, len(view), crc32(view)))
         return out
 
-    def _check_whole(self, src: ReadSource, expected: str) -> None:
+    def _check_whole(self, src: RangeFile, expected: str) -> None:
         f = src.open()
         try:
             pieces = self._read_gap(src, f, 0, src.size, bytearray(BATCH))
@@ -559,7 +422,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
             f.close()
         self._compare(src, pieces, expected)
 
-    def _compare(self, src: ReadSource, pieces: list[tuple[int, int, int]], expected: str) -> None:
+    def _compare(self, src: RangeFile, pieces: list[tuple[int, int, int]], expected: str) -> None:
         value, pos = 0, 0
         for offset, length, crc in sorted(pieces):
             if offset != pos:

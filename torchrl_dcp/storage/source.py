@@ -1,15 +1,19 @@
-"""A committed checkpoint to read from: a directory or a single-file ZIP archive (``open_source``).
+"""A committed checkpoint to read tensors from: a container plus DCP's metadata, read safely.
 
-A source validates and hands out what loading needs, without knowing about
-components: the manifest, a check of the files, DCP's metadata (read safely) and
-a DCP ``StorageReader``.
+:class:`CheckpointSource` adds the torch side to a
+:class:`~torchrl_dcp.storage.container.Container` (directory or ZIP archive): DCP's
+``.metadata``, checked against the manifest before it is parsed and parsed by the
+allow-list unpickler, with every byte range it names bounded by its file; and a DCP
+``StorageReader`` that reads tensors in place from the files the manifest lists.
+It knows nothing of components.
 
 Example:
     >>> import tempfile, torch, torchrl_dcp as tdcp
     >>> from torchrl_dcp.storage.source import open_source
     >>> path = tdcp.DistributedCheckpoint(w={"x": torch.ones(1)}).save(tempfile.mkdtemp() + "/c")
-    >>> open_source(path).manifest()["format"]
-    'torchrl_dcp'
+    >>> src = open_source(path)
+    >>> src.manifest()["format"], sorted(src.dcp_metadata().state_dict_metadata)
+    ('torchrl_dcp', ['replicated/w/x'])
 """
 
 from __future__ import annotations
@@ -17,91 +21,86 @@ from __future__ import annotations
 import os
 from collections.abc import Collection, Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from torch.distributed.checkpoint import StorageReader
 from torch.distributed.checkpoint.metadata import Metadata
 
 from torchrl_dcp.errors import CheckpointFormatError
-from torchrl_dcp.manifest import check_files, read_manifest
-from torchrl_dcp.storage.filesystem import (
-    DCP_METADATA,
-    check_storage_bounds,
-    check_storage_files,
-    safe_load_metadata,
-)
+from torchrl_dcp.storage.container import Container, open_container
+from torchrl_dcp.storage.filesystem import check_storage_bounds, check_storage_files, safe_load_metadata
+from torchrl_dcp.storage.layout import DCP_METADATA, MAX_MANIFEST_BYTES
 from torchrl_dcp.storage.reader import InPlaceFileSystemReader
 
 
-class CheckpointSource(Protocol):
-    """What :meth:`DistributedCheckpoint.load` and :func:`verify` read through."""
+class CheckpointSource:
+    """What :meth:`DistributedCheckpoint.load`, :func:`torchrl_dcp.verify` and the tools read through."""
 
-    path: Path
+    def __init__(self, container: Container) -> None:
+        self.container = container
+        self.path: Path = container.path
+        self._metadata: Metadata | None = None
+        self._metadata_read = False
+        self.bytes_read = 0  # tensor bytes read through storage readers (diagnostics, tests)
 
     def manifest(self) -> dict[str, Any]:
         """The validated (and migrated) manifest."""
+        return self.container.manifest()
 
     def check(self, checksum: Iterable[str] | bool) -> None:
-        """Sizes of every listed file; checksums of ``checksum`` (True: all, False: none)."""
+        """Sizes of every listed file (nothing unlisted); checksums of ``checksum`` (True: all, False: none)."""
+        self.container.check(checksum)
 
     def dcp_metadata(self) -> Metadata | None:
-        """DCP's metadata, read without unpickling anything but DCP's own classes."""
+        """DCP's metadata (``None`` for a checkpoint without tensors), never unpickling anything but DCP's classes.
 
-    def storage_reader(self, verify: Collection[str] = ()) -> StorageReader:
+        Only a ``.metadata`` the manifest lists is read, as a regular file of the recorded
+        size, and its checksum is compared before it is parsed.
+        """
+        if not self._metadata_read:
+            files = self.manifest()["files"]
+            where = f"{self.path}::{DCP_METADATA}" if self.path.is_file() else str(self.path / DCP_METADATA)
+            if DCP_METADATA not in files:
+                if files:
+                    raise CheckpointFormatError(
+                        "the manifest lists data files but no DCP metadata (.metadata)", path=self.path
+                    )
+            else:
+                data = self.container.read_member(DCP_METADATA, MAX_MANIFEST_BYTES)
+                assert data is not None
+                _check_checksum(data, files[DCP_METADATA], where)
+                metadata = safe_load_metadata(where, data=data)
+                check_storage_files(metadata, where, files)
+                check_storage_bounds(metadata, where, files)
+                self._metadata = metadata
+            self._metadata_read = True
+        return self._metadata
+
+    def storage_reader(self, verify: Collection[str] = ()) -> InPlaceFileSystemReader:
         """A DCP reader that opens only files the manifest lists, reading tensors in place.
 
         ``verify``: files to checksum while they are read (only files whose destinations are fresh buffers).
         """
-
-
-class DirectorySource:
-    """A checkpoint directory."""
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(path)
-        self._manifest: dict[str, Any] | None = None
-        self._metadata: Metadata | None = None
-
-    def manifest(self) -> dict[str, Any]:
-        if self._manifest is None:
-            self._manifest = read_manifest(self.path)
-        return self._manifest
-
-    def check(self, checksum: Iterable[str] | bool) -> None:
-        check_files(self.path, self.manifest(), checksum=checksum)
-
-    def dcp_metadata(self) -> Metadata | None:
-        if self._metadata is None:
-            file = self.path / DCP_METADATA
-            if not file.exists():
-                if self.manifest()["files"]:
-                    raise CheckpointFormatError("DCP metadata file .metadata is missing", path=self.path)
-                return None
-            # checked against the manifest before it is parsed: a damaged .metadata must not be mistaken
-            # for a different (valid-looking) layout
-            check_files(self.path, {"files": {k: v for k, v in self.manifest()["files"].items() if k == DCP_METADATA}},
-                        checksum=True, extra_ok=True)
-            metadata = safe_load_metadata(file)
-            check_storage_files(metadata, str(file), self.manifest()["files"])
-            check_storage_bounds(metadata, str(file), self.manifest()["files"])
-            self._metadata = metadata
-        return self._metadata
-
-    def storage_reader(self, verify: Collection[str] = ()) -> StorageReader:
         files = self.manifest()["files"]
+
+        def counted(n: int) -> None:
+            self.bytes_read += n
+
         return InPlaceFileSystemReader(
-            self.path,
-            allowed_files=files,
-            metadata=self.dcp_metadata(),
+            self.container,
+            self.dcp_metadata(),
             verify={name: files[name]["checksum"] for name in verify},
+            on_read=counted,
         )
+
+
+def _check_checksum(data: bytes, record: dict[str, Any], where: str) -> None:
+    from torchrl_dcp.storage.checksums import checksum_mismatch, crc32, format_crc
+
+    actual = format_crc(crc32(data))
+    if actual != record["checksum"]:
+        raise checksum_mismatch(actual, record["checksum"], where)
 
 
 def open_source(path: str | os.PathLike) -> CheckpointSource:
     """The source for ``path``: a ZIP archive when it is a regular file, a directory otherwise."""
-    path = Path(path).expanduser().absolute()
-    if path.is_file():
-        from torchrl_dcp.storage.archive import ArchiveSource
-
-        return ArchiveSource(path)
-    return DirectorySource(path)
+    return CheckpointSource(open_container(path))

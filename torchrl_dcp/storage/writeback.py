@@ -23,22 +23,18 @@ Example:
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 from typing import Any
+
+from torchrl_dcp.storage.libc import libc
 
 EVERY = 4 << 20  # measured here: 1-16 MiB all work; 4 MiB was the fastest
 _SYNC_FILE_RANGE_WRITE = 2
 
 
 def _load() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:  # pragma: no cover
-        return None
-    fn = getattr(libc, "sync_file_range", None)
+    lib = libc() if sys.platform.startswith("linux") else None
+    fn = getattr(lib, "sync_file_range", None)
     if fn is not None:
         fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
         fn.restype = ctypes.c_int

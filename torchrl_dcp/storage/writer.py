@@ -15,16 +15,15 @@ standard ``.metadata``) so a plain ``dcp.load`` still reads every key, but:
 - the disk write of each few MiB starts as soon as they are written
   (``storage/writeback.py``), so the final ``fsync`` waits for little.
 
-Which rank writes a key present on several ranks (replicated state) is decided the
-same way on every rank from one ``all_gather`` of ``(key, dtype, shape)``: the
-holder with the fewest bytes so far, so all ranks write their share at once.
+Which rank writes which key is decided beforehand (:func:`torchrl_dcp.planner.plan_writes`);
+this module only writes one rank's share and builds DCP's metadata for the whole save.
 
 Example (one process):
     >>> import tempfile, torch
     >>> import torch.distributed.checkpoint as dcp
     >>> from torchrl_dcp.storage.writer import write_state
     >>> d = tempfile.mkdtemp()
-    >>> out = write_state({"w": torch.arange(4.0)}, d, group=None, rank=0, world_size=1)
+    >>> out = write_state({"w": torch.arange(4.0)}, d)
     >>> sorted(out.files)
     ['.metadata', '__0_0.distcp']
     >>> dest = {"w": torch.zeros(4)}
@@ -35,15 +34,9 @@ Example (one process):
 
 from __future__ import annotations
 
-import collections
-import io
 import os
 import pickle
-import struct
-import sys
-import threading
 import uuid
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,169 +53,17 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from torchrl_dcp.storage.checksums import crc32_combine, format_crc
+from torchrl_dcp.storage.checksums import crc32, crc32_combine, format_crc
 from torchrl_dcp.storage.copying import default_threads, pwrite_all, run_split
+from torchrl_dcp.storage.layout import DCP_METADATA, data_file_name
+from torchrl_dcp.storage.record import Template, template, tensor_bytes
 from torchrl_dcp.storage.writeback import Writeback
-from torchrl_dcp.storage.zipformat import central_entry, end_records, local_header
 
 CHUNK = 1 << 20  # 1 MiB writes measured fastest here (perf.md)
 SMALL = 1 << 20  # blobs below this are built whole in memory and packed
 DCP_VERSION = "1.0.0"
 
 
-# ---------------------------------------------------------------------- torch.save-compatible blobs
-_STORAGE_NAMES = torch.storage._dtype_to_storage_type_map()
-_FIXED_RECORDS_BEFORE = ((".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little"))
-_FIXED_RECORDS_AFTER = (("version", b"3\n"), (".data/serialization_id", b"0" * 40))
-
-
-class _StorageRef:
-    pass
-
-
-_REF = _StorageRef()
-
-
-class _Rebuild:
-    def __init__(self, shape: tuple[int, ...], stride: tuple[int, ...]) -> None:
-        self.shape, self.stride = shape, stride
-
-    def __reduce__(self) -> Any:
-        return (torch._utils._rebuild_tensor_v2, (_REF, 0, self.shape, self.stride, False, collections.OrderedDict()))
-
-
-class _Pickler(pickle.Pickler):
-    def __init__(self, file: io.BytesIO, storage: Any, numel: int) -> None:
-        super().__init__(file, protocol=2)
-        self._pid = ("storage", storage, "0", "cpu", numel)
-
-    def persistent_id(self, obj: Any) -> Any:
-        return self._pid if obj is _REF else None
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))
-
-
-def _data_pickle(dtype: torch.dtype, shape: tuple[int, ...], numel: int) -> bytes:
-    buf = io.BytesIO()
-    _Pickler(buf, getattr(torch, _STORAGE_NAMES[dtype]), numel).dump(_Rebuild(shape, _contiguous_stride(shape)))
-    return buf.getvalue()
-
-
-@dataclass
-class _Template:
-    """A blob is ``head(crc) + data + tail(crc)``; only the data record's CRC varies."""
-
-    head: bytes
-    tail: bytes
-    head_crc_at: int
-    tail_crc_at: int
-    nbytes: int
-
-    @property
-    def length(self) -> int:
-        return len(self.head) + self.nbytes + len(self.tail)
-
-    def parts(self, crc: int) -> tuple[bytes, bytes]:
-        head, tail = bytearray(self.head), bytearray(self.tail)
-        struct.pack_into("<I", head, self.head_crc_at, crc)
-        struct.pack_into("<I", tail, self.tail_crc_at, crc)
-        return bytes(head), bytes(tail)
-
-
-def _build_template(dtype: torch.dtype, shape: tuple[int, ...]) -> _Template:
-    numel = 1
-    for s in shape:
-        numel *= s
-    nbytes = numel * torch._utils._element_size(dtype)
-    records: list[tuple[bytes, bytes | None, int]] = []  # (name, data or None for the tensor, size)
-    pkl = _data_pickle(dtype, shape, numel)
-    records.append((b"archive/data.pkl", pkl, len(pkl)))
-    for name, data in _FIXED_RECORDS_BEFORE:
-        records.append((b"archive/" + name.encode(), data, len(data)))
-    records.append((b"archive/data/0", None, nbytes))
-    for name, data in _FIXED_RECORDS_AFTER:
-        records.append((b"archive/" + name.encode(), data, len(data)))
-    head, tail = bytearray(), bytearray()
-    offset, central = 0, []
-    head_crc_at = tail_crc_at = -1
-    out = head
-    for name, data, size in records:
-        crc = zlib.crc32(data) if data is not None else 0
-        local = local_header(name, crc, size, offset)
-        if data is None:
-            head_crc_at = len(head) + 14
-        out += local
-        central.append((name, crc, size, offset, data is None))
-        offset += len(local) + size
-        if data is None:
-            out = tail
-        else:
-            out += data
-    cd_offset = offset
-    cd = bytearray()
-    for name, crc, size, off, is_data in central:
-        if is_data:
-            tail_crc_at = len(tail) + len(cd) + 16
-        cd += central_entry(name, crc, size, off)
-    tail += cd + end_records(len(central), cd_offset, len(cd))
-    return _Template(bytes(head), bytes(tail), head_crc_at, tail_crc_at, nbytes)
-
-
-_TEMPLATES: dict[tuple[torch.dtype, tuple[int, ...]], _Template] = {}
-_TEMPLATES_LOCK = threading.Lock()
-
-
-def _template(dtype: torch.dtype, shape: tuple[int, ...]) -> _Template:
-    key = (dtype, shape)
-    t = _TEMPLATES.get(key)
-    if t is None:
-        t = _build_template(dtype, shape)
-        with _TEMPLATES_LOCK:
-            if len(_TEMPLATES) > 4096:
-                _TEMPLATES.clear()
-            _TEMPLATES[key] = t
-    return t
-
-
-def can_write_fast(tensor: Any) -> bool:
-    """Whether ``tensor`` is a plain strided tensor this writer encodes itself (else DCP writes the state)."""
-    return (
-        type(tensor) in (torch.Tensor, torch.nn.Parameter) or _is_memmap_tensor(tensor)
-    ) and tensor.layout == torch.strided and tensor.dtype in _STORAGE_NAMES and not tensor.is_quantized and (
-        sys.byteorder == "little"
-    )
-
-
-def _is_memmap_tensor(tensor: Any) -> bool:
-    try:
-        from tensordict import MemoryMappedTensor
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(tensor, MemoryMappedTensor)
-
-
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The bytes of ``tensor`` as a flat memoryview, without a copy when it is contiguous on CPU."""
-    t = tensor.detach()
-    if isinstance(t, torch.nn.Parameter) or type(t) is not torch.Tensor:
-        t = t.as_subclass(torch.Tensor)
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.resolve_conj().resolve_neg()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-# ---------------------------------------------------------------------- planning
 @dataclass
 class WriteOutcome:
     """What one rank wrote: its files' records and the DCP storage entries of its tensors."""
@@ -230,45 +71,6 @@ class WriteOutcome:
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     entries: list[tuple[str, str, int, int]] = field(default_factory=list)  # key, file, offset, length
     bytes_written: int = 0
-
-
-def assign_writers(descriptors: list[list[tuple[str, str, tuple[int, ...], int]]]) -> dict[str, int]:
-    """Which rank writes each key: its only holder, or for keys on several ranks the least-loaded holder.
-
-    ``descriptors[r]`` lists rank ``r``'s ``(key, dtype, shape, nbytes)``. Every rank
-    computes the same answer from the same input. Raises ``ValueError`` when a key
-    has a different dtype or shape on two ranks.
-    """
-    holders: dict[str, list[int]] = {}
-    info: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
-    for r, items in enumerate(descriptors):
-        for key, dtype, shape, nbytes in items:
-            seen = info.get(key)
-            if seen is None:
-                info[key] = (dtype, tuple(shape), nbytes, r)
-                holders[key] = [r]
-            else:
-                if (seen[0], seen[1]) != (dtype, tuple(shape)):
-                    raise ValueError(
-                        f"key {key!r} is {seen[0]} {seen[1]} on rank {seen[3]} but {dtype} {tuple(shape)} on rank {r}; "
-                        "replicated state must have the same dtype and shape on every rank (use placement='per_rank')"
-                    )
-                holders[key].append(r)
-    load = [0] * len(descriptors)
-    owner: dict[str, int] = {}
-    shared = []
-    for key, ranks in holders.items():
-        if len(ranks) == 1:
-            owner[key] = ranks[0]
-            load[ranks[0]] += info[key][2]
-        else:
-            shared.append(key)
-    shared.sort(key=lambda k: (-info[k][2], k))
-    for key in shared:
-        r = min(holders[key], key=lambda h: (load[h], h))
-        owner[key] = r
-        load[r] += info[key][2]
-    return owner
 
 
 # ---------------------------------------------------------------------- writing one file
@@ -292,7 +94,7 @@ def write_file(
     pending = bytearray()
     pending_at = 0
     offset = 0
-    large: list[tuple[_Template, _Unit, list[_Unit], _Unit]] = []
+    large: list[tuple[Template, _Unit, list[_Unit], _Unit]] = []
 
     def flush() -> None:
         nonlocal pending, pending_at
@@ -303,10 +105,10 @@ def write_file(
 
     for key, tensor in tensors:
         data = tensor_bytes(tensor)
-        tpl = _template(tensor.dtype, tuple(tensor.shape))
+        tpl = template(tensor.dtype, tuple(tensor.shape))
         entries.append((key, offset, tpl.length))
         if tpl.nbytes < SMALL:
-            head, tail = tpl.parts(zlib.crc32(data))
+            head, tail = tpl.parts(crc32(data))
             pending += head
             pending += data
             pending += tail
@@ -343,7 +145,7 @@ def write_file(
                 pwrite_all(fd, u.data, u.offset)
                 if writeback is not None:
                     writeback.written(u.offset, len(u.data))
-                u.crc = zlib.crc32(u.data)
+                u.crc = crc32(u.data)
             if writeback is not None:
                 writeback.flush()
 
@@ -355,7 +157,7 @@ def write_file(
             head_unit.data, tail_unit.data = tpl.parts(crc)
             for u in (head_unit, tail_unit):
                 pwrite_all(fd, u.data, u.offset)
-                u.crc = zlib.crc32(u.data)
+                u.crc = crc32(u.data)
         if fsync:
             os.fsync(fd)
     finally:
@@ -403,51 +205,34 @@ def build_metadata(
 def write_metadata(directory: Path, metadata: Metadata) -> dict[str, Any]:
     """Write ``.metadata`` durably (tmp + fsync + rename); returns its manifest record."""
     data = pickle.dumps(metadata)
-    tmp = directory / ".metadata.tmp"
+    tmp = directory / f"{DCP_METADATA}.tmp"
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, directory / ".metadata")
-    return {"size": len(data), "checksum": format_crc(zlib.crc32(data))}
-
-
-def write_state(
-    flat: Mapping[str, torch.Tensor],
-    directory: str | os.PathLike,
-    *,
-    group: Any,
-    rank: int,
-    world_size: int,
-    threads: int | None = None,
-) -> WriteOutcome:
-    """Single-process convenience: plan, write this rank's file and (rank 0) ``.metadata``."""
-    if world_size != 1:
-        raise ValueError("write_state is the single-process helper; multi-rank saves go through DistributedCheckpoint")
-    directory = Path(directory)
-    owner = assign_writers([describe(flat)])
-    out = write_share(flat, owner, directory, rank, threads=threads)
-    meta = build_metadata({k: (t.dtype, tuple(t.shape)) for k, t in flat.items()}, out.entries, directory)
-    out.files[".metadata"] = write_metadata(directory, meta)
-    return out
-
-
-def describe(flat: Mapping[str, torch.Tensor]) -> list[tuple[str, str, tuple[int, ...], int]]:
-    """``(key, dtype, shape, nbytes)`` of each tensor: what ranks exchange to plan the writes."""
-    return [(k, str(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for k, t in flat.items()]
+    os.replace(tmp, directory / DCP_METADATA)
+    return {"size": len(data), "checksum": format_crc(crc32(data))}
 
 
 def write_share(
-    flat: Mapping[str, torch.Tensor], owner: Mapping[str, int], directory: Path, rank: int, threads: int | None = None
+    flat: Mapping[str, torch.Tensor], keys: list[str], directory: Path, rank: int, threads: int | None = None
 ) -> WriteOutcome:
-    """Write the tensors this rank owns into ``__<rank>_0.distcp`` (nothing when it owns none)."""
-    mine = [(k, t) for k, t in flat.items() if owner.get(k) == rank]
+    """Write ``keys`` of ``flat`` (this rank's share) into ``__<rank>_0.distcp`` (nothing when there are none)."""
     out = WriteOutcome()
-    if not mine:
+    if not keys:
         return out
-    name = f"__{rank}_0.distcp"
-    entries, record = write_file(directory / name, mine, threads=threads or default_threads())
+    name = data_file_name(rank)
+    entries, record = write_file(directory / name, [(k, flat[k]) for k in keys], threads=threads or default_threads())
     out.files[name] = record
     out.entries = [(k, name, off, length) for k, off, length in entries]
     out.bytes_written = record["size"]
+    return out
+
+
+def write_state(flat: Mapping[str, torch.Tensor], directory: str | os.PathLike, threads: int | None = None) -> WriteOutcome:
+    """Single-process helper: write every tensor of ``flat`` and ``.metadata`` into ``directory``."""
+    directory = Path(directory)
+    out = write_share(flat, list(flat), directory, 0, threads=threads)
+    meta = build_metadata({k: (t.dtype, tuple(t.shape)) for k, t in flat.items()}, out.entries, directory)
+    out.files[DCP_METADATA] = write_metadata(directory, meta)
     return out

@@ -6,7 +6,7 @@ metadata, no byte items, checksums of the files read) on a directory or an archi
 
 Example:
     >>> import tempfile, torch, torchrl_dcp as tdcp
-    >>> from torchrl_dcp.reading import read_component
+    >>> from torchrl_dcp.extract import read_component
     >>> path = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(2, 1)).save(tempfile.mkdtemp() + "/c")
     >>> sorted(read_component(path, "policy"))
     ['bias', 'weight']
@@ -32,7 +32,8 @@ BATCH_BYTES = 256 << 20
 
 
 def as_source(path: str | os.PathLike | CheckpointSource) -> CheckpointSource:
-    return path if hasattr(path, "storage_reader") else open_source(path)  # type: ignore[return-value]
+    """``path`` opened as a :class:`CheckpointSource` (a source is returned as it is)."""
+    return path if isinstance(path, CheckpointSource) else open_source(path)
 
 
 def read_tensors(

@@ -10,34 +10,35 @@ Example:
 from __future__ import annotations
 
 import os
-import sys
-import types
 from typing import Any
 
 from torchrl_dcp.codec import tensor_specs
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
-from torchrl_dcp.manifest import MANIFEST, component_inventory
+from torchrl_dcp.manifest import component_inventory
 from torchrl_dcp.placement import key_prefix
-from torchrl_dcp.storage.filesystem import DCP_METADATA
-from torchrl_dcp.storage.source import open_source
+from torchrl_dcp.storage.container import open_regular
+from torchrl_dcp.storage.layout import DCP_METADATA, MANIFEST
+from torchrl_dcp.storage.source import CheckpointSource, open_source
 
 
-def _check_blob_headers(src: Any, metadata: Any) -> None:
+def _check_blob_headers(src: CheckpointSource, metadata: Any) -> None:
     """Each tensor's byte range starts with a ZIP local header (every tensor is a ``torch.save`` blob)."""
-    reader = src.storage_reader()
     by_file: dict[str, list[tuple[int, str]]] = {}
     for index, info in metadata.storage_data.items():
         by_file.setdefault(info.relative_path, []).append((info.offset, index.fqn))
     for rel, items in sorted(by_file.items()):
-        with reader.fs.create_stream(reader.fs.concat_path(reader.path, rel), "rb") as f:
+        span = src.container.byte_range(rel)
+        fd = open_regular(span.path, span.where)
+        try:
             for offset, key in sorted(items):
-                f.seek(offset)
-                if f.read(4) != b"PK\x03\x04":
+                if os.pread(fd, 4, span.base + offset) != b"PK\x03\x04":
                     raise CheckpointIntegrityError(
                         f"tensor {key!r} at byte {offset} is not a torch.save blob: the file is inconsistent with "
                         "DCP's metadata (damaged or forged)",
-                        path=src.path / rel,
+                        path=span.where,
                     )
+        finally:
+            os.close(fd)
 
 
 def verify(path: str | os.PathLike) -> dict[str, Any]:
@@ -89,14 +90,3 @@ def verify(path: str | os.PathLike) -> dict[str, Any]:
         "bytes": sum(f["size"] for f in manifest["files"].values()),
         "tensors": tensors,
     }
-
-
-class _CallableModule(types.ModuleType):
-    """``tdcp.verify(path)`` works even where ``import torchrl_dcp.verify`` has bound the package attribute
-    ``verify`` to this module instead of the function (the lazy export and the module share the name)."""
-
-    def __call__(self, path: str | os.PathLike) -> dict[str, Any]:
-        return verify(path)
-
-
-sys.modules[__name__].__class__ = _CallableModule

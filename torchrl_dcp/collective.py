@@ -1,0 +1,90 @@
+"""Collective steps: run a step on every rank, gather the outcome, raise the same error everywhere.
+
+Every step of a save or load that can fail on one rank goes through :func:`run_step`
+(every rank runs it) or :func:`run_on_coordinator` (rank 0 runs it, the others wait
+for its outcome). When any rank fails, every rank raises: the failing rank its own
+error (a :class:`CheckpointError`, or one wrapping what was raised), the others a
+:class:`CollectiveError` naming the failed rank, the step and the error. The outcome
+travels over the checkpoint's own gloo group (``_dist``); only our own status
+tuples are exchanged, never checkpoint content.
+
+Example (one process: a world of one):
+    >>> from torchrl_dcp.collective import run_step
+    >>> run_step(None, "counting", lambda: 3)
+    [3]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from torchrl_dcp import _dist
+from torchrl_dcp.errors import CheckpointError, CollectiveError
+
+T = TypeVar("T")
+Status = tuple[str, str, "str | None"]
+
+
+def error_status(error: BaseException | None) -> Status | None:
+    """What other ranks learn of a failure: ``(type name, message, path)``, or ``None`` for success."""
+    if error is None:
+        return None
+    return (type(error).__name__, getattr(error, "message", None) or str(error), getattr(error, "path", None))
+
+
+def as_checkpoint_error(error: BaseException, phase: str) -> BaseException:
+    """``error`` itself when it is a :class:`CheckpointError` (or not an ``Exception``), else one wrapping it."""
+    if isinstance(error, CheckpointError) or not isinstance(error, Exception):
+        return error
+    wrapped = CheckpointError(f"{phase} failed: {type(error).__name__}: {error}")
+    wrapped.__cause__ = error
+    return wrapped
+
+
+def raise_if_failed(statuses: list[Status | None], phase: str, own: BaseException | None) -> None:
+    """Raise on every rank if any rank failed: a rank re-raises its own error, the others name the first failed rank."""
+    if own is not None:
+        raise as_checkpoint_error(own, phase)
+    for rank, status in enumerate(statuses):
+        if status is not None:
+            kind, message, path = status
+            raise CollectiveError(f"rank {rank} failed while {phase}: {kind}: {message}", path=path)
+
+
+def run_step(group: Any, phase: str, fn: Callable[[], T], *, fallback: Any = None) -> list[T]:
+    """Run ``fn()`` on this rank, gather every rank's result, raise everywhere if any rank failed.
+
+    Returns every rank's result, in rank order. ``fallback`` stands for this rank's
+    result when it failed (what the others receive before everyone raises).
+    """
+    error: BaseException | None = None
+    try:
+        value: Any = fn()
+    except BaseException as err:  # reported to every rank below, then re-raised here
+        value, error = fallback, err
+    gathered = _dist.all_gather((error_status(error), value), group, phase)
+    raise_if_failed([status for status, _ in gathered], phase, error)
+    return [v for _, v in gathered]
+
+
+def run_on_coordinator(group: Any, phase: str, fn: Callable[[], T], *, rank: int | None = None) -> T | None:
+    """Run ``fn()`` on rank 0 only; every rank raises if it failed. Returns rank 0's result (``None`` elsewhere)."""
+    me = _dist.rank() if rank is None else rank
+    results = run_step(group, phase, fn if me == 0 else (lambda: None))
+    return results[0] if me == 0 else None
+
+
+def broadcast_step(group: Any, phase: str, fn: Callable[[], T], *, rank: int | None = None) -> T:
+    """Run ``fn()`` on rank 0 and hand its result to every rank; every rank raises if it failed."""
+    me = _dist.rank() if rank is None else rank
+    error: BaseException | None = None
+    value: Any = None
+    if me == 0:
+        try:
+            value = fn()
+        except BaseException as err:
+            error = err
+    status, value = _dist.broadcast_from_0((error_status(error), value), group, phase)
+    raise_if_failed([status], phase, error)
+    return value

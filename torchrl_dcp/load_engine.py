@@ -1,0 +1,323 @@
+"""The phases of a load: open → manifest → plan → verify → read → restore. Nothing changes before restore.
+
+1. **open** the container (directory or ZIP archive) at the path;
+2. **read and validate** the manifest (migrations of older formats included);
+3. **plan** every requested component (:mod:`torchrl_dcp.load_plan`): versions,
+   placements, resharding and capacity, dtype/shape, destinations; each object's
+   rollback snapshot is taken here;
+4. **verify** the bytes that will be read (CRC-32 of the files, before anything is
+   read into a live object; files read into fresh buffers are checked while read);
+5. **read** every tensor into fresh buffers (collective);
+6. **restore** every component from its decoded state, RNG-like ones last; then read
+   the tensors adapters asked to receive in place (replay-buffer storages) and
+   restore those components.
+
+Every phase up to 5 is collective through :mod:`torchrl_dcp.collective`: a failure on
+any rank raises on every rank, and no object has changed. A failure while restoring
+(on any rank) rolls every restored component back to its snapshot, on every rank.
+The one thing a failure can leave is what the final in-place read had already
+written into live tensors (the rows of a replay-buffer storage); the error says so.
+
+Example (one process):
+    >>> import tempfile, torch, torchrl_dcp as tdcp
+    >>> policy = torch.nn.Linear(2, 2)
+    >>> path = tdcp.DistributedCheckpoint(policy=policy).save(tempfile.mkdtemp() + "/c")
+    >>> fresh = torch.nn.Linear(2, 2)
+    >>> sorted(tdcp.DistributedCheckpoint(policy=fresh).load(path).loaded)
+    ['policy']
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from torchrl_dcp import _dist
+from torchrl_dcp.collective import error_status, raise_if_failed, run_step
+from torchrl_dcp.errors import CheckpointError, CheckpointIntegrityError, CollectiveError, IncompatibleComponentError
+from torchrl_dcp.load_plan import ComponentPlan, LoadPlan, Registered, decode_states, plan_components, rollback_one
+from torchrl_dcp.manifest import library_versions
+from torchrl_dcp.planner import SafeLoadPlanner
+from torchrl_dcp.save_engine import quiet_single_process, summarize
+from torchrl_dcp.storage.source import CheckpointSource, open_source
+
+logger = logging.getLogger("torchrl_dcp")
+Strictness = Literal["error", "warn", "ignore"]
+
+
+@dataclass
+class LoadResult:
+    """What a load did, component by component (as ``torchrl.checkpoint.CheckpointLoadResult``).
+
+    Attributes:
+        loaded: components restored.
+        missing: requested components the checkpoint does not hold.
+        incompatible: components that could not be restored, with the reason.
+        unrequested: components in the checkpoint that were not requested.
+        values: what adapters returned (e.g. JSON values).
+        manifest: the checkpoint's manifest.
+        comparison: ``{"versions": {lib: {checkpoint, runtime, matches}}, "version_skew": bool}``.
+        path: the checkpoint that was read.
+    """
+
+    loaded: set[str] = field(default_factory=set)
+    missing: set[str] = field(default_factory=set)
+    incompatible: dict[str, str] = field(default_factory=dict)
+    unrequested: set[str] = field(default_factory=set)
+    values: dict[str, Any] = field(default_factory=dict)
+    manifest: dict[str, Any] = field(default_factory=dict)
+    comparison: dict[str, Any] = field(default_factory=dict)
+    path: Path | None = None
+
+    @property
+    def step(self) -> int | None:
+        return self.manifest.get("step")
+
+    @property
+    def version_skew(self) -> bool:
+        return bool(self.comparison.get("version_skew"))
+
+
+@dataclass
+class LoadRequest:
+    """What the caller asked for."""
+
+    path: Path
+    requested: list[str]
+    registered: Mapping[str, Registered]
+    strict: Strictness
+    reshard: bool
+    verify: bool
+    group: Any
+    rank: int
+    world_size: int
+
+
+# ---------------------------------------------------------------------- phases 1-4
+def prepare(request: LoadRequest, result: LoadResult) -> tuple[CheckpointSource, LoadPlan]:
+    """Open, read the manifest, plan every component, verify the bytes (collective; nothing changes)."""
+    found: dict[str, Any] = {}
+
+    def local() -> None:
+        src = found["src"] = open_source(request.path)  # 1. open
+        manifest = src.manifest()  # 2. read and validate
+        result.manifest = manifest
+        result.comparison = compare_versions(manifest["versions"])
+        if result.version_skew:
+            logger.warning("checkpoint %s was saved with other library versions: %s", request.path, skew_text(result))
+        saved = manifest["components"]
+        result.missing = {n for n in request.requested if n not in saved}
+        result.unrequested = set(saved) - set(request.requested)
+        metadata = src.dcp_metadata()
+        found["plan"] = plan_components(  # 3. plan
+            manifest,
+            request.requested,
+            request.registered,
+            rank=request.rank,
+            world_size=request.world_size,
+            reshard_allowed=request.reshard,
+            metadata=metadata,
+            incompatible=result.incompatible,
+            source=request.path,
+        )
+        report_issues(result, request.strict, request.path)
+        verify_bytes(src, found["plan"], request.verify, metadata)  # 4. verify
+
+    try:
+        run_step(request.group, "validating the checkpoint", local)
+    except BaseException:
+        if "plan" in found:  # this rank planned (and may have allocated lazily built storages): undo it
+            rollback(list(found["plan"].components.values()))
+        raise
+    return found["src"], found["plan"]
+
+
+def verify_bytes(src: CheckpointSource, load_plan: LoadPlan, verify: bool, metadata: Any) -> None:
+    """Checksum now every file that holds tensors read into live objects; the others are checked while read."""
+    if metadata is None or not verify:
+        src.check(False)
+        return
+    needed_live = files_for(metadata, load_plan.live)
+    src.check(needed_live)
+    load_plan.verify_inline = files_for(metadata, load_plan.fresh) - needed_live
+
+
+def files_for(metadata: Any, flat: Mapping[str, torch.Tensor]) -> set[str]:
+    """The data files that hold any of ``flat``'s keys."""
+    keys = set(flat)
+    return {info.relative_path for index, info in metadata.storage_data.items() if index.fqn in keys}
+
+
+# ---------------------------------------------------------------------- phase 5: read
+def read(src: CheckpointSource, request: LoadRequest, tensors: dict[str, torch.Tensor], verify: set[str], result: LoadResult) -> None:
+    """Every rank reads its tensors (collective, even with nothing to read)."""
+    try:
+        with quiet_single_process():
+            dcp.load(
+                tensors,
+                storage_reader=src.storage_reader(verify=verify),
+                planner=SafeLoadPlanner(),
+                process_group=request.group,
+                no_dist=request.group is None,
+            )
+    except CheckpointException as err:
+        for failure in (getattr(err, "failures", None) or {}).values():  # a file failed its checksum: say so
+            exc = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(exc, CheckpointIntegrityError):
+                raise CheckpointIntegrityError(exc.message, path=exc.path, result=result) from None
+        raise CollectiveError(f"DCP load failed: {summarize(err)}", path=request.path, result=result) from None
+
+
+# ---------------------------------------------------------------------- phase 6: restore
+def restore(src: CheckpointSource, request: LoadRequest, load_plan: LoadPlan, result: LoadResult) -> None:
+    """Restore every component; on any rank's failure (strict='error') every rank rolls back and raises."""
+    order = sorted(load_plan.components.values(), key=lambda c: (c.restore_last, c.in_place))
+    first = [c for c in order if not c.in_place and not c.restore_last]
+    in_place = [c for c in order if c.in_place and not c.restore_last]
+    last = [c for c in order if c.restore_last]
+    done: list[ComponentPlan] = []
+
+    failure = _restore_all(first, load_plan, request, result, done)
+    statuses = _dist.all_gather(error_status(failure), request.group, "restoring components")
+    if any(s is not None for s in statuses):
+        _fail(done, statuses, failure, "restoring components", result)
+    if load_plan.live or request.group is not None:
+        try:
+            read(src, request, load_plan.live, set(), result)
+        except BaseException as err:
+            _rollback_and_raise(done, err, in_place, result)
+    failure = _restore_all(in_place + last, load_plan, request, result, done)
+    statuses = _dist.all_gather(error_status(failure), request.group, "restoring components")
+    if any(s is not None for s in statuses):
+        _fail(done, statuses, failure, "restoring components", result, partial=in_place)
+
+
+def _restore_all(
+    comps: list[ComponentPlan], load_plan: LoadPlan, request: LoadRequest, result: LoadResult, done: list[ComponentPlan]
+) -> BaseException | None:
+    for comp in comps:
+        try:
+            states = decode_states(comp, load_plan, request.rank)
+            if comp.reshard:
+                value = comp.adapter.reshard(comp.value, states, comp.ctx)
+            else:
+                value = comp.adapter.restore(comp.value, states[comp.ctx.source_rank], comp.ctx)
+        except Exception as err:
+            problem = rollback_one(comp)
+            why = f"{type(err).__name__}: {err}"
+            result.incompatible[comp.name] = why
+            if request.strict == "error":
+                message = f"component {comp.name!r} could not be restored ({why})"
+                if problem:
+                    message += f"; could not roll back {problem}"
+                error = IncompatibleComponentError(message, path=request.path, result=result)
+                error.__cause__ = err
+                return error
+            if request.strict == "warn":
+                warnings.warn(f"{request.path}: component {comp.name!r} could not be restored: {err}", stacklevel=4)
+            continue
+        done.append(comp)
+        result.loaded.add(comp.name)
+        if value is not None:
+            result.values[comp.name] = value
+    return None
+
+
+def rollback(comps: list[ComponentPlan]) -> list[str]:
+    """Roll ``comps`` back, newest first; returns what could not be rolled back."""
+    return [p for p in (rollback_one(c) for c in reversed(comps)) if p]
+
+
+def _fail(
+    done: list[ComponentPlan],
+    statuses: list[Any],
+    own: BaseException | None,
+    phase: str,
+    result: LoadResult,
+    partial: list[ComponentPlan] = (),  # type: ignore[assignment]
+) -> None:
+    problems = rollback(done)
+    result.loaded.clear()
+    result.values.clear()
+    try:
+        raise_if_failed(statuses, phase, own)
+    except CheckpointError as err:
+        err.result = result
+        notes = []
+        if problems:
+            notes.append(f"could not roll back {', '.join(problems)}")
+        if partial:
+            notes.append(f"rows read in place into {sorted(c.name for c in partial)} keep the loaded values")
+        if notes:
+            err.message += "; " + "; ".join(notes)
+            err.args = (f"{err.path}: {err.message}" if err.path else err.message,)
+        raise
+
+
+def _rollback_and_raise(done: list[ComponentPlan], err: BaseException, partial: list[ComponentPlan], result: LoadResult) -> None:
+    problems = rollback(done + partial)
+    result.loaded.clear()
+    result.values.clear()
+    note = f"; the components restored before it were rolled back; tensors of {sorted(c.name for c in partial)} may hold partly loaded values"
+    if problems:
+        note += f"; could not roll back {', '.join(problems)}"
+    if isinstance(err, CheckpointError):
+        err.message += note
+        err.args = (f"{err.path}: {err.message}" if err.path else err.message,)
+        err.result = result
+    raise err
+
+
+# ---------------------------------------------------------------------- reporting
+def report_issues(result: LoadResult, strict: str, source: Path) -> None:
+    """Missing or incompatible requested components: raise (strict='error'), warn, or only record them."""
+    if not (result.missing or result.incompatible):
+        return
+    problems = [f"missing {sorted(result.missing)}"] if result.missing else []
+    problems += [f"{n}: {why}" for n, why in sorted(result.incompatible.items())]
+    text = "; ".join(problems)
+    if strict == "error":
+        raise IncompatibleComponentError(
+            f"cannot load the requested components ({text}); pass components=[...] to choose, or strict='warn'",
+            path=source,
+            result=result,
+        )
+    if strict == "warn":
+        warnings.warn(f"{source}: {text}", stacklevel=5)
+
+
+def compare_versions(saved: Mapping[str, Any]) -> dict[str, Any]:
+    runtime = library_versions()
+    versions = {
+        lib: {"checkpoint": saved.get(lib), "runtime": now, "matches": saved.get(lib) == now}
+        for lib, now in runtime.items()
+        if isinstance(saved.get(lib), str)
+    }
+    return {"versions": versions, "version_skew": any(not v["matches"] for v in versions.values())}
+
+
+def skew_text(result: LoadResult) -> str:
+    return ", ".join(
+        f"{lib} {v['checkpoint']} -> {v['runtime']}" for lib, v in result.comparison["versions"].items() if not v["matches"]
+    )
+
+
+def load(request: LoadRequest) -> LoadResult:
+    """All phases, in order (collective)."""
+    result = LoadResult(path=request.path)
+    src, load_plan = prepare(request, result)
+    try:
+        read(src, request, load_plan.fresh, load_plan.verify_inline, result)  # 5. read
+    except BaseException:
+        rollback(list(load_plan.components.values()))
+        raise
+    restore(src, request, load_plan, result)  # 6. restore
+    return result

@@ -1,0 +1,324 @@
+"""Planning a load: for every requested component, what to read, from which saved ranks, into which tensors.
+
+:func:`plan_components` runs every check that can fail before anything changes:
+adapter and payload versions (migrations), placements, world-size changes (can the
+adapter reshard, does this rank have the capacity), references to other
+components' tensors, and the destination of every tensor (dtype, shape, device,
+bytes actually backed by the file). It takes each component's rollback snapshot
+*before* asking adapters for in-place destinations (which may allocate a lazily
+built storage), so a load that fails later can put every object back as it was.
+
+Example (one process):
+    >>> import tempfile, torch, torchrl_dcp as tdcp
+    >>> from torchrl_dcp.load_plan import ComponentPlan
+    >>> ComponentPlan.__dataclass_fields__.keys() >= {"name", "sources", "reshard", "in_place"}
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from torchrl_dcp.adapters import Adapter, AdapterContext
+from torchrl_dcp.codec import TensorSpec, decode, encode, is_dtensor, tensor_specs, xref_key, xrefs
+from torchrl_dcp.errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointIntegrityError,
+    IncompatibleComponentError,
+    WorldSizeMismatchError,
+)
+from torchrl_dcp.manifest import migrate_component
+from torchrl_dcp.placement import Placement, key_prefix
+
+
+@dataclass
+class SavedState:
+    """One saved state of a component: its skeleton and the DCP key prefix of its tensors."""
+
+    skeleton: Any
+    prefix: str
+
+
+@dataclass
+class ComponentPlan:
+    """How one component is loaded on this rank."""
+
+    name: str
+    value: Any
+    adapter: Adapter
+    ctx: AdapterContext
+    sources: dict[int, SavedState]  # saved rank -> its state (one entry unless resharding)
+    reshard: bool
+    in_place: bool = False  # tensors read straight into the live object (adapter destinations)
+    snapshot: Any = None
+    has_snapshot: bool = False
+
+    @property
+    def restore_last(self) -> bool:
+        return bool(getattr(self.adapter, "restore_last", False))
+
+
+@dataclass
+class LoadPlan:
+    """Every component's plan and every destination tensor, by DCP key."""
+
+    components: dict[str, ComponentPlan] = field(default_factory=dict)
+    fresh: dict[str, torch.Tensor] = field(default_factory=dict)  # new buffers, read before anything changes
+    live: dict[str, torch.Tensor] = field(default_factory=dict)  # live objects' tensors, read in the final phase
+    verify_inline: set[str] = field(default_factory=set)  # files checksummed while read into fresh buffers
+
+    def destination(self, key: str) -> torch.Tensor:
+        found = self.fresh.get(key)
+        return self.live[key] if found is None else found
+
+
+@dataclass
+class Registered:
+    """What the checkpoint knows of a registered component."""
+
+    value: Any
+    adapter: Adapter | None  # None: no adapter for its type
+    placement: Placement
+    make_ctx: Callable[..., AdapterContext]
+    adapter_error: str = ""
+
+
+def plan_components(
+    manifest: Mapping[str, Any],
+    requested: list[str],
+    registered: Mapping[str, Registered],
+    *,
+    rank: int,
+    world_size: int,
+    reshard_allowed: bool,
+    metadata: Any,
+    incompatible: dict[str, str],
+    source: Any,
+) -> LoadPlan:
+    """Plan every requested component the checkpoint holds; incompatibilities go to ``incompatible``.
+
+    Raises:
+        WorldSizeMismatchError: per-rank state saved by another number of ranks that may not be resharded.
+        CheckpointFormatError: the manifest contradicts itself or DCP's metadata.
+    """
+    load_plan = LoadPlan()
+    saved = manifest["components"]
+    for name in requested:
+        if name not in saved:
+            continue
+        reg = registered[name]
+        rec = _compatible_record(name, saved[name], reg, incompatible, source)
+        if rec is None:
+            continue
+        assert reg.adapter is not None
+        reshard = rec["placement"] == "per_rank" and manifest["world_size"] != world_size
+        if reshard and not (reshard_allowed and reg.adapter.can_reshard):
+            why = (
+                "pass world_size_change='reshard' to redistribute it"
+                if reg.adapter.can_reshard
+                else f"its adapter {reg.adapter.adapter_id!r} cannot be resharded"
+            )
+            raise WorldSizeMismatchError(
+                f"component {name!r} is per_rank and was saved by {manifest['world_size']} ranks, this job has "
+                f"{world_size}: {why}; or load only replicated components (components=...), or resume with "
+                f"{manifest['world_size']} ranks",
+                path=source,
+            )
+        ctx = reg.make_ctx(saved_world_size=manifest["world_size"])
+        comp = ComponentPlan(name, reg.value, reg.adapter, ctx, {}, reshard)
+        try:
+            comp.sources = _sources(comp, rec, rank, manifest["world_size"])
+            views = {r: planning_view(s.skeleton) for r, s in comp.sources.items()}
+            reg.adapter.validate(reg.value, views, ctx)
+            _take_snapshot(comp)
+            _destinations(comp, views, load_plan, metadata, source)
+        except CheckpointFormatError:
+            raise
+        except Exception as err:
+            rollback_one(comp)
+            incompatible[name] = f"cannot be loaded: {_text(err)}"
+            continue
+        _references(comp, saved, load_plan, rank, metadata, source)
+        load_plan.components[name] = comp
+    return load_plan
+
+
+def _text(err: BaseException) -> str:
+    return err.message if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
+
+
+def _compatible_record(
+    name: str, rec: dict[str, Any], reg: Registered, incompatible: dict[str, str], source: Any
+) -> dict[str, Any] | None:
+    adapter = reg.adapter
+    if adapter is None:
+        incompatible[name] = reg.adapter_error
+        return None
+    if rec["adapter"] == adapter.adapter_id and rec["adapter_version"] != adapter.version:
+        try:  # upgrade an older payload through registered migrations (docs/migrations.md)
+            rec = migrate_component(name, rec, adapter.version, source)
+        except CheckpointError as err:
+            incompatible[name] = err.message
+            return None
+    if rec["adapter"] != adapter.adapter_id or rec["adapter_version"] != adapter.version:
+        incompatible[name] = (
+            f"saved with adapter {rec['adapter']!r} v{rec['adapter_version']}, "
+            f"the registered object uses {adapter.adapter_id!r} v{adapter.version}"
+        )
+        return None
+    if rec["placement"] != reg.placement:
+        incompatible[name] = f"saved as {rec['placement']!r}, registered as {reg.placement!r}"
+        return None
+    return rec
+
+
+def _sources(comp: ComponentPlan, rec: dict[str, Any], rank: int, saved_world: int) -> dict[int, SavedState]:
+    """Which saved states this rank reads: ``{source_rank: SavedState}``."""
+    placement = rec["placement"]
+    if placement != "per_rank":
+        comp.ctx.source_rank = rank
+        return {rank: SavedState(rec["state"], key_prefix(placement, comp.name, rank))}
+    if not comp.reshard:
+        comp.ctx.source_rank = rank
+        return {rank: SavedState(rec["ranks"][str(rank)]["state"], key_prefix("per_rank", comp.name, rank))}
+    skeletons = {r: rec["ranks"][str(r)]["state"] for r in range(saved_world)}
+    wanted = comp.adapter.reshard_sources({r: planning_view(sk) for r, sk in skeletons.items()}, comp.ctx)
+    bad = [r for r in wanted if r not in skeletons]
+    if bad:
+        raise IncompatibleComponentError(f"component {comp.name!r}: adapter asked for saved ranks {bad} that do not exist")
+    comp.ctx.source_rank = wanted[0] if wanted else None
+    return {r: SavedState(skeletons[r], key_prefix("per_rank", comp.name, r)) for r in wanted}
+
+
+def _destinations(comp: ComponentPlan, views: dict[int, Any], plan: LoadPlan, metadata: Any, source: Any) -> None:
+    """Allocate (or take from the adapter) a destination for every tensor the component's saved states hold."""
+    live_state: dict[str, Any] | None = None
+    for src_rank, state in comp.sources.items():
+        given = None if comp.reshard else comp.adapter.destinations(comp.value, views[src_rank], comp.ctx)
+        for spec in tensor_specs(state.skeleton):
+            key = f"{state.prefix}/{spec.key}"
+            check_backed(metadata, key, spec, source)
+            dest = (given or {}).get(spec.key)
+            if dest is not None:
+                _check_destination(comp.name, spec, dest)
+                plan.live[key] = dest
+                comp.in_place = True
+                continue
+            if spec.dtensor:
+                if live_state is None:
+                    live_state = encode(comp.adapter.state(comp.value, comp.ctx), where=comp.name)[1]
+                if spec.key not in live_state or not is_dtensor(live_state[spec.key]):
+                    raise IncompatibleComponentError(f"no live DTensor for sharded tensor {spec.key!r}")
+                dest = torch.empty_like(live_state[spec.key])
+            else:
+                dest = spec.empty(comp.ctx.device_for(spec.device))
+            plan.fresh[key] = dest
+
+
+def _check_destination(name: str, spec: TensorSpec, dest: torch.Tensor) -> None:
+    if dest.dtype != spec.dtype or tuple(dest.shape) != spec.shape:
+        raise IncompatibleComponentError(
+            f"component {name!r}: tensor {spec.key!r} was saved as {spec.dtype} {spec.shape}, its destination is "
+            f"{dest.dtype} {tuple(dest.shape)}"
+        )
+
+
+def check_backed(metadata: Any, key: str, spec: TensorSpec, source: Any) -> None:
+    """The DCP metadata holds ``key`` with the manifest's dtype and shape, in records large enough for its bytes.
+
+    Checked before the destination is allocated: a forged manifest cannot make a load
+    allocate more memory than the checkpoint's files hold.
+    """
+    saved = None if metadata is None else metadata.state_dict_metadata.get(key)
+    props = getattr(saved, "properties", None)
+    if saved is None or props is None:
+        raise CheckpointFormatError(f"tensor {key!r} of the manifest is absent from DCP's metadata", path=source)
+    if props.dtype != spec.dtype or tuple(saved.size) != spec.shape:
+        raise CheckpointFormatError(
+            f"tensor {key!r} is {spec.dtype} {spec.shape} in the manifest but {props.dtype} {tuple(saved.size)} in "
+            "DCP's metadata: the checkpoint is inconsistent or forged",
+            path=source,
+        )
+    if spec.dtensor:
+        return  # sharded: its chunks are checked by DCP's planner against the live shards
+    nbytes = math.prod(spec.shape) * spec.dtype.itemsize
+    backed = sum(
+        info.length for index, info in metadata.storage_data.items() if index.fqn == key
+    ) if len(saved.chunks) != 1 else _record_length(metadata, key, saved.chunks[0])
+    if backed < nbytes:
+        raise CheckpointIntegrityError(
+            f"tensor {key!r} claims {nbytes} bytes but its records hold {backed}: the checkpoint is damaged or forged",
+            path=source,
+        )
+
+
+def _record_length(metadata: Any, key: str, chunk: Any) -> int:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    info = metadata.storage_data.get(MetadataIndex(key, chunk.offsets, 0))
+    if info is None:
+        info = next((i for idx, i in metadata.storage_data.items() if idx.fqn == key), None)
+    return 0 if info is None else int(info.length)
+
+
+def _references(
+    comp: ComponentPlan, saved: Mapping[str, Any], plan: LoadPlan, rank: int, metadata: Any, source: Any
+) -> None:
+    """Tensors shared with a replicated component (stored once, as references) get a destination too."""
+    for state in comp.sources.values():
+        for ref_name, spec in xrefs(state.skeleton):
+            ref = saved.get(ref_name)
+            if ref is None or ref["placement"] != "replicated":
+                raise CheckpointFormatError(
+                    f"component {comp.name!r} refers to tensors of {ref_name!r}, which is not a replicated "
+                    "component of this checkpoint",
+                    path=source,
+                )
+            ref_key = f"{key_prefix('replicated', ref_name, rank)}/{spec.key}"
+            if ref_key not in plan.fresh and ref_key not in plan.live:
+                check_backed(metadata, ref_key, spec, source)
+                plan.fresh[ref_key] = spec.empty(comp.ctx.device_for(spec.device))
+
+
+def decode_states(comp: ComponentPlan, plan: LoadPlan, rank: int) -> dict[int, Any]:
+    """The component's saved states with their tensors (the destinations, read or about to be read)."""
+    states = {}
+    for src_rank, state in comp.sources.items():
+        tensors = {spec.key: plan.destination(f"{state.prefix}/{spec.key}") for spec in tensor_specs(state.skeleton)}
+        for ref_name, spec in xrefs(state.skeleton):
+            tensors[xref_key(ref_name, spec.key)] = plan.destination(f"{key_prefix('replicated', ref_name, rank)}/{spec.key}")
+        states[src_rank] = decode(state.skeleton, tensors)
+    return states
+
+
+def planning_view(skeleton: Any) -> Any:
+    """The saved state with every tensor replaced by its TensorSpec (what adapters plan from)."""
+    placeholders: dict[str, Any] = {spec.key: spec for spec in tensor_specs(skeleton)}
+    placeholders.update({xref_key(ref, spec.key): spec for ref, spec in xrefs(skeleton)})
+    return decode(skeleton, placeholders)
+
+
+# ---------------------------------------------------------------------- snapshots
+def _take_snapshot(comp: ComponentPlan) -> None:
+    try:
+        comp.snapshot = comp.adapter.snapshot(comp.value, comp.ctx)
+        comp.has_snapshot = True
+    except Exception:  # e.g. an object whose state() fails before its first use: nothing to roll back to
+        comp.snapshot, comp.has_snapshot = None, False
+
+
+def rollback_one(comp: ComponentPlan) -> str | None:
+    """Put ``comp``'s object back as it was before the load; returns a problem, or ``None``."""
+    if not comp.has_snapshot:
+        return f"{comp.name!r} (its state could not be captured before the load)"
+    try:
+        comp.adapter.rollback(comp.value, comp.snapshot, comp.ctx)
+    except Exception as err:
+        return f"{comp.name!r} ({type(err).__name__}: {err})"
+    return None

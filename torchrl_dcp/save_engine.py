@@ -1,0 +1,387 @@
+"""The steps of a save: encode → plan writes → write → commit.
+
+- :func:`encode` (every rank, locally): each component's adapter state is split into
+  a JSON skeleton and tensors under their DCP keys; the tensor inventory of each
+  component is computed here, once.
+- :func:`plan` (collective): ranks exchange what they hold and compute the same
+  :class:`~torchrl_dcp.planner.WritePlan` (who writes which key).
+- :func:`write` (collective): rank 0 prepares a staging directory beside the
+  destination (holding the destination's lock), then every rank writes its share at
+  once through one :class:`StateWriter`: ours (:class:`FastStateWriter`) or DCP's
+  (:class:`DCPStateWriter`, for DTensor state), both returning a
+  :class:`~torchrl_dcp.storage.writer.WriteOutcome`.
+- :func:`commit` (collective): rank 0 gathers every rank's files and per-rank
+  records, writes DCP's ``.metadata`` (our writer), then ``manifest.json`` last, and
+  publishes the directory atomically; every rank learns the outcome.
+
+A failure at any step raises on every rank (:mod:`torchrl_dcp.collective`); nothing
+is published, and the previous checkpoint at the destination stays intact.
+
+Example (one process):
+    >>> import tempfile, torch
+    >>> from torchrl_dcp.adapters import AdapterContext, ModuleAdapter
+    >>> from torchrl_dcp.save_engine import EncodeItem, encode
+    >>> item = EncodeItem("policy", torch.nn.Linear(2, 1), ModuleAdapter(), "replicated", AdapterContext("policy"))
+    >>> encoded = encode([item], rank=0)
+    >>> sorted(encoded.flat), encoded.records["policy"].num_tensors
+    (['replicated/policy/bias', 'replicated/policy/weight'], 2)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import math
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from torchrl_dcp import _dist
+from torchrl_dcp._gc import gc_paused
+from torchrl_dcp.adapters import Adapter, AdapterContext
+from torchrl_dcp.codec import dtype_name, encode as encode_value, is_dtensor, tensor_identity
+from torchrl_dcp.collective import broadcast_step, error_status, raise_if_failed, run_step
+from torchrl_dcp.errors import CheckpointError, CollectiveError, EncodingError
+from torchrl_dcp.manifest import dumps, new_manifest
+from torchrl_dcp.placement import Placement, key_prefix
+from torchrl_dcp.planner import SavePlanner, WritePlan, plan_writes, tensor_infos
+from torchrl_dcp.storage.checksums import file_record
+from torchrl_dcp.storage.commit import (
+    DestinationLock,
+    publish,
+    remove_tree,
+    stale_entries,
+    staging_path,
+    sweep_stale_locks,
+    write_file_durably,
+)
+from torchrl_dcp.storage.container import DirectoryContainer
+from torchrl_dcp.storage.filesystem import make_writer
+from torchrl_dcp.storage.layout import DCP_METADATA, MANIFEST
+from torchrl_dcp.storage.writer import WriteOutcome, build_metadata, write_metadata, write_share
+
+logger = logging.getLogger("torchrl_dcp")
+_DTYPES = {str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+
+
+# ---------------------------------------------------------------------- records
+@dataclass
+class ComponentRecord:
+    """One component as encoded on this rank: what the manifest records of it (this rank's part)."""
+
+    adapter: str
+    adapter_version: int
+    placement: Placement
+    state: Any  # JSON skeleton (this rank's, for per_rank components)
+    inventory: dict[str, dict[str, Any]]  # {dcp_key: {"dtype", "shape"}} of this rank's tensors
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.inventory)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(t["shape"]) * _DTYPES[f"torch.{t['dtype']}"].itemsize for t in self.inventory.values())
+
+    def manifest_entry(self, ranks: dict[int, tuple[Any, dict[str, Any]]] | None = None) -> dict[str, Any]:
+        """The manifest's record; ``ranks`` holds every rank's ``(state, inventory)`` of a per_rank component."""
+        entry: dict[str, Any] = {
+            "adapter": self.adapter,
+            "adapter_version": self.adapter_version,
+            "placement": self.placement,
+        }
+        if ranks is None:
+            entry["state"], inventory = self.state, dict(self.inventory)
+        else:
+            entry["ranks"] = {str(r): {"state": state} for r, (state, _) in sorted(ranks.items())}
+            inventory = {k: v for _, (_, inv) in sorted(ranks.items()) for k, v in inv.items()}
+        entry["inventory"] = dict(sorted(inventory.items()))
+        entry["num_tensors"] = len(inventory)
+        entry["nbytes"] = sum(math.prod(t["shape"]) * _DTYPES[f"torch.{t['dtype']}"].itemsize for t in inventory.values())
+        return entry
+
+
+@dataclass
+class EncodeItem:
+    """A component to encode: its name, object, adapter, placement and adapter context."""
+
+    name: str
+    value: Any
+    adapter: Adapter
+    placement: Placement
+    ctx: AdapterContext
+
+
+@dataclass
+class Encoded:
+    """This rank's encoded save: component records and the flat ``{dcp_key: tensor}`` state."""
+
+    records: dict[str, ComponentRecord]
+    flat: dict[str, torch.Tensor]
+
+
+@dataclass
+class SaveJob:
+    """An encoded and planned save, ready to be written: what every rank holds after the encode step."""
+
+    destination: Path
+    step: int | None
+    metadata: dict[str, Any]
+    encoded: Encoded
+    plan: WritePlan
+    group: Any
+    rank: int
+    world_size: int
+    stage_event: Any = None  # CUDA event the async writer waits for before reading staged tensors
+    lock: DestinationLock | None = field(default=None, repr=False)
+
+
+# ---------------------------------------------------------------------- step 1: encode
+def encode(items: list[EncodeItem], rank: int) -> Encoded:
+    """Encode every component on this rank (no collective).
+
+    Replicated components are encoded first, so a tensor another component shares with
+    one of them (a collector's policy, a loss's actor) is stored once, as a reference.
+    """
+    records: dict[str, ComponentRecord] = {}
+    flat: dict[str, torch.Tensor] = {}
+    shared: dict[tuple[Any, ...], tuple[str, str]] = {}
+    for item in sorted(items, key=lambda it: it.placement != "replicated"):
+        skeleton, tensors = encode_value(item.adapter.state(item.value, item.ctx), where=item.name, shared=shared)
+        prefix = key_prefix(item.placement, item.name, rank)
+        inventory: dict[str, dict[str, Any]] = {}
+        for key, tensor in tensors.items():
+            if item.placement == "per_rank" and is_dtensor(tensor):
+                raise EncodingError(f"component {item.name!r} holds a DTensor at {key!r}: use placement='sharded'")
+            if item.placement == "replicated":
+                ident = tensor_identity(tensor)
+                if ident is not None:
+                    shared.setdefault(ident, (item.name, key))
+            flat[f"{prefix}/{key}"] = tensor
+            inventory[f"{prefix}/{key}"] = {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)}
+        records[item.name] = ComponentRecord(
+            item.adapter.adapter_id, item.adapter.version, item.placement, skeleton, inventory
+        )
+    return Encoded({it.name: records[it.name] for it in items}, flat)
+
+
+# ---------------------------------------------------------------------- step 2: plan
+def plan(group: Any, encode_step: Any) -> tuple[Encoded, WritePlan]:
+    """Encode on every rank (``encode_step()``), exchange what each holds, plan the writes (collective).
+
+    Any rank's encoding failure raises on every rank before anything is written; so does
+    a replicated tensor whose dtype or shape differs between ranks.
+    """
+    mine: list[Encoded] = []
+
+    def local() -> Any:
+        mine.append(encode_step())
+        return tensor_infos(mine[0].flat)
+
+    infos = run_step(group, "encoding the state", local)
+    return mine[0], plan_writes(infos)
+
+
+# ---------------------------------------------------------------------- step 3: write
+class StateWriter(Protocol):
+    """Writes this rank's share of a planned save into the staging directory."""
+
+    def write(self, job: SaveJob, staging: Path) -> WriteOutcome:
+        """Write; return the files written (with size and checksum) and DCP storage entries."""
+
+
+class FastStateWriter:
+    """Our writer (:mod:`torchrl_dcp.storage.writer`): packed records, parallel writes, inline checksums."""
+
+    def write(self, job: SaveJob, staging: Path) -> WriteOutcome:
+        return write_share(job.encoded.flat, job.plan.share(job.rank), staging, job.rank)
+
+
+class DCPStateWriter:
+    """DCP's own writer, for state ours does not encode (DTensors): collective, writes ``.metadata`` itself."""
+
+    def write(self, job: SaveJob, staging: Path) -> WriteOutcome:
+        try:
+            with quiet_single_process():
+                dcp.save(
+                    job.encoded.flat,
+                    storage_writer=make_writer(staging),
+                    planner=SavePlanner(),
+                    process_group=job.group,
+                    no_dist=job.group is None,
+                )
+        except CheckpointException as err:
+            raise CollectiveError(f"DCP save failed: {summarize(err)}", path=job.destination) from None
+        out = WriteOutcome()
+        for p in staging.iterdir():
+            if p.name.startswith(f"__{job.rank}_") or (job.rank == 0 and p.name == DCP_METADATA):
+                out.files[p.name] = file_record(p)
+                out.bytes_written += out.files[p.name]["size"]
+        return out
+
+
+def writer_for(write_plan: WritePlan) -> StateWriter:
+    return FastStateWriter() if write_plan.backend == "fast" else DCPStateWriter()
+
+
+def prepare_staging(job: SaveJob) -> Path:
+    """Rank 0 locks the destination and creates a fresh staging directory beside it; every rank learns its path."""
+
+    def prepare() -> str:
+        destination = job.destination
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        job.lock = DestinationLock(destination).acquire()
+        if (destination.exists() or destination.is_symlink()) and not is_replaceable(destination):
+            raise CheckpointError(
+                "exists and is not a torchrl_dcp checkpoint; refusing to replace it (choose another path)",
+                path=destination,
+            )
+        for stale in stale_entries(destination):
+            remove_tree(stale)
+        staging = staging_path(destination)
+        staging.mkdir()
+        return str(staging)
+
+    try:
+        return Path(broadcast_step(job.group, "preparing the staging directory", _failing(prepare, job), rank=job.rank))
+    except BaseException:
+        release_lock(job)
+        raise
+
+
+def write(job: SaveJob, staging: Path) -> tuple[WriteOutcome, BaseException | None]:
+    """Every rank writes its share at once; a local failure is returned, to be reported at commit."""
+    try:
+        return writer_for(job.plan).write(job, staging), None
+    except CollectiveError:
+        raise
+    except Exception as err:
+        return WriteOutcome(), save_failure(err, f"rank {job.rank} writing its data file", staging)
+
+
+# ---------------------------------------------------------------------- step 4: commit
+def commit(job: SaveJob, staging: Path, outcome: WriteOutcome, write_error: BaseException | None) -> Path:
+    """Rank 0 writes DCP's metadata and the manifest last, then publishes; every rank learns the outcome."""
+    per_rank = {
+        name: (rec.state, rec.inventory) for name, rec in job.encoded.records.items() if rec.placement == "per_rank"
+    }
+    gathered = _dist.gather_to_0(
+        (error_status(write_error), outcome.files, outcome.entries, per_rank), job.group, "collecting file records"
+    )
+    error: BaseException | None = None
+    if job.rank == 0:
+        try:
+            assert gathered is not None
+            raise_if_failed([g[0] for g in gathered], "writing data files", None)
+            with gc_paused():  # thousands of small objects: metadata and manifest
+                write_manifest(job, staging, gathered)
+            publish(staging, job.destination)
+        except BaseException as err:
+            error = save_failure(err, "committing the checkpoint", job.destination)
+    statuses = _dist.all_gather(error_status(error), job.group, "confirming the commit")
+    raise_if_failed(statuses, "committing the checkpoint", error or write_error)
+    return job.destination
+
+
+def write_manifest(job: SaveJob, staging: Path, gathered: list[Any]) -> None:
+    """DCP's ``.metadata`` (our writer) and ``manifest.json``, written durably into ``staging`` (rank 0)."""
+    files: dict[str, Any] = {}
+    for _, rank_files, _, _ in gathered:
+        files.update(rank_files)
+    if job.plan.backend == "fast":  # DCP's metadata, as dcp.save would have written it
+        tensors = {k: (_DTYPES[t.dtype], t.shape) for k, t in job.plan.tensors.items()}
+        entries = [e for g in gathered for e in g[2]]
+        files[DCP_METADATA] = write_metadata(staging, build_metadata(tensors, entries, staging))
+    components = {}
+    for name, rec in job.encoded.records.items():
+        ranks = {r: g[3][name] for r, g in enumerate(gathered)} if rec.placement == "per_rank" else None
+        components[name] = rec.manifest_entry(ranks)
+    manifest = new_manifest(
+        world_size=job.world_size, components=components, files=files, metadata=job.metadata, step=job.step
+    )
+    write_file_durably(staging / MANIFEST, dumps(manifest))
+
+
+def run(job: SaveJob) -> Path:
+    """Steps 3 and 4 (collective): staging, write, commit, publish; the lock is released and leftovers removed."""
+    staging = prepare_staging(job)
+    try:
+        outcome, error = write(job, staging)
+        path = commit(job, staging, outcome, error)
+    except BaseException:
+        if job.rank == 0:
+            remove_tree(staging)
+        raise
+    finally:
+        release_lock(job)
+    logger.info("saved checkpoint %s (step %s, %d components)", path, job.step, len(job.encoded.records))
+    return path
+
+
+# ---------------------------------------------------------------------- helpers
+def release_lock(job: SaveJob) -> None:
+    if job.lock is not None:
+        job.lock.release()
+        job.lock = None
+        sweep_stale_locks(job.destination.parent)  # left by saves killed before they released theirs
+
+
+def _failing(fn: Any, job: SaveJob) -> Any:
+    def wrapped() -> Any:
+        try:
+            return fn()
+        except Exception as err:
+            raise save_failure(err, "preparing the staging directory", job.destination) from err
+
+    return wrapped
+
+
+def is_replaceable(destination: Path) -> bool:
+    """Whether ``destination`` may be replaced by a save: an empty directory or a committed checkpoint."""
+    if not destination.is_dir() or destination.is_symlink():
+        return False
+    if not any(destination.iterdir()):
+        return True
+    try:
+        DirectoryContainer(destination).manifest()
+        return True
+    except CheckpointError:
+        return False
+
+
+def save_failure(err: BaseException, phase: str, path: Path | None) -> BaseException:
+    """A save step's failure as a :class:`CheckpointError` saying what to do (a full disk says so)."""
+    if isinstance(err, CheckpointError) or not isinstance(err, Exception):
+        return err
+    hint = "nothing was committed; the previous checkpoint at this path, if any, is intact"
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        hint = "the file system is full (or over quota): free space or save elsewhere; " + hint
+    wrapped = CheckpointError(f"{phase} failed: {type(err).__name__}: {err}; {hint}", path=path)
+    wrapped.__cause__ = err
+    return wrapped
+
+
+@contextlib.contextmanager
+def quiet_single_process() -> Iterator[None]:
+    """DCP warns on every call without a process group; a world of one is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
+
+
+def summarize(err: CheckpointException) -> str:
+    """DCP's collective exception as one line per failed rank."""
+    failures = getattr(err, "failures", {}) or {}
+    parts = []
+    for r, exc in sorted(failures.items()):
+        exc = exc[0] if isinstance(exc, tuple) else exc
+        text = str(exc).strip().splitlines()
+        parts.append(f"rank {r}: {type(exc).__name__}{': ' + text[-1] if text else ''}")
+    return "; ".join(parts) or str(err)

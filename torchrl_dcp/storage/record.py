@@ -1,0 +1,326 @@
+"""The ``torch.save`` record format of DCP data files: building records (writer) and locating their bytes (reader).
+
+Every tensor DCP writes is one ``torch.save`` ZIP blob: ``data.pkl`` (a pickle that
+rebuilds the tensor from storage ``0``), a few fixed members, the tensor bytes as
+the STORED member ``data/0``, and a central directory. Building: a per-(dtype, shape)
+:class:`Template` holds every byte but the two CRCs of the data member, so a small
+tensor's record costs a few microseconds. Parsing: :func:`record_data_offset` finds
+where the tensor bytes start, either by comparing with our template or by walking
+the ZIP structure; ``data.pkl`` is compared byte for byte with what ``torch.save``
+writes for the expected dtype and shape and is never unpickled.
+
+Example:
+    >>> import torch
+    >>> from torchrl_dcp.storage.record import template, record_data_offset
+    >>> tpl = template(torch.float32, (3,))
+    >>> record_data_offset(None, tpl.head, tpl.length, torch.float32, (3,)) == len(tpl.head)
+    True
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import io
+import pickle
+import struct
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchrl_dcp.storage.checksums import crc32
+from torchrl_dcp.storage.zipformat import central_entry, end_records, local_header
+
+# ---------------------------------------------------------------------- building records
+STORAGE_NAMES = torch.storage._dtype_to_storage_type_map()
+_FIXED_RECORDS_BEFORE = ((".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little"))
+_FIXED_RECORDS_AFTER = (("version", b"3\n"), (".data/serialization_id", b"0" * 40))
+
+
+class _StorageRef:
+    pass
+
+
+_REF = _StorageRef()
+
+
+class _Rebuild:
+    def __init__(self, shape: tuple[int, ...], stride: tuple[int, ...]) -> None:
+        self.shape, self.stride = shape, stride
+
+    def __reduce__(self) -> Any:
+        return (torch._utils._rebuild_tensor_v2, (_REF, 0, self.shape, self.stride, False, collections.OrderedDict()))
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO, storage: Any, numel: int) -> None:
+        super().__init__(file, protocol=2)
+        self._pid = ("storage", storage, "0", "cpu", numel)
+
+    def persistent_id(self, obj: Any) -> Any:
+        return self._pid if obj is _REF else None
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+def data_pickle(dtype: torch.dtype, shape: tuple[int, ...], numel: int) -> bytes:
+    buf = io.BytesIO()
+    _Pickler(buf, getattr(torch, STORAGE_NAMES[dtype]), numel).dump(_Rebuild(shape, _contiguous_stride(shape)))
+    return buf.getvalue()
+
+
+@dataclass
+class Template:
+    """A blob is ``head(crc) + data + tail(crc)``; only the data record's CRC varies."""
+
+    head: bytes
+    tail: bytes
+    head_crc_at: int
+    tail_crc_at: int
+    nbytes: int
+
+    @property
+    def length(self) -> int:
+        return len(self.head) + self.nbytes + len(self.tail)
+
+    def parts(self, crc: int) -> tuple[bytes, bytes]:
+        head, tail = bytearray(self.head), bytearray(self.tail)
+        struct.pack_into("<I", head, self.head_crc_at, crc)
+        struct.pack_into("<I", tail, self.tail_crc_at, crc)
+        return bytes(head), bytes(tail)
+
+
+def _buildtemplate(dtype: torch.dtype, shape: tuple[int, ...]) -> Template:
+    numel = 1
+    for s in shape:
+        numel *= s
+    nbytes = numel * torch._utils._element_size(dtype)
+    records: list[tuple[bytes, bytes | None, int]] = []  # (name, data or None for the tensor, size)
+    pkl = data_pickle(dtype, shape, numel)
+    records.append((b"archive/data.pkl", pkl, len(pkl)))
+    for name, data in _FIXED_RECORDS_BEFORE:
+        records.append((b"archive/" + name.encode(), data, len(data)))
+    records.append((b"archive/data/0", None, nbytes))
+    for name, data in _FIXED_RECORDS_AFTER:
+        records.append((b"archive/" + name.encode(), data, len(data)))
+    head, tail = bytearray(), bytearray()
+    offset, central = 0, []
+    head_crc_at = tail_crc_at = -1
+    out = head
+    for name, data, size in records:
+        crc = crc32(data) if data is not None else 0
+        local = local_header(name, crc, size, offset)
+        if data is None:
+            head_crc_at = len(head) + 14
+        out += local
+        central.append((name, crc, size, offset, data is None))
+        offset += len(local) + size
+        if data is None:
+            out = tail
+        else:
+            out += data
+    cd_offset = offset
+    cd = bytearray()
+    for name, crc, size, off, is_data in central:
+        if is_data:
+            tail_crc_at = len(tail) + len(cd) + 16
+        cd += central_entry(name, crc, size, off)
+    tail += cd + end_records(len(central), cd_offset, len(cd))
+    return Template(bytes(head), bytes(tail), head_crc_at, tail_crc_at, nbytes)
+
+
+_TEMPLATES: dict[tuple[torch.dtype, tuple[int, ...]], Template] = {}
+_TEMPLATES_LOCK = threading.Lock()
+
+
+def template(dtype: torch.dtype, shape: tuple[int, ...]) -> Template:
+    key = (dtype, shape)
+    t = _TEMPLATES.get(key)
+    if t is None:
+        t = _buildtemplate(dtype, shape)
+        with _TEMPLATES_LOCK:
+            if len(_TEMPLATES) > 4096:
+                _TEMPLATES.clear()
+            _TEMPLATES[key] = t
+    return t
+
+
+def can_write_fast(tensor: Any) -> bool:
+    """Whether ``tensor`` is a plain strided tensor this writer encodes itself (else DCP writes the state)."""
+    return (
+        type(tensor) in (torch.Tensor, torch.nn.Parameter) or is_memmap_tensor(tensor)
+    ) and tensor.layout == torch.strided and tensor.dtype in STORAGE_NAMES and not tensor.is_quantized and (
+        sys.byteorder == "little"
+    )
+
+
+def is_memmap_tensor(tensor: Any) -> bool:
+    try:
+        from tensordict import MemoryMappedTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(tensor, MemoryMappedTensor)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of ``tensor`` as a flat memoryview, without a copy when it is contiguous on CPU."""
+    t = tensor.detach()
+    if isinstance(t, torch.nn.Parameter) or type(t) is not torch.Tensor:
+        t = t.as_subclass(torch.Tensor)
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.resolve_conj().resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+
+# ---------------------------------------------------------------------- locating a record's tensor bytes
+def _u16(b: Any, at: int) -> int:
+    return struct.unpack_from("<H", b, at)[0]
+
+
+def _u32(b: Any, at: int) -> int:
+    return struct.unpack_from("<I", b, at)[0]
+
+
+@functools.lru_cache(maxsize=4096)
+def expected_pickle(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
+    numel = 1
+    for s in shape:
+        numel *= s
+    return data_pickle(dtype, shape, numel)
+
+
+def template_data_offset(head: Any, length: int, dtype: torch.dtype, shape: tuple[int, ...]) -> int | None:
+    """Where the tensor bytes start when the record is exactly our writer's template for ``(dtype, shape)``.
+
+    ``head`` holds at least the record's first ``len(template.head)`` bytes (fewer: ``None``).
+
+    Example:
+        >>> import torch
+        >>> from torchrl_dcp.storage.record import template
+        >>> tpl = template(torch.float32, (3,))
+        >>> template_data_offset(tpl.head, tpl.length, torch.float32, (3,)) == len(tpl.head)
+        True
+    """
+    tpl = template(dtype, shape)
+    n, at = len(tpl.head), tpl.head_crc_at
+    if length != tpl.length or len(head) < n:
+        return None
+    if head[:at] != tpl.head[:at] or head[at + 4 : n] != tpl.head[at + 4 :]:
+        return None
+    return n
+
+
+def zip_data_offset(read: Any, length: int, dtype: torch.dtype, shape: tuple[int, ...]) -> int | None:
+    """Where the tensor bytes start in a ``torch.save`` ZIP record of ``length`` bytes, or ``None``.
+
+    ``read(offset, n)`` returns ``n`` bytes of the record. Parses the central
+    directory (ZIP64 included) and the local headers; accepts only a record whose
+    members are STORED, whose ``data.pkl`` is byte-for-byte what ``torch.save``
+    writes for a contiguous ``dtype`` tensor of ``shape``, whose ``byteorder`` is
+    ``little`` and whose one storage ``data/0`` holds exactly the tensor's bytes.
+    Nothing is unpickled.
+    """
+    if length < 22:
+        return None
+    end = read(length - 22, 22)
+    if _u32(end, 0) != 0x06054B50 or _u16(end, 20) != 0:
+        return None
+    entries, cd_size, cd_offset = _u16(end, 10), _u32(end, 12), _u32(end, 16)
+    if 0xFFFF in (entries,) or 0xFFFFFFFF in (cd_size, cd_offset):
+        if length < 22 + 20 + 56:
+            return None
+        loc = read(length - 22 - 20, 20)
+        if _u32(loc, 0) != 0x07064B50:
+            return None
+        z64_at = struct.unpack_from("<Q", loc, 8)[0]
+        if z64_at + 56 > length:
+            return None
+        z64 = read(z64_at, 56)
+        if _u32(z64, 0) != 0x06064B50:
+            return None
+        entries, cd_size, cd_offset = struct.unpack_from("<QQQ", z64, 32)
+    if entries > 64 or cd_offset + cd_size > length or cd_size > 1 << 16:
+        return None
+    cd = read(cd_offset, cd_size)
+    members: dict[str, tuple[int, int, int]] = {}  # name: (method, size, local header offset)
+    at = 0
+    for _ in range(entries):
+        if at + 46 > len(cd) or _u32(cd, at) != 0x02014B50:
+            return None
+        method, csize, usize = _u16(cd, at + 10), _u32(cd, at + 20), _u32(cd, at + 24)
+        nlen, xlen, clen, offset = _u16(cd, at + 28), _u16(cd, at + 30), _u16(cd, at + 32), _u32(cd, at + 42)
+        name = bytes(cd[at + 46 : at + 46 + nlen]).decode("utf-8", "replace")
+        extra = cd[at + 46 + nlen : at + 46 + nlen + xlen]
+        x = 0
+        while x + 4 <= len(extra):  # ZIP64 extended information: the 0xFFFFFFFF fields, in order
+            tag, size = _u16(extra, x), _u16(extra, x + 2)
+            if tag == 1:
+                vals = list(struct.unpack_from(f"<{size // 8}Q", extra, x + 4))
+                if usize == 0xFFFFFFFF and vals:
+                    usize = vals.pop(0)
+                if csize == 0xFFFFFFFF and vals:
+                    csize = vals.pop(0)
+                if offset == 0xFFFFFFFF and vals:
+                    offset = vals.pop(0)
+            x += 4 + size
+        if csize != usize:
+            return None
+        members[name.rsplit("/", 1)[-1] if not name.endswith("/data/0") else "data/0"] = (method, usize, offset)
+        at += 46 + nlen + xlen + clen
+    if {"data.pkl", "byteorder", "data/0"} - set(members):
+        return None
+    storages = [n for n in members if n.startswith("data/") or n.isdigit()]
+    if storages != ["data/0"] or any(m[0] != 0 for m in members.values()):
+        return None
+
+    def payload(name: str) -> int | None:
+        method, size, offset = members[name]
+        if offset + 30 > length:
+            return None
+        local = read(offset, 30)
+        if _u32(local, 0) != 0x04034B50:
+            return None
+        start = offset + 30 + _u16(local, 26) + _u16(local, 28)
+        return start if start + size <= length else None
+
+    expected = expected_pickle(dtype, shape)
+    pkl_at, order_at, data_at = payload("data.pkl"), payload("byteorder"), payload("data/0")
+    if pkl_at is None or order_at is None or data_at is None or members["data.pkl"][1] != len(expected):
+        return None
+    if bytes(read(pkl_at, len(expected))) != expected or members["byteorder"][1] != 6:
+        return None
+    if bytes(read(order_at, 6)) != b"little":
+        return None
+    numel = 1
+    for s in shape:
+        numel *= s
+    if members["data/0"][1] != numel * torch._utils._element_size(dtype):
+        return None
+    return data_at
+
+
+def record_data_offset(read: Any, head: Any, length: int, dtype: torch.dtype, shape: tuple[int, ...]) -> int | None:
+    """The tensor's byte offset inside a record: our template first (one compare), else the ZIP structure."""
+    at = template_data_offset(head, length, dtype, shape)
+    if at is not None:
+        return at
+    try:
+        return zip_data_offset(read, length, dtype, shape)
+    except (struct.error, ValueError, IndexError):
+        return None
+
