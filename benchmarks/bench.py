@@ -161,7 +161,7 @@ def build(w: Workload, rank: int, world: int, device: torch.device, root: Path) 
     for start in range(0, n, step):
         b = min(step, n - start)
 
-        def obs() -> torch.Tensor:
+        def obs(b: int = b) -> torch.Tensor:
             if dtype == torch.uint8:
                 return torch.randint(0, 255, (b, *w.params["obs"]), dtype=dtype, generator=g)
             return torch.randn((b, *w.params["obs"]), generator=g)
@@ -272,7 +272,7 @@ def run_workload(w: Workload, rank: int, world: int, device: torch.device, root:
         rec.time("raw read cold (readinto)", lambda: raw_read(raw, read_views), before=cold)
     rec.time("raw read warm (readinto)", lambda: raw_read(raw, read_views))
     os.unlink(raw)
-    del read_views
+    read_views = []  # release the destinations
 
     single = world == 1
     # torch.save (single process only)
@@ -303,7 +303,7 @@ def run_workload(w: Workload, rank: int, world: int, device: torch.device, root:
     if can_drop:
         rec.time("dcp.load cold", lambda: dcp.load(dest, checkpoint_id=str(dcp_dir), process_group=pg), before=cold)
     rec.time("dcp.load warm", lambda: dcp.load(dest, checkpoint_id=str(dcp_dir), process_group=pg))
-    del dest
+    dest = {}
     if rank == 0:
         shutil.rmtree(dcp_dir, ignore_errors=True)
 

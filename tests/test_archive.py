@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import torchrl_dcp as tdcp
+from torchrl_dcp.manifest import seal
 from torchrl_dcp.storage import reader as reader_module
 from torchrl_dcp.storage.archive import ALIGN, ArchiveContainer, read_index
 from torchrl_dcp.storage.checksums import file_checksum
@@ -228,7 +229,7 @@ def test_planted_pickle_in_archived_metadata_is_never_run(tmp_path: Path) -> Non
     (path / ".metadata").write_bytes(pickle.dumps(Payload()))
     m = json.loads((path / "manifest.json").read_text())
     m["files"][".metadata"] = {"size": (path / ".metadata").stat().st_size, "checksum": file_checksum(path / ".metadata")}
-    (path / "manifest.json").write_text(json.dumps(m))
+    (path / "manifest.json").write_text(json.dumps(seal(m)))
     archive = tdcp.to_archive(path, tmp_path / "c.zip")
     with pytest.raises(tdcp.UnsafeCheckpointError, match="c.zip::.metadata"):
         fresh()[0].load(archive)

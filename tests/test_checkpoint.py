@@ -14,6 +14,7 @@ from tensordict import TensorDict
 
 import torchrl_dcp as tdcp
 from torchrl_dcp.adapters import Adapter
+from torchrl_dcp.manifest import seal
 
 
 def trained(seed: int = 0):
@@ -73,7 +74,7 @@ def test_layout_and_manifest(tmp_path: Path) -> None:
     names = sorted(p.name for p in path.iterdir())
     assert names == [".metadata", "__0_0.distcp", "manifest.json"]
     m = json.loads((path / "manifest.json").read_text())
-    assert m["format"] == "torchrl_dcp" and m["format_version"] == 2 and m["world_size"] == 1
+    assert m["format"] == "torchrl_dcp" and m["format_version"] == 3 and m["world_size"] == 1
     assert set(m["versions"]) == {"torch", "tensordict", "torchrl", "torchrl_dcp"}
     assert m["components"]["model"]["placement"] == "replicated"
     assert m["components"]["stats"]["ranks"]["0"]["state"]["items"] == [["episodes", 3]]
@@ -209,7 +210,7 @@ def test_map_location_and_version_skew(tmp_path: Path, caplog) -> None:
     path = tdcp.DistributedCheckpoint(w={"x": torch.ones(2)}).save(tmp_path / "c")
     m = json.loads((path / "manifest.json").read_text())
     m["versions"]["torchrl"] = "0.0.1"
-    (path / "manifest.json").write_text(json.dumps(m))
+    (path / "manifest.json").write_text(json.dumps(seal(m)))
     with caplog.at_level("WARNING", logger="torchrl_dcp"):
         result = tdcp.DistributedCheckpoint(w={}).load(path, map_location="cpu")
     assert result.version_skew and result.comparison["versions"]["torchrl"]["checkpoint"] == "0.0.1"

@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import torchrl_dcp as tdcp
-from torchrl_dcp.verification import verify
 from torchrl_dcp.codec import decode, encode, tensor_specs, xrefs
-from torchrl_dcp.manifest import FORMAT, FORMAT_VERSION, loads_manifest, parse_manifest
+from torchrl_dcp.manifest import FORMAT, FORMAT_VERSION, loads_manifest, parse_manifest, seal
+from torchrl_dcp.verification import verify
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 
@@ -162,7 +162,7 @@ def test_load_with_mutated_manifest_completes_or_changes_nothing(
     mutated = _mutate(manifest, data)
     target = tmp_path_factory.mktemp("mut") / "ckpt"
     shutil.copytree(path, target)
-    (target / "manifest.json").write_text(json.dumps(mutated))
+    (target / "manifest.json").write_text(json.dumps(seal(mutated)))
     torch.manual_seed(99)
     model = torch.nn.Linear(3, 2)
     stats: dict[str, Any] = {"n": -1, "w": torch.zeros(3), "tag": "fresh"}

@@ -21,8 +21,9 @@ import torch
 from tensordict import TensorDict
 
 import torchrl_dcp as tdcp
-from torchrl_dcp.verification import verify
+from torchrl_dcp.manifest import seal
 from torchrl_dcp.storage.checksums import file_checksum
+from torchrl_dcp.verification import verify
 
 DATA = "__0_0.distcp"
 
@@ -103,13 +104,13 @@ def reseal(path: Path, name: str) -> None:
     """Record ``name``'s current size and checksum in the manifest (a consistent forgery)."""
     m = json.loads((path / "manifest.json").read_text())
     m["files"][name] = {"size": (path / name).stat().st_size, "checksum": file_checksum(path / name)}
-    (path / "manifest.json").write_text(json.dumps(m))
+    (path / "manifest.json").write_text(json.dumps(seal(m)))
 
 
 def edit_manifest(path: Path, fn: Callable[[dict[str, Any]], None]) -> None:
     m = json.loads((path / "manifest.json").read_text())
     fn(m)
-    (path / "manifest.json").write_text(json.dumps(m))
+    (path / "manifest.json").write_text(json.dumps(seal(m)))
 
 
 def flip(p: Path, at: float = 0.5) -> None:

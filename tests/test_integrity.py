@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import torchrl_dcp as tdcp
+from torchrl_dcp.manifest import seal
 from torchrl_dcp.storage.checksums import file_checksum
 from torchrl_dcp.storage.filesystem import safe_load_metadata
 
@@ -33,7 +34,7 @@ def reseal(path: Path, name: str) -> None:
     """Update the manifest's record of ``name`` so that only the content check remains."""
     m = json.loads((path / "manifest.json").read_text())
     m["files"][name] = {"size": (path / name).stat().st_size, "checksum": file_checksum(path / name)}
-    (path / "manifest.json").write_text(json.dumps(m))
+    (path / "manifest.json").write_text(json.dumps(seal(m)))
 
 
 def load_into_fresh(path: Path) -> torch.nn.Module:
@@ -124,7 +125,7 @@ def _flip(p: Path) -> None:
 def _edit(p: Path, **fields) -> None:
     m = json.loads((p / "manifest.json").read_text())
     m.update(fields)
-    (p / "manifest.json").write_text(json.dumps(m))
+    (p / "manifest.json").write_text(json.dumps(seal(m)))
 
 
 @pytest.mark.parametrize("value", [None, 3.5, "w"])
@@ -135,6 +136,10 @@ def test_a_module_value_that_is_no_tensor_is_refused_before_any_copy(tmp_path: P
     items = m["components"]["model"]["state"]["items"]
     assert [k for k, _ in items] == ["weight", "bias"]
     items[1][1] = value
-    (path / "manifest.json").write_text(json.dumps(m))
-    info = load_into_fresh(path)
+    (path / "manifest.json").write_text(json.dumps(seal(m)))
+    info = load_into_fresh(path)  # the inventory still names the bias tensor: refused while planning
+    assert "replicated/model/bias" in str(info.value) and "inventory" in str(info.value)
+    m["components"]["model"]["inventory"].pop("replicated/model/bias")  # a consistent forgery
+    (path / "manifest.json").write_text(json.dumps(seal(m)))
+    info = load_into_fresh(path)  # refused by the module adapter, before it copies weight
     assert "'bias'" in str(info.value) and "a tensor in the module" in str(info.value)

@@ -13,7 +13,7 @@ import torch
 
 import torchrl_dcp as tdcp
 from torchrl_dcp import manifest as mf
-from torchrl_dcp.manifest import make_skeleton_dict, register_adapter_migration, skeleton_dict
+from torchrl_dcp.manifest import make_skeleton_dict, register_adapter_migration, seal, skeleton_dict
 
 FIXTURE = Path(__file__).parent / "fixtures" / "v1_checkpoint"
 
@@ -75,7 +75,7 @@ def copy_fixture(tmp_path: Path) -> Path:
 def edit_manifest(path: Path, **fields: Any) -> None:
     m = json.loads((path / "manifest.json").read_text())
     m.update(fields)
-    (path / "manifest.json").write_text(json.dumps(m))
+    (path / "manifest.json").write_text(json.dumps(seal(m)))
 
 
 def test_fixture_really_is_format_v1() -> None:
@@ -88,7 +88,7 @@ def test_fixture_really_is_format_v1() -> None:
 
 def test_v1_to_v2_adds_the_tensor_inventory_a_fresh_save_writes(tmp_path: Path) -> None:
     m = tdcp.read_manifest(FIXTURE)
-    assert m["format_version"] == mf.FORMAT_VERSION == 2
+    assert m["format_version"] == mf.FORMAT_VERSION == 3
     assert m["components"]["policy"]["inventory"] == {
         "replicated/policy/bias": {"dtype": "float32", "shape": [2]},
         "replicated/policy/weight": {"dtype": "float32", "shape": [2, 3]},
@@ -101,7 +101,7 @@ def test_v1_to_v2_adds_the_tensor_inventory_a_fresh_save_writes(tmp_path: Path) 
     ckpt, _ = fresh()
     path = ckpt.save(tmp_path / "v2")
     written = json.loads((path / "manifest.json").read_text())
-    assert written["format_version"] == 2
+    assert written["format_version"] == 3
     for name in ("policy", "episode", "stats"):
         assert written["components"][name]["inventory"] == m["components"][name]["inventory"]
     # migration works on a copy: parsing twice gives the same answer
@@ -123,8 +123,10 @@ def test_v1_fixture_loads_through_the_chain_into_objects() -> None:
     assert (c.value, c.label, c.unit) == (41, "forty-one", "steps")
     assert torch.equal(objs["episode"]["return"], torch.tensor([1.5, -2.0]))
     assert result.step == 7 and result.manifest["metadata"]["reward"] == 1.25
-    assert result.manifest["format_version"] == 2
-    assert tdcp.verify(FIXTURE)["tensors"] == 4
+    assert result.manifest["format_version"] == 3
+    report = tdcp.verify(FIXTURE)
+    assert report["tensors"] == 4
+    assert any("manifest checksum" in u for u in report["unchecked"]) and any("identity" in u for u in report["unchecked"])
 
 
 def test_missing_payload_migration_makes_the_component_incompatible() -> None:
@@ -138,40 +140,44 @@ def test_missing_payload_migration_makes_the_component_incompatible() -> None:
 
 def test_format_migrations_run_step_by_step(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[int] = []
-    v1_to_v2 = mf._MIGRATIONS[1]
+    real = dict(mf._MIGRATIONS)
 
-    def record_1(m: dict[str, Any]) -> dict[str, Any]:
-        seen.append(m["format_version"])
-        return v1_to_v2(m)
+    def recording(version: int) -> Any:
+        def step(m: dict[str, Any]) -> dict[str, Any]:
+            seen.append(m["format_version"])
+            return real[version](m)
 
-    @mf.register_migration(2)
-    def record_2(m: dict[str, Any]) -> dict[str, Any]:
+        return step
+
+    def record_3(m: dict[str, Any]) -> dict[str, Any]:
         seen.append(m["format_version"])
-        m["metadata"]["upgraded_to_3"] = True
-        m["format_version"] = 3
+        m["metadata"]["upgraded_to_4"] = True
+        m["format_version"] = 4
         return m
 
-    mf.register_migration(1)(record_1)
-    monkeypatch.setattr(mf, "FORMAT_VERSION", 3)
+    for version in (1, 2):
+        monkeypatch.setitem(mf._MIGRATIONS, version, recording(version))
+    monkeypatch.setitem(mf._MIGRATIONS, 3, record_3)
+    monkeypatch.setattr(mf, "FORMAT_VERSION", 4)
     m = tdcp.read_manifest(FIXTURE)
-    assert seen == [1, 2] and m["format_version"] == 3 and m["metadata"]["upgraded_to_3"] is True
+    assert seen == [1, 2, 3] and m["format_version"] == 4 and m["metadata"]["upgraded_to_4"] is True
     assert "inventory" in m["components"]["policy"]  # the v1 -> v2 step ran first
 
 
 def test_newer_format_is_refused_with_a_clear_error(tmp_path: Path) -> None:
     path = copy_fixture(tmp_path)
-    edit_manifest(path, format_version=3)
-    with pytest.raises(tdcp.CheckpointVersionError, match="format version 3.*reads up to 2.*upgrade torchrl_dcp"):
+    edit_manifest(path, format_version=4)
+    with pytest.raises(tdcp.CheckpointVersionError, match="format version 4.*reads up to 3.*upgrade torchrl_dcp"):
         tdcp.read_manifest(path)
     with pytest.raises(tdcp.CheckpointVersionError):
         fresh()[0].load(path)
 
 
 def test_missing_or_broken_format_migration_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    del mf._MIGRATIONS[1]
+    monkeypatch.delitem(mf._MIGRATIONS, 1)
     with pytest.raises(tdcp.CheckpointVersionError, match="no migration from it is registered"):
         tdcp.read_manifest(FIXTURE)
-    mf.register_migration(1)(lambda m: m)  # forgets to bump the version
+    monkeypatch.setitem(mf._MIGRATIONS, 1, lambda m: m)  # forgets to bump the version
     with pytest.raises(tdcp.CheckpointVersionError, match="did not upgrade it"):
         tdcp.read_manifest(FIXTURE)
 
@@ -260,7 +266,7 @@ def test_version_skew_is_reported_and_logged_not_fatal(tmp_path: Path, caplog: p
     m = json.loads((path / "manifest.json").read_text())
     m["versions"]["torch"] = "2.0.0"
     m["versions"]["torchrl"] = "0.1.0"
-    (path / "manifest.json").write_text(json.dumps(m))
+    (path / "manifest.json").write_text(json.dumps(seal(m)))
     register_counter_v1_to_v2()
     ckpt, objs = fresh()
     with caplog.at_level(logging.WARNING, logger="torchrl_dcp"):

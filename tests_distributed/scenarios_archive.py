@@ -46,7 +46,7 @@ def rotation_saves(directory: str, steps: list[int], archive: bool, kill: str | 
 
             original = c.copy_ranges
 
-            def copy_then_die(ranges, **kwargs):  # type: ignore[no-untyped-def]
+            def copy_then_die(ranges, original=original, **kwargs):  # type: ignore[no-untyped-def]
                 original([dataclasses.replace(r, size=r.size // 2) for r in ranges], **kwargs)  # half of each file
                 _kill_self()
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import torchrl_dcp as tdcp
-import torchrl_dcp.checkpoint as core
+import torchrl_dcp.save_engine as core
 
 
 def _objects(seed: int) -> dict[str, Any]:

@@ -107,7 +107,7 @@ def load_replicated_only(path: str, seed: int) -> dict[str, Any]:
 
 def save_and_die(path: str, seed: int, phase: str) -> None:
     """Start a save to ``path`` and SIGKILL rank 1 at ``phase`` of it."""
-    import torchrl_dcp.checkpoint as core
+    import torchrl_dcp.save_engine as core
 
     objs = _objects(seed)
     ckpt = _checkpoint(objs)

@@ -60,7 +60,7 @@ def _die() -> None:
 
 def arm(phase: str) -> None:
     """Install the hook that SIGKILLs this rank at ``phase`` of the next save."""
-    import torchrl_dcp.checkpoint as core
+    import torchrl_dcp.save_engine as core
     import torchrl_dcp.storage.commit as commit
     import torchrl_dcp.storage.writer as writer
     from torchrl_dcp import _dist
@@ -171,7 +171,7 @@ def kill_during_save(directory: str, report_dir: str, phase: str, victim: int) -
 
 def hang_during_save(directory: str, report_dir: str, hung: int, timeout: float) -> Any:
     """Commit step 1, then save step 2 while rank ``hung`` is stuck writing its data (until released)."""
-    import torchrl_dcp.checkpoint as core
+    import torchrl_dcp.save_engine as core
 
     rank = dist.get_rank()
     path = Path(directory) / "ckpt"
@@ -200,7 +200,7 @@ def hang_during_save(directory: str, report_dir: str, hung: int, timeout: float)
 
 def full_disk(directory: str, mode: str) -> dict[str, Any]:
     """Save small (fits), big (ENOSPC: real tmpfs, or injected), load the small one back, save small again."""
-    import torchrl_dcp.checkpoint as core
+    import torchrl_dcp.save_engine as core
     import torchrl_dcp.storage.writer as writer
 
     rank = dist.get_rank()
@@ -246,7 +246,7 @@ def full_disk(directory: str, mode: str) -> dict[str, Any]:
 
 def two_jobs(path: str, sync_dir: str, job: str) -> dict[str, Any]:
     """Job A parks its commit until job B tried the same path; B must be refused, then succeed after A."""
-    import torchrl_dcp.checkpoint as core
+    import torchrl_dcp.save_engine as core
 
     rank = dist.get_rank()
     sync = Path(sync_dir)

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 import torchrl_dcp as tdcp
-from torchrl_dcp.storage.archive import read_index
 from tests_distributed.launch import launch
+from torchrl_dcp.storage.archive import read_index
 
 CORE = "tests_distributed.scenarios_core"
 S = "tests_distributed.scenarios_archive"
@@ -25,11 +25,11 @@ def test_multi_rank_checkpoint_converts_both_ways_and_loads_from_the_archive(tmp
     assert all((back / f.name).read_bytes() == f.read_bytes() for f in path.iterdir())
     # every rank loads its own state straight from the ZIP, and training continues identically
     loaded = launch(f"{CORE}:load_then_draw", world_size, str(archive), 7)
-    for s, l in zip(saved, loaded):
-        r = l.value["rank"]
-        assert l.value["loaded"] == ["big", "model", "optimizer", "rng", "shard", "stats"]
-        assert l.value["shard"] == [100 * r + 7 + i for i in range(5)]
-        assert l.value["draws"] == s.value["draws"] and l.value["after_step"] == s.value["after_step"]
+    for s, got in zip(saved, loaded):
+        r = got.value["rank"]
+        assert got.value["loaded"] == ["big", "model", "optimizer", "rng", "shard", "stats"]
+        assert got.value["shard"] == [100 * r + 7 + i for i in range(5)]
+        assert got.value["draws"] == s.value["draws"] and got.value["after_step"] == s.value["after_step"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["back", "ckpt", "ckpt.zip"]  # nothing extracted
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 import torchrl_dcp as tdcp
-from torchrl_dcp.storage.filesystem import safe_load_metadata
 from tests_distributed.launch import launch
+from torchrl_dcp.storage.filesystem import safe_load_metadata
 
 S = "tests_distributed.scenarios_core"
 
@@ -18,16 +18,16 @@ def test_round_trip_each_rank_gets_its_own_state(tmp_path: Path, world_size: int
     path = str(tmp_path / "ckpt")
     saved = launch(f"{S}:save_then_draw", world_size, path, 7)
     loaded = launch(f"{S}:load_then_draw", world_size, path, 7)
-    for s, l in zip(saved, loaded):
-        r = l.value["rank"]
-        assert l.value["loaded"] == ["big", "model", "optimizer", "rng", "shard", "stats"]
-        assert l.value["shard"] == [100 * r + 7 + i for i in range(5)]  # its own, never another rank's
-        assert l.value["shard_rank"] == r
-        assert l.value["stats"] == {"episodes": 10 + r + 7, "name": f"rank-{r}"}
-        assert l.value["draws"] == s.value["draws"]  # RNG streams continue identically
-        assert l.value["after_step"] == s.value["after_step"]  # model + optimizer continue identically
-        assert l.value["big"] == [7.0 + i for i in range(8)]
-        assert l.value["step"] == 1
+    for s, got in zip(saved, loaded):
+        r = got.value["rank"]
+        assert got.value["loaded"] == ["big", "model", "optimizer", "rng", "shard", "stats"]
+        assert got.value["shard"] == [100 * r + 7 + i for i in range(5)]  # its own, never another rank's
+        assert got.value["shard_rank"] == r
+        assert got.value["stats"] == {"episodes": 10 + r + 7, "name": f"rank-{r}"}
+        assert got.value["draws"] == s.value["draws"]  # RNG streams continue identically
+        assert got.value["after_step"] == s.value["after_step"]  # model + optimizer continue identically
+        assert got.value["big"] == [7.0 + i for i in range(8)]
+        assert got.value["step"] == 1
     manifest = tdcp.read_manifest(path)
     assert manifest["world_size"] == world_size
     assert sorted(manifest["components"]["shard"]["ranks"]) == [str(r) for r in range(world_size)]

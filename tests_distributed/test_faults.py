@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import torchrl_dcp as tdcp
-from torchrl_dcp.verification import verify
 from tests_distributed.launch import launch
 from tests_distributed.scenarios_faults import checkpoint, objects
+from torchrl_dcp.verification import verify
 
 S = "tests_distributed.scenarios_faults"
 

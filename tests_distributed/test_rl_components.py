@@ -16,9 +16,9 @@ def test_buffers_and_collectors_continue_identically_on_every_rank(tmp_path: Pat
     path, scratch = str(tmp_path / "ckpt"), str(tmp_path / "scratch")
     saved = launch(f"{S}:save_and_continue", world_size, path, scratch, timeout=180)
     loaded = launch(f"{S}:load_and_continue", world_size, path, scratch, timeout=180)
-    for s, l in zip(saved, loaded):
-        assert l.value["len"] == s.value["len"] == 40
-        assert l.value["next"] == s.value["next"]  # collected batches, sampled indices and data
-        if l.rank % 2:
-            assert l.value["memmap"].startswith(f"{scratch}/b-{l.rank}")  # restored into the rank's scratch_dir
+    for s, got in zip(saved, loaded):
+        assert got.value["len"] == s.value["len"] == 40
+        assert got.value["next"] == s.value["next"]  # collected batches, sampled indices and data
+        if got.rank % 2:
+            assert got.value["memmap"].startswith(f"{scratch}/b-{got.rank}")  # restored into the rank's scratch_dir
     assert len({tuple(r.value["next"]) for r in saved}) == world_size  # ranks really differ

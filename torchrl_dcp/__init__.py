@@ -62,9 +62,9 @@ from torchrl_dcp.errors import (  # noqa: E402
     UnsafeCheckpointError,
     WorldSizeMismatchError,
 )
-from torchrl_dcp.storage.container import read_manifest  # noqa: E402
 from torchrl_dcp.placement import Placement  # noqa: E402
 from torchrl_dcp.rotation import CheckpointRotation, ResumeInfo, RotationEntry, resume  # noqa: E402
+from torchrl_dcp.storage.container import read_manifest  # noqa: E402
 
 __all__ = [
     "Adapter",

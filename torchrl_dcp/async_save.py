@@ -104,10 +104,6 @@ class AsyncSaver:
         self._stream: Any = None
         self._lock = threading.Lock()
 
-    @property
-    def pending(self) -> SaveHandle | None:
-        return self._pending
-
     def wait_pending(self) -> None:
         """Wait for the save in flight; raise its failure as a :class:`CheckpointError` unless ``wait()`` did."""
         handle, self._pending = self._pending, None

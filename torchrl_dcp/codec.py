@@ -53,7 +53,7 @@ class TensorSpec:
         return torch.empty(self.shape, dtype=self.dtype, device=device or self.device)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

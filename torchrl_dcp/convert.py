@@ -25,12 +25,11 @@ from typing import Any
 
 from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError
 from torchrl_dcp.storage.archive import BUFFER, ArchiveContainer, Progress, byte_counter, write_archive
-from torchrl_dcp.storage.container import DirectoryContainer, open_container, read_whole
-from torchrl_dcp.storage.layout import DCP_METADATA, MANIFEST, MAX_MANIFEST_BYTES
 from torchrl_dcp.storage.checksums import checksum_mismatch, format_crc
-from torchrl_dcp.storage.copying import CopyRange, copy_ranges
 from torchrl_dcp.storage.commit import fsync_path, publish, remove_tree, staging_path, write_file_durably
-
+from torchrl_dcp.storage.container import DirectoryContainer, open_container, read_whole
+from torchrl_dcp.storage.copying import CopyRange, copy_ranges
+from torchrl_dcp.storage.layout import DCP_METADATA, MANIFEST, MAX_MANIFEST_BYTES
 
 __all__ = ["to_archive", "to_directory", "export_torchrl"]
 

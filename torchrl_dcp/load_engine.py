@@ -8,9 +8,9 @@
 4. **verify** the bytes that will be read (CRC-32 of the files, before anything is
    read into a live object; files read into fresh buffers are checked while read);
 5. **read** every tensor into fresh buffers (collective);
-6. **restore** every component from its decoded state, RNG-like ones last; then read
-   the tensors adapters asked to receive in place (replay-buffer storages) and
-   restore those components.
+6. **restore** every component read into fresh buffers from its decoded state
+   (RNG-like ones last); then read the tensors adapters asked to receive in place
+   (replay-buffer storages) and restore those components.
 
 Every phase up to 5 is collective through :mod:`torchrl_dcp.collective`: a failure on
 any rank raises on every rank, and no object has changed. A failure while restoring
@@ -141,13 +141,16 @@ def prepare(request: LoadRequest, result: LoadResult) -> tuple[CheckpointSource,
 
 
 def verify_bytes(src: CheckpointSource, load_plan: LoadPlan, verify: bool, metadata: Any) -> None:
-    """Checksum now every file that holds tensors read into live objects; the others are checked while read."""
-    if metadata is None or not verify:
+    """Every file to read carries this save's identity; files holding tensors read into live objects are
+    checksummed now, the others while they are read (``verify=False``: sizes and identities only)."""
+    if metadata is None:
         src.check(False)
         return
     needed_live = files_for(metadata, load_plan.live)
-    src.check(needed_live)
-    load_plan.verify_inline = files_for(metadata, load_plan.fresh) - needed_live
+    src.check(needed_live if verify else False)  # sizes of every file (and checksums of those read in place)
+    src.check_identity(needed_live | files_for(metadata, load_plan.fresh))
+    if verify:
+        load_plan.verify_inline = files_for(metadata, load_plan.fresh) - needed_live
 
 
 def files_for(metadata: Any, flat: Mapping[str, torch.Tensor]) -> set[str]:
@@ -178,11 +181,14 @@ def read(src: CheckpointSource, request: LoadRequest, tensors: dict[str, torch.T
 
 # ---------------------------------------------------------------------- phase 6: restore
 def restore(src: CheckpointSource, request: LoadRequest, load_plan: LoadPlan, result: LoadResult) -> None:
-    """Restore every component; on any rank's failure (strict='error') every rank rolls back and raises."""
-    order = sorted(load_plan.components.values(), key=lambda c: (c.restore_last, c.in_place))
-    first = [c for c in order if not c.in_place and not c.restore_last]
-    in_place = [c for c in order if c.in_place and not c.restore_last]
-    last = [c for c in order if c.restore_last]
+    """Restore every component; on any rank's failure (strict='error') every rank rolls back and raises.
+
+    Order: components read into fresh buffers (RNG-like ones last), then the in-place
+    read, then the components read in place (their restore must not draw random
+    numbers). Up to the in-place read, a failure leaves every object as it was.
+    """
+    first = sorted((c for c in load_plan.components.values() if not c.in_place), key=lambda c: c.restore_last)
+    in_place = [c for c in load_plan.components.values() if c.in_place]
     done: list[ComponentPlan] = []
 
     failure = _restore_all(first, load_plan, request, result, done)
@@ -194,7 +200,7 @@ def restore(src: CheckpointSource, request: LoadRequest, load_plan: LoadPlan, re
             read(src, request, load_plan.live, set(), result)
         except BaseException as err:
             _rollback_and_raise(done, err, in_place, result)
-    failure = _restore_all(in_place + last, load_plan, request, result, done)
+    failure = _restore_all(in_place, load_plan, request, result, done)
     statuses = _dist.all_gather(error_status(failure), request.group, "restoring components")
     if any(s is not None for s in statuses):
         _fail(done, statuses, failure, "restoring components", result, partial=in_place)

@@ -117,6 +117,7 @@ def plan_components(
         if rec is None:
             continue
         assert reg.adapter is not None
+        check_record(name, rec, metadata, source)
         reshard = rec["placement"] == "per_rank" and manifest["world_size"] != world_size
         if reshard and not (reshard_allowed and reg.adapter.can_reshard):
             why = (
@@ -265,6 +266,33 @@ def _record_length(metadata: Any, key: str, chunk: Any) -> int:
     if info is None:
         info = next((i for idx, i in metadata.storage_data.items() if idx.fqn == key), None)
     return 0 if info is None else int(info.length)
+
+
+def check_record(name: str, rec: dict[str, Any], metadata: Any, source: Any) -> int:
+    """The same checks for ``load`` and ``verify``: a component's inventory agrees with its saved states, every
+    state decodes (bounded), and every tensor is in DCP's metadata with its dtype and shape, backed by enough
+    bytes. Returns the number of tensors."""
+    from torchrl_dcp.manifest import component_inventory
+
+    expected = component_inventory(name, rec)
+    if rec["inventory"] != expected:
+        differ = sorted(k for k in set(expected) | set(rec["inventory"]) if expected.get(k) != rec["inventory"].get(k))
+        raise CheckpointIntegrityError(
+            f"component {name!r}: the tensor inventory disagrees with its saved state at {differ[:3]} "
+            "(damaged or forged manifest)",
+            path=source,
+        )
+    states = (
+        [(int(r), s["state"]) for r, s in rec["ranks"].items()] if rec["placement"] == "per_rank" else [(0, rec["state"])]
+    )
+    count = 0
+    for r, skeleton in states:
+        planning_view(skeleton)  # every value decodes (numeric dtypes, bounded nesting)
+        prefix = key_prefix(rec["placement"], name, r)
+        for spec in tensor_specs(skeleton):
+            check_backed(metadata, f"{prefix}/{spec.key}", spec, source)
+            count += 1
+    return count
 
 
 def _references(

@@ -2,8 +2,10 @@
 
 It records the format version, the world size, library versions, every component
 (adapter id and version, placement, JSON state skeleton, per rank where needed,
-and its tensor inventory), every data file with its size and checksum, and user
-metadata. Readers validate it strictly, refuse newer format versions and upgrade
+and its tensor inventory), every data file with its size and checksum, user
+metadata, the save's identity (``save_id``, also written into DCP's metadata and at
+the end of every data file) and, since format 3, a checksum of its own canonical
+body (``manifest_checksum``), so a damaged manifest is refused rather than loaded. Readers validate it strictly, refuse newer format versions and upgrade
 older ones step by step through registered migrations (:func:`register_migration`);
 older adapter payloads are upgraded the same way (:func:`register_adapter_migration`).
 See docs/migrations.md.
@@ -11,7 +13,7 @@ See docs/migrations.md.
 Example:
     >>> from torchrl_dcp.manifest import FORMAT, FORMAT_VERSION
     >>> FORMAT, FORMAT_VERSION
-    ('torchrl_dcp', 2)
+    ('torchrl_dcp', 3)
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from torchrl_dcp.errors import CheckpointFormatError, CheckpointVersionError
+from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointVersionError
 from torchrl_dcp.placement import PLACEMENTS
-from torchrl_dcp.storage.layout import MANIFEST, MAX_MANIFEST_BYTES  # noqa: F401  (re-exported)
+from torchrl_dcp.storage.layout import MANIFEST, MAX_MANIFEST_BYTES, is_plain_name  # noqa: F401  (re-exported)
 
 FORMAT = "torchrl_dcp"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+CHECKSUM_FIELD = "manifest_checksum"
+MAX_DEPTH = 256  # nesting levels a manifest may have (a deeper one is refused before anything walks it)
 
 Migration = Callable[[dict[str, Any]], dict[str, Any]]
 PayloadMigration = Callable[[Any], Any]
@@ -187,6 +191,25 @@ def _v1_to_v2(manifest: dict[str, Any]) -> dict[str, Any]:
     return manifest
 
 
+@register_migration(2)
+def _v2_to_v3(manifest: dict[str, Any]) -> dict[str, Any]:
+    """v3 adds ``save_id`` and ``manifest_checksum``; a v2 checkpoint has neither (``verify`` says so)."""
+    manifest["save_id"] = None
+    manifest[CHECKSUM_FIELD] = None
+    manifest["format_version"] = 3
+    return manifest
+
+
+def unchecked(manifest: dict[str, Any]) -> list[str]:
+    """What this checkpoint's format cannot prove (older formats): shown by ``verify``."""
+    missing = []
+    if manifest.get(CHECKSUM_FIELD) is None:
+        missing.append("manifest checksum (format < 3: a damaged manifest may load)")
+    if manifest.get("save_id") is None:
+        missing.append("save identity (format < 3: a data file from another save is not detected)")
+    return missing
+
+
 def library_versions() -> dict[str, str]:
     import tensordict
     import torch
@@ -209,9 +232,10 @@ def new_manifest(
     files: dict[str, Any],
     metadata: dict[str, Any],
     step: int | None,
+    save_id: str,
 ) -> dict[str, Any]:
-    """A manifest of the current format; ``components`` already carry their inventory (computed at encode)."""
-    return {
+    """A sealed manifest of the current format; ``components`` already carry their inventory (computed at encode)."""
+    return seal({
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -221,7 +245,8 @@ def new_manifest(
         "components": components,
         "files": files,
         "metadata": metadata,
-    }
+        "save_id": save_id,
+    })
 
 
 def dumps(manifest: dict[str, Any]) -> bytes:
@@ -239,16 +264,57 @@ def dumps(manifest: dict[str, Any]) -> bytes:
 
 
 def loads_manifest(data: bytes, source: Any) -> dict[str, Any]:
-    """Decode, validate and migrate manifest bytes (from a directory or an archive member)."""
+    """Decode, check, validate and migrate manifest bytes (from a directory or an archive member)."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CheckpointFormatError(f"manifest is implausibly large ({len(data)} bytes)", path=source)
     try:
         raw = json.loads(data, parse_constant=_refuse_constant)
     except (ValueError, UnicodeDecodeError, RecursionError) as err:
-        raise CheckpointFormatError(f"manifest is not valid JSON ({err})", path=source) from None
+        raise CheckpointFormatError(f"manifest is not valid JSON ({str(err)[:200]})", path=source) from None
+    check_depth(raw, source)
     return parse_manifest(raw, source)
 
 
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name}")
+
+
+def check_depth(value: Any, source: Any, limit: int = MAX_DEPTH) -> None:
+    """Refuse JSON nested deeper than ``limit`` (walked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            raise CheckpointFormatError(f"manifest is nested deeper than {limit} levels: refused", path=source)
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+
+
+def body_checksum(manifest: dict[str, Any]) -> str:
+    """``"crc32:<hex>"`` of the manifest's canonical JSON without its own checksum field."""
+    from torchrl_dcp.storage.checksums import crc32, format_crc
+
+    return format_crc(crc32(dumps({k: v for k, v in manifest.items() if k != CHECKSUM_FIELD})))
+
+
+def seal(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The manifest with its :func:`body_checksum` (what is written; readers check it)."""
+    return {**manifest, CHECKSUM_FIELD: body_checksum(manifest)}
+
+
+def _check_seal(raw: dict[str, Any], source: Any) -> None:
+    recorded = raw.get(CHECKSUM_FIELD)
+    if not isinstance(recorded, str):
+        raise CheckpointIntegrityError(f"manifest has no {CHECKSUM_FIELD}: damaged or altered", path=source)
+    actual = body_checksum(raw)
+    if actual != recorded:
+        raise CheckpointIntegrityError(
+            f"manifest checksum is {actual}, the manifest says {recorded}: the manifest is damaged or altered "
+            "(nothing was loaded)",
+            path=source,
+        )
 
 
 def parse_manifest(raw: Any, source: Any) -> dict[str, Any]:
@@ -260,6 +326,8 @@ def parse_manifest(raw: Any, source: Any) -> dict[str, Any]:
     version = raw.get("format_version")
     if not _is_int(version) or version < 1:
         raise CheckpointFormatError(f"format_version {version!r} is not a positive integer", path=source)
+    if version >= 3 and version <= FORMAT_VERSION:
+        _check_seal(raw, source)
     if version > FORMAT_VERSION:
         raise CheckpointVersionError(
             f"written with format version {version}, this torchrl_dcp reads up to {FORMAT_VERSION}: "
@@ -297,37 +365,50 @@ def _validate(m: dict[str, Any], source: Any) -> None:
     for field in ("versions", "metadata", "components", "files"):
         if not isinstance(m.get(field), dict):
             raise bad(f"{field} must be an object")
+    if m.get("save_id") is not None and not (isinstance(m["save_id"], str) and len(m["save_id"]) == 32):
+        raise bad("save_id must be 32 hex digits or null")
     for name, rec in m["files"].items():
-        if not isinstance(rec, dict) or not _is_int(rec.get("size")) or rec["size"] < 0:
-            raise bad(f"files[{name!r}] needs an integer size")
-        if not isinstance(rec.get("checksum"), str):
-            raise bad(f"files[{name!r}] needs a checksum")
-        if not name or "/" in name or "\\" in name or name in (".", "..", MANIFEST) or "\0" in name:
-            raise bad(f"file name {name!r} is not a plain file name")
+        _validate_file(name, rec, bad)
     for name, rec in m["components"].items():
-        if not isinstance(rec, dict):
-            raise bad(f"components[{name!r}] must be an object")
-        if not isinstance(rec.get("adapter"), str) or not _is_int(rec.get("adapter_version")):
-            raise bad(f"components[{name!r}] needs adapter and adapter_version")
-        placement = rec.get("placement")
-        if placement not in PLACEMENTS:
-            raise bad(f"components[{name!r}].placement {placement!r} is not one of {PLACEMENTS}")
-        if placement == "per_rank":
-            ranks = rec.get("ranks")
-            if not isinstance(ranks, dict) or sorted(ranks) != sorted(str(r) for r in range(m["world_size"])):
-                raise bad(f"components[{name!r}].ranks must hold one state per saved rank")
-            for r, state in ranks.items():
-                if not isinstance(state, dict) or "state" not in state:
-                    raise bad(f"components[{name!r}].ranks[{r}] needs a state")
-        elif "state" not in rec:
-            raise bad(f"components[{name!r}] needs a state")
-        inventory = rec.get("inventory")
-        if not isinstance(inventory, dict) or not all(
-            isinstance(k, str)
-            and isinstance(t, dict)
-            and isinstance(t.get("dtype"), str)
-            and isinstance(t.get("shape"), list)
-            and all(_is_int(d) and d >= 0 for d in t["shape"])
-            for k, t in inventory.items()
-        ):
-            raise bad(f"components[{name!r}].inventory must map tensor keys to {{dtype, shape}}")
+        _validate_component(name, rec, m["world_size"], bad)
+
+
+def _validate_file(name: str, rec: Any, bad: Callable[[str], CheckpointFormatError]) -> None:
+    if not isinstance(rec, dict) or not _is_int(rec.get("size")) or rec["size"] < 0:
+        raise bad(f"files[{name!r}] needs an integer size")
+    if not isinstance(rec.get("checksum"), str):
+        raise bad(f"files[{name!r}] needs a checksum")
+    if not is_plain_name(name) or name == MANIFEST:
+        raise bad(f"file name {name!r} is not a plain file name")
+
+
+def _validate_component(name: str, rec: Any, world_size: int, bad: Callable[[str], CheckpointFormatError]) -> None:
+    if not isinstance(rec, dict):
+        raise bad(f"components[{name!r}] must be an object")
+    if not isinstance(rec.get("adapter"), str) or not _is_int(rec.get("adapter_version")):
+        raise bad(f"components[{name!r}] needs adapter and adapter_version")
+    placement = rec.get("placement")
+    if placement not in PLACEMENTS:
+        raise bad(f"components[{name!r}].placement {placement!r} is not one of {PLACEMENTS}")
+    if placement == "per_rank":
+        ranks = rec.get("ranks")
+        if not isinstance(ranks, dict) or sorted(ranks) != sorted(str(r) for r in range(world_size)):
+            raise bad(f"components[{name!r}].ranks must hold one state per saved rank")
+        for r, state in ranks.items():
+            if not isinstance(state, dict) or "state" not in state:
+                raise bad(f"components[{name!r}].ranks[{r}] needs a state")
+    elif "state" not in rec:
+        raise bad(f"components[{name!r}] needs a state")
+    inventory = rec.get("inventory")
+    if not isinstance(inventory, dict) or not all(_is_tensor_entry(k, t) for k, t in inventory.items()):
+        raise bad(f"components[{name!r}].inventory must map tensor keys to {{dtype, shape}}")
+
+
+def _is_tensor_entry(key: Any, t: Any) -> bool:
+    return (
+        isinstance(key, str)
+        and isinstance(t, dict)
+        and isinstance(t.get("dtype"), str)
+        and isinstance(t.get("shape"), list)
+        and all(_is_int(d) and d >= 0 for d in t["shape"])
+    )

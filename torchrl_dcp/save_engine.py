@@ -33,6 +33,8 @@ import contextlib
 import errno
 import logging
 import math
+import os
+import uuid
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -46,7 +48,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torchrl_dcp import _dist
 from torchrl_dcp._gc import gc_paused
 from torchrl_dcp.adapters import Adapter, AdapterContext
-from torchrl_dcp.codec import dtype_name, encode as encode_value, is_dtensor, tensor_identity
+from torchrl_dcp.codec import dtype_name, is_dtensor, tensor_identity
+from torchrl_dcp.codec import encode as encode_value
 from torchrl_dcp.collective import broadcast_step, error_status, raise_if_failed, run_step
 from torchrl_dcp.errors import CheckpointError, CollectiveError, EncodingError
 from torchrl_dcp.manifest import dumps, new_manifest
@@ -57,14 +60,14 @@ from torchrl_dcp.storage.commit import (
     DestinationLock,
     publish,
     remove_tree,
-    stale_entries,
     staging_path,
+    stale_entries,
     sweep_stale_locks,
     write_file_durably,
 )
 from torchrl_dcp.storage.container import DirectoryContainer
-from torchrl_dcp.storage.filesystem import make_writer
-from torchrl_dcp.storage.layout import DCP_METADATA, MANIFEST
+from torchrl_dcp.storage.filesystem import make_writer, safe_load_metadata
+from torchrl_dcp.storage.layout import DCP_METADATA, MANIFEST, identity_trailer
 from torchrl_dcp.storage.writer import WriteOutcome, build_metadata, write_metadata, write_share
 
 logger = logging.getLogger("torchrl_dcp")
@@ -141,6 +144,7 @@ class SaveJob:
     world_size: int
     stage_event: Any = None  # CUDA event the async writer waits for before reading staged tensors
     lock: DestinationLock | None = field(default=None, repr=False)
+    save_id: str = ""  # chosen by rank 0 with the staging directory: in the manifest, .metadata, every data file
 
 
 # ---------------------------------------------------------------------- step 1: encode
@@ -201,7 +205,7 @@ class FastStateWriter:
     """Our writer (:mod:`torchrl_dcp.storage.writer`): packed records, parallel writes, inline checksums."""
 
     def write(self, job: SaveJob, staging: Path) -> WriteOutcome:
-        return write_share(job.encoded.flat, job.plan.share(job.rank), staging, job.rank)
+        return write_share(job.encoded.flat, job.plan.share(job.rank), staging, job.rank, save_id=job.save_id)
 
 
 class DCPStateWriter:
@@ -220,7 +224,12 @@ class DCPStateWriter:
         except CheckpointException as err:
             raise CollectiveError(f"DCP save failed: {summarize(err)}", path=job.destination) from None
         out = WriteOutcome()
-        for p in staging.iterdir():
+        for p in sorted(staging.iterdir()):
+            if p.name.startswith(f"__{job.rank}_"):
+                with open(p, "ab") as f:  # DCP addresses records by offset: the trailer after them is never read
+                    f.write(identity_trailer(job.save_id, job.rank))
+                    f.flush()
+                    os.fsync(f.fileno())
             if p.name.startswith(f"__{job.rank}_") or (job.rank == 0 and p.name == DCP_METADATA):
                 out.files[p.name] = file_record(p)
                 out.bytes_written += out.files[p.name]["size"]
@@ -234,7 +243,7 @@ def writer_for(write_plan: WritePlan) -> StateWriter:
 def prepare_staging(job: SaveJob) -> Path:
     """Rank 0 locks the destination and creates a fresh staging directory beside it; every rank learns its path."""
 
-    def prepare() -> str:
+    def prepare() -> tuple[str, str]:
         destination = job.destination
         destination.parent.mkdir(parents=True, exist_ok=True)
         job.lock = DestinationLock(destination).acquire()
@@ -247,13 +256,16 @@ def prepare_staging(job: SaveJob) -> Path:
             remove_tree(stale)
         staging = staging_path(destination)
         staging.mkdir()
-        return str(staging)
+        return str(staging), uuid.uuid4().hex
 
     try:
-        return Path(broadcast_step(job.group, "preparing the staging directory", _failing(prepare, job), rank=job.rank))
+        staging, job.save_id = broadcast_step(
+            job.group, "preparing the staging directory", _failing(prepare, job), rank=job.rank
+        )
     except BaseException:
         release_lock(job)
         raise
+    return Path(staging)
 
 
 def write(job: SaveJob, staging: Path) -> tuple[WriteOutcome, BaseException | None]:
@@ -298,13 +310,23 @@ def write_manifest(job: SaveJob, staging: Path, gathered: list[Any]) -> None:
     if job.plan.backend == "fast":  # DCP's metadata, as dcp.save would have written it
         tensors = {k: (_DTYPES[t.dtype], t.shape) for k, t in job.plan.tensors.items()}
         entries = [e for g in gathered for e in g[2]]
-        files[DCP_METADATA] = write_metadata(staging, build_metadata(tensors, entries, staging))
+        files[DCP_METADATA] = write_metadata(staging, build_metadata(tensors, entries, staging, job.save_id))
+    elif DCP_METADATA in files:  # DCP wrote it (our own file, just written): give it this save's identity
+        metadata = safe_load_metadata(staging / DCP_METADATA)
+        metadata.storage_meta.save_id = job.save_id
+        (staging / DCP_METADATA).unlink()
+        files[DCP_METADATA] = write_metadata(staging, metadata)
     components = {}
     for name, rec in job.encoded.records.items():
         ranks = {r: g[3][name] for r, g in enumerate(gathered)} if rec.placement == "per_rank" else None
         components[name] = rec.manifest_entry(ranks)
     manifest = new_manifest(
-        world_size=job.world_size, components=components, files=files, metadata=job.metadata, step=job.step
+        world_size=job.world_size,
+        components=components,
+        files=files,
+        metadata=job.metadata,
+        step=job.step,
+        save_id=job.save_id,
     )
     write_file_durably(staging / MANIFEST, dumps(manifest))
 

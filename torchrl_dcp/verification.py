@@ -12,12 +12,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from torchrl_dcp.codec import tensor_specs
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
-from torchrl_dcp.manifest import component_inventory
-from torchrl_dcp.placement import key_prefix
+from torchrl_dcp.load_plan import check_record
+from torchrl_dcp.manifest import unchecked
 from torchrl_dcp.storage.container import open_regular
-from torchrl_dcp.storage.layout import DCP_METADATA, MANIFEST
+from torchrl_dcp.storage.layout import MANIFEST
 from torchrl_dcp.storage.source import CheckpointSource, open_source
 
 
@@ -42,11 +41,14 @@ def _check_blob_headers(src: CheckpointSource, metadata: Any) -> None:
 
 
 def verify(path: str | os.PathLike) -> dict[str, Any]:
-    """Validate the manifest, every file's size and checksum, and that DCP's metadata
-    holds every tensor the manifest names with the same dtype and shape.
+    """Check a checkpoint without loading it: the manifest (its own checksum, schema), every file's size,
+    checksum and save identity, DCP's metadata (same save, every byte range inside its file), and for every
+    component the checks a load runs (inventory, decodable states, every tensor present with its dtype and
+    shape and backed by its record).
 
     Returns:
-        A summary ``{"path", "files", "bytes", "tensors"}``.
+        A summary ``{"path", "files", "bytes", "tensors", "unchecked"}``; ``unchecked`` lists what an older
+        format cannot prove (e.g. a format-2 manifest has no checksum of its own).
 
     Raises:
         CheckpointError: naming the first problem found.
@@ -58,35 +60,16 @@ def verify(path: str | os.PathLike) -> dict[str, Any]:
     tensors = 0
     metadata = src.dcp_metadata()
     if metadata is not None:
-        saved = metadata.state_dict_metadata
+        src.check_identity(info.relative_path for info in metadata.storage_data.values())
         for name, rec in manifest["components"].items():
-            states = (
-                [(int(r), s["state"]) for r, s in rec["ranks"].items()]
-                if rec["placement"] == "per_rank"
-                else [(0, rec["state"])]
-            )
-            if rec["inventory"] != component_inventory(name, rec):
-                raise CheckpointIntegrityError(
-                    f"component {name!r}: the tensor inventory disagrees with its saved state", path=root / MANIFEST
-                )
-            for r, skeleton in states:
-                prefix = key_prefix(rec["placement"], name, r)
-                for spec in tensor_specs(skeleton):
-                    entry = saved.get(f"{prefix}/{spec.key}")
-                    props = getattr(entry, "properties", None)
-                    if entry is None or props is None or props.dtype != spec.dtype or tuple(entry.size) != spec.shape:
-                        raise CheckpointIntegrityError(
-                            f"component {name!r}: tensor {spec.key!r} is absent from DCP metadata or differs in "
-                            "dtype/shape",
-                            path=root / DCP_METADATA,
-                        )
-                    tensors += 1
+            tensors += check_record(name, rec, metadata, root / MANIFEST)
         _check_blob_headers(src, metadata)
-    elif manifest["components"] and any(rec.get("num_tensors") for rec in manifest["components"].values()):
+    elif any(rec.get("num_tensors") or rec.get("inventory") for rec in manifest["components"].values()):
         raise CheckpointFormatError("manifest lists tensors but no data files", path=root)
     return {
         "path": str(root),
         "files": len(manifest["files"]),
         "bytes": sum(f["size"] for f in manifest["files"].values()),
         "tensors": tensors,
+        "unchecked": unchecked(manifest),
     }

@@ -129,6 +129,7 @@ class Adapter(abc.ABC):
         :class:`~torchrl_dcp.codec.TensorSpec`); ``ctx.saved_world_size`` tells whether
         the load reshards. The default accepts everything.
         """
+        return None
 
     def snapshot(self, obj: Any, ctx: AdapterContext) -> Any:
         """What :meth:`rollback` needs to put ``obj`` back as it is now (taken before a load changes anything).

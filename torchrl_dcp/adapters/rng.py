@@ -2,9 +2,10 @@
 
 :class:`RNGState` captures Python's ``random``, NumPy's global generator, torch's CPU
 generator and every initialised CUDA device's generator. It is ``per_rank`` by
-default: each rank resumes its own streams. Register it **last** (components load
-in registration order), so building or loading other objects cannot consume
-random numbers after the streams were restored.
+default: each rank resumes its own streams. Its adapter is restored after every
+other component read into fresh buffers (``restore_last``), whatever the registration
+order, so loading other objects cannot consume random numbers after the streams
+were restored.
 
 Example:
     >>> import torch

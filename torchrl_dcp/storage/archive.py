@@ -30,9 +30,9 @@ from typing import Any
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError
 from torchrl_dcp.manifest import loads_manifest
+from torchrl_dcp.storage.checksums import checksum_mismatch, crc32, fds_checksums, format_crc
 from torchrl_dcp.storage.container import ByteRange, open_regular
 from torchrl_dcp.storage.layout import MANIFEST, MAX_MANIFEST_BYTES
-from torchrl_dcp.storage.checksums import checksum_mismatch, crc32, fds_checksums, format_crc
 from torchrl_dcp.storage.zipformat import ZIPALIGN_PAD, central_entry, end_records, local_header
 
 ALIGN = 64  # every member's data starts at a multiple of this (zipformat.ALIGN)
@@ -288,7 +288,7 @@ def write_archive(
         out = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             ranges = []
-            for (name, path, size, _), (_, _, data_offset) in zip(entries[1:], layout[1:]):
+            for (_name, path, size, _), (_, _, data_offset) in zip(entries[1:], layout[1:]):
                 assert path is not None
                 fd = os.open(path, os.O_RDONLY)
                 sources.append(fd)
@@ -298,7 +298,7 @@ def write_archive(
                 ranges.append(CopyRange(fd, 0, size, out, data_offset, str(path)))
             crcs = [crc32(manifest_bytes)]
             crcs += copy_ranges(ranges, threads=threads, buffer_size=buffer_size, progress=advance)
-            for (name, path, _, checksum), crc in zip(entries, crcs):
+            for (_name, path, _, checksum), crc in zip(entries, crcs):
                 if checksum is not None and format_crc(crc) != checksum:
                     raise checksum_mismatch(format_crc(crc), checksum, path)
             pwrite_all(out, manifest_bytes, layout[0][2])

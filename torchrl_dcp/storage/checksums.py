@@ -27,7 +27,7 @@ from typing import Any
 
 from torchrl_dcp.errors import CheckpointIntegrityError
 
-CHUNK = 8 << 20
+CHECKSUM_BUFFER = 8 << 20
 _U32 = 0xFFFFFFFF
 
 
@@ -56,12 +56,12 @@ def checksum_mismatch(actual: str, expected: str, path: Any, what: str = "file")
     return CheckpointIntegrityError(f"checksum is {actual}, the manifest says {expected}: the {what} is damaged", path=path)
 
 
-def file_checksum(path: str | os.PathLike, chunk: int = CHUNK) -> str:
+def file_checksum(path: str | os.PathLike, chunk: int = CHECKSUM_BUFFER) -> str:
     """``"crc32:<hex>"`` of a file (several threads, memory bounded by ``chunk``)."""
     return files_checksums([path], chunk)[0]
 
 
-def files_checksums(paths: list[str | os.PathLike], chunk: int = CHUNK) -> list[str]:
+def files_checksums(paths: list[str | os.PathLike], chunk: int = CHECKSUM_BUFFER) -> list[str]:
     """``"crc32:<hex>"`` of each file (opened without following links); the work is split between threads."""
     fds: list[int] = []
     try:
@@ -73,7 +73,7 @@ def files_checksums(paths: list[str | os.PathLike], chunk: int = CHUNK) -> list[
             os.close(fd)
 
 
-def fds_checksums(ranges: list[tuple[int, int, int, str]], chunk: int = CHUNK) -> list[str]:
+def fds_checksums(ranges: list[tuple[int, int, int, str]], chunk: int = CHECKSUM_BUFFER) -> list[str]:
     """``"crc32:<hex>"`` of each ``(fd, offset, size, name)`` byte range, split between threads (``copying.py``)."""
     from torchrl_dcp.storage.copying import CopyRange, copy_ranges
 

@@ -22,7 +22,6 @@ import io
 import os
 import pickle
 from collections.abc import Collection, Mapping
-from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
@@ -31,7 +30,6 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, UnsafeCheckpointError
 from torchrl_dcp.storage.layout import DCP_METADATA, is_plain_name
-
 
 _ALLOWED: dict[str, frozenset[str]] = {
     "torch.distributed.checkpoint.metadata": frozenset(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 MANIFEST = "manifest.json"
 DCP_METADATA = ".metadata"
-MAX_MANIFEST_BYTES = 1 << 30  # a manifest (or .metadata) larger than this is refused before it is read
+MAX_MANIFEST_BYTES = 256 << 20  # a manifest (or .metadata) larger than this is refused before it is parsed
 
 
 def data_file_name(rank: int) -> str:
@@ -25,3 +25,35 @@ def data_file_name(rank: int) -> str:
 def is_plain_name(name: str) -> bool:
     """A file name that stays inside its checkpoint: no separator, no ``..``, no NUL."""
     return bool(name) and "/" not in name and "\\" not in name and name not in (".", "..") and "\0" not in name
+
+
+# ---------------------------------------------------------------------- save identity
+TRAILER_SIZE = 64
+_TRAILER_HEAD, _TRAILER_TAIL = b"TDCP.SID", b"TDCP.END"
+
+
+def identity_trailer(save_id: str, rank: int) -> bytes:
+    """The 64 bytes at the end of every data file: which save (and rank) wrote it.
+
+    DCP never reads them (its metadata addresses each record by offset and length), so
+    a plain ``dcp.load`` is unaffected; a reader refuses a data file whose trailer names
+    another save, e.g. one copied in from another checkpoint with its manifest entry.
+
+    Example:
+        >>> t = identity_trailer("0" * 32, 1)
+        >>> len(t), read_identity(t)
+        (64, ('00000000000000000000000000000000', 1))
+    """
+    body = _TRAILER_HEAD + save_id.encode("ascii") + rank.to_bytes(8, "little")
+    return body + b"\0" * (TRAILER_SIZE - len(body) - len(_TRAILER_TAIL)) + _TRAILER_TAIL
+
+
+def read_identity(trailer: bytes) -> tuple[str, int] | None:
+    """``(save_id, rank)`` from the last 64 bytes of a data file, or ``None`` when they are not a trailer."""
+    if len(trailer) != TRAILER_SIZE or not trailer.startswith(_TRAILER_HEAD) or not trailer.endswith(_TRAILER_TAIL):
+        return None
+    try:
+        save_id = trailer[8:40].decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    return save_id, int.from_bytes(trailer[40:48], "little")

@@ -62,12 +62,12 @@ from torchrl_dcp.errors import CheckpointIntegrityError
 from torchrl_dcp.storage.checksums import crc32, crc32_combine, format_crc
 from torchrl_dcp.storage.container import ByteRange, Container, open_regular
 from torchrl_dcp.storage.copying import read_threads, run_split
+from torchrl_dcp.storage.filesystem import SafeFileSystemReader
 from torchrl_dcp.storage.layout import is_plain_name
 from torchrl_dcp.storage.libc import libc
-from torchrl_dcp.storage.filesystem import SafeFileSystemReader
 from torchrl_dcp.storage.record import STORAGE_NAMES, is_memmap_tensor, record_data_offset
 
-CHUNK = 4 << 20  # read size of large records (and of checksummed gaps)
+READ_PIECE = 4 << 20  # read size of large records (and of checksummed gaps)
 SMALL = 1 << 20  # records below this are read in batches and copied out
 BATCH = 8 << 20  # bytes per batched read of small records
 PARALLEL = 32 << 20  # tensors at least this large are split between threads
@@ -157,6 +157,19 @@ class _Item:
     length: int
     target: torch.Tensor | None = None  # set when the record may be read in place
     view: memoryview | None = None
+
+
+def _batch_end(items: list[_Item], i: int) -> int:
+    """One past the last small record contiguous with ``items[i]`` that fits in a batch read."""
+    j = i + 1
+    while (
+        j < len(items)
+        and items[j].length < SMALL
+        and items[j].offset == items[j - 1].offset + items[j - 1].length
+        and items[j].offset + items[j].length - items[i].offset <= BATCH
+    ):
+        j += 1
+    return j
 
 
 class InPlaceFileSystemReader(SafeFileSystemReader):
@@ -287,30 +300,43 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
                     pos = max(pos, max(r.offset + r.length for r in run))
                     i = j
                     continue
-                j = i + 1  # a batch of small, contiguous records
-                while (
-                    j < len(items)
-                    and items[j].length < SMALL
-                    and items[j].offset == items[j - 1].offset + items[j - 1].length
-                    and items[j].offset + items[j].length - it.offset <= BATCH
-                ):
-                    j += 1
-                start, end = it.offset, items[j - 1].offset + items[j - 1].length
-                view = memoryview(scratch)[: end - start] if end - start <= len(scratch) else memoryview(bytearray(end - start))
-                src.read_at(f, start, view)
-                self.stats["bytes"] += end - start
-                if crc:
-                    pieces.append((start, end - start, crc32(view)))
-                for item in items[i:j]:
-                    rel = item.offset - start
-                    self._place_small(item, view[rel : rel + item.length], planner)
-                pos, i = end, j
+                end, i = self._read_batch(src, f, items, i, scratch, planner, pieces if crc else None), _batch_end(items, i)
+                pos = end
             if crc and pos < src.size:
                 pieces += self._read_gap(src, f, pos, src.size, scratch)
+        except CheckpointIntegrityError:
+            raise
+        except Exception:
+            if crc:  # a damaged record fails to parse before the file's checksum is complete: the damage is the cause
+                self._check_whole(src, cast(str, expected))
+            raise
         finally:
             f.close()
         if crc:
             self._compare(src, pieces, cast(str, expected))
+
+    def _read_batch(
+        self,
+        src: RangeFile,
+        f: BinaryIO,
+        items: list[_Item],
+        i: int,
+        scratch: bytearray,
+        planner: LoadPlanner,
+        pieces: list[tuple[int, int, int]] | None,
+    ) -> int:
+        """Read the small, contiguous records from ``items[i]`` on in one read; returns where the batch ended."""
+        j = _batch_end(items, i)
+        start, end = items[i].offset, items[j - 1].offset + items[j - 1].length
+        view = memoryview(scratch)[: end - start] if end - start <= len(scratch) else memoryview(bytearray(end - start))
+        src.read_at(f, start, view)
+        self.stats["bytes"] += end - start
+        if pieces is not None:
+            pieces.append((start, end - start, crc32(view)))
+        for item in items[i:j]:
+            rel = item.offset - start
+            self._place_small(item, view[rel : rel + item.length], planner)
+        return end
 
     def _place_small(self, item: _Item, record: memoryview, planner: LoadPlanner) -> None:
         if item.view is not None and item.target is not None:
@@ -387,15 +413,15 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         """Read ``len(view)`` bytes at ``offset`` into ``view`` (split between threads when large)."""
         n = len(view)
         threads = (threads or self.threads) if n >= PARALLEL else 1
-        bounds = [n * k // threads // CHUNK * CHUNK for k in range(threads)] + [n]
+        bounds = [n * k // threads // READ_PIECE * READ_PIECE for k in range(threads)] + [n]
         results: list[list[tuple[int, int, int]]] = [[] for _ in range(threads)]
 
         def run(part: list[int]) -> None:
             for k in part:  # one slice per thread; the calling thread (slice 0) reuses ``f``
                 own = f if k == 0 else src.open()
                 try:
-                    for a in range(bounds[k], bounds[k + 1], CHUNK):
-                        piece = view[a : min(a + CHUNK, bounds[k + 1])]
+                    for a in range(bounds[k], bounds[k + 1], READ_PIECE):
+                        piece = view[a : min(a + READ_PIECE, bounds[k + 1])]
                         src.read_at(own, offset + a, piece)
                         if crc:
                             results[k].append((offset + a, len(piece), crc32(piece)))

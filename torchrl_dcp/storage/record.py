@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import functools
 import io
+import math
 import pickle
 import struct
 import sys
@@ -225,23 +226,15 @@ def template_data_offset(head: Any, length: int, dtype: torch.dtype, shape: tupl
     return n
 
 
-def zip_data_offset(read: Any, length: int, dtype: torch.dtype, shape: tuple[int, ...]) -> int | None:
-    """Where the tensor bytes start in a ``torch.save`` ZIP record of ``length`` bytes, or ``None``.
-
-    ``read(offset, n)`` returns ``n`` bytes of the record. Parses the central
-    directory (ZIP64 included) and the local headers; accepts only a record whose
-    members are STORED, whose ``data.pkl`` is byte-for-byte what ``torch.save``
-    writes for a contiguous ``dtype`` tensor of ``shape``, whose ``byteorder`` is
-    ``little`` and whose one storage ``data/0`` holds exactly the tensor's bytes.
-    Nothing is unpickled.
-    """
+def _central_directory(read: Any, length: int) -> tuple[int, int, int] | None:
+    """``(entries, cd_size, cd_offset)`` from the end records (ZIP64 included), or ``None``."""
     if length < 22:
         return None
     end = read(length - 22, 22)
     if _u32(end, 0) != 0x06054B50 or _u16(end, 20) != 0:
         return None
     entries, cd_size, cd_offset = _u16(end, 10), _u32(end, 12), _u32(end, 16)
-    if 0xFFFF in (entries,) or 0xFFFFFFFF in (cd_size, cd_offset):
+    if entries == 0xFFFF or 0xFFFFFFFF in (cd_size, cd_offset):
         if length < 22 + 20 + 56:
             return None
         loc = read(length - 22 - 20, 20)
@@ -256,8 +249,29 @@ def zip_data_offset(read: Any, length: int, dtype: torch.dtype, shape: tuple[int
         entries, cd_size, cd_offset = struct.unpack_from("<QQQ", z64, 32)
     if entries > 64 or cd_offset + cd_size > length or cd_size > 1 << 16:
         return None
-    cd = read(cd_offset, cd_size)
-    members: dict[str, tuple[int, int, int]] = {}  # name: (method, size, local header offset)
+    return entries, cd_size, cd_offset
+
+
+def _zip64_sizes(extra: Any, usize: int, csize: int, offset: int) -> tuple[int, int, int]:
+    """The ZIP64 extended information of a central entry replaces its 0xFFFFFFFF fields, in order."""
+    x = 0
+    while x + 4 <= len(extra):
+        tag, size = _u16(extra, x), _u16(extra, x + 2)
+        if tag == 1:
+            vals = list(struct.unpack_from(f"<{size // 8}Q", extra, x + 4))
+            if usize == 0xFFFFFFFF and vals:
+                usize = vals.pop(0)
+            if csize == 0xFFFFFFFF and vals:
+                csize = vals.pop(0)
+            if offset == 0xFFFFFFFF and vals:
+                offset = vals.pop(0)
+        x += 4 + size
+    return usize, csize, offset
+
+
+def _members(cd: Any, entries: int) -> dict[str, tuple[int, int, int]] | None:
+    """``{short name: (method, size, local header offset)}`` of a central directory, or ``None``."""
+    members: dict[str, tuple[int, int, int]] = {}
     at = 0
     for _ in range(entries):
         if at + 46 > len(cd) or _u32(cd, at) != 0x02014B50:
@@ -265,31 +279,37 @@ def zip_data_offset(read: Any, length: int, dtype: torch.dtype, shape: tuple[int
         method, csize, usize = _u16(cd, at + 10), _u32(cd, at + 20), _u32(cd, at + 24)
         nlen, xlen, clen, offset = _u16(cd, at + 28), _u16(cd, at + 30), _u16(cd, at + 32), _u32(cd, at + 42)
         name = bytes(cd[at + 46 : at + 46 + nlen]).decode("utf-8", "replace")
-        extra = cd[at + 46 + nlen : at + 46 + nlen + xlen]
-        x = 0
-        while x + 4 <= len(extra):  # ZIP64 extended information: the 0xFFFFFFFF fields, in order
-            tag, size = _u16(extra, x), _u16(extra, x + 2)
-            if tag == 1:
-                vals = list(struct.unpack_from(f"<{size // 8}Q", extra, x + 4))
-                if usize == 0xFFFFFFFF and vals:
-                    usize = vals.pop(0)
-                if csize == 0xFFFFFFFF and vals:
-                    csize = vals.pop(0)
-                if offset == 0xFFFFFFFF and vals:
-                    offset = vals.pop(0)
-            x += 4 + size
+        usize, csize, offset = _zip64_sizes(cd[at + 46 + nlen : at + 46 + nlen + xlen], usize, csize, offset)
         if csize != usize:
             return None
         members[name.rsplit("/", 1)[-1] if not name.endswith("/data/0") else "data/0"] = (method, usize, offset)
         at += 46 + nlen + xlen + clen
-    if {"data.pkl", "byteorder", "data/0"} - set(members):
+    return members
+
+
+def zip_data_offset(read: Any, length: int, dtype: torch.dtype, shape: tuple[int, ...]) -> int | None:
+    """Where the tensor bytes start in a ``torch.save`` ZIP record of ``length`` bytes, or ``None``.
+
+    ``read(offset, n)`` returns ``n`` bytes of the record. Parses the central
+    directory (ZIP64 included) and the local headers; accepts only a record whose
+    members are STORED, whose ``data.pkl`` is byte-for-byte what ``torch.save``
+    writes for a contiguous ``dtype`` tensor of ``shape``, whose ``byteorder`` is
+    ``little`` and whose one storage ``data/0`` holds exactly the tensor's bytes.
+    Nothing is unpickled.
+    """
+    found = _central_directory(read, length)
+    if found is None:
+        return None
+    entries, cd_size, cd_offset = found
+    members = _members(read(cd_offset, cd_size), entries)
+    if members is None or {"data.pkl", "byteorder", "data/0"} - set(members):
         return None
     storages = [n for n in members if n.startswith("data/") or n.isdigit()]
     if storages != ["data/0"] or any(m[0] != 0 for m in members.values()):
         return None
 
     def payload(name: str) -> int | None:
-        method, size, offset = members[name]
+        _, size, offset = members[name]
         if offset + 30 > length:
             return None
         local = read(offset, 30)
@@ -306,10 +326,7 @@ def zip_data_offset(read: Any, length: int, dtype: torch.dtype, shape: tuple[int
         return None
     if bytes(read(order_at, 6)) != b"little":
         return None
-    numel = 1
-    for s in shape:
-        numel *= s
-    if members["data/0"][1] != numel * torch._utils._element_size(dtype):
+    if members["data/0"][1] != math.prod(shape) * torch._utils._element_size(dtype):
         return None
     return data_at
 

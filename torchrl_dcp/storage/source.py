@@ -25,10 +25,10 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from torchrl_dcp.errors import CheckpointFormatError
-from torchrl_dcp.storage.container import Container, open_container
+from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
+from torchrl_dcp.storage.container import Container, open_container, open_regular
 from torchrl_dcp.storage.filesystem import check_storage_bounds, check_storage_files, safe_load_metadata
-from torchrl_dcp.storage.layout import DCP_METADATA, MAX_MANIFEST_BYTES
+from torchrl_dcp.storage.layout import DCP_METADATA, MAX_MANIFEST_BYTES, TRAILER_SIZE, read_identity
 from torchrl_dcp.storage.reader import InPlaceFileSystemReader
 
 
@@ -69,11 +69,44 @@ class CheckpointSource:
                 assert data is not None
                 _check_checksum(data, files[DCP_METADATA], where)
                 metadata = safe_load_metadata(where, data=data)
+                save_id = self.manifest().get("save_id")
+                found = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
+                if save_id is not None and found != save_id:
+                    raise CheckpointIntegrityError(
+                        f"DCP metadata belongs to save {found!r}, the manifest to {save_id!r}: a file from another "
+                        "checkpoint was copied in; refused",
+                        path=where,
+                    )
                 check_storage_files(metadata, where, files)
                 check_storage_bounds(metadata, where, files)
                 self._metadata = metadata
             self._metadata_read = True
         return self._metadata
+
+    def check_identity(self, names: Iterable[str]) -> None:
+        """Every data file in ``names`` ends with this save's identity trailer (format 3 and later).
+
+        Refuses a data file copied in from another checkpoint together with its manifest
+        entry (size and checksum match, the save does not).
+        """
+        save_id = self.manifest().get("save_id")
+        if save_id is None:
+            return  # older formats carry no identity (verify says so)
+        for name in sorted(set(names)):
+            span = self.container.byte_range(name)
+            fd = open_regular(span.path, span.where)
+            try:
+                tail = os.pread(fd, TRAILER_SIZE, span.base + span.size - TRAILER_SIZE) if span.size >= TRAILER_SIZE else b""
+            finally:
+                os.close(fd)
+            found = read_identity(tail)
+            if found is None or found[0] != save_id:
+                who = "no save identity" if found is None else f"the identity of save {found[0]!r}"
+                raise CheckpointIntegrityError(
+                    f"data file carries {who}, the manifest is save {save_id!r}: a file from another checkpoint "
+                    "(or a damaged one); refused",
+                    path=span.where,
+                )
 
     def storage_reader(self, verify: Collection[str] = ()) -> InPlaceFileSystemReader:
         """A DCP reader that opens only files the manifest lists, reading tensors in place.

@@ -55,11 +55,11 @@ from torch.distributed.checkpoint.metadata import (
 
 from torchrl_dcp.storage.checksums import crc32, crc32_combine, format_crc
 from torchrl_dcp.storage.copying import default_threads, pwrite_all, run_split
-from torchrl_dcp.storage.layout import DCP_METADATA, data_file_name
+from torchrl_dcp.storage.layout import DCP_METADATA, data_file_name, identity_trailer
 from torchrl_dcp.storage.record import Template, template, tensor_bytes
 from torchrl_dcp.storage.writeback import Writeback
 
-CHUNK = 1 << 20  # 1 MiB writes measured fastest here (perf.md)
+WRITE_PIECE = 1 << 20  # 1 MiB writes measured fastest here (perf.md)
 SMALL = 1 << 20  # blobs below this are built whole in memory and packed
 DCP_VERSION = "1.0.0"
 
@@ -81,63 +81,75 @@ class _Unit:
         self.offset, self.data, self.crc, self.deferred = offset, data, 0, deferred
 
 
-def write_file(
-    path: str | os.PathLike, tensors: list[tuple[str, torch.Tensor]], *, threads: int = 2, fsync: bool = True
-) -> tuple[list[tuple[str, int, int]], dict[str, Any]]:
-    """Write ``tensors`` as consecutive ``torch.save`` blobs into ``path``.
+@dataclass
+class _Layout:
+    """Where every byte of a data file goes: packed small records, large records split into pieces."""
 
-    Returns ``([(key, offset, length)], {"size", "checksum"})``; the checksum is the
-    CRC32 of the file, computed from the chunks as they were written.
-    """
-    units: list[_Unit] = []
-    entries: list[tuple[str, int, int]] = []
+    units: list[_Unit] = field(default_factory=list)
+    entries: list[tuple[str, int, int]] = field(default_factory=list)  # key, offset, length
+    large: list[tuple[Template, _Unit, list[_Unit], _Unit]] = field(default_factory=list)
+    size: int = 0
+
+
+def _layout(tensors: list[tuple[str, torch.Tensor]], trailer: bytes) -> _Layout:
+    out = _Layout()
     pending = bytearray()
     pending_at = 0
-    offset = 0
-    large: list[tuple[Template, _Unit, list[_Unit], _Unit]] = []
 
     def flush() -> None:
         nonlocal pending, pending_at
         if pending:
-            units.append(_Unit(pending_at, pending))
+            out.units.append(_Unit(pending_at, pending))
             pending = bytearray()
-        pending_at = offset
+        pending_at = out.size
 
     for key, tensor in tensors:
         data = tensor_bytes(tensor)
         tpl = template(tensor.dtype, tuple(tensor.shape))
-        entries.append((key, offset, tpl.length))
-        if tpl.nbytes < SMALL:
+        out.entries.append((key, out.size, tpl.length))
+        if tpl.nbytes < SMALL:  # packed with its neighbours into ~1 MiB writes
             head, tail = tpl.parts(crc32(data))
             pending += head
             pending += data
             pending += tail
-            offset += tpl.length
-            if len(pending) >= CHUNK:
+            out.size += tpl.length
+            if len(pending) >= WRITE_PIECE:
                 flush()
             continue
         flush()
-        head_unit = _Unit(offset, None, deferred="head")
-        units.append(head_unit)
-        at = offset + len(tpl.head)
-        data_units = []
-        for start in range(0, len(data), CHUNK):
-            u = _Unit(at + start, data[start : start + CHUNK])
-            data_units.append(u)
-            units.append(u)
-        offset += len(tpl.head) + tpl.nbytes
-        tail_unit = _Unit(offset, None, deferred="tail")
-        units.append(tail_unit)
-        offset += len(tpl.tail)
-        large.append((tpl, head_unit, data_units, tail_unit))
-        pending_at = offset
+        head_unit = _Unit(out.size, None, deferred="head")
+        at = out.size + len(tpl.head)
+        data_units = [_Unit(at + s, data[s : s + WRITE_PIECE]) for s in range(0, len(data), WRITE_PIECE)]
+        out.size += len(tpl.head) + tpl.nbytes
+        tail_unit = _Unit(out.size, None, deferred="tail")
+        out.size += len(tpl.tail)
+        out.units += [head_unit, *data_units, tail_unit]
+        out.large.append((tpl, head_unit, data_units, tail_unit))
+        pending_at = out.size
+    pending += trailer
+    out.size += len(trailer)
     flush()
+    return out
 
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+
+def write_file(
+    path: str | os.PathLike,
+    tensors: list[tuple[str, torch.Tensor]],
+    *,
+    threads: int = 2,
+    fsync: bool = True,
+    trailer: bytes = b"",
+) -> tuple[list[tuple[str, int, int]], dict[str, Any]]:
+    """Write ``tensors`` as consecutive ``torch.save`` blobs into ``path`` (a new file), then ``trailer``.
+
+    Returns ``([(key, offset, length)], {"size", "checksum"})``; the checksum is the
+    CRC32 of the file, computed from the pieces as they were written.
+    """
+    layout = _layout(tensors, trailer)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
     try:
-        work = [u for u in units if u.deferred is None]
+        work = [u for u in layout.units if u.deferred is None]
         total = sum(len(u.data) for u in work)
-        n_threads = max(1, min(threads, total // (8 * CHUNK) or 1))
 
         def run(part: list[_Unit]) -> None:
             writeback = Writeback(fd) if fsync else None
@@ -149,8 +161,8 @@ def write_file(
             if writeback is not None:
                 writeback.flush()
 
-        run_split(work, [len(u.data) for u in work], n_threads, run)
-        for tpl, head_unit, data_units, tail_unit in large:
+        run_split(work, [len(u.data) for u in work], max(1, min(threads, total // (8 * WRITE_PIECE) or 1)), run)
+        for tpl, head_unit, data_units, tail_unit in layout.large:  # headers hold the CRC of the data written
             crc = 0
             for u in data_units:
                 crc = crc32_combine(crc, u.crc, len(u.data))
@@ -163,9 +175,9 @@ def write_file(
     finally:
         os.close(fd)
     crc = 0
-    for u in units:
+    for u in layout.units:
         crc = crc32_combine(crc, u.crc, len(u.data))
-    return entries, {"size": offset, "checksum": format_crc(crc)}
+    return layout.entries, {"size": layout.size, "checksum": format_crc(crc)}
 
 
 # ---------------------------------------------------------------------- DCP metadata
@@ -173,6 +185,7 @@ def build_metadata(
     tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
     entries: list[tuple[str, str, int, int]],
     checkpoint_id: str | os.PathLike,
+    save_id: str | None = None,
 ) -> Metadata:
     """DCP ``Metadata`` for whole (unsharded) tensors, identical to what ``dcp.save`` writes."""
     state: dict[str, Any] = {}
@@ -197,7 +210,7 @@ def build_metadata(
         state_dict_metadata=state,
         planner_data=None,
         storage_data=storage,
-        storage_meta=StorageMeta(checkpoint_id=Path(checkpoint_id), save_id=str(uuid.uuid4())),
+        storage_meta=StorageMeta(checkpoint_id=Path(checkpoint_id), save_id=save_id or uuid.uuid4().hex),
         version=DCP_VERSION,
     )
 
@@ -215,14 +228,25 @@ def write_metadata(directory: Path, metadata: Metadata) -> dict[str, Any]:
 
 
 def write_share(
-    flat: Mapping[str, torch.Tensor], keys: list[str], directory: Path, rank: int, threads: int | None = None
+    flat: Mapping[str, torch.Tensor],
+    keys: list[str],
+    directory: Path,
+    rank: int,
+    threads: int | None = None,
+    save_id: str | None = None,
 ) -> WriteOutcome:
-    """Write ``keys`` of ``flat`` (this rank's share) into ``__<rank>_0.distcp`` (nothing when there are none)."""
+    """Write ``keys`` of ``flat`` (this rank's share) into ``__<rank>_0.distcp`` (nothing when there are none).
+
+    With ``save_id``, the file ends with the save's identity trailer (:func:`~torchrl_dcp.storage.layout.identity_trailer`).
+    """
     out = WriteOutcome()
     if not keys:
         return out
     name = data_file_name(rank)
-    entries, record = write_file(directory / name, [(k, flat[k]) for k in keys], threads=threads or default_threads())
+    trailer = b"" if save_id is None else identity_trailer(save_id, rank)
+    entries, record = write_file(
+        directory / name, [(k, flat[k]) for k in keys], threads=threads or default_threads(), trailer=trailer
+    )
     out.files[name] = record
     out.entries = [(k, name, off, length) for k, off, length in entries]
     out.bytes_written = record["size"]
