@@ -108,8 +108,8 @@ def arm(phase: str) -> None:
         original_fsync = commit.fsync_path
         calls = [0]
 
-        def fsync_and_die(path):  # type: ignore[no-untyped-def]
-            original_fsync(path)
+        def fsync_and_die(path, **kwargs):  # type: ignore[no-untyped-def]
+            original_fsync(path, **kwargs)
             calls[0] += 1
             if calls[0] == 2:
                 _die()
