@@ -96,8 +96,10 @@ _OS_HINTS = {
 }
 
 
-def from_os_error(err: OSError, action: str, path: Any = None) -> CheckpointError:
+def from_os_error(err: OSError, action: str, path: Any = None, *, after: str = "") -> CheckpointError:
     """An ``OSError`` as a :class:`CheckpointError` naming the path, what failed and what to do.
+
+    ``path`` is named when the error names no file; ``after`` is appended (e.g. what was left unchanged).
 
     Example:
         >>> import errno
@@ -110,7 +112,7 @@ def from_os_error(err: OSError, action: str, path: Any = None) -> CheckpointErro
     code = errno.errorcode.get(err.errno or 0, str(err.errno))
     reason = err.strerror or str(err) or type(err).__name__
     hint = _OS_HINTS.get(err.errno or 0, "")
-    message = f"{action} failed: {reason} [{code}]" + (f"; {hint}" if hint else "")
+    message = f"{action} failed: {reason} [{code}]" + (f"; {hint}" if hint else "") + (f"; {after}" if after else "")
     wrapped = CheckpointError(
         message, path=os.fsdecode(where) if isinstance(where, (str, bytes, os.PathLike)) else where
     )

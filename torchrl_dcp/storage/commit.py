@@ -294,6 +294,11 @@ def fsync_path(path: Path, *, follow: bool = False) -> None:
         os.close(fd)
 
 
+def open_flags_nofollow() -> int:
+    """Flags for opening a file found in a checkpoint directory: no link followed, no FIFO waited on."""
+    return _NOFOLLOW | _NONBLOCK | _CLOEXEC
+
+
 def create_exclusive(path: Path, mode: int = 0o644, flags: int = os.O_WRONLY) -> int:
     """Create ``path`` as a new file (``O_CREAT | O_EXCL | O_NOFOLLOW``) and return its descriptor.
 
