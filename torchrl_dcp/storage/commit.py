@@ -115,7 +115,12 @@ class DestinationLock:
             fd = open_lock_file(self.path, self.destination)
             if fd is None:  # removed between our attempts: try again
                 continue
-            if not _try_flock(fd):
+            try:
+                locked = _try_flock(fd)
+            except OSError as err:  # flock unsupported here (some network file systems)
+                os.close(fd)
+                raise from_os_error(err, "locking the lock file", self.path) from None
+            if not locked:
                 holder = _read_holder(fd)
                 os.close(fd)
                 if time.monotonic() < deadline:
