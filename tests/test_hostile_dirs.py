@@ -410,3 +410,11 @@ def test_saving_state_deeper_than_the_limit_fails_at_save_time(kind: str) -> Non
         encode(nest(MAX_DEPTH + 1))
     with pytest.raises(EncodingError, match="levels deep"):
         encode(nest(5000))  # far past Python's recursion limit: still one clear error
+
+
+def test_big_endian_arrays_round_trip() -> None:
+    value = {"be": np.arange(3, dtype=">f4"), "le": np.arange(3, dtype="<i8")}
+    skeleton, tensors = encode(value)
+    back = decode(json.loads(json.dumps(skeleton)), tensors)
+    assert back["be"].dtype == np.dtype(">f4") and back["be"].tolist() == [0.0, 1.0, 2.0]
+    assert back["le"].dtype == np.dtype("<i8") and back["le"].tolist() == [0, 1, 2]

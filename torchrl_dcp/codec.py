@@ -139,7 +139,8 @@ class _Encoder:
         if isinstance(value, np.ndarray):
             if value.dtype.kind not in "biufc":
                 raise self.fail(path, value, f" (numpy dtype {value.dtype})")
-            node = self._tensor(torch.from_numpy(np.ascontiguousarray(value)), path)
+            native = value.astype(value.dtype.newbyteorder("="), copy=False)  # torch takes native byte order only
+            node = self._tensor(torch.from_numpy(np.ascontiguousarray(native)), path)
             return {"t": "ndarray", "np_dtype": value.dtype.str, "tensor": node}
         if depth >= MAX_DEPTH:  # load refuses deeper containers: refuse them here, at save time
             raise self.fail(path, value, f" (nested more than {MAX_DEPTH} levels deep)")
