@@ -39,8 +39,12 @@ def test_inspect_directory_and_archive(tmp_path: Path, capsys: pytest.CaptureFix
         code, info = run_json(capsys, "inspect", str(target))
         assert code == 0 and info["container"] == container
         assert info["components"]["model"] == {
-            "adapter": "torchrl_dcp.module", "adapter_version": 1, "placement": "replicated",
-            "ranks": None, "tensors": 2, "bytes": 32,
+            "adapter": "torchrl_dcp.module",
+            "adapter_version": 1,
+            "placement": "replicated",
+            "ranks": None,
+            "tensors": 2,
+            "bytes": 32,
         }
         assert info["components"]["rng"]["ranks"] == [0] and info["components"]["rng"]["tensors"] >= 1
         assert info["versions"]["torch"] == torch.__version__ and info["metadata"] == {"reward": 1.5}
@@ -93,7 +97,10 @@ def test_ls_rotation_directory(tmp_path: Path, capsys: pytest.CaptureFixture) ->
     code, info = run_json(capsys, "ls", str(tmp_path), "--metric", "reward")
     assert code == 0
     assert [(r["step"], r["container"], r["committed"]) for r in info["entries"]] == [
-        (1, "directory", True), (2, "directory", True), (3, "archive", True), (9, "directory", False),
+        (1, "directory", True),
+        (2, "directory", True),
+        (3, "archive", True),
+        (9, "directory", False),
     ]
     assert info["latest"] == "step-000000000003.zip" and info["best"] == "step-000000000001"
     assert info["entries"][0]["reward"] == 5.0 and all(r["bytes"] > 0 for r in info["entries"][:3])
@@ -126,12 +133,132 @@ def test_diff_components_and_tensors(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_console_script_runs_without_torch_for_inspect(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "torchrl_dcp.cli", "verify", str(tmp_path)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchrl_dcp.cli", "verify", str(tmp_path)], capture_output=True, text=True, check=False
+    )
     assert proc.returncode == 1 and "no manifest.json" in proc.stderr
     path = save(tmp_path / "c")
     code = (
         "import sys; from torchrl_dcp.cli import main; rc = main(['inspect', sys.argv[1]]); "
         "assert 'torch' not in sys.modules, 'inspect imported torch'; sys.exit(rc)"
     )
-    proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=False)
     assert proc.returncode == 0 and "model" in proc.stdout, proc.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------- hostile inputs: one error line, exit 1
+def _hostile(tmp_path: Path, kind: str) -> Path:
+    import os
+
+    target = tmp_path / f"bad-{kind.replace(' ', '-')}"
+    if kind == "absent":
+        pass
+    elif kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "plain file":
+        target.write_bytes(b"not a checkpoint")
+    elif kind == "empty directory":
+        target.mkdir()
+    elif kind in ("manifest not JSON", "deeply nested manifest", "manifest a fifo"):
+        target.mkdir()
+        manifest = target / "manifest.json"
+        if kind == "manifest a fifo":
+            os.mkfifo(manifest)
+        else:
+            manifest.write_text("{'format'" if kind == "manifest not JSON" else "[" * 100_000 + "]" * 100_000)
+    elif kind == "deeply nested state":
+        path = save(target)
+        m = json.loads((path / "manifest.json").read_text())
+        node: object = 1
+        for _ in range(400):  # parses as JSON; far deeper than any walker or decoder accepts
+            node = {"t": "list", "items": [node]}
+        m["components"]["stats"]["state"] = node
+        (path / "manifest.json").write_text(json.dumps(m))
+    else:
+        raise ValueError(kind)
+    return target
+
+
+HOSTILE = ["absent", "fifo", "plain file", "empty directory", "manifest not JSON", "deeply nested manifest",
+           "manifest a fifo"]  # fmt: skip
+
+
+def _expect_error(capsys: pytest.CaptureFixture, argv: list[str]) -> None:
+    assert main(argv) == 1
+    out = capsys.readouterr()
+    assert out.err.startswith("error: ") and out.err.count("\n") == 1 and "Traceback" not in out.err, out.err
+    assert main([*argv, "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is False and report["error"] and "Traceback" not in report["error"]
+
+
+@pytest.mark.parametrize("kind", HOSTILE)
+@pytest.mark.parametrize("command", ["inspect", "verify", "convert", "diff", "ls"])
+def test_every_command_reports_hostile_input_as_one_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture, command: str, kind: str
+) -> None:
+    bad = _hostile(tmp_path, kind)
+    if command == "ls":
+        if kind in ("empty directory", "manifest not JSON", "deeply nested manifest", "manifest a fifo"):
+            assert main(["ls", str(bad)]) == 0  # a directory that holds no step-N entries: an empty listing
+            capsys.readouterr()
+            return
+        argv = ["ls", str(bad)]
+    elif command == "convert":
+        argv = ["convert", str(bad), str(tmp_path / "out.zip")]
+    elif command == "diff":
+        argv = ["diff", str(bad), str(save(tmp_path / "good"))]
+    else:
+        argv = [command, str(bad)]
+    _expect_error(capsys, argv)
+
+
+def test_deeply_nested_state_is_an_error_line_not_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    bad = _hostile(tmp_path, "deeply nested state")  # verify checks files and tensors, not JSON states: it passes
+    _expect_error(capsys, ["diff", str(bad), str(save(tmp_path / "good"))])
+
+
+def test_convert_to_a_too_long_name_is_an_error_line(tmp_path: Path) -> None:
+    path = save(tmp_path / "c")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchrl_dcp.cli", "convert", str(path), str(tmp_path / ("n" * 300 + ".zip"))],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 1 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
+    assert "too long" in proc.stderr
+
+
+def test_ls_survives_broken_entries_and_reads_each_manifest_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from torchrl_dcp import manifest as manifest_module
+
+    rotation = tdcp.CheckpointRotation(tmp_path, keep_last=5)
+    for step in (1, 2):
+        rotation.save(tdcp.DistributedCheckpoint(w={"x": torch.ones(2) * step}), step=step)
+    os.mkfifo(tmp_path / "step-000000000003")  # not a directory: skipped
+    (tmp_path / "step-000000000004").mkdir()
+    (tmp_path / "step-000000000004" / "manifest.json").write_text("[" * 100_000)
+    (tmp_path / "step-000000000005").mkdir()
+    os.mkfifo(tmp_path / "step-000000000005" / "manifest.json")
+    (tmp_path / "step-000000000006.zip").write_bytes(b"PK\x05\x06 damaged")
+    calls: list[str] = []
+    import torchrl_dcp.storage.archive as archive_module
+    import torchrl_dcp.storage.container as container_module
+
+    original = manifest_module.loads_manifest
+    for module in (container_module, archive_module):  # every container parses through it
+        monkeypatch.setattr(module, "loads_manifest", lambda d, s: calls.append(str(s)) or original(d, s))
+    code, info = run_json(capsys, "ls", str(tmp_path))
+    assert code == 0 and info["latest"] == "step-000000000002"
+    rows = {r["step"]: r for r in info["entries"]}
+    assert sorted(rows) == [1, 2, 4, 5, 6]
+    assert rows[1]["committed"] and rows[2]["committed"] and "error" not in rows[1]
+    assert all(not rows[s]["committed"] and rows[s]["error"] for s in (4, 5, 6))
+    assert len([c for c in calls if "step-000000000001" in c or "step-000000000002" in c]) == 2  # once each
+    assert main(["ls", str(tmp_path)]) == 0
+    assert "NOT COMMITTED" in capsys.readouterr().out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,131 @@ def test_resume_starts_fresh_then_resumes_and_skips_a_damaged_latest(
     wrong = tdcp.DistributedCheckpoint(model=torch.nn.Linear(3, 3), counters={})
     with pytest.raises(tdcp.IncompatibleComponentError):
         tdcp.resume(wrong, tmp_path)
+
+
+# ---------------------------------------------------------------------- commit order, not step order
+def _earlier_run(directory: Path, steps: tuple[int, ...]) -> None:
+    """Checkpoints of an earlier run (or of the run before a rollback), committed before anything below."""
+    for step in steps:
+        ckpt_for(step)[0].save(directory / f"step-{step:012d}", step=step, metadata={"reward": 0.0})
+
+
+@pytest.mark.parametrize("archive", [False, True])
+@pytest.mark.parametrize("keep_last", [1, 2, 3])
+@pytest.mark.parametrize("stale", [(100,), (100, 200, 300)])
+def test_a_higher_stale_step_never_deletes_the_checkpoint_just_saved(
+    tmp_path: Path, archive: bool, keep_last: int, stale: tuple[int, ...]
+) -> None:
+    _earlier_run(tmp_path, stale)
+    rotation = tdcp.CheckpointRotation(tmp_path, keep_last=keep_last, archive=archive)
+    saved = []
+    for step in (10, 20, 30, 40):
+        higher = [e.path.name for e in rotation.entries() if e.step > step]  # left by the earlier run
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            path = rotation.save(ckpt_for(step)[0], step=step)
+        stale_warnings = [w for w in record if issubclass(w.category, tdcp.StaleCheckpointWarning)]
+        assert len(stale_warnings) == (1 if higher else 0)
+        assert all(name in str(stale_warnings[0].message) for name in higher) if higher else True
+        assert path.exists() and rotation.latest() == path
+        saved.append(path)
+        kept = [e.path for e in tdcp.by_commit(rotation.entries())]
+        assert len(kept) == min(keep_last, len(stale) + len(saved)) and kept[-1] == path  # newest commits, any step
+    assert [p for p in saved if p.exists()] == saved[-keep_last:]
+    info = tdcp.resume(ckpt_for(0)[0], tmp_path)
+    assert info is not None and info.step == 40
+
+
+def test_rollback_resumes_from_the_new_commit_and_keep_best_survives(tmp_path: Path) -> None:
+    rotation = tdcp.CheckpointRotation(tmp_path, keep_last=2, keep_best=("reward", "max"))
+    for step, reward in ((10, 1.0), (20, 9.0), (30, 2.0), (40, 3.0)):
+        rotation.save(ckpt_for(step)[0], step=step, metadata={"reward": reward})
+    # roll back to step 20, train again: step 30 is saved anew (same path), step 40 is now stale
+    with pytest.warns(tdcp.StaleCheckpointWarning, match="step-000000000040"):
+        path = rotation.save(ckpt_for(31)[0], step=30, metadata={"reward": 0.5})
+    assert rotation.latest() == path and rotation.best() == tmp_path / "step-000000000020"
+    assert names(tmp_path) == ["step-000000000020", "step-000000000030", "step-000000000040"]
+    ckpt, model = ckpt_for(0)
+    info = rotation.resume(ckpt)
+    assert info is not None and info.step == 30 and torch.equal(model.weight, ckpt_for(31)[1].weight)
+    rotation.save(ckpt_for(41)[0], step=40, metadata={"reward": 0.1})  # overwrites the stale one, no warning now
+    assert names(tmp_path) == ["step-000000000020", "step-000000000030", "step-000000000040"]
+
+
+def test_entries_vanishing_while_listed_are_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    from torchrl_dcp import manifest as manifest_module
+
+    rotation = tdcp.CheckpointRotation(tmp_path, keep_last=5)
+    for step in (1, 2, 3):
+        rotation.save(ckpt_for(step)[0], step=step)
+    (tmp_path / "step-000000000004").mkdir()  # uncommitted
+    original = manifest_module.loads_manifest
+
+    def read_then_vanish(data: bytes, source: object) -> dict:
+        out = original(data, source)
+        if "step-000000000002" in str(source):  # another process prunes it right after we read its manifest
+            shutil.rmtree(tmp_path / "step-000000000002")
+        return out
+
+    monkeypatch.setattr(manifest_module, "loads_manifest", read_then_vanish)
+    assert rotation.latest() == tmp_path / "step-000000000003"
+    monkeypatch.undo()
+    ckpt_for(2)[0].save(tmp_path / "step-000000000002", step=2)
+    monkeypatch.setattr(manifest_module, "loads_manifest", read_then_vanish)
+    assert [e.step for e in rotation.entries(include_uncommitted=True)] == [1, 3, 4]
+    monkeypatch.undo()
+    ckpt_for(2)[0].save(tmp_path / "step-000000000002", step=2)
+
+    real_iterdir = Path.iterdir
+
+    def listed_then_removed(self: Path):  # the listing is taken, then entries vanish before they are read
+        entries = list(real_iterdir(self))
+        if self == tmp_path:
+            shutil.rmtree(tmp_path / "step-000000000003")
+            shutil.rmtree(tmp_path / "step-000000000004")
+        return iter(entries)
+
+    monkeypatch.setattr(Path, "iterdir", listed_then_removed)
+    assert [e.step for e in rotation.entries(include_uncommitted=True)] == [1, 2]
+    monkeypatch.undo()
+
+
+def test_prune_skips_entries_another_process_removed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    from torchrl_dcp.storage import commit
+
+    rotation = tdcp.CheckpointRotation(tmp_path, keep_last=1)
+    rotation.save(ckpt_for(1)[0], step=1)
+    original = commit.trash_path
+
+    def pruned_elsewhere(path: Path) -> Path:
+        if path.exists() and path.name.startswith("step-"):
+            shutil.rmtree(path)  # the other process was faster
+        return original(path)
+
+    monkeypatch.setattr(commit, "trash_path", pruned_elsewhere)
+    path = rotation.save(ckpt_for(2)[0], step=2)
+    assert path.exists() and names(tmp_path) == ["step-000000000002"]
+
+
+def test_listing_reads_each_manifest_once_and_skips_foreign_kinds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from torchrl_dcp import manifest as manifest_module
+
+    rotation = tdcp.CheckpointRotation(tmp_path, keep_last=5)
+    for step in (1, 2, 3):
+        rotation.save(ckpt_for(step)[0], step=step)
+    os.mkfifo(tmp_path / "step-000000000007")  # not a directory
+    (tmp_path / "step-000000000008.zip").mkdir()  # not a file
+    (tmp_path / "step-000000000009").symlink_to(tmp_path / "step-000000000001")  # a link: never ours
+    calls: list[str] = []
+    original = manifest_module.loads_manifest
+    monkeypatch.setattr(manifest_module, "loads_manifest", lambda d, s: calls.append(str(s)) or original(d, s))
+    entries = rotation.entries(include_uncommitted=True)
+    assert [e.step for e in entries] == [1, 2, 3] and len(calls) == 3

@@ -61,9 +61,8 @@ def _die() -> None:
 def arm(phase: str) -> None:
     """Install the hook that SIGKILLs this rank at ``phase`` of the next save."""
     import torchrl_dcp.save_engine as core
-    import torchrl_dcp.storage.commit as commit
-    import torchrl_dcp.storage.writer as writer
     from torchrl_dcp import _dist
+    from torchrl_dcp.storage import commit, writer
 
     if phase == "staging":  # staging directory created, before any rank hears of it (rank 0 holds the lock)
         original_staging = core.staging_path
@@ -108,8 +107,8 @@ def arm(phase: str) -> None:
         original_fsync = commit.fsync_path
         calls = [0]
 
-        def fsync_and_die(path):  # type: ignore[no-untyped-def]
-            original_fsync(path)
+        def fsync_and_die(path, **kwargs):  # type: ignore[no-untyped-def]
+            original_fsync(path, **kwargs)
             calls[0] += 1
             if calls[0] == 2:
                 _die()
@@ -201,7 +200,7 @@ def hang_during_save(directory: str, report_dir: str, hung: int, timeout: float)
 def full_disk(directory: str, mode: str) -> dict[str, Any]:
     """Save small (fits), big (ENOSPC: real tmpfs, or injected), load the small one back, save small again."""
     import torchrl_dcp.save_engine as core
-    import torchrl_dcp.storage.writer as writer
+    from torchrl_dcp.storage import writer
 
     rank = dist.get_rank()
     path = Path(directory) / "ckpt"
@@ -217,6 +216,7 @@ def full_disk(directory: str, mode: str) -> dict[str, Any]:
 
         writer.pwrite_all = full
     elif mode == "manifest" and rank == 0:
+
         def full_manifest(path, data):  # type: ignore[no-untyped-def]
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 

@@ -49,8 +49,8 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-from torchrl_dcp.convert import export_torchrl, to_archive, to_directory  # noqa: E402  (torch-free)
-from torchrl_dcp.errors import (  # noqa: E402
+from torchrl_dcp.convert import export_torchrl, to_archive, to_directory  # torch-free
+from torchrl_dcp.errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointIntegrityError,
@@ -62,9 +62,16 @@ from torchrl_dcp.errors import (  # noqa: E402
     UnsafeCheckpointError,
     WorldSizeMismatchError,
 )
-from torchrl_dcp.placement import Placement  # noqa: E402
-from torchrl_dcp.rotation import CheckpointRotation, ResumeInfo, RotationEntry, resume  # noqa: E402
-from torchrl_dcp.storage.container import read_manifest  # noqa: E402
+from torchrl_dcp.placement import Placement
+from torchrl_dcp.rotation import (
+    CheckpointRotation,
+    ResumeInfo,
+    RotationEntry,
+    StaleCheckpointWarning,
+    by_commit,
+    resume,
+)
+from torchrl_dcp.storage.container import read_manifest
 
 __all__ = [
     "Adapter",
@@ -81,14 +88,16 @@ __all__ = [
     "EncodingError",
     "IncompatibleComponentError",
     "LoadResult",
-    "SaveHandle",
     "Placement",
     "RNGState",
     "ResumeInfo",
     "RotationEntry",
+    "SaveHandle",
+    "StaleCheckpointWarning",
     "UnsafeCheckpointError",
     "WorldSizeMismatchError",
     "__version__",
+    "by_commit",
     "export_torchrl",
     "read_manifest",
     "register_adapter",

@@ -57,13 +57,19 @@ def _inspect(path: str) -> dict[str, Any]:
 
 
 def _print_inspect(info: dict[str, Any]) -> None:
-    print(f"{info['path']} ({info['container']}): step {info['step']}, saved by {info['world_size']} rank(s) at {info['created_at']}")
-    print(f"  format v{info['format_version']}, {info['files']} files, {info['bytes']:,} bytes; "
-          + ", ".join(f"{k} {v}" for k, v in info["versions"].items()))
+    print(
+        f"{info['path']} ({info['container']}): step {info['step']}, saved by {info['world_size']} rank(s) at {info['created_at']}"
+    )
+    print(
+        f"  format v{info['format_version']}, {info['files']} files, {info['bytes']:,} bytes; "
+        + ", ".join(f"{k} {v}" for k, v in info["versions"].items())
+    )
     for name, c in info["components"].items():
         ranks = f" ranks {c['ranks'][0]}..{c['ranks'][-1]}" if c["ranks"] else ""
-        print(f"  {name:<20} {c['placement']:<10}{ranks:<12} {c['tensors']:>5} tensors {c['bytes']:>14,} bytes  "
-              f"[{c['adapter']} v{c['adapter_version']}]")
+        print(
+            f"  {name:<20} {c['placement']:<10}{ranks:<12} {c['tensors']:>5} tensors {c['bytes']:>14,} bytes  "
+            f"[{c['adapter']} v{c['adapter_version']}]"
+        )
     if info["metadata"]:
         print(f"  metadata: {json.dumps(info['metadata'])}")
 
@@ -83,8 +89,12 @@ def _progress(label: str) -> Any:
         bar = "#" * int(30 * frac)
         rate = done / max(now - start, 1e-6) / 1e6
         end = "\n" if done >= total else ""
-        print(f"\r{label} [{bar:<30}] {frac:6.1%} {done / 1e6:,.0f}/{total / 1e6:,.0f} MB {rate:,.0f} MB/s",
-              end=end, file=sys.stderr, flush=True)
+        print(
+            f"\r{label} [{bar:<30}] {frac:6.1%} {done / 1e6:,.0f}/{total / 1e6:,.0f} MB {rate:,.0f} MB/s",
+            end=end,
+            file=sys.stderr,
+            flush=True,
+        )
 
     return show
 
@@ -100,33 +110,43 @@ def _convert(src: str, dst: str, overwrite: bool) -> dict[str, Any]:
         out = to_archive(src, dst, overwrite=overwrite, progress=_progress("packing"))
         kind = "archive"
     size = sum(f.stat().st_size for f in out.iterdir()) if out.is_dir() else out.stat().st_size
-    return {"ok": True, "source": str(Path(src).absolute()), "destination": str(out), "container": kind,
-            "bytes": size, "seconds": round(time.monotonic() - start, 3)}
+    return {
+        "ok": True,
+        "source": str(Path(src).absolute()),
+        "destination": str(out),
+        "container": kind,
+        "bytes": size,
+        "seconds": round(time.monotonic() - start, 3),
+    }
 
 
 def _ls(directory: str, metric: str | None, mode: str) -> dict[str, Any]:
-    from torchrl_dcp.rotation import CheckpointRotation
+    from torchrl_dcp.rotation import CheckpointRotation, latest_entry
 
     d = Path(directory).expanduser().absolute()
     if not d.is_dir():
         raise CheckpointError("not a directory", path=d)
     rotation = CheckpointRotation(d, keep_best=(metric, mode) if metric else None)  # type: ignore[arg-type]
-    entries = rotation.entries(include_uncommitted=True)
+    entries = rotation.entries(include_uncommitted=True)  # each manifest read once; latest and best from this list
     rows = []
     for e in entries:
         row = {"step": e.step, "name": e.path.name, "container": "archive" if e.archive else "directory",
-               "bytes": e.size, "committed": e.committed, "created_at": e.created_at}
+               "bytes": e.size, "committed": e.committed, "created_at": e.created_at}  # fmt: skip
         if metric:
             row[metric] = e.metric
+        if e.error:
+            row["error"] = e.error
         rows.append(row)
-    latest, best = rotation.latest(), rotation.best()
-    return {"directory": str(d), "entries": rows, "latest": latest.name if latest else None,
-            "best": best.name if best else None}
+    latest, best = latest_entry(entries), rotation.best_entry(entries)
+    return {"directory": str(d), "entries": rows, "latest": latest.path.name if latest else None,
+            "best": best.path.name if best else None}  # fmt: skip
 
 
 def _print_ls(info: dict[str, Any], metric: str | None) -> None:
-    print(f"{info['directory']}: {len(info['entries'])} entries, latest {info['latest']}"
-          + (f", best {info['best']} by {metric}" if metric else ""))
+    print(
+        f"{info['directory']}: {len(info['entries'])} entries, latest {info['latest']}"
+        + (f", best {info['best']} by {metric}" if metric else "")
+    )
     for row in info["entries"]:
         flags = []
         if row["name"] == info["latest"]:
@@ -136,6 +156,8 @@ def _print_ls(info: dict[str, Any], metric: str | None) -> None:
         state = "committed" if row["committed"] else "NOT COMMITTED"
         score = f" {metric}={row.get(metric)}" if metric else ""
         print(f"  {row['name']:<24} {row['step']:>10} {row['bytes']:>14,} bytes  {state:<13}{score} {' '.join(flags)}")
+        if row.get("error"):
+            print(f"    ({row['error']})")
 
 
 def _diff(a: str, b: str, atol: float) -> dict[str, Any]:
@@ -145,9 +167,12 @@ def _diff(a: str, b: str, atol: float) -> dict[str, Any]:
     ma, mb = sa.manifest(), sb.manifest()
     ca, cb = ma["components"], mb["components"]
     out: dict[str, Any] = {
-        "a": str(sa.path), "b": str(sb.path),
-        "only_in_a": sorted(set(ca) - set(cb)), "only_in_b": sorted(set(cb) - set(ca)),
-        "components": {}, "identical": True,
+        "a": str(sa.path),
+        "b": str(sb.path),
+        "only_in_a": sorted(set(ca) - set(cb)),
+        "only_in_b": sorted(set(cb) - set(ca)),
+        "components": {},
+        "identical": True,
     }
     if out["only_in_a"] or out["only_in_b"]:
         out["identical"] = False
@@ -155,14 +180,23 @@ def _diff(a: str, b: str, atol: float) -> dict[str, Any]:
         ra, rb = ca[name], cb[name]
         entry: dict[str, Any] = {"tensors": {}, "state_differs": False, "layout_differs": False}
         inv_a, inv_b = ra["inventory"], rb["inventory"]
-        if (ra["adapter"], ra["adapter_version"], ra["placement"]) != (rb["adapter"], rb["adapter_version"], rb["placement"]):
+        if (ra["adapter"], ra["adapter_version"], ra["placement"]) != (
+            rb["adapter"],
+            rb["adapter_version"],
+            rb["placement"],
+        ):
             entry["layout_differs"] = True
         if _strip_tensors(ra) != _strip_tensors(rb):
             entry["state_differs"] = True  # non-tensor values (JSON leaves) differ
         common = sorted(k for k in set(inv_a) & set(inv_b) if inv_a[k] == inv_b[k])
         for key in sorted(set(inv_a) ^ set(inv_b)) + sorted(k for k in set(inv_a) & set(inv_b) if inv_a[k] != inv_b[k]):
-            entry["tensors"][key] = {"status": "only in a" if key not in inv_b else "only in b" if key not in inv_a
-                                     else "shape or dtype differs"}
+            entry["tensors"][key] = {
+                "status": "only in a"
+                if key not in inv_b
+                else "only in b"
+                if key not in inv_a
+                else "shape or dtype differs"
+            }
         if common:
             import torch
 
@@ -171,7 +205,11 @@ def _diff(a: str, b: str, atol: float) -> dict[str, Any]:
                 tb = tensors_b.pop(key)
                 if torch.equal(ta, tb):
                     continue
-                if ta.is_floating_point() or ta.is_complex() or ta.dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+                if (
+                    ta.is_floating_point()
+                    or ta.is_complex()
+                    or ta.dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+                ):
                     diff = (ta.double() - tb.double()).abs() if not ta.is_complex() else (ta - tb).abs()
                     finite = diff[torch.isfinite(diff)]
                     max_abs = float(finite.max()) if finite.numel() else float("nan")
@@ -192,6 +230,7 @@ def _restrict(items: Any, keys: set[str]) -> Any:
 
 def _strip_tensors(rec: dict[str, Any]) -> Any:
     """A component's saved states without tensor references: only the JSON values remain."""
+
     def walk(node: Any) -> Any:
         if isinstance(node, dict):
             if node.get("t") in ("tensor", "dtensor", "alias", "xref"):
@@ -225,7 +264,9 @@ def _print_diff(info: dict[str, Any]) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="torchrl-dcp", description="Inspect, verify, convert and compare torchrl_dcp checkpoints.")
+    parser = argparse.ArgumentParser(
+        prog="torchrl-dcp", description="Inspect, verify, convert and compare torchrl_dcp checkpoints."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="components, placements, ranks, tensors and bytes, versions, metadata")
     p.add_argument("path")
@@ -263,7 +304,9 @@ def main(argv: list[str] | None = None) -> int:
             if emit:
                 emit({"ok": True, **summary})
             else:
-                print(f"OK {summary['path']}: {summary['files']} files, {summary['bytes']:,} bytes, {summary['tensors']} tensors verified")
+                print(
+                    f"OK {summary['path']}: {summary['files']} files, {summary['bytes']:,} bytes, {summary['tensors']} tensors verified"
+                )
         elif args.command == "convert":
             info = _convert(args.src, args.dst, args.overwrite)
             if emit:
@@ -277,14 +320,33 @@ def main(argv: list[str] | None = None) -> int:
             info = _diff(args.a, args.b, args.atol)
             emit(info) if emit else _print_diff(info)
             return 0 if info["identical"] else 1
-    except (CheckpointError, KeyError, ValueError) as err:
-        path = getattr(err, "path", None)
-        if args.json:
-            print(json.dumps({"ok": False, "error": str(err), "file": path}))
-        else:
-            print(f"error: {err}", file=sys.stderr)
-        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # noqa: BLE001 - a command-line tool reports every failure as one line, never a traceback
+        return _report(err, args.json)
     return 0
+
+
+def _report(err: Exception, as_json: bool) -> int:
+    """Print ``error: <message>`` (stderr) or ``{"ok": false, ...}`` (stdout, ``--json``); return the exit code 1."""
+    from torchrl_dcp.errors import from_os_error
+
+    if isinstance(err, OSError) and not isinstance(err, CheckpointError):
+        err = from_os_error(err, "reading")
+    if isinstance(err, CheckpointError):
+        message = str(err)
+    elif isinstance(err, RecursionError):
+        message = "a checkpoint file is nested too deeply to read (damaged or forged)"
+    elif isinstance(err, (KeyError, ValueError)):
+        message = str(err.args[0]) if len(err.args) == 1 else str(err)
+    else:
+        message = f"unexpected {type(err).__name__}: {err} (please report this as a torchrl_dcp bug)"
+    if as_json:
+        print(json.dumps({"ok": False, "error": message, "file": getattr(err, "path", None)}))
+    else:
+        print(f"error: {message}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -33,9 +33,24 @@ import torch
 
 from torchrl_dcp.errors import CheckpointFormatError, EncodingError
 
-__all__ = ["TensorSpec", "encode", "decode", "tensor_specs", "dtype_from_name", "dtype_name", "escape_key", "is_dtensor"]
+__all__ = [
+    "MAX_DEPTH",
+    "TensorSpec",
+    "decode",
+    "dtype_from_name",
+    "dtype_name",
+    "encode",
+    "escape_key",
+    "is_dtensor",
+    "np_dtype_from_name",
+    "tensor_specs",
+]
 
 _SCALAR_KINDS = (type(None), bool, int, str)
+MAX_DEPTH = 100  # nesting levels of a state (and of its skeleton): deeper is refused on save and on load
+_NP_KINDS = "biufc"  # numeric numpy kinds: bool, int, uint, float, complex
+_NP_MAX_ITEMSIZE = 32  # complex256, the widest numeric numpy scalar
+_CONTAINERS = frozenset({"dict", "odict", "list", "tuple", "set", "frozenset", "np", "complex", "slice"})
 
 
 @dataclass(frozen=True)
@@ -118,7 +133,7 @@ class _Encoder:
             "an adapter for its type"
         )
 
-    def encode(self, value: Any, path: str) -> Any:
+    def encode(self, value: Any, path: str, depth: int = 0) -> Any:
         if isinstance(value, _SCALAR_KINDS):
             return value
         if isinstance(value, float):
@@ -128,8 +143,12 @@ class _Encoder:
         if isinstance(value, np.ndarray):
             if value.dtype.kind not in "biufc":
                 raise self.fail(path, value, f" (numpy dtype {value.dtype})")
-            node = self._tensor(torch.from_numpy(np.ascontiguousarray(value)), path)
+            native = value.astype(value.dtype.newbyteorder("="), copy=False)  # torch takes native byte order only
+            node = self._tensor(torch.from_numpy(np.ascontiguousarray(native)), path)
             return {"t": "ndarray", "np_dtype": value.dtype.str, "tensor": node}
+        if depth >= MAX_DEPTH:  # load refuses deeper containers: refuse them here, at save time
+            raise self.fail(path, value, f" (nested more than {MAX_DEPTH} levels deep)")
+        depth += 1
         if isinstance(value, Mapping):
             items, used = [], set()
             for k, v in value.items():
@@ -139,11 +158,13 @@ class _Encoder:
                 if segment in used:
                     segment = f"{segment}~{type(k).__name__}"
                 used.add(segment)
-                items.append([self.encode(k, path), self.encode(v, f"{path}/{segment}" if path else segment)])
+                items.append(
+                    [self.encode(k, path, depth), self.encode(v, f"{path}/{segment}" if path else segment, depth)]
+                )
             node: dict[str, Any] = {"t": "odict" if isinstance(value, OrderedDict) else "dict", "items": items}
             metadata = getattr(value, "_metadata", None)
             if metadata is not None:
-                node["metadata"] = self.encode(metadata, f"{path}/_metadata" if path else "_metadata")
+                node["metadata"] = self.encode(metadata, f"{path}/_metadata" if path else "_metadata", depth)
             if type(value) not in (dict, OrderedDict) and not hasattr(value, "_metadata"):
                 # other Mapping types (TensorDict, ...) come back as plain dicts
                 node["t"] = "dict"
@@ -159,7 +180,7 @@ class _Encoder:
             seq = sorted(value, key=repr) if kind in ("set", "frozenset") else value
             return {
                 "t": kind,
-                "items": [self.encode(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(seq)],
+                "items": [self.encode(v, f"{path}/{i}" if path else str(i), depth) for i, v in enumerate(seq)],
             }
         if isinstance(value, torch.dtype):
             return {"t": "dtype", "v": dtype_name(value)}
@@ -171,13 +192,13 @@ class _Encoder:
             item = value.item()
             if isinstance(item, complex):
                 item = [item.real, item.imag]
-            return {"t": "np", "dtype": value.dtype.str, "v": self.encode(item, path)}
+            return {"t": "np", "dtype": value.dtype.str, "v": self.encode(item, path, depth)}
         if isinstance(value, complex):
-            return {"t": "complex", "v": [self.encode(value.real, path), self.encode(value.imag, path)]}
+            return {"t": "complex", "v": [self.encode(value.real, path, depth), self.encode(value.imag, path, depth)]}
         if isinstance(value, (bytes, bytearray)):
             return {"t": type(value).__name__, "v": base64.b64encode(bytes(value)).decode("ascii")}
         if isinstance(value, slice):
-            return {"t": "slice", "v": [self.encode(v, path) for v in (value.start, value.stop, value.step)]}
+            return {"t": "slice", "v": [self.encode(v, path, depth) for v in (value.start, value.stop, value.step)]}
         if isinstance(value, range):
             return {"t": "range", "v": [value.start, value.stop, value.step]}
         if isinstance(value, PurePath):
@@ -298,46 +319,75 @@ def _decode_scalar_float(v: Any) -> float:
     return float(v)
 
 
+def np_dtype_from_name(name: Any) -> np.dtype:
+    """A numeric numpy dtype named in a checkpoint (kinds ``biufc``, at most 32 bytes), else a format error.
+
+    Example:
+        >>> np_dtype_from_name("<f4")
+        dtype('float32')
+    """
+    try:
+        dtype = np.dtype(name) if isinstance(name, str) and len(name) <= 16 else None
+    except (TypeError, ValueError, SyntaxError):  # numpy parses dtype strings (SyntaxError for some shapes)
+        dtype = None
+    if dtype is None or dtype.kind not in _NP_KINDS or dtype.itemsize > _NP_MAX_ITEMSIZE or dtype.shape:
+        raise CheckpointFormatError(
+            f"numpy dtype {str(name)[:40]!r} in the state is not a numeric dtype of at most {_NP_MAX_ITEMSIZE} bytes "
+            "(torchrl_dcp only saves bool, integer, float and complex arrays and scalars): the manifest is damaged "
+            "or forged"
+        )
+    return dtype
+
+
 def decode(skeleton: Any, tensors: Mapping[str, Any]) -> Any:
     """Rebuild the value that :func:`encode` split; tensors come from ``tensors``.
 
     Raises:
-        CheckpointFormatError: the skeleton is malformed or names a tensor that is absent.
+        CheckpointFormatError: the skeleton is malformed, nested deeper than ``MAX_DEPTH``,
+            names a non-numeric numpy dtype, or names a tensor that is absent.
     """
     try:
-        return _decode(skeleton, tensors)
+        return _decode(skeleton, tensors, 0)
     except CheckpointFormatError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, RecursionError) as err:
         raise CheckpointFormatError(f"malformed state skeleton ({type(err).__name__}: {str(err)[:200]})") from None
 
 
-def _decode(node: Any, tensors: Mapping[str, Any]) -> Any:
+def _decode(node: Any, tensors: Mapping[str, Any], depth: int) -> Any:
     if isinstance(node, (type(None), bool, int, str, float)):
         return node
     if isinstance(node, list):
         raise CheckpointFormatError("malformed state skeleton: bare list")
     kind = node["t"]
+    if kind in _CONTAINERS and depth >= MAX_DEPTH:
+        raise CheckpointFormatError(f"malformed state skeleton: nested more than {MAX_DEPTH} levels deep")
+    depth += 1
     if kind in ("tensor", "dtensor", "alias", "xref"):
         key = node["key"] if kind != "xref" else xref_key(node["component"], node["key"])
         if key not in tensors:
             raise CheckpointFormatError(f"the state names tensor {key!r}, which was not loaded")
         return tensors[key]
     if kind == "ndarray":
-        tensor = _decode(node["tensor"], tensors)
+        dtype = np_dtype_from_name(node["np_dtype"])  # checked before anything is read (planning decodes too)
+        tensor = _decode(node["tensor"], tensors, depth)
         if not isinstance(tensor, torch.Tensor):  # a placeholder (e.g. a TensorSpec) while planning
             return tensor
         array = tensor.cpu().numpy()
-        return array.astype(np.dtype(node["np_dtype"]), copy=False)
+        if dtype.itemsize != array.itemsize:  # never a wider copy than the bytes that back it
+            raise CheckpointFormatError(
+                f"numpy dtype {dtype.str!r} does not match the saved tensor's {array.dtype.str!r}"
+            )
+        return array.astype(dtype, copy=False)
     if kind in ("dict", "odict"):
         out: dict[Any, Any] = OrderedDict() if kind == "odict" else {}
         for k, v in node["items"]:
-            out[_decode(k, tensors)] = _decode(v, tensors)
+            out[_decode(k, tensors, depth)] = _decode(v, tensors, depth)
         if "metadata" in node:
-            out._metadata = _decode(node["metadata"], tensors)  # type: ignore[attr-defined]
+            out._metadata = _decode(node["metadata"], tensors, depth)  # type: ignore[attr-defined]
         return out
     if kind in ("list", "tuple", "set", "frozenset"):
-        items = [_decode(v, tensors) for v in node["items"]]
+        items = [_decode(v, tensors, depth) for v in node["items"]]
         return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[kind](items)
     if kind == "float":
         return _decode_scalar_float(node["v"])
@@ -351,17 +401,20 @@ def _decode(node: Any, tensors: Mapping[str, Any]) -> Any:
         except RuntimeError as err:  # torch says "Invalid device string" with a RuntimeError
             raise ValueError(str(err)) from None
     if kind == "np":
-        item = _decode(node["v"], tensors)
+        dtype = np_dtype_from_name(node["dtype"])
+        item = _decode(node["v"], tensors, depth)
         if isinstance(item, list):
             item = complex(*item)
-        return np.dtype(node["dtype"]).type(item)
+        if not isinstance(item, (bool, int, float, complex)):
+            raise CheckpointFormatError(f"numpy scalar of dtype {dtype.str!r} holds {type(item).__name__}")
+        return dtype.type(item)
     if kind == "complex":
-        return complex(*(_decode(v, tensors) for v in node["v"]))
+        return complex(*(_decode(v, tensors, depth) for v in node["v"]))
     if kind in ("bytes", "bytearray"):
         raw = base64.b64decode(node["v"], validate=True)
         return raw if kind == "bytes" else bytearray(raw)
     if kind == "slice":
-        return slice(*(_decode(v, tensors) for v in node["v"]))
+        return slice(*(_decode(v, tensors, depth) for v in node["v"]))
     if kind == "range":
         return range(*(int(v) for v in node["v"]))
     if kind == "path":

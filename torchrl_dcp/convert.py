@@ -18,35 +18,81 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError
+from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError, from_os_error
+from torchrl_dcp.manifest import loads_manifest
 from torchrl_dcp.storage.archive import BUFFER, ArchiveContainer, Progress, byte_counter, write_archive
 from torchrl_dcp.storage.checksums import checksum_mismatch, format_crc
-from torchrl_dcp.storage.commit import fsync_path, publish, remove_tree, staging_path, write_file_durably
-from torchrl_dcp.storage.container import DirectoryContainer, open_container, read_whole
+from torchrl_dcp.storage.commit import (
+    DestinationLock,
+    create_exclusive,
+    fsync_path,
+    publish,
+    remove_tree,
+    staging_path,
+    stale_entries,
+    write_file_durably,
+)
+from torchrl_dcp.storage.container import DirectoryContainer, read_manifest, read_whole
 from torchrl_dcp.storage.copying import CopyRange, copy_ranges
 from torchrl_dcp.storage.layout import DCP_METADATA, MANIFEST, MAX_MANIFEST_BYTES
 
-__all__ = ["to_archive", "to_directory", "export_torchrl"]
+__all__ = ["export_torchrl", "to_archive", "to_directory"]
 
 
-def _destination(dst: str | os.PathLike, overwrite: bool) -> Path:
+def _check_replaceable(destination: Path, overwrite: bool) -> None:
+    """Refuse to replace anything but a torchrl_dcp checkpoint (and only with ``overwrite``); never a link."""
+    if not (destination.exists() or destination.is_symlink()):
+        return
+    if not overwrite:
+        raise CheckpointError("already exists; pass overwrite=True (CLI: --overwrite) to replace it", path=destination)
+    if destination.is_symlink():
+        raise CheckpointError(
+            "is a symbolic link; refusing to replace it (convert to the path it points to, or remove the link)",
+            path=destination,
+        )
+    try:
+        read_manifest(destination)
+    except CheckpointError:
+        raise CheckpointError(
+            "exists and is not a torchrl_dcp checkpoint; refusing to replace it", path=destination
+        ) from None
+
+
+@contextlib.contextmanager
+def _converting(what: str, dst: str | os.PathLike, overwrite: bool) -> Iterator[Path]:
+    """Hold the destination's lock, remove what killed saves/conversions to it left, report OSErrors clearly.
+
+    The lock (``.<name>.tdcp-lock``, as for saves) keeps two conversions (or a save)
+    to one destination apart, so every staging/temporary entry named after the
+    destination found while holding it is a dead writer's and is removed.
+    """
     destination = Path(dst).expanduser().absolute()
-    if destination.exists() or destination.is_symlink():
-        if not overwrite:
-            raise CheckpointError("already exists; pass overwrite=True (CLI: --overwrite) to replace it", path=destination)
-        try:
-            open_container(destination).manifest()
-        except CheckpointError:
-            raise CheckpointError(
-                "exists and is not a torchrl_dcp checkpoint; refusing to replace it", path=destination
-            ) from None
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    return destination
+    try:
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        with DestinationLock(destination):
+            _check_replaceable(destination, overwrite)
+            for stale in stale_entries(destination):
+                remove_tree(stale)
+            yield destination
+    except CheckpointError:
+        raise
+    except OSError as err:
+        raise from_os_error(
+            err, what, destination, after=f"nothing was published at {destination} (what was there is unchanged)"
+        ) from None
+
+
+def _read_manifest_bytes(src: Path) -> tuple[dict[str, Any], bytes]:
+    """The manifest of the directory ``src``, validated, and the exact bytes it was parsed from."""
+    read_manifest(src)  # the usual errors for a missing, linked or foreign manifest
+    data = read_whole(src / MANIFEST, MAX_MANIFEST_BYTES, src / MANIFEST)
+    return loads_manifest(data, src / MANIFEST), data
 
 
 def to_archive(
@@ -67,6 +113,9 @@ def to_archive(
     Raises:
         CheckpointIntegrityError: a file is missing, resized, unlisted or fails its
             checksum (nothing is published).
+        CheckpointError: the destination is held by another save or conversion, is
+            not a checkpoint, or the file system refused (name too long, disk full,
+            permissions: the message names the path and what to do).
 
     Example:
         >>> tdcp.to_archive("ckpts/step-100", "step-100.zip")  # doctest: +SKIP
@@ -76,15 +125,18 @@ def to_archive(
         raise CheckpointNotFoundError("no checkpoint here: the path does not exist", path=src)
     if not src.is_dir():
         raise CheckpointFormatError("not a checkpoint directory (already an archive? use to_directory)", path=src)
-    container = DirectoryContainer(src)
-    manifest = container.manifest()  # validated and migrated; the archive keeps the original bytes
-    container.check(False)
-    destination = _destination(dst_file, overwrite)
+    try:
+        manifest, manifest_bytes = _read_manifest_bytes(src)  # the archive keeps the original bytes
+        DirectoryContainer(src).check(False)
+    except CheckpointError:
+        raise
+    except OSError as err:
+        raise from_os_error(err, "reading the checkpoint to pack", src) from None
     names = sorted(manifest["files"], key=lambda n: (n != DCP_METADATA, n))
     files = [(n, src / n, manifest["files"][n]["size"], manifest["files"][n]["checksum"]) for n in names]
-    return write_archive(
-        files, read_whole(src / MANIFEST, MAX_MANIFEST_BYTES), destination, buffer_size=buffer_size, progress=progress
-    )
+    with _converting(f"packing {src.name} into an archive", dst_file, overwrite) as destination:
+        write_archive(files, manifest_bytes, destination, buffer_size=buffer_size, progress=progress)
+    return destination
 
 
 def to_directory(
@@ -99,6 +151,7 @@ def to_directory(
 
     The files are written into a staging directory next to ``dst_dir`` with their
     checksums verified, ``manifest.json`` last, then the directory is moved into place.
+    Staging directories left by killed conversions to ``dst_dir`` are removed first.
 
     Example:
         >>> tdcp.to_directory("step-100.zip", "ckpts/step-100")  # doctest: +SKIP
@@ -108,22 +161,36 @@ def to_directory(
         raise CheckpointNotFoundError("no checkpoint here: the path does not exist", path=path)
     if path.is_dir():
         raise CheckpointFormatError("is a directory, not an archive (use to_archive)", path=path)
-    source = ArchiveContainer(path)
-    manifest = source.manifest()
-    source.check(False)  # sizes and ZIP CRCs against the manifest
-    destination = _destination(dst_dir, overwrite)
-    files = manifest["files"]
+    if not path.is_file():
+        raise CheckpointFormatError("not a regular file (a FIFO or device?), so not an archive", path=path)
+    try:
+        source = ArchiveContainer(path)
+        manifest = source.manifest()
+        source.check(False)  # sizes and ZIP CRCs against the manifest
+    except CheckpointError:
+        raise
+    except OSError as err:
+        raise from_os_error(err, "reading the archive to unpack", path) from None
+    with _converting(f"unpacking {path.name}", dst_dir, overwrite) as destination:
+        _unpack(source, manifest["files"], destination, buffer_size, progress)
+    return destination
+
+
+def _unpack(
+    source: ArchiveContainer, files: dict[str, Any], destination: Path, buffer_size: int, progress: Progress | None
+) -> None:
+    path = source.path
     advance = byte_counter(sum(rec["size"] for rec in files.values()), progress)
     staging = staging_path(destination)
     staging.mkdir()
     try:
         names = sorted(files, key=lambda n: source.member(n).data_offset)
-        archive = os.open(path, os.O_RDONLY)
+        archive = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         outs: list[int] = []
         try:
             ranges = []
             for name in names:
-                outs.append(os.open(staging / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+                outs.append(create_exclusive(staging / name))
                 m = source.member(name)
                 ranges.append(CopyRange(archive, m.data_offset, m.size, outs[-1], 0, f"{path}::{name}"))
             crcs = copy_ranges(ranges, buffer_size=buffer_size, progress=advance)
@@ -141,7 +208,6 @@ def to_directory(
     except BaseException:
         remove_tree(staging)
         raise
-    return destination
 
 
 class _StateDict:

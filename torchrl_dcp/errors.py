@@ -15,6 +15,8 @@ Example:
 
 from __future__ import annotations
 
+import errno
+import os
 from typing import Any
 
 
@@ -75,3 +77,44 @@ class WorldSizeMismatchError(CheckpointError):
 
 class CollectiveError(CheckpointError):
     """Another rank failed during a collective save or load."""
+
+
+_OS_HINTS = {
+    errno.ENAMETOOLONG: "a file name is too long for this file system (torchrl_dcp adds up to 47 characters for its "
+    "temporary names): choose a shorter name",
+    errno.ENOSPC: "the file system is full: free space or write elsewhere",
+    errno.EDQUOT: "the disk quota is exceeded: free space or write elsewhere",
+    errno.EACCES: "permission denied: check the permissions of the path and its directory",
+    errno.EPERM: "operation not permitted: check the permissions and the owner of the path",
+    errno.EROFS: "the file system is read-only: write elsewhere",
+    errno.ELOOP: "a symbolic link is in the way; torchrl_dcp never follows links it finds in a checkpoint "
+    "directory: remove the link",
+    errno.ENOENT: "a file or directory disappeared or does not exist (another process may have removed it)",
+    errno.ENOTDIR: "a path component is not a directory",
+    errno.EISDIR: "a directory is where a file was expected",
+    errno.EEXIST: "something already exists at this path (left by another process?): remove it and retry",
+}
+
+
+def from_os_error(err: OSError, action: str, path: Any = None, *, after: str = "") -> CheckpointError:
+    """An ``OSError`` as a :class:`CheckpointError` naming the path, what failed and what to do.
+
+    ``path`` is named when the error names no file; ``after`` is appended (e.g. what was left unchanged).
+
+    Example:
+        >>> import errno
+        >>> print(from_os_error(OSError(errno.ENOSPC, "No space left on device"), "writing", "/c.zip"))
+        /c.zip: writing failed: No space left on device [ENOSPC]; the file system is full: free space or write elsewhere
+    """
+    if isinstance(err, CheckpointError):
+        return err
+    where = err.filename if err.filename is not None else path
+    code = errno.errorcode.get(err.errno or 0, str(err.errno))
+    reason = err.strerror or str(err) or type(err).__name__
+    hint = _OS_HINTS.get(err.errno or 0, "")
+    message = f"{action} failed: {reason} [{code}]" + (f"; {hint}" if hint else "") + (f"; {after}" if after else "")
+    wrapped = CheckpointError(
+        message, path=os.fsdecode(where) if isinstance(where, (str, bytes, os.PathLike)) else where
+    )
+    wrapped.__cause__ = err
+    return wrapped

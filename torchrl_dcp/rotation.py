@@ -6,6 +6,13 @@ commits it before anything older is deleted (rank 0 deletes), and resolves
 ``latest()`` / ``best()`` from committed manifests only, so a killed save is never
 picked. :func:`resume` loads the newest checkpoint that loads, or says to start fresh.
 
+Retention, ``latest()`` and resume follow the **commit order** (the manifest's
+``created_at``, ties broken by step), not the step number: after a rollback or a
+new run in the same directory, the checkpoint just saved is the newest, is never
+deleted by its own save, and higher steps left by the earlier run are reported
+(a warning) and pruned as they fall out of ``keep_last``. ``entries()`` lists by
+step for display; :func:`by_commit` gives the commit order.
+
 Example:
     >>> import tempfile, torch, torchrl_dcp as tdcp
     >>> d = tempfile.mkdtemp()
@@ -21,11 +28,14 @@ Example:
 
 from __future__ import annotations
 
+import datetime
 import logging
 import math
 import os
 import re
-from collections.abc import Collection, Mapping
+import stat
+import warnings
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -56,6 +66,12 @@ class RotationEntry:
     size: int
     metric: float | None = None
     created_at: str | None = None
+    error: str | None = None  # why an uncommitted entry is not committed (``include_uncommitted``)
+
+    @property
+    def commit_key(self) -> tuple[float, int]:
+        """Sort key of the commit order: ``created_at`` (seconds, UTC; unreadable: oldest), then step."""
+        return (_timestamp(self.created_at), self.step)
 
 
 @dataclass(frozen=True)
@@ -106,27 +122,32 @@ class CheckpointRotation:
         return self.directory / (f"step-{step:012d}" + (".zip" if self.archive else ""))
 
     def entries(self, *, include_uncommitted: bool = False) -> list[RotationEntry]:
-        """Entries sorted by step; only committed ones unless ``include_uncommitted``."""
+        """Entries sorted by step (for display); only committed ones unless ``include_uncommitted``.
+
+        Each manifest is read once per call; entries removed while listing (another
+        process pruning) are skipped. Use :func:`by_commit` for the commit order.
+        """
         return list_entries(self.directory, self.keep_best[0] if self.keep_best else None, include_uncommitted)
 
     def latest(self) -> Path | None:
-        """The newest committed entry (never a half-written one), or ``None``."""
-        entries = self.entries()
-        return entries[-1].path if entries else None
+        """The most recently committed entry (by ``created_at``, not by step; never a half-written one), or ``None``."""
+        newest = latest_entry(self.entries())
+        return newest.path if newest else None
 
     def best(self) -> Path | None:
         """The committed entry with the best ``keep_best`` metric, or ``None``."""
-        best = self._best(self.entries())
+        best = self.best_entry(self.entries())
         return best.path if best else None
 
-    def _best(self, entries: list[RotationEntry]) -> RotationEntry | None:
+    def best_entry(self, entries: Iterable[RotationEntry]) -> RotationEntry | None:
+        """The entry of ``entries`` (committed ones) with the best metric; equal metrics: the newest commit."""
         if self.keep_best is None:
             return None
-        scored = [e for e in entries if e.metric is not None]
+        scored = [e for e in entries if e.committed and e.metric is not None]
         if not scored:
             return None
         sign = 1.0 if self.keep_best[1] == "max" else -1.0
-        return max(scored, key=lambda e: (sign * e.metric, e.step))  # type: ignore[operator]
+        return max(scored, key=lambda e: (sign * e.metric, e.commit_key))  # type: ignore[operator]
 
     # ------------------------------------------------------------------ saving
     def save(
@@ -166,8 +187,8 @@ class CheckpointRotation:
                     stale = self.directory / f"step-{step:012d}.zip"  # same step saved as an archive before
                     if stale.is_file():
                         stale.unlink()
-                self.prune()
-            except BaseException as err:
+                self.prune(protect=target)
+            except BaseException as err:  # noqa: BLE001 - reported on every rank below
                 error = err
         statuses = _dist.all_gather(None if error is None else f"{type(error).__name__}: {error}", group)
         if error is not None:
@@ -176,27 +197,50 @@ class CheckpointRotation:
             raise CollectiveError(f"rank 0 failed while rotating checkpoints: {statuses[0]}", path=target)
         return target
 
-    def prune(self) -> list[Path]:
-        """Delete committed entries outside the policy and leftovers of killed saves (run by one process)."""
-        entries = self.entries()
+    def prune(self, *, protect: Path | None = None) -> list[Path]:
+        """Delete committed entries outside the policy and leftovers of killed saves (run by one process).
+
+        The policy keeps the ``keep_last`` most recent commits (commit order, not
+        step order), the best entry, and ``protect`` (the entry :meth:`save` has just
+        committed) whatever its place. Higher steps committed before ``protect`` (left
+        by an earlier run, or before a rollback) are reported with a warning.
+        Entries removed meanwhile by another process are skipped.
+        """
+        entries = by_commit(self.entries())
         keep = {e.path for e in entries[-self.keep_last :]}
-        best = self._best(entries)
+        best = self.best_entry(entries)
         if best is not None:
             keep.add(best.path)
-        newest = entries[-1].step if entries else -1
+        if protect is not None:
+            keep.add(protect)
+            self._warn_stale(entries, protect)
+        newest = max((e.step for e in entries), default=-1)
         removed = []
         for e in entries:
-            if e.path not in keep:
-                _remove(e.path)
+            if e.path not in keep and _remove(e.path):
                 removed.append(e.path)
-        for p in self.directory.iterdir() if self.directory.is_dir() else ():
+        for p in _iterdir(self.directory):
             m = _LEFTOVER.match(p.name)
-            if m and int(m.group(1)) < newest:  # a save of an older step that never committed
-                _remove(p)
+            if m and int(m.group(1)) < newest and _remove_leftover(p):  # an older step's save that never committed
                 removed.append(p)
         if removed:
             logger.info("rotation %s removed %s", self.directory, [p.name for p in removed])
         return removed
+
+    def _warn_stale(self, entries: list[RotationEntry], protect: Path) -> None:
+        current = next((e for e in entries if e.path == protect), None)
+        if current is None:
+            return
+        stale = [e for e in entries if e.step > current.step and e.commit_key < current.commit_key]
+        if stale:
+            warnings.warn(
+                f"rotation {self.directory}: {[e.path.name for e in stale]} hold higher steps than step "
+                f"{current.step} just saved but were committed before it (an earlier run, or a rollback): "
+                f"latest() and resume now pick step {current.step}; the older ones are pruned as they fall out of "
+                "keep_last (delete them, or use another directory, to start a run from scratch)",
+                StaleCheckpointWarning,
+                stacklevel=3,
+            )
 
     # ------------------------------------------------------------------ loading
     def load_latest(self, ckpt: Any, *, fallback: bool = True, **load_kwargs: Any) -> Any:
@@ -217,7 +261,9 @@ class CheckpointRotation:
         from torchrl_dcp import _dist
 
         group = _dist.checkpoint_group(getattr(ckpt, "timeout", None))
-        candidates = [(e.step, str(e.path)) for e in reversed(self.entries())] if _dist.rank() == 0 else None
+        candidates = None
+        if _dist.rank() == 0:  # the newest commit first
+            candidates = [(e.step, str(e.path)) for e in reversed(by_commit(self.entries()))]
         candidates = _dist.broadcast_from_0(candidates, group)
         for step, path in candidates:
             try:
@@ -251,40 +297,95 @@ def resume(ckpt: Any, directory: str | os.PathLike, **load_kwargs: Any) -> Resum
     return CheckpointRotation(directory).resume(ckpt, **load_kwargs)
 
 
-def list_entries(directory: Path, metric: str | None = None, include_uncommitted: bool = False) -> list[RotationEntry]:
-    """Step-named entries of ``directory``; committed means a manifest that reads and validates."""
-    from torchrl_dcp.storage.source import open_source
+class StaleCheckpointWarning(UserWarning):
+    """A rotation directory holds higher steps committed before the checkpoint just saved."""
 
-    if not directory.is_dir():
-        return []
+
+def by_commit(entries: Iterable[RotationEntry]) -> list[RotationEntry]:
+    """Committed entries from the oldest commit to the newest (``created_at``, then step).
+
+    Example:
+        >>> [e.step for e in by_commit(rotation.entries())]  # doctest: +SKIP
+        [300, 10, 20]
+    """
+    return sorted((e for e in entries if e.committed), key=lambda e: e.commit_key)
+
+
+def latest_entry(entries: Iterable[RotationEntry]) -> RotationEntry | None:
+    """The most recently committed of ``entries`` (see :func:`by_commit`), or ``None``."""
+    ordered = by_commit(entries)
+    return ordered[-1] if ordered else None
+
+
+def list_entries(directory: Path, metric: str | None = None, include_uncommitted: bool = False) -> list[RotationEntry]:
+    """Step-named entries of ``directory`` sorted by step; committed means a manifest that reads and validates.
+
+    Each manifest is read once. Symlinks, and entries of the wrong kind (a
+    ``step-N`` that is not a directory, a ``step-N.zip`` that is not a regular
+    file), are skipped; so are entries that vanish while they are read.
+    """
+    from torchrl_dcp.storage.container import read_manifest
+
     found: dict[int, RotationEntry] = {}
-    for p in directory.iterdir():
+    for p in _iterdir(directory):
         m = _ENTRY.match(p.name)
-        if not m or p.is_symlink():
+        if not m:
             continue
         is_archive = m.group(2) is not None
-        if is_archive != p.is_file():
-            continue
         try:
-            manifest = open_source(p).manifest()
-            committed = True
-        except (CheckpointError, OSError):
-            manifest, committed = {}, False
-        if not committed and not include_uncommitted:
+            mode = os.lstat(p).st_mode
+        except OSError:
+            continue  # removed meanwhile
+        if not (stat.S_ISREG(mode) if is_archive else stat.S_ISDIR(mode)):
+            continue  # a symlink, a FIFO, a directory named .zip, ...: never ours
+        error = None
+        try:
+            manifest = read_manifest(p)
+        except Exception as err:  # noqa: BLE001 - one damaged entry must never break a listing
+            manifest, error = {}, f"{type(err).__name__}: {err}"
+        if error is not None and not include_uncommitted:
             continue
+        size = _size(p)
+        if size is None:
+            continue  # removed while listed
+        created_at = manifest.get("created_at")
         entry = RotationEntry(
             step=int(m.group(1)),
             path=p,
-            committed=committed,
+            committed=error is None,
             archive=is_archive,
-            size=_size(p),
-            metric=_metric(manifest.get("metadata", {}).get(metric), metric) if metric and committed else None,
-            created_at=manifest.get("created_at"),
+            size=size,
+            metric=_metric(manifest.get("metadata", {}).get(metric), metric) if metric and error is None else None,
+            created_at=created_at if isinstance(created_at, str) else None,
+            error=error,
         )
         old = found.get(entry.step)
         if old is None or (entry.committed, not entry.archive) > (old.committed, not old.archive):
             found[entry.step] = entry  # one entry per step: committed first, a directory over an archive
     return sorted(found.values(), key=lambda e: e.step)
+
+
+def _iterdir(directory: Path) -> list[Path]:
+    try:
+        return list(directory.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _timestamp(created_at: str | None) -> float:
+    """``created_at`` (ISO 8601; UTC when it names no zone) in seconds; unreadable or absent: ``-inf`` (oldest)."""
+    if not isinstance(created_at, str):
+        return -math.inf
+    try:
+        when = datetime.datetime.fromisoformat(created_at)
+    except ValueError:
+        return -math.inf
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    try:
+        return when.timestamp()
+    except (OverflowError, ValueError, OSError):
+        return -math.inf
 
 
 def _metric(value: Any, key: str | None, required: bool = False) -> float | None:
@@ -295,19 +396,56 @@ def _metric(value: Any, key: str | None, required: bool = False) -> float | None
     return None
 
 
-def _size(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+def _size(path: Path) -> int | None:
+    """Bytes of a file, or of the regular files directly in a directory (links not followed); ``None``: gone."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            return st.st_size
+        total = 0
+        with os.scandir(path) as it:
+            for f in it:
+                try:
+                    if f.is_file(follow_symlinks=False):
+                        total += f.stat(follow_symlinks=False).st_size
+                except FileNotFoundError:
+                    continue
+        return total
+    except (FileNotFoundError, NotADirectoryError):
+        return None
 
 
-def _remove(path: Path) -> None:
-    """Delete an entry: renamed aside first, so a crash never leaves a half-deleted committed entry."""
+def _remove(path: Path) -> bool:
+    """Delete an entry: renamed aside first, so a crash never leaves a half-deleted committed entry.
+
+    False when it was already gone (another process pruned it).
+    """
     from torchrl_dcp.storage.commit import remove_tree, trash_path
 
     if path.name.startswith("."):
         remove_tree(path)
-        return
+        return True
     trash = trash_path(path)
-    os.rename(path, trash)
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return False
     remove_tree(trash)
+    return True
+
+
+def _remove_leftover(path: Path) -> bool:
+    """Remove a staging/trash/temporary entry of a killed save, unless a live save of its step holds the lock."""
+    from torchrl_dcp.storage.commit import DestinationLock
+
+    m = _LEFTOVER.match(path.name)
+    assert m is not None
+    lock = DestinationLock(path.parent / path.name[1 : path.name.index(".tdcp-")], wait=0.0)
+    try:
+        lock.acquire()
+    except CheckpointError:
+        return False  # a save (or conversion) of that step is running: its leftovers are its own
+    try:
+        return _remove(path)
+    finally:
+        lock.release()

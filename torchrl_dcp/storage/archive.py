@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import os
 import struct
 import uuid
@@ -31,13 +32,13 @@ from typing import Any
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError
 from torchrl_dcp.manifest import loads_manifest
 from torchrl_dcp.storage.checksums import checksum_mismatch, crc32, fds_checksums, format_crc
+from torchrl_dcp.storage.commit import TMP_TAG
 from torchrl_dcp.storage.container import ByteRange, open_regular
 from torchrl_dcp.storage.layout import MANIFEST, MAX_MANIFEST_BYTES
 from torchrl_dcp.storage.zipformat import ZIPALIGN_PAD, central_entry, end_records, local_header
 
 ALIGN = 64  # every member's data starts at a multiple of this (zipformat.ALIGN)
 BUFFER = 4 << 20
-TMP_TAG = ".tdcp-tmp-"
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # signature .. extra length: 30 bytes
 _LOCAL_SIG = b"PK\x03\x04"
 
@@ -130,7 +131,7 @@ def read_index(path: Path) -> dict[str, Member]:
                 raise CheckpointFormatError("member data extends beyond the end of the archive", path=where)
             members[name] = Member(name, info.header_offset, data_offset, info.file_size, info.CRC)
     spans = sorted(members.values(), key=lambda m: m.header_offset)
-    for a, b in zip(spans, spans[1:]):
+    for a, b in itertools.pairwise(spans):
         if a.data_offset + a.size > b.header_offset:
             raise CheckpointFormatError(f"member overlaps member {a.name!r}", path=f"{path}::{b.name}")
     return members
@@ -247,6 +248,7 @@ class ArchiveContainer:
 
 # ---------------------------------------------------------------------- writing
 def temporary_sibling(destination: Path) -> Path:
+    """A fresh temporary name beside ``destination``, derived from its name (``commit.stale_entries`` finds it)."""
     return destination.parent / f".{destination.name}{TMP_TAG}{uuid.uuid4().hex}"
 
 
@@ -266,9 +268,13 @@ def write_archive(
     on the way (``storage/copying.py``); a CRC that differs from ``checksum`` aborts
     before anything is published. The headers and the central directory are written
     last, the archive under a temporary name next to ``destination``, fsynced and
-    renamed into place; the directory is fsynced.
+    renamed into place; the directory is fsynced. The temporary file is created with
+    ``O_EXCL | O_NOFOLLOW`` and removed on any failure; one left by a killed
+    conversion is removed by the next conversion to ``destination``
+    (``convert.py``, under the destination's lock). Source files are opened without
+    following links and must be regular files.
     """
-    from torchrl_dcp.storage.commit import fsync_path
+    from torchrl_dcp.storage.commit import create_exclusive, fsync_path
     from torchrl_dcp.storage.copying import CopyRange, copy_ranges, pwrite_all
 
     entries: list[tuple[str, Path | None, int, str | None]] = [(MANIFEST, None, len(manifest_bytes), None)]
@@ -285,12 +291,12 @@ def write_archive(
     tmp = temporary_sibling(destination)
     sources: list[int] = []
     try:
-        out = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        out = create_exclusive(tmp, flags=os.O_RDWR)
         try:
             ranges = []
             for (_name, path, size, _), (_, _, data_offset) in zip(entries[1:], layout[1:]):
                 assert path is not None
-                fd = os.open(path, os.O_RDONLY)
+                fd = open_regular(path)
                 sources.append(fd)
                 actual = os.fstat(fd).st_size
                 if actual != size:
@@ -311,7 +317,7 @@ def write_archive(
         finally:
             os.close(out)
         os.replace(tmp, destination)
-        fsync_path(destination.parent)
+        fsync_path(destination.parent, follow=True)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -5,6 +5,11 @@ finished and the manifest is written, :func:`publish` swaps the staging director
 into place (``renameat2(RENAME_EXCHANGE)`` on Linux: an existing checkpoint at the
 destination is replaced in one step) and fsyncs the parent.
 
+The directory is shared ground: nothing here follows a symlink or opens a
+non-regular file it finds there. Lock files and temporary files are opened with
+``O_NOFOLLOW`` (and created with ``O_EXCL``), lock files must be regular files
+with one link, and removals never descend through a link.
+
 Example:
     >>> from pathlib import Path
     >>> from torchrl_dcp.storage.commit import staging_path
@@ -17,19 +22,33 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import logging
 import os
 import shutil
 import socket
+import stat
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from torchrl_dcp.errors import CheckpointError
+from torchrl_dcp.errors import CheckpointError, from_os_error
 from torchrl_dcp.storage.libc import libc
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+logger = logging.getLogger("torchrl_dcp")
 
 STAGING_TAG = ".tdcp-staging-"
 TRASH_TAG = ".tdcp-trash-"
+TMP_TAG = ".tdcp-tmp-"  # temporary files of conversions (``storage/archive.py``)
 LOCK_TAG = ".tdcp-lock"
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # never block on a FIFO planted where a file is expected
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -44,11 +63,15 @@ def trash_path(destination: Path) -> Path:
 
 
 def stale_entries(destination: Path) -> list[Path]:
-    """Staging and trash directories left behind by failed or killed saves to ``destination``."""
-    prefixes = (f".{destination.name}{STAGING_TAG}", f".{destination.name}{TRASH_TAG}")
+    """Staging, trash and temporary entries left behind by failed or killed saves/conversions to ``destination``.
+
+    Only call this while holding :class:`DestinationLock` on ``destination``: every
+    writer of these names holds it, so what is found then belongs to a dead writer.
+    """
+    prefixes = tuple(f".{destination.name}{tag}" for tag in (STAGING_TAG, TRASH_TAG, TMP_TAG))
     try:
         return [p for p in destination.parent.iterdir() if p.name.startswith(prefixes)]
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return []
 
 
@@ -81,16 +104,25 @@ class DestinationLock:
         self._fd: int | None = None
 
     def acquire(self) -> DestinationLock:
+        """Take the lock (retrying a held one for ``wait`` seconds).
+
+        Raises:
+            CheckpointError: the lock is held by another save, or the lock path is a
+                symlink or not a regular file (never written through), or cannot be created.
+        """
         deadline = time.monotonic() + self.wait
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = open_lock_file(self.path, self.destination)
+            if fd is None:  # removed between our attempts: try again
+                continue
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as err:
+                locked = _try_flock(fd)
+            except OSError as err:  # flock unsupported here (some network file systems)
+                os.close(fd)
+                raise from_os_error(err, "locking the lock file", self.path) from None
+            if not locked:
                 holder = _read_holder(fd)
                 os.close(fd)
-                if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise
                 if time.monotonic() < deadline:
                     time.sleep(0.05)
                     continue
@@ -98,16 +130,16 @@ class DestinationLock:
                     f"another save to this path is in progress (lock {self.path.name} held by {holder}); "
                     "two jobs must not save to the same checkpoint: wait for it to finish or choose another path",
                     path=self.destination,
-                ) from None
-            try:
-                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if not same:  # the previous holder removed the file between our open and flock
+                )
+            if not _still_linked(fd, self.path):  # the previous holder removed the file between our open and flock
                 os.close(fd)
                 continue
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+            except OSError as err:
+                os.close(fd)
+                raise from_os_error(err, "writing the lock file", self.path) from None
             self._fd = fd
             return self
 
@@ -120,7 +152,7 @@ class DestinationLock:
             os.close(self._fd)
             self._fd = None
 
-    def __enter__(self) -> DestinationLock:
+    def __enter__(self) -> Self:
         return self.acquire()
 
     def __exit__(self, *exc: object) -> None:
@@ -128,18 +160,98 @@ class DestinationLock:
 
 
 def sweep_stale_locks(directory: Path) -> None:
-    """Remove lock files left by killed saves in ``directory`` (a lock held by a live save is left alone)."""
+    """Remove lock files left by killed saves in ``directory`` (a lock held by a live save is left alone).
+
+    Only regular files with one link are removed, each after taking its ``flock``;
+    a symlink, FIFO, directory or hard link named like a lock is never opened
+    through, written or removed (it is logged and left for its owner).
+    """
     try:
-        names = [p for p in directory.iterdir() if p.name.startswith(".") and p.name.endswith(LOCK_TAG)]
+        paths = [p for p in directory.iterdir() if p.name.startswith(".") and p.name.endswith(LOCK_TAG)]
     except OSError:
         return
-    for path in names:
-        lock = DestinationLock(path.parent / path.name[1 : -len(LOCK_TAG)], wait=0.0)
+    for path in paths:
         try:
-            lock.acquire()
-        except (CheckpointError, OSError):
+            st = os.lstat(path)
+        except OSError:
             continue
-        lock.release()
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            logger.warning("left %s alone: named like a lock file but not a regular file with one link", path)
+            continue
+        try:
+            fd = open_lock_file(path, path)
+        except CheckpointError as err:
+            logger.warning("left %s alone: %s", path, err.message)
+            continue
+        if fd is None:
+            continue
+        try:
+            if _try_flock(fd) and _still_linked(fd, path):
+                path.unlink(missing_ok=True)  # unlink never follows; the file was checked regular above
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def open_lock_file(path: Path, destination: Path) -> int | None:
+    """Open (creating if absent) the lock file ``path`` without following links; ``None`` if it vanished.
+
+    Raises:
+        CheckpointError: ``path`` is a symlink, not a regular file, has other hard
+            links, or cannot be opened (naming ``path`` and what to do).
+    """
+    try:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644)
+        except FileExistsError:
+            fd = os.open(path, os.O_RDWR | _NOFOLLOW | _CLOEXEC | _NONBLOCK)
+    except FileNotFoundError:
+        if path.parent.is_dir():
+            return None  # removed by its holder between the two opens
+        raise CheckpointError("the directory of this lock file does not exist", path=path) from None
+    except OSError as err:
+        if err.errno == errno.ELOOP or path.is_symlink():
+            raise CheckpointError(
+                f"lock file {path.name} is a symbolic link; torchrl_dcp never writes through a link in a checkpoint "
+                f"directory: remove {path} (check who planted it) and save again",
+                path=destination,
+            ) from None
+        if err.errno in (errno.EISDIR, errno.ENXIO):
+            raise _not_regular(path, destination) from None
+        raise from_os_error(err, "opening the lock file", path) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+        os.close(fd)
+        raise _not_regular(path, destination)
+    return fd
+
+
+def _not_regular(path: Path, destination: Path) -> CheckpointError:
+    return CheckpointError(
+        f"lock file {path.name} is not a regular file with a single link (a FIFO, device, directory or hard link "
+        f"planted there); it is never written: remove {path} and save again",
+        path=destination,
+    )
+
+
+def _try_flock(fd: int) -> bool:
+    """Take an exclusive ``flock`` without waiting: False when another process holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def _still_linked(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the open file ``fd`` (not removed or replaced since it was opened)."""
+    try:
+        return os.lstat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
 
 
 def _read_holder(fd: int) -> str:
@@ -150,28 +262,77 @@ def _read_holder(fd: int) -> str:
 
 
 def remove_tree(path: Path) -> None:
-    if path.is_symlink() or path.is_file():
-        path.unlink(missing_ok=True)
-    elif path.exists():
-        shutil.rmtree(path, ignore_errors=True)
+    """Remove a file, link or directory tree at ``path``; a link is removed itself, never followed.
 
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    ``shutil.rmtree`` works on directory file descriptors (``O_NOFOLLOW``) on Linux:
+    a link inside the tree, or swapped in while it runs, is unlinked, not descended.
+    """
     try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def fsync_path(path: Path, *, follow: bool = False) -> None:
+    """fsync a regular file or a directory we created; ``follow=True`` for a parent directory the user chose.
+
+    Without ``follow``, ``path`` is opened with ``O_NOFOLLOW`` (a symlink fails) and
+    must be a regular file or a directory. A parent directory given by the user
+    (``ckpts -> /scratch/ckpts``) may legitimately be a link: it is opened with
+    ``O_DIRECTORY``, so it is a directory or an error.
+    """
+    flags = os.O_RDONLY | _CLOEXEC | _NONBLOCK | (_DIRECTORY if follow else _NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as err:
+        raise from_os_error(err, "opening for fsync", path) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise CheckpointError("expected a regular file or a directory, found another kind of file", path=path)
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
+def open_flags_nofollow() -> int:
+    """Flags for opening a file found in a checkpoint directory: no link followed, no FIFO waited on."""
+    return _NOFOLLOW | _NONBLOCK | _CLOEXEC
+
+
+def create_exclusive(path: Path, mode: int = 0o644, flags: int = os.O_WRONLY) -> int:
+    """Create ``path`` as a new file (``O_CREAT | O_EXCL | O_NOFOLLOW``) and return its descriptor.
+
+    Nothing that already exists at ``path`` (a file, a planted symlink) is opened.
+
+    Example:
+        >>> import os, tempfile
+        >>> from pathlib import Path
+        >>> fd = create_exclusive(Path(tempfile.mkdtemp()) / "f"); os.close(fd)
+    """
+    return os.open(path, flags | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, mode)
+
+
 def write_file_durably(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary name, fsync it and rename it into place."""
+    """Write ``data`` to ``path`` through a new temporary name (``O_EXCL``), fsync it and rename it into place."""
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    fd = create_exclusive(tmp)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)  # rename replaces a link at ``path`` itself, never its target
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -200,14 +361,14 @@ def publish(staging: Path, destination: Path) -> None:
     fsync_path(staging)
     if destination.exists() or destination.is_symlink():
         if _exchange(staging, destination):
-            fsync_path(destination.parent)
+            fsync_path(destination.parent, follow=True)
             remove_tree(staging)  # now holds the old checkpoint
             return
         trash = trash_path(destination)
         os.rename(destination, trash)
         os.rename(staging, destination)
-        fsync_path(destination.parent)
+        fsync_path(destination.parent, follow=True)
         remove_tree(trash)
         return
     os.rename(staging, destination)
-    fsync_path(destination.parent)
+    fsync_path(destination.parent, follow=True)
