@@ -141,47 +141,54 @@ class _Encoder:
         if isinstance(value, torch.Tensor):
             return self._tensor(value, path)
         if isinstance(value, np.ndarray):
-            if value.dtype.kind not in "biufc":
-                raise self.fail(path, value, f" (numpy dtype {value.dtype})")
-            native = value.astype(value.dtype.newbyteorder("="), copy=False)  # torch takes native byte order only
-            node = self._tensor(torch.from_numpy(np.ascontiguousarray(native)), path)
-            return {"t": "ndarray", "np_dtype": value.dtype.str, "tensor": node}
+            return self._array(value, path)
         if depth >= MAX_DEPTH:  # load refuses deeper containers: refuse them here, at save time
             raise self.fail(path, value, f" (nested more than {MAX_DEPTH} levels deep)")
         depth += 1
         if isinstance(value, Mapping):
-            items, used = [], set()
-            for k, v in value.items():
-                if not isinstance(k, (str, int, bool, type(None), float, tuple)):
-                    raise self.fail(path, k, " (as a mapping key)")
-                segment = escape_key(k)
-                if segment in used:
-                    segment = f"{segment}~{type(k).__name__}"
-                used.add(segment)
-                items.append(
-                    [self.encode(k, path, depth), self.encode(v, f"{path}/{segment}" if path else segment, depth)]
-                )
-            node: dict[str, Any] = {"t": "odict" if isinstance(value, OrderedDict) else "dict", "items": items}
-            metadata = getattr(value, "_metadata", None)
-            if metadata is not None:
-                node["metadata"] = self.encode(metadata, f"{path}/_metadata" if path else "_metadata", depth)
-            if type(value) not in (dict, OrderedDict) and not hasattr(value, "_metadata"):
-                # other Mapping types (TensorDict, ...) come back as plain dicts
-                node["t"] = "dict"
-            return node
+            return self._mapping(value, path, depth)
         if isinstance(value, torch.Size):
             return {"t": "size", "v": list(value)}
         if isinstance(value, (list, tuple, set, frozenset)):
-            kind = {list: "list", tuple: "tuple", set: "set", frozenset: "frozenset"}.get(type(value))
-            if kind is None:
-                if isinstance(value, tuple) and hasattr(value, "_fields"):
-                    raise self.fail(path, value, " (namedtuple)")
-                kind = "list" if isinstance(value, list) else "tuple"
-            seq = sorted(value, key=repr) if kind in ("set", "frozenset") else value
-            return {
-                "t": kind,
-                "items": [self.encode(v, f"{path}/{i}" if path else str(i), depth) for i, v in enumerate(seq)],
-            }
+            return self._sequence(value, path, depth)
+        return self._other(value, path, depth)
+
+    def _array(self, value: np.ndarray, path: str) -> dict[str, Any]:
+        if value.dtype.kind not in "biufc":
+            raise self.fail(path, value, f" (numpy dtype {value.dtype})")
+        native = value.astype(value.dtype.newbyteorder("="), copy=False)  # torch takes native byte order only
+        node = self._tensor(torch.from_numpy(np.ascontiguousarray(native)), path)
+        return {"t": "ndarray", "np_dtype": value.dtype.str, "tensor": node}
+
+    def _mapping(self, value: Mapping[Any, Any], path: str, depth: int) -> dict[str, Any]:
+        items, used = [], set()
+        for k, v in value.items():
+            if not isinstance(k, (str, int, bool, type(None), float, tuple)):
+                raise self.fail(path, k, " (as a mapping key)")
+            segment = escape_key(k)
+            if segment in used:
+                segment = f"{segment}~{type(k).__name__}"
+            used.add(segment)
+            items.append([self.encode(k, path, depth), self.encode(v, f"{path}/{segment}" if path else segment, depth)])
+        node: dict[str, Any] = {"t": "odict" if isinstance(value, OrderedDict) else "dict", "items": items}
+        metadata = getattr(value, "_metadata", None)
+        if metadata is not None:
+            node["metadata"] = self.encode(metadata, f"{path}/_metadata" if path else "_metadata", depth)
+        if type(value) not in (dict, OrderedDict) and not hasattr(value, "_metadata"):
+            node["t"] = "dict"  # other Mapping types (TensorDict, ...) come back as plain dicts
+        return node
+
+    def _sequence(self, value: Any, path: str, depth: int) -> dict[str, Any]:
+        kind = {list: "list", tuple: "tuple", set: "set", frozenset: "frozenset"}.get(type(value))
+        if kind is None:
+            if isinstance(value, tuple) and hasattr(value, "_fields"):
+                raise self.fail(path, value, " (namedtuple)")
+            kind = "list" if isinstance(value, list) else "tuple"
+        seq = sorted(value, key=repr) if kind in ("set", "frozenset") else value
+        return {"t": kind, "items": [self.encode(v, f"{path}/{i}" if path else str(i), depth) for i, v in enumerate(seq)]}
+
+    def _other(self, value: Any, path: str, depth: int) -> Any:
+        """Leaves that are neither scalars, tensors nor containers."""
         if isinstance(value, torch.dtype):
             return {"t": "dtype", "v": dtype_name(value)}
         if isinstance(value, torch.device):
@@ -362,63 +369,88 @@ def _decode(node: Any, tensors: Mapping[str, Any], depth: int) -> Any:
     kind = node["t"]
     if kind in _CONTAINERS and depth >= MAX_DEPTH:
         raise CheckpointFormatError(f"malformed state skeleton: nested more than {MAX_DEPTH} levels deep")
-    depth += 1
-    if kind in ("tensor", "dtensor", "alias", "xref"):
-        key = node["key"] if kind != "xref" else xref_key(node["component"], node["key"])
-        if key not in tensors:
-            raise CheckpointFormatError(f"the state names tensor {key!r}, which was not loaded")
-        return tensors[key]
-    if kind == "ndarray":
-        dtype = np_dtype_from_name(node["np_dtype"])  # checked before anything is read (planning decodes too)
-        tensor = _decode(node["tensor"], tensors, depth)
-        if not isinstance(tensor, torch.Tensor):  # a placeholder (e.g. a TensorSpec) while planning
-            return tensor
-        array = tensor.cpu().numpy()
-        if dtype.itemsize != array.itemsize:  # never a wider copy than the bytes that back it
-            raise CheckpointFormatError(
-                f"numpy dtype {dtype.str!r} does not match the saved tensor's {array.dtype.str!r}"
-            )
-        return array.astype(dtype, copy=False)
-    if kind in ("dict", "odict"):
-        out: dict[Any, Any] = OrderedDict() if kind == "odict" else {}
-        for k, v in node["items"]:
-            out[_decode(k, tensors, depth)] = _decode(v, tensors, depth)
-        if "metadata" in node:
-            out._metadata = _decode(node["metadata"], tensors, depth)  # type: ignore[attr-defined]
-        return out
-    if kind in ("list", "tuple", "set", "frozenset"):
-        items = [_decode(v, tensors, depth) for v in node["items"]]
-        return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[kind](items)
-    if kind == "float":
-        return _decode_scalar_float(node["v"])
-    if kind == "size":
-        return torch.Size([int(v) for v in node["v"]])
-    if kind == "dtype":
-        return dtype_from_name(node["v"])
-    if kind == "device":
-        try:
-            return torch.device(node["v"])
-        except RuntimeError as err:  # torch says "Invalid device string" with a RuntimeError
-            raise ValueError(str(err)) from None
-    if kind == "np":
-        dtype = np_dtype_from_name(node["dtype"])
-        item = _decode(node["v"], tensors, depth)
-        if isinstance(item, list):
-            item = complex(*item)
-        if not isinstance(item, (bool, int, float, complex)):
-            raise CheckpointFormatError(f"numpy scalar of dtype {dtype.str!r} holds {type(item).__name__}")
-        return dtype.type(item)
-    if kind == "complex":
-        return complex(*(_decode(v, tensors, depth) for v in node["v"]))
-    if kind in ("bytes", "bytearray"):
-        raw = base64.b64decode(node["v"], validate=True)
-        return raw if kind == "bytes" else bytearray(raw)
-    if kind == "slice":
-        return slice(*(_decode(v, tensors, depth) for v in node["v"]))
-    if kind == "range":
-        return range(*(int(v) for v in node["v"]))
-    if kind == "path":
-        return Path(node["v"])
-    if kind == "ellipsis":
-        return Ellipsis
-    raise CheckpointFormatError(f"unknown state entry kind {kind!r}")
+    decoder = _DECODERS.get(kind)
+    if decoder is None:
+        raise CheckpointFormatError(f"unknown state entry kind {kind!r}")
+    return decoder(node, tensors, depth + 1)
+
+
+def _decode_tensor(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
+    key = node["key"] if node["t"] != "xref" else xref_key(node["component"], node["key"])
+    if key not in tensors:
+        raise CheckpointFormatError(f"the state names tensor {key!r}, which was not loaded")
+    return tensors[key]
+
+
+def _decode_ndarray(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
+    dtype = np_dtype_from_name(node["np_dtype"])  # checked before anything is read (planning decodes too)
+    tensor = _decode(node["tensor"], tensors, depth)
+    if not isinstance(tensor, torch.Tensor):  # a placeholder (e.g. a TensorSpec) while planning
+        return tensor
+    array = tensor.cpu().numpy()
+    if dtype.itemsize != array.itemsize:  # never a wider copy than the bytes that back it
+        raise CheckpointFormatError(f"numpy dtype {dtype.str!r} does not match the saved tensor's {array.dtype.str!r}")
+    return array.astype(dtype, copy=False)
+
+
+def _decode_mapping(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
+    out: dict[Any, Any] = OrderedDict() if node["t"] == "odict" else {}
+    for k, v in node["items"]:
+        out[_decode(k, tensors, depth)] = _decode(v, tensors, depth)
+    if "metadata" in node:
+        out._metadata = _decode(node["metadata"], tensors, depth)  # type: ignore[attr-defined]
+    return out
+
+
+def _decode_sequence(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
+    items = [_decode(v, tensors, depth) for v in node["items"]]
+    return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[node["t"]](items)
+
+
+def _decode_device(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
+    try:
+        return torch.device(node["v"])
+    except RuntimeError as err:  # torch says "Invalid device string" with a RuntimeError
+        raise ValueError(str(err)) from None
+
+
+def _decode_np_scalar(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
+    dtype = np_dtype_from_name(node["dtype"])
+    item = _decode(node["v"], tensors, depth)
+    if isinstance(item, list):
+        item = complex(*item)
+    if not isinstance(item, (bool, int, float, complex)):
+        raise CheckpointFormatError(f"numpy scalar of dtype {dtype.str!r} holds {type(item).__name__}")
+    return dtype.type(item)
+
+
+def _decode_bytes(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
+    raw = base64.b64decode(node["v"], validate=True)
+    return raw if node["t"] == "bytes" else bytearray(raw)
+
+
+_DECODERS: dict[str, Any] = {
+    "tensor": _decode_tensor,
+    "dtensor": _decode_tensor,
+    "alias": _decode_tensor,
+    "xref": _decode_tensor,
+    "ndarray": _decode_ndarray,
+    "dict": _decode_mapping,
+    "odict": _decode_mapping,
+    "list": _decode_sequence,
+    "tuple": _decode_sequence,
+    "set": _decode_sequence,
+    "frozenset": _decode_sequence,
+    "float": lambda node, tensors, depth: _decode_scalar_float(node["v"]),
+    "size": lambda node, tensors, depth: torch.Size([int(v) for v in node["v"]]),
+    "dtype": lambda node, tensors, depth: dtype_from_name(node["v"]),
+    "device": _decode_device,
+    "np": _decode_np_scalar,
+    "complex": lambda node, tensors, depth: complex(*(_decode(v, tensors, depth) for v in node["v"])),
+    "bytes": _decode_bytes,
+    "bytearray": _decode_bytes,
+    "slice": lambda node, tensors, depth: slice(*(_decode(v, tensors, depth) for v in node["v"])),
+    "range": lambda node, tensors, depth: range(*(int(v) for v in node["v"])),
+    "path": lambda node, tensors, depth: Path(node["v"]),
+    "ellipsis": lambda node, tensors, depth: Ellipsis,
+}

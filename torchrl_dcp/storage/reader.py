@@ -287,18 +287,12 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
                 it = items[i]
                 if crc and it.offset > pos:
                     pieces += self._read_gap(src, f, pos, it.offset, scratch)
-                if it.length >= SMALL:
-                    j = i + 1  # a run of large records: spread over the threads, one record each at a time
+                if it.length >= SMALL:  # a run of large records: spread over the threads, one record each at a time
+                    j = i + 1
                     while j < len(items) and items[j].length >= SMALL:
                         j += 1
-                    run = items[i:j]
-                    if crc:  # the bytes between them
-                        for a, b in zip(run, run[1:]):
-                            if b.offset > a.offset + a.length:
-                                pieces += self._read_gap(src, f, a.offset + a.length, b.offset, scratch)
-                    pieces += self._read_run(src, f, run, planner, crc)
-                    pos = max(pos, max(r.offset + r.length for r in run))
-                    i = j
+                    pieces += self._read_large_run(src, f, items[i:j], planner, crc, scratch)
+                    pos, i = max(pos, max(r.offset + r.length for r in items[i:j])), j
                     continue
                 end, i = self._read_batch(src, f, items, i, scratch, planner, pieces if crc else None), _batch_end(items, i)
                 pos = end
@@ -314,6 +308,16 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
             f.close()
         if crc:
             self._compare(src, pieces, cast(str, expected))
+
+    def _read_large_run(
+        self, src: RangeFile, f: BinaryIO, run: list[_Item], planner: LoadPlanner, crc: bool, scratch: bytearray
+    ) -> list[tuple[int, int, int]]:
+        pieces: list[tuple[int, int, int]] = []
+        if crc:  # the bytes between them
+            for a, b in zip(run, run[1:]):
+                if b.offset > a.offset + a.length:
+                    pieces += self._read_gap(src, f, a.offset + a.length, b.offset, scratch)
+        return pieces + self._read_run(src, f, run, planner, crc)
 
     def _read_batch(
         self,
