@@ -34,6 +34,8 @@ from torchrl_dcp.errors import EncodingError
 from torchrl_dcp.load_engine import LoadResult, Strictness
 from torchrl_dcp.load_plan import Registered
 from torchrl_dcp.placement import Placement, check_placement
+from torchrl_dcp.replicas import ReplicaCheck
+from torchrl_dcp.replicas import check_mode as check_replica_mode
 
 __all__ = ["DistributedCheckpoint", "LoadResult"]
 
@@ -50,6 +52,7 @@ class _Registration:
     adapter: Adapter | None
     options: CheckpointOptions
     resolved: Adapter | None = None
+    replica_check: ReplicaCheck | None = None  # None: the checkpoint's default
 
 
 class DistributedCheckpoint:
@@ -62,6 +65,9 @@ class DistributedCheckpoint:
         save_components: default selection for :meth:`save` (e.g. leave the replay
             buffer out of frequent saves); ``None`` saves everything.
         timeout: timeout of the checkpoint's own gloo process group.
+        replica_check: how saves check that replicated components are the same on every
+            rank before anything is written (``"sample"``: JSON values whole and sampled bytes
+            of each tensor; ``"full"``: every byte; ``"off"``); see :mod:`torchrl_dcp.replicas`.
         **components: components registered with their adapter's default placement
             (``replicated`` for modules, optimizers and state dicts).
 
@@ -74,10 +80,12 @@ class DistributedCheckpoint:
         strict: Strictness = "error",
         save_components: Collection[str] | None = None,
         timeout: datetime.timedelta | None = None,
+        replica_check: ReplicaCheck = "sample",
         **components: Any,
     ) -> None:
         _check_strict(strict)
         self.strict = strict
+        self.replica_check = check_replica_mode(replica_check)
         self.save_components = None if save_components is None else frozenset(save_components)
         self.timeout = timeout
         self._components: dict[str, _Registration] = {}
@@ -106,13 +114,18 @@ class DistributedCheckpoint:
         placement: Placement | None = None,
         adapter: Adapter | None = None,
         options: CheckpointOptions | None = None,
+        replica_check: ReplicaCheck | None = None,
     ) -> DistributedCheckpoint:
         """Register ``component`` under ``name``; returns ``self``.
 
         Args:
-            placement: ``"replicated"``, ``"per_rank"`` or ``"sharded"``; default: the adapter's.
+            placement: ``"replicated"``, ``"per_rank"`` or ``"sharded"``; default: the adapter's
+                (``replicated`` for modules, optimizers, state dicts and plain values; ``per_rank``
+                for RNG streams, replay buffers and collectors). See docs/api.md, "Choosing a placement".
             adapter: explicit adapter (otherwise chosen by type at save/load time).
             options: arguments forwarded to the component's state methods.
+            replica_check: for a replicated component, how saves check that every rank holds the
+                same state (``"sample"``, ``"full"``, ``"off"``; default: the checkpoint's).
         """
         if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
             raise ValueError(f"component name {name!r} must match {_NAME.pattern} (no '/' and no '..')")
@@ -124,7 +137,12 @@ class DistributedCheckpoint:
         if placement is None:
             placement = _trainer_placement(name) or (resolved.default_placement if resolved is not None else "replicated")
         self._components[name] = _Registration(
-            component, check_placement(placement), adapter, options or CheckpointOptions(), resolved
+            component,
+            check_placement(placement),
+            adapter,
+            options or CheckpointOptions(),
+            resolved,
+            None if replica_check is None else check_replica_mode(replica_check),
         )
         if name == _TRAINER_MARKER and not any(isinstance(r.value, RNGState) for r in self._components.values()):
             # a torchrl Trainer is binding this checkpoint: give every rank its RNG streams too
@@ -286,7 +304,8 @@ class DistributedCheckpoint:
             ]
             return save_engine.encode(items, rank)
 
-        encoded, write_plan = save_engine.plan(group, encode_step)
+        checks = {n: self._components[n].replica_check or self.replica_check for n in names}
+        encoded, write_plan = save_engine.plan(group, encode_step, checks)
         job = save_engine.SaveJob(destination, step, metadata, encoded, write_plan, group, rank, world)
         if stage is not None:  # async: copy to host buffers what this rank writes (everything, for DCP's writer)
 

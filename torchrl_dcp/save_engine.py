@@ -36,7 +36,7 @@ import math
 import os
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -55,6 +55,9 @@ from torchrl_dcp.errors import CheckpointError, CollectiveError, EncodingError
 from torchrl_dcp.manifest import dumps, new_manifest
 from torchrl_dcp.placement import Placement, key_prefix
 from torchrl_dcp.planner import SavePlanner, WritePlan, plan_writes, tensor_infos
+from torchrl_dcp.replicas import ReplicaCheck
+from torchrl_dcp.replicas import compare as compare_replicas
+from torchrl_dcp.replicas import digest as replica_digest
 from torchrl_dcp.storage.checksums import file_record
 from torchrl_dcp.storage.commit import (
     DestinationLock,
@@ -177,20 +180,25 @@ def encode(items: list[EncodeItem], rank: int) -> Encoded:
 
 
 # ---------------------------------------------------------------------- step 2: plan
-def plan(group: Any, encode_step: Any) -> tuple[Encoded, WritePlan]:
+def plan(
+    group: Any, encode_step: Any, replica_checks: Mapping[str, ReplicaCheck] | None = None
+) -> tuple[Encoded, WritePlan]:
     """Encode on every rank (``encode_step()``), exchange what each holds, plan the writes (collective).
 
     Any rank's encoding failure raises on every rank before anything is written; so does
-    a replicated tensor whose dtype or shape differs between ranks.
+    replicated state that differs between ranks (:mod:`torchrl_dcp.replicas`).
     """
     mine: list[Encoded] = []
+    several = _dist.world_size() > 1 if group is not None else False
 
     def local() -> Any:
         mine.append(encode_step())
-        return tensor_infos(mine[0].flat)
+        replicas = replica_digest(mine[0].records, mine[0].flat, replica_checks or {}) if several else {}
+        return tensor_infos(mine[0].flat), replicas
 
-    infos = run_step(group, "encoding the state", local)
-    return mine[0], plan_writes(infos)
+    gathered = run_step(group, "encoding the state", local)
+    compare_replicas([replicas for _, replicas in gathered])
+    return mine[0], plan_writes([infos for infos, _ in gathered])
 
 
 # ---------------------------------------------------------------------- step 3: write

@@ -1,0 +1,41 @@
+"""Replicated means replicated: a save whose replicated state differs between ranks raises on every rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests_distributed.launch import launch
+
+S = "tests_distributed.scenarios_replicas"
+
+
+@pytest.mark.parametrize(
+    ("differ", "mode", "component_mode", "refused"),
+    [
+        ("none", "sample", None, False),
+        ("bias", "sample", None, True),
+        ("bias", "full", None, True),
+        ("bias", "sample", "off", False),  # turned off for this component
+        ("bias", "off", None, False),
+        ("dict", "sample", None, True),  # per-rank values registered as (default) replicated
+        ("unsampled", "sample", None, False),  # documented limit of the cheap mode
+        ("unsampled", "full", None, True),
+    ],
+)
+def test_replicas_are_compared_before_anything_is_written(
+    tmp_path: Path, differ: str, mode: str, component_mode: str | None, refused: bool
+) -> None:
+    results = launch(f"{S}:save_differing", 2, str(tmp_path), differ, mode, component_mode)
+    for r in results:
+        if not refused:
+            assert r.value["error"] is None and r.value["exists"], r.value
+            continue
+        assert r.value["type"] in ("EncodingError", "CollectiveError"), r.value
+        assert "differs between rank 0 and rank 1" in r.value["error"], r.value
+        assert not r.value["exists"] and r.value["left"] == [], r.value  # nothing committed, nothing left
+        component = "counters" if differ == "dict" else "model"
+        assert repr(component) in r.value["error"]
+        if differ == "dict":
+            assert "placement='per_rank'" in r.value["error"]

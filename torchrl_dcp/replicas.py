@@ -1,0 +1,120 @@
+"""Replicated means replicated: every rank's copy of a replicated component is compared before a save is written.
+
+A replicated component is written once (by whichever rank the plan picks), so ranks
+that disagree would otherwise commit a state that never existed (one rank's
+``weight``, another's ``bias``), or every rank would resume with one rank's values of
+what was really per-rank state (a plain dict registered without ``placement=``).
+Before anything is written, each rank computes a digest of its replicated
+components; the digests are gathered with the encode step's status and compared
+the same way on every rank, so every rank raises the same
+:class:`~torchrl_dcp.errors.EncodingError` naming the component, the key and the ranks.
+
+Modes (``DistributedCheckpoint(replica_check=...)``, or per component at ``register``):
+
+- ``"sample"`` (default): the JSON values are compared whole; each tensor by a CRC-32
+  of its dtype, shape and up to 64 evenly spaced 1 KiB slices of its bytes (all of
+  them below 64 KiB). Cheap at any size; a difference confined to unsampled bytes of
+  a large tensor goes unnoticed.
+- ``"full"``: every byte of every tensor (CRC-32, about 14 GB/s per core here).
+- ``"off"``: not compared.
+
+Example:
+    >>> import torch
+    >>> from torchrl_dcp.replicas import fingerprint
+    >>> fingerprint(torch.zeros(4), "full") == fingerprint(torch.zeros(4), "sample")
+    True
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, Literal, get_args
+
+import torch
+
+from torchrl_dcp.errors import EncodingError
+from torchrl_dcp.storage.checksums import crc32
+
+ReplicaCheck = Literal["sample", "full", "off"]
+REPLICA_CHECKS: tuple[str, ...] = get_args(ReplicaCheck)
+SLICE = 1 << 10
+SLICES = 64
+
+
+def check_mode(mode: str) -> ReplicaCheck:
+    if mode not in REPLICA_CHECKS:
+        raise ValueError(f"replica_check must be one of {REPLICA_CHECKS}, got {mode!r}")
+    return mode  # type: ignore[return-value]
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if type(t) is not torch.Tensor:
+        t = t.as_subclass(torch.Tensor)
+    t = t.resolve_conj().resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+def fingerprint(t: torch.Tensor, mode: ReplicaCheck) -> str:
+    """A short fingerprint of a tensor's dtype, shape and bytes (all of them, or evenly spaced slices)."""
+    head = f"{t.dtype}:{tuple(t.shape)}:"
+    if t.numel() == 0:
+        return head
+    flat = _byte_view(t)
+    n = flat.numel()
+    if mode == "full" or n <= SLICES * SLICE:
+        data = flat
+    else:
+        step = (n - SLICE) // (SLICES - 1)
+        data = torch.cat([flat[i * step : i * step + SLICE] for i in range(SLICES)])
+    if data.device.type != "cpu":
+        data = data.cpu()
+    return head + f"{crc32(data.numpy()):08x}"
+
+
+def _without_devices(node: Any) -> Any:
+    """A skeleton with tensor devices left out (ranks hold replicas on their own devices)."""
+    if isinstance(node, dict):
+        return {k: _without_devices(v) for k, v in node.items() if k != "device"}
+    if isinstance(node, list):
+        return [_without_devices(v) for v in node]
+    return node
+
+
+def digest(
+    records: Mapping[str, Any], flat: Mapping[str, torch.Tensor], modes: Mapping[str, ReplicaCheck]
+) -> dict[str, tuple[str, dict[str, str]]]:
+    """``{component: (state digest, {dcp_key: tensor fingerprint})}`` of this rank's replicated components."""
+    out: dict[str, tuple[str, dict[str, str]]] = {}
+    for name, rec in records.items():
+        mode = modes.get(name, "sample")
+        if rec.placement != "replicated" or mode == "off":
+            continue
+        state = json.dumps(_without_devices(rec.state), sort_keys=True, separators=(",", ":")).encode()
+        out[name] = (f"{crc32(state):08x}", {key: fingerprint(flat[key], mode) for key in rec.inventory})
+    return out
+
+
+def compare(per_rank: list[dict[str, tuple[str, dict[str, str]]]]) -> None:
+    """Raise :class:`EncodingError` naming the first replicated component that differs between ranks."""
+    if len(per_rank) < 2:
+        return
+    first = per_rank[0]
+    for name, (state, tensors) in first.items():
+        for r, other in enumerate(per_rank[1:], start=1):
+            if name not in other:
+                continue  # not saved (or not checked) there: the encode step reports real mismatches
+            other_state, other_tensors = other[name]
+            differ = [k for k in tensors if other_tensors.get(k) != tensors[k]]
+            if not differ and other_state == state:
+                continue
+            what = f"tensor {differ[0]!r}" if differ else "its non-tensor values (JSON state)"
+            raise EncodingError(
+                f"replicated component {name!r} differs between rank 0 and rank {r}: {what}. A replicated "
+                "component is written once, so the checkpoint would hold a state that never existed; nothing "
+                "was written. Make it identical on every rank, or register it with placement='per_rank' if "
+                "each rank has its own (replica_check='off' skips this check for it)"
+            )
