@@ -165,6 +165,7 @@ class CheckpointRotation:
         published) before any older entry is removed. Returns the entry's path.
         """
         from torchrl_dcp import _dist
+        from torchrl_dcp.collective import run_on_coordinator
 
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
@@ -173,28 +174,28 @@ class CheckpointRotation:
             _metric(metadata.get(self.keep_best[0]), self.keep_best[0], required=True)
         directory_path = self.directory / f"step-{step:012d}"
         path = ckpt.save(directory_path, step=step, metadata=metadata, components=components, **save_kwargs)
-        group = _dist.checkpoint_group(getattr(ckpt, "timeout", None))
-        error: BaseException | None = None
         target = self.path_for(step)
-        if _dist.rank() == 0:
-            try:
-                if self.archive:
-                    from torchrl_dcp.convert import to_archive
 
-                    to_archive(path, target, overwrite=True)
-                    _remove(path)
-                else:
-                    stale = self.directory / f"step-{step:012d}.zip"  # same step saved as an archive before
-                    if stale.is_file():
-                        stale.unlink()
-                self.prune(protect=target)
-            except BaseException as err:  # noqa: BLE001 - reported on every rank below
-                error = err
-        statuses = _dist.all_gather(None if error is None else f"{type(error).__name__}: {error}", group)
-        if error is not None:
-            raise error if isinstance(error, CheckpointError) else CheckpointError(str(error), path=target) from error
-        if statuses[0] is not None:
-            raise CollectiveError(f"rank 0 failed while rotating checkpoints: {statuses[0]}", path=target)
+        def rotate() -> None:
+            if self.archive:
+                from torchrl_dcp.convert import to_archive
+
+                to_archive(path, target, overwrite=True)
+                _remove(path)
+            else:
+                stale = self.directory / f"step-{step:012d}.zip"  # same step saved as an archive before
+                if stale.is_file():
+                    stale.unlink()
+            self.prune(protect=target)
+
+        group = _dist.checkpoint_group(getattr(ckpt, "timeout", None))
+        try:
+            run_on_coordinator(group, "rotating checkpoints", rotate)
+        except CheckpointError as err:
+            if err.path is None:
+                err.path = str(target)
+                err.args = (f"{err.path}: {err.message}",)
+            raise
         return target
 
     def prune(self, *, protect: Path | None = None) -> list[Path]:
@@ -259,12 +260,12 @@ class CheckpointRotation:
 
     def _resume(self, ckpt: Any, fallback: bool, load_kwargs: dict[str, Any]) -> ResumeInfo | None:
         from torchrl_dcp import _dist
+        from torchrl_dcp.collective import broadcast_step
 
         group = _dist.checkpoint_group(getattr(ckpt, "timeout", None))
-        candidates = None
-        if _dist.rank() == 0:  # the newest commit first
-            candidates = [(e.step, str(e.path)) for e in reversed(by_commit(self.entries()))]
-        candidates = _dist.broadcast_from_0(candidates, group)
+        candidates = broadcast_step(  # rank 0 lists, newest commit first; every rank loads the same entries
+            group, "listing checkpoints", lambda: [(e.step, str(e.path)) for e in reversed(by_commit(self.entries()))]
+        )
         for step, path in candidates:
             try:
                 result = ckpt.load(path, **load_kwargs)
