@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torchrl_dcp import manifest as schema
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError
-from torchrl_dcp.manifest import loads_manifest
 from torchrl_dcp.storage.checksums import checksum_mismatch, crc32, fds_checksums, format_crc
 from torchrl_dcp.storage.commit import TMP_TAG
 from torchrl_dcp.storage.container import ByteRange, open_regular
@@ -195,7 +195,7 @@ class ArchiveContainer:
         if self._manifest is None:
             if MANIFEST not in self.members:
                 raise CheckpointFormatError(f"the archive holds no {MANIFEST}: not a torchrl_dcp checkpoint", path=self.path)
-            manifest = loads_manifest(self.read_raw_member(MANIFEST, MAX_MANIFEST_BYTES), f"{self.path}::{MANIFEST}")
+            manifest = schema.loads_manifest(self.read_raw_member(MANIFEST, MAX_MANIFEST_BYTES), f"{self.path}::{MANIFEST}")
             for name in self.members:
                 if name != MANIFEST and name not in manifest["files"]:
                     raise CheckpointIntegrityError(

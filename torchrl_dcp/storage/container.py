@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from torchrl_dcp import manifest as schema
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError
-from torchrl_dcp.manifest import loads_manifest
 from torchrl_dcp.storage.checksums import checksum_mismatch, fds_checksums
 from torchrl_dcp.storage.layout import MANIFEST, MAX_MANIFEST_BYTES
 
@@ -135,7 +135,7 @@ class DirectoryContainer:
                 raise CheckpointFormatError(
                     f"no {MANIFEST}: not a torchrl_dcp checkpoint, or a save that never committed{why}", path=self.path
                 ) from None
-            self._manifest = loads_manifest(data, file)
+            self._manifest = schema.loads_manifest(data, file)
         return self._manifest
 
     def _listed(self, name: str) -> dict[str, Any] | None:
