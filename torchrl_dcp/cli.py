@@ -40,6 +40,7 @@ def _inspect(path: str) -> dict[str, Any]:
             "ranks": ranks,
             "tensors": len(inventory),
             "bytes": rec["nbytes"],
+            "shared": _shared_tensors(rec),
         }
     return {
         "path": str(Path(path).absolute()),
@@ -56,6 +57,29 @@ def _inspect(path: str) -> dict[str, Any]:
     }
 
 
+def _shared_tensors(rec: dict[str, Any]) -> dict[str, str]:
+    """``{path in this component: DCP key it is stored under}`` for tensors stored by another component (xref).
+
+    Walks the JSON skeleton without torch: a plain DCP reader finds such a tensor under
+    ``replicated/<component>/<key>`` of the component that stored it.
+    """
+    states = [s["state"] for s in rec["ranks"].values()] if rec["placement"] == "per_rank" else [rec["state"]]
+    found: dict[str, str] = {}
+    stack: list[tuple[Any, str]] = [(s, "") for s in states]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, list):
+            stack.extend((v, where) for v in node)
+        elif isinstance(node, dict):
+            if node.get("t") == "xref":
+                found[where or node.get("key", "")] = f"replicated/{node.get('component')}/{node.get('key')}"
+            elif node.get("t") in ("dict", "odict") and isinstance(node.get("items"), list):
+                stack.extend((v, f"{where}/{k}" if where else str(k)) for k, v in (i for i in node["items"] if len(i) == 2))
+            else:
+                stack.extend((v, where) for k, v in node.items() if k != "t")
+    return dict(sorted(found.items()))
+
+
 def _print_inspect(info: dict[str, Any]) -> None:
     print(
         f"{info['path']} ({info['container']}): step {info['step']}, saved by {info['world_size']} rank(s) at {info['created_at']}"
@@ -70,6 +94,8 @@ def _print_inspect(info: dict[str, Any]) -> None:
             f"  {name:<20} {c['placement']:<10}{ranks:<12} {c['tensors']:>5} tensors {c['bytes']:>14,} bytes  "
             f"[{c['adapter']} v{c['adapter_version']}]"
         )
+        for where, key in c["shared"].items():  # stored once, by another component: read it under that key
+            print(f"  {'':<20} {where} -> {key} (shared)")
     if info["metadata"]:
         print(f"  metadata: {json.dumps(info['metadata'])}")
 

@@ -326,8 +326,8 @@ def parse_manifest(raw: Any, source: Any) -> dict[str, Any]:
     version = raw.get("format_version")
     if not _is_int(version) or version < 1:
         raise CheckpointFormatError(f"format_version {version!r} is not a positive integer", path=source)
-    if version >= 3 and version <= FORMAT_VERSION:
-        _check_seal(raw, source)
+    if (version >= 3 or CHECKSUM_FIELD in raw) and version <= FORMAT_VERSION:
+        _check_seal(raw, source)  # a sealed manifest is checked whatever version it claims (a flipped 3 -> 2 too)
     if version > FORMAT_VERSION:
         raise CheckpointVersionError(
             f"written with format version {version}, this torchrl_dcp reads up to {FORMAT_VERSION}: "

@@ -1,0 +1,88 @@
+"""The manifest checks itself: every single-bit flip of a real manifest is refused, by parse, load and verify."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import torchrl_dcp as tdcp
+from torchrl_dcp.manifest import CHECKSUM_FIELD, body_checksum, loads_manifest, seal
+
+
+def _objects(seed: int) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    optim = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.9, 0.99), weight_decay=1e-4)
+    model(torch.randn(2, 3)).sum().backward()
+    optim.step()
+    return {"model": model, "optim": optim, "stats": {"episodes": seed, "lr_scale": 0.5}}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tdcp.DistributedCheckpoint(**_objects(1)).save(tmp_path_factory.mktemp("m") / "c", step=7)
+
+
+def test_the_seal_is_the_checksum_of_the_canonical_body(saved: Path) -> None:
+    raw = json.loads((saved / "manifest.json").read_text())
+    assert raw[CHECKSUM_FIELD] == body_checksum(raw) and raw["format_version"] == 3
+    assert len(raw["save_id"]) == 32
+    assert seal(raw) == raw
+
+
+def test_no_single_bit_flip_loads_a_different_state(saved: Path) -> None:
+    """Every flip is refused, except those that spell the same manifest (``1e-08`` -> ``1E-08``): never another state."""
+    data = (saved / "manifest.json").read_bytes()
+    original = loads_manifest(data, "m")
+    accepted = []
+    for at in range(len(data)):
+        for bit in range(8):
+            flipped = bytearray(data)
+            flipped[at] ^= 1 << bit
+            try:
+                parsed = loads_manifest(bytes(flipped), "m")
+            except tdcp.CheckpointError:
+                continue
+            accepted.append((at, bit, bytes(flipped[max(0, at - 8) : at + 8])))
+            assert parsed == original, f"flip of bit {bit} at byte {at} loads a different manifest"
+    assert len(accepted) < 10, accepted
+
+
+@pytest.mark.parametrize("needle", ['["lr",0.01', '"step":7', '["episodes",1', '["weight_decay",0.0001'])
+def test_a_flipped_value_is_refused_by_load_and_verify_objects_unchanged(saved: Path, tmp_path: Path, needle: str) -> None:
+    path = Path(shutil.copytree(saved, tmp_path / "c"))
+    data = bytearray((path / "manifest.json").read_bytes())
+    at = data.index(needle.encode()) + len(needle) - 1
+    data[at] ^= 0x01  # 0.01 -> 0.00, 7 -> 6, 1 -> 0, ...: still valid JSON, a different state
+    (path / "manifest.json").write_bytes(bytes(data))
+    objs = _objects(2)
+    before = {k: v.clone() for k, v in objs["model"].state_dict().items()}
+    lr = objs["optim"].param_groups[0]["lr"]
+    with pytest.raises(tdcp.CheckpointIntegrityError, match="manifest checksum"):
+        tdcp.DistributedCheckpoint(**objs).load(path)
+    assert all(torch.equal(before[k], v) for k, v in objs["model"].state_dict().items())
+    assert objs["optim"].param_groups[0]["lr"] == lr and objs["stats"]["episodes"] == 2
+    with pytest.raises(tdcp.CheckpointIntegrityError, match="manifest.json"):
+        tdcp.verify(path)
+
+
+def test_a_data_file_from_another_save_is_refused(saved: Path, tmp_path: Path) -> None:
+    """A data file copied in with its manifest entry (size and checksum consistent) is not this save's."""
+    a = Path(shutil.copytree(saved, tmp_path / "a"))
+    b = tdcp.DistributedCheckpoint(**_objects(1)).save(tmp_path / "b", step=7)  # same objects: same sizes
+    shutil.copyfile(b / "__0_0.distcp", a / "__0_0.distcp")
+    m = json.loads((a / "manifest.json").read_text())
+    m["files"]["__0_0.distcp"] = json.loads((b / "manifest.json").read_text())["files"]["__0_0.distcp"]
+    (a / "manifest.json").write_text(json.dumps(seal(m)))
+    for attempt in (lambda: tdcp.DistributedCheckpoint(**_objects(2)).load(a), lambda: tdcp.verify(a)):
+        with pytest.raises(tdcp.CheckpointIntegrityError, match="__0_0.distcp.*another checkpoint"):
+            attempt()
+    shutil.copyfile(b / ".metadata", a / ".metadata")
+    m["files"][".metadata"] = json.loads((b / "manifest.json").read_text())["files"][".metadata"]
+    (a / "manifest.json").write_text(json.dumps(seal(m)))
+    with pytest.raises(tdcp.CheckpointIntegrityError, match="another checkpoint"):
+        tdcp.verify(a)
