@@ -77,7 +77,7 @@ def arm(phase: str) -> None:
         original_broadcast = _dist.broadcast_from_0
 
         def broadcast_and_die(obj, group, phase="broadcast"):  # type: ignore[no-untyped-def]
-            if phase == "announcing the staging directory":
+            if phase == "preparing the staging directory":
                 _die()
             return original_broadcast(obj, group, phase)
 
