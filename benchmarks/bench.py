@@ -333,6 +333,11 @@ def run_workload(w: Workload, rank: int, world: int, device: torch.device, root:
     ckpt.register("state", built["state"], placement="replicated" if built["replicated"] else "per_rank")
     ours = root / "ours"
     rec.time("torchrl_dcp save", lambda: ckpt.save(ours), before=fresh(ours))
+    if built["replicated"] and world > 1:  # what comparing the replicas costs (default "sample")
+        for mode in ("off", "full"):
+            other = tdcp.DistributedCheckpoint(replica_check=mode)
+            other.register("state", built["state"], placement="replicated")
+            rec.time(f"torchrl_dcp save (replica_check={mode})", lambda o=other: o.save(ours), before=fresh(ours))
     handle: list[Any] = []
 
     def async_start() -> None:

@@ -106,6 +106,14 @@ def ratios(rows: list[dict[str, Any]], ranks: list[int]) -> list[dict[str, Any]]
             r = div(secs(w, "torchrl_dcp async_save: blocking", n), secs(w, "torchrl_dcp save", n))
             if r is not None:
                 add(f"{w} × {n}: async blocking / sync save", r, "<= 0.10", r <= 0.10)
+    for w in ("large", "medium", "small"):
+        for n in ranks:
+            if n > 1:
+                off = secs(w, "torchrl_dcp save (replica_check=off)", n)
+                r = div(secs(w, "torchrl_dcp save", n), off)
+                add(f"{w} × {n}: save with the replica check / without", r, "<= 1.05", None if r is None else r <= 1.05)
+                r = div(secs(w, "torchrl_dcp save (replica_check=full)", n), off)
+                add(f"{w} × {n}: save with the full replica check / without", r, "(no target)", None)
     for w in ("large", "rb_pixels"):
         r = div(rate(w, "convert to archive"), rate(w, "plain copy of the checkpoint (+fsync)"))
         add(f"{w}: archive conversion / file copy", r, ">= 0.8", None if r is None else r >= 0.8)
