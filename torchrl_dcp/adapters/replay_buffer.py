@@ -64,7 +64,7 @@ def _tensor_tree(data: Any, rows: int, where: str) -> Any:
     if isinstance(data, torch.Tensor):
         return _leading_rows(data, rows)
     out: dict[str, Any] = {}
-    for key in data.keys():
+    for key in data.keys():  # noqa: SIM118 (iterating a TensorDict walks its first dim, not its keys)
         value = data.get(key)
         if is_tensor_collection(value) and not _is_non_tensor(value):
             out[key] = _tensor_tree(value, rows, f"{where}/{key}")
@@ -101,7 +101,8 @@ def storage_state(storage: Any) -> dict[str, Any]:
     if not storage.initialized:
         return state
     data = storage._storage
-    rows = state["len"] if storage.ndim == 1 else int(data.shape[0])
+    # ndim > 1: rows along dim 0 (each holds ``prod(shape[1:ndim])`` items); only the written ones
+    rows = state["len"] if storage.ndim == 1 else min(int(data.shape[0]), int(storage._len_along_dim0 or 0))
     state["rows"] = rows
     state["is_tensordict"] = is_tensor_collection(data)
     state["data"] = _tensor_tree(data, rows, "storage")
@@ -121,9 +122,15 @@ def _flatten(tree: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], A
 
 
 def _allocate(storage: TensorStorage, leaves: Mapping[tuple[str, ...], Any], is_tensordict: bool, ndim: int) -> None:
-    """Initialise a lazy storage for items whose leaves have ``leaves[key].shape[ndim:]`` and dtype."""
-    items = {k: torch.zeros(tuple(v.shape[ndim:]), dtype=v.dtype) for k, v in leaves.items()}
-    storage._init(TensorDict(items, []) if is_tensordict else items[()])
+    """Initialise a lazy storage from saved leaves of shape ``[rows, *batch, *item]`` (``batch``: ``ndim - 1`` dims).
+
+    torchrl's ``_init`` takes one row: a TensorDict with batch size ``batch`` whose
+    leaves have shape ``[*batch, *item]`` (``leaf.shape[1:]``); with ``ndim > 1`` it
+    sizes the storage to ``ceil(max_size / prod(batch))`` rows, as an ``extend`` would.
+    """
+    items = {k: torch.zeros(tuple(v.shape[1:]), dtype=v.dtype) for k, v in leaves.items()}
+    batch = tuple(next(iter(leaves.values())).shape[1:ndim]) if leaves else ()
+    storage._init(TensorDict(items, batch) if is_tensordict else items[()])
 
 
 def storage_destinations(storage: TensorStorage, saved: Mapping[str, Any], name: str) -> dict[str, torch.Tensor]:
@@ -131,7 +138,9 @@ def storage_destinations(storage: TensorStorage, saved: Mapping[str, Any], name:
     if not saved["initialized"]:
         return {}
     if not isinstance(storage, TensorStorage):
-        raise IncompatibleComponentError(f"component {name!r}: the buffer's storage {type(storage).__name__} is not a tensor storage")
+        raise IncompatibleComponentError(
+            f"component {name!r}: the buffer's storage {type(storage).__name__} is not a tensor storage"
+        )
     ndim, rows = saved["ndim"], saved["rows"]
     if ndim != storage.ndim:
         raise IncompatibleComponentError(f"component {name!r}: storage ndim was {ndim}, the buffer's is {storage.ndim}")
@@ -202,7 +211,9 @@ def _slice_state(sampler: Any) -> Any:
 
 def restore_sampler(sampler: Any, saved: Mapping[str, Any], name: str) -> None:
     if type(sampler).__name__ != saved["type"]:
-        raise IncompatibleComponentError(f"component {name!r}: sampler was {saved['type']}, the buffer has {type(sampler).__name__}")
+        raise IncompatibleComponentError(
+            f"component {name!r}: sampler was {saved['type']}, the buffer has {type(sampler).__name__}"
+        )
     if saved["kind"] == "prioritized":
         capacity = saved["capacity"]
         if int(sampler._max_capacity) != capacity:
@@ -241,7 +252,9 @@ def writer_state(writer: Any) -> dict[str, Any]:
 def restore_writer(writer: Any, saved: Mapping[str, Any], name: str) -> None:
     if saved["kind"] == "max_value":
         if not isinstance(writer, TensorDictMaxValueWriter):
-            raise IncompatibleComponentError(f"component {name!r}: writer was TensorDictMaxValueWriter, the buffer has {type(writer).__name__}")
+            raise IncompatibleComponentError(
+                f"component {name!r}: writer was TensorDictMaxValueWriter, the buffer has {type(writer).__name__}"
+            )
         writer._cursor = saved["cursor"]
         writer._write_count = saved["write_count"]
         heap = list(zip(saved["heap_rank"].tolist(), saved["heap_index"].tolist()))
@@ -249,11 +262,15 @@ def restore_writer(writer: Any, saved: Mapping[str, Any], name: str) -> None:
         writer._current_top_values = heap
         return
     if type(writer).__name__ != saved["type"]:
-        raise IncompatibleComponentError(f"component {name!r}: writer was {saved['type']}, the buffer has {type(writer).__name__}")
+        raise IncompatibleComponentError(
+            f"component {name!r}: writer was {saved['type']}, the buffer has {type(writer).__name__}"
+        )
     writer.load_state_dict(saved["state"])
 
 
-def restore_buffer_settings(rb: ReplayBuffer, saved: Mapping[str, Any], reseed_for: tuple[int, int] | None = None) -> None:
+def restore_buffer_settings(
+    rb: ReplayBuffer, saved: Mapping[str, Any], reseed_for: tuple[int, int] | None = None
+) -> None:
     """Transforms, batch size and the buffer's own generator (re-seeded for ``(rank, world)`` when resharding)."""
     transform = getattr(rb, "_transform", None)
     if saved["transform"] is not None and isinstance(transform, torch.nn.Module):
