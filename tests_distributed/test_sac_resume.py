@@ -22,7 +22,7 @@ def torchrun(*args: str, nproc: int = 2, timeout: float = 300) -> subprocess.Com
         f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=0", "-m", "torchrl_dcp.examples.sac", *ARGS, *args,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RL_WARNINGS": "False"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
 def finals(out: str) -> dict[str, dict[str, str]]:
