@@ -36,3 +36,12 @@ def test_rng_state_exports_into_torchrl_checkpoint(tmp_path: Path, fmt: str) -> 
     result = Checkpoint(policy=torch.nn.Linear(2, 1), rng=GlobalRNGState()).load(out)
     assert "rng" in result.loaded
     assert draws() == expected
+
+
+def test_other_per_rank_components_still_need_a_rank(tmp_path: Path) -> None:
+    ckpt = tdcp.DistributedCheckpoint()
+    ckpt.register("stats", {"episodes": 3}, placement="per_rank")
+    path = ckpt.save(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="per_rank"):
+        tdcp.export_torchrl(path, tmp_path / "stats.torchrl", ["stats"])
+    assert tdcp.export_torchrl(path, tmp_path / "stats.torchrl", ["stats"], rank=0).exists()
