@@ -45,6 +45,7 @@ def test_inspect_directory_and_archive(tmp_path: Path, capsys: pytest.CaptureFix
             "ranks": None,
             "tensors": 2,
             "bytes": 32,
+            "shared": {},
         }
         assert info["components"]["rng"]["ranks"] == [0] and info["components"]["rng"]["tensors"] >= 1
         assert info["versions"]["torch"] == torch.__version__ and info["metadata"] == {"reward": 1.5}
@@ -258,3 +259,17 @@ def test_ls_survives_broken_entries_and_reads_each_manifest_once(
     assert len([c for c in calls if "step-000000000001" in c or "step-000000000002" in c]) == 2  # once each
     assert main(["ls", str(tmp_path)]) == 0
     assert "NOT COMMITTED" in capsys.readouterr().out
+
+
+def test_inspect_names_where_shared_tensors_are_stored(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A tensor stored by another component (xref): inspect gives the DCP key a plain reader finds it under."""
+    import torch.distributed.checkpoint as dcp
+
+    policy = torch.nn.Linear(3, 2)
+    path = tdcp.DistributedCheckpoint(policy=policy, actor={"w": policy.weight}).save(tmp_path / "c")
+    code, info = run_json(capsys, "inspect", str(path))
+    assert code == 0 and info["components"]["actor"]["shared"] == {"w": "replicated/policy/weight"}
+    assert info["components"]["actor"]["tensors"] == 0
+    dest = {"replicated/policy/weight": torch.empty(2, 3)}
+    dcp.load(dest, checkpoint_id=str(path), no_dist=True)  # plain DCP resolves it with that key
+    assert torch.equal(dest["replicated/policy/weight"], policy.weight)

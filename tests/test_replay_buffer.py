@@ -67,7 +67,7 @@ def exercise(rb: ReplayBuffer, rounds: int, start: int) -> list[TensorDict]:
     out = []
     for i in range(rounds):
         sample = rb.sample()
-        if "td_error" in sample.keys() or isinstance(rb, TensorDictPrioritizedReplayBuffer):
+        if "td_error" in sample.keys() or isinstance(rb, TensorDictPrioritizedReplayBuffer):  # noqa: SIM118
             sample.set("td_error", sample["obs"].abs().sum(-1))
             rb.update_tensordict_priority(sample)
         out.append(sample.exclude("td_error"))
@@ -170,3 +170,32 @@ def test_plain_tensor_storage(tmp_path: Path) -> None:
     fresh = ReplayBuffer(storage=LazyTensorStorage(10), batch_size=3)
     tdcp.DistributedCheckpoint(buffer=fresh).load(path)
     assert torch.equal(fresh[:7], rb[:7])
+
+
+@pytest.mark.parametrize("kind", ["tensor", "memmap"])
+def test_ndim2_storage_loads_into_a_fresh_lazy_buffer(tmp_path: Path, kind: str) -> None:
+    """Batched-env data ([envs, time]) in an ndim=2 storage: allocated from the saved shapes, only written rows saved."""
+
+    def build(tag: str) -> TensorDictReplayBuffer:
+        store = (
+            LazyMemmapStorage(20, ndim=2, scratch_dir=tmp_path / tag)
+            if kind == "memmap"
+            else LazyTensorStorage(20, ndim=2)
+        )
+        return TensorDictReplayBuffer(
+            storage=store, sampler=SliceSampler(num_slices=2, traj_key="episode"), batch_size=6
+        )
+
+    rb = build("a")
+    episode = torch.arange(4).unsqueeze(-1).expand(4, 3) // 2 + 10 * torch.arange(4).unsqueeze(-1)
+    rb.extend(TensorDict({"obs": torch.randn(4, 3, 2), "episode": episode}, [4, 3]))  # 4 envs, 3 steps
+    path = tdcp.DistributedCheckpoint(buffer=rb).save(tmp_path / "ckpt")
+    fresh = build("b")
+    tdcp.DistributedCheckpoint(buffer=fresh).load(path)
+    assert len(fresh) == len(rb) == 12
+    assert fresh._storage._storage.shape == rb._storage._storage.shape == (5, 4)
+    assert torch.equal(fresh._storage._storage[:3]["obs"], rb._storage._storage[:3]["obs"])
+    torch.manual_seed(0)
+    a = rb.sample()
+    torch.manual_seed(0)
+    assert (fresh.sample() == a).all()

@@ -15,11 +15,19 @@ from tests_distributed.launch import ROOT, free_port
 
 def torchrun(*args: str, nproc: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=0", "-m", "torchrl_dcp.examples.demo", *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--max-restarts=0",
+        "-m",
+        "torchrl_dcp.examples.demo",
+        *args,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
 def finals(out: str) -> dict[str, str]:
@@ -30,7 +38,9 @@ def finals(out: str) -> dict[str, str]:
 def test_demo_killed_and_resumed_matches_uninterrupted(tmp_path: Path) -> None:
     ref = torchrun("--steps", "40", "--save-every", "10", "--ckpt-dir", str(tmp_path / "ref"))
     assert ref.returncode == 0, ref.stdout + ref.stderr
-    killed = torchrun("--steps", "40", "--save-every", "10", "--kill-at-step", "25", "--ckpt-dir", str(tmp_path / "run"))
+    killed = torchrun(
+        "--steps", "40", "--save-every", "10", "--kill-at-step", "25", "--ckpt-dir", str(tmp_path / "run")
+    )
     assert killed.returncode != 0 and "final step" not in killed.stdout
     resumed = torchrun("--steps", "40", "--save-every", "10", "--resume", "--ckpt-dir", str(tmp_path / "run"))
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr

@@ -12,17 +12,40 @@ import pytest
 
 from tests_distributed.launch import ROOT, free_port
 
-ARGS = ["--iterations", "24", "--save-every", "8", "--frames-per-batch", "32", "--batch-size", "32",
-        "--buffer-size", "256", "--updates-per-batch", "2", "--hidden", "16"]  # the buffer wraps around before the kill
+ARGS = [
+    "--iterations",
+    "24",
+    "--save-every",
+    "8",
+    "--frames-per-batch",
+    "32",
+    "--batch-size",
+    "32",
+    "--buffer-size",
+    "256",
+    "--updates-per-batch",
+    "2",
+    "--hidden",
+    "16",
+]  # the buffer wraps around before the kill
 
 
 def torchrun(*args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=0", "-m", "torchrl_dcp.examples.sac", *ARGS, *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--max-restarts=0",
+        "-m",
+        "torchrl_dcp.examples.sac",
+        *ARGS,
+        *args,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RL_WARNINGS": "False"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
 def finals(out: str) -> dict[str, dict[str, str]]:
@@ -41,7 +64,16 @@ def test_sac_killed_and_resumed_is_bit_exact(tmp_path: Path) -> None:
     expected, got = finals(ref.stdout), finals(resumed.stdout)
     assert sorted(expected) == ["0", "1"]
     for rank in expected:
-        assert set(expected[rank]) == {"learner", "optimizer", "buffer", "trees", "scheduler", "sampled", "batch", "rng"}
+        assert set(expected[rank]) == {
+            "learner",
+            "optimizer",
+            "buffer",
+            "trees",
+            "scheduler",
+            "sampled",
+            "batch",
+            "rng",
+        }
         assert got[rank] == expected[rank], f"rank {rank} differs: {got[rank]} vs {expected[rank]}"
     assert expected["0"]["buffer"] != expected["1"]["buffer"]  # each rank has its own shard
     assert expected["0"]["learner"] == expected["1"]["learner"]  # the learner is replicated

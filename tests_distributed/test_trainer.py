@@ -17,12 +17,25 @@ from tests_distributed.launch import ROOT, free_port
 
 def torchrun(*args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=0", "-m", "torchrl_dcp.examples.sac_trainer",
-        "--frames-per-batch", "32", "--save-every", "128", "--hidden", "16", *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--max-restarts=0",
+        "-m",
+        "torchrl_dcp.examples.sac_trainer",
+        "--frames-per-batch",
+        "32",
+        "--save-every",
+        "128",
+        "--hidden",
+        "16",
+        *args,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RL_WARNINGS": "False"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
 def finals(out: str) -> dict[str, tuple[str, ...]]:
@@ -52,3 +65,23 @@ def test_sac_trainer_resumes_from_latest_scheduled_checkpoint(tmp_path: Path) ->
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed from frame 256" in resumed.stdout
     assert finals(resumed.stdout) == finals(ref.stdout) and len(finals(ref.stdout)) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("new_world", [1, 3])
+def test_trainer_checkpoint_with_hooks_and_logger_reshards(tmp_path: Path, new_world: int) -> None:
+    """Hooks (``trainer_module.*``) and the logger are per rank and reshard: rank r takes saved rank r % 2's."""
+    first = torchrun("--frames", "128", "--hooks", "--ckpt-dir", str(tmp_path / "run"))
+    assert first.returncode == 0, first.stdout + first.stderr
+    manifest = tdcp.read_manifest(tmp_path / "run" / "step-000000000128")
+    placements = {n: c["placement"] for n, c in manifest["components"].items()}
+    assert placements["trainer_module.lr_scheduler"] == placements["trainer_module.count_frames_log"] == "per_rank"
+    assert placements["logger"] == "per_rank"
+    resumed = torchrun(
+        "--frames", "192", "--hooks", "--reshard", "--ckpt-dir", str(tmp_path / "run"), nproc=new_world
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed from frame 128" in resumed.stdout
+    lrs = set(re.findall(r"rank \d+ final .* lr=(\S+)", resumed.stdout))
+    assert len(re.findall(r"rank \d+ final", resumed.stdout)) == new_world
+    assert len(lrs) == 1  # the LR schedule continued from the replicated value on every new rank

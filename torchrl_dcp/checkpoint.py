@@ -28,6 +28,7 @@ from typing import Any, Literal
 from torchrl_dcp import _dist, load_engine, save_engine
 from torchrl_dcp._gc import gc_paused
 from torchrl_dcp.adapters import Adapter, AdapterContext, CheckpointOptions, RNGState, resolve_adapter
+from torchrl_dcp.adapters.trainer import trainer_placement
 from torchrl_dcp.async_save import AsyncSaver, SaveHandle
 from torchrl_dcp.collective import run_step
 from torchrl_dcp.errors import EncodingError
@@ -135,7 +136,9 @@ class DistributedCheckpoint:
             raise TypeError("adapter must be a torchrl_dcp.Adapter instance")
         resolved = adapter or self._adapter_for_value(component)
         if placement is None:
-            placement = _trainer_placement(name) or (resolved.default_placement if resolved is not None else "replicated")
+            placement = trainer_placement(name, component) or (
+                resolved.default_placement if resolved is not None else "replicated"
+            )
         self._components[name] = _Registration(
             component,
             check_placement(placement),
@@ -387,17 +390,6 @@ class DistributedCheckpoint:
 
 # ---------------------------------------------------------------------- helpers
 _TRAINER_MARKER = "trainer_state"  # what torchrl's Trainer registers when it binds a checkpoint
-
-
-def _trainer_placement(name: str) -> Placement | None:
-    """Placements for what a torchrl ``Trainer`` registers by name, where the type alone does not tell.
-
-    The Trainer's hooks (``trainer_module.<hook>``) and logger hold each rank's own
-    counters and logs: per rank. Buffers and collectors are per rank by type.
-    """
-    if name.startswith("trainer_module.") or name == "logger":
-        return "per_rank"
-    return None
 
 
 def _check_strict(strict: str) -> None:

@@ -242,11 +242,13 @@ def export_torchrl(
     process group needed) and saves them with ``torchrl.checkpoint.Checkpoint`` so that
     ``torchrl.checkpoint.Checkpoint(policy=module).load(dst)`` restores them in a
     plain process. Modules, optimizers and ``state_dict`` components become state
-    dicts; JSON components stay values.
+    dicts; JSON components stay values; an :class:`~torchrl_dcp.RNGState` component
+    becomes ``torchrl.checkpoint.GlobalRNGState``'s own format, so
+    ``Checkpoint(rng=GlobalRNGState()).load(dst)`` restores that rank's streams.
 
     Args:
         components: names to export (default: every replicated component).
-        rank: which rank's state to export for per_rank components.
+        rank: which rank's state to export for per_rank components (RNG streams: rank 0's by default).
         format: ``"archive"`` (one ZIP file) or ``"directory"``.
         metadata: manifest metadata of the export (default: the source's, plus its step).
 
@@ -269,10 +271,13 @@ def export_torchrl(
     values: dict[str, Any] = {}
     for name in components:
         rec = saved[name]
-        if rec["placement"] == "per_rank" and rank is None:
+        is_rng = rec["adapter"] == _RNG_ADAPTER
+        if rec["placement"] == "per_rank" and rank is None and not is_rng:
             raise ValueError(f"component {name!r} is per_rank: pass rank=... to choose whose state to export")
-        state = read_component(source, name, rank=rank)
-        if rec["adapter"] in _STATE_DICT_ADAPTERS and isinstance(state, Mapping):
+        state = read_component(source, name, rank=0 if is_rng and rank is None else rank)
+        if is_rng and isinstance(state, Mapping):
+            values[name] = _StateDict(_torchrl_rng_state(state))
+        elif rec["adapter"] in _STATE_DICT_ADAPTERS and isinstance(state, Mapping):
             values[name] = _StateDict(state)
         elif rec["adapter"] == "torchrl_dcp.json":
             values[name] = state
@@ -289,6 +294,34 @@ def export_torchrl(
         meta["exported_from"] = str(source.path)
     TorchRLCheckpoint(format=format, **values).save(destination, metadata=meta)  # type: ignore[arg-type]
     return destination
+
+
+_RNG_ADAPTER = "torchrl_dcp.rng"
+
+
+def _torchrl_rng_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Our :class:`RNGState` payload in ``torchrl.checkpoint.GlobalRNGState.state_dict()``'s layout.
+
+    Example:
+        >>> from torchrl_dcp import RNGState
+        >>> sorted(_torchrl_rng_state(RNGState().state_dict()))
+        ['numpy', 'python', 'torch_cpu']
+    """
+    py, npst = state["python"], state["numpy"]
+    out: dict[str, Any] = {
+        "python": (int(py["version"]), tuple(int(v) for v in py["state"].tolist()), py["gauss"]),
+        "torch_cpu": state["torch"].cpu(),
+        "numpy": (
+            npst["kind"],
+            npst["keys"].cpu().long(),
+            int(npst["pos"]),
+            int(npst["has_gauss"]),
+            float(npst["gauss"]),
+        ),
+    }
+    if "cuda" in state:
+        out["torch_cuda"] = [s.cpu() for s in state["cuda"]]
+    return out
 
 
 def _destination_for_torchrl(dst: str | os.PathLike, overwrite: bool) -> Path:

@@ -47,10 +47,12 @@ def _register_torchrl_adapters() -> None:
 
     from torchrl_dcp.adapters.collector import CollectorAdapter, MultiCollectorAdapter
     from torchrl_dcp.adapters.replay_buffer import ReplayBufferAdapter
+    from torchrl_dcp.adapters.trainer import register_trainer_adapters
 
     register_adapter(ReplayBuffer, ReplayBufferAdapter())
     register_adapter(BaseCollector, MultiCollectorAdapter())
     register_adapter(Collector, CollectorAdapter())
+    register_trainer_adapters()
 
 
 _register_torchrl_adapters()

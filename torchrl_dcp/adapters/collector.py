@@ -23,6 +23,8 @@ Example:
 
 from __future__ import annotations
 
+import copy
+import warnings
 from typing import Any
 
 import numpy as np
@@ -68,7 +70,13 @@ def _generator_state(gen: Any) -> Any:
 
 def _legacy_state(gen: np.random.RandomState) -> dict[str, Any]:
     kind, keys, pos, has_gauss, gauss = gen.get_state(legacy=True)
-    return {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)}
+    return {
+        "kind": kind,
+        "keys": torch.from_numpy(keys.astype(np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "gauss": float(gauss),
+    }
 
 
 def _set_generator_state(gen: Any, saved: dict[str, Any]) -> None:
@@ -81,6 +89,38 @@ def _set_generator_state(gen: Any, saved: dict[str, Any]) -> None:
         gen.set_state((s["kind"], s["keys"].numpy().astype(np.uint32), s["pos"], s["has_gauss"], s["gauss"]))
 
 
+def worker_envs(env: Any) -> list[str]:
+    """Batched envs in ``env`` (through wrappers) whose sub-envs run in worker processes (``ParallelEnv``)."""
+    from torchrl.envs import ParallelEnv
+
+    found, seen, stack = [], set(), [(env, "env")]
+    while stack:
+        obj, path = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, ParallelEnv):
+            found.append(f"{path} ({type(obj).__name__} of {obj.num_workers} workers)")
+            continue
+        for attr in ("base_env", "env", "_env"):
+            child = obj.__dict__.get(attr) or (getattr(obj, "_modules", None) or {}).get(attr)
+            if child is not None:
+                stack.append((child, f"{path}.{attr}"))
+    return found
+
+
+def warn_worker_state(name: str, where: list[str], action: str) -> None:
+    """Say what will differ after a restore when env state lives in worker processes."""
+    warnings.warn(
+        f"component {name!r} ({action}): {', '.join(where)} keeps its sub-envs, their generators and the workers' "
+        "RNG streams in worker processes, out of reach of torchrl's API: they are not checkpointed, so after a "
+        "restore the next batches equal an uninterrupted run's only until a sub-env resets (then its initial state "
+        "differs). Use SerialEnv (exact) or accept the difference; see docs/components/collectors.md",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 class CollectorAdapter(Adapter):
     """A single-process ``torchrl.collectors.Collector``, restored so the next batch is identical."""
 
@@ -89,6 +129,18 @@ class CollectorAdapter(Adapter):
     default_placement = "per_rank"
 
     def state(self, collector: Collector, ctx: AdapterContext) -> Any:
+        parallel = worker_envs(collector.env)
+        if parallel:
+            warn_worker_state(ctx.name, parallel, "saving")
+        return self._state(collector)
+
+    def snapshot(self, collector: Collector, ctx: AdapterContext) -> Any:
+        return copy.deepcopy(self._state(collector))  # what a failed load rolls back to (no warning: not a save)
+
+    def rollback(self, collector: Collector, snapshot: Any, ctx: AdapterContext) -> None:
+        self._restore(collector, snapshot, ctx)
+
+    def _state(self, collector: Collector) -> Any:
         carrier = getattr(collector, "_carrier", None)
         return {
             "state_dict": collector.state_dict(),
@@ -97,6 +149,12 @@ class CollectorAdapter(Adapter):
         }
 
     def restore(self, collector: Collector, state: Any, ctx: AdapterContext) -> Any:
+        parallel = worker_envs(collector.env)
+        if parallel:
+            warn_worker_state(ctx.name, parallel, "loading")
+        return self._restore(collector, state, ctx)
+
+    def _restore(self, collector: Collector, state: Any, ctx: AdapterContext) -> Any:
         collector.load_state_dict(state["state_dict"])
         if state["carrier"] is not None:
             saved = tensordict_from_state(state["carrier"], ctx)
@@ -113,7 +171,9 @@ class CollectorAdapter(Adapter):
         gens = env_generators(collector.env)
         for name, saved_gen in state["env_rngs"].items():
             if name not in gens:
-                raise IncompatibleComponentError(f"component {ctx.name!r}: the env has no generator {name!r} to restore")
+                raise IncompatibleComponentError(
+                    f"component {ctx.name!r}: the env has no generator {name!r} to restore"
+                )
             _set_generator_state(gens[name], saved_gen)
         return None
 
@@ -131,16 +191,57 @@ class CollectorAdapter(Adapter):
         return None
 
 
+WORKER_TRAJ_IDS = "_tdcp_worker_traj_ids"  # added to the multi-collector state dict (older checkpoints lack it)
+
+
 class MultiCollectorAdapter(Adapter):
-    """``MultiSyncCollector`` / ``MultiAsyncCollector``: ``state_dict()`` only (workers hold the rest)."""
+    """``MultiSyncCollector`` / ``MultiAsyncCollector``: ``state_dict()`` plus the workers' trajectory ids.
+
+    ``load_state_dict`` makes every worker allocate a new trajectory id for its in-flight
+    episode, which shifted the ids of all later trajectories by one per worker env. The
+    workers' in-flight ids are read at save through torchrl's public
+    ``get_distant_attr("_carrier")`` and written back at load (``map_fn("_carrier.set", ...)``)
+    before the shared trajectory-id pool is restored again. Env state, carriers' other
+    entries and worker RNG streams stay in the workers (see docs/components/collectors.md).
+    """
 
     adapter_id = "torchrl_dcp.multi_collector"
     version = 1
     default_placement = "per_rank"
 
     def state(self, collector: BaseCollector, ctx: AdapterContext) -> Any:
-        return collector.state_dict()
+        state = dict(collector.state_dict())
+        ids = _worker_traj_ids(collector)
+        if ids is not None:
+            state[WORKER_TRAJ_IDS] = ids
+        return state
 
     def restore(self, collector: BaseCollector, state: Any, ctx: AdapterContext) -> Any:
+        state = dict(state)
+        ids = state.pop(WORKER_TRAJ_IDS, None)
         collector.load_state_dict(state)
+        if ids is not None and len(ids) == getattr(collector, "num_workers", -1):
+            key = ("collector", "traj_ids")
+            collector.map_fn("_carrier.set_", list_of_args=[(key, t.clone()) for t in ids])
+        pool = state.get("traj_pool")
+        if pool is not None:  # each worker's load_state_dict allocated an id: undo it
+            collector._traj_pool.load_state_dict(pool)
         return None
+
+
+def _worker_traj_ids(collector: BaseCollector) -> list[torch.Tensor] | None:
+    """Each worker's in-flight trajectory ids (``None`` where torchrl does not expose them)."""
+    get = getattr(collector, "get_distant_attr", None)
+    if not callable(get) or not callable(getattr(collector, "map_fn", None)):
+        return None
+    try:
+        carriers = get("_carrier")
+    except (AttributeError, RuntimeError, KeyError):  # a collector without worker carriers: nothing to keep
+        return None
+    out = []
+    for carrier in carriers:
+        ids = carrier.get(("collector", "traj_ids"), None) if carrier is not None else None
+        if ids is None:
+            return None
+        out.append(ids.clone())
+    return out

@@ -55,7 +55,9 @@ class ModuleAdapter(Adapter):
 def _check_values(current: Mapping[str, Any], state: Any, name: str) -> None:
     """Refuse, before anything is copied, a state whose values cannot be copied into the module's tensors."""
     if not isinstance(state, Mapping):
-        raise IncompatibleComponentError(f"component {name!r}: the checkpoint holds a {type(state).__name__}, not a state_dict")
+        raise IncompatibleComponentError(
+            f"component {name!r}: the checkpoint holds a {type(state).__name__}, not a state_dict"
+        )
     for key, value in state.items():
         target = current.get(key)
         if target is None:
@@ -80,9 +82,53 @@ class OptimizerAdapter(Adapter):
     def state(self, obj: torch.optim.Optimizer, ctx: AdapterContext) -> Any:
         return obj.state_dict()
 
+    def destinations(
+        self, obj: torch.optim.Optimizer, saved: Any, ctx: AdapterContext
+    ) -> dict[str, torch.Tensor] | None:
+        """DTensor destinations for state of DTensor (FSDP2) parameters, built from the parameters themselves.
+
+        A freshly built optimizer has no state yet, so no live DTensor to read into: each
+        saved per-parameter tensor with its parameter's shape is read into
+        ``torch.empty_like(param)`` (the parameter's mesh and placements), which DCP fills
+        with this rank's shard, at any world size. Scalars (``step``) and plain
+        parameters are left to the checkpoint to allocate.
+        """
+        return optimizer_destinations(obj, saved)
+
     def restore(self, obj: torch.optim.Optimizer, state: Any, ctx: AdapterContext) -> Any:
         try:
             obj.load_state_dict(state)
         except (ValueError, KeyError) as err:
             raise IncompatibleComponentError(f"component {ctx.name!r}: {err}") from err
         return None
+
+
+def optimizer_destinations(optimizer: torch.optim.Optimizer, saved: Any) -> dict[str, torch.Tensor]:
+    """``{tensor key: empty DTensor like the parameter}`` for saved state of DTensor parameters.
+
+    ``saved`` is the saved ``state_dict()`` with :class:`~torchrl_dcp.codec.TensorSpec` leaves;
+    parameters are numbered as ``Optimizer.state_dict()`` numbers them (groups in order).
+
+    Example:
+        >>> import torch
+        >>> opt = torch.optim.Adam(torch.nn.Linear(2, 1).parameters())
+        >>> optimizer_destinations(opt, {"state": {}, "param_groups": []})
+        {}
+    """
+    from torchrl_dcp.codec import TensorSpec, is_dtensor
+
+    if not isinstance(saved, Mapping) or not isinstance(saved.get("state"), Mapping):
+        return {}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    out: dict[str, torch.Tensor] = {}
+    for index, entries in saved["state"].items():
+        try:
+            param = params[int(index)]
+        except (ValueError, IndexError):
+            continue  # load_state_dict reports the mismatch
+        if not is_dtensor(param) or not isinstance(entries, Mapping):
+            continue
+        for spec in entries.values():
+            if isinstance(spec, TensorSpec) and tuple(spec.shape) == tuple(param.shape):
+                out[spec.key] = torch.empty_like(param.detach(), dtype=spec.dtype)
+    return out

@@ -65,7 +65,7 @@ def _tensor_tree(data: Any, rows: int, where: str) -> Any:
     if isinstance(data, torch.Tensor):
         return _leading_rows(data, rows)
     out: dict[str, Any] = {}
-    for key in data.keys():
+    for key in data.keys():  # noqa: SIM118 (iterating a TensorDict walks its first dim, not its keys)
         value = data.get(key)
         if is_tensor_collection(value) and not _is_non_tensor(value):
             out[key] = _tensor_tree(value, rows, f"{where}/{key}")
@@ -102,7 +102,8 @@ def storage_state(storage: Any) -> dict[str, Any]:
     if not storage.initialized:
         return state
     data = storage._storage
-    rows = state["len"] if storage.ndim == 1 else int(data.shape[0])
+    # ndim > 1: rows along dim 0 (each holds ``prod(shape[1:ndim])`` items); only the written ones
+    rows = state["len"] if storage.ndim == 1 else min(int(data.shape[0]), int(storage._len_along_dim0 or 0))
     state["rows"] = rows
     state["is_tensordict"] = is_tensor_collection(data)
     state["data"] = _tensor_tree(data, rows, "storage")
@@ -122,9 +123,15 @@ def _flatten(tree: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], A
 
 
 def _allocate(storage: TensorStorage, leaves: Mapping[tuple[str, ...], Any], is_tensordict: bool, ndim: int) -> None:
-    """Initialise a lazy storage for items whose leaves have ``leaves[key].shape[ndim:]`` and dtype."""
-    items = {k: torch.zeros(tuple(v.shape[ndim:]), dtype=v.dtype) for k, v in leaves.items()}
-    storage._init(TensorDict(items, []) if is_tensordict else items[()])
+    """Initialise a lazy storage from saved leaves of shape ``[rows, *batch, *item]`` (``batch``: ``ndim - 1`` dims).
+
+    torchrl's ``_init`` takes one row: a TensorDict with batch size ``batch`` whose
+    leaves have shape ``[*batch, *item]`` (``leaf.shape[1:]``); with ``ndim > 1`` it
+    sizes the storage to ``ceil(max_size / prod(batch))`` rows, as an ``extend`` would.
+    """
+    items = {k: torch.zeros(tuple(v.shape[1:]), dtype=v.dtype) for k, v in leaves.items()}
+    batch = tuple(next(iter(leaves.values())).shape[1:ndim]) if leaves else ()
+    storage._init(TensorDict(items, batch) if is_tensordict else items[()])
 
 
 def storage_destinations(storage: TensorStorage, saved: Mapping[str, Any], name: str) -> dict[str, torch.Tensor]:
@@ -132,7 +139,9 @@ def storage_destinations(storage: TensorStorage, saved: Mapping[str, Any], name:
     if not saved["initialized"]:
         return {}
     if not isinstance(storage, TensorStorage):
-        raise IncompatibleComponentError(f"component {name!r}: the buffer's storage {type(storage).__name__} is not a tensor storage")
+        raise IncompatibleComponentError(
+            f"component {name!r}: the buffer's storage {type(storage).__name__} is not a tensor storage"
+        )
     ndim, rows = saved["ndim"], saved["rows"]
     if ndim != storage.ndim:
         raise IncompatibleComponentError(f"component {name!r}: storage ndim was {ndim}, the buffer's is {storage.ndim}")
@@ -203,7 +212,9 @@ def _slice_state(sampler: Any) -> Any:
 
 def restore_sampler(sampler: Any, saved: Mapping[str, Any], name: str) -> None:
     if type(sampler).__name__ != saved["type"]:
-        raise IncompatibleComponentError(f"component {name!r}: sampler was {saved['type']}, the buffer has {type(sampler).__name__}")
+        raise IncompatibleComponentError(
+            f"component {name!r}: sampler was {saved['type']}, the buffer has {type(sampler).__name__}"
+        )
     if saved["kind"] == "prioritized":
         capacity = saved["capacity"]
         if int(sampler._max_capacity) != capacity:
@@ -242,7 +253,9 @@ def writer_state(writer: Any) -> dict[str, Any]:
 def restore_writer(writer: Any, saved: Mapping[str, Any], name: str) -> None:
     if saved["kind"] == "max_value":
         if not isinstance(writer, TensorDictMaxValueWriter):
-            raise IncompatibleComponentError(f"component {name!r}: writer was TensorDictMaxValueWriter, the buffer has {type(writer).__name__}")
+            raise IncompatibleComponentError(
+                f"component {name!r}: writer was TensorDictMaxValueWriter, the buffer has {type(writer).__name__}"
+            )
         writer._cursor = saved["cursor"]
         writer._write_count = saved["write_count"]
         heap = list(zip(saved["heap_rank"].tolist(), saved["heap_index"].tolist()))
@@ -250,11 +263,15 @@ def restore_writer(writer: Any, saved: Mapping[str, Any], name: str) -> None:
         writer._current_top_values = heap
         return
     if type(writer).__name__ != saved["type"]:
-        raise IncompatibleComponentError(f"component {name!r}: writer was {saved['type']}, the buffer has {type(writer).__name__}")
+        raise IncompatibleComponentError(
+            f"component {name!r}: writer was {saved['type']}, the buffer has {type(writer).__name__}"
+        )
     writer.load_state_dict(saved["state"])
 
 
-def restore_buffer_settings(rb: ReplayBuffer, saved: Mapping[str, Any], reseed_for: tuple[int, int] | None = None) -> None:
+def restore_buffer_settings(
+    rb: ReplayBuffer, saved: Mapping[str, Any], reseed_for: tuple[int, int] | None = None
+) -> None:
     """Transforms, batch size and the buffer's own generator (re-seeded for ``(rank, world)`` when resharding)."""
     transform = getattr(rb, "_transform", None)
     if saved["transform"] is not None and isinstance(transform, torch.nn.Module):
@@ -281,9 +298,13 @@ class ReplayBufferAdapter(Adapter):
     can_reshard = True
 
     def reshard_sources(self, saved: dict[int, Any], ctx: AdapterContext) -> list[int]:
+        from torchrl_dcp.adapters.buffer_reshard import reshard_sources
+
         return reshard_sources(saved, ctx)
 
     def reshard(self, rb: ReplayBuffer, states: dict[int, Any], ctx: AdapterContext) -> Any:
+        from torchrl_dcp.adapters.buffer_reshard import reshard_buffer
+
         reshard_buffer(rb, states, ctx)
         return None
 
@@ -317,7 +338,9 @@ class ReplayBufferAdapter(Adapter):
         lengths = ctx.plan.get("lengths")
         if lengths is None:
             return  # same world size: the destinations check the capacity
-        n = sum(hi - lo for _, lo, hi in _split(lengths, ctx.rank, ctx.world_size))
+        from torchrl_dcp.adapters.buffer_reshard import split
+
+        n = sum(hi - lo for _, lo, hi in split(lengths, ctx.rank, ctx.world_size))
         capacity = int(_buffer(rb)._storage.max_size)
         if n > capacity:
             raise IncompatibleComponentError(
@@ -363,132 +386,3 @@ class ReplayBufferAdapter(Adapter):
 
 
 _STORAGE_ATTRS = ("_storage", "initialized", "_len", "_last_cursor")
-
-
-# --------------------------------------------------------------------------- resharding
-def _age_order(saved: Mapping[str, Any]) -> torch.Tensor:
-    """Storage positions of a saved shard, oldest transition first."""
-    n = saved["storage"]["len"]
-    writer = saved["writer"]
-    cursor = writer.get("cursor") if writer["kind"] == "max_value" else writer["state"].get("_cursor")
-    order = torch.arange(n)
-    if writer["kind"] != "max_value" and isinstance(cursor, int) and n == saved["storage"]["max_size"] and n:
-        order = (order + cursor) % n
-    return order
-
-
-def _split(lengths: list[int], rank: int, world: int) -> list[tuple[int, int, int]]:
-    """``(saved_rank, lo, hi)`` slices of the saved shards (in age order) that new ``rank`` receives."""
-    total = sum(lengths)
-    start, end = rank * total // world, (rank + 1) * total // world
-    out, offset = [], 0
-    for src, n in enumerate(lengths):
-        lo, hi = max(start, offset), min(end, offset + n)
-        if lo < hi:
-            out.append((src, lo - offset, hi - offset))
-        offset += n
-    return out
-
-
-def _map_tree(tree: Any, fn: Any) -> Any:
-    if isinstance(tree, Mapping):
-        return {k: _map_tree(v, fn) for k, v in tree.items()}
-    return fn(tree)
-
-
-def _cat_trees(trees: list[Any]) -> Any:
-    first = trees[0]
-    if isinstance(first, Mapping):
-        return {k: _cat_trees([t[k] for t in trees]) for k in first}
-    return torch.cat(trees)
-
-
-def reshard_sources(saved: dict[int, Any], ctx: AdapterContext) -> list[int]:
-    """Saved shards new rank ``ctx.rank`` takes transitions from (see :func:`reshard_buffer`)."""
-    for r, state in saved.items():
-        if state["storage"]["initialized"] and state["storage"]["ndim"] != 1:
-            raise IncompatibleComponentError(
-                f"component {ctx.name!r}: storages with ndim > 1 cannot be resharded (saved rank {r})"
-            )
-    lengths = [saved[r]["storage"]["len"] for r in range(len(saved))]
-    ctx.plan["lengths"] = lengths
-    sources = [src for src, _, _ in _split(lengths, ctx.rank, ctx.world_size)]
-    return sources or [ctx.rank % len(saved)]  # nothing to receive: still take transforms/config from one
-
-
-def reshard_buffer(rb: ReplayBuffer, states: dict[int, Any], ctx: AdapterContext) -> None:
-    """Fill ``rb`` with this rank's part of the saved shards (their transitions, priorities, heap ranks).
-
-    The saved shards are concatenated in rank order, each oldest-first, and cut into
-    ``world_size`` contiguous, nearly equal parts: new rank ``r`` receives part ``r``.
-    Every transition lands on exactly one rank with its priority (sum/min-tree
-    leaves) and, for a max-value writer, its rank in the heap. Samplers without
-    replacement start a new epoch; a buffer's own generator is re-seeded from the
-    saved one and the new rank.
-    """
-    rb = _buffer(rb)
-    lengths = ctx.plan["lengths"]
-    pieces = _split(lengths, ctx.rank, ctx.world_size)
-    storage, sampler, writer = rb._storage, rb._sampler, rb._writer
-    datas, sums, mins, heap = [], [], [], []
-    offset = 0
-    for src, lo, hi in pieces:
-        state = states[src]
-        positions = _age_order(state)[lo:hi]
-        datas.append(_map_tree(state["storage"]["data"], lambda t, p=positions: t[p]))
-        if state["sampler"]["kind"] == "prioritized":
-            sums.append(state["sampler"]["sum"][positions])
-            mins.append(state["sampler"]["min"][positions])
-        if state["writer"]["kind"] == "max_value":
-            new_pos = {int(p): offset + i for i, p in enumerate(positions.tolist())}
-            for rank_value, index in zip(state["writer"]["heap_rank"].tolist(), state["writer"]["heap_index"].tolist()):
-                if index in new_pos:
-                    heap.append((rank_value, new_pos[index]))
-        offset += hi - lo
-    n = offset
-    any_state = states[min(states)]
-    if n:
-        data = _cat_trees(datas)
-        flat_specs = _flatten(data)
-        if not storage.initialized:
-            _allocate(storage, flat_specs, isinstance(data, Mapping), 1)
-        live = storage._storage
-        capacity = int(live.shape[0])
-        if n > capacity:
-            raise IncompatibleComponentError(
-                f"component {ctx.name!r}: rank {ctx.rank} receives {n} transitions after resharding, its buffer "
-                f"holds {capacity}; build the buffers with a capacity of at least {n}"
-            )
-        for key, tensor in flat_specs.items():
-            (live.get(key) if key else live)[:n].copy_(tensor)
-        storage._len = n
-        storage.initialized = True
-    elif storage.initialized:
-        storage._len = 0
-    bump = getattr(storage, "_bump_mutation_revision", None)
-    if bump is not None:
-        bump()
-    capacity = int(storage.max_size)
-    if isinstance(writer, TensorDictMaxValueWriter):
-        writer._cursor = n % capacity
-        writer._write_count = n
-        heapq.heapify(heap)
-        writer._current_top_values = heap
-    elif hasattr(writer, "_cursor"):
-        writer._cursor = n % capacity
-        writer._write_count = n
-    if isinstance(sampler, PrioritizedSampler):
-        sampler._empty()
-        if n and sums:
-            index = torch.arange(n)
-            sampler._sum_tree[index] = torch.cat(sums)
-            sampler._min_tree[index] = torch.cat(mins)
-        if sampler._max_priority_within_buffer:
-            sampler._recompute_max_priority_from_tree()
-        else:
-            values = [s["sampler"]["max_priority"][0] for s in states.values() if s["sampler"]["kind"] == "prioritized"]
-            values = [torch.as_tensor(v) for v in values if v is not None]
-            sampler._max_priority = (torch.stack(values).max(), None) if values else (None, None)
-    elif hasattr(sampler, "_empty"):
-        sampler._empty()
-    restore_buffer_settings(rb, any_state, reseed_for=(ctx.rank, ctx.world_size))

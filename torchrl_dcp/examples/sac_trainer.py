@@ -26,7 +26,9 @@ import torch.distributed as dist
 from torchrl.collectors import Collector
 from torchrl.data import LazyTensorStorage, TensorDictPrioritizedReplayBuffer
 from torchrl.objectives import SoftUpdate
+from torchrl.record.loggers import CSVLogger
 from torchrl.trainers.algorithms import SACTrainer
+from torchrl.trainers.trainers import CountFramesLog, LRSchedulerHook
 
 import torchrl_dcp as tdcp
 from torchrl_dcp.examples.sac import fingerprint, make_env, make_learner
@@ -52,6 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--save-every", type=int, default=512, help="frames between scheduled saves")
     p.add_argument("--ckpt-dir", default="ckpts/sac_trainer")
     p.add_argument("--hidden", type=int, default=32)
+    p.add_argument("--hooks", action="store_true", help="also an LR-scheduler hook, a frame counter and a CSV logger")
+    p.add_argument("--reshard", action="store_true", help="resume from a checkpoint saved by another number of ranks")
     args = p.parse_args(argv)
 
     if "RANK" in os.environ and not dist.is_initialized():
@@ -66,8 +70,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(2000 + rank)
     np.random.seed(2000 + rank)
     random.seed(2000 + rank)
-    collector = Collector(env, actor, frames_per_batch=args.frames_per_batch, total_frames=-1,
-                          auto_register_policy_transforms=False)
+    collector = Collector(
+        env, actor, frames_per_batch=args.frames_per_batch, total_frames=-1, auto_register_policy_transforms=False
+    )
     buffer = TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.5, storage=LazyTensorStorage(1024), batch_size=32)
     trainer = SACTrainer(
         collector=collector,
@@ -80,11 +85,15 @@ def main(argv: list[str] | None = None) -> None:
         target_net_updater=target,
         progress_bar=False,
         enable_logging=False,
+        logger=CSVLogger("sac", log_dir=f"{args.ckpt_dir}-logs/rank{rank}") if args.hooks else None,
         save_trainer_interval=args.save_every - 1,
-        checkpoint=tdcp.DistributedCheckpoint(),                               # <- the two arguments
+        checkpoint=tdcp.DistributedCheckpoint(),  # <- the two arguments
         checkpoint_rotation=tdcp.CheckpointRotation(args.ckpt_dir, keep_last=2),  # <-
     )
-    info = tdcp.resume(trainer.checkpoint, args.ckpt_dir)
+    if args.hooks:  # registered as trainer_module.<name>: per rank, resharded by rank % saved ranks
+        LRSchedulerHook(torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.9)).register(trainer)
+        CountFramesLog(frame_skip=1).register(trainer)
+    info = tdcp.resume(trainer.checkpoint, args.ckpt_dir, **({"world_size_change": "reshard"} if args.reshard else {}))
     if rank == 0:
         placements = {n: trainer.checkpoint.placement(n) for n in trainer.checkpoint.components}
         print(f"placements: {placements}", flush=True)
@@ -93,7 +102,10 @@ def main(argv: list[str] | None = None) -> None:
     idx = torch.arange(buffer._sampler._max_capacity)
     storage = buffer._storage._storage
     if os.environ.get("TDCP_DUMP"):
-        torch.save({str(k): storage.get(k)[: len(buffer)] for k in storage.keys(True, True)}, f"{os.environ['TDCP_DUMP']}.{rank}.pt")
+        torch.save(
+            {str(k): storage.get(k)[: len(buffer)] for k in storage.keys(True, True)},
+            f"{os.environ['TDCP_DUMP']}.{rank}.pt",
+        )
     prints = {
         "learner": fingerprint(*loss.state_dict().values()),
         "optimizer": fingerprint(*(t for s in optimizer.state.values() for t in s.values())),
@@ -101,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         "trees": fingerprint(buffer._sampler._sum_tree[idx]),
         "rng": fingerprint(torch.rand(3), torch.from_numpy(np.random.rand(3))),
         "frames": str(trainer.collected_frames),
+        **({"lr": f"{optimizer.param_groups[0]['lr']:.6g}"} if args.hooks else {}),
     }
     sys.stdout.write(f"rank {rank} final " + " ".join(f"{k}={v}" for k, v in prints.items()) + "\n")  # one write:
     sys.stdout.flush()  # lines of different ranks never interleave

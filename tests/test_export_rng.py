@@ -1,0 +1,47 @@
+"""export_torchrl: a per-rank RNGState component becomes torchrl.checkpoint's own GlobalRNGState format."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torchrl.checkpoint import Checkpoint, GlobalRNGState
+
+import torchrl_dcp as tdcp
+
+
+def draws() -> tuple[list[float], list[float], list[float]]:
+    return torch.rand(3).tolist(), np.random.rand(3).tolist(), [random.random() for _ in range(3)]
+
+
+@pytest.mark.parametrize("fmt", ["archive", "directory"])
+def test_rng_state_exports_into_torchrl_checkpoint(tmp_path: Path, fmt: str) -> None:
+    torch.manual_seed(1)
+    np.random.seed(2)
+    random.seed(3)
+    np.random.randn()  # a cached gaussian in NumPy's legacy state
+    policy = torch.nn.Linear(2, 1)
+    ckpt = tdcp.DistributedCheckpoint(policy=policy)
+    ckpt.register("rng", tdcp.RNGState())
+    path = ckpt.save(tmp_path / "ckpt")
+    expected = draws()
+
+    out = tdcp.export_torchrl(path, tmp_path / "export", ["policy", "rng"], format=fmt)  # rank 0's streams
+    torch.manual_seed(99)
+    np.random.seed(99)
+    random.seed(99)
+    result = Checkpoint(policy=torch.nn.Linear(2, 1), rng=GlobalRNGState()).load(out)
+    assert "rng" in result.loaded
+    assert draws() == expected
+
+
+def test_other_per_rank_components_still_need_a_rank(tmp_path: Path) -> None:
+    ckpt = tdcp.DistributedCheckpoint()
+    ckpt.register("stats", {"episodes": 3}, placement="per_rank")
+    path = ckpt.save(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="per_rank"):
+        tdcp.export_torchrl(path, tmp_path / "stats.torchrl", ["stats"])
+    assert tdcp.export_torchrl(path, tmp_path / "stats.torchrl", ["stats"], rank=0).exists()

@@ -1,0 +1,176 @@
+"""Replay buffers after a world-size change: the saved shards' transitions redistributed over the new ranks.
+
+The saved shards are concatenated in rank order, each oldest first, and cut into
+``world_size`` contiguous, nearly equal parts (:func:`split`); new rank ``r`` takes part
+``r`` with the transitions' priorities (sum/min-tree leaves) and max-value heap ranks.
+
+Example:
+    >>> from torchrl_dcp.adapters.buffer_reshard import split
+    >>> split([5, 3], rank=1, world=2)  # 8 transitions over 2 ranks: rank 1 gets saved rank 1's 3 and rank 0's last 1
+    [(0, 4, 5), (1, 0, 3)]
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torchrl.data.replay_buffers import ReplayBuffer
+from torchrl.data.replay_buffers.samplers import PrioritizedSampler
+from torchrl.data.replay_buffers.writers import TensorDictMaxValueWriter
+
+from torchrl_dcp.adapters.base import AdapterContext
+from torchrl_dcp.adapters.replay_buffer import _allocate, _buffer, _flatten, restore_buffer_settings
+from torchrl_dcp.errors import IncompatibleComponentError
+
+
+def _age_order(saved: Mapping[str, Any]) -> torch.Tensor:
+    """Storage positions of a saved shard, oldest transition first."""
+    n = saved["storage"]["len"]
+    writer = saved["writer"]
+    cursor = writer.get("cursor") if writer["kind"] == "max_value" else writer["state"].get("_cursor")
+    order = torch.arange(n)
+    if writer["kind"] != "max_value" and isinstance(cursor, int) and n == saved["storage"]["max_size"] and n:
+        order = (order + cursor) % n
+    return order
+
+
+def split(lengths: list[int], rank: int, world: int) -> list[tuple[int, int, int]]:
+    """``(saved_rank, lo, hi)`` slices of the saved shards (in age order) that new ``rank`` receives."""
+    total = sum(lengths)
+    start, end = rank * total // world, (rank + 1) * total // world
+    out, offset = [], 0
+    for src, n in enumerate(lengths):
+        lo, hi = max(start, offset), min(end, offset + n)
+        if lo < hi:
+            out.append((src, lo - offset, hi - offset))
+        offset += n
+    return out
+
+
+def _map_tree(tree: Any, fn: Any) -> Any:
+    if isinstance(tree, Mapping):
+        return {k: _map_tree(v, fn) for k, v in tree.items()}
+    return fn(tree)
+
+
+def _cat_trees(trees: list[Any]) -> Any:
+    first = trees[0]
+    if isinstance(first, Mapping):
+        return {k: _cat_trees([t[k] for t in trees]) for k in first}
+    return torch.cat(trees)
+
+
+def reshard_sources(saved: dict[int, Any], ctx: AdapterContext) -> list[int]:
+    """Saved shards new rank ``ctx.rank`` takes transitions from (see :func:`reshard_buffer`)."""
+    for r, state in saved.items():
+        if state["storage"]["initialized"] and state["storage"]["ndim"] != 1:
+            raise IncompatibleComponentError(
+                f"component {ctx.name!r}: storages with ndim > 1 cannot be resharded (saved rank {r})"
+            )
+    lengths = [saved[r]["storage"]["len"] for r in range(len(saved))]
+    ctx.plan["lengths"] = lengths
+    sources = [src for src, _, _ in split(lengths, ctx.rank, ctx.world_size)]
+    return sources or [ctx.rank % len(saved)]  # nothing to receive: still take transforms/config from one
+
+
+def reshard_buffer(rb: ReplayBuffer, states: dict[int, Any], ctx: AdapterContext) -> None:
+    """Fill ``rb`` with this rank's part of the saved shards (their transitions, priorities, heap ranks).
+
+    The saved shards are concatenated in rank order, each oldest-first, and cut into
+    ``world_size`` contiguous, nearly equal parts: new rank ``r`` receives part ``r``.
+    Every transition lands on exactly one rank with its priority (sum/min-tree
+    leaves) and, for a max-value writer, its rank in the heap. Samplers without
+    replacement start a new epoch; a buffer's own generator is re-seeded from the
+    saved one and the new rank.
+    """
+    rb = _buffer(rb)
+    part = _received(states, split(ctx.plan["lengths"], ctx.rank, ctx.world_size))
+    _fill_storage(rb._storage, part, ctx)
+    _reset_writer(rb._writer, part, int(rb._storage.max_size))
+    _reset_sampler(rb._sampler, part, states)
+    restore_buffer_settings(rb, states[min(states)], reseed_for=(ctx.rank, ctx.world_size))
+
+
+@dataclass
+class _Received:
+    """What a new rank receives from the saved shards, in age order."""
+
+    datas: list[Any] = field(default_factory=list)
+    sums: list[torch.Tensor] = field(default_factory=list)
+    mins: list[torch.Tensor] = field(default_factory=list)
+    heap: list[tuple[float, int]] = field(default_factory=list)
+    n: int = 0
+
+
+def _received(states: dict[int, Any], pieces: list[tuple[int, int, int]]) -> _Received:
+    out = _Received()
+    for src, lo, hi in pieces:
+        state = states[src]
+        positions = _age_order(state)[lo:hi]
+        out.datas.append(_map_tree(state["storage"]["data"], lambda t, p=positions: t[p]))
+        if state["sampler"]["kind"] == "prioritized":
+            out.sums.append(state["sampler"]["sum"][positions])
+            out.mins.append(state["sampler"]["min"][positions])
+        if state["writer"]["kind"] == "max_value":
+            new_pos = {int(p): out.n + i for i, p in enumerate(positions.tolist())}
+            for rank_value, index in zip(state["writer"]["heap_rank"].tolist(), state["writer"]["heap_index"].tolist()):
+                if index in new_pos:
+                    out.heap.append((rank_value, new_pos[index]))
+        out.n += hi - lo
+    return out
+
+
+def _fill_storage(storage: Any, part: _Received, ctx: AdapterContext) -> None:
+    n = part.n
+    if n:
+        data = _cat_trees(part.datas)
+        flat_specs = _flatten(data)
+        if not storage.initialized:
+            _allocate(storage, flat_specs, isinstance(data, Mapping), 1)
+        live = storage._storage
+        capacity = int(live.shape[0])
+        if n > capacity:
+            raise IncompatibleComponentError(
+                f"component {ctx.name!r}: rank {ctx.rank} receives {n} transitions after resharding, its buffer "
+                f"holds {capacity}; build the buffers with a capacity of at least {n}"
+            )
+        for key, tensor in flat_specs.items():
+            (live.get(key) if key else live)[:n].copy_(tensor)
+        storage._len = n
+        storage.initialized = True
+    elif storage.initialized:
+        storage._len = 0
+    bump = getattr(storage, "_bump_mutation_revision", None)
+    if bump is not None:
+        bump()
+
+
+def _reset_writer(writer: Any, part: _Received, capacity: int) -> None:
+    if isinstance(writer, TensorDictMaxValueWriter):
+        heapq.heapify(part.heap)
+        writer._current_top_values = part.heap
+    if hasattr(writer, "_cursor"):
+        writer._cursor = part.n % capacity
+        writer._write_count = part.n
+
+
+def _reset_sampler(sampler: Any, part: _Received, states: dict[int, Any]) -> None:
+    if not isinstance(sampler, PrioritizedSampler):
+        if hasattr(sampler, "_empty"):
+            sampler._empty()
+        return
+    sampler._empty()
+    if part.n and part.sums:
+        index = torch.arange(part.n)
+        sampler._sum_tree[index] = torch.cat(part.sums)
+        sampler._min_tree[index] = torch.cat(part.mins)
+    if sampler._max_priority_within_buffer:
+        sampler._recompute_max_priority_from_tree()
+    else:
+        values = [s["sampler"]["max_priority"][0] for s in states.values() if s["sampler"]["kind"] == "prioritized"]
+        values = [torch.as_tensor(v) for v in values if v is not None]
+        sampler._max_priority = (torch.stack(values).max(), None) if values else (None, None)
