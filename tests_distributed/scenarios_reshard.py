@@ -42,6 +42,7 @@ def save_shards(path: str, capacity: int) -> dict[str, Any]:
     rb.update_priority(idx, (ids % 17 + 1).float())
     policy = torch.nn.Linear(2, 2)
     torch.nn.init.constant_(policy.weight, 0.25)
+    torch.nn.init.zeros_(policy.bias)  # replicated: the same on every rank (the save compares them)
     _checkpoint(rb, policy).save(path, step=5)
     return {"items": _items(rb)}
 
