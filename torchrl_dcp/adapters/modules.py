@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,7 +28,13 @@ from torchrl_dcp.errors import IncompatibleComponentError
 
 
 class ModuleAdapter(Adapter):
-    """``nn.Module`` weights and buffers (DDP / FSDP aware)."""
+    """``nn.Module`` weights and buffers (DDP / FSDP aware), read straight into the live tensors.
+
+    While a load is planned, :meth:`validate` checks keys, kinds and shapes; every plain
+    tensor of the module then receives its bytes in place (after the checkpoint's files
+    were verified), so a load needs no second copy of the weights. DTensors (FSDP2) are
+    read into fresh shards and copied by ``set_model_state_dict``.
+    """
 
     adapter_id = "torchrl_dcp.module"
     version = 1
@@ -35,25 +42,74 @@ class ModuleAdapter(Adapter):
     def state(self, obj: torch.nn.Module, ctx: AdapterContext) -> Any:
         return get_model_state_dict(obj)
 
+    def validate(self, obj: torch.nn.Module, saved: dict[int, Any], ctx: AdapterContext) -> None:
+        current = get_model_state_dict(obj)
+        for state in saved.values():
+            _check_values(current, state, ctx.name)
+            _check_keys(current, state, ctx)
+
+    def destinations(self, obj: torch.nn.Module, saved: Any, ctx: AdapterContext) -> dict[str, torch.Tensor] | None:
+        """The module's own tensors, for every saved tensor of the same shape and dtype (read in place)."""
+        from torchrl_dcp.codec import TensorSpec
+
+        current = get_model_state_dict(obj)
+        out: dict[str, torch.Tensor] = {}
+        for key, spec in (saved.items() if isinstance(saved, Mapping) else ()):
+            live = current.get(key)
+            if isinstance(spec, TensorSpec) and _in_place(live) and (tuple(live.shape), live.dtype) == (spec.shape, spec.dtype):
+                out[spec.key] = live
+        return out
+
+    def snapshot(self, obj: torch.nn.Module, ctx: AdapterContext) -> Any:
+        """Tensors read in place are kept by reference (never copied); the others are copied."""
+        return {k: v if _in_place(v) else copy.deepcopy(v) for k, v in get_model_state_dict(obj).items()}
+
     def restore(self, obj: torch.nn.Module, state: Any, ctx: AdapterContext) -> Any:
-        strict = bool((ctx.options.load_kwargs or {}).get("strict", True))
         current = get_model_state_dict(obj)
         _check_values(current, state, ctx.name)  # load_state_dict would fail half-way, with some tensors copied
-        if strict:
-            expected = set(current)
-            missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-            if missing or unexpected:
-                raise IncompatibleComponentError(
-                    f"component {ctx.name!r}: state_dict keys differ (missing in checkpoint: {missing[:5]}, "
-                    f"not in module: {unexpected[:5]}); pass CheckpointOptions(load_kwargs={{'strict': False}}) "
-                    "to load the common keys"
-                )
-        set_model_state_dict(obj, state, options=StateDictOptions(strict=strict))
+        _check_keys(current, state, ctx)
+        rest = {k: v for k, v in state.items() if not _same_tensor(current.get(k), v)}  # not read in place
+        if rest:
+            set_model_state_dict(obj, rest, options=StateDictOptions(strict=False))
         return None
+
+
+def _in_place(t: Any) -> bool:
+    """A plain strided tensor (no DTensor, quantized or sparse): DCP can fill it where it is."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and not t.is_quantized
+
+
+def _same_tensor(a: Any, b: Any) -> bool:
+    return (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+    )
+
+
+def _check_keys(current: Mapping[str, Any], state: Any, ctx: AdapterContext) -> bool:
+    """Refuse differing key sets unless ``load_kwargs={"strict": False}``; returns whether loading is strict."""
+    strict = bool((ctx.options.load_kwargs or {}).get("strict", True))
+    if strict and isinstance(state, Mapping):
+        expected = set(current)
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if missing or unexpected:
+            raise IncompatibleComponentError(
+                f"component {ctx.name!r}: state_dict keys differ (missing in checkpoint: {missing[:5]}, "
+                f"not in module: {unexpected[:5]}); pass CheckpointOptions(load_kwargs={{'strict': False}}) "
+                "to load the common keys"
+            )
+    return strict
 
 
 def _check_values(current: Mapping[str, Any], state: Any, name: str) -> None:
     """Refuse, before anything is copied, a state whose values cannot be copied into the module's tensors."""
+    from torchrl_dcp.codec import TensorSpec
+
     if not isinstance(state, Mapping):
         raise IncompatibleComponentError(
             f"component {name!r}: the checkpoint holds a {type(state).__name__}, not a state_dict"
@@ -62,11 +118,11 @@ def _check_values(current: Mapping[str, Any], state: Any, name: str) -> None:
         target = current.get(key)
         if target is None:
             continue
-        if not isinstance(value, torch.Tensor):
+        if not isinstance(value, (torch.Tensor, TensorSpec)):  # TensorSpec: while the load is planned
             raise IncompatibleComponentError(
                 f"component {name!r}: {key!r} is a {type(value).__name__} in the checkpoint, a tensor in the module"
             )
-        if value.shape != target.shape:
+        if tuple(value.shape) != tuple(target.shape):
             raise IncompatibleComponentError(
                 f"component {name!r}: {key!r} has shape {tuple(value.shape)} in the checkpoint, "
                 f"{tuple(target.shape)} in the module"
@@ -87,13 +143,20 @@ class OptimizerAdapter(Adapter):
     ) -> dict[str, torch.Tensor] | None:
         """DTensor destinations for state of DTensor (FSDP2) parameters, built from the parameters themselves.
 
-        A freshly built optimizer has no state yet, so no live DTensor to read into: each
+        State the optimizer already holds (it has stepped) is read in place, into its own
+        tensors. A freshly built optimizer has no state yet, so no live DTensor to read into: each
         saved per-parameter tensor with its parameter's shape is read into
         ``torch.empty_like(param)`` (the parameter's mesh and placements), which DCP fills
         with this rank's shard, at any world size. Scalars (``step``) and plain
         parameters are left to the checkpoint to allocate.
         """
-        return optimizer_destinations(obj, saved)
+        return {**_live_state_destinations(obj, saved), **optimizer_destinations(obj, saved)}
+
+    def snapshot(self, obj: torch.optim.Optimizer, ctx: AdapterContext) -> Any:
+        """A copy of the state dict in which the state tensors (read in place) are kept by reference."""
+        live = obj.state_dict()
+        memo = {id(t): t for entries in live["state"].values() for t in entries.values() if _in_place(t)}
+        return copy.deepcopy(live, memo)
 
     def restore(self, obj: torch.optim.Optimizer, state: Any, ctx: AdapterContext) -> Any:
         try:
@@ -131,4 +194,23 @@ def optimizer_destinations(optimizer: torch.optim.Optimizer, saved: Any) -> dict
         for spec in entries.values():
             if isinstance(spec, TensorSpec) and tuple(spec.shape) == tuple(param.shape):
                 out[spec.key] = torch.empty_like(param.detach(), dtype=spec.dtype)
+    return out
+
+
+def _live_state_destinations(optimizer: torch.optim.Optimizer, saved: Any) -> dict[str, torch.Tensor]:
+    """``{tensor key: the optimizer's own state tensor}`` where it already holds one of the saved shape and dtype."""
+    from torchrl_dcp.codec import TensorSpec
+
+    if not isinstance(saved, Mapping) or not isinstance(saved.get("state"), Mapping):
+        return {}
+    live = optimizer.state_dict()["state"]  # the live tensors, numbered as when saving
+    out: dict[str, torch.Tensor] = {}
+    for index, entries in saved["state"].items():
+        current = live.get(index) if isinstance(index, int) else None
+        if not isinstance(entries, Mapping) or not isinstance(current, Mapping):
+            continue
+        for name, spec in entries.items():
+            t = current.get(name)
+            if isinstance(spec, TensorSpec) and _in_place(t) and (tuple(t.shape), t.dtype) == (spec.shape, spec.dtype):
+                out[spec.key] = t
     return out
