@@ -171,7 +171,11 @@ def build(w: Workload, rank: int, world: int, device: torch.device, root: Path) 
                 {
                     "observation": obs(),
                     "action": torch.randn(b, w.params["act"], generator=g),
-                    "next": {"observation": obs(), "reward": torch.randn(b, 1), "done": torch.zeros(b, 1, dtype=torch.bool)},
+                    "next": {
+                        "observation": obs(),
+                        "reward": torch.randn(b, 1),
+                        "done": torch.zeros(b, 1, dtype=torch.bool),
+                    },
                 },
                 [b],
             )
@@ -187,7 +191,9 @@ class Recorder:
         self.workload, self.world, self.total_bytes, self.reps = workload, world, total_bytes, reps
         self.rows: list[dict[str, Any]] = []
 
-    def time(self, method: str, op: Callable[[], Any], before: Callable[[], Any] | None = None, reps: int | None = None) -> float | None:
+    def time(
+        self, method: str, op: Callable[[], Any], before: Callable[[], Any] | None = None, reps: int | None = None
+    ) -> float | None:
         """Best of ``reps`` (each between barriers; ``before`` runs untimed); None when it failed."""
         best = None
         error = None
@@ -226,7 +232,9 @@ class Recorder:
         )
 
 
-def run_workload(w: Workload, rank: int, world: int, device: torch.device, root: Path, reps: int, extras: bool) -> list[dict[str, Any]]:
+def run_workload(
+    w: Workload, rank: int, world: int, device: torch.device, root: Path, reps: int, extras: bool
+) -> list[dict[str, Any]]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
@@ -453,4 +461,3 @@ def machine() -> dict[str, Any]:
 
     info["torchrl"], info["tensordict"] = torchrl.__version__, tensordict.__version__
     return info
-

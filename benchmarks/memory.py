@@ -50,7 +50,10 @@ def _state_bytes(objs: dict[str, Any]) -> int:
     n = sum(t.numel() * t.element_size() for t in objs["model"].state_dict().values())
     if "optimizer" in objs:
         n += sum(
-            t.numel() * t.element_size() for s in objs["optimizer"].state.values() for t in s.values() if torch.is_tensor(t)
+            t.numel() * t.element_size()
+            for s in objs["optimizer"].state.values()
+            for t in s.values()
+            if torch.is_tensor(t)
         )
     return n
 
@@ -100,7 +103,16 @@ def main() -> None:
             del objs
             for kind in ("torchrl_dcp", "torch.load", "dcp.load")[: 3 if not optimizer else 2]:
                 out = subprocess.run(
-                    [sys.executable, "-m", "benchmarks.memory", "--child", kind, str(path), str(args.mib), str(int(optimizer))],
+                    [
+                        sys.executable,
+                        "-m",
+                        "benchmarks.memory",
+                        "--child",
+                        kind,
+                        str(path),
+                        str(args.mib),
+                        str(int(optimizer)),
+                    ],
                     capture_output=True,
                     text=True,
                     check=True,
@@ -108,7 +120,9 @@ def main() -> None:
                 row = json.loads(out.stdout.strip().splitlines()[-1])
                 row["state"] = "module + Adam (stepped)" if optimizer else "module"
                 rows.append(row)
-                print(f"{row['state']:<26} {kind:<12} peak extra memory = {row['extra']:.2f} x the state ({row['state_bytes'] / 2**20:.0f} MiB)")
+                print(
+                    f"{row['state']:<26} {kind:<12} peak extra memory = {row['extra']:.2f} x the state ({row['state_bytes'] / 2**20:.0f} MiB)"
+                )
 
 
 if __name__ == "__main__":

@@ -40,7 +40,9 @@ def free_port() -> int:
 def run_world(world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=bench.worker, args=(r, world, free_port_cache[world], cfg, queue)) for r in range(world)]
+    procs = [
+        ctx.Process(target=bench.worker, args=(r, world, free_port_cache[world], cfg, queue)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     result = None
@@ -56,7 +58,10 @@ def run_world(world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         if p.is_alive():
             p.kill()
     if result is None:
-        return {"backend": "?", "rows": [{"workload": "*", "ranks": world, "method": "(run)", "error": "no result (crash or timeout)"}]}
+        return {
+            "backend": "?",
+            "rows": [{"workload": "*", "ranks": world, "method": "(run)", "error": "no result (crash or timeout)"}],
+        }
     return result
 
 

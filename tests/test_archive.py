@@ -102,8 +102,13 @@ def test_direct_read_of_a_component(tmp_path: Path) -> None:
         read_component(archive, "rng")
 
 
-def _rewrite(archive: Path, out: Path, rename: dict[str, str] | None = None, extra: dict[str, bytes] | None = None,
-             compress: str | None = None) -> Path:
+def _rewrite(
+    archive: Path,
+    out: Path,
+    rename: dict[str, str] | None = None,
+    extra: dict[str, bytes] | None = None,
+    compress: str | None = None,
+) -> Path:
     """A copy of ``archive`` with members renamed, added or compressed (built with stock zipfile)."""
     with zipfile.ZipFile(archive) as src, zipfile.ZipFile(out, "w") as dst:
         for info in src.infolist():
@@ -129,7 +134,11 @@ def test_escaping_member_names_are_refused(tmp_path: Path, bad_name: str, error:
     path, _ = make(tmp_path)
     archive = tdcp.to_archive(path, tmp_path / "c.zip")
     bad = _rewrite(archive, tmp_path / "bad.zip", extra={bad_name: b"x"})
-    for action in (lambda: fresh()[0].load(bad), lambda: tdcp.verify(bad), lambda: tdcp.to_directory(bad, tmp_path / "o")):
+    for action in (
+        lambda: fresh()[0].load(bad),
+        lambda: tdcp.verify(bad),
+        lambda: tdcp.to_directory(bad, tmp_path / "o"),
+    ):
         with pytest.raises(error) as info:
             action()
         assert bad_name in str(info.value)
@@ -228,7 +237,10 @@ def test_planted_pickle_in_archived_metadata_is_never_run(tmp_path: Path) -> Non
 
     (path / ".metadata").write_bytes(pickle.dumps(Payload()))
     m = json.loads((path / "manifest.json").read_text())
-    m["files"][".metadata"] = {"size": (path / ".metadata").stat().st_size, "checksum": file_checksum(path / ".metadata")}
+    m["files"][".metadata"] = {
+        "size": (path / ".metadata").stat().st_size,
+        "checksum": file_checksum(path / ".metadata"),
+    }
     (path / "manifest.json").write_text(json.dumps(seal(m)))
     archive = tdcp.to_archive(path, tmp_path / "c.zip")
     with pytest.raises(tdcp.UnsafeCheckpointError, match="c.zip::.metadata"):
@@ -290,7 +302,7 @@ def test_export_policy_for_torchrl_checkpoint_without_distributed(tmp_path: Path
         from torchrl.checkpoint import Checkpoint
         policy, stats = torch.nn.Linear(64, 32), {{}}
         result = Checkpoint(policy=policy, stats=stats).load({str(out)!r})
-        expected = torch.load({str(tmp_path / 'expected.pt')!r})
+        expected = torch.load({str(tmp_path / "expected.pt")!r})
         assert result.loaded == {{"policy", "stats"}}, result
         assert all(torch.equal(policy.state_dict()[k], v) for k, v in expected.items())
         assert stats == {{"episodes": 5}}, stats
@@ -329,12 +341,16 @@ def test_one_gigabyte_converts_both_ways_in_bounded_rss(tmp_path: Path) -> None:
     assert size >= 1 << 30
     proc = subprocess.run(
         [sys.executable, "-c", RSS_SCRIPT, str(path), str(tmp_path / "big.zip"), str(tmp_path / "back")],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     peak, t_pack, t_unpack, imported_torch = proc.stdout.split()
-    print(f"1 GiB: pack {size / float(t_pack) / 1e9:.2f} GB/s, unpack {size / float(t_unpack) / 1e9:.2f} GB/s, "
-          f"peak RSS {int(peak) / 2**20:.0f} MiB")
+    print(
+        f"1 GiB: pack {size / float(t_pack) / 1e9:.2f} GB/s, unpack {size / float(t_unpack) / 1e9:.2f} GB/s, "
+        f"peak RSS {int(peak) / 2**20:.0f} MiB"
+    )
     assert imported_torch == "False"  # conversion is pure streaming: it never needs torch
     assert int(peak) < 100 << 20, f"peak RSS {int(peak) / 2**20:.0f} MiB"
     assert all(file_checksum(tmp_path / "back" / f.name) == file_checksum(f) for f in path.iterdir())

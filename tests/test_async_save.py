@@ -43,13 +43,21 @@ def _load(path: Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------- writer
 @pytest.mark.parametrize(
     "dtype,shape",
-    [(torch.float32, (2, 3)), (torch.int64, ()), (torch.bool, (5,)), (torch.bfloat16, (3, 0, 2)), (torch.uint8, (70_000,))],
+    [
+        (torch.float32, (2, 3)),
+        (torch.int64, ()),
+        (torch.bool, (5,)),
+        (torch.bfloat16, (3, 0, 2)),
+        (torch.uint8, (70_000,)),
+    ],
 )
 def test_blob_is_what_torch_save_writes(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     t = (torch.arange(int(torch.tensor(shape).prod().item()) if shape else 1) % 7).to(dtype).reshape(shape)
     ref = io.BytesIO()
     torch.save(t, ref)
-    assert zipfile.ZipFile(io.BytesIO(ref.getvalue())).read("archive/data.pkl") == R.data_pickle(dtype, shape, t.numel())
+    assert zipfile.ZipFile(io.BytesIO(ref.getvalue())).read("archive/data.pkl") == R.data_pickle(
+        dtype, shape, t.numel()
+    )
     data = R.tensor_bytes(t)
     head, tail = R.template(dtype, shape).parts(zlib.crc32(data))
     blob = head + bytes(data) + tail

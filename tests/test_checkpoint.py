@@ -54,7 +54,10 @@ def test_round_trip_into_fresh_objects_continues_identically(tmp_path: Path) -> 
     ck2.register("rng", tdcp.RNGState())
     result = ck2.load(path)
     assert result.loaded == {"model", "optimizer", "scheduler", "rng"} and result.step == 2
-    assert (torch.rand(2).tolist(), random.random(), np.random.rand()) == (expected_draws[0].tolist(), *expected_draws[1:])
+    assert (torch.rand(2).tolist(), random.random(), np.random.rand()) == (
+        expected_draws[0].tolist(),
+        *expected_draws[1:],
+    )
     assert torch.equal(torch.randn(5, 3), x)
     o2.zero_grad()
     m2(x).sum().backward()

@@ -86,8 +86,14 @@ def test_specs_describe_every_tensor() -> None:
 
 @pytest.mark.parametrize(
     "skeleton",
-    [{"t": "nope"}, {"t": "tensor", "key": "x"}, {"t": "dict", "items": 3}, {"t": "dtype", "v": "os.system"}, [1],
-     {"t": "device", "v": "float32"}],  # fmt: skip
+    [
+        {"t": "nope"},
+        {"t": "tensor", "key": "x"},
+        {"t": "dict", "items": 3},
+        {"t": "dtype", "v": "os.system"},
+        [1],
+        {"t": "device", "v": "float32"},
+    ],  # fmt: skip
 )
 def test_malformed_skeleton_is_a_format_error(skeleton) -> None:
     with pytest.raises(CheckpointFormatError):
@@ -107,7 +113,13 @@ def test_json_values_round_trip(value) -> None:
     assert out == value and not tensors
 
 
-@given(st.recursive(st.none() | st.integers() | st.text() | st.booleans(), lambda c: st.lists(c) | st.dictionaries(st.sampled_from(["t", "v", "items", "key", "x"]), c), max_leaves=15))
+@given(
+    st.recursive(
+        st.none() | st.integers() | st.text() | st.booleans(),
+        lambda c: st.lists(c) | st.dictionaries(st.sampled_from(["t", "v", "items", "key", "x"]), c),
+        max_leaves=15,
+    )
+)
 def test_random_skeletons_never_crash_otherwise(skeleton) -> None:
     try:
         decode(skeleton, {})

@@ -104,7 +104,10 @@ def test_multi_sync_collector_restores_what_is_reachable(tmp_path: Path) -> None
     def make(seed):
         policy = make_policy(seed)
         return policy, MultiSyncCollector(
-            [lambda: make_env("vecnorm", 0)], policy, frames_per_batch=10, total_frames=-1,
+            [lambda: make_env("vecnorm", 0)],
+            policy,
+            frames_per_batch=10,
+            total_frames=-1,
             auto_register_policy_transforms=False,
         )
 

@@ -25,7 +25,9 @@ def test_ranges_are_copied_with_their_crcs(tmp_path: Path, monkeypatch: pytest.M
     try:
         ranges = [CopyRange(src, a, n, dst, b, "src") for a, n, b in spans]
         crcs = copy_ranges(ranges, threads=threads, buffer_size=64, progress=done.append)
-        checks = copy_ranges([CopyRange(src, a, n, None, 0, "src") for a, n, _ in spans], threads=threads, buffer_size=64)
+        checks = copy_ranges(
+            [CopyRange(src, a, n, None, 0, "src") for a, n, _ in spans], threads=threads, buffer_size=64
+        )
     finally:
         os.close(src)
         os.close(dst)

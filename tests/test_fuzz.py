@@ -70,7 +70,9 @@ def skeletons(draw: Any, depth: int = 0) -> Any:
         elif f == "shape":
             node[f] = draw(st.one_of(st.lists(st.integers(-2, 4), max_size=3), json_values))
         elif f == "dtype":
-            node[f] = draw(st.one_of(st.sampled_from(["float32", "int64", "bool", "Tensor", "nn", "float"]), json_values))
+            node[f] = draw(
+                st.one_of(st.sampled_from(["float32", "int64", "bool", "Tensor", "nn", "float"]), json_values)
+            )
         elif f in ("tensor", "metadata"):
             node[f] = draw(skeletons(depth + 1))
         elif f == "v":

@@ -148,7 +148,11 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], str, str]] = {
     "missing .metadata": (lambda p: (p / ".metadata").unlink(), ".metadata", "missing"),
     "extra file": (lambda p: (p / "notes.txt").write_text("hi"), "notes.txt", "not listed"),
     "extra directory": (lambda p: (p / "sub").mkdir(), "sub", "not listed"),
-    "manifest not JSON": (lambda p: (p / "manifest.json").write_text("{'format': 1"), "manifest.json", "not valid JSON"),
+    "manifest not JSON": (
+        lambda p: (p / "manifest.json").write_text("{'format': 1"),
+        "manifest.json",
+        "not valid JSON",
+    ),
     "manifest truncated": (
         lambda p: (p / "manifest.json").write_bytes((p / "manifest.json").read_bytes()[:50]),
         "manifest.json",
@@ -364,7 +368,11 @@ def test_pickle_in_manifest_or_extra_file_never_runs(tmp_path: Path) -> None:
 def test_metadata_naming_files_outside_or_unlisted(tmp_path: Path) -> None:
     from torchrl_dcp.storage.filesystem import safe_load_metadata
 
-    for target, problem in (("../../etc/passwd", "outside the checkpoint"), ("/etc/passwd", "outside"), ("other.distcp", "does not list")):
+    for target, problem in (
+        ("../../etc/passwd", "outside the checkpoint"),
+        ("/etc/passwd", "outside"),
+        ("other.distcp", "does not list"),
+    ):
         path = tmp_path / target.replace("/", "_")
         path = checkpoint(make_objects(1)).save(path)
         metadata = safe_load_metadata(path / ".metadata")

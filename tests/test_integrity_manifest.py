@@ -53,7 +53,9 @@ def test_no_single_bit_flip_loads_a_different_state(saved: Path) -> None:
 
 
 @pytest.mark.parametrize("needle", ['["lr",0.01', '"step":7', '["episodes",1', '["weight_decay",0.0001'])
-def test_a_flipped_value_is_refused_by_load_and_verify_objects_unchanged(saved: Path, tmp_path: Path, needle: str) -> None:
+def test_a_flipped_value_is_refused_by_load_and_verify_objects_unchanged(
+    saved: Path, tmp_path: Path, needle: str
+) -> None:
     path = Path(shutil.copytree(saved, tmp_path / "c"))
     data = bytearray((path / "manifest.json").read_bytes())
     at = data.index(needle.encode()) + len(needle) - 1

@@ -131,7 +131,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(_bits(a), _bits(b))
+        )
     if isinstance(a, np.ndarray):
         return np.array_equal(a, b)
     if isinstance(a, dict):
@@ -182,7 +187,9 @@ def test_plan_refuses_an_incompatible_component(saved: Path) -> None:
 
 def test_plan_refuses_a_buffer_too_small_for_the_saved_rows(saved: Path) -> None:
     job = make_job(2, capacity=CAPACITY)
-    small = TensorDictReplayBuffer(storage=LazyTensorStorage(8), batch_size=4)  # a fresh, lazy buffer: allocated by planning
+    small = TensorDictReplayBuffer(
+        storage=LazyTensorStorage(8), batch_size=4
+    )  # a fresh, lazy buffer: allocated by planning
     job_small = dict(job, buffer=small)
     before_init = small._storage.initialized
     with pytest.raises(tdcp.CheckpointError, match="capacity|room|sampler"):

@@ -126,7 +126,9 @@ def test_v1_fixture_loads_through_the_chain_into_objects() -> None:
     assert result.manifest["format_version"] == 3
     report = tdcp.verify(FIXTURE)
     assert report["tensors"] == 4
-    assert any("manifest checksum" in u for u in report["unchecked"]) and any("identity" in u for u in report["unchecked"])
+    assert any("manifest checksum" in u for u in report["unchecked"]) and any(
+        "identity" in u for u in report["unchecked"]
+    )
 
 
 def test_missing_payload_migration_makes_the_component_incompatible() -> None:
@@ -273,7 +275,11 @@ def test_version_skew_is_reported_and_logged_not_fatal(tmp_path: Path, caplog: p
         result = ckpt.load(path)
     assert result.loaded == {"policy", "stats", "counter", "episode"}
     assert result.version_skew
-    assert result.comparison["versions"]["torch"] == {"checkpoint": "2.0.0", "runtime": torch.__version__, "matches": False}
+    assert result.comparison["versions"]["torch"] == {
+        "checkpoint": "2.0.0",
+        "runtime": torch.__version__,
+        "matches": False,
+    }
     assert result.comparison["versions"]["tensordict"]["matches"] is True
     assert "torch 2.0.0 -> " in caplog.text and "torchrl 0.1.0 -> " in caplog.text
 

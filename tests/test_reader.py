@@ -95,7 +95,9 @@ def test_plain_dcp_save_is_read_in_place_too(tmp_path: Path, monkeypatch: pytest
     assert all(torch.equal(_bits(dest[k]), _bits(state[k])) for k in state)
 
 
-def test_fallback_for_unknown_layouts_and_non_contiguous_destinations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fallback_for_unknown_layouts_and_non_contiguous_destinations(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     state = _state()
     dcp.save(state, checkpoint_id=str(tmp_path / "d"), no_dist=True)
     fallbacks = _count_fallbacks(monkeypatch)
@@ -126,7 +128,14 @@ def test_record_parser_refuses_what_it_does_not_know() -> None:
         return raw[o : o + n]
 
     at = zip_data_offset(read, len(raw), torch.float32, (2, 3))
-    assert at is not None and torch.frombuffer(bytearray(raw[at : at + 24]), dtype=torch.float32).tolist() == [0, 1, 2, 3, 4, 5]
+    assert at is not None and torch.frombuffer(bytearray(raw[at : at + 24]), dtype=torch.float32).tolist() == [
+        0,
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]
     assert zip_data_offset(read, len(raw), torch.float32, (3, 2)) is None  # another shape
     assert zip_data_offset(read, len(raw), torch.int32, (2, 3)) is None  # another dtype
     assert zip_data_offset(read, len(raw) - 1, torch.float32, (2, 3)) is None  # not a ZIP end
@@ -142,13 +151,17 @@ def _model_ckpt(tmp_path: Path) -> tuple[Path, torch.nn.Module]:
     return tdcp.DistributedCheckpoint(model=model).save(tmp_path / "m"), model
 
 
-def test_load_checksums_while_reading_and_refuses_a_flipped_byte(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_load_checksums_while_reading_and_refuses_a_flipped_byte(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path, model = _model_ckpt(tmp_path)
     from torchrl_dcp.storage.container import DirectoryContainer
 
     checked: list[object] = []
     original = DirectoryContainer.check
-    monkeypatch.setattr(DirectoryContainer, "check", lambda self, checksum: checked.append(checksum) or original(self, checksum))
+    monkeypatch.setattr(
+        DirectoryContainer, "check", lambda self, checksum: checked.append(checksum) or original(self, checksum)
+    )
     torch.manual_seed(1)
     live = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 8))
     tdcp.DistributedCheckpoint(model=live).load(path)
@@ -183,7 +196,9 @@ def test_live_in_place_destinations_are_checksummed_first(tmp_path: Path, monkey
 
     checked: list[object] = []
     original = DirectoryContainer.check
-    monkeypatch.setattr(DirectoryContainer, "check", lambda self, checksum: checked.append(checksum) or original(self, checksum))
+    monkeypatch.setattr(
+        DirectoryContainer, "check", lambda self, checksum: checked.append(checksum) or original(self, checksum)
+    )
     target = buffer(1)
     tdcp.DistributedCheckpoint(rb=target).load(path)
     assert checked == [{"__0_0.distcp"}]  # read into the live storage: verified before the read
@@ -256,7 +271,9 @@ def test_a_flipped_byte_anywhere_fails_the_inline_checksum(tmp_path: Path, where
     raw[min(int(len(raw) * where), len(raw) - 1)] ^= 0x10
     data.write_bytes(bytes(raw))
     dest = {k: torch.empty_like(v) for k, v in state.items()}
-    reader = InPlaceFileSystemReader(tmp_path / "c", verify={"__0_0.distcp": out.files["__0_0.distcp"]["checksum"]}, threads=2)
+    reader = InPlaceFileSystemReader(
+        tmp_path / "c", verify={"__0_0.distcp": out.files["__0_0.distcp"]["checksum"]}, threads=2
+    )
     with pytest.raises(dcp.api.CheckpointException) as info:
         dcp.load(dest, storage_reader=reader, no_dist=True)
     (failure,) = info.value.failures.values()

@@ -70,7 +70,9 @@ def launch(
                 **(env or {}),
             }
             cmd = [sys.executable, "-m", "tests_distributed.worker", target, json.dumps(list(args))]
-            procs.append((subprocess.Popen(cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), log, out_file))
+            procs.append(
+                (subprocess.Popen(cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), log, out_file)
+            )
         deadline = time.monotonic() + timeout
         timed_out = False
         while any(p.poll() is None for p, _, _ in procs):

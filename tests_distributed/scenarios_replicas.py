@@ -34,6 +34,10 @@ def save_differing(directory: str, differ: str, mode: str, component_mode: str |
     try:
         ckpt.save(path, step=1)
     except tdcp.CheckpointError as err:
-        return {"error": str(err), "type": type(err).__name__, "exists": path.exists(), "left": sorted(os.listdir(directory))}
+        return {
+            "error": str(err),
+            "type": type(err).__name__,
+            "exists": path.exists(),
+            "left": sorted(os.listdir(directory)),
+        }
     return {"error": None, "exists": path.exists()}
-

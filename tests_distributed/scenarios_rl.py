@@ -20,8 +20,13 @@ def _build(scratch: str, tag: str) -> tuple[Any, Any, Any, tdcp.DistributedCheck
     rank = dist.get_rank()
     torch.manual_seed(0)
     policy = TensorDictModule(torch.nn.Linear(2, 1), in_keys=["observation"], out_keys=["action"])
-    collector = Collector(make_env(100 + rank, torch.device("cpu")), policy, frames_per_batch=16, total_frames=-1,
-                          auto_register_policy_transforms=False)
+    collector = Collector(
+        make_env(100 + rank, torch.device("cpu")),
+        policy,
+        frames_per_batch=16,
+        total_frames=-1,
+        auto_register_policy_transforms=False,
+    )
     storage = LazyMemmapStorage(40, scratch_dir=f"{scratch}/{tag}-{rank}") if rank % 2 else LazyTensorStorage(40)
     buffer = TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.5, storage=storage, batch_size=8)
     ckpt = tdcp.DistributedCheckpoint(policy=policy)

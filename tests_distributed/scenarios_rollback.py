@@ -55,7 +55,10 @@ def _checkpoint(objs: dict[str, Any]) -> tdcp.DistributedCheckpoint:
 def _fingerprint(objs: dict[str, Any]) -> list[Any]:
     return [
         [v.tolist() for v in objs["model"].state_dict().values()],
-        [[t.tolist() if isinstance(t, torch.Tensor) else t for t in s.values()] for s in objs["optimizer"].state.values()],
+        [
+            [t.tolist() if isinstance(t, torch.Tensor) else t for t in s.values()]
+            for s in objs["optimizer"].state.values()
+        ],
         dict(objs["shard"]),
         objs["fragile"].value.tolist(),
         torch.get_rng_state().tolist()[:64],

@@ -33,5 +33,8 @@ def load_sharded(path: str) -> dict[str, Any]:
     ckpt.register("model", weights, placement="sharded")
     result = ckpt.load(path, components=["model"])
     full = weights["w"].full_tensor()
-    return {"equal": bool(torch.equal(full, _full())), "loaded": sorted(result.loaded),
-            "local_rows": weights["w"].to_local().shape[0]}
+    return {
+        "equal": bool(torch.equal(full, _full())),
+        "loaded": sorted(result.loaded),
+        "local_rows": weights["w"].to_local().shape[0],
+    }

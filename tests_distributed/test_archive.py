@@ -59,7 +59,9 @@ def test_rotation_resumes_from_the_last_committed_entry_after_a_killed_save(
     resumed = launch(f"{S}:rotation_resume", 2, str(d))
     if kill == "commit":  # step 5 never committed: resume from 4, nothing older was deleted
         assert [r.value["step"] for r in resumed] == [4, 4]
-        assert {p.name for p in d.iterdir() if not p.name.startswith(".")} == {f"step-{s:012d}{suffix}" for s in (2, 3, 4)}
+        assert {p.name for p in d.iterdir() if not p.name.startswith(".")} == {
+            f"step-{s:012d}{suffix}" for s in (2, 3, 4)
+        }
     else:  # step 5's directory committed, its archive was half-written: the directory is what resumes
         assert [r.value["step"] for r in resumed] == [5, 5]
         assert resumed[0].value["name"] == "step-000000000005"

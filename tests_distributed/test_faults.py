@@ -61,17 +61,25 @@ def test_sigkill_at_each_phase_of_a_save(tmp_path: Path, phase: str) -> None:
     directory, report_dir = tmp_path / "run", tmp_path / "report"
     directory.mkdir()
     report_dir.mkdir()
-    results = launch(f"{S}:kill_during_save", 2, str(directory), str(report_dir), base, victim, expect_failure=True, timeout=120)
+    results = launch(
+        f"{S}:kill_during_save", 2, str(directory), str(report_dir), base, victim, expect_failure=True, timeout=120
+    )
     assert results[victim].returncode == -9, results[victim].output[-2000:]
     survivor = 1 - victim
     seen = reports(report_dir)
     # the survivor learnt of the death at once, as a CheckpointError (no hang)
-    assert survivor in seen and seen[survivor]["error"] in ("CollectiveError", "CheckpointError"), (seen, results[survivor].output[-3000:])
+    assert survivor in seen and seen[survivor]["error"] in ("CollectiveError", "CheckpointError"), (
+        seen,
+        results[survivor].output[-3000:],
+    )
 
     rotation = tdcp.CheckpointRotation(directory, keep_last=1)
     entries = rotation.entries()
     latest = rotation.latest()
-    assert latest is not None and latest == rotation.path_for(expected_step), (latest, sorted(p.name for p in directory.iterdir()))
+    assert latest is not None and latest == rotation.path_for(expected_step), (
+        latest,
+        sorted(p.name for p in directory.iterdir()),
+    )
     for e in entries:  # whatever is listed is complete: no half-written or half-deleted checkpoint
         verify(e.path)
     listed = {e.step for e in rotation.entries(include_uncommitted=True) if e.committed}
@@ -94,7 +102,9 @@ def test_sigkill_right_after_swapping_over_an_existing_checkpoint(tmp_path: Path
     directory, report_dir = tmp_path / "run", tmp_path / "report"
     directory.mkdir()
     report_dir.mkdir()
-    results = launch(f"{S}:kill_during_save", 2, str(directory), str(report_dir), "exchange", 0, expect_failure=True, timeout=120)
+    results = launch(
+        f"{S}:kill_during_save", 2, str(directory), str(report_dir), "exchange", 0, expect_failure=True, timeout=120
+    )
     assert results[0].returncode == -9
     fixed = directory / "fixed"
     swapped = (report_dir / "exchanged").read_text() == "True"

@@ -23,7 +23,10 @@ def test_prioritized_shards_are_redistributed(tmp_path: Path, saved: int, resume
     sizes = [len(r.value["items"]) for r in after]
     assert max(sizes) - min(sizes) <= 1  # evenly spread
     for r in after:
-        assert f"saved by {saved} ranks" in r.value["default_error"] and f"this job has {resumed}" in r.value["default_error"]
+        assert (
+            f"saved by {saved} ranks" in r.value["default_error"]
+            and f"this job has {resumed}" in r.value["default_error"]
+        )
         assert r.value["weight"] == [0.25] * 4  # replicated state as saved
         assert r.value.get("sample_ok", True)
         assert r.value["cursor"] == len(r.value["items"]) % 64

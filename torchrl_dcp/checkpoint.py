@@ -301,7 +301,11 @@ class DistributedCheckpoint:
             _check_json(metadata, "metadata")
             items = [
                 save_engine.EncodeItem(
-                    n, self._components[n].value, self._adapter(n), self._components[n].placement, self._ctx(n, options.get(n))
+                    n,
+                    self._components[n].value,
+                    self._adapter(n),
+                    self._components[n].placement,
+                    self._ctx(n, options.get(n)),
                 )
                 for n in names
             ]
@@ -402,4 +406,3 @@ def _check_json(value: Any, where: str) -> None:
         json.dumps(value, allow_nan=False)
     except (TypeError, ValueError) as err:
         raise EncodingError(f"{where} must be JSON-safe: {err}") from None
-

@@ -185,7 +185,10 @@ class _Encoder:
                 raise self.fail(path, value, " (namedtuple)")
             kind = "list" if isinstance(value, list) else "tuple"
         seq = sorted(value, key=repr) if kind in ("set", "frozenset") else value
-        return {"t": kind, "items": [self.encode(v, f"{path}/{i}" if path else str(i), depth) for i, v in enumerate(seq)]}
+        return {
+            "t": kind,
+            "items": [self.encode(v, f"{path}/{i}" if path else str(i), depth) for i, v in enumerate(seq)],
+        }
 
     def _other(self, value: Any, path: str, depth: int) -> Any:
         """Leaves that are neither scalars, tensors nor containers."""

@@ -37,7 +37,10 @@ def as_source(path: str | os.PathLike | CheckpointSource) -> CheckpointSource:
 
 
 def read_tensors(
-    source: str | os.PathLike | CheckpointSource, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], *, verify: bool = True
+    source: str | os.PathLike | CheckpointSource,
+    specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    *,
+    verify: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Read the tensors ``{dcp_key: (shape, dtype)}`` into fresh CPU tensors (no process group needed).
 

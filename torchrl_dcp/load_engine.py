@@ -160,7 +160,9 @@ def files_for(metadata: Any, flat: Mapping[str, torch.Tensor]) -> set[str]:
 
 
 # ---------------------------------------------------------------------- phase 5: read
-def read(src: CheckpointSource, request: LoadRequest, tensors: dict[str, torch.Tensor], verify: set[str], result: LoadResult) -> None:
+def read(
+    src: CheckpointSource, request: LoadRequest, tensors: dict[str, torch.Tensor], verify: set[str], result: LoadResult
+) -> None:
     """Every rank reads its tensors (collective, even with nothing to read)."""
     try:
         with quiet_single_process():
@@ -268,7 +270,9 @@ def _fail(
         raise
 
 
-def _rollback_and_raise(done: list[ComponentPlan], err: BaseException, partial: list[ComponentPlan], result: LoadResult) -> None:
+def _rollback_and_raise(
+    done: list[ComponentPlan], err: BaseException, partial: list[ComponentPlan], result: LoadResult
+) -> None:
     problems = rollback(done + partial)
     result.loaded.clear()
     result.values.clear()
@@ -312,7 +316,9 @@ def compare_versions(saved: Mapping[str, Any]) -> dict[str, Any]:
 
 def skew_text(result: LoadResult) -> str:
     return ", ".join(
-        f"{lib} {v['checkpoint']} -> {v['runtime']}" for lib, v in result.comparison["versions"].items() if not v["matches"]
+        f"{lib} {v['checkpoint']} -> {v['runtime']}"
+        for lib, v in result.comparison["versions"].items()
+        if not v["matches"]
     )
 
 

@@ -192,7 +192,9 @@ def _sources(comp: ComponentPlan, rec: dict[str, Any], rank: int, saved_world: i
     wanted = comp.adapter.reshard_sources({r: planning_view(sk) for r, sk in skeletons.items()}, comp.ctx)
     bad = [r for r in wanted if r not in skeletons]
     if bad:
-        raise IncompatibleComponentError(f"component {comp.name!r}: adapter asked for saved ranks {bad} that do not exist")
+        raise IncompatibleComponentError(
+            f"component {comp.name!r}: adapter asked for saved ranks {bad} that do not exist"
+        )
     comp.ctx.source_rank = wanted[0] if wanted else None
     return {r: SavedState(skeletons[r], key_prefix("per_rank", comp.name, r)) for r in wanted}
 
@@ -249,9 +251,11 @@ def check_backed(metadata: Any, key: str, spec: TensorSpec, source: Any) -> None
     if spec.dtensor:
         return  # sharded: its chunks are checked by DCP's planner against the live shards
     nbytes = math.prod(spec.shape) * spec.dtype.itemsize
-    backed = sum(
-        info.length for index, info in metadata.storage_data.items() if index.fqn == key
-    ) if len(saved.chunks) != 1 else _record_length(metadata, key, saved.chunks[0])
+    backed = (
+        sum(info.length for index, info in metadata.storage_data.items() if index.fqn == key)
+        if len(saved.chunks) != 1
+        else _record_length(metadata, key, saved.chunks[0])
+    )
     if backed < nbytes:
         raise CheckpointIntegrityError(
             f"tensor {key!r} claims {nbytes} bytes but its records hold {backed}: the checkpoint is damaged or forged",
@@ -283,7 +287,9 @@ def check_record(name: str, rec: dict[str, Any], metadata: Any, source: Any) -> 
             path=source,
         )
     states = (
-        [(int(r), s["state"]) for r, s in rec["ranks"].items()] if rec["placement"] == "per_rank" else [(0, rec["state"])]
+        [(int(r), s["state"]) for r, s in rec["ranks"].items()]
+        if rec["placement"] == "per_rank"
+        else [(0, rec["state"])]
     )
     count = 0
     for r, skeleton in states:
@@ -320,7 +326,9 @@ def decode_states(comp: ComponentPlan, plan: LoadPlan, rank: int) -> dict[int, A
     for src_rank, state in comp.sources.items():
         tensors = {spec.key: plan.destination(f"{state.prefix}/{spec.key}") for spec in tensor_specs(state.skeleton)}
         for ref_name, spec in xrefs(state.skeleton):
-            tensors[xref_key(ref_name, spec.key)] = plan.destination(f"{key_prefix('replicated', ref_name, rank)}/{spec.key}")
+            tensors[xref_key(ref_name, spec.key)] = plan.destination(
+                f"{key_prefix('replicated', ref_name, rank)}/{spec.key}"
+            )
         states[src_rank] = decode(state.skeleton, tensors)
     return states
 

@@ -181,7 +181,7 @@ def _with_inventory(name: str, record: dict[str, Any]) -> dict[str, Any]:
 def _v1_to_v2(manifest: dict[str, Any]) -> dict[str, Any]:
     """v2 adds each component's tensor ``inventory`` and counts ``num_tensors``/``nbytes`` over every rank."""
     components = manifest.get("components")
-    for name, record in (components.items() if isinstance(components, dict) else ()):
+    for name, record in components.items() if isinstance(components, dict) else ():
         if isinstance(record, dict):
             try:
                 _with_inventory(name, record)
@@ -235,18 +235,20 @@ def new_manifest(
     save_id: str,
 ) -> dict[str, Any]:
     """A sealed manifest of the current format; ``components`` already carry their inventory (computed at encode)."""
-    return seal({
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "step": step,
-        "world_size": world_size,
-        "versions": library_versions(),
-        "components": components,
-        "files": files,
-        "metadata": metadata,
-        "save_id": save_id,
-    })
+    return seal(
+        {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "step": step,
+            "world_size": world_size,
+            "versions": library_versions(),
+            "components": components,
+            "files": files,
+            "metadata": metadata,
+            "save_id": save_id,
+        }
+    )
 
 
 def dumps(manifest: dict[str, Any]) -> bytes:

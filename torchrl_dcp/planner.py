@@ -186,4 +186,6 @@ def _is_plain(obj: Any) -> bool:
         return True
     from torchrl_dcp.storage.record import is_memmap_tensor
 
-    return is_memmap_tensor(obj) and not hasattr(obj, "__create_chunk_list__") and not hasattr(obj, "__get_tensor_shard__")
+    return (
+        is_memmap_tensor(obj) and not hasattr(obj, "__create_chunk_list__") and not hasattr(obj, "__get_tensor_shard__")
+    )

@@ -110,7 +110,9 @@ class ComponentRecord:
             inventory = {k: v for _, (_, inv) in sorted(ranks.items()) for k, v in inv.items()}
         entry["inventory"] = dict(sorted(inventory.items()))
         entry["num_tensors"] = len(inventory)
-        entry["nbytes"] = sum(math.prod(t["shape"]) * _DTYPES[f"torch.{t['dtype']}"].itemsize for t in inventory.values())
+        entry["nbytes"] = sum(
+            math.prod(t["shape"]) * _DTYPES[f"torch.{t['dtype']}"].itemsize for t in inventory.values()
+        )
         return entry
 
 

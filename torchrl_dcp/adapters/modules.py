@@ -54,9 +54,13 @@ class ModuleAdapter(Adapter):
 
         current = get_model_state_dict(obj)
         out: dict[str, torch.Tensor] = {}
-        for key, spec in (saved.items() if isinstance(saved, Mapping) else ()):
+        for key, spec in saved.items() if isinstance(saved, Mapping) else ():
             live = current.get(key)
-            if isinstance(spec, TensorSpec) and _in_place(live) and (tuple(live.shape), live.dtype) == (spec.shape, spec.dtype):
+            if (
+                isinstance(spec, TensorSpec)
+                and _in_place(live)
+                and (tuple(live.shape), live.dtype) == (spec.shape, spec.dtype)
+            ):
                 out[spec.key] = live
         return out
 

@@ -67,7 +67,9 @@ class RNGState:
                 for i in range(n):
                     torch.cuda.set_rng_state(cuda_states[i], i)
             else:
-                warnings.warn("the checkpoint holds CUDA RNG state but CUDA is not available: not restored", stacklevel=2)
+                warnings.warn(
+                    "the checkpoint holds CUDA RNG state but CUDA is not available: not restored", stacklevel=2
+                )
 
 
 def derived_seed(saved_state: torch.Tensor, rank: int, world_size: int) -> int:

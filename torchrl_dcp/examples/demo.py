@@ -61,7 +61,9 @@ def main(argv: list[str] | None = None) -> None:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    device = torch.device(f"cuda:{rank % torch.cuda.device_count()}") if torch.cuda.is_available() else torch.device("cpu")
+    device = (
+        torch.device(f"cuda:{rank % torch.cuda.device_count()}") if torch.cuda.is_available() else torch.device("cpu")
+    )
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -114,7 +116,9 @@ def main(argv: list[str] | None = None) -> None:
                 dist.barrier()
             os.kill(os.getpid(), signal.SIGKILL)
 
-    sys.stdout.write(f"rank {rank} final step {counters['step']} weights {fingerprint(model)} seen {seen.sum().item():.6f}\n")
+    sys.stdout.write(
+        f"rank {rank} final step {counters['step']} weights {fingerprint(model)} seen {seen.sum().item():.6f}\n"
+    )
     sys.stdout.flush()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -188,14 +188,20 @@ class ArchiveContainer:
         finally:
             os.close(fd)
         if len(data) != m.size or crc32(data) != m.crc:
-            raise CheckpointIntegrityError("member fails its ZIP CRC32: the archive is damaged", path=f"{self.path}::{name}")
+            raise CheckpointIntegrityError(
+                "member fails its ZIP CRC32: the archive is damaged", path=f"{self.path}::{name}"
+            )
         return data
 
     def manifest(self) -> dict[str, Any]:
         if self._manifest is None:
             if MANIFEST not in self.members:
-                raise CheckpointFormatError(f"the archive holds no {MANIFEST}: not a torchrl_dcp checkpoint", path=self.path)
-            manifest = schema.loads_manifest(self.read_raw_member(MANIFEST, MAX_MANIFEST_BYTES), f"{self.path}::{MANIFEST}")
+                raise CheckpointFormatError(
+                    f"the archive holds no {MANIFEST}: not a torchrl_dcp checkpoint", path=self.path
+                )
+            manifest = schema.loads_manifest(
+                self.read_raw_member(MANIFEST, MAX_MANIFEST_BYTES), f"{self.path}::{MANIFEST}"
+            )
             for name in self.members:
                 if name != MANIFEST and name not in manifest["files"]:
                     raise CheckpointIntegrityError(

@@ -53,7 +53,9 @@ def format_crc(crc: int) -> str:
 
 def checksum_mismatch(actual: str, expected: str, path: Any, what: str = "file") -> CheckpointIntegrityError:
     """The error for data whose checksum differs from the manifest's."""
-    return CheckpointIntegrityError(f"checksum is {actual}, the manifest says {expected}: the {what} is damaged", path=path)
+    return CheckpointIntegrityError(
+        f"checksum is {actual}, the manifest says {expected}: the {what} is damaged", path=path
+    )
 
 
 def file_checksum(path: str | os.PathLike, chunk: int = CHECKSUM_BUFFER) -> str:

@@ -54,7 +54,9 @@ def open_regular(path: str | os.PathLike, where: Any = None) -> int:
         raise CheckpointIntegrityError("file listed in the manifest is missing", path=where) from None
     except OSError as err:
         if err.errno == errno.ELOOP:
-            raise CheckpointIntegrityError("is a symbolic link; checkpoints never hold links: refused", path=where) from None
+            raise CheckpointIntegrityError(
+                "is a symbolic link; checkpoints never hold links: refused", path=where
+            ) from None
         raise CheckpointIntegrityError(f"cannot be opened ({err.strerror})", path=where) from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
@@ -69,7 +71,9 @@ def read_whole(path: str | os.PathLike, limit: int, where: Any = None, expected_
     try:
         size = os.fstat(fd).st_size
         if size > limit:
-            raise CheckpointFormatError(f"is implausibly large ({size} bytes, at most {limit} expected)", path=where or path)
+            raise CheckpointFormatError(
+                f"is implausibly large ({size} bytes, at most {limit} expected)", path=where or path
+            )
         if expected_size is not None and size != expected_size:
             raise CheckpointIntegrityError(
                 f"size is {size} bytes, the manifest says {expected_size}: truncated or altered", path=where or path
@@ -159,7 +163,9 @@ class DirectoryContainer:
                     fds.append((name, fd))
                 else:
                     os.close(fd)
-            for (name, _), actual in zip(fds, fds_checksums([(fd, 0, files[n]["size"], str(self.path / n)) for n, fd in fds])):
+            for (name, _), actual in zip(
+                fds, fds_checksums([(fd, 0, files[n]["size"], str(self.path / n)) for n, fd in fds])
+            ):
                 if actual != files[name]["checksum"]:
                     raise checksum_mismatch(actual, files[name]["checksum"], self.path / name)
         finally:

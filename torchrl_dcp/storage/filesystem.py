@@ -83,7 +83,9 @@ def safe_load_metadata(path: str | os.PathLike, data: bytes | None = None) -> Me
     except UnsafeCheckpointError:
         raise
     except Exception as err:
-        raise CheckpointIntegrityError(f"DCP metadata cannot be read ({type(err).__name__}: {err})", path=path) from None
+        raise CheckpointIntegrityError(
+            f"DCP metadata cannot be read ({type(err).__name__}: {err})", path=path
+        ) from None
     if not isinstance(metadata, Metadata):
         raise CheckpointFormatError(f"DCP metadata holds a {type(metadata).__name__}, not a Metadata", path=path)
     return metadata
@@ -142,4 +144,6 @@ class SafeFileSystemReader(FileSystemReader):
 
 def make_writer(path: str | os.PathLike, thread_count: int = 1) -> FileSystemWriter:
     """DCP's file writer: one file per rank, files fsynced, never overwriting."""
-    return FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=thread_count, overwrite=False)
+    return FileSystemWriter(
+        path, single_file_per_rank=True, sync_files=True, thread_count=thread_count, overwrite=False
+    )

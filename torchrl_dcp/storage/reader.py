@@ -85,7 +85,12 @@ class RangeFile:
     """
 
     def __init__(self, byte_range: ByteRange, on_read: Any = None) -> None:
-        self.path, self.base, self.size, self.where = byte_range.path, byte_range.base, byte_range.size, byte_range.where
+        self.path, self.base, self.size, self.where = (
+            byte_range.path,
+            byte_range.base,
+            byte_range.size,
+            byte_range.where,
+        )
         self.on_read = on_read
 
     def open(self) -> BinaryIO:
@@ -138,7 +143,12 @@ def _advise_hugepages(ptr: int, nbytes: int) -> None:
 
 def destination_bytes(tensor: torch.Tensor) -> memoryview | None:
     """A writable view of a contiguous CPU tensor's bytes (``None``: not readable in place)."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.is_quantized or tensor.layout != torch.strided:
+    if (
+        tensor.device.type != "cpu"
+        or not tensor.is_contiguous()
+        or tensor.is_quantized
+        or tensor.layout != torch.strided
+    ):
         return None
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
@@ -294,7 +304,10 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
                     pieces += self._read_large_run(src, f, items[i:j], planner, crc, scratch)
                     pos, i = max(pos, max(r.offset + r.length for r in items[i:j])), j
                     continue
-                end, i = self._read_batch(src, f, items, i, scratch, planner, pieces if crc else None), _batch_end(items, i)
+                end, i = (
+                    self._read_batch(src, f, items, i, scratch, planner, pieces if crc else None),
+                    _batch_end(items, i),
+                )
                 pos = end
             if crc and pos < src.size:
                 pieces += self._read_gap(src, f, pos, src.size, scratch)
@@ -353,7 +366,9 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
                 return
         self.fallback(item.req, planner, bytes(record))
 
-    def _read_run(self, src: RangeFile, f: BinaryIO, run: list[_Item], planner: LoadPlanner, crc: bool) -> list[tuple[int, int, int]]:
+    def _read_run(
+        self, src: RangeFile, f: BinaryIO, run: list[_Item], planner: LoadPlanner, crc: bool
+    ) -> list[tuple[int, int, int]]:
         """Read several large records: each split between the threads when huge, else one per thread at once."""
         if self.threads == 1 or len(run) == 1 or any(it.length >= PARALLEL for it in run):
             return [p for it in run for p in self._read_large(src, f, it, planner, crc)]
@@ -436,7 +451,9 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         run_split(list(range(threads)), [1] * threads, threads, run)
         return [p for r in results for p in r]
 
-    def _read_gap(self, src: RangeFile, f: BinaryIO, start: int, end: int, scratch: bytearray) -> list[tuple[int, int, int]]:
+    def _read_gap(
+        self, src: RangeFile, f: BinaryIO, start: int, end: int, scratch: bytearray
+    ) -> list[tuple[int, int, int]]:
         out = []
         for a in range(start, end, len(scratch)):
             view = memoryview(scratch)[: min(len(scratch), end - a)]
@@ -456,7 +473,9 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         value, pos = 0, 0
         for offset, length, crc in sorted(pieces):
             if offset != pos:
-                raise CheckpointIntegrityError(f"internal: checksummed bytes are not contiguous at {pos}", path=src.where)
+                raise CheckpointIntegrityError(
+                    f"internal: checksummed bytes are not contiguous at {pos}", path=src.where
+                )
             value = crc32_combine(value, crc, length)
             pos += length
         if pos != src.size:

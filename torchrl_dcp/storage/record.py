@@ -158,9 +158,11 @@ def template(dtype: torch.dtype, shape: tuple[int, ...]) -> Template:
 def can_write_fast(tensor: Any) -> bool:
     """Whether ``tensor`` is a plain strided tensor this writer encodes itself (else DCP writes the state)."""
     return (
-        type(tensor) in (torch.Tensor, torch.nn.Parameter) or is_memmap_tensor(tensor)
-    ) and tensor.layout == torch.strided and tensor.dtype in STORAGE_NAMES and not tensor.is_quantized and (
-        sys.byteorder == "little"
+        (type(tensor) in (torch.Tensor, torch.nn.Parameter) or is_memmap_tensor(tensor))
+        and tensor.layout == torch.strided
+        and tensor.dtype in STORAGE_NAMES
+        and not tensor.is_quantized
+        and (sys.byteorder == "little")
     )
 
 
@@ -185,7 +187,6 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(b"")
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
 
 
 # ---------------------------------------------------------------------- locating a record's tensor bytes
@@ -340,4 +341,3 @@ def record_data_offset(read: Any, head: Any, length: int, dtype: torch.dtype, sh
         return zip_data_offset(read, length, dtype, shape)
     except (struct.error, ValueError, IndexError):
         return None
-

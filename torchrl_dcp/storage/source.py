@@ -96,7 +96,11 @@ class CheckpointSource:
             span = self.container.byte_range(name)
             fd = open_regular(span.path, span.where)
             try:
-                tail = os.pread(fd, TRAILER_SIZE, span.base + span.size - TRAILER_SIZE) if span.size >= TRAILER_SIZE else b""
+                tail = (
+                    os.pread(fd, TRAILER_SIZE, span.base + span.size - TRAILER_SIZE)
+                    if span.size >= TRAILER_SIZE
+                    else b""
+                )
             finally:
                 os.close(fd)
             found = read_identity(tail)

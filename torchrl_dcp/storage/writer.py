@@ -253,7 +253,9 @@ def write_share(
     return out
 
 
-def write_state(flat: Mapping[str, torch.Tensor], directory: str | os.PathLike, threads: int | None = None) -> WriteOutcome:
+def write_state(
+    flat: Mapping[str, torch.Tensor], directory: str | os.PathLike, threads: int | None = None
+) -> WriteOutcome:
     """Single-process helper: write every tensor of ``flat`` and ``.metadata`` into ``directory``."""
     directory = Path(directory)
     out = write_share(flat, list(flat), directory, 0, threads=threads)
