@@ -88,3 +88,40 @@ def test_a_data_file_from_another_save_is_refused(saved: Path, tmp_path: Path) -
     (a / "manifest.json").write_text(json.dumps(seal(m)))
     with pytest.raises(tdcp.CheckpointIntegrityError, match="another checkpoint"):
         tdcp.verify(a)
+
+
+@pytest.mark.parametrize("claimed", [[1 << 28], [1 << 20, 1 << 10]])
+def test_a_forged_shape_larger_than_its_record_is_refused_before_allocating(tmp_path: Path, claimed: list[int]) -> None:
+    """Manifest and .metadata consistently claim a huge tensor whose record holds 16 bytes: refused, nothing allocated."""
+    import pickle
+    import resource
+
+    from torchrl_dcp.storage.checksums import file_checksum
+    from torchrl_dcp.storage.filesystem import safe_load_metadata
+
+    path = tdcp.DistributedCheckpoint(state={"w": torch.arange(4.0)}).save(tmp_path / "c")
+    meta = safe_load_metadata(path / ".metadata")
+    entry = meta.state_dict_metadata["replicated/state/w"]
+    entry.size = torch.Size(claimed)
+    entry.chunks[0].sizes = torch.Size(claimed)
+    index = next(i for i in meta.storage_data if i.fqn == "replicated/state/w")
+    meta.storage_data[type(index)(index.fqn, torch.Size([0] * len(claimed)), index.index)] = meta.storage_data.pop(
+        index
+    )
+    (path / ".metadata").write_bytes(pickle.dumps(meta))
+    m = json.loads((path / "manifest.json").read_text())
+    m["files"][".metadata"] = {
+        "size": (path / ".metadata").stat().st_size,
+        "checksum": file_checksum(path / ".metadata"),
+    }
+    node = m["components"]["state"]["state"]["items"][0][1]
+    node["shape"] = claimed
+    m["components"]["state"]["inventory"]["replicated/state/w"]["shape"] = claimed
+    (path / "manifest.json").write_text(json.dumps(seal(m)))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    target = {"w": torch.zeros(1)}
+    with pytest.raises(tdcp.CheckpointIntegrityError, match="claims .* bytes but its records hold"):
+        tdcp.DistributedCheckpoint(state=target).load(path)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10  # KiB: nothing like 1 GiB
+    with pytest.raises(tdcp.CheckpointIntegrityError, match="claims"):
+        tdcp.verify(path)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from torchrl_dcp.adapters import Adapter, AdapterContext
-from torchrl_dcp.codec import TensorSpec, decode, encode, is_dtensor, tensor_specs, xref_key, xrefs
+from torchrl_dcp.codec import TensorSpec, decode, dtype_name, encode, is_dtensor, tensor_specs, xref_key, xrefs
 from torchrl_dcp.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -39,10 +39,13 @@ from torchrl_dcp.placement import Placement, key_prefix
 
 @dataclass
 class SavedState:
-    """One saved state of a component: its skeleton and the DCP key prefix of its tensors."""
+    """One saved state of a component: its skeleton, the DCP key prefix of its tensors, and what was
+    derived from it once while checking it (its tensor specs and its planning view)."""
 
     skeleton: Any
     prefix: str
+    specs: list[TensorSpec] = field(default_factory=list)
+    view: Any = None
 
 
 @dataclass
@@ -117,7 +120,7 @@ def plan_components(
         if rec is None:
             continue
         assert reg.adapter is not None
-        check_record(name, rec, metadata, source)
+        checked = check_states(name, rec, metadata, source)
         reshard = rec["placement"] == "per_rank" and manifest["world_size"] != world_size
         if reshard and not (reshard_allowed and reg.adapter.can_reshard):
             why = (
@@ -134,8 +137,8 @@ def plan_components(
         ctx = reg.make_ctx(saved_world_size=manifest["world_size"])
         comp = ComponentPlan(name, reg.value, reg.adapter, ctx, {}, reshard)
         try:
-            comp.sources = _sources(comp, rec, rank, manifest["world_size"])
-            views = {r: planning_view(s.skeleton) for r, s in comp.sources.items()}
+            comp.sources = _sources(comp, rec, rank, checked)
+            views = {r: s.view for r, s in comp.sources.items()}
             reg.adapter.validate(reg.value, views, ctx)
             _take_snapshot(comp)
             _destinations(comp, views, load_plan, metadata, source)
@@ -179,24 +182,27 @@ def _compatible_record(
     return rec
 
 
-def _sources(comp: ComponentPlan, rec: dict[str, Any], rank: int, saved_world: int) -> dict[int, SavedState]:
-    """Which saved states this rank reads: ``{source_rank: SavedState}``."""
-    placement = rec["placement"]
-    if placement != "per_rank":
+def _sources(
+    comp: ComponentPlan, rec: dict[str, Any], rank: int, checked: dict[int, SavedState]
+) -> dict[int, SavedState]:
+    """Which saved states this rank reads: ``{source_rank: SavedState}`` (``checked``: every saved state, checked)."""
+    if rec["placement"] != "per_rank":
         comp.ctx.source_rank = rank
-        return {rank: SavedState(rec["state"], key_prefix(placement, comp.name, rank))}
+        state = checked[0]
+        return {
+            rank: SavedState(state.skeleton, key_prefix(rec["placement"], comp.name, rank), state.specs, state.view)
+        }
     if not comp.reshard:
         comp.ctx.source_rank = rank
-        return {rank: SavedState(rec["ranks"][str(rank)]["state"], key_prefix("per_rank", comp.name, rank))}
-    skeletons = {r: rec["ranks"][str(r)]["state"] for r in range(saved_world)}
-    wanted = comp.adapter.reshard_sources({r: planning_view(sk) for r, sk in skeletons.items()}, comp.ctx)
-    bad = [r for r in wanted if r not in skeletons]
+        return {rank: checked[rank]}
+    wanted = comp.adapter.reshard_sources({r: s.view for r, s in checked.items()}, comp.ctx)
+    bad = [r for r in wanted if r not in checked]
     if bad:
         raise IncompatibleComponentError(
             f"component {comp.name!r}: adapter asked for saved ranks {bad} that do not exist"
         )
     comp.ctx.source_rank = wanted[0] if wanted else None
-    return {r: SavedState(skeletons[r], key_prefix("per_rank", comp.name, r)) for r in wanted}
+    return {r: checked[r] for r in wanted}
 
 
 def _destinations(comp: ComponentPlan, views: dict[int, Any], plan: LoadPlan, metadata: Any, source: Any) -> None:
@@ -204,9 +210,8 @@ def _destinations(comp: ComponentPlan, views: dict[int, Any], plan: LoadPlan, me
     live_state: dict[str, Any] | None = None
     for src_rank, state in comp.sources.items():
         given = None if comp.reshard else comp.adapter.destinations(comp.value, views[src_rank], comp.ctx)
-        for spec in tensor_specs(state.skeleton):
+        for spec in state.specs:  # each checked against DCP's metadata already (check_states)
             key = f"{state.prefix}/{spec.key}"
-            check_backed(metadata, key, spec, source)
             dest = (given or {}).get(spec.key)
             if dest is not None:
                 _check_destination(comp.name, spec, dest)
@@ -272,33 +277,37 @@ def _record_length(metadata: Any, key: str, chunk: Any) -> int:
     return 0 if info is None else int(info.length)
 
 
-def check_record(name: str, rec: dict[str, Any], metadata: Any, source: Any) -> int:
-    """The same checks for ``load`` and ``verify``: a component's inventory agrees with its saved states, every
-    state decodes (bounded), and every tensor is in DCP's metadata with its dtype and shape, backed by enough
-    bytes. Returns the number of tensors."""
-    from torchrl_dcp.manifest import component_inventory
-
-    expected = component_inventory(name, rec)
-    if rec["inventory"] != expected:
+def check_states(name: str, rec: dict[str, Any], metadata: Any, source: Any) -> dict[int, SavedState]:
+    """The same checks for ``load`` and ``verify``, on every saved state of a component: its inventory agrees with
+    its states, every state decodes (bounded), and every tensor is in DCP's metadata with its dtype and shape,
+    backed by enough bytes. Returns ``{saved rank: SavedState}`` (rank 0 for replicated and sharded components)."""
+    placement = rec["placement"]
+    if placement == "per_rank":
+        states = [(int(r), s["state"]) for r, s in rec["ranks"].items()]
+    else:
+        states = [(0, rec["state"])]
+    inventory: dict[str, Any] = {}
+    out: dict[int, SavedState] = {}
+    for r, skeleton in states:
+        specs = list(tensor_specs(skeleton))
+        placeholders: dict[str, Any] = {spec.key: spec for spec in specs}
+        placeholders.update({xref_key(ref, spec.key): spec for ref, spec in xrefs(skeleton)})
+        view = decode(skeleton, placeholders)  # every value decodes (numeric dtypes, bounded nesting)
+        prefix = key_prefix(placement, name, r)
+        for spec in specs:
+            key = f"{prefix}/{spec.key}"
+            inventory[key] = {"dtype": dtype_name(spec.dtype), "shape": list(spec.shape)}
+            check_backed(metadata, key, spec, source)
+        out[r] = SavedState(skeleton, prefix, specs, view)
+    if rec["inventory"] != inventory:
+        expected = inventory
         differ = sorted(k for k in set(expected) | set(rec["inventory"]) if expected.get(k) != rec["inventory"].get(k))
         raise CheckpointIntegrityError(
             f"component {name!r}: the tensor inventory disagrees with its saved state at {differ[:3]} "
             "(damaged or forged manifest)",
             path=source,
         )
-    states = (
-        [(int(r), s["state"]) for r, s in rec["ranks"].items()]
-        if rec["placement"] == "per_rank"
-        else [(0, rec["state"])]
-    )
-    count = 0
-    for r, skeleton in states:
-        planning_view(skeleton)  # every value decodes (numeric dtypes, bounded nesting)
-        prefix = key_prefix(rec["placement"], name, r)
-        for spec in tensor_specs(skeleton):
-            check_backed(metadata, f"{prefix}/{spec.key}", spec, source)
-            count += 1
-    return count
+    return out
 
 
 def _references(
@@ -324,20 +333,13 @@ def decode_states(comp: ComponentPlan, plan: LoadPlan, rank: int) -> dict[int, A
     """The component's saved states with their tensors (the destinations, read or about to be read)."""
     states = {}
     for src_rank, state in comp.sources.items():
-        tensors = {spec.key: plan.destination(f"{state.prefix}/{spec.key}") for spec in tensor_specs(state.skeleton)}
+        tensors = {spec.key: plan.destination(f"{state.prefix}/{spec.key}") for spec in state.specs}
         for ref_name, spec in xrefs(state.skeleton):
             tensors[xref_key(ref_name, spec.key)] = plan.destination(
                 f"{key_prefix('replicated', ref_name, rank)}/{spec.key}"
             )
         states[src_rank] = decode(state.skeleton, tensors)
     return states
-
-
-def planning_view(skeleton: Any) -> Any:
-    """The saved state with every tensor replaced by its TensorSpec (what adapters plan from)."""
-    placeholders: dict[str, Any] = {spec.key: spec for spec in tensor_specs(skeleton)}
-    placeholders.update({xref_key(ref, spec.key): spec for ref, spec in xrefs(skeleton)})
-    return decode(skeleton, placeholders)
 
 
 # ---------------------------------------------------------------------- snapshots

@@ -282,16 +282,18 @@ def _refuse_constant(name: str) -> Any:
 
 
 def check_depth(value: Any, source: Any, limit: int = MAX_DEPTH) -> None:
-    """Refuse JSON nested deeper than ``limit`` (walked without recursion)."""
-    stack = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
+    """Refuse JSON nested deeper than ``limit`` (walked level by level, without recursion)."""
+    level, depth = [value], 1
+    while level:
         if depth > limit:
             raise CheckpointFormatError(f"manifest is nested deeper than {limit} levels: refused", path=source)
-        if isinstance(node, dict):
-            stack.extend((v, depth + 1) for v in node.values())
-        elif isinstance(node, list):
-            stack.extend((v, depth + 1) for v in node)
+        deeper: list[Any] = []
+        for node in level:
+            if isinstance(node, dict):
+                deeper.extend(v for v in node.values() if isinstance(v, (dict, list)))
+            elif isinstance(node, list):
+                deeper.extend(v for v in node if isinstance(v, (dict, list)))
+        level, depth = deeper, depth + 1
 
 
 def body_checksum(manifest: dict[str, Any]) -> str:

@@ -61,18 +61,25 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
 def fingerprint(t: torch.Tensor, mode: ReplicaCheck) -> str:
     """A short fingerprint of a tensor's dtype, shape and bytes (all of them, or evenly spaced slices)."""
     head = f"{t.dtype}:{tuple(t.shape)}:"
-    if t.numel() == 0:
+    n = t.numel() * t.element_size()
+    if n == 0:
         return head
-    flat = _byte_view(t)
-    n = flat.numel()
     if mode == "full" or n <= SLICES * SLICE:
-        data = flat
-    else:
-        step = (n - SLICE) // (SLICES - 1)
-        data = torch.cat([flat[i * step : i * step + SLICE] for i in range(SLICES)])
-    if data.device.type != "cpu":
-        data = data.cpu()
-    return head + f"{crc32(data.numpy()):08x}"
+        return head + f"{crc32(_host_bytes(t)):08x}"
+    flat = _byte_view(t)
+    step = (n - SLICE) // (SLICES - 1)
+    data = torch.cat([flat[i * step : i * step + SLICE] for i in range(SLICES)])
+    return head + f"{crc32(data.cpu().numpy()):08x}"
+
+
+def _host_bytes(t: torch.Tensor) -> Any:
+    """The tensor's bytes as a host buffer: zero-copy for contiguous CPU tensors numpy can view."""
+    if t.device.type == "cpu" and t.is_contiguous() and type(t) in (torch.Tensor, torch.nn.Parameter):
+        try:
+            return t.detach().numpy()
+        except (TypeError, RuntimeError):  # bfloat16 & co.: numpy has no such dtype
+            pass
+    return _byte_view(t).cpu().numpy()
 
 
 def _without_devices(node: Any) -> Any:

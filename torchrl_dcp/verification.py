@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
-from torchrl_dcp.load_plan import check_record
+from torchrl_dcp.load_plan import check_states
 from torchrl_dcp.manifest import unchecked
 from torchrl_dcp.storage.container import open_regular
 from torchrl_dcp.storage.layout import MANIFEST
@@ -62,7 +62,7 @@ def verify(path: str | os.PathLike) -> dict[str, Any]:
     if metadata is not None:
         src.check_identity(info.relative_path for info in metadata.storage_data.values())
         for name, rec in manifest["components"].items():
-            tensors += check_record(name, rec, metadata, root / MANIFEST)
+            tensors += sum(len(s.specs) for s in check_states(name, rec, metadata, root / MANIFEST).values())
         _check_blob_headers(src, metadata)
     elif any(rec.get("num_tensors") or rec.get("inventory") for rec in manifest["components"].values()):
         raise CheckpointFormatError("manifest lists tensors but no data files", path=root)

@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
@@ -35,6 +36,10 @@ class JSONAdapter(Adapter):
 
     def state(self, obj: Any, ctx: AdapterContext) -> Any:
         return obj
+
+    def snapshot(self, obj: Any, ctx: AdapterContext) -> Any:
+        """A shallow copy: restoring replaces the container's items and never writes into the old ones."""
+        return copy.copy(obj)
 
     def restore(self, obj: Any, state: Any, ctx: AdapterContext) -> Any:
         if isinstance(obj, dict) and isinstance(state, dict):

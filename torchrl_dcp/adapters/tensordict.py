@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -73,6 +74,12 @@ class TensorDictAdapter(Adapter):
     version = 1
 
     def state(self, obj: TensorDictBase, ctx: AdapterContext) -> Any:
+        return tensordict_state(obj)
+
+    def snapshot(self, obj: TensorDictBase, ctx: AdapterContext) -> Any:
+        """An unlocked TensorDict's entries are replaced by a restore, never written into: keep them by reference."""
+        if obj.is_locked:  # restored in place (update_): copy
+            return copy.deepcopy(self.state(obj, ctx))
         return tensordict_state(obj)
 
     def restore(self, obj: TensorDictBase, state: Any, ctx: AdapterContext) -> Any:
