@@ -349,3 +349,33 @@ def test_default_snapshot_is_a_deep_copy() -> None:
         m.weight.add_(1)
     assert not torch.equal(snap["weight"], m.weight)
     assert json.dumps(sorted(snap)) == '["bias", "weight"]'
+
+
+def test_a_module_not_read_in_place_is_rolled_back(tmp_path: Path) -> None:
+    """A float64 checkpoint into a float32 module is copied, not read in place: a later failure rolls it back."""
+
+    class Counter:
+        def __init__(self, fail: bool) -> None:
+            self.fail = fail
+
+        def state_dict(self) -> dict[str, int]:
+            return {"n": 1}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            if self.fail:
+                raise RuntimeError("injected")
+
+    torch.manual_seed(0)
+    saving = tdcp.DistributedCheckpoint(model=torch.nn.Linear(3, 2).double())
+    saving.register("counter", Counter(False))
+    path = saving.save(tmp_path / "c")
+    model = torch.nn.Linear(3, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    loading = tdcp.DistributedCheckpoint(model=model)
+    loading.register("counter", Counter(True))
+    with pytest.raises(tdcp.CheckpointError, match="counter"):
+        loading.load(path)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    loading.unregister("counter")
+    loading.load(path, components=["model"])  # and the copy with a cast works
+    assert model.weight.dtype == torch.float32 and not torch.equal(model.weight, before["weight"])

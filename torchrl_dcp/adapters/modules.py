@@ -43,30 +43,23 @@ class ModuleAdapter(Adapter):
         return get_model_state_dict(obj)
 
     def validate(self, obj: torch.nn.Module, saved: dict[int, Any], ctx: AdapterContext) -> None:
+        """Keys, kinds and shapes, before anything changes; notes which tensors will be read in place."""
         current = get_model_state_dict(obj)
         for state in saved.values():
             _check_values(current, state, ctx.name)
             _check_keys(current, state, ctx)
+            ctx.plan["in_place"] = _in_place_keys(current, state)
 
     def destinations(self, obj: torch.nn.Module, saved: Any, ctx: AdapterContext) -> dict[str, torch.Tensor] | None:
         """The module's own tensors, for every saved tensor of the same shape and dtype (read in place)."""
-        from torchrl_dcp.codec import TensorSpec
-
         current = get_model_state_dict(obj)
-        out: dict[str, torch.Tensor] = {}
-        for key, spec in saved.items() if isinstance(saved, Mapping) else ():
-            live = current.get(key)
-            if (
-                isinstance(spec, TensorSpec)
-                and _in_place(live)
-                and (tuple(live.shape), live.dtype) == (spec.shape, spec.dtype)
-            ):
-                out[spec.key] = live
-        return out
+        keys = ctx.plan.get("in_place", _in_place_keys(current, saved))
+        return {saved[k].key: current[k] for k in keys}
 
     def snapshot(self, obj: torch.nn.Module, ctx: AdapterContext) -> Any:
-        """Tensors read in place are kept by reference (never copied); the others are copied."""
-        return {k: v if _in_place(v) else copy.deepcopy(v) for k, v in get_model_state_dict(obj).items()}
+        """Tensors that will be read in place are kept by reference (never copied); the others are copied."""
+        keys = ctx.plan.get("in_place", set())
+        return {k: v if k in keys else copy.deepcopy(v) for k, v in get_model_state_dict(obj).items()}
 
     def restore(self, obj: torch.nn.Module, state: Any, ctx: AdapterContext) -> Any:
         current = get_model_state_dict(obj)
@@ -76,6 +69,22 @@ class ModuleAdapter(Adapter):
         if rest:
             set_model_state_dict(obj, rest, options=StateDictOptions(strict=False))
         return None
+
+
+def _in_place_keys(current: Mapping[str, Any], saved: Any) -> set[str]:
+    """State keys whose live tensor can receive the saved tensor's bytes where it is (same shape and dtype)."""
+    from torchrl_dcp.codec import TensorSpec
+
+    keys = set()
+    for key, spec in saved.items() if isinstance(saved, Mapping) else ():
+        live = current.get(key)
+        if (
+            isinstance(spec, TensorSpec)
+            and _in_place(live)
+            and (tuple(live.shape), live.dtype) == (spec.shape, spec.dtype)
+        ):
+            keys.add(key)
+    return keys
 
 
 def _in_place(t: Any) -> bool:
@@ -156,10 +165,16 @@ class OptimizerAdapter(Adapter):
         """
         return {**_live_state_destinations(obj, saved), **optimizer_destinations(obj, saved)}
 
+    def validate(self, obj: torch.optim.Optimizer, saved: dict[int, Any], ctx: AdapterContext) -> None:
+        """Notes which state tensors will be read in place (the snapshot keeps those by reference)."""
+        for state in saved.values():
+            ctx.plan["in_place"] = {id(t) for t in _live_state_destinations(obj, state).values()}
+
     def snapshot(self, obj: torch.optim.Optimizer, ctx: AdapterContext) -> Any:
-        """A copy of the state dict in which the state tensors (read in place) are kept by reference."""
+        """A copy of the state dict in which the state tensors that will be read in place are kept by reference."""
         live = obj.state_dict()
-        memo = {id(t): t for entries in live["state"].values() for t in entries.values() if _in_place(t)}
+        keep = ctx.plan.get("in_place", set())
+        memo = {id(t): t for entries in live["state"].values() for t in entries.values() if id(t) in keep}
         return copy.deepcopy(live, memo)
 
     def restore(self, obj: torch.optim.Optimizer, state: Any, ctx: AdapterContext) -> Any:
