@@ -93,9 +93,11 @@ def _in_place(t: Any) -> bool:
 
 
 def _same_tensor(a: Any, b: Any) -> bool:
+    """Whether ``b`` is ``a`` itself (read in place). Only plain tensors: a DTensor's ``data_ptr`` says nothing."""
     return (
-        isinstance(a, torch.Tensor)
-        and isinstance(b, torch.Tensor)
+        _in_place(a)
+        and _in_place(b)
+        and a.numel() > 0
         and a.data_ptr() == b.data_ptr()
         and a.shape == b.shape
         and a.stride() == b.stride()
