@@ -64,3 +64,24 @@ def load_resharded(path: str, capacity: int) -> dict[str, Any]:
         out["sample_ok"] = bool(rb.sample()["id"].numel() == 4)
     out["cursor"] = rb._writer._cursor
     return out
+
+
+def load_resharded_into_too_small_buffers(path: str, capacity: int) -> dict[str, Any]:
+    """Reshard into buffers that cannot hold this rank's share: refused while planning, nothing changes."""
+    rb = _buffer(capacity)
+    torch.manual_seed(99)
+    policy = torch.nn.Linear(2, 2)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    rng_before = torch.get_rng_state()
+    try:
+        _checkpoint(rb, policy).load(path, world_size_change="reshard")
+    except tdcp.CheckpointError as err:
+        error = str(err)
+    else:
+        error = None
+    return {
+        "error": error,
+        "policy_unchanged": all(torch.equal(before[k], v) for k, v in policy.state_dict().items()),
+        "rng_unchanged": torch.equal(rng_before, torch.get_rng_state()),
+        "buffer_untouched": len(rb) == 0 and not rb._storage.initialized,
+    }

@@ -34,3 +34,12 @@ def test_prioritized_shards_are_redistributed(tmp_path: Path, saved: int, resume
     assert len(set(draws)) == len(draws)  # re-seeded streams differ between the new ranks
     again = launch(f"{S}:load_resharded", resumed, path, 64)
     assert [r.value["draw"] for r in again] == draws  # ... deterministically
+
+
+def test_a_reshard_that_lacks_capacity_changes_nothing(tmp_path: Path) -> None:
+    """3 shards of 10 + 19 + 28 transitions onto 2 ranks with room for 16 each: refused before anything changes."""
+    path = str(tmp_path / "ckpt")
+    launch(f"{S}:save_shards", 3, path, 32)
+    for r in launch(f"{S}:load_resharded_into_too_small_buffers", 2, path, 16):
+        assert r.value["error"] is not None and "capacity" in r.value["error"], r.value
+        assert r.value["policy_unchanged"] and r.value["rng_unchanged"] and r.value["buffer_untouched"], r.value
