@@ -104,3 +104,21 @@ def launch(
 
 def _outputs(results: list[RankResult]) -> str:
     return "\n".join(f"----- rank {r.rank} (exit {r.returncode}) -----\n{r.output[-4000:]}" for r in results)
+
+
+def torchrun_module(module: str, *args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``python -m module *args`` under ``torchrun`` (c10d rendezvous on a free local port), as users do."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--max-restarts=0",
+        "-m",
+        module,
+        *args,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RL_WARNINGS": "False"}
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)

@@ -2,32 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests_distributed.launch import ROOT, free_port
+from tests_distributed.launch import torchrun_module
 
 
 def torchrun(*args: str, nproc: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        "--max-restarts=0",
-        "-m",
-        "torchrl_dcp.examples.demo",
-        *args,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return torchrun_module("torchrl_dcp.examples.demo", *args, nproc=nproc, timeout=timeout)
 
 
 def finals(out: str) -> dict[str, str]:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests_distributed.launch import ROOT, free_port
+from tests_distributed.launch import torchrun_module
 
 ARGS = [
     "--iterations",
@@ -31,21 +29,7 @@ ARGS = [
 
 
 def torchrun(*args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        "--max-restarts=0",
-        "-m",
-        "torchrl_dcp.examples.sac",
-        *ARGS,
-        *args,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RL_WARNINGS": "False"}
-    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return torchrun_module("torchrl_dcp.examples.sac", *ARGS, *args, nproc=nproc, timeout=timeout)
 
 
 def finals(out: str) -> dict[str, dict[str, str]]:

@@ -3,28 +3,18 @@
 from __future__ import annotations
 
 import ast
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import torchrl_dcp as tdcp
-from tests_distributed.launch import ROOT, free_port
+from tests_distributed.launch import torchrun_module
 
 
 def torchrun(*args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        "--max-restarts=0",
-        "-m",
+    return torchrun_module(
         "torchrl_dcp.examples.sac_trainer",
         "--frames-per-batch",
         "32",
@@ -33,9 +23,9 @@ def torchrun(*args: str, nproc: int = 2, timeout: float = 300) -> subprocess.Com
         "--hidden",
         "16",
         *args,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RL_WARNINGS": "False"}
-    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+        nproc=nproc,
+        timeout=timeout,
+    )
 
 
 def finals(out: str) -> dict[str, tuple[str, ...]]:
