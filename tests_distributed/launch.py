@@ -122,3 +122,53 @@ def torchrun_module(module: str, *args: str, nproc: int = 2, timeout: float = 30
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RL_WARNINGS": "False"}
     return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def torchrun_nodes(
+    module: str, *args: str, nodes: int = 2, nproc: int = 2, root: Path, timeout: float = 300
+) -> list[subprocess.CompletedProcess]:
+    """Run ``module`` as ``nodes`` separate ``torchrun --nnodes N`` agents (one per "node") on this machine.
+
+    The agents meet through a c10d rendezvous on 127.0.0.1; each "node" has a private
+    ``TMPDIR`` (``root/node<i>/tmp``) and its own working directory, so nothing may rely on
+    a node-local path being visible elsewhere. Returns each agent's completed process.
+    """
+    port = free_port()
+    procs = []
+    for node in range(nodes):
+        home = root / f"node{node}"
+        (home / "tmp").mkdir(parents=True, exist_ok=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={nodes}",
+            f"--nproc-per-node={nproc}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id=nodes-{port}",
+            "--max-restarts=0",
+            "-m",
+            module,
+            *args,
+        ]
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(ROOT),
+            "RL_WARNINGS": "False",
+            "TMPDIR": str(home / "tmp"),
+        }
+        procs.append(
+            subprocess.Popen(cmd, env=env, cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    out = []
+    for p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            stdout, stderr = p.communicate()
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
