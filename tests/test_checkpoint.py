@@ -77,7 +77,7 @@ def test_layout_and_manifest(tmp_path: Path) -> None:
     names = sorted(p.name for p in path.iterdir())
     assert names == [".metadata", "__0_0.distcp", "manifest.json"]
     m = json.loads((path / "manifest.json").read_text())
-    assert m["format"] == "torchrl_dcp" and m["format_version"] == 3 and m["world_size"] == 1
+    assert m["format"] == "torchrl_dcp" and m["format_version"] == 4 and m["world_size"] == 1
     assert set(m["versions"]) == {"torch", "tensordict", "torchrl", "torchrl_dcp"}
     assert m["components"]["model"]["placement"] == "replicated"
     assert m["components"]["stats"]["ranks"]["0"]["state"]["items"] == [["episodes", 3]]

@@ -88,7 +88,8 @@ def test_fixture_really_is_format_v1() -> None:
 
 def test_v1_to_v2_adds_the_tensor_inventory_a_fresh_save_writes(tmp_path: Path) -> None:
     m = tdcp.read_manifest(FIXTURE)
-    assert m["format_version"] == mf.FORMAT_VERSION == 3
+    assert m["format_version"] == mf.FORMAT_VERSION == 4
+    assert m["chunks"] == {}  # v3 -> v4: nothing was cut into chunk files
     assert m["components"]["policy"]["inventory"] == {
         "replicated/policy/bias": {"dtype": "float32", "shape": [2]},
         "replicated/policy/weight": {"dtype": "float32", "shape": [2, 3]},
@@ -101,7 +102,7 @@ def test_v1_to_v2_adds_the_tensor_inventory_a_fresh_save_writes(tmp_path: Path) 
     ckpt, _ = fresh()
     path = ckpt.save(tmp_path / "v2")
     written = json.loads((path / "manifest.json").read_text())
-    assert written["format_version"] == 3
+    assert written["format_version"] == 4
     for name in ("policy", "episode", "stats"):
         assert written["components"][name]["inventory"] == m["components"][name]["inventory"]
     # migration works on a copy: parsing twice gives the same answer
@@ -123,7 +124,7 @@ def test_v1_fixture_loads_through_the_chain_into_objects() -> None:
     assert (c.value, c.label, c.unit) == (41, "forty-one", "steps")
     assert torch.equal(objs["episode"]["return"], torch.tensor([1.5, -2.0]))
     assert result.step == 7 and result.manifest["metadata"]["reward"] == 1.25
-    assert result.manifest["format_version"] == 3
+    assert result.manifest["format_version"] == 4
     report = tdcp.verify(FIXTURE)
     assert report["tensors"] == 4
     assert any("manifest checksum" in u for u in report["unchecked"]) and any(
@@ -151,25 +152,25 @@ def test_format_migrations_run_step_by_step(monkeypatch: pytest.MonkeyPatch) -> 
 
         return step
 
-    def record_3(m: dict[str, Any]) -> dict[str, Any]:
+    def record_4(m: dict[str, Any]) -> dict[str, Any]:
         seen.append(m["format_version"])
-        m["metadata"]["upgraded_to_4"] = True
-        m["format_version"] = 4
+        m["metadata"]["upgraded_to_5"] = True
+        m["format_version"] = 5
         return m
 
-    for version in (1, 2):
+    for version in (1, 2, 3):
         monkeypatch.setitem(mf._MIGRATIONS, version, recording(version))
-    monkeypatch.setitem(mf._MIGRATIONS, 3, record_3)
-    monkeypatch.setattr(mf, "FORMAT_VERSION", 4)
+    monkeypatch.setitem(mf._MIGRATIONS, 4, record_4)
+    monkeypatch.setattr(mf, "FORMAT_VERSION", 5)
     m = tdcp.read_manifest(FIXTURE)
-    assert seen == [1, 2, 3] and m["format_version"] == 4 and m["metadata"]["upgraded_to_4"] is True
+    assert seen == [1, 2, 3, 4] and m["format_version"] == 5 and m["metadata"]["upgraded_to_5"] is True
     assert "inventory" in m["components"]["policy"]  # the v1 -> v2 step ran first
 
 
 def test_newer_format_is_refused_with_a_clear_error(tmp_path: Path) -> None:
     path = copy_fixture(tmp_path)
-    edit_manifest(path, format_version=4)
-    with pytest.raises(tdcp.CheckpointVersionError, match="format version 4.*reads up to 3.*upgrade torchrl_dcp"):
+    edit_manifest(path, format_version=mf.FORMAT_VERSION + 1)
+    with pytest.raises(tdcp.CheckpointVersionError, match="format version 5.*reads up to 4.*upgrade torchrl_dcp"):
         tdcp.read_manifest(path)
     with pytest.raises(tdcp.CheckpointVersionError):
         fresh()[0].load(path)

@@ -32,6 +32,7 @@ from torchrl_dcp.adapters.trainer import trainer_placement
 from torchrl_dcp.async_save import AsyncSaver, SaveHandle
 from torchrl_dcp.collective import run_step
 from torchrl_dcp.errors import EncodingError
+from torchrl_dcp.incremental import share_base
 from torchrl_dcp.load_engine import LoadResult, Strictness
 from torchrl_dcp.load_plan import Registered
 from torchrl_dcp.placement import Placement, check_placement
@@ -210,6 +211,7 @@ class DistributedCheckpoint:
         metadata: Mapping[str, Any] | None = None,
         components: Collection[str] | None = None,
         component_options: Mapping[str, CheckpointOptions] | None = None,
+        incremental_from: str | os.PathLike | None = None,
     ) -> Path:
         """Save the selected components to the directory ``path`` (collective).
 
@@ -222,13 +224,18 @@ class DistributedCheckpoint:
             metadata: JSON-safe user metadata stored in the manifest.
             components: names to save (default: ``save_components`` or all).
             component_options: per-component :class:`CheckpointOptions` overrides.
+            incremental_from: a committed checkpoint directory of this job: chunk files
+                whose rows are proven unchanged since it are hard-linked from it instead
+                of written again (:mod:`torchrl_dcp.incremental`). The new checkpoint
+                stands alone: deleting the base later does not affect it.
 
         Returns:
             The absolute checkpoint path.
         """
         self._async.wait_pending()
         with gc_paused():
-            return save_engine.run(self._prepare_save(path, step, metadata, components, component_options))
+            job = self._prepare_save(path, step, metadata, components, component_options, incremental_from)
+            return save_engine.run(job)
 
     def async_save(
         self,
@@ -239,6 +246,7 @@ class DistributedCheckpoint:
         components: Collection[str] | None = None,
         component_options: Mapping[str, CheckpointOptions] | None = None,
         stage_memmap: bool = False,
+        incremental_from: str | os.PathLike | None = None,
     ) -> SaveHandle:
         """Like :meth:`save`, but return once the state is staged in host memory (collective).
 
@@ -251,6 +259,7 @@ class DistributedCheckpoint:
             stage_memmap: also copy tensors backed by memory-mapped files (replay
                 buffers on ``LazyMemmapStorage``); by default they are written from the
                 file in place, so entries written to them meanwhile may or may not be saved.
+            incremental_from: as for :meth:`save`; chunks kept from the base are not staged.
 
         Returns:
             A :class:`SaveHandle`: ``wait()`` returns the path or raises a
@@ -266,7 +275,7 @@ class DistributedCheckpoint:
         self._async.wait_pending()
         with gc_paused():
             job = self._prepare_save(
-                path, step, metadata, components, component_options,
+                path, step, metadata, components, component_options, incremental_from,
                 stage=lambda f: self._async.stage(f, stage_memmap=stage_memmap),
             )  # fmt: skip
         event, job.stage_event = job.stage_event, None
@@ -279,11 +288,13 @@ class DistributedCheckpoint:
         metadata: Mapping[str, Any] | None,
         components: Collection[str] | None,
         component_options: Mapping[str, CheckpointOptions] | None,
+        incremental_from: str | os.PathLike | None = None,
         stage: Any = None,
     ) -> save_engine.SaveJob:
-        """Steps 1-2 of a save (encode, plan), and staging for async saves (collective).
+        """Steps 1-2 of a save (encode, plan, chunks kept from an incremental base), and staging for async saves.
 
-        With ``stage`` (async saves), each rank stages only the tensors it will write.
+        Collective. With ``stage`` (async saves), each rank stages only the tensors and
+        chunk rows it will write.
         """
         destination = Path(path).expanduser().absolute()
         names = self._select(components, self.save_components)
@@ -314,14 +325,17 @@ class DistributedCheckpoint:
         checks = {n: self._components[n].replica_check or self.replica_check for n in names}
         encoded, write_plan = save_engine.plan(group, encode_step, checks)
         job = save_engine.SaveJob(destination, step, metadata, encoded, write_plan, group, rank, world)
-        if stage is not None:  # async: copy to host buffers what this rank writes (everything, for DCP's writer)
-
-            def stage_share() -> None:
-                mine = set(write_plan.share(rank)) if write_plan.backend == "fast" else set(encoded.flat)
-                staged, job.stage_event = stage({k: t for k, t in encoded.flat.items() if k in mine})
-                encoded.flat = {k: staged.get(k, t) for k, t in encoded.flat.items()}  # the others are never read
-
-            run_step(group, "staging the state", stage_share)
+        try:
+            base = None if incremental_from is None else Path(incremental_from).expanduser().absolute()
+            base_info = share_base(group, base, rank)
+            run_step(
+                group, "planning the chunk files", lambda: save_engine.plan_chunks(job, base_info, stage is not None)
+            )
+            if stage is not None:
+                run_step(group, "staging the state", lambda: _stage_share(job, stage))
+        except BaseException:
+            encoded.settle(None)
+            raise
         return job
 
     # ------------------------------------------------------------------ load
@@ -394,6 +408,17 @@ class DistributedCheckpoint:
 
 # ---------------------------------------------------------------------- helpers
 _TRAINER_MARKER = "trainer_state"  # what torchrl's Trainer registers when it binds a checkpoint
+
+
+def _stage_share(job: save_engine.SaveJob, stage: Any) -> None:
+    """Async saves: copy into host buffers what this rank writes (everything, for DCP's writer)."""
+    encoded, write_plan = job.encoded, job.plan
+    mine = set(write_plan.share(job.rank)) if write_plan.backend == "fast" else set(encoded.flat)
+    todo = {k: t for k, t in encoded.flat.items() if k in mine}
+    todo.update({f"chunk:{f}": rows for f, rows in job.chunk_rows.items() if rows is not None})
+    staged, job.stage_event = stage(todo)
+    encoded.flat = {k: staged.get(k, t) for k, t in encoded.flat.items()}  # the others are never read
+    job.chunk_rows = {f: None if rows is None else staged[f"chunk:{f}"] for f, rows in job.chunk_rows.items()}
 
 
 def _check_strict(strict: str) -> None:

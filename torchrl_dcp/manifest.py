@@ -5,7 +5,10 @@ It records the format version, the world size, library versions, every component
 and its tensor inventory), every data file with its size and checksum, user
 metadata, the save's identity (``save_id``, also written into DCP's metadata and at
 the end of every data file) and, since format 3, a checksum of its own canonical
-body (``manifest_checksum``), so a damaged manifest is refused rather than loaded. Readers validate it strictly, refuse newer format versions and upgrade
+body (``manifest_checksum``), so a damaged manifest is refused rather than loaded. Since
+format 4 it also records how large tensors were cut into chunk files (``chunks``: rows,
+file and content fingerprint of each chunk) and, for a data file kept from an earlier save
+by an incremental save, that save's identity (``files[name].origin``). Readers validate it strictly, refuse newer format versions and upgrade
 older ones step by step through registered migrations (:func:`register_migration`);
 older adapter payloads are upgraded the same way (:func:`register_adapter_migration`).
 See docs/migrations.md.
@@ -13,7 +16,7 @@ See docs/migrations.md.
 Example:
     >>> from torchrl_dcp.manifest import FORMAT, FORMAT_VERSION
     >>> FORMAT, FORMAT_VERSION
-    ('torchrl_dcp', 3)
+    ('torchrl_dcp', 4)
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from torchrl_dcp.placement import PLACEMENTS
 from torchrl_dcp.storage.layout import MANIFEST, MAX_MANIFEST_BYTES, is_plain_name  # noqa: F401  (re-exported)
 
 FORMAT = "torchrl_dcp"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 CHECKSUM_FIELD = "manifest_checksum"
 MAX_DEPTH = 256  # nesting levels a manifest may have (a deeper one is refused before anything walks it)
 
@@ -200,6 +203,14 @@ def _v2_to_v3(manifest: dict[str, Any]) -> dict[str, Any]:
     return manifest
 
 
+@register_migration(3)
+def _v3_to_v4(manifest: dict[str, Any]) -> dict[str, Any]:
+    """v4 adds ``chunks`` (tensors cut into chunk files) and per-file ``origin``; a v3 checkpoint has neither."""
+    manifest["chunks"] = {}
+    manifest["format_version"] = 4
+    return manifest
+
+
 def unchecked(manifest: dict[str, Any]) -> list[str]:
     """What this checkpoint's format cannot prove (older formats): shown by ``verify``."""
     missing = []
@@ -233,6 +244,7 @@ def new_manifest(
     metadata: dict[str, Any],
     step: int | None,
     save_id: str,
+    chunks: dict[str, list[dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """A sealed manifest of the current format; ``components`` already carry their inventory (computed at encode)."""
     return seal(
@@ -247,6 +259,7 @@ def new_manifest(
             "files": files,
             "metadata": metadata,
             "save_id": save_id,
+            "chunks": chunks or {},
         }
     )
 
@@ -373,6 +386,7 @@ def _validate(m: dict[str, Any], source: Any) -> None:
         raise bad("save_id must be 32 hex digits or null")
     for name, rec in m["files"].items():
         _validate_file(name, rec, bad)
+    _validate_chunks(m.get("chunks"), m["files"], bad)
     for name, rec in m["components"].items():
         _validate_component(name, rec, m["world_size"], bad)
 
@@ -384,6 +398,30 @@ def _validate_file(name: str, rec: Any, bad: Callable[[str], CheckpointFormatErr
         raise bad(f"files[{name!r}] needs a checksum")
     if not is_plain_name(name) or name == MANIFEST:
         raise bad(f"file name {name!r} is not a plain file name")
+    if "origin" in rec and not _is_save_id(rec["origin"]):
+        raise bad(f"files[{name!r}].origin must be a save id (32 hex digits)")
+
+
+def _is_save_id(v: Any) -> bool:
+    return isinstance(v, str) and len(v) == 32 and all(c in "0123456789abcdef" for c in v)
+
+
+def _validate_chunks(chunks: Any, files: dict[str, Any], bad: Callable[[str], CheckpointFormatError]) -> None:
+    if not isinstance(chunks, dict):
+        raise bad("chunks must be an object")
+    for key, entries in chunks.items():
+        if not isinstance(entries, list):
+            raise bad(f"chunks[{key!r}] must be a list")
+        for e in entries:
+            ok = (
+                isinstance(e, dict)
+                and all(_is_int(e.get(f)) and e[f] >= 0 for f in ("start", "rows"))
+                and isinstance(e.get("file"), str)
+                and e["file"] in files
+                and isinstance(e.get("fingerprint"), str)
+            )
+            if not ok:
+                raise bad(f"chunks[{key!r}] entries need start, rows, a listed file and a fingerprint")
 
 
 def _validate_component(name: str, rec: Any, world_size: int, bad: Callable[[str], CheckpointFormatError]) -> None:

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.default_planner import create_default_local_lo
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
+from torchrl_dcp.chunking import chunk_file_name, chunk_ranges
 from torchrl_dcp.errors import EncodingError, IncompatibleComponentError, UnsafeCheckpointError
 from torchrl_dcp.storage.record import can_write_fast
 
@@ -55,6 +56,17 @@ def tensor_infos(flat: Mapping[str, torch.Tensor]) -> list[TensorInfo] | None:
     return [TensorInfo(k, str(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for k, t in flat.items()]
 
 
+@dataclass(frozen=True)
+class ChunkPlan:
+    """Rows ``[start, start + rows)`` of a chunked tensor, written by ``owner`` into its own ``file``."""
+
+    key: str
+    start: int
+    rows: int
+    owner: int
+    file: str
+
+
 @dataclass
 class WritePlan:
     """Who writes what, identical on every rank.
@@ -62,17 +74,28 @@ class WritePlan:
     Attributes:
         backend: ``"fast"`` (our writer, :mod:`torchrl_dcp.storage.writer`) or ``"dcp"``
             (DCP's own writer, for DTensors and other tensors ours does not encode).
-        owner: the rank that writes each key (``"fast"`` only).
+        owner: the rank that writes each key saved whole (``"fast"`` only).
+        chunks: the chunks of each tensor cut along dim 0 (:mod:`torchrl_dcp.chunking`),
+            each with its writer and file (``"fast"`` only).
         tensors: every key of the save with its dtype and shape (``"fast"`` only).
     """
 
     backend: WriteBackend
     owner: dict[str, int] = field(default_factory=dict)
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
+    chunks: dict[str, list[ChunkPlan]] = field(default_factory=dict)
 
     def share(self, rank: int) -> list[str]:
-        """The keys ``rank`` writes, in the order they were planned."""
+        """The keys ``rank`` writes whole, in the order they were planned."""
         return [k for k, r in self.owner.items() if r == rank]
+
+    def chunk_share(self, rank: int) -> list[ChunkPlan]:
+        """The chunks ``rank`` writes, in the order they were planned."""
+        return [c for chunks in self.chunks.values() for c in chunks if c.owner == rank]
+
+    def writes(self, rank: int) -> set[str]:
+        """Every key ``rank`` writes all or part of."""
+        return set(self.share(rank)) | {c.key for c in self.chunk_share(rank)}
 
 
 def plan_writes(per_rank: list[list[TensorInfo] | None]) -> WritePlan:
@@ -102,15 +125,49 @@ def plan_writes(per_rank: list[list[TensorInfo] | None]) -> WritePlan:
             holders[info.key].append(r)
     load = [0] * len(per_rank)
     owner: dict[str, int] = {}
+    cuts: dict[str, list[tuple[int, int, int]]] = {}  # key: [(start, rows, owner)]
+    ranges = {k: chunk_ranges(t.shape, _itemsize(t)) for k, t in tensors.items()}
     for key, ranks in holders.items():  # single holders first: their bytes are fixed
         if len(ranks) == 1:
-            owner[key] = ranks[0]
             load[ranks[0]] += tensors[key].nbytes
+            if ranges[key]:
+                cuts[key] = [(start, rows, ranks[0]) for start, rows in ranges[key]]
+            else:
+                owner[key] = ranks[0]
     for key in sorted((k for k, r in holders.items() if len(r) > 1), key=lambda k: (-tensors[k].nbytes, k)):
-        r = min(holders[key], key=lambda h: (load[h], h))
-        owner[key] = r
-        load[r] += tensors[key].nbytes
-    return WritePlan("fast", {k: owner[k] for k in tensors}, tensors)
+        if not ranges[key]:
+            r = min(holders[key], key=lambda h: (load[h], h))
+            owner[key] = r
+            load[r] += tensors[key].nbytes
+            continue
+        row_bytes = tensors[key].nbytes // tensors[key].shape[0]
+        cuts[key] = []
+        for start, rows in ranges[key]:  # a large replicated tensor is written by all its holders
+            r = min(holders[key], key=lambda h: (load[h], h))
+            cuts[key].append((start, rows, r))
+            load[r] += rows * row_bytes
+    return WritePlan("fast", {k: owner[k] for k in tensors if k in owner}, tensors, _name_chunks(tensors, cuts))
+
+
+def _itemsize(info: TensorInfo) -> int:
+    numel = 1
+    for n in info.shape:
+        numel *= n
+    return info.nbytes // numel if numel else 0
+
+
+def _name_chunks(
+    tensors: Mapping[str, TensorInfo], cuts: dict[str, list[tuple[int, int, int]]]
+) -> dict[str, list[ChunkPlan]]:
+    """Chunk files numbered per writer in key order (``__<rank>_1.distcp``, ...): the same on every rank."""
+    counters: dict[int, int] = {}
+    out: dict[str, list[ChunkPlan]] = {}
+    for key in (k for k in tensors if k in cuts):
+        out[key] = []
+        for start, rows, r in cuts[key]:
+            counters[r] = counters.get(r, 0) + 1
+            out[key].append(ChunkPlan(key, start, rows, r, chunk_file_name(r, counters[r])))
+    return out
 
 
 class SavePlanner(DefaultSavePlanner):

@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torchrl_dcp import _dist
 from torchrl_dcp._gc import gc_paused
 from torchrl_dcp.adapters import Adapter, AdapterContext
-from torchrl_dcp.codec import dtype_name, is_dtensor, tensor_identity
+from torchrl_dcp.codec import dtype_name, escape_key, is_dtensor, tensor_identity
 from torchrl_dcp.codec import encode as encode_value
 from torchrl_dcp.collective import broadcast_step, error_status, raise_if_failed, run_step
 from torchrl_dcp.errors import CheckpointError, CollectiveError, EncodingError
@@ -59,6 +59,7 @@ from torchrl_dcp.replicas import ReplicaCheck
 from torchrl_dcp.replicas import compare as compare_replicas
 from torchrl_dcp.replicas import digest as replica_digest
 from torchrl_dcp.storage.checksums import file_record
+from torchrl_dcp.storage.chunk_writer import ChunkJob, KeptChunk, write_chunks
 from torchrl_dcp.storage.commit import (
     DestinationLock,
     publish,
@@ -69,9 +70,10 @@ from torchrl_dcp.storage.commit import (
     write_file_durably,
 )
 from torchrl_dcp.storage.container import DirectoryContainer
+from torchrl_dcp.storage.copying import default_threads
 from torchrl_dcp.storage.filesystem import make_writer, safe_load_metadata
 from torchrl_dcp.storage.layout import DCP_METADATA, MANIFEST, identity_trailer
-from torchrl_dcp.storage.writer import WriteOutcome, build_metadata, write_metadata, write_share
+from torchrl_dcp.storage.writer import ChunkEntry, WriteOutcome, build_metadata, write_metadata, write_share
 
 logger = logging.getLogger("torchrl_dcp")
 _DTYPES = {str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
@@ -129,10 +131,25 @@ class EncodeItem:
 
 @dataclass
 class Encoded:
-    """This rank's encoded save: component records and the flat ``{dcp_key: tensor}`` state."""
+    """This rank's encoded save: component records and the flat ``{dcp_key: tensor}`` state.
+
+    ``changes`` maps DCP keys to what the adapters tracked of their written rows
+    (:mod:`torchrl_dcp.tracking`); each snapshot is committed or given back with the save.
+    """
 
     records: dict[str, ComponentRecord]
     flat: dict[str, torch.Tensor]
+    changes: dict[str, Any] = field(default_factory=dict)
+    snapshots: list[Any] = field(default_factory=list)
+
+    def settle(self, save_id: str | None) -> None:
+        """The save committed as ``save_id`` (or failed: ``None``): tell the row trackers."""
+        snapshots, self.snapshots = self.snapshots, []
+        for snap in snapshots:
+            if save_id is None:
+                snap.tracker.abort(snap)
+            else:
+                snap.tracker.commit(snap, save_id)
 
 
 @dataclass
@@ -150,6 +167,9 @@ class SaveJob:
     stage_event: Any = None  # CUDA event the async writer waits for before reading staged tensors
     lock: DestinationLock | None = field(default=None, repr=False)
     save_id: str = ""  # chosen by rank 0 with the staging directory: in the manifest, .metadata, every data file
+    keeps: dict[str, KeptChunk] = field(default_factory=dict)  # chunk files kept from the incremental base
+    chunk_rows: dict[str, torch.Tensor | None] = field(default_factory=dict)  # rows of each chunk file to write
+    outcome: WriteOutcome | None = None  # what this rank wrote, once committed
 
 
 # ---------------------------------------------------------------------- step 1: encode
@@ -159,26 +179,40 @@ def encode(items: list[EncodeItem], rank: int) -> Encoded:
     Replicated components are encoded first, so a tensor another component shares with
     one of them (a collector's policy, a loss's actor) is stored once, as a reference.
     """
-    records: dict[str, ComponentRecord] = {}
-    flat: dict[str, torch.Tensor] = {}
+    out = Encoded({}, {})
     shared: dict[tuple[Any, ...], tuple[str, str]] = {}
-    for item in sorted(items, key=lambda it: it.placement != "replicated"):
-        skeleton, tensors = encode_value(item.adapter.state(item.value, item.ctx), where=item.name, shared=shared)
-        prefix = key_prefix(item.placement, item.name, rank)
-        inventory: dict[str, dict[str, Any]] = {}
-        for key, tensor in tensors.items():
-            if item.placement == "per_rank" and is_dtensor(tensor):
-                raise EncodingError(f"component {item.name!r} holds a DTensor at {key!r}: use placement='sharded'")
-            if item.placement == "replicated":
-                ident = tensor_identity(tensor)
-                if ident is not None:
-                    shared.setdefault(ident, (item.name, key))
-            flat[f"{prefix}/{key}"] = tensor
-            inventory[f"{prefix}/{key}"] = {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)}
-        records[item.name] = ComponentRecord(
-            item.adapter.adapter_id, item.adapter.version, item.placement, skeleton, inventory
-        )
-    return Encoded({it.name: records[it.name] for it in items}, flat)
+    try:
+        for item in sorted(items, key=lambda it: it.placement != "replicated"):
+            _encode_item(item, rank, out, shared)
+    except BaseException:
+        out.settle(None)
+        raise
+    out.records = {it.name: out.records[it.name] for it in items}
+    return out
+
+
+def _encode_item(item: EncodeItem, rank: int, out: Encoded, shared: dict[tuple[Any, ...], tuple[str, str]]) -> None:
+    """One component: its tracked row changes (first), then its state as skeleton + tensors under DCP keys."""
+    prefix = key_prefix(item.placement, item.name, rank)
+    changes = item.adapter.row_changes(item.value, item.ctx) or {}
+    for path, snap in changes.items():
+        out.changes[f"{prefix}/" + "/".join(escape_key(p) for p in path)] = snap
+        if not any(s is snap for s in out.snapshots):
+            out.snapshots.append(snap)
+    skeleton, tensors = encode_value(item.adapter.state(item.value, item.ctx), where=item.name, shared=shared)
+    inventory: dict[str, dict[str, Any]] = {}
+    for key, tensor in tensors.items():
+        if item.placement == "per_rank" and is_dtensor(tensor):
+            raise EncodingError(f"component {item.name!r} holds a DTensor at {key!r}: use placement='sharded'")
+        if item.placement == "replicated":
+            ident = tensor_identity(tensor)
+            if ident is not None:
+                shared.setdefault(ident, (item.name, key))
+        out.flat[f"{prefix}/{key}"] = tensor
+        inventory[f"{prefix}/{key}"] = {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)}
+    out.records[item.name] = ComponentRecord(
+        item.adapter.adapter_id, item.adapter.version, item.placement, skeleton, inventory
+    )
 
 
 # ---------------------------------------------------------------------- step 2: plan
@@ -198,9 +232,30 @@ def plan(
         replicas = replica_digest(mine[0].records, mine[0].flat, replica_checks or {}) if several else {}
         return tensor_infos(mine[0].flat), replicas
 
-    gathered = run_step(group, "encoding the state", local)
-    compare_replicas([replicas for _, replicas in gathered])
-    return mine[0], plan_writes([infos for infos, _ in gathered])
+    try:
+        gathered = run_step(group, "encoding the state", local)
+        compare_replicas([replicas for _, replicas in gathered])
+        return mine[0], plan_writes([infos for infos, _ in gathered])
+    except BaseException:
+        for encoded in mine:
+            encoded.settle(None)
+        raise
+
+
+def plan_chunks(job: SaveJob, base: Any, staged: bool = False) -> None:
+    """Which of this rank's chunk files are kept from the incremental ``base``, and the rows of the others.
+
+    With ``staged`` (async saves) kept chunks get no rows (they are not copied into
+    staging buffers); otherwise every chunk keeps a view of its live rows, written
+    instead when the base file turns out not to be the one recorded.
+    """
+    from torchrl_dcp.incremental import plan_keeps
+
+    job.keeps = plan_keeps(base, job.plan, job.encoded.flat, job.encoded.changes, job.rank)
+    job.chunk_rows = {
+        c.file: None if staged and c.file in job.keeps else job.encoded.flat[c.key].detach().narrow(0, c.start, c.rows)
+        for c in job.plan.chunk_share(job.rank)
+    }
 
 
 # ---------------------------------------------------------------------- step 3: write
@@ -215,7 +270,26 @@ class FastStateWriter:
     """Our writer (:mod:`torchrl_dcp.storage.writer`): packed records, parallel writes, inline checksums."""
 
     def write(self, job: SaveJob, staging: Path) -> WriteOutcome:
-        return write_share(job.encoded.flat, job.plan.share(job.rank), staging, job.rank, save_id=job.save_id)
+        out = write_share(job.encoded.flat, job.plan.share(job.rank), staging, job.rank, save_id=job.save_id)
+        chunks = job.plan.chunk_share(job.rank)
+        if not job.chunk_rows and chunks:  # not planned by plan_chunks: write every chunk
+            job.chunk_rows = {c.file: job.encoded.flat[c.key].detach().narrow(0, c.start, c.rows) for c in chunks}
+        jobs = [
+            ChunkJob(c.file, c.key, c.start, c.rows, job.chunk_rows.get(c.file), job.keeps.get(c.file)) for c in chunks
+        ]
+        write_chunks(jobs, staging, job.save_id, job.rank, default_threads())
+        for j in jobs:
+            r = j.result
+            assert r is not None
+            out.files[j.file] = {"size": r.size, "checksum": r.checksum}
+            if r.origin is not None:
+                out.files[j.file]["origin"] = r.origin
+                out.kept += 1
+                out.copied += r.copied
+            if r.origin is None or r.copied:
+                out.bytes_written += r.size
+            out.chunks.append(ChunkEntry(j.key, j.start, j.rows, j.file, 0, r.length, r.fingerprint))
+        return out
 
 
 class DCPStateWriter:
@@ -295,7 +369,9 @@ def commit(job: SaveJob, staging: Path, outcome: WriteOutcome, write_error: Base
         name: (rec.state, rec.inventory) for name, rec in job.encoded.records.items() if rec.placement == "per_rank"
     }
     gathered = _dist.gather_to_0(
-        (error_status(write_error), outcome.files, outcome.entries, per_rank), job.group, "collecting file records"
+        (error_status(write_error), outcome.files, outcome.entries, per_rank, outcome.chunks),
+        job.group,
+        "collecting file records",
     )
     error: BaseException | None = None
     if job.rank == 0:
@@ -315,12 +391,13 @@ def commit(job: SaveJob, staging: Path, outcome: WriteOutcome, write_error: Base
 def write_manifest(job: SaveJob, staging: Path, gathered: list[Any]) -> None:
     """DCP's ``.metadata`` (our writer) and ``manifest.json``, written durably into ``staging`` (rank 0)."""
     files: dict[str, Any] = {}
-    for _, rank_files, _, _ in gathered:
-        files.update(rank_files)
+    for g in gathered:
+        files.update(g[1])
+    chunks = [c for g in gathered for c in g[4]]
     if job.plan.backend == "fast":  # DCP's metadata, as dcp.save would have written it
         tensors = {k: (_DTYPES[t.dtype], t.shape) for k, t in job.plan.tensors.items()}
         entries = [e for g in gathered for e in g[2]]
-        files[DCP_METADATA] = write_metadata(staging, build_metadata(tensors, entries, staging, job.save_id))
+        files[DCP_METADATA] = write_metadata(staging, build_metadata(tensors, entries, staging, job.save_id, chunks))
     elif DCP_METADATA in files:  # DCP wrote it (our own file, just written): give it this save's identity
         metadata = safe_load_metadata(staging / DCP_METADATA)
         metadata.storage_meta.save_id = job.save_id
@@ -337,23 +414,57 @@ def write_manifest(job: SaveJob, staging: Path, gathered: list[Any]) -> None:
         metadata=job.metadata,
         step=job.step,
         save_id=job.save_id,
+        chunks=chunk_table(chunks),
     )
     write_file_durably(staging / MANIFEST, dumps(manifest))
 
 
+def chunk_table(chunks: list[ChunkEntry]) -> dict[str, list[dict[str, Any]]]:
+    """The manifest's ``chunks``: each chunked tensor's row ranges, files and fingerprints, in row order."""
+    table: dict[str, list[dict[str, Any]]] = {}
+    for c in sorted(chunks, key=lambda c: (c.key, c.start)):
+        table.setdefault(c.key, []).append(
+            {"start": c.start, "rows": c.rows, "file": c.file, "fingerprint": c.fingerprint}
+        )
+    return dict(sorted(table.items()))
+
+
 def run(job: SaveJob) -> Path:
     """Steps 3 and 4 (collective): staging, write, commit, publish; the lock is released and leftovers removed."""
-    staging = prepare_staging(job)
+    try:
+        staging = prepare_staging(job)
+    except BaseException:
+        job.encoded.settle(None)
+        raise
     try:
         outcome, error = write(job, staging)
         path = commit(job, staging, outcome, error)
     except BaseException:
+        job.encoded.settle(None)
         if job.rank == 0:
             remove_tree(staging)
         raise
     finally:
         release_lock(job)
-    logger.info("saved checkpoint %s (step %s, %d components)", path, job.step, len(job.encoded.records))
+    job.encoded.settle(job.save_id)
+    if outcome.copied:
+        logger.warning(
+            "incremental save %s copied %d of %d kept chunk files (hard links were impossible, e.g. across "
+            "file systems): it is complete, but wrote those bytes again",
+            path,
+            outcome.copied,
+            outcome.kept,
+        )
+    logger.info(
+        "saved checkpoint %s (step %s, %d components, %d bytes written by rank %d, %d chunk files kept)",
+        path,
+        job.step,
+        len(job.encoded.records),
+        outcome.bytes_written,
+        job.rank,
+        outcome.kept,
+    )
+    job.outcome = outcome
     return path
 
 

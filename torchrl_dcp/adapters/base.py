@@ -121,6 +121,15 @@ class Adapter(abc.ABC):
         """
         return None
 
+    def row_changes(self, obj: Any, ctx: AdapterContext) -> dict[tuple[str, ...], Any] | None:
+        """Optionally, what an incremental save may trust about which rows changed (called once per save).
+
+        Returns ``{path in the state: tracking.Snapshot}`` for tensors whose written rows
+        are tracked (:mod:`torchrl_dcp.tracking`), taken just before :meth:`state`. The
+        default (``None``): unknown, so chunks are compared by checksum.
+        """
+        return None
+
     def validate(self, obj: Any, saved: dict[int, Any], ctx: AdapterContext) -> None:
         """Raise (e.g. :class:`~torchrl_dcp.errors.IncompatibleComponentError`) if ``saved`` cannot be restored into ``obj``.
 

@@ -322,6 +322,21 @@ class ReplayBufferAdapter(Adapter):
             "generator": None if rng is None else {"state": rng.get_state(), "device": str(rng.device)},
         }
 
+    def row_changes(self, rb: ReplayBuffer, ctx: AdapterContext) -> dict[tuple[str, ...], Any] | None:
+        storage = _buffer(rb)._storage
+        if not isinstance(storage, TensorStorage):
+            return None
+        from torchrl_dcp.tracking import track
+
+        snap = track(storage).begin()
+        data = storage._storage if storage.initialized else None
+        if data is None:
+            return {}
+        if isinstance(data, torch.Tensor):
+            return {("storage", "data"): snap}
+        keys = data.keys(include_nested=True, leaves_only=True)
+        return {("storage", "data", *((k,) if isinstance(k, str) else k)): snap for k in keys}
+
     def destinations(self, rb: ReplayBuffer, saved: Any, ctx: AdapterContext) -> dict[str, torch.Tensor] | None:
         return storage_destinations(_buffer(rb)._storage, saved["storage"], ctx.name)
 

@@ -46,6 +46,32 @@ def _implementation() -> tuple[Callable[..., int], str]:
 crc32, CRC32_IMPLEMENTATION = _implementation()
 
 
+def _adler_implementation() -> Callable[..., int]:
+    if CRC32_IMPLEMENTATION == "isal":
+        from isal import isal_zlib
+
+        return isal_zlib.adler32
+    return zlib.adler32
+
+
+#: ``adler32(data, value=1)``: Adler-32 (ISA-L's where available, else zlib's; the same values)
+adler32 = _adler_implementation()
+
+
+def content_fingerprint(data: Any) -> tuple[str, int]:
+    """``("crc32:<hex>/adler32:<hex>", crc32)`` of bytes: two independent 32-bit sums (64 bits) of a chunk's data.
+
+    An incremental save keeps a chunk file only if the live rows have the fingerprint
+    recorded for it (when their changes were not tracked exactly); both sums must match.
+
+    Example:
+        >>> content_fingerprint(b"abc")[0]
+        'crc32:352441c2/adler32:024d0127'
+    """
+    crc = crc32(data)
+    return f"crc32:{crc:08x}/adler32:{adler32(data):08x}", crc
+
+
 def format_crc(crc: int) -> str:
     """The manifest's spelling of a CRC32: ``"crc32:<8 hex digits>"``."""
     return f"crc32:{crc:08x}"

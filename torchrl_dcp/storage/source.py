@@ -87,12 +87,16 @@ class CheckpointSource:
         """Every data file in ``names`` ends with this save's identity trailer (format 3 and later).
 
         Refuses a data file copied in from another checkpoint together with its manifest
-        entry (size and checksum match, the save does not).
+        entry (size and checksum match, the save does not). A chunk file an incremental
+        save kept from an earlier checkpoint carries that save's identity, which the
+        manifest records as the file's ``origin``.
         """
-        save_id = self.manifest().get("save_id")
-        if save_id is None:
+        manifest = self.manifest()
+        if manifest.get("save_id") is None:
             return  # older formats carry no identity (verify says so)
+        files = manifest["files"]
         for name in sorted(set(names)):
+            save_id = files.get(name, {}).get("origin", manifest["save_id"])
             span = self.container.byte_range(name)
             fd = open_regular(span.path, span.where)
             try:

@@ -71,6 +71,22 @@ class WriteOutcome:
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     entries: list[tuple[str, str, int, int]] = field(default_factory=list)  # key, file, offset, length
     bytes_written: int = 0
+    chunks: list[ChunkEntry] = field(default_factory=list)  # chunk files (torchrl_dcp.chunking)
+    kept: int = 0  # chunk files kept from the incremental base
+    copied: int = 0  # ... of which copied, because a hard link was impossible
+
+
+@dataclass(frozen=True)
+class ChunkEntry:
+    """One chunk of rows ``[start, start + rows)`` of ``key``: its record in ``file`` and its content fingerprint."""
+
+    key: str
+    start: int
+    rows: int
+    file: str
+    offset: int
+    length: int
+    fingerprint: str
 
 
 # ---------------------------------------------------------------------- writing one file
@@ -186,8 +202,9 @@ def build_metadata(
     entries: list[tuple[str, str, int, int]],
     checkpoint_id: str | os.PathLike,
     save_id: str | None = None,
+    chunks: list[ChunkEntry] = (),  # type: ignore[assignment]
 ) -> Metadata:
-    """DCP ``Metadata`` for whole (unsharded) tensors, identical to what ``dcp.save`` writes."""
+    """DCP ``Metadata`` for tensors saved whole or cut into chunks along dim 0, as ``dcp.save`` would write it."""
     state: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
     props: dict[torch.dtype, TensorProperties] = {}
@@ -206,6 +223,19 @@ def build_metadata(
         state[key] = TensorStorageMetadata(prop, size, [ChunkStorageMetadata(zero, size)])
     for key, file, offset, length in entries:
         storage[MetadataIndex(key, zeros[len(tensors[key][1])], 0)] = _StorageInfo(file, offset, length)
+    by_key: dict[str, list[ChunkEntry]] = {}
+    for c in chunks:
+        by_key.setdefault(c.key, []).append(c)
+    for key, parts in by_key.items():
+        shape = tensors[key][1]
+        rest = (0,) * (len(shape) - 1)
+        parts.sort(key=lambda c: c.start)
+        meta = state[key]
+        meta.chunks = [
+            ChunkStorageMetadata(torch.Size((c.start, *rest)), torch.Size((c.rows, *shape[1:]))) for c in parts
+        ]
+        for i, c in enumerate(parts):
+            storage[MetadataIndex(key, torch.Size((c.start, *rest)), i)] = _StorageInfo(c.file, c.offset, c.length)
     return Metadata(
         state_dict_metadata=state,
         planner_data=None,

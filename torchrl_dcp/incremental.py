@@ -1,0 +1,156 @@
+"""Incremental saves: keep the chunk files of an earlier checkpoint whose rows are proven unchanged.
+
+``save(path, incremental_from=BASE)`` plans the save as usual (large tensors cut into
+chunk files, :mod:`torchrl_dcp.chunking`), then each rank looks at the chunks it writes:
+a chunk is **kept** (the base's file hard-linked into the new checkpoint, see
+:mod:`torchrl_dcp.storage.chunk_writer`) when BASE holds a chunk of the same key, rows,
+dtype and row shape, and its rows are proven unchanged:
+
+- exactly, from what the replay buffer's storage recorded of its writes since BASE
+  committed (:mod:`torchrl_dcp.tracking`), when BASE is the last save that storage took
+  part in; otherwise
+- by content: the live rows' CRC-32 and Adler-32 (64 bits) equal the fingerprint BASE
+  recorded for that chunk.
+
+Everything else is written as in a full save. The new checkpoint is complete: its
+manifest lists every file (kept ones with the ``origin`` save whose identity trailer
+they carry), DCP's metadata maps every chunk, and nothing refers to BASE any more.
+
+Example:
+    >>> import tempfile, torch
+    >>> import torchrl_dcp as tdcp
+    >>> state = {"table": torch.zeros(1 << 16, 64)}  # 16 MiB: cut into chunks
+    >>> ckpt = tdcp.DistributedCheckpoint(state=state)
+    >>> d = tempfile.mkdtemp()
+    >>> base = ckpt.save(d + "/a")
+    >>> state["table"][0] = 1.0  # only the first chunk changes
+    >>> ckpt.save(d + "/b", incremental_from=base).name
+    'b'
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchrl_dcp import _dist
+from torchrl_dcp.collective import broadcast_step
+from torchrl_dcp.errors import CheckpointError
+from torchrl_dcp.planner import ChunkPlan, WritePlan
+from torchrl_dcp.storage.checksums import content_fingerprint
+from torchrl_dcp.storage.chunk_writer import KeptChunk, can_keep
+from torchrl_dcp.storage.container import DirectoryContainer
+from torchrl_dcp.storage.copying import run_split
+from torchrl_dcp.storage.record import tensor_bytes
+
+logger = logging.getLogger("torchrl_dcp")
+
+
+@dataclass
+class Base:
+    """What an incremental save needs of its base checkpoint (read by rank 0, sent to every rank)."""
+
+    path: Path
+    save_id: str
+    world_size: int
+    chunks: dict[str, dict[tuple[int, int], KeptChunk]] = field(default_factory=dict)
+    inventory: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+
+
+def read_base(path: Path, world_size: int) -> Base | None:
+    """The base at ``path``, or ``None`` when nothing of it can be kept (said in the log).
+
+    Raises:
+        CheckpointError: ``path`` is not a committed checkpoint (or its manifest is damaged).
+    """
+    if path.is_file():
+        logger.info("incremental base %s is an archive: chunk files cannot be kept; saving in full", path)
+        return None
+    try:
+        manifest = DirectoryContainer(path).manifest()
+    except CheckpointError as err:
+        raise CheckpointError(
+            f"incremental_from: {err.message}; pass a committed checkpoint directory, or incremental_from=None",
+            path=path,
+        ) from None
+    save_id = manifest.get("save_id")
+    if save_id is None:
+        logger.info("incremental base %s predates save identities (format < 3); saving in full", path)
+        return None
+    if manifest["world_size"] != world_size:
+        logger.info(
+            "incremental base %s was saved by %d ranks, this job has %d: saving in full",
+            path,
+            manifest["world_size"],
+            world_size,
+        )
+        return None
+    base = Base(path, save_id, manifest["world_size"])
+    for comp in manifest["components"].values():
+        for key, t in comp["inventory"].items():
+            base.inventory[key] = (f"torch.{t['dtype']}", tuple(t["shape"]))
+    for key, entries in manifest["chunks"].items():
+        table = base.chunks.setdefault(key, {})
+        for e in entries:
+            rec = manifest["files"][e["file"]]
+            origin = rec.get("origin", save_id)
+            table[(e["start"], e["rows"])] = KeptChunk(
+                path / e["file"], rec["size"], rec["checksum"], origin, e["fingerprint"]
+            )
+    return base
+
+
+def share_base(group: Any, request: Path | None, rank: int) -> Base | None:
+    """Rank 0 reads the base (:func:`read_base`), every rank receives it (collective; the same error everywhere)."""
+    if request is None:
+        return None
+    return broadcast_step(
+        group, "reading the incremental base", lambda: read_base(request, _dist.world_size()), rank=rank
+    )
+
+
+def plan_keeps(
+    base: Base | None, plan: WritePlan, flat: dict[str, torch.Tensor], changes: dict[str, Any], rank: int
+) -> dict[str, KeptChunk]:
+    """The chunk files of this rank's share that can be kept from ``base``, by new file name."""
+    if base is None or plan.backend != "fast":
+        return {}
+    candidates: list[tuple[ChunkPlan, KeptChunk]] = []
+    for c in plan.chunk_share(rank):
+        kept = base.chunks.get(c.key, {}).get((c.start, c.rows))
+        saved = base.inventory.get(c.key)
+        info = plan.tensors[c.key]
+        if kept is None or saved is None or saved[0] != info.dtype or saved[1][1:] != tuple(info.shape[1:]):
+            continue
+        candidates.append((c, kept))
+    keeps: dict[str, KeptChunk] = {}
+    by_content: list[tuple[ChunkPlan, KeptChunk]] = []
+    for c, kept in candidates:
+        snap = changes.get(c.key)
+        if snap is not None and snap.unchanged(base.save_id, c.start, c.rows):
+            keeps[c.file] = kept
+        else:
+            by_content.append((c, kept))
+    keeps.update(_same_content(by_content, flat))
+    return {f: k for f, k in keeps.items() if can_keep(k)}
+
+
+def _same_content(pairs: list[tuple[ChunkPlan, KeptChunk]], flat: dict[str, torch.Tensor]) -> dict[str, KeptChunk]:
+    """The chunks whose live rows have the fingerprint recorded in the base (computed in threads)."""
+    from torchrl_dcp.storage.copying import default_threads
+
+    same: dict[str, KeptChunk] = {}
+
+    def work(part: list[tuple[ChunkPlan, KeptChunk]]) -> None:
+        for c, kept in part:
+            rows = flat[c.key].detach().narrow(0, c.start, c.rows)
+            if content_fingerprint(tensor_bytes(rows))[0] == kept.fingerprint:
+                same[c.file] = kept
+
+    if pairs:
+        run_split(pairs, [c.rows for c, _ in pairs], max(1, min(default_threads(), len(pairs))), work)
+    return same

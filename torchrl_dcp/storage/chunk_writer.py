@@ -1,0 +1,199 @@
+"""Chunk files: rows of a large tensor in a file of their own, written anew or kept from an earlier save.
+
+Each chunk file holds one ``torch.save``-compatible record (the chunk's rows, so a plain
+``dcp.load`` reads it through the chunk metadata) followed by the identity trailer of
+the save that wrote it. An incremental save keeps an unchanged chunk by giving the
+earlier checkpoint's file a second name in the new checkpoint (a hard link: no bytes
+written, and deleting the earlier checkpoint later leaves the new one whole); where a
+hard link is impossible (another file system, a link limit) the file is copied, and the
+outcome counts it. A file is kept only if it is still the regular file, of the recorded
+size, carrying the identity trailer, that the earlier manifest describes; otherwise the
+chunk is written anew.
+
+Example:
+    >>> import tempfile, torch
+    >>> from pathlib import Path
+    >>> from torchrl_dcp.storage.chunk_writer import write_chunk_file
+    >>> d = Path(tempfile.mkdtemp())
+    >>> rec = write_chunk_file(d / "__0_1.distcp", torch.arange(6.0).reshape(3, 2), "0" * 32, 0)
+    >>> rec.fingerprint  # doctest: +ELLIPSIS
+    'crc32:.../adler32:...'
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchrl_dcp.storage.checksums import content_fingerprint, crc32, crc32_combine, format_crc
+from torchrl_dcp.storage.copying import pwrite_all, run_split
+from torchrl_dcp.storage.layout import TRAILER_SIZE, identity_trailer, read_identity
+from torchrl_dcp.storage.record import template, tensor_bytes
+from torchrl_dcp.storage.writeback import Writeback
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NO_LINK = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EACCES, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
+
+
+@dataclass(frozen=True)
+class ChunkFile:
+    """What the manifest and DCP's metadata record of one chunk file."""
+
+    size: int
+    checksum: str
+    length: int  # of the record (at offset 0); the identity trailer follows
+    fingerprint: str  # of the chunk's data (crc32 + adler32)
+    origin: str | None = None  # the save that wrote it, when it was kept from an earlier one
+    copied: bool = False  # kept by copying (no hard link possible)
+
+
+@dataclass(frozen=True)
+class KeptChunk:
+    """A chunk file of an earlier checkpoint that holds exactly the rows to save."""
+
+    source: Path
+    size: int
+    checksum: str
+    origin: str  # the save whose identity trailer it carries
+    fingerprint: str
+
+
+@dataclass
+class ChunkJob:
+    """One chunk this rank puts into the staging directory: its rows to write, or a file to keep."""
+
+    file: str
+    key: str
+    start: int
+    rows: int
+    tensor: torch.Tensor | None = None
+    keep: KeptChunk | None = None
+    result: ChunkFile | None = field(default=None, repr=False)
+
+
+def write_chunk_file(path: Path, rows: torch.Tensor, save_id: str, rank: int, *, fsync: bool = True) -> ChunkFile:
+    """Write ``rows`` as one record followed by the identity trailer into the new file ``path``."""
+    data = tensor_bytes(rows)
+    fingerprint, data_crc = content_fingerprint(data)
+    head, tail = template(rows.dtype, tuple(rows.shape)).parts(data_crc)
+    end = tail + identity_trailer(save_id, rank)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+    try:
+        writeback = Writeback(fd) if fsync else None
+        at = 0
+        for part in (head, data, end):
+            pwrite_all(fd, part, at)
+            if writeback is not None:
+                writeback.written(at, len(part))
+            at += len(part)
+        if writeback is not None:
+            writeback.flush()
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    crc = crc32_combine(crc32_combine(crc32(head), data_crc, len(data)), crc32(end), len(end))
+    return ChunkFile(at, format_crc(crc), len(head) + len(data) + len(tail), fingerprint)
+
+
+def _checked(fd: int, kept: KeptChunk) -> os.stat_result | None:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size != kept.size or st.st_size < TRAILER_SIZE:
+        return None
+    found = read_identity(os.pread(fd, TRAILER_SIZE, st.st_size - TRAILER_SIZE))
+    return st if found is not None and found[0] == kept.origin else None
+
+
+def can_keep(kept: KeptChunk) -> bool:
+    """Whether ``kept.source`` is (now) the regular file of the recorded size and save identity."""
+    try:
+        fd = os.open(kept.source, os.O_RDONLY | _NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        return _checked(fd, kept) is not None
+    finally:
+        os.close(fd)
+
+
+def keep_chunk_file(kept: KeptChunk, path: Path) -> ChunkFile | None:
+    """Give ``kept`` the name ``path`` (hard link, else copy); ``None`` when it is not the file recorded."""
+    try:
+        fd = os.open(kept.source, os.O_RDONLY | _NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        st = _checked(fd, kept)
+        if st is None:
+            return None
+        copied = not _link_same(kept.source, path, st)
+        if copied:
+            _copy_fd(fd, path, st.st_size)
+    finally:
+        os.close(fd)
+    return ChunkFile(kept.size, kept.checksum, kept.size - TRAILER_SIZE, kept.fingerprint, kept.origin, copied)
+
+
+def _link_same(source: Path, path: Path, st: os.stat_result) -> bool:
+    """Hard-link ``source`` as ``path`` if it is still the inode checked (``st``); ``False`` if impossible."""
+    try:
+        os.link(source, path, follow_symlinks=False)
+    except OSError as err:
+        if err.errno in _NO_LINK:
+            return False
+        raise
+    linked = os.lstat(path)
+    if (linked.st_dev, linked.st_ino) != (st.st_dev, st.st_ino):  # swapped meanwhile: copy what was checked
+        os.unlink(path)
+        return False
+    return True
+
+
+def _copy_fd(src: int, path: Path, size: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+    try:
+        done = 0
+        while done < size:
+            try:
+                n = os.copy_file_range(src, fd, size - done, done, done)
+            except OSError as err:
+                if err.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                n = os.pwrite(fd, os.pread(src, min(8 << 20, size - done), done), done)
+            if n <= 0:
+                raise OSError(f"copying a kept chunk file stopped at {done} of {size} bytes")
+            done += n
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_chunks(jobs: list[ChunkJob], directory: Path, save_id: str, rank: int, threads: int) -> None:
+    """Write or keep every chunk of ``jobs`` in ``directory`` (threads split the bytes); fills ``job.result``."""
+
+    def work(part: list[ChunkJob]) -> None:
+        for job in part:
+            if job.keep is not None:
+                job.result = keep_chunk_file(job.keep, directory / job.file)
+                if job.result is not None:
+                    continue
+            if job.tensor is None:  # async save: the rows were not staged, and the file changed since checked
+                raise OSError(
+                    f"{job.keep.source if job.keep else job.file} changed after the incremental save checked it; "
+                    "save again (or without incremental_from)"
+                )
+            job.result = write_chunk_file(directory / job.file, job.tensor, save_id, rank)
+
+    if not jobs:
+        return
+    sizes = [64 if j.keep is not None else _nbytes(j.tensor) for j in jobs]
+    run_split(jobs, sizes, max(1, min(threads, len(jobs))), work)
+
+
+def _nbytes(tensor: Any) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
