@@ -92,6 +92,10 @@ class CheckpointRotation:
         keep_best: ``(metadata_key, "max" | "min")``: also keep the entry whose user
             metadata holds the best value; every save must then pass that metric.
         archive: store each entry as one ZIP file (``step-<N>.zip``), converted after commit.
+        incremental: save each entry incrementally from the newest committed one (chunk
+            files whose rows are unchanged are hard-linked, :mod:`torchrl_dcp.incremental`);
+            every entry still stands alone, so pruning never breaks a kept one. Off with
+            ``archive=True`` (an archive's members cannot be linked).
 
     ``save`` and ``load_latest`` are collective (every rank calls them); ``entries``,
     ``latest`` and ``best`` only read manifests and may be called from any rank.
@@ -104,6 +108,7 @@ class CheckpointRotation:
         keep_last: int = 3,
         keep_best: tuple[str, MetricMode] | None = None,
         archive: bool = False,
+        incremental: bool = True,
     ) -> None:
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ValueError(f"keep_last must be a positive integer, got {keep_last!r}")
@@ -116,6 +121,7 @@ class CheckpointRotation:
         self.keep_last = keep_last
         self.keep_best = keep_best
         self.archive = archive
+        self.incremental = incremental
 
     # ------------------------------------------------------------------ reading
     def path_for(self, step: int) -> Path:
@@ -173,6 +179,8 @@ class CheckpointRotation:
         if self.keep_best is not None:
             _metric(metadata.get(self.keep_best[0]), self.keep_best[0], required=True)
         directory_path = self.directory / f"step-{step:012d}"
+        if self.incremental and not self.archive and "incremental_from" not in save_kwargs:
+            save_kwargs["incremental_from"] = self.incremental_base(getattr(ckpt, "timeout", None))
         path = ckpt.save(directory_path, step=step, metadata=metadata, components=components, **save_kwargs)
         target = self.path_for(step)
 
@@ -197,6 +205,23 @@ class CheckpointRotation:
                 err.args = (f"{err.path}: {err.message}",)
             raise
         return target
+
+    def incremental_base(self, timeout: Any = None) -> Path | None:
+        """The entry the next save is incremental from: the newest committed directory entry (the same on every rank).
+
+        Rank 0 chooses and every rank receives its choice, so all ranks agree even when
+        another process commits or prunes meanwhile.
+        """
+        from torchrl_dcp import _dist
+        from torchrl_dcp.collective import broadcast_step
+
+        def choose() -> str | None:
+            newest = latest_entry(e for e in self.entries() if e.path.is_dir())
+            return None if newest is None else str(newest.path)
+
+        group = _dist.checkpoint_group(timeout)
+        chosen = broadcast_step(group, "choosing the incremental base", choose, rank=_dist.rank())
+        return None if chosen is None else Path(chosen)
 
     def prune(self, *, protect: Path | None = None) -> list[Path]:
         """Delete committed entries outside the policy and leftovers of killed saves (run by one process).

@@ -67,7 +67,7 @@ class _TrackedSet:
             self.tracker.wrote()
 
     def __reduce__(self) -> Any:  # a copied or pickled storage gets its class's plain ``set``
-        return getattr, (self.original.__self__, "set")
+        return getattr, (self.tracker.storage, "set")
 
 
 class RowTracker:
@@ -88,7 +88,9 @@ class RowTracker:
         with self.lock:
             if self.mask is None:
                 return
-            if not _mark_rows(self.mask, cursor):
+            if _versions(_leaves(self.storage)) != self.versions:  # written around ``set`` since: unknown
+                self.mask = None
+            elif not _mark_rows(self.mask, cursor):
                 self.mask = None
 
     def wrote(self) -> None:

@@ -38,6 +38,7 @@ from torchrl_dcp.storage.record import template, tensor_bytes
 from torchrl_dcp.storage.writeback import Writeback
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_OPEN_KEPT = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0)  # a FIFO planted in the base must not block
 _NO_LINK = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EACCES, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
 
 
@@ -112,7 +113,7 @@ def _checked(fd: int, kept: KeptChunk) -> os.stat_result | None:
 def can_keep(kept: KeptChunk) -> bool:
     """Whether ``kept.source`` is (now) the regular file of the recorded size and save identity."""
     try:
-        fd = os.open(kept.source, os.O_RDONLY | _NOFOLLOW)
+        fd = os.open(kept.source, _OPEN_KEPT)
     except OSError:
         return False
     try:
@@ -124,7 +125,7 @@ def can_keep(kept: KeptChunk) -> bool:
 def keep_chunk_file(kept: KeptChunk, path: Path) -> ChunkFile | None:
     """Give ``kept`` the name ``path`` (hard link, else copy); ``None`` when it is not the file recorded."""
     try:
-        fd = os.open(kept.source, os.O_RDONLY | _NOFOLLOW)
+        fd = os.open(kept.source, _OPEN_KEPT)
     except OSError:
         return None
     try:
