@@ -1,0 +1,70 @@
+"""Incremental saves with real ranks (gloo): all shards at once, SIGKILL mid-save, the first save after a reshard."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import torchrl_dcp as tdcp
+from tests_distributed.launch import launch
+
+S = "tests_distributed.scenarios_incremental"
+SMALL_CHUNKS = {"TDCP_CHUNK_BYTES": "4096", "TDCP_MIN_CHUNKED_BYTES": "8192"}
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+
+    from torchrl_dcp.storage.filesystem import safe_load_metadata
+
+    md = safe_load_metadata(path / ".metadata")
+    dest = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()}
+    dcp.load(dest, checkpoint_id=str(path), no_dist=True)
+    return dest
+
+
+def test_every_rank_keeps_its_unchanged_chunks_and_the_result_equals_a_full_save(tmp_path: Path) -> None:
+    results = [r.value for r in launch(f"{S}:incremental_shards", 2, str(tmp_path), env=SMALL_CHUNKS)]
+    assert all(r["same"] and r["same_policy"] for r in results), results
+    kept = results[0]["kept"]
+    assert any(f.startswith("__0_") for f in kept) and any(f.startswith("__1_") for f in kept), kept
+    assert results[0]["written"], "the changed rows were written"
+    inc, full = _tensors(tmp_path / "inc"), _tensors(tmp_path / "full")
+    assert sorted(inc) == sorted(full) and all(torch.equal(inc[k], full[k]) for k in inc)
+    assert tdcp.verify(tmp_path / "inc")["unchecked"] == []
+
+
+@pytest.mark.parametrize("phase,victim", [("chunk_write", 1), ("link", 0), ("manifest", 0)])
+def test_sigkill_during_an_incremental_save_leaves_the_previous_checkpoint(
+    tmp_path: Path, phase: str, victim: int
+) -> None:
+    directory = tmp_path / "run"
+    results = launch(
+        f"{S}:kill_during_incremental_save",
+        2,
+        str(directory),
+        phase,
+        victim,
+        env=SMALL_CHUNKS,
+        expect_failure=True,
+        timeout=120,
+    )
+    assert results[victim].returncode == -9, results[victim].output[-3000:]
+    rotation = tdcp.CheckpointRotation(directory, keep_last=2)
+    assert [e.step for e in rotation.entries()] == [1, 2]
+    assert not rotation.path_for(3).exists()
+    for e in rotation.entries():
+        assert tdcp.verify(e.path)["unchecked"] == []
+    after = [r.value for r in launch(f"{S}:resume_and_save_again", 2, str(directory), env=SMALL_CHUNKS)]
+    assert all(r["step"] == 2 and r["same"] for r in after), after
+    assert after[0]["kept"], "the save after the kill is incremental again"
+    names = sorted(p.name for p in directory.iterdir())
+    assert names == [rotation.path_for(2).name, rotation.path_for(3).name], names  # leftovers cleaned
+
+
+def test_first_save_after_a_reshard_is_full(tmp_path: Path) -> None:
+    launch(f"{S}:incremental_shards", 2, str(tmp_path), env=SMALL_CHUNKS)
+    results = [r.value for r in launch(f"{S}:save_after_reshard", 1, str(tmp_path), env=SMALL_CHUNKS)]
+    assert results[0]["len"] == 2015 and results[0]["kept"] == [] and results[0]["written"], results
