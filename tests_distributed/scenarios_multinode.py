@@ -20,6 +20,7 @@ import os
 import random
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -147,6 +148,33 @@ def load_state(path: str, seed: int, world_size_change: str) -> dict[str, Any]:
     _seed_rank(seed + 1000)
     result = _checkpoint(objs).load(path, world_size_change=world_size_change)
     return {"loaded": sorted(result.loaded), "saved": digest(objs), "next": _continue(objs)}
+
+
+def _skew_clock(seconds: float) -> None:
+    """This process's wall clock (as the manifest reads it) runs ``seconds`` behind: a node with a skewed clock."""
+    import datetime as real
+
+    import torchrl_dcp.manifest as manifest
+
+    class Skewed(real.datetime):
+        @classmethod
+        def now(cls, tz: real.tzinfo | None = None) -> real.datetime:  # type: ignore[override]
+            return real.datetime.now(tz) - real.timedelta(seconds=seconds)
+
+    manifest.datetime = SimpleNamespace(datetime=Skewed, timezone=real.timezone, timedelta=real.timedelta)  # type: ignore[assignment]
+
+
+def rotation_saves(directory: str, steps: list[int], skew_seconds: float) -> dict[str, Any]:
+    """Save ``steps`` through ``CheckpointRotation(keep_last=2)``; rank 0 (the coordinator) on a skewed clock."""
+    if dist.get_rank() == 0 and skew_seconds:
+        _skew_clock(skew_seconds)
+    objs = _objects(0)
+    ckpt = tdcp.DistributedCheckpoint(policy=objs["policy"])
+    rotation = tdcp.CheckpointRotation(directory, keep_last=2)
+    for step in steps:
+        rotation.save(ckpt, step=step)
+    latest = rotation.latest()
+    return {"kept": [e.step for e in rotation.entries()], "latest": latest.name if latest else None}
 
 
 def _where() -> dict[str, Any]:
