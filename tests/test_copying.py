@@ -59,3 +59,24 @@ def test_run_split_balances_runs_and_reraises_from_any_thread() -> None:
 
     with pytest.raises(OSError, match="disk full"):
         run_split(list(range(10)), [1] * 10, 2, fail_on_second)
+
+
+@pytest.mark.parametrize(
+    "cpus, local, world, write, read",
+    [(16, "8", "16", 2, 2), (16, "2", "64", 4, 2), (2, "2", "4", 1, 1), (3, "4", "8", 1, 1), (6, None, "12", 4, 2)],
+)
+def test_thread_counts_share_this_nodes_cpus_among_its_ranks(
+    monkeypatch: pytest.MonkeyPatch, cpus: int, local: str | None, world: str, write: int, read: int
+) -> None:
+    """CPUs of this node // LOCAL_WORLD_SIZE (ranks on this node), never WORLD_SIZE (ranks of every node)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+    monkeypatch.delenv("TDCP_WRITE_THREADS", raising=False)
+    monkeypatch.delenv("TDCP_READ_THREADS", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    if local is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    assert (copying.default_threads(), copying.read_threads()) == (write, read)
+    monkeypatch.setenv("TDCP_WRITE_THREADS", "3")
+    assert copying.default_threads() == 3

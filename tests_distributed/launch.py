@@ -8,8 +8,10 @@ torchrun does) and the failed ranks' output is shown in the assertion message.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -125,13 +127,24 @@ def torchrun_module(module: str, *args: str, nproc: int = 2, timeout: float = 30
 
 
 def torchrun_nodes(
-    module: str, *args: str, nodes: int = 2, nproc: int = 2, root: Path, timeout: float = 300
+    module: str,
+    *args: str,
+    nodes: int = 2,
+    nproc: int = 2,
+    root: Path,
+    timeout: float = 300,
+    private_tmp: Path | None = None,
 ) -> list[subprocess.CompletedProcess]:
     """Run ``module`` as ``nodes`` separate ``torchrun --nnodes N`` agents (one per "node") on this machine.
 
     The agents meet through a c10d rendezvous on 127.0.0.1; each "node" has a private
     ``TMPDIR`` (``root/node<i>/tmp``) and its own working directory, so nothing may rely on
     a node-local path being visible elsewhere. Returns each agent's completed process.
+
+    With ``private_tmp=SHARED`` each agent runs in its own mount namespace with a fresh
+    tmpfs on ``/tmp`` (its ``TMPDIR``), where only the directory ``SHARED`` stays visible
+    (see ``nodens.py``; check :func:`private_tmp_unavailable` first); what a node left in
+    its ``/tmp`` is listed in ``root/node<i>/tmp-listing.json``.
     """
     port = free_port()
     procs = []
@@ -159,6 +172,15 @@ def torchrun_nodes(
             "RL_WARNINGS": "False",
             "TMPDIR": str(home / "tmp"),
         }
+        if private_tmp is not None:
+            nodens = [
+                sys.executable,
+                "-m",
+                "tests_distributed.nodens",
+                str(private_tmp),
+                str(home / "tmp-listing.json"),
+            ]
+            cmd = ["unshare", "-m", "--propagation", "private", *nodens, "--", *cmd]
         procs.append(
             subprocess.Popen(cmd, env=env, cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
@@ -172,3 +194,20 @@ def torchrun_nodes(
             stdout, stderr = p.communicate()
         out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
     return out
+
+
+@functools.cache
+def private_tmp_unavailable() -> str | None:
+    """Why a "node" cannot get its own mount namespace with a private ``/tmp`` here (``None``: it can)."""
+    if not sys.platform.startswith("linux"):
+        return f"mount namespaces are Linux-only (this is {sys.platform})"
+    if os.geteuid() != 0:
+        return "mounting a private /tmp needs root (unshare -m + mount -t tmpfs)"
+    if shutil.which("unshare") is None:
+        return "no unshare command (util-linux) on this machine"
+    cmd = ["unshare", "-m", "--propagation", "private", sys.executable, "-m", "tests_distributed.nodens", "--probe"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    probe = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    if probe.returncode != 0:
+        return f"unshare -m / mount -t tmpfs /tmp failed here (e.g. no CAP_SYS_ADMIN): {probe.stderr.strip()[-300:]}"
+    return None

@@ -6,6 +6,9 @@ saves a checkpoint every ``--save-every`` steps. ``--resume`` continues from the
 newest committed checkpoint; the final line prints a fingerprint of the weights,
 identical whether or not the run was interrupted.
 
+With ``--rotation`` the saves go through :class:`torchrl_dcp.CheckpointRotation`
+(``keep_last``; rank 0 prunes) and ``--resume`` through :func:`torchrl_dcp.resume`.
+
 Run:
     torchrun --standalone --nproc-per-node 2 -m torchrl_dcp.examples.demo --ckpt-dir ckpts/demo
     torchrun --standalone --nproc-per-node 2 -m torchrl_dcp.examples.demo --ckpt-dir ckpts/demo --resume
@@ -54,6 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--keep-last", type=int, default=2)
     parser.add_argument("--ckpt-dir", default="ckpts/demo")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--rotation", action="store_true", help="save and resume through CheckpointRotation")
     parser.add_argument("--kill-at-step", type=int, default=None, help="SIGKILL every rank after this step (tests)")
     args = parser.parse_args(argv)
 
@@ -61,8 +65,11 @@ def main(argv: list[str] | None = None) -> None:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))  # this rank's GPU on its own node (several nodes)
     device = (
-        torch.device(f"cuda:{rank % torch.cuda.device_count()}") if torch.cuda.is_available() else torch.device("cpu")
+        torch.device(f"cuda:{local_rank % torch.cuda.device_count()}")
+        if torch.cuda.is_available()
+        else torch.device("cpu")
     )
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).to(device)
@@ -78,14 +85,9 @@ def main(argv: list[str] | None = None) -> None:
     ckpt.register("rng", tdcp.RNGState())  # per_rank by default, restored last
 
     ckpt_dir = Path(args.ckpt_dir)
+    rotation = tdcp.CheckpointRotation(ckpt_dir, keep_last=args.keep_last) if args.rotation else None
     if args.resume:
-        path = latest_checkpoint(ckpt_dir)
-        if path is None:
-            print0(rank, f"no checkpoint in {ckpt_dir}: starting fresh")
-        else:
-            result = ckpt.load(path)
-            seen = result.values["seen"]["sum"]
-            print0(rank, f"resumed from {path} (step {result.step}, saved by {result.manifest['world_size']} ranks)")
+        seen = restore(ckpt, ckpt_dir, rotation, rank, seen)
 
     w_true = torch.arange(8, dtype=torch.float32, device=device) / 8
     while counters["step"] < args.steps:
@@ -106,7 +108,10 @@ def main(argv: list[str] | None = None) -> None:
         step = counters["step"]
         if step % 10 == 0:
             print0(rank, f"step {step:4d}  loss {loss.item():.4f}  samples/rank {counters['samples']}")
-        if step % args.save_every == 0:
+        if step % args.save_every == 0 and rotation is not None:
+            path = rotation.save(ckpt, step=step, metadata={"loss": loss.item()})
+            print0(rank, f"checkpoint saved: {path}")
+        elif step % args.save_every == 0:
             path = ckpt.save(ckpt_dir / f"step-{step:06d}", step=step, metadata={"loss": loss.item()})
             print0(rank, f"checkpoint saved: {path}")
             if rank == 0:
@@ -122,6 +127,27 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.flush()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def restore(
+    ckpt: tdcp.DistributedCheckpoint,
+    ckpt_dir: Path,
+    rotation: tdcp.CheckpointRotation | None,
+    rank: int,
+    seen: torch.Tensor,
+) -> torch.Tensor:
+    """Load the newest committed checkpoint (collective); return the restored per-rank ``seen`` tensor."""
+    if rotation is not None:
+        info = rotation.resume(ckpt)
+        path, result = (None, None) if info is None else (info.path, info.result)
+    else:
+        path = latest_checkpoint(ckpt_dir)
+        result = None if path is None else ckpt.load(path)
+    if result is None:
+        print0(rank, f"no checkpoint in {ckpt_dir}: starting fresh")
+        return seen
+    print0(rank, f"resumed from {path} (step {result.step}, saved by {result.manifest['world_size']} ranks)")
+    return result.values["seen"]["sum"]
 
 
 def prune(directory: Path, keep_last: int) -> None:

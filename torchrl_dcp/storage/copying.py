@@ -36,21 +36,35 @@ T = TypeVar("T")
 MIN_PIECE = 1 << 20
 
 
+def node_cpus_per_rank() -> int:
+    """This process's share of the CPUs it may run on: CPUs (affinity) // ranks on this node (at least 1).
+
+    The ranks of one node share its CPUs; ``LOCAL_WORLD_SIZE`` (set by ``torchrun`` per
+    node) says how many there are. Neither ``WORLD_SIZE`` (every node) nor another
+    node's CPU count enters: on 2 nodes x 8 ranks of 16 CPUs each, every rank gets 2.
+    """
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        local = 1
+    return max(1, cpus // max(1, local))
+
+
 def _threads(variable: str, cap: int) -> int:
     env = os.environ.get(variable)
     if env:
         return max(1, int(env))
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(cap, cpus))
+    return max(1, min(cap, node_cpus_per_rank()))
 
 
 def default_threads() -> int:
-    """Write/copy threads per process: ``TDCP_WRITE_THREADS``, else up to 4 (bounded by this node's CPUs)."""
+    """Write/copy threads per process: ``TDCP_WRITE_THREADS``, else up to 4 (this rank's share of the node's CPUs)."""
     return _threads("TDCP_WRITE_THREADS", 4)
 
 
 def read_threads() -> int:
-    """Reader threads per large tensor: ``TDCP_READ_THREADS``, else up to 2 (bounded by this node's CPUs)."""
+    """Reader threads per large tensor: ``TDCP_READ_THREADS``, else up to 2 (this rank's share of the node's CPUs)."""
     return _threads("TDCP_READ_THREADS", 2)
 
 
