@@ -37,6 +37,7 @@ from torchrl_dcp.load_plan import Registered
 from torchrl_dcp.placement import Placement, check_placement
 from torchrl_dcp.replicas import ReplicaCheck
 from torchrl_dcp.replicas import check_mode as check_replica_mode
+from torchrl_dcp.storage.urls import resolve_path
 
 __all__ = ["DistributedCheckpoint", "LoadResult"]
 
@@ -69,6 +70,9 @@ class DistributedCheckpoint:
         replica_check: how saves check that replicated components are the same on every
             rank before anything is written (``"sample"``: JSON values whole and sampled bytes
             of each tensor; ``"full"``: every byte; ``"off"``); see :mod:`torchrl_dcp.replicas`.
+        storage_options: fsspec options (endpoint, credentials, ...) for checkpoint paths that are
+            URLs (``s3://bucket/run/step-100``); see docs/objectstores.md. A :class:`~torchrl_dcp.StorePath`
+            passed as a path carries its own.
         **components: components registered with their adapter's default placement
             (``replicated`` for modules, optimizers and state dicts).
 
@@ -82,6 +86,7 @@ class DistributedCheckpoint:
         save_components: Collection[str] | None = None,
         timeout: datetime.timedelta | None = None,
         replica_check: ReplicaCheck = "sample",
+        storage_options: Mapping[str, Any] | None = None,
         **components: Any,
     ) -> None:
         _check_strict(strict)
@@ -89,6 +94,7 @@ class DistributedCheckpoint:
         self.replica_check = check_replica_mode(replica_check)
         self.save_components = None if save_components is None else frozenset(save_components)
         self.timeout = timeout
+        self.storage_options = dict(storage_options or {})
         self._components: dict[str, _Registration] = {}
         self._local_adapters: dict[type, Adapter] = {}
         self._async = AsyncSaver()
@@ -285,7 +291,7 @@ class DistributedCheckpoint:
 
         With ``stage`` (async saves), each rank stages only the tensors it will write.
         """
-        destination = Path(path).expanduser().absolute()
+        destination = resolve_path(path, self.storage_options)  # a URL: a StorePath (docs/objectstores.md)
         names = self._select(components, self.save_components)
         options = dict(component_options or {})
         unknown = sorted(set(options) - set(names))
@@ -366,7 +372,7 @@ class DistributedCheckpoint:
         requested = self._select(components, None)
         options = dict(component_options or {})
         request = load_engine.LoadRequest(
-            path=Path(path).expanduser().absolute(),
+            path=resolve_path(path, self.storage_options),
             requested=requested,
             registered={name: self._registered(name, options.get(name), map_location) for name in requested},
             strict=strict,

@@ -71,6 +71,7 @@ from torchrl_dcp.storage.commit import (
 from torchrl_dcp.storage.container import DirectoryContainer
 from torchrl_dcp.storage.filesystem import make_writer, safe_load_metadata
 from torchrl_dcp.storage.layout import DCP_METADATA, MANIFEST, identity_trailer
+from torchrl_dcp.storage.urls import is_store
 from torchrl_dcp.storage.writer import WriteOutcome, build_metadata, write_metadata, write_share
 
 logger = logging.getLogger("torchrl_dcp")
@@ -343,6 +344,10 @@ def write_manifest(job: SaveJob, staging: Path, gathered: list[Any]) -> None:
 
 def run(job: SaveJob) -> Path:
     """Steps 3 and 4 (collective): staging, write, commit, publish; the lock is released and leftovers removed."""
+    if is_store(job.destination):  # an object-store prefix: fsspec writer, manifest-last commit
+        from torchrl_dcp.storage.objectstore_save import run_save
+
+        return run_save(job)
     staging = prepare_staging(job)
     try:
         outcome, error = write(job, staging)
