@@ -17,8 +17,11 @@ import logging
 import os
 import socket
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import pytest
 
 BUCKET = "tdcp-test"
 _DUMMY = {
@@ -86,3 +89,13 @@ def s3_server() -> LocalS3:
     options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing", "use_listings_cache": False}
     s3fs.S3FileSystem(**options).mkdir(BUCKET)
     return LocalS3(endpoint, server, BUCKET, options)
+
+
+@pytest.fixture(scope="session")
+def s3() -> Iterator[LocalS3]:
+    """moto's S3 server on 127.0.0.1 (a free port) for the session; skipped without s3fs/moto[server]."""
+    if not have_s3():
+        pytest.skip("s3fs and moto[server] are not installed (pip install -e '.[test,s3]')")
+    server = s3_server()
+    yield server
+    server.stop()
