@@ -38,6 +38,7 @@ from torchrl_dcp.load_plan import Registered
 from torchrl_dcp.placement import Placement, check_placement
 from torchrl_dcp.replicas import ReplicaCheck
 from torchrl_dcp.replicas import check_mode as check_replica_mode
+from torchrl_dcp.storage.urls import is_store, resolve_path
 
 __all__ = ["DistributedCheckpoint", "LoadResult"]
 
@@ -70,6 +71,9 @@ class DistributedCheckpoint:
         replica_check: how saves check that replicated components are the same on every
             rank before anything is written (``"sample"``: JSON values whole and sampled bytes
             of each tensor; ``"full"``: every byte; ``"off"``); see :mod:`torchrl_dcp.replicas`.
+        storage_options: fsspec options (endpoint, credentials, ...) for checkpoint paths that are
+            URLs (``s3://bucket/run/step-100``); see docs/objectstores.md. A :class:`~torchrl_dcp.StorePath`
+            passed as a path carries its own.
         **components: components registered with their adapter's default placement
             (``replicated`` for modules, optimizers and state dicts).
 
@@ -83,6 +87,7 @@ class DistributedCheckpoint:
         save_components: Collection[str] | None = None,
         timeout: datetime.timedelta | None = None,
         replica_check: ReplicaCheck = "sample",
+        storage_options: Mapping[str, Any] | None = None,
         **components: Any,
     ) -> None:
         _check_strict(strict)
@@ -90,6 +95,7 @@ class DistributedCheckpoint:
         self.replica_check = check_replica_mode(replica_check)
         self.save_components = None if save_components is None else frozenset(save_components)
         self.timeout = timeout
+        self.storage_options = dict(storage_options or {})
         self._components: dict[str, _Registration] = {}
         self._local_adapters: dict[type, Adapter] = {}
         self._async = AsyncSaver()
@@ -296,7 +302,7 @@ class DistributedCheckpoint:
         Collective. With ``stage`` (async saves), each rank stages only the tensors and
         chunk rows it will write.
         """
-        destination = Path(path).expanduser().absolute()
+        destination = resolve_path(path, self.storage_options)  # a URL: a StorePath (docs/objectstores.md)
         names = self._select(components, self.save_components)
         options = dict(component_options or {})
         unknown = sorted(set(options) - set(names))
@@ -326,7 +332,7 @@ class DistributedCheckpoint:
         encoded, write_plan = save_engine.plan(group, encode_step, checks)
         job = save_engine.SaveJob(destination, step, metadata, encoded, write_plan, group, rank, world)
         try:
-            base = None if incremental_from is None else Path(incremental_from).expanduser().absolute()
+            base = _incremental_base(incremental_from, destination, self.storage_options)
             base_info = share_base(group, base, rank)
             run_step(
                 group, "planning the chunk files", lambda: save_engine.plan_chunks(job, base_info, stage is not None)
@@ -380,7 +386,7 @@ class DistributedCheckpoint:
         requested = self._select(components, None)
         options = dict(component_options or {})
         request = load_engine.LoadRequest(
-            path=Path(path).expanduser().absolute(),
+            path=resolve_path(path, self.storage_options),
             requested=requested,
             registered={name: self._registered(name, options.get(name), map_location) for name in requested},
             strict=strict,
@@ -408,6 +414,17 @@ class DistributedCheckpoint:
 
 # ---------------------------------------------------------------------- helpers
 _TRAINER_MARKER = "trainer_state"  # what torchrl's Trainer registers when it binds a checkpoint
+
+
+def _incremental_base(incremental_from: Any, destination: Any, storage_options: Any) -> Path | None:
+    """The local base directory of an incremental save, or ``None`` (object stores save in full, said in the log)."""
+    if incremental_from is None:
+        return None
+    base = resolve_path(incremental_from, storage_options)
+    if is_store(base) or is_store(destination):
+        logger.info("incremental saves keep chunk files on local file systems only: saving %s in full", destination)
+        return None
+    return Path(base)
 
 
 def _stage_share(job: save_engine.SaveJob, stage: Any) -> None:

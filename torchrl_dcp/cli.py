@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointError
+from torchrl_dcp.storage.urls import is_store, resolve_path
 
 
 def _inspect(path: str) -> dict[str, Any]:
@@ -43,8 +44,8 @@ def _inspect(path: str) -> dict[str, Any]:
             "shared": _shared_tensors(rec),
         }
     return {
-        "path": str(Path(path).absolute()),
-        "container": "archive" if Path(path).is_file() else "directory",
+        "path": str(_where(path)),
+        "container": "object store" if is_store(_where(path)) else "archive" if Path(path).is_file() else "directory",
         "format_version": m["format_version"],
         "created_at": m.get("created_at"),
         "step": m.get("step"),
@@ -55,6 +56,23 @@ def _inspect(path: str) -> dict[str, Any]:
         "bytes": sum(f["size"] for f in m["files"].values()),
         "metadata": m["metadata"],
     }
+
+
+def _where(path: str) -> Any:
+    """A local path (absolute), or a URL as a :class:`~torchrl_dcp.storage.urls.StorePath` (fsspec's configuration)."""
+    return resolve_path(path)
+
+
+def _bytes(out: Any) -> int:
+    if is_store(out):
+        from torchrl_dcp.storage.objectstore import list_objects
+
+        return (
+            int(out.fs.info(out.key)["size"])
+            if out.is_file()
+            else sum(int(i.get("size") or 0) for i in list_objects(out).values())
+        )
+    return sum(f.stat().st_size for f in out.iterdir()) if out.is_dir() else out.stat().st_size
 
 
 def _shared_tensors(rec: dict[str, Any]) -> dict[str, str]:
@@ -131,16 +149,16 @@ def _convert(src: str, dst: str, overwrite: bool) -> dict[str, Any]:
     from torchrl_dcp.convert import to_archive, to_directory
 
     start = time.monotonic()
-    if Path(src).is_file():
+    if _where(src).is_file():
         out = to_directory(src, dst, overwrite=overwrite, progress=_progress("unpacking"))
         kind = "directory"
     else:
         out = to_archive(src, dst, overwrite=overwrite, progress=_progress("packing"))
         kind = "archive"
-    size = sum(f.stat().st_size for f in out.iterdir()) if out.is_dir() else out.stat().st_size
+    size = _bytes(out)
     return {
         "ok": True,
-        "source": str(Path(src).absolute()),
+        "source": str(_where(src)),
         "destination": str(out),
         "container": kind,
         "bytes": size,
@@ -151,7 +169,7 @@ def _convert(src: str, dst: str, overwrite: bool) -> dict[str, Any]:
 def _ls(directory: str, metric: str | None, mode: str) -> dict[str, Any]:
     from torchrl_dcp.rotation import CheckpointRotation, latest_entry
 
-    d = Path(directory).expanduser().absolute()
+    d = _where(directory)
     if not d.is_dir():
         raise CheckpointError("not a directory", path=d)
     rotation = CheckpointRotation(d, keep_best=(metric, mode) if metric else None)  # type: ignore[arg-type]

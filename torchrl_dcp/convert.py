@@ -41,8 +41,20 @@ from torchrl_dcp.storage.commit import (
 from torchrl_dcp.storage.container import DirectoryContainer, read_manifest, read_whole
 from torchrl_dcp.storage.copying import CopyRange, copy_ranges
 from torchrl_dcp.storage.layout import DCP_METADATA, MANIFEST, MAX_MANIFEST_BYTES
+from torchrl_dcp.storage.urls import is_store, is_url
 
 __all__ = ["export_torchrl", "to_archive", "to_directory"]
+
+
+def _any_url(*paths: Any) -> bool:
+    return any(is_url(p) and not p.startswith("file://") or is_store(p) for p in paths)
+
+
+def convert_via_local(*args: Any, **kwargs: Any) -> Any:
+    """Object-store ends (imported on use: the local tools stay torch-free)."""
+    from torchrl_dcp.storage.objectstore_tools import convert_via_local as run
+
+    return run(*args, **kwargs)
 
 
 def _check_replaceable(destination: Path, overwrite: bool) -> None:
@@ -120,6 +132,8 @@ def to_archive(
     Example:
         >>> tdcp.to_archive("ckpts/step-100", "step-100.zip")  # doctest: +SKIP
     """
+    if _any_url(src_dir, dst_file):
+        return convert_via_local(to_archive, src_dir, dst_file, "checkpoint", "file", overwrite, buffer_size=buffer_size, progress=progress)  # fmt: skip
     src = Path(src_dir).expanduser().absolute()
     if not src.exists():
         raise CheckpointNotFoundError("no checkpoint here: the path does not exist", path=src)
@@ -156,6 +170,8 @@ def to_directory(
     Example:
         >>> tdcp.to_directory("step-100.zip", "ckpts/step-100")  # doctest: +SKIP
     """
+    if _any_url(src_file, dst_dir):
+        return convert_via_local(to_directory, src_file, dst_dir, "file", "checkpoint", overwrite, buffer_size=buffer_size, progress=progress)  # fmt: skip
     path = Path(src_file).expanduser().absolute()
     if not path.exists():
         raise CheckpointNotFoundError("no checkpoint here: the path does not exist", path=path)
@@ -259,6 +275,10 @@ def export_torchrl(
     from torchrl.checkpoint import Checkpoint as TorchRLCheckpoint
 
     from torchrl_dcp.extract import as_source, read_component
+
+    if _any_url(dst):  # the source is read in place (any URL); the export is written locally, then uploaded
+        kw = {"rank": rank, "format": format, "metadata": metadata}
+        return convert_via_local(export_torchrl, src, dst, "source", "torchrl", overwrite, components=components, **kw)
 
     source = as_source(src)
     manifest = source.manifest()

@@ -47,6 +47,7 @@ from torchrl_dcp.errors import (
     CheckpointVersionError,
     CollectiveError,
 )
+from torchrl_dcp.storage.urls import is_store, resolve_path
 
 logger = logging.getLogger("torchrl_dcp")
 
@@ -96,6 +97,7 @@ class CheckpointRotation:
             files whose rows are unchanged are hard-linked, :mod:`torchrl_dcp.incremental`);
             every entry still stands alone, so pruning never breaks a kept one. Off with
             ``archive=True`` (an archive's members cannot be linked).
+        storage_options: fsspec options when ``directory`` is a URL (``s3://bucket/run``; docs/objectstores.md).
 
     ``save`` and ``load_latest`` are collective (every rank calls them); ``entries``,
     ``latest`` and ``best`` only read manifests and may be called from any rank.
@@ -109,6 +111,7 @@ class CheckpointRotation:
         keep_best: tuple[str, MetricMode] | None = None,
         archive: bool = False,
         incremental: bool = True,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ValueError(f"keep_last must be a positive integer, got {keep_last!r}")
@@ -117,7 +120,9 @@ class CheckpointRotation:
                 raise ValueError(f"keep_best must be (metadata_key, 'max' | 'min'), got {keep_best!r}")
             if keep_best[1] not in ("max", "min"):
                 raise ValueError(f"keep_best mode must be 'max' or 'min', got {keep_best[1]!r}")
-        self.directory = Path(directory).expanduser().absolute()
+        self.directory = resolve_path(directory, storage_options)
+        if archive and is_store(self.directory):
+            raise ValueError("archive=True is for local directories: an object-store entry is already one prefix")
         self.keep_last = keep_last
         self.keep_best = keep_best
         self.archive = archive
@@ -179,7 +184,7 @@ class CheckpointRotation:
         if self.keep_best is not None:
             _metric(metadata.get(self.keep_best[0]), self.keep_best[0], required=True)
         directory_path = self.directory / f"step-{step:012d}"
-        if self.incremental and not self.archive and "incremental_from" not in save_kwargs:
+        if self.incremental and not self.archive and not is_store(self.directory) and "incremental_from" not in save_kwargs:
             save_kwargs["incremental_from"] = self.incremental_base(getattr(ckpt, "timeout", None))
         path = ckpt.save(directory_path, step=step, metadata=metadata, components=components, **save_kwargs)
         target = self.path_for(step)
@@ -292,6 +297,8 @@ class CheckpointRotation:
             group, "listing checkpoints", lambda: [(e.step, str(e.path)) for e in reversed(by_commit(self.entries()))]
         )
         for step, path in candidates:
+            if is_store(self.directory):  # keep the rotation's storage options
+                path = self.directory / path.rsplit("/", 1)[-1]
             try:
                 result = ckpt.load(path, **load_kwargs)
             except CheckpointError as err:
@@ -305,7 +312,7 @@ class CheckpointRotation:
                 logger.warning("checkpoint %s is damaged (%s); trying the previous one", path, err)
                 continue
             logger.info("resumed from step %d (%s)", step, path)
-            return ResumeInfo(step, Path(path), result)
+            return ResumeInfo(step, path if is_store(path) else Path(path), result)
         logger.info("no committed checkpoint in %s: starting fresh", self.directory)
         return None
 
@@ -352,6 +359,10 @@ def list_entries(directory: Path, metric: str | None = None, include_uncommitted
     """
     from torchrl_dcp.storage.container import read_manifest
 
+    if is_store(directory):
+        from torchrl_dcp.storage.objectstore_tools import store_entries
+
+        return store_entries(directory, metric, include_uncommitted)  # type: ignore[arg-type]
     found: dict[int, RotationEntry] = {}
     for p in _iterdir(directory):
         m = _ENTRY.match(p.name)
@@ -392,6 +403,8 @@ def list_entries(directory: Path, metric: str | None = None, include_uncommitted
 
 
 def _iterdir(directory: Path) -> list[Path]:
+    if is_store(directory):
+        return []  # leftovers of killed object-store saves are swept by the next save (objectstore_save.sweep)
     try:
         return list(directory.iterdir())
     except (FileNotFoundError, NotADirectoryError):
@@ -448,6 +461,10 @@ def _remove(path: Path) -> bool:
     """
     from torchrl_dcp.storage.commit import remove_tree, trash_path
 
+    if is_store(path):
+        from torchrl_dcp.storage.objectstore_tools import remove_entry
+
+        return remove_entry(path)  # type: ignore[arg-type]
     if path.name.startswith("."):
         remove_tree(path)
         return True

@@ -73,6 +73,7 @@ from torchrl_dcp.storage.container import DirectoryContainer
 from torchrl_dcp.storage.copying import default_threads
 from torchrl_dcp.storage.filesystem import make_writer, safe_load_metadata
 from torchrl_dcp.storage.layout import DCP_METADATA, MANIFEST, identity_trailer
+from torchrl_dcp.storage.urls import is_store
 from torchrl_dcp.storage.writer import ChunkEntry, WriteOutcome, build_metadata, write_metadata, write_share
 
 logger = logging.getLogger("torchrl_dcp")
@@ -390,33 +391,40 @@ def commit(job: SaveJob, staging: Path, outcome: WriteOutcome, write_error: Base
 
 def write_manifest(job: SaveJob, staging: Path, gathered: list[Any]) -> None:
     """DCP's ``.metadata`` (our writer) and ``manifest.json``, written durably into ``staging`` (rank 0)."""
-    files: dict[str, Any] = {}
-    for g in gathered:
-        files.update(g[1])
-    chunks = [c for g in gathered for c in g[4]]
+    files = {name: rec for g in gathered for name, rec in g[1].items()}
     if job.plan.backend == "fast":  # DCP's metadata, as dcp.save would have written it
-        tensors = {k: (_DTYPES[t.dtype], t.shape) for k, t in job.plan.tensors.items()}
-        entries = [e for g in gathered for e in g[2]]
-        files[DCP_METADATA] = write_metadata(staging, build_metadata(tensors, entries, staging, job.save_id, chunks))
+        files[DCP_METADATA] = write_metadata(staging, dcp_metadata(job, gathered, staging))
     elif DCP_METADATA in files:  # DCP wrote it (our own file, just written): give it this save's identity
         metadata = safe_load_metadata(staging / DCP_METADATA)
         metadata.storage_meta.save_id = job.save_id
         (staging / DCP_METADATA).unlink()
         files[DCP_METADATA] = write_metadata(staging, metadata)
+    write_file_durably(staging / MANIFEST, dumps(build_manifest(job, gathered, files)))
+
+
+def dcp_metadata(job: SaveJob, gathered: list[Any], checkpoint_id: Any) -> Any:
+    """DCP's ``Metadata`` of a save by our writer, from every rank's gathered entries and chunks."""
+    tensors = {k: (_DTYPES[t.dtype], t.shape) for k, t in job.plan.tensors.items()}
+    entries = [e for g in gathered for e in g[2]]
+    chunks = [c for g in gathered for c in g[4]]
+    return build_metadata(tensors, entries, checkpoint_id, job.save_id, chunks)
+
+
+def build_manifest(job: SaveJob, gathered: list[Any], files: dict[str, Any]) -> dict[str, Any]:
+    """The sealed manifest of a save from every rank's gathered ``(status, files, entries, per_rank, chunks)``."""
     components = {}
     for name, rec in job.encoded.records.items():
         ranks = {r: g[3][name] for r, g in enumerate(gathered)} if rec.placement == "per_rank" else None
         components[name] = rec.manifest_entry(ranks)
-    manifest = new_manifest(
+    return new_manifest(
         world_size=job.world_size,
         components=components,
         files=files,
         metadata=job.metadata,
         step=job.step,
         save_id=job.save_id,
-        chunks=chunk_table(chunks),
+        chunks=chunk_table([c for g in gathered for c in g[4]]),
     )
-    write_file_durably(staging / MANIFEST, dumps(manifest))
 
 
 def chunk_table(chunks: list[ChunkEntry]) -> dict[str, list[dict[str, Any]]]:
@@ -431,6 +439,10 @@ def chunk_table(chunks: list[ChunkEntry]) -> dict[str, list[dict[str, Any]]]:
 
 def run(job: SaveJob) -> Path:
     """Steps 3 and 4 (collective): staging, write, commit, publish; the lock is released and leftovers removed."""
+    if is_store(job.destination):  # an object-store prefix: fsspec writer, manifest-last commit
+        from torchrl_dcp.storage.objectstore_save import run_save
+
+        return run_save(job)
     try:
         staging = prepare_staging(job)
     except BaseException:

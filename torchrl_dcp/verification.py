@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
@@ -18,6 +19,7 @@ from torchrl_dcp.manifest import unchecked
 from torchrl_dcp.storage.container import open_regular
 from torchrl_dcp.storage.layout import MANIFEST
 from torchrl_dcp.storage.source import CheckpointSource, open_source
+from torchrl_dcp.storage.urls import resolve_path
 
 
 def _check_blob_headers(src: CheckpointSource, metadata: Any) -> None:
@@ -26,21 +28,31 @@ def _check_blob_headers(src: CheckpointSource, metadata: Any) -> None:
     for index, info in metadata.storage_data.items():
         by_file.setdefault(info.relative_path, []).append((info.offset, index.fqn))
     for rel, items in sorted(by_file.items()):
-        span = src.container.byte_range(rel)
-        fd = open_regular(span.path, span.where)
-        try:
-            for offset, key in sorted(items):
-                if os.pread(fd, 4, span.base + offset) != b"PK\x03\x04":
-                    raise CheckpointIntegrityError(
-                        f"tensor {key!r} at byte {offset} is not a torch.save blob: the file is inconsistent with "
-                        "DCP's metadata (damaged or forged)",
-                        path=span.where,
-                    )
-        finally:
-            os.close(fd)
+        for offset, key, head in _heads(src, rel, sorted(items)):
+            if head != b"PK\x03\x04":
+                raise CheckpointIntegrityError(
+                    f"tensor {key!r} at byte {offset} is not a torch.save blob: the file is inconsistent with "
+                    "DCP's metadata (damaged or forged)",
+                    path=src.container.byte_range(rel).where,
+                )
 
 
-def verify(path: str | os.PathLike) -> dict[str, Any]:
+def _heads(src: CheckpointSource, rel: str, items: list[tuple[int, str]]) -> Iterator[tuple[int, str, bytes]]:
+    """The first 4 bytes of each record ``(offset, key)`` of the data file ``rel`` (a file, or an object)."""
+    read_many = getattr(src, "read_many", None)  # an object-store source: ranged reads, in parallel
+    if read_many is not None:
+        yield from ((o, k, h) for (o, k), h in zip(items, read_many(rel, [(o, 4) for o, _ in items])))
+        return
+    span = src.container.byte_range(rel)
+    fd = open_regular(span.path, span.where)
+    try:
+        for offset, key in items:
+            yield offset, key, os.pread(fd, 4, span.base + offset)
+    finally:
+        os.close(fd)
+
+
+def verify(path: str | os.PathLike, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Check a checkpoint without loading it: the manifest (its own checksum, schema), every file's size,
     checksum and save identity, DCP's metadata (same save, every byte range inside its file), and for every
     component the checks a load runs (inventory, decodable states, every tensor present with its dtype and
@@ -50,10 +62,12 @@ def verify(path: str | os.PathLike) -> dict[str, Any]:
         A summary ``{"path", "files", "bytes", "tensors", "unchecked"}``; ``unchecked`` lists what an older
         format cannot prove (e.g. a format-2 manifest has no checksum of its own).
 
+    ``path`` may be an fsspec URL (``s3://bucket/run/step-100``; ``storage_options`` for its file system).
+
     Raises:
         CheckpointError: naming the first problem found.
     """
-    src = open_source(path)
+    src = open_source(resolve_path(path, storage_options))
     root = src.path
     manifest = src.manifest()
     src.check(True)

@@ -78,17 +78,25 @@ class ChunkJob:
     result: ChunkFile | None = field(default=None, repr=False)
 
 
-def write_chunk_file(path: Path, rows: torch.Tensor, save_id: str, rank: int, *, fsync: bool = True) -> ChunkFile:
-    """Write ``rows`` as one record followed by the identity trailer into the new file ``path``."""
+def chunk_file_parts(rows: torch.Tensor, save_id: str, rank: int) -> tuple[list[Any], ChunkFile]:
+    """The bytes of a chunk file in order (record head, the rows' bytes, record tail + trailer) and its record."""
     data = tensor_bytes(rows)
     fingerprint, data_crc = content_fingerprint(data)
     head, tail = template(rows.dtype, tuple(rows.shape)).parts(data_crc)
     end = tail + identity_trailer(save_id, rank)
+    crc = crc32_combine(crc32_combine(crc32(head), data_crc, len(data)), crc32(end), len(end))
+    size = len(head) + len(data) + len(end)
+    return [head, data, end], ChunkFile(size, format_crc(crc), len(head) + len(data) + len(tail), fingerprint)
+
+
+def write_chunk_file(path: Path, rows: torch.Tensor, save_id: str, rank: int, *, fsync: bool = True) -> ChunkFile:
+    """Write ``rows`` as one record followed by the identity trailer into the new file ``path``."""
+    parts, record = chunk_file_parts(rows, save_id, rank)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
     try:
         writeback = Writeback(fd) if fsync else None
         at = 0
-        for part in (head, data, end):
+        for part in parts:
             pwrite_all(fd, part, at)
             if writeback is not None:
                 writeback.written(at, len(part))
@@ -98,8 +106,7 @@ def write_chunk_file(path: Path, rows: torch.Tensor, save_id: str, rank: int, *,
             os.fsync(fd)
     finally:
         os.close(fd)
-    crc = crc32_combine(crc32_combine(crc32(head), data_crc, len(data)), crc32(end), len(end))
-    return ChunkFile(at, format_crc(crc), len(head) + len(data) + len(tail), fingerprint)
+    return record
 
 
 def _checked(fd: int, kept: KeptChunk) -> os.stat_result | None:

@@ -191,7 +191,16 @@ class DirectoryContainer:
 
 
 def open_container(path: str | os.PathLike) -> Container:
-    """The container at ``path``: a ZIP archive when it is a regular file, a directory otherwise."""
+    """The container at ``path``: a ZIP archive when it is a regular file, a directory otherwise, an
+    object-store prefix for a URL (:mod:`torchrl_dcp.storage.objectstore`)."""
+    from torchrl_dcp.storage.urls import is_store, is_url, resolve_path
+
+    if is_url(path) or is_store(path):
+        path = resolve_path(path)
+        if is_store(path):
+            from torchrl_dcp.storage.objectstore import ObjectStoreContainer
+
+            return ObjectStoreContainer(path)  # type: ignore[return-value]
     path = Path(path).expanduser().absolute()
     if path.is_file() and not path.is_symlink():
         from torchrl_dcp.storage.archive import ArchiveContainer

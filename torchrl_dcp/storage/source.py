@@ -30,6 +30,7 @@ from torchrl_dcp.storage.container import Container, open_container, open_regula
 from torchrl_dcp.storage.filesystem import check_storage_bounds, check_storage_files, safe_load_metadata
 from torchrl_dcp.storage.layout import DCP_METADATA, MAX_MANIFEST_BYTES, TRAILER_SIZE, read_identity
 from torchrl_dcp.storage.reader import InPlaceFileSystemReader
+from torchrl_dcp.storage.urls import is_store, is_url, resolve_path
 
 
 class CheckpointSource:
@@ -143,5 +144,10 @@ def _check_checksum(data: bytes, record: dict[str, Any], where: str) -> None:
 
 
 def open_source(path: str | os.PathLike) -> CheckpointSource:
-    """The source for ``path``: a ZIP archive when it is a regular file, a directory otherwise."""
+    """The source for ``path``: a ZIP archive when it is a regular file, a directory otherwise, an
+    object-store prefix for a URL (:mod:`torchrl_dcp.storage.objectstore`)."""
+    if is_url(path) or is_store(path):
+        from torchrl_dcp.storage.objectstore import open_store_source
+
+        return open_store_source(resolve_path(path))
     return CheckpointSource(open_container(path))

@@ -1,0 +1,59 @@
+"""A child process that saves to S3 and SIGKILLs itself at a chosen phase (run by test_objectstore_kill.py).
+
+Usage: ``python tests/objectstore_child.py <url> <step> <phase>``; the local S3 server comes from
+fsspec's configuration (``FSSPEC_S3_*`` in the environment). Phases: ``none``, ``before_data``
+(marker written, no data), ``mid_data`` (some parts of the multipart upload sent),
+``before_manifest`` (data and ``.metadata`` uploaded, no manifest).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import torch
+
+import torchrl_dcp as tdcp
+from torchrl_dcp.storage import objectstore, objectstore_save
+
+
+def state(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(3_000_000, generator=g), "b": torch.full((10,), float(step))}
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main(url: str, step: int, phase: str) -> None:
+    if phase == "before_data":
+        objectstore_save.write_data_file = lambda *a, **k: _die()  # type: ignore[assignment]
+    elif phase == "mid_data":
+        parts = objectstore._parts
+
+        def some_parts(pieces, size):  # type: ignore[no-untyped-def]
+            for i, part in enumerate(parts(pieces, size)):
+                if i == 2:
+                    import time
+
+                    time.sleep(0.5)  # the first parts are on the wire
+                    _die()
+                yield part
+
+        objectstore._parts = some_parts  # type: ignore[assignment]
+    elif phase == "before_manifest":
+        finish = objectstore_save.finish
+
+        def no_manifest(destination, metadata, manifest):  # type: ignore[no-untyped-def]
+            destination.fs.pipe_file((destination / ".metadata").key, metadata)
+            _die()
+
+        objectstore_save.finish = no_manifest  # type: ignore[assignment]
+        assert finish
+    tdcp.CheckpointRotation(url, keep_last=5).save(tdcp.DistributedCheckpoint(state=state(step)), step=step)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])

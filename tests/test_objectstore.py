@@ -1,0 +1,273 @@
+"""Checkpoints at fsspec URLs: every entry point × backend (``memory://``, and s3fs against a local moto server)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import uuid
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import torchrl_dcp as tdcp
+from torchrl_dcp.cli import main as cli
+from torchrl_dcp.storage.objectstore_save import PENDING, marker_for
+from torchrl_dcp.storage.objectstore_tools import download_checkpoint
+from torchrl_dcp.storage.urls import StorePath, copy_object, resolve_path
+
+BACKENDS = ["memory", "s3"]
+
+
+@pytest.fixture(params=BACKENDS)
+def store(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
+    """``(fresh prefix URL, storage_options)`` on each backend."""
+    if request.param == "memory":
+        return f"memory://tdcp-tests/{uuid.uuid4().hex[:12]}", {}
+    s3 = request.getfixturevalue("s3")
+    return s3.url(), s3.storage_options
+
+
+def _objects(seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    policy = torch.nn.Linear(64, 512)
+    optim = torch.optim.Adam(policy.parameters())
+    policy(torch.randn(4, 64)).sum().backward()
+    optim.step()
+    big = {"x": torch.randn(3_000_000), "i": torch.arange(7)}  # > one 5 MiB part: a multipart upload on S3
+    return {"policy": policy, "optim": optim, "big": big, "stats": {"episodes": seed}}
+
+
+def _ckpt(objs: dict[str, Any], options: dict[str, Any]) -> tdcp.DistributedCheckpoint:
+    ckpt = tdcp.DistributedCheckpoint(
+        policy=objs["policy"], optim=objs["optim"], big=objs["big"], storage_options=options
+    )
+    ckpt.register("stats", objs["stats"], placement="per_rank")
+    return ckpt
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return (
+        all(torch.equal(x, y) for x, y in zip(a["policy"].state_dict().values(), b["policy"].state_dict().values()))
+        and all(torch.equal(a["big"][k], b["big"][k]) for k in a["big"])
+        and a["optim"].state_dict()["state"][0]["exp_avg"].equal(b["optim"].state_dict()["state"][0]["exp_avg"])
+    )
+
+
+def _store_fs(url: str, options: dict[str, Any]) -> Any:
+    return resolve_path(url, options).fs
+
+
+@pytest.fixture(autouse=True)
+def _small_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TDCP_STORE_PART_SIZE", str(5 << 20))
+
+
+# ---------------------------------------------------------------------- save, load, verify
+def test_save_load_verify_round_trip(store: tuple[str, dict[str, Any]]) -> None:
+    url, options = store
+    saved = _objects(1)
+    path = _ckpt(saved, options).save(f"{url}/step-1", step=1, metadata={"reward": 2.5})
+    assert isinstance(path, StorePath) and str(path) == f"{url}/step-1"
+    fresh = _objects(2)
+    result = _ckpt(fresh, options).load(f"{url}/step-1")
+    assert result.loaded == {"policy", "optim", "big", "stats"} and result.step == 1
+    assert result.values["stats"] == {"episodes": 1} and _same(saved, fresh)
+    summary = tdcp.verify(f"{url}/step-1", storage_options=options)
+    assert summary["files"] == 2 and summary["tensors"] > 4
+    names = sorted(n.rsplit("/", 1)[-1] for n in _store_fs(url, options).ls(path.key, detail=False))
+    assert names == [".metadata", "__0_0.distcp", "manifest.json"]
+    assert not _store_fs(url, options).exists(marker_for(path).key)  # the marker went with the commit
+
+
+def test_same_format_as_a_local_save(store: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
+    url, options = store
+    objs = _objects(3)
+    remote = _ckpt(objs, options).save(f"{url}/c", step=3)
+    local = download_checkpoint(remote, tmp_path / "copy")  # byte for byte, checksums compared
+    assert tdcp.verify(local)["files"] == 2
+    target = {"replicated/big/x": torch.zeros(3_000_000)}
+    dcp.load(target, checkpoint_id=str(local), no_dist=True)  # a plain DCP load reads the same layout
+    assert torch.equal(target["replicated/big/x"], objs["big"]["x"])
+    assert _ckpt(_objects(4), {}).load(local).loaded == {"policy", "optim", "big", "stats"}
+
+
+def test_async_save_to_a_url(store: tuple[str, dict[str, Any]]) -> None:
+    url, options = store
+    objs = _objects(5)
+    handle = _ckpt(objs, options).async_save(f"{url}/a", step=5)
+    assert str(handle.wait()) == f"{url}/a"
+    fresh = _objects(6)
+    assert _ckpt(fresh, options).load(f"{url}/a").step == 5 and _same(objs, fresh)
+
+
+def test_overwrite_replaces_and_foreign_objects_are_refused(store: tuple[str, dict[str, Any]]) -> None:
+    url, options = store
+    ckpt = _ckpt(_objects(7), options)
+    ckpt.save(f"{url}/c", step=1)
+    ckpt.save(f"{url}/c", step=2)
+    assert tdcp.read_manifest(resolve_path(f"{url}/c", options))["step"] == 2
+    assert _ckpt(_objects(8), options).load(f"{url}/c").step == 2
+    fs = _store_fs(url, options)
+    fs.pipe_file(resolve_path(f"{url}/foreign/data.bin", options).key, b"not ours")
+    with pytest.raises(tdcp.CheckpointError, match="no valid manifest.json: not a torchrl_dcp checkpoint"):
+        ckpt.save(f"{url}/foreign", step=3)
+    assert fs.cat_file(resolve_path(f"{url}/foreign/data.bin", options).key) == b"not ours"
+
+
+# ---------------------------------------------------------------------- a prefix without a manifest; leftovers
+def test_prefix_without_manifest_is_absent_and_swept(store: tuple[str, dict[str, Any]]) -> None:
+    url, options = store
+    ckpt = _ckpt(_objects(9), options)
+    ckpt.save(f"{url}/step-000000000001", step=1)
+    dead = resolve_path(f"{url}/step-000000000002", options)
+    fs = dead.fs
+    fs.pipe_file(marker_for(dead).key, b"{}")  # what a save killed after uploading its data leaves
+    fs.pipe_file((dead / "__0_0.distcp").key, b"partial")
+    with pytest.raises(tdcp.CheckpointFormatError, match="no manifest.json"):
+        _ckpt(_objects(10), options).load(dead)
+    rotation = tdcp.CheckpointRotation(url, storage_options=options)
+    assert [e.step for e in rotation.entries()] == [1]
+    assert [e.committed for e in rotation.entries(include_uncommitted=True)] == [True, False]
+    rotation.save(ckpt, step=3)  # the next save sweeps the dead one
+    assert not fs.exists((dead / "__0_0.distcp").key) and not fs.exists(marker_for(dead).key)
+    assert not [n for n in fs.ls(resolve_path(url, options).key, detail=False) if n.endswith(PENDING)]
+
+
+def test_missing_prefix_is_not_found(store: tuple[str, dict[str, Any]]) -> None:
+    url, options = store
+    with pytest.raises(tdcp.CheckpointNotFoundError, match="nothing under this prefix"):
+        _ckpt(_objects(11), options).load(f"{url}/nothing")
+
+
+# ---------------------------------------------------------------------- damaged and hostile objects
+def _damage(url: str, options: dict[str, Any], name: str, how: str) -> None:
+    obj = resolve_path(f"{url}/c/{name}", options)
+    data = bytearray(obj.fs.cat_file(obj.key))
+    if how == "flip":
+        data[len(data) // 2] ^= 0x01
+    elif how == "truncate":
+        data = data[: len(data) // 2]
+    obj.fs.pipe_file(obj.key, bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("name", "how", "match"),
+    [
+        ("__0_0.distcp", "flip", "checksum is crc32:"),
+        ("__0_0.distcp", "truncate", "truncated or altered"),
+        (".metadata", "flip", "checksum is crc32:"),
+    ],
+)
+def test_damaged_objects_are_refused(store: tuple[str, dict[str, Any]], name: str, how: str, match: str) -> None:
+    url, options = store
+    _ckpt(_objects(12), options).save(f"{url}/c")
+    _damage(url, options, name, how)
+    fresh = _objects(13)
+    before = fresh["big"]["x"].clone()
+    with pytest.raises(tdcp.CheckpointError, match=match) as err:
+        _ckpt(fresh, options).load(f"{url}/c")
+    assert name in str(err.value) and torch.equal(fresh["big"]["x"], before)  # names the object; nothing restored
+    with pytest.raises(tdcp.CheckpointError, match=match):
+        tdcp.verify(f"{url}/c", storage_options=options)
+
+
+class _Boom:
+    def __reduce__(self) -> Any:
+        return (exec, ("import pathlib; pathlib.Path('/tmp/tdcp-pwned-objstore').touch()",))
+
+
+def test_hostile_metadata_is_never_unpickled(store: tuple[str, dict[str, Any]]) -> None:
+    url, options = store
+    _ckpt(_objects(14), options).save(f"{url}/c")
+    root = resolve_path(f"{url}/c", options)
+    payload = pickle.dumps(_Boom())
+    root.fs.pipe_file((root / ".metadata").key, payload)
+    manifest = json.loads(root.fs.cat_file((root / "manifest.json").key))  # a forger also fixes the manifest
+    manifest["files"][".metadata"] = {"size": len(payload), "checksum": tdcp_crc(payload)}
+    manifest.pop("manifest_checksum", None)
+    from torchrl_dcp.manifest import dumps, seal
+
+    root.fs.pipe_file((root / "manifest.json").key, dumps(seal(manifest)))
+    Path("/tmp/tdcp-pwned-objstore").unlink(missing_ok=True)
+    with pytest.raises(tdcp.CheckpointError, match="refused to unpickle builtins.exec"):
+        _ckpt(_objects(15), options).load(root)
+    with pytest.raises(tdcp.CheckpointError, match="refused to unpickle"):
+        tdcp.verify(root)
+    assert not Path("/tmp/tdcp-pwned-objstore").exists()
+
+
+def tdcp_crc(data: bytes) -> str:
+    from torchrl_dcp.storage.checksums import crc32, format_crc
+
+    return format_crc(crc32(data))
+
+
+# ---------------------------------------------------------------------- rotation, conversion, CLI
+def test_rotation_keeps_last_and_resumes(store: tuple[str, dict[str, Any]]) -> None:
+    url, options = store
+    rotation = tdcp.CheckpointRotation(f"{url}/run", keep_last=2, storage_options=options)
+    objs = _objects(16)
+    ckpt = _ckpt(objs, options)
+    for step in (10, 20, 30):
+        rotation.save(ckpt, step=step)
+    assert [e.step for e in rotation.entries()] == [20, 30] and str(rotation.latest()).endswith("step-000000000030")
+    fresh = _objects(17)
+    info = tdcp.CheckpointRotation(f"{url}/run", storage_options=options).resume(_ckpt(fresh, options))
+    assert info is not None and info.step == 30 and isinstance(info.path, StorePath) and _same(objs, fresh)
+
+
+def test_convert_and_export_through_urls(store: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
+    url, options = store
+    objs = _objects(18)
+    remote = _ckpt(objs, options).save(f"{url}/c", step=4)
+    archive = tdcp.to_archive(remote, tmp_path / "c.zip")  # URL -> local archive
+    assert tdcp.verify(archive)["files"] == 2
+    back = tdcp.to_directory(archive, resolve_path(f"{url}/back", options))  # local archive -> URL
+    fresh = _objects(19)
+    assert _ckpt(fresh, options).load(back).step == 4 and _same(objs, fresh)
+    up = tdcp.to_archive(remote, resolve_path(f"{url}/c.zip", options))  # URL -> archive object
+    assert up.is_file()
+    out = tdcp.export_torchrl(remote, tmp_path / "policy.torchrl", ["policy"])
+    from torchrl.checkpoint import Checkpoint
+
+    policy = torch.nn.Linear(64, 512)
+    Checkpoint(policy=policy).load(out)
+    assert torch.equal(policy.weight, objs["policy"].weight)
+
+
+def test_cli_on_memory_urls(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    url = f"memory://tdcp-tests/{uuid.uuid4().hex[:12]}"
+    rotation = tdcp.CheckpointRotation(url)
+    rotation.save(_ckpt(_objects(20), {}), step=1)
+    entry = f"{url}/step-000000000001"
+    assert cli(["inspect", entry, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["container"] == "object store"
+    assert cli(["verify", entry]) == 0 and "OK memory://" in capsys.readouterr().out
+    assert cli(["ls", url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["latest"] == "step-000000000001"
+    assert cli(["convert", entry, str(tmp_path / "e.zip")]) == 0
+    capsys.readouterr()
+    assert cli(["diff", entry, str(tmp_path / "e.zip"), "--json"]) == 0
+    fs = fsspec.filesystem("memory")
+    fs.pipe_file(resolve_path(f"{entry}/__0_0.distcp").key, b"x")
+    assert cli(["verify", entry]) == 1 and "__0_0.distcp" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- paths
+def test_paths_and_urls(tmp_path: Path) -> None:
+    assert resolve_path(f"file://{tmp_path}/c") == tmp_path / "c"  # file:// is the local fast path
+    local = tdcp.DistributedCheckpoint(w={"x": torch.ones(1)}).save(f"file://{tmp_path}/c")
+    assert isinstance(local, Path) and (tmp_path / "c" / "manifest.json").is_file()
+    for bad, match in [("s3://", "needs a bucket"), ("memory://b/../x", "'..'"), ("nosuchproto://b/x", "no fsspec")]:
+        with pytest.raises(tdcp.CheckpointError, match=match):
+            tdcp.DistributedCheckpoint(w={"x": torch.ones(1)}).save(bad)
+    fs = fsspec.filesystem("memory")
+    fs.pipe_file("/tdcp-tests/copy/a", b"abc")
+    copy_object(fs, "/tdcp-tests/copy/a", "/tdcp-tests/copy/b")
+    assert fs.cat_file("/tdcp-tests/copy/b") == b"abc"
+    with pytest.raises(tdcp.CheckpointError, match="does not exist"):
+        copy_object(fs, "/tdcp-tests/copy/missing", "/tdcp-tests/copy/c")

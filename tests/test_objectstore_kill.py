@@ -1,0 +1,63 @@
+"""A save to S3 (s3fs, local moto server) SIGKILLed at each phase leaves the previous checkpoint loadable,
+the killed one absent, and the next save removes its leftovers. Real processes, real kills."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import torchrl_dcp as tdcp
+from torchrl_dcp.storage.objectstore import list_objects
+from torchrl_dcp.storage.urls import resolve_path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from objectstore_child import state  # noqa: E402
+
+CHILD = Path(__file__).with_name("objectstore_child.py")
+ROOT = CHILD.parent.parent
+
+
+def _child(s3, url: str, step: int, phase: str) -> int:  # type: ignore[no-untyped-def]
+    env = {**os.environ, **s3.env, "PYTHONPATH": str(ROOT), "TDCP_STORE_PART_SIZE": str(5 << 20)}
+    proc = subprocess.run(
+        [sys.executable, str(CHILD), url, str(step), phase], env=env, capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == -9, proc.stdout + proc.stderr  # it died where we asked (SIGKILL), not earlier
+    return proc.returncode
+
+
+def _save(s3, url: str, step: int) -> None:  # type: ignore[no-untyped-def]
+    ckpt = tdcp.DistributedCheckpoint(state=state(step), storage_options=s3.storage_options)
+    tdcp.CheckpointRotation(url, keep_last=5, storage_options=s3.storage_options).save(ckpt, step=step)
+
+
+def _load_step(s3, path) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    target = {"w": torch.zeros(3_000_000), "b": torch.zeros(10)}
+    tdcp.DistributedCheckpoint(state=target, storage_options=s3.storage_options).load(path)
+    return target["b"][0]
+
+
+@pytest.mark.parametrize("phase", ["before_data", "mid_data", "before_manifest"])
+def test_kill_at_each_phase_keeps_the_previous_checkpoint(s3, phase: str) -> None:  # type: ignore[no-untyped-def]
+    url = s3.url()
+    _save(s3, url, 1)
+    _child(s3, url, 2, phase)
+    rotation = tdcp.CheckpointRotation(url, storage_options=s3.storage_options)
+    assert [e.step for e in rotation.entries()] == [1]  # the killed save is not a checkpoint
+    assert rotation.latest() is not None and float(_load_step(s3, rotation.latest())) == 1.0
+    tdcp.verify(rotation.latest())
+    root = resolve_path(url, s3.storage_options)
+    assert ".step-000000000002.tdcp-pending" in list_objects(root)  # the marker says who died
+    killed = root / "step-000000000002"
+    if phase == "before_manifest":
+        assert sorted(list_objects(killed)) == [".metadata", "__0_0.distcp"]
+    with pytest.raises(tdcp.CheckpointError):
+        tdcp.DistributedCheckpoint(state={"w": torch.zeros(1)}).load(killed)
+    _save(s3, url, 3)  # the next save cleans up
+    assert not list_objects(killed) and sorted(list_objects(root)) == ["step-000000000001", "step-000000000003"]
+    assert [e.step for e in rotation.entries()] == [1, 3] and float(_load_step(s3, rotation.latest())) == 3.0

@@ -1,0 +1,464 @@
+"""Checkpoints under an object-store prefix (any fsspec URL): the container, the source and the transfers.
+
+A checkpoint at ``s3://bucket/run/step-100`` is the objects under that prefix, named
+exactly as the files of a local checkpoint (``__<rank>_0.distcp``, ``.metadata``,
+``manifest.json``), with the same bytes. A prefix without ``manifest.json`` is not a
+checkpoint (a save that never committed). Reading:
+
+- :class:`ObjectStoreContainer`: the manifest (size-bounded before it is fetched),
+  the listing (sizes of every listed object, nothing unlisted), checksums computed
+  from parallel ranged reads, small members read whole;
+- :class:`ObjectStoreSource`: a :class:`~torchrl_dcp.storage.source.CheckpointSource`
+  whose DCP reader reads byte ranges of the objects in parallel, straight into the
+  destination tensors (``storage/reader.py``, the same code as local loads), with
+  the checksums verified while reading. ``.metadata`` goes through the allow-list
+  unpickler only: nothing is ever unpickled otherwise.
+
+Writing (:func:`upload_pieces`): S3 (s3fs) objects are uploaded as multipart uploads,
+``TDCP_STORE_CONCURRENCY`` parts (default 8) of ``TDCP_STORE_PART_SIZE`` bytes (default
+16 MiB) in flight at once, memory bounded by their product; other stores through
+``fs.open(path, "wb", block_size=part size)`` (their own chunked uploads).
+
+Example:
+    >>> import torch, torchrl_dcp as tdcp
+    >>> from torchrl_dcp.storage.source import open_source
+    >>> path = tdcp.DistributedCheckpoint(w={"x": torch.ones(2)}).save("memory://doc/objectstore/c")
+    >>> src = open_source(path)
+    >>> type(src).__name__, sorted(src.manifest()["files"])
+    ('ObjectStoreSource', ['.metadata', '__0_0.distcp'])
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Collection, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, BinaryIO
+
+from torchrl_dcp import manifest as schema
+from torchrl_dcp.errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointIntegrityError,
+    CheckpointNotFoundError,
+)
+from torchrl_dcp.storage.checksums import checksum_mismatch, crc32, crc32_combine, format_crc
+from torchrl_dcp.storage.container import ByteRange
+from torchrl_dcp.storage.layout import MANIFEST, MAX_MANIFEST_BYTES, TRAILER_SIZE, read_identity
+from torchrl_dcp.storage.reader import InPlaceFileSystemReader, RangeFile
+from torchrl_dcp.storage.source import CheckpointSource
+from torchrl_dcp.storage.urls import StorePath
+
+READ_PIECE = 8 << 20  # bytes per ranged read when checksumming or downloading
+
+
+def part_size() -> int:
+    """Bytes per uploaded part (``TDCP_STORE_PART_SIZE``, at least 5 MiB: S3's minimum part)."""
+    return max(5 << 20, int(os.environ.get("TDCP_STORE_PART_SIZE", 16 << 20)))
+
+
+def range_size() -> int:
+    """Least bytes per ranged GET of a large tensor (``TDCP_STORE_RANGE_SIZE``, default 32 MiB)."""
+    return max(1 << 20, int(os.environ.get("TDCP_STORE_RANGE_SIZE", 32 << 20)))
+
+
+def concurrency() -> int:
+    """Requests in flight per rank (``TDCP_STORE_CONCURRENCY``, default 8)."""
+    return max(1, int(os.environ.get("TDCP_STORE_CONCURRENCY", 8)))
+
+
+def store_error(err: BaseException, what: str, where: Any) -> CheckpointError:
+    """An object-store failure as a :class:`CheckpointError` naming the object and what to check."""
+    if isinstance(err, CheckpointError):
+        return err
+    if isinstance(err, FileNotFoundError):
+        return CheckpointIntegrityError(f"{what}: the object does not exist (deleted meanwhile?)", path=where)
+    if isinstance(err, PermissionError):
+        return CheckpointError(f"{what}: access denied; check the credentials and storage_options", path=where)
+    return CheckpointError(
+        f"{what} failed ({type(err).__name__}: {err}); check the endpoint, credentials and storage_options",
+        path=where,
+    )
+
+
+# ---------------------------------------------------------------------- listing and ranged reads
+def list_objects(path: StorePath) -> dict[str, dict[str, Any]]:
+    """``{name: info}`` of what is directly under the prefix ``path`` (``{}`` when nothing is)."""
+    fs = path.fs
+    fs.invalidate_cache(path.key)
+    try:
+        entries = fs.ls(path.key, detail=True)
+    except FileNotFoundError:
+        return {}
+    except Exception as err:
+        raise store_error(err, "listing the prefix", path) from None
+    out = {}
+    for e in entries:
+        name = str(e["name"]).rstrip("/").rsplit("/", 1)[-1]
+        if str(e["name"]).rstrip("/") != path.key.rstrip("/"):  # some stores list a file as itself
+            out[name] = e
+    return out
+
+
+def read_range(path: StorePath, start: int, size: int, expected_total: int | None = None) -> bytes:
+    """``size`` bytes at ``start`` of the object ``path``; a short read is a truncated object."""
+    if size == 0:
+        return b""
+    try:
+        data = path.fs.cat_file(path.key, start=start, end=start + size)
+    except Exception as err:
+        raise store_error(err, f"reading bytes {start}..{start + size}", path) from None
+    if len(data) != size:
+        total = "" if expected_total is None else f" of the {expected_total} the manifest records"
+        raise CheckpointIntegrityError(
+            f"object ended {size - len(data)} bytes early at byte {start + len(data)}{total}: truncated", path=path
+        )
+    return data
+
+
+def _map_pieces(spans: list[tuple[StorePath, int, int]], work: Callable[[int, bytes], Any], threads: int) -> list[Any]:
+    """Fetch every ``(object, start, size)`` span with ``threads`` requests in flight; ``work(i, data)`` on each."""
+    if threads <= 1 or len(spans) <= 1:
+        return [work(i, read_range(p, s, n)) for i, (p, s, n) in enumerate(spans)]
+    with ThreadPoolExecutor(min(threads, len(spans)), thread_name_prefix="tdcp-store-read") as pool:
+        futures = [pool.submit(lambda i=i, sp=sp: work(i, read_range(*sp))) for i, sp in enumerate(spans)]
+        return [f.result() for f in futures]
+
+
+def object_checksums(objects: list[tuple[StorePath, int]], threads: int | None = None) -> list[str]:
+    """``"crc32:<hex>"`` of each ``(object, size)``, from parallel ranged reads (memory: threads × 8 MiB)."""
+    spans = [(p, s, min(READ_PIECE, size - s)) for p, size in objects for s in range(0, size, READ_PIECE)]
+    crcs = _map_pieces(spans, lambda i, data: crc32(data), threads or concurrency())
+    out, k = [], 0
+    for _, size in objects:
+        value = 0
+        for s in range(0, size, READ_PIECE):
+            value = crc32_combine(value, crcs[k], min(READ_PIECE, size - s))
+            k += 1
+        out.append(format_crc(value))
+    return out
+
+
+def download(path: StorePath, local: str | os.PathLike, size: int, checksum: str | None = None) -> None:
+    """Copy the object ``path`` (``size`` bytes) into the new local file ``local`` by parallel ranged reads."""
+    fd = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        spans = [(path, s, min(READ_PIECE, size - s)) for s in range(0, size, READ_PIECE)]
+
+        def write(i: int, data: bytes) -> int:
+            view, at = memoryview(data), spans[i][1]
+            while view:
+                n = os.pwrite(fd, view, at)
+                view, at = view[n:], at + n
+            return crc32(data)
+
+        crcs = _map_pieces(spans, write, concurrency())
+    finally:
+        os.close(fd)
+    value = 0
+    for (_, _, n), crc in zip(spans, crcs):
+        value = crc32_combine(value, crc, n)
+    if checksum is not None and format_crc(value) != checksum:
+        raise checksum_mismatch(format_crc(value), checksum, path)
+
+
+# ---------------------------------------------------------------------- uploads
+def upload_pieces(path: StorePath, pieces: Iterable[Any], size: int) -> None:
+    """Write the object ``path`` from the bytes-like ``pieces`` (``size`` bytes in all), in parallel parts.
+
+    Nothing is visible at ``path`` until the upload completes (an S3 multipart upload
+    is only published by its completion; a failed one is aborted).
+    """
+    fs, part = path.fs, part_size()
+    try:
+        if size <= part:
+            fs.pipe_file(path.key, b"".join(bytes(p) for p in pieces))
+        elif hasattr(fs, "_call_s3"):
+            _s3_multipart(path, _parts(pieces, part))
+        else:
+            with fs.open(path.key, "wb", block_size=part) as f:
+                for p in pieces:
+                    f.write(p)
+    except CheckpointError:
+        raise
+    except Exception as err:
+        raise store_error(err, "uploading", path) from None
+
+
+def _parts(pieces: Iterable[Any], part: int) -> Iterator[bytes | bytearray]:
+    buf = bytearray()
+    for p in pieces:
+        view = memoryview(p).cast("B")
+        while view:
+            take = min(len(view), part - len(buf))
+            buf += view[:take]
+            view = view[take:]
+            if len(buf) == part:
+                yield buf
+                buf = bytearray()
+    if buf:
+        yield buf
+
+
+def _s3_multipart(path: StorePath, parts: Iterator[bytes | bytearray]) -> None:
+    """An S3 multipart upload with up to :func:`concurrency` parts in flight, through s3fs's client."""
+    from fsspec.asyn import sync
+
+    fs = path.fs
+    bucket, key, _ = fs.split_path(path.key)
+    mpu = sync(fs.loop, fs._call_s3, "create_multipart_upload", Bucket=bucket, Key=key)
+    upload_id = mpu["UploadId"]
+
+    def send(number: int, body: bytes | bytearray) -> dict[str, Any]:
+        out = sync(
+            fs.loop,
+            fs._call_s3,
+            "upload_part",
+            Bucket=bucket,
+            Key=key,
+            UploadId=upload_id,
+            PartNumber=number,
+            Body=body,
+        )
+        return {"PartNumber": number, "ETag": out["ETag"]}
+
+    done: list[dict[str, Any]] = []
+    slots = threading.BoundedSemaphore(concurrency())
+    try:
+        with ThreadPoolExecutor(concurrency(), thread_name_prefix="tdcp-store-upload") as pool:
+            futures: list[Future[dict[str, Any]]] = []
+            for number, body in enumerate(parts, start=1):
+                slots.acquire()  # bounded memory: at most concurrency() parts built and in flight
+                fut = pool.submit(send, number, body)
+                fut.add_done_callback(lambda _f: slots.release())
+                futures.append(fut)
+            done = [f.result() for f in futures]
+        sync(
+            fs.loop,
+            fs._call_s3,
+            "complete_multipart_upload",
+            Bucket=bucket,
+            Key=key,
+            UploadId=upload_id,
+            MultipartUpload={"Parts": done},
+        )
+    except BaseException:
+        try:
+            sync(fs.loop, fs._call_s3, "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+        except Exception:  # noqa: BLE001 - the original failure is what the user needs to see
+            pass
+        raise
+    fs.invalidate_cache(path.key)
+
+
+# ---------------------------------------------------------------------- the container
+class ObjectStoreContainer:
+    """A committed checkpoint under an object-store prefix (the :class:`~torchrl_dcp.storage.container.Container` protocol)."""
+
+    def __init__(self, path: StorePath) -> None:
+        self.path: Any = path
+        self._manifest: dict[str, Any] | None = None
+
+    def manifest(self) -> dict[str, Any]:
+        if self._manifest is None:
+            file = self.path / MANIFEST
+            try:
+                info = self.path.fs.info(file.key)
+            except FileNotFoundError:
+                info = None
+            except Exception as err:
+                raise store_error(err, "reading the manifest", file) from None
+            if info is None or info.get("type") != "file":
+                if not list_objects(self.path):
+                    if self.path.is_file():
+                        raise CheckpointFormatError(
+                            "is a single object (an archive?), not a checkpoint prefix: use to_directory to unpack it",
+                            path=self.path,
+                        )
+                    raise CheckpointNotFoundError("no checkpoint here: nothing under this prefix", path=self.path)
+                raise CheckpointFormatError(
+                    f"no {MANIFEST}: not a torchrl_dcp checkpoint, or a save that never committed", path=self.path
+                )
+            size = int(info.get("size") or 0)
+            if size > MAX_MANIFEST_BYTES:
+                raise CheckpointFormatError(
+                    f"is implausibly large ({size} bytes, at most {MAX_MANIFEST_BYTES} expected)", path=file
+                )
+            self._manifest = schema.loads_manifest(read_range(file, 0, size), file)
+        return self._manifest
+
+    def check(self, checksum: Iterable[str] | bool) -> None:
+        files: dict[str, Any] = self.manifest()["files"]
+        wanted = set(files) if checksum is True else set() if checksum is False else set(checksum)
+        found = list_objects(self.path)
+        for name, rec in files.items():
+            info = found.get(name)
+            if info is None or info.get("type") != "file":
+                raise CheckpointIntegrityError("object listed in the manifest is missing", path=self.path / name)
+            if int(info.get("size") or 0) != rec["size"]:
+                raise CheckpointIntegrityError(
+                    f"size is {info.get('size')} bytes, the manifest says {rec['size']}: truncated or altered",
+                    path=self.path / name,
+                )
+        for name in found:
+            if name != MANIFEST and name not in files:
+                raise CheckpointIntegrityError(
+                    "object not listed in the manifest: the checkpoint was altered", path=self.path / name
+                )
+        names = sorted(wanted)
+        actual = object_checksums([(self.path / n, files[n]["size"]) for n in names])
+        for name, value in zip(names, actual):
+            if value != files[name]["checksum"]:
+                raise checksum_mismatch(value, files[name]["checksum"], self.path / name)
+
+    def read_member(self, name: str, limit: int) -> bytes | None:
+        rec = self.manifest()["files"].get(name)
+        if rec is None:
+            return None
+        if rec["size"] > limit:
+            raise CheckpointFormatError(
+                f"is implausibly large ({rec['size']} bytes, at most {limit} expected)", path=self.path / name
+            )
+        data = read_range(self.path / name, 0, rec["size"], rec["size"])
+        return data
+
+    def byte_range(self, name: str) -> ByteRange:
+        rec = self.manifest()["files"].get(name)
+        if rec is None:
+            raise CheckpointIntegrityError("data file is not listed in the manifest: refused", path=self.path / name)
+        return ByteRange((self.path / name).key, 0, rec["size"], str(self.path / name))
+
+
+# ---------------------------------------------------------------------- reading tensors
+class ObjectRangeFile(RangeFile):
+    """A :class:`~torchrl_dcp.storage.reader.RangeFile` over an object: each handle does plain ranged reads."""
+
+    def __init__(self, byte_range: ByteRange, fs: Any, on_read: Any = None) -> None:
+        super().__init__(byte_range, on_read)
+        self.fs = fs
+
+    def open(self) -> BinaryIO:
+        try:
+            return self.fs.open(self.path, "rb", block_size=READ_PIECE, cache_type="none", size=self.size)
+        except TypeError:  # a store whose open() takes no cache_type/size
+            return self.fs.open(self.path, "rb")
+        except Exception as err:
+            raise store_error(err, "opening", self.where) from None
+
+
+class _AsSeenByDCP:
+    """A container whose ``path`` is its URL string (DCP's ``FileSystemReader`` makes a ``Path`` of it)."""
+
+    def __init__(self, container: ObjectStoreContainer) -> None:
+        self.container, self.path = container, str(container.path)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.container, name)
+
+
+class ObjectStoreReader(InPlaceFileSystemReader):
+    """The in-place DCP reader over objects (ranged reads, up to :func:`concurrency` per large tensor)."""
+
+    def __init__(self, container: ObjectStoreContainer, *args: Any, **kwargs: Any) -> None:
+        super().__init__(_AsSeenByDCP(container), *args, **kwargs)  # type: ignore[arg-type]
+        self.store_fs = container.path.fs
+
+    def read_source(self, relative_path: str) -> RangeFile:
+        assert self.container is not None
+        return ObjectRangeFile(self.container.byte_range(relative_path), self.store_fs, self.on_read)
+
+    def _read_into(
+        self, src: RangeFile, f: BinaryIO, offset: int, view: memoryview, crc: bool, threads: int | None = None
+    ) -> list[tuple[int, int, int]]:
+        """A large tensor's bytes as a few big ranged GETs in parallel (>= :func:`range_size` each), copied into ``view``.
+
+        Requests cost more than bytes in object stores: the local reader's 4 MiB reads
+        would be one request each.
+        """
+        n = len(view)
+        k = max(1, min(concurrency(), n // range_size()))
+        bounds = [n * i // k for i in range(k)] + [n]
+        key = src.path
+
+        def place(i: int, data: bytes) -> tuple[int, int, int]:
+            view[bounds[i] : bounds[i + 1]] = data
+            if self.on_read is not None:
+                self.on_read(len(data))
+            return (offset + bounds[i], len(data), crc32(data) if crc else 0)
+
+        def fetch(i: int) -> tuple[int, int, int]:
+            start, size = offset + bounds[i], bounds[i + 1] - bounds[i]
+            try:
+                data = self.store_fs.cat_file(key, start=start, end=start + size)
+            except Exception as err:
+                raise store_error(err, f"reading bytes {start}..{start + size}", src.where) from None
+            if len(data) != size:
+                raise CheckpointIntegrityError(
+                    f"object ended early at byte {start + len(data)}: truncated", path=src.where
+                )
+            return place(i, data)
+
+        if offset < 0 or offset + n > src.size:
+            raise CheckpointIntegrityError(f"bytes {offset}..{offset + n} lie outside the file", path=src.where)
+        if k == 1:
+            pieces = [fetch(0)]
+        else:
+            with ThreadPoolExecutor(k, thread_name_prefix="tdcp-store-read") as pool:
+                pieces = list(pool.map(fetch, range(k)))
+        return pieces if crc else []
+
+
+class ObjectStoreSource(CheckpointSource):
+    """A :class:`~torchrl_dcp.storage.source.CheckpointSource` under an object-store prefix."""
+
+    def read_at(self, name: str, offset: int, size: int) -> bytes:
+        """``size`` bytes at ``offset`` of the listed data file ``name`` (bounded by its recorded size)."""
+        span = self.container.byte_range(name)
+        if offset < 0 or offset + size > span.size:
+            raise CheckpointIntegrityError(f"bytes {offset}..{offset + size} lie outside the file", path=span.where)
+        return read_range(self.path / name, offset, size, span.size)
+
+    def read_many(self, name: str, spans: list[tuple[int, int]]) -> list[bytes]:
+        """The bytes of each ``(offset, size)`` of ``name`` (requests in parallel; a span past the end: ``b""``)."""
+        total = self.container.byte_range(name).size
+        obj = self.path / name
+        wanted = [(obj, o, n) for o, n in spans if 0 <= o and o + n <= total]
+        got = iter(_map_pieces(wanted, lambda i, data: data, concurrency()))
+        return [next(got) if 0 <= o and o + n <= total else b"" for o, n in spans]
+
+    def check_identity(self, names: Iterable[str]) -> None:
+        save_id = self.manifest().get("save_id")
+        if save_id is None:
+            return
+        for name in sorted(set(names)):
+            size = self.container.byte_range(name).size
+            found = read_identity(
+                self.read_at(name, size - TRAILER_SIZE, TRAILER_SIZE) if size >= TRAILER_SIZE else b""
+            )
+            if found is None or found[0] != save_id:
+                who = "no save identity" if found is None else f"the identity of save {found[0]!r}"
+                raise CheckpointIntegrityError(
+                    f"data file carries {who}, the manifest is save {save_id!r}: an object from another checkpoint "
+                    "(or a damaged one); refused",
+                    path=self.path / name,
+                )
+
+    def storage_reader(self, verify: Collection[str] = ()) -> ObjectStoreReader:
+        files = self.manifest()["files"]
+
+        def counted(n: int) -> None:
+            self.bytes_read += n
+
+        return ObjectStoreReader(
+            self.container,  # type: ignore[arg-type]
+            self.dcp_metadata(),
+            verify={name: files[name]["checksum"] for name in verify},
+            threads=concurrency(),
+            on_read=counted,
+        )
+
+
+def open_store_source(path: StorePath) -> ObjectStoreSource:
+    """The source of the checkpoint under the prefix ``path``."""
+    return ObjectStoreSource(ObjectStoreContainer(path))  # type: ignore[arg-type]

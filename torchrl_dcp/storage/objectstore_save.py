@@ -1,0 +1,284 @@
+"""Saving to an object-store prefix: every rank uploads its data file in parallel parts; the manifest commits.
+
+The steps of :func:`run_save` mirror a local save (``save_engine.run``):
+
+1. **prepare** (rank 0): sweep what killed saves left in the parent prefix (each save
+   announces itself with a marker object ``<parent>/.<name>.tdcp-pending`` before it
+   writes anything; a marker whose checkpoint has no manifest marks a dead save, whose
+   objects are deleted), refuse a prefix holding foreign objects, write this save's
+   marker, and when the destination holds a committed checkpoint, delete its
+   ``manifest.json`` first (it is no longer a checkpoint), then its objects;
+2. **write** (every rank, at once): ``__<rank>_0.distcp`` in the local format (the
+   records of ``storage/writer.py``, the identity trailer), streamed from the tensors
+   in multipart uploads with its CRC-32 computed on the way;
+3. **commit** (rank 0, after gathering every rank's file records): ``.metadata``, then
+   ``manifest.json`` **last** (one PUT: it appears whole or not at all), then the marker
+   is deleted. Every rank learns the outcome.
+
+A kill at any point leaves every other checkpoint intact and this prefix without a
+manifest (absent to readers); the next save into the same parent prefix removes it.
+
+Example:
+    >>> import torch, torchrl_dcp as tdcp
+    >>> ckpt = tdcp.DistributedCheckpoint(w={"x": torch.arange(3.0)})
+    >>> str(ckpt.save("memory://doc/save/step-1", step=1))
+    'memory://doc/save/step-1'
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import pickle
+import time
+import uuid
+from typing import Any
+
+import torch
+
+from torchrl_dcp import _dist
+from torchrl_dcp._gc import gc_paused
+from torchrl_dcp.collective import broadcast_step, error_status, raise_if_failed
+from torchrl_dcp.errors import CheckpointError
+from torchrl_dcp.manifest import dumps
+from torchrl_dcp.storage.checksums import crc32, crc32_combine, format_crc
+from torchrl_dcp.storage.chunk_writer import chunk_file_parts
+from torchrl_dcp.storage.layout import DCP_METADATA, MANIFEST, data_file_name, identity_trailer
+from torchrl_dcp.storage.objectstore import ObjectStoreContainer, list_objects, store_error, upload_pieces
+from torchrl_dcp.storage.urls import StorePath
+from torchrl_dcp.storage.writer import ChunkEntry, WriteOutcome, _layout
+
+logger = logging.getLogger("torchrl_dcp")
+PENDING = ".tdcp-pending"
+_DTYPES = {str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+
+
+# ---------------------------------------------------------------------- markers and sweeping
+def marker_for(destination: StorePath) -> StorePath:
+    """The marker object a save to ``destination`` writes first and deletes after its commit."""
+    return destination.parent / f".{destination.name}{PENDING}"
+
+
+def remove_prefix(path: StorePath, manifest_first: bool = True) -> None:
+    """Delete the objects under ``path`` (its ``manifest.json`` first, so it stops being a checkpoint at once)."""
+    fs = path.fs
+    names = list_objects(path)
+    if manifest_first and MANIFEST in names:
+        fs.rm_file((path / MANIFEST).key)
+    keys = [(path / n).key for n, info in names.items() if n != MANIFEST or not manifest_first]
+    try:
+        if keys:
+            fs.rm(keys, recursive=True)
+    except FileNotFoundError:
+        pass
+    fs.invalidate_cache(path.key)
+
+
+def sweep(parent: StorePath) -> list[str]:
+    """Remove what killed saves left under ``parent``; returns the checkpoint names cleaned.
+
+    A marker whose checkpoint has a manifest belongs to a save killed after its commit:
+    only the marker goes. Assumes one job writes checkpoints under ``parent`` at a time.
+    """
+    cleaned = []
+    for name in list_objects(parent):
+        if not (name.startswith(".") and name.endswith(PENDING)):
+            continue
+        target = parent / name[1 : -len(PENDING)]
+        if not (target / MANIFEST).is_file():
+            remove_prefix(target)
+            cleaned.append(target.name)
+        (parent / name).unlink(missing_ok=True)
+    if cleaned:
+        logger.info("removed leftovers of killed saves under %s: %s", parent, cleaned)
+    return cleaned
+
+
+def begin(destination: StorePath, save_id: str) -> None:
+    """Step 1 (one process): sweep, refuse foreign objects, write the marker, retire a committed checkpoint."""
+    sweep(destination.parent)
+    found = list_objects(destination)
+    if found:
+        try:
+            ObjectStoreContainer(destination).manifest()
+        except CheckpointError:
+            raise CheckpointError(
+                f"holds {len(found)} object(s) but no valid {MANIFEST}: not a torchrl_dcp checkpoint; refusing to "
+                "overwrite it (choose another path, or delete the objects)",
+                path=destination,
+            ) from None
+    body = json.dumps({"save_id": save_id, "started": time.time()}).encode()
+    marker_for(destination).fs.pipe_file(marker_for(destination).key, body)
+    if found:  # replacing a committed checkpoint: it stops being one before any object changes
+        remove_prefix(destination)
+
+
+def finish(destination: StorePath, metadata_bytes: bytes | None, manifest_bytes: bytes) -> None:
+    """Step 3 (one process): ``.metadata``, then ``manifest.json`` last (the commit), then drop the marker."""
+    fs = destination.fs
+    if metadata_bytes is not None:
+        fs.pipe_file((destination / DCP_METADATA).key, metadata_bytes)
+    fs.pipe_file((destination / MANIFEST).key, manifest_bytes)
+    fs.invalidate_cache(destination.key)
+    marker_for(destination).unlink(missing_ok=True)
+
+
+def abandon(destination: StorePath) -> None:
+    """Best-effort clean-up after a failed save (the next save sweeps what this leaves)."""
+    try:
+        if not (destination / MANIFEST).is_file():
+            remove_prefix(destination)
+        marker_for(destination).unlink(missing_ok=True)
+    except Exception as err:  # noqa: BLE001 - the save's own failure is what is raised
+        logger.warning("could not clean up %s after a failed save: %s", destination, err)
+
+
+# ---------------------------------------------------------------------- step 2: one rank's data file
+def file_pieces(tensors: list[tuple[str, torch.Tensor]], trailer: bytes) -> tuple[Any, list[Any]]:
+    """The layout of one data file (``storage/writer.py``'s records) and its pieces in file order, CRCs set."""
+    layout = _layout(tensors, trailer)
+    for tpl, head, data_units, tail in layout.large:  # large records: their headers hold the CRC of their bytes
+        value = 0
+        for u in data_units:
+            u.crc = crc32(u.data)
+            value = crc32_combine(value, u.crc, len(u.data))
+        head.data, tail.data = tpl.parts(value)
+    return layout, layout.units
+
+
+def write_data_file(destination: StorePath, rank: int, tensors: list[tuple[str, torch.Tensor]], save_id: str) -> Any:
+    """Upload this rank's ``__<rank>_0.distcp``; returns ``(entries, {"size", "checksum"})``."""
+    layout, units = file_pieces(tensors, identity_trailer(save_id, rank))
+    large = {id(u) for _, _, data_units, _ in layout.large for u in data_units}
+
+    def stream() -> Any:
+        for u in units:
+            if id(u) not in large:
+                u.crc = crc32(u.data)
+            yield u.data
+
+    upload_pieces(destination / data_file_name(rank), stream(), layout.size)
+    value = 0
+    for u in units:
+        value = crc32_combine(value, u.crc, len(u.data))
+    return layout.entries, {"size": layout.size, "checksum": format_crc(value)}
+
+
+class ObjectStoreStateWriter:
+    """The fsspec writer of the save engine's write step (``save_engine.StateWriter``)."""
+
+    def write(self, job: Any, staging: StorePath) -> WriteOutcome:
+        out = WriteOutcome()
+        keys = job.plan.share(job.rank)
+        if keys:
+            name = data_file_name(job.rank)
+            tensors = [(k, job.encoded.flat[k]) for k in keys]
+            entries, record = write_data_file(staging, job.rank, tensors, job.save_id)
+            out.files[name] = record
+            out.entries = [(k, name, off, length) for k, off, length in entries]
+            out.bytes_written = record["size"]
+        chunks = job.plan.chunk_share(job.rank)
+        if chunks:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=min(4, len(chunks))) as pool:
+                done = list(pool.map(lambda c: (c, upload_chunk(staging, job, c)), chunks))
+            for c, rec in done:
+                out.files[c.file] = {"size": rec.size, "checksum": rec.checksum}
+                out.chunks.append(ChunkEntry(c.key, c.start, c.rows, c.file, 0, rec.length, rec.fingerprint))
+                out.bytes_written += rec.size
+        return out
+
+
+def upload_chunk(destination: StorePath, job: Any, c: Any) -> Any:
+    """Upload one chunk file (its rows from the live or staged tensor); returns its :class:`ChunkFile` record."""
+    rows = job.chunk_rows.get(c.file)
+    if rows is None:
+        rows = job.encoded.flat[c.key].detach().narrow(0, c.start, c.rows)
+    parts, record = chunk_file_parts(rows, job.save_id, job.rank)
+    upload_pieces(destination / c.file, iter(parts), record.size)
+    return record
+
+
+# ---------------------------------------------------------------------- the save
+def manifest_bytes(job: Any, gathered: list[Any]) -> tuple[bytes, bytes]:
+    """``.metadata`` (as a local save writes it; read back only through the allow-list) and the manifest."""
+    from torchrl_dcp.save_engine import build_manifest, dcp_metadata
+
+    files = {name: rec for g in gathered for name, rec in g[1].items()}
+    metadata = pickle.dumps(dcp_metadata(job, gathered, str(job.destination)))
+    files[DCP_METADATA] = {"size": len(metadata), "checksum": format_crc(crc32(metadata))}
+    return metadata, dumps(build_manifest(job, gathered, files))
+
+
+def run_save(job: Any) -> StorePath:
+    """Steps 3 and 4 of a save (collective) when ``job.destination`` is a :class:`StorePath`."""
+    from torchrl_dcp.save_engine import save_failure
+
+    destination: StorePath = job.destination
+    if job.plan.backend != "fast":
+        raise CheckpointError(
+            "sharded (DTensor) components cannot be saved to an object store yet: save to a local or shared "
+            "directory and copy it, or leave them out (components=...)",
+            path=destination,
+        )
+
+    def prepare() -> str:
+        save_id = uuid.uuid4().hex
+        try:
+            begin(destination, save_id)
+        except Exception as err:
+            raise store_error(err, "preparing the destination prefix", destination) from None
+        return save_id
+
+    job.save_id = broadcast_step(job.group, "preparing the object-store prefix", prepare, rank=job.rank)
+    error: BaseException | None = None
+    try:
+        outcome = ObjectStoreStateWriter().write(job, destination)
+    except Exception as err:
+        outcome, error = WriteOutcome(), save_failure(err, f"rank {job.rank} uploading its data file", destination)
+    per_rank = {n: (r.state, r.inventory) for n, r in job.encoded.records.items() if r.placement == "per_rank"}
+    gathered = _dist.gather_to_0(
+        (error_status(error), outcome.files, outcome.entries, per_rank, outcome.chunks),
+        job.group,
+        "collecting file records",
+    )
+    commit_error: BaseException | None = None
+    if job.rank == 0:
+        try:
+            assert gathered is not None
+            raise_if_failed([g[0] for g in gathered], "uploading data files", None)
+            with gc_paused():
+                meta, manifest = manifest_bytes(job, gathered)
+            finish(destination, meta, manifest)
+        except BaseException as err:
+            commit_error = save_failure(
+                store_error(err, "committing the checkpoint", destination) if isinstance(err, Exception) else err,
+                "committing the checkpoint",
+                destination,
+            )
+            abandon(destination)
+    statuses = _dist.all_gather(error_status(commit_error), job.group, "confirming the commit")
+    try:
+        raise_if_failed(statuses, "committing the checkpoint", commit_error or error)
+    except BaseException:
+        job.encoded.settle(None)
+        raise
+    job.encoded.settle(job.save_id)
+    logger.info("saved checkpoint %s (step %s, %d components)", destination, job.step, len(job.encoded.records))
+    return destination
+
+
+def publish_directory(local: Any, destination: StorePath, manifest: dict[str, Any], raw_manifest: bytes) -> None:
+    """Upload the verified local checkpoint directory ``local`` to ``destination``, manifest last (conversions)."""
+    begin(destination, manifest.get("save_id") or uuid.uuid4().hex)
+    try:
+        for name, rec in manifest["files"].items():
+            if name == DCP_METADATA:
+                continue
+            with open(local / name, "rb") as f:
+                upload_pieces(destination / name, iter(lambda f=f: f.read(8 << 20), b""), rec["size"])
+        meta = (local / DCP_METADATA).read_bytes() if DCP_METADATA in manifest["files"] else None
+        finish(destination, meta, raw_manifest)
+    except BaseException:
+        abandon(destination)
+        raise

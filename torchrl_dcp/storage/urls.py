@@ -1,0 +1,190 @@
+"""Checkpoint paths that are fsspec URLs (``s3://bucket/run/step-100``, ``gs://…``, ``memory://…``).
+
+:func:`resolve_path` is the one place that decides what a path is: a local path
+(``str``/``os.PathLike``, and ``file://`` URLs) stays a :class:`pathlib.Path` and
+keeps the POSIX code paths; any other ``<protocol>://`` URL becomes a
+:class:`StorePath`, a small path-like value that carries its fsspec file system
+(endpoints and credentials come from fsspec's own configuration, or from
+``storage_options``, passed as is to the file system's constructor).
+
+Example:
+    >>> from torchrl_dcp.storage.urls import StorePath, resolve_path
+    >>> p = resolve_path("memory://bucket/run/step-100")
+    >>> isinstance(p, StorePath), p.name, str(p.parent)
+    (True, 'step-100', 'memory://bucket/run')
+    >>> resolve_path("file:///tmp/x")
+    PosixPath('/tmp/x')
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from torchrl_dcp.errors import CheckpointError
+
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+_EXTRA = {"s3": "s3", "s3a": "s3", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
+
+__all__ = ["StorePath", "copy_object", "is_store", "is_url", "resolve_path"]
+
+
+def is_url(path: Any) -> bool:
+    """Whether ``path`` is a ``<protocol>://`` string (``file://`` included)."""
+    return isinstance(path, str) and _URL.match(path) is not None
+
+
+def is_store(path: Any) -> bool:
+    """Whether ``path`` (already resolved) names an object-store location."""
+    return isinstance(path, StorePath)
+
+
+class StorePath:
+    """An object-store location: its URL, its fsspec file system and the key prefix inside it.
+
+    Supports the few ``pathlib`` operations the library uses: ``/``, ``name``,
+    ``parent``, ``exists()``, ``is_file()``, ``is_dir()``, ``unlink()``; ``str()`` is the URL.
+    It is deliberately not ``os.PathLike``: no local file function can take it by mistake.
+
+    Example:
+        >>> p = StorePath("memory://b/ckpts") / "step-1"
+        >>> str(p), p.key
+        ('memory://b/ckpts/step-1', '/b/ckpts/step-1')
+    """
+
+    __slots__ = ("url", "storage_options", "_fs")
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None, fs: Any = None) -> None:
+        m = _URL.match(url)
+        if m is None:
+            raise CheckpointError("not a URL (expected <protocol>://...)", path=url)
+        rest = url[m.end() :].rstrip("/")
+        if not rest or any(part in ("", ".", "..") for part in rest.split("/")[1:]):
+            raise CheckpointError(
+                "a checkpoint URL needs a bucket and a key without empty, '.' or '..' parts (e.g. s3://bucket/run/step-1)",
+                path=url,
+            )
+        self.url = f"{m.group(1)}://{rest}"
+        self.storage_options = dict(storage_options or {})
+        self._fs = fs
+
+    @property
+    def protocol(self) -> str:
+        return self.url.split("://", 1)[0]
+
+    @property
+    def fs(self) -> Any:
+        """The fsspec file system (created on first use; fsspec caches instances by their arguments)."""
+        if self._fs is None:
+            self._fs = _filesystem(self.protocol, self.storage_options, self.url)
+        return self._fs
+
+    @property
+    def key(self) -> str:
+        """The path inside the file system (what its methods take)."""
+        return self.fs._strip_protocol(self.url)
+
+    @property
+    def name(self) -> str:
+        return self.url.rsplit("/", 1)[-1]
+
+    @property
+    def parent(self) -> StorePath:
+        head = self.url.rsplit("/", 1)[0]
+        if head.endswith(":/"):
+            return self
+        return StorePath(head, self.storage_options, self._fs)
+
+    def __truediv__(self, name: str) -> StorePath:
+        return StorePath(f"{self.url}/{name}", self.storage_options, self._fs)
+
+    def exists(self) -> bool:
+        return bool(self.fs.exists(self.key))
+
+    def is_file(self) -> bool:
+        return bool(self.fs.isfile(self.key))
+
+    def is_dir(self) -> bool:
+        return bool(self.fs.isdir(self.key))
+
+    def is_symlink(self) -> bool:
+        return False
+
+    def unlink(self, missing_ok: bool = False) -> None:
+        try:
+            self.fs.rm_file(self.key)
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
+
+    def __str__(self) -> str:
+        return self.url
+
+    def __repr__(self) -> str:
+        return f"StorePath({self.url!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StorePath) and other.url == self.url
+
+    def __hash__(self) -> int:
+        return hash(self.url)
+
+
+def _filesystem(protocol: str, options: Mapping[str, Any], url: str) -> Any:
+    try:
+        import fsspec
+    except ImportError:  # pragma: no cover - fsspec comes with torch
+        raise CheckpointError("object-store paths need fsspec: pip install torchrl_dcp[s3]", path=url) from None
+    try:
+        cls = fsspec.get_filesystem_class(protocol)
+    except (ImportError, ValueError) as err:
+        extra = _EXTRA.get(protocol)
+        hint = (
+            f"pip install torchrl_dcp[s3] (or {extra})" if extra == "s3" else f"install {extra or 'its fsspec backend'}"
+        )
+        raise CheckpointError(f"no fsspec file system for {protocol}:// ({err}); {hint}", path=url) from None
+    try:
+        return cls(**dict(options))
+    except Exception as err:
+        raise CheckpointError(
+            f"cannot set up the {protocol}:// file system ({type(err).__name__}: {err}); check storage_options",
+            path=url,
+        ) from None
+
+
+def resolve_path(path: str | os.PathLike | StorePath, storage_options: Mapping[str, Any] | None = None) -> Any:
+    """A local path as an absolute :class:`~pathlib.Path`, a URL as a :class:`StorePath`.
+
+    ``file://`` URLs map to the local path. A :class:`StorePath` is returned as is
+    (its own ``storage_options`` win over ``storage_options``).
+    """
+    if isinstance(path, StorePath):
+        return path
+    if isinstance(path, str) and is_url(path):
+        if path.startswith("file://"):
+            return Path(path[len("file://") :]).expanduser().absolute()
+        return StorePath(path, storage_options)
+    return Path(path).expanduser().absolute()
+
+
+def copy_object(fs: Any, src: str, dst: str) -> None:
+    """Copy one object inside a store server-side (S3 ``CopyObject``, GCS rewrite), never through this host.
+
+    For incremental saves: an unchanged chunk file is copied from the previous
+    checkpoint's prefix instead of being uploaded again (local saves hard-link it).
+
+    Example:
+        >>> import fsspec
+        >>> fs = fsspec.filesystem("memory")
+        >>> fs.pipe_file("/b/a", b"x"); copy_object(fs, "/b/a", "/b/c"); fs.cat_file("/b/c")
+        b'x'
+    """
+    try:
+        fs.copy(src, dst)
+    except FileNotFoundError:
+        raise CheckpointError(f"cannot copy {src}: the object does not exist", path=dst) from None
+    except OSError as err:
+        raise CheckpointError(f"copying {src} failed ({type(err).__name__}: {err})", path=dst) from None
