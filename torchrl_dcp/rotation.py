@@ -184,7 +184,12 @@ class CheckpointRotation:
         if self.keep_best is not None:
             _metric(metadata.get(self.keep_best[0]), self.keep_best[0], required=True)
         directory_path = self.directory / f"step-{step:012d}"
-        if self.incremental and not self.archive and not is_store(self.directory) and "incremental_from" not in save_kwargs:
+        if (
+            self.incremental
+            and not self.archive
+            and not is_store(self.directory)
+            and "incremental_from" not in save_kwargs
+        ):
             save_kwargs["incremental_from"] = self.incremental_base(getattr(ckpt, "timeout", None))
         path = ckpt.save(directory_path, step=step, metadata=metadata, components=components, **save_kwargs)
         target = self.path_for(step)
