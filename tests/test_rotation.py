@@ -225,3 +225,29 @@ def test_listing_reads_each_manifest_once_and_skips_foreign_kinds(
     monkeypatch.setattr(manifest_module, "loads_manifest", lambda d, s: calls.append(str(s)) or original(d, s))
     entries = rotation.entries(include_uncommitted=True)
     assert [e.step for e in entries] == [1, 2, 3] and len(calls) == 3
+
+
+def test_commit_order_does_not_depend_on_the_clock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later job whose coordinator's clock is an hour behind: its saves are still the newest commits."""
+    import datetime as real
+
+    import torchrl_dcp.manifest as mf
+
+    ckpt = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(2, 1))
+    rotation = tdcp.CheckpointRotation(tmp_path, keep_last=2)
+    for step in (10, 20, 30):
+        rotation.save(ckpt, step=step)
+
+    original = real.datetime
+
+    class Behind(original):  # type: ignore[misc, valid-type]
+        @classmethod
+        def now(cls, tz=None):  # type: ignore[no-untyped-def, override]
+            return original.now(tz) - real.timedelta(hours=1)
+
+    monkeypatch.setattr(mf.datetime, "datetime", Behind)
+    for step in (40, 50):
+        rotation.save(ckpt, step=step)
+    assert [e.step for e in rotation.entries()] == [40, 50]
+    assert rotation.latest() == rotation.path_for(50)
+    assert [tdcp.read_manifest(e.path)["sequence"] for e in rotation.entries()] == [4, 5]

@@ -167,12 +167,6 @@ def test_reshard_four_ranks_on_two_nodes_onto_two_ranks(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="commit order = the coordinator's wall clock (manifest created_at, rotation.commit_key): a resumed job "
-    "whose rank 0 runs on a node with a clock behind the previous job's rank 0 has its new checkpoints ordered "
-    "before the old ones, so latest()/resume pick the old run's entry and prune deletes the new ones",
-)
 def test_rotation_order_survives_a_coordinator_node_with_a_clock_behind(tmp_path: Path) -> None:
     run = str(tmp_path / "run")
     first = _scenario("rotation_saves", run, [10, 20, 30], 0, out=tmp_path / "o1", root=tmp_path / "a", nproc=1)

@@ -218,6 +218,7 @@ class DistributedCheckpoint:
         components: Collection[str] | None = None,
         component_options: Mapping[str, CheckpointOptions] | None = None,
         incremental_from: str | os.PathLike | None = None,
+        commit_sequence: int | None = None,
     ) -> Path:
         """Save the selected components to the directory ``path`` (collective).
 
@@ -234,6 +235,8 @@ class DistributedCheckpoint:
                 whose rows are proven unchanged since it are hard-linked from it instead
                 of written again (:mod:`torchrl_dcp.incremental`). The new checkpoint
                 stands alone: deleting the base later does not affect it.
+            commit_sequence: this commit's place in a series (manifest ``sequence``), which
+                :class:`CheckpointRotation` sets so that its order never depends on clocks.
 
         Returns:
             The absolute checkpoint path.
@@ -241,6 +244,7 @@ class DistributedCheckpoint:
         self._async.wait_pending()
         with gc_paused():
             job = self._prepare_save(path, step, metadata, components, component_options, incremental_from)
+            job.sequence = commit_sequence
             return save_engine.run(job)
 
     def async_save(
@@ -253,6 +257,7 @@ class DistributedCheckpoint:
         component_options: Mapping[str, CheckpointOptions] | None = None,
         stage_memmap: bool = False,
         incremental_from: str | os.PathLike | None = None,
+        commit_sequence: int | None = None,
     ) -> SaveHandle:
         """Like :meth:`save`, but return once the state is staged in host memory (collective).
 
@@ -266,6 +271,7 @@ class DistributedCheckpoint:
                 buffers on ``LazyMemmapStorage``); by default they are written from the
                 file in place, so entries written to them meanwhile may or may not be saved.
             incremental_from: as for :meth:`save`; chunks kept from the base are not staged.
+            commit_sequence: as for :meth:`save`.
 
         Returns:
             A :class:`SaveHandle`: ``wait()`` returns the path or raises a
@@ -284,6 +290,7 @@ class DistributedCheckpoint:
                 path, step, metadata, components, component_options, incremental_from,
                 stage=lambda f: self._async.stage(f, stage_memmap=stage_memmap),
             )  # fmt: skip
+        job.sequence = commit_sequence
         event, job.stage_event = job.stage_event, None
         return self._async.submit(job.destination, job.step, lambda: save_engine.run(job), event)
 

@@ -245,6 +245,7 @@ def new_manifest(
     step: int | None,
     save_id: str,
     chunks: dict[str, list[dict[str, Any]]] | None = None,
+    sequence: int | None = None,
 ) -> dict[str, Any]:
     """A sealed manifest of the current format; ``components`` already carry their inventory (computed at encode)."""
     return seal(
@@ -260,6 +261,7 @@ def new_manifest(
             "metadata": metadata,
             "save_id": save_id,
             "chunks": chunks or {},
+            "sequence": sequence,
         }
     )
 
@@ -387,6 +389,8 @@ def _validate(m: dict[str, Any], source: Any) -> None:
     for name, rec in m["files"].items():
         _validate_file(name, rec, bad)
     _validate_chunks(m.get("chunks"), m["files"], bad)
+    if m.get("sequence") is not None and not (_is_int(m["sequence"]) and m["sequence"] >= 0):
+        raise bad("sequence must be a non-negative integer or null")
     for name, rec in m["components"].items():
         _validate_component(name, rec, m["world_size"], bad)
 

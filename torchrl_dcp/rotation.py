@@ -6,8 +6,10 @@ commits it before anything older is deleted (rank 0 deletes), and resolves
 ``latest()`` / ``best()`` from committed manifests only, so a killed save is never
 picked. :func:`resume` loads the newest checkpoint that loads, or says to start fresh.
 
-Retention, ``latest()`` and resume follow the **commit order** (the manifest's
-``created_at``, ties broken by step), not the step number: after a rollback or a
+Retention, ``latest()`` and resume follow the **commit order** (the rotation's
+commit counter, the manifest's ``sequence``, one more than the largest in the
+directory at each save; then ``created_at`` and step for entries written without
+one), never the step number nor a node's clock: after a rollback or a
 new run in the same directory, the checkpoint just saved is the newest, is never
 deleted by its own save, and higher steps left by the earlier run are reported
 (a warning) and pruned as they fall out of ``keep_last``. ``entries()`` lists by
@@ -67,12 +69,21 @@ class RotationEntry:
     size: int
     metric: float | None = None
     created_at: str | None = None
-    error: str | None = None  # why an uncommitted entry is not committed (``include_uncommitted``)
+    error: str | None = None
+    sequence: int | None = (
+        None  # the rotation's commit counter (format 4; absent in older entries)  # why an uncommitted entry is not committed (``include_uncommitted``)
+    )
 
     @property
-    def commit_key(self) -> tuple[float, int]:
-        """Sort key of the commit order: ``created_at`` (seconds, UTC; unreadable: oldest), then step."""
-        return (_timestamp(self.created_at), self.step)
+    def commit_key(self) -> tuple[int, float, int]:
+        """Sort key of the commit order: the rotation's commit counter, then ``created_at``, then step.
+
+        The counter (manifest ``sequence``) is one more than the largest in the directory
+        when a save starts, so the order holds whatever the clocks of the nodes that
+        coordinated each save; ``created_at`` (seconds, UTC; unreadable: oldest) only
+        orders entries written before counters existed (counter 0).
+        """
+        return (self.sequence or 0, _timestamp(self.created_at), self.step)
 
 
 @dataclass(frozen=True)
@@ -184,13 +195,11 @@ class CheckpointRotation:
         if self.keep_best is not None:
             _metric(metadata.get(self.keep_best[0]), self.keep_best[0], required=True)
         directory_path = self.directory / f"step-{step:012d}"
-        if (
-            self.incremental
-            and not self.archive
-            and not is_store(self.directory)
-            and "incremental_from" not in save_kwargs
-        ):
-            save_kwargs["incremental_from"] = self.incremental_base(getattr(ckpt, "timeout", None))
+        base, sequence = self._next_commit(getattr(ckpt, "timeout", None))
+        save_kwargs.setdefault("commit_sequence", sequence)
+        incremental = self.incremental and not self.archive and not is_store(self.directory)
+        if incremental and "incremental_from" not in save_kwargs:
+            save_kwargs["incremental_from"] = base
         path = ckpt.save(directory_path, step=step, metadata=metadata, components=components, **save_kwargs)
         target = self.path_for(step)
 
@@ -216,22 +225,25 @@ class CheckpointRotation:
             raise
         return target
 
-    def incremental_base(self, timeout: Any = None) -> Path | None:
-        """The entry the next save is incremental from: the newest committed directory entry (the same on every rank).
+    def _next_commit(self, timeout: Any = None) -> tuple[Path | None, int]:
+        """The base of the next incremental save (the newest committed directory entry) and its commit counter.
 
         Rank 0 chooses and every rank receives its choice, so all ranks agree even when
-        another process commits or prunes meanwhile.
+        another process commits or prunes meanwhile. The counter is one more than the
+        largest in the directory.
         """
         from torchrl_dcp import _dist
         from torchrl_dcp.collective import broadcast_step
 
-        def choose() -> str | None:
-            newest = latest_entry(e for e in self.entries() if e.path.is_dir())
-            return None if newest is None else str(newest.path)
+        def choose() -> tuple[str | None, int]:
+            entries = self.entries()
+            newest = latest_entry(e for e in entries if not is_store(e.path) and e.path.is_dir())
+            counter = 1 + max((e.sequence or 0 for e in entries), default=0)
+            return (None if newest is None else str(newest.path)), counter
 
         group = _dist.checkpoint_group(timeout)
-        chosen = broadcast_step(group, "choosing the incremental base", choose, rank=_dist.rank())
-        return None if chosen is None else Path(chosen)
+        chosen, counter = broadcast_step(group, "choosing the incremental base", choose, rank=_dist.rank())
+        return (None if chosen is None else Path(chosen)), counter
 
     def prune(self, *, protect: Path | None = None) -> list[Path]:
         """Delete committed entries outside the policy and leftovers of killed saves (run by one process).
@@ -400,11 +412,18 @@ def list_entries(directory: Path, metric: str | None = None, include_uncommitted
             metric=_metric(manifest.get("metadata", {}).get(metric), metric) if metric and error is None else None,
             created_at=created_at if isinstance(created_at, str) else None,
             error=error,
+            sequence=entry_sequence(manifest),
         )
         old = found.get(entry.step)
         if old is None or (entry.committed, not entry.archive) > (old.committed, not old.archive):
             found[entry.step] = entry  # one entry per step: committed first, a directory over an archive
     return sorted(found.values(), key=lambda e: e.step)
+
+
+def entry_sequence(manifest: Mapping[str, Any]) -> int | None:
+    """The commit counter a manifest records (``None``: written without one)."""
+    value = manifest.get("sequence")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def _iterdir(directory: Path) -> list[Path]:

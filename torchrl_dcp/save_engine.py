@@ -171,6 +171,7 @@ class SaveJob:
     keeps: dict[str, KeptChunk] = field(default_factory=dict)  # chunk files kept from the incremental base
     chunk_rows: dict[str, torch.Tensor | None] = field(default_factory=dict)  # rows of each chunk file to write
     outcome: WriteOutcome | None = None  # what this rank wrote, once committed
+    sequence: int | None = None  # commit order in a rotation directory (manifest ``sequence``)
 
 
 # ---------------------------------------------------------------------- step 1: encode
@@ -424,6 +425,7 @@ def build_manifest(job: SaveJob, gathered: list[Any], files: dict[str, Any]) -> 
         step=job.step,
         save_id=job.save_id,
         chunks=chunk_table([c for g in gathered for c in g[4]]),
+        sequence=job.sequence,
     )
 
 

@@ -43,7 +43,7 @@ from torchrl_dcp.storage.urls import StorePath, is_store, is_url, resolve_path
 
 def store_entries(directory: StorePath, metric: str | None, include_uncommitted: bool) -> list[Any]:
     """``rotation.list_entries`` for a prefix: ``step-<N>`` checkpoints sorted by step."""
-    from torchrl_dcp.rotation import _ENTRY, RotationEntry, _metric
+    from torchrl_dcp.rotation import _ENTRY, RotationEntry, _metric, entry_sequence
 
     found = []
     for name, info in list_objects(directory).items():
@@ -69,6 +69,7 @@ def store_entries(directory: StorePath, metric: str | None, include_uncommitted:
                 metric=_metric(manifest.get("metadata", {}).get(metric), metric) if metric and error is None else None,
                 created_at=created_at if isinstance(created_at, str) else None,
                 error=error,
+                sequence=entry_sequence(manifest),
             )
         )
     return sorted(found, key=lambda e: e.step)
