@@ -31,6 +31,9 @@ def test_every_rank_keeps_its_unchanged_chunks_and_the_result_equals_a_full_save
     kept = results[0]["kept"]
     assert any(f.startswith("__0_") for f in kept) and any(f.startswith("__1_") for f in kept), kept
     assert results[0]["written"], "the changed rows were written"
+    policy_chunks = tdcp.read_manifest(tmp_path / "full")["chunks"]["replicated/policy/weight"]
+    writers = {e["file"].split("_")[2] for e in policy_chunks}
+    assert len(policy_chunks) == 8 and writers == {"0", "1"}, policy_chunks  # one replicated tensor, both ranks write
     inc, full = _tensors(tmp_path / "inc"), _tensors(tmp_path / "full")
     assert sorted(inc) == sorted(full) and all(torch.equal(inc[k], full[k]) for k in inc)
     assert tdcp.verify(tmp_path / "inc")["unchecked"] == []

@@ -341,9 +341,14 @@ class DistributedCheckpoint:
         try:
             base = _incremental_base(incremental_from, destination, self.storage_options)
             base_info = share_base(group, base, rank)
-            run_step(
-                group, "planning the chunk files", lambda: save_engine.plan_chunks(job, base_info, stage is not None)
-            )
+            if base_info is None:  # nothing to check in a base: local views only, no exchange
+                save_engine.plan_chunks(job, None, stage is not None)
+            else:
+                run_step(
+                    group,
+                    "planning the chunk files",
+                    lambda: save_engine.plan_chunks(job, base_info, stage is not None),
+                )
             if stage is not None:
                 run_step(group, "staging the state", lambda: _stage_share(job, stage))
         except BaseException:
