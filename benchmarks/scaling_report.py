@@ -2,8 +2,8 @@
 
 Example:
     >>> from benchmarks.scaling_report import summarize_table
-    >>> print(summarize_table({"results": []}).splitlines()[0][:29])
-    | variant | ranks | save s (sl
+    >>> summarize_table({"results": []}).startswith("| variant | ranks |")
+    True
 """
 
 from __future__ import annotations
