@@ -81,14 +81,21 @@ def s3_server() -> LocalS3:
 
     for k, v in _DUMMY.items():
         os.environ.setdefault(k, v)
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    endpoint = f"http://127.0.0.1:{port}"
-    options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing", "use_listings_cache": False}
-    s3fs.S3FileSystem(**options).mkdir(BUCKET)
-    return LocalS3(endpoint, server, BUCKET, options)
+    for _ in range(5):  # the free port may be taken between probing and binding (other test workers)
+        port = _free_port()
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        endpoint = f"http://127.0.0.1:{port}"
+        options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing", "use_listings_cache": False}
+        bucket = f"{BUCKET}-{uuid.uuid4().hex[:8]}"  # ours alone, whichever server answers on this port
+        try:
+            s3fs.S3FileSystem(**options, skip_instance_cache=True).mkdir(bucket)
+        except (FileExistsError, OSError):
+            server.stop()
+            continue
+        return LocalS3(endpoint, server, bucket, options)
+    raise RuntimeError("could not start moto's S3 server on a free local port")
 
 
 @pytest.fixture(scope="session")
