@@ -111,6 +111,12 @@ def ratios(rows: list[dict[str, Any]], ranks: list[int]) -> list[dict[str, Any]]
             r = div(secs(w, "torchrl_dcp async_save: blocking", n), secs(w, "torchrl_dcp save", n))
             if r is not None:
                 add(f"{w} × {n}: async blocking / sync save", r, "<= 0.10", r <= 0.10)
+            r = div(
+                secs(w, "torchrl_dcp async_save: blocking", n),
+                secs(w, "memcpy of the staged bytes (touched buffers)", n),
+            )
+            if r is not None:
+                add(f"{w} × {n}: async blocking / memcpy of the staged bytes", r, "<= 1.2", r <= 1.2)
     for w in ("large", "medium", "small"):
         for n in ranks:
             if n > 1:
