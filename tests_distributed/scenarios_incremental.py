@@ -152,3 +152,9 @@ def save_after_reshard(directory: str) -> dict[str, Any]:
     ckpt.load(source, world_size_change="reshard")
     path = ckpt.save(Path(directory) / "after", incremental_from=source)
     return {"rank": rank, "len": len(rb), **kept(path)}
+
+
+def extend_in_child(rb: TensorDictReplayBuffer, start: int) -> None:
+    """Run in a spawned process: write rows into a buffer whose storage the parent shares."""
+    rb.extend(rows(5, start, 0))
+    rb[torch.tensor([3])] = rows(1, start + 100, 0)

@@ -71,3 +71,30 @@ def test_first_save_after_a_reshard_is_full(tmp_path: Path) -> None:
     launch(f"{S}:incremental_shards", 2, str(tmp_path), env=SMALL_CHUNKS)
     results = [r.value for r in launch(f"{S}:save_after_reshard", 1, str(tmp_path), env=SMALL_CHUNKS)]
     assert results[0]["len"] == 2015 and results[0]["kept"] == [] and results[0]["written"], results
+
+
+def test_rows_written_by_another_process_are_never_missed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A buffer in shared memory, written by a worker process through its own copy: found by content."""
+    import torch.multiprocessing as mp
+    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+    from tests_distributed.scenarios_incremental import extend_in_child, rows
+    from torchrl_dcp import chunking
+
+    monkeypatch.setattr(chunking, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(chunking, "MIN_CHUNKED_BYTES", 8192)
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(1200), batch_size=4)
+    rb.extend(rows(1000, 0, 0))
+    rb._storage._storage.share_memory_()
+    ckpt = tdcp.DistributedCheckpoint(buffer=rb)
+    base = ckpt.save(tmp_path / "base")
+    child = mp.get_context("spawn").Process(target=extend_in_child, args=(rb, 5000))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0
+    # the parent never called set(): only the shared data (and torchrl's shared counter) changed
+    assert torch.equal(rb._storage._storage["obs"][3], rows(1, 5100, 0)["obs"][0])
+    inc = ckpt.save(tmp_path / "inc", incremental_from=base)
+    a, b = _tensors(inc), _tensors(ckpt.save(tmp_path / "full"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any("origin" in r for r in tdcp.read_manifest(inc)["files"].values())  # untouched chunks still kept

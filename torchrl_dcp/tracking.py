@@ -6,8 +6,11 @@ exact and free: :func:`track` wraps the storage's ``set`` (through which ``exten
 ``add``, ``rb[idx] = ...`` and ``storage[idx] = ...`` all write) and marks the rows each
 call writes, whatever the index (int, slice, tensor, wrap-around, more rows than the
 capacity). A write that bypasses ``set`` (an in-place op on a leaf tensor) is caught by
-the leaf's version counter: the snapshot then says "unknown" and the save falls back to
-comparing checksums of the live rows. A save takes a :class:`Snapshot` while encoding;
+the leaf's version counter, and a write by another process through a copy of the storage
+by torchrl's shared mutation counter: the snapshot then says "unknown" and the save falls
+back to comparing checksums of the live rows. So does a storage whose tensors other
+processes can write without either (shared memory, memory-mapped files): its rows are
+always compared by content. A save takes a :class:`Snapshot` while encoding;
 the rows marked from then on are relative to that save once it commits, and merged back
 if it fails.
 
@@ -77,7 +80,7 @@ class RowTracker:
         self.storage = storage
         self.epoch: str | None = None  # the committed save the mask is relative to
         self.mask: torch.Tensor | None = None  # None: unknown
-        self.versions: tuple[tuple[int, int], ...] | None = None
+        self.versions: Any = None  # leaf versions and torchrl's mutation counter after our last write
         self.lock = threading.Lock()
 
     def __reduce__(self) -> Any:  # never travels with a copied storage
@@ -88,7 +91,7 @@ class RowTracker:
         with self.lock:
             if self.mask is None:
                 return
-            if _versions(_leaves(self.storage)) != self.versions:  # written around ``set`` since: unknown
+            if _versions(self.storage, _leaves(self.storage)) != self.versions:  # written around ``set``: unknown
                 self.mask = None
             elif not _mark_rows(self.mask, cursor):
                 self.mask = None
@@ -98,15 +101,16 @@ class RowTracker:
             leaves = _leaves(self.storage)
             if self.mask is not None and (not leaves or int(leaves[0].shape[0]) != self.mask.shape[0]):
                 self.mask = None  # the storage was (re)built
-            self.versions = _versions(leaves)
+            self.versions = _versions(self.storage, leaves)
 
     # ------------------------------------------------------------------ saves
     def begin(self) -> Snapshot:
         """Take the rows written since the last commit, and start marking anew for this save."""
         with self.lock:
             leaves = _leaves(self.storage)
-            versions = _versions(leaves)
+            versions = _versions(self.storage, leaves)
             known = self.epoch is not None and self.mask is not None and versions == self.versions
+            known = known and not any(_shared(t) for t in leaves)
             snap = Snapshot(self, self.epoch if known else None, self.mask if known else None)
             self.epoch = None  # until this save commits
             self.mask = torch.zeros(int(leaves[0].shape[0]), dtype=torch.bool) if leaves else None
@@ -156,8 +160,25 @@ def _leaves(storage: Any) -> list[torch.Tensor]:
         return []
 
 
-def _versions(leaves: list[torch.Tensor]) -> tuple[tuple[int, int], ...]:
-    return tuple((id(t), t._version) for t in leaves)
+def _versions(storage: Any, leaves: list[torch.Tensor]) -> Any:
+    """What changes with every write: each leaf's version counter, and torchrl's cross-process mutation counter."""
+    try:
+        revision = storage._mutation_revision
+    except Exception:  # noqa: BLE001 - older torchrl: the version counters alone
+        revision = None
+    if isinstance(revision, torch.Tensor):
+        revision = int(revision.item())
+    return tuple((id(t), t._version) for t in leaves), revision
+
+
+def _shared(t: torch.Tensor) -> bool:
+    """Writable by other processes without our hook or its version counter (shared memory, a mapped file)."""
+    if t.device.type != "cpu":
+        return False
+    try:
+        return bool(t.is_shared() or getattr(t.untyped_storage(), "filename", None))
+    except (RuntimeError, NotImplementedError):
+        return True
 
 
 def _mark_rows(mask: torch.Tensor, cursor: Any) -> bool:
