@@ -214,7 +214,7 @@ def test_a_read_failure_changes_nothing(saved: Path, monkeypatch: pytest.MonkeyP
     def broken(self: Any, *args: Any, **kwargs: Any) -> Any:
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(reader_module.InPlaceFileSystemReader, "read_data", broken)
+    monkeypatch.setattr(reader_module.InPlaceFileSystemReader, "read_items", broken)
     job = make_job(2)
     fails_unchanged(job, lambda: checkpoint(job).load(saved))
 

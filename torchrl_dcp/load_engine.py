@@ -47,6 +47,7 @@ from torchrl_dcp.load_plan import ComponentPlan, LoadPlan, Registered, decode_st
 from torchrl_dcp.manifest import library_versions
 from torchrl_dcp.planner import SafeLoadPlanner
 from torchrl_dcp.save_engine import quiet_single_process, summarize
+from torchrl_dcp.storage.direct import read_direct
 from torchrl_dcp.storage.source import CheckpointSource, open_source
 
 logger = logging.getLogger("torchrl_dcp")
@@ -163,11 +164,32 @@ def files_for(metadata: Any, flat: Mapping[str, torch.Tensor]) -> set[str]:
 def read(
     src: CheckpointSource, request: LoadRequest, tensors: dict[str, torch.Tensor], verify: set[str], result: LoadResult
 ) -> None:
-    """Every rank reads its tensors (collective, even with nothing to read)."""
+    """Every rank reads its tensors (collective, even with nothing to read).
+
+    Plain tensors are read straight from their records (:func:`~torchrl_dcp.storage.direct.read_direct`);
+    what that leaves (DTensors, unusual chunking) goes through ``dcp.load`` on every rank, when any rank has some.
+    """
+
+    def local() -> bool:
+        metadata = src.dcp_metadata()
+        if metadata is None or not tensors:
+            left.update(tensors)
+        else:
+            left.update(read_direct(src.storage_reader(verify=verify), metadata, tensors))
+        return bool(left)
+
+    left: dict[str, torch.Tensor] = {}
+    try:
+        pending = run_step(request.group, "reading tensors", local, fallback=False)
+    except CheckpointError as err:
+        err.result = result
+        raise
+    if not any(pending):
+        return
     try:
         with quiet_single_process():
             dcp.load(
-                tensors,
+                left,
                 storage_reader=src.storage_reader(verify=verify),
                 planner=SafeLoadPlanner(),
                 process_group=request.group,

@@ -167,6 +167,7 @@ class _Item:
     length: int
     target: torch.Tensor | None = None  # set when the record may be read in place
     view: memoryview | None = None
+    planned: bool = False  # target and view already chosen (direct reads: no planner lookup)
 
 
 def _batch_end(items: list[_Item], i: int) -> int:
@@ -253,33 +254,43 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         planner.commit_tensor(req, target)
 
     def _in_place_target(self, req: ReadItem, planner: LoadPlanner) -> tuple[torch.Tensor, memoryview] | None:
+        target = planner.resolve_tensor(req).detach()
+        view = self.in_place(req, target)
+        return None if view is None else (target, view)
+
+    def in_place(self, req: ReadItem, target: torch.Tensor) -> memoryview | None:
+        """The bytes of ``target`` when ``req``'s record may be read straight into it, else ``None``."""
         info = self.storage_data[req.storage_index]
         if req.type != LoadItemType.TENSOR or info.transform_descriptors or sys.byteorder != "little":
             return None
         if any(req.storage_offsets):
             return None
-        target = planner.resolve_tensor(req).detach()
         if tuple(target.shape) != tuple(req.lengths) or target.dtype not in STORAGE_NAMES:
             return None
-        view = destination_bytes(target)
-        return None if view is None else (target, view)
+        return destination_bytes(target)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[_Item]] = {}
         for req in plan.items:
             info = self.storage_data[req.storage_index]
             per_file.setdefault(info.relative_path, []).append(_Item(req, info.offset, info.length))
-        for relative_path in sorted(per_file):
-            self._read_file(relative_path, per_file[relative_path], planner)
+        self.read_items(per_file, planner)
         fut: Future = Future()
         fut.set_result(None)
         return fut
+
+    def read_items(self, per_file: Mapping[str, list[_Item]], planner: Any) -> None:
+        """Read every file's items (``planner``: ``resolve_tensor``/``commit_tensor``, as DCP's), file by file."""
+        for relative_path in sorted(per_file):
+            self._read_file(relative_path, per_file[relative_path], planner)
 
     def _read_file(self, relative_path: str, items: list[_Item], planner: LoadPlanner) -> None:
         src = self.read_source(relative_path)
         expected = self.verify.get(relative_path)
         items.sort(key=lambda it: it.offset)
         for it in items:
+            if it.planned:
+                continue
             found = self._in_place_target(it.req, planner)
             if found is not None:
                 it.target, it.view = found
