@@ -209,11 +209,12 @@ def _sources(
 def _destinations(comp: ComponentPlan, views: dict[int, Any], plan: LoadPlan, metadata: Any, source: Any) -> None:
     """Allocate (or take from the adapter) a destination for every tensor the component's saved states hold."""
     live_state: dict[str, Any] | None = None
+    devices: dict[str, torch.device] = {}
     for src_rank, state in comp.sources.items():
-        given = None if comp.reshard else comp.adapter.destinations(comp.value, views[src_rank], comp.ctx)
+        given = (None if comp.reshard else comp.adapter.destinations(comp.value, views[src_rank], comp.ctx)) or {}
         for spec in state.specs:  # each checked against DCP's metadata already (check_states)
             key = f"{state.prefix}/{spec.key}"
-            dest = (given or {}).get(spec.key)
+            dest = given.get(spec.key)
             if dest is not None:
                 _check_destination(comp.name, spec, dest)
                 plan.live[key] = dest
@@ -226,7 +227,10 @@ def _destinations(comp: ComponentPlan, views: dict[int, Any], plan: LoadPlan, me
                     raise IncompatibleComponentError(f"no live DTensor for sharded tensor {spec.key!r}")
                 dest = torch.empty_like(live_state[spec.key])
             else:
-                dest = spec.empty(comp.ctx.device_for(spec.device))
+                device = devices.get(spec.device)
+                if device is None:
+                    device = devices[spec.device] = comp.ctx.device_for(spec.device)
+                dest = torch.empty(spec.shape, dtype=spec.dtype, device=device)
             plan.fresh[key] = dest
 
 

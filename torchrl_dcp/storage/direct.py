@@ -41,23 +41,26 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from torchrl_dcp.errors import CheckpointIntegrityError, IncompatibleComponentError, UnsafeCheckpointError
 from torchrl_dcp.planner import _is_plain
-from torchrl_dcp.storage.reader import InPlaceFileSystemReader, _Item
+from torchrl_dcp.storage.reader import InPlaceFileSystemReader, _Item, plan_in_place
 
 
-class _Targets:
-    """What the reader asks a planner for: each item's destination (already read in place: nothing to commit)."""
+class _NoPlanner:
+    """Direct reads choose every destination themselves: the reader never needs a planner's lookups."""
 
-    def __init__(self) -> None:
-        self.by_item: dict[int, torch.Tensor] = {}
-
-    def resolve_tensor(self, req: ReadItem) -> torch.Tensor:
-        return self.by_item[id(req)]
+    def resolve_tensor(self, req: ReadItem) -> torch.Tensor:  # pragma: no cover - never called for planned items
+        raise AssertionError("direct reads carry their destinations")
 
     def commit_tensor(self, req: ReadItem, tensor: torch.Tensor) -> None:
         return None
 
     def load_bytes(self, req: ReadItem, value: Any) -> None:
         raise UnsafeCheckpointError(f"entry {req.dest_index.fqn!r} is a byte item, which torchrl_dcp never loads")
+
+
+def _request(index: MetadataIndex, shape: torch.Size) -> Any:
+    """DCP's read item for a whole record (built only when the reader falls back to ``torch.load``)."""
+    zeros = torch.Size([0] * len(shape))
+    return lambda: ReadItem(LoadItemType.TENSOR, index, index.offset, index, zeros, shape)
 
 
 def _row_slabs(md: TensorStorageMetadata) -> list[tuple[Any, int, int]] | None:
@@ -106,10 +109,7 @@ def read_direct(
     saved = metadata.state_dict_metadata
     storage = metadata.storage_data
     rest: dict[str, torch.Tensor] = {}
-    targets = _Targets()
     per_file: dict[str, list[_Item]] = {}
-    zeros: dict[int, torch.Size] = {}
-    tensor = LoadItemType.TENSOR
     for key, dest in tensors.items():
         md = saved.get(key)
         _check(key, dest, md)
@@ -133,15 +133,8 @@ def read_direct(
             if info is None:
                 raise CheckpointIntegrityError(f"DCP metadata lists no record for tensor {key!r} at {tuple(offsets)}")
             target = dest if rows < 0 else dest.narrow(0, first, rows)
-            z = zeros.get(target.dim())
-            if z is None:
-                z = zeros[target.dim()] = torch.Size([0] * target.dim())
-            req = ReadItem(tensor, index, index.offset, index, z, target.shape)
-            targets.by_item[id(req)] = target
-            item = _Item(req, info.offset, info.length, planned=True)
-            found = reader.in_place(req, target)
-            if found is not None:
-                item.target, item.view = target, found
+            item = _Item(_request(index, target.shape), info.offset, info.length, target, planned=True)
+            plan_in_place(item, info)
             per_file.setdefault(info.relative_path, []).append(item)
-    reader.read_items(per_file, targets)
+    reader.read_items(per_file, _NoPlanner())
     return rest

@@ -49,7 +49,6 @@ import os
 import sys
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
@@ -159,15 +158,52 @@ def destination_bytes(tensor: torch.Tensor) -> memoryview | None:
     return memoryview((ctypes.c_ubyte * nbytes).from_address(ptr)).cast("B")
 
 
+def whole_record_view(info: Any, target: torch.Tensor) -> memoryview | None:
+    """The bytes of ``target`` when a whole record (``info``) of its dtype and shape may be read into it."""
+    if info.transform_descriptors or sys.byteorder != "little" or target.dtype not in STORAGE_NAMES:
+        return None
+    return destination_bytes(target)
+
+
+def plan_in_place(item: _Item, info: Any) -> None:
+    """Let ``item`` (a whole record, target set) be read in place when it can: small records are copied into
+    the target's memory by address (no view to build), large ones are read into a view of it."""
+    target = item.target
+    assert target is not None
+    if info.length >= SMALL:
+        item.view = whole_record_view(info, target)
+    else:
+        item.small = (
+            not info.transform_descriptors
+            and sys.byteorder == "little"
+            and target.dtype in STORAGE_NAMES
+            and target.device.type == "cpu"
+            and target.layout == torch.strided
+            and not target.is_quantized
+            and target.is_contiguous()
+        )
+
+
 # ---------------------------------------------------------------------- reading
-@dataclass
 class _Item:
-    req: ReadItem
-    offset: int
-    length: int
-    target: torch.Tensor | None = None  # set when the record may be read in place
-    view: memoryview | None = None
-    planned: bool = False  # target and view already chosen (direct reads: no planner lookup)
+    """One record to read: where it is, and (once chosen) the tensor it is read into."""
+
+    __slots__ = ("req", "offset", "length", "target", "view", "planned", "small")
+
+    def __init__(
+        self, req: ReadItem | Any, offset: int, length: int, target: torch.Tensor | None = None, planned: bool = False
+    ) -> None:
+        self.req = req  # DCP's read item (direct reads: a callable building it, only needed by the fallback)
+        self.offset, self.length = offset, length
+        self.target = target  # set when the record may be read in place (direct reads: always)
+        self.view: memoryview | None = None  # the target's bytes (None: through the fallback)
+        self.planned = planned  # target and view chosen by the caller (direct reads: nothing to commit)
+        self.small = False  # a small record that may be copied into ``target`` without a view (direct reads)
+
+    def request(self) -> ReadItem:
+        if not isinstance(self.req, ReadItem):
+            self.req = self.req()
+        return self.req
 
 
 def _batch_end(items: list[_Item], i: int) -> int:
@@ -232,8 +268,11 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         return RangeFile(ByteRange(path, 0, size, path), self.on_read)
 
     # -- the fallback: DCP's own path for one record
-    def fallback(self, req: ReadItem, planner: LoadPlanner, data: bytes) -> None:
-        """Load one record as DCP does (``torch.load(weights_only=True)`` into a new tensor, then copy)."""
+    def fallback(self, req: ReadItem, planner: LoadPlanner, data: bytes, target: torch.Tensor | None = None) -> None:
+        """Load one record as DCP does (``torch.load(weights_only=True)`` into a new tensor, then copy).
+
+        ``target``: the destination when the caller chose it (direct reads), else the planner's.
+        """
         from torch.distributed._shard._utils import narrow_tensor_by_index  # what DCP uses
 
         self.stats["fallback"] += 1
@@ -245,13 +284,20 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         seekable = stream if stream.seekable() else io.BytesIO(stream.read(-1))
         tensor = cast(torch.Tensor, torch.load(seekable, map_location="cpu", weights_only=True))
         tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
-        target = planner.resolve_tensor(req).detach()
+        target = (planner.resolve_tensor(req) if target is None else target).detach()
         if target.size() != tensor.size():
             raise CheckpointIntegrityError(
                 f"record {req.storage_index.fqn!r} holds {tuple(tensor.size())}, expected {tuple(target.size())}"
             )
         target.copy_(tensor)
-        planner.commit_tensor(req, target)
+        if planner is not None:
+            planner.commit_tensor(req, target)
+
+    def _fallback(self, item: _Item, planner: LoadPlanner, data: bytes) -> None:
+        if item.planned:
+            self.fallback(item.request(), planner, data, item.target)
+        else:
+            self.fallback(item.req, planner, data)
 
     def _in_place_target(self, req: ReadItem, planner: LoadPlanner) -> tuple[torch.Tensor, memoryview] | None:
         target = planner.resolve_tensor(req).detach()
@@ -261,13 +307,9 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
     def in_place(self, req: ReadItem, target: torch.Tensor) -> memoryview | None:
         """The bytes of ``target`` when ``req``'s record may be read straight into it, else ``None``."""
         info = self.storage_data[req.storage_index]
-        if req.type != LoadItemType.TENSOR or info.transform_descriptors or sys.byteorder != "little":
+        if req.type != LoadItemType.TENSOR or any(req.storage_offsets) or tuple(target.shape) != tuple(req.lengths):
             return None
-        if any(req.storage_offsets):
-            return None
-        if tuple(target.shape) != tuple(req.lengths) or target.dtype not in STORAGE_NAMES:
-            return None
-        return destination_bytes(target)
+        return whole_record_view(info, target)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[_Item]] = {}
@@ -361,21 +403,30 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         self.stats["bytes"] += end - start
         if pieces is not None:
             pieces.append((start, end - start, crc32(view)))
+        base = ctypes.addressof(ctypes.c_char.from_buffer(view)) if len(view) else 0
         for item in items[i:j]:
             rel = item.offset - start
-            self._place_small(item, view[rel : rel + item.length], planner)
+            self._place_small(item, view[rel : rel + item.length], planner, base + rel)
         return end
 
-    def _place_small(self, item: _Item, record: memoryview, planner: LoadPlanner) -> None:
+    def _place_small(self, item: _Item, record: memoryview, planner: LoadPlanner, address: int) -> None:
+        if item.small and item.target is not None:  # direct reads: copy by address
+            shape, dtype = tuple(item.target.shape), item.target.dtype
+            at = record_data_offset(lambda o, n: record[o : o + n], record, item.length, dtype, shape)
+            if at is not None:
+                ctypes.memmove(item.target.data_ptr(), address + at, item.target.numel() * item.target.element_size())
+                self.stats["in_place"] += 1
+                return
         if item.view is not None and item.target is not None:
             shape, dtype = tuple(item.target.shape), item.target.dtype
             at = record_data_offset(lambda o, n: record[o : o + n], record, item.length, dtype, shape)
             if at is not None:
                 item.view[:] = record[at : at + len(item.view)]
                 self.stats["in_place"] += 1
-                planner.commit_tensor(item.req, item.target)
+                if not item.planned:
+                    planner.commit_tensor(item.req, item.target)
                 return
-        self.fallback(item.req, planner, bytes(record))
+        self._fallback(item, planner, bytes(record))
 
     def _read_run(
         self, src: RangeFile, f: BinaryIO, run: list[_Item], planner: LoadPlanner, crc: bool
@@ -421,7 +472,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
             src.read_at(f, item.offset, data)
             with self._lock:
                 self.stats["bytes"] += item.length
-                self.fallback(item.req, planner, bytes(data))
+                self._fallback(item, planner, bytes(data))
             return [(item.offset, item.length, crc32(data))] if crc else []
         n = len(item.view)
         prefix = read(0, at)  # the record's bytes before the tensor's (already read: checksummed, not re-read)
@@ -434,7 +485,8 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         with self._lock:
             self.stats["bytes"] += item.length
             self.stats["in_place"] += 1
-            planner.commit_tensor(item.req, item.target)
+            if not item.planned:
+                planner.commit_tensor(item.req, item.target)
         return pieces
 
     def _read_into(
