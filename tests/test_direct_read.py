@@ -135,3 +135,35 @@ def test_plain_components_load_without_dcp_load(tmp_path: Path, monkeypatch: pyt
         assert result.loaded == {"w", "m"}
         assert all(torch.equal(fresh_state[k], v) for k, v in state.items())
         assert torch.equal(fresh_model.weight, model.weight) and torch.equal(fresh_model.bias, model.bias)
+
+
+def test_a_file_changed_after_verification_is_caught_by_the_final_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Files read into live tensors are checksummed before the load changes anything and again while read in
+    place: a file changed in between is refused; what was restored first is rolled back, the error names what
+    the final read may have left."""
+    state = {"a": torch.arange(6.0)}
+    model = torch.nn.Linear(4, 3)
+    path = tdcp.DistributedCheckpoint(w=state, m=model).save(tmp_path / "c")
+    source = tdcp.DistributedCheckpoint(w={"a": torch.zeros(6)}, m=torch.nn.Linear(4, 3))
+    keep = {"a": source._components["w"].value["a"]}
+    original = load_engine._restore_all
+    calls = []
+
+    def restore_then_change(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        if not calls:  # after the components read into fresh buffers, before the final in-place read
+            data = path / "__0_0.distcp"
+            raw = bytearray(data.read_bytes())
+            raw[len(raw) // 2] ^= 0x01
+            data.write_bytes(bytes(raw))
+        calls.append(1)
+        return out
+
+    monkeypatch.setattr(load_engine, "_restore_all", restore_then_change)
+    with pytest.raises(CheckpointIntegrityError) as info:
+        source.load(path)
+    assert "changed meanwhile" in info.value.message and "['m'] may hold partly loaded values" in info.value.message
+    assert source._components["w"].value == keep  # the dict restored first was rolled back
+    assert info.value.result is not None and not info.value.result.loaded

@@ -76,6 +76,7 @@ class LoadPlan:
     fresh: dict[str, torch.Tensor] = field(default_factory=dict)  # new buffers, read before anything changes
     live: dict[str, torch.Tensor] = field(default_factory=dict)  # live objects' tensors, read in the final phase
     verify_inline: set[str] = field(default_factory=set)  # files checksummed while read into fresh buffers
+    verify_live: set[str] = field(default_factory=set)  # files checksummed before, and again while read in place
 
     def destination(self, key: str) -> torch.Tensor:
         found = self.fresh.get(key)

@@ -41,7 +41,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from torchrl_dcp.errors import CheckpointIntegrityError, IncompatibleComponentError, UnsafeCheckpointError
 from torchrl_dcp.planner import _is_plain
-from torchrl_dcp.storage.reader import InPlaceFileSystemReader, _Item, plan_in_place
+from torchrl_dcp.storage.reader import InPlaceFileSystemReader
+from torchrl_dcp.storage.readitems import _Item, plan_in_place
 
 
 class _NoPlanner:
