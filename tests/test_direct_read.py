@@ -167,3 +167,34 @@ def test_a_file_changed_after_verification_is_caught_by_the_final_read(
     assert "changed meanwhile" in info.value.message and "['m'] may hold partly loaded values" in info.value.message
     assert source._components["w"].value == keep  # the dict restored first was rolled back
     assert info.value.result is not None and not info.value.result.loaded
+
+
+@pytest.mark.parametrize("damage", [False, True])
+def test_large_records_are_read_by_threads_in_turn_and_checksummed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: bool
+) -> None:
+    """Large records: pieces dealt to two threads in turn through one handle, pages mapped ahead, each piece
+    checksummed as it lands (thresholds shrunk so that a small tensor takes that path)."""
+    from torchrl_dcp.storage import reader as reader_module
+    from torchrl_dcp.storage import readitems
+
+    monkeypatch.setattr(readitems, "SMALL", 1 << 10)
+    monkeypatch.setattr(reader_module, "SMALL", 1 << 10)
+    monkeypatch.setattr(reader_module, "PARALLEL", 64 << 10)
+    monkeypatch.setattr(reader_module, "READ_PIECE", 16 << 10)
+    monkeypatch.setattr(readitems, "_POPULATE_STEP", 64 << 10)
+    full = torch.randn(250_000 // 5, 5)  # ~1 MiB: 62 pieces
+    md, checksums = chunked(tmp_path, full, [(0, 20_000), (20_000, 50_000)])
+    if damage:
+        path = tmp_path / "__0_c1.distcp"
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x10  # inside the tensor bytes
+        path.write_bytes(bytes(data))
+    reader = InPlaceFileSystemReader(tmp_path, metadata=md, verify=checksums, threads=2)
+    dest = torch.zeros_like(full)
+    if damage:
+        with pytest.raises(CheckpointIntegrityError, match="checksum"):
+            read_direct(reader, md, {"w": dest})
+        return
+    assert read_direct(reader, md, {"w": dest}) == {}
+    assert torch.equal(dest, full) and reader.stats["in_place"] == 2 and reader.stats["verified_files"] == 2

@@ -70,6 +70,7 @@ from torchrl_dcp.storage.readitems import (  # noqa: F401 - RangeFile and the co
     _Item,
     destination_bytes,
     plan_in_place,
+    prefault,
     whole_record_view,
 )
 from torchrl_dcp.storage.record import record_data_offset
@@ -108,6 +109,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         self.on_read = on_read
         self.stats = {"in_place": 0, "fallback": 0, "bytes": 0, "verified_files": 0}
         self.mismatch_note = "found while reading it; nothing was restored"  # what a checksum mismatch means
+        self.prefault = os.environ.get("TDCP_READ_PREFAULT", "1") != "0"  # map fresh pages ahead of large reads
         self._lock = threading.Lock()  # stats and planner calls, from the threads reading large records
 
     def read_source(self, relative_path: str) -> RangeFile:
@@ -349,26 +351,28 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
     def _read_into(
         self, src: RangeFile, f: BinaryIO, offset: int, view: memoryview, crc: bool, threads: int | None = None
     ) -> list[tuple[int, int, int]]:
-        """Read ``len(view)`` bytes at ``offset`` into ``view`` (split between threads when large)."""
+        """Read ``len(view)`` bytes at ``offset`` into ``view``; when large, 4 MiB pieces are dealt to the threads in
+        turn, all reading through ``f``: the file is read front to back (one stream for the disk and its read-ahead:
+        separate streams per thread were 1.5x slower on cold data here), each thread checksumming what it read."""
         n = len(view)
         threads = (threads or self.threads) if n >= PARALLEL else 1
-        bounds = [n * k // threads // READ_PIECE * READ_PIECE for k in range(threads)] + [n]
+        starts = list(range(0, n, READ_PIECE))
         results: list[list[tuple[int, int, int]]] = [[] for _ in range(threads)]
 
         def run(part: list[int]) -> None:
-            for k in part:  # one slice per thread; the calling thread (slice 0) reuses ``f``
-                own = f if k == 0 else src.open()
-                try:
-                    for a in range(bounds[k], bounds[k + 1], READ_PIECE):
-                        piece = view[a : min(a + READ_PIECE, bounds[k + 1])]
-                        src.read_at(own, offset + a, piece)
-                        if crc:
-                            results[k].append((offset + a, len(piece), crc32(piece)))
-                finally:
-                    if own is not f:
-                        own.close()
+            for k in part:
+                for a in starts[k::threads]:
+                    piece = view[a : min(a + READ_PIECE, n)]
+                    src.read_at(f, offset + a, piece)
+                    if crc:
+                        results[k].append((offset + a, len(piece), crc32(piece)))
 
-        run_split(list(range(threads)), [1] * threads, threads, run)
+        mapper = prefault(view) if n >= PARALLEL and self.prefault else None
+        try:
+            run_split(list(range(threads)), [1] * threads, threads, run)
+        finally:
+            if mapper is not None:
+                mapper.join()
         return [p for r in results for p in r]
 
     def _read_gap(

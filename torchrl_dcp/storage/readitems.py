@@ -22,6 +22,7 @@ import ctypes
 import functools
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -69,16 +70,17 @@ class RangeFile:
         return f
 
     def read_at(self, f: BinaryIO, offset: int, view: memoryview) -> None:
-        """Fill ``view`` with the bytes at ``offset`` (looping on short reads; one read moves at most ~2 GiB)."""
+        """Fill ``view`` with the bytes at ``offset`` (looping on short reads; one read moves at most ~2 GiB).
+
+        Positional (``preadv``): safe for threads that share ``f``."""
         if offset < 0 or offset + len(view) > self.size:
             raise CheckpointIntegrityError(
                 f"DCP metadata points past the end of the file (bytes {offset}..{offset + len(view)} of {self.size})",
                 path=self.where,
             )
-        done = 0
-        f.seek(self.base + offset)
-        while done < len(view):
-            n = f.readinto(view[done:])
+        done, fd = 0, f.fileno()
+        while done < len(view):  # positional reads: threads may share one handle (and its read-ahead)
+            n = os.preadv(fd, [view[done:]], self.base + offset + done)
             if not n:
                 raise CheckpointIntegrityError(f"file ended {len(view) - done} bytes early: truncated", path=self.where)
             done += n
@@ -105,6 +107,30 @@ def _advise_hugepages(ptr: int, nbytes: int) -> None:
     start, end = (ptr + _HUGE - 1) & ~(_HUGE - 1), (ptr + nbytes) & ~(_HUGE - 1)
     if end > start:
         lib.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(_MADV_HUGEPAGE))
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_POPULATE_STEP = 16 << 20
+
+
+def prefault(view: memoryview) -> threading.Thread | None:
+    """Map ``view``'s pages ahead of the reads in a thread of its own (``MADV_POPULATE_WRITE``), so that the page
+    faults of fresh memory overlap the disk instead of adding to it; ``None`` where not available. Join it."""
+    lib = libc()
+    if lib is None or len(view) < _POPULATE_STEP or not sys.platform.startswith("linux"):
+        return None
+    ptr = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    start, end = (ptr + 4095) & ~4095, (ptr + len(view)) & ~4095
+
+    def run() -> None:
+        for a in range(start, end, _POPULATE_STEP):
+            n = min(_POPULATE_STEP, end - a)
+            if lib.madvise(ctypes.c_void_p(a), ctypes.c_size_t(n), ctypes.c_int(_MADV_POPULATE_WRITE)) != 0:
+                return  # an older kernel (EINVAL): the reads fault the pages themselves
+
+    thread = threading.Thread(target=run, name="tdcp-prefault", daemon=True)
+    thread.start()
+    return thread
 
 
 def destination_bytes(tensor: torch.Tensor) -> memoryview | None:
