@@ -33,11 +33,14 @@ def draw(results: Mapping[str, Any], out: Path, targets: Mapping[str, float]) ->
     ys = list(range(len(items)))[::-1]
     ax.barh(ys, values, color=colors)
     for y, (name, value) in zip(ys, items):
-        ax.text(value, y, f" {value:.2f}", va="center", fontsize=8)
+        ax.text(max(value, targets.get(name, 0.0)) * 1.02, y, f" {value:.2f}", va="center", fontsize=8)
         if name in targets:
             ax.plot([targets[name]] * 2, [y - 0.4, y + 0.4], color="black", linewidth=2)
     ax.set_yticks(ys, names, fontsize=8)
     ax.set_xscale("log")
+    ticks = [0.5, 1, 2, 3, 5, 10, 20]
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.set_xlim(min(0.4, min(values) / 1.3), max(20.0, max(values) * 1.4))
     ax.axvline(1.0, color="#555555", linewidth=0.8, linestyle=":")
     ax.set_xlabel("ratio (log scale; speed-ups over the baseline, GB/s for the warm load; black tick: target)")
     ax.set_title(
