@@ -73,7 +73,7 @@ from torchrl_dcp.storage.readitems import (  # noqa: F401 - RangeFile and the co
     prefault,
     whole_record_view,
 )
-from torchrl_dcp.storage.record import record_data_offset
+from torchrl_dcp.storage.record import is_memmap_tensor, record_data_offset
 
 
 class InPlaceFileSystemReader(SafeFileSystemReader):
@@ -336,7 +336,8 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         n = len(item.view)
         prefix = read(0, at)  # the record's bytes before the tensor's (already read: checksummed, not re-read)
         pieces = [(item.offset, at, crc32(prefix))] if crc else []
-        pieces += self._read_into(src, f, item.offset + at, item.view, crc, threads)
+        anonymous = not is_memmap_tensor(item.target)  # pages of a memory-mapped file are never mapped ahead
+        pieces += self._read_into(src, f, item.offset + at, item.view, crc, threads, anonymous)
         tail = memoryview(bytearray(item.length - at - n))
         src.read_at(f, item.offset + at + n, tail)
         if crc:
@@ -349,7 +350,14 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         return pieces
 
     def _read_into(
-        self, src: RangeFile, f: BinaryIO, offset: int, view: memoryview, crc: bool, threads: int | None = None
+        self,
+        src: RangeFile,
+        f: BinaryIO,
+        offset: int,
+        view: memoryview,
+        crc: bool,
+        threads: int | None = None,
+        map_ahead: bool = False,
     ) -> list[tuple[int, int, int]]:
         """Read ``len(view)`` bytes at ``offset`` into ``view``; when large, 4 MiB pieces are dealt to the threads in
         turn, all reading through ``f``: the file is read front to back (one stream for the disk and its read-ahead:
@@ -367,7 +375,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
                     if crc:
                         results[k].append((offset + a, len(piece), crc32(piece)))
 
-        mapper = prefault(view) if n >= PARALLEL and self.prefault else None
+        mapper = prefault(view) if n >= PARALLEL and map_ahead and self.prefault else None
         try:
             run_split(list(range(threads)), [1] * threads, threads, run)
         finally:
