@@ -105,7 +105,9 @@ def ratios(rows: list[dict[str, Any]], ranks: list[int]) -> list[dict[str, Any]]
     r = div(secs("small", "dcp.save"), secs("small", "torchrl_dcp save"))
     add("small: save speed-up over dcp.save", r, ">= 5", None if r is None else r >= 5)
     r = div(secs("small", "dcp.load warm"), secs("small", "torchrl_dcp load warm"))
-    add("small: warm load speed-up over dcp.load", r, "(no target)", None)
+    add("small: warm load speed-up over dcp.load", r, ">= 10", None if r is None else r >= 10)
+    r = div(secs("small", "torch.load warm"), secs("small", "torchrl_dcp load warm"))
+    add("small: warm load speed-up over torch.load", r, ">= 3", None if r is None else r >= 3)
     for w in ("large", "medium", "small", "rb_mujoco", "rb_pixels"):
         for n in ranks:
             r = div(secs(w, "torchrl_dcp async_save: blocking", n), secs(w, "torchrl_dcp save", n))

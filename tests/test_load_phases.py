@@ -214,7 +214,7 @@ def test_a_read_failure_changes_nothing(saved: Path, monkeypatch: pytest.MonkeyP
     def broken(self: Any, *args: Any, **kwargs: Any) -> Any:
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(reader_module.InPlaceFileSystemReader, "read_data", broken)
+    monkeypatch.setattr(reader_module.InPlaceFileSystemReader, "read_items", broken)
     job = make_job(2)
     fails_unchanged(job, lambda: checkpoint(job).load(saved))
 
@@ -278,11 +278,11 @@ def test_a_failing_in_place_read_rolls_the_rest_back(saved: Path, monkeypatch: p
     original = load_engine.read
     calls = {"n": 0}
 
-    def read(src: Any, request: Any, tensors: Any, verify: Any, result: Any) -> None:
+    def read(src: Any, request: Any, tensors: Any, verify: Any, result: Any, *rest: Any) -> None:
         calls["n"] += 1
         if calls["n"] == 2:  # the second read is the in-place one
             raise tdcp.CheckpointError("injected I/O failure")
-        original(src, request, tensors, verify, result)
+        original(src, request, tensors, verify, result, *rest)
 
     monkeypatch.setattr(load_engine, "read", read)
     job = make_job(2)

@@ -291,6 +291,21 @@ def xref_key(component: str, key: str) -> str:
     return f"@{component}/{key}"
 
 
+def leaves(skeleton: Any) -> tuple[list[TensorSpec], list[tuple[str, TensorSpec]]]:
+    """:func:`tensor_specs` and :func:`xrefs` of a skeleton in one walk (what a load plans from)."""
+    specs: list[TensorSpec] = []
+    refs: list[tuple[str, TensorSpec]] = []
+    for node in _nodes(skeleton):
+        kind = node.get("t")
+        if kind == "tensor" or kind == "dtensor":
+            specs.append(_spec(node))
+        elif kind == "xref":
+            if not isinstance(node.get("component"), str):
+                raise CheckpointFormatError(f"malformed tensor reference {node!r}")
+            refs.append((node["component"], _spec(node)))
+    return specs, refs
+
+
 def tensor_specs(skeleton: Any) -> Iterator[TensorSpec]:
     """Every tensor (and DTensor) leaf of a skeleton, with its shape, dtype and device."""
     for node in _nodes(skeleton):

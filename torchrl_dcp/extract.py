@@ -26,6 +26,7 @@ from torchrl_dcp.codec import decode, dtype_from_name, tensor_specs, xref_key, x
 from torchrl_dcp.errors import CheckpointError, CheckpointFormatError
 from torchrl_dcp.placement import key_prefix
 from torchrl_dcp.planner import SafeLoadPlanner
+from torchrl_dcp.storage.direct import read_direct
 from torchrl_dcp.storage.source import CheckpointSource, open_source
 
 BATCH_BYTES = 256 << 20
@@ -45,7 +46,7 @@ def read_tensors(
     """Read the tensors ``{dcp_key: (shape, dtype)}`` into fresh CPU tensors (no process group needed).
 
     Args:
-        verify: checksum the data files that hold them first.
+        verify: checksum the data files that hold them (while reading them: the tensors are fresh).
     """
     src = as_source(source)
     flat = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in specs.items()}
@@ -54,13 +55,17 @@ def read_tensors(
     metadata = src.dcp_metadata()
     if metadata is None:
         raise CheckpointFormatError("the checkpoint holds no tensors", path=src.path)
+    files: set[str] = set()
     if verify:
         keys = set(flat)
-        src.check({info.relative_path for index, info in metadata.storage_data.items() if index.fqn in keys})
+        files = {info.relative_path for index, info in metadata.storage_data.items() if index.fqn in keys}
+    src.check(False)  # sizes of every listed file, nothing unlisted
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         try:
-            dcp.load(flat, storage_reader=src.storage_reader(), planner=SafeLoadPlanner(), no_dist=True)
+            rest = read_direct(src.storage_reader(files), metadata, flat)
+            if rest:  # e.g. chunks not split along dim 0: DCP's own planning
+                dcp.load(rest, storage_reader=src.storage_reader(files), planner=SafeLoadPlanner(), no_dist=True)
         except BaseException as err:  # DCP's CheckpointException is a BaseException
             if isinstance(err, (CheckpointError, KeyboardInterrupt)):
                 raise

@@ -7,16 +7,25 @@
    rollback snapshot is taken here;
 4. **verify** the bytes that will be read (CRC-32 of the files, before anything is
    read into a live object; files read into fresh buffers are checked while read);
-5. **read** every tensor into fresh buffers (collective);
+5. **read** every tensor into fresh buffers (collective): plain tensors straight from
+   their records (:mod:`torchrl_dcp.storage.direct`), the rest through ``dcp.load``;
 6. **restore** every component read into fresh buffers from its decoded state
    (RNG-like ones last); then read the tensors adapters asked to receive in place
-   (replay-buffer storages) and restore those components.
+   (module weights, optimizer state, replay-buffer storages), checksumming those files
+   again as they are read, and restore those components.
 
 Every phase up to 5 is collective through :mod:`torchrl_dcp.collective`: a failure on
 any rank raises on every rank, and no object has changed. A failure while restoring
 (on any rank) rolls every restored component back to its snapshot, on every rank.
-The one thing a failure can leave is what the final in-place read had already
-written into live tensors (the rows of a replay-buffer storage); the error says so.
+
+**What a failure during the final in-place read can leave.** Its files passed their
+checksums in phase 4, so a damaged checkpoint never gets there; what can fail is an I/O
+error, or a file changed between phase 4 and the read (caught by the second checksum,
+:data:`LIVE_MISMATCH`). Then every component restored before is rolled back, and the
+tensors read in place (listed in the error) hold, in any mix, their old values, values
+read before the failure, or bytes of the changed file; their other state (a module's
+non-in-place tensors, an optimizer's param groups, a buffer's cursor) is rolled back.
+Keeping a copy of those tensors to undo the read would double the memory a load needs.
 
 Example (one process):
     >>> import tempfile, torch, torchrl_dcp as tdcp
@@ -47,6 +56,7 @@ from torchrl_dcp.load_plan import ComponentPlan, LoadPlan, Registered, decode_st
 from torchrl_dcp.manifest import library_versions
 from torchrl_dcp.planner import SafeLoadPlanner
 from torchrl_dcp.save_engine import quiet_single_process, summarize
+from torchrl_dcp.storage.direct import read_direct
 from torchrl_dcp.storage.source import CheckpointSource, open_source
 
 logger = logging.getLogger("torchrl_dcp")
@@ -151,6 +161,7 @@ def verify_bytes(src: CheckpointSource, load_plan: LoadPlan, verify: bool, metad
     src.check_identity(needed_live | files_for(metadata, load_plan.fresh))
     if verify:
         load_plan.verify_inline = files_for(metadata, load_plan.fresh) - needed_live
+        load_plan.verify_live = needed_live  # checked again during the final read: a file changed since is caught
 
 
 def files_for(metadata: Any, flat: Mapping[str, torch.Tensor]) -> set[str]:
@@ -160,15 +171,47 @@ def files_for(metadata: Any, flat: Mapping[str, torch.Tensor]) -> set[str]:
 
 
 # ---------------------------------------------------------------------- phase 5: read
+LIVE_MISMATCH = (
+    "found while reading it into live tensors, after it had passed its checksum before the load changed anything: "
+    "the file changed meanwhile"
+)
+
+
 def read(
-    src: CheckpointSource, request: LoadRequest, tensors: dict[str, torch.Tensor], verify: set[str], result: LoadResult
+    src: CheckpointSource,
+    request: LoadRequest,
+    tensors: dict[str, torch.Tensor],
+    verify: set[str],
+    result: LoadResult,
+    mismatch_note: str | None = None,
 ) -> None:
-    """Every rank reads its tensors (collective, even with nothing to read)."""
+    """Every rank reads its tensors (collective, even with nothing to read).
+
+    Plain tensors are read straight from their records (:func:`~torchrl_dcp.storage.direct.read_direct`);
+    what that leaves (DTensors, unusual chunking) goes through ``dcp.load`` on every rank, when any rank has some.
+    """
+
+    def local() -> bool:
+        metadata = src.dcp_metadata()
+        if metadata is None or not tensors:
+            left.update(tensors)
+        else:
+            left.update(read_direct(src.storage_reader(verify, mismatch_note), metadata, tensors))
+        return bool(left)
+
+    left: dict[str, torch.Tensor] = {}
+    try:
+        pending = run_step(request.group, "reading tensors", local, fallback=False)
+    except CheckpointError as err:
+        err.result = result
+        raise
+    if not any(pending):
+        return
     try:
         with quiet_single_process():
             dcp.load(
-                tensors,
-                storage_reader=src.storage_reader(verify=verify),
+                left,
+                storage_reader=src.storage_reader(verify, mismatch_note),
                 planner=SafeLoadPlanner(),
                 process_group=request.group,
                 no_dist=request.group is None,
@@ -199,7 +242,7 @@ def restore(src: CheckpointSource, request: LoadRequest, load_plan: LoadPlan, re
         _fail(done, statuses, failure, "restoring components", result)
     if load_plan.live or request.group is not None:
         try:
-            read(src, request, load_plan.live, set(), result)
+            read(src, request, load_plan.live, load_plan.verify_live, result, LIVE_MISMATCH)
         except BaseException as err:
             _rollback_and_raise(done, err, in_place, result)
     failure = _restore_all(in_place, load_plan, request, result, done)

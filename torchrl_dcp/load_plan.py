@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from torchrl_dcp.adapters import Adapter, AdapterContext
-from torchrl_dcp.codec import TensorSpec, decode, dtype_name, encode, is_dtensor, tensor_specs, xref_key, xrefs
+from torchrl_dcp.codec import TensorSpec, decode, dtype_name, encode, is_dtensor, leaves, xref_key
 from torchrl_dcp.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -46,6 +46,7 @@ class SavedState:
     prefix: str
     specs: list[TensorSpec] = field(default_factory=list)
     view: Any = None
+    refs: list[tuple[str, TensorSpec]] = field(default_factory=list)  # tensors of other components it refers to
 
 
 @dataclass
@@ -75,6 +76,7 @@ class LoadPlan:
     fresh: dict[str, torch.Tensor] = field(default_factory=dict)  # new buffers, read before anything changes
     live: dict[str, torch.Tensor] = field(default_factory=dict)  # live objects' tensors, read in the final phase
     verify_inline: set[str] = field(default_factory=set)  # files checksummed while read into fresh buffers
+    verify_live: set[str] = field(default_factory=set)  # files checksummed before, and again while read in place
 
     def destination(self, key: str) -> torch.Tensor:
         found = self.fresh.get(key)
@@ -112,6 +114,7 @@ def plan_components(
     """
     load_plan = LoadPlan()
     saved = manifest["components"]
+    backing = backing_index(metadata) if metadata is not None else None
     for name in requested:
         if name not in saved:
             continue
@@ -120,7 +123,7 @@ def plan_components(
         if rec is None:
             continue
         assert reg.adapter is not None
-        checked = check_states(name, rec, metadata, source)
+        checked = check_states(name, rec, metadata, source, backing)
         reshard = rec["placement"] == "per_rank" and manifest["world_size"] != world_size
         if reshard and not (reshard_allowed and reg.adapter.can_reshard):
             why = (
@@ -189,9 +192,8 @@ def _sources(
     if rec["placement"] != "per_rank":
         comp.ctx.source_rank = rank
         state = checked[0]
-        return {
-            rank: SavedState(state.skeleton, key_prefix(rec["placement"], comp.name, rank), state.specs, state.view)
-        }
+        prefix = key_prefix(rec["placement"], comp.name, rank)
+        return {rank: SavedState(state.skeleton, prefix, state.specs, state.view, state.refs)}
     if not comp.reshard:
         comp.ctx.source_rank = rank
         return {rank: checked[rank]}
@@ -208,11 +210,12 @@ def _sources(
 def _destinations(comp: ComponentPlan, views: dict[int, Any], plan: LoadPlan, metadata: Any, source: Any) -> None:
     """Allocate (or take from the adapter) a destination for every tensor the component's saved states hold."""
     live_state: dict[str, Any] | None = None
+    devices: dict[str, torch.device] = {}
     for src_rank, state in comp.sources.items():
-        given = None if comp.reshard else comp.adapter.destinations(comp.value, views[src_rank], comp.ctx)
+        given = (None if comp.reshard else comp.adapter.destinations(comp.value, views[src_rank], comp.ctx)) or {}
         for spec in state.specs:  # each checked against DCP's metadata already (check_states)
             key = f"{state.prefix}/{spec.key}"
-            dest = (given or {}).get(spec.key)
+            dest = given.get(spec.key)
             if dest is not None:
                 _check_destination(comp.name, spec, dest)
                 plan.live[key] = dest
@@ -225,7 +228,10 @@ def _destinations(comp: ComponentPlan, views: dict[int, Any], plan: LoadPlan, me
                     raise IncompatibleComponentError(f"no live DTensor for sharded tensor {spec.key!r}")
                 dest = torch.empty_like(live_state[spec.key])
             else:
-                dest = spec.empty(comp.ctx.device_for(spec.device))
+                device = devices.get(spec.device)
+                if device is None:
+                    device = devices[spec.device] = comp.ctx.device_for(spec.device)
+                dest = torch.empty(spec.shape, dtype=spec.dtype, device=device)
             plan.fresh[key] = dest
 
 
@@ -237,11 +243,12 @@ def _check_destination(name: str, spec: TensorSpec, dest: torch.Tensor) -> None:
         )
 
 
-def check_backed(metadata: Any, key: str, spec: TensorSpec, source: Any) -> None:
+def check_backed(metadata: Any, key: str, spec: TensorSpec, source: Any, backing: Backing | None = None) -> None:
     """The DCP metadata holds ``key`` with the manifest's dtype and shape, in records large enough for its bytes.
 
     Checked before the destination is allocated: a forged manifest cannot make a load
-    allocate more memory than the checkpoint's files hold.
+    allocate more memory than the checkpoint's files hold. ``backing``: the metadata's
+    record lengths, indexed once (:func:`backing_index`) when many tensors are checked.
     """
     saved = None if metadata is None else metadata.state_dict_metadata.get(key)
     props = getattr(saved, "properties", None)
@@ -256,11 +263,12 @@ def check_backed(metadata: Any, key: str, spec: TensorSpec, source: Any) -> None
     if spec.dtensor:
         return  # sharded: its chunks are checked by DCP's planner against the live shards
     nbytes = math.prod(spec.shape) * spec.dtype.itemsize
-    backed = (
-        sum(info.length for index, info in metadata.storage_data.items() if index.fqn == key)
-        if len(saved.chunks) != 1
-        else _record_length(metadata, key, saved.chunks[0])
-    )
+    records = (backing if backing is not None else backing_index(metadata)).get(key, {})
+    if len(saved.chunks) != 1:
+        backed = sum(records.values())
+    else:  # the record at the chunk's offsets (else any record of the key)
+        offsets = tuple(saved.chunks[0].offsets)
+        backed = records.get(offsets, next(iter(records.values()), 0))
     if backed < nbytes:
         raise CheckpointIntegrityError(
             f"tensor {key!r} claims {nbytes} bytes but its records hold {backed}: the checkpoint is damaged or forged",
@@ -268,16 +276,20 @@ def check_backed(metadata: Any, key: str, spec: TensorSpec, source: Any) -> None
         )
 
 
-def _record_length(metadata: Any, key: str, chunk: Any) -> int:
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
-    info = metadata.storage_data.get(MetadataIndex(key, chunk.offsets, 0))
-    if info is None:
-        info = next((i for idx, i in metadata.storage_data.items() if idx.fqn == key), None)
-    return 0 if info is None else int(info.length)
+Backing = dict[str, dict[tuple[int, ...], int]]
 
 
-def check_states(name: str, rec: dict[str, Any], metadata: Any, source: Any) -> dict[int, SavedState]:
+def backing_index(metadata: Any) -> Backing:
+    """``{key: {chunk offsets: record length}}`` of DCP's metadata (one pass over its records)."""
+    out: Backing = {}
+    for index, info in metadata.storage_data.items():
+        out.setdefault(index.fqn, {})[tuple(index.offset or ())] = int(info.length)
+    return out
+
+
+def check_states(
+    name: str, rec: dict[str, Any], metadata: Any, source: Any, backing: Backing | None = None
+) -> dict[int, SavedState]:
     """The same checks for ``load`` and ``verify``, on every saved state of a component: its inventory agrees with
     its states, every state decodes (bounded), and every tensor is in DCP's metadata with its dtype and shape,
     backed by enough bytes. Returns ``{saved rank: SavedState}`` (rank 0 for replicated and sharded components)."""
@@ -286,28 +298,36 @@ def check_states(name: str, rec: dict[str, Any], metadata: Any, source: Any) -> 
         states = [(int(r), s["state"]) for r, s in rec["ranks"].items()]
     else:
         states = [(0, rec["state"])]
-    inventory: dict[str, Any] = {}
+    recorded = rec["inventory"]
+    seen: set[str] = set()
     out: dict[int, SavedState] = {}
+    if backing is None and metadata is not None:
+        backing = backing_index(metadata)
     for r, skeleton in states:
-        specs = list(tensor_specs(skeleton))
+        specs, refs = leaves(skeleton)
         placeholders: dict[str, Any] = {spec.key: spec for spec in specs}
-        placeholders.update({xref_key(ref, spec.key): spec for ref, spec in xrefs(skeleton)})
+        placeholders.update({xref_key(ref, spec.key): spec for ref, spec in refs})
         view = decode(skeleton, placeholders)  # every value decodes (numeric dtypes, bounded nesting)
         prefix = key_prefix(placement, name, r)
         for spec in specs:
             key = f"{prefix}/{spec.key}"
-            inventory[key] = {"dtype": dtype_name(spec.dtype), "shape": list(spec.shape)}
-            check_backed(metadata, key, spec, source)
-        out[r] = SavedState(skeleton, prefix, specs, view)
-    if rec["inventory"] != inventory:
-        expected = inventory
-        differ = sorted(k for k in set(expected) | set(rec["inventory"]) if expected.get(k) != rec["inventory"].get(k))
-        raise CheckpointIntegrityError(
-            f"component {name!r}: the tensor inventory disagrees with its saved state at {differ[:3]} "
-            "(damaged or forged manifest)",
-            path=source,
-        )
+            entry = recorded.get(key)
+            if entry is None or entry["dtype"] != dtype_name(spec.dtype) or entry["shape"] != list(spec.shape):
+                _inventory_error(name, [key], source)
+            seen.add(key)
+            check_backed(metadata, key, spec, source, backing)
+        out[r] = SavedState(skeleton, prefix, specs, view, refs)
+    if len(seen) != len(recorded):  # every tensor matched its entry: the others have no tensor
+        _inventory_error(name, sorted(set(recorded) - seen), source)
     return out
+
+
+def _inventory_error(name: str, differ: list[str], source: Any) -> None:
+    raise CheckpointIntegrityError(
+        f"component {name!r}: the tensor inventory disagrees with its saved state at {differ[:3]} "
+        "(damaged or forged manifest)",
+        path=source,
+    )
 
 
 def _references(
@@ -315,7 +335,7 @@ def _references(
 ) -> None:
     """Tensors shared with a replicated component (stored once, as references) get a destination too."""
     for state in comp.sources.values():
-        for ref_name, spec in xrefs(state.skeleton):
+        for ref_name, spec in state.refs:
             ref = saved.get(ref_name)
             if ref is None or ref["placement"] != "replicated":
                 raise CheckpointFormatError(
@@ -334,7 +354,7 @@ def decode_states(comp: ComponentPlan, plan: LoadPlan, rank: int) -> dict[int, A
     states = {}
     for src_rank, state in comp.sources.items():
         tensors = {spec.key: plan.destination(f"{state.prefix}/{spec.key}") for spec in state.specs}
-        for ref_name, spec in xrefs(state.skeleton):
+        for ref_name, spec in state.refs:
             tensors[xref_key(ref_name, spec.key)] = plan.destination(
                 f"{key_prefix('replicated', ref_name, rank)}/{spec.key}"
             )

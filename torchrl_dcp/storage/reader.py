@@ -43,14 +43,10 @@ Example:
 from __future__ import annotations
 
 import ctypes
-import functools
 import io
 import os
-import sys
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, BinaryIO, cast
 
 import torch
@@ -64,122 +60,20 @@ from torchrl_dcp.storage.container import ByteRange, Container, open_regular
 from torchrl_dcp.storage.copying import read_threads, run_split
 from torchrl_dcp.storage.filesystem import SafeFileSystemReader
 from torchrl_dcp.storage.layout import is_plain_name
-from torchrl_dcp.storage.libc import libc
-from torchrl_dcp.storage.record import STORAGE_NAMES, is_memmap_tensor, record_data_offset
-
-READ_PIECE = 4 << 20  # read size of large records (and of checksummed gaps)
-SMALL = 1 << 20  # records below this are read in batches and copied out
-BATCH = 8 << 20  # bytes per batched read of small records
-PARALLEL = 32 << 20  # tensors at least this large are split between threads
-HUGEPAGE_MIN = 4 << 20
-_HUGE = 2 << 20
-_MADV_HUGEPAGE = 14
-
-
-# ---------------------------------------------------------------------- files
-class RangeFile:
-    """Reads inside one data file's :class:`~torchrl_dcp.storage.container.ByteRange` (a file, or a ZIP member).
-
-    Every handle is opened without following links and must be a regular file;
-    ``on_read(n)`` is told of every ``n`` bytes read.
-    """
-
-    def __init__(self, byte_range: ByteRange, on_read: Any = None) -> None:
-        self.path, self.base, self.size, self.where = (
-            byte_range.path,
-            byte_range.base,
-            byte_range.size,
-            byte_range.where,
-        )
-        self.on_read = on_read
-
-    def open(self) -> BinaryIO:
-        """A handle of its own (one per thread)."""
-        f = os.fdopen(open_regular(self.path, self.where), "rb", buffering=0)
-        try:
-            os.posix_fadvise(f.fileno(), self.base, self.size, os.POSIX_FADV_SEQUENTIAL)
-        except (AttributeError, OSError):  # pragma: no cover - not on every platform
-            pass
-        return f
-
-    def read_at(self, f: BinaryIO, offset: int, view: memoryview) -> None:
-        """Fill ``view`` with the bytes at ``offset`` (looping on short reads; one read moves at most ~2 GiB)."""
-        if offset < 0 or offset + len(view) > self.size:
-            raise CheckpointIntegrityError(
-                f"DCP metadata points past the end of the file (bytes {offset}..{offset + len(view)} of {self.size})",
-                path=self.where,
-            )
-        done = 0
-        f.seek(self.base + offset)
-        while done < len(view):
-            n = f.readinto(view[done:])
-            if not n:
-                raise CheckpointIntegrityError(f"file ended {len(view) - done} bytes early: truncated", path=self.where)
-            done += n
-        if self.on_read is not None:
-            self.on_read(done)
-
-
-# ---------------------------------------------------------------------- destinations
-@functools.lru_cache(maxsize=1)
-def _hugepages_wanted() -> bool:
-    if os.environ.get("TDCP_READ_HUGEPAGES", "1") == "0" or not sys.platform.startswith("linux"):
-        return False
-    try:
-        return "[madvise]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return False
-
-
-def _advise_hugepages(ptr: int, nbytes: int) -> None:
-    """Ask for transparent huge pages over the 2 MiB-aligned interior of ``[ptr, ptr + nbytes)`` (a hint)."""
-    lib = libc()
-    if lib is None or not _hugepages_wanted():
-        return
-    start, end = (ptr + _HUGE - 1) & ~(_HUGE - 1), (ptr + nbytes) & ~(_HUGE - 1)
-    if end > start:
-        lib.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(_MADV_HUGEPAGE))
-
-
-def destination_bytes(tensor: torch.Tensor) -> memoryview | None:
-    """A writable view of a contiguous CPU tensor's bytes (``None``: not readable in place)."""
-    if (
-        tensor.device.type != "cpu"
-        or not tensor.is_contiguous()
-        or tensor.is_quantized
-        or tensor.layout != torch.strided
-    ):
-        return None
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes == 0:
-        return memoryview(bytearray(0))
-    ptr = tensor.data_ptr()
-    if nbytes >= HUGEPAGE_MIN and not is_memmap_tensor(tensor):
-        _advise_hugepages(ptr, nbytes)
-    return memoryview((ctypes.c_ubyte * nbytes).from_address(ptr)).cast("B")
-
-
-# ---------------------------------------------------------------------- reading
-@dataclass
-class _Item:
-    req: ReadItem
-    offset: int
-    length: int
-    target: torch.Tensor | None = None  # set when the record may be read in place
-    view: memoryview | None = None
-
-
-def _batch_end(items: list[_Item], i: int) -> int:
-    """One past the last small record contiguous with ``items[i]`` that fits in a batch read."""
-    j = i + 1
-    while (
-        j < len(items)
-        and items[j].length < SMALL
-        and items[j].offset == items[j - 1].offset + items[j - 1].length
-        and items[j].offset + items[j].length - items[i].offset <= BATCH
-    ):
-        j += 1
-    return j
+from torchrl_dcp.storage.readitems import (  # noqa: F401 - RangeFile and the constants are re-exported
+    BATCH,
+    PARALLEL,
+    READ_PIECE,
+    SMALL,
+    RangeFile,
+    _batch_end,
+    _Item,
+    destination_bytes,
+    plan_in_place,
+    prefault,
+    whole_record_view,
+)
+from torchrl_dcp.storage.record import is_memmap_tensor, record_data_offset
 
 
 class InPlaceFileSystemReader(SafeFileSystemReader):
@@ -214,6 +108,8 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         self.threads = threads or read_threads()
         self.on_read = on_read
         self.stats = {"in_place": 0, "fallback": 0, "bytes": 0, "verified_files": 0}
+        self.mismatch_note = "found while reading it; nothing was restored"  # what a checksum mismatch means
+        self.prefault = os.environ.get("TDCP_READ_PREFAULT", "1") != "0"  # map fresh pages ahead of large reads
         self._lock = threading.Lock()  # stats and planner calls, from the threads reading large records
 
     def read_source(self, relative_path: str) -> RangeFile:
@@ -231,8 +127,11 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         return RangeFile(ByteRange(path, 0, size, path), self.on_read)
 
     # -- the fallback: DCP's own path for one record
-    def fallback(self, req: ReadItem, planner: LoadPlanner, data: bytes) -> None:
-        """Load one record as DCP does (``torch.load(weights_only=True)`` into a new tensor, then copy)."""
+    def fallback(self, req: ReadItem, planner: LoadPlanner, data: bytes, target: torch.Tensor | None = None) -> None:
+        """Load one record as DCP does (``torch.load(weights_only=True)`` into a new tensor, then copy).
+
+        ``target``: the destination when the caller chose it (direct reads), else the planner's.
+        """
         from torch.distributed._shard._utils import narrow_tensor_by_index  # what DCP uses
 
         self.stats["fallback"] += 1
@@ -244,42 +143,55 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         seekable = stream if stream.seekable() else io.BytesIO(stream.read(-1))
         tensor = cast(torch.Tensor, torch.load(seekable, map_location="cpu", weights_only=True))
         tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
-        target = planner.resolve_tensor(req).detach()
+        target = (planner.resolve_tensor(req) if target is None else target).detach()
         if target.size() != tensor.size():
             raise CheckpointIntegrityError(
                 f"record {req.storage_index.fqn!r} holds {tuple(tensor.size())}, expected {tuple(target.size())}"
             )
         target.copy_(tensor)
-        planner.commit_tensor(req, target)
+        if planner is not None:
+            planner.commit_tensor(req, target)
+
+    def _fallback(self, item: _Item, planner: LoadPlanner, data: bytes) -> None:
+        if item.planned:
+            self.fallback(item.request(), planner, data, item.target)
+        else:
+            self.fallback(item.req, planner, data)
 
     def _in_place_target(self, req: ReadItem, planner: LoadPlanner) -> tuple[torch.Tensor, memoryview] | None:
-        info = self.storage_data[req.storage_index]
-        if req.type != LoadItemType.TENSOR or info.transform_descriptors or sys.byteorder != "little":
-            return None
-        if any(req.storage_offsets):
-            return None
         target = planner.resolve_tensor(req).detach()
-        if tuple(target.shape) != tuple(req.lengths) or target.dtype not in STORAGE_NAMES:
-            return None
-        view = destination_bytes(target)
+        view = self.in_place(req, target)
         return None if view is None else (target, view)
+
+    def in_place(self, req: ReadItem, target: torch.Tensor) -> memoryview | None:
+        """The bytes of ``target`` when ``req``'s record may be read straight into it, else ``None``."""
+        info = self.storage_data[req.storage_index]
+        if req.type != LoadItemType.TENSOR or any(req.storage_offsets) or tuple(target.shape) != tuple(req.lengths):
+            return None
+        return whole_record_view(info, target)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[_Item]] = {}
         for req in plan.items:
             info = self.storage_data[req.storage_index]
             per_file.setdefault(info.relative_path, []).append(_Item(req, info.offset, info.length))
-        for relative_path in sorted(per_file):
-            self._read_file(relative_path, per_file[relative_path], planner)
+        self.read_items(per_file, planner)
         fut: Future = Future()
         fut.set_result(None)
         return fut
+
+    def read_items(self, per_file: Mapping[str, list[_Item]], planner: Any) -> None:
+        """Read every file's items (``planner``: ``resolve_tensor``/``commit_tensor``, as DCP's), file by file."""
+        for relative_path in sorted(per_file):
+            self._read_file(relative_path, per_file[relative_path], planner)
 
     def _read_file(self, relative_path: str, items: list[_Item], planner: LoadPlanner) -> None:
         src = self.read_source(relative_path)
         expected = self.verify.get(relative_path)
         items.sort(key=lambda it: it.offset)
         for it in items:
+            if it.planned:
+                continue
             found = self._in_place_target(it.req, planner)
             if found is not None:
                 it.target, it.view = found
@@ -350,21 +262,30 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         self.stats["bytes"] += end - start
         if pieces is not None:
             pieces.append((start, end - start, crc32(view)))
+        base = ctypes.addressof(ctypes.c_char.from_buffer(view)) if len(view) else 0
         for item in items[i:j]:
             rel = item.offset - start
-            self._place_small(item, view[rel : rel + item.length], planner)
+            self._place_small(item, view[rel : rel + item.length], planner, base + rel)
         return end
 
-    def _place_small(self, item: _Item, record: memoryview, planner: LoadPlanner) -> None:
+    def _place_small(self, item: _Item, record: memoryview, planner: LoadPlanner, address: int) -> None:
+        if item.small and item.target is not None:  # direct reads: copy by address
+            shape, dtype = tuple(item.target.shape), item.target.dtype
+            at = record_data_offset(lambda o, n: record[o : o + n], record, item.length, dtype, shape)
+            if at is not None:
+                ctypes.memmove(item.target.data_ptr(), address + at, item.target.numel() * item.target.element_size())
+                self.stats["in_place"] += 1
+                return
         if item.view is not None and item.target is not None:
             shape, dtype = tuple(item.target.shape), item.target.dtype
             at = record_data_offset(lambda o, n: record[o : o + n], record, item.length, dtype, shape)
             if at is not None:
                 item.view[:] = record[at : at + len(item.view)]
                 self.stats["in_place"] += 1
-                planner.commit_tensor(item.req, item.target)
+                if not item.planned:
+                    planner.commit_tensor(item.req, item.target)
                 return
-        self.fallback(item.req, planner, bytes(record))
+        self._fallback(item, planner, bytes(record))
 
     def _read_run(
         self, src: RangeFile, f: BinaryIO, run: list[_Item], planner: LoadPlanner, crc: bool
@@ -410,12 +331,13 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
             src.read_at(f, item.offset, data)
             with self._lock:
                 self.stats["bytes"] += item.length
-                self.fallback(item.req, planner, bytes(data))
+                self._fallback(item, planner, bytes(data))
             return [(item.offset, item.length, crc32(data))] if crc else []
         n = len(item.view)
         prefix = read(0, at)  # the record's bytes before the tensor's (already read: checksummed, not re-read)
         pieces = [(item.offset, at, crc32(prefix))] if crc else []
-        pieces += self._read_into(src, f, item.offset + at, item.view, crc, threads)
+        anonymous = not is_memmap_tensor(item.target)  # pages of a memory-mapped file are never mapped ahead
+        pieces += self._read_into(src, f, item.offset + at, item.view, crc, threads, anonymous)
         tail = memoryview(bytearray(item.length - at - n))
         src.read_at(f, item.offset + at + n, tail)
         if crc:
@@ -423,32 +345,42 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         with self._lock:
             self.stats["bytes"] += item.length
             self.stats["in_place"] += 1
-            planner.commit_tensor(item.req, item.target)
+            if not item.planned:
+                planner.commit_tensor(item.req, item.target)
         return pieces
 
     def _read_into(
-        self, src: RangeFile, f: BinaryIO, offset: int, view: memoryview, crc: bool, threads: int | None = None
+        self,
+        src: RangeFile,
+        f: BinaryIO,
+        offset: int,
+        view: memoryview,
+        crc: bool,
+        threads: int | None = None,
+        map_ahead: bool = False,
     ) -> list[tuple[int, int, int]]:
-        """Read ``len(view)`` bytes at ``offset`` into ``view`` (split between threads when large)."""
+        """Read ``len(view)`` bytes at ``offset`` into ``view``; when large, 4 MiB pieces are dealt to the threads in
+        turn, all reading through ``f``: the file is read front to back (one stream for the disk and its read-ahead:
+        separate streams per thread were 1.5x slower on cold data here), each thread checksumming what it read."""
         n = len(view)
         threads = (threads or self.threads) if n >= PARALLEL else 1
-        bounds = [n * k // threads // READ_PIECE * READ_PIECE for k in range(threads)] + [n]
+        starts = list(range(0, n, READ_PIECE))
         results: list[list[tuple[int, int, int]]] = [[] for _ in range(threads)]
 
         def run(part: list[int]) -> None:
-            for k in part:  # one slice per thread; the calling thread (slice 0) reuses ``f``
-                own = f if k == 0 else src.open()
-                try:
-                    for a in range(bounds[k], bounds[k + 1], READ_PIECE):
-                        piece = view[a : min(a + READ_PIECE, bounds[k + 1])]
-                        src.read_at(own, offset + a, piece)
-                        if crc:
-                            results[k].append((offset + a, len(piece), crc32(piece)))
-                finally:
-                    if own is not f:
-                        own.close()
+            for k in part:
+                for a in starts[k::threads]:
+                    piece = view[a : min(a + READ_PIECE, n)]
+                    src.read_at(f, offset + a, piece)
+                    if crc:
+                        results[k].append((offset + a, len(piece), crc32(piece)))
 
-        run_split(list(range(threads)), [1] * threads, threads, run)
+        mapper = prefault(view) if n >= PARALLEL and map_ahead and self.prefault else None
+        try:
+            run_split(list(range(threads)), [1] * threads, threads, run)
+        finally:
+            if mapper is not None:
+                mapper.join()
         return [p for r in results for p in r]
 
     def _read_gap(
@@ -484,7 +416,6 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         self.stats["verified_files"] += 1
         if actual != expected:
             raise CheckpointIntegrityError(
-                f"checksum is {actual}, the manifest says {expected}: the file is damaged (found while reading it; "
-                "nothing was restored)",
+                f"checksum is {actual}, the manifest says {expected}: the file is damaged ({self.mismatch_note})",
                 path=src.where,
             )

@@ -117,22 +117,26 @@ class CheckpointSource:
                     path=span.where,
                 )
 
-    def storage_reader(self, verify: Collection[str] = ()) -> InPlaceFileSystemReader:
+    def storage_reader(self, verify: Collection[str] = (), mismatch_note: str | None = None) -> InPlaceFileSystemReader:
         """A DCP reader that opens only files the manifest lists, reading tensors in place.
 
-        ``verify``: files to checksum while they are read (only files whose destinations are fresh buffers).
+        ``verify``: files to checksum while they are read (files whose destinations are fresh buffers; or files
+        verified before, read into live tensors: ``mismatch_note`` then says what a mismatch left).
         """
         files = self.manifest()["files"]
 
         def counted(n: int) -> None:
             self.bytes_read += n
 
-        return InPlaceFileSystemReader(
+        reader = InPlaceFileSystemReader(
             self.container,
             self.dcp_metadata(),
             verify={name: files[name]["checksum"] for name in verify},
             on_read=counted,
         )
+        if mismatch_note is not None:
+            reader.mismatch_note = mismatch_note
+        return reader
 
 
 def _check_checksum(data: bytes, record: dict[str, Any], where: str) -> None:

@@ -1,0 +1,212 @@
+"""What a read moves bytes between: a data file's byte range, a destination tensor's memory, one record to read.
+
+- :class:`RangeFile` reads inside one data file's
+  :class:`~torchrl_dcp.storage.container.ByteRange` (a file, or a ZIP member), never
+  following links, looping on short reads;
+- :func:`destination_bytes` is a writable view of a contiguous CPU tensor's memory
+  (fresh destinations of 4 MiB or more are advised to use transparent huge pages);
+- :class:`_Item` is one record to read and the tensor it is read into;
+  :func:`plan_in_place` decides how (copied by address when small, read into a view
+  when large, else through ``torch.load``).
+
+Example:
+    >>> import torch
+    >>> view = destination_bytes(torch.zeros(2, dtype=torch.int16))
+    >>> len(view)
+    4
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+from torch.distributed.checkpoint.planner import ReadItem
+
+from torchrl_dcp.errors import CheckpointIntegrityError
+from torchrl_dcp.storage.container import ByteRange, open_regular
+from torchrl_dcp.storage.libc import libc
+from torchrl_dcp.storage.record import STORAGE_NAMES, is_memmap_tensor
+
+READ_PIECE = 4 << 20  # read size of large records (and of checksummed gaps)
+SMALL = 1 << 20  # records below this are read in batches and copied out
+BATCH = 8 << 20  # bytes per batched read of small records
+PARALLEL = 32 << 20  # tensors at least this large are split between threads
+HUGEPAGE_MIN = 4 << 20
+_HUGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+# ---------------------------------------------------------------------- files
+class RangeFile:
+    """Reads inside one data file's :class:`~torchrl_dcp.storage.container.ByteRange` (a file, or a ZIP member).
+
+    Every handle is opened without following links and must be a regular file;
+    ``on_read(n)`` is told of every ``n`` bytes read.
+    """
+
+    def __init__(self, byte_range: ByteRange, on_read: Any = None) -> None:
+        self.path, self.base, self.size, self.where = (
+            byte_range.path,
+            byte_range.base,
+            byte_range.size,
+            byte_range.where,
+        )
+        self.on_read = on_read
+
+    def open(self) -> BinaryIO:
+        """A handle of its own (one per thread)."""
+        f = os.fdopen(open_regular(self.path, self.where), "rb", buffering=0)
+        try:
+            os.posix_fadvise(f.fileno(), self.base, self.size, os.POSIX_FADV_SEQUENTIAL)
+        except (AttributeError, OSError):  # pragma: no cover - not on every platform
+            pass
+        return f
+
+    def read_at(self, f: BinaryIO, offset: int, view: memoryview) -> None:
+        """Fill ``view`` with the bytes at ``offset`` (looping on short reads; one read moves at most ~2 GiB).
+
+        Positional (``preadv``): safe for threads that share ``f``."""
+        if offset < 0 or offset + len(view) > self.size:
+            raise CheckpointIntegrityError(
+                f"DCP metadata points past the end of the file (bytes {offset}..{offset + len(view)} of {self.size})",
+                path=self.where,
+            )
+        done, fd = 0, f.fileno()
+        while done < len(view):  # positional reads: threads may share one handle (and its read-ahead)
+            n = os.preadv(fd, [view[done:]], self.base + offset + done)
+            if not n:
+                raise CheckpointIntegrityError(f"file ended {len(view) - done} bytes early: truncated", path=self.where)
+            done += n
+        if self.on_read is not None:
+            self.on_read(done)
+
+
+# ---------------------------------------------------------------------- destinations
+@functools.lru_cache(maxsize=1)
+def _hugepages_wanted() -> bool:
+    if os.environ.get("TDCP_READ_HUGEPAGES", "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    try:
+        return "[madvise]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+
+
+def _advise_hugepages(ptr: int, nbytes: int) -> None:
+    """Ask for transparent huge pages over the 2 MiB-aligned interior of ``[ptr, ptr + nbytes)`` (a hint)."""
+    lib = libc()
+    if lib is None or not _hugepages_wanted():
+        return
+    start, end = (ptr + _HUGE - 1) & ~(_HUGE - 1), (ptr + nbytes) & ~(_HUGE - 1)
+    if end > start:
+        lib.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(_MADV_HUGEPAGE))
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_POPULATE_STEP = 16 << 20
+
+
+def prefault(view: memoryview) -> threading.Thread | None:
+    """Map ``view``'s pages ahead of the reads in a thread of its own (``MADV_POPULATE_WRITE``), so that the page
+    faults of fresh memory overlap the disk instead of adding to it; ``None`` where not available. Join it."""
+    lib = libc()
+    if lib is None or len(view) < _POPULATE_STEP or not sys.platform.startswith("linux"):
+        return None
+    ptr = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    start, end = (ptr + 4095) & ~4095, (ptr + len(view)) & ~4095
+
+    def run() -> None:
+        for a in range(start, end, _POPULATE_STEP):
+            n = min(_POPULATE_STEP, end - a)
+            if lib.madvise(ctypes.c_void_p(a), ctypes.c_size_t(n), ctypes.c_int(_MADV_POPULATE_WRITE)) != 0:
+                return  # an older kernel (EINVAL): the reads fault the pages themselves
+
+    thread = threading.Thread(target=run, name="tdcp-prefault", daemon=True)
+    thread.start()
+    return thread
+
+
+def destination_bytes(tensor: torch.Tensor) -> memoryview | None:
+    """A writable view of a contiguous CPU tensor's bytes (``None``: not readable in place)."""
+    if (
+        tensor.device.type != "cpu"
+        or not tensor.is_contiguous()
+        or tensor.is_quantized
+        or tensor.layout != torch.strided
+    ):
+        return None
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray(0))
+    ptr = tensor.data_ptr()
+    if nbytes >= HUGEPAGE_MIN and not is_memmap_tensor(tensor):
+        _advise_hugepages(ptr, nbytes)
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(ptr)).cast("B")
+
+
+def whole_record_view(info: Any, target: torch.Tensor) -> memoryview | None:
+    """The bytes of ``target`` when a whole record (``info``) of its dtype and shape may be read into it."""
+    if info.transform_descriptors or sys.byteorder != "little" or target.dtype not in STORAGE_NAMES:
+        return None
+    return destination_bytes(target)
+
+
+def plan_in_place(item: _Item, info: Any) -> None:
+    """Let ``item`` (a whole record, target set) be read in place when it can: small records are copied into
+    the target's memory by address (no view to build), large ones are read into a view of it."""
+    target = item.target
+    assert target is not None
+    if info.length >= SMALL:
+        item.view = whole_record_view(info, target)
+    else:
+        item.small = (
+            not info.transform_descriptors
+            and sys.byteorder == "little"
+            and target.dtype in STORAGE_NAMES
+            and target.device.type == "cpu"
+            and target.layout == torch.strided
+            and not target.is_quantized
+            and target.is_contiguous()
+        )
+
+
+# ---------------------------------------------------------------------- reading
+class _Item:
+    """One record to read: where it is, and (once chosen) the tensor it is read into."""
+
+    __slots__ = ("req", "offset", "length", "target", "view", "planned", "small")
+
+    def __init__(
+        self, req: ReadItem | Any, offset: int, length: int, target: torch.Tensor | None = None, planned: bool = False
+    ) -> None:
+        self.req = req  # DCP's read item (direct reads: a callable building it, only needed by the fallback)
+        self.offset, self.length = offset, length
+        self.target = target  # set when the record may be read in place (direct reads: always)
+        self.view: memoryview | None = None  # the target's bytes (None: through the fallback)
+        self.planned = planned  # target and view chosen by the caller (direct reads: nothing to commit)
+        self.small = False  # a small record that may be copied into ``target`` without a view (direct reads)
+
+    def request(self) -> ReadItem:
+        if not isinstance(self.req, ReadItem):
+            self.req = self.req()
+        return self.req
+
+
+def _batch_end(items: list[_Item], i: int) -> int:
+    """One past the last small record contiguous with ``items[i]`` that fits in a batch read."""
+    j = i + 1
+    while (
+        j < len(items)
+        and items[j].length < SMALL
+        and items[j].offset == items[j - 1].offset + items[j - 1].length
+        and items[j].offset + items[j].length - items[i].offset <= BATCH
+    ):
+        j += 1
+    return j
