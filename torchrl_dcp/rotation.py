@@ -47,7 +47,7 @@ from torchrl_dcp.errors import (
     CheckpointVersionError,
     CollectiveError,
 )
-from torchrl_dcp.storage.urls import is_store, resolve_path
+from torchrl_dcp.storage.urls import is_store, resolve_path, supports_copy
 
 logger = logging.getLogger("torchrl_dcp")
 
@@ -187,7 +187,7 @@ class CheckpointRotation:
         if (
             self.incremental
             and not self.archive
-            and not is_store(self.directory)
+            and (not is_store(self.directory) or supports_copy(self.directory.fs))
             and "incremental_from" not in save_kwargs
         ):
             save_kwargs["incremental_from"] = self.incremental_base(getattr(ckpt, "timeout", None))
@@ -226,12 +226,12 @@ class CheckpointRotation:
         from torchrl_dcp.collective import broadcast_step
 
         def choose() -> str | None:
-            newest = latest_entry(e for e in self.entries() if e.path.is_dir())
+            newest = latest_entry(e for e in self.entries() if is_store(e.path) or e.path.is_dir())
             return None if newest is None else str(newest.path)
 
         group = _dist.checkpoint_group(timeout)
         chosen = broadcast_step(group, "choosing the incremental base", choose, rank=_dist.rank())
-        return None if chosen is None else Path(chosen)
+        return None if chosen is None else self.directory / Path(chosen).name  # a Path, or a StorePath
 
     def prune(self, *, protect: Path | None = None) -> list[Path]:
         """Delete committed entries outside the policy and leftovers of killed saves (run by one process).
