@@ -8,7 +8,9 @@ The state is ``--mib`` MiB of float32 tensors (``--tensors`` of them). Each roun
 - **load**: ``DistributedCheckpoint.load`` (planned ranged GETs into the tensors,
   checksums verified) vs ``fs.get`` of the same objects to local files, and vs
   ``fs.cat_ranges`` of exactly the byte ranges our load requested (recorded once);
-- **requests**: S3 calls made by one save, load, ``put`` and ``get`` (by kind).
+- **requests**: S3 calls made by one save, load, ``put`` and ``get`` (by kind);
+- with ``--incremental F``: a full save vs an incremental one after ``F`` of every
+  tensor's rows changed (unchanged chunk objects copied server-side).
 
 Ratios are baseline seconds / ours (>= 1: ours is as fast); the median of ``--rounds``.
 The order of ours and the baseline alternates between rounds (the machine is shared).
@@ -37,6 +39,7 @@ from typing import Any
 import torch
 
 import torchrl_dcp as tdcp
+from torchrl_dcp.storage.urls import resolve_path
 
 
 def _server() -> tuple[subprocess.Popen, str]:
@@ -84,6 +87,9 @@ class _Calls:
 
         async def counting(fs: Any, method: str, *args: Any, **kwargs: Any) -> Any:
             counts[method] = counts.get(method, 0) + 1
+            body = kwargs.get("Body")
+            if body is not None:
+                counts["bytes_uploaded"] = counts.get("bytes_uploaded", 0) + len(body)
             return await orig(fs, method, *args, **kwargs)
 
         s3fs.S3FileSystem._call_s3 = counting
@@ -113,7 +119,42 @@ def _ranges_of(fs: Any, load: Any) -> list[tuple[str, int, int]]:
     return seen
 
 
-def run(mib: int, tensors: int, rounds: int) -> dict[str, Any]:
+def _incremental(ckpt: Any, state: dict[str, torch.Tensor], fraction: float, rounds: int) -> dict[str, Any]:
+    """Full vs incremental saves after changing ``fraction`` of each tensor's rows (kept objects copied server-side)."""
+    rows: dict[str, list[float]] = {"full": [], "incremental": []}
+    requests: dict[str, dict[str, int]] = {}
+    kept = total = 0
+    for r in range(rounds):
+        url = f"s3://bench/inc-{uuid.uuid4().hex[:8]}"
+        base = ckpt.save(f"{url}/base")
+        for t in state.values():
+            t[: max(1, int(len(t) * fraction))] += 1.0
+        steps = {
+            "incremental": lambda url=url, base=base: ckpt.save(f"{url}/inc", incremental_from=base),
+            "full": lambda url=url: ckpt.save(f"{url}/full"),
+        }
+        for name in ("incremental", "full") if r % 2 == 0 else ("full", "incremental"):
+            with _Calls() as calls:
+                rows[name].append(_timed(steps[name]))
+            requests.setdefault(name, calls.counts)
+        files = tdcp.read_manifest(resolve_path(f"{url}/inc", ckpt.storage_options))["files"]
+        kept, total = sum("origin" in f for f in files.values()), len(files)
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    return {
+        "changed_fraction": fraction,
+        "seconds": {k: [round(x, 3) for x in v] for k, v in rows.items()},
+        "speedup": round(med["full"] / med["incremental"], 2),
+        "objects_copied_of": [kept, total],
+        "requests": requests,
+    }
+
+
+def _moved(spans: list[tuple[str, int, int]], prefix: str) -> list[tuple[str, int, int]]:
+    """The same ranges in the objects of the checkpoint at ``prefix`` (``s3://bucket/key``)."""
+    return [(prefix[5:] + "/" + k.rsplit("/", 1)[-1], a, b) for k, a, b in spans]
+
+
+def run(mib: int, tensors: int, rounds: int, incremental: float | None = None) -> dict[str, Any]:
     import s3fs
 
     proc, endpoint = _server()
@@ -149,13 +190,14 @@ def run(mib: int, tensors: int, rounds: int) -> dict[str, Any]:
                 steps = {
                     "load": lambda ours=ours: loader.load(ours),
                     "get": lambda dst=dst, theirs=theirs: fs.get(theirs, str(dst) + "/", recursive=True),
-                    "ranges": lambda spans=spans: fs.cat_ranges(*map(list, zip(*spans))),
+                    "ranges": lambda ours=ours, spans=spans: fs.cat_ranges(*map(list, zip(*_moved(spans, ours)))),
                 }
                 for name in ("load", "get", "ranges") if r % 2 == 0 else ("ranges", "get", "load"):
                     with _Calls() as calls:
                         rows[name].append(_timed(steps[name]))
                     requests.setdefault(name, calls.counts)
         assert all(torch.equal(target[k], state[k]) for k in state)
+        inc = None if incremental is None else _incremental(ckpt, state, incremental, rounds)
     finally:
         proc.kill()
         proc.wait()
@@ -175,6 +217,7 @@ def run(mib: int, tensors: int, rounds: int) -> dict[str, Any]:
         "part_size": int(os.environ.get("TDCP_STORE_PART_SIZE", 16 << 20)),
         "concurrency": int(os.environ.get("TDCP_STORE_CONCURRENCY", 8)),
         "chunk_bytes": _chunk_bytes(),
+        **({} if inc is None else {"incremental": inc}),
     }
 
 
@@ -190,13 +233,16 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--chunk-mib", type=int, default=None, help="chunk-file size (TDCP_CHUNK_BYTES)")
+    parser.add_argument(
+        "--incremental", type=float, default=None, help="also time incremental saves after changing this fraction"
+    )
     args = parser.parse_args()
     if args.chunk_mib is not None:
         import torchrl_dcp.chunking as chunking
 
         chunking.CHUNK_BYTES = args.chunk_mib << 20
         chunking.MIN_CHUNKED_BYTES = 2 * chunking.CHUNK_BYTES
-    print(json.dumps(run(args.mib, args.tensors, args.rounds), indent=1))
+    print(json.dumps(run(args.mib, args.tensors, args.rounds, args.incremental), indent=1))
 
 
 if __name__ == "__main__":

@@ -366,3 +366,27 @@ def test_record_larger_than_a_range(store: tuple[str, dict[str, Any]], monkeypat
     with pytest.raises(tdcp.CheckpointIntegrityError, match="checksum is crc32:.*nothing was restored"):
         tdcp.DistributedCheckpoint(big=fresh, storage_options=options).load(path)
     assert torch.equal(fresh["x"], torch.zeros(1))
+
+
+def test_cut_tiles_the_range_without_splitting_a_record() -> None:
+    import random
+
+    from torchrl_dcp.storage.objectstore_read import cut
+
+    rng = random.Random(0)
+    for _ in range(500):
+        lengths = [rng.randint(1, 100) for _ in range(rng.randint(0, 8))]
+        gaps = [rng.randint(0, 50) for _ in lengths]
+        records, pos = [], 0
+        for gap, n in zip(gaps, lengths):
+            records.append((pos + gap, n))
+            pos += gap + n
+        hi, limit = pos + rng.randint(0, 80), rng.randint(8, 120)
+        spans, big = cut(records, 0, hi, limit)
+        pieces = sorted([(s, e) for s, e, _ in spans] + [(records[k][0], sum(records[k])) for k in big])
+        assert [p[0] for p in pieces] == [0] + [p[1] for p in pieces[:-1]] and (not pieces or pieces[-1][1] == hi)
+        assert all(e - s <= limit for s, e, _ in spans) and all(records[k][1] > limit for k in big)
+        placed = sorted([k for _, _, idx in spans for k in idx] + big)
+        assert placed == list(range(len(records)))  # every record whole in exactly one span (or on its own)
+        for s, e, idx in spans:
+            assert all(s <= records[k][0] and sum(records[k]) <= e for k in idx)

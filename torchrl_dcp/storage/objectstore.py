@@ -9,10 +9,10 @@ checkpoint (a save that never committed). Reading:
   the listing (sizes of every listed object, nothing unlisted), checksums computed
   from parallel ranged reads, small members read whole;
 - :class:`ObjectStoreSource`: a :class:`~torchrl_dcp.storage.source.CheckpointSource`
-  whose DCP reader reads byte ranges of the objects in parallel, straight into the
-  destination tensors (``storage/reader.py``, the same code as local loads), with
-  the checksums verified while reading. ``.metadata`` goes through the allow-list
-  unpickler only: nothing is ever unpickled otherwise.
+  whose DCP reader fetches byte ranges planned from DCP's metadata (one GET per chunk
+  object, :mod:`~torchrl_dcp.storage.objectstore_read`) and copies the tensor bytes
+  into the destinations, checksums and save identities checked from the bytes fetched.
+  ``.metadata`` goes through the allow-list unpickler only: nothing is ever unpickled otherwise.
 
 Writing (:func:`upload_pieces`): S3 (s3fs) objects are uploaded as multipart uploads,
 ``TDCP_STORE_CONCURRENCY`` parts (default 8) of ``TDCP_STORE_PART_SIZE`` bytes (default
@@ -60,7 +60,7 @@ def part_size() -> int:
 
 
 def range_size() -> int:
-    """Least bytes per ranged GET of a large tensor (``TDCP_STORE_RANGE_SIZE``, default 32 MiB)."""
+    """Most bytes per ranged GET of a load (``TDCP_STORE_RANGE_SIZE``, default 32 MiB; larger records: several)."""
     return max(1 << 20, int(os.environ.get("TDCP_STORE_RANGE_SIZE", 32 << 20)))
 
 
@@ -284,13 +284,13 @@ class ObjectStoreContainer:
     def manifest(self) -> dict[str, Any]:
         if self._manifest is None:
             file = self.path / MANIFEST
-            try:
-                info = self.path.fs.info(file.key)
-            except FileNotFoundError:
-                info = None
+            try:  # one GET, bounded: a range past the end of an object gives what there is
+                data = self.path.fs.cat_file(file.key, start=0, end=MAX_MANIFEST_BYTES + 1)
+            except (FileNotFoundError, IsADirectoryError):
+                data = None
             except Exception as err:
                 raise store_error(err, "reading the manifest", file) from None
-            if info is None or info.get("type") != "file":
+            if data is None:
                 if not list_objects(self.path):
                     if self.path.is_file():
                         raise CheckpointFormatError(
@@ -301,12 +301,11 @@ class ObjectStoreContainer:
                 raise CheckpointFormatError(
                     f"no {MANIFEST}: not a torchrl_dcp checkpoint, or a save that never committed", path=self.path
                 )
-            size = int(info.get("size") or 0)
-            if size > MAX_MANIFEST_BYTES:
+            if len(data) > MAX_MANIFEST_BYTES:
                 raise CheckpointFormatError(
-                    f"is implausibly large ({size} bytes, at most {MAX_MANIFEST_BYTES} expected)", path=file
+                    f"is implausibly large (over {MAX_MANIFEST_BYTES} bytes expected at most)", path=file
                 )
-            self._manifest = schema.loads_manifest(read_range(file, 0, size), file)
+            self._manifest = schema.loads_manifest(data, file)
         return self._manifest
 
     def check(self, checksum: Iterable[str] | bool) -> None:
@@ -385,11 +384,21 @@ class ObjectStoreReader(StoreReader):
         return ObjectRangeFile(self.container.byte_range(relative_path), self.on_read)
 
 
+class _Prefix(StorePath):
+    """A checkpoint prefix (it holds a manifest): never a single object, no request needed to say so."""
+
+    __slots__ = ()
+
+    def is_file(self) -> bool:
+        return False
+
+
 class ObjectStoreSource(CheckpointSource):
     """A :class:`~torchrl_dcp.storage.source.CheckpointSource` under an object-store prefix."""
 
     def __init__(self, container: Any) -> None:
         super().__init__(container)
+        self.path = _Prefix(container.path.url, container.path.storage_options, container.path.fs)  # type: ignore[assignment]
         self._defer = False
         self._identity: dict[str, str] = {}  # {file: save id} left to the next storage reader
 

@@ -31,6 +31,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
@@ -75,6 +76,12 @@ def cut(
         spans.append((pos, end, inside))
         pos = end
     return spans, big
+
+
+def copy_bytes(dst: memoryview, src: memoryview) -> None:
+    """``dst[:] = src`` without holding the GIL (numpy's copy releases it): the destination's first-touch page
+    faults then overlap the other threads' transfers instead of stalling them."""
+    np.frombuffer(dst, dtype=np.uint8)[:] = np.frombuffer(src, dtype=np.uint8)
 
 
 @dataclass
@@ -193,11 +200,13 @@ class StoreReader(InPlaceFileSystemReader):
             if f.identity is not None and clusters and f.size - clusters[-1][1] <= MERGE_GAP:
                 lo, _, members = clusters[-1]
                 clusters[-1] = (lo, f.size, members)  # the trailer comes with the last records
+        with_trailer = False  # does a span end with the object's last 64 bytes?
         for lo, hi, members in clusters:
             spans, big = cut([(it.offset, it.length) for it in members], lo, hi, limit)
             jobs += [lambda s=s, e=e, m=[members[k] for k in idx]: self._span(f, s, e, m) for s, e, idx in spans]
             jobs += [lambda it=members[k]: self._big(f, it) for k in big]
-        if f.identity is not None and not any(hi == f.size and hi - lo >= TRAILER_SIZE for lo, hi, _ in clusters):
+            with_trailer |= any(e == f.size and e - s >= TRAILER_SIZE for s, e, _ in spans)
+        if f.identity is not None and not with_trailer:
             jobs.append(lambda: self._trailer(f))
         return jobs
 
@@ -237,7 +246,7 @@ class StoreReader(InPlaceFileSystemReader):
             shape, dtype = tuple(it.target.shape), it.target.dtype
             at = record_data_offset(lambda o, n: record[o : o + n], record, it.length, dtype, shape)
             if at is not None:
-                it.view[:] = record[at : at + len(it.view)]
+                copy_bytes(it.view, record[at : at + len(it.view)])
                 with self._lock:
                     self.stats["in_place"] += 1
                     self.stats["bytes"] += it.length
@@ -277,7 +286,7 @@ class StoreReader(InPlaceFileSystemReader):
                     f.pieces.append((start, len(data), crc))
             lo, hi = max(start, it.offset + at), min(start + len(data), it.offset + at + n)
             if hi > lo:
-                view[lo - it.offset - at : hi - it.offset - at] = data[lo - start : hi - start]
+                copy_bytes(view[lo - it.offset - at : hi - it.offset - at], data[lo - start : hi - start])
             with self._lock:
                 left[0] -= 1
                 if left[0] == 0:

@@ -57,7 +57,6 @@ from torchrl_dcp.storage.objectstore import (
     _map_pieces,
     concurrency,
     list_objects,
-    read_range,
     store_error,
     upload_pieces,
 )
@@ -245,13 +244,12 @@ def keep_object(kept: KeptChunk, dst: StorePath) -> bool:
 
 
 def _is_object(obj: StorePath, kept: KeptChunk) -> bool:
+    """Whether ``obj`` is ``kept.size`` bytes ending with ``kept.origin``'s trailer (one open-ended ranged GET)."""
     try:
-        size = int(obj.fs.info(obj.key).get("size") or -1)
-    except FileNotFoundError:
+        tail = obj.fs.cat_file(obj.key, start=kept.size - TRAILER_SIZE)  # more or fewer bytes: another size
+    except (OSError, ValueError):  # missing, or shorter than the range (S3: 416)
         return False
-    if size != kept.size or size < TRAILER_SIZE:
-        return False
-    found = read_identity(bytes(read_range(obj, size - TRAILER_SIZE, TRAILER_SIZE)))
+    found = read_identity(bytes(tail)) if len(tail) == TRAILER_SIZE else None
     return found is not None and found[0] == kept.origin
 
 

@@ -197,6 +197,15 @@ def copy_object(fs: Any, src: str, dst: str) -> None:
         b'x'
     """
     try:
+        if hasattr(fs, "_copy_basic") and hasattr(fs, "loop"):  # s3fs: one CopyObject, without its HEAD first
+            from fsspec.asyn import sync
+
+            try:
+                sync(fs.loop, fs._copy_basic, src, dst)
+                return
+            except (ValueError, OSError) as err:  # e.g. over CopyObject's 5 GB: fsspec's managed copy below
+                if isinstance(err, FileNotFoundError):
+                    raise
         fs.copy(src, dst)
     except FileNotFoundError:
         raise CheckpointError(f"cannot copy {src}: the object does not exist", path=dst) from None
