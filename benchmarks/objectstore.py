@@ -115,7 +115,7 @@ def _ranges_of(fs: Any, load: Any) -> list[tuple[str, int, int]]:
     try:
         load()
     finally:
-        del fs.cat_file
+        fs.cat_file = orig  # the instance's own sync wrapper (fsspec mirrors async methods per instance)
     return seen
 
 

@@ -45,7 +45,7 @@ from torchrl_dcp.errors import (
 )
 from torchrl_dcp.storage.checksums import checksum_mismatch, crc32, crc32_combine, format_crc
 from torchrl_dcp.storage.container import ByteRange
-from torchrl_dcp.storage.layout import MANIFEST, MAX_MANIFEST_BYTES, TRAILER_SIZE, read_identity
+from torchrl_dcp.storage.layout import DCP_METADATA, MANIFEST, MAX_MANIFEST_BYTES, TRAILER_SIZE, read_identity
 from torchrl_dcp.storage.objectstore_read import StoreReader
 from torchrl_dcp.storage.reader import RangeFile
 from torchrl_dcp.storage.source import CheckpointSource
@@ -272,6 +272,14 @@ def _s3_multipart(path: StorePath, parts: Iterator[bytes | bytearray]) -> None:
     fs.invalidate_cache(path.key)
 
 
+def _bounded(obj: StorePath) -> bytes | None:
+    """The object whole in one GET, up to one byte past :data:`MAX_MANIFEST_BYTES` (``None``: no such object)."""
+    try:  # a range past the end of an object gives what there is
+        return obj.fs.cat_file(obj.key, start=0, end=MAX_MANIFEST_BYTES + 1)
+    except (FileNotFoundError, IsADirectoryError):
+        return None
+
+
 # ---------------------------------------------------------------------- the container
 class ObjectStoreContainer:
     """A committed checkpoint under an object-store prefix (the :class:`~torchrl_dcp.storage.container.Container` protocol)."""
@@ -280,14 +288,27 @@ class ObjectStoreContainer:
         self.path: Any = path
         self._manifest: dict[str, Any] | None = None
         self.tails: dict[str, bytes] = {}  # {object URL: last 64 bytes} of the objects checksummed
+        self._early: dict[str, Future[Any]] = {}
+
+    def prefetch(self) -> None:
+        """Send the requests every reader makes first at once: the manifest, DCP's metadata (both bounded GETs)
+        and the listing, instead of one after the other. Their checks are unchanged (they run on use)."""
+        with ThreadPoolExecutor(3, thread_name_prefix="tdcp-store-open") as pool:
+            self._early = {n: pool.submit(_bounded, self.path / n) for n in (MANIFEST, DCP_METADATA)}
+            self._early[""] = pool.submit(list_objects, self.path)
+
+    def _take(self, name: str) -> Any:
+        """A prefetched answer (``""``: the listing), else the request now."""
+        early = self._early.pop(name, None)
+        if early is not None:
+            return early.result()
+        return list_objects(self.path) if name == "" else _bounded(self.path / name)
 
     def manifest(self) -> dict[str, Any]:
         if self._manifest is None:
             file = self.path / MANIFEST
-            try:  # one GET, bounded: a range past the end of an object gives what there is
-                data = self.path.fs.cat_file(file.key, start=0, end=MAX_MANIFEST_BYTES + 1)
-            except (FileNotFoundError, IsADirectoryError):
-                data = None
+            try:
+                data = self._take(MANIFEST)
             except Exception as err:
                 raise store_error(err, "reading the manifest", file) from None
             if data is None:
@@ -311,7 +332,7 @@ class ObjectStoreContainer:
     def check(self, checksum: Iterable[str] | bool) -> None:
         files: dict[str, Any] = self.manifest()["files"]
         wanted = set(files) if checksum is True else set() if checksum is False else set(checksum)
-        found = list_objects(self.path)
+        found = self._take("")
         for name, rec in files.items():
             info = found.get(name)
             if info is None or info.get("type") != "file":
@@ -340,8 +361,14 @@ class ObjectStoreContainer:
             raise CheckpointFormatError(
                 f"is implausibly large ({rec['size']} bytes, at most {limit} expected)", path=self.path / name
             )
-        data = read_range(self.path / name, 0, rec["size"], rec["size"])
-        return data
+        if name == DCP_METADATA and name in self._early:
+            try:
+                data = self._take(name)
+            except Exception:  # noqa: BLE001 - read again below, where a failure is reported as such
+                data = None
+            if data is not None and len(data) == rec["size"]:
+                return bytes(data)
+        return read_range(self.path / name, 0, rec["size"], rec["size"])
 
     def byte_range(self, name: str) -> ByteRange:
         rec = self.manifest()["files"].get(name)
@@ -482,5 +509,7 @@ def _check_trailer(tail: bytes, save_id: str, where: Any) -> None:
 
 
 def open_store_source(path: StorePath) -> ObjectStoreSource:
-    """The source of the checkpoint under the prefix ``path``."""
-    return ObjectStoreSource(ObjectStoreContainer(path))  # type: ignore[arg-type]
+    """The source of the checkpoint under the prefix ``path`` (its first three requests sent at once)."""
+    container = ObjectStoreContainer(path)
+    container.prefetch()
+    return ObjectStoreSource(container)  # type: ignore[arg-type]
