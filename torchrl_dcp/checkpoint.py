@@ -428,13 +428,22 @@ class DistributedCheckpoint:
 _TRAINER_MARKER = "trainer_state"  # what torchrl's Trainer registers when it binds a checkpoint
 
 
-def _incremental_base(incremental_from: Any, destination: Any, storage_options: Any) -> Path | None:
-    """The local base directory of an incremental save, or ``None`` (object stores save in full, said in the log)."""
+def _incremental_base(incremental_from: Any, destination: Any, storage_options: Any) -> Any:
+    """The base of an incremental save: a local directory, or a prefix in the destination's own store (kept
+    chunk objects are copied server-side); ``None`` otherwise (a full save, said in the log)."""
     if incremental_from is None:
         return None
     base = resolve_path(incremental_from, storage_options)
     if is_store(base) or is_store(destination):
-        logger.info("incremental saves keep chunk files on local file systems only: saving %s in full", destination)
+        from torchrl_dcp.storage.urls import supports_copy
+
+        if is_store(base) and base.same_store(destination) and supports_copy(base.fs):
+            return base
+        logger.info(
+            "incremental saves keep chunk files within one file system or store (with server-side copy): "
+            "saving %s in full",
+            destination,
+        )
         return None
     return Path(base)
 

@@ -42,10 +42,11 @@ from torchrl_dcp.collective import broadcast_step
 from torchrl_dcp.errors import CheckpointError
 from torchrl_dcp.planner import ChunkPlan, WritePlan
 from torchrl_dcp.storage.checksums import content_fingerprint
-from torchrl_dcp.storage.chunk_writer import KeptChunk, can_keep
+from torchrl_dcp.storage.chunk_writer import KeptChunk, keepable
 from torchrl_dcp.storage.container import DirectoryContainer
 from torchrl_dcp.storage.copying import run_split
 from torchrl_dcp.storage.record import tensor_bytes
+from torchrl_dcp.storage.urls import is_store
 
 logger = logging.getLogger("torchrl_dcp")
 
@@ -54,14 +55,14 @@ logger = logging.getLogger("torchrl_dcp")
 class Base:
     """What an incremental save needs of its base checkpoint (read by rank 0, sent to every rank)."""
 
-    path: Path
+    path: Path  # or a StorePath: its kept objects are copied server-side
     save_id: str
     world_size: int
     chunks: dict[str, dict[tuple[int, int], KeptChunk]] = field(default_factory=dict)
     inventory: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
 
 
-def read_base(path: Path, world_size: int) -> Base | None:
+def read_base(path: Any, world_size: int) -> Base | None:
     """The base at ``path``, or ``None`` when nothing of it can be kept (said in the log).
 
     Raises:
@@ -71,10 +72,11 @@ def read_base(path: Path, world_size: int) -> Base | None:
         logger.info("incremental base %s is an archive: chunk files cannot be kept; saving in full", path)
         return None
     try:
-        manifest = DirectoryContainer(path).manifest()
+        manifest = _container(path).manifest()
     except CheckpointError as err:
         raise CheckpointError(
-            f"incremental_from: {err.message}; pass a committed checkpoint directory, or incremental_from=None",
+            f"incremental_from: {err.message}; pass a committed checkpoint directory (or prefix), or "
+            "incremental_from=None",
             path=path,
         ) from None
     save_id = manifest.get("save_id")
@@ -104,7 +106,15 @@ def read_base(path: Path, world_size: int) -> Base | None:
     return base
 
 
-def share_base(group: Any, request: Path | None, rank: int) -> Base | None:
+def _container(path: Any) -> Any:
+    if is_store(path):
+        from torchrl_dcp.storage.objectstore import ObjectStoreContainer
+
+        return ObjectStoreContainer(path)
+    return DirectoryContainer(path)
+
+
+def share_base(group: Any, request: Any, rank: int) -> Base | None:
     """Rank 0 reads the base (:func:`read_base`), every rank receives it (collective; the same error everywhere)."""
     if request is None:
         return None
@@ -136,7 +146,7 @@ def plan_keeps(
         else:
             by_content.append((c, kept))
     keeps.update(_same_content(by_content, flat))
-    return {f: k for f, k in keeps.items() if can_keep(k)}
+    return keepable(keeps)
 
 
 def _same_content(pairs: list[tuple[ChunkPlan, KeptChunk]], flat: dict[str, torch.Tensor]) -> dict[str, KeptChunk]:

@@ -49,7 +49,7 @@ from torchrl_dcp.errors import (
     CheckpointVersionError,
     CollectiveError,
 )
-from torchrl_dcp.storage.urls import is_store, resolve_path
+from torchrl_dcp.storage.urls import is_store, resolve_path, supports_copy
 
 logger = logging.getLogger("torchrl_dcp")
 
@@ -197,8 +197,8 @@ class CheckpointRotation:
         directory_path = self.directory / f"step-{step:012d}"
         base, sequence = self._next_commit(getattr(ckpt, "timeout", None))
         save_kwargs.setdefault("commit_sequence", sequence)
-        incremental = self.incremental and not self.archive and not is_store(self.directory)
-        if incremental and "incremental_from" not in save_kwargs:
+        copies = not is_store(self.directory) or supports_copy(self.directory.fs)
+        if self.incremental and not self.archive and copies and "incremental_from" not in save_kwargs:
             save_kwargs["incremental_from"] = base
         path = ckpt.save(directory_path, step=step, metadata=metadata, components=components, **save_kwargs)
         target = self.path_for(step)
@@ -237,13 +237,13 @@ class CheckpointRotation:
 
         def choose() -> tuple[str | None, int]:
             entries = self.entries()
-            newest = latest_entry(e for e in entries if not is_store(e.path) and e.path.is_dir())
+            newest = latest_entry(e for e in entries if is_store(e.path) or e.path.is_dir())
             counter = 1 + max((e.sequence or 0 for e in entries), default=0)
             return (None if newest is None else str(newest.path)), counter
 
         group = _dist.checkpoint_group(timeout)
         chosen, counter = broadcast_step(group, "choosing the incremental base", choose, rank=_dist.rank())
-        return (None if chosen is None else Path(chosen)), counter
+        return (None if chosen is None else self.directory / Path(chosen).name), counter  # a Path, or a StorePath
 
     def prune(self, *, protect: Path | None = None) -> list[Path]:
         """Delete committed entries outside the policy and leftovers of killed saves (run by one process).

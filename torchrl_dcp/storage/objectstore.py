@@ -9,10 +9,10 @@ checkpoint (a save that never committed). Reading:
   the listing (sizes of every listed object, nothing unlisted), checksums computed
   from parallel ranged reads, small members read whole;
 - :class:`ObjectStoreSource`: a :class:`~torchrl_dcp.storage.source.CheckpointSource`
-  whose DCP reader reads byte ranges of the objects in parallel, straight into the
-  destination tensors (``storage/reader.py``, the same code as local loads), with
-  the checksums verified while reading. ``.metadata`` goes through the allow-list
-  unpickler only: nothing is ever unpickled otherwise.
+  whose DCP reader fetches byte ranges planned from DCP's metadata (one GET per chunk
+  object, :mod:`~torchrl_dcp.storage.objectstore_read`) and copies the tensor bytes
+  into the destinations, checksums and save identities checked from the bytes fetched.
+  ``.metadata`` goes through the allow-list unpickler only: nothing is ever unpickled otherwise.
 
 Writing (:func:`upload_pieces`): S3 (s3fs) objects are uploaded as multipart uploads,
 ``TDCP_STORE_CONCURRENCY`` parts (default 8) of ``TDCP_STORE_PART_SIZE`` bytes (default
@@ -45,8 +45,9 @@ from torchrl_dcp.errors import (
 )
 from torchrl_dcp.storage.checksums import checksum_mismatch, crc32, crc32_combine, format_crc
 from torchrl_dcp.storage.container import ByteRange
-from torchrl_dcp.storage.layout import MANIFEST, MAX_MANIFEST_BYTES, TRAILER_SIZE, read_identity
-from torchrl_dcp.storage.reader import InPlaceFileSystemReader, RangeFile
+from torchrl_dcp.storage.layout import DCP_METADATA, MANIFEST, MAX_MANIFEST_BYTES, TRAILER_SIZE, read_identity
+from torchrl_dcp.storage.objectstore_read import StoreReader
+from torchrl_dcp.storage.reader import RangeFile
 from torchrl_dcp.storage.source import CheckpointSource
 from torchrl_dcp.storage.urls import StorePath
 
@@ -59,7 +60,7 @@ def part_size() -> int:
 
 
 def range_size() -> int:
-    """Least bytes per ranged GET of a large tensor (``TDCP_STORE_RANGE_SIZE``, default 32 MiB)."""
+    """Most bytes per ranged GET of a load (``TDCP_STORE_RANGE_SIZE``, default 32 MiB; larger records: several)."""
     return max(1 << 20, int(os.environ.get("TDCP_STORE_RANGE_SIZE", 32 << 20)))
 
 
@@ -126,15 +127,34 @@ def _map_pieces(spans: list[tuple[StorePath, int, int]], work: Callable[[int, by
         return [f.result() for f in futures]
 
 
-def object_checksums(objects: list[tuple[StorePath, int]], threads: int | None = None) -> list[str]:
-    """``"crc32:<hex>"`` of each ``(object, size)``, from parallel ranged reads (memory: threads × 8 MiB)."""
-    spans = [(p, s, min(READ_PIECE, size - s)) for p, size in objects for s in range(0, size, READ_PIECE)]
-    crcs = _map_pieces(spans, lambda i, data: crc32(data), threads or concurrency())
+def _pieces(size: int) -> list[tuple[int, int]]:
+    """``(start, size)`` of equal reads of 8-16 MiB covering ``size`` bytes (a chunk file: one read)."""
+    k = max(1, size // READ_PIECE)
+    bounds = [size * i // k for i in range(k)] + [size]
+    return [(a, b - a) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def object_checksums(
+    objects: list[tuple[StorePath, int]], threads: int | None = None, tails: dict[str, bytes] | None = None
+) -> list[str]:
+    """``"crc32:<hex>"`` of each ``(object, size)``, from parallel ranged reads (memory: threads × 16 MiB).
+
+    ``tails``, when given, receives each object's last :data:`TRAILER_SIZE` bytes (its save identity), by URL.
+    """
+    spans = [(p, s, n) for p, size in objects for s, n in _pieces(size)]
+
+    def work(i: int, data: bytes) -> int:
+        p, s, n = spans[i]
+        if tails is not None and n >= TRAILER_SIZE and s + n == dict(objects)[p]:
+            tails[str(p)] = data[-TRAILER_SIZE:]
+        return crc32(data)
+
+    crcs = _map_pieces(spans, work, threads or concurrency())
     out, k = [], 0
     for _, size in objects:
         value = 0
-        for s in range(0, size, READ_PIECE):
-            value = crc32_combine(value, crcs[k], min(READ_PIECE, size - s))
+        for _s, n in _pieces(size):
+            value = crc32_combine(value, crcs[k], n)
             k += 1
         out.append(format_crc(value))
     return out
@@ -252,6 +272,14 @@ def _s3_multipart(path: StorePath, parts: Iterator[bytes | bytearray]) -> None:
     fs.invalidate_cache(path.key)
 
 
+def _bounded(obj: StorePath) -> bytes | None:
+    """The object whole in one GET, up to one byte past :data:`MAX_MANIFEST_BYTES` (``None``: no such object)."""
+    try:  # a range past the end of an object gives what there is
+        return obj.fs.cat_file(obj.key, start=0, end=MAX_MANIFEST_BYTES + 1)
+    except (FileNotFoundError, IsADirectoryError):
+        return None
+
+
 # ---------------------------------------------------------------------- the container
 class ObjectStoreContainer:
     """A committed checkpoint under an object-store prefix (the :class:`~torchrl_dcp.storage.container.Container` protocol)."""
@@ -259,17 +287,31 @@ class ObjectStoreContainer:
     def __init__(self, path: StorePath) -> None:
         self.path: Any = path
         self._manifest: dict[str, Any] | None = None
+        self.tails: dict[str, bytes] = {}  # {object URL: last 64 bytes} of the objects checksummed
+        self._early: dict[str, Future[Any]] = {}
+
+    def prefetch(self) -> None:
+        """Send the requests every reader makes first at once: the manifest, DCP's metadata (both bounded GETs)
+        and the listing, instead of one after the other. Their checks are unchanged (they run on use)."""
+        with ThreadPoolExecutor(3, thread_name_prefix="tdcp-store-open") as pool:
+            self._early = {n: pool.submit(_bounded, self.path / n) for n in (MANIFEST, DCP_METADATA)}
+            self._early[""] = pool.submit(list_objects, self.path)
+
+    def _take(self, name: str) -> Any:
+        """A prefetched answer (``""``: the listing), else the request now."""
+        early = self._early.pop(name, None)
+        if early is not None:
+            return early.result()
+        return list_objects(self.path) if name == "" else _bounded(self.path / name)
 
     def manifest(self) -> dict[str, Any]:
         if self._manifest is None:
             file = self.path / MANIFEST
             try:
-                info = self.path.fs.info(file.key)
-            except FileNotFoundError:
-                info = None
+                data = self._take(MANIFEST)
             except Exception as err:
                 raise store_error(err, "reading the manifest", file) from None
-            if info is None or info.get("type") != "file":
+            if data is None:
                 if not list_objects(self.path):
                     if self.path.is_file():
                         raise CheckpointFormatError(
@@ -280,18 +322,17 @@ class ObjectStoreContainer:
                 raise CheckpointFormatError(
                     f"no {MANIFEST}: not a torchrl_dcp checkpoint, or a save that never committed", path=self.path
                 )
-            size = int(info.get("size") or 0)
-            if size > MAX_MANIFEST_BYTES:
+            if len(data) > MAX_MANIFEST_BYTES:
                 raise CheckpointFormatError(
-                    f"is implausibly large ({size} bytes, at most {MAX_MANIFEST_BYTES} expected)", path=file
+                    f"is implausibly large (over {MAX_MANIFEST_BYTES} bytes expected at most)", path=file
                 )
-            self._manifest = schema.loads_manifest(read_range(file, 0, size), file)
+            self._manifest = schema.loads_manifest(data, file)
         return self._manifest
 
     def check(self, checksum: Iterable[str] | bool) -> None:
         files: dict[str, Any] = self.manifest()["files"]
         wanted = set(files) if checksum is True else set() if checksum is False else set(checksum)
-        found = list_objects(self.path)
+        found = self._take("")
         for name, rec in files.items():
             info = found.get(name)
             if info is None or info.get("type") != "file":
@@ -307,7 +348,7 @@ class ObjectStoreContainer:
                     "object not listed in the manifest: the checkpoint was altered", path=self.path / name
                 )
         names = sorted(wanted)
-        actual = object_checksums([(self.path / n, files[n]["size"]) for n in names])
+        actual = object_checksums([(self.path / n, files[n]["size"]) for n in names], tails=self.tails)
         for name, value in zip(names, actual):
             if value != files[name]["checksum"]:
                 raise checksum_mismatch(value, files[name]["checksum"], self.path / name)
@@ -320,8 +361,14 @@ class ObjectStoreContainer:
             raise CheckpointFormatError(
                 f"is implausibly large ({rec['size']} bytes, at most {limit} expected)", path=self.path / name
             )
-        data = read_range(self.path / name, 0, rec["size"], rec["size"])
-        return data
+        if name == DCP_METADATA and name in self._early:
+            try:
+                data = self._take(name)
+            except Exception:  # noqa: BLE001 - read again below, where a failure is reported as such
+                data = None
+            if data is not None and len(data) == rec["size"]:
+                return bytes(data)
+        return read_range(self.path / name, 0, rec["size"], rec["size"])
 
     def byte_range(self, name: str) -> ByteRange:
         rec = self.manifest()["files"].get(name)
@@ -332,19 +379,10 @@ class ObjectStoreContainer:
 
 # ---------------------------------------------------------------------- reading tensors
 class ObjectRangeFile(RangeFile):
-    """A :class:`~torchrl_dcp.storage.reader.RangeFile` over an object: each handle does plain ranged reads."""
-
-    def __init__(self, byte_range: ByteRange, fs: Any, on_read: Any = None) -> None:
-        super().__init__(byte_range, on_read)
-        self.fs = fs
+    """A :class:`~torchrl_dcp.storage.reader.RangeFile` naming an object (read by :class:`ObjectStoreReader`)."""
 
     def open(self) -> BinaryIO:
-        try:
-            return self.fs.open(self.path, "rb", block_size=READ_PIECE, cache_type="none", size=self.size)
-        except TypeError:  # a store whose open() takes no cache_type/size
-            return self.fs.open(self.path, "rb")
-        except Exception as err:
-            raise store_error(err, "opening", self.where) from None
+        raise CheckpointError("internal: objects are read by ranged GETs, not opened", path=self.where)
 
 
 class _AsSeenByDCP:
@@ -357,60 +395,39 @@ class _AsSeenByDCP:
         return getattr(self.container, name)
 
 
-class ObjectStoreReader(InPlaceFileSystemReader):
-    """The in-place DCP reader over objects (ranged reads, up to :func:`concurrency` per large tensor)."""
+class ObjectStoreReader(StoreReader):
+    """The in-place DCP reader over objects: planned ranged GETs (:mod:`~torchrl_dcp.storage.objectstore_read`)."""
 
-    def __init__(self, container: ObjectStoreContainer, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, container: ObjectStoreContainer, *args: Any, identity: dict[str, str] | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(_AsSeenByDCP(container), *args, **kwargs)  # type: ignore[arg-type]
-        self.store_fs = container.path.fs
+        self.store_fs, self.store_root = container.path.fs, container.path
+        self.identity_pending = dict(identity or {})
+        self.fetch_limit, self.fetch_threads = range_size(), concurrency()
 
     def read_source(self, relative_path: str) -> RangeFile:
         assert self.container is not None
-        return ObjectRangeFile(self.container.byte_range(relative_path), self.store_fs, self.on_read)
+        return ObjectRangeFile(self.container.byte_range(relative_path), self.on_read)
 
-    def _read_into(
-        self, src: RangeFile, f: BinaryIO, offset: int, view: memoryview, crc: bool, threads: int | None = None
-    ) -> list[tuple[int, int, int]]:
-        """A large tensor's bytes as a few big ranged GETs in parallel (>= :func:`range_size` each), copied into ``view``.
 
-        Requests cost more than bytes in object stores: the local reader's 4 MiB reads
-        would be one request each.
-        """
-        n = len(view)
-        k = max(1, min(concurrency(), n // range_size()))
-        bounds = [n * i // k for i in range(k)] + [n]
-        key = src.path
+class _Prefix(StorePath):
+    """A checkpoint prefix (it holds a manifest): never a single object, no request needed to say so."""
 
-        def place(i: int, data: bytes) -> tuple[int, int, int]:
-            view[bounds[i] : bounds[i + 1]] = data
-            if self.on_read is not None:
-                self.on_read(len(data))
-            return (offset + bounds[i], len(data), crc32(data) if crc else 0)
+    __slots__ = ()
 
-        def fetch(i: int) -> tuple[int, int, int]:
-            start, size = offset + bounds[i], bounds[i + 1] - bounds[i]
-            try:
-                data = self.store_fs.cat_file(key, start=start, end=start + size)
-            except Exception as err:
-                raise store_error(err, f"reading bytes {start}..{start + size}", src.where) from None
-            if len(data) != size:
-                raise CheckpointIntegrityError(
-                    f"object ended early at byte {start + len(data)}: truncated", path=src.where
-                )
-            return place(i, data)
-
-        if offset < 0 or offset + n > src.size:
-            raise CheckpointIntegrityError(f"bytes {offset}..{offset + n} lie outside the file", path=src.where)
-        if k == 1:
-            pieces = [fetch(0)]
-        else:
-            with ThreadPoolExecutor(k, thread_name_prefix="tdcp-store-read") as pool:
-                pieces = list(pool.map(fetch, range(k)))
-        return pieces if crc else []
+    def is_file(self) -> bool:
+        return False
 
 
 class ObjectStoreSource(CheckpointSource):
     """A :class:`~torchrl_dcp.storage.source.CheckpointSource` under an object-store prefix."""
+
+    def __init__(self, container: Any) -> None:
+        super().__init__(container)
+        self.path = _Prefix(container.path.url, container.path.storage_options, container.path.fs)  # type: ignore[assignment]
+        self._defer = False
+        self._identity: dict[str, str] = {}  # {file: save id} left to the next storage reader
 
     def read_at(self, name: str, offset: int, size: int) -> bytes:
         """``size`` bytes at ``offset`` of the listed data file ``name`` (bounded by its recorded size)."""
@@ -427,22 +444,42 @@ class ObjectStoreSource(CheckpointSource):
         got = iter(_map_pieces(wanted, lambda i, data: data, concurrency()))
         return [next(got) if 0 <= o and o + n <= total else b"" for o, n in spans]
 
+    def check(self, checksum: Iterable[str] | bool) -> None:
+        """As :meth:`CheckpointSource.check`; the objects checksummed leave their trailers for :meth:`check_identity`."""
+        checksum = checksum if isinstance(checksum, bool) else set(checksum)
+        self.container.check(checksum)
+        self._defer = checksum is not False
+
     def check_identity(self, names: Iterable[str]) -> None:
-        save_id = self.manifest().get("save_id")
-        if save_id is None:
+        """Every data file in ``names`` carries this save's identity (a kept file: its ``origin``'s).
+
+        Checked now from the trailers :meth:`check` fetched, or by one parallel batch of
+        64-byte reads; after a :meth:`check` that checksummed the files to be read into live
+        objects (a verified load), the others are checked by the next :meth:`storage_reader`
+        from the bytes it fetches anyway (before the read returns, so a failure restores nothing).
+        """
+        manifest = self.manifest()
+        if manifest.get("save_id") is None:
             return
+        files = manifest["files"]
+        tails: dict[str, bytes] = getattr(self.container, "tails", {})
+        later: list[str] = []
         for name in sorted(set(names)):
+            save_id = files.get(name, {}).get("origin", manifest["save_id"])
+            tail = tails.get(str(self.path / name))
+            if tail is not None:
+                _check_trailer(tail, save_id, self.path / name)
+            elif getattr(self, "_defer", False):
+                self._identity[name] = save_id
+            else:
+                later.append(name)
+        spans = []
+        for name in later:
             size = self.container.byte_range(name).size
-            found = read_identity(
-                self.read_at(name, size - TRAILER_SIZE, TRAILER_SIZE) if size >= TRAILER_SIZE else b""
-            )
-            if found is None or found[0] != save_id:
-                who = "no save identity" if found is None else f"the identity of save {found[0]!r}"
-                raise CheckpointIntegrityError(
-                    f"data file carries {who}, the manifest is save {save_id!r}: an object from another checkpoint "
-                    "(or a damaged one); refused",
-                    path=self.path / name,
-                )
+            spans.append((self.path / name, max(0, size - TRAILER_SIZE), min(size, TRAILER_SIZE)))
+        found = _map_pieces(spans, lambda i, data: data, concurrency())
+        for name, tail in zip(later, found):
+            _check_trailer(tail, files.get(name, {}).get("origin", manifest["save_id"]), self.path / name)
 
     def storage_reader(self, verify: Collection[str] = ()) -> ObjectStoreReader:
         files = self.manifest()["files"]
@@ -450,15 +487,29 @@ class ObjectStoreSource(CheckpointSource):
         def counted(n: int) -> None:
             self.bytes_read += n
 
+        identity, self._identity = self._identity, {}
         return ObjectStoreReader(
             self.container,  # type: ignore[arg-type]
             self.dcp_metadata(),
             verify={name: files[name]["checksum"] for name in verify},
-            threads=concurrency(),
+            identity=identity,
             on_read=counted,
         )
 
 
+def _check_trailer(tail: bytes, save_id: str, where: Any) -> None:
+    found = read_identity(bytes(tail))
+    if found is None or found[0] != save_id:
+        who = "no save identity" if found is None else f"the identity of save {found[0]!r}"
+        raise CheckpointIntegrityError(
+            f"data file carries {who}, the manifest is save {save_id!r}: an object from another checkpoint "
+            "(or a damaged one); refused",
+            path=where,
+        )
+
+
 def open_store_source(path: StorePath) -> ObjectStoreSource:
-    """The source of the checkpoint under the prefix ``path``."""
-    return ObjectStoreSource(ObjectStoreContainer(path))  # type: ignore[arg-type]
+    """The source of the checkpoint under the prefix ``path`` (its first three requests sent at once)."""
+    container = ObjectStoreContainer(path)
+    container.prefetch()
+    return ObjectStoreSource(container)  # type: ignore[arg-type]

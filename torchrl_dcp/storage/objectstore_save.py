@@ -43,10 +43,24 @@ from torchrl_dcp.collective import broadcast_step, error_status, raise_if_failed
 from torchrl_dcp.errors import CheckpointError
 from torchrl_dcp.manifest import dumps
 from torchrl_dcp.storage.checksums import crc32, crc32_combine, format_crc
-from torchrl_dcp.storage.chunk_writer import chunk_file_parts
-from torchrl_dcp.storage.layout import DCP_METADATA, MANIFEST, data_file_name, identity_trailer
-from torchrl_dcp.storage.objectstore import ObjectStoreContainer, list_objects, store_error, upload_pieces
-from torchrl_dcp.storage.urls import StorePath
+from torchrl_dcp.storage.chunk_writer import ChunkFile, KeptChunk, chunk_file_parts
+from torchrl_dcp.storage.layout import (
+    DCP_METADATA,
+    MANIFEST,
+    TRAILER_SIZE,
+    data_file_name,
+    identity_trailer,
+    read_identity,
+)
+from torchrl_dcp.storage.objectstore import (
+    ObjectStoreContainer,
+    _map_pieces,
+    concurrency,
+    list_objects,
+    store_error,
+    upload_pieces,
+)
+from torchrl_dcp.storage.urls import StorePath, copy_object
 from torchrl_dcp.storage.writer import ChunkEntry, WriteOutcome, _layout
 
 logger = logging.getLogger("torchrl_dcp")
@@ -166,7 +180,11 @@ def write_data_file(destination: StorePath, rank: int, tensors: list[tuple[str, 
 
 
 class ObjectStoreStateWriter:
-    """The fsspec writer of the save engine's write step (``save_engine.StateWriter``)."""
+    """The fsspec writer of the save engine's write step (``save_engine.StateWriter``).
+
+    Chunk files an incremental save keeps (``job.keeps``) are copied server-side from the
+    base's prefix (:func:`keep_object`), never through this host; the others are uploaded.
+    """
 
     def write(self, job: Any, staging: StorePath) -> WriteOutcome:
         out = WriteOutcome()
@@ -180,16 +198,76 @@ class ObjectStoreStateWriter:
             out.bytes_written = record["size"]
         chunks = job.plan.chunk_share(job.rank)
         if chunks:
-            with concurrent.futures.ThreadPoolExecutor(max_workers=min(4, len(chunks))) as pool:
-                done = list(pool.map(lambda c: (c, upload_chunk(staging, job, c)), chunks))
+            threads = min(concurrency(), len(chunks))
+            with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tdcp-store-chunk") as pool:
+                done = list(pool.map(lambda c: (c, put_chunk(staging, job, c)), chunks))
             for c, rec in done:
                 out.files[c.file] = {"size": rec.size, "checksum": rec.checksum}
+                if rec.origin is not None:
+                    out.files[c.file]["origin"] = rec.origin
+                    out.kept += 1
+                else:
+                    out.bytes_written += rec.size
                 out.chunks.append(ChunkEntry(c.key, c.start, c.rows, c.file, 0, rec.length, rec.fingerprint))
-                out.bytes_written += rec.size
         return out
 
 
-def upload_chunk(destination: StorePath, job: Any, c: Any) -> Any:
+def put_chunk(destination: StorePath, job: Any, c: Any) -> ChunkFile:
+    """One chunk file into ``destination``: copied from the base when kept (and still the object checked), else
+    uploaded from its rows."""
+    kept = job.keeps.get(c.file)
+    if kept is not None:
+        if keep_object(kept, destination / c.file):
+            return ChunkFile(kept.size, kept.checksum, kept.size - TRAILER_SIZE, kept.fingerprint, kept.origin)
+        if c.file in job.chunk_rows and job.chunk_rows[c.file] is None:  # async save: its rows were not staged
+            raise CheckpointError(
+                f"{kept.source} changed after the incremental save checked it; save again (or without "
+                "incremental_from)",
+                path=destination,
+            )
+    return upload_chunk(destination, job, c)
+
+
+def keep_object(kept: KeptChunk, dst: StorePath) -> bool:
+    """Copy the kept chunk object to ``dst`` server-side; ``False`` (nothing left at ``dst``) when the copy is not
+    the object recorded (size and identity trailer), e.g. the base was replaced meanwhile."""
+    src: StorePath = kept.source  # type: ignore[assignment]
+    try:
+        copy_object(src.fs, src.key, dst.key)
+    except CheckpointError as err:
+        logger.info("could not copy %s (%s): uploading its rows", src, err.message)
+        return False
+    if _is_object(dst, kept):
+        return True
+    dst.unlink(missing_ok=True)
+    return False
+
+
+def _is_object(obj: StorePath, kept: KeptChunk) -> bool:
+    """Whether ``obj`` is ``kept.size`` bytes ending with ``kept.origin``'s trailer (one open-ended ranged GET)."""
+    try:
+        tail = obj.fs.cat_file(obj.key, start=kept.size - TRAILER_SIZE)  # more or fewer bytes: another size
+    except (OSError, ValueError):  # missing, or shorter than the range (S3: 416)
+        return False
+    found = read_identity(bytes(tail)) if len(tail) == TRAILER_SIZE else None
+    return found is not None and found[0] == kept.origin
+
+
+def keepable_objects(keeps: dict[str, KeptChunk]) -> dict[str, KeptChunk]:
+    """The kept chunks whose base object is still the one recorded: one listing per base prefix (sizes), then
+    every trailer read in parallel."""
+    sizes: dict[StorePath, int] = {}
+    for prefix in {k.source.parent for k in keeps.values()}:  # type: ignore[union-attr]
+        for name, info in list_objects(prefix).items():
+            sizes[prefix / name] = int(info.get("size") or -1)
+    fits = {f: k for f, k in keeps.items() if sizes.get(k.source) == k.size and k.size >= TRAILER_SIZE}  # type: ignore[call-overload]
+    names = sorted(fits)
+    spans = [(fits[f].source, fits[f].size - TRAILER_SIZE, TRAILER_SIZE) for f in names]
+    tails = _map_pieces(spans, lambda i, data: read_identity(bytes(data)), concurrency())  # type: ignore[arg-type]
+    return {f: fits[f] for f, found in zip(names, tails) if found is not None and found[0] == fits[f].origin}
+
+
+def upload_chunk(destination: StorePath, job: Any, c: Any) -> ChunkFile:
     """Upload one chunk file (its rows from the live or staged tensor); returns its :class:`ChunkFile` record."""
     rows = job.chunk_rows.get(c.file)
     if rows is None:

@@ -29,7 +29,7 @@ from torchrl_dcp.errors import CheckpointError
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 _EXTRA = {"s3": "s3", "s3a": "s3", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
 
-__all__ = ["StorePath", "copy_object", "is_store", "is_url", "resolve_path"]
+__all__ = ["StorePath", "copy_object", "is_store", "is_url", "resolve_path", "supports_copy"]
 
 
 def is_url(path: Any) -> bool:
@@ -132,6 +132,20 @@ class StorePath:
     def __hash__(self) -> int:
         return hash(self.url)
 
+    def __getstate__(self) -> tuple[str, dict[str, Any]]:  # sent between ranks: the file system is made again there
+        return self.url, self.storage_options
+
+    def __setstate__(self, state: tuple[str, dict[str, Any]]) -> None:
+        self.url, self.storage_options = state
+        self._fs = None
+
+    def same_store(self, other: Any) -> bool:
+        """Whether ``other`` is a location in the same store (protocol and options): a server-side copy can join them."""
+        return isinstance(other, StorePath) and (self.protocol, self.storage_options) == (
+            other.protocol,
+            other.storage_options,
+        )
+
 
 def _filesystem(protocol: str, options: Mapping[str, Any], url: str) -> Any:
     try:
@@ -183,8 +197,34 @@ def copy_object(fs: Any, src: str, dst: str) -> None:
         b'x'
     """
     try:
+        if hasattr(fs, "_copy_basic") and hasattr(fs, "loop"):  # s3fs: one CopyObject, without its HEAD first
+            from fsspec.asyn import sync
+
+            try:
+                sync(fs.loop, fs._copy_basic, src, dst)
+                return
+            except (ValueError, OSError) as err:  # e.g. over CopyObject's 5 GB: fsspec's managed copy below
+                if isinstance(err, FileNotFoundError):
+                    raise
         fs.copy(src, dst)
     except FileNotFoundError:
         raise CheckpointError(f"cannot copy {src}: the object does not exist", path=dst) from None
     except OSError as err:
         raise CheckpointError(f"copying {src} failed ({type(err).__name__}: {err})", path=dst) from None
+
+
+def supports_copy(fs: Any) -> bool:
+    """Whether the fsspec file system ``fs`` copies objects itself (S3, GCS, Azure, memory), not through this host.
+
+    Example:
+        >>> import fsspec
+        >>> supports_copy(fsspec.filesystem("memory"))
+        True
+    """
+    from fsspec.asyn import AsyncFileSystem
+    from fsspec.spec import AbstractFileSystem
+
+    cls = type(fs)
+    if isinstance(fs, AsyncFileSystem):
+        return cls._cp_file is not AsyncFileSystem._cp_file
+    return cls.cp_file is not AbstractFileSystem.cp_file
