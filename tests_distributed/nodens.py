@@ -31,25 +31,32 @@ def _mount(source: str, target: str, fstype: str | None, flags: int) -> None:
         raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
 
 
+ROOT = Path(__file__).resolve().parent.parent  # the code under test: must stay visible too
+
+
+def _kept(shared: Path | None) -> list[Path]:
+    """What must stay visible under the private ``/tmp``: the shared directory, and this checkout when it lies there."""
+    paths = [p.resolve() for p in (shared, ROOT) if p is not None]
+    return [p for i, p in enumerate(paths) if p.is_relative_to("/tmp") and p not in paths[:i]]
+
+
 def private_tmp(shared: Path | None) -> None:
-    """Cover ``/tmp`` with a new tmpfs; keep ``shared`` visible at its path (bound from the old tree)."""
-    keep = None
-    if shared is not None and shared.resolve().is_relative_to("/tmp"):
-        keep = os.open(shared, os.O_RDONLY | os.O_DIRECTORY)  # the old /tmp's directory, reachable after the mount
+    """Cover ``/tmp`` with a new tmpfs; keep ``shared`` (and the checkout) visible at their paths (bound back)."""
+    keep = [(p, os.open(p, os.O_RDONLY | os.O_DIRECTORY)) for p in _kept(shared)]  # reachable after the mount
     _mount("tmpfs", "/tmp", "tmpfs", 0)
     os.chmod("/tmp", 0o1777)
-    if keep is not None and shared is not None:
-        target = shared.resolve()
-        target.mkdir(parents=True)
-        _mount(f"/proc/self/fd/{keep}", str(target), None, MS_BIND)
-        os.close(keep)
+    for target, fd in keep:
+        target.mkdir(parents=True, exist_ok=True)
+        _mount(f"/proc/self/fd/{fd}", str(target), None, MS_BIND)
+        os.close(fd)
 
 
 def listing(shared: Path) -> list[str]:
-    """Every path under the private ``/tmp`` except the shared directory's contents."""
+    """Every path under the private ``/tmp`` except the kept directories' contents."""
+    kept = set(_kept(shared))
     out = []
     for top, dirs, files in os.walk("/tmp"):
-        dirs[:] = [d for d in dirs if Path(top, d) != shared.resolve()]
+        dirs[:] = [d for d in dirs if Path(top, d) not in kept]
         out += [os.path.join(top, name) for name in dirs + files]
     return sorted(out)
 

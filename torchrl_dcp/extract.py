@@ -63,7 +63,7 @@ def read_tensors(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         try:
-            rest = read_direct(src.storage_reader(files), metadata, flat)
+            rest = read_direct(src.storage_reader(files), metadata, flat) if getattr(src, "reads_files", True) else flat
             if rest:  # e.g. chunks not split along dim 0: DCP's own planning
                 dcp.load(rest, storage_reader=src.storage_reader(files), planner=SafeLoadPlanner(), no_dist=True)
         except BaseException as err:  # DCP's CheckpointException is a BaseException

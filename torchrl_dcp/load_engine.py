@@ -193,7 +193,7 @@ def read(
 
     def local() -> bool:
         metadata = src.dcp_metadata()
-        if metadata is None or not tensors:
+        if metadata is None or not tensors or not getattr(src, "reads_files", True):  # stores: through dcp.load
             left.update(tensors)
         else:
             left.update(read_direct(src.storage_reader(verify, mismatch_note), metadata, tensors))

@@ -106,6 +106,8 @@ def read_direct(
         UnsafeCheckpointError: a key is a byte item.
         CheckpointIntegrityError: a file is damaged (checksums of ``reader.verify``) or a chunk has no record.
     """
+    if not getattr(reader, "reads_files", True):  # an object-store reader plans its own ranged GETs
+        return dict(tensors)
     reader.set_up_storage_reader(metadata, is_coordinator=False)
     saved = metadata.state_dict_metadata
     storage = metadata.storage_data

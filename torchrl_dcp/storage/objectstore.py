@@ -398,6 +398,8 @@ class _AsSeenByDCP:
 class ObjectStoreReader(StoreReader):
     """The in-place DCP reader over objects: planned ranged GETs (:mod:`~torchrl_dcp.storage.objectstore_read`)."""
 
+    reads_files = False  # storage.direct leaves every tensor to this reader (through dcp.load)
+
     def __init__(
         self, container: ObjectStoreContainer, *args: Any, identity: dict[str, str] | None = None, **kwargs: Any
     ) -> None:
@@ -422,6 +424,8 @@ class _Prefix(StorePath):
 
 class ObjectStoreSource(CheckpointSource):
     """A :class:`~torchrl_dcp.storage.source.CheckpointSource` under an object-store prefix."""
+
+    reads_files = False  # loads read through ObjectStoreReader (dcp.load), never storage.direct
 
     def __init__(self, container: Any) -> None:
         super().__init__(container)
@@ -481,20 +485,23 @@ class ObjectStoreSource(CheckpointSource):
         for name, tail in zip(later, found):
             _check_trailer(tail, files.get(name, {}).get("origin", manifest["save_id"]), self.path / name)
 
-    def storage_reader(self, verify: Collection[str] = ()) -> ObjectStoreReader:
+    def storage_reader(self, verify: Collection[str] = (), mismatch_note: str | None = None) -> ObjectStoreReader:
         files = self.manifest()["files"]
 
         def counted(n: int) -> None:
             self.bytes_read += n
 
         identity, self._identity = self._identity, {}
-        return ObjectStoreReader(
+        reader = ObjectStoreReader(
             self.container,  # type: ignore[arg-type]
             self.dcp_metadata(),
             verify={name: files[name]["checksum"] for name in verify},
             identity=identity,
             on_read=counted,
         )
+        if mismatch_note is not None:
+            reader.mismatch_note = mismatch_note
+        return reader
 
 
 def _check_trailer(tail: bytes, save_id: str, where: Any) -> None:
