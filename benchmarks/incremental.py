@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROW_FLOATS = 1024  # 4 KiB per row
 
@@ -126,35 +125,12 @@ def _buffer_like(rb: Any) -> Any:
     return TensorDictReplayBuffer(storage=LazyTensorStorage(rb._storage.max_size), batch_size=256)
 
 
-def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        result = run(rank, world, cfg)
-        if rank == 0:
-            queue.put(result)
-    finally:
-        dist.destroy_process_group()
-
-
 def run_world(world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     if world == 1:
         return run(0, 1, cfg)  # type: ignore[return-value]
-    import socket
+    from benchmarks.world import spawn_world
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, cfg, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=3600)
-    for p in procs:
-        p.join()
-    return result
+    return spawn_world(world, run, cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,7 +36,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -45,7 +44,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from benchmarks import scaling_hooks as hooks
 from benchmarks.scaling_report import plot, summarize_table
@@ -267,37 +265,10 @@ def _shared_dir(local: str, rank: int) -> str:
     return box[0]
 
 
-def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    if cfg["device"] == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        result = run(rank, world, cfg)
-        if rank == 0:
-            queue.put(result)
-    finally:
-        dist.destroy_process_group()
-
-
 def run_world(world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, cfg, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        result = queue.get(timeout=cfg["timeout"])
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    return result
+    from benchmarks.world import spawn_world
+
+    return spawn_world(world, run, cfg, timeout=cfg["timeout"])
 
 
 def machine(device: str) -> dict[str, Any]:

@@ -367,14 +367,7 @@ def write(job: SaveJob, staging: Path) -> tuple[WriteOutcome, BaseException | No
 # ---------------------------------------------------------------------- step 4: commit
 def commit(job: SaveJob, staging: Path, outcome: WriteOutcome, write_error: BaseException | None) -> Path:
     """Rank 0 writes DCP's metadata and the manifest last, then publishes; every rank learns the outcome."""
-    per_rank = {
-        name: (rec.state, rec.inventory) for name, rec in job.encoded.records.items() if rec.placement == "per_rank"
-    }
-    gathered = _dist.gather_to_0(
-        (error_status(write_error), outcome.files, outcome.entries, per_rank, outcome.chunks),
-        job.group,
-        "collecting file records",
-    )
+    gathered = gather_records(job, outcome, write_error)
     error: BaseException | None = None
     if job.rank == 0:
         try:
@@ -388,6 +381,18 @@ def commit(job: SaveJob, staging: Path, outcome: WriteOutcome, write_error: Base
     statuses = _dist.all_gather(error_status(error), job.group, "confirming the commit")
     raise_if_failed(statuses, "committing the checkpoint", error or write_error)
     return job.destination
+
+
+def gather_records(job: SaveJob, outcome: WriteOutcome, error: BaseException | None) -> list[Any] | None:
+    """Rank 0 receives every rank's ``(status, files, entries, per_rank states, chunks)`` (others: ``None``)."""
+    per_rank = {
+        name: (rec.state, rec.inventory) for name, rec in job.encoded.records.items() if rec.placement == "per_rank"
+    }
+    return _dist.gather_to_0(
+        (error_status(error), outcome.files, outcome.entries, per_rank, outcome.chunks),
+        job.group,
+        "collecting file records",
+    )
 
 
 def write_manifest(job: SaveJob, staging: Path, gathered: list[Any]) -> None:

@@ -290,7 +290,7 @@ def manifest_bytes(job: Any, gathered: list[Any]) -> tuple[bytes, bytes]:
 
 def run_save(job: Any) -> StorePath:
     """Steps 3 and 4 of a save (collective) when ``job.destination`` is a :class:`StorePath`."""
-    from torchrl_dcp.save_engine import save_failure
+    from torchrl_dcp.save_engine import gather_records, save_failure
 
     destination: StorePath = job.destination
     if job.plan.backend != "fast":
@@ -314,12 +314,7 @@ def run_save(job: Any) -> StorePath:
         outcome = ObjectStoreStateWriter().write(job, destination)
     except Exception as err:
         outcome, error = WriteOutcome(), save_failure(err, f"rank {job.rank} uploading its data file", destination)
-    per_rank = {n: (r.state, r.inventory) for n, r in job.encoded.records.items() if r.placement == "per_rank"}
-    gathered = _dist.gather_to_0(
-        (error_status(error), outcome.files, outcome.entries, per_rank, outcome.chunks),
-        job.group,
-        "collecting file records",
-    )
+    gathered = gather_records(job, outcome, error)
     commit_error: BaseException | None = None
     if job.rank == 0:
         try:
