@@ -29,14 +29,11 @@ Example (one process):
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import logging
 import math
 import os
 import uuid
-import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -58,6 +55,14 @@ from torchrl_dcp.planner import SavePlanner, WritePlan, plan_writes, tensor_info
 from torchrl_dcp.replicas import ReplicaCheck
 from torchrl_dcp.replicas import compare as compare_replicas
 from torchrl_dcp.replicas import digest as replica_digest
+from torchrl_dcp.save_support import (
+    failing,
+    is_replaceable,
+    quiet_single_process,
+    release_lock,
+    save_failure,
+    summarize,
+)
 from torchrl_dcp.storage.checksums import file_record
 from torchrl_dcp.storage.chunk_writer import ChunkJob, KeptChunk, write_chunks
 from torchrl_dcp.storage.commit import (
@@ -66,10 +71,8 @@ from torchrl_dcp.storage.commit import (
     remove_tree,
     staging_path,
     stale_entries,
-    sweep_stale_locks,
     write_file_durably,
 )
-from torchrl_dcp.storage.container import DirectoryContainer
 from torchrl_dcp.storage.copying import default_threads
 from torchrl_dcp.storage.filesystem import make_writer, safe_load_metadata
 from torchrl_dcp.storage.layout import DCP_METADATA, MANIFEST, identity_trailer
@@ -346,7 +349,7 @@ def prepare_staging(job: SaveJob) -> Path:
 
     try:
         staging, job.save_id = broadcast_step(
-            job.group, "preparing the staging directory", _failing(prepare, job), rank=job.rank
+            job.group, "preparing the staging directory", failing(prepare, job), rank=job.rank
         )
     except BaseException:
         release_lock(job)
@@ -485,65 +488,3 @@ def run(job: SaveJob) -> Path:
     )
     job.outcome = outcome
     return path
-
-
-# ---------------------------------------------------------------------- helpers
-def release_lock(job: SaveJob) -> None:
-    if job.lock is not None:
-        job.lock.release()
-        job.lock = None
-        sweep_stale_locks(job.destination.parent)  # left by saves killed before they released theirs
-
-
-def _failing(fn: Any, job: SaveJob) -> Any:
-    def wrapped() -> Any:
-        try:
-            return fn()
-        except Exception as err:
-            raise save_failure(err, "preparing the staging directory", job.destination) from err
-
-    return wrapped
-
-
-def is_replaceable(destination: Path) -> bool:
-    """Whether ``destination`` may be replaced by a save: an empty directory or a committed checkpoint."""
-    if not destination.is_dir() or destination.is_symlink():
-        return False
-    if not any(destination.iterdir()):
-        return True
-    try:
-        DirectoryContainer(destination).manifest()
-        return True
-    except CheckpointError:
-        return False
-
-
-def save_failure(err: BaseException, phase: str, path: Path | None) -> BaseException:
-    """A save step's failure as a :class:`CheckpointError` saying what to do (a full disk says so)."""
-    if isinstance(err, CheckpointError) or not isinstance(err, Exception):
-        return err
-    hint = "nothing was committed; the previous checkpoint at this path, if any, is intact"
-    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-        hint = "the file system is full (or over quota): free space or save elsewhere; " + hint
-    wrapped = CheckpointError(f"{phase} failed: {type(err).__name__}: {err}; {hint}", path=path)
-    wrapped.__cause__ = err
-    return wrapped
-
-
-@contextlib.contextmanager
-def quiet_single_process() -> Iterator[None]:
-    """DCP warns on every call without a process group; a world of one is intended here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        yield
-
-
-def summarize(err: CheckpointException) -> str:
-    """DCP's collective exception as one line per failed rank."""
-    failures = getattr(err, "failures", {}) or {}
-    parts = []
-    for r, exc in sorted(failures.items()):
-        exc = exc[0] if isinstance(exc, tuple) else exc
-        text = str(exc).strip().splitlines()
-        parts.append(f"rank {r}: {type(exc).__name__}{': ' + text[-1] if text else ''}")
-    return "; ".join(parts) or str(err)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO
 
@@ -45,10 +45,9 @@ from torchrl_dcp.errors import (
 )
 from torchrl_dcp.storage.checksums import checksum_mismatch, crc32, crc32_combine, format_crc
 from torchrl_dcp.storage.container import ByteRange
-from torchrl_dcp.storage.layout import DCP_METADATA, MANIFEST, MAX_MANIFEST_BYTES, TRAILER_SIZE, read_identity
+from torchrl_dcp.storage.layout import DCP_METADATA, MANIFEST, MAX_MANIFEST_BYTES, TRAILER_SIZE
 from torchrl_dcp.storage.objectstore_read import StoreReader
 from torchrl_dcp.storage.reader import RangeFile
-from torchrl_dcp.storage.source import CheckpointSource
 from torchrl_dcp.storage.urls import StorePath
 
 READ_PIECE = 8 << 20  # bytes per ranged read when checksumming or downloading
@@ -413,110 +412,4 @@ class ObjectStoreReader(StoreReader):
         return ObjectRangeFile(self.container.byte_range(relative_path), self.on_read)
 
 
-class _Prefix(StorePath):
-    """A checkpoint prefix (it holds a manifest): never a single object, no request needed to say so."""
-
-    __slots__ = ()
-
-    def is_file(self) -> bool:
-        return False
-
-
-class ObjectStoreSource(CheckpointSource):
-    """A :class:`~torchrl_dcp.storage.source.CheckpointSource` under an object-store prefix."""
-
-    reads_files = False  # loads read through ObjectStoreReader (dcp.load), never storage.direct
-
-    def __init__(self, container: Any) -> None:
-        super().__init__(container)
-        self.path = _Prefix(container.path.url, container.path.storage_options, container.path.fs)  # type: ignore[assignment]
-        self._defer = False
-        self._identity: dict[str, str] = {}  # {file: save id} left to the next storage reader
-
-    def read_at(self, name: str, offset: int, size: int) -> bytes:
-        """``size`` bytes at ``offset`` of the listed data file ``name`` (bounded by its recorded size)."""
-        span = self.container.byte_range(name)
-        if offset < 0 or offset + size > span.size:
-            raise CheckpointIntegrityError(f"bytes {offset}..{offset + size} lie outside the file", path=span.where)
-        return read_range(self.path / name, offset, size, span.size)
-
-    def read_many(self, name: str, spans: list[tuple[int, int]]) -> list[bytes]:
-        """The bytes of each ``(offset, size)`` of ``name`` (requests in parallel; a span past the end: ``b""``)."""
-        total = self.container.byte_range(name).size
-        obj = self.path / name
-        wanted = [(obj, o, n) for o, n in spans if 0 <= o and o + n <= total]
-        got = iter(_map_pieces(wanted, lambda i, data: data, concurrency()))
-        return [next(got) if 0 <= o and o + n <= total else b"" for o, n in spans]
-
-    def check(self, checksum: Iterable[str] | bool) -> None:
-        """As :meth:`CheckpointSource.check`; the objects checksummed leave their trailers for :meth:`check_identity`."""
-        checksum = checksum if isinstance(checksum, bool) else set(checksum)
-        self.container.check(checksum)
-        self._defer = checksum is not False
-
-    def check_identity(self, names: Iterable[str]) -> None:
-        """Every data file in ``names`` carries this save's identity (a kept file: its ``origin``'s).
-
-        Checked now from the trailers :meth:`check` fetched, or by one parallel batch of
-        64-byte reads; after a :meth:`check` that checksummed the files to be read into live
-        objects (a verified load), the others are checked by the next :meth:`storage_reader`
-        from the bytes it fetches anyway (before the read returns, so a failure restores nothing).
-        """
-        manifest = self.manifest()
-        if manifest.get("save_id") is None:
-            return
-        files = manifest["files"]
-        tails: dict[str, bytes] = getattr(self.container, "tails", {})
-        later: list[str] = []
-        for name in sorted(set(names)):
-            save_id = files.get(name, {}).get("origin", manifest["save_id"])
-            tail = tails.get(str(self.path / name))
-            if tail is not None:
-                _check_trailer(tail, save_id, self.path / name)
-            elif getattr(self, "_defer", False):
-                self._identity[name] = save_id
-            else:
-                later.append(name)
-        spans = []
-        for name in later:
-            size = self.container.byte_range(name).size
-            spans.append((self.path / name, max(0, size - TRAILER_SIZE), min(size, TRAILER_SIZE)))
-        found = _map_pieces(spans, lambda i, data: data, concurrency())
-        for name, tail in zip(later, found):
-            _check_trailer(tail, files.get(name, {}).get("origin", manifest["save_id"]), self.path / name)
-
-    def storage_reader(self, verify: Collection[str] = (), mismatch_note: str | None = None) -> ObjectStoreReader:
-        files = self.manifest()["files"]
-
-        def counted(n: int) -> None:
-            self.bytes_read += n
-
-        identity, self._identity = self._identity, {}
-        reader = ObjectStoreReader(
-            self.container,  # type: ignore[arg-type]
-            self.dcp_metadata(),
-            verify={name: files[name]["checksum"] for name in verify},
-            identity=identity,
-            on_read=counted,
-        )
-        if mismatch_note is not None:
-            reader.mismatch_note = mismatch_note
-        return reader
-
-
-def _check_trailer(tail: bytes, save_id: str, where: Any) -> None:
-    found = read_identity(bytes(tail))
-    if found is None or found[0] != save_id:
-        who = "no save identity" if found is None else f"the identity of save {found[0]!r}"
-        raise CheckpointIntegrityError(
-            f"data file carries {who}, the manifest is save {save_id!r}: an object from another checkpoint "
-            "(or a damaged one); refused",
-            path=where,
-        )
-
-
-def open_store_source(path: StorePath) -> ObjectStoreSource:
-    """The source of the checkpoint under the prefix ``path`` (its first three requests sent at once)."""
-    container = ObjectStoreContainer(path)
-    container.prefetch()
-    return ObjectStoreSource(container)  # type: ignore[arg-type]
+from torchrl_dcp.storage.objectstore_source import ObjectStoreSource, open_store_source  # noqa: E402, F401
