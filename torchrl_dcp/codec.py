@@ -291,19 +291,48 @@ def xref_key(component: str, key: str) -> str:
     return f"@{component}/{key}"
 
 
-def leaves(skeleton: Any) -> tuple[list[TensorSpec], list[tuple[str, TensorSpec]]]:
-    """:func:`tensor_specs` and :func:`xrefs` of a skeleton in one walk (what a load plans from)."""
-    specs: list[TensorSpec] = []
-    refs: list[tuple[str, TensorSpec]] = []
-    for node in _nodes(skeleton):
-        kind = node.get("t")
-        if kind == "tensor" or kind == "dtensor":
-            specs.append(_spec(node))
-        elif kind == "xref":
+def plan_view(skeleton: Any) -> tuple[Any, list[TensorSpec], list[tuple[str, TensorSpec]]]:
+    """What a load plans from, in one walk: the decoded state with every tensor replaced by its
+    :class:`TensorSpec`, the specs, and the references to other components' tensors ``(component, spec)``.
+
+    Raises :class:`CheckpointFormatError` exactly where :func:`decode` does.
+
+    Example:
+        >>> view, specs, refs = plan_view(encode({"w": torch.zeros(2)})[0])
+        >>> view["w"].shape, len(specs), refs
+        ((2,), 1, [])
+    """
+    sink = _SpecSink()
+    view = decode(skeleton, sink)
+    if sink.pending:  # an alias met before the tensor it names: decode again, every spec known
+        view = decode(skeleton, {**sink, **{xref_key(c, spec.key): spec for c, spec in sink.refs}})
+    return view, sink.specs, sink.refs
+
+
+class _SpecSink(dict):
+    """``tensors`` of :func:`decode` while planning: a tensor leaf decodes to its spec (collected)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.specs: list[TensorSpec] = []
+        self.refs: list[tuple[str, TensorSpec]] = []
+        self.pending = False
+
+    def take(self, node: dict[str, Any]) -> Any:
+        kind = node["t"]
+        if kind == "alias":
+            found = self.get(node["key"])
+            self.pending = self.pending or found is None
+            return found
+        spec = _spec(node)
+        if kind == "xref":
             if not isinstance(node.get("component"), str):
                 raise CheckpointFormatError(f"malformed tensor reference {node!r}")
-            refs.append((node["component"], _spec(node)))
-    return specs, refs
+            self.refs.append((node["component"], spec))
+        else:
+            self.specs.append(spec)
+            self[spec.key] = spec
+        return spec
 
 
 def tensor_specs(skeleton: Any) -> Iterator[TensorSpec]:
@@ -394,6 +423,8 @@ def _decode(node: Any, tensors: Mapping[str, Any], depth: int) -> Any:
 
 
 def _decode_tensor(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
+    if type(tensors) is _SpecSink:
+        return tensors.take(node)
     key = node["key"] if node["t"] != "xref" else xref_key(node["component"], node["key"])
     if key not in tensors:
         raise CheckpointFormatError(f"the state names tensor {key!r}, which was not loaded")

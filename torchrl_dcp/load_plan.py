@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from torchrl_dcp.adapters import Adapter, AdapterContext
-from torchrl_dcp.codec import TensorSpec, decode, dtype_name, encode, is_dtensor, leaves, xref_key
+from torchrl_dcp.codec import TensorSpec, decode, dtype_name, encode, is_dtensor, plan_view, xref_key
 from torchrl_dcp.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -304,10 +304,7 @@ def check_states(
     if backing is None and metadata is not None:
         backing = backing_index(metadata)
     for r, skeleton in states:
-        specs, refs = leaves(skeleton)
-        placeholders: dict[str, Any] = {spec.key: spec for spec in specs}
-        placeholders.update({xref_key(ref, spec.key): spec for ref, spec in refs})
-        view = decode(skeleton, placeholders)  # every value decodes (numeric dtypes, bounded nesting)
+        view, specs, refs = plan_view(skeleton)  # every value decodes (numeric dtypes, bounded nesting)
         prefix = key_prefix(placement, name, r)
         for spec in specs:
             key = f"{prefix}/{spec.key}"

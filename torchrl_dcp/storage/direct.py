@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+from torch.distributed.checkpoint.planner import ReadItem
 
 from torchrl_dcp.errors import CheckpointIntegrityError, IncompatibleComponentError, UnsafeCheckpointError
 from torchrl_dcp.planner import _is_plain
@@ -58,10 +58,9 @@ class _NoPlanner:
         raise UnsafeCheckpointError(f"entry {req.dest_index.fqn!r} is a byte item, which torchrl_dcp never loads")
 
 
-def _request(index: MetadataIndex, shape: torch.Size) -> Any:
-    """DCP's read item for a whole record (built only when the reader falls back to ``torch.load``)."""
-    zeros = torch.Size([0] * len(shape))
-    return lambda: ReadItem(LoadItemType.TENSOR, index, index.offset, index, zeros, shape)
+def _whole_records(storage: Mapping[MetadataIndex, Any]) -> dict[str, tuple[MetadataIndex, Any]]:
+    """``{key: (index, record)}`` of every record at a tensor's origin (offsets all zero), in one pass."""
+    return {index.fqn: (index, info) for index, info in storage.items() if not any(index.offset or ())}
 
 
 def _row_slabs(md: TensorStorageMetadata) -> list[tuple[Any, int, int]] | None:
@@ -111,6 +110,7 @@ def read_direct(
     reader.set_up_storage_reader(metadata, is_coordinator=False)
     saved = metadata.state_dict_metadata
     storage = metadata.storage_data
+    whole = _whole_records(storage)
     rest: dict[str, torch.Tensor] = {}
     per_file: dict[str, list[_Item]] = {}
     for key, dest in tensors.items():
@@ -122,21 +122,26 @@ def read_direct(
         if not dest.numel():
             continue  # nothing to read (as DCP: no read item for an empty tensor)
         chunks = md.chunks
-        if len(chunks) == 1 and not any(chunks[0].offsets) and chunks[0].sizes == md.size:
-            parts = [(chunks[0].offsets, 0, -1)]
-        else:
-            slabs = _row_slabs(md)
-            if slabs is None:
-                rest[key] = dest
-                continue
-            parts = slabs
-        for offsets, first, rows in parts:
+        if len(chunks) == 1 and chunks[0].sizes == md.size and not any(chunks[0].offsets):
+            found = whole.get(key)
+            if found is None:
+                raise CheckpointIntegrityError(f"DCP metadata lists no record for tensor {key!r} at the origin")
+            index, info = found
+            item = _Item((index, dest.shape), info.offset, info.length, dest, planned=True)
+            plan_in_place(item, info)
+            per_file.setdefault(info.relative_path, []).append(item)
+            continue
+        slabs = _row_slabs(md)
+        if slabs is None:
+            rest[key] = dest
+            continue
+        for offsets, first, rows in slabs:
             index = MetadataIndex(key, offsets)
             info = storage.get(index)
             if info is None:
                 raise CheckpointIntegrityError(f"DCP metadata lists no record for tensor {key!r} at {tuple(offsets)}")
-            target = dest if rows < 0 else dest.narrow(0, first, rows)
-            item = _Item(_request(index, target.shape), info.offset, info.length, target, planned=True)
+            target = dest.narrow(0, first, rows)
+            item = _Item((index, target.shape), info.offset, info.length, target, planned=True)
             plan_in_place(item, info)
             per_file.setdefault(info.relative_path, []).append(item)
     reader.read_items(per_file, _NoPlanner())

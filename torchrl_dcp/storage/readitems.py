@@ -24,15 +24,15 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 import torch
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from torchrl_dcp.errors import CheckpointIntegrityError
 from torchrl_dcp.storage.container import ByteRange, open_regular
 from torchrl_dcp.storage.libc import libc
-from torchrl_dcp.storage.record import STORAGE_NAMES, is_memmap_tensor
+from torchrl_dcp.storage.record import STORAGE_NAMES, is_memmap_tensor, template
 
 READ_PIECE = 4 << 20  # read size of large records (and of checksummed gaps)
 SMALL = 1 << 20  # records below this are read in batches and copied out
@@ -158,6 +158,26 @@ def whole_record_view(info: Any, target: torch.Tensor) -> memoryview | None:
     return destination_bytes(target)
 
 
+class SmallRecord(NamedTuple):
+    """A small record as our writer lays it out for one dtype and shape: only the data member's CRC varies
+    (at ``before``'s end), so a record is recognized by two byte comparisons, and its tensor bytes are the
+    ``nbytes`` at ``data_at``."""
+
+    length: int
+    before: bytes
+    after_at: int
+    after: bytes
+    data_at: int
+    nbytes: int
+
+
+@functools.lru_cache(maxsize=1024)
+def small_record(dtype: torch.dtype, shape: tuple[int, ...]) -> SmallRecord:
+    tpl = template(dtype, shape)
+    at = tpl.head_crc_at
+    return SmallRecord(tpl.length, tpl.head[:at], at + 4, tpl.head[at + 4 :], len(tpl.head), tpl.nbytes)
+
+
 def plan_in_place(item: _Item, info: Any) -> None:
     """Let ``item`` (a whole record, target set) be read in place when it can: small records are copied into
     the target's memory by address (no view to build), large ones are read into a view of it."""
@@ -165,16 +185,16 @@ def plan_in_place(item: _Item, info: Any) -> None:
     assert target is not None
     if info.length >= SMALL:
         item.view = whole_record_view(info, target)
-    else:
-        item.small = (
-            not info.transform_descriptors
-            and sys.byteorder == "little"
-            and target.dtype in STORAGE_NAMES
-            and target.device.type == "cpu"
-            and target.layout == torch.strided
-            and not target.is_quantized
-            and target.is_contiguous()
-        )
+    elif (
+        not info.transform_descriptors
+        and sys.byteorder == "little"
+        and target.dtype in STORAGE_NAMES
+        and target.device.type == "cpu"
+        and target.layout == torch.strided
+        and not target.is_quantized
+        and target.is_contiguous()
+    ):
+        item.small = small_record(target.dtype, tuple(target.shape))
 
 
 # ---------------------------------------------------------------------- reading
@@ -186,16 +206,19 @@ class _Item:
     def __init__(
         self, req: ReadItem | Any, offset: int, length: int, target: torch.Tensor | None = None, planned: bool = False
     ) -> None:
-        self.req = req  # DCP's read item (direct reads: a callable building it, only needed by the fallback)
+        self.req = req  # DCP's read item (direct reads: ``(index, shape)``, built into one by the fallback only)
         self.offset, self.length = offset, length
         self.target = target  # set when the record may be read in place (direct reads: always)
         self.view: memoryview | None = None  # the target's bytes (None: through the fallback)
         self.planned = planned  # target and view chosen by the caller (direct reads: nothing to commit)
-        self.small = False  # a small record that may be copied into ``target`` without a view (direct reads)
+        self.small: SmallRecord | None = None  # a small record copied into ``target`` by address (direct reads)
 
     def request(self) -> ReadItem:
+        """DCP's read item (direct reads carry ``(index, shape)`` of a whole record until the fallback needs it)."""
         if not isinstance(self.req, ReadItem):
-            self.req = self.req()
+            index, shape = self.req
+            zeros = torch.Size([0] * len(shape))
+            self.req = ReadItem(LoadItemType.TENSOR, index, index.offset, index, zeros, shape)
         return self.req
 
 
