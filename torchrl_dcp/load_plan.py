@@ -304,7 +304,10 @@ def check_states(
     if backing is None and metadata is not None:
         backing = backing_index(metadata)
     for r, skeleton in states:
-        view, specs, refs = plan_view(skeleton)  # every value decodes (numeric dtypes, bounded nesting)
+        try:
+            view, specs, refs = plan_view(skeleton)  # every value decodes (numeric dtypes, bounded nesting)
+        except CheckpointFormatError as err:
+            raise CheckpointFormatError(f"component {name!r}: {err.message}", path=err.path or source) from None
         prefix = key_prefix(placement, name, r)
         for spec in specs:
             key = f"{prefix}/{spec.key}"

@@ -506,6 +506,7 @@ def _is_tensor_entry(key: Any, t: Any) -> bool:
     return (
         isinstance(key, str)
         and isinstance(t, dict)
+        and len(t) == 2  # exactly {dtype, shape}: nothing unchecked rides along
         and isinstance(t.get("dtype"), str)
         and isinstance(t.get("shape"), list)
         and all(_is_int(d) and d >= 0 for d in t["shape"])

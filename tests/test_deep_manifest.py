@@ -1,0 +1,131 @@
+"""A manifest nested deeply anywhere, sealed so that only its shape is wrong.
+
+Every place a forger can nest (a replicated state, a per-rank state, a tensor inventory,
+a file record, the user's metadata, the chunk table), every container kind, depths past
+the manifest's limit and near Python's recursion limit, in the current format and in an
+older one (migrations walk states recursively): ``load`` and ``verify`` refuse it with a
+``CheckpointError`` (never a ``RecursionError``); ``inspect``, ``convert`` and ``diff``, which never decode
+states, describe, copy (the archive is refused the same way) or compare it, or refuse it in one line; a
+refused load changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import torchrl_dcp as tdcp
+from torchrl_dcp.cli import main
+from torchrl_dcp.manifest import seal
+
+WRAP: dict[str, Callable[[Any], Any]] = {
+    "skeleton list": lambda n: {"t": "list", "items": [n]},
+    "skeleton dict": lambda n: {"t": "dict", "items": [["k", n]]},
+    "skeleton np": lambda n: {"t": "np", "dtype": "<f8", "v": n},
+    "json list": lambda n: [n],
+    "json object": lambda n: {"k": n},
+}
+
+
+def _nest(kind: str, depth: int) -> Any:
+    node: Any = 1
+    for _ in range(depth):
+        node = WRAP[kind](node)
+    return node
+
+
+PLACES: dict[str, Callable[[dict[str, Any], Any], None]] = {
+    "replicated state": lambda m, deep: m["components"]["stats"].__setitem__("state", deep),
+    "inside a replicated state": lambda m, deep: m["components"]["stats"]["state"]["items"].append(["x", deep]),
+    "per-rank state": lambda m, deep: m["components"]["rng"]["ranks"]["0"].__setitem__("state", deep),
+    "inventory entry": lambda m, deep: next(iter(m["components"]["model"]["inventory"].values())).__setitem__(
+        "shape", [deep]
+    ),
+    "next to an inventory entry": lambda m, deep: next(
+        iter(m["components"]["model"]["inventory"].values())
+    ).__setitem__("extra", deep),
+    "file record": lambda m, deep: m["files"][".metadata"].__setitem__("extra", deep),
+    "user metadata": lambda m, deep: m["metadata"].__setitem__("deep", deep),
+    "chunk table": lambda m, deep: m.setdefault("chunks", {}).__setitem__("model/weight", [deep]),
+}
+
+
+def _state() -> dict[str, Any]:
+    torch.manual_seed(0)
+    return {"model": torch.nn.Linear(4, 2), "stats": {"seed": 1, "tags": ["a"]}, "rng": tdcp.RNGState()}
+
+
+def _forge(tmp_path: Path, place: str, kind: str, depth: int, old_format: bool) -> Path:
+    path = tdcp.DistributedCheckpoint(**_state()).save(tmp_path / "ck", metadata={"run": 1})
+    m = json.loads((path / "manifest.json").read_text())
+    if old_format:  # format 3: no chunk table, no commit counter (migrated on load)
+        m["format_version"] = 3
+        m.pop("chunks", None)
+        m.pop("sequence", None)
+    PLACES[place](m, _nest(kind, depth))
+    m.pop("manifest_checksum", None)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(10_000)  # the forger's own json.dumps
+    try:
+        (path / "manifest.json").write_text(json.dumps(seal(m)))
+    finally:
+        sys.setrecursionlimit(limit)
+    return path
+
+
+def _snapshot(state: dict[str, Any]) -> Any:
+    return (
+        {k: v.clone() for k, v in state["model"].state_dict().items()},
+        json.dumps(state["stats"]),
+    )
+
+
+@pytest.mark.parametrize("old_format", [False, True], ids=["current", "format 3"])
+@pytest.mark.parametrize("depth", [300, 900])
+@pytest.mark.parametrize("kind", sorted(WRAP))
+@pytest.mark.parametrize("place", sorted(PLACES))
+def test_deep_nesting_anywhere_is_refused_by_every_reader(
+    tmp_path: Path, capsys: pytest.CaptureFixture, place: str, kind: str, depth: int, old_format: bool
+) -> None:
+    path = _forge(tmp_path, place, kind, depth, old_format)
+    state = _state()
+    with torch.no_grad():
+        state["model"].weight.fill_(7.0)
+    state["stats"]["seed"] = 99
+    before = _snapshot(state)
+    with pytest.raises(tdcp.CheckpointError) as err:
+        tdcp.DistributedCheckpoint(**state).load(path)
+    assert str(path) in str(err.value) or "manifest" in str(err.value)
+    after = _snapshot(state)
+    assert before[1] == after[1]
+    assert all(torch.equal(before[0][k], after[0][k]) for k in before[0])
+    with pytest.raises(tdcp.CheckpointError):
+        tdcp.verify(path)
+    good = tdcp.DistributedCheckpoint(**_state()).save(tmp_path / "good")
+    archive = tmp_path / "a.zip"
+    for argv in (
+        ["verify", str(path)],
+        ["diff", str(path), str(good)],
+        ["convert", str(path), str(archive)],
+        ["inspect", str(path)],
+    ):
+        code = main(argv)
+        out = capsys.readouterr()
+        assert "Traceback" not in out.err and "Recursion" not in out.err, out.err
+        if argv[0] in ("inspect", "convert") and code == 0:  # byte-level tools: describe or copy, never decode
+            continue
+        if argv[0] == "diff":  # compares the JSON states as JSON: "they differ" (exit 1) or one error line
+            assert code == 1 and (out.err.startswith("error: ") or "differ" in out.out), (out.out, out.err)
+            continue
+        assert code == 1 and out.err.startswith("error: "), (argv, out.err)
+    if archive.exists():  # a faithful copy, refused the same way
+        with pytest.raises(tdcp.CheckpointError):
+            tdcp.DistributedCheckpoint(**_state()).load(archive)
+        with pytest.raises(tdcp.CheckpointError):
+            tdcp.verify(archive)
