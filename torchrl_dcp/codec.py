@@ -408,6 +408,9 @@ def decode(skeleton: Any, tensors: Mapping[str, Any]) -> Any:
         raise CheckpointFormatError(f"malformed state skeleton ({type(err).__name__}: {str(err)[:200]})") from None
 
 
+_SCALARS = frozenset({type(None), bool, int, str, float})
+
+
 def _decode(node: Any, tensors: Mapping[str, Any], depth: int) -> Any:
     if isinstance(node, (type(None), bool, int, str, float)):
         return node
@@ -444,8 +447,10 @@ def _decode_ndarray(node: dict[str, Any], tensors: Mapping[str, Any], depth: int
 
 def _decode_mapping(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
     out: dict[Any, Any] = OrderedDict() if node["t"] == "odict" else {}
-    for k, v in node["items"]:
-        out[_decode(k, tensors, depth)] = _decode(v, tensors, depth)
+    for k, v in node["items"]:  # string keys and scalar values (the common case) without a call
+        out[k if type(k) is str else _decode(k, tensors, depth)] = (
+            v if type(v) in _SCALARS else _decode(v, tensors, depth)
+        )
     if "metadata" in node:
         out._metadata = _decode(node["metadata"], tensors, depth)  # type: ignore[attr-defined]
     return out

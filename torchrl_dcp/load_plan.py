@@ -263,12 +263,13 @@ def check_backed(metadata: Any, key: str, spec: TensorSpec, source: Any, backing
     if spec.dtensor:
         return  # sharded: its chunks are checked by DCP's planner against the live shards
     nbytes = math.prod(spec.shape) * spec.dtype.itemsize
-    records = (backing if backing is not None else backing_index(metadata)).get(key, {})
+    records = (backing if backing is not None else backing_index(metadata)).get(key) or {}
     if len(saved.chunks) != 1:
         backed = sum(records.values())
     else:  # the record at the chunk's offsets (else any record of the key)
-        offsets = tuple(saved.chunks[0].offsets)
-        backed = records.get(offsets, next(iter(records.values()), 0))
+        backed = records.get(tuple(saved.chunks[0].offsets))
+        if backed is None:
+            backed = next(iter(records.values()), 0)
     if backed < nbytes:
         raise CheckpointIntegrityError(
             f"tensor {key!r} claims {nbytes} bytes but its records hold {backed}: the checkpoint is damaged or forged",
@@ -312,7 +313,7 @@ def check_states(
         for spec in specs:
             key = f"{prefix}/{spec.key}"
             entry = recorded.get(key)
-            if entry is None or entry["dtype"] != dtype_name(spec.dtype) or entry["shape"] != list(spec.shape):
+            if entry is None or entry["dtype"] != dtype_name(spec.dtype) or tuple(entry["shape"]) != spec.shape:
                 _inventory_error(name, [key], source)
             seen.add(key)
             check_backed(metadata, key, spec, source, backing)

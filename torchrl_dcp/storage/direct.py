@@ -88,7 +88,7 @@ def _check(key: str, dest: torch.Tensor, md: Any) -> None:
         raise IncompatibleComponentError(f"tensor {key!r} is not in the checkpoint's DCP metadata")
     if not isinstance(md, TensorStorageMetadata):
         raise UnsafeCheckpointError(f"entry {key!r} is a byte item, which torchrl_dcp never loads")
-    if md.properties.dtype != dest.dtype or tuple(md.size) != tuple(dest.shape):
+    if md.properties.dtype != dest.dtype or tuple(md.size) != dest.shape:
         raise IncompatibleComponentError(
             f"tensor {key!r} was saved as {md.properties.dtype} {tuple(md.size)}, "
             f"the destination is {dest.dtype} {tuple(dest.shape)}"

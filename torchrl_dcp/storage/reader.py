@@ -216,11 +216,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
                     pieces += self._read_large_run(src, f, items[i:j], planner, crc, scratch)
                     pos, i = max(pos, max(r.offset + r.length for r in items[i:j])), j
                     continue
-                end, i = (
-                    self._read_batch(src, f, items, i, scratch, planner, pieces if crc else None),
-                    _batch_end(items, i),
-                )
-                pos = end
+                pos, i = self._read_batch(src, f, items, i, scratch, planner, pieces if crc else None)
             if crc and pos < src.size:
                 pieces += self._read_gap(src, f, pos, src.size, scratch)
         except CheckpointIntegrityError:
@@ -253,8 +249,9 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         scratch: bytearray,
         planner: LoadPlanner,
         pieces: list[tuple[int, int, int]] | None,
-    ) -> int:
-        """Read the small, contiguous records from ``items[i]`` on in one read; returns where the batch ended."""
+    ) -> tuple[int, int]:
+        """Read the small, contiguous records from ``items[i]`` on in one read; returns where the batch ended
+        (its end offset, and the index of the first item after it)."""
         j = _batch_end(items, i)
         start, end = items[i].offset, items[j - 1].offset + items[j - 1].length
         buf = scratch if end - start <= len(scratch) else bytearray(end - start)
@@ -279,7 +276,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
                 continue
             self._place_small(item, view[rel : rel + item.length], planner, base + rel)
         self.stats["in_place"] += copied
-        return end
+        return end, j
 
     def _place_small(self, item: _Item, record: memoryview, planner: LoadPlanner, address: int) -> None:
         if item.small is not None and item.target is not None:  # direct reads, another layout: copy by address

@@ -189,12 +189,12 @@ def plan_in_place(item: _Item, info: Any) -> None:
         not info.transform_descriptors
         and sys.byteorder == "little"
         and target.dtype in STORAGE_NAMES
-        and target.device.type == "cpu"
+        and target.is_cpu
         and target.layout == torch.strided
         and not target.is_quantized
         and target.is_contiguous()
     ):
-        item.small = small_record(target.dtype, tuple(target.shape))
+        item.small = small_record(target.dtype, target.shape)
 
 
 # ---------------------------------------------------------------------- reading

@@ -1,0 +1,59 @@
+"""``model_state`` (the module adapter's state dict) equals DCP's ``get_model_state_dict`` for every kind of module
+a user brings: plain, nested, tied weights, non-persistent and ``None`` buffers, ``torch.compile`` and
+activation-checkpoint wrappers (the wrappers take DCP's path, which strips their prefixes)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from torchrl_dcp.adapters.modules import model_state
+
+
+def _tied() -> torch.nn.Module:
+    m = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+    m[1].weight = m[0].weight
+    return m
+
+
+def _buffers() -> torch.nn.Module:
+    m = torch.nn.BatchNorm1d(3)
+    m.register_buffer("scratch", torch.zeros(2), persistent=False)
+    m.register_buffer("absent", None)
+    return m
+
+
+def _checkpointed() -> torch.nn.Module:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    return torch.nn.Sequential(checkpoint_wrapper(torch.nn.Linear(2, 2)), torch.nn.ReLU())
+
+
+def _compiled() -> torch.nn.Module:
+    return torch.compile(torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Tanh()))
+
+
+MODULES: dict[str, Callable[[], torch.nn.Module]] = {
+    "linear": lambda: torch.nn.Linear(3, 2),
+    "nested": lambda: torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Sequential(torch.nn.LayerNorm(4))),
+    "tied weights": _tied,
+    "buffers": _buffers,
+    "frozen": lambda: torch.nn.Linear(2, 2).requires_grad_(False),
+    "checkpoint wrapper": _checkpointed,
+    "torch.compile": _compiled,
+    "module list": lambda: torch.nn.ModuleList([torch.nn.Linear(1, 1) for _ in range(3)]),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MODULES))
+def test_model_state_equals_dcp_helper(kind: str) -> None:
+    torch.manual_seed(0)
+    m = MODULES[kind]()
+    ours, theirs = model_state(m), get_model_state_dict(m)
+    assert list(ours) == list(theirs)
+    for key in theirs:
+        assert type(ours[key]) is type(theirs[key])
+        assert ours[key].data_ptr() == theirs[key].data_ptr() and ours[key].shape == theirs[key].shape
