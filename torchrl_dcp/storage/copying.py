@@ -68,6 +68,54 @@ def read_threads() -> int:
     return _threads("TDCP_READ_THREADS", 2)
 
 
+def _read_ahead_bytes() -> int:
+    try:
+        return max(0, int(os.environ.get("TDCP_READ_AHEAD", 32 << 20)))
+    except ValueError:
+        return 32 << 20
+
+
+READ_AHEAD = _read_ahead_bytes()  # bytes asked of the kernel ahead of the reads (``TDCP_READ_AHEAD``; 0: none)
+
+
+class ReadAhead:
+    """Keeps the kernel reading about ``ahead`` bytes ahead of a sequence of spans of ``sizes`` bytes.
+
+    Checkpoints cut into many ~8 MiB chunk files read cold at 0.55 s/GiB file by file
+    here against 0.36 s/GiB with the next files announced (``POSIX_FADV_WILLNEED``):
+    each new file otherwise starts with a small read-ahead window. ``announce(j)`` gives
+    the hint for span ``j``; a hint that fails is ignored (the read reports problems).
+
+    Example:
+        >>> told = []
+        >>> ahead = ReadAhead([8, 8, 8, 8], told.append, ahead=16)
+        >>> ahead.reach(0); ahead.reach(1); told
+        [0, 1, 2]
+    """
+
+    def __init__(self, sizes: Sequence[int], announce: Callable[[int], None], ahead: int | None = None) -> None:
+        self.sizes, self.announce, self.next = sizes, announce, 0
+        self.ahead = READ_AHEAD if ahead is None else ahead
+
+    def reach(self, k: int) -> None:
+        """Span ``k`` is about to be read: announce the spans that start less than ``ahead`` bytes past it."""
+        budget, j = self.ahead, k
+        while j < len(self.sizes) and budget > 0:
+            if j >= self.next:
+                try:
+                    self.announce(j)
+                except (AttributeError, OSError):  # a hint (no posix_fadvise, a file gone): the read will say
+                    pass
+                self.next = j + 1
+            budget -= self.sizes[j]
+            j += 1
+
+
+def will_need(fd: int, offset: int, size: int) -> None:
+    """Ask the kernel to start reading ``size`` bytes at ``offset`` of ``fd`` (``POSIX_FADV_WILLNEED``)."""
+    os.posix_fadvise(fd, offset, size, os.POSIX_FADV_WILLNEED)
+
+
 @dataclass(frozen=True)
 class CopyRange:
     """``size`` bytes at ``src_offset`` of the file ``src`` (an fd), copied to ``dst_offset`` of ``dst``.

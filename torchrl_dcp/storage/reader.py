@@ -57,7 +57,7 @@ from torch.futures import Future
 from torchrl_dcp.errors import CheckpointIntegrityError
 from torchrl_dcp.storage.checksums import crc32, crc32_combine, format_crc
 from torchrl_dcp.storage.container import ByteRange, Container, open_regular
-from torchrl_dcp.storage.copying import read_threads, run_split
+from torchrl_dcp.storage.copying import ReadAhead, read_threads, run_split
 from torchrl_dcp.storage.filesystem import SafeFileSystemReader
 from torchrl_dcp.storage.layout import is_plain_name
 from torchrl_dcp.storage.readitems import (  # noqa: F401 - RangeFile and the constants are re-exported
@@ -182,11 +182,18 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
 
     def read_items(self, per_file: Mapping[str, list[_Item]], planner: Any) -> None:
         """Read every file's items (``planner``: ``resolve_tensor``/``commit_tensor``, as DCP's), file by file."""
-        for relative_path in sorted(per_file):
-            self._read_file(relative_path, per_file[relative_path], planner)
+        names = sorted(per_file)
+        sources = {n: self.read_source(n) for n in names}
+        ahead = ReadAhead([sources[n].size for n in names], lambda k: sources[names[k]].announce())
+        for k, relative_path in enumerate(names):
+            if len(names) > 1:  # announce the next files: cold chunk files otherwise start with a small read-ahead
+                ahead.reach(k)
+            self._read_file(relative_path, per_file[relative_path], planner, sources[relative_path])
 
-    def _read_file(self, relative_path: str, items: list[_Item], planner: LoadPlanner) -> None:
-        src = self.read_source(relative_path)
+    def _read_file(
+        self, relative_path: str, items: list[_Item], planner: LoadPlanner, src: RangeFile | None = None
+    ) -> None:
+        src = src or self.read_source(relative_path)
         expected = self.verify.get(relative_path)
         items.sort(key=lambda it: it.offset)
         for it in items:

@@ -69,6 +69,16 @@ class RangeFile:
             pass
         return f
 
+    def announce(self) -> None:
+        """Ask the kernel to start reading this range (a hint, given ahead of the read)."""
+        from torchrl_dcp.storage.copying import will_need
+
+        fd = open_regular(self.path, self.where)
+        try:
+            will_need(fd, self.base, self.size)
+        finally:
+            os.close(fd)
+
     def read_at(self, f: BinaryIO, offset: int, view: memoryview) -> None:
         """Fill ``view`` with the bytes at ``offset`` (looping on short reads; one read moves at most ~2 GiB).
 
