@@ -283,7 +283,7 @@ def xrefs(skeleton: Any) -> Iterator[tuple[str, TensorSpec]]:
         if node.get("t") == "xref":
             if not isinstance(node.get("component"), str):
                 raise CheckpointFormatError(f"malformed tensor reference {node!r}")
-            yield node["component"], _spec(node)
+            yield node["component"], node_spec(node)
 
 
 def xref_key(component: str, key: str) -> str:
@@ -291,55 +291,19 @@ def xref_key(component: str, key: str) -> str:
     return f"@{component}/{key}"
 
 
-def plan_view(skeleton: Any) -> tuple[Any, list[TensorSpec], list[tuple[str, TensorSpec]]]:
-    """What a load plans from, in one walk: the decoded state with every tensor replaced by its
-    :class:`TensorSpec`, the specs, and the references to other components' tensors ``(component, spec)``.
-
-    Raises :class:`CheckpointFormatError` exactly where :func:`decode` does.
-
-    Example:
-        >>> view, specs, refs = plan_view(encode({"w": torch.zeros(2)})[0])
-        >>> view["w"].shape, len(specs), refs
-        ((2,), 1, [])
-    """
-    sink = _SpecSink()
-    view = decode(skeleton, sink)
-    if sink.pending:  # an alias met before the tensor it names: decode again, every spec known
-        view = decode(skeleton, {**sink, **{xref_key(c, spec.key): spec for c, spec in sink.refs}})
-    return view, sink.specs, sink.refs
-
-
-class _SpecSink(dict):
-    """``tensors`` of :func:`decode` while planning: a tensor leaf decodes to its spec (collected)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.specs: list[TensorSpec] = []
-        self.refs: list[tuple[str, TensorSpec]] = []
-        self.pending = False
+class TensorSink(dict):
+    """A ``tensors`` mapping for :func:`decode` that decodes each tensor leaf itself (``take(node)``): what a load's
+    planning uses to collect every leaf's spec in the same walk (:func:`torchrl_dcp.load_plan.plan_view`)."""
 
     def take(self, node: dict[str, Any]) -> Any:
-        kind = node["t"]
-        if kind == "alias":
-            found = self.get(node["key"])
-            self.pending = self.pending or found is None
-            return found
-        spec = _spec(node)
-        if kind == "xref":
-            if not isinstance(node.get("component"), str):
-                raise CheckpointFormatError(f"malformed tensor reference {node!r}")
-            self.refs.append((node["component"], spec))
-        else:
-            self.specs.append(spec)
-            self[spec.key] = spec
-        return spec
+        raise NotImplementedError
 
 
 def tensor_specs(skeleton: Any) -> Iterator[TensorSpec]:
     """Every tensor (and DTensor) leaf of a skeleton, with its shape, dtype and device."""
     for node in _nodes(skeleton):
         if node.get("t") in ("tensor", "dtensor"):
-            yield _spec(node)
+            yield node_spec(node)
 
 
 def _nodes(skeleton: Any) -> Iterator[dict[str, Any]]:
@@ -355,7 +319,8 @@ def _nodes(skeleton: Any) -> Iterator[dict[str, Any]]:
                 stack.extend(v for k, v in node.items() if k != "t")
 
 
-def _spec(node: dict[str, Any]) -> TensorSpec:
+def node_spec(node: dict[str, Any]) -> TensorSpec:
+    """The :class:`TensorSpec` of a tensor node of a skeleton (its fields checked)."""
     key, shape = node.get("key"), node.get("shape")
     if not isinstance(key, str) or not isinstance(shape, list):
         raise CheckpointFormatError(f"malformed tensor entry {node!r}")
@@ -426,7 +391,7 @@ def _decode(node: Any, tensors: Mapping[str, Any], depth: int) -> Any:
 
 
 def _decode_tensor(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
-    if type(tensors) is _SpecSink:
+    if isinstance(tensors, TensorSink):
         return tensors.take(node)
     key = node["key"] if node["t"] != "xref" else xref_key(node["component"], node["key"])
     if key not in tensors:

@@ -25,7 +25,16 @@ from typing import Any
 import torch
 
 from torchrl_dcp.adapters import Adapter, AdapterContext
-from torchrl_dcp.codec import TensorSpec, decode, dtype_name, encode, is_dtensor, plan_view, xref_key
+from torchrl_dcp.codec import (
+    TensorSink,
+    TensorSpec,
+    decode,
+    dtype_name,
+    encode,
+    is_dtensor,
+    node_spec,
+    xref_key,
+)
 from torchrl_dcp.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -321,6 +330,51 @@ def check_states(
     if len(seen) != len(recorded):  # every tensor matched its entry: the others have no tensor
         _inventory_error(name, sorted(set(recorded) - seen), source)
     return out
+
+
+def plan_view(skeleton: Any) -> tuple[Any, list[TensorSpec], list[tuple[str, TensorSpec]]]:
+    """What a load plans from, in one walk: the decoded state with every tensor replaced by its
+    :class:`TensorSpec`, the specs, and the references to other components' tensors ``(component, spec)``.
+
+    Raises :class:`CheckpointFormatError` exactly where :func:`decode` does.
+
+    Example:
+        >>> import torch
+        >>> view, specs, refs = plan_view(encode({"w": torch.zeros(2)})[0])
+        >>> view["w"].shape, len(specs), refs
+        ((2,), 1, [])
+    """
+    sink = _SpecSink()
+    view = decode(skeleton, sink)
+    if sink.pending:  # an alias met before the tensor it names: decode again, every spec known
+        view = decode(skeleton, {**sink, **{xref_key(c, spec.key): spec for c, spec in sink.refs}})
+    return view, sink.specs, sink.refs
+
+
+class _SpecSink(TensorSink):
+    """``tensors`` of :func:`decode` while planning: a tensor leaf decodes to its spec (collected)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.specs: list[TensorSpec] = []
+        self.refs: list[tuple[str, TensorSpec]] = []
+        self.pending = False
+
+    def take(self, node: dict[str, Any]) -> Any:
+        kind = node["t"]
+        if kind == "alias":
+            found = self.get(node["key"])
+            self.pending = self.pending or found is None
+            return found
+        spec = node_spec(node)
+        if kind == "xref":
+            if not isinstance(node.get("component"), str):
+                raise CheckpointFormatError(f"malformed tensor reference {node!r}")
+            self.refs.append((node["component"], spec))
+        else:
+            self.specs.append(spec)
+            self[spec.key] = spec
+        return spec
 
 
 def _inventory_error(name: str, differ: list[str], source: Any) -> None:

@@ -29,13 +29,13 @@ from collections.abc import Callable
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointVersionError
+from torchrl_dcp.manifest_depth import check_depth, structure
 from torchrl_dcp.placement import PLACEMENTS
 from torchrl_dcp.storage.layout import MANIFEST, MAX_MANIFEST_BYTES, is_plain_name  # noqa: F401  (re-exported)
 
 FORMAT = "torchrl_dcp"
 FORMAT_VERSION = 4
 CHECKSUM_FIELD = "manifest_checksum"
-MAX_DEPTH = 256  # nesting levels a manifest may have (a deeper one is refused before anything walks it)
 
 Migration = Callable[[dict[str, Any]], dict[str, Any]]
 PayloadMigration = Callable[[Any], Any]
@@ -289,55 +289,12 @@ def loads_manifest(data: bytes, source: Any) -> dict[str, Any]:
         raw = json.loads(data, parse_constant=_refuse_constant)
     except (ValueError, UnicodeDecodeError, RecursionError) as err:
         raise CheckpointFormatError(f"manifest is not valid JSON ({str(err)[:200]})", path=source) from None
-    check_depth(_structure(raw), source)
+    check_depth(structure(raw), source)
     return parse_manifest(raw, source, text=data)
-
-
-def _structure(raw: Any) -> Any:
-    """``raw`` without what is checked without recursion later: component states (decoded by the codec, whose
-    walks are iterative or bounded by ``codec.MAX_DEPTH``) and tensor inventories (flat entries, validated).
-
-    A state nested deeper than the codec allows is refused when it is decoded; recursive
-    consumers of raw states (payload migrations, the seal's re-serialization) check depth
-    themselves. Walking the states here cost 9 ms of a 100 ms load of 5,000 tensors.
-    """
-    comps = raw.get("components") if isinstance(raw, dict) else None
-    if not isinstance(comps, dict):
-        return raw
-
-    def strip(rec: Any) -> Any:
-        if not isinstance(rec, dict):
-            return rec
-        out = {k: v for k, v in rec.items() if k not in ("state", "inventory", "ranks")}
-        ranks = rec.get("ranks")
-        if isinstance(ranks, dict):
-            out["ranks"] = {
-                r: {k: v for k, v in s.items() if k != "state"} if isinstance(s, dict) else s for r, s in ranks.items()
-            }
-        elif "ranks" in rec:
-            out["ranks"] = ranks
-        return out
-
-    return {**raw, "components": {name: strip(rec) for name, rec in comps.items()}}
 
 
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name}")
-
-
-def check_depth(value: Any, source: Any, limit: int = MAX_DEPTH) -> None:
-    """Refuse JSON nested deeper than ``limit`` (walked level by level, without recursion)."""
-    level, depth = [value], 1
-    while level:
-        if depth > limit:
-            raise CheckpointFormatError(f"manifest is nested deeper than {limit} levels: refused", path=source)
-        deeper: list[Any] = []
-        for node in level:
-            if isinstance(node, dict):
-                deeper.extend(v for v in node.values() if isinstance(v, (dict, list)))
-            elif isinstance(node, list):
-                deeper.extend(v for v in node if isinstance(v, (dict, list)))
-        level, depth = deeper, depth + 1
 
 
 def body_checksum(manifest: dict[str, Any]) -> str:
