@@ -1,6 +1,7 @@
-"""Loads of a checkpoint cut into many chunk files announce the next files to the kernel before reading them
-(``POSIX_FADV_WILLNEED``), at most ``READ_AHEAD`` bytes ahead, each file once; ``TDCP_READ_AHEAD=0`` turns it off.
-The hint never changes what is read: the loaded tensors are the saved ones, with or without it."""
+"""Loads of a checkpoint cut into many chunk files: read by one thread, the next files are announced to the kernel
+before their reads (``POSIX_FADV_WILLNEED``), at most ``READ_AHEAD`` bytes ahead, each file once
+(``TDCP_READ_AHEAD=0`` turns it off); read by several threads, each takes the next file in order. Neither changes
+what is read: the loaded tensors are the saved ones."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from torchrl_dcp.storage import copying
 def test_next_chunk_files_are_announced_within_the_window(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ahead: int, kind: str
 ) -> None:
+    monkeypatch.setenv("TDCP_READ_THREADS", "1")
     monkeypatch.setattr(chunking, "CHUNK_BYTES", 4096)
     monkeypatch.setattr(chunking, "MIN_CHUNKED_BYTES", 8192)
     torch.manual_seed(0)
@@ -80,3 +82,66 @@ def test_next_chunk_files_are_announced_within_the_window(
         assert ino in inodes[:count]
         beyond = announced[inodes.index(ino) + 1 : count]
         assert sum(size for _, size in beyond) < max(ahead, 1) + 4096 * 2
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("verify", [True, False])
+def test_chunk_files_are_read_by_several_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int, verify: bool
+) -> None:
+    import threading
+
+    monkeypatch.setenv("TDCP_READ_THREADS", str(threads))
+    monkeypatch.setattr(chunking, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(chunking, "MIN_CHUNKED_BYTES", 8192)
+    torch.manual_seed(1)
+    saved = {"w": torch.randn(256, 64), "b": torch.randn(3)}  # 16 chunk files and a small tensor
+    path = tdcp.DistributedCheckpoint(state=saved).save(tmp_path / "ck")
+    chunk_inodes = {p.stat().st_ino for p in path.glob("__0_*.distcp")}
+    first_reads: list[tuple[int, int]] = []  # (inode, thread) of each file's first read, in time order
+    real_pread = os.preadv
+
+    def preadv(fd: int, buffers: list, offset: int) -> int:
+        ino = os.fstat(fd).st_ino
+        if ino in chunk_inodes and all(i != ino for i, _ in first_reads):
+            first_reads.append((ino, threading.get_ident()))
+        return real_pread(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    from torchrl_dcp.storage.reader import InPlaceFileSystemReader
+
+    together = threading.Barrier(threads, timeout=10)  # the first files are read at the same time, or this breaks
+    real_read_file = InPlaceFileSystemReader._read_file
+    calls = []
+
+    def read_file(self: InPlaceFileSystemReader, *args: object) -> None:
+        calls.append(threading.get_ident())
+        if len(calls) <= threads:
+            together.wait()
+        real_read_file(self, *args)
+
+    monkeypatch.setattr(InPlaceFileSystemReader, "_read_file", read_file)
+    target = {"w": torch.zeros(256, 64), "b": torch.zeros(3)}
+    tdcp.DistributedCheckpoint(state=target).load(path, verify=verify)
+    assert torch.equal(target["w"], saved["w"]) and torch.equal(target["b"], saved["b"])
+    assert {i for i, _ in first_reads} == chunk_inodes  # every chunk file read
+    assert len(set(calls[:threads])) == threads  # the first files by as many threads at once
+
+
+def test_a_damaged_chunk_file_read_by_another_thread_is_refused_and_nothing_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TDCP_READ_THREADS", "2")
+    monkeypatch.setattr(chunking, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(chunking, "MIN_CHUNKED_BYTES", 8192)
+    saved = {"w": torch.arange(256 * 64, dtype=torch.float32).reshape(256, 64)}
+    path = tdcp.DistributedCheckpoint(state=saved).save(tmp_path / "ck")
+    victim = sorted(path.glob("__0_*.distcp"), key=lambda p: p.name)[7]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    target = {"w": torch.full((256, 64), -1.0)}
+    live = target["w"]
+    with pytest.raises(tdcp.CheckpointError, match=victim.name):
+        tdcp.DistributedCheckpoint(state=target).load(path)
+    assert target["w"] is live and bool((live == -1.0).all())

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torchrl_dcp.errors import CheckpointIntegrityError, IncompatibleComponentError, UnsafeCheckpointError
 from torchrl_dcp.planner import _is_plain
 from torchrl_dcp.storage.reader import InPlaceFileSystemReader
-from torchrl_dcp.storage.readitems import _Item, plan_in_place
+from torchrl_dcp.storage.readitems import _Item, destination_bytes, plan_in_place
 
 
 class _NoPlanner:
@@ -135,6 +135,7 @@ def read_direct(
         if slabs is None:
             rest[key] = dest
             continue
+        destination_bytes(dest)  # huge pages advised over the whole tensor (per chunk, each edge would lose some)
         for offsets, first, rows in slabs:
             index = MetadataIndex(key, offsets)
             info = storage.get(index)
