@@ -90,6 +90,9 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
     ``stats`` counts records read in place and through the fallback, and bytes read.
     """
 
+    #: advise huge pages over large destinations (faulted by the reads themselves)
+    hugepages = True
+
     def __init__(
         self,
         location: str | os.PathLike | Container,
@@ -168,7 +171,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         info = self.storage_data[req.storage_index]
         if req.type != LoadItemType.TENSOR or any(req.storage_offsets) or tuple(target.shape) != tuple(req.lengths):
             return None
-        return whole_record_view(info, target)
+        return whole_record_view(info, target, self.hugepages)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[_Item]] = {}

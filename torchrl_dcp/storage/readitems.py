@@ -123,6 +123,18 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 _POPULATE_STEP = 16 << 20
 
 
+def populate(view: memoryview) -> bool:
+    """Map ``view``'s whole pages now (``MADV_POPULATE_WRITE``); ``False`` where that is not available."""
+    lib = libc()
+    if lib is None or not len(view) or not sys.platform.startswith("linux"):
+        return False
+    ptr = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    start, end = (ptr + 4095) & ~4095, (ptr + len(view)) & ~4095
+    if end <= start:
+        return True
+    return lib.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(_MADV_POPULATE_WRITE)) == 0
+
+
 def prefault(view: memoryview) -> threading.Thread | None:
     """Map ``view``'s pages ahead of the reads in a thread of its own (``MADV_POPULATE_WRITE``), so that the page
     faults of fresh memory overlap the disk instead of adding to it; ``None`` where not available. Join it."""
@@ -143,8 +155,9 @@ def prefault(view: memoryview) -> threading.Thread | None:
     return thread
 
 
-def destination_bytes(tensor: torch.Tensor) -> memoryview | None:
-    """A writable view of a contiguous CPU tensor's bytes (``None``: not readable in place)."""
+def destination_bytes(tensor: torch.Tensor, hugepages: bool = True) -> memoryview | None:
+    """A writable view of a contiguous CPU tensor's bytes (``None``: not readable in place); ``hugepages``:
+    advise transparent huge pages over it when large (fresh memory is then faulted 2 MiB at a time)."""
     if (
         tensor.device.type != "cpu"
         or not tensor.is_contiguous()
@@ -156,16 +169,16 @@ def destination_bytes(tensor: torch.Tensor) -> memoryview | None:
     if nbytes == 0:
         return memoryview(bytearray(0))
     ptr = tensor.data_ptr()
-    if nbytes >= HUGEPAGE_MIN and not is_memmap_tensor(tensor):
+    if hugepages and nbytes >= HUGEPAGE_MIN and not is_memmap_tensor(tensor):
         _advise_hugepages(ptr, nbytes)
     return memoryview((ctypes.c_ubyte * nbytes).from_address(ptr)).cast("B")
 
 
-def whole_record_view(info: Any, target: torch.Tensor) -> memoryview | None:
+def whole_record_view(info: Any, target: torch.Tensor, hugepages: bool = True) -> memoryview | None:
     """The bytes of ``target`` when a whole record (``info``) of its dtype and shape may be read into it."""
     if info.transform_descriptors or sys.byteorder != "little" or target.dtype not in STORAGE_NAMES:
         return None
-    return destination_bytes(target)
+    return destination_bytes(target, hugepages)
 
 
 class SmallRecord(NamedTuple):
