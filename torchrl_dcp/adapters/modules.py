@@ -117,9 +117,10 @@ def _in_place_keys(current: Mapping[str, Any], saved: Any) -> set[str]:
     for key, spec in saved.items() if isinstance(saved, Mapping) else ():
         live = current.get(key)
         if (
-            isinstance(spec, TensorSpec)
+            type(spec) is TensorSpec
             and _in_place(live)
-            and (tuple(live.shape), live.dtype) == (spec.shape, spec.dtype)
+            and live.shape == spec.shape  # torch.Size and tuple compare as tuples
+            and live.dtype == spec.dtype
         ):
             keys.add(key)
     return keys
@@ -147,7 +148,7 @@ def _same_tensor(a: Any, b: Any) -> bool:
 def _check_keys(current: Mapping[str, Any], state: Any, ctx: AdapterContext) -> bool:
     """Refuse differing key sets unless ``load_kwargs={"strict": False}``; returns whether loading is strict."""
     strict = bool((ctx.options.load_kwargs or {}).get("strict", True))
-    if strict and isinstance(state, Mapping):
+    if strict and isinstance(state, Mapping) and state.keys() != current.keys():
         expected = set(current)
         missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
         if missing or unexpected:
