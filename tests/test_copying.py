@@ -80,3 +80,32 @@ def test_thread_counts_share_this_nodes_cpus_among_its_ranks(
     assert (copying.default_threads(), copying.read_threads()) == (write, read)
     monkeypatch.setenv("TDCP_WRITE_THREADS", "3")
     assert copying.default_threads() == 3
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, 3 * (1 << 20) + 5])
+def test_every_range_is_read_front_to_back_starting_with_one_page(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    """A first read of one page, then whole pieces: the kernel reads cold files ahead as sequential streams."""
+    data = os.urandom(size)
+    (tmp_path / "src").write_bytes(data)
+    reads: list[tuple[int, int]] = []
+    real = os.preadv
+
+    def preadv(fd: int, buffers: list, offset: int) -> int:
+        reads.append((offset, sum(len(b) for b in buffers)))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    src = os.open(tmp_path / "src", os.O_RDONLY)
+    try:
+        (crc,) = copy_ranges([CopyRange(src, 0, size, None, 0, "src")], threads=1, buffer_size=1 << 20)
+    finally:
+        os.close(src)
+    assert crc == zlib.crc32(data)
+    if size:
+        assert reads[0] == (0, min(size, 4096))
+        assert [o for o, _ in reads] == sorted(o for o, _ in reads)  # front to back
+        assert sum(n for _, n in reads) == size
+    else:
+        assert reads == []
