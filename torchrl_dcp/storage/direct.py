@@ -113,8 +113,9 @@ def read_direct(
     whole = _whole_records(storage)
     rest: dict[str, torch.Tensor] = {}
     per_file: dict[str, list[_Item]] = {}
+    saved_get, whole_get = saved.get, whole.get
     for key, dest in tensors.items():
-        md = saved.get(key)
+        md = saved_get(key)
         _check(key, dest, md)
         if not _is_plain(dest):
             rest[key] = dest
@@ -123,13 +124,16 @@ def read_direct(
             continue  # nothing to read (as DCP: no read item for an empty tensor)
         chunks = md.chunks
         if len(chunks) == 1 and chunks[0].sizes == md.size and not any(chunks[0].offsets):
-            found = whole.get(key)
+            found = whole_get(key)
             if found is None:
                 raise CheckpointIntegrityError(f"DCP metadata lists no record for tensor {key!r} at the origin")
             index, info = found
-            item = _Item((index, dest.shape), info.offset, info.length, dest, planned=True)
+            item = _Item((index, dest.shape), info.offset, info.length, dest, True)
             plan_in_place(item, info)
-            per_file.setdefault(info.relative_path, []).append(item)
+            files = per_file.get(info.relative_path)
+            if files is None:
+                files = per_file[info.relative_path] = []
+            files.append(item)
             continue
         slabs = _row_slabs(md)
         if slabs is None:
