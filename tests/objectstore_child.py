@@ -3,7 +3,10 @@
 Usage: ``python tests/objectstore_child.py <url> <step> <phase>``; the local S3 server comes from
 fsspec's configuration (``FSSPEC_S3_*`` in the environment). Phases: ``none``, ``before_data``
 (marker written, no data), ``mid_data`` (some parts of the multipart upload sent),
-``before_manifest`` (data and ``.metadata`` uploaded, no manifest).
+``before_manifest`` (data and ``.metadata`` uploaded, no manifest); ``inc_mid_copy`` and
+``inc_before_manifest``: an incremental save of :func:`incremental_state` (few rows changed since
+the previous step; chunk files of ``TDCP_CHUNK_BYTES``) killed after some unchanged chunk objects
+were copied server-side, or after every copy and upload but before its manifest.
 """
 
 from __future__ import annotations
@@ -23,12 +26,32 @@ def state(step: int) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(3_000_000, generator=g), "b": torch.full((10,), float(step))}
 
 
+def incremental_state(step: int) -> dict[str, torch.Tensor]:
+    """The same large tensor at every step but its first rows (so most chunk objects are kept by copies)."""
+    w = torch.randn(3_000_000, generator=torch.Generator().manual_seed(0))
+    w[:1000] = float(step)
+    return {"w": w, "b": torch.full((10,), float(step))}
+
+
 def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main(url: str, step: int, phase: str) -> None:
-    if phase == "before_data":
+    make = incremental_state if phase.startswith("inc_") else state
+    phase = phase.removeprefix("inc_")
+    if phase == "mid_copy":
+        keep = objectstore_save.keep_object
+        copied: list[object] = []
+
+        def some_copies(kept, dst):  # type: ignore[no-untyped-def]
+            if len(copied) == 3:
+                _die()
+            copied.append(dst)
+            return keep(kept, dst)
+
+        objectstore_save.keep_object = some_copies  # type: ignore[assignment]
+    elif phase == "before_data":
         objectstore_save.write_data_file = lambda *a, **k: _die()  # type: ignore[assignment]
     elif phase == "mid_data":
         parts = objectstore._parts
@@ -52,7 +75,7 @@ def main(url: str, step: int, phase: str) -> None:
 
         objectstore_save.finish = no_manifest  # type: ignore[assignment]
         assert finish
-    tdcp.CheckpointRotation(url, keep_last=5).save(tdcp.DistributedCheckpoint(state=state(step)), step=step)
+    tdcp.CheckpointRotation(url, keep_last=5).save(tdcp.DistributedCheckpoint(state=make(step)), step=step)
 
 
 if __name__ == "__main__":

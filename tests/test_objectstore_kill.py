@@ -16,14 +16,14 @@ from torchrl_dcp.storage.objectstore import list_objects
 from torchrl_dcp.storage.urls import resolve_path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from objectstore_child import state  # noqa: E402
+from objectstore_child import incremental_state, state  # noqa: E402
 
 CHILD = Path(__file__).with_name("objectstore_child.py")
 ROOT = CHILD.parent.parent
 
 
-def _child(s3, url: str, step: int, phase: str) -> int:  # type: ignore[no-untyped-def]
-    env = {**os.environ, **s3.env, "PYTHONPATH": str(ROOT), "TDCP_STORE_PART_SIZE": str(5 << 20)}
+def _child(s3, url: str, step: int, phase: str, **extra: str) -> int:  # type: ignore[no-untyped-def]
+    env = {**os.environ, **s3.env, "PYTHONPATH": str(ROOT), "TDCP_STORE_PART_SIZE": str(5 << 20), **extra}
     proc = subprocess.run(
         [sys.executable, str(CHILD), url, str(step), phase], env=env, capture_output=True, text=True, timeout=180
     )
@@ -61,3 +61,43 @@ def test_kill_at_each_phase_keeps_the_previous_checkpoint(s3, phase: str) -> Non
     _save(s3, url, 3)  # the next save cleans up
     assert not list_objects(killed) and sorted(list_objects(root)) == ["step-000000000001", "step-000000000003"]
     assert [e.step for e in rotation.entries()] == [1, 3] and float(_load_step(s3, rotation.latest())) == 3.0
+
+
+@pytest.mark.parametrize("phase", ["inc_mid_copy", "inc_before_manifest"])
+def test_kill_during_an_incremental_save_keeps_the_previous_checkpoint(  # type: ignore[no-untyped-def]
+    s3, monkeypatch: pytest.MonkeyPatch, phase: str
+) -> None:
+    """Killed while unchanged chunk objects are copied server-side from the previous checkpoint (or after every copy,
+    before the manifest): the previous checkpoint is intact and exact, the killed one absent, the next save cleans."""
+    from torchrl_dcp import chunking
+
+    monkeypatch.setattr(chunking, "CHUNK_BYTES", 1 << 20)  # 12 chunk objects of 1 MiB; the child uses the same
+    monkeypatch.setattr(chunking, "MIN_CHUNKED_BYTES", 2 << 20)
+    url = s3.url()
+
+    def save(step: int) -> None:
+        ckpt = tdcp.DistributedCheckpoint(state=incremental_state(step), storage_options=s3.storage_options)
+        tdcp.CheckpointRotation(url, keep_last=5, storage_options=s3.storage_options).save(ckpt, step=step)
+
+    def loads_exactly(path, step: int) -> bool:  # type: ignore[no-untyped-def]
+        target = {"w": torch.zeros(3_000_000), "b": torch.zeros(10)}
+        tdcp.DistributedCheckpoint(state=target, storage_options=s3.storage_options).load(path)
+        return all(torch.equal(target[k], v) for k, v in incremental_state(step).items())
+
+    save(1)
+    root = resolve_path(url, s3.storage_options)
+    first = root / "step-000000000001"
+    assert len([n for n in list_objects(first) if n.endswith(".distcp")]) >= 10  # chunked: copies to kill amid
+    _child(s3, url, 2, phase, TDCP_CHUNK_BYTES=str(1 << 20))
+    killed = root / "step-000000000002"
+    if phase == "inc_mid_copy":
+        assert 1 <= len([n for n in list_objects(killed) if n.endswith(".distcp")]) < 12  # died amid the copies
+    rotation = tdcp.CheckpointRotation(url, storage_options=s3.storage_options)
+    assert [e.step for e in rotation.entries()] == [1]
+    assert loads_exactly(rotation.latest(), 1)  # the copies' source is untouched
+    tdcp.verify(rotation.latest())
+    with pytest.raises(tdcp.CheckpointError):
+        tdcp.DistributedCheckpoint(state={"w": torch.zeros(1)}, storage_options=s3.storage_options).load(killed)
+    save(3)  # incremental from step 1 again; cleans the killed prefix
+    assert not list_objects(killed)
+    assert [e.step for e in rotation.entries()] == [1, 3] and loads_exactly(rotation.latest(), 3)
