@@ -190,3 +190,23 @@ def test_chunked_loads_are_exact_in_every_layout(
         got = target  # type: ignore[assignment]
     for k, v in saved.items():
         assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_file_of_large_records_and_chunk_files_load_exactly_together(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int, verify: bool
+) -> None:
+    """Files read by several threads while one of them splits its large records between threads too."""
+    monkeypatch.setenv("TDCP_READ_THREADS", str(threads))
+    monkeypatch.setattr(chunking, "CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(chunking, "MIN_CHUNKED_BYTES", 4 << 20)
+    torch.manual_seed(3)
+    saved = {f"layer{i}": torch.randn(3 << 17) for i in range(4)}  # 1.5 MiB records: one file, split between threads
+    saved["emb"] = torch.randn(5 << 18)  # 5 MiB: 5 chunk files
+    saved["bias"] = torch.randn(10)
+    path = tdcp.DistributedCheckpoint(state=dict(saved)).save(tmp_path / "ck")
+    assert len(list(path.glob("__0_*.distcp"))) >= 6
+    target = {k: torch.zeros_like(v) for k, v in saved.items()}
+    tdcp.DistributedCheckpoint(state=target).load(path, verify=verify)
+    assert all(torch.equal(target[k], v) for k, v in saved.items())
