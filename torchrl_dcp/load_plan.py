@@ -290,19 +290,6 @@ def check_backed(metadata: Any, key: str, spec: TensorSpec, source: Any, backing
 Backing = dict[str, dict[tuple[int, ...], int]]
 
 
-def _plainly_backed(metadata: Any, key: str, spec: TensorSpec, backing: Backing | None) -> bool:
-    """:func:`check_backed`'s common case in a few lookups (one chunk, record at its offsets); ``False``: ask it."""
-    saved = None if metadata is None or backing is None else metadata.state_dict_metadata.get(key)
-    props = getattr(saved, "properties", None)
-    if props is None or props.dtype != spec.dtype or spec.dtensor or len(saved.chunks) != 1:
-        return False
-    if tuple(saved.size) != spec.shape:
-        return False
-    records = backing.get(key)
-    backed = records.get(tuple(saved.chunks[0].offsets)) if records else None
-    return backed is not None and backed >= math.prod(spec.shape) * spec.dtype.itemsize
-
-
 def backing_index(metadata: Any) -> Backing:
     """``{key: {chunk offsets: record length}}`` of DCP's metadata (one pass over its records)."""
     out: Backing = {}
@@ -339,8 +326,7 @@ def check_states(
             if entry is None or entry["dtype"] != dtype_name(spec.dtype) or tuple(entry["shape"]) != spec.shape:
                 _inventory_error(name, [key], source)
             seen.add(key)
-            if not _plainly_backed(metadata, key, spec, backing):
-                check_backed(metadata, key, spec, source, backing)  # the general case, and the errors
+            check_backed(metadata, key, spec, source, backing)
         out[r] = SavedState(skeleton, prefix, specs, view, refs)
     if len(seen) != len(recorded):  # every tensor matched its entry: the others have no tensor
         _inventory_error(name, sorted(set(recorded) - seen), source)

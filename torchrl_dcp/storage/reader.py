@@ -199,13 +199,13 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         """
         names = sorted(per_file)
         sources = {n: self.read_source(n) for n in names}
-        ahead = ReadAhead([sources[n].size for n in names], lambda k: sources[names[k]].announce())
         several = len(names) > 1
         if not (
             several
             and self.threads > 1
             and all(it.planned for n in names for it in per_file[n])  # DCP's planner is not called from threads
         ):
+            ahead = ReadAhead([sources[n].size for n in names], lambda k: sources[names[k]].announce())
             for k, name in enumerate(names):
                 if several:  # announce the next files: cold chunk files otherwise start with a small read-ahead
                     ahead.reach(k)

@@ -73,7 +73,10 @@ class RangeFile:
         """Ask the kernel to start reading this range (a hint, given ahead of the read)."""
         from torchrl_dcp.storage.copying import will_need
 
-        fd = open_regular(self.path, self.where)
+        try:
+            fd = open_regular(self.path, self.where)
+        except CheckpointIntegrityError:
+            return  # not a regular file: its read says so, in its turn
         try:
             will_need(fd, self.base, self.size)
         finally:
@@ -123,16 +126,27 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 _POPULATE_STEP = 16 << 20
 
 
+def _page_range(view: memoryview) -> tuple[int, int]:
+    """The whole pages ``[start, end)`` inside ``view``'s memory."""
+    ptr = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    return (ptr + 4095) & ~4095, (ptr + len(view)) & ~4095
+
+
+def _map_pages(lib: Any, start: int, end: int) -> bool:
+    """``MADV_POPULATE_WRITE`` over ``[start, end)``, ``_POPULATE_STEP`` at a time; ``False``: not supported."""
+    for a in range(start, end, _POPULATE_STEP):
+        n = min(_POPULATE_STEP, end - a)
+        if lib.madvise(ctypes.c_void_p(a), ctypes.c_size_t(n), ctypes.c_int(_MADV_POPULATE_WRITE)) != 0:
+            return False  # an older kernel (EINVAL): the reads fault the pages themselves
+    return True
+
+
 def populate(view: memoryview) -> bool:
     """Map ``view``'s whole pages now (``MADV_POPULATE_WRITE``); ``False`` where that is not available."""
     lib = libc()
     if lib is None or not len(view) or not sys.platform.startswith("linux"):
         return False
-    ptr = ctypes.addressof(ctypes.c_char.from_buffer(view))
-    start, end = (ptr + 4095) & ~4095, (ptr + len(view)) & ~4095
-    if end <= start:
-        return True
-    return lib.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(_MADV_POPULATE_WRITE)) == 0
+    return _map_pages(lib, *_page_range(view))
 
 
 def prefault(view: memoryview) -> threading.Thread | None:
@@ -141,16 +155,7 @@ def prefault(view: memoryview) -> threading.Thread | None:
     lib = libc()
     if lib is None or len(view) < _POPULATE_STEP or not sys.platform.startswith("linux"):
         return None
-    ptr = ctypes.addressof(ctypes.c_char.from_buffer(view))
-    start, end = (ptr + 4095) & ~4095, (ptr + len(view)) & ~4095
-
-    def run() -> None:
-        for a in range(start, end, _POPULATE_STEP):
-            n = min(_POPULATE_STEP, end - a)
-            if lib.madvise(ctypes.c_void_p(a), ctypes.c_size_t(n), ctypes.c_int(_MADV_POPULATE_WRITE)) != 0:
-                return  # an older kernel (EINVAL): the reads fault the pages themselves
-
-    thread = threading.Thread(target=run, name="tdcp-prefault", daemon=True)
+    thread = threading.Thread(target=_map_pages, args=(lib, *_page_range(view)), name="tdcp-prefault", daemon=True)
     thread.start()
     return thread
 
