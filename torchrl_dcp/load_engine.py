@@ -57,6 +57,7 @@ from torchrl_dcp.manifest import library_versions
 from torchrl_dcp.planner import SafeLoadPlanner
 from torchrl_dcp.save_engine import quiet_single_process, summarize
 from torchrl_dcp.storage.direct import read_direct
+from torchrl_dcp.storage.filesystem import record_index
 from torchrl_dcp.storage.source import CheckpointSource, open_source
 
 logger = logging.getLogger("torchrl_dcp")
@@ -166,8 +167,8 @@ def verify_bytes(src: CheckpointSource, load_plan: LoadPlan, verify: bool, metad
 
 def files_for(metadata: Any, flat: Mapping[str, torch.Tensor]) -> set[str]:
     """The data files that hold any of ``flat``'s keys."""
-    keys = set(flat)
-    return {info.relative_path for index, info in metadata.storage_data.items() if index.fqn in keys}
+    records = record_index(metadata)
+    return {info.relative_path for key in flat for info in records.get(key, {}).values()}
 
 
 # ---------------------------------------------------------------------- phase 5: read

@@ -44,6 +44,7 @@ from torchrl_dcp.errors import (
 )
 from torchrl_dcp.manifest import migrate_component
 from torchrl_dcp.placement import Placement, key_prefix
+from torchrl_dcp.storage.filesystem import record_index
 
 
 @dataclass
@@ -123,7 +124,6 @@ def plan_components(
     """
     load_plan = LoadPlan()
     saved = manifest["components"]
-    backing = backing_index(metadata) if metadata is not None else None
     for name in requested:
         if name not in saved:
             continue
@@ -132,7 +132,7 @@ def plan_components(
         if rec is None:
             continue
         assert reg.adapter is not None
-        checked = check_states(name, rec, metadata, source, backing)
+        checked = check_states(name, rec, metadata, source)
         reshard = rec["placement"] == "per_rank" and manifest["world_size"] != world_size
         if reshard and not (reshard_allowed and reg.adapter.can_reshard):
             why = (
@@ -253,12 +253,11 @@ def _check_destination(name: str, spec: TensorSpec, dest: torch.Tensor) -> None:
         )
 
 
-def check_backed(metadata: Any, key: str, spec: TensorSpec, source: Any, backing: Backing | None = None) -> None:
+def check_backed(metadata: Any, key: str, spec: TensorSpec, source: Any) -> None:
     """The DCP metadata holds ``key`` with the manifest's dtype and shape, in records large enough for its bytes.
 
     Checked before the destination is allocated: a forged manifest cannot make a load
-    allocate more memory than the checkpoint's files hold. ``backing``: the metadata's
-    record lengths, indexed once (:func:`backing_index`) when many tensors are checked.
+    allocate more memory than the checkpoint's files hold.
     """
     saved = None if metadata is None else metadata.state_dict_metadata.get(key)
     props = getattr(saved, "properties", None)
@@ -273,13 +272,14 @@ def check_backed(metadata: Any, key: str, spec: TensorSpec, source: Any, backing
     if spec.dtensor:
         return  # sharded: its chunks are checked by DCP's planner against the live shards
     nbytes = math.prod(spec.shape) * spec.dtype.itemsize
-    records = (backing if backing is not None else backing_index(metadata)).get(key) or {}
+    records = record_index(metadata).get(key) or {}
     if len(saved.chunks) != 1:
-        backed = sum(records.values())
+        backed = sum(info.length for info in records.values())
     else:  # the record at the chunk's offsets (else any record of the key)
-        backed = records.get(tuple(saved.chunks[0].offsets))
-        if backed is None:
-            backed = next(iter(records.values()), 0)
+        info = records.get(tuple(saved.chunks[0].offsets))
+        if info is None:
+            info = next(iter(records.values()), None)
+        backed = 0 if info is None else info.length
     if backed < nbytes:
         raise CheckpointIntegrityError(
             f"tensor {key!r} claims {nbytes} bytes but its records hold {backed}: the checkpoint is damaged or forged",
@@ -287,20 +287,7 @@ def check_backed(metadata: Any, key: str, spec: TensorSpec, source: Any, backing
         )
 
 
-Backing = dict[str, dict[tuple[int, ...], int]]
-
-
-def backing_index(metadata: Any) -> Backing:
-    """``{key: {chunk offsets: record length}}`` of DCP's metadata (one pass over its records)."""
-    out: Backing = {}
-    for index, info in metadata.storage_data.items():
-        out.setdefault(index.fqn, {})[tuple(index.offset or ())] = int(info.length)
-    return out
-
-
-def check_states(
-    name: str, rec: dict[str, Any], metadata: Any, source: Any, backing: Backing | None = None
-) -> dict[int, SavedState]:
+def check_states(name: str, rec: dict[str, Any], metadata: Any, source: Any) -> dict[int, SavedState]:
     """The same checks for ``load`` and ``verify``, on every saved state of a component: its inventory agrees with
     its states, every state decodes (bounded), and every tensor is in DCP's metadata with its dtype and shape,
     backed by enough bytes. Returns ``{saved rank: SavedState}`` (rank 0 for replicated and sharded components)."""
@@ -312,8 +299,6 @@ def check_states(
     recorded = rec["inventory"]
     seen: set[str] = set()
     out: dict[int, SavedState] = {}
-    if backing is None and metadata is not None:
-        backing = backing_index(metadata)
     for r, skeleton in states:
         try:
             view, specs, refs = plan_view(skeleton)  # every value decodes (numeric dtypes, bounded nesting)
@@ -326,7 +311,7 @@ def check_states(
             if entry is None or entry["dtype"] != dtype_name(spec.dtype) or tuple(entry["shape"]) != spec.shape:
                 _inventory_error(name, [key], source)
             seen.add(key)
-            check_backed(metadata, key, spec, source, backing)
+            check_backed(metadata, key, spec, source)
         out[r] = SavedState(skeleton, prefix, specs, view, refs)
     if len(seen) != len(recorded):  # every tensor matched its entry: the others have no tensor
         _inventory_error(name, sorted(set(recorded) - seen), source)

@@ -36,11 +36,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from torchrl_dcp.errors import CheckpointIntegrityError, IncompatibleComponentError, UnsafeCheckpointError
 from torchrl_dcp.planner import _is_plain
+from torchrl_dcp.storage.filesystem import record_index
 from torchrl_dcp.storage.reader import InPlaceFileSystemReader
 from torchrl_dcp.storage.readitems import _Item, destination_bytes, plan_in_place
 
@@ -56,11 +57,6 @@ class _NoPlanner:
 
     def load_bytes(self, req: ReadItem, value: Any) -> None:
         raise UnsafeCheckpointError(f"entry {req.dest_index.fqn!r} is a byte item, which torchrl_dcp never loads")
-
-
-def _whole_records(storage: Mapping[MetadataIndex, Any]) -> dict[str, tuple[MetadataIndex, Any]]:
-    """``{key: (index, record)}`` of every record at a tensor's origin (offsets all zero), in one pass."""
-    return {index.fqn: (index, info) for index, info in storage.items() if not any(index.offset or ())}
 
 
 def _row_slabs(md: TensorStorageMetadata) -> list[tuple[Any, int, int]] | None:
@@ -109,11 +105,10 @@ def read_direct(
         return dict(tensors)
     reader.set_up_storage_reader(metadata, is_coordinator=False)
     saved = metadata.state_dict_metadata
-    storage = metadata.storage_data
-    whole = _whole_records(storage)
+    records = record_index(metadata)
     rest: dict[str, torch.Tensor] = {}
     per_file: dict[str, list[_Item]] = {}
-    saved_get, whole_get = saved.get, whole.get
+    saved_get, records_get = saved.get, records.get
     for key, dest in tensors.items():
         md = saved_get(key)
         _check(key, dest, md)
@@ -124,11 +119,11 @@ def read_direct(
             continue  # nothing to read (as DCP: no read item for an empty tensor)
         chunks = md.chunks
         if len(chunks) == 1 and chunks[0].sizes == md.size and not any(chunks[0].offsets):
-            found = whole_get(key)
-            if found is None:
+            offsets = chunks[0].offsets
+            info = (records_get(key) or {}).get(tuple(offsets))
+            if info is None:
                 raise CheckpointIntegrityError(f"DCP metadata lists no record for tensor {key!r} at the origin")
-            index, info = found
-            item = _Item((index, dest.shape), info.offset, info.length, dest, True)
+            item = _Item((key, offsets, dest.shape), info.offset, info.length, dest, True)
             plan_in_place(item, info)
             files = per_file.get(info.relative_path)
             if files is None:
@@ -141,12 +136,11 @@ def read_direct(
             continue
         destination_bytes(dest)  # huge pages advised over the whole tensor (per chunk, each edge would lose some)
         for offsets, first, rows in slabs:
-            index = MetadataIndex(key, offsets)
-            info = storage.get(index)
+            info = (records_get(key) or {}).get(tuple(offsets))
             if info is None:
                 raise CheckpointIntegrityError(f"DCP metadata lists no record for tensor {key!r} at {tuple(offsets)}")
             target = dest.narrow(0, first, rows)
-            item = _Item((index, target.shape), info.offset, info.length, target, planned=True)
+            item = _Item((key, offsets, target.shape), info.offset, info.length, target, planned=True)
             plan_in_place(item, info)
             per_file.setdefault(info.relative_path, []).append(item)
     reader.read_items(per_file, _NoPlanner())

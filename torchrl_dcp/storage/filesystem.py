@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import weakref
 from collections.abc import Collection, Mapping
 from typing import Any, BinaryIO
 
@@ -91,6 +92,34 @@ def safe_load_metadata(path: str | os.PathLike, data: bytes | None = None) -> Me
     return metadata
 
 
+RecordIndex = dict[str, dict[tuple[int, ...], Any]]
+_INDEXES: dict[int, RecordIndex] = {}
+
+
+def record_index(metadata: Metadata) -> RecordIndex:
+    """``{key: {chunk offsets: storage info}}`` of every record DCP's metadata lists, built once per metadata
+    object (loads look records up by key many times: a scan of ``storage_data`` per question was 1 ms a scan
+    for 5,000 tensors, and every ``MetadataIndex`` hash a Python call).
+
+    Example:
+        >>> import tempfile, torch
+        >>> from torchrl_dcp.storage.writer import write_state
+        >>> from torchrl_dcp.storage.reader import InPlaceFileSystemReader
+        >>> d = tempfile.mkdtemp()
+        >>> _ = write_state({"w": torch.zeros(2)}, d)
+        >>> list(record_index(InPlaceFileSystemReader(d).read_metadata())["w"])
+        [(0,)]
+    """
+    found = _INDEXES.get(id(metadata))
+    if found is None:
+        found = {}
+        for index, info in (metadata.storage_data or {}).items():
+            found.setdefault(index.fqn, {})[tuple(index.offset or ())] = info
+        _INDEXES[id(metadata)] = found
+        weakref.finalize(metadata, _INDEXES.pop, id(metadata), None)
+    return found
+
+
 def check_storage_files(metadata: Metadata, source: str, allowed: Collection[str] | None) -> None:
     """Every data file DCP would open must be a plain name (and listed in the manifest)."""
     for info in (metadata.storage_data or {}).values():
@@ -102,11 +131,18 @@ def check_storage_files(metadata: Metadata, source: str, allowed: Collection[str
 
 
 def check_storage_bounds(metadata: Metadata, source: str, files: Mapping[str, Mapping[str, Any]]) -> None:
-    """Every byte range DCP would read lies inside its file (sizes as the manifest records them)."""
+    """Every data file DCP would open is a plain file name the manifest lists (``files``), and every byte range
+    DCP would read lies inside it (sizes as the manifest records them)."""
+    checked: set[str] = set()
     for index, info in (metadata.storage_data or {}).items():
-        rec = files.get(info.relative_path)
+        rel = getattr(info, "relative_path", None)
+        if type(rel) is not str or rel not in checked:
+            if type(rel) is not str or rel not in files or not is_plain_name(rel):
+                check_storage_files(metadata, source, files)  # says which, and why
+            checked.add(rel)
+        rec = files[rel]
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
-        if rec is None or not isinstance(offset, int) or not isinstance(length, int):
+        if not isinstance(offset, int) or not isinstance(length, int):
             raise CheckpointIntegrityError(f"DCP metadata entry for {index.fqn!r} is malformed", path=source)
         if offset < 0 or length < 0 or offset + length > rec["size"]:
             raise CheckpointIntegrityError(

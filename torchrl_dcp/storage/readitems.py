@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
 import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from torchrl_dcp.errors import CheckpointIntegrityError
@@ -234,7 +235,9 @@ class _Item:
     def __init__(
         self, req: ReadItem | Any, offset: int, length: int, target: torch.Tensor | None = None, planned: bool = False
     ) -> None:
-        self.req = req  # DCP's read item (direct reads: ``(index, shape)``, built into one by the fallback only)
+        self.req = (
+            req  # DCP's read item (direct reads: ``(key, chunk offsets, shape)``, built into one by the fallback only)
+        )
         self.offset, self.length = offset, length
         self.target = target  # set when the record may be read in place (direct reads: always)
         self.view: memoryview | None = None  # the target's bytes (None: through the fallback)
@@ -242,9 +245,10 @@ class _Item:
         self.small: SmallRecord | None = None  # a small record copied into ``target`` by address (direct reads)
 
     def request(self) -> ReadItem:
-        """DCP's read item (direct reads carry ``(index, shape)`` of a whole record until the fallback needs it)."""
+        """DCP's read item (direct reads carry ``(key, chunk offsets, shape)`` of a record until the fallback needs it)."""
         if not isinstance(self.req, ReadItem):
-            index, shape = self.req
+            key, offsets, shape = self.req
+            index = MetadataIndex(key, offsets)
             zeros = torch.Size([0] * len(shape))
             self.req = ReadItem(LoadItemType.TENSOR, index, index.offset, index, zeros, shape)
         return self.req

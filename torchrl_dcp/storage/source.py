@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
 from torchrl_dcp.storage.container import Container, open_container, open_regular
-from torchrl_dcp.storage.filesystem import check_storage_bounds, check_storage_files, safe_load_metadata
+from torchrl_dcp.storage.filesystem import check_storage_bounds, safe_load_metadata
 from torchrl_dcp.storage.layout import DCP_METADATA, MAX_MANIFEST_BYTES, TRAILER_SIZE, read_identity
 from torchrl_dcp.storage.reader import InPlaceFileSystemReader
 from torchrl_dcp.storage.urls import is_store, is_url, resolve_path
@@ -78,8 +78,7 @@ class CheckpointSource:
                         "checkpoint was copied in; refused",
                         path=where,
                     )
-                check_storage_files(metadata, where, files)
-                check_storage_bounds(metadata, where, files)
+                check_storage_bounds(metadata, where, files)  # file names and byte ranges, one pass
                 self._metadata = metadata
             self._metadata_read = True
         return self._metadata
