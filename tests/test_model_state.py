@@ -57,3 +57,26 @@ def test_model_state_equals_dcp_helper(kind: str) -> None:
     for key in theirs:
         assert type(ours[key]) is type(theirs[key])
         assert ours[key].data_ptr() == theirs[key].data_ptr() and ours[key].shape == theirs[key].shape
+
+
+@pytest.mark.parametrize("kind", sorted(MODULES))
+def test_loaded_parameters_stay_trainable_leaves(kind: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A load reads into the parameters themselves (not detached views of them): afterwards they are the same
+    objects, leaves with their ``requires_grad``, hold the saved values, and a backward pass reaches them."""
+    import torchrl_dcp as tdcp
+
+    torch.manual_seed(0)
+    saved = MODULES[kind]()
+    path = tdcp.DistributedCheckpoint(m=saved).save(tmp_path / "c")
+    torch.manual_seed(1)
+    m = MODULES[kind]()
+    before = {n: (p, p.requires_grad) for n, p in m.named_parameters()}
+    tdcp.DistributedCheckpoint(m=m).load(path)
+    for name, p in m.named_parameters():
+        assert p is before[name][0] and p.is_leaf and p.requires_grad == before[name][1] and p.grad_fn is None
+    for (k, a), b in zip(model_state(m).items(), model_state(saved).values()):
+        assert torch.equal(a, b), k
+    trainable = [p for p in m.parameters() if p.requires_grad]
+    if trainable:
+        sum(p.float().sum() for p in trainable).backward()
+        assert all(p.grad is not None for p in trainable)
