@@ -49,9 +49,8 @@ class ModuleAdapter(Adapter):
         # 5,000 tensors), only ever written by address or through ``.detach()``
         current = ctx.plan["current"] = model_state(obj, keep_vars=True)
         for state in saved.values():
-            _check_values(current, state, ctx.name)
+            ctx.plan["in_place"] = _check_values(current, state, ctx.name)
             _check_keys(current, state, ctx)
-            ctx.plan["in_place"] = _in_place_keys(current, state)
 
     def destinations(self, obj: torch.nn.Module, saved: Any, ctx: AdapterContext) -> dict[str, torch.Tensor] | None:
         """The module's own tensors, for every saved tensor of the same shape and dtype (read in place)."""
@@ -163,19 +162,24 @@ def _check_keys(current: Mapping[str, Any], state: Any, ctx: AdapterContext) -> 
     return strict
 
 
-def _check_values(current: Mapping[str, Any], state: Any, name: str) -> None:
-    """Refuse, before anything is copied, a state whose values cannot be copied into the module's tensors."""
+def _check_values(current: Mapping[str, Any], state: Any, name: str) -> set[str]:
+    """Refuse, before anything is copied, a state whose values cannot be copied into the module's tensors.
+
+    While a load is planned (:class:`TensorSpec` values), also returns the keys whose live tensor can receive the
+    saved bytes where it is (:func:`_in_place_keys`, computed in the same pass)."""
     from torchrl_dcp.codec import TensorSpec
 
     if not isinstance(state, Mapping):
         raise IncompatibleComponentError(
             f"component {name!r}: the checkpoint holds a {type(state).__name__}, not a state_dict"
         )
+    in_place = set()
     for key, value in state.items():
         target = current.get(key)
         if target is None or target is value:
             continue
-        if not isinstance(value, (torch.Tensor, TensorSpec)):  # TensorSpec: while the load is planned
+        spec = type(value) is TensorSpec
+        if not spec and not isinstance(value, (torch.Tensor, TensorSpec)):  # TensorSpec: while the load is planned
             raise IncompatibleComponentError(
                 f"component {name!r}: {key!r} is a {type(value).__name__} in the checkpoint, a tensor in the module"
             )
@@ -184,6 +188,9 @@ def _check_values(current: Mapping[str, Any], state: Any, name: str) -> None:
                 f"component {name!r}: {key!r} has shape {tuple(value.shape)} in the checkpoint, "
                 f"{tuple(target.shape)} in the module"
             )
+        if spec and target.dtype == value.dtype and _in_place(target):
+            in_place.add(key)
+    return in_place
 
 
 class OptimizerAdapter(Adapter):
