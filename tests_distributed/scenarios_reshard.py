@@ -85,3 +85,42 @@ def load_resharded_into_too_small_buffers(path: str, capacity: int) -> dict[str,
         "rng_unchanged": torch.equal(rng_before, torch.get_rng_state()),
         "buffer_untouched": len(rb) == 0 and not rb._storage.initialized,
     }
+
+
+def _generators(seed: int) -> dict[str, Any]:
+    import random
+
+    import numpy as np
+
+    return {
+        "py": random.Random(seed),
+        "np": np.random.default_rng(seed),
+        "philox": np.random.Generator(np.random.Philox(seed)),
+        "legacy": np.random.RandomState(seed),
+    }
+
+
+def _draws(gens: dict[str, Any]) -> list[Any]:
+    return [
+        gens["py"].random(),
+        gens["np"].random(3).tolist(),
+        gens["philox"].integers(0, 1 << 60, 2).tolist(),
+        gens["legacy"].randn(3).tolist(),
+    ]
+
+
+def save_generators(path: str) -> dict[str, Any]:
+    """Every rank its own generators, advanced differently; returns what each draws next."""
+    rank = dist.get_rank()
+    gens = _generators(100 + rank)
+    for _ in range(rank + 1):
+        _draws(gens)
+    tdcp.DistributedCheckpoint(**gens).save(path)
+    return {"next": _draws(gens)}
+
+
+def load_generators(path: str, reshard: bool) -> dict[str, Any]:
+    gens = _generators(999)
+    change = "reshard" if reshard else "error"
+    tdcp.DistributedCheckpoint(**gens).load(path, world_size_change=change)
+    return {"next": _draws(gens)}

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import torch
 from tensordict import TensorDictBase
 
@@ -12,6 +15,7 @@ from torchrl_dcp.adapters.base import (
     register_adapter,
     resolve_adapter,
 )
+from torchrl_dcp.adapters.generators import NumpyGeneratorAdapter, NumpyRandomStateAdapter, PythonRandomAdapter
 from torchrl_dcp.adapters.json import JSONAdapter
 from torchrl_dcp.adapters.modules import ModuleAdapter, OptimizerAdapter
 from torchrl_dcp.adapters.rng import GeneratorAdapter, RNGState, RNGStateAdapter
@@ -23,6 +27,9 @@ register_adapter(torch.optim.Optimizer, OptimizerAdapter())
 register_adapter(TensorDictBase, TensorDictAdapter())
 register_adapter(RNGState, RNGStateAdapter())
 register_adapter(torch.Generator, GeneratorAdapter())
+register_adapter(random.Random, PythonRandomAdapter())
+register_adapter(np.random.Generator, NumpyGeneratorAdapter())
+register_adapter(np.random.RandomState, NumpyRandomStateAdapter())
 
 __all__ = [
     "Adapter",
@@ -31,7 +38,10 @@ __all__ = [
     "GeneratorAdapter",
     "JSONAdapter",
     "ModuleAdapter",
+    "NumpyGeneratorAdapter",
+    "NumpyRandomStateAdapter",
     "OptimizerAdapter",
+    "PythonRandomAdapter",
     "RNGState",
     "RNGStateAdapter",
     "StateDictAdapter",

@@ -91,8 +91,45 @@ def derived_seed(saved_state: torch.Tensor, rank: int, world_size: int) -> int:
     return int.from_bytes(digest.digest()[:8], "little") & ((1 << 63) - 1)
 
 
-def _same_rank_source(ctx: AdapterContext) -> list[int]:
+def derived_seed_of(state: Any, rank: int, world_size: int) -> int:
+    """:func:`derived_seed` of any saved state (nested dicts, lists, tensors, arrays and scalars), through a
+    canonical byte string of it.
+
+    Example:
+        >>> derived_seed_of({"key": 7, "pos": [1, 2]}, 0, 2) != derived_seed_of({"key": 7, "pos": [1, 2]}, 1, 2)
+        True
+    """
+    digest = hashlib.sha256()
+    _feed(digest, state)
+    return derived_seed(torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8), rank, world_size)
+
+
+def _feed(digest: Any, value: Any) -> None:
+    if isinstance(value, dict):
+        digest.update(b"{")
+        for k in sorted(value, key=str):
+            _feed(digest, str(k))
+            _feed(digest, value[k])
+        digest.update(b"}")
+    elif isinstance(value, (list, tuple)):
+        digest.update(b"[")
+        for v in value:
+            _feed(digest, v)
+        digest.update(b"]")
+    elif isinstance(value, torch.Tensor):
+        digest.update(str(value.dtype).encode() + value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, np.ndarray):
+        digest.update(value.dtype.str.encode() + np.ascontiguousarray(value).tobytes())
+    else:
+        digest.update(f"{type(value).__name__}:{value!r};".encode())
+
+
+def same_rank_source(ctx: AdapterContext) -> list[int]:
+    """After a world-size change, new rank ``r`` takes the state of saved rank ``r % saved``."""
     return [ctx.rank % (ctx.saved_world_size or 1)]
+
+
+_same_rank_source = same_rank_source
 
 
 class RNGStateAdapter(Adapter):
