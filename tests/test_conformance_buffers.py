@@ -155,9 +155,13 @@ def test_buffer_conformance(tmp_path: Path, storage: str, ndim: int, sampler: st
         assert str(tmp_path / "scratch-b") in fresh._storage._storage["obs"].filename
 
 
-@pytest.mark.parametrize("ndim", NDIMS)
-def test_list_storage_is_refused_clearly(tmp_path: Path, ndim: int) -> None:
+@pytest.mark.parametrize("value", [1, "x", None], ids=["int", "str", "none"])
+def test_list_storage_of_plain_values_round_trips(tmp_path: Path, value: object) -> None:
+    """Plain values in a ListStorage (no tensor at all) come back as they were (``tests/test_list_storage.py``
+    has the full matrix)."""
     rb = ReplayBuffer(storage=ListStorage(10))
-    rb.extend([{"a": 1}, {"a": 2}])
-    with pytest.raises(tdcp.EncodingError, match="ListStorage holds arbitrary Python objects"):
-        tdcp.DistributedCheckpoint(buffer=rb).save(tmp_path / "ckpt")
+    rb.extend([{"a": 1, "v": value}, {"a": 2, "v": [value]}])
+    path = tdcp.DistributedCheckpoint(buffer=rb).save(tmp_path / "ckpt")
+    fresh = ReplayBuffer(storage=ListStorage(10))
+    tdcp.DistributedCheckpoint(buffer=fresh).load(path)
+    assert fresh._storage._storage == [{"a": 1, "v": value}, {"a": 2, "v": [value]}]

@@ -10,7 +10,6 @@ from tensordict import TensorDict
 from torchrl.data import (
     LazyMemmapStorage,
     LazyTensorStorage,
-    ListStorage,
     RandomSampler,
     ReplayBuffer,
     RoundRobinWriter,
@@ -147,11 +146,14 @@ def test_empty_buffer_round_trips(tmp_path: Path) -> None:
     assert len(fresh) == 0
 
 
-def test_list_storage_is_refused_with_advice(tmp_path: Path) -> None:
-    rb = ReplayBuffer(storage=ListStorage(10))
-    rb.extend([1, 2, 3])
-    with pytest.raises(tdcp.EncodingError, match="LazyTensorStorage or LazyMemmapStorage"):
+def test_compressed_list_storage_is_refused_with_advice(tmp_path: Path) -> None:
+    from torchrl.data import CompressedListStorage
+
+    rb = ReplayBuffer(storage=CompressedListStorage(10))
+    rb.extend([torch.zeros(3), torch.ones(3)])
+    with pytest.raises(tdcp.EncodingError, match="CompressedListStorage.*ListStorage, LazyTensorStorage"):
         tdcp.DistributedCheckpoint(buffer=rb).save(tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
 
 
 def test_too_small_capacity_is_incompatible(tmp_path: Path) -> None:

@@ -124,3 +124,26 @@ def load_generators(path: str, reshard: bool) -> dict[str, Any]:
     change = "reshard" if reshard else "error"
     tdcp.DistributedCheckpoint(**gens).load(path, world_size_change=change)
     return {"next": _draws(gens)}
+
+
+def _list_buffer(capacity: int):
+    from torchrl.data import ListStorage, ReplayBuffer
+
+    return ReplayBuffer(storage=ListStorage(capacity), batch_size=2)
+
+
+def save_list_shards(path: str) -> dict[str, Any]:
+    """``ReplayBuffer()``-style list storages of unequal lengths, one per rank (transitions are tuples)."""
+    rank = dist.get_rank()
+    rb = _list_buffer(32)
+    rb.extend([(torch.tensor(1000 * rank + i), torch.full((2,), float(i))) for i in range(5 + 4 * rank)])
+    tdcp.DistributedCheckpoint(buffer=rb).save(path)
+    return {"ids": [int(t[0]) for t in rb._storage._storage]}
+
+
+def load_list_resharded(path: str) -> dict[str, Any]:
+    rb = _list_buffer(32)
+    tdcp.DistributedCheckpoint(buffer=rb).load(path, world_size_change="reshard")
+    items = rb._storage._storage
+    ok = all(torch.equal(t[1], torch.full((2,), float(int(t[0]) % 1000))) for t in items)
+    return {"ids": [int(t[0]) for t in items], "values_ok": ok, "sample": len(rb.sample()[0]) if len(rb) else 0}

@@ -23,6 +23,7 @@ from torchrl.data.replay_buffers.samplers import PrioritizedSampler
 from torchrl.data.replay_buffers.writers import TensorDictMaxValueWriter
 
 from torchrl_dcp.adapters.base import AdapterContext
+from torchrl_dcp.adapters.list_storage import LIST_KIND, is_list_storage, list_items, restore_list_storage
 from torchrl_dcp.adapters.replay_buffer import _allocate, _buffer, _flatten, restore_buffer_settings
 from torchrl_dcp.errors import IncompatibleComponentError
 
@@ -67,7 +68,7 @@ def _cat_trees(trees: list[Any]) -> Any:
 def reshard_sources(saved: dict[int, Any], ctx: AdapterContext) -> list[int]:
     """Saved shards new rank ``ctx.rank`` takes transitions from (see :func:`reshard_buffer`)."""
     for r, state in saved.items():
-        if state["storage"]["initialized"] and state["storage"]["ndim"] != 1:
+        if state["storage"]["initialized"] and state["storage"].get("ndim", 1) != 1:
             raise IncompatibleComponentError(
                 f"component {ctx.name!r}: storages with ndim > 1 cannot be resharded (saved rank {r})"
             )
@@ -88,7 +89,7 @@ def reshard_buffer(rb: ReplayBuffer, states: dict[int, Any], ctx: AdapterContext
     saved one and the new rank.
     """
     rb = _buffer(rb)
-    part = _received(states, split(ctx.plan["lengths"], ctx.rank, ctx.world_size))
+    part = _received(states, split(ctx.plan["lengths"], ctx.rank, ctx.world_size), ctx)
     _fill_storage(rb._storage, part, ctx)
     _reset_writer(rb._writer, part, int(rb._storage.max_size))
     _reset_sampler(rb._sampler, part, states)
@@ -106,12 +107,16 @@ class _Received:
     n: int = 0
 
 
-def _received(states: dict[int, Any], pieces: list[tuple[int, int, int]]) -> _Received:
+def _received(states: dict[int, Any], pieces: list[tuple[int, int, int]], ctx: AdapterContext) -> _Received:
     out = _Received()
     for src, lo, hi in pieces:
         state = states[src]
         positions = _age_order(state)[lo:hi]
-        out.datas.append(_map_tree(state["storage"]["data"], lambda t, p=positions: t[p]))
+        if state["storage"].get("kind") == LIST_KIND:  # one object per transition
+            items = list_items(state["storage"], ctx)
+            out.datas.append([items[p] for p in positions.tolist()])
+        else:
+            out.datas.append(_map_tree(state["storage"]["data"], lambda t, p=positions: t[p]))
         if state["sampler"]["kind"] == "prioritized":
             out.sums.append(state["sampler"]["sum"][positions])
             out.mins.append(state["sampler"]["min"][positions])
@@ -126,6 +131,14 @@ def _received(states: dict[int, Any], pieces: list[tuple[int, int, int]]) -> _Re
 
 def _fill_storage(storage: Any, part: _Received, ctx: AdapterContext) -> None:
     n = part.n
+    if is_list_storage(storage):
+        if n > int(storage.max_size):
+            raise IncompatibleComponentError(
+                f"component {ctx.name!r}: rank {ctx.rank} receives {n} transitions after resharding, its buffer "
+                f"holds {int(storage.max_size)}; build the buffers with a capacity of at least {n}"
+            )
+        restore_list_storage(storage, [item for items in part.datas for item in items])
+        return
     if n:
         data = _cat_trees(part.datas)
         flat_specs = _flatten(data)

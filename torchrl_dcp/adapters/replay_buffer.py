@@ -40,6 +40,14 @@ from torchrl.data.replay_buffers.storages import ListStorage, TensorStorage
 from torchrl.data.replay_buffers.writers import TensorDictMaxValueWriter
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
+from torchrl_dcp.adapters.list_storage import (
+    LIST_KIND,
+    check_list_destination,
+    is_list_storage,
+    list_items,
+    list_storage_state,
+    restore_list_storage,
+)
 from torchrl_dcp.adapters.rng import derived_seed
 from torchrl_dcp.errors import EncodingError, IncompatibleComponentError
 
@@ -86,11 +94,13 @@ def _is_non_tensor(value: Any) -> bool:
 
 
 def storage_state(storage: Any) -> dict[str, Any]:
+    if is_list_storage(storage):
+        return list_storage_state(storage)
     if not isinstance(storage, TensorStorage):
-        what = "ListStorage holds arbitrary Python objects" if isinstance(storage, ListStorage) else "this storage"
+        what = "it holds compressed bytes" if isinstance(storage, ListStorage) else "it is not a tensor or list storage"
         raise EncodingError(
-            f"{what} ({type(storage).__name__}) cannot be saved without pickle: use LazyTensorStorage or "
-            "LazyMemmapStorage (both store TensorDicts and tensors)"
+            f"a replay buffer storage {type(storage).__name__} cannot be saved ({what}): use ListStorage, "
+            "LazyTensorStorage or LazyMemmapStorage"
         )
     state: dict[str, Any] = {
         "type": type(storage).__name__,
@@ -136,6 +146,9 @@ def _allocate(storage: TensorStorage, leaves: Mapping[tuple[str, ...], Any], is_
 
 def storage_destinations(storage: TensorStorage, saved: Mapping[str, Any], name: str) -> dict[str, torch.Tensor]:
     """Allocate (or check) the live storage from the saved shapes; return row views to read into."""
+    if saved.get("kind") == LIST_KIND:  # one object per transition: its tensors are read into fresh buffers
+        check_list_destination(storage, saved, name)
+        return {}
     if not saved["initialized"]:
         return {}
     if not isinstance(storage, TensorStorage):
@@ -342,9 +355,13 @@ class ReplayBufferAdapter(Adapter):
 
     def restore(self, rb: ReplayBuffer, state: Any, ctx: AdapterContext) -> Any:
         rb = _buffer(rb)
+        items = list_items(state["storage"], ctx) if state["storage"].get("kind") == LIST_KIND else None
         restore_sampler(rb._sampler, state["sampler"], ctx.name)
         restore_writer(rb._writer, state["writer"], ctx.name)
-        restore_storage(rb._storage, state["storage"])
+        if items is not None:
+            restore_list_storage(rb._storage, items)
+        else:
+            restore_storage(rb._storage, state["storage"])
         restore_buffer_settings(rb, state)
         return None
 
@@ -391,7 +408,7 @@ class ReplayBufferAdapter(Adapter):
         for attr, value in snapshot["storage"].items():
             if hasattr(rb._storage, attr) and value is not None:
                 setattr(rb._storage, attr, value)
-        if not snapshot["storage"]["initialized"]:
+        if isinstance(rb._storage, TensorStorage) and not snapshot["storage"]["initialized"]:
             rb._storage._storage = snapshot["storage"]["_storage"]
             rb._storage.initialized = False
         settings = snapshot["settings"]
