@@ -80,3 +80,97 @@ def test_loaded_parameters_stay_trainable_leaves(kind: str, tmp_path) -> None:  
     if trainable:
         sum(p.float().sum() for p in trainable).backward()
         assert all(p.grad is not None for p in trainable)
+
+
+class _WithExtraState(torch.nn.Module):
+    """A module whose ``get_extra_state`` returns a value that is no tensor (a dict holding one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.count, self.tag, self.table = 0, "a", torch.zeros(3)
+
+    def get_extra_state(self) -> dict:
+        return {"count": self.count, "tag": self.tag, "table": self.table}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.count, self.tag, self.table = state["count"], state["tag"], state["table"].clone()
+
+
+class _TensorExtraState(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.v = torch.zeros(2)
+
+    def get_extra_state(self) -> torch.Tensor:
+        return self.v
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        self.v = state.clone()
+
+
+@pytest.mark.parametrize("kind", ["dict", "tensor", "nested"])
+def test_extra_state_round_trips(kind: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import torchrl_dcp as tdcp
+
+    def make() -> torch.nn.Module:
+        if kind == "dict":
+            return _WithExtraState()
+        if kind == "tensor":
+            return _TensorExtraState()
+        return torch.nn.Sequential(_WithExtraState(), torch.nn.ReLU(), _TensorExtraState())
+
+    m = make()
+    for mod in m.modules():
+        if isinstance(mod, _WithExtraState):
+            mod.count, mod.tag, mod.table = 5, "z", torch.arange(3.0)
+        elif isinstance(mod, _TensorExtraState):
+            mod.v = torch.tensor([1.5, -2.0])
+    path = tdcp.DistributedCheckpoint(m=m).save(tmp_path / "c")
+    fresh = make()
+    tdcp.DistributedCheckpoint(m=fresh).load(path)
+    for a, b in zip(m.modules(), fresh.modules()):
+        if isinstance(a, _WithExtraState):
+            assert (b.count, b.tag) == (5, "z") and torch.equal(b.table, a.table)
+            assert torch.equal(b.lin.weight, a.lin.weight)
+        elif isinstance(a, _TensorExtraState):
+            assert torch.equal(b.v, a.v)
+
+
+def test_a_lazy_module_loads_before_its_first_forward_and_trains_on_exactly(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """torchrl's ``MLP`` without ``in_features`` builds ``LazyLinear`` layers: a policy rebuilt for a resume loads
+    before its first forward (the load gives it the saved shapes), and training continues bit for bit."""
+    from torchrl.modules import MLP
+
+    import torchrl_dcp as tdcp
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 3)
+    policy = MLP(out_features=2, num_cells=[8, 8])
+    policy(x)
+    optim = torch.optim.Adam(policy.parameters(), lr=1e-2)
+
+    def step(p: torch.nn.Module, o: torch.optim.Optimizer) -> None:
+        o.zero_grad()
+        p(x).pow(2).sum().backward()
+        o.step()
+
+    step(policy, optim)
+    path = tdcp.DistributedCheckpoint(policy=policy, optim=optim).save(tmp_path / "c")
+    step(policy, optim)
+    fresh = MLP(out_features=2, num_cells=[8, 8])
+    fresh_optim = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    assert any(torch.nn.parameter.is_lazy(p) for p in fresh.parameters())
+    tdcp.DistributedCheckpoint(policy=fresh, optim=fresh_optim).load(path)
+    step(fresh, fresh_optim)
+    assert all(torch.equal(a, b) for a, b in zip(policy.parameters(), fresh.parameters()))
+
+
+def test_saving_a_lazy_module_before_its_first_forward_says_what_to_do(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from torchrl.modules import MLP
+
+    import torchrl_dcp as tdcp
+
+    with pytest.raises(tdcp.CheckpointError, match="not initialised yet.*run one forward pass"):
+        tdcp.DistributedCheckpoint(policy=MLP(out_features=2, num_cells=[8])).save(tmp_path / "c")
+    assert not (tmp_path / "c").exists()

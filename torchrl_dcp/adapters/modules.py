@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
 from torchrl_dcp.codec import is_dtensor
-from torchrl_dcp.errors import IncompatibleComponentError
+from torchrl_dcp.errors import EncodingError, IncompatibleComponentError
 
 
 class ModuleAdapter(Adapter):
@@ -41,7 +41,16 @@ class ModuleAdapter(Adapter):
     version = 1
 
     def state(self, obj: torch.nn.Module, ctx: AdapterContext) -> Any:
-        return model_state(obj)
+        state = model_state(obj)
+        lazy = [k for k, v in state.items() if torch.nn.parameter.is_lazy(v)]
+        if lazy:
+            raise EncodingError(
+                f"component {ctx.name!r}: {lazy[:3]} {'are' if len(lazy) > 1 else 'is'} not initialised yet (a lazy "
+                "module, e.g. LazyLinear or torchrl's MLP without in_features, before its first forward): run one "
+                "forward pass, or give the module its input sizes, before saving. Loading into such a module works: "
+                "the load gives it the saved shapes"
+            )
+        return state
 
     def validate(self, obj: torch.nn.Module, saved: dict[int, Any], ctx: AdapterContext) -> None:
         """Keys, kinds and shapes, before anything changes; notes which tensors will be read in place."""
@@ -176,7 +185,7 @@ def _check_values(current: Mapping[str, Any], state: Any, name: str) -> set[str]
     in_place = set()
     for key, value in state.items():
         target = current.get(key)
-        if target is None or target is value:
+        if target is None or target is value or _taken_by_module(key, target):
             continue
         spec = type(value) is TensorSpec
         if not spec and not isinstance(value, (torch.Tensor, TensorSpec)):  # TensorSpec: while the load is planned
@@ -191,6 +200,15 @@ def _check_values(current: Mapping[str, Any], state: Any, name: str) -> set[str]
         if spec and target.dtype == value.dtype and _in_place(target):
             in_place.add(key)
     return in_place
+
+
+_EXTRA_STATE = "_extra_state"  # torch's key suffix for what ``get_extra_state()`` returns (any value)
+
+
+def _taken_by_module(key: str, target: Any) -> bool:
+    """Entries the module's own ``load_state_dict`` takes as they are: its extra state (``set_extra_state``, any
+    value) and not yet initialised lazy parameters (``LazyLinear`` before its first forward: shaped by the load)."""
+    return key.endswith(_EXTRA_STATE) or torch.nn.parameter.is_lazy(target)
 
 
 class OptimizerAdapter(Adapter):
