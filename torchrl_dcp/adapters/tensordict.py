@@ -19,14 +19,17 @@ import copy
 from typing import Any
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
-from torchrl_dcp.errors import CheckpointFormatError
+from torchrl_dcp.errors import CheckpointFormatError, IncompatibleComponentError
 
 
 def tensordict_state(td: TensorDictBase) -> dict[str, Any]:
-    """Nested plain state of a TensorDict: tensors, sub-TensorDicts and non-tensor values."""
+    """Nested plain state of a TensorDict: tensors, sub-TensorDicts and non-tensor values; a lazy stack as the
+    states of its TensorDicts (they may differ in shape: ragged transitions)."""
+    if isinstance(td, LazyStackedTensorDict):
+        return {"stack_dim": int(td.stack_dim), "tensordicts": [tensordict_state(t) for t in td.tensordicts]}
     entries: dict[str, Any] = {}
     for key in td.keys():
         value = td.get(key)
@@ -45,6 +48,11 @@ def tensordict_state(td: TensorDictBase) -> dict[str, Any]:
 
 def tensordict_from_state(state: dict[str, Any], ctx: AdapterContext | None = None) -> TensorDict:
     """Inverse of :func:`tensordict_state`."""
+    if isinstance(state, dict) and isinstance(state.get("tensordicts"), list) and type(state.get("stack_dim")) is int:
+        parts = [tensordict_from_state(s, ctx) for s in state["tensordicts"]]
+        if not parts or not 0 <= state["stack_dim"] <= parts[0].batch_dims:
+            raise CheckpointFormatError("malformed lazily stacked TensorDict state")
+        return LazyStackedTensorDict(*parts, stack_dim=state["stack_dim"])
     if not isinstance(state, dict) or not isinstance(state.get("entries"), dict):
         raise CheckpointFormatError("malformed TensorDict state")
     device = state.get("device")
@@ -83,16 +91,30 @@ class TensorDictAdapter(Adapter):
         return tensordict_state(obj)
 
     def restore(self, obj: TensorDictBase, state: Any, ctx: AdapterContext) -> Any:
-        new = tensordict_from_state(state, ctx)
-        if obj.is_locked:
-            obj.update_(new)
-            return None
-        for key in list(obj.keys()):
-            if key not in new.keys():
-                del obj[key]
-        if obj.batch_size != new.batch_size:
-            for key in list(obj.keys()):
-                del obj[key]
-            obj.batch_size = new.batch_size
-        obj.update(new)
+        _restore_into(obj, tensordict_from_state(state, ctx), ctx.name)
         return None
+
+
+def _restore_into(obj: TensorDictBase, new: TensorDictBase, name: str) -> None:
+    if isinstance(obj, LazyStackedTensorDict):  # each stacked TensorDict in turn, where it is
+        parts = new.tensordicts if isinstance(new, LazyStackedTensorDict) else None
+        if parts is None or len(parts) != len(obj.tensordicts) or new.stack_dim != obj.stack_dim:
+            found = f"{len(parts)} along dim {new.stack_dim}" if parts is not None else "a TensorDict that is no stack"
+            raise IncompatibleComponentError(
+                f"component {name!r} holds {len(obj.tensordicts)} stacked TensorDicts along dim {obj.stack_dim}, "
+                f"the checkpoint {found}"
+            )
+        for live, saved in zip(obj.tensordicts, parts):
+            _restore_into(live, saved, name)
+        return
+    if obj.is_locked:
+        obj.update_(new)
+        return
+    for key in list(obj.keys()):
+        if key not in new.keys():
+            del obj[key]
+    if obj.batch_size != new.batch_size:
+        for key in list(obj.keys()):
+            del obj[key]
+        obj.batch_size = new.batch_size
+    obj.update(new)
