@@ -91,22 +91,41 @@ def _set_generator_state(gen: Any, saved: dict[str, Any]) -> None:
 
 def worker_envs(env: Any) -> list[str]:
     """Batched envs in ``env`` (through wrappers) whose sub-envs run in worker processes (``ParallelEnv``)."""
-    from torchrl.envs import ParallelEnv
+    return _unreachable(env)[0]
 
-    found, seen, stack = [], set(), [(env, "env")]
+
+def simulator_envs(env: Any) -> list[str]:
+    """Envs in ``env`` (through wrappers and ``SerialEnv``) that wrap an external simulator (torchrl's
+    ``_EnvWrapper``: ``GymEnv``, ``DMControlEnv``, ``BraxEnv``, ...), whose state lives outside the TensorDict."""
+    return _unreachable(env)[1]
+
+
+def _unreachable(env: Any) -> tuple[list[str], list[str]]:
+    from torchrl.envs import ParallelEnv
+    from torchrl.envs.common import _EnvWrapper
+
+    workers: list[str] = []
+    simulators: list[str] = []
+    seen: set[int] = set()
+    stack = [(env, "env")]
     while stack:
         obj, path = stack.pop()
         if id(obj) in seen:
             continue
         seen.add(id(obj))
         if isinstance(obj, ParallelEnv):
-            found.append(f"{path} ({type(obj).__name__} of {obj.num_workers} workers)")
+            workers.append(f"{path} ({type(obj).__name__} of {obj.num_workers} workers)")
+            continue
+        if isinstance(obj, _EnvWrapper):
+            simulators.append(f"{path} ({type(obj).__name__})")
             continue
         for attr in ("base_env", "env", "_env"):
             child = obj.__dict__.get(attr) or (getattr(obj, "_modules", None) or {}).get(attr)
             if child is not None:
                 stack.append((child, f"{path}.{attr}"))
-    return found
+        for i, child in enumerate(obj.__dict__.get("_envs") or ()):  # SerialEnv's sub-envs
+            stack.append((child, f"{path}._envs.{i}"))
+    return workers, simulators
 
 
 def warn_worker_state(name: str, where: list[str], action: str) -> None:
@@ -121,6 +140,26 @@ def warn_worker_state(name: str, where: list[str], action: str) -> None:
     )
 
 
+def warn_simulator_state(name: str, where: list[str], action: str) -> None:
+    """Say what will differ after a restore when env state lives in an external simulator."""
+    warnings.warn(
+        f"component {name!r} ({action}): {', '.join(where)} wraps an external simulator whose own state (physics, "
+        "its random generator) is not checkpointed: after a restore the episodes in flight do not continue as they "
+        "would have, and new episodes start from other initial states. The collector's counters, carrier and "
+        "transforms are restored; see docs/components/collectors.md",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def _warn_unreachable(name: str, env: Any, action: str) -> None:
+    workers, simulators = _unreachable(env)
+    if workers:
+        warn_worker_state(name, workers, action)
+    if simulators:
+        warn_simulator_state(name, simulators, action)
+
+
 class CollectorAdapter(Adapter):
     """A single-process ``torchrl.collectors.Collector``, restored so the next batch is identical."""
 
@@ -129,9 +168,7 @@ class CollectorAdapter(Adapter):
     default_placement = "per_rank"
 
     def state(self, collector: Collector, ctx: AdapterContext) -> Any:
-        parallel = worker_envs(collector.env)
-        if parallel:
-            warn_worker_state(ctx.name, parallel, "saving")
+        _warn_unreachable(ctx.name, collector.env, "saving")
         return self._state(collector)
 
     def snapshot(self, collector: Collector, ctx: AdapterContext) -> Any:
@@ -149,9 +186,7 @@ class CollectorAdapter(Adapter):
         }
 
     def restore(self, collector: Collector, state: Any, ctx: AdapterContext) -> Any:
-        parallel = worker_envs(collector.env)
-        if parallel:
-            warn_worker_state(ctx.name, parallel, "loading")
+        _warn_unreachable(ctx.name, collector.env, "loading")
         return self._restore(collector, state, ctx)
 
     def _restore(self, collector: Collector, state: Any, ctx: AdapterContext) -> Any:
