@@ -63,12 +63,13 @@ def test_run_split_balances_runs_and_reraises_from_any_thread() -> None:
 
 @pytest.mark.parametrize(
     "cpus, local, world, write, read",
-    [(16, "8", "16", 2, 2), (16, "2", "64", 4, 2), (2, "2", "4", 1, 1), (3, "4", "8", 1, 1), (6, None, "12", 4, 2)],
+    [(16, "8", "16", 2, 3), (16, "2", "64", 4, 3), (2, "2", "4", 1, 2), (3, "4", "8", 1, 2), (6, None, "12", 4, 3)],
 )
 def test_thread_counts_share_this_nodes_cpus_among_its_ranks(
     monkeypatch: pytest.MonkeyPatch, cpus: int, local: str | None, world: str, write: int, read: int
 ) -> None:
-    """CPUs of this node // LOCAL_WORLD_SIZE (ranks on this node), never WORLD_SIZE (ranks of every node)."""
+    """CPUs of this node // LOCAL_WORLD_SIZE (ranks on this node), never WORLD_SIZE (ranks of every node); readers
+    one more (one read more in flight than CPUs)."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
     monkeypatch.delenv("TDCP_WRITE_THREADS", raising=False)
     monkeypatch.delenv("TDCP_READ_THREADS", raising=False)
@@ -79,7 +80,8 @@ def test_thread_counts_share_this_nodes_cpus_among_its_ranks(
         monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
     assert (copying.default_threads(), copying.read_threads()) == (write, read)
     monkeypatch.setenv("TDCP_WRITE_THREADS", "3")
-    assert copying.default_threads() == 3
+    monkeypatch.setenv("TDCP_READ_THREADS", "5")
+    assert (copying.default_threads(), copying.read_threads()) == (3, 5)
 
 
 @pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, 3 * (1 << 20) + 5])

@@ -64,8 +64,12 @@ def default_threads() -> int:
 
 
 def read_threads() -> int:
-    """Reader threads per large tensor: ``TDCP_READ_THREADS``, else up to 2 (this rank's share of the node's CPUs)."""
-    return _threads("TDCP_READ_THREADS", 2)
+    """Reader threads per process: ``TDCP_READ_THREADS``, else this rank's share of the node's CPUs (at most 2)
+    plus one: one read more in flight than there are CPUs to copy and checksum keeps a cold disk busy (1 GiB in
+    128 chunk files, cold, on 2 CPUs: 0.30-0.33 s with 3 threads against 0.33-0.39 s with 2; warm unchanged)."""
+    if os.environ.get("TDCP_READ_THREADS"):
+        return _threads("TDCP_READ_THREADS", 2)
+    return _threads("TDCP_READ_THREADS", 2) + 1
 
 
 def _read_ahead_bytes() -> int:
