@@ -197,7 +197,8 @@ def read(
         if metadata is None or not tensors or not getattr(src, "reads_files", True):  # stores: through dcp.load
             left.update(tensors)
         else:
-            left.update(read_direct(src.storage_reader(verify, mismatch_note), metadata, tensors))
+            reader = src.storage_reader(verify, mismatch_note)
+            left.update(read_direct(reader, metadata, tensors, checked=True))  # the plan checked them
         return bool(left)
 
     left: dict[str, torch.Tensor] = {}

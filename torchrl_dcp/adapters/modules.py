@@ -185,7 +185,9 @@ def _check_values(current: Mapping[str, Any], state: Any, name: str) -> set[str]
     in_place = set()
     for key, value in state.items():
         target = current.get(key)
-        if target is None or target is value or _taken_by_module(key, target):
+        if target is None or target is value:
+            continue
+        if type(target) not in _PLAIN and _taken_by_module(key, target):  # plain tensors: never (and fast)
             continue
         spec = type(value) is TensorSpec
         if not spec and not isinstance(value, (torch.Tensor, TensorSpec)):  # TensorSpec: while the load is planned
@@ -202,6 +204,7 @@ def _check_values(current: Mapping[str, Any], state: Any, name: str) -> set[str]
     return in_place
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _EXTRA_STATE = "_extra_state"  # torch's key suffix for what ``get_extra_state()`` returns (any value)
 
 

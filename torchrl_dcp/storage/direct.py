@@ -92,9 +92,12 @@ def _check(key: str, dest: torch.Tensor, md: Any) -> None:
 
 
 def read_direct(
-    reader: InPlaceFileSystemReader, metadata: Metadata, tensors: Mapping[str, torch.Tensor]
+    reader: InPlaceFileSystemReader, metadata: Metadata, tensors: Mapping[str, torch.Tensor], checked: bool = False
 ) -> dict[str, torch.Tensor]:
     """Read every plain tensor of ``tensors`` from its records; returns the others (left for ``dcp.load``).
+
+    ``checked``: every destination's dtype and shape were compared with DCP's metadata already (a load's plan
+    does it, :func:`~torchrl_dcp.load_plan.check_backed`); they are not compared again.
 
     Raises:
         IncompatibleComponentError: a destination's dtype or shape differs from DCP's metadata.
@@ -111,7 +114,8 @@ def read_direct(
     saved_get, records_get = saved.get, records.get
     for key, dest in tensors.items():
         md = saved_get(key)
-        _check(key, dest, md)
+        if not checked or md is None:
+            _check(key, dest, md)
         if not _is_plain(dest):
             rest[key] = dest
             continue
