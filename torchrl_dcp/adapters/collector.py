@@ -32,6 +32,7 @@ import torch
 from torchrl.collectors import BaseCollector, Collector
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
+from torchrl_dcp.adapters.rng import same_rank_source
 from torchrl_dcp.adapters.tensordict import tensordict_from_state, tensordict_state
 from torchrl_dcp.errors import IncompatibleComponentError
 
@@ -215,7 +216,7 @@ class CollectorAdapter(Adapter):
     can_reshard = True
 
     def reshard_sources(self, saved: dict[int, Any], ctx: AdapterContext) -> list[int]:
-        return [ctx.rank % (ctx.saved_world_size or 1)]
+        return same_rank_source(ctx)
 
     def reshard(self, collector: Collector, states: dict[int, Any], ctx: AdapterContext) -> Any:
         """After a world-size change: weights, env transforms (e.g. normalisation statistics) and

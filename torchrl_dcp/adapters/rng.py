@@ -129,9 +129,6 @@ def same_rank_source(ctx: AdapterContext) -> list[int]:
     return [ctx.rank % (ctx.saved_world_size or 1)]
 
 
-_same_rank_source = same_rank_source
-
-
 class RNGStateAdapter(Adapter):
     """Global RNG streams, per rank; after a world-size change, deterministically re-seeded."""
 
@@ -149,7 +146,7 @@ class RNGStateAdapter(Adapter):
         return None
 
     def reshard_sources(self, saved: dict[int, Any], ctx: AdapterContext) -> list[int]:
-        return _same_rank_source(ctx)
+        return same_rank_source(ctx)
 
     def reshard(self, obj: RNGState, states: dict[int, Any], ctx: AdapterContext) -> Any:
         (state,) = states.values()
@@ -171,7 +168,7 @@ class GeneratorAdapter(Adapter):
     can_reshard = True
 
     def reshard_sources(self, saved: dict[int, Any], ctx: AdapterContext) -> list[int]:
-        return _same_rank_source(ctx)
+        return same_rank_source(ctx)
 
     def reshard(self, obj: torch.Generator, states: dict[int, Any], ctx: AdapterContext) -> Any:
         (state,) = states.values()

@@ -14,7 +14,7 @@ from collections.abc import Collection, Iterable
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointIntegrityError
-from torchrl_dcp.storage.layout import TRAILER_SIZE, read_identity
+from torchrl_dcp.storage.layout import TRAILER_SIZE
 from torchrl_dcp.storage.objectstore import (
     ObjectStoreContainer,
     ObjectStoreReader,
@@ -22,7 +22,7 @@ from torchrl_dcp.storage.objectstore import (
     concurrency,
     read_range,
 )
-from torchrl_dcp.storage.source import CheckpointSource
+from torchrl_dcp.storage.source import CheckpointSource, check_trailer
 from torchrl_dcp.storage.urls import StorePath
 
 
@@ -85,7 +85,7 @@ class ObjectStoreSource(CheckpointSource):
             save_id = files.get(name, {}).get("origin", manifest["save_id"])
             tail = tails.get(str(self.path / name))
             if tail is not None:
-                _check_trailer(tail, save_id, self.path / name)
+                check_trailer(tail, save_id, self.path / name, kind="an object")
             elif getattr(self, "_defer", False):
                 self._identity[name] = save_id
             else:
@@ -96,7 +96,9 @@ class ObjectStoreSource(CheckpointSource):
             spans.append((self.path / name, max(0, size - TRAILER_SIZE), min(size, TRAILER_SIZE)))
         found = _map_pieces(spans, lambda i, data: data, concurrency())
         for name, tail in zip(later, found):
-            _check_trailer(tail, files.get(name, {}).get("origin", manifest["save_id"]), self.path / name)
+            check_trailer(
+                tail, files.get(name, {}).get("origin", manifest["save_id"]), self.path / name, kind="an object"
+            )
 
     def storage_reader(self, verify: Collection[str] = (), mismatch_note: str | None = None) -> ObjectStoreReader:
         files = self.manifest()["files"]
@@ -115,17 +117,6 @@ class ObjectStoreSource(CheckpointSource):
         if mismatch_note is not None:
             reader.mismatch_note = mismatch_note
         return reader
-
-
-def _check_trailer(tail: bytes, save_id: str, where: Any) -> None:
-    found = read_identity(bytes(tail))
-    if found is None or found[0] != save_id:
-        who = "no save identity" if found is None else f"the identity of save {found[0]!r}"
-        raise CheckpointIntegrityError(
-            f"data file carries {who}, the manifest is save {save_id!r}: an object from another checkpoint "
-            "(or a damaged one); refused",
-            path=where,
-        )
 
 
 def open_store_source(path: StorePath) -> ObjectStoreSource:

@@ -111,7 +111,7 @@ class CheckpointSource:
                         else b""
                     )
                     save_id = files.get(name, {}).get("origin", manifest["save_id"])
-                    _check_trailer(tail, save_id, span.where)
+                    check_trailer(tail, save_id, span.where)
             finally:
                 for _, _, fd in opened:
                     os.close(fd)
@@ -142,18 +142,20 @@ _TRAILERS_AT_ONCE = 64  # files open at once while their identities are read
 
 
 def _will_need(fd: int, offset: int, size: int) -> None:
+    """A trailer's read-ahead hint (not :func:`copying.will_need`: that one announces the data reads)."""
     try:
         os.posix_fadvise(fd, offset, size, os.POSIX_FADV_WILLNEED)
     except (AttributeError, OSError):  # pragma: no cover - not on every platform: the reads just wait in turn
         pass
 
 
-def _check_trailer(tail: bytes, save_id: str, where: str) -> None:
-    found = read_identity(tail)
+def check_trailer(tail: bytes, save_id: str, where: Any, kind: str = "a file") -> None:
+    """``tail`` (a data file's last bytes) carries the identity of save ``save_id``; ``kind`` names what it is."""
+    found = read_identity(bytes(tail))
     if found is None or found[0] != save_id:
         who = "no save identity" if found is None else f"the identity of save {found[0]!r}"
         raise CheckpointIntegrityError(
-            f"data file carries {who}, the manifest is save {save_id!r}: a file from another checkpoint "
+            f"data file carries {who}, the manifest is save {save_id!r}: {kind} from another checkpoint "
             "(or a damaged one); refused",
             path=where,
         )
