@@ -62,6 +62,7 @@ from torchrl_dcp.storage.filesystem import SafeFileSystemReader
 from torchrl_dcp.storage.layout import is_plain_name
 from torchrl_dcp.storage.readitems import (  # noqa: F401 - RangeFile and the constants are re-exported
     BATCH,
+    GAP_PIECE,
     PARALLEL,
     READ_PIECE,
     SMALL,
@@ -114,6 +115,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         self.mismatch_note = "found while reading it; nothing was restored"  # what a checksum mismatch means
         self.prefault = os.environ.get("TDCP_READ_PREFAULT", "1") != "0"  # map fresh pages ahead of large reads
         self._lock = threading.RLock()  # stats and planner calls, from the threads reading records and files
+        self._local = threading.local()  # each reading thread's scratch buffer
 
     def read_source(self, relative_path: str) -> RangeFile:
         """Where a data file's bytes are: in the container, or the whole file of that name in ``path``."""
@@ -228,6 +230,16 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
 
         run_split(list(range(self.threads)), [1] * self.threads, self.threads, work)
 
+    def _scratch(self, items: list[_Item]) -> bytearray:
+        """This thread's buffer for batched small records and checksummed gaps, kept for the whole load: a batch's
+        size where ``items`` has small records, else ``GAP_PIECE``. One zero-filled 8 MiB ``bytearray`` per file
+        cost 1 GiB of ``memset`` on a 1 GiB load of 128 chunk files, and kept 24 MiB resident after it."""
+        size = BATCH if any(it.length < SMALL for it in items) else GAP_PIECE
+        held = getattr(self._local, "scratch", None)
+        if held is None or len(held) < size:
+            held = self._local.scratch = bytearray(size)
+        return held
+
     def _count(self, key: str, n: int = 1) -> None:
         with self._lock:
             self.stats[key] += n
@@ -252,7 +264,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         crc = expected is not None
         f = src.open()
         try:
-            scratch = bytearray(BATCH)
+            scratch = self._scratch(items)
             pos, i = 0, 0
             while i < len(items):
                 it = items[i]
@@ -455,7 +467,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
     def _check_whole(self, src: RangeFile, expected: str) -> None:
         f = src.open()
         try:
-            pieces = self._read_gap(src, f, 0, src.size, bytearray(BATCH))
+            pieces = self._read_gap(src, f, 0, src.size, self._scratch([]))
         finally:
             f.close()
         self._compare(src, pieces, expected)
