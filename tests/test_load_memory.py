@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(
 WINDOWS = 16 << 20  # fixed-size buffers of any load (see the module's docstring)
 FIRST_LOAD = 32 << 20  # a process's first load: the windows, plus imports and set-up
 
-CHILD = r'''
+CHILD = r"""
 import json, sys
 from pathlib import Path
 import torch
@@ -111,7 +111,7 @@ else:
 first = measured(load, objs)
 second = measured(load, objs)
 print(json.dumps({"first": first, "second": second, "digest": digest(objs)}))
-'''
+"""
 
 
 def _run(*args: str) -> dict:
