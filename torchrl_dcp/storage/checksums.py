@@ -109,6 +109,17 @@ def fds_checksums(ranges: list[tuple[int, int, int, str]], chunk: int = CHECKSUM
     return [format_crc(crc) for crc in copy_ranges(spans, buffer_size=chunk)]
 
 
+def combined_crc(pieces: list[tuple[int, int, int]]) -> tuple[int, int]:
+    """CRC-32 of the bytes that ``(offset, length, crc32)`` pieces cover contiguously from offset 0, and how many
+    bytes that is (it stops at the first hole)."""
+    value, pos = 0, 0
+    for offset, length, crc in sorted(pieces):
+        if offset != pos:
+            break
+        value, pos = crc32_combine(value, crc, length), pos + length
+    return value, pos
+
+
 def file_record(path: Path) -> dict[str, object]:
     """The manifest record of one file: its size and checksum."""
     return {"size": path.stat().st_size, "checksum": file_checksum(path)}

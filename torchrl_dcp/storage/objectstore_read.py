@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from torchrl_dcp.errors import CheckpointError, CheckpointIntegrityError
-from torchrl_dcp.storage.checksums import checksum_mismatch, crc32, crc32_combine, format_crc
+from torchrl_dcp.storage.checksums import checksum_mismatch, combined_crc, crc32, format_crc
 from torchrl_dcp.storage.layout import TRAILER_SIZE, read_identity
 from torchrl_dcp.storage.reader import InPlaceFileSystemReader
 from torchrl_dcp.storage.readitems import HUGEPAGE_MIN, populate
@@ -352,11 +352,7 @@ class StoreReader(InPlaceFileSystemReader):
 
     def _compare_file(self, f: _File, errors: list[BaseException]) -> None:
         """The object's CRC-32 from the spans fetched (a mismatch is the error to report, before any other)."""
-        value, pos = 0, 0
-        for offset, length, crc in sorted(f.pieces):
-            if offset != pos:
-                break
-            value, pos = crc32_combine(value, crc, length), pos + length
+        value, pos = combined_crc(f.pieces)
         if pos != f.size:
             if not errors:
                 raise CheckpointIntegrityError(f"internal: checksummed {pos} of {f.size} bytes", path=f.where)

@@ -1,30 +1,29 @@
 """DCP storage reader that reads tensor bytes straight into the destination tensors, checksumming on the way.
 
 DCP's ``FileSystemReader.read_data`` ``torch.load``\\ s every record into a fresh
-tensor and then copies it into the destination: two passes over new memory. Every
-record DCP (and :mod:`torchrl_dcp.storage.writer`) writes is a ``torch.save`` ZIP
-blob whose tensor bytes are one STORED member, so :class:`InPlaceFileSystemReader`
-locates that member (our writer's template, or the blob's central directory) and
-``readinto``\\ s the destination's own memory, with no intermediate tensor:
+tensor and then copies it: two passes over new memory. Every record DCP (and
+:mod:`torchrl_dcp.storage.writer`) writes is a ``torch.save`` ZIP blob whose tensor
+bytes are one STORED member, so :class:`InPlaceFileSystemReader` locates that member
+(our writer's template, or the blob's central directory) and ``readinto``\\ s the
+destination's own memory:
 
 - ``data.pkl`` is never unpickled: its bytes must equal what ``torch.save`` writes
-  for the expected dtype and shape (a contiguous tensor at storage offset 0), and
-  ``byteorder`` must be ``little``; anything else goes through DCP's path
-  (:meth:`InPlaceFileSystemReader.fallback`: ``torch.load(weights_only=True)`` + copy),
-  as do narrowed reads (resharded DTensors), non-contiguous or non-CPU destinations
-  and transformed records;
+  for the expected dtype and shape, and ``byteorder`` must be ``little``; anything
+  else goes through DCP's path (:meth:`InPlaceFileSystemReader.fallback`:
+  ``torch.load(weights_only=True)`` + copy), as do narrowed reads (resharded
+  DTensors), non-contiguous destinations and transformed records; destinations on
+  another device (CUDA) are read through small host windows
+  (:mod:`~torchrl_dcp.storage.staging`);
 - small records are read in batches (one read per ~8 MiB) and copied out; large ones
-  are read in 4 MiB chunks by up to ``threads`` threads (``TDCP_READ_THREADS``):
-  a record of 32 MiB or more is split between them, smaller ones are read one per
-  thread at a time;
-- files named in ``verify`` are checksummed (CRC32, the manifest's) from the bytes
-  as they are read, gaps included, so a fully read file needs no second pass; a
-  mismatch raises :class:`~torchrl_dcp.errors.CheckpointIntegrityError` after the
-  reads. Only pass files whose destinations are fresh buffers: a live object read
-  in place would already be overwritten.
+  in 4 MiB pieces by up to ``threads`` threads (``TDCP_READ_THREADS``): a record of
+  32 MiB or more is split between them, smaller ones are read one per thread;
+- files named in ``verify`` are checksummed (CRC32, the manifest's) from the bytes as
+  they are read, gaps included; a mismatch raises
+  :class:`~torchrl_dcp.errors.CheckpointIntegrityError` after the reads. Only pass
+  files whose destinations are fresh buffers: a live object would be overwritten.
 - fresh destinations of 4 MiB or more are advised to use transparent huge pages
-  (``madvise``, where the kernel's mode is ``madvise``), which makes first-touch
-  page faults about 3x cheaper here (``TDCP_READ_HUGEPAGES=0`` disables it).
+  (``madvise``), which makes first-touch faults about 3x cheaper here
+  (``TDCP_READ_HUGEPAGES=0`` disables it).
 
 Example:
     >>> import tempfile, torch
@@ -55,7 +54,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from torchrl_dcp.errors import CheckpointIntegrityError
-from torchrl_dcp.storage.checksums import crc32, crc32_combine, format_crc
+from torchrl_dcp.storage.checksums import combined_crc, crc32, format_crc
 from torchrl_dcp.storage.container import ByteRange, Container, open_regular
 from torchrl_dcp.storage.copying import ReadAhead, read_threads, run_split
 from torchrl_dcp.storage.filesystem import SafeFileSystemReader
@@ -72,9 +71,12 @@ from torchrl_dcp.storage.readitems import (  # noqa: F401 - RangeFile and the co
     destination_bytes,
     plan_in_place,
     prefault,
+    staged,
+    whole_record_device,
     whole_record_view,
 )
 from torchrl_dcp.storage.record import is_memmap_tensor, record_data_offset
+from torchrl_dcp.storage.staging import copy_record, read_staged
 
 
 class InPlaceFileSystemReader(SafeFileSystemReader):
@@ -111,7 +113,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         self.verify = dict(verify or {})
         self.threads = threads or read_threads()
         self.on_read = on_read
-        self.stats = {"in_place": 0, "fallback": 0, "bytes": 0, "verified_files": 0}
+        self.stats = {"in_place": 0, "staged": 0, "fallback": 0, "bytes": 0, "verified_files": 0}
         self.mismatch_note = "found while reading it; nothing was restored"  # what a checksum mismatch means
         self.prefault = os.environ.get("TDCP_READ_PREFAULT", "1") != "0"  # map fresh pages ahead of large reads
         self._lock = threading.RLock()  # stats and planner calls, from the threads reading records and files
@@ -168,6 +170,20 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         view = self.in_place(req, target)
         return None if view is None else (target, view)
 
+    def _target(
+        self, req: ReadItem, planner: LoadPlanner
+    ) -> tuple[torch.Tensor, memoryview | None, torch.Tensor | None] | None:
+        """``(target, its bytes, None)`` to read in place, ``(target, None, its device bytes)`` to read through host
+        memory (another device), ``None`` for the fallback."""
+        target = planner.resolve_tensor(req).detach()
+        if not staged(target):
+            view = self.in_place(req, target)
+            return None if view is None else (target, view, None)
+        if req.type != LoadItemType.TENSOR or any(req.storage_offsets) or tuple(target.shape) != tuple(req.lengths):
+            return None
+        device = whole_record_device(self.storage_data[req.storage_index], target)
+        return None if device is None else (target, None, device)
+
     def in_place(self, req: ReadItem, target: torch.Tensor) -> memoryview | None:
         """The bytes of ``target`` when ``req``'s record may be read straight into it, else ``None``."""
         info = self.storage_data[req.storage_index]
@@ -188,16 +204,11 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
     def read_items(self, per_file: Mapping[str, list[_Item]], planner: Any) -> None:
         """Read every file's items (``planner``: ``resolve_tensor``/``commit_tensor``, as DCP's).
 
-        Files are read in name order. Several files of planned items (direct reads: a tensor
-        saved as ~8 MiB chunk files) are read by ``threads`` threads at once, each taking
-        the next file in order (a file of large records also splits them between threads):
-        a verified 1 GiB load of 128 chunk files took 0.34 s cold and 0.10 s warm, against
-        0.42-1.2 s and 0.25 s one file at a time; 768 MiB as one 256 MiB file of 4 MiB
-        tensors and 64 chunk files, 0.27 s cold and 0.17 s warm against 0.41 s and 0.25 s. Read by one
-        thread, the next files are announced to the kernel ahead of their reads
-        (:class:`~torchrl_dcp.storage.copying.ReadAhead`: 0.46-0.56 s cold instead of
-        0.57-1.2 s); with two threads the announcements made cold loads slower
-        (0.52-0.66 s), so none are made.
+        Files are read in name order. Files of planned items (direct reads: a tensor saved as ~8 MiB chunk files)
+        are read by ``threads`` threads at once, each taking the next file (1 GiB of 128 chunk files: 0.34 s cold,
+        0.10 s warm, against 0.42-1.2 s and 0.25 s one at a time). Read by one thread, the next files are announced
+        to the kernel ahead of their reads (:class:`~torchrl_dcp.storage.copying.ReadAhead`); with several, two
+        files in flight are the read-ahead (announcements made cold loads slower there).
         """
         names = sorted(per_file)
         sources = {n: self.read_source(n) for n in names}
@@ -253,9 +264,9 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         for it in items:
             if it.planned:
                 continue
-            found = self._in_place_target(it.req, planner)
+            found = self._target(it.req, planner)
             if found is not None:
-                it.target, it.view = found
+                it.target, it.view, it.device = found
         pieces: list[tuple[int, int, int]] = []  # (offset, length, crc) of what was read, when verifying
         tiled = expected is not None and all(a.offset + a.length <= b.offset for a, b in zip(items, items[1:]))
         if expected is not None and not tiled:  # overlapping reads (narrowed shards): checksum the file first
@@ -347,11 +358,15 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
                 ctypes.memmove(item.target.data_ptr(), address + at, item.target.numel() * item.target.element_size())
                 self._count("in_place")
                 return
-        if item.view is not None and item.target is not None:
+        if (item.view is not None or item.device is not None) and item.target is not None:
             shape, dtype = tuple(item.target.shape), item.target.dtype
             at = record_data_offset(lambda o, n: record[o : o + n], record, item.length, dtype, shape)
             if at is not None:
-                item.view[:] = record[at : at + len(item.view)]
+                if item.view is not None:
+                    item.view[:] = record[at : at + len(item.view)]
+                else:
+                    copy_record(cast(torch.Tensor, item.device), record, at)
+                    self._count("staged")
                 self._count("in_place")
                 if not item.planned:
                     planner.commit_tensor(item.req, item.target)
@@ -383,7 +398,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
     ) -> list[tuple[int, int, int]]:
         at = None
         head = memoryview(bytearray(min(item.length, 4096)))
-        if item.view is not None and item.target is not None:
+        if item.target is not None and (item.view is not None or item.device is not None):
             src.read_at(f, item.offset, head)
             cache: dict[tuple[int, int], bytes] = {}
 
@@ -397,18 +412,23 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
                 return cache[(o, n)]
 
             at = record_data_offset(read, head, item.length, item.target.dtype, tuple(item.target.shape))
-        if at is None or item.view is None:
+        if at is None or (item.view is None and item.device is None):
             data = memoryview(bytearray(item.length))
             src.read_at(f, item.offset, data)
             with self._lock:
                 self.stats["bytes"] += item.length
                 self._fallback(item, planner, bytes(data))
             return [(item.offset, item.length, crc32(data))] if crc else []
-        n = len(item.view)
+        n = len(item.view) if item.view is not None else cast(torch.Tensor, item.device).numel()
         prefix = read(0, at)  # the record's bytes before the tensor's (already read: checksummed, not re-read)
         pieces = [(item.offset, at, crc32(prefix))] if crc else []
-        anonymous = not is_memmap_tensor(item.target)  # pages of a memory-mapped file are never mapped ahead
-        pieces += self._read_into(src, f, item.offset + at, item.view, crc, threads, anonymous)
+        if item.view is not None:
+            anonymous = not is_memmap_tensor(item.target)  # pages of a memory-mapped file are never mapped ahead
+            pieces += self._read_into(src, f, item.offset + at, item.view, crc, threads, anonymous)
+        else:
+            share = (threads or self.threads) if n >= PARALLEL else 1
+            pieces += read_staged(lambda o, v: src.read_at(f, o, v), item.offset + at, item.device, crc, share)
+            self._count("staged")
         tail = memoryview(bytearray(item.length - at - n))
         src.read_at(f, item.offset + at + n, tail)
         if crc:
@@ -473,14 +493,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         self._compare(src, pieces, expected)
 
     def _compare(self, src: RangeFile, pieces: list[tuple[int, int, int]], expected: str) -> None:
-        value, pos = 0, 0
-        for offset, length, crc in sorted(pieces):
-            if offset != pos:
-                raise CheckpointIntegrityError(
-                    f"internal: checksummed bytes are not contiguous at {pos}", path=src.where
-                )
-            value = crc32_combine(value, crc, length)
-            pos += length
+        value, pos = combined_crc(pieces)
         if pos != src.size:
             raise CheckpointIntegrityError(f"internal: checksummed {pos} of {src.size} bytes", path=src.where)
         actual = format_crc(value)

@@ -5,9 +5,12 @@
   following links, looping on short reads;
 - :func:`destination_bytes` is a writable view of a contiguous CPU tensor's memory
   (fresh destinations of 4 MiB or more are advised to use transparent huge pages);
+  :func:`device_bytes` the flat bytes of one on another device (read through host
+  windows: :mod:`~torchrl_dcp.storage.staging`);
 - :class:`_Item` is one record to read and the tensor it is read into;
   :func:`plan_in_place` decides how (copied by address when small, read into a view
-  when large, else through ``torch.load``).
+  when large, staged through host memory when on another device, else through
+  ``torch.load``).
 
 Example:
     >>> import torch
@@ -181,11 +184,36 @@ def destination_bytes(tensor: torch.Tensor, hugepages: bool = True) -> memoryvie
     return memoryview((ctypes.c_ubyte * nbytes).from_address(ptr)).cast("B")
 
 
+def staged(tensor: torch.Tensor) -> bool:
+    """Whether reads into ``tensor`` go through host memory (it is on another device than the CPU)."""
+    return tensor.device.type not in ("cpu", "meta")
+
+
+def device_bytes(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A flat ``uint8`` view of the bytes of a contiguous tensor off the CPU (``None`` otherwise, or empty)."""
+    if (
+        not staged(tensor)
+        or not tensor.is_contiguous()
+        or tensor.is_quantized
+        or tensor.layout != torch.strided
+        or tensor.numel() == 0
+    ):
+        return None
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def _whole_record(info: Any, target: torch.Tensor) -> bool:
+    return not info.transform_descriptors and sys.byteorder == "little" and target.dtype in STORAGE_NAMES
+
+
 def whole_record_view(info: Any, target: torch.Tensor, hugepages: bool = True) -> memoryview | None:
     """The bytes of ``target`` when a whole record (``info``) of its dtype and shape may be read into it."""
-    if info.transform_descriptors or sys.byteorder != "little" or target.dtype not in STORAGE_NAMES:
-        return None
-    return destination_bytes(target, hugepages)
+    return destination_bytes(target, hugepages) if _whole_record(info, target) else None
+
+
+def whole_record_device(info: Any, target: torch.Tensor) -> torch.Tensor | None:
+    """:func:`device_bytes` of ``target`` when a whole record (``info``) may be read into it through host memory."""
+    return device_bytes(target) if _whole_record(info, target) else None
 
 
 class SmallRecord(NamedTuple):
@@ -213,7 +241,9 @@ def plan_in_place(item: _Item, info: Any) -> None:
     the target's memory by address (no view to build), large ones are read into a view of it."""
     target = item.target
     assert target is not None
-    if info.length >= SMALL:
+    if staged(target):
+        item.device = whole_record_device(info, target)
+    elif info.length >= SMALL:
         item.view = whole_record_view(info, target)
     elif (
         not info.transform_descriptors
@@ -231,7 +261,7 @@ def plan_in_place(item: _Item, info: Any) -> None:
 class _Item:
     """One record to read: where it is, and (once chosen) the tensor it is read into."""
 
-    __slots__ = ("req", "offset", "length", "target", "view", "planned", "small")
+    __slots__ = ("req", "offset", "length", "target", "view", "planned", "small", "device")
 
     def __init__(
         self, req: ReadItem | Any, offset: int, length: int, target: torch.Tensor | None = None, planned: bool = False
@@ -244,6 +274,7 @@ class _Item:
         self.view: memoryview | None = None  # the target's bytes (None: through the fallback)
         self.planned = planned  # target and view chosen by the caller (direct reads: nothing to commit)
         self.small: SmallRecord | None = None  # a small record copied into ``target`` by address (direct reads)
+        self.device: torch.Tensor | None = None  # ``target`` off the CPU: its flat bytes, read through host memory
 
     def request(self) -> ReadItem:
         """DCP's read item (direct reads carry ``(key, chunk offsets, shape)`` of a record until the fallback needs it)."""

@@ -1,0 +1,180 @@
+"""Reads into tensors off the CPU go through host windows (``storage/staging.py``), never through ``torch.load``.
+
+No GPU here: the staged path is forced for CPU destinations (``staged`` patched to say yes), which runs every line
+of it but the page-locked window. The matrix crosses dtypes, record sizes (batched small records, large records,
+records split between threads), component kinds (a dict read into fresh tensors and checksummed while read, a module
+read in place after its files were checksummed, a tensor cut into chunk files) and verification; each load must be
+bit for bit the saved state, read without the fallback, with host windows of at most one read piece. A damaged file
+is refused and changes nothing. On a machine with CUDA the last test does the same for real.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import torchrl_dcp as tdcp
+from torchrl_dcp import chunking
+from torchrl_dcp.storage import reader as reader_mod
+from torchrl_dcp.storage import readitems, staging
+from torchrl_dcp.storage.reader import InPlaceFileSystemReader
+from torchrl_dcp.storage.writer import write_state
+
+warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+
+PIECE = 4096  # read piece (window size) in these tests
+DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int8, torch.bool, torch.complex64, torch.int64]
+SIZES = {"small": 300, "large": 40_000, "split": 200_000}  # bytes of the tensor: batched / one thread / split
+
+
+def _tensor(dtype: torch.dtype, nbytes: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    n = max(1, nbytes // torch.empty((), dtype=dtype).element_size())
+    raw = torch.randint(0, 256, (n * torch.empty((), dtype=dtype).element_size(),), generator=g, dtype=torch.uint8)
+    return raw.view(dtype).reshape(n // 2 if n % 2 == 0 and n > 1 else n, -1).clone()
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+class Spy:
+    """Counts staged reads, fallbacks and window sizes while the staged path is forced for CPU destinations."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.staged = 0
+        self.small = 0
+        self.fallbacks: list[Any] = []
+        self.windows: list[int] = []
+        forced = staticmethod(lambda t: t.device.type != "meta")
+        monkeypatch.setattr(readitems, "staged", forced)
+        monkeypatch.setattr(reader_mod, "staged", forced)
+        monkeypatch.setattr(staging, "READ_PIECE", PIECE)
+        monkeypatch.setattr(reader_mod, "SMALL", 8192)
+        monkeypatch.setattr(readitems, "SMALL", 8192)
+        monkeypatch.setattr(reader_mod, "PARALLEL", 65536)
+        real_read, real_copy, real_window = staging.read_staged, staging.copy_record, staging.host_window
+        real_fallback = InPlaceFileSystemReader.fallback
+
+        def read(*a: Any, **k: Any) -> Any:
+            self.staged += 1
+            return real_read(*a, **k)
+
+        def copy(*a: Any, **k: Any) -> Any:
+            self.small += 1
+            return real_copy(*a, **k)
+
+        def window(size: int, device: torch.device) -> torch.Tensor:
+            self.windows.append(size)
+            return real_window(size, device)
+
+        def fallback(this: Any, req: Any, *a: Any, **k: Any) -> Any:
+            self.fallbacks.append(req.storage_index.fqn)
+            return real_fallback(this, req, *a, **k)
+
+        monkeypatch.setattr(reader_mod, "read_staged", read)
+        monkeypatch.setattr(reader_mod, "copy_record", copy)
+        monkeypatch.setattr(staging, "host_window", window)
+        monkeypatch.setattr(InPlaceFileSystemReader, "fallback", fallback)
+
+
+CASES = list(itertools.product(DTYPES, SIZES, ["dict", "module", "chunked"], [True, False]))
+
+
+@pytest.mark.parametrize(
+    "dtype,size,kind,verify", CASES, ids=[f"{str(d)[6:]}-{s}-{k}-{'v' if v else 'nv'}" for d, s, k, v in CASES]
+)
+def test_staged_loads_are_bit_exact_without_the_fallback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, size: str, kind: str, verify: bool
+) -> None:
+    monkeypatch.setenv("TDCP_READ_THREADS", "3")
+    if kind == "chunked":  # cut along the first dimension into chunk files of 8 KiB
+        monkeypatch.setattr(chunking, "CHUNK_BYTES", 8192)
+        monkeypatch.setattr(chunking, "MIN_CHUNKED_BYTES", 16384)
+    saved = {"w": _tensor(dtype, SIZES[size], 0), "b": _tensor(dtype, 64, 1)}
+    if kind == "module":
+        obj: Any = torch.nn.Module()
+        for k, v in saved.items():
+            obj.register_buffer(k, v.clone())
+    else:
+        obj = {k: v.clone() for k, v in saved.items()}
+    path = tdcp.DistributedCheckpoint(state=obj).save(tmp_path / "ck")
+    if kind == "module":
+        live: Any = torch.nn.Module()
+        for k, v in saved.items():
+            live.register_buffer(k, torch.zeros_like(v))
+    else:
+        live = {k: torch.zeros_like(v) for k, v in saved.items()}
+
+    spy = Spy(monkeypatch)
+    tdcp.DistributedCheckpoint(state=live).load(path, verify=verify)
+
+    got = dict(live.named_buffers()) if kind == "module" else live
+    for k, v in saved.items():
+        assert _bits(got[k]) == _bits(v), k
+    assert spy.fallbacks == []
+    assert spy.staged + spy.small >= 2  # both tensors went through the staged path
+    assert spy.staged >= (size != "small") and max(spy.windows, default=0) <= PIECE
+
+
+@pytest.mark.parametrize("kind", ["dict", "module"])
+@pytest.mark.parametrize("where", [0.3, 0.9])
+def test_a_damaged_file_read_through_host_windows_is_refused_and_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, where: float
+) -> None:
+    saved = torch.randn(50_000)
+    obj: Any = {"w": saved.clone()}
+    if kind == "module":
+        obj = torch.nn.Module()
+        obj.register_buffer("w", saved.clone())
+    path = tdcp.DistributedCheckpoint(state=obj).save(tmp_path / "ck")
+    data = max(path.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[int(len(raw) * where)] ^= 0x10
+    data.write_bytes(bytes(raw))
+    before = torch.full_like(saved, 7.0)
+    live: Any = {"w": before.clone()}
+    if kind == "module":
+        live = torch.nn.Module()
+        live.register_buffer("w", before.clone())
+    Spy(monkeypatch)
+    with pytest.raises(tdcp.CheckpointIntegrityError, match=data.name):
+        tdcp.DistributedCheckpoint(state=live).load(path)
+    now = live.w if kind == "module" else live["w"]
+    assert torch.equal(now, before)
+
+
+def test_dcp_planned_reads_are_staged_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through ``dcp.load`` (DCP's planner resolves the destinations), as for DTensors and unusual chunkings."""
+    state = {str(d)[6:]: _tensor(d, s, i) for i, (d, s) in enumerate(itertools.product(DTYPES, SIZES.values()))}
+    (tmp_path / "c").mkdir()
+    out = write_state(state, tmp_path / "c")
+    dest = {k: torch.zeros_like(v) for k, v in state.items()}
+    spy = Spy(monkeypatch)
+    reader = InPlaceFileSystemReader(tmp_path / "c", verify={"__0_0.distcp": out.files["__0_0.distcp"]["checksum"]})
+    dcp.load(dest, storage_reader=reader, no_dist=True)
+    for k, v in state.items():
+        assert _bits(dest[k]) == _bits(v), k
+    assert spy.fallbacks == [] and reader.stats["staged"] == len(state) and reader.stats["verified_files"] == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_destinations_are_read_through_page_locked_windows(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    saved = {"big": torch.randn(3 << 20, generator=g), "small": torch.randn(7, generator=g)}
+    module = torch.nn.Module()
+    for k, v in saved.items():
+        module.register_buffer(k, v.clone())
+    path = tdcp.DistributedCheckpoint(policy=module).save(tmp_path / "ck")
+    live = torch.nn.Module()
+    for k, v in saved.items():
+        live.register_buffer(k, torch.zeros_like(v, device="cuda"))
+    tdcp.DistributedCheckpoint(policy=live).load(path)
+    for k, v in saved.items():
+        assert torch.equal(getattr(live, k).cpu(), v), k
