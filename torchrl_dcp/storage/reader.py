@@ -242,10 +242,11 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         run_split(list(range(self.threads)), [1] * self.threads, self.threads, work)
 
     def _scratch(self, items: list[_Item]) -> bytearray:
-        """This thread's buffer for batched small records and checksummed gaps, kept for the whole load: a batch's
-        size where ``items`` has small records, else ``GAP_PIECE``. One zero-filled 8 MiB ``bytearray`` per file
-        cost 1 GiB of ``memset`` on a 1 GiB load of 128 chunk files, and kept 24 MiB resident after it."""
-        size = BATCH if any(it.length < SMALL for it in items) else GAP_PIECE
+        """This thread's buffer for batched small records and checksummed gaps, kept for the whole load: as large as
+        ``items``' small records together (a batch is at most that), at least ``GAP_PIECE``, at most ``BATCH``.
+        (A zero-filled 8 MiB ``bytearray`` per file cost 1 GiB of ``memset`` on a 1 GiB load of 128 chunk files.)"""
+        small = sum(it.length for it in items if it.length < SMALL)
+        size = min(BATCH, max(small, GAP_PIECE))
         held = getattr(self._local, "scratch", None)
         if held is None or len(held) < size:
             held = self._local.scratch = bytearray(size)

@@ -41,7 +41,7 @@ from torchrl_dcp.storage.record import STORAGE_NAMES, is_memmap_tensor, template
 READ_PIECE = 4 << 20  # read size of large records (and of checksummed gaps)
 SMALL = 1 << 20  # records below this are read in batches and copied out
 BATCH = 8 << 20  # bytes per batched read of small records
-GAP_PIECE = 1 << 20  # read size of checksummed bytes between (or after) large records
+GAP_PIECE = 256 << 10  # least read size of checksummed bytes between (or after) records
 PARALLEL = 32 << 20  # tensors at least this large are split between threads
 HUGEPAGE_MIN = 4 << 20
 _HUGE = 2 << 20
