@@ -158,10 +158,11 @@ def verify_bytes(src: CheckpointSource, load_plan: LoadPlan, verify: bool, metad
         src.check(False)
         return
     needed_live = files_for(metadata, load_plan.live)
+    needed_fresh = files_for(metadata, load_plan.fresh)
     src.check(needed_live if verify else False)  # sizes of every file (and checksums of those read in place)
-    src.check_identity(needed_live | files_for(metadata, load_plan.fresh))
+    src.check_identity(needed_live | needed_fresh)
     if verify:
-        load_plan.verify_inline = files_for(metadata, load_plan.fresh) - needed_live
+        load_plan.verify_inline = needed_fresh - needed_live
         load_plan.verify_live = needed_live  # checked again during the final read: a file changed since is caught
 
 
