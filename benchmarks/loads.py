@@ -5,7 +5,7 @@ Two states: ``large`` (one float32 tensor of ``--mib`` MiB, 1 GiB by default) an
 as a dict component (read into fresh buffers, checksummed while read) and as an
 ``nn.Module`` (read in place into the live tensors after the files were checksummed).
 Cold = after ``echo 3 > /proc/sys/vm/drop_caches`` (rows skipped without root). Each
-figure is the median of ``--reps`` runs. Writes ``benchmarks/results/loads-<tag>.json``
+figure is the median of ``--reps`` runs (``--small-reps`` for the small state). Writes ``benchmarks/results/loads-<tag>.json``
 and, with matplotlib installed, the chart (``benchmarks/chart.py``).
 
 Usage::
@@ -139,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=1024, help="size of the large state (MiB)")
     ap.add_argument("--small", type=int, default=5000, help="number of 1 KiB tensors of the small state")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=5, help="runs per figure of the large state (median)")
+    ap.add_argument(
+        "--small-reps", type=int, default=21, help="runs per figure of the small state (median; 5 gave +-10 %%)"
+    )
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
     ap.add_argument("--tag", default="cpu-2cpu-batch3")
     ap.add_argument("--chart", default=None, help="also draw the ratios into this PNG (needs matplotlib)")
@@ -150,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         "mib": args.mib,
         "small_tensors": args.small,
         "reps": args.reps,
+        "small_reps": args.small_reps,
         "torch": torch.__version__,
     }
     try:
@@ -157,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         results["large"] = measure("large", large, root, args.reps, cold_too=True)
         del large
         small = {f"p{i:05d}": torch.randn(256, generator=g) for i in range(args.small)}
-        results["small"] = measure("small", small, root, args.reps, cold_too=False)
+        results["small"] = measure("small", small, root, args.small_reps, cold_too=False)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     results["ratios"] = ratios(results)
