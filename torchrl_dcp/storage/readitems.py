@@ -238,7 +238,8 @@ def small_record(dtype: torch.dtype, shape: tuple[int, ...]) -> SmallRecord:
 
 def plan_in_place(item: _Item, info: Any) -> None:
     """Let ``item`` (a whole record, target set) be read in place when it can: small records are copied into
-    the target's memory by address (no view to build), large ones are read into a view of it."""
+    the target's memory by address (no view to build), large ones are read into a view of it, and those of a
+    target on another device through host windows (``item.device``)."""
     target = item.target
     assert target is not None
     if staged(target):
