@@ -5,12 +5,14 @@ of it but the page-locked window. The matrix crosses dtypes, record sizes (batch
 records split between threads), component kinds (a dict read into fresh tensors and checksummed while read, a module
 read in place after its files were checksummed, a tensor cut into chunk files) and verification; each load must be
 bit for bit the saved state, read without the fallback, with host windows of at most one read piece. A damaged file
-is refused and changes nothing. On a machine with CUDA the last test does the same for real.
+is refused and changes nothing; loads from object stores (memory, S3) are staged too. On a machine with CUDA the last
+test does the same for real.
 """
 
 from __future__ import annotations
 
 import itertools
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -21,8 +23,8 @@ import torch.distributed.checkpoint as dcp
 
 import torchrl_dcp as tdcp
 from torchrl_dcp import chunking
+from torchrl_dcp.storage import objectstore_read, readitems, staging
 from torchrl_dcp.storage import reader as reader_mod
-from torchrl_dcp.storage import readitems, staging
 from torchrl_dcp.storage.reader import InPlaceFileSystemReader
 from torchrl_dcp.storage.writer import write_state
 
@@ -59,7 +61,9 @@ class Spy:
         monkeypatch.setattr(reader_mod, "SMALL", 8192)
         monkeypatch.setattr(readitems, "SMALL", 8192)
         monkeypatch.setattr(reader_mod, "PARALLEL", 65536)
+        self.store_copies = 0
         real_read, real_copy, real_window = staging.read_staged, staging.copy_record, staging.host_window
+        real_into = staging.copy_into
         real_fallback = InPlaceFileSystemReader.fallback
 
         def read(*a: Any, **k: Any) -> Any:
@@ -78,6 +82,11 @@ class Spy:
             self.fallbacks.append(req.storage_index.fqn)
             return real_fallback(this, req, *a, **k)
 
+        def into(*a: Any, **k: Any) -> Any:
+            self.store_copies += 1
+            return real_into(*a, **k)
+
+        monkeypatch.setattr(objectstore_read, "copy_into", into)
         monkeypatch.setattr(reader_mod, "read_staged", read)
         monkeypatch.setattr(reader_mod, "copy_record", copy)
         monkeypatch.setattr(staging, "host_window", window)
@@ -162,6 +171,38 @@ def test_dcp_planned_reads_are_staged_too(tmp_path: Path, monkeypatch: pytest.Mo
     for k, v in state.items():
         assert _bits(dest[k]) == _bits(v), k
     assert spy.fallbacks == [] and reader.stats["staged"] == len(state) and reader.stats["verified_files"] == 1
+
+
+@pytest.mark.parametrize("backend", ["memory", "s3"])
+@pytest.mark.parametrize("verify", [True, False])
+def test_object_store_loads_are_staged_too(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, backend: str, verify: bool
+) -> None:
+    """Responses of ranged GETs are copied into the destinations through a host window: records within one GET
+    (small ones, a module's weights) and a record larger than a GET (1 MiB here), chunk records and whole ones."""
+    if backend == "memory":
+        url, options = f"memory://tdcp-tests/{uuid.uuid4().hex[:12]}", {}
+    else:
+        s3 = request.getfixturevalue("s3")
+        url, options = s3.url(), s3.storage_options
+    monkeypatch.setenv("TDCP_STORE_RANGE_SIZE", str(1 << 20))
+    g = torch.Generator().manual_seed(3)
+    saved = {"big": torch.randn(3 << 20, generator=g), "mid": torch.randn(70_000, generator=g).to(torch.bfloat16)}
+    policy = torch.nn.Linear(32, 64)
+    saving = tdcp.DistributedCheckpoint(
+        state={k: v.clone() for k, v in saved.items()}, policy=policy, storage_options=options
+    )
+    path = saving.save(f"{url}/c")
+    live = {k: torch.zeros_like(v) for k, v in saved.items()}
+    fresh_policy = torch.nn.Linear(32, 64)
+    spy = Spy(monkeypatch)
+    tdcp.DistributedCheckpoint(state=live, policy=fresh_policy, storage_options=options).load(path, verify=verify)
+    for k, v in saved.items():
+        assert _bits(live[k]) == _bits(v), k
+    for a, b in zip(policy.state_dict().values(), fresh_policy.state_dict().values()):
+        assert _bits(a) == _bits(b)
+    assert spy.fallbacks == [] and spy.store_copies >= 4
+    assert max(spy.windows, default=0) <= PIECE
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

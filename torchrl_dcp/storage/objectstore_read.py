@@ -43,6 +43,7 @@ from torchrl_dcp.storage.layout import TRAILER_SIZE, read_identity
 from torchrl_dcp.storage.reader import InPlaceFileSystemReader
 from torchrl_dcp.storage.readitems import HUGEPAGE_MIN, populate
 from torchrl_dcp.storage.record import record_data_offset
+from torchrl_dcp.storage.staging import copy_into
 
 MERGE_GAP = 1 << 20  # needed records closer than this are fetched in one span (the gap is read and dropped)
 
@@ -106,6 +107,7 @@ class _Item:
     length: int
     target: torch.Tensor | None = None
     view: memoryview | None = None
+    device: torch.Tensor | None = None  # ``target`` off the CPU: its flat bytes (``staging.copy_into``)
 
 
 @dataclass
@@ -174,9 +176,9 @@ class StoreReader(InPlaceFileSystemReader):
                         f"of {f.size})",
                         path=f.where,
                     )
-                found = self._in_place_target(it.req, planner)  # the local reader's rule
+                found = self._target(it.req, planner)  # the local reader's rule
                 if found is not None:
-                    it.target, it.view = found
+                    it.target, it.view, it.device = found
             jobs += self._plan_file(f, items)
         mapper = threading.Thread(  # maps the destinations while the first requests are in flight
             target=_populate,
@@ -268,13 +270,17 @@ class StoreReader(InPlaceFileSystemReader):
 
     def _place(self, it: _Item, record: memoryview) -> None:
         planner = self._planner
-        if it.view is not None and it.target is not None:
+        if (it.view is not None or it.device is not None) and it.target is not None:
             shape, dtype = tuple(it.target.shape), it.target.dtype
             at = record_data_offset(lambda o, n: record[o : o + n], record, it.length, dtype, shape)
             if at is not None:
-                copy_bytes(it.view, record[at : at + len(it.view)])
+                if it.view is not None:
+                    copy_bytes(it.view, record[at : at + len(it.view)])
+                else:
+                    copy_into(it.device, record[at : at + it.device.numel()])  # type: ignore[union-attr]
                 with self._lock:
                     self.stats["in_place"] += 1
+                    self.stats["staged"] += it.view is None
                     self.stats["bytes"] += it.length
                     planner.commit_tensor(it.req, it.target)
                 return
@@ -287,20 +293,21 @@ class StoreReader(InPlaceFileSystemReader):
         limit = self.fetch_limit
         first = memoryview(self.fetch(f, it.offset, it.offset + limit))
         at = None
-        if it.view is not None and it.target is not None:
+        if (it.view is not None or it.device is not None) and it.target is not None:
 
             def read(o: int, n: int) -> Any:
                 return first[o : o + n] if o + n <= len(first) else self.fetch(f, it.offset + o, it.offset + o + n)
 
             at = record_data_offset(read, first, it.length, it.target.dtype, tuple(it.target.shape))
-        if at is None or it.view is None or it.target is None or at > limit:  # DCP's path, the record whole
+        if at is None or (it.view is None and it.device is None) or it.target is None or at > limit:  # DCP's path
             whole = bytes(first) + self.fetch(f, it.offset + limit, it.offset + it.length)
             if f.verify is not None:
                 with self._lock:
                     f.pieces.append((it.offset, it.length, crc32(whole)))
             self._place(it, memoryview(whole))
             return []
-        view, n = it.view, len(it.view)
+        view, device = it.view, it.device
+        n = len(view) if view is not None else device.numel()  # type: ignore[union-attr]
         bounds = list(range(it.offset, it.offset + it.length, limit)) + [it.offset + it.length]
         left = [len(bounds) - 1]
         target = it.target
@@ -311,12 +318,15 @@ class StoreReader(InPlaceFileSystemReader):
                 with self._lock:
                     f.pieces.append((start, len(data), crc))
             lo, hi = max(start, it.offset + at), min(start + len(data), it.offset + at + n)
-            if hi > lo:
+            if hi > lo and view is not None:
                 copy_bytes(view[lo - it.offset - at : hi - it.offset - at], data[lo - start : hi - start])
+            elif hi > lo:
+                copy_into(device[lo - it.offset - at : hi - it.offset - at], data[lo - start : hi - start])  # type: ignore[index]
             with self._lock:
                 left[0] -= 1
                 if left[0] == 0:
                     self.stats["in_place"] += 1
+                    self.stats["staged"] += view is None
                     self.stats["bytes"] += it.length
                     self._planner.commit_tensor(it.req, target)
             return []

@@ -165,11 +165,6 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         else:
             self.fallback(item.req, planner, data)
 
-    def _in_place_target(self, req: ReadItem, planner: LoadPlanner) -> tuple[torch.Tensor, memoryview] | None:
-        target = planner.resolve_tensor(req).detach()
-        view = self.in_place(req, target)
-        return None if view is None else (target, view)
-
     def _target(
         self, req: ReadItem, planner: LoadPlanner
     ) -> tuple[torch.Tensor, memoryview | None, torch.Tensor | None] | None:

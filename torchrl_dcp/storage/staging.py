@@ -9,7 +9,8 @@ on CUDA, so the copy runs at the bus's speed), checksummed, and copied into the
 destination's bytes (a flat ``uint8`` view of it) before the window is reused: host
 memory stays at one window per thread whatever the tensor's size. Copies are
 synchronous, so a window is never overwritten while a copy reads it. Small records
-(batched reads) are copied to the device from the batch buffer directly.
+(batched reads) are copied to the device from the batch buffer directly; an object
+store's responses through a window (:func:`copy_into`).
 
 Example:
     >>> import torch
@@ -75,5 +76,20 @@ def read_staged(
 
 
 def copy_record(dest: torch.Tensor, record: Any, at: int) -> None:
-    """Copy ``dest.numel()`` bytes at ``at`` of ``record`` (a bytes-like batch buffer) into ``dest``."""
+    """Copy ``dest.numel()`` bytes at ``at`` of ``record`` (a writable bytes-like batch buffer) into ``dest``."""
     dest.copy_(torch.frombuffer(record, dtype=torch.uint8, count=dest.numel(), offset=at))
+
+
+def copy_into(dest: torch.Tensor, data: Any) -> None:
+    """Copy the bytes of ``data`` (read-only ones too: an object store's response) into ``dest`` (flat ``uint8``),
+    through a host window of at most ``READ_PIECE`` bytes."""
+    n = dest.numel()
+    src = memoryview(data).cast("B")
+    if len(src) != n:
+        raise ValueError(f"{len(src)} bytes for a destination of {n}")
+    window = host_window(min(READ_PIECE, n), dest.device)
+    view = memoryview(window.numpy())
+    for a in range(0, n, READ_PIECE):
+        m = min(READ_PIECE, n - a)
+        view[:m] = src[a : a + m]
+        dest[a : a + m].copy_(window[:m])  # synchronous: the window is free again when it returns
