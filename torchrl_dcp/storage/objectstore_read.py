@@ -318,10 +318,11 @@ class StoreReader(InPlaceFileSystemReader):
                 with self._lock:
                     f.pieces.append((start, len(data), crc))
             lo, hi = max(start, it.offset + at), min(start + len(data), it.offset + at + n)
+            a, b = lo - it.offset - at, hi - it.offset - at  # in the tensor's bytes
             if hi > lo and view is not None:
-                copy_bytes(view[lo - it.offset - at : hi - it.offset - at], data[lo - start : hi - start])
+                copy_bytes(view[a:b], data[lo - start : hi - start])
             elif hi > lo:
-                copy_into(device[lo - it.offset - at : hi - it.offset - at], data[lo - start : hi - start])  # type: ignore[index]
+                copy_into(device[a:b], data[lo - start : hi - start])  # type: ignore[index]
             with self._lock:
                 left[0] -= 1
                 if left[0] == 0:

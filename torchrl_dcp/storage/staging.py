@@ -50,7 +50,8 @@ def read_staged(
     crc: bool,
     threads: int,
 ) -> list[tuple[int, int, int]]:
-    """Read ``dest.numel()`` bytes at ``offset`` into ``dest`` (flat ``uint8``, :func:`~torchrl_dcp.storage.readitems.device_bytes`) through host windows.
+    """Read ``dest.numel()`` bytes at ``offset`` into ``dest`` (flat ``uint8``: ``readitems.device_bytes``) through
+    host windows.
 
     ``read_at(offset, view)`` fills ``view`` from the file. Pieces are dealt to ``threads`` threads in turn (the
     file is read front to back); returns ``(offset, length, crc32)`` of every piece read when ``crc``.
