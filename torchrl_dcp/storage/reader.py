@@ -72,6 +72,7 @@ from torchrl_dcp.storage.readitems import (  # noqa: F401 - RangeFile and the co
     plan_in_place,
     prefault,
     staged,
+    whole_read,
     whole_record_device,
     whole_record_view,
 )
@@ -171,20 +172,19 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         """``(target, its bytes, None)`` to read in place, ``(target, None, its device bytes)`` to read through host
         memory (another device), ``None`` for the fallback."""
         target = planner.resolve_tensor(req).detach()
-        if not staged(target):
-            view = self.in_place(req, target)
-            return None if view is None else (target, view, None)
-        if req.type != LoadItemType.TENSOR or any(req.storage_offsets) or tuple(target.shape) != tuple(req.lengths):
+        if not whole_read(req, target):
             return None
-        device = whole_record_device(self.storage_data[req.storage_index], target)
-        return None if device is None else (target, None, device)
+        info = self.storage_data[req.storage_index]
+        if staged(target):
+            device = whole_record_device(info, target)
+            return None if device is None else (target, None, device)
+        view = whole_record_view(info, target, self.hugepages)
+        return None if view is None else (target, view, None)
 
     def in_place(self, req: ReadItem, target: torch.Tensor) -> memoryview | None:
         """The bytes of ``target`` when ``req``'s record may be read straight into it, else ``None``."""
         info = self.storage_data[req.storage_index]
-        if req.type != LoadItemType.TENSOR or any(req.storage_offsets) or tuple(target.shape) != tuple(req.lengths):
-            return None
-        return whole_record_view(info, target, self.hugepages)
+        return whole_record_view(info, target, self.hugepages) if whole_read(req, target) else None
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[_Item]] = {}

@@ -206,6 +206,13 @@ def _whole_record(info: Any, target: torch.Tensor) -> bool:
     return not info.transform_descriptors and sys.byteorder == "little" and target.dtype in STORAGE_NAMES
 
 
+def whole_read(req: ReadItem, target: torch.Tensor) -> bool:
+    """``req`` (DCP's read item) reads a whole tensor record into all of ``target``: no narrowed read."""
+    return (
+        req.type == LoadItemType.TENSOR and not any(req.storage_offsets) and tuple(target.shape) == tuple(req.lengths)
+    )
+
+
 def whole_record_view(info: Any, target: torch.Tensor, hugepages: bool = True) -> memoryview | None:
     """The bytes of ``target`` when a whole record (``info``) of its dtype and shape may be read into it."""
     return destination_bytes(target, hugepages) if _whole_record(info, target) else None

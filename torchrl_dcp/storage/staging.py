@@ -83,14 +83,8 @@ def copy_record(dest: torch.Tensor, record: Any, at: int) -> None:
 
 def copy_into(dest: torch.Tensor, data: Any) -> None:
     """Copy the bytes of ``data`` (read-only ones too: an object store's response) into ``dest`` (flat ``uint8``),
-    through a host window of at most ``READ_PIECE`` bytes."""
-    n = dest.numel()
+    through a host window of at most ``READ_PIECE`` bytes (:func:`read_staged`, reading from memory)."""
     src = memoryview(data).cast("B")
-    if len(src) != n:
-        raise ValueError(f"{len(src)} bytes for a destination of {n}")
-    window = host_window(min(READ_PIECE, n), dest.device)
-    view = memoryview(window.numpy())
-    for a in range(0, n, READ_PIECE):
-        m = min(READ_PIECE, n - a)
-        view[:m] = src[a : a + m]
-        dest[a : a + m].copy_(window[:m])  # synchronous: the window is free again when it returns
+    if len(src) != dest.numel():
+        raise ValueError(f"{len(src)} bytes for a destination of {dest.numel()}")
+    read_staged(lambda o, view: view.__setitem__(slice(None), src[o : o + len(view)]), 0, dest, False, 1)
