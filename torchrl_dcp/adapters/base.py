@@ -1,19 +1,20 @@
-"""The adapter protocol and the registry that picks an adapter for an object.
+"""The adapter protocol: :class:`Adapter`, what it is told (:class:`AdapterContext`) and its options.
 
 An adapter turns one kind of object into nested *state* (tensors plus values the
 codec can store: dicts, lists, numbers, strings, dtypes, ...) and back. It never
 touches files: the checkpoint encodes the state, routes it to DCP and decodes it.
+Which adapter serves which type is decided by :mod:`torchrl_dcp.adapters.registry`.
 
 Example:
-    >>> import torch
-    >>> from torchrl_dcp.adapters import Adapter, register_adapter
+    >>> from torchrl_dcp.adapters.base import Adapter, AdapterContext
     >>> class Counter:
     ...     def __init__(self): self.n = 0
     >>> class CounterAdapter(Adapter):
     ...     adapter_id = "example.counter"
     ...     def state(self, obj, ctx): return {"n": obj.n}
     ...     def restore(self, obj, state, ctx): obj.n = state["n"]
-    >>> register_adapter(Counter, CounterAdapter())
+    >>> CounterAdapter().state(Counter(), AdapterContext("counter"))
+    {'n': 0}
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 
 from torchrl_dcp.placement import Placement
 
-__all__ = ["Adapter", "AdapterContext", "CheckpointOptions", "register_adapter", "resolve_adapter"]
+__all__ = ["Adapter", "AdapterContext", "CheckpointOptions"]
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ class Adapter(abc.ABC):
         """Optionally return tensors DCP should read into in place, by tensor key.
 
         ``saved`` is the saved state with every tensor replaced by its
-        :class:`~torchrl_dcp.codec.TensorSpec` (key, shape, dtype, device), so an adapter
+        :class:`~torchrl_dcp.format.codec.TensorSpec` (key, shape, dtype, device), so an adapter
         can allocate lazily built storage from the checkpoint before DCP reads. The
         default (``None``) lets the checkpoint allocate fresh tensors on the mapped
         device; keys left out are allocated too.
@@ -135,7 +136,7 @@ class Adapter(abc.ABC):
 
         Called while the load is planned, before anything changes, with every saved
         state this rank will read (``{saved_rank: state}``, tensors as
-        :class:`~torchrl_dcp.codec.TensorSpec`); ``ctx.saved_world_size`` tells whether
+        :class:`~torchrl_dcp.format.codec.TensorSpec`); ``ctx.saved_world_size`` tells whether
         the load reshards. The default accepts everything.
         """
         return None
@@ -170,39 +171,3 @@ class Adapter(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(id={self.adapter_id!r}, version={self.version})"
-
-
-_REGISTRY: dict[type, Adapter] = {}
-
-
-def register_adapter(component_type: type, adapter: Adapter) -> None:
-    """Use ``adapter`` for every instance of ``component_type`` (and its subclasses)."""
-    if not isinstance(component_type, type):
-        raise TypeError("component_type must be a type")
-    if not isinstance(adapter, Adapter) or not adapter.adapter_id:
-        raise TypeError("adapter must be an Adapter instance with an adapter_id")
-    _REGISTRY[component_type] = adapter
-
-
-def resolve_adapter(obj: Any, local: Mapping[type, Adapter] | None = None) -> Adapter:
-    """The most specific adapter for ``obj``: per-checkpoint registrations first, then global ones.
-
-    Falls back to the generic ``state_dict`` adapter for objects that have
-    ``state_dict``/``load_state_dict``, and to the JSON adapter for plain values.
-    """
-    from torchrl_dcp.adapters.json import JSONAdapter, is_plain_value
-    from torchrl_dcp.adapters.state_dict import StateDictAdapter
-
-    for klass in type(obj).__mro__:
-        if local and klass in local:
-            return local[klass]
-        if klass in _REGISTRY:
-            return _REGISTRY[klass]
-    if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
-        return StateDictAdapter()
-    if is_plain_value(obj):
-        return JSONAdapter()
-    raise TypeError(
-        f"no adapter for {type(obj).__module__}.{type(obj).__qualname__}: give it state_dict()/"
-        "load_state_dict(), pass adapter=..., or call register_adapter(type, adapter)"
-    )

@@ -23,8 +23,8 @@ from torchrl.data.replay_buffers.samplers import PrioritizedSampler
 from torchrl.data.replay_buffers.writers import TensorDictMaxValueWriter
 
 from torchrl_dcp.adapters.base import AdapterContext
+from torchrl_dcp.adapters.buffer_state import allocate, flatten, initialized_buffer, restore_buffer_settings
 from torchrl_dcp.adapters.list_storage import LIST_KIND, is_list_storage, list_items, restore_list_storage
-from torchrl_dcp.adapters.replay_buffer import _allocate, _buffer, _flatten, restore_buffer_settings
 from torchrl_dcp.errors import IncompatibleComponentError
 
 
@@ -88,7 +88,7 @@ def reshard_buffer(rb: ReplayBuffer, states: dict[int, Any], ctx: AdapterContext
     replacement start a new epoch; a buffer's own generator is re-seeded from the
     saved one and the new rank.
     """
-    rb = _buffer(rb)
+    rb = initialized_buffer(rb)
     part = _received(states, split(ctx.plan["lengths"], ctx.rank, ctx.world_size), ctx)
     _fill_storage(rb._storage, part, ctx)
     _reset_writer(rb._writer, part, int(rb._storage.max_size))
@@ -141,9 +141,9 @@ def _fill_storage(storage: Any, part: _Received, ctx: AdapterContext) -> None:
         return
     if n:
         data = _cat_trees(part.datas)
-        flat_specs = _flatten(data)
+        flat_specs = flatten(data)
         if not storage.initialized:
-            _allocate(storage, flat_specs, isinstance(data, Mapping), 1)
+            allocate(storage, flat_specs, isinstance(data, Mapping), 1)
         live = storage._storage
         capacity = int(live.shape[0])
         if n > capacity:

@@ -33,13 +33,21 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from tensordict import MemoryMappedTensor, TensorDict, is_tensor_collection
+from tensordict import MemoryMappedTensor, is_tensor_collection
 from torchrl.data.replay_buffers import ReplayBuffer
 from torchrl.data.replay_buffers.samplers import PrioritizedSampler
 from torchrl.data.replay_buffers.storages import ListStorage, TensorStorage
 from torchrl.data.replay_buffers.writers import TensorDictMaxValueWriter
 
+from torchrl_dcp.adapters import buffer_reshard
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
+from torchrl_dcp.adapters.buffer_state import (
+    allocate,
+    buffer_settings,
+    flatten,
+    initialized_buffer,
+    restore_buffer_settings,
+)
 from torchrl_dcp.adapters.list_storage import (
     LIST_KIND,
     check_list_destination,
@@ -48,14 +56,7 @@ from torchrl_dcp.adapters.list_storage import (
     list_storage_state,
     restore_list_storage,
 )
-from torchrl_dcp.adapters.rng import derived_seed
 from torchrl_dcp.errors import EncodingError, IncompatibleComponentError
-
-
-def _buffer(rb: ReplayBuffer) -> ReplayBuffer:
-    if not getattr(rb, "_initialized", True):
-        rb._init()
-    return rb
 
 
 # --------------------------------------------------------------------------- storage
@@ -122,28 +123,6 @@ def storage_state(storage: Any) -> dict[str, Any]:
     return state
 
 
-def _flatten(tree: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
-    """Leaves of a nested mapping by key path (``()`` for a bare leaf)."""
-    if not isinstance(tree, Mapping):
-        return {prefix: tree}
-    out: dict[tuple[str, ...], Any] = {}
-    for key, value in tree.items():
-        out.update(_flatten(value, (*prefix, key)))
-    return out
-
-
-def _allocate(storage: TensorStorage, leaves: Mapping[tuple[str, ...], Any], is_tensordict: bool, ndim: int) -> None:
-    """Initialise a lazy storage from saved leaves of shape ``[rows, *batch, *item]`` (``batch``: ``ndim - 1`` dims).
-
-    torchrl's ``_init`` takes one row: a TensorDict with batch size ``batch`` whose
-    leaves have shape ``[*batch, *item]`` (``leaf.shape[1:]``); with ``ndim > 1`` it
-    sizes the storage to ``ceil(max_size / prod(batch))`` rows, as an ``extend`` would.
-    """
-    items = {k: torch.zeros(tuple(v.shape[1:]), dtype=v.dtype) for k, v in leaves.items()}
-    batch = tuple(next(iter(leaves.values())).shape[1:ndim]) if leaves else ()
-    storage._init(TensorDict(items, batch) if is_tensordict else items[()])
-
-
 def storage_destinations(storage: TensorStorage, saved: Mapping[str, Any], name: str) -> dict[str, torch.Tensor]:
     """Allocate (or check) the live storage from the saved shapes; return row views to read into."""
     if saved.get("kind") == LIST_KIND:  # one object per transition: its tensors are read into fresh buffers
@@ -158,9 +137,9 @@ def storage_destinations(storage: TensorStorage, saved: Mapping[str, Any], name:
     ndim, rows = saved["ndim"], saved["rows"]
     if ndim != storage.ndim:
         raise IncompatibleComponentError(f"component {name!r}: storage ndim was {ndim}, the buffer's is {storage.ndim}")
-    flat = _flatten(saved["data"])
+    flat = flatten(saved["data"])
     if not storage.initialized:
-        _allocate(storage, flat, saved["is_tensordict"], ndim)
+        allocate(storage, flat, saved["is_tensordict"], ndim)
     live = storage._storage
     capacity = int(live.shape[0])
     if rows > capacity:
@@ -282,25 +261,6 @@ def restore_writer(writer: Any, saved: Mapping[str, Any], name: str) -> None:
     writer.load_state_dict(saved["state"])
 
 
-def restore_buffer_settings(
-    rb: ReplayBuffer, saved: Mapping[str, Any], reseed_for: tuple[int, int] | None = None
-) -> None:
-    """Transforms, batch size and the buffer's own generator (re-seeded for ``(rank, world)`` when resharding)."""
-    transform = getattr(rb, "_transform", None)
-    if saved["transform"] is not None and isinstance(transform, torch.nn.Module):
-        transform.load_state_dict(saved["transform"])
-    rb._batch_size = saved["batch_size"]
-    generator = saved["generator"]
-    if generator is None:
-        return
-    if getattr(rb, "_rng", None) is None:
-        rb.set_rng(torch.Generator(device=generator["device"]))
-    if reseed_for is None:
-        rb._rng.set_state(generator["state"].cpu())
-    else:
-        rb._rng.manual_seed(derived_seed(generator["state"], *reseed_for))
-
-
 # --------------------------------------------------------------------------- adapter
 class ReplayBufferAdapter(Adapter):
     """A torchrl replay buffer and everything it needs to sample the same batches after a restore."""
@@ -311,32 +271,24 @@ class ReplayBufferAdapter(Adapter):
     can_reshard = True
 
     def reshard_sources(self, saved: dict[int, Any], ctx: AdapterContext) -> list[int]:
-        from torchrl_dcp.adapters.buffer_reshard import reshard_sources
-
-        return reshard_sources(saved, ctx)
+        return buffer_reshard.reshard_sources(saved, ctx)
 
     def reshard(self, rb: ReplayBuffer, states: dict[int, Any], ctx: AdapterContext) -> Any:
-        from torchrl_dcp.adapters.buffer_reshard import reshard_buffer
-
-        reshard_buffer(rb, states, ctx)
+        buffer_reshard.reshard_buffer(rb, states, ctx)
         return None
 
     def state(self, rb: ReplayBuffer, ctx: AdapterContext) -> Any:
-        rb = _buffer(rb)
-        rng = getattr(rb, "_rng", None)
-        transform = getattr(rb, "_transform", None)
+        rb = initialized_buffer(rb)
         return {
             "type": type(rb).__name__,
             "storage": storage_state(rb._storage),
             "sampler": sampler_state(rb._sampler),
             "writer": writer_state(rb._writer),
-            "transform": transform.state_dict() if isinstance(transform, torch.nn.Module) else None,
-            "batch_size": rb._batch_size,
-            "generator": None if rng is None else {"state": rng.get_state(), "device": str(rng.device)},
+            **buffer_settings(rb),
         }
 
     def row_changes(self, rb: ReplayBuffer, ctx: AdapterContext) -> dict[tuple[str, ...], Any] | None:
-        storage = _buffer(rb)._storage
+        storage = initialized_buffer(rb)._storage
         if not isinstance(storage, TensorStorage):
             return None
         from torchrl_dcp.tracking import track
@@ -351,10 +303,10 @@ class ReplayBufferAdapter(Adapter):
         return {("storage", "data", *((k,) if isinstance(k, str) else k)): snap for k in keys}
 
     def destinations(self, rb: ReplayBuffer, saved: Any, ctx: AdapterContext) -> dict[str, torch.Tensor] | None:
-        return storage_destinations(_buffer(rb)._storage, saved["storage"], ctx.name)
+        return storage_destinations(initialized_buffer(rb)._storage, saved["storage"], ctx.name)
 
     def restore(self, rb: ReplayBuffer, state: Any, ctx: AdapterContext) -> Any:
-        rb = _buffer(rb)
+        rb = initialized_buffer(rb)
         items = list_items(state["storage"], ctx) if state["storage"].get("kind") == LIST_KIND else None
         restore_sampler(rb._sampler, state["sampler"], ctx.name)
         restore_writer(rb._writer, state["writer"], ctx.name)
@@ -370,10 +322,8 @@ class ReplayBufferAdapter(Adapter):
         lengths = ctx.plan.get("lengths")
         if lengths is None:
             return  # same world size: the destinations check the capacity
-        from torchrl_dcp.adapters.buffer_reshard import split
-
-        n = sum(hi - lo for _, lo, hi in split(lengths, ctx.rank, ctx.world_size))
-        capacity = int(_buffer(rb)._storage.max_size)
+        n = sum(hi - lo for _, lo, hi in buffer_reshard.split(lengths, ctx.rank, ctx.world_size))
+        capacity = int(initialized_buffer(rb)._storage.max_size)
         if n > capacity:
             raise IncompatibleComponentError(
                 f"component {ctx.name!r}: rank {ctx.rank} receives {n} transitions after resharding, its buffer "
@@ -383,20 +333,12 @@ class ReplayBufferAdapter(Adapter):
     def snapshot(self, rb: ReplayBuffer, ctx: AdapterContext) -> Any:
         """Everything but the storage rows (read in place, never copied): the storage's own attributes, the
         sampler, writer, transforms, batch size and generator."""
-        rb = _buffer(rb)
+        rb = initialized_buffer(rb)
         storage = rb._storage
-        rng = getattr(rb, "_rng", None)
-        transform = getattr(rb, "_transform", None)
         return {
             "storage": {a: getattr(storage, a, None) for a in _STORAGE_ATTRS},
             "settings": copy.deepcopy(
-                {
-                    "sampler": sampler_state(rb._sampler),
-                    "writer": writer_state(rb._writer),
-                    "transform": transform.state_dict() if isinstance(transform, torch.nn.Module) else None,
-                    "batch_size": rb._batch_size,
-                    "generator": None if rng is None else {"state": rng.get_state(), "device": str(rng.device)},
-                }
+                {"sampler": sampler_state(rb._sampler), "writer": writer_state(rb._writer), **buffer_settings(rb)}
             ),
         }
 
@@ -404,7 +346,7 @@ class ReplayBufferAdapter(Adapter):
         """Put back the storage's attributes (a storage allocated by the load is dropped) and the settings.
 
         Rows already read in place keep what was read (docs/reliability.md)."""
-        rb = _buffer(rb)
+        rb = initialized_buffer(rb)
         for attr, value in snapshot["storage"].items():
             if hasattr(rb._storage, attr) and value is not None:
                 setattr(rb._storage, attr, value)

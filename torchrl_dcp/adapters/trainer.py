@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from torchrl_dcp.adapters.base import AdapterContext
+from torchrl_dcp.adapters.registry import register_adapter
 from torchrl_dcp.adapters.state_dict import StateDictAdapter
 from torchrl_dcp.placement import Placement
 
@@ -92,8 +93,6 @@ def register_trainer_adapters() -> None:
     from torchrl.record.loggers import Logger
     from torchrl.trainers.trainers import TrainerHookBase
 
-    from torchrl_dcp.adapters import base
-
     adapter = TrainerHookAdapter()
     for klass in (TrainerHookBase, Logger):
-        base._REGISTRY[klass] = adapter  # by type only: the id stays the generic state-dict adapter's
+        register_adapter(klass, adapter)  # by type only: the id stays the generic state-dict adapter's

@@ -1,0 +1,92 @@
+"""Replay-buffer state helpers shared by the adapter (:mod:`.replay_buffer`) and resharding (:mod:`.buffer_reshard`).
+
+- :func:`initialized_buffer`: the buffer, its lazy parts (storage, sampler, writer) built;
+- :func:`flatten`: the leaves of a saved storage tree by key path;
+- :func:`allocate`: a lazy storage initialised from saved leaves, before rows are read into it;
+- :func:`buffer_settings` / :func:`restore_buffer_settings`: transforms, batch size and the
+  buffer's own generator.
+
+Example:
+    >>> import torch
+    >>> from torchrl.data import LazyTensorStorage
+    >>> leaves = flatten({"obs": torch.zeros(4, 3), "next": {"reward": torch.zeros(4, 1)}})
+    >>> sorted(leaves)
+    [('next', 'reward'), ('obs',)]
+    >>> storage = LazyTensorStorage(10)
+    >>> allocate(storage, leaves, is_tensordict=True, ndim=1)
+    >>> storage._storage["obs"].shape
+    torch.Size([10, 3])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from torchrl.data.replay_buffers import ReplayBuffer
+from torchrl.data.replay_buffers.storages import TensorStorage
+
+from torchrl_dcp.adapters.rng import derived_seed
+
+__all__ = ["allocate", "buffer_settings", "flatten", "initialized_buffer", "restore_buffer_settings"]
+
+
+def initialized_buffer(rb: ReplayBuffer) -> ReplayBuffer:
+    """``rb``, after building its lazily initialised parts (torchrl's delayed ``_init``) if it has not yet."""
+    if not getattr(rb, "_initialized", True):
+        rb._init()
+    return rb
+
+
+def flatten(tree: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    """Leaves of a nested mapping by key path (``()`` for a bare leaf)."""
+    if not isinstance(tree, Mapping):
+        return {prefix: tree}
+    out: dict[tuple[str, ...], Any] = {}
+    for key, value in tree.items():
+        out.update(flatten(value, (*prefix, key)))
+    return out
+
+
+def allocate(storage: TensorStorage, leaves: Mapping[tuple[str, ...], Any], is_tensordict: bool, ndim: int) -> None:
+    """Initialise a lazy storage from saved leaves of shape ``[rows, *batch, *item]`` (``batch``: ``ndim - 1`` dims).
+
+    torchrl's ``_init`` takes one row: a TensorDict with batch size ``batch`` whose
+    leaves have shape ``[*batch, *item]`` (``leaf.shape[1:]``); with ``ndim > 1`` it
+    sizes the storage to ``ceil(max_size / prod(batch))`` rows, as an ``extend`` would.
+    """
+    items = {k: torch.zeros(tuple(v.shape[1:]), dtype=v.dtype) for k, v in leaves.items()}
+    batch = tuple(next(iter(leaves.values())).shape[1:ndim]) if leaves else ()
+    storage._init(TensorDict(items, batch) if is_tensordict else items[()])
+
+
+def buffer_settings(rb: ReplayBuffer) -> dict[str, Any]:
+    """Transforms, batch size and the buffer's own generator, as :func:`restore_buffer_settings` takes them."""
+    rng = getattr(rb, "_rng", None)
+    transform = getattr(rb, "_transform", None)
+    return {
+        "transform": transform.state_dict() if isinstance(transform, torch.nn.Module) else None,
+        "batch_size": rb._batch_size,
+        "generator": None if rng is None else {"state": rng.get_state(), "device": str(rng.device)},
+    }
+
+
+def restore_buffer_settings(
+    rb: ReplayBuffer, saved: Mapping[str, Any], reseed_for: tuple[int, int] | None = None
+) -> None:
+    """Transforms, batch size and the buffer's own generator (re-seeded for ``(rank, world)`` when resharding)."""
+    transform = getattr(rb, "_transform", None)
+    if saved["transform"] is not None and isinstance(transform, torch.nn.Module):
+        transform.load_state_dict(saved["transform"])
+    rb._batch_size = saved["batch_size"]
+    generator = saved["generator"]
+    if generator is None:
+        return
+    if getattr(rb, "_rng", None) is None:
+        rb.set_rng(torch.Generator(device=generator["device"]))
+    if reseed_for is None:
+        rb._rng.set_state(generator["state"].cpu())
+    else:
+        rb._rng.manual_seed(derived_seed(generator["state"], *reseed_for))

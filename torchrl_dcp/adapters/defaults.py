@@ -1,0 +1,51 @@
+"""The adapters this package ships, registered by type when :mod:`torchrl_dcp.adapters` is imported.
+
+Modules, optimizers, TensorDicts, RNG streams (torch, Python, NumPy), torchrl replay
+buffers, collectors and Trainer hooks / loggers. Registering again is harmless: a
+type maps to one adapter (:func:`~torchrl_dcp.adapters.registry.register_adapter`).
+
+Example:
+    >>> import torch
+    >>> from torchrl_dcp.adapters.defaults import register_default_adapters
+    >>> from torchrl_dcp.adapters.registry import resolve_adapter
+    >>> register_default_adapters()
+    >>> resolve_adapter(torch.nn.Linear(2, 2)).adapter_id
+    'torchrl_dcp.module'
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from tensordict import TensorDictBase
+from torchrl.collectors import BaseCollector, Collector
+from torchrl.data.replay_buffers import ReplayBuffer
+
+from torchrl_dcp.adapters.collector import CollectorAdapter, MultiCollectorAdapter
+from torchrl_dcp.adapters.generators import NumpyGeneratorAdapter, NumpyRandomStateAdapter, PythonRandomAdapter
+from torchrl_dcp.adapters.modules import ModuleAdapter, OptimizerAdapter
+from torchrl_dcp.adapters.registry import register_adapter
+from torchrl_dcp.adapters.replay_buffer import ReplayBufferAdapter
+from torchrl_dcp.adapters.rng import GeneratorAdapter, RNGState, RNGStateAdapter
+from torchrl_dcp.adapters.tensordict import TensorDictAdapter
+from torchrl_dcp.adapters.trainer import register_trainer_adapters
+
+__all__ = ["register_default_adapters"]
+
+
+def register_default_adapters() -> None:
+    """Register every adapter this package ships for the types it serves."""
+    register_adapter(torch.nn.Module, ModuleAdapter())
+    register_adapter(torch.optim.Optimizer, OptimizerAdapter())
+    register_adapter(TensorDictBase, TensorDictAdapter())
+    register_adapter(RNGState, RNGStateAdapter())
+    register_adapter(torch.Generator, GeneratorAdapter())
+    register_adapter(random.Random, PythonRandomAdapter())
+    register_adapter(np.random.Generator, NumpyGeneratorAdapter())
+    register_adapter(np.random.RandomState, NumpyRandomStateAdapter())
+    register_adapter(ReplayBuffer, ReplayBufferAdapter())
+    register_adapter(BaseCollector, MultiCollectorAdapter())
+    register_adapter(Collector, CollectorAdapter())
+    register_trainer_adapters()
