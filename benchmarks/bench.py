@@ -388,7 +388,7 @@ def run_workload(
         if can_drop:
             rec.time("torchrl_dcp load cold (verify=False)", lambda: ckpt.load(ours, verify=False), before=cold)
         rec.time("torchrl_dcp load warm (verify=False)", lambda: ckpt.load(ours, verify=False))
-        from torchrl_dcp.storage.checksums import file_checksum
+        from torchrl_dcp.storage.filesums import file_checksum
 
         data_files = [p for p in ours.iterdir() if p.name.endswith(".distcp")]
         rec.time("checksum pass alone, warm (CRC32 of the data files)", lambda: [file_checksum(p) for p in data_files])
@@ -477,7 +477,7 @@ def _flat_tensors(state: Any) -> list[torch.Tensor]:
     """Every tensor of a (nested) state, replay buffers' storages included (what an async save stages)."""
     from torchrl_dcp.adapters import resolve_adapter
     from torchrl_dcp.adapters.base import AdapterContext
-    from torchrl_dcp.codec import encode
+    from torchrl_dcp.format.codec import encode
 
     adapter = resolve_adapter(state)
     return list(encode(adapter.state(state, AdapterContext("state")), where="state")[1].values())

@@ -52,7 +52,7 @@ def simulate(world: int, reps: int = 3) -> dict[str, Any]:
 def _simulate(world: int, reps: int) -> dict[str, Any]:
     from benchmarks.scaling import build_state, checkpoint_for
     from torchrl_dcp import load_engine, save_engine
-    from torchrl_dcp.manifest import loads_manifest
+    from torchrl_dcp.format.manifest import loads_manifest
     from torchrl_dcp.planner import plan_writes, tensor_infos
     from torchrl_dcp.storage.filesystem import safe_load_metadata
     from torchrl_dcp.storage.writer import ChunkEntry

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import torchrl_dcp as tdcp
-from torchrl_dcp.manifest import seal
+from torchrl_dcp.format.manifest import seal
 from torchrl_dcp.storage import reader as reader_module
 from torchrl_dcp.storage.archive import ALIGN, ArchiveContainer, read_index
-from torchrl_dcp.storage.checksums import file_checksum
+from torchrl_dcp.storage.filesums import file_checksum
 
 
 def make(tmp_path: Path, n: int = 4) -> tuple[Path, dict]:
@@ -274,7 +274,7 @@ def test_conversion_refuses_damage_and_existing_destinations(tmp_path: Path) -> 
 def test_zip64_members_round_trip_and_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Members over the ZIP64 limit (lowered here so the test stays small) use ZIP64 records and stay aligned."""
     path, saved = make(tmp_path)
-    from torchrl_dcp.storage import zipformat
+    from torchrl_dcp.format import zipformat
 
     with monkeypatch.context() as m:
         m.setattr(zipformat, "ZIP64_LIMIT", 1000)

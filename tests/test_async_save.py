@@ -13,11 +13,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import torchrl_dcp as tdcp
-import torchrl_dcp.save_engine as core
 from torchrl_dcp.async_save import AsyncSaver, SaveHandle
-from torchrl_dcp.storage import record as R
+from torchrl_dcp.format import record as R
 from torchrl_dcp.storage import writer as W
-from torchrl_dcp.storage.checksums import file_checksum
+from torchrl_dcp.storage.filesums import file_checksum
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -66,7 +65,7 @@ def test_blob_is_what_torch_save_writes(dtype: torch.dtype, shape: tuple[int, ..
 
 
 def test_crc32_combine_matches_zlib_with_and_without_libz(monkeypatch: pytest.MonkeyPatch) -> None:
-    from torchrl_dcp.storage import checksums
+    from torchrl_dcp.format import checksums
 
     a, b = b"abc" * 100, bytes(range(256)) * 50
     assert checksums.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
@@ -202,7 +201,7 @@ def _failing_write(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(core, "write_share", fail)
+    monkeypatch.setattr(W, "write_share", fail)
 
 
 def test_background_failure_raises_at_wait_and_keeps_the_previous_checkpoint(
@@ -241,14 +240,14 @@ def test_background_failure_raises_at_the_next_call(tmp_path: Path, monkeypatch:
 
 def test_one_save_in_flight_the_next_waits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     release, order = threading.Event(), []
-    original = core.write_share
+    original = W.write_share
 
     def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
         order.append(args[2].name)
         release.wait(30)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(core, "write_share", slow)
+    monkeypatch.setattr(W, "write_share", slow)
     ckpt = tdcp.DistributedCheckpoint(state={"w": torch.ones(3)})
     first = ckpt.async_save(tmp_path / "a")
     assert not first.done()

@@ -14,7 +14,7 @@ from tensordict import TensorDict
 
 import torchrl_dcp as tdcp
 from torchrl_dcp.adapters import Adapter
-from torchrl_dcp.manifest import seal
+from torchrl_dcp.format.manifest import seal
 
 
 def trained(seed: int = 0):

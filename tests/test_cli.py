@@ -236,7 +236,7 @@ def test_ls_survives_broken_entries_and_reads_each_manifest_once(
 ) -> None:
     import os
 
-    from torchrl_dcp import manifest as manifest_module
+    from torchrl_dcp.format import manifest as manifest_module
 
     rotation = tdcp.CheckpointRotation(tmp_path, keep_last=5)
     for step in (1, 2):

@@ -11,8 +11,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from torchrl_dcp.codec import decode, encode, tensor_specs
 from torchrl_dcp.errors import CheckpointFormatError, EncodingError
+from torchrl_dcp.format.codec import decode, encode, tensor_specs
 
 
 def roundtrip(value):

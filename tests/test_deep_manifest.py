@@ -22,7 +22,7 @@ import torch
 
 import torchrl_dcp as tdcp
 from torchrl_dcp.cli import main
-from torchrl_dcp.manifest import seal
+from torchrl_dcp.format.manifest import seal
 
 WRAP: dict[str, Callable[[Any], Any]] = {
     "skeleton list": lambda n: {"t": "list", "items": [n]},

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import (
 import torchrl_dcp as tdcp
 from torchrl_dcp import load_engine
 from torchrl_dcp.errors import CheckpointIntegrityError, IncompatibleComponentError, UnsafeCheckpointError
-from torchrl_dcp.storage.checksums import crc32, format_crc
+from torchrl_dcp.format.checksums import crc32, format_crc
 from torchrl_dcp.storage.direct import read_direct
 from torchrl_dcp.storage.reader import InPlaceFileSystemReader
 

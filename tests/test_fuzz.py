@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import torchrl_dcp as tdcp
-from torchrl_dcp.codec import decode, encode, tensor_specs, xrefs
-from torchrl_dcp.manifest import FORMAT, FORMAT_VERSION, loads_manifest, parse_manifest, seal
+from torchrl_dcp.format.codec import decode, encode, tensor_specs, xrefs
+from torchrl_dcp.format.manifest import FORMAT, FORMAT_VERSION, loads_manifest, parse_manifest, seal
 from torchrl_dcp.verification import verify
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))

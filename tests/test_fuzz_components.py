@@ -21,7 +21,7 @@ from torchrl.data import ListStorage, ReplayBuffer
 
 import torchrl_dcp as tdcp
 from tests.test_fuzz import _mutate
-from torchrl_dcp.manifest import seal
+from torchrl_dcp.format.manifest import seal
 from torchrl_dcp.verification import verify
 
 

@@ -21,8 +21,8 @@ import torch
 from tensordict import TensorDict
 
 import torchrl_dcp as tdcp
-from torchrl_dcp.manifest import seal
-from torchrl_dcp.storage.checksums import file_checksum
+from torchrl_dcp.format.manifest import seal
+from torchrl_dcp.storage.filesums import file_checksum
 from torchrl_dcp.verification import verify
 
 DATA = "__0_0.distcp"
@@ -223,7 +223,7 @@ def test_tensor_shape_in_skeleton_disagrees_with_data(tmp_path: Path) -> None:
     def grow(components: dict[str, Any]) -> None:
         state = json.dumps(components["stats"]["state"]).replace("[6]", "[7]")
         components["stats"]["state"] = json.loads(state)
-        from torchrl_dcp.manifest import component_inventory
+        from torchrl_dcp.format.manifest import component_inventory
 
         components["stats"]["inventory"] = component_inventory("stats", components["stats"])
 

@@ -23,9 +23,9 @@ import pytest
 import torch
 
 import torchrl_dcp as tdcp
-from torchrl_dcp.codec import MAX_DEPTH, decode, encode
 from torchrl_dcp.errors import CheckpointFormatError, EncodingError
-from torchrl_dcp.manifest import seal
+from torchrl_dcp.format.codec import MAX_DEPTH, decode, encode
+from torchrl_dcp.format.manifest import seal
 from torchrl_dcp.storage import commit
 from torchrl_dcp.storage.commit import DestinationLock, fsync_path, sweep_stale_locks, write_file_durably
 

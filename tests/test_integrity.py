@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import torchrl_dcp as tdcp
-from torchrl_dcp.manifest import seal
-from torchrl_dcp.storage.checksums import file_checksum
+from torchrl_dcp.format.manifest import seal
+from torchrl_dcp.storage.filesums import file_checksum
 from torchrl_dcp.storage.filesystem import safe_load_metadata
 
 

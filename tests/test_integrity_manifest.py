@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import torchrl_dcp as tdcp
-from torchrl_dcp.manifest import CHECKSUM_FIELD, body_checksum, loads_manifest, seal
+from torchrl_dcp.format.manifest import CHECKSUM_FIELD, body_checksum, loads_manifest, seal
 
 
 def _objects(seed: int) -> dict:
@@ -96,7 +96,7 @@ def test_a_forged_shape_larger_than_its_record_is_refused_before_allocating(tmp_
     import pickle
     import resource
 
-    from torchrl_dcp.storage.checksums import file_checksum
+    from torchrl_dcp.storage.filesums import file_checksum
     from torchrl_dcp.storage.filesystem import safe_load_metadata
 
     path = tdcp.DistributedCheckpoint(state={"w": torch.arange(4.0)}).save(tmp_path / "c")

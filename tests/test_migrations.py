@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import torchrl_dcp as tdcp
-from torchrl_dcp import manifest as mf
-from torchrl_dcp.manifest import make_skeleton_dict, register_adapter_migration, seal, skeleton_dict
+from torchrl_dcp.format import manifest as mf
+from torchrl_dcp.format.manifest import make_skeleton_dict, register_adapter_migration, seal, skeleton_dict
 
 FIXTURE = Path(__file__).parent / "fixtures" / "v1_checkpoint"
 

@@ -189,7 +189,7 @@ def test_hostile_metadata_is_never_unpickled(store: tuple[str, dict[str, Any]]) 
     manifest = json.loads(root.fs.cat_file((root / "manifest.json").key))  # a forger also fixes the manifest
     manifest["files"][".metadata"] = {"size": len(payload), "checksum": tdcp_crc(payload)}
     manifest.pop("manifest_checksum", None)
-    from torchrl_dcp.manifest import dumps, seal
+    from torchrl_dcp.format.manifest import dumps, seal
 
     root.fs.pipe_file((root / "manifest.json").key, dumps(seal(manifest)))
     Path("/tmp/tdcp-pwned-objstore").unlink(missing_ok=True)
@@ -201,7 +201,7 @@ def test_hostile_metadata_is_never_unpickled(store: tuple[str, dict[str, Any]]) 
 
 
 def tdcp_crc(data: bytes) -> str:
-    from torchrl_dcp.storage.checksums import crc32, format_crc
+    from torchrl_dcp.format.checksums import crc32, format_crc
 
     return format_crc(crc32(data))
 
@@ -333,7 +333,7 @@ def test_damaged_chunk_object_is_refused(store: tuple[str, dict[str, Any]], smal
 def test_chunk_object_from_another_save_is_refused(
     store: tuple[str, dict[str, Any]], small_chunks: None, verify: bool
 ) -> None:
-    from torchrl_dcp.manifest import dumps, seal
+    from torchrl_dcp.format.manifest import dumps, seal
 
     url, options = store
     _ckpt(_objects(25), options).save(f"{url}/a")

@@ -10,10 +10,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import torchrl_dcp as tdcp
+from torchrl_dcp.format.record import zip_data_offset
 from torchrl_dcp.storage import reader as reader_mod
-from torchrl_dcp.storage.checksums import file_checksum
+from torchrl_dcp.storage.filesums import file_checksum
 from torchrl_dcp.storage.reader import InPlaceFileSystemReader
-from torchrl_dcp.storage.record import zip_data_offset
 from torchrl_dcp.storage.source import open_source
 from torchrl_dcp.storage.writer import write_state
 
@@ -155,7 +155,7 @@ def test_load_checksums_while_reading_and_refuses_a_flipped_byte(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path, model = _model_ckpt(tmp_path)
-    from torchrl_dcp.storage.container import DirectoryContainer
+    from torchrl_dcp.storage.directory import DirectoryContainer
 
     checked: list[object] = []
     original = DirectoryContainer.check
@@ -192,7 +192,7 @@ def test_live_in_place_destinations_are_checksummed_first(tmp_path: Path, monkey
         return rb
 
     path = tdcp.DistributedCheckpoint(rb=buffer(0)).save(tmp_path / "rb")
-    from torchrl_dcp.storage.container import DirectoryContainer
+    from torchrl_dcp.storage.directory import DirectoryContainer
 
     checked: list[object] = []
     original = DirectoryContainer.check

@@ -151,7 +151,7 @@ def test_rollback_resumes_from_the_new_commit_and_keep_best_survives(tmp_path: P
 def test_entries_vanishing_while_listed_are_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import shutil
 
-    from torchrl_dcp import manifest as manifest_module
+    from torchrl_dcp.format import manifest as manifest_module
 
     rotation = tdcp.CheckpointRotation(tmp_path, keep_last=5)
     for step in (1, 2, 3):
@@ -191,18 +191,18 @@ def test_entries_vanishing_while_listed_are_skipped(tmp_path: Path, monkeypatch:
 def test_prune_skips_entries_another_process_removed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import shutil
 
-    from torchrl_dcp.storage import commit
+    from torchrl_dcp.storage import directory
 
     rotation = tdcp.CheckpointRotation(tmp_path, keep_last=1)
     rotation.save(ckpt_for(1)[0], step=1)
-    original = commit.trash_path
+    original = directory.trash_path
 
     def pruned_elsewhere(path: Path) -> Path:
         if path.exists() and path.name.startswith("step-"):
             shutil.rmtree(path)  # the other process was faster
         return original(path)
 
-    monkeypatch.setattr(commit, "trash_path", pruned_elsewhere)
+    monkeypatch.setattr(directory, "trash_path", pruned_elsewhere)
     path = rotation.save(ckpt_for(2)[0], step=2)
     assert path.exists() and names(tmp_path) == ["step-000000000002"]
 
@@ -212,7 +212,7 @@ def test_listing_reads_each_manifest_once_and_skips_foreign_kinds(
 ) -> None:
     import os
 
-    from torchrl_dcp import manifest as manifest_module
+    from torchrl_dcp.format import manifest as manifest_module
 
     rotation = tdcp.CheckpointRotation(tmp_path, keep_last=5)
     for step in (1, 2, 3):
@@ -231,7 +231,7 @@ def test_commit_order_does_not_depend_on_the_clock(tmp_path: Path, monkeypatch: 
     """A later job whose coordinator's clock is an hour behind: its saves are still the newest commits."""
     import datetime as real
 
-    import torchrl_dcp.manifest as mf
+    import torchrl_dcp.format.manifest as mf
 
     ckpt = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(2, 1))
     rotation = tdcp.CheckpointRotation(tmp_path, keep_last=2)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import torchrl_dcp as tdcp
-import torchrl_dcp.save_engine as core
+import torchrl_dcp.storage.writer as storage_writer
 
 
 def _objects(seed: int) -> dict[str, Any]:
@@ -68,7 +68,7 @@ def fail_in_background(path: str, seed: int, where: str) -> dict[str, Any]:
         def fail(*args: Any, **kwargs: Any) -> Any:
             raise OSError(28, "No space left on device")
 
-        core.write_share = fail
+        storage_writer.write_share = fail
     handle = ckpt.async_save(path, step=2)
     out: dict[str, Any] = {"error": None}
     try:

@@ -107,7 +107,7 @@ def load_replicated_only(path: str, seed: int) -> dict[str, Any]:
 
 def save_and_die(path: str, seed: int, phase: str) -> None:
     """Start a save to ``path`` and SIGKILL rank 1 at ``phase`` of it."""
-    import torchrl_dcp.save_engine as core
+    import torchrl_dcp.storage.writer as storage_writer
 
     objs = _objects(seed)
     ckpt = _checkpoint(objs)
@@ -123,14 +123,14 @@ def save_and_die(path: str, seed: int, phase: str) -> None:
 
             writer.pwrite_all = write_and_die
         elif phase == "checksum":  # killed after its file is written and checksummed, before reporting it
-            original_share = core.write_share
+            original_share = storage_writer.write_share
 
             def die(*args, **kwargs):  # type: ignore[no-untyped-def]
                 original_share(*args, **kwargs)
                 os.kill(os.getpid(), signal.SIGKILL)
                 raise AssertionError
 
-            core.write_share = die
+            storage_writer.write_share = die
     ckpt.save(path, step=2)
 
 

@@ -60,19 +60,20 @@ def _die() -> None:
 
 def arm(phase: str) -> None:
     """Install the hook that SIGKILLs this rank at ``phase`` of the next save."""
-    import torchrl_dcp.save_engine as core
+    import torchrl_dcp.storage.directory as directory
+    import torchrl_dcp.storage.writer as storage_writer
     from torchrl_dcp import _dist
     from torchrl_dcp.storage import commit, writer
 
     if phase == "staging":  # staging directory created, before any rank hears of it (rank 0 holds the lock)
-        original_staging = core.staging_path
+        original_staging = directory.staging_path
 
         def staging_and_die(destination, token=None):  # type: ignore[no-untyped-def]
             path = original_staging(destination, token)
             path.mkdir()
             _die()
 
-        core.staging_path = staging_and_die
+        directory.staging_path = staging_and_die
     elif phase == "announce":  # a rank dies while the staging directory is being announced
         original_broadcast = _dist.broadcast_from_0
 
@@ -94,15 +95,15 @@ def arm(phase: str) -> None:
 
         writer.pwrite_all = pwrite_and_die
     elif phase == "after_data":  # its data written and checksummed, before reporting it
-        original_share = core.write_share
+        original_share = storage_writer.write_share
 
         def share_and_die(*args, **kwargs):  # type: ignore[no-untyped-def]
             original_share(*args, **kwargs)
             _die()
 
-        core.write_share = share_and_die
+        storage_writer.write_share = share_and_die
     elif phase == "manifest":  # manifest written in the staging directory, before the rename
-        core.publish = lambda staging, destination: _die()
+        directory.publish = lambda staging, destination: _die()
     elif phase == "rename":  # right after the rename into place, before the parent directory is fsynced
         original_fsync = commit.fsync_path
         calls = [0]
@@ -124,7 +125,7 @@ def arm(phase: str) -> None:
 
         commit._exchange = exchange_and_die
     elif phase == "rotation_delete":  # half-way through deleting a checkpoint rotation no longer keeps
-        original_remove = commit.remove_tree
+        original_remove = directory.remove_tree
 
         def remove_and_die(path):  # type: ignore[no-untyped-def]
             if commit.TRASH_TAG in path.name and path.is_dir():
@@ -132,7 +133,7 @@ def arm(phase: str) -> None:
                 _die()
             original_remove(path)
 
-        commit.remove_tree = remove_and_die
+        directory.remove_tree = remove_and_die
     else:
         raise ValueError(phase)
 
@@ -170,14 +171,15 @@ def kill_during_save(directory: str, report_dir: str, phase: str, victim: int) -
 
 def hang_during_save(directory: str, report_dir: str, hung: int, timeout: float) -> Any:
     """Commit step 1, then save step 2 while rank ``hung`` is stuck writing its data (until released)."""
-    import torchrl_dcp.save_engine as core
+    import torchrl_dcp.storage.directory as directory
+    import torchrl_dcp.storage.writer as storage_writer
 
     rank = dist.get_rank()
     path = Path(directory) / "ckpt"
     checkpoint(objects(1, rank), timeout=timeout).save(path, step=1)
     release = Path(report_dir) / "release"
     if rank == hung:
-        original_share = core.write_share
+        original_share = storage_writer.write_share
 
         def stuck(*args, **kwargs):  # type: ignore[no-untyped-def]
             deadline = time.monotonic() + 120
@@ -185,7 +187,7 @@ def hang_during_save(directory: str, report_dir: str, hung: int, timeout: float)
                 time.sleep(0.05)
             return original_share(*args, **kwargs)
 
-        core.write_share = stuck
+        storage_writer.write_share = stuck
     try:
         checkpoint(objects(2, rank), timeout=timeout).save(path, step=2)
         outcome: dict[str, Any] = {"error": None}
@@ -199,7 +201,7 @@ def hang_during_save(directory: str, report_dir: str, hung: int, timeout: float)
 
 def full_disk(directory: str, mode: str) -> dict[str, Any]:
     """Save small (fits), big (ENOSPC: real tmpfs, or injected), load the small one back, save small again."""
-    import torchrl_dcp.save_engine as core
+    import torchrl_dcp.storage.directory as directory
     from torchrl_dcp.storage import writer
 
     rank = dist.get_rank()
@@ -220,7 +222,7 @@ def full_disk(directory: str, mode: str) -> dict[str, Any]:
         def full_manifest(path, data):  # type: ignore[no-untyped-def]
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-        core.write_file_durably = full_manifest
+        directory.write_file_durably = full_manifest
     out: dict[str, Any] = {}
     try:
         checkpoint(objs).save(path, step=2)
@@ -232,7 +234,7 @@ def full_disk(directory: str, mode: str) -> dict[str, Any]:
     if mode == "manifest" and rank == 0:
         from torchrl_dcp.storage.commit import write_file_durably
 
-        core.write_file_durably = write_file_durably
+        directory.write_file_durably = write_file_durably
     fresh = objects(3, rank)
     result = checkpoint(fresh).load(path)
     check_loaded(fresh, 1, rank)  # the previous checkpoint, intact
@@ -246,7 +248,7 @@ def full_disk(directory: str, mode: str) -> dict[str, Any]:
 
 def two_jobs(path: str, sync_dir: str, job: str) -> dict[str, Any]:
     """Job A parks its commit until job B tried the same path; B must be refused, then succeed after A."""
-    import torchrl_dcp.save_engine as core
+    import torchrl_dcp.storage.directory as directory
 
     rank = dist.get_rank()
     sync = Path(sync_dir)
@@ -262,14 +264,14 @@ def two_jobs(path: str, sync_dir: str, job: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if job == "A":
         if rank == 0:
-            original = core.publish
+            original = directory.publish
 
             def parked(staging, destination):  # type: ignore[no-untyped-def]
                 (sync / "A-staged").touch()
                 wait_for("B-refused")
                 original(staging, destination)
 
-            core.publish = parked
+            directory.publish = parked
         checkpoint(objects(seed, rank)).save(path, step=1, metadata={"job": "A"})
         (sync / f"A-done-{rank}").touch()
         out["saved"] = True

@@ -154,7 +154,7 @@ def _skew_clock(seconds: float) -> None:
     """This process's wall clock (as the manifest reads it) runs ``seconds`` behind: a node with a skewed clock."""
     import datetime as real
 
-    import torchrl_dcp.manifest as manifest
+    import torchrl_dcp.format.manifest as manifest
 
     class Skewed(real.datetime):
         @classmethod

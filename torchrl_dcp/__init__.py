@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from torchrl_dcp._version import __version__
 
 # Names whose modules import torch are imported on first use, so that torch-free tools
 # (``torchrl-dcp inspect / ls / convert``, tdcp.to_archive / to_directory) start in
@@ -71,7 +71,7 @@ from torchrl_dcp.rotation import (
     by_commit,
     resume,
 )
-from torchrl_dcp.storage.container import read_manifest
+from torchrl_dcp.storage.backends import read_manifest
 
 __all__ = [
     "Adapter",

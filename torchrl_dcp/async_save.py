@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from torchrl_dcp.errors import CheckpointError
-from torchrl_dcp.storage.record import can_write_fast
+from torchrl_dcp.format.record import can_write_fast
 
 
 class SaveHandle:

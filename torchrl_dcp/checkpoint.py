@@ -38,7 +38,9 @@ from torchrl_dcp.load_plan import Registered
 from torchrl_dcp.placement import Placement, check_placement
 from torchrl_dcp.replicas import ReplicaCheck
 from torchrl_dcp.replicas import check_mode as check_replica_mode
-from torchrl_dcp.storage.urls import is_store, resolve_path
+from torchrl_dcp.storage.backends import location_for, save_location
+from torchrl_dcp.storage.base import Location
+from torchrl_dcp.storage.urls import resolve_path
 
 __all__ = ["DistributedCheckpoint", "LoadResult"]
 
@@ -309,7 +311,7 @@ class DistributedCheckpoint:
         Collective. With ``stage`` (async saves), each rank stages only the tensors and
         chunk rows it will write.
         """
-        destination = resolve_path(path, self.storage_options)  # a URL: a StorePath (docs/objectstores.md)
+        location = save_location(path, self.storage_options)  # a URL: an object-store prefix (docs/objectstores.md)
         names = self._select(components, self.save_components)
         options = dict(component_options or {})
         unknown = sorted(set(options) - set(names))
@@ -337,9 +339,9 @@ class DistributedCheckpoint:
 
         checks = {n: self._components[n].replica_check or self.replica_check for n in names}
         encoded, write_plan = save_engine.plan(group, encode_step, checks)
-        job = save_engine.SaveJob(destination, step, metadata, encoded, write_plan, group, rank, world)
+        job = save_engine.SaveJob(location.path, location, step, metadata, encoded, write_plan, group, rank, world)
         try:
-            base = _incremental_base(incremental_from, destination, self.storage_options)
+            base = _incremental_base(incremental_from, location, self.storage_options)
             base_info = share_base(group, base, rank)
             if base_info is None:  # nothing to check in a base: local views only, no exchange
                 save_engine.plan_chunks(job, None, stage is not None)
@@ -428,24 +430,19 @@ class DistributedCheckpoint:
 _TRAINER_MARKER = "trainer_state"  # what torchrl's Trainer registers when it binds a checkpoint
 
 
-def _incremental_base(incremental_from: Any, destination: Any, storage_options: Any) -> Any:
-    """The base of an incremental save: a local directory, or a prefix in the destination's own store (kept
-    chunk objects are copied server-side); ``None`` otherwise (a full save, said in the log)."""
+def _incremental_base(incremental_from: Any, destination: Location, storage_options: Any) -> Location | None:
+    """The base of an incremental save: a checkpoint whose chunk files the destination can keep (local files:
+    hard links; an object store: server-side copies within it); ``None`` otherwise (a full save, said in the log)."""
     if incremental_from is None:
         return None
-    base = resolve_path(incremental_from, storage_options)
-    if is_store(base) or is_store(destination):
-        from torchrl_dcp.storage.urls import supports_copy
-
-        if is_store(base) and base.same_store(destination) and supports_copy(base.fs):
-            return base
-        logger.info(
-            "incremental saves keep chunk files within one file system or store (with server-side copy): "
-            "saving %s in full",
-            destination,
-        )
-        return None
-    return Path(base)
+    base = location_for(incremental_from, storage_options)
+    if destination.can_keep_from(base):
+        return base
+    logger.info(
+        "incremental saves keep chunk files within one file system or store (with server-side copy): saving %s in full",
+        destination.path,
+    )
+    return None
 
 
 def _stage_share(job: save_engine.SaveJob, stage: Any) -> None:

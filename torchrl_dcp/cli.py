@@ -19,17 +19,15 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointError
-from torchrl_dcp.storage.urls import is_store, resolve_path
+from torchrl_dcp.storage.backends import location_for
 
 
 def _inspect(path: str) -> dict[str, Any]:
-    from torchrl_dcp.storage.container import read_manifest
-
-    m = read_manifest(path)
+    where = location_for(path)
+    m = where.manifest()
     comps = {}
     for name, rec in m["components"].items():
         inventory = rec["inventory"]
@@ -44,8 +42,8 @@ def _inspect(path: str) -> dict[str, Any]:
             "shared": _shared_tensors(rec),
         }
     return {
-        "path": str(_where(path)),
-        "container": "object store" if is_store(_where(path)) else "archive" if Path(path).is_file() else "directory",
+        "path": str(where.path),
+        "container": where.kind,
         "format_version": m["format_version"],
         "created_at": m.get("created_at"),
         "step": m.get("step"),
@@ -58,21 +56,8 @@ def _inspect(path: str) -> dict[str, Any]:
     }
 
 
-def _where(path: str) -> Any:
-    """A local path (absolute), or a URL as a :class:`~torchrl_dcp.storage.urls.StorePath` (fsspec's configuration)."""
-    return resolve_path(path)
-
-
 def _bytes(out: Any) -> int:
-    if is_store(out):
-        from torchrl_dcp.storage.objectstore import list_objects
-
-        return (
-            int(out.fs.info(out.key)["size"])
-            if out.is_file()
-            else sum(int(i.get("size") or 0) for i in list_objects(out).values())
-        )
-    return sum(f.stat().st_size for f in out.iterdir()) if out.is_dir() else out.stat().st_size
+    return location_for(out).size() or 0
 
 
 def _shared_tensors(rec: dict[str, Any]) -> dict[str, str]:
@@ -149,7 +134,8 @@ def _convert(src: str, dst: str, overwrite: bool) -> dict[str, Any]:
     from torchrl_dcp.convert import to_archive, to_directory
 
     start = time.monotonic()
-    if _where(src).is_file():
+    source = location_for(src)
+    if source.entry_kind() in ("archive", "other"):  # one file (or object): an archive to unpack
         out = to_directory(src, dst, overwrite=overwrite, progress=_progress("unpacking"))
         kind = "directory"
     else:
@@ -158,7 +144,7 @@ def _convert(src: str, dst: str, overwrite: bool) -> dict[str, Any]:
     size = _bytes(out)
     return {
         "ok": True,
-        "source": str(_where(src)),
+        "source": str(source.path),
         "destination": str(out),
         "container": kind,
         "bytes": size,
@@ -169,8 +155,9 @@ def _convert(src: str, dst: str, overwrite: bool) -> dict[str, Any]:
 def _ls(directory: str, metric: str | None, mode: str) -> dict[str, Any]:
     from torchrl_dcp.rotation import CheckpointRotation, latest_entry
 
-    d = _where(directory)
-    if not d.is_dir():
+    where = location_for(directory)
+    d = where.path
+    if where.entry_kind() != "checkpoint":
         raise CheckpointError("not a directory", path=d)
     rotation = CheckpointRotation(d, keep_best=(metric, mode) if metric else None)  # type: ignore[arg-type]
     entries = rotation.entries(include_uncommitted=True)  # each manifest read once; latest and best from this list

@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Collection, Iterator, Mapping
+import tempfile
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError, from_os_error
-from torchrl_dcp.manifest import loads_manifest
+from torchrl_dcp.format.checksums import checksum_mismatch, format_crc
+from torchrl_dcp.format.layout import DCP_METADATA, MANIFEST, MAX_MANIFEST_BYTES
+from torchrl_dcp.format.manifest import loads_manifest
 from torchrl_dcp.storage.archive import BUFFER, ArchiveContainer, Progress, byte_counter, write_archive
-from torchrl_dcp.storage.checksums import checksum_mismatch, format_crc
+from torchrl_dcp.storage.backends import is_remote, location_for, read_manifest
 from torchrl_dcp.storage.commit import (
     DestinationLock,
     create_exclusive,
@@ -38,23 +41,40 @@ from torchrl_dcp.storage.commit import (
     stale_entries,
     write_file_durably,
 )
-from torchrl_dcp.storage.container import DirectoryContainer, read_manifest, read_whole
 from torchrl_dcp.storage.copying import CopyRange, copy_ranges
-from torchrl_dcp.storage.layout import DCP_METADATA, MANIFEST, MAX_MANIFEST_BYTES
-from torchrl_dcp.storage.urls import is_store, is_url
+from torchrl_dcp.storage.directory import DirectoryContainer
+from torchrl_dcp.storage.files import read_whole
 
 __all__ = ["export_torchrl", "to_archive", "to_directory"]
 
 
-def _any_url(*paths: Any) -> bool:
-    return any(is_url(p) and not p.startswith("file://") or is_store(p) for p in paths)
+def _any_remote(*paths: Any) -> bool:
+    return any(is_remote(p) for p in paths)
 
 
-def convert_via_local(*args: Any, **kwargs: Any) -> Any:
-    """Object-store ends (imported on use: the local tools stay torch-free)."""
-    from torchrl_dcp.storage.objectstore_tools import convert_via_local as run
+def convert_via_local(
+    fn: Callable[..., Any], src: Any, dst: Any, src_kind: str, dst_kind: str, overwrite: bool, **kwargs: Any
+) -> Any:
+    """Run the conversion ``fn(src, dst, overwrite=..., **kwargs)`` on local copies of remote ends.
 
-    return run(*args, **kwargs)
+    ``src_kind``/``dst_kind``: ``"checkpoint"`` (a directory or prefix) or ``"file"`` (an
+    archive); a ``"source"`` is read in place wherever it is; a ``"torchrl"`` destination
+    (``export_torchrl``) is a file or a directory tree. The remote ends are copied
+    through this machine's disk (never held in memory), the result published last.
+    """
+    source, target = location_for(src), location_for(dst)
+    if not target.is_local and not overwrite and target.occupied():
+        raise CheckpointError("already exists; pass overwrite=True (CLI: --overwrite) to replace it", path=target.path)
+    with tempfile.TemporaryDirectory(prefix="tdcp-convert-") as tmp_dir:
+        tmp = Path(tmp_dir)
+        with contextlib.ExitStack() as stack:
+            local_src = src if src_kind == "source" else stack.enter_context(source.local_copy(src_kind, tmp))
+            local_dst = target.path if target.is_local else tmp / f"out-{target.path.name}"
+            out = fn(local_src, local_dst, overwrite=overwrite, **kwargs)
+        if target.is_local:
+            return out
+        target.receive(Path(out), dst_kind)
+        return target.path
 
 
 def _check_replaceable(destination: Path, overwrite: bool) -> None:
@@ -132,7 +152,7 @@ def to_archive(
     Example:
         >>> tdcp.to_archive("ckpts/step-100", "step-100.zip")  # doctest: +SKIP
     """
-    if _any_url(src_dir, dst_file):
+    if _any_remote(src_dir, dst_file):
         return convert_via_local(to_archive, src_dir, dst_file, "checkpoint", "file", overwrite, buffer_size=buffer_size, progress=progress)  # fmt: skip
     src = Path(src_dir).expanduser().absolute()
     if not src.exists():
@@ -170,7 +190,7 @@ def to_directory(
     Example:
         >>> tdcp.to_directory("step-100.zip", "ckpts/step-100")  # doctest: +SKIP
     """
-    if _any_url(src_file, dst_dir):
+    if _any_remote(src_file, dst_dir):
         return convert_via_local(to_directory, src_file, dst_dir, "file", "checkpoint", overwrite, buffer_size=buffer_size, progress=progress)  # fmt: skip
     path = Path(src_file).expanduser().absolute()
     if not path.exists():
@@ -276,7 +296,7 @@ def export_torchrl(
 
     from torchrl_dcp.extract import as_source, read_component
 
-    if _any_url(dst):  # the source is read in place (any URL); the export is written locally, then uploaded
+    if _any_remote(dst):  # the source is read in place (any URL); the export is written locally, then uploaded
         kw = {"rank": rank, "format": format, "metadata": metadata}
         return convert_via_local(export_torchrl, src, dst, "source", "torchrl", overwrite, components=components, **kw)
 

@@ -22,12 +22,13 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from torchrl_dcp.codec import decode, dtype_from_name, tensor_specs, xref_key, xrefs
 from torchrl_dcp.errors import CheckpointError, CheckpointFormatError
+from torchrl_dcp.format.codec import decode, dtype_from_name, tensor_specs, xref_key, xrefs
 from torchrl_dcp.placement import key_prefix
 from torchrl_dcp.planner import SafeLoadPlanner
+from torchrl_dcp.storage.backends import open_source
 from torchrl_dcp.storage.direct import read_direct
-from torchrl_dcp.storage.source import CheckpointSource, open_source
+from torchrl_dcp.storage.source import CheckpointSource
 
 BATCH_BYTES = 256 << 20
 
@@ -63,7 +64,7 @@ def read_tensors(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         try:
-            rest = read_direct(src.storage_reader(files), metadata, flat) if getattr(src, "reads_files", True) else flat
+            rest = read_direct(src.storage_reader(files), metadata, flat) if src.reads_files else flat
             if rest:  # e.g. chunks not split along dim 0: DCP's own planning
                 dcp.load(rest, storage_reader=src.storage_reader(files), planner=SafeLoadPlanner(), no_dist=True)
         except BaseException as err:  # DCP's CheckpointException is a BaseException

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,13 +39,12 @@ import torch
 from torchrl_dcp import _dist
 from torchrl_dcp.collective import broadcast_step
 from torchrl_dcp.errors import CheckpointError
+from torchrl_dcp.format.checksums import content_fingerprint
+from torchrl_dcp.format.record import tensor_bytes
 from torchrl_dcp.planner import ChunkPlan, WritePlan
-from torchrl_dcp.storage.checksums import content_fingerprint
-from torchrl_dcp.storage.chunk_writer import KeptChunk, keepable
-from torchrl_dcp.storage.container import DirectoryContainer
-from torchrl_dcp.storage.copying import run_split
-from torchrl_dcp.storage.record import tensor_bytes
-from torchrl_dcp.storage.urls import is_store
+from torchrl_dcp.storage.base import Location
+from torchrl_dcp.storage.chunk_writer import KeptChunk
+from torchrl_dcp.storage.copying import default_threads, run_split
 
 logger = logging.getLogger("torchrl_dcp")
 
@@ -55,24 +53,25 @@ logger = logging.getLogger("torchrl_dcp")
 class Base:
     """What an incremental save needs of its base checkpoint (read by rank 0, sent to every rank)."""
 
-    path: Path  # or a StorePath: its kept objects are copied server-side
+    location: Location  # a directory, or a prefix: its kept objects are copied server-side
     save_id: str
     world_size: int
     chunks: dict[str, dict[tuple[int, int], KeptChunk]] = field(default_factory=dict)
     inventory: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
 
 
-def read_base(path: Any, world_size: int) -> Base | None:
-    """The base at ``path``, or ``None`` when nothing of it can be kept (said in the log).
+def read_base(location: Location, world_size: int) -> Base | None:
+    """The base at ``location``, or ``None`` when nothing of it can be kept (said in the log).
 
     Raises:
-        CheckpointError: ``path`` is not a committed checkpoint (or its manifest is damaged).
+        CheckpointError: it is not a committed checkpoint (or its manifest is damaged).
     """
-    if path.is_file():
-        logger.info("incremental base %s is an archive: chunk files cannot be kept; saving in full", path)
+    path = location.path
+    if not location.can_be_base:
+        logger.info("incremental base %s is an %s: chunk files cannot be kept; saving in full", path, location.kind)
         return None
     try:
-        manifest = _container(path).manifest()
+        manifest = location.manifest()
     except CheckpointError as err:
         raise CheckpointError(
             f"incremental_from: {err.message}; pass a committed checkpoint directory (or prefix), or "
@@ -91,7 +90,7 @@ def read_base(path: Any, world_size: int) -> Base | None:
             world_size,
         )
         return None
-    base = Base(path, save_id, manifest["world_size"])
+    base = Base(location, save_id, manifest["world_size"])
     for comp in manifest["components"].values():
         for key, t in comp["inventory"].items():
             base.inventory[key] = (f"torch.{t['dtype']}", tuple(t["shape"]))
@@ -104,14 +103,6 @@ def read_base(path: Any, world_size: int) -> Base | None:
                 path / e["file"], rec["size"], rec["checksum"], origin, e["fingerprint"]
             )
     return base
-
-
-def _container(path: Any) -> Any:
-    if is_store(path):
-        from torchrl_dcp.storage.objectstore import ObjectStoreContainer
-
-        return ObjectStoreContainer(path)
-    return DirectoryContainer(path)
 
 
 def share_base(group: Any, request: Any, rank: int) -> Base | None:
@@ -146,13 +137,11 @@ def plan_keeps(
         else:
             by_content.append((c, kept))
     keeps.update(_same_content(by_content, flat))
-    return keepable(keeps)
+    return base.location.keepable(keeps)
 
 
 def _same_content(pairs: list[tuple[ChunkPlan, KeptChunk]], flat: dict[str, torch.Tensor]) -> dict[str, KeptChunk]:
     """The chunks whose live rows have the fingerprint recorded in the base (computed in threads)."""
-    from torchrl_dcp.storage.copying import default_threads
-
     same: dict[str, KeptChunk] = {}
 
     def work(part: list[tuple[ChunkPlan, KeptChunk]]) -> None:

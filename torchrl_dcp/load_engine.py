@@ -52,13 +52,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torchrl_dcp import _dist
 from torchrl_dcp.collective import error_status, raise_if_failed, run_step
 from torchrl_dcp.errors import CheckpointError, CheckpointIntegrityError, CollectiveError, IncompatibleComponentError
+from torchrl_dcp.format.dcp_metadata import record_index
+from torchrl_dcp.format.manifest import library_versions
 from torchrl_dcp.load_plan import ComponentPlan, LoadPlan, Registered, decode_states, plan_components, rollback_one
-from torchrl_dcp.manifest import library_versions
 from torchrl_dcp.planner import SafeLoadPlanner
-from torchrl_dcp.save_engine import quiet_single_process, summarize
+from torchrl_dcp.save_support import quiet_single_process, summarize
+from torchrl_dcp.storage.backends import open_source
 from torchrl_dcp.storage.direct import read_direct
-from torchrl_dcp.storage.filesystem import record_index
-from torchrl_dcp.storage.source import CheckpointSource, open_source
+from torchrl_dcp.storage.source import CheckpointSource
 
 logger = logging.getLogger("torchrl_dcp")
 Strictness = Literal["error", "warn", "ignore"]
@@ -195,7 +196,7 @@ def read(
 
     def local() -> bool:
         metadata = src.dcp_metadata()
-        if metadata is None or not tensors or not getattr(src, "reads_files", True):  # stores: through dcp.load
+        if metadata is None or not tensors or not src.reads_files:  # stores: through dcp.load
             left.update(tensors)
         else:
             reader = src.storage_reader(verify, mismatch_note)

@@ -25,16 +25,6 @@ from typing import Any
 import torch
 
 from torchrl_dcp.adapters import Adapter, AdapterContext
-from torchrl_dcp.codec import (
-    TensorSink,
-    TensorSpec,
-    decode,
-    dtype_name,
-    encode,
-    is_dtensor,
-    node_spec,
-    xref_key,
-)
 from torchrl_dcp.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -42,9 +32,10 @@ from torchrl_dcp.errors import (
     IncompatibleComponentError,
     WorldSizeMismatchError,
 )
-from torchrl_dcp.manifest import migrate_component
+from torchrl_dcp.format.codec import TensorSink, TensorSpec, decode, dtype_name, encode, is_dtensor, node_spec, xref_key
+from torchrl_dcp.format.dcp_metadata import record_index
+from torchrl_dcp.format.manifest import migrate_component
 from torchrl_dcp.placement import Placement, key_prefix
-from torchrl_dcp.storage.filesystem import record_index
 
 
 @dataclass

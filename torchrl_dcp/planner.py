@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 
 from torchrl_dcp.chunking import chunk_file_name, chunk_ranges
 from torchrl_dcp.errors import EncodingError, IncompatibleComponentError, UnsafeCheckpointError
-from torchrl_dcp.storage.record import can_write_fast
+from torchrl_dcp.format.record import can_write_fast, is_plain_tensor
 
 WriteBackend = Literal["fast", "dcp"]
 
@@ -208,7 +208,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         saved_md = self.metadata.state_dict_metadata
         for fqn, obj in self.state_dict.items():
             md = saved_md.get(fqn)
-            if _is_plain(obj) and isinstance(md, TensorStorageMetadata) and len(md.chunks) == 1:
+            if is_plain_tensor(obj) and isinstance(md, TensorStorageMetadata) and len(md.chunks) == 1:
                 chunk, size = md.chunks[0], obj.size()
                 if chunk.sizes == size == md.size and not any(chunk.offsets):
                     if obj.numel():  # DCP plans no read for an empty tensor
@@ -229,20 +229,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         obj = self.state_dict.get(index.fqn)
-        if _is_plain(obj) and (index.offset is None or not any(index.offset)):
+        if is_plain_tensor(obj) and (index.offset is None or not any(index.offset)):
             return obj
         return super().lookup_tensor(index)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         raise UnsafeCheckpointError(f"entry {read_item.dest_index.fqn!r} is a byte item, which torchrl_dcp never loads")
-
-
-def _is_plain(obj: Any) -> bool:
-    """A plain tensor (no DTensor/ShardedTensor/checkpointable protocol): DCP treats it as one chunk."""
-    if type(obj) in (torch.Tensor, torch.nn.Parameter):
-        return True
-    from torchrl_dcp.storage.record import is_memmap_tensor
-
-    return (
-        is_memmap_tensor(obj) and not hasattr(obj, "__create_chunk_list__") and not hasattr(obj, "__get_tensor_shard__")
-    )

@@ -34,7 +34,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from torchrl_dcp.errors import EncodingError
-from torchrl_dcp.storage.checksums import crc32
+from torchrl_dcp.format.checksums import crc32
 
 ReplicaCheck = Literal["sample", "full", "off"]
 REPLICA_CHECKS: tuple[str, ...] = get_args(ReplicaCheck)

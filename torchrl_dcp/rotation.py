@@ -35,7 +35,6 @@ import logging
 import math
 import os
 import re
-import stat
 import warnings
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -49,13 +48,13 @@ from torchrl_dcp.errors import (
     CheckpointVersionError,
     CollectiveError,
 )
-from torchrl_dcp.rotation_files import _remove, _remove_leftover, _size
-from torchrl_dcp.storage.urls import is_store, resolve_path, supports_copy
+from torchrl_dcp.storage.backends import location_for
+from torchrl_dcp.storage.base import Location
 
 logger = logging.getLogger("torchrl_dcp")
 
 _ENTRY = re.compile(r"^step-(\d+)(\.zip)?$")
-_LEFTOVER = re.compile(r"^\.step-(\d+)(\.zip)?\.tdcp-(staging|trash|tmp)-")
+_OWNER = re.compile(r"^step-(\d+)(\.zip)?$")  # the entry a leftover of a killed save or conversion was for
 MetricMode = Literal["max", "min"]
 
 
@@ -132,9 +131,12 @@ class CheckpointRotation:
                 raise ValueError(f"keep_best must be (metadata_key, 'max' | 'min'), got {keep_best!r}")
             if keep_best[1] not in ("max", "min"):
                 raise ValueError(f"keep_best mode must be 'max' or 'min', got {keep_best[1]!r}")
-        self.directory = resolve_path(directory, storage_options)
-        if archive and is_store(self.directory):
-            raise ValueError("archive=True is for local directories: an object-store entry is already one prefix")
+        self.location: Location = location_for(directory, storage_options)
+        self.directory = self.location.path
+        if archive and not self.location.holds_archives:
+            raise ValueError(
+                f"archive=True is for local directories: an {self.location.kind} entry is already one prefix"
+            )
         self.keep_last = keep_last
         self.keep_best = keep_best
         self.archive = archive
@@ -150,7 +152,7 @@ class CheckpointRotation:
         Each manifest is read once per call; entries removed while listing (another
         process pruning) are skipped. Use :func:`by_commit` for the commit order.
         """
-        return list_entries(self.directory, self.keep_best[0] if self.keep_best else None, include_uncommitted)
+        return list_entries(self.location, self.keep_best[0] if self.keep_best else None, include_uncommitted)
 
     def latest(self) -> Path | None:
         """The most recently committed entry (by ``created_at``, not by step; never a half-written one), or ``None``."""
@@ -198,8 +200,12 @@ class CheckpointRotation:
         directory_path = self.directory / f"step-{step:012d}"
         base, sequence = self._next_commit(getattr(ckpt, "timeout", None))
         save_kwargs.setdefault("commit_sequence", sequence)
-        copies = not is_store(self.directory) or supports_copy(self.directory.fs)
-        if self.incremental and not self.archive and copies and "incremental_from" not in save_kwargs:
+        if (
+            self.incremental
+            and not self.archive
+            and self.location.keeps_files()
+            and "incremental_from" not in save_kwargs
+        ):
             save_kwargs["incremental_from"] = base
         path = ckpt.save(directory_path, step=step, metadata=metadata, components=components, **save_kwargs)
         target = self.path_for(step)
@@ -209,11 +215,11 @@ class CheckpointRotation:
                 from torchrl_dcp.convert import to_archive
 
                 to_archive(path, target, overwrite=True)
-                _remove(path)
+                self.location.child(path.name).remove()
             else:
-                stale = self.directory / f"step-{step:012d}.zip"  # same step saved as an archive before
-                if stale.is_file():
-                    stale.unlink()
+                stale = self.location.child(f"step-{step:012d}.zip")  # same step saved as an archive before
+                if stale.entry_kind() == "archive":
+                    stale.remove()
             self.prune(protect=target)
 
         group = _dist.checkpoint_group(getattr(ckpt, "timeout", None))
@@ -238,7 +244,7 @@ class CheckpointRotation:
 
         def choose() -> tuple[str | None, int]:
             entries = self.entries()
-            newest = latest_entry(e for e in entries if is_store(e.path) or e.path.is_dir())
+            newest = latest_entry(e for e in entries if not e.archive)
             counter = 1 + max((e.sequence or 0 for e in entries), default=0)
             return (None if newest is None else str(newest.path)), counter
 
@@ -266,12 +272,14 @@ class CheckpointRotation:
         newest = max((e.step for e in entries), default=-1)
         removed = []
         for e in entries:
-            if e.path not in keep and _remove(e.path):
+            if e.path not in keep and self.location.child(e.path.name).remove():
                 removed.append(e.path)
-        for p in _iterdir(self.directory):
-            m = _LEFTOVER.match(p.name)
-            if m and int(m.group(1)) < newest and _remove_leftover(p):  # an older step's save that never committed
-                removed.append(p)
+        for left in self.location.leftovers():
+            m = _OWNER.match(left.owner)
+            if (
+                m and int(m.group(1)) < newest and self.location.remove_leftover(left)
+            ):  # an older step's, never committed
+                removed.append(self.directory / left.name)
         if removed:
             logger.info("rotation %s removed %s", self.directory, [p.name for p in removed])
         return removed
@@ -314,9 +322,8 @@ class CheckpointRotation:
         candidates = broadcast_step(  # rank 0 lists, newest commit first; every rank loads the same entries
             group, "listing checkpoints", lambda: [(e.step, str(e.path)) for e in reversed(by_commit(self.entries()))]
         )
-        for step, path in candidates:
-            if is_store(self.directory):  # keep the rotation's storage options
-                path = self.directory / path.rsplit("/", 1)[-1]
+        for step, listed in candidates:
+            path = self.directory / listed.rsplit("/", 1)[-1]  # the rotation's own path (and storage options)
             try:
                 result = ckpt.load(path, **load_kwargs)
             except CheckpointError as err:
@@ -330,7 +337,7 @@ class CheckpointRotation:
                 logger.warning("checkpoint %s is damaged (%s); trying the previous one", path, err)
                 continue
             logger.info("resumed from step %d (%s)", step, path)
-            return ResumeInfo(step, path if is_store(path) else Path(path), result)
+            return ResumeInfo(step, path, result)
         logger.info("no committed checkpoint in %s: starting fresh", self.directory)
         return None
 
@@ -368,45 +375,38 @@ def latest_entry(entries: Iterable[RotationEntry]) -> RotationEntry | None:
     return ordered[-1] if ordered else None
 
 
-def list_entries(directory: Path, metric: str | None = None, include_uncommitted: bool = False) -> list[RotationEntry]:
+def list_entries(
+    directory: Location | str | os.PathLike, metric: str | None = None, include_uncommitted: bool = False
+) -> list[RotationEntry]:
     """Step-named entries of ``directory`` sorted by step; committed means a manifest that reads and validates.
 
-    Each manifest is read once. Symlinks, and entries of the wrong kind (a
-    ``step-N`` that is not a directory, a ``step-N.zip`` that is not a regular
-    file), are skipped; so are entries that vanish while they are read.
+    Each manifest is read once. Entries of the wrong kind (a ``step-N`` that is not a
+    checkpoint directory or prefix, a ``step-N.zip`` that is not a regular file, any
+    symlink) are skipped; so are entries that vanish while they are read.
     """
-    from torchrl_dcp.storage.container import read_manifest
-
-    if is_store(directory):
-        from torchrl_dcp.storage.objectstore_tools import store_entries
-
-        return store_entries(directory, metric, include_uncommitted)  # type: ignore[arg-type]
+    location = directory if isinstance(directory, Location) else location_for(directory)
     found: dict[int, RotationEntry] = {}
-    for p in _iterdir(directory):
-        m = _ENTRY.match(p.name)
+    for child in location.children():
+        m = _ENTRY.match(child.name)
         if not m:
             continue
         is_archive = m.group(2) is not None
-        try:
-            mode = os.lstat(p).st_mode
-        except OSError:
-            continue  # removed meanwhile
-        if not (stat.S_ISREG(mode) if is_archive else stat.S_ISDIR(mode)):
-            continue  # a symlink, a FIFO, a directory named .zip, ...: never ours
+        if child.kind != ("archive" if is_archive else "checkpoint"):
+            continue  # a symlink, a FIFO, a directory named .zip, an object named step-N: never ours
         error = None
         try:
-            manifest = read_manifest(p)
+            manifest = child.location.manifest()
         except Exception as err:  # noqa: BLE001 - one damaged entry must never break a listing
             manifest, error = {}, f"{type(err).__name__}: {err}"
         if error is not None and not include_uncommitted:
             continue
-        size = _size(p)
+        size = child.location.size()
         if size is None:
             continue  # removed while listed
         created_at = manifest.get("created_at")
         entry = RotationEntry(
             step=int(m.group(1)),
-            path=p,
+            path=child.location.path,
             committed=error is None,
             archive=is_archive,
             size=size,
@@ -425,15 +425,6 @@ def entry_sequence(manifest: Mapping[str, Any]) -> int | None:
     """The commit counter a manifest records (``None``: written without one)."""
     value = manifest.get("sequence")
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
-
-
-def _iterdir(directory: Path) -> list[Path]:
-    if is_store(directory):
-        return []  # leftovers of killed object-store saves are swept by the next save (objectstore_save.sweep)
-    try:
-        return list(directory.iterdir())
-    except (FileNotFoundError, NotADirectoryError):
-        return []
 
 
 def _timestamp(created_at: str | None) -> float:

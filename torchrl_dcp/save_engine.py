@@ -5,14 +5,18 @@
   component is computed here, once.
 - :func:`plan` (collective): ranks exchange what they hold and compute the same
   :class:`~torchrl_dcp.planner.WritePlan` (who writes which key).
-- :func:`write` (collective): rank 0 prepares a staging directory beside the
-  destination (holding the destination's lock), then every rank writes its share at
-  once through one :class:`StateWriter`: ours (:class:`FastStateWriter`) or DCP's
+- :func:`write` (collective): rank 0 prepares the destination's staging area
+  (:meth:`Location.prepare_save <torchrl_dcp.storage.base.Location.prepare_save>`: a
+  staging directory under the destination's lock, or a marked object-store prefix),
+  every other rank attaches to it, then every rank writes its share at once through
+  one :class:`StateWriter`: ours (:class:`FastStateWriter`) or DCP's
   (:class:`DCPStateWriter`, for DTensor state), both returning a
-  :class:`~torchrl_dcp.storage.writer.WriteOutcome`.
+  :class:`~torchrl_dcp.storage.base.WriteOutcome`.
 - :func:`commit` (collective): rank 0 gathers every rank's files and per-rank
-  records, writes DCP's ``.metadata`` (our writer), then ``manifest.json`` last, and
-  publishes the directory atomically; every rank learns the outcome.
+  records, writes DCP's ``.metadata``, then ``manifest.json`` last, and publishes
+  (:class:`~torchrl_dcp.storage.base.SaveTarget`); every rank learns the outcome.
+
+The steps are the same for every backend: the location decides only where bytes go.
 
 A failure at any step raises on every rank (:mod:`torchrl_dcp.collective`); nothing
 is published, and the previous checkpoint at the destination stays intact.
@@ -31,11 +35,9 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -45,39 +47,21 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torchrl_dcp import _dist
 from torchrl_dcp._gc import gc_paused
 from torchrl_dcp.adapters import Adapter, AdapterContext
-from torchrl_dcp.codec import dtype_name, escape_key, is_dtensor, tensor_identity
-from torchrl_dcp.codec import encode as encode_value
 from torchrl_dcp.collective import broadcast_step, error_status, raise_if_failed, run_step
-from torchrl_dcp.errors import CheckpointError, CollectiveError, EncodingError
-from torchrl_dcp.manifest import dumps, new_manifest
+from torchrl_dcp.errors import CollectiveError, EncodingError
+from torchrl_dcp.format.codec import dtype_name, escape_key, is_dtensor, tensor_identity
+from torchrl_dcp.format.codec import encode as encode_value
+from torchrl_dcp.format.layout import DCP_METADATA
+from torchrl_dcp.format.manifest import dumps, new_manifest
 from torchrl_dcp.placement import Placement, key_prefix
 from torchrl_dcp.planner import SavePlanner, WritePlan, plan_writes, tensor_infos
 from torchrl_dcp.replicas import ReplicaCheck
 from torchrl_dcp.replicas import compare as compare_replicas
 from torchrl_dcp.replicas import digest as replica_digest
-from torchrl_dcp.save_support import (
-    failing,
-    is_replaceable,
-    quiet_single_process,
-    release_lock,
-    save_failure,
-    summarize,
-)
-from torchrl_dcp.storage.checksums import file_record
-from torchrl_dcp.storage.chunk_writer import ChunkJob, KeptChunk, write_chunks
-from torchrl_dcp.storage.commit import (
-    DestinationLock,
-    publish,
-    remove_tree,
-    staging_path,
-    stale_entries,
-    write_file_durably,
-)
-from torchrl_dcp.storage.copying import default_threads
-from torchrl_dcp.storage.filesystem import make_writer, safe_load_metadata
-from torchrl_dcp.storage.layout import DCP_METADATA, MANIFEST, identity_trailer
-from torchrl_dcp.storage.urls import is_store
-from torchrl_dcp.storage.writer import ChunkEntry, WriteOutcome, build_metadata, write_metadata, write_share
+from torchrl_dcp.save_support import quiet_single_process, save_failure, summarize
+from torchrl_dcp.storage.base import ChunkEntry, Location, SaveTarget, ShareWrite, WriteOutcome
+from torchrl_dcp.storage.chunk_writer import ChunkJob, KeptChunk
+from torchrl_dcp.storage.writer import build_metadata
 
 logger = logging.getLogger("torchrl_dcp")
 _DTYPES = {str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
@@ -160,7 +144,8 @@ class Encoded:
 class SaveJob:
     """An encoded and planned save, ready to be written: what every rank holds after the encode step."""
 
-    destination: Path
+    destination: Any  # a Path, or a StorePath (what messages and the result name)
+    location: Location
     step: int | None
     metadata: dict[str, Any]
     encoded: Encoded
@@ -169,7 +154,6 @@ class SaveJob:
     rank: int
     world_size: int
     stage_event: Any = None  # CUDA event the async writer waits for before reading staged tensors
-    lock: DestinationLock | None = field(default=None, repr=False)
     save_id: str = ""  # chosen by rank 0 with the staging directory: in the manifest, .metadata, every data file
     keeps: dict[str, KeptChunk] = field(default_factory=dict)  # chunk files kept from the incremental base
     chunk_rows: dict[str, torch.Tensor | None] = field(default_factory=dict)  # rows of each chunk file to write
@@ -265,110 +249,76 @@ def plan_chunks(job: SaveJob, base: Any, staged: bool = False) -> None:
 
 # ---------------------------------------------------------------------- step 3: write
 class StateWriter(Protocol):
-    """Writes this rank's share of a planned save into the staging directory."""
+    """Writes this rank's share of a planned save into the save's staging area."""
 
-    def write(self, job: SaveJob, staging: Path) -> WriteOutcome:
+    def write(self, job: SaveJob, target: SaveTarget) -> WriteOutcome:
         """Write; return the files written (with size and checksum) and DCP storage entries."""
 
 
 class FastStateWriter:
-    """Our writer (:mod:`torchrl_dcp.storage.writer`): packed records, parallel writes, inline checksums."""
+    """Our writer: packed records, parallel writes, inline checksums (the backend writes them where they go)."""
 
-    def write(self, job: SaveJob, staging: Path) -> WriteOutcome:
-        out = write_share(job.encoded.flat, job.plan.share(job.rank), staging, job.rank, save_id=job.save_id)
+    def write(self, job: SaveJob, target: SaveTarget) -> WriteOutcome:
         chunks = job.plan.chunk_share(job.rank)
         if not job.chunk_rows and chunks:  # not planned by plan_chunks: write every chunk
             job.chunk_rows = {c.file: job.encoded.flat[c.key].detach().narrow(0, c.start, c.rows) for c in chunks}
         jobs = [
             ChunkJob(c.file, c.key, c.start, c.rows, job.chunk_rows.get(c.file), job.keeps.get(c.file)) for c in chunks
         ]
-        write_chunks(jobs, staging, job.save_id, job.rank, default_threads())
-        for j in jobs:
-            r = j.result
-            assert r is not None
-            out.files[j.file] = {"size": r.size, "checksum": r.checksum}
-            if r.origin is not None:
-                out.files[j.file]["origin"] = r.origin
-                out.kept += 1
-                out.copied += r.copied
-            if r.origin is None or r.copied:
-                out.bytes_written += r.size
-            out.chunks.append(ChunkEntry(j.key, j.start, j.rows, j.file, 0, r.length, r.fingerprint))
-        return out
+        tensors = [(k, job.encoded.flat[k]) for k in job.plan.share(job.rank)]
+        return target.write(ShareWrite(tensors, jobs, job.save_id, job.rank))
 
 
 class DCPStateWriter:
     """DCP's own writer, for state ours does not encode (DTensors): collective, writes ``.metadata`` itself."""
 
-    def write(self, job: SaveJob, staging: Path) -> WriteOutcome:
+    def write(self, job: SaveJob, target: SaveTarget) -> WriteOutcome:
         try:
             with quiet_single_process():
                 dcp.save(
                     job.encoded.flat,
-                    storage_writer=make_writer(staging),
+                    storage_writer=target.dcp_writer(),
                     planner=SavePlanner(),
                     process_group=job.group,
                     no_dist=job.group is None,
                 )
         except CheckpointException as err:
             raise CollectiveError(f"DCP save failed: {summarize(err)}", path=job.destination) from None
-        out = WriteOutcome()
-        for p in sorted(staging.iterdir()):
-            if p.name.startswith(f"__{job.rank}_"):
-                with open(p, "ab") as f:  # DCP addresses records by offset: the trailer after them is never read
-                    f.write(identity_trailer(job.save_id, job.rank))
-                    f.flush()
-                    os.fsync(f.fileno())
-            if p.name.startswith(f"__{job.rank}_") or (job.rank == 0 and p.name == DCP_METADATA):
-                out.files[p.name] = file_record(p)
-                out.bytes_written += out.files[p.name]["size"]
-        return out
+        return target.seal_dcp_files(job.rank, job.save_id)
 
 
 def writer_for(write_plan: WritePlan) -> StateWriter:
     return FastStateWriter() if write_plan.backend == "fast" else DCPStateWriter()
 
 
-def prepare_staging(job: SaveJob) -> Path:
-    """Rank 0 locks the destination and creates a fresh staging directory beside it; every rank learns its path."""
+def prepare(job: SaveJob) -> SaveTarget:
+    """Rank 0 prepares the destination's staging area (and picks the save id); every other rank attaches to it."""
+    prepared: list[SaveTarget] = []
 
-    def prepare() -> tuple[str, str]:
-        destination = job.destination
-        destination.parent.mkdir(parents=True, exist_ok=True)
-        job.lock = DestinationLock(destination).acquire()
-        if (destination.exists() or destination.is_symlink()) and not is_replaceable(destination):
-            raise CheckpointError(
-                "exists and is not a torchrl_dcp checkpoint; refusing to replace it (choose another path)",
-                path=destination,
-            )
-        for stale in stale_entries(destination):
-            remove_tree(stale)
-        staging = staging_path(destination)
-        staging.mkdir()
-        return str(staging), uuid.uuid4().hex
+    def on_rank_0() -> tuple[str, str]:
+        save_id = uuid.uuid4().hex
+        try:
+            prepared.append(job.location.prepare_save(save_id))
+        except Exception as err:
+            raise save_failure(err, "preparing the staging directory", job.destination) from err
+        return prepared[0].token, save_id
 
-    try:
-        staging, job.save_id = broadcast_step(
-            job.group, "preparing the staging directory", failing(prepare, job), rank=job.rank
-        )
-    except BaseException:
-        release_lock(job)
-        raise
-    return Path(staging)
+    token, job.save_id = broadcast_step(job.group, "preparing the staging directory", on_rank_0, rank=job.rank)
+    return prepared[0] if prepared else job.location.attach_save(token)
 
 
-def write(job: SaveJob, staging: Path) -> tuple[WriteOutcome, BaseException | None]:
+def write(job: SaveJob, target: SaveTarget) -> tuple[WriteOutcome, BaseException | None]:
     """Every rank writes its share at once; a local failure is returned, to be reported at commit."""
     try:
-        return writer_for(job.plan).write(job, staging), None
+        return writer_for(job.plan).write(job, target), None
     except CollectiveError:
         raise
     except Exception as err:
-        return WriteOutcome(), save_failure(err, f"rank {job.rank} writing its data file", staging)
+        return WriteOutcome(), save_failure(err, f"rank {job.rank} writing its data file", target.where)
 
 
 # ---------------------------------------------------------------------- step 4: commit
-def commit(job: SaveJob, staging: Path, outcome: WriteOutcome, write_error: BaseException | None) -> Path:
+def commit(job: SaveJob, target: SaveTarget, outcome: WriteOutcome, write_error: BaseException | None) -> Any:
     """Rank 0 writes DCP's metadata and the manifest last, then publishes; every rank learns the outcome."""
     gathered = gather_records(job, outcome, write_error)
     error: BaseException | None = None
@@ -377,8 +327,7 @@ def commit(job: SaveJob, staging: Path, outcome: WriteOutcome, write_error: Base
             assert gathered is not None
             raise_if_failed([g[0] for g in gathered], "writing data files", None)
             with gc_paused():  # thousands of small objects: metadata and manifest
-                write_manifest(job, staging, gathered)
-            publish(staging, job.destination)
+                target.commit(manifest_bytes(job, target, gathered))
         except BaseException as err:
             error = save_failure(err, "committing the checkpoint", job.destination)
     statuses = _dist.all_gather(error_status(error), job.group, "confirming the commit")
@@ -398,17 +347,17 @@ def gather_records(job: SaveJob, outcome: WriteOutcome, error: BaseException | N
     )
 
 
-def write_manifest(job: SaveJob, staging: Path, gathered: list[Any]) -> None:
-    """DCP's ``.metadata`` (our writer) and ``manifest.json``, written durably into ``staging`` (rank 0)."""
+def manifest_bytes(job: SaveJob, target: SaveTarget, gathered: list[Any]) -> bytes:
+    """Writes DCP's ``.metadata`` into the staging area; returns the sealed manifest to commit (rank 0)."""
     files = {name: rec for g in gathered for name, rec in g[1].items()}
     if job.plan.backend == "fast":  # DCP's metadata, as dcp.save would have written it
-        files[DCP_METADATA] = write_metadata(staging, dcp_metadata(job, gathered, staging))
-    elif DCP_METADATA in files:  # DCP wrote it (our own file, just written): give it this save's identity
-        metadata = safe_load_metadata(staging / DCP_METADATA)
-        metadata.storage_meta.save_id = job.save_id
-        (staging / DCP_METADATA).unlink()
-        files[DCP_METADATA] = write_metadata(staging, metadata)
-    write_file_durably(staging / MANIFEST, dumps(build_manifest(job, gathered, files)))
+        files[DCP_METADATA] = target.write_dcp_metadata(dcp_metadata(job, gathered, target.where))
+    else:
+        metadata = target.read_dcp_metadata()  # DCP wrote it (our own file, just written)
+        if metadata is not None:  # give it this save's identity
+            metadata.storage_meta.save_id = job.save_id
+            files[DCP_METADATA] = target.write_dcp_metadata(metadata)
+    return dumps(build_manifest(job, gathered, files))
 
 
 def dcp_metadata(job: SaveJob, gathered: list[Any], checkpoint_id: Any) -> Any:
@@ -447,27 +396,26 @@ def chunk_table(chunks: list[ChunkEntry]) -> dict[str, list[dict[str, Any]]]:
     return dict(sorted(table.items()))
 
 
-def run(job: SaveJob) -> Path:
-    """Steps 3 and 4 (collective): staging, write, commit, publish; the lock is released and leftovers removed."""
-    if is_store(job.destination):  # an object-store prefix: fsspec writer, manifest-last commit
-        from torchrl_dcp.storage.objectstore_save import run_save
-
-        return run_save(job)
+def run(job: SaveJob) -> Any:
+    """Steps 3 and 4 (collective): prepare, write, commit, publish; whatever a failure left is removed and the
+    destination released, for every backend alike."""
     try:
-        staging = prepare_staging(job)
+        job.location.check_writer(job.plan.backend)
+        target = prepare(job)
     except BaseException:
         job.encoded.settle(None)
         raise
     try:
-        outcome, error = write(job, staging)
-        path = commit(job, staging, outcome, error)
+        outcome, error = write(job, target)
+        path = commit(job, target, outcome, error)
     except BaseException:
         job.encoded.settle(None)
         if job.rank == 0:
-            remove_tree(staging)
+            target.abandon()
         raise
     finally:
-        release_lock(job)
+        if job.rank == 0:
+            target.release()
     job.encoded.settle(job.save_id)
     if outcome.copied:
         logger.warning(

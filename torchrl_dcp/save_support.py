@@ -1,5 +1,5 @@
-"""Helpers of the save steps: a failure as a :class:`CheckpointError` that says what to do, the destination's
-lock, whether a path may be replaced, and DCP's single-process quiet mode.
+"""Helpers of the save and load steps: a failure as a :class:`CheckpointError` that says what to do, DCP's
+single-process quiet mode, and DCP's collective exception summarised.
 
 Example:
     >>> from torchrl_dcp.save_support import save_failure
@@ -13,47 +13,14 @@ import contextlib
 import errno
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
 from torchrl_dcp.errors import CheckpointError
-from torchrl_dcp.storage.commit import sweep_stale_locks
-from torchrl_dcp.storage.container import DirectoryContainer
 
 
-def release_lock(job: Any) -> None:
-    if job.lock is not None:
-        job.lock.release()
-        job.lock = None
-        sweep_stale_locks(job.destination.parent)  # left by saves killed before they released theirs
-
-
-def failing(fn: Any, job: Any) -> Any:
-    def wrapped() -> Any:
-        try:
-            return fn()
-        except Exception as err:
-            raise save_failure(err, "preparing the staging directory", job.destination) from err
-
-    return wrapped
-
-
-def is_replaceable(destination: Path) -> bool:
-    """Whether ``destination`` may be replaced by a save: an empty directory or a committed checkpoint."""
-    if not destination.is_dir() or destination.is_symlink():
-        return False
-    if not any(destination.iterdir()):
-        return True
-    try:
-        DirectoryContainer(destination).manifest()
-        return True
-    except CheckpointError:
-        return False
-
-
-def save_failure(err: BaseException, phase: str, path: Path | None) -> BaseException:
+def save_failure(err: BaseException, phase: str, path: Any) -> BaseException:
     """A save step's failure as a :class:`CheckpointError` saying what to do (a full disk says so)."""
     if isinstance(err, CheckpointError) or not isinstance(err, Exception):
         return err

@@ -14,12 +14,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
+from torchrl_dcp.format.layout import MANIFEST
+from torchrl_dcp.format.manifest import unchecked
 from torchrl_dcp.load_plan import check_states
-from torchrl_dcp.manifest import unchecked
-from torchrl_dcp.storage.container import open_regular
-from torchrl_dcp.storage.layout import MANIFEST
-from torchrl_dcp.storage.source import CheckpointSource, open_source
-from torchrl_dcp.storage.urls import resolve_path
+from torchrl_dcp.storage.backends import open_source
+from torchrl_dcp.storage.source import CheckpointSource
 
 
 def _check_blob_headers(src: CheckpointSource, metadata: Any) -> None:
@@ -39,17 +38,7 @@ def _check_blob_headers(src: CheckpointSource, metadata: Any) -> None:
 
 def _heads(src: CheckpointSource, rel: str, items: list[tuple[int, str]]) -> Iterator[tuple[int, str, bytes]]:
     """The first 4 bytes of each record ``(offset, key)`` of the data file ``rel`` (a file, or an object)."""
-    read_many = getattr(src, "read_many", None)  # an object-store source: ranged reads, in parallel
-    if read_many is not None:
-        yield from ((o, k, h) for (o, k), h in zip(items, read_many(rel, [(o, 4) for o, _ in items])))
-        return
-    span = src.container.byte_range(rel)
-    fd = open_regular(span.path, span.where)
-    try:
-        for offset, key in items:
-            yield offset, key, os.pread(fd, 4, span.base + offset)
-    finally:
-        os.close(fd)
+    yield from ((o, k, h) for (o, k), h in zip(items, src.read_many(rel, [(o, 4) for o, _ in items])))
 
 
 def verify(path: str | os.PathLike, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -67,7 +56,7 @@ def verify(path: str | os.PathLike, *, storage_options: dict[str, Any] | None = 
     Raises:
         CheckpointError: naming the first problem found.
     """
-    src = open_source(resolve_path(path, storage_options))
+    src = open_source(path, storage_options)
     root = src.path
     manifest = src.manifest()
     src.check(True)

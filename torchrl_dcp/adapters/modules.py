@@ -24,8 +24,8 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
-from torchrl_dcp.codec import is_dtensor
 from torchrl_dcp.errors import EncodingError, IncompatibleComponentError
+from torchrl_dcp.format.codec import is_dtensor
 
 
 class ModuleAdapter(Adapter):
@@ -122,7 +122,7 @@ def _read_in_place(live: Any, value: Any) -> bool:
 
 def _in_place_keys(current: Mapping[str, Any], saved: Any) -> set[str]:
     """State keys whose live tensor can receive the saved tensor's bytes where it is (same shape and dtype)."""
-    from torchrl_dcp.codec import TensorSpec
+    from torchrl_dcp.format.codec import TensorSpec
 
     keys = set()
     for key, spec in saved.items() if isinstance(saved, Mapping) else ():
@@ -176,7 +176,7 @@ def _check_values(current: Mapping[str, Any], state: Any, name: str) -> set[str]
 
     While a load is planned (:class:`TensorSpec` values), also returns the keys whose live tensor can receive the
     saved bytes where it is (:func:`_in_place_keys`, computed in the same pass)."""
-    from torchrl_dcp.codec import TensorSpec
+    from torchrl_dcp.format.codec import TensorSpec
 
     if not isinstance(state, Mapping):
         raise IncompatibleComponentError(
@@ -260,7 +260,7 @@ class OptimizerAdapter(Adapter):
 def optimizer_destinations(optimizer: torch.optim.Optimizer, saved: Any) -> dict[str, torch.Tensor]:
     """``{tensor key: empty DTensor like the parameter}`` for saved state of DTensor parameters.
 
-    ``saved`` is the saved ``state_dict()`` with :class:`~torchrl_dcp.codec.TensorSpec` leaves;
+    ``saved`` is the saved ``state_dict()`` with :class:`~torchrl_dcp.format.codec.TensorSpec` leaves;
     parameters are numbered as ``Optimizer.state_dict()`` numbers them (groups in order).
 
     Example:
@@ -269,7 +269,7 @@ def optimizer_destinations(optimizer: torch.optim.Optimizer, saved: Any) -> dict
         >>> optimizer_destinations(opt, {"state": {}, "param_groups": []})
         {}
     """
-    from torchrl_dcp.codec import TensorSpec, is_dtensor
+    from torchrl_dcp.format.codec import TensorSpec, is_dtensor
 
     if not isinstance(saved, Mapping) or not isinstance(saved.get("state"), Mapping):
         return {}
@@ -290,7 +290,7 @@ def optimizer_destinations(optimizer: torch.optim.Optimizer, saved: Any) -> dict
 
 def _live_state_destinations(optimizer: torch.optim.Optimizer, saved: Any) -> dict[str, torch.Tensor]:
     """``{tensor key: the optimizer's own state tensor}`` where it already holds one of the saved shape and dtype."""
-    from torchrl_dcp.codec import TensorSpec
+    from torchrl_dcp.format.codec import TensorSpec
 
     if not isinstance(saved, Mapping) or not isinstance(saved.get("state"), Mapping):
         return {}

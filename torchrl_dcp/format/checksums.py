@@ -1,18 +1,19 @@
-"""CRC-32 of checkpoint bytes: one implementation (:func:`crc32`), file checksums, and combining CRCs of pieces.
+"""CRC-32 arithmetic of the format: one implementation (:func:`crc32`), fingerprints, and combining CRCs of pieces.
 
 :func:`crc32` is ISA-L's implementation (the ``isal`` package, installed with
 torchrl_dcp) where it is available, else ``zlib``'s: the same polynomial and the same
 values, about 4x faster here (14.5 vs 3.6 GB/s on one thread, shared/notes/perf.md),
 so the format does not depend on which one computed a checksum.
 
+Bytes in, values out: checksums of files (which read them) are in
+:mod:`torchrl_dcp.storage.filesums`.
+
 Example:
-    >>> import tempfile, os
-    >>> from torchrl_dcp.storage.checksums import file_checksum
-    >>> with tempfile.NamedTemporaryFile(delete=False) as f:
-    ...     _ = f.write(b"abc")
-    >>> file_checksum(f.name)
+    >>> from torchrl_dcp.format.checksums import crc32, crc32_combine, format_crc
+    >>> format_crc(crc32(b"abc"))
     'crc32:352441c2'
-    >>> os.unlink(f.name)
+    >>> crc32_combine(crc32(b"a"), crc32(b"bc"), 2) == crc32(b"abc")
+    True
 """
 
 from __future__ import annotations
@@ -22,14 +23,10 @@ import ctypes.util
 import os
 import zlib
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointIntegrityError
 
-# memory of a checksum pass, all threads together: a module's verify-first pass held 8 MiB (0.12x the state of a
-# 64 MiB model on its first load); 2 MiB checksums 1 GiB as fast here (warm 86-99 ms, cold 0.38-0.40 s either way)
-CHECKSUM_BUFFER = 2 << 20
 _U32 = 0xFFFFFFFF
 
 
@@ -86,31 +83,6 @@ def checksum_mismatch(actual: str, expected: str, path: Any, what: str = "file")
     )
 
 
-def file_checksum(path: str | os.PathLike, chunk: int = CHECKSUM_BUFFER) -> str:
-    """``"crc32:<hex>"`` of a file (several threads, memory bounded by ``chunk``)."""
-    return files_checksums([path], chunk)[0]
-
-
-def files_checksums(paths: list[str | os.PathLike], chunk: int = CHECKSUM_BUFFER) -> list[str]:
-    """``"crc32:<hex>"`` of each file (opened without following links); the work is split between threads."""
-    fds: list[int] = []
-    try:
-        for path in paths:
-            fds.append(os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)))
-        return fds_checksums([(fd, 0, os.fstat(fd).st_size, str(p)) for fd, p in zip(fds, paths)], chunk)
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
-def fds_checksums(ranges: list[tuple[int, int, int, str]], chunk: int = CHECKSUM_BUFFER) -> list[str]:
-    """``"crc32:<hex>"`` of each ``(fd, offset, size, name)`` byte range, split between threads (``copying.py``)."""
-    from torchrl_dcp.storage.copying import CopyRange, copy_ranges
-
-    spans = [CopyRange(fd, offset, size, None, 0, name) for fd, offset, size, name in ranges]
-    return [format_crc(crc) for crc in copy_ranges(spans, buffer_size=chunk)]
-
-
 def combined_crc(pieces: list[tuple[int, int, int]]) -> tuple[int, int]:
     """CRC-32 of the bytes that ``(offset, length, crc32)`` pieces cover contiguously from offset 0, and how many
     bytes that is (it stops at the first hole)."""
@@ -120,11 +92,6 @@ def combined_crc(pieces: list[tuple[int, int, int]]) -> tuple[int, int]:
             break
         value, pos = crc32_combine(value, crc, length), pos + length
     return value, pos
-
-
-def file_record(path: Path) -> dict[str, object]:
-    """The manifest record of one file: its size and checksum."""
-    return {"size": path.stat().st_size, "checksum": file_checksum(path)}
 
 
 def _load_combine() -> Any:

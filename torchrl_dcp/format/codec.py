@@ -9,7 +9,7 @@ path, at save time.
 
 Example:
     >>> import torch
-    >>> from torchrl_dcp.codec import encode, decode
+    >>> from torchrl_dcp.format.codec import encode, decode
     >>> skeleton, tensors = encode({"w": torch.ones(2), "step": 3})
     >>> sorted(tensors)
     ['w']

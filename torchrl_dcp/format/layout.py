@@ -5,7 +5,7 @@ is what makes the checkpoint exist), DCP's ``.metadata`` and one data file per r
 that wrote tensors, ``__<rank>_0.distcp``.
 
 Example:
-    >>> from torchrl_dcp.storage.layout import MANIFEST, DCP_METADATA, data_file_name
+    >>> from torchrl_dcp.format.layout import MANIFEST, DCP_METADATA, data_file_name
     >>> MANIFEST, DCP_METADATA, data_file_name(3)
     ('manifest.json', '.metadata', '__3_0.distcp')
 """

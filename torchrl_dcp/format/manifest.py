@@ -14,7 +14,7 @@ older adapter payloads are upgraded the same way (:func:`register_adapter_migrat
 See docs/migrations.md.
 
 Example:
-    >>> from torchrl_dcp.manifest import FORMAT, FORMAT_VERSION
+    >>> from torchrl_dcp.format.manifest import FORMAT, FORMAT_VERSION
     >>> FORMAT, FORMAT_VERSION
     ('torchrl_dcp', 4)
 """
@@ -29,9 +29,9 @@ from collections.abc import Callable
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointVersionError
-from torchrl_dcp.manifest_depth import check_depth, structure
+from torchrl_dcp.format.layout import MANIFEST, MAX_MANIFEST_BYTES, is_plain_name
+from torchrl_dcp.format.manifest_depth import check_depth, structure
 from torchrl_dcp.placement import PLACEMENTS
-from torchrl_dcp.storage.layout import MANIFEST, MAX_MANIFEST_BYTES, is_plain_name  # noqa: F401  (re-exported)
 
 FORMAT = "torchrl_dcp"
 FORMAT_VERSION = 4
@@ -54,7 +54,7 @@ def register_migration(from_version: int) -> Callable[[Migration], Migration]:
     manifest with ``format_version == from_version + 1``.
 
     Example:
-        >>> from torchrl_dcp.manifest import register_migration
+        >>> from torchrl_dcp.format.manifest import register_migration
         >>> @register_migration(2)  # doctest: +SKIP
         ... def _v2_to_v3(m):
         ...     m["format_version"] = 3
@@ -80,7 +80,7 @@ def register_adapter_migration(adapter_id: str, from_version: int) -> Callable[[
     components) when the registered adapter is newer than the saved one.
 
     Example:
-        >>> from torchrl_dcp.manifest import register_adapter_migration, skeleton_dict, make_skeleton_dict
+        >>> from torchrl_dcp.format.manifest import register_adapter_migration, skeleton_dict, make_skeleton_dict
         >>> @register_adapter_migration("example.counter", 1)
         ... def _counter_v1_to_v2(state):
         ...     d = skeleton_dict(state)
@@ -132,7 +132,7 @@ def migrate_component(name: str, record: dict[str, Any], target_version: int, so
             raise CheckpointVersionError(
                 f"component {name!r} was saved with {adapter_id!r} v{current} and the registered adapter is "
                 f"v{target_version}, but no migration from v{current} is registered "
-                "(torchrl_dcp.manifest.register_adapter_migration)",
+                "(torchrl_dcp.format.manifest.register_adapter_migration)",
                 path=source,
             )
         try:
@@ -154,7 +154,7 @@ def migrate_component(name: str, record: dict[str, Any], target_version: int, so
 
 def component_inventory(name: str, record: dict[str, Any]) -> dict[str, Any]:
     """``{dcp_key: {"dtype", "shape"}}`` of every tensor a component record's states name (all ranks)."""
-    from torchrl_dcp.codec import dtype_name, tensor_specs
+    from torchrl_dcp.format.codec import dtype_name, tensor_specs
     from torchrl_dcp.placement import key_prefix
 
     placement = record["placement"]
@@ -171,7 +171,7 @@ def component_inventory(name: str, record: dict[str, Any]) -> dict[str, Any]:
 
 
 def _with_inventory(name: str, record: dict[str, Any]) -> dict[str, Any]:
-    from torchrl_dcp.codec import dtype_from_name
+    from torchrl_dcp.format.codec import dtype_from_name
 
     record["inventory"] = component_inventory(name, record)
     record["num_tensors"] = len(record["inventory"])
@@ -227,7 +227,7 @@ def library_versions() -> dict[str, str]:
     import torch
     import torchrl
 
-    from torchrl_dcp import __version__
+    from torchrl_dcp._version import __version__
 
     return {
         "torch": str(torch.__version__),
@@ -299,7 +299,7 @@ def _refuse_constant(name: str) -> Any:
 
 def body_checksum(manifest: dict[str, Any]) -> str:
     """``"crc32:<hex>"`` of the manifest's canonical JSON without its own checksum field."""
-    from torchrl_dcp.storage.checksums import crc32, format_crc
+    from torchrl_dcp.format.checksums import crc32, format_crc
 
     return format_crc(crc32(dumps({k: v for k, v in manifest.items() if k != CHECKSUM_FIELD})))
 
@@ -335,7 +335,7 @@ def _sealed_text(text: bytes, recorded: str) -> bool:
     spelling of the same JSON (re-indented, hand-edited and resealed) is checked the slow
     way, by :func:`body_checksum` of the decoded value.
     """
-    from torchrl_dcp.storage.checksums import crc32, format_crc
+    from torchrl_dcp.format.checksums import crc32, format_crc
 
     field = b'"' + CHECKSUM_FIELD.encode() + b'":' + json.dumps(recorded).encode() + b","
     at = text.find(field)

@@ -11,7 +11,7 @@ writes for the expected dtype and shape and is never unpickled.
 
 Example:
     >>> import torch
-    >>> from torchrl_dcp.storage.record import template, record_data_offset
+    >>> from torchrl_dcp.format.record import template, record_data_offset
     >>> tpl = template(torch.float32, (3,))
     >>> record_data_offset(None, tpl.head, tpl.length, torch.float32, (3,)) == len(tpl.head)
     True
@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from torchrl_dcp.storage.checksums import crc32
-from torchrl_dcp.storage.zipformat import central_entry, end_records, local_header
+from torchrl_dcp.format.checksums import crc32
+from torchrl_dcp.format.zipformat import central_entry, end_records, local_header
 
 # ---------------------------------------------------------------------- building records
 STORAGE_NAMES = torch.storage._dtype_to_storage_type_map()
@@ -174,6 +174,22 @@ def is_memmap_tensor(tensor: Any) -> bool:
     return isinstance(tensor, MemoryMappedTensor)
 
 
+def is_plain_tensor(obj: Any) -> bool:
+    """A plain tensor (no DTensor/ShardedTensor/checkpointable protocol): DCP treats it as one chunk, and its
+    records are read in place.
+
+    Example:
+        >>> import torch
+        >>> is_plain_tensor(torch.zeros(2)), is_plain_tensor([0.0])
+        (True, False)
+    """
+    if type(obj) in (torch.Tensor, torch.nn.Parameter):
+        return True
+    return (
+        is_memmap_tensor(obj) and not hasattr(obj, "__create_chunk_list__") and not hasattr(obj, "__get_tensor_shard__")
+    )
+
+
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of ``tensor`` as a flat memoryview, without a copy when it is contiguous on CPU."""
     t = tensor.detach()
@@ -213,7 +229,7 @@ def template_data_offset(head: Any, length: int, dtype: torch.dtype, shape: tupl
 
     Example:
         >>> import torch
-        >>> from torchrl_dcp.storage.record import template
+        >>> from torchrl_dcp.format.record import template
         >>> tpl = template(torch.float32, (3,))
         >>> template_data_offset(tpl.head, tpl.length, torch.float32, (3,)) == len(tpl.head)
         True

@@ -8,7 +8,7 @@ copy the data, and fill the headers in afterwards.
 
 Example:
     >>> import io, zipfile, zlib
-    >>> from torchrl_dcp.storage.zipformat import central_entry, end_records, local_header
+    >>> from torchrl_dcp.format.zipformat import central_entry, end_records, local_header
     >>> data = b"hello"
     >>> head = local_header(b"a.txt", zlib.crc32(data), len(data), 0)
     >>> len(head) % 64

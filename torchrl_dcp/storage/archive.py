@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import stat
 import struct
 import uuid
 import zipfile
@@ -29,13 +30,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchrl_dcp import manifest as schema
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError
-from torchrl_dcp.storage.checksums import checksum_mismatch, crc32, fds_checksums, format_crc
-from torchrl_dcp.storage.commit import TMP_TAG
-from torchrl_dcp.storage.container import ByteRange, open_regular
-from torchrl_dcp.storage.layout import MANIFEST, MAX_MANIFEST_BYTES
-from torchrl_dcp.storage.zipformat import ZIPALIGN_PAD, central_entry, end_records, local_header
+from torchrl_dcp.format import manifest as schema
+from torchrl_dcp.format.checksums import checksum_mismatch, crc32, format_crc
+from torchrl_dcp.format.layout import MANIFEST, MAX_MANIFEST_BYTES
+from torchrl_dcp.format.zipformat import ZIPALIGN_PAD, central_entry, end_records, local_header
+from torchrl_dcp.storage.base import ByteRange, EntryKind, Location
+from torchrl_dcp.storage.commit import TMP_TAG, remove_tree, trash_path
+from torchrl_dcp.storage.files import open_regular
+from torchrl_dcp.storage.filesums import fds_checksums
 
 ALIGN = 64  # every member's data starts at a multiple of this (zipformat.ALIGN)
 BUFFER = 4 << 20
@@ -153,7 +156,7 @@ def _check_name(name: str, where: str) -> None:
 
 
 class ArchiveContainer:
-    """A checkpoint stored as one ZIP archive, read in place (see :class:`~torchrl_dcp.storage.container.Container`)."""
+    """A checkpoint stored as one ZIP archive, read in place (see :class:`~torchrl_dcp.storage.base.Container`)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
@@ -250,6 +253,47 @@ class ArchiveContainer:
             for name, crc in zip(names, crcs):
                 if crc != files[name]["checksum"]:
                     raise checksum_mismatch(crc, files[name]["checksum"], f"{self.path}::{name}", "member")
+
+
+class ArchiveLocation(Location):
+    """A checkpoint archive on this machine: read in place, removed renamed aside; never saved into (a save
+    writes a directory, :func:`~torchrl_dcp.to_archive` packs it)."""
+
+    kind = "archive"
+    can_be_base = False  # members cannot be linked
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(Path(path))
+
+    def container(self) -> ArchiveContainer:
+        return ArchiveContainer(self.path)
+
+    def open_source(self) -> Any:
+        from torchrl_dcp.storage.source import CheckpointSource  # torch: only where tensors are read
+
+        return CheckpointSource(self.container())
+
+    def entry_kind(self) -> EntryKind | None:
+        try:
+            st = os.lstat(self.path)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return "archive" if stat.S_ISREG(st.st_mode) else "other"
+
+    def size(self) -> int | None:
+        try:
+            return os.lstat(self.path).st_size
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def remove(self) -> bool:
+        trash = trash_path(self.path)
+        try:
+            os.rename(self.path, trash)
+        except FileNotFoundError:
+            return False
+        remove_tree(trash)
+        return True
 
 
 # ---------------------------------------------------------------------- writing

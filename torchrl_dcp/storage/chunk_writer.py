@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
-from torchrl_dcp.storage.checksums import content_fingerprint, crc32, crc32_combine, format_crc
+from torchrl_dcp.format.checksums import content_fingerprint, crc32, crc32_combine, format_crc
+from torchrl_dcp.format.layout import TRAILER_SIZE, identity_trailer, read_identity
+from torchrl_dcp.format.record import template, tensor_bytes
 from torchrl_dcp.storage.copying import pwrite_all, run_split
-from torchrl_dcp.storage.layout import TRAILER_SIZE, identity_trailer, read_identity
-from torchrl_dcp.storage.record import template, tensor_bytes
 from torchrl_dcp.storage.writeback import Writeback
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -58,7 +58,7 @@ class ChunkFile:
 class KeptChunk:
     """A chunk file of an earlier checkpoint that holds exactly the rows to save."""
 
-    source: Path  # or a StorePath (an object, copied server-side: objectstore_save)
+    source: Any  # a Path, or a StorePath (an object, copied server-side: objectstore_save)
     size: int
     checksum: str
     origin: str  # the save whose identity trailer it carries
@@ -127,16 +127,6 @@ def can_keep(kept: KeptChunk) -> bool:
         return _checked(fd, kept) is not None
     finally:
         os.close(fd)
-
-
-def keepable(keeps: dict[str, KeptChunk]) -> dict[str, KeptChunk]:
-    """The entries of ``keeps`` whose source is still the file (or object) recorded (:func:`can_keep`)."""
-    stored = {f: k for f, k in keeps.items() if not isinstance(k.source, Path)}
-    if stored:
-        from torchrl_dcp.storage.objectstore_save import keepable_objects
-
-        stored = keepable_objects(stored)
-    return {f: k for f, k in keeps.items() if f in stored or (isinstance(k.source, Path) and can_keep(k))}
 
 
 def keep_chunk_file(kept: KeptChunk, path: Path) -> ChunkFile | None:

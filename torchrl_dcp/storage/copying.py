@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from torchrl_dcp.errors import CheckpointIntegrityError
-from torchrl_dcp.storage.checksums import crc32, crc32_combine
+from torchrl_dcp.format.checksums import crc32, crc32_combine
 from torchrl_dcp.storage.writeback import Writeback
 
 BUFFER = 4 << 20

@@ -40,10 +40,10 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import ReadItem
 
 from torchrl_dcp.errors import CheckpointIntegrityError, IncompatibleComponentError, UnsafeCheckpointError
-from torchrl_dcp.planner import _is_plain
-from torchrl_dcp.storage.filesystem import record_index
+from torchrl_dcp.format.dcp_metadata import record_index
+from torchrl_dcp.format.record import is_plain_tensor
 from torchrl_dcp.storage.reader import InPlaceFileSystemReader
-from torchrl_dcp.storage.readitems import _Item, destination_bytes, plan_in_place
+from torchrl_dcp.storage.readitems import RecordRead, destination_bytes, plan_in_place
 
 
 class _NoPlanner:
@@ -104,19 +104,19 @@ def read_direct(
         UnsafeCheckpointError: a key is a byte item.
         CheckpointIntegrityError: a file is damaged (checksums of ``reader.verify``) or a chunk has no record.
     """
-    if not getattr(reader, "reads_files", True):  # an object-store reader plans its own ranged GETs
+    if not reader.reads_files:  # an object-store reader plans its own ranged GETs
         return dict(tensors)
     reader.set_up_storage_reader(metadata, is_coordinator=False)
     saved = metadata.state_dict_metadata
     records = record_index(metadata)
     rest: dict[str, torch.Tensor] = {}
-    per_file: dict[str, list[_Item]] = {}
+    per_file: dict[str, list[RecordRead]] = {}
     saved_get, records_get = saved.get, records.get
     for key, dest in tensors.items():
         md = saved_get(key)
         if not checked or md is None:
             _check(key, dest, md)
-        if not _is_plain(dest):
+        if not is_plain_tensor(dest):
             rest[key] = dest
             continue
         if not dest.numel():
@@ -127,7 +127,7 @@ def read_direct(
             info = (records_get(key) or {}).get(tuple(offsets))
             if info is None:
                 raise CheckpointIntegrityError(f"DCP metadata lists no record for tensor {key!r} at the origin")
-            item = _Item((key, offsets, dest.shape), info.offset, info.length, dest, True)
+            item = RecordRead((key, offsets, dest.shape), info.offset, info.length, dest, True)
             plan_in_place(item, info)
             files = per_file.get(info.relative_path)
             if files is None:
@@ -144,7 +144,7 @@ def read_direct(
             if info is None:
                 raise CheckpointIntegrityError(f"DCP metadata lists no record for tensor {key!r} at {tuple(offsets)}")
             target = dest.narrow(0, first, rows)
-            item = _Item((key, offsets, target.shape), info.offset, info.length, target, planned=True)
+            item = RecordRead((key, offsets, target.shape), info.offset, info.length, target, planned=True)
             plan_in_place(item, info)
             per_file.setdefault(info.relative_path, []).append(item)
     reader.read_items(per_file, _NoPlanner())

@@ -1,4 +1,4 @@
-"""Checkpoints under an object-store prefix (any fsspec URL): the container, the source and the transfers.
+"""Checkpoints under an object-store prefix (any fsspec URL): the transfers and the container (no torch).
 
 A checkpoint at ``s3://bucket/run/step-100`` is the objects under that prefix, named
 exactly as the files of a local checkpoint (``__<rank>_0.distcp``, ``.metadata``,
@@ -8,8 +8,8 @@ checkpoint (a save that never committed). Reading:
 - :class:`ObjectStoreContainer`: the manifest (size-bounded before it is fetched),
   the listing (sizes of every listed object, nothing unlisted), checksums computed
   from parallel ranged reads, small members read whole;
-- :class:`ObjectStoreSource`: a :class:`~torchrl_dcp.storage.source.CheckpointSource`
-  whose DCP reader fetches byte ranges planned from DCP's metadata (one GET per chunk
+- :class:`~torchrl_dcp.storage.objectstore_source.ObjectStoreSource`: a
+  :class:`~torchrl_dcp.storage.source.CheckpointSource` whose DCP reader fetches byte ranges planned from DCP's metadata (one GET per chunk
   object, :mod:`~torchrl_dcp.storage.objectstore_read`) and copies the tensor bytes
   into the destinations, checksums and save identities checked from the bytes fetched.
   ``.metadata`` goes through the allow-list unpickler only: nothing is ever unpickled otherwise.
@@ -21,7 +21,7 @@ Writing (:func:`upload_pieces`): S3 (s3fs) objects are uploaded as multipart upl
 
 Example:
     >>> import torch, torchrl_dcp as tdcp
-    >>> from torchrl_dcp.storage.source import open_source
+    >>> from torchrl_dcp.storage.backends import open_source
     >>> path = tdcp.DistributedCheckpoint(w={"x": torch.ones(2)}).save("memory://doc/objectstore/c")
     >>> src = open_source(path)
     >>> type(src).__name__, sorted(src.manifest()["files"])
@@ -34,20 +34,18 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, BinaryIO
+from typing import Any
 
-from torchrl_dcp import manifest as schema
 from torchrl_dcp.errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointIntegrityError,
     CheckpointNotFoundError,
 )
-from torchrl_dcp.storage.checksums import checksum_mismatch, crc32, crc32_combine, format_crc
-from torchrl_dcp.storage.container import ByteRange
-from torchrl_dcp.storage.layout import DCP_METADATA, MANIFEST, MAX_MANIFEST_BYTES, TRAILER_SIZE
-from torchrl_dcp.storage.objectstore_read import StoreReader
-from torchrl_dcp.storage.reader import RangeFile
+from torchrl_dcp.format import manifest as schema
+from torchrl_dcp.format.checksums import checksum_mismatch, crc32, crc32_combine, format_crc
+from torchrl_dcp.format.layout import DCP_METADATA, MANIFEST, MAX_MANIFEST_BYTES, TRAILER_SIZE
+from torchrl_dcp.storage.base import ByteRange
 from torchrl_dcp.storage.urls import StorePath
 
 READ_PIECE = 8 << 20  # bytes per ranged read when checksumming or downloading
@@ -117,7 +115,7 @@ def read_range(path: StorePath, start: int, size: int, expected_total: int | Non
     return data
 
 
-def _map_pieces(spans: list[tuple[StorePath, int, int]], work: Callable[[int, bytes], Any], threads: int) -> list[Any]:
+def map_pieces(spans: list[tuple[StorePath, int, int]], work: Callable[[int, bytes], Any], threads: int) -> list[Any]:
     """Fetch every ``(object, start, size)`` span with ``threads`` requests in flight; ``work(i, data)`` on each."""
     if threads <= 1 or len(spans) <= 1:
         return [work(i, read_range(p, s, n)) for i, (p, s, n) in enumerate(spans)]
@@ -148,7 +146,7 @@ def object_checksums(
             tails[str(p)] = data[-TRAILER_SIZE:]
         return crc32(data)
 
-    crcs = _map_pieces(spans, work, threads or concurrency())
+    crcs = map_pieces(spans, work, threads or concurrency())
     out, k = [], 0
     for _, size in objects:
         value = 0
@@ -172,7 +170,7 @@ def download(path: StorePath, local: str | os.PathLike, size: int, checksum: str
                 view, at = view[n:], at + n
             return crc32(data)
 
-        crcs = _map_pieces(spans, write, concurrency())
+        crcs = map_pieces(spans, write, concurrency())
     finally:
         os.close(fd)
     value = 0
@@ -281,7 +279,7 @@ def _bounded(obj: StorePath) -> bytes | None:
 
 # ---------------------------------------------------------------------- the container
 class ObjectStoreContainer:
-    """A committed checkpoint under an object-store prefix (the :class:`~torchrl_dcp.storage.container.Container` protocol)."""
+    """A committed checkpoint under an object-store prefix (the :class:`~torchrl_dcp.storage.base.Container` protocol)."""
 
     def __init__(self, path: StorePath) -> None:
         self.path: Any = path
@@ -374,42 +372,3 @@ class ObjectStoreContainer:
         if rec is None:
             raise CheckpointIntegrityError("data file is not listed in the manifest: refused", path=self.path / name)
         return ByteRange((self.path / name).key, 0, rec["size"], str(self.path / name))
-
-
-# ---------------------------------------------------------------------- reading tensors
-class ObjectRangeFile(RangeFile):
-    """A :class:`~torchrl_dcp.storage.reader.RangeFile` naming an object (read by :class:`ObjectStoreReader`)."""
-
-    def open(self) -> BinaryIO:
-        raise CheckpointError("internal: objects are read by ranged GETs, not opened", path=self.where)
-
-
-class _AsSeenByDCP:
-    """A container whose ``path`` is its URL string (DCP's ``FileSystemReader`` makes a ``Path`` of it)."""
-
-    def __init__(self, container: ObjectStoreContainer) -> None:
-        self.container, self.path = container, str(container.path)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.container, name)
-
-
-class ObjectStoreReader(StoreReader):
-    """The in-place DCP reader over objects: planned ranged GETs (:mod:`~torchrl_dcp.storage.objectstore_read`)."""
-
-    reads_files = False  # storage.direct leaves every tensor to this reader (through dcp.load)
-
-    def __init__(
-        self, container: ObjectStoreContainer, *args: Any, identity: dict[str, str] | None = None, **kwargs: Any
-    ) -> None:
-        super().__init__(_AsSeenByDCP(container), *args, **kwargs)  # type: ignore[arg-type]
-        self.store_fs, self.store_root = container.path.fs, container.path
-        self.identity_pending = dict(identity or {})
-        self.fetch_limit, self.fetch_threads = range_size(), concurrency()
-
-    def read_source(self, relative_path: str) -> RangeFile:
-        assert self.container is not None
-        return ObjectRangeFile(self.container.byte_range(relative_path), self.on_read)
-
-
-from torchrl_dcp.storage.objectstore_source import ObjectStoreSource, open_store_source  # noqa: E402, F401

@@ -38,11 +38,12 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from torchrl_dcp.errors import CheckpointError, CheckpointIntegrityError
-from torchrl_dcp.storage.checksums import checksum_mismatch, combined_crc, crc32, format_crc
-from torchrl_dcp.storage.layout import TRAILER_SIZE, read_identity
+from torchrl_dcp.format.checksums import checksum_mismatch, combined_crc, crc32, format_crc
+from torchrl_dcp.format.layout import TRAILER_SIZE, read_identity
+from torchrl_dcp.format.record import record_data_offset
+from torchrl_dcp.storage.objectstore import object_checksums, store_error
 from torchrl_dcp.storage.reader import InPlaceFileSystemReader
 from torchrl_dcp.storage.readitems import HUGEPAGE_MIN, populate
-from torchrl_dcp.storage.record import record_data_offset
 from torchrl_dcp.storage.staging import copy_into
 
 MERGE_GAP = 1 << 20  # needed records closer than this are fetched in one span (the gap is read and dropped)
@@ -134,8 +135,6 @@ class StoreReader(InPlaceFileSystemReader):
 
     def fetch(self, f: _File, start: int, end: int) -> bytes:
         """Bytes ``start..end`` of the object (one GET); a short answer is a truncated object."""
-        from torchrl_dcp.storage.objectstore import store_error
-
         if end <= start:
             return b""
         try:
@@ -203,8 +202,6 @@ class StoreReader(InPlaceFileSystemReader):
     def _plan_file(self, f: _File, items: list[_Item]) -> list[Callable[[], list[Any]]]:
         tiled = all(a.offset + a.length <= b.offset for a, b in zip(items, items[1:]))
         if f.verify is not None and not tiled:  # overlapping records (narrowed reads): checksum the object first
-            from torchrl_dcp.storage.objectstore import object_checksums
-
             (actual,) = object_checksums([(f.obj, f.size)])
             if actual != f.verify:
                 raise checksum_mismatch(actual, f.verify, f.where)
@@ -369,8 +366,6 @@ class StoreReader(InPlaceFileSystemReader):
                 raise CheckpointIntegrityError(f"internal: checksummed {pos} of {f.size} bytes", path=f.where)
             if isinstance(errors[0], CheckpointError):
                 return
-            from torchrl_dcp.storage.objectstore import object_checksums
-
             (actual,) = object_checksums([(f.obj, f.size)])  # what broke the parse: damage?
         else:
             actual = format_crc(value)

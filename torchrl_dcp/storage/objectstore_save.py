@@ -1,6 +1,7 @@
 """Saving to an object-store prefix: every rank uploads its data file in parallel parts; the manifest commits.
 
-The steps of :func:`run_save` mirror a local save (``save_engine.run``):
+The object-store save target (:mod:`torchrl_dcp.storage.objectstore_location`) runs these
+steps of the one save sequence (``save_engine.run``):
 
 1. **prepare** (rank 0): sweep what killed saves left in the parent prefix (each save
    announces itself with a marker object ``<parent>/.<name>.tdcp-pending`` before it
@@ -30,21 +31,15 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
-import pickle
 import time
 import uuid
 from typing import Any
 
 import torch
 
-from torchrl_dcp import _dist
-from torchrl_dcp._gc import gc_paused
-from torchrl_dcp.collective import broadcast_step, error_status, raise_if_failed
 from torchrl_dcp.errors import CheckpointError
-from torchrl_dcp.manifest import dumps
-from torchrl_dcp.storage.checksums import crc32, crc32_combine, format_crc
-from torchrl_dcp.storage.chunk_writer import ChunkFile, KeptChunk, chunk_file_parts
-from torchrl_dcp.storage.layout import (
+from torchrl_dcp.format.checksums import crc32, crc32_combine, format_crc
+from torchrl_dcp.format.layout import (
     DCP_METADATA,
     MANIFEST,
     TRAILER_SIZE,
@@ -52,20 +47,20 @@ from torchrl_dcp.storage.layout import (
     identity_trailer,
     read_identity,
 )
+from torchrl_dcp.storage.base import ShareWrite, WriteOutcome
+from torchrl_dcp.storage.chunk_writer import ChunkFile, ChunkJob, KeptChunk, chunk_file_parts
 from torchrl_dcp.storage.objectstore import (
     ObjectStoreContainer,
-    _map_pieces,
     concurrency,
     list_objects,
-    store_error,
+    map_pieces,
     upload_pieces,
 )
 from torchrl_dcp.storage.urls import StorePath, copy_object
-from torchrl_dcp.storage.writer import ChunkEntry, WriteOutcome, _layout
+from torchrl_dcp.storage.writer import plan_layout
 
 logger = logging.getLogger("torchrl_dcp")
 PENDING = ".tdcp-pending"
-_DTYPES = {str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
 
 
 # ---------------------------------------------------------------------- markers and sweeping
@@ -130,9 +125,14 @@ def begin(destination: StorePath, save_id: str) -> None:
 
 def finish(destination: StorePath, metadata_bytes: bytes | None, manifest_bytes: bytes) -> None:
     """Step 3 (one process): ``.metadata``, then ``manifest.json`` last (the commit), then drop the marker."""
-    fs = destination.fs
     if metadata_bytes is not None:
-        fs.pipe_file((destination / DCP_METADATA).key, metadata_bytes)
+        destination.fs.pipe_file((destination / DCP_METADATA).key, metadata_bytes)
+    commit_manifest(destination, manifest_bytes)
+
+
+def commit_manifest(destination: StorePath, manifest_bytes: bytes) -> None:
+    """``manifest.json`` (one PUT: it appears whole or not at all), then drop the marker."""
+    fs = destination.fs
     fs.pipe_file((destination / MANIFEST).key, manifest_bytes)
     fs.invalidate_cache(destination.key)
     marker_for(destination).unlink(missing_ok=True)
@@ -151,7 +151,7 @@ def abandon(destination: StorePath) -> None:
 # ---------------------------------------------------------------------- step 2: one rank's data file
 def file_pieces(tensors: list[tuple[str, torch.Tensor]], trailer: bytes) -> tuple[Any, list[Any]]:
     """The layout of one data file (``storage/writer.py``'s records) and its pieces in file order, CRCs set."""
-    layout = _layout(tensors, trailer)
+    layout = plan_layout(tensors, trailer)
     for tpl, head, data_units, tail in layout.large:  # large records: their headers hold the CRC of their bytes
         value = 0
         for u in data_units:
@@ -179,53 +179,42 @@ def write_data_file(destination: StorePath, rank: int, tensors: list[tuple[str, 
     return layout.entries, {"size": layout.size, "checksum": format_crc(value)}
 
 
-class ObjectStoreStateWriter:
-    """The fsspec writer of the save engine's write step (``save_engine.StateWriter``).
-
-    Chunk files an incremental save keeps (``job.keeps``) are copied server-side from the
-    base's prefix (:func:`keep_object`), never through this host; the others are uploaded.
-    """
-
-    def write(self, job: Any, staging: StorePath) -> WriteOutcome:
-        out = WriteOutcome()
-        keys = job.plan.share(job.rank)
-        if keys:
-            name = data_file_name(job.rank)
-            tensors = [(k, job.encoded.flat[k]) for k in keys]
-            entries, record = write_data_file(staging, job.rank, tensors, job.save_id)
-            out.files[name] = record
-            out.entries = [(k, name, off, length) for k, off, length in entries]
-            out.bytes_written = record["size"]
-        chunks = job.plan.chunk_share(job.rank)
-        if chunks:
-            threads = min(concurrency(), len(chunks))
-            with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tdcp-store-chunk") as pool:
-                done = list(pool.map(lambda c: (c, put_chunk(staging, job, c)), chunks))
-            for c, rec in done:
-                out.files[c.file] = {"size": rec.size, "checksum": rec.checksum}
-                if rec.origin is not None:
-                    out.files[c.file]["origin"] = rec.origin
-                    out.kept += 1
-                else:
-                    out.bytes_written += rec.size
-                out.chunks.append(ChunkEntry(c.key, c.start, c.rows, c.file, 0, rec.length, rec.fingerprint))
-        return out
+def write_share(destination: StorePath, share: ShareWrite) -> WriteOutcome:
+    """Upload this rank's share: its data file, and its chunk files (a kept one copied server-side from the
+    base's prefix, :func:`keep_object`, never through this host)."""
+    out = WriteOutcome()
+    if share.tensors:
+        name = data_file_name(share.rank)
+        entries, record = write_data_file(destination, share.rank, share.tensors, share.save_id)
+        out.files[name] = record
+        out.entries = [(k, name, off, length) for k, off, length in entries]
+        out.bytes_written = record["size"]
+    if share.chunks:
+        threads = min(concurrency(), len(share.chunks))
+        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tdcp-store-chunk") as pool:
+            for job, result in zip(share.chunks, pool.map(lambda j: put_chunk(destination, j, share), share.chunks)):
+                job.result = result
+        out.add_chunks(share.chunks)
+    return out
 
 
-def put_chunk(destination: StorePath, job: Any, c: Any) -> ChunkFile:
+def put_chunk(destination: StorePath, job: ChunkJob, share: ShareWrite) -> ChunkFile:
     """One chunk file into ``destination``: copied from the base when kept (and still the object checked), else
     uploaded from its rows."""
-    kept = job.keeps.get(c.file)
+    kept = job.keep
     if kept is not None:
-        if keep_object(kept, destination / c.file):
+        if keep_object(kept, destination / job.file):
             return ChunkFile(kept.size, kept.checksum, kept.size - TRAILER_SIZE, kept.fingerprint, kept.origin)
-        if c.file in job.chunk_rows and job.chunk_rows[c.file] is None:  # async save: its rows were not staged
+        if job.tensor is None:  # async save: its rows were not staged
             raise CheckpointError(
                 f"{kept.source} changed after the incremental save checked it; save again (or without "
                 "incremental_from)",
                 path=destination,
             )
-    return upload_chunk(destination, job, c)
+    assert job.tensor is not None
+    parts, record = chunk_file_parts(job.tensor, share.save_id, share.rank)
+    upload_pieces(destination / job.file, iter(parts), record.size)
+    return record
 
 
 def keep_object(kept: KeptChunk, dst: StorePath) -> bool:
@@ -263,82 +252,8 @@ def keepable_objects(keeps: dict[str, KeptChunk]) -> dict[str, KeptChunk]:
     fits = {f: k for f, k in keeps.items() if sizes.get(k.source) == k.size and k.size >= TRAILER_SIZE}  # type: ignore[call-overload]
     names = sorted(fits)
     spans = [(fits[f].source, fits[f].size - TRAILER_SIZE, TRAILER_SIZE) for f in names]
-    tails = _map_pieces(spans, lambda i, data: read_identity(bytes(data)), concurrency())  # type: ignore[arg-type]
+    tails = map_pieces(spans, lambda i, data: read_identity(bytes(data)), concurrency())  # type: ignore[arg-type]
     return {f: fits[f] for f, found in zip(names, tails) if found is not None and found[0] == fits[f].origin}
-
-
-def upload_chunk(destination: StorePath, job: Any, c: Any) -> ChunkFile:
-    """Upload one chunk file (its rows from the live or staged tensor); returns its :class:`ChunkFile` record."""
-    rows = job.chunk_rows.get(c.file)
-    if rows is None:
-        rows = job.encoded.flat[c.key].detach().narrow(0, c.start, c.rows)
-    parts, record = chunk_file_parts(rows, job.save_id, job.rank)
-    upload_pieces(destination / c.file, iter(parts), record.size)
-    return record
-
-
-# ---------------------------------------------------------------------- the save
-def manifest_bytes(job: Any, gathered: list[Any]) -> tuple[bytes, bytes]:
-    """``.metadata`` (as a local save writes it; read back only through the allow-list) and the manifest."""
-    from torchrl_dcp.save_engine import build_manifest, dcp_metadata
-
-    files = {name: rec for g in gathered for name, rec in g[1].items()}
-    metadata = pickle.dumps(dcp_metadata(job, gathered, str(job.destination)))
-    files[DCP_METADATA] = {"size": len(metadata), "checksum": format_crc(crc32(metadata))}
-    return metadata, dumps(build_manifest(job, gathered, files))
-
-
-def run_save(job: Any) -> StorePath:
-    """Steps 3 and 4 of a save (collective) when ``job.destination`` is a :class:`StorePath`."""
-    from torchrl_dcp.save_engine import gather_records, save_failure
-
-    destination: StorePath = job.destination
-    if job.plan.backend != "fast":
-        raise CheckpointError(
-            "sharded (DTensor) components cannot be saved to an object store yet: save to a local or shared "
-            "directory and copy it, or leave them out (components=...)",
-            path=destination,
-        )
-
-    def prepare() -> str:
-        save_id = uuid.uuid4().hex
-        try:
-            begin(destination, save_id)
-        except Exception as err:
-            raise store_error(err, "preparing the destination prefix", destination) from None
-        return save_id
-
-    job.save_id = broadcast_step(job.group, "preparing the object-store prefix", prepare, rank=job.rank)
-    error: BaseException | None = None
-    try:
-        outcome = ObjectStoreStateWriter().write(job, destination)
-    except Exception as err:
-        outcome, error = WriteOutcome(), save_failure(err, f"rank {job.rank} uploading its data file", destination)
-    gathered = gather_records(job, outcome, error)
-    commit_error: BaseException | None = None
-    if job.rank == 0:
-        try:
-            assert gathered is not None
-            raise_if_failed([g[0] for g in gathered], "uploading data files", None)
-            with gc_paused():
-                meta, manifest = manifest_bytes(job, gathered)
-            finish(destination, meta, manifest)
-        except BaseException as err:
-            commit_error = save_failure(
-                store_error(err, "committing the checkpoint", destination) if isinstance(err, Exception) else err,
-                "committing the checkpoint",
-                destination,
-            )
-            abandon(destination)
-    statuses = _dist.all_gather(error_status(commit_error), job.group, "confirming the commit")
-    try:
-        raise_if_failed(statuses, "committing the checkpoint", commit_error or error)
-    except BaseException:
-        job.encoded.settle(None)
-        raise
-    job.encoded.settle(job.save_id)
-    logger.info("saved checkpoint %s (step %s, %d components)", destination, job.step, len(job.encoded.records))
-    return destination
 
 
 def publish_directory(local: Any, destination: StorePath, manifest: dict[str, Any], raw_manifest: bytes) -> None:

@@ -1,4 +1,5 @@
-"""A checkpoint under an object-store prefix as a :class:`~torchrl_dcp.storage.source.CheckpointSource`.
+"""A checkpoint under an object-store prefix as a :class:`~torchrl_dcp.storage.source.CheckpointSource`, and its
+in-place DCP reader (ranged GETs planned from DCP's metadata, :mod:`~torchrl_dcp.storage.objectstore_read`).
 
 Example:
     >>> import torch, torchrl_dcp as tdcp
@@ -11,19 +12,50 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
-from typing import Any
+from typing import Any, BinaryIO
 
-from torchrl_dcp.errors import CheckpointIntegrityError
-from torchrl_dcp.storage.layout import TRAILER_SIZE
-from torchrl_dcp.storage.objectstore import (
-    ObjectStoreContainer,
-    ObjectStoreReader,
-    _map_pieces,
-    concurrency,
-    read_range,
-)
+from torchrl_dcp.errors import CheckpointError, CheckpointIntegrityError
+from torchrl_dcp.format.layout import TRAILER_SIZE
+from torchrl_dcp.storage.objectstore import ObjectStoreContainer, concurrency, map_pieces, range_size, read_range
+from torchrl_dcp.storage.objectstore_read import StoreReader
+from torchrl_dcp.storage.readitems import RangeFile
 from torchrl_dcp.storage.source import CheckpointSource, check_trailer
 from torchrl_dcp.storage.urls import StorePath
+
+
+class ObjectRangeFile(RangeFile):
+    """A :class:`~torchrl_dcp.storage.readitems.RangeFile` naming an object (read by :class:`ObjectStoreReader`)."""
+
+    def open(self) -> BinaryIO:
+        raise CheckpointError("internal: objects are read by ranged GETs, not opened", path=self.where)
+
+
+class _AsSeenByDCP:
+    """A container whose ``path`` is its URL string (DCP's ``FileSystemReader`` makes a ``Path`` of it)."""
+
+    def __init__(self, container: ObjectStoreContainer) -> None:
+        self.container, self.path = container, str(container.path)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.container, name)
+
+
+class ObjectStoreReader(StoreReader):
+    """The in-place DCP reader over objects: planned ranged GETs (:mod:`~torchrl_dcp.storage.objectstore_read`)."""
+
+    reads_files = False  # storage.direct leaves every tensor to this reader (through dcp.load)
+
+    def __init__(
+        self, container: ObjectStoreContainer, *args: Any, identity: dict[str, str] | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(_AsSeenByDCP(container), *args, **kwargs)  # type: ignore[arg-type]
+        self.store_fs, self.store_root = container.path.fs, container.path
+        self.identity_pending = dict(identity or {})
+        self.fetch_limit, self.fetch_threads = range_size(), concurrency()
+
+    def read_source(self, relative_path: str) -> RangeFile:
+        assert self.container is not None
+        return ObjectRangeFile(self.container.byte_range(relative_path), self.on_read)
 
 
 class _Prefix(StorePath):
@@ -58,7 +90,7 @@ class ObjectStoreSource(CheckpointSource):
         total = self.container.byte_range(name).size
         obj = self.path / name
         wanted = [(obj, o, n) for o, n in spans if 0 <= o and o + n <= total]
-        got = iter(_map_pieces(wanted, lambda i, data: data, concurrency()))
+        got = iter(map_pieces(wanted, lambda i, data: data, concurrency()))
         return [next(got) if 0 <= o and o + n <= total else b"" for o, n in spans]
 
     def check(self, checksum: Iterable[str] | bool) -> None:
@@ -79,14 +111,14 @@ class ObjectStoreSource(CheckpointSource):
         if manifest.get("save_id") is None:
             return
         files = manifest["files"]
-        tails: dict[str, bytes] = getattr(self.container, "tails", {})
+        tails: dict[str, bytes] = self.container.tails  # type: ignore[attr-defined]
         later: list[str] = []
         for name in sorted(set(names)):
             save_id = files.get(name, {}).get("origin", manifest["save_id"])
             tail = tails.get(str(self.path / name))
             if tail is not None:
                 check_trailer(tail, save_id, self.path / name, kind="an object")
-            elif getattr(self, "_defer", False):
+            elif self._defer:
                 self._identity[name] = save_id
             else:
                 later.append(name)
@@ -94,7 +126,7 @@ class ObjectStoreSource(CheckpointSource):
         for name in later:
             size = self.container.byte_range(name).size
             spans.append((self.path / name, max(0, size - TRAILER_SIZE), min(size, TRAILER_SIZE)))
-        found = _map_pieces(spans, lambda i, data: data, concurrency())
+        found = map_pieces(spans, lambda i, data: data, concurrency())
         for name, tail in zip(later, found):
             check_trailer(
                 tail, files.get(name, {}).get("origin", manifest["save_id"]), self.path / name, kind="an object"

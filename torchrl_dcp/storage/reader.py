@@ -54,11 +54,13 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from torchrl_dcp.errors import CheckpointIntegrityError
-from torchrl_dcp.storage.checksums import combined_crc, crc32, format_crc
-from torchrl_dcp.storage.container import ByteRange, Container, open_regular
+from torchrl_dcp.format.checksums import combined_crc, crc32, format_crc
+from torchrl_dcp.format.layout import is_plain_name
+from torchrl_dcp.format.record import is_memmap_tensor, record_data_offset
+from torchrl_dcp.storage.base import ByteRange, Container
 from torchrl_dcp.storage.copying import ReadAhead, read_threads, run_split
+from torchrl_dcp.storage.files import open_regular
 from torchrl_dcp.storage.filesystem import SafeFileSystemReader
-from torchrl_dcp.storage.layout import is_plain_name
 from torchrl_dcp.storage.readitems import (  # noqa: F401 - RangeFile and the constants are re-exported
     BATCH,
     GAP_PIECE,
@@ -66,8 +68,8 @@ from torchrl_dcp.storage.readitems import (  # noqa: F401 - RangeFile and the co
     READ_PIECE,
     SMALL,
     RangeFile,
-    _batch_end,
-    _Item,
+    RecordRead,
+    batch_end,
     destination_bytes,
     plan_in_place,
     prefault,
@@ -76,7 +78,6 @@ from torchrl_dcp.storage.readitems import (  # noqa: F401 - RangeFile and the co
     whole_record_device,
     whole_record_view,
 )
-from torchrl_dcp.storage.record import is_memmap_tensor, record_data_offset
 from torchrl_dcp.storage.staging import copy_record, read_staged
 
 
@@ -84,7 +85,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
     """A :class:`SafeFileSystemReader` that reads tensor records into the destinations in place.
 
     Args:
-        location: a :class:`~torchrl_dcp.storage.container.Container` (directory or archive: only the files
+        location: a :class:`~torchrl_dcp.storage.base.Container` (directory or archive: only the files
             its manifest lists are read), or a plain directory of DCP files.
         metadata: DCP metadata already read (else read safely from ``location``).
         verify: ``{file: "crc32:<hex>"}`` checksummed while being read (fresh destinations only).
@@ -93,6 +94,8 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
 
     ``stats`` counts records read in place and through the fallback, and bytes read.
     """
+
+    reads_files = True  # storage.direct reads its records from files this process opens
 
     #: advise huge pages over large destinations (faulted by the reads themselves)
     hugepages = True
@@ -160,7 +163,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         if planner is not None:
             planner.commit_tensor(req, target)
 
-    def _fallback(self, item: _Item, planner: LoadPlanner, data: bytes) -> None:
+    def _fallback(self, item: RecordRead, planner: LoadPlanner, data: bytes) -> None:
         if item.planned:
             self.fallback(item.request(), planner, data, item.target)
         else:
@@ -187,16 +190,16 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         return whole_record_view(info, target, self.hugepages) if whole_read(req, target) else None
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        per_file: dict[str, list[_Item]] = {}
+        per_file: dict[str, list[RecordRead]] = {}
         for req in plan.items:
             info = self.storage_data[req.storage_index]
-            per_file.setdefault(info.relative_path, []).append(_Item(req, info.offset, info.length))
+            per_file.setdefault(info.relative_path, []).append(RecordRead(req, info.offset, info.length))
         self.read_items(per_file, planner)
         fut: Future = Future()
         fut.set_result(None)
         return fut
 
-    def read_items(self, per_file: Mapping[str, list[_Item]], planner: Any) -> None:
+    def read_items(self, per_file: Mapping[str, list[RecordRead]], planner: Any) -> None:
         """Read every file's items (``planner``: ``resolve_tensor``/``commit_tensor``, as DCP's).
 
         Files are read in name order. Files of planned items (direct reads: a tensor saved as ~8 MiB chunk files)
@@ -236,7 +239,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
 
         run_split(list(range(self.threads)), [1] * self.threads, self.threads, work)
 
-    def _scratch(self, items: list[_Item]) -> bytearray:
+    def _scratch(self, items: list[RecordRead]) -> bytearray:
         """This thread's buffer for batched small records and checksummed gaps, kept for the whole load: as large as
         ``items``' small records together (a batch is at most that), at least ``GAP_PIECE``, at most ``BATCH``."""
         small = sum(it.length for it in items if it.length < SMALL)
@@ -251,7 +254,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
             self.stats[key] += n
 
     def _read_file(
-        self, relative_path: str, items: list[_Item], planner: LoadPlanner, src: RangeFile | None = None
+        self, relative_path: str, items: list[RecordRead], planner: LoadPlanner, src: RangeFile | None = None
     ) -> None:
         src = src or self.read_source(relative_path)
         expected = self.verify.get(relative_path)
@@ -298,7 +301,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
             self._compare(src, pieces, cast(str, expected))
 
     def _read_large_run(
-        self, src: RangeFile, f: BinaryIO, run: list[_Item], planner: LoadPlanner, crc: bool, scratch: bytearray
+        self, src: RangeFile, f: BinaryIO, run: list[RecordRead], planner: LoadPlanner, crc: bool, scratch: bytearray
     ) -> list[tuple[int, int, int]]:
         pieces: list[tuple[int, int, int]] = []
         if crc:  # the bytes between them
@@ -311,7 +314,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         self,
         src: RangeFile,
         f: BinaryIO,
-        items: list[_Item],
+        items: list[RecordRead],
         i: int,
         scratch: bytearray,
         planner: LoadPlanner,
@@ -319,7 +322,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
     ) -> tuple[int, int]:
         """Read the small, contiguous records from ``items[i]`` on in one read; returns where the batch ended
         (its end offset, and the index of the first item after it)."""
-        j = _batch_end(items, i)
+        j = batch_end(items, i)
         start, end = items[i].offset, items[j - 1].offset + items[j - 1].length
         buf = scratch if end - start <= len(scratch) else bytearray(end - start)
         view = memoryview(buf)[: end - start]
@@ -345,7 +348,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         self._count("in_place", copied)
         return end, j
 
-    def _place_small(self, item: _Item, record: memoryview, planner: LoadPlanner, address: int) -> None:
+    def _place_small(self, item: RecordRead, record: memoryview, planner: LoadPlanner, address: int) -> None:
         if item.small is not None and item.target is not None:  # direct reads, another layout: copy by address
             shape, dtype = tuple(item.target.shape), item.target.dtype
             at = record_data_offset(lambda o, n: record[o : o + n], record, item.length, dtype, shape)
@@ -369,14 +372,14 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         self._fallback(item, planner, bytes(record))
 
     def _read_run(
-        self, src: RangeFile, f: BinaryIO, run: list[_Item], planner: LoadPlanner, crc: bool
+        self, src: RangeFile, f: BinaryIO, run: list[RecordRead], planner: LoadPlanner, crc: bool
     ) -> list[tuple[int, int, int]]:
         """Read several large records: each split between the threads when huge, else one per thread at once."""
         if self.threads == 1 or len(run) == 1 or any(it.length >= PARALLEL for it in run):
             return [p for it in run for p in self._read_large(src, f, it, planner, crc)]
         out: list[tuple[int, int, int]] = []
 
-        def work(part: list[_Item]) -> None:
+        def work(part: list[RecordRead]) -> None:
             own = src.open()  # a handle per thread
             try:
                 found = [p for it in part for p in self._read_large(src, own, it, planner, crc, threads=1)]
@@ -389,7 +392,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         return out
 
     def _read_large(
-        self, src: RangeFile, f: BinaryIO, item: _Item, planner: LoadPlanner, crc: bool, threads: int | None = None
+        self, src: RangeFile, f: BinaryIO, item: RecordRead, planner: LoadPlanner, crc: bool, threads: int | None = None
     ) -> list[tuple[int, int, int]]:
         at = None
         head = memoryview(bytearray(min(item.length, 4096)))

@@ -1,13 +1,13 @@
 """What a read moves bytes between: a data file's byte range, a destination tensor's memory, one record to read.
 
 - :class:`RangeFile` reads inside one data file's
-  :class:`~torchrl_dcp.storage.container.ByteRange` (a file, or a ZIP member), never
+  :class:`~torchrl_dcp.storage.base.ByteRange` (a file, or a ZIP member), never
   following links, looping on short reads;
 - :func:`destination_bytes` is a writable view of a contiguous CPU tensor's memory
   (fresh destinations of 4 MiB or more are advised to use transparent huge pages);
   :func:`device_bytes` the flat bytes of one on another device (read through host
   windows: :mod:`~torchrl_dcp.storage.staging`);
-- :class:`_Item` is one record to read and the tensor it is read into;
+- :class:`RecordRead` is one record to read and the tensor it is read into;
   :func:`plan_in_place` decides how (copied by address when small, read into a view
   when large, staged through host memory when on another device, else through
   ``torch.load``).
@@ -34,9 +34,10 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from torchrl_dcp.errors import CheckpointIntegrityError
-from torchrl_dcp.storage.container import ByteRange, open_regular
+from torchrl_dcp.format.record import STORAGE_NAMES, is_memmap_tensor, template
+from torchrl_dcp.storage.base import ByteRange
+from torchrl_dcp.storage.files import open_regular
 from torchrl_dcp.storage.libc import libc
-from torchrl_dcp.storage.record import STORAGE_NAMES, is_memmap_tensor, template
 
 READ_PIECE = 4 << 20  # read size of large records (and of checksummed gaps)
 SMALL = 1 << 20  # records below this are read in batches and copied out
@@ -50,7 +51,7 @@ _MADV_HUGEPAGE = 14
 
 # ---------------------------------------------------------------------- files
 class RangeFile:
-    """Reads inside one data file's :class:`~torchrl_dcp.storage.container.ByteRange` (a file, or a ZIP member).
+    """Reads inside one data file's :class:`~torchrl_dcp.storage.base.ByteRange` (a file, or a ZIP member).
 
     Every handle is opened without following links and must be a regular file;
     ``on_read(n)`` is told of every ``n`` bytes read.
@@ -243,7 +244,7 @@ def small_record(dtype: torch.dtype, shape: tuple[int, ...]) -> SmallRecord:
     return SmallRecord(tpl.length, tpl.head[:at], at + 4, tpl.head[at + 4 :], len(tpl.head), tpl.nbytes)
 
 
-def plan_in_place(item: _Item, info: Any) -> None:
+def plan_in_place(item: RecordRead, info: Any) -> None:
     """Let ``item`` (a whole record, target set) be read in place when it can: small records are copied into
     the target's memory by address (no view to build), large ones are read into a view of it, and those of a
     target on another device through host windows (``item.device``)."""
@@ -266,7 +267,7 @@ def plan_in_place(item: _Item, info: Any) -> None:
 
 
 # ---------------------------------------------------------------------- reading
-class _Item:
+class RecordRead:
     """One record to read: where it is, and (once chosen) the tensor it is read into."""
 
     __slots__ = ("req", "offset", "length", "target", "view", "planned", "small", "device")
@@ -294,7 +295,7 @@ class _Item:
         return self.req
 
 
-def _batch_end(items: list[_Item], i: int) -> int:
+def batch_end(items: list[RecordRead], i: int) -> int:
     """One past the last small record contiguous with ``items[i]`` that fits in a batch read."""
     j = i + 1
     while (

@@ -1,7 +1,7 @@
 """A committed checkpoint to read tensors from: a container plus DCP's metadata, read safely.
 
 :class:`CheckpointSource` adds the torch side to a
-:class:`~torchrl_dcp.storage.container.Container` (directory or ZIP archive): DCP's
+:class:`~torchrl_dcp.storage.base.Container` (directory or ZIP archive): DCP's
 ``.metadata``, checked against the manifest before it is parsed and parsed by the
 allow-list unpickler, with every byte range it names bounded by its file; and a DCP
 ``StorageReader`` that reads tensors in place from the files the manifest lists.
@@ -9,7 +9,7 @@ It knows nothing of components.
 
 Example:
     >>> import tempfile, torch, torchrl_dcp as tdcp
-    >>> from torchrl_dcp.storage.source import open_source
+    >>> from torchrl_dcp.storage.backends import open_source
     >>> path = tdcp.DistributedCheckpoint(w={"x": torch.ones(1)}).save(tempfile.mkdtemp() + "/c")
     >>> src = open_source(path)
     >>> src.manifest()["format"], sorted(src.dcp_metadata().state_dict_metadata)
@@ -26,15 +26,19 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
-from torchrl_dcp.storage.container import ByteRange, Container, open_container, open_regular
-from torchrl_dcp.storage.filesystem import check_storage_bounds, safe_load_metadata
-from torchrl_dcp.storage.layout import DCP_METADATA, MAX_MANIFEST_BYTES, TRAILER_SIZE, read_identity
+from torchrl_dcp.format.checksums import checksum_mismatch, crc32, format_crc
+from torchrl_dcp.format.dcp_metadata import check_storage_bounds, parse_metadata
+from torchrl_dcp.format.layout import DCP_METADATA, MAX_MANIFEST_BYTES, TRAILER_SIZE, read_identity
+from torchrl_dcp.storage.base import ByteRange, Container
+from torchrl_dcp.storage.files import open_regular
 from torchrl_dcp.storage.reader import InPlaceFileSystemReader
-from torchrl_dcp.storage.urls import is_store, is_url, resolve_path
 
 
 class CheckpointSource:
     """What :meth:`DistributedCheckpoint.load`, :func:`torchrl_dcp.verify` and the tools read through."""
+
+    #: whether tensors are read from files this process opens (``storage.direct``); object stores read by GETs
+    reads_files = True
 
     def __init__(self, container: Container) -> None:
         self.container = container
@@ -59,17 +63,17 @@ class CheckpointSource:
         """
         if not self._metadata_read:
             files = self.manifest()["files"]
-            where = f"{self.path}::{DCP_METADATA}" if self.path.is_file() else str(self.path / DCP_METADATA)
             if DCP_METADATA not in files:
                 if files:
                     raise CheckpointFormatError(
                         "the manifest lists data files but no DCP metadata (.metadata)", path=self.path
                     )
             else:
+                where = self.container.byte_range(DCP_METADATA).where
                 data = self.container.read_member(DCP_METADATA, MAX_MANIFEST_BYTES)
                 assert data is not None
                 _check_checksum(data, files[DCP_METADATA], where)
-                metadata = safe_load_metadata(where, data=data)
+                metadata = parse_metadata(data, where)
                 save_id = self.manifest().get("save_id")
                 found = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
                 if save_id is not None and found != save_id:
@@ -82,6 +86,15 @@ class CheckpointSource:
                 self._metadata = metadata
             self._metadata_read = True
         return self._metadata
+
+    def read_many(self, name: str, spans: list[tuple[int, int]]) -> list[bytes]:
+        """The bytes of each ``(offset, size)`` of the listed data file ``name`` (a span past its end: ``b""``)."""
+        span = self.container.byte_range(name)
+        fd = open_regular(span.path, span.where)
+        try:
+            return [os.pread(fd, n, span.base + o) if 0 <= o and o + n <= span.size else b"" for o, n in spans]
+        finally:
+            os.close(fd)
 
     def check_identity(self, names: Iterable[str]) -> None:
         """Every data file in ``names`` ends with this save's identity trailer (format 3 and later).
@@ -162,18 +175,6 @@ def check_trailer(tail: bytes, save_id: str, where: Any, kind: str = "a file") -
 
 
 def _check_checksum(data: bytes, record: dict[str, Any], where: str) -> None:
-    from torchrl_dcp.storage.checksums import checksum_mismatch, crc32, format_crc
-
     actual = format_crc(crc32(data))
     if actual != record["checksum"]:
         raise checksum_mismatch(actual, record["checksum"], where)
-
-
-def open_source(path: str | os.PathLike) -> CheckpointSource:
-    """The source for ``path``: a ZIP archive when it is a regular file, a directory otherwise, an
-    object-store prefix for a URL (:mod:`torchrl_dcp.storage.objectstore`)."""
-    if is_url(path) or is_store(path):
-        from torchrl_dcp.storage.objectstore import open_store_source
-
-        return open_store_source(resolve_path(path))
-    return CheckpointSource(open_container(path))

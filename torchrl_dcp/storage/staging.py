@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from torchrl_dcp.storage.checksums import crc32
+from torchrl_dcp.format.checksums import crc32
 from torchrl_dcp.storage.copying import run_split
 from torchrl_dcp.storage.readitems import READ_PIECE
 

@@ -1,6 +1,6 @@
 """Checkpoint paths that are fsspec URLs (``s3://bucket/run/step-100``, ``gs://…``, ``memory://…``).
 
-:func:`resolve_path` is the one place that decides what a path is: a local path
+:func:`resolve_path` parses a path: a local path
 (``str``/``os.PathLike``, and ``file://`` URLs) stays a :class:`pathlib.Path` and
 keeps the POSIX code paths; any other ``<protocol>://`` URL becomes a
 :class:`StorePath`, a small path-like value that carries its fsspec file system
@@ -29,17 +29,12 @@ from torchrl_dcp.errors import CheckpointError
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 _EXTRA = {"s3": "s3", "s3a": "s3", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
 
-__all__ = ["StorePath", "copy_object", "is_store", "is_url", "resolve_path", "supports_copy"]
+__all__ = ["StorePath", "copy_object", "is_url", "resolve_path", "supports_copy"]
 
 
 def is_url(path: Any) -> bool:
     """Whether ``path`` is a ``<protocol>://`` string (``file://`` included)."""
     return isinstance(path, str) and _URL.match(path) is not None
-
-
-def is_store(path: Any) -> bool:
-    """Whether ``path`` (already resolved) names an object-store location."""
-    return isinstance(path, StorePath)
 
 
 class StorePath:

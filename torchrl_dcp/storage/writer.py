@@ -53,40 +53,16 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from torchrl_dcp.storage.checksums import crc32, crc32_combine, format_crc
+from torchrl_dcp.format.checksums import crc32, crc32_combine, format_crc
+from torchrl_dcp.format.layout import DCP_METADATA, data_file_name, identity_trailer
+from torchrl_dcp.format.record import Template, template, tensor_bytes
+from torchrl_dcp.storage.base import ChunkEntry, WriteOutcome
 from torchrl_dcp.storage.copying import default_threads, pwrite_all, run_split
-from torchrl_dcp.storage.layout import DCP_METADATA, data_file_name, identity_trailer
-from torchrl_dcp.storage.record import Template, template, tensor_bytes
 from torchrl_dcp.storage.writeback import Writeback
 
 WRITE_PIECE = 1 << 20  # 1 MiB writes measured fastest here (perf.md)
 SMALL = 1 << 20  # blobs below this are built whole in memory and packed
 DCP_VERSION = "1.0.0"
-
-
-@dataclass
-class WriteOutcome:
-    """What one rank wrote: its files' records and the DCP storage entries of its tensors."""
-
-    files: dict[str, dict[str, Any]] = field(default_factory=dict)
-    entries: list[tuple[str, str, int, int]] = field(default_factory=list)  # key, file, offset, length
-    bytes_written: int = 0
-    chunks: list[ChunkEntry] = field(default_factory=list)  # chunk files (torchrl_dcp.chunking)
-    kept: int = 0  # chunk files kept from the incremental base
-    copied: int = 0  # ... of which copied, because a hard link was impossible
-
-
-@dataclass(frozen=True)
-class ChunkEntry:
-    """One chunk of rows ``[start, start + rows)`` of ``key``: its record in ``file`` and its content fingerprint."""
-
-    key: str
-    start: int
-    rows: int
-    file: str
-    offset: int
-    length: int
-    fingerprint: str
 
 
 # ---------------------------------------------------------------------- writing one file
@@ -98,7 +74,7 @@ class _Unit:
 
 
 @dataclass
-class _Layout:
+class FileLayout:
     """Where every byte of a data file goes: packed small records, large records split into pieces."""
 
     units: list[_Unit] = field(default_factory=list)
@@ -107,8 +83,8 @@ class _Layout:
     size: int = 0
 
 
-def _layout(tensors: list[tuple[str, torch.Tensor]], trailer: bytes) -> _Layout:
-    out = _Layout()
+def plan_layout(tensors: list[tuple[str, torch.Tensor]], trailer: bytes) -> FileLayout:
+    out = FileLayout()
     pending = bytearray()
     pending_at = 0
 
@@ -161,7 +137,7 @@ def write_file(
     Returns ``([(key, offset, length)], {"size", "checksum"})``; the checksum is the
     CRC32 of the file, computed from the pieces as they were written.
     """
-    layout = _layout(tensors, trailer)
+    layout = plan_layout(tensors, trailer)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
     try:
         work = [u for u in layout.units if u.deferred is None]
@@ -267,7 +243,7 @@ def write_share(
 ) -> WriteOutcome:
     """Write ``keys`` of ``flat`` (this rank's share) into ``__<rank>_0.distcp`` (nothing when there are none).
 
-    With ``save_id``, the file ends with the save's identity trailer (:func:`~torchrl_dcp.storage.layout.identity_trailer`).
+    With ``save_id``, the file ends with the save's identity trailer (:func:`~torchrl_dcp.format.layout.identity_trailer`).
     """
     out = WriteOutcome()
     if not keys:

@@ -1,0 +1,304 @@
+"""The location interface: what saves, loads, rotation, incremental saves and the tools need of a checkpoint location.
+
+A *location* is where one checkpoint lives, or may live: a local directory, a ZIP
+archive, an object-store prefix. Every backend implements :class:`Location`, and
+:mod:`torchrl_dcp.storage.backends` is the one place that decides which backend a
+path or URL gets. The engines, rotation and the tools only ever talk to these two
+classes:
+
+- **reading**: :meth:`Location.open_source` (the manifest, DCP's metadata read
+  through the allow-list unpickler, a DCP reader over the files the manifest lists);
+- **saving** (:class:`SaveTarget`): rank 0 prepares (locks, sweeps what killed saves
+  left, refuses to replace what is not a checkpoint, creates the staging area) and
+  every rank attaches to the same staging area; every rank writes its share; rank 0
+  writes DCP's metadata and the manifest **last**, which commits, then releases;
+  ``abandon`` removes what a failed save wrote;
+- **listing** (rotation): :meth:`Location.children`, :meth:`Location.remove`, the
+  leftovers of killed saves and their removal, sizes;
+- **incremental saves**: whether this location can keep files from another one, and
+  which of a base's chunk files can still be kept (:meth:`Location.keepable`).
+
+Example:
+    >>> import tempfile, torch, torchrl_dcp as tdcp
+    >>> from torchrl_dcp.storage.backends import location_for
+    >>> d = tempfile.mkdtemp()
+    >>> _ = tdcp.DistributedCheckpoint(w={"x": torch.ones(1)}).save(d + "/step-1")
+    >>> loc = location_for(d)
+    >>> [(e.name, e.kind) for e in loc.children()]
+    [('step-1', 'checkpoint')]
+    >>> loc.child("step-1").open_source().manifest()["format"]
+    'torchrl_dcp'
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from torchrl_dcp.errors import CheckpointError
+
+if TYPE_CHECKING:  # annotations only: the location layer imports no torch (torch-free tools list and inspect)
+    import torch
+    from torch.distributed.checkpoint import StorageWriter
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from torchrl_dcp.storage.chunk_writer import ChunkJob, KeptChunk
+    from torchrl_dcp.storage.source import CheckpointSource
+
+EntryKind = Literal["checkpoint", "archive", "other"]
+
+
+@dataclass(frozen=True)
+class ByteRange:
+    """Where one data file's bytes are: ``[base, base + size)`` of the real file ``path``; ``where`` names it."""
+
+    path: str
+    base: int
+    size: int
+    where: str
+
+
+class Container(Protocol):
+    """The files of one committed checkpoint (directory, archive or object-store prefix)."""
+
+    path: Any
+
+    def manifest(self) -> dict[str, Any]:
+        """The validated (and migrated) manifest, parsed once."""
+
+    def check(self, checksum: Iterable[str] | bool) -> None:
+        """Every listed file's size, nothing unlisted, and the checksums of ``checksum`` (True: all)."""
+
+    def read_member(self, name: str, limit: int) -> bytes | None:
+        """A listed file's bytes, size-checked against the manifest (``None`` when the manifest does not list it)."""
+
+    def byte_range(self, name: str) -> ByteRange:
+        """Where a listed data file's bytes are."""
+
+
+# ---------------------------------------------------------------------- what one rank writes
+@dataclass(frozen=True)
+class ChunkEntry:
+    """One chunk of rows ``[start, start + rows)`` of ``key``: its record in ``file`` and its content fingerprint."""
+
+    key: str
+    start: int
+    rows: int
+    file: str
+    offset: int
+    length: int
+    fingerprint: str
+
+
+@dataclass
+class WriteOutcome:
+    """What one rank wrote: its files' records and the DCP storage entries of its tensors."""
+
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    entries: list[tuple[str, str, int, int]] = field(default_factory=list)  # key, file, offset, length
+    bytes_written: int = 0
+    chunks: list[ChunkEntry] = field(default_factory=list)  # chunk files (torchrl_dcp.chunking)
+    kept: int = 0  # chunk files kept from the incremental base
+    copied: int = 0  # ... of which copied, because a hard link was impossible
+
+    def add_chunks(self, jobs: Iterable[ChunkJob]) -> None:
+        """Record the chunk files ``jobs`` wrote or kept (each job's ``result`` set)."""
+        for j in jobs:
+            r = j.result
+            if r is None:
+                raise CheckpointError(f"internal: chunk file {j.file} was neither written nor kept")
+            self.files[j.file] = {"size": r.size, "checksum": r.checksum}
+            if r.origin is not None:
+                self.files[j.file]["origin"] = r.origin
+                self.kept += 1
+                self.copied += r.copied
+            if r.origin is None or r.copied:
+                self.bytes_written += r.size
+            self.chunks.append(ChunkEntry(j.key, j.start, j.rows, j.file, 0, r.length, r.fingerprint))
+
+
+@dataclass
+class ShareWrite:
+    """One rank's share of a save by our writer: the tensors of its data file and its chunk files.
+
+    ``chunks[i].tensor`` is ``None`` only for a chunk an async save did not stage
+    because it is kept from the incremental base.
+    """
+
+    tensors: list[tuple[str, torch.Tensor]]
+    chunks: list[ChunkJob]
+    save_id: str
+    rank: int
+
+
+# ---------------------------------------------------------------------- saving
+class SaveTarget(abc.ABC):
+    """The staging area of one save (a staging directory, or the destination prefix itself).
+
+    Rank 0 gets it from :meth:`Location.prepare_save` (and holds what keeps other saves
+    out, e.g. a lock); the other ranks from :meth:`Location.attach_save` with its
+    :attr:`token`. The order of the calls is the commit protocol: ``write`` (every
+    rank) → ``write_dcp_metadata`` → ``commit`` (rank 0: the manifest last), then
+    ``release``; ``abandon`` after any failure.
+    """
+
+    #: what the other ranks need to attach (picklable, small)
+    token: str
+    #: what messages name
+    where: Any
+
+    @abc.abstractmethod
+    def write(self, share: ShareWrite) -> WriteOutcome:
+        """Write this rank's share (every rank, at once)."""
+
+    def dcp_writer(self) -> StorageWriter:
+        """DCP's own storage writer into the staging area (DTensor state); refused where DCP cannot write."""
+        raise CheckpointError(
+            "sharded (DTensor) components cannot be saved here: save to a local or shared directory", path=self.where
+        )
+
+    def seal_dcp_files(self, rank: int, save_id: str) -> WriteOutcome:
+        """After DCP's writer: this rank's files get the save's identity trailer; their records."""
+        raise CheckpointError("internal: no DCP writer here", path=self.where)
+
+    def read_dcp_metadata(self) -> Metadata | None:
+        """The ``.metadata`` DCP's writer left in the staging area (rank 0), read through the allow-list."""
+        raise CheckpointError("internal: no DCP writer here", path=self.where)
+
+    @abc.abstractmethod
+    def write_dcp_metadata(self, metadata: Metadata) -> dict[str, Any]:
+        """Write DCP's ``.metadata`` (replacing DCP's own); returns its manifest record (rank 0)."""
+
+    @abc.abstractmethod
+    def commit(self, manifest: bytes) -> None:
+        """Write the manifest last and publish: after this returns the checkpoint is committed (rank 0)."""
+
+    @abc.abstractmethod
+    def abandon(self) -> None:
+        """Remove what this save wrote, leaving any previous checkpoint intact (rank 0, best effort)."""
+
+    def release(self) -> None:  # noqa: B027 - most staging areas hold nothing
+        """Let other saves to this location in (rank 0; after commit or abandon)."""
+
+
+# ---------------------------------------------------------------------- the location
+@dataclass(frozen=True)
+class Entry:
+    """Something directly inside a location: a checkpoint, an archive, or anything else (``other``)."""
+
+    name: str
+    kind: EntryKind
+    location: Location
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """What a killed save or conversion left inside a location, and the entry it was for (``owner``)."""
+
+    name: str
+    owner: str
+
+
+class Location(abc.ABC):
+    """One place a checkpoint lives or may live. Paths are ``Path`` (local) or ``StorePath`` (URLs)."""
+
+    #: ``"directory"``, ``"archive"`` or ``"object store"`` (what tools print)
+    kind: str
+    #: whether a checkpoint can be saved here as one file (rotation's ``archive=True``)
+    holds_archives: bool = True
+    #: whether the location is this machine's file system (conversions run on local copies otherwise)
+    is_local: bool = True
+    #: whether a later incremental save can keep the chunk files of a checkpoint here (not inside an archive)
+    can_be_base: bool = True
+
+    def __init__(self, path: Any) -> None:
+        self.path = path
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.path)!r})"
+
+    # ------------------------------------------------------------------ reading
+    @abc.abstractmethod
+    def container(self) -> Container:
+        """The files of the committed checkpoint here (no torch needed)."""
+
+    @abc.abstractmethod
+    def open_source(self) -> CheckpointSource:
+        """The committed checkpoint here, to read tensors from (its container plus DCP's metadata)."""
+
+    def manifest(self) -> dict[str, Any]:
+        """The validated (and migrated) manifest of the checkpoint here."""
+        return self.container().manifest()
+
+    # ------------------------------------------------------------------ saving
+    def prepare_save(self, save_id: str) -> SaveTarget:
+        """Rank 0: make ready to save here (lock, sweep leftovers, refuse a foreign destination, staging)."""
+        raise CheckpointError(
+            f"cannot save a checkpoint into an existing {self.kind}; choose another path", path=self.path
+        )
+
+    def attach_save(self, token: str) -> SaveTarget:
+        """Every other rank: the staging area rank 0 prepared (``token``)."""
+        raise CheckpointError(f"cannot save a checkpoint into an existing {self.kind}", path=self.path)
+
+    def check_writer(self, backend: str) -> None:  # noqa: B027 - most locations take either writer
+        """Refuse before anything is written when the save's writer (``"fast"`` or ``"dcp"``) cannot write here."""
+
+    # ------------------------------------------------------------------ listing and removing
+    def child(self, name: str) -> Location:
+        """The location ``name`` directly inside this one."""
+        raise CheckpointError(f"a {self.kind} holds no other checkpoints", path=self.path)
+
+    def children(self) -> list[Entry]:
+        """What is directly inside (empty when nothing is, or the location does not exist)."""
+        return []
+
+    def entry_kind(self) -> EntryKind | None:
+        """What is at this location now (``None``: nothing)."""
+        return "archive"
+
+    def size(self) -> int | None:
+        """Bytes of the checkpoint here (files directly inside; links not followed); ``None`` when it is gone."""
+        return None
+
+    @abc.abstractmethod
+    def remove(self) -> bool:
+        """Delete the checkpoint here so that it is never seen half-deleted; ``False`` when already gone."""
+
+    def leftovers(self) -> list[Leftover]:
+        """What killed saves and conversions left directly inside (removed by :meth:`remove_leftover`)."""
+        return []
+
+    def remove_leftover(self, leftover: Leftover) -> bool:
+        """Remove one leftover, unless a live save to its owner holds the owner's lock."""
+        return False
+
+    # ------------------------------------------------------------------ incremental saves
+    def keeps_files(self) -> bool:
+        """Whether an incremental save here can keep files without sending their bytes (links, server-side copy)."""
+        return False
+
+    def can_keep_from(self, base: Location) -> bool:
+        """Whether a save here can keep chunk files of a checkpoint at ``base``."""
+        return False
+
+    def keepable(self, keeps: Mapping[str, KeptChunk]) -> dict[str, KeptChunk]:
+        """The chunks of ``keeps`` (files of the checkpoint here) that are still the files recorded."""
+        return {}
+
+    # ------------------------------------------------------------------ conversions
+    @contextlib.contextmanager
+    def local_copy(self, kind: str, scratch: Path) -> Iterator[Path]:
+        """This location as a local path for a conversion (``kind``: ``"checkpoint"`` or ``"file"``)."""
+        yield Path(self.path)
+
+    def occupied(self) -> bool:
+        """Whether something is at this location now."""
+        return self.entry_kind() is not None
+
+    def receive(self, local: Path, kind: str) -> None:  # noqa: B027 - a local output is written in place
+        """Publish the conversion output ``local`` here (a local location: it was written in place)."""

@@ -1,0 +1,370 @@
+"""Checkpoints as local directories (a shared file system too): the directory backend of :mod:`~.base`.
+
+- Reading: :class:`DirectoryContainer` (every listed file opened without following
+  links, sizes and checksums against the manifest, nothing unlisted).
+- Saving: ranks write into ``<parent>/.<name>.tdcp-staging-<id>`` while rank 0 holds
+  the destination's lock (:class:`~torchrl_dcp.storage.commit.DestinationLock`);
+  ``.metadata`` and ``manifest.json`` are written last, then the staging directory is
+  published atomically (:func:`~torchrl_dcp.storage.commit.publish`).
+- Listing: the entries of a rotation directory (links, FIFOs and other kinds are
+  ``other``), removal renamed aside first, leftovers of killed saves under their lock.
+- Incremental saves: a kept chunk file is hard-linked (else copied) once it is proven
+  to be the file recorded (size, regular file, identity trailer).
+
+Example:
+    >>> import tempfile, torch, torchrl_dcp as tdcp
+    >>> from torchrl_dcp.storage.directory import DirectoryLocation
+    >>> d = tempfile.mkdtemp()
+    >>> path = tdcp.DistributedCheckpoint(w={"x": torch.ones(1)}).save(d + "/c")
+    >>> loc = DirectoryLocation(path)
+    >>> sorted(loc.open_source().manifest()["files"]), loc.size() > 0
+    (['.metadata', '__0_0.distcp'], True)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import stat
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError
+from torchrl_dcp.format import manifest as schema
+from torchrl_dcp.format.checksums import checksum_mismatch
+from torchrl_dcp.format.layout import DCP_METADATA, MANIFEST, MAX_MANIFEST_BYTES, identity_trailer
+from torchrl_dcp.storage.archive import ArchiveLocation
+from torchrl_dcp.storage.base import (
+    ByteRange,
+    Entry,
+    EntryKind,
+    Leftover,
+    Location,
+    SaveTarget,
+    ShareWrite,
+    WriteOutcome,
+)
+from torchrl_dcp.storage.commit import (
+    DestinationLock,
+    publish,
+    remove_tree,
+    staging_path,
+    stale_entries,
+    sweep_stale_locks,
+    trash_path,
+    write_file_durably,
+)
+from torchrl_dcp.storage.files import open_regular, read_whole
+from torchrl_dcp.storage.filesums import fds_checksums, file_record
+
+if TYPE_CHECKING:
+    from torchrl_dcp.storage.chunk_writer import KeptChunk
+    from torchrl_dcp.storage.source import CheckpointSource
+
+logger = logging.getLogger("torchrl_dcp")
+
+_LEFTOVER = re.compile(r"^\.(.+?)\.tdcp-(staging|trash|tmp)-")  # commit's STAGING_TAG, TRASH_TAG and TMP_TAG
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+class DirectoryContainer:
+    """A committed checkpoint directory (the :class:`~torchrl_dcp.storage.base.Container` protocol)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._manifest: dict[str, Any] | None = None
+
+    def manifest(self) -> dict[str, Any]:
+        if self._manifest is None:
+            if not self.path.exists() and not self.path.is_symlink():
+                raise CheckpointNotFoundError("no checkpoint here: the path does not exist", path=self.path)
+            if not self.path.is_dir():  # a link to a checkpoint directory is how users point at one: followed
+                raise CheckpointFormatError("not a checkpoint directory", path=self.path)
+            file = self.path / MANIFEST
+            try:
+                data = read_whole(file, MAX_MANIFEST_BYTES, file)
+            except CheckpointIntegrityError as err:
+                why = "" if not os.path.lexists(file) else f" ({MANIFEST} {err.message})"
+                raise CheckpointFormatError(
+                    f"no {MANIFEST}: not a torchrl_dcp checkpoint, or a save that never committed{why}", path=self.path
+                ) from None
+            self._manifest = schema.loads_manifest(data, file)
+        return self._manifest
+
+    def _listed(self, name: str) -> dict[str, Any] | None:
+        return self.manifest()["files"].get(name)
+
+    def check(self, checksum: Iterable[str] | bool) -> None:
+        files: dict[str, Any] = self.manifest()["files"]
+        wanted = set(files) if checksum is True else set() if checksum is False else set(checksum)
+        fds: list[tuple[str, int]] = []
+        try:
+            for name, rec in files.items():
+                path = self.path / name
+                fd = open_regular(path)
+                size = os.fstat(fd).st_size
+                if size != rec["size"]:
+                    os.close(fd)
+                    raise CheckpointIntegrityError(
+                        f"size is {size} bytes, the manifest says {rec['size']}: truncated or altered", path=path
+                    )
+                if name in wanted:
+                    fds.append((name, fd))
+                else:
+                    os.close(fd)
+            for (name, _), actual in zip(
+                fds, fds_checksums([(fd, 0, files[n]["size"], str(self.path / n)) for n, fd in fds])
+            ):
+                if actual != files[name]["checksum"]:
+                    raise checksum_mismatch(actual, files[name]["checksum"], self.path / name)
+        finally:
+            for _, fd in fds:
+                os.close(fd)
+        for entry in os.scandir(self.path):
+            if entry.name != MANIFEST and entry.name not in files:
+                raise CheckpointIntegrityError(
+                    "file not listed in the manifest: the checkpoint was altered", path=self.path / entry.name
+                )
+
+    def read_member(self, name: str, limit: int) -> bytes | None:
+        rec = self._listed(name)
+        if rec is None:
+            return None
+        return read_whole(self.path / name, limit, self.path / name, expected_size=rec["size"])
+
+    def byte_range(self, name: str) -> ByteRange:
+        rec = self._listed(name)
+        if rec is None:
+            raise CheckpointIntegrityError("data file is not listed in the manifest: refused", path=self.path / name)
+        return ByteRange(str(self.path / name), 0, rec["size"], str(self.path / name))
+
+
+def is_replaceable(destination: Path) -> bool:
+    """Whether ``destination`` may be replaced by a save: an empty directory or a committed checkpoint."""
+    if not destination.is_dir() or destination.is_symlink():
+        return False
+    if not any(destination.iterdir()):
+        return True
+    try:
+        DirectoryContainer(destination).manifest()
+        return True
+    except CheckpointError:
+        return False
+
+
+def _kind(path: Path) -> EntryKind | None:
+    """What ``path`` is, without following a link (``None``: nothing there)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if stat.S_ISDIR(mode):
+        return "checkpoint"
+    if stat.S_ISREG(mode):
+        return "archive"
+    return "other"  # a symlink, a FIFO, a device: never ours
+
+
+def tree_size(path: Path) -> int | None:
+    """Bytes of a file, or of the regular files directly in a directory (links not followed); ``None``: gone."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            return st.st_size
+        total = 0
+        with os.scandir(path) as it:
+            for f in it:
+                try:
+                    if f.is_file(follow_symlinks=False):
+                        total += f.stat(follow_symlinks=False).st_size
+                except FileNotFoundError:
+                    continue
+        return total
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def remove_entry(path: Path) -> bool:
+    """Delete an entry: renamed aside first, so a crash never leaves a half-deleted committed entry.
+
+    False when it was already gone (another process pruned it).
+    """
+    if path.name.startswith("."):
+        remove_tree(path)
+        return True
+    trash = trash_path(path)
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return False
+    remove_tree(trash)
+    return True
+
+
+class DirectorySaveTarget(SaveTarget):
+    """A staging directory beside the destination; rank 0's holds the destination's lock."""
+
+    def __init__(self, destination: Path, staging: Path, lock: DestinationLock | None = None) -> None:
+        self.destination, self.staging, self.lock = destination, staging, lock
+        self.token, self.where = str(staging), staging
+
+    def write(self, share: ShareWrite) -> WriteOutcome:
+        from torchrl_dcp.storage.chunk_writer import write_chunks
+        from torchrl_dcp.storage.copying import default_threads
+        from torchrl_dcp.storage.writer import write_share
+
+        out = write_share(
+            dict(share.tensors), [k for k, _ in share.tensors], self.staging, share.rank, save_id=share.save_id
+        )
+        write_chunks(share.chunks, self.staging, share.save_id, share.rank, default_threads())
+        out.add_chunks(share.chunks)
+        return out
+
+    def dcp_writer(self) -> Any:
+        from torchrl_dcp.storage.filesystem import make_writer
+
+        return make_writer(self.staging)
+
+    def seal_dcp_files(self, rank: int, save_id: str) -> WriteOutcome:
+        out = WriteOutcome()
+        for p in sorted(self.staging.iterdir()):
+            if p.name.startswith(f"__{rank}_"):  # DCP addresses records by offset: the trailer after them is never read
+                fd = os.open(p, os.O_WRONLY | os.O_APPEND | _NOFOLLOW | _CLOEXEC)
+                try:
+                    if not stat.S_ISREG(os.fstat(fd).st_mode):
+                        raise CheckpointIntegrityError(
+                            "is not a regular file: the staging directory was tampered with", path=p
+                        )
+                    os.write(fd, identity_trailer(save_id, rank))
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            if p.name.startswith(f"__{rank}_") or (rank == 0 and p.name == DCP_METADATA):
+                out.files[p.name] = file_record(p)
+                out.bytes_written += out.files[p.name]["size"]
+        return out
+
+    def read_dcp_metadata(self) -> Any:
+        from torchrl_dcp.storage.filesystem import safe_load_metadata
+
+        if not (self.staging / DCP_METADATA).exists():
+            return None
+        return safe_load_metadata(self.staging / DCP_METADATA)
+
+    def write_dcp_metadata(self, metadata: Any) -> dict[str, Any]:
+        from torchrl_dcp.storage.writer import write_metadata
+
+        (self.staging / DCP_METADATA).unlink(missing_ok=True)
+        return write_metadata(self.staging, metadata)
+
+    def commit(self, manifest: bytes) -> None:
+        write_file_durably(self.staging / MANIFEST, manifest)
+        publish(self.staging, self.destination)
+
+    def abandon(self) -> None:
+        remove_tree(self.staging)
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+            sweep_stale_locks(self.destination.parent)  # left by saves killed before they released theirs
+
+
+class DirectoryLocation(Location):
+    """A local (or shared) directory: one checkpoint, or a rotation directory holding many."""
+
+    kind = "directory"
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(Path(path))
+
+    def container(self) -> DirectoryContainer:
+        return DirectoryContainer(self.path)
+
+    def open_source(self) -> CheckpointSource:
+        from torchrl_dcp.storage.source import CheckpointSource  # torch: only where tensors are read
+
+        return CheckpointSource(self.container())
+
+    # ------------------------------------------------------------------ saving
+    def prepare_save(self, save_id: str) -> SaveTarget:
+        destination = self.path
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        lock = DestinationLock(destination).acquire()
+        try:
+            if (destination.exists() or destination.is_symlink()) and not is_replaceable(destination):
+                raise CheckpointError(
+                    "exists and is not a torchrl_dcp checkpoint; refusing to replace it (choose another path)",
+                    path=destination,
+                )
+            for stale in stale_entries(destination):
+                remove_tree(stale)
+            staging = staging_path(destination)
+            staging.mkdir()
+        except BaseException:
+            lock.release()
+            raise
+        return DirectorySaveTarget(destination, staging, lock)
+
+    def attach_save(self, token: str) -> SaveTarget:
+        return DirectorySaveTarget(self.path, Path(token))
+
+    # ------------------------------------------------------------------ listing and removing
+    def child(self, name: str) -> Location:
+        path = self.path / name
+        return ArchiveLocation(path) if _kind(path) == "archive" else DirectoryLocation(path)
+
+    def children(self) -> list[Entry]:
+        try:
+            names = sorted(p.name for p in self.path.iterdir())
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        out = []
+        for name in names:
+            kind = _kind(self.path / name)
+            if kind is not None:
+                out.append(Entry(name, kind, self.child(name)))
+        return out
+
+    def entry_kind(self) -> EntryKind | None:
+        return _kind(self.path)
+
+    def size(self) -> int | None:
+        return tree_size(self.path)
+
+    def remove(self) -> bool:
+        return remove_entry(self.path)
+
+    def leftovers(self) -> list[Leftover]:
+        try:
+            names = os.listdir(self.path)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return [Leftover(n, m.group(1)) for n in sorted(names) if (m := _LEFTOVER.match(n))]
+
+    def remove_leftover(self, leftover: Leftover) -> bool:
+        lock = DestinationLock(self.path / leftover.owner, wait=0.0)
+        try:
+            lock.acquire()
+        except CheckpointError:
+            return False  # a save (or conversion) of that entry is running: its leftovers are its own
+        try:
+            return remove_entry(self.path / leftover.name)
+        finally:
+            lock.release()
+
+    # ------------------------------------------------------------------ incremental saves
+    def keeps_files(self) -> bool:
+        return True
+
+    def can_keep_from(self, base: Location) -> bool:
+        return base.is_local  # hard links, else copies, within this machine's file systems
+
+    def keepable(self, keeps: Mapping[str, KeptChunk]) -> dict[str, KeptChunk]:
+        from torchrl_dcp.storage.chunk_writer import can_keep
+
+        return {f: k for f, k in keeps.items() if can_keep(k)}

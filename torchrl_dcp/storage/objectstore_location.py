@@ -1,0 +1,154 @@
+"""Checkpoints under an object-store prefix (any fsspec URL) as a :class:`~torchrl_dcp.storage.base.Location`.
+
+Saving writes into the destination prefix itself: a marker object announces the save
+before anything is written (:mod:`~torchrl_dcp.storage.objectstore_save`), every rank
+uploads its share, rank 0 uploads ``.metadata`` and then ``manifest.json`` last (the
+commit). Listing reads prefixes (``step-<N>`` checkpoints); removal deletes the
+manifest first; kept chunk files of incremental saves are copied server-side within
+one store. Leftovers of killed saves are swept by the next save into the same parent.
+
+Example:
+    >>> import torch, torchrl_dcp as tdcp
+    >>> from torchrl_dcp.storage.backends import location_for
+    >>> _ = tdcp.DistributedCheckpoint(w={"x": torch.ones(1)}).save("memory://doc/location/step-1")
+    >>> [(e.name, e.kind) for e in location_for("memory://doc/location").children()]
+    [('step-1', 'checkpoint')]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import pickle
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from torchrl_dcp.errors import CheckpointError
+from torchrl_dcp.format.checksums import crc32, format_crc
+from torchrl_dcp.format.layout import DCP_METADATA
+from torchrl_dcp.storage import objectstore_save
+from torchrl_dcp.storage.base import Entry, EntryKind, Location, SaveTarget, ShareWrite, WriteOutcome
+from torchrl_dcp.storage.chunk_writer import KeptChunk
+from torchrl_dcp.storage.objectstore import ObjectStoreContainer, list_objects, store_error
+from torchrl_dcp.storage.urls import StorePath, supports_copy
+
+logger = logging.getLogger("torchrl_dcp")
+
+
+class ObjectStoreSaveTarget(SaveTarget):
+    """A save into an object-store prefix: the objects go to the destination itself, the manifest last."""
+
+    def __init__(self, destination: StorePath) -> None:
+        self.destination = destination
+        self.token, self.where = str(destination), destination
+
+    def write(self, share: ShareWrite) -> WriteOutcome:
+        return objectstore_save.write_share(self.destination, share)
+
+    def write_dcp_metadata(self, metadata: Any) -> dict[str, Any]:
+        data = pickle.dumps(metadata)  # read back only through the allow-list unpickler
+        self.destination.fs.pipe_file((self.destination / DCP_METADATA).key, data)
+        return {"size": len(data), "checksum": format_crc(crc32(data))}
+
+    def commit(self, manifest: bytes) -> None:
+        try:
+            objectstore_save.commit_manifest(self.destination, manifest)
+        except CheckpointError:
+            raise
+        except Exception as err:
+            raise store_error(err, "committing the checkpoint", self.destination) from None
+
+    def abandon(self) -> None:
+        objectstore_save.abandon(self.destination)
+
+
+class ObjectStoreLocation(Location):
+    """A prefix in an object store: one checkpoint, or a rotation prefix holding ``step-<N>`` ones."""
+
+    kind = "object store"
+    holds_archives = False  # an entry is already one prefix
+    is_local = False
+    path: StorePath
+
+    def container(self) -> ObjectStoreContainer:
+        return ObjectStoreContainer(self.path)
+
+    def open_source(self) -> Any:
+        from torchrl_dcp.storage.objectstore_source import open_store_source  # torch: only where tensors are read
+
+        return open_store_source(self.path)
+
+    # ------------------------------------------------------------------ saving
+    def prepare_save(self, save_id: str) -> SaveTarget:
+        try:
+            objectstore_save.begin(self.path, save_id)
+        except Exception as err:
+            raise store_error(err, "preparing the destination prefix", self.path) from None
+        return ObjectStoreSaveTarget(self.path)
+
+    def attach_save(self, token: str) -> SaveTarget:
+        return ObjectStoreSaveTarget(self.path)
+
+    def check_writer(self, backend: str) -> None:
+        if backend != "fast":
+            raise CheckpointError(
+                "sharded (DTensor) components cannot be saved to an object store yet: save to a local or shared "
+                "directory and copy it, or leave them out (components=...)",
+                path=self.path,
+            )
+
+    # ------------------------------------------------------------------ listing and removing
+    def child(self, name: str) -> ObjectStoreLocation:
+        return ObjectStoreLocation(self.path / name)
+
+    def children(self) -> list[Entry]:
+        out = []
+        for name, info in sorted(list_objects(self.path).items()):
+            kind: EntryKind = "checkpoint" if info.get("type") == "directory" else "other"  # archives: never in stores
+            out.append(Entry(name, kind, self.child(name)))
+        return out
+
+    def entry_kind(self) -> EntryKind | None:
+        if list_objects(self.path):
+            return "checkpoint"
+        return "other" if self.path.is_file() else None
+
+    def size(self) -> int | None:
+        if self.path.is_file():
+            return int(self.path.fs.info(self.path.key)["size"])
+        return sum(int(i.get("size") or 0) for i in list_objects(self.path).values())
+
+    def remove(self) -> bool:
+        if not list_objects(self.path):
+            return False
+        objectstore_save.remove_prefix(self.path)
+        return True
+
+    # ------------------------------------------------------------------ incremental saves
+    def keeps_files(self) -> bool:
+        return supports_copy(self.path.fs)
+
+    def can_keep_from(self, base: Location) -> bool:
+        return isinstance(base, ObjectStoreLocation) and base.path.same_store(self.path) and self.keeps_files()
+
+    def keepable(self, keeps: Mapping[str, KeptChunk]) -> dict[str, KeptChunk]:
+        return objectstore_save.keepable_objects(dict(keeps))
+
+    # ------------------------------------------------------------------ conversions
+    @contextlib.contextmanager
+    def local_copy(self, kind: str, scratch: Path) -> Iterator[Path]:
+        from torchrl_dcp.storage.objectstore_tools import download_checkpoint, download_object
+
+        if kind == "checkpoint":
+            yield download_checkpoint(self.path, scratch / "src")
+        else:
+            yield download_object(self.path, scratch)
+
+    def occupied(self) -> bool:
+        return self.path.is_file() or bool(list_objects(self.path))
+
+    def receive(self, local: Path, kind: str) -> None:
+        from torchrl_dcp.storage.objectstore_tools import upload_result
+
+        upload_result(local, self.path, kind)
