@@ -66,15 +66,9 @@ def main(url: str, step: int, phase: str) -> None:
                 yield part
 
         objectstore._parts = some_parts  # type: ignore[assignment]
-    elif phase == "before_manifest":
-        finish = objectstore_save.finish
-
-        def no_manifest(destination, metadata, manifest):  # type: ignore[no-untyped-def]
-            destination.fs.pipe_file((destination / ".metadata").key, metadata)
-            _die()
-
-        objectstore_save.finish = no_manifest  # type: ignore[assignment]
-        assert finish
+    elif phase == "before_manifest":  # .metadata uploaded, killed before the manifest (the commit)
+        assert objectstore_save.commit_manifest
+        objectstore_save.commit_manifest = lambda destination, manifest: _die()  # type: ignore[assignment]
     tdcp.CheckpointRotation(url, keep_last=5).save(tdcp.DistributedCheckpoint(state=make(step)), step=step)
 
 

@@ -15,7 +15,9 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "torchrl_dcp"
 # the dispatch of checkpoint locations and the URL parser: the only modules that look at what a path is
 PATH_KIND_MODULES = {"torchrl_dcp.storage.backends", "torchrl_dcp.storage.urls"}
-PATH_KIND = re.compile(r"\bis_store\(|\bis_url\(|isinstance\([^()]*,\s*\(?[^()]*\b(?:Path|StorePath|PosixPath)\b[^()]*\)")
+PATH_KIND = re.compile(
+    r"\bis_store\(|\bis_url\(|isinstance\([^()]*,\s*\(?[^()]*\b(?:Path|StorePath|PosixPath)\b[^()]*\)"
+)
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:

@@ -14,7 +14,7 @@ from torchrl_dcp.format.record import zip_data_offset
 from torchrl_dcp.storage import reader as reader_mod
 from torchrl_dcp.storage.filesums import file_checksum
 from torchrl_dcp.storage.reader import InPlaceFileSystemReader
-from torchrl_dcp.storage.source import open_source
+from torchrl_dcp.storage.backends import open_source
 from torchrl_dcp.storage.writer import write_state
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")

@@ -191,18 +191,18 @@ def test_entries_vanishing_while_listed_are_skipped(tmp_path: Path, monkeypatch:
 def test_prune_skips_entries_another_process_removed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import shutil
 
-    from torchrl_dcp.storage import directory
+    from torchrl_dcp.storage import commit
 
     rotation = tdcp.CheckpointRotation(tmp_path, keep_last=1)
     rotation.save(ckpt_for(1)[0], step=1)
-    original = directory.trash_path
+    original = commit.trash_path
 
     def pruned_elsewhere(path: Path) -> Path:
         if path.exists() and path.name.startswith("step-"):
             shutil.rmtree(path)  # the other process was faster
         return original(path)
 
-    monkeypatch.setattr(directory, "trash_path", pruned_elsewhere)
+    monkeypatch.setattr(commit, "trash_path", pruned_elsewhere)
     path = rotation.save(ckpt_for(2)[0], step=2)
     assert path.exists() and names(tmp_path) == ["step-000000000002"]
 

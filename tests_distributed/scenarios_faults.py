@@ -125,7 +125,7 @@ def arm(phase: str) -> None:
 
         commit._exchange = exchange_and_die
     elif phase == "rotation_delete":  # half-way through deleting a checkpoint rotation no longer keeps
-        original_remove = directory.remove_tree
+        original_remove = commit.remove_tree
 
         def remove_and_die(path):  # type: ignore[no-untyped-def]
             if commit.TRASH_TAG in path.name and path.is_dir():
@@ -133,7 +133,7 @@ def arm(phase: str) -> None:
                 _die()
             original_remove(path)
 
-        directory.remove_tree = remove_and_die
+        commit.remove_tree = remove_and_die
     else:
         raise ValueError(phase)
 

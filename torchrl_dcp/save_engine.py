@@ -351,7 +351,7 @@ def manifest_bytes(job: SaveJob, target: SaveTarget, gathered: list[Any]) -> byt
     """Writes DCP's ``.metadata`` into the staging area; returns the sealed manifest to commit (rank 0)."""
     files = {name: rec for g in gathered for name, rec in g[1].items()}
     if job.plan.backend == "fast":  # DCP's metadata, as dcp.save would have written it
-        files[DCP_METADATA] = target.write_dcp_metadata(dcp_metadata(job, gathered, target.where))
+        files[DCP_METADATA] = target.write_dcp_metadata(dcp_metadata(job, gathered, target.checkpoint_id))
     else:
         metadata = target.read_dcp_metadata()  # DCP wrote it (our own file, just written)
         if metadata is not None:  # give it this save's identity

@@ -36,7 +36,7 @@ from torchrl_dcp.format.checksums import checksum_mismatch, crc32, format_crc
 from torchrl_dcp.format.layout import MANIFEST, MAX_MANIFEST_BYTES
 from torchrl_dcp.format.zipformat import ZIPALIGN_PAD, central_entry, end_records, local_header
 from torchrl_dcp.storage.base import ByteRange, EntryKind, Location
-from torchrl_dcp.storage.commit import TMP_TAG, remove_tree, trash_path
+from torchrl_dcp.storage.commit import TMP_TAG, remove_entry
 from torchrl_dcp.storage.files import open_regular
 from torchrl_dcp.storage.filesums import fds_checksums
 
@@ -287,13 +287,7 @@ class ArchiveLocation(Location):
             return None
 
     def remove(self) -> bool:
-        trash = trash_path(self.path)
-        try:
-            os.rename(self.path, trash)
-        except FileNotFoundError:
-            return False
-        remove_tree(trash)
-        return True
+        return remove_entry(self.path)
 
 
 # ---------------------------------------------------------------------- writing

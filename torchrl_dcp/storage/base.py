@@ -150,6 +150,8 @@ class SaveTarget(abc.ABC):
     token: str
     #: what messages name
     where: Any
+    #: what DCP's metadata records as the checkpoint id (``StorageMeta.checkpoint_id``)
+    checkpoint_id: Any
 
     @abc.abstractmethod
     def write(self, share: ShareWrite) -> WriteOutcome:

@@ -277,6 +277,23 @@ def remove_tree(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def remove_entry(path: Path) -> bool:
+    """Delete an entry: renamed aside first, so a crash never leaves a half-deleted committed entry.
+
+    False when it was already gone (another process pruned it).
+    """
+    if path.name.startswith("."):
+        remove_tree(path)
+        return True
+    trash = trash_path(path)
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return False
+    remove_tree(trash)
+    return True
+
+
 def fsync_path(path: Path, *, follow: bool = False) -> None:
     """fsync a regular file or a directory we created; ``follow=True`` for a parent directory the user chose.
 

@@ -49,11 +49,11 @@ from torchrl_dcp.storage.base import (
 from torchrl_dcp.storage.commit import (
     DestinationLock,
     publish,
+    remove_entry,
     remove_tree,
     staging_path,
     stale_entries,
     sweep_stale_locks,
-    trash_path,
     write_file_durably,
 )
 from torchrl_dcp.storage.files import open_regular, read_whole
@@ -187,29 +187,12 @@ def tree_size(path: Path) -> int | None:
         return None
 
 
-def remove_entry(path: Path) -> bool:
-    """Delete an entry: renamed aside first, so a crash never leaves a half-deleted committed entry.
-
-    False when it was already gone (another process pruned it).
-    """
-    if path.name.startswith("."):
-        remove_tree(path)
-        return True
-    trash = trash_path(path)
-    try:
-        os.rename(path, trash)
-    except FileNotFoundError:
-        return False
-    remove_tree(trash)
-    return True
-
-
 class DirectorySaveTarget(SaveTarget):
     """A staging directory beside the destination; rank 0's holds the destination's lock."""
 
     def __init__(self, destination: Path, staging: Path, lock: DestinationLock | None = None) -> None:
         self.destination, self.staging, self.lock = destination, staging, lock
-        self.token, self.where = str(staging), staging
+        self.token, self.where, self.checkpoint_id = str(staging), staging, staging
 
     def write(self, share: ShareWrite) -> WriteOutcome:
         from torchrl_dcp.storage.chunk_writer import write_chunks

@@ -41,7 +41,7 @@ class ObjectStoreSaveTarget(SaveTarget):
 
     def __init__(self, destination: StorePath) -> None:
         self.destination = destination
-        self.token, self.where = str(destination), destination
+        self.token, self.where, self.checkpoint_id = str(destination), destination, str(destination)
 
     def write(self, share: ShareWrite) -> WriteOutcome:
         return objectstore_save.write_share(self.destination, share)
