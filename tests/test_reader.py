@@ -12,9 +12,9 @@ import torch.distributed.checkpoint as dcp
 import torchrl_dcp as tdcp
 from torchrl_dcp.format.record import zip_data_offset
 from torchrl_dcp.storage import reader as reader_mod
+from torchrl_dcp.storage.backends import open_source
 from torchrl_dcp.storage.filesums import file_checksum
 from torchrl_dcp.storage.reader import InPlaceFileSystemReader
-from torchrl_dcp.storage.backends import open_source
 from torchrl_dcp.storage.writer import write_state
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
