@@ -7,7 +7,7 @@ file the manifest lists; :func:`record_index` looks records up by key.
 
 Example:
     >>> import pickle
-    >>> from torch.distributed.checkpoint.metadata import Metadata
+    >>> from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
     >>> parse_metadata(pickle.dumps(Metadata(state_dict_metadata={})), "x/.metadata").state_dict_metadata
     {}
 """
@@ -15,13 +15,14 @@ Example:
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import weakref
 from collections.abc import Collection, Mapping
 from typing import Any, BinaryIO
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, UnsafeCheckpointError
 from torchrl_dcp.format.layout import is_plain_name
@@ -138,3 +139,113 @@ def check_storage_bounds(metadata: Metadata, source: str, files: Mapping[str, Ma
                 f"{info.relative_path}, which has {rec['size']} bytes: the checkpoint is inconsistent or forged",
                 path=source,
             )
+
+
+MAX_CHUNKS_PER_TENSOR = 1 << 20  # chunk files of 8 MiB: 8 TiB in one tensor; a forged list is refused first
+
+
+def _ints(values: Any, ndim: int) -> tuple[int, ...] | None:
+    try:
+        out = tuple(values)
+    except TypeError:
+        return None
+    if len(out) != ndim or not all(type(v) is int for v in out):
+        return None
+    return out
+
+
+def check_coverage(metadata: Metadata, source: Any) -> None:
+    """Every tensor's chunks tile it exactly (every element covered once, none outside it) and each chunk's record
+    holds at least its bytes; no two records of a file overlap; no byte items. Run by every load and ``verify``.
+
+    A forger who recomputes every checksum can still hand DCP a chunk list that leaves
+    part of a tensor unread (its destination would keep old or uninitialised memory) or
+    points two tensors at the same bytes: this proves the structure instead.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from torchrl_dcp.storage.writer import write_state
+        >>> from torchrl_dcp.storage.filesystem import safe_load_metadata
+        >>> d = tempfile.mkdtemp()
+        >>> _ = write_state({"w": torch.zeros(4, 2)}, d)
+        >>> check_coverage(safe_load_metadata(d + "/.metadata"), d)
+    """
+    records = record_index(metadata)
+    for key, md in (metadata.state_dict_metadata or {}).items():
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointIntegrityError(
+                f"DCP metadata holds {key!r} as a byte item, which torchrl_dcp never writes: refused", path=source
+            )
+        _check_tensor_chunks(key, md, records.get(key, {}), source)
+    _check_disjoint_records(metadata, source)
+
+
+def _check_tensor_chunks(key: str, md: TensorStorageMetadata, records: dict[tuple[int, ...], Any], source: Any) -> None:
+    def bad(why: str) -> CheckpointIntegrityError:
+        return CheckpointIntegrityError(
+            f"DCP metadata of tensor {key!r}: {why}; the checkpoint is damaged or forged, refused", path=source
+        )
+
+    size = _ints(md.size, len(md.size))
+    chunks = md.chunks
+    if size is None or any(n < 0 for n in size) or not isinstance(chunks, list):
+        raise bad("malformed size or chunk list")
+    if not chunks or len(chunks) > min(MAX_CHUNKS_PER_TENSOR, max(1, math.prod(size))):
+        raise bad(f"{len(chunks) if isinstance(chunks, list) else 0} chunks for a tensor of shape {list(size)}")
+    itemsize = md.properties.dtype.itemsize
+    boxes = []
+    for chunk in chunks:
+        offsets, sizes = (
+            _ints(getattr(chunk, "offsets", None), len(size)),
+            _ints(getattr(chunk, "sizes", None), len(size)),
+        )
+        if offsets is None or sizes is None:
+            raise bad("a chunk has malformed offsets or sizes")
+        if any(o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, sizes, size)):
+            raise bad(f"chunk at {list(offsets)} of sizes {list(sizes)} lies outside the shape {list(size)}")
+        info = records.get(offsets)
+        if info is None:
+            raise bad(f"chunk at {list(offsets)} has no record")
+        if info.length < math.prod(sizes) * itemsize:
+            raise bad(
+                f"chunk at {list(offsets)} needs {math.prod(sizes) * itemsize} bytes, its record holds {info.length}"
+            )
+        boxes.append((offsets, sizes))
+    if sum(math.prod(n) for _, n in boxes) != math.prod(size) or not _disjoint(boxes):
+        raise bad(f"its {len(boxes)} chunks do not cover the shape {list(size)} exactly once")
+    if len(records) != len(boxes):
+        raise bad(f"{len(records)} records for {len(boxes)} chunks")
+
+
+def _disjoint(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
+    """No two boxes share an element (boxes of volume 0 are ignored). Row chunks (whole rows) are checked in
+    ``O(n log n)``; other layouts (DTensor shards: a few per tensor) pairwise."""
+    boxes = [b for b in boxes if math.prod(b[1])]
+    if len(boxes) < 2:
+        return True
+    if all(o[1:] == (0,) * (len(o) - 1) for o, _ in boxes) and len({n[1:] for _, n in boxes}) == 1:
+        rows = sorted((o[0], n[0]) for o, n in boxes)
+        return all(a + m <= b for (a, m), (b, _) in zip(rows, rows[1:]))
+    if len(boxes) > 4096:
+        return False  # no layout this library writes: refuse rather than spend quadratic time
+    for i, (o1, n1) in enumerate(boxes):
+        for o2, n2 in boxes[i + 1 :]:
+            if all(a < b + m and b < a + n for a, n, b, m in zip(o1, n1, o2, n2)):
+                return False
+    return True
+
+
+def _check_disjoint_records(metadata: Metadata, source: Any) -> None:
+    """No two records of one data file share a byte (two tensors never read the same bytes)."""
+    spans: dict[str, list[tuple[int, int, str]]] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        spans.setdefault(info.relative_path, []).append((info.offset, info.length, index.fqn))
+    for rel, found in spans.items():
+        found.sort()
+        for (a, n, k1), (b, _, k2) in zip(found, found[1:]):
+            if a + n > b:
+                raise CheckpointIntegrityError(
+                    f"DCP metadata puts records of {k1!r} and {k2!r} on the same bytes of {rel} (from byte {b}): "
+                    "the checkpoint is damaged or forged, refused",
+                    path=source,
+                )

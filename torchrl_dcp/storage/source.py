@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
 from torchrl_dcp.format.checksums import checksum_mismatch, crc32, format_crc
-from torchrl_dcp.format.dcp_metadata import check_storage_bounds, parse_metadata
+from torchrl_dcp.format.dcp_metadata import check_coverage, check_storage_bounds, parse_metadata
 from torchrl_dcp.format.layout import DCP_METADATA, MAX_MANIFEST_BYTES, TRAILER_SIZE, read_identity
 from torchrl_dcp.storage.base import ByteRange, Container
 from torchrl_dcp.storage.files import open_regular
@@ -83,6 +83,7 @@ class CheckpointSource:
                         path=where,
                     )
                 check_storage_bounds(metadata, where, files)  # file names and byte ranges, one pass
+                check_coverage(metadata, where)  # every tensor tiled by its chunks, no bytes read twice
                 self._metadata = metadata
             self._metadata_read = True
         return self._metadata

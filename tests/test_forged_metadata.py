@@ -1,0 +1,149 @@
+"""Forged DCP metadata that reseals every checksum the format documents never becomes the state.
+
+The forger rewrites ``.metadata`` (pickled by DCP, read here through the allow-list
+unpickler), then records its new size and CRC-32 in the manifest and recomputes the
+manifest's seal, as ``docs/format.md`` describes. Only structure can then catch the
+forgery: every tensor must be tiled by its chunks, each chunk backed by its own record,
+no two records on the same bytes. Each case: ``verify`` refuses, and ``load`` refuses
+naming ``.metadata`` with the live objects bit-for-bit unchanged, for directories,
+archives and object stores (fsspec's memory store).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+import torchrl_dcp as tdcp
+from torchrl_dcp.format.manifest import seal
+from torchrl_dcp.storage.filesums import file_checksum
+from torchrl_dcp.storage.filesystem import safe_load_metadata
+
+WEIGHT = "replicated/policy/weight"  # read in place into the live module
+TABLE = "replicated/stats/table"  # read into a fresh buffer, then copied
+
+
+def objects(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    policy = torch.nn.Linear(16, 8)
+    with torch.no_grad():
+        policy.weight.copy_(torch.randn(8, 16, generator=g))
+        policy.bias.copy_(torch.randn(8, generator=g))
+    return {"policy": policy, "stats": {"table": torch.randn(64, 4, generator=g), "n": seed}}
+
+
+def snapshot(objs: dict[str, Any]) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in (*objs["policy"].state_dict().values(), objs["stats"]["table"])]
+
+
+def _chunk(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> ChunkStorageMetadata:
+    return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+
+
+def _no_chunks(md: Any, key: str) -> None:
+    md.state_dict_metadata[key].chunks = []
+
+
+def _half_the_rows(md: Any, key: str) -> None:
+    saved = md.state_dict_metadata[key]
+    rows, *rest = saved.size
+    saved.chunks = [_chunk((0,) * len(saved.size), (rows // 2, *rest))]
+
+
+def _negative_size(md: Any, key: str) -> None:
+    saved = md.state_dict_metadata[key]
+    saved.chunks = [_chunk((0,) * len(saved.size), tuple(-n for n in saved.size))]
+
+
+def _past_the_end(md: Any, key: str) -> None:
+    saved = md.state_dict_metadata[key]
+    rows, *rest = saved.size
+    saved.chunks = [_chunk((rows // 2, *[0] * len(rest)), tuple(saved.size))]
+    info = md.storage_data.pop(MetadataIndex(key, torch.Size((0,) * len(saved.size))))
+    md.storage_data[MetadataIndex(key, torch.Size((rows // 2, *[0] * len(rest))))] = info
+
+
+def _a_million_references(md: Any, key: str) -> None:
+    saved = md.state_dict_metadata[key]
+    saved.chunks = saved.chunks * 100_000  # a few MB of .metadata naming one record again and again
+
+
+def _two_tensors_one_record(md: Any, key: str) -> None:
+    other = TABLE if key == WEIGHT else WEIGHT
+    mine = next(i for idx, i in md.storage_data.items() if idx.fqn == key)
+    theirs = next(idx for idx in md.storage_data if idx.fqn == other)
+    if md.state_dict_metadata[other].size == md.state_dict_metadata[key].size:
+        md.storage_data[theirs] = copy.copy(mine)
+    else:  # the other tensor's record moved onto this one's bytes (lengths as recorded)
+        moved = copy.copy(md.storage_data[theirs])
+        moved.relative_path, moved.offset = mine.relative_path, mine.offset
+        md.storage_data[theirs] = moved
+
+
+FORGERIES: dict[str, Callable[[Any, str], None]] = {
+    "no chunks": _no_chunks,
+    "half the rows": _half_the_rows,
+    "negative sizes": _negative_size,
+    "past the end": _past_the_end,
+    "a million references": _a_million_references,
+    "two tensors on one record": _two_tensors_one_record,
+}
+
+
+def forge(path: Path, fn: Callable[[Any, str], None], key: str) -> None:
+    """Rewrite ``.metadata`` with ``fn``, then reseal: the file's size and CRC-32, and the manifest's own seal."""
+    md = safe_load_metadata(path / ".metadata")
+    fn(md, key)
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"][".metadata"] = {
+        "size": (path / ".metadata").stat().st_size,
+        "checksum": file_checksum(path / ".metadata"),
+    }
+    (path / "manifest.json").write_text(json.dumps(seal(manifest)))
+
+
+def _at(kind: str, forged: Path, tmp_path: Path) -> str:
+    if kind == "directory":
+        return str(forged)
+    if kind == "archive":
+        return str(tdcp.to_archive(forged, tmp_path / "forged.zip"))  # the archive keeps the resealed files
+    url = f"memory://tdcp-forged/{tmp_path.name}"
+    fs = fsspec.filesystem("memory")
+    for p in forged.iterdir():
+        fs.pipe_file(f"/tdcp-forged/{tmp_path.name}/{p.name}", p.read_bytes())
+    return url
+
+
+def test_the_control_loads_exactly(tmp_path: Path) -> None:
+    path = tdcp.DistributedCheckpoint(**objects(1)).save(tmp_path / "c")
+    objs = objects(2)
+    tdcp.DistributedCheckpoint(**objs).load(path)
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(objs), snapshot(objects(1))))
+
+
+@pytest.mark.parametrize("kind", ["directory", "archive", "store"])
+@pytest.mark.parametrize("key", [WEIGHT, TABLE])
+@pytest.mark.parametrize("case", sorted(FORGERIES))
+def test_forged_chunk_lists_are_refused_and_nothing_changes(tmp_path: Path, case: str, key: str, kind: str) -> None:
+    path = tdcp.DistributedCheckpoint(**objects(1)).save(tmp_path / "c")
+    forge(path, FORGERIES[case], key)
+    where = _at(kind, path, tmp_path)
+    with pytest.raises(tdcp.CheckpointIntegrityError) as info:
+        tdcp.verify(where)
+    assert ".metadata" in str(info.value), str(info.value)
+    objs = objects(2)
+    before = snapshot(objs)
+    with pytest.raises(tdcp.CheckpointIntegrityError) as info:
+        tdcp.DistributedCheckpoint(**objs).load(where)
+    assert ".metadata" in str(info.value) and "forged" in str(info.value), str(info.value)
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(objs), before)), "a refused load changed the objects"
