@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 import torchrl_dcp as tdcp
 from torchrl_dcp.cli import main as cli
+from torchrl_dcp.format.layout import identity_trailer
 from torchrl_dcp.storage.objectstore_save import PENDING, marker_for
 from torchrl_dcp.storage.objectstore_tools import download_checkpoint
 from torchrl_dcp.storage.urls import StorePath, copy_object, resolve_path
@@ -125,8 +126,9 @@ def test_prefix_without_manifest_is_absent_and_swept(store: tuple[str, dict[str,
     ckpt.save(f"{url}/step-000000000001", step=1)
     dead = resolve_path(f"{url}/step-000000000002", options)
     fs = dead.fs
-    fs.pipe_file(marker_for(dead).key, b"{}")  # what a save killed after uploading its data leaves
-    fs.pipe_file((dead / "__0_0.distcp").key, b"partial")
+    sid = "d" * 32  # what a save killed after uploading its data leaves: its marker, a data object of that save
+    fs.pipe_file(marker_for(dead).key, json.dumps({"save_id": sid, "started": 0.0}).encode())
+    fs.pipe_file((dead / "__0_0.distcp").key, b"partial" + identity_trailer(sid, 0))
     with pytest.raises(tdcp.CheckpointFormatError, match="no manifest.json"):
         _ckpt(_objects(10), options).load(dead)
     rotation = tdcp.CheckpointRotation(url, storage_options=options)
@@ -135,6 +137,38 @@ def test_prefix_without_manifest_is_absent_and_swept(store: tuple[str, dict[str,
     rotation.save(ckpt, step=3)  # the next save sweeps the dead one
     assert not fs.exists((dead / "__0_0.distcp").key) and not fs.exists(marker_for(dead).key)
     assert not [n for n in fs.ls(resolve_path(url, options).key, detail=False) if n.endswith(PENDING)]
+
+
+@pytest.mark.parametrize("planted", ["parent", "unrelated prefix", "foreign object", "other save", "no save id"])
+def test_sweeps_delete_only_what_a_killed_save_wrote(store: tuple[str, dict[str, Any]], planted: str) -> None:
+    """A marker planted by someone else never makes a save delete committed checkpoints or the user's data."""
+    url, options = store
+    rotation = tdcp.CheckpointRotation(url, keep_last=5, storage_options=options)
+    ckpt = _ckpt(_objects(12), options)
+    rotation.save(ckpt, step=1)
+    root = resolve_path(url, options)
+    fs, sid = root.fs, "e" * 32
+    marker = {"save_id": sid, "started": 0.0}
+    kept: dict[str, bytes] = {}
+    if planted == "parent":  # names no entry: the parent prefix itself
+        fs.pipe_file((root / PENDING).key, json.dumps(marker).encode())
+    else:
+        data = root / "datasets"
+        fs.pipe_file(marker_for(data).key, json.dumps(marker if planted != "no save id" else {}).encode())
+        files = {
+            "unrelated prefix": {"train/part-0.csv": b"a,b\n1,2\n"},
+            "foreign object": {"__0_0.distcp": b"x" * 10 + identity_trailer(sid, 0), "notes.txt": b"mine"},
+            "other save": {"__0_0.distcp": b"x" * 10 + identity_trailer("f" * 32, 0)},
+            "no save id": {"__0_0.distcp": b"x" * 10 + identity_trailer(sid, 0)},
+        }[planted]
+        for name, body in files.items():
+            fs.pipe_file((data / name).key, body)
+            kept[(data / name).key] = body
+    rotation.save(ckpt, step=2)  # sweeps the parent prefix first
+    assert [e.step for e in rotation.entries()] == [1, 2]
+    assert _ckpt(_objects(13), options).load(f"{url}/step-000000000001").step == 1
+    for key, body in kept.items():
+        assert fs.cat_file(key) == body, f"{key} was deleted or changed"
 
 
 def test_missing_prefix_is_not_found(store: tuple[str, dict[str, Any]]) -> None:

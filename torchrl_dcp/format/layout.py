@@ -12,6 +12,8 @@ Example:
 
 from __future__ import annotations
 
+import re
+
 MANIFEST = "manifest.json"
 DCP_METADATA = ".metadata"
 MAX_MANIFEST_BYTES = 256 << 20  # a manifest (or .metadata) larger than this is refused before it is parsed
@@ -20,6 +22,26 @@ MAX_MANIFEST_BYTES = 256 << 20  # a manifest (or .metadata) larger than this is 
 def data_file_name(rank: int) -> str:
     """The data file our writer gives rank ``rank`` (DCP's own writer uses the same name)."""
     return f"__{rank}_0.distcp"
+
+
+_DATA_FILE = re.compile(r"^__(\d{1,9})_(\d{1,12})\.distcp$")
+
+
+def is_library_file(name: str) -> bool:
+    """Whether ``name`` is a file name this library writes into a checkpoint (data and chunk files, DCP's
+    metadata, the manifest): what a sweep of a killed save's leftovers may delete.
+
+    Example:
+        >>> [is_library_file(n) for n in ("__0_0.distcp", "__3_12.distcp", ".metadata", "train.csv")]
+        [True, True, True, False]
+    """
+    return name in (MANIFEST, DCP_METADATA) or _DATA_FILE.match(name) is not None
+
+
+def is_chunk_file(name: str) -> bool:
+    """A chunk file (``__<rank>_<n>.distcp``, ``n >= 1``): one an incremental save may have kept from another save."""
+    m = _DATA_FILE.match(name)
+    return m is not None and int(m.group(2)) >= 1
 
 
 def is_plain_name(name: str) -> bool:

@@ -45,6 +45,9 @@ from torchrl_dcp.format.layout import (
     TRAILER_SIZE,
     data_file_name,
     identity_trailer,
+    is_chunk_file,
+    is_library_file,
+    is_plain_name,
     read_identity,
 )
 from torchrl_dcp.storage.base import ShareWrite, WriteOutcome
@@ -70,35 +73,90 @@ def marker_for(destination: StorePath) -> StorePath:
 
 
 def remove_prefix(path: StorePath, manifest_first: bool = True) -> None:
-    """Delete the objects under ``path`` (its ``manifest.json`` first, so it stops being a checkpoint at once)."""
+    """Delete the checkpoint objects directly under ``path`` (its ``manifest.json`` first, so it stops being a
+    checkpoint at once); only names this library writes, never a sub-prefix or anything else found there."""
     fs = path.fs
     names = list_objects(path)
     if manifest_first and MANIFEST in names:
         fs.rm_file((path / MANIFEST).key)
-    keys = [(path / n).key for n, info in names.items() if n != MANIFEST or not manifest_first]
+    keys = [
+        (path / n).key
+        for n, info in names.items()
+        if is_library_file(n) and info.get("type") == "file" and (n != MANIFEST or not manifest_first)
+    ]
     try:
         if keys:
-            fs.rm(keys, recursive=True)
+            fs.rm(keys)
     except FileNotFoundError:
         pass
     fs.invalidate_cache(path.key)
 
 
+def foreign_objects(path: StorePath, found: dict[str, dict[str, Any]] | None = None) -> list[str]:
+    """What is under ``path`` that a save never writes there: other names, sub-prefixes."""
+    found = list_objects(path) if found is None else found
+    return sorted(n for n, info in found.items() if not is_library_file(n) or info.get("type") != "file")
+
+
+def _marker_save_id(marker: StorePath) -> str | None:
+    """The save id a marker announces (``None``: not a marker this library wrote)."""
+    try:
+        body = json.loads(marker.fs.cat_file(marker.key, start=0, end=4096))
+    except (OSError, ValueError):
+        return None
+    save_id = body.get("save_id") if isinstance(body, dict) else None
+    return save_id if isinstance(save_id, str) and len(save_id) == 32 and save_id.isalnum() else None
+
+
+def _left_by(target: StorePath, found: dict[str, dict[str, Any]], save_id: str) -> bool:
+    """Whether every object under ``target`` is one save ``save_id`` writes: library names only, each data file
+    ending with that save's identity trailer (a chunk file: any save's, it may have been kept from its base)."""
+    if foreign_objects(target, found):
+        return False
+    names = sorted(n for n in found if n not in (MANIFEST, DCP_METADATA))
+    sizes = [int(found[n].get("size") or 0) for n in names]
+    if any(size < TRAILER_SIZE for size in sizes):
+        return False
+    spans = [(target / n, size - TRAILER_SIZE, TRAILER_SIZE) for n, size in zip(names, sizes)]
+    tails = map_pieces(spans, lambda i, data: read_identity(bytes(data)), concurrency())
+    return all(t is not None and (t[0] == save_id or is_chunk_file(n)) for n, t in zip(names, tails))
+
+
 def sweep(parent: StorePath) -> list[str]:
     """Remove what killed saves left under ``parent``; returns the checkpoint names cleaned.
 
-    A marker whose checkpoint has a manifest belongs to a save killed after its commit:
-    only the marker goes. Assumes one job writes checkpoints under ``parent`` at a time.
+    Only what this library wrote goes: a marker ``.<name>.tdcp-pending`` naming an entry
+    (never ``parent`` itself) whose body names a save, and, when that entry has no manifest,
+    its objects, once each is proven that save's (library names, identity trailers).
+    Anything else found is logged and left alone. A marker whose checkpoint has a manifest
+    belongs to a save killed after its commit: only the marker goes. Assumes one job writes
+    checkpoints under ``parent`` at a time.
     """
     cleaned = []
     for name in list_objects(parent):
         if not (name.startswith(".") and name.endswith(PENDING)):
             continue
-        target = parent / name[1 : -len(PENDING)]
+        entry, marker = name[1 : -len(PENDING)], parent / name
+        save_id = _marker_save_id(marker)
+        if not is_plain_name(entry) or entry.startswith(".") or save_id is None:
+            logger.warning("left %s alone: not a marker torchrl_dcp writes (remove it if it is not yours)", marker)
+            continue
+        target = parent / entry
         if not (target / MANIFEST).is_file():
+            found = list_objects(target)
+            if found and not _left_by(target, found, save_id):
+                logger.warning(
+                    "left %s alone: the marker %s announces save %s, but the prefix holds objects that save did not "
+                    "write (%s); remove what is not yours by hand",
+                    target,
+                    marker.name,
+                    save_id,
+                    foreign_objects(target, found) or "other saves' data files",
+                )
+                continue
             remove_prefix(target)
             cleaned.append(target.name)
-        (parent / name).unlink(missing_ok=True)
+        marker.unlink(missing_ok=True)
     if cleaned:
         logger.info("removed leftovers of killed saves under %s: %s", parent, cleaned)
     return cleaned
@@ -117,6 +175,13 @@ def begin(destination: StorePath, save_id: str) -> None:
                 "overwrite it (choose another path, or delete the objects)",
                 path=destination,
             ) from None
+        foreign = foreign_objects(destination, found)
+        if foreign:
+            raise CheckpointError(
+                f"holds objects a checkpoint never holds ({foreign[:5]}); refusing to replace it: move them, or "
+                "save elsewhere",
+                path=destination,
+            )
     body = json.dumps({"save_id": save_id, "started": time.time()}).encode()
     marker_for(destination).fs.pipe_file(marker_for(destination).key, body)
     if found:  # replacing a committed checkpoint: it stops being one before any object changes

@@ -25,7 +25,7 @@ from torchrl_dcp.errors import CheckpointError
 from torchrl_dcp.format.layout import MANIFEST
 from torchrl_dcp.storage.directory import DirectoryContainer
 from torchrl_dcp.storage.objectstore import ObjectStoreContainer, download, list_objects, read_range, upload_pieces
-from torchrl_dcp.storage.objectstore_save import publish_directory, remove_prefix
+from torchrl_dcp.storage.objectstore_save import publish_directory
 from torchrl_dcp.storage.urls import StorePath
 
 
@@ -64,8 +64,8 @@ def upload_result(local: Path, dst: StorePath, kind: str) -> None:
         manifest = DirectoryContainer(local).manifest()
         publish_directory(local, dst, manifest, (local / MANIFEST).read_bytes())
     elif local.is_dir():  # a torchrl.checkpoint directory: its files, then nothing else to commit
-        if list_objects(dst):
-            remove_prefix(dst)
+        if list_objects(dst):  # the export replaced (overwrite=True): its own tree, whatever it holds
+            dst.fs.rm(dst.key, recursive=True)
         for f in sorted(p for p in local.rglob("*") if p.is_file()):
             upload_file(f, StorePath(f"{dst.url}/{f.relative_to(local).as_posix()}", dst.storage_options, dst.fs))
     else:
