@@ -327,7 +327,8 @@ def commit(job: SaveJob, target: SaveTarget, outcome: WriteOutcome, write_error:
             assert gathered is not None
             raise_if_failed([g[0] for g in gathered], "writing data files", None)
             with gc_paused():  # thousands of small objects: metadata and manifest
-                target.commit(manifest_bytes(job, target, gathered))
+                manifest, files = manifest_bytes(job, target, gathered)
+                target.commit(manifest, files)
         except BaseException as err:
             error = save_failure(err, "committing the checkpoint", job.destination)
     statuses = _dist.all_gather(error_status(error), job.group, "confirming the commit")
@@ -347,8 +348,9 @@ def gather_records(job: SaveJob, outcome: WriteOutcome, error: BaseException | N
     )
 
 
-def manifest_bytes(job: SaveJob, target: SaveTarget, gathered: list[Any]) -> bytes:
-    """Writes DCP's ``.metadata`` into the staging area; returns the sealed manifest to commit (rank 0)."""
+def manifest_bytes(job: SaveJob, target: SaveTarget, gathered: list[Any]) -> tuple[bytes, dict[str, Any]]:
+    """Writes DCP's ``.metadata`` into the staging area; returns the sealed manifest to commit and the file records
+    it lists (rank 0)."""
     files = {name: rec for g in gathered for name, rec in g[1].items()}
     if job.plan.backend == "fast":  # DCP's metadata, as dcp.save would have written it
         files[DCP_METADATA] = target.write_dcp_metadata(dcp_metadata(job, gathered, target.checkpoint_id))
@@ -357,7 +359,7 @@ def manifest_bytes(job: SaveJob, target: SaveTarget, gathered: list[Any]) -> byt
         if metadata is not None:  # give it this save's identity
             metadata.storage_meta.save_id = job.save_id
             files[DCP_METADATA] = target.write_dcp_metadata(metadata)
-    return dumps(build_manifest(job, gathered, files))
+    return dumps(build_manifest(job, gathered, files)), files
 
 
 def dcp_metadata(job: SaveJob, gathered: list[Any], checkpoint_id: Any) -> Any:
@@ -414,8 +416,7 @@ def run(job: SaveJob) -> Any:
             target.abandon()
         raise
     finally:
-        if job.rank == 0:
-            target.release()
+        target.release()
     job.encoded.settle(job.save_id)
     if outcome.copied:
         logger.warning(

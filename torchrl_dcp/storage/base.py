@@ -176,15 +176,17 @@ class SaveTarget(abc.ABC):
         """Write DCP's ``.metadata`` (replacing DCP's own); returns its manifest record (rank 0)."""
 
     @abc.abstractmethod
-    def commit(self, manifest: bytes) -> None:
-        """Write the manifest last and publish: after this returns the checkpoint is committed (rank 0)."""
+    def commit(self, manifest: bytes, files: Mapping[str, Mapping[str, Any]]) -> None:
+        """Check that the staging area holds exactly ``files`` (the manifest's records), write the manifest last
+        and publish: after this returns the checkpoint is committed (rank 0)."""
 
     @abc.abstractmethod
     def abandon(self) -> None:
         """Remove what this save wrote, leaving any previous checkpoint intact (rank 0, best effort)."""
 
     def release(self) -> None:  # noqa: B027 - most staging areas hold nothing
-        """Let other saves to this location in (rank 0; after commit or abandon)."""
+        """Close what this rank holds open, and let other saves to this location in (every rank; after commit or
+        abandon)."""
 
 
 # ---------------------------------------------------------------------- the location

@@ -14,8 +14,9 @@ Example:
     >>> import tempfile, torch
     >>> from pathlib import Path
     >>> from torchrl_dcp.storage.chunk_writer import write_chunk_file
-    >>> d = Path(tempfile.mkdtemp())
-    >>> rec = write_chunk_file(d / "__0_1.distcp", torch.arange(6.0).reshape(3, 2), "0" * 32, 0)
+    >>> from torchrl_dcp.storage.files import DirHandle
+    >>> d = DirHandle.open(Path(tempfile.mkdtemp()))
+    >>> rec = write_chunk_file(d, "__0_1.distcp", torch.arange(6.0).reshape(3, 2), "0" * 32, 0)
     >>> rec.fingerprint  # doctest: +ELLIPSIS
     'crc32:.../adler32:...'
 """
@@ -35,6 +36,7 @@ from torchrl_dcp.format.checksums import content_fingerprint, crc32, crc32_combi
 from torchrl_dcp.format.layout import TRAILER_SIZE, identity_trailer, read_identity
 from torchrl_dcp.format.record import template, tensor_bytes
 from torchrl_dcp.storage.copying import pwrite_all, run_split
+from torchrl_dcp.storage.files import DirHandle
 from torchrl_dcp.storage.writeback import Writeback
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -89,10 +91,12 @@ def chunk_file_parts(rows: torch.Tensor, save_id: str, rank: int) -> tuple[list[
     return [head, data, end], ChunkFile(size, format_crc(crc), len(head) + len(data) + len(tail), fingerprint)
 
 
-def write_chunk_file(path: Path, rows: torch.Tensor, save_id: str, rank: int, *, fsync: bool = True) -> ChunkFile:
-    """Write ``rows`` as one record followed by the identity trailer into the new file ``path``."""
+def write_chunk_file(
+    directory: DirHandle, name: str, rows: torch.Tensor, save_id: str, rank: int, *, fsync: bool = True
+) -> ChunkFile:
+    """Write ``rows`` as one record followed by the identity trailer into the new file ``name`` of ``directory``."""
     parts, record = chunk_file_parts(rows, save_id, rank)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+    fd = directory.create(name)
     try:
         writeback = Writeback(fd) if fsync else None
         at = 0
@@ -129,8 +133,9 @@ def can_keep(kept: KeptChunk) -> bool:
         os.close(fd)
 
 
-def keep_chunk_file(kept: KeptChunk, path: Path) -> ChunkFile | None:
-    """Give ``kept`` the name ``path`` (hard link, else copy); ``None`` when it is not the file recorded."""
+def keep_chunk_file(kept: KeptChunk, directory: DirHandle, name: str) -> ChunkFile | None:
+    """Give ``kept`` the name ``name`` in ``directory`` (hard link, else copy); ``None`` when it is not the file
+    recorded."""
     try:
         fd = os.open(kept.source, _OPEN_KEPT)
     except OSError:
@@ -139,31 +144,31 @@ def keep_chunk_file(kept: KeptChunk, path: Path) -> ChunkFile | None:
         st = _checked(fd, kept)
         if st is None:
             return None
-        copied = not _link_same(kept.source, path, st)
+        copied = not _link_same(kept.source, directory, name, st)
         if copied:
-            _copy_fd(fd, path, st.st_size)
+            _copy_fd(fd, directory, name, st.st_size)
     finally:
         os.close(fd)
     return ChunkFile(kept.size, kept.checksum, kept.size - TRAILER_SIZE, kept.fingerprint, kept.origin, copied)
 
 
-def _link_same(source: Path, path: Path, st: os.stat_result) -> bool:
-    """Hard-link ``source`` as ``path`` if it is still the inode checked (``st``); ``False`` if impossible."""
+def _link_same(source: Path, directory: DirHandle, name: str, st: os.stat_result) -> bool:
+    """Hard-link ``source`` as ``name`` if it is still the inode checked (``st``); ``False`` if impossible."""
     try:
-        os.link(source, path, follow_symlinks=False)
+        directory.link(source, name)
     except OSError as err:
         if err.errno in _NO_LINK:
             return False
         raise
-    linked = os.lstat(path)
+    linked = directory.lstat(name)
     if (linked.st_dev, linked.st_ino) != (st.st_dev, st.st_ino):  # swapped meanwhile: copy what was checked
-        os.unlink(path)
+        directory.unlink(name)
         return False
     return True
 
 
-def _copy_fd(src: int, path: Path, size: int) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+def _copy_fd(src: int, directory: DirHandle, name: str, size: int) -> None:
+    fd = directory.create(name)
     try:
         done = 0
         while done < size:
@@ -181,13 +186,13 @@ def _copy_fd(src: int, path: Path, size: int) -> None:
         os.close(fd)
 
 
-def write_chunks(jobs: list[ChunkJob], directory: Path, save_id: str, rank: int, threads: int) -> None:
+def write_chunks(jobs: list[ChunkJob], directory: DirHandle, save_id: str, rank: int, threads: int) -> None:
     """Write or keep every chunk of ``jobs`` in ``directory`` (threads split the bytes); fills ``job.result``."""
 
     def work(part: list[ChunkJob]) -> None:
         for job in part:
             if job.keep is not None:
-                job.result = keep_chunk_file(job.keep, directory / job.file)
+                job.result = keep_chunk_file(job.keep, directory, job.file)
                 if job.result is not None:
                     continue
             if job.tensor is None:  # async save: the rows were not staged, and the file changed since checked
@@ -195,7 +200,7 @@ def write_chunks(jobs: list[ChunkJob], directory: Path, save_id: str, rank: int,
                     f"{job.keep.source if job.keep else job.file} changed after the incremental save checked it; "
                     "save again (or without incremental_from)"
                 )
-            job.result = write_chunk_file(directory / job.file, job.tensor, save_id, rank)
+            job.result = write_chunk_file(directory, job.file, job.tensor, save_id, rank)
 
     if not jobs:
         return

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from torchrl_dcp.errors import CheckpointError, from_os_error
+from torchrl_dcp.storage.files import DirHandle
 from torchrl_dcp.storage.libc import libc
 
 if TYPE_CHECKING:
@@ -334,10 +335,14 @@ def create_exclusive(path: Path, mode: int = 0o644, flags: int = os.O_WRONLY) ->
     return os.open(path, flags | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, mode)
 
 
-def write_file_durably(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a new temporary name (``O_EXCL``), fsync it and rename it into place."""
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
-    fd = create_exclusive(tmp)
+def write_file_durably(path: Path, data: bytes, within: DirHandle | None = None) -> None:
+    """Write ``data`` to ``path`` through a new temporary name (``O_EXCL``), fsync it and rename it into place.
+
+    ``within``: the directory of ``path`` opened once; the temporary file is created and
+    renamed through its descriptor (nothing resolves ``path``'s directory again).
+    """
+    tmp = f".{path.name}.tmp-{uuid.uuid4().hex}"
+    fd = within.create(tmp) if within is not None else create_exclusive(path.with_name(tmp))
     try:
         try:
             view = memoryview(data)
@@ -346,9 +351,15 @@ def write_file_durably(path: Path, data: bytes) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)  # rename replaces a link at ``path`` itself, never its target
+        if within is not None:
+            within.replace(tmp, path.name)
+        else:
+            os.replace(path.with_name(tmp), path)  # rename replaces a link at ``path`` itself, never its target
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        if within is not None:
+            within.unlink(tmp, missing_ok=True)
+        else:
+            path.with_name(tmp).unlink(missing_ok=True)
         raise
 
 
@@ -366,15 +377,24 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def publish(staging: Path, destination: Path) -> None:
+def publish(staging: Path, destination: Path, expect: tuple[int, int] | None = None) -> None:
     """Move a complete staging directory to ``destination``, replacing what is there atomically.
 
     With no checkpoint at ``destination`` this is one ``rename``. Over an existing
     one the two are exchanged in one step and the old one is removed afterwards;
     where the file system cannot exchange, the old one is first renamed aside, so a
     crash leaves either the old or the new checkpoint, plus a trash directory that
-    the next save removes.
+    the next save removes. ``expect``: ``(st_dev, st_ino)`` of the staging directory the
+    save wrote through; a staging path that names anything else now is refused.
     """
+    if expect is not None:
+        st = os.lstat(staging)
+        if not stat.S_ISDIR(st.st_mode) or (st.st_dev, st.st_ino) != expect:
+            raise CheckpointError(
+                "the staging directory was replaced while the save ran (another process tampered with it); "
+                "nothing was committed",
+                path=staging,
+            )
     fsync_path(staging)
     if destination.exists() or destination.is_symlink():
         if _exchange(staging, destination):

@@ -56,8 +56,8 @@ from torchrl_dcp.storage.commit import (
     sweep_stale_locks,
     write_file_durably,
 )
-from torchrl_dcp.storage.files import open_regular, read_whole
-from torchrl_dcp.storage.filesums import fds_checksums, file_record
+from torchrl_dcp.storage.files import DirHandle, open_regular, read_whole
+from torchrl_dcp.storage.filesums import fds_checksums
 
 if TYPE_CHECKING:
     from torchrl_dcp.storage.chunk_writer import KeptChunk
@@ -188,11 +188,13 @@ def tree_size(path: Path) -> int | None:
 
 
 class DirectorySaveTarget(SaveTarget):
-    """A staging directory beside the destination; rank 0's holds the destination's lock."""
+    """A staging directory beside the destination, opened once: every file is written through its descriptor and
+    the staged tree is checked (names, kinds, sizes) before it is published; rank 0's holds the destination's lock."""
 
     def __init__(self, destination: Path, staging: Path, lock: DestinationLock | None = None) -> None:
         self.destination, self.staging, self.lock = destination, staging, lock
         self.token, self.where, self.checkpoint_id = str(staging), staging, staging
+        self.dir = DirHandle.open(staging)
 
     def write(self, share: ShareWrite) -> WriteOutcome:
         from torchrl_dcp.storage.chunk_writer import write_chunks
@@ -200,9 +202,9 @@ class DirectorySaveTarget(SaveTarget):
         from torchrl_dcp.storage.writer import write_share
 
         out = write_share(
-            dict(share.tensors), [k for k, _ in share.tensors], self.staging, share.rank, save_id=share.save_id
+            dict(share.tensors), [k for k, _ in share.tensors], self.dir, share.rank, save_id=share.save_id
         )
-        write_chunks(share.chunks, self.staging, share.save_id, share.rank, default_threads())
+        write_chunks(share.chunks, self.dir, share.save_id, share.rank, default_threads())
         out.add_chunks(share.chunks)
         return out
 
@@ -213,44 +215,55 @@ class DirectorySaveTarget(SaveTarget):
 
     def seal_dcp_files(self, rank: int, save_id: str) -> WriteOutcome:
         out = WriteOutcome()
-        for p in sorted(self.staging.iterdir()):
-            if p.name.startswith(f"__{rank}_"):  # DCP addresses records by offset: the trailer after them is never read
-                fd = os.open(p, os.O_WRONLY | os.O_APPEND | _NOFOLLOW | _CLOEXEC)
-                try:
-                    if not stat.S_ISREG(os.fstat(fd).st_mode):
-                        raise CheckpointIntegrityError(
-                            "is not a regular file: the staging directory was tampered with", path=p
-                        )
+        for name in self.dir.names():
+            mine = name.startswith(f"__{rank}_")
+            if not (mine or (rank == 0 and name == DCP_METADATA)):
+                continue
+            fd = self.dir.open_file(name, os.O_RDWR | os.O_APPEND if mine else os.O_RDONLY)
+            try:
+                if mine:  # DCP addresses records by offset: the trailer after them is never read
                     os.write(fd, identity_trailer(save_id, rank))
                     os.fsync(fd)
-                finally:
-                    os.close(fd)
-            if p.name.startswith(f"__{rank}_") or (rank == 0 and p.name == DCP_METADATA):
-                out.files[p.name] = file_record(p)
-                out.bytes_written += out.files[p.name]["size"]
+                size = os.fstat(fd).st_size
+                out.files[name] = {
+                    "size": size,
+                    "checksum": fds_checksums([(fd, 0, size, str(self.staging / name))])[0],
+                }
+            finally:
+                os.close(fd)
+            out.bytes_written += out.files[name]["size"]
         return out
 
     def read_dcp_metadata(self) -> Any:
-        from torchrl_dcp.storage.filesystem import safe_load_metadata
+        from torchrl_dcp.format.dcp_metadata import parse_metadata
 
-        if not (self.staging / DCP_METADATA).exists():
+        if DCP_METADATA not in self.dir.names():
             return None
-        return safe_load_metadata(self.staging / DCP_METADATA)
+        fd = self.dir.open_file(DCP_METADATA)
+        try:
+            size = os.fstat(fd).st_size
+            if size > MAX_MANIFEST_BYTES:
+                raise CheckpointFormatError(f"is implausibly large ({size} bytes)", path=self.staging / DCP_METADATA)
+            data = os.pread(fd, size, 0)
+        finally:
+            os.close(fd)
+        return parse_metadata(data, self.staging / DCP_METADATA)
 
     def write_dcp_metadata(self, metadata: Any) -> dict[str, Any]:
         from torchrl_dcp.storage.writer import write_metadata
 
-        (self.staging / DCP_METADATA).unlink(missing_ok=True)
-        return write_metadata(self.staging, metadata)
+        return write_metadata(self.dir, metadata)
 
-    def commit(self, manifest: bytes) -> None:
-        write_file_durably(self.staging / MANIFEST, manifest)
-        publish(self.staging, self.destination)
+    def commit(self, manifest: bytes, files: Mapping[str, Mapping[str, Any]]) -> None:
+        write_file_durably(self.staging / MANIFEST, manifest, within=self.dir)
+        self.dir.check_tree({**{n: int(r["size"]) for n, r in files.items()}, MANIFEST: len(manifest)})
+        publish(self.staging, self.destination, expect=self.dir.inode())
 
     def abandon(self) -> None:
         remove_tree(self.staging)
 
     def release(self) -> None:
+        self.dir.close()
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -287,11 +300,20 @@ class DirectoryLocation(Location):
             for stale in stale_entries(destination):
                 remove_tree(stale)
             staging = staging_path(destination)
-            staging.mkdir()
+            staging.mkdir(mode=0o755)
+            target = DirectorySaveTarget(destination, staging, lock)
+            st = os.fstat(target.dir.fd)
+            if st.st_uid != os.geteuid() or target.dir.names():  # not the directory just made: someone swapped it
+                target.dir.close()
+                raise CheckpointError(
+                    "the staging directory just created was replaced by another one (another process tampered with "
+                    "the parent directory); nothing was written",
+                    path=staging,
+                )
         except BaseException:
             lock.release()
             raise
-        return DirectorySaveTarget(destination, staging, lock)
+        return target
 
     def attach_save(self, token: str) -> SaveTarget:
         return DirectorySaveTarget(self.path, Path(token))

@@ -27,6 +27,7 @@ from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 
 def open_regular(path: str | os.PathLike, where: Any = None) -> int:
@@ -79,3 +80,119 @@ def read_whole(path: str | os.PathLike, limit: int, where: Any = None, expected_
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+class DirHandle:
+    """A directory opened once (``O_DIRECTORY | O_NOFOLLOW``): every file in it is created, opened, renamed and
+    checked relative to that descriptor, never through a path an attacker could swap for a link.
+
+    Example:
+        >>> import os, tempfile
+        >>> d = DirHandle.open(tempfile.mkdtemp())
+        >>> fd = d.create("f"); _ = os.write(fd, b"abc"); os.close(fd)
+        >>> d.names(), d.lstat("f").st_size
+        (['f'], 3)
+        >>> d.close()
+    """
+
+    def __init__(self, path: Any, fd: int) -> None:
+        self.path, self.fd = path, fd
+
+    @classmethod
+    def open(cls, path: Any) -> DirHandle:
+        """Open the directory ``path`` itself (a symlink there is refused)."""
+        try:
+            fd = os.open(path, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC)
+        except OSError as err:
+            if err.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise CheckpointIntegrityError(
+                    "is not a directory (a symbolic link or a file was put in its place): refused", path=path
+                ) from None
+            raise
+        return cls(path, fd)
+
+    @property
+    def name(self) -> str:
+        """The directory's own name."""
+        return self.path.name
+
+    def __truediv__(self, name: str) -> Any:
+        """The path of ``name`` inside (for messages; files are reached through the descriptor)."""
+        return self.path / name
+
+    def create(self, name: str, mode: int = 0o644, flags: int = os.O_WRONLY) -> int:
+        """Create ``name`` as a new file (``O_EXCL | O_NOFOLLOW``: nothing planted there is opened)."""
+        return os.open(name, flags | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, mode, dir_fd=self.fd)
+
+    def open_file(self, name: str, flags: int = os.O_RDONLY) -> int:
+        """Open the regular file ``name`` (no link followed, no FIFO waited on)."""
+        try:
+            fd = os.open(name, flags | _O_NOFOLLOW | _O_NONBLOCK | _O_CLOEXEC, dir_fd=self.fd)
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                raise CheckpointIntegrityError("is a symbolic link: refused", path=self / name) from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise CheckpointIntegrityError("is not a regular file: refused", path=self / name)
+        return fd
+
+    def replace(self, src: str, dst: str) -> None:
+        os.replace(src, dst, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+
+    def unlink(self, name: str, missing_ok: bool = False) -> None:
+        try:
+            os.unlink(name, dir_fd=self.fd)
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
+
+    def link(self, source: Any, name: str) -> None:
+        """Hard-link ``source`` (a path, not followed if a link) as ``name`` inside."""
+        os.link(source, name, dst_dir_fd=self.fd, follow_symlinks=False)
+
+    def lstat(self, name: str) -> os.stat_result:
+        return os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+
+    def names(self) -> list[str]:
+        return sorted(os.listdir(self.fd))
+
+    def fsync(self) -> None:
+        os.fsync(self.fd)
+
+    def inode(self) -> tuple[int, int]:
+        st = os.fstat(self.fd)
+        return st.st_dev, st.st_ino
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def check_tree(self, expected: dict[str, int]) -> None:
+        """Exactly ``expected`` (``{name: size}``) is inside: regular files of those sizes, nothing else, no link.
+
+        Raises:
+            CheckpointIntegrityError: naming the first file that differs.
+        """
+        found = set(self.names())
+        for name in sorted(found - set(expected)):
+            raise CheckpointIntegrityError(
+                "appeared in the staging directory, which no save writes: another process tampered with it; "
+                "nothing was committed",
+                path=self / name,
+            )
+        for name, size in sorted(expected.items()):
+            try:
+                st = self.lstat(name)
+            except FileNotFoundError:
+                raise CheckpointIntegrityError(
+                    "is missing from the staging directory (written elsewhere, or removed): nothing was committed",
+                    path=self / name,
+                ) from None
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink < 1 or st.st_size != size:
+                raise CheckpointIntegrityError(
+                    f"is not the regular file of {size} bytes this save wrote: another process tampered with the "
+                    "staging directory; nothing was committed",
+                    path=self / name,
+                )

@@ -51,8 +51,9 @@ class ObjectStoreSaveTarget(SaveTarget):
         self.destination.fs.pipe_file((self.destination / DCP_METADATA).key, data)
         return {"size": len(data), "checksum": format_crc(crc32(data))}
 
-    def commit(self, manifest: bytes) -> None:
+    def commit(self, manifest: bytes, files: Mapping[str, Mapping[str, Any]]) -> None:
         try:
+            objectstore_save.check_uploaded(self.destination, files)
             objectstore_save.commit_manifest(self.destination, manifest)
         except CheckpointError:
             raise

@@ -33,6 +33,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -193,6 +194,23 @@ def finish(destination: StorePath, metadata_bytes: bytes | None, manifest_bytes:
     if metadata_bytes is not None:
         destination.fs.pipe_file((destination / DCP_METADATA).key, metadata_bytes)
     commit_manifest(destination, manifest_bytes)
+
+
+def check_uploaded(destination: StorePath, files: Mapping[str, Mapping[str, Any]]) -> None:
+    """Exactly ``files`` (the manifest's records) are under ``destination``, each of its recorded size."""
+    found = list_objects(destination)
+    for name in sorted(set(found) - set(files)):
+        raise CheckpointError(
+            "appeared under the prefix while the save ran (another writer?); nothing was committed",
+            path=destination / name,
+        )
+    for name, rec in sorted(files.items()):
+        info = found.get(name)
+        if info is None or info.get("type") != "file" or int(info.get("size") or -1) != int(rec["size"]):
+            raise CheckpointError(
+                f"is not the object of {rec['size']} bytes this save uploaded; nothing was committed",
+                path=destination / name,
+            )
 
 
 def commit_manifest(destination: StorePath, manifest_bytes: bytes) -> None:

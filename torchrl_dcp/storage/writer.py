@@ -58,6 +58,7 @@ from torchrl_dcp.format.layout import DCP_METADATA, data_file_name, identity_tra
 from torchrl_dcp.format.record import Template, template, tensor_bytes
 from torchrl_dcp.storage.base import ChunkEntry, WriteOutcome
 from torchrl_dcp.storage.copying import default_threads, pwrite_all, run_split
+from torchrl_dcp.storage.files import DirHandle
 from torchrl_dcp.storage.writeback import Writeback
 
 WRITE_PIECE = 1 << 20  # 1 MiB writes measured fastest here (perf.md)
@@ -125,20 +126,22 @@ def plan_layout(tensors: list[tuple[str, torch.Tensor]], trailer: bytes) -> File
 
 
 def write_file(
-    path: str | os.PathLike,
+    directory: DirHandle,
+    name: str,
     tensors: list[tuple[str, torch.Tensor]],
     *,
     threads: int = 2,
     fsync: bool = True,
     trailer: bytes = b"",
 ) -> tuple[list[tuple[str, int, int]], dict[str, Any]]:
-    """Write ``tensors`` as consecutive ``torch.save`` blobs into ``path`` (a new file), then ``trailer``.
+    """Write ``tensors`` as consecutive ``torch.save`` blobs into the new file ``name`` of ``directory``, then
+    ``trailer``.
 
     Returns ``([(key, offset, length)], {"size", "checksum"})``; the checksum is the
     CRC32 of the file, computed from the pieces as they were written.
     """
     layout = plan_layout(tensors, trailer)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    fd = directory.create(name)
     try:
         work = [u for u in layout.units if u.deferred is None]
         total = sum(len(u.data) for u in work)
@@ -221,22 +224,29 @@ def build_metadata(
     )
 
 
-def write_metadata(directory: Path, metadata: Metadata) -> dict[str, Any]:
-    """Write ``.metadata`` durably (tmp + fsync + rename); returns its manifest record."""
+def write_metadata(directory: DirHandle, metadata: Metadata) -> dict[str, Any]:
+    """Write ``.metadata`` durably (a new temporary file, fsync, rename, all through the directory's descriptor);
+    returns its manifest record."""
     data = pickle.dumps(metadata)
-    tmp = directory / f"{DCP_METADATA}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / DCP_METADATA)
+    tmp = f"{DCP_METADATA}.tmp-{uuid.uuid4().hex}"
+    fd = directory.create(tmp)
+    try:
+        try:
+            pwrite_all(fd, data, 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        directory.replace(tmp, DCP_METADATA)
+    except BaseException:
+        directory.unlink(tmp, missing_ok=True)
+        raise
     return {"size": len(data), "checksum": format_crc(crc32(data))}
 
 
 def write_share(
     flat: Mapping[str, torch.Tensor],
     keys: list[str],
-    directory: Path,
+    directory: DirHandle,
     rank: int,
     threads: int | None = None,
     save_id: str | None = None,
@@ -251,7 +261,7 @@ def write_share(
     name = data_file_name(rank)
     trailer = b"" if save_id is None else identity_trailer(save_id, rank)
     entries, record = write_file(
-        directory / name, [(k, flat[k]) for k in keys], threads=threads or default_threads(), trailer=trailer
+        directory, name, [(k, flat[k]) for k in keys], threads=threads or default_threads(), trailer=trailer
     )
     out.files[name] = record
     out.entries = [(k, name, off, length) for k, off, length in entries]
@@ -262,9 +272,14 @@ def write_share(
 def write_state(
     flat: Mapping[str, torch.Tensor], directory: str | os.PathLike, threads: int | None = None
 ) -> WriteOutcome:
-    """Single-process helper: write every tensor of ``flat`` and ``.metadata`` into ``directory``."""
-    directory = Path(directory)
-    out = write_share(flat, list(flat), directory, 0, threads=threads)
-    meta = build_metadata({k: (t.dtype, tuple(t.shape)) for k, t in flat.items()}, out.entries, directory)
-    out.files[DCP_METADATA] = write_metadata(directory, meta)
+    """Single-process helper: write every tensor of ``flat`` and ``.metadata`` into ``directory`` (created)."""
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    handle = DirHandle.open(path)
+    try:
+        out = write_share(flat, list(flat), handle, 0, threads=threads)
+        meta = build_metadata({k: (t.dtype, tuple(t.shape)) for k, t in flat.items()}, out.entries, path)
+        out.files[DCP_METADATA] = write_metadata(handle, meta)
+    finally:
+        handle.close()
     return out
