@@ -419,3 +419,30 @@ def test_big_endian_arrays_round_trip() -> None:
     back = decode(json.loads(json.dumps(skeleton)), tensors)
     assert back["be"].dtype == np.dtype(">f4") and back["be"].tolist() == [0.0, 1.0, 2.0]
     assert back["le"].dtype == np.dtype("<i8") and back["le"].tolist() == [0, 1, 2]
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc (Linux)")
+def test_a_lock_file_that_cannot_be_created_is_an_error_not_a_spin(tmp_path: Path) -> None:
+    """Under /proc a created file vanishes at once (ENOENT): save, rotation and conversions say so and stop."""
+    import subprocess
+    import sys
+
+    src = tdcp.DistributedCheckpoint(w={"x": torch.ones(1)}).save(tmp_path / "c")
+    code = f"""
+import torch, torchrl_dcp as tdcp
+for name, call in [
+    ("save", lambda: tdcp.DistributedCheckpoint(w={{"x": torch.ones(1)}}).save("/proc/self/tdcp-ckpt")),
+    ("rotation", lambda: tdcp.CheckpointRotation("/proc/self").save(tdcp.DistributedCheckpoint(w={{"x": torch.ones(1)}}), step=1)),
+    ("to_archive", lambda: tdcp.to_archive({str(src)!r}, "/proc/self/tdcp.zip")),
+]:
+    try:
+        call()
+        print(name, "no error")
+    except tdcp.CheckpointError as err:
+        print(name, "refused:", "cannot be created" in str(err) or str(err))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert [line.split()[0] for line in lines] == ["save", "rotation", "to_archive"], out.stdout
+    assert all(line.endswith("refused: True") for line in lines), out.stdout

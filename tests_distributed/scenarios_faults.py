@@ -103,7 +103,7 @@ def arm(phase: str) -> None:
 
         storage_writer.write_share = share_and_die
     elif phase == "manifest":  # manifest written in the staging directory, before the rename
-        directory.publish = lambda staging, destination: _die()
+        directory.publish = lambda staging, destination, **kwargs: _die()
     elif phase == "rename":  # right after the rename into place, before the parent directory is fsynced
         original_fsync = commit.fsync_path
         calls = [0]
@@ -219,7 +219,7 @@ def full_disk(directory: str, mode: str) -> dict[str, Any]:
         writer.pwrite_all = full
     elif mode == "manifest" and rank == 0:
 
-        def full_manifest(path, data):  # type: ignore[no-untyped-def]
+        def full_manifest(path, data, **kwargs):  # type: ignore[no-untyped-def]
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
         directory.write_file_durably = full_manifest
@@ -266,10 +266,10 @@ def two_jobs(path: str, sync_dir: str, job: str) -> dict[str, Any]:
         if rank == 0:
             original = directory.publish
 
-            def parked(staging, destination):  # type: ignore[no-untyped-def]
+            def parked(staging, destination, **kwargs):  # type: ignore[no-untyped-def]
                 (sync / "A-staged").touch()
                 wait_for("B-refused")
-                original(staging, destination)
+                original(staging, destination, **kwargs)
 
             directory.publish = parked
         checkpoint(objects(seed, rank)).save(path, step=1, metadata={"job": "A"})

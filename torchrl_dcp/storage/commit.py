@@ -51,6 +51,7 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # never block on a FIFO planted where a file is expected
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
+_LOCK_ATTEMPTS = 100  # a lock file that vanished between creation and open this often is not a race
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
@@ -112,9 +113,18 @@ class DestinationLock:
                 symlink or not a regular file (never written through), or cannot be created.
         """
         deadline = time.monotonic() + self.wait
+        vanished = 0
         while True:
             fd = open_lock_file(self.path, self.destination)
-            if fd is None:  # removed between our attempts: try again
+            if fd is None:  # removed between our attempts: try again, a bounded number of times
+                vanished += 1
+                if vanished > _LOCK_ATTEMPTS and time.monotonic() >= deadline:
+                    raise CheckpointError(
+                        f"the lock file {self.path.name} cannot be created here (it vanishes as soon as it is made: "
+                        "not a regular directory, e.g. under /proc?); choose a checkpoint path on a real file system",
+                        path=self.destination,
+                    )
+                time.sleep(0.001 * min(vanished, 10))
                 continue
             try:
                 locked = _try_flock(fd)
