@@ -147,3 +147,45 @@ def test_forged_chunk_lists_are_refused_and_nothing_changes(tmp_path: Path, case
         tdcp.DistributedCheckpoint(**objs).load(where)
     assert ".metadata" in str(info.value) and "forged" in str(info.value), str(info.value)
     assert all(torch.equal(a, b) for a, b in zip(snapshot(objs), before)), "a refused load changed the objects"
+
+
+def _deflated_record(tensor: torch.Tensor) -> bytes:
+    """``torch.save`` of ``tensor`` with every ZIP member DEFLATED (a record torch.save never writes)."""
+    import io
+    import zipfile
+
+    plain = io.BytesIO()
+    torch.save(tensor, plain)
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(plain.getvalue())) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info.filename))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("kind", ["directory", "archive", "store"])
+def test_a_compressed_record_is_refused_before_torch_load(tmp_path: Path, kind: str) -> None:
+    """A record whose members are DEFLATED (a decompression bomb in the making) never reaches ``torch.load``."""
+    path = tdcp.DistributedCheckpoint(**objects(1)).save(tmp_path / "c")
+    md = safe_load_metadata(path / ".metadata")
+    index = next(i for i in md.storage_data if i.fqn == TABLE)
+    info = md.storage_data[index]
+    data = (path / info.relative_path).read_bytes()
+    record = _deflated_record(torch.full((64, 4), 7.0))
+    (path / info.relative_path).write_bytes(data[:-64] + record + data[-64:])  # the identity trailer stays last
+    moved = copy.copy(info)
+    moved.offset, moved.length = len(data) - 64, len(record)
+    md.storage_data[index] = moved
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    manifest = json.loads((path / "manifest.json").read_text())
+    for name in (".metadata", info.relative_path):
+        manifest["files"][name] = {"size": (path / name).stat().st_size, "checksum": file_checksum(path / name)}
+    (path / "manifest.json").write_text(json.dumps(seal(manifest)))
+    where = _at(kind, path, tmp_path)
+    with pytest.raises(tdcp.CheckpointIntegrityError, match="STORED|compressed"):
+        tdcp.verify(where)
+    objs = objects(2)
+    before = snapshot(objs)
+    with pytest.raises(tdcp.CheckpointIntegrityError, match="compressed"):
+        tdcp.DistributedCheckpoint(**objs).load(where)
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(objs), before)), "a refused load changed the objects"

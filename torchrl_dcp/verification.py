@@ -16,6 +16,7 @@ from typing import Any
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
 from torchrl_dcp.format.layout import MANIFEST
 from torchrl_dcp.format.manifest import unchecked
+from torchrl_dcp.format.record import stored_record
 from torchrl_dcp.load_plan import check_states
 from torchrl_dcp.storage.backends import open_source
 from torchrl_dcp.storage.source import CheckpointSource
@@ -34,6 +35,43 @@ def _check_blob_headers(src: CheckpointSource, metadata: Any) -> None:
                     "DCP's metadata (damaged or forged)",
                     path=src.container.byte_range(rel).where,
                 )
+
+
+def _check_records_stored(src: CheckpointSource, metadata: Any) -> None:
+    """Every record is a ZIP whose members are all STORED (what loads accept: a compressed member would expand in
+    ``torch.load``). Two batched reads per data file: the records' end records, then their central directories."""
+    by_file: dict[str, list[tuple[int, int, str]]] = {}
+    for index, info in metadata.storage_data.items():
+        by_file.setdefault(info.relative_path, []).append((info.offset, info.length, index.fqn))
+    for rel, items in sorted(by_file.items()):
+        cache: dict[tuple[int, int], bytes] = {}
+        ends = [(o + n - 22, 22) for o, n, _ in items if n >= 22]
+        cache.update(zip(ends, src.read_many(rel, ends)))
+        dirs = []
+        for o, n, _ in items:
+            end = cache.get((o + n - 22, 22), b"")
+            if len(end) == 22:
+                cd_size, cd_offset = int.from_bytes(end[12:16], "little"), int.from_bytes(end[16:20], "little")
+                if cd_offset + cd_size <= n:
+                    dirs.append((o + cd_offset, cd_size))
+        cache.update(zip(dirs, src.read_many(rel, dirs)))
+        for o, n, key in items:
+            if not stored_record(_reader(src, rel, o, cache), n):
+                raise CheckpointIntegrityError(
+                    f"tensor {key!r} at byte {o} is not a torch.save record of STORED members (compressed, or "
+                    "malformed): loads refuse it; the checkpoint is damaged or forged",
+                    path=src.container.byte_range(rel).where,
+                )
+
+
+def _reader(src: CheckpointSource, rel: str, base: int, cache: dict[tuple[int, int], bytes]) -> Any:
+    """``read(offset, n)`` inside the record at ``base`` of ``rel``: from ``cache`` (prefetched), else one read."""
+
+    def read(at: int, size: int) -> bytes:
+        found = cache.get((base + at, size))
+        return found if found is not None else src.read_many(rel, [(base + at, size)])[0]
+
+    return read
 
 
 def _heads(src: CheckpointSource, rel: str, items: list[tuple[int, str]]) -> Iterator[tuple[int, str, bytes]]:
@@ -67,6 +105,7 @@ def verify(path: str | os.PathLike, *, storage_options: dict[str, Any] | None = 
         for name, rec in manifest["components"].items():
             tensors += sum(len(s.specs) for s in check_states(name, rec, metadata, root / MANIFEST).values())
         _check_blob_headers(src, metadata)
+        _check_records_stored(src, metadata)
     elif any(rec.get("num_tensors") or rec.get("inventory") for rec in manifest["components"].values()):
         raise CheckpointFormatError("manifest lists tensors but no data files", path=root)
     return {

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from torchrl_dcp.errors import CheckpointIntegrityError
 from torchrl_dcp.format.checksums import crc32
 from torchrl_dcp.format.zipformat import central_entry, end_records, local_header
 
@@ -357,3 +358,50 @@ def record_data_offset(read: Any, head: Any, length: int, dtype: torch.dtype, sh
         return zip_data_offset(read, length, dtype, shape)
     except (struct.error, ValueError, IndexError):
         return None
+
+
+MAX_RECORD_MEMBERS = 64  # a torch.save record of one tensor holds a handful (data.pkl, byteorder, data/0, version...)
+
+
+def check_stored_record(data: bytes, where: Any) -> None:
+    """Refuse a record the format never produces before ``torch.load`` may see it: every member of its ZIP
+    STORED (no compression: nothing expands beyond the record's own bytes), a handful of members, each inside it.
+
+    Example:
+        >>> import io, torch
+        >>> buf = io.BytesIO(); torch.save(torch.ones(2), buf)
+        >>> check_stored_record(buf.getvalue(), "x")
+    """
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            members = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as err:
+        raise CheckpointIntegrityError(f"record is not a torch.save record ({err}): refused", path=where) from None
+    if len(members) > MAX_RECORD_MEMBERS:
+        raise CheckpointIntegrityError(
+            f"record holds {len(members)} members, a tensor record a few: refused", path=where
+        )
+    for m in members:
+        if m.compress_type != zipfile.ZIP_STORED or m.file_size != m.compress_size or m.file_size > len(data):
+            raise CheckpointIntegrityError(
+                f"record member {m.filename!r} is compressed or larger than the record (torch.save never writes "
+                "that; a forged or damaged checkpoint): refused",
+                path=where,
+            )
+
+
+def stored_record(read: Any, length: int) -> bool:
+    """Whether a record of ``length`` bytes is a ZIP whose members are all STORED, each inside it (what
+    ``torch.save`` writes); ``read(offset, n)`` returns bytes of the record. Reads its end records and central
+    directory only (``verify`` asks this of every record, as loads refuse anything else)."""
+    try:
+        found = _central_directory(read, length)
+        if found is None:
+            return False
+        entries, cd_size, cd_offset = found
+        members = _members(read(cd_offset, cd_size), entries)
+    except (struct.error, ValueError, IndexError):
+        return False
+    return members is not None and all(m[0] == 0 and m[1] + m[2] <= length for m in members.values())

@@ -56,7 +56,7 @@ from torch.futures import Future
 from torchrl_dcp.errors import CheckpointIntegrityError
 from torchrl_dcp.format.checksums import combined_crc, crc32, format_crc
 from torchrl_dcp.format.layout import is_plain_name
-from torchrl_dcp.format.record import is_memmap_tensor, record_data_offset
+from torchrl_dcp.format.record import check_stored_record, is_memmap_tensor, record_data_offset
 from torchrl_dcp.storage.base import ByteRange, Container
 from torchrl_dcp.storage.copying import ReadAhead, read_threads, run_split
 from torchrl_dcp.storage.files import open_regular
@@ -151,8 +151,9 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, io.BytesIO(stream.read(-1)))
             return
-        seekable = stream if stream.seekable() else io.BytesIO(stream.read(-1))
-        tensor = cast(torch.Tensor, torch.load(seekable, map_location="cpu", weights_only=True))
+        raw = stream.read(-1)
+        check_stored_record(raw, f"{info.relative_path}::{req.storage_index.fqn}")  # nothing expands in torch.load
+        tensor = cast(torch.Tensor, torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True))
         tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
         target = (planner.resolve_tensor(req) if target is None else target).detach()
         if target.size() != tensor.size():
