@@ -481,3 +481,38 @@ def test_pickle_in_archive_metadata_never_runs(tmp_path: Path) -> None:
     with pytest.raises(tdcp.UnsafeCheckpointError):
         verify(bad)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("call", ["load", "inspect", "verify"])
+def test_an_archive_swapped_for_a_fifo_is_refused_not_waited_on(tmp_path: Path, call: str) -> None:
+    """The path was an archive when it was looked at, and is a FIFO when it is opened: refused at once."""
+    import os
+    import threading
+
+    from torchrl_dcp.cli import main as cli
+    from torchrl_dcp.storage.archive import ArchiveContainer, ArchiveLocation
+
+    zipped = tdcp.to_archive(saved(tmp_path), tmp_path / "c.zip")
+    location = ArchiveLocation(zipped)  # what the dispatch decided while it was a file
+    zipped.unlink()
+    os.mkfifo(zipped)
+    outcome: list[BaseException | int] = []
+
+    def run() -> None:
+        try:
+            if call == "load":
+                checkpoint(make_objects(2)).load(zipped)  # dispatched again: not a file, so not an archive
+                ArchiveContainer(zipped).manifest()
+            elif call == "inspect":
+                location.manifest()
+            else:
+                outcome.append(cli(["verify", str(zipped)]))
+                location.open_source().check(True)
+        except tdcp.CheckpointError as err:
+            outcome.append(err)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive(), "opening a FIFO blocked"
+    assert outcome and isinstance(outcome[-1], tdcp.CheckpointError), outcome

@@ -43,7 +43,7 @@ from torchrl_dcp.storage.commit import (
 )
 from torchrl_dcp.storage.copying import CopyRange, copy_ranges
 from torchrl_dcp.storage.directory import DirectoryContainer
-from torchrl_dcp.storage.files import read_whole
+from torchrl_dcp.storage.files import open_regular, read_whole
 
 __all__ = ["export_torchrl", "to_archive", "to_directory"]
 
@@ -221,7 +221,7 @@ def _unpack(
     staging.mkdir()
     try:
         names = sorted(files, key=lambda n: source.member(n).data_offset)
-        archive = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        archive = open_regular(path)
         outs: list[int] = []
         try:
             ranges = []

@@ -81,58 +81,63 @@ def read_index(path: Path) -> dict[str, Member]:
             a compressed, encrypted, duplicate, overlapping or out-of-bounds member.
         CheckpointIntegrityError: a member name that could escape (absolute, ``..``, ``\\``).
     """
+    with os.fdopen(open_regular(path), "rb") as f:  # no link followed, a FIFO swapped in refused (never waited on)
+        return _read_index(path, f)
+
+
+def _read_index(path: Path, f: Any) -> dict[str, Member]:
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:  # our archives end with the end record (no comment); a data file
-            f.seek(max(0, size - 22))  # may itself be a ZIP (torch.save), whose end record must not be taken
-            end = f.read(22)
+        size = os.fstat(f.fileno()).st_size
+        f.seek(max(0, size - 22))  # our archives end with the end record (no comment); a data file may itself
+        end = f.read(22)  # be a ZIP (torch.save), whose end record must not be taken
         if len(end) != 22 or end[:4] != b"PK\x05\x06" or end[20:22] != b"\0\0":
             raise CheckpointFormatError(
                 "no ZIP end record at the end of the file: not an archive, or its central directory is damaged "
                 "(truncated or with trailing bytes)",
                 path=path,
             )
-        with zipfile.ZipFile(path) as zf:
+        f.seek(0)
+        with zipfile.ZipFile(f) as zf:
             infos, start_dir = zf.infolist(), zf.start_dir
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, struct.error, UnicodeDecodeError) as err:
         raise CheckpointFormatError(
             f"not a readable ZIP archive, or its central directory is damaged ({type(err).__name__}: {err})", path=path
         ) from None
     members: dict[str, Member] = {}
-    with open(path, "rb") as f:
-        for info in infos:
-            name = info.orig_filename
-            where = f"{path}::{name}"
-            _check_name(name, where)
-            if name in members:
-                raise CheckpointFormatError("the archive holds this member twice", path=where)
-            if info.flag_bits & 0x1:
-                raise CheckpointFormatError("member is encrypted; torchrl_dcp archives never are", path=where)
-            if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
-                raise CheckpointFormatError(
-                    f"member is compressed (method {info.compress_type}); torchrl_dcp archives are STORED "
-                    "(convert the checkpoint again with tdcp.to_archive)",
-                    path=where,
-                )
-            if not 0 <= info.header_offset < min(start_dir, size):
-                raise CheckpointFormatError(
-                    f"central directory puts the member at offset {info.header_offset}, outside the archive "
-                    "(the central directory is damaged)",
-                    path=where,
-                )
-            f.seek(info.header_offset)
-            header = f.read(_LOCAL_HEADER.size)
-            if len(header) != _LOCAL_HEADER.size:
-                raise CheckpointFormatError("local header lies beyond the end of the archive", path=where)
-            sig, _, _, method, _, _, _, _, _, name_len, extra_len = _LOCAL_HEADER.unpack(header)
-            if sig != _LOCAL_SIG or method != zipfile.ZIP_STORED:
-                raise CheckpointFormatError("local header is damaged (central directory points elsewhere)", path=where)
-            if f.read(name_len) != name.encode("utf-8" if info.flag_bits & 0x800 else "cp437"):
-                raise CheckpointFormatError("local header names another member", path=where)
-            data_offset = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-            if data_offset + info.file_size > min(start_dir, size):
-                raise CheckpointFormatError("member data extends beyond the end of the archive", path=where)
-            members[name] = Member(name, info.header_offset, data_offset, info.file_size, info.CRC)
+    # the same open file throughout: whatever is swapped in at its path later is never read
+    for info in infos:
+        name = info.orig_filename
+        where = f"{path}::{name}"
+        _check_name(name, where)
+        if name in members:
+            raise CheckpointFormatError("the archive holds this member twice", path=where)
+        if info.flag_bits & 0x1:
+            raise CheckpointFormatError("member is encrypted; torchrl_dcp archives never are", path=where)
+        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+            raise CheckpointFormatError(
+                f"member is compressed (method {info.compress_type}); torchrl_dcp archives are STORED "
+                "(convert the checkpoint again with tdcp.to_archive)",
+                path=where,
+            )
+        if not 0 <= info.header_offset < min(start_dir, size):
+            raise CheckpointFormatError(
+                f"central directory puts the member at offset {info.header_offset}, outside the archive "
+                "(the central directory is damaged)",
+                path=where,
+            )
+        f.seek(info.header_offset)
+        header = f.read(_LOCAL_HEADER.size)
+        if len(header) != _LOCAL_HEADER.size:
+            raise CheckpointFormatError("local header lies beyond the end of the archive", path=where)
+        sig, _, _, method, _, _, _, _, _, name_len, extra_len = _LOCAL_HEADER.unpack(header)
+        if sig != _LOCAL_SIG or method != zipfile.ZIP_STORED:
+            raise CheckpointFormatError("local header is damaged (central directory points elsewhere)", path=where)
+        if f.read(name_len) != name.encode("utf-8" if info.flag_bits & 0x800 else "cp437"):
+            raise CheckpointFormatError("local header names another member", path=where)
+        data_offset = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+        if data_offset + info.file_size > min(start_dir, size):
+            raise CheckpointFormatError("member data extends beyond the end of the archive", path=where)
+        members[name] = Member(name, info.header_offset, data_offset, info.file_size, info.CRC)
     spans = sorted(members.values(), key=lambda m: m.header_offset)
     for a, b in itertools.pairwise(spans):
         if a.data_offset + a.size > b.header_offset:

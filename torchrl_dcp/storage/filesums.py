@@ -20,6 +20,7 @@ from pathlib import Path
 
 from torchrl_dcp.format.checksums import format_crc
 from torchrl_dcp.storage.copying import CopyRange, copy_ranges
+from torchrl_dcp.storage.files import open_regular
 
 # memory of a checksum pass, all threads together: a module's verify-first pass held 8 MiB (0.12x the state of a
 # 64 MiB model on its first load); 2 MiB checksums 1 GiB as fast here (warm 86-99 ms, cold 0.38-0.40 s either way)
@@ -36,7 +37,7 @@ def files_checksums(paths: list[str | os.PathLike], chunk: int = CHECKSUM_BUFFER
     fds: list[int] = []
     try:
         for path in paths:
-            fds.append(os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)))
+            fds.append(open_regular(path))
         return fds_checksums([(fd, 0, os.fstat(fd).st_size, str(p)) for fd, p in zip(fds, paths)], chunk)
     finally:
         for fd in fds:
