@@ -60,20 +60,20 @@ def _die() -> None:
 
 def arm(phase: str) -> None:
     """Install the hook that SIGKILLs this rank at ``phase`` of the next save."""
-    import torchrl_dcp.storage.directory as directory
+    import torchrl_dcp.storage.directory as dir_backend
     import torchrl_dcp.storage.writer as storage_writer
     from torchrl_dcp import _dist
     from torchrl_dcp.storage import commit, writer
 
     if phase == "staging":  # staging directory created, before any rank hears of it (rank 0 holds the lock)
-        original_staging = directory.staging_path
+        original_staging = dir_backend.staging_path
 
         def staging_and_die(destination, token=None):  # type: ignore[no-untyped-def]
             path = original_staging(destination, token)
             path.mkdir()
             _die()
 
-        directory.staging_path = staging_and_die
+        dir_backend.staging_path = staging_and_die
     elif phase == "announce":  # a rank dies while the staging directory is being announced
         original_broadcast = _dist.broadcast_from_0
 
@@ -103,7 +103,7 @@ def arm(phase: str) -> None:
 
         storage_writer.write_share = share_and_die
     elif phase == "manifest":  # manifest written in the staging directory, before the rename
-        directory.publish = lambda staging, destination, **kwargs: _die()
+        dir_backend.publish = lambda staging, destination, **kwargs: _die()
     elif phase == "rename":  # right after the rename into place, before the parent directory is fsynced
         original_fsync = commit.fsync_path
         calls = [0]
@@ -171,7 +171,6 @@ def kill_during_save(directory: str, report_dir: str, phase: str, victim: int) -
 
 def hang_during_save(directory: str, report_dir: str, hung: int, timeout: float) -> Any:
     """Commit step 1, then save step 2 while rank ``hung`` is stuck writing its data (until released)."""
-    import torchrl_dcp.storage.directory as directory
     import torchrl_dcp.storage.writer as storage_writer
 
     rank = dist.get_rank()
@@ -201,7 +200,7 @@ def hang_during_save(directory: str, report_dir: str, hung: int, timeout: float)
 
 def full_disk(directory: str, mode: str) -> dict[str, Any]:
     """Save small (fits), big (ENOSPC: real tmpfs, or injected), load the small one back, save small again."""
-    import torchrl_dcp.storage.directory as directory
+    import torchrl_dcp.storage.directory as dir_backend
     from torchrl_dcp.storage import writer
 
     rank = dist.get_rank()
@@ -222,7 +221,7 @@ def full_disk(directory: str, mode: str) -> dict[str, Any]:
         def full_manifest(path, data, **kwargs):  # type: ignore[no-untyped-def]
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-        directory.write_file_durably = full_manifest
+        dir_backend.write_file_durably = full_manifest
     out: dict[str, Any] = {}
     try:
         checkpoint(objs).save(path, step=2)
@@ -234,7 +233,7 @@ def full_disk(directory: str, mode: str) -> dict[str, Any]:
     if mode == "manifest" and rank == 0:
         from torchrl_dcp.storage.commit import write_file_durably
 
-        directory.write_file_durably = write_file_durably
+        dir_backend.write_file_durably = write_file_durably
     fresh = objects(3, rank)
     result = checkpoint(fresh).load(path)
     check_loaded(fresh, 1, rank)  # the previous checkpoint, intact
@@ -248,7 +247,7 @@ def full_disk(directory: str, mode: str) -> dict[str, Any]:
 
 def two_jobs(path: str, sync_dir: str, job: str) -> dict[str, Any]:
     """Job A parks its commit until job B tried the same path; B must be refused, then succeed after A."""
-    import torchrl_dcp.storage.directory as directory
+    import torchrl_dcp.storage.directory as dir_backend
 
     rank = dist.get_rank()
     sync = Path(sync_dir)
@@ -264,14 +263,14 @@ def two_jobs(path: str, sync_dir: str, job: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if job == "A":
         if rank == 0:
-            original = directory.publish
+            original = dir_backend.publish
 
             def parked(staging, destination, **kwargs):  # type: ignore[no-untyped-def]
                 (sync / "A-staged").touch()
                 wait_for("B-refused")
                 original(staging, destination, **kwargs)
 
-            directory.publish = parked
+            dir_backend.publish = parked
         checkpoint(objects(seed, rank)).save(path, step=1, metadata={"job": "A"})
         (sync / f"A-done-{rank}").touch()
         out["saved"] = True

@@ -79,7 +79,7 @@ def _die() -> None:
 
 
 def arm(phase: str) -> None:
-    import torchrl_dcp.storage.directory as directory
+    import torchrl_dcp.storage.directory as dir_backend
     from torchrl_dcp.storage import chunk_writer
 
     if phase == "chunk_write":  # half-way through writing a new chunk file
@@ -101,7 +101,7 @@ def arm(phase: str) -> None:
 
         chunk_writer._link_same = link_and_die
     elif phase == "manifest":  # manifest written in staging, before the rename
-        directory.publish = lambda staging, destination, **kwargs: _die()
+        dir_backend.publish = lambda staging, destination, **kwargs: _die()
     else:
         raise ValueError(phase)
 
