@@ -189,3 +189,22 @@ def test_a_compressed_record_is_refused_before_torch_load(tmp_path: Path, kind: 
     with pytest.raises(tdcp.CheckpointIntegrityError, match="compressed"):
         tdcp.DistributedCheckpoint(**objs).load(where)
     assert all(torch.equal(a, b) for a, b in zip(snapshot(objs), before)), "a refused load changed the objects"
+
+
+def test_a_skeleton_naming_the_meta_device_is_refused(tmp_path: Path) -> None:
+    """``"device": "meta"`` in a resealed skeleton would load a tensor without data: refused by load and verify."""
+    path = tdcp.DistributedCheckpoint(**objects(1)).save(tmp_path / "c")
+    manifest = json.loads((path / "manifest.json").read_text())
+    text = json.dumps(manifest["components"]["stats"]["state"])
+    assert '"device": "cpu"' in text
+    manifest["components"]["stats"]["state"] = json.loads(text.replace('"device": "cpu"', '"device": "meta"'))
+    (path / "manifest.json").write_text(json.dumps(seal(manifest)))
+    with pytest.raises(tdcp.CheckpointFormatError, match="meta device"):
+        tdcp.verify(path)
+    objs = objects(2)
+    before = snapshot(objs)
+    with pytest.raises(tdcp.CheckpointFormatError, match="meta device"):
+        tdcp.DistributedCheckpoint(**objs).load(path)
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(objs), before))
+    with pytest.raises(tdcp.EncodingError, match="meta device"):
+        tdcp.DistributedCheckpoint(w={"x": torch.empty(3, device="meta")}).save(tmp_path / "m")

@@ -253,6 +253,8 @@ class _Encoder:
             }
         if value.is_sparse or value.layout != torch.strided:
             raise self.fail(path, value, f" (layout {value.layout})")
+        if value.is_meta:
+            raise self.fail(path, value, " (on the meta device: it holds no data; initialise it before saving)")
         if value.is_quantized or value.is_nested:
             raise self.fail(path, value, " (quantized or nested tensor)")
         ident = tensor_identity(value)
@@ -350,8 +352,14 @@ def node_spec(node: dict[str, Any]) -> TensorSpec:
     if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
         raise CheckpointFormatError(f"malformed tensor shape {shape!r}")
     device = node.get("device", "cpu")
-    if not isinstance(device, str):
+    if not isinstance(device, str) or len(device) > 64:
         raise CheckpointFormatError(f"malformed tensor device {device!r}")
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise CheckpointFormatError(f"malformed tensor device {device!r}") from None
+    if kind == "meta":  # a tensor without data: no save writes one, a forged skeleton would load "nothing"
+        raise CheckpointFormatError(f"tensor {key!r} is on the meta device, which no save writes: refused")
     return TensorSpec(key, tuple(shape), dtype_from_name(node.get("dtype")), device, node.get("t") == "dtensor")
 
 
