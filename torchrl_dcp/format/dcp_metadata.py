@@ -193,6 +193,9 @@ def _check_tensor_chunks(key: str, md: TensorStorageMetadata, records: dict[tupl
     if not chunks or len(chunks) > min(MAX_CHUNKS_PER_TENSOR, max(1, math.prod(size))):
         raise bad(f"{len(chunks) if isinstance(chunks, list) else 0} chunks for a tensor of shape {list(size)}")
     itemsize = md.properties.dtype.itemsize
+    backed = sum(int(getattr(info, "length", 0) or 0) for info in records.values())
+    if math.prod(size) * itemsize > backed:  # the allocation bound first: what a load would allocate for it
+        raise bad(f"it claims {math.prod(size) * itemsize} bytes but its records hold {backed}")
     boxes = []
     for chunk in chunks:
         offsets, sizes = (
