@@ -208,3 +208,14 @@ def test_a_skeleton_naming_the_meta_device_is_refused(tmp_path: Path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(snapshot(objs), before))
     with pytest.raises(tdcp.EncodingError, match="meta device"):
         tdcp.DistributedCheckpoint(w={"x": torch.empty(3, device="meta")}).save(tmp_path / "m")
+
+
+@pytest.mark.parametrize("field", ["state_dict_metadata", "storage_data"])
+def test_metadata_with_containers_of_the_wrong_types_is_a_checkpoint_error(tmp_path: Path, field: str) -> None:
+    """A list where DCP writes a dict: ``verify`` and ``load`` say so (no AttributeError escapes)."""
+    path = tdcp.DistributedCheckpoint(**objects(1)).save(tmp_path / "c")
+    forge(path, lambda md, key: setattr(md, field, list(getattr(md, field).items())), WEIGHT)
+    with pytest.raises(tdcp.CheckpointFormatError, match="wrong types"):
+        tdcp.verify(path)
+    with pytest.raises(tdcp.CheckpointFormatError, match="wrong types"):
+        tdcp.DistributedCheckpoint(**objects(2)).load(path)

@@ -7,7 +7,7 @@ file the manifest lists; :func:`record_index` looks records up by key.
 
 Example:
     >>> import pickle
-    >>> from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+    >>> from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
     >>> parse_metadata(pickle.dumps(Metadata(state_dict_metadata={})), "x/.metadata").state_dict_metadata
     {}
 """
@@ -22,7 +22,7 @@ from collections.abc import Collection, Mapping
 from typing import Any, BinaryIO
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, UnsafeCheckpointError
 from torchrl_dcp.format.layout import is_plain_name
@@ -78,7 +78,20 @@ def parse_metadata(data: bytes, where: Any) -> Metadata:
         ) from None
     if not isinstance(metadata, Metadata):
         raise CheckpointFormatError(f"DCP metadata holds a {type(metadata).__name__}, not a Metadata", path=where)
+    _check_containers(metadata, where)
     return metadata
+
+
+def _check_containers(metadata: Metadata, where: Any) -> None:
+    """The containers DCP writes, of the types it writes: every later check may then iterate them."""
+    state, storage = metadata.state_dict_metadata, metadata.storage_data
+    ok = isinstance(state, dict) and all(isinstance(k, str) for k in state)
+    ok = ok and (storage is None or isinstance(storage, dict))
+    ok = ok and all(isinstance(i, MetadataIndex) and isinstance(i.fqn, str) for i in storage or {})
+    if not ok:
+        raise CheckpointFormatError(
+            "DCP metadata has containers of the wrong types (damaged or forged): refused", path=where
+        )
 
 
 RecordIndex = dict[str, dict[tuple[int, ...], Any]]
