@@ -219,3 +219,21 @@ def test_metadata_with_containers_of_the_wrong_types_is_a_checkpoint_error(tmp_p
         tdcp.verify(path)
     with pytest.raises(tdcp.CheckpointFormatError, match="wrong types"):
         tdcp.DistributedCheckpoint(**objects(2)).load(path)
+
+
+def test_a_reference_with_another_shape_than_the_tensor_it_names_is_refused(tmp_path: Path) -> None:
+    """A shared tensor (stored once, referenced as ``xref``) whose reference declares another shape: refused."""
+    policy = torch.nn.Linear(16, 8)
+    path = tdcp.DistributedCheckpoint(policy=policy, head={"w": policy.weight}).save(tmp_path / "c")
+    manifest = json.loads((path / "manifest.json").read_text())
+    text = json.dumps(manifest["components"]["head"]["state"])
+    assert '"t": "xref"' in text and '"shape": [8, 16]' in text
+    manifest["components"]["head"]["state"] = json.loads(text.replace('"shape": [8, 16]', '"shape": [16, 8]'))
+    (path / "manifest.json").write_text(json.dumps(seal(manifest)))
+    with pytest.raises(tdcp.CheckpointError, match="refers to"):
+        tdcp.verify(path)
+    fresh = torch.nn.Linear(16, 8)
+    before = fresh.weight.detach().clone()
+    with pytest.raises(tdcp.CheckpointError, match="refers to|inconsistent or forged"):
+        tdcp.DistributedCheckpoint(policy=fresh, head={"w": torch.zeros(8, 16)}).load(path)
+    assert torch.equal(fresh.weight, before)

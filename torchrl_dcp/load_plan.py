@@ -379,6 +379,14 @@ def _references(
             if ref_key not in plan.fresh and ref_key not in plan.live:
                 check_backed(metadata, ref_key, spec, source)
                 plan.fresh[ref_key] = spec.empty(comp.ctx.device_for(spec.device))
+                continue
+            held = plan.destination(ref_key)  # planned by the component that stores it: the shapes must agree
+            if tuple(held.shape) != spec.shape or held.dtype != spec.dtype:
+                raise CheckpointIntegrityError(
+                    f"component {comp.name!r} refers to {ref_key!r} as {spec.dtype} {list(spec.shape)}, which is "
+                    f"{held.dtype} {list(held.shape)}: the manifest is inconsistent or forged",
+                    path=source,
+                )
 
 
 def decode_states(comp: ComponentPlan, plan: LoadPlan, rank: int) -> dict[int, Any]:

@@ -37,6 +37,28 @@ def _check_blob_headers(src: CheckpointSource, metadata: Any) -> None:
                 )
 
 
+def _check_references(states: dict[str, Any], components: dict[str, Any], source: Any) -> None:
+    """Every tensor a component shares with a replicated one (``xref``) has the shape and dtype it is stored with."""
+    stored = {
+        (name, spec.key): spec
+        for name, by_rank in states.items()
+        if components[name]["placement"] == "replicated"
+        for state in by_rank.values()
+        for spec in state.specs
+    }
+    for name, by_rank in states.items():
+        for state in by_rank.values():
+            for ref_name, spec in state.refs:
+                held = stored.get((ref_name, spec.key))
+                if held is None or held.shape != spec.shape or held.dtype != spec.dtype:
+                    raise CheckpointIntegrityError(
+                        f"component {name!r} refers to replicated/{ref_name}/{spec.key} as {spec.dtype} "
+                        f"{list(spec.shape)}, which {'is not stored' if held is None else f'is {held.dtype} {list(held.shape)}'}: "
+                        "the manifest is inconsistent or forged",
+                        path=source,
+                    )
+
+
 def _check_records_stored(src: CheckpointSource, metadata: Any) -> None:
     """Every record is a ZIP whose members are all STORED (what loads accept: a compressed member would expand in
     ``torch.load``). Two batched reads per data file: the records' end records, then their central directories."""
@@ -102,8 +124,11 @@ def verify(path: str | os.PathLike, *, storage_options: dict[str, Any] | None = 
     metadata = src.dcp_metadata()
     if metadata is not None:
         src.check_identity(info.relative_path for info in metadata.storage_data.values())
-        for name, rec in manifest["components"].items():
-            tensors += sum(len(s.specs) for s in check_states(name, rec, metadata, root / MANIFEST).values())
+        states = {
+            name: check_states(name, rec, metadata, root / MANIFEST) for name, rec in manifest["components"].items()
+        }
+        tensors += sum(len(s.specs) for by_rank in states.values() for s in by_rank.values())
+        _check_references(states, manifest["components"], root / MANIFEST)
         _check_blob_headers(src, metadata)
         _check_records_stored(src, metadata)
     elif any(rec.get("num_tensors") or rec.get("inventory") for rec in manifest["components"].values()):
