@@ -203,7 +203,7 @@ def _check_tensor_chunks(key: str, md: TensorStorageMetadata, records: dict[tupl
     chunks = md.chunks
     if size is None or any(n < 0 for n in size) or not isinstance(chunks, list):
         raise bad("malformed size or chunk list")
-    if not chunks or len(chunks) > min(MAX_CHUNKS_PER_TENSOR, max(1, math.prod(size))):
+    if not chunks or len(chunks) > MAX_CHUNKS_PER_TENSOR:
         raise bad(f"{len(chunks) if isinstance(chunks, list) else 0} chunks for a tensor of shape {list(size)}")
     itemsize = md.properties.dtype.itemsize
     backed = sum(int(getattr(info, "length", 0) or 0) for info in records.values())
@@ -227,6 +227,9 @@ def _check_tensor_chunks(key: str, md: TensorStorageMetadata, records: dict[tupl
                 f"chunk at {list(offsets)} needs {math.prod(sizes) * itemsize} bytes, its record holds {info.length}"
             )
         boxes.append((offsets, sizes))
+    filled = sum(1 for _, n in boxes if math.prod(n))  # a DTensor shard of an uneven split may be empty
+    if filled > max(1, math.prod(size)):
+        raise bad(f"{filled} chunks for a tensor of shape {list(size)}")
     if sum(math.prod(n) for _, n in boxes) != math.prod(size) or not _disjoint(boxes):
         raise bad(f"its {len(boxes)} chunks do not cover the shape {list(size)} exactly once")
     if len(records) != len(boxes):
