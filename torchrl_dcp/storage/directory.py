@@ -194,7 +194,15 @@ class DirectorySaveTarget(SaveTarget):
     def __init__(self, destination: Path, staging: Path, lock: DestinationLock | None = None) -> None:
         self.destination, self.staging, self.lock = destination, staging, lock
         self.token, self.where, self.checkpoint_id = str(staging), staging, staging
-        self.dir = DirHandle.open(staging)
+        self._dir: DirHandle | None = None
+
+    @property
+    def dir(self) -> DirHandle:
+        """The staging directory, opened on first use (a rank that cannot open it fails in its write step, which
+        every rank hears of at commit)."""
+        if self._dir is None:
+            self._dir = DirHandle.open(self.staging)
+        return self._dir
 
     def write(self, share: ShareWrite) -> WriteOutcome:
         from torchrl_dcp.storage.chunk_writer import write_chunks
@@ -263,7 +271,9 @@ class DirectorySaveTarget(SaveTarget):
         remove_tree(self.staging)
 
     def release(self) -> None:
-        self.dir.close()
+        if self._dir is not None:
+            self._dir.close()
+            self._dir = None
         if self.lock is not None:
             self.lock.release()
             self.lock = None
