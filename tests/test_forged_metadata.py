@@ -124,6 +124,17 @@ def _at(kind: str, forged: Path, tmp_path: Path) -> str:
     return url
 
 
+def refused_by_verify_and_load(where: str | Path, error: type, verify_match: str, load_match: str) -> None:
+    """``verify`` refuses ``where``; ``load`` refuses it too, and the live objects are bit-for-bit unchanged."""
+    with pytest.raises(error, match=verify_match):
+        tdcp.verify(where)
+    objs = objects(2)
+    before = snapshot(objs)
+    with pytest.raises(error, match=load_match):
+        tdcp.DistributedCheckpoint(**objs).load(where)
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(objs), before)), "a refused load changed the objects"
+
+
 def test_the_control_loads_exactly(tmp_path: Path) -> None:
     path = tdcp.DistributedCheckpoint(**objects(1)).save(tmp_path / "c")
     objs = objects(2)
@@ -137,16 +148,9 @@ def test_the_control_loads_exactly(tmp_path: Path) -> None:
 def test_forged_chunk_lists_are_refused_and_nothing_changes(tmp_path: Path, case: str, key: str, kind: str) -> None:
     path = tdcp.DistributedCheckpoint(**objects(1)).save(tmp_path / "c")
     forge(path, FORGERIES[case], key)
-    where = _at(kind, path, tmp_path)
-    with pytest.raises(tdcp.CheckpointIntegrityError) as info:
-        tdcp.verify(where)
-    assert ".metadata" in str(info.value), str(info.value)
-    objs = objects(2)
-    before = snapshot(objs)
-    with pytest.raises(tdcp.CheckpointIntegrityError) as info:
-        tdcp.DistributedCheckpoint(**objs).load(where)
-    assert ".metadata" in str(info.value) and "forged" in str(info.value), str(info.value)
-    assert all(torch.equal(a, b) for a, b in zip(snapshot(objs), before)), "a refused load changed the objects"
+    refused_by_verify_and_load(
+        _at(kind, path, tmp_path), tdcp.CheckpointIntegrityError, r"\.metadata", r"\.metadata.*forged"
+    )
 
 
 def _deflated_record(tensor: torch.Tensor) -> bytes:
@@ -181,14 +185,9 @@ def test_a_compressed_record_is_refused_before_torch_load(tmp_path: Path, kind: 
     for name in (".metadata", info.relative_path):
         manifest["files"][name] = {"size": (path / name).stat().st_size, "checksum": file_checksum(path / name)}
     (path / "manifest.json").write_text(json.dumps(seal(manifest)))
-    where = _at(kind, path, tmp_path)
-    with pytest.raises(tdcp.CheckpointIntegrityError, match="STORED|compressed"):
-        tdcp.verify(where)
-    objs = objects(2)
-    before = snapshot(objs)
-    with pytest.raises(tdcp.CheckpointIntegrityError, match="compressed"):
-        tdcp.DistributedCheckpoint(**objs).load(where)
-    assert all(torch.equal(a, b) for a, b in zip(snapshot(objs), before)), "a refused load changed the objects"
+    refused_by_verify_and_load(
+        _at(kind, path, tmp_path), tdcp.CheckpointIntegrityError, "STORED|compressed", "compressed"
+    )
 
 
 def test_a_skeleton_naming_the_meta_device_is_refused(tmp_path: Path) -> None:
@@ -199,13 +198,7 @@ def test_a_skeleton_naming_the_meta_device_is_refused(tmp_path: Path) -> None:
     assert '"device": "cpu"' in text
     manifest["components"]["stats"]["state"] = json.loads(text.replace('"device": "cpu"', '"device": "meta"'))
     (path / "manifest.json").write_text(json.dumps(seal(manifest)))
-    with pytest.raises(tdcp.CheckpointFormatError, match="meta device"):
-        tdcp.verify(path)
-    objs = objects(2)
-    before = snapshot(objs)
-    with pytest.raises(tdcp.CheckpointFormatError, match="meta device"):
-        tdcp.DistributedCheckpoint(**objs).load(path)
-    assert all(torch.equal(a, b) for a, b in zip(snapshot(objs), before))
+    refused_by_verify_and_load(path, tdcp.CheckpointFormatError, "meta device", "meta device")
     with pytest.raises(tdcp.EncodingError, match="meta device"):
         tdcp.DistributedCheckpoint(w={"x": torch.empty(3, device="meta")}).save(tmp_path / "m")
 
