@@ -100,7 +100,7 @@ def read_base(location: Location, world_size: int) -> Base | None:
             rec = manifest["files"][e["file"]]
             origin = rec.get("origin", save_id)
             table[(e["start"], e["rows"])] = KeptChunk(
-                path / e["file"], rec["size"], rec["checksum"], origin, e["fingerprint"]
+                path / e["file"], rec["size"], rec["checksum"], origin, e["fingerprint"], key, e["start"], e["rows"]
             )
     return base
 
@@ -137,7 +137,8 @@ def plan_keeps(
         else:
             by_content.append((c, kept))
     keeps.update(_same_content(by_content, flat))
-    return base.location.keepable(keeps)
+    rows = {c.file: flat[c.key].detach().narrow(0, c.start, c.rows) for c, _ in candidates if c.file in keeps}
+    return base.location.keepable(keeps, rows)
 
 
 def _same_content(pairs: list[tuple[ChunkPlan, KeptChunk]], flat: dict[str, torch.Tensor]) -> dict[str, KeptChunk]:

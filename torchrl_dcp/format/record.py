@@ -145,6 +145,13 @@ _TEMPLATES_LOCK = threading.Lock()
 
 
 def template(dtype: torch.dtype, shape: tuple[int, ...]) -> Template:
+    """The record our writer produces for a tensor of ``dtype`` and ``shape``, CRC fields left to fill in.
+
+    ``shape`` is taken as a plain tuple of ints: a ``torch.Size`` compares and hashes
+    like its tuple but pickles differently, so the bytes must not depend on which a
+    caller passed first.
+    """
+    shape = tuple(int(s) for s in shape)
     key = (dtype, shape)
     t = _TEMPLATES.get(key)
     if t is None:
@@ -215,8 +222,13 @@ def _u32(b: Any, at: int) -> int:
     return struct.unpack_from("<I", b, at)[0]
 
 
-@functools.lru_cache(maxsize=4096)
 def expected_pickle(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
+    """Our writer's ``data.pkl`` for ``(dtype, shape)`` (``shape`` as a plain tuple: see :func:`template`)."""
+    return _expected_pickle(dtype, tuple(int(s) for s in shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _expected_pickle(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
     numel = 1
     for s in shape:
         numel *= s

@@ -290,8 +290,9 @@ class Location(abc.ABC):
         """Whether a save here can keep chunk files of a checkpoint at ``base``."""
         return False
 
-    def keepable(self, keeps: Mapping[str, KeptChunk]) -> dict[str, KeptChunk]:
-        """The chunks of ``keeps`` (files of the checkpoint here) that are still the files recorded."""
+    def keepable(self, keeps: Mapping[str, KeptChunk], rows: Mapping[str, Any]) -> dict[str, KeptChunk]:
+        """The chunks of ``keeps`` (files of the checkpoint here, by new file name) proven to hold ``rows[name]``
+        (the live rows, a tensor): never on the manifest's word alone, which a forger can reseal."""
         return {}
 
     # ------------------------------------------------------------------ conversions

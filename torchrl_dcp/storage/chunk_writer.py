@@ -6,9 +6,11 @@ the save that wrote it. An incremental save keeps an unchanged chunk by giving t
 earlier checkpoint's file a second name in the new checkpoint (a hard link: no bytes
 written, and deleting the earlier checkpoint later leaves the new one whole); where a
 hard link is impossible (another file system, a link limit) the file is copied, and the
-outcome counts it. A file is kept only if it is still the regular file, of the recorded
-size, carrying the identity trailer, that the earlier manifest describes; otherwise the
-chunk is written anew.
+outcome counts it. A file is kept only if it provably holds the rows being saved: this
+process wrote it (or compared it byte for byte with the live rows) and a ``fstat`` shows it
+unchanged since (:mod:`torchrl_dcp.storage.proven`); a file this process knows nothing of is
+read once and compared with the rows (:func:`prove_kept`). The manifest's checksums are never
+taken on trust: a forger can reseal them. Otherwise the chunk is written anew.
 
 Example:
     >>> import tempfile, torch
@@ -35,8 +37,10 @@ import torch
 from torchrl_dcp.format.checksums import content_fingerprint, crc32, crc32_combine, format_crc
 from torchrl_dcp.format.layout import TRAILER_SIZE, identity_trailer, read_identity
 from torchrl_dcp.format.record import template, tensor_bytes
+from torchrl_dcp.storage import proven
 from torchrl_dcp.storage.copying import pwrite_all, run_split
 from torchrl_dcp.storage.files import DirHandle
+from torchrl_dcp.storage.proven import ChunkIdentity
 from torchrl_dcp.storage.writeback import Writeback
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -65,6 +69,12 @@ class KeptChunk:
     checksum: str
     origin: str  # the save whose identity trailer it carries
     fingerprint: str
+    key: str = ""  # the chunk it holds: rows [start, start + rows) of key
+    start: int = 0
+    rows: int = 0
+
+    def identity(self) -> ChunkIdentity:
+        return ChunkIdentity(self.key, self.start, self.rows, self.size, self.checksum, self.fingerprint)
 
 
 @dataclass
@@ -92,9 +102,17 @@ def chunk_file_parts(rows: torch.Tensor, save_id: str, rank: int) -> tuple[list[
 
 
 def write_chunk_file(
-    directory: DirHandle, name: str, rows: torch.Tensor, save_id: str, rank: int, *, fsync: bool = True
+    directory: DirHandle,
+    name: str,
+    rows: torch.Tensor,
+    save_id: str,
+    rank: int,
+    *,
+    fsync: bool = True,
+    chunk: tuple[str, int] | None = None,
 ) -> ChunkFile:
-    """Write ``rows`` as one record followed by the identity trailer into the new file ``name`` of ``directory``."""
+    """Write ``rows`` as one record followed by the identity trailer into the new file ``name`` of ``directory``;
+    ``chunk`` (key, first row) records it as proven (:mod:`torchrl_dcp.storage.proven`) for later keeps."""
     parts, record = chunk_file_parts(rows, save_id, rank)
     fd = directory.create(name)
     try:
@@ -108,6 +126,11 @@ def write_chunk_file(
         if writeback is not None:
             writeback.flush()
             os.fsync(fd)
+        if chunk is not None:
+            identity = ChunkIdentity(
+                chunk[0], chunk[1], rows.shape[0], record.size, record.checksum, record.fingerprint
+            )
+            proven.record(os.fstat(fd), identity)
     finally:
         os.close(fd)
     return record
@@ -121,32 +144,67 @@ def _checked(fd: int, kept: KeptChunk) -> os.stat_result | None:
     return st if found is not None and found[0] == kept.origin else None
 
 
-def can_keep(kept: KeptChunk) -> bool:
-    """Whether ``kept.source`` is (now) the regular file of the recorded size and save identity."""
+def prove_kept(kept: KeptChunk, rows: torch.Tensor) -> bool:
+    """Whether ``kept.source`` holds exactly ``rows`` as the file an honest save writes (record, rows, trailer of
+    ``kept.origin``) with the recorded checksum and fingerprint: a ``fstat`` when this process wrote or proved it,
+    else one read compared byte for byte (then recorded as proven)."""
     try:
         fd = os.open(kept.source, _OPEN_KEPT)
     except OSError:
         return False
     try:
-        return _checked(fd, kept) is not None
+        st = _checked(fd, kept)
+        if st is None:
+            return False
+        if proven.vouches(st, kept.identity()):
+            return True
+        if not _same_bytes(fd, kept, rows):
+            return False
+        after = os.fstat(fd)
+        if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) != (st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+            return False  # changed while it was read
+        proven.record(after, kept.identity())
+        return True
     finally:
         os.close(fd)
 
 
+def _same_bytes(fd: int, kept: KeptChunk, rows: torch.Tensor) -> bool:
+    """Whether the file at ``fd`` is byte for byte the chunk file of ``rows`` with ``kept``'s trailer, size,
+    checksum and fingerprint."""
+    found = read_identity(os.pread(fd, TRAILER_SIZE, kept.size - TRAILER_SIZE))
+    if found is None or found[0] != kept.origin or rows.shape[0] != kept.rows:
+        return False
+    parts, expected = chunk_file_parts(rows, found[0], found[1])
+    if (expected.size, expected.checksum, expected.fingerprint) != (kept.size, kept.checksum, kept.fingerprint):
+        return False
+    at = 0
+    for part in parts:
+        view = memoryview(part).cast("B")
+        for lo in range(0, len(view), 8 << 20):
+            piece = view[lo : lo + (8 << 20)]
+            if os.pread(fd, len(piece), at) != piece:
+                return False
+            at += len(piece)
+    return True
+
+
 def keep_chunk_file(kept: KeptChunk, directory: DirHandle, name: str) -> ChunkFile | None:
-    """Give ``kept`` the name ``name`` in ``directory`` (hard link, else copy); ``None`` when it is not the file
-    recorded."""
+    """Give ``kept`` the name ``name`` in ``directory`` (hard link, else copy); ``None`` when it is not (still) the
+    file proven to hold the chunk (:func:`prove_kept`, :mod:`torchrl_dcp.storage.proven`)."""
     try:
         fd = os.open(kept.source, _OPEN_KEPT)
     except OSError:
         return None
     try:
         st = _checked(fd, kept)
-        if st is None:
+        if st is None or not proven.vouches(st, kept.identity()):
             return None
         copied = not _link_same(kept.source, directory, name, st)
         if copied:
-            _copy_fd(fd, directory, name, st.st_size)
+            _copy_fd(fd, directory, name, st.st_size, kept.identity())
+        else:
+            proven.linked(st, os.fstat(fd))
     finally:
         os.close(fd)
     return ChunkFile(kept.size, kept.checksum, kept.size - TRAILER_SIZE, kept.fingerprint, kept.origin, copied)
@@ -167,7 +225,7 @@ def _link_same(source: Path, directory: DirHandle, name: str, st: os.stat_result
     return True
 
 
-def _copy_fd(src: int, directory: DirHandle, name: str, size: int) -> None:
+def _copy_fd(src: int, directory: DirHandle, name: str, size: int, identity: ChunkIdentity) -> None:
     fd = directory.create(name)
     try:
         done = 0
@@ -182,6 +240,7 @@ def _copy_fd(src: int, directory: DirHandle, name: str, size: int) -> None:
                 raise OSError(f"copying a kept chunk file stopped at {done} of {size} bytes")
             done += n
         os.fsync(fd)
+        proven.record(os.fstat(fd), identity)  # a copy of bytes proven: proven as well
     finally:
         os.close(fd)
 
@@ -200,7 +259,7 @@ def write_chunks(jobs: list[ChunkJob], directory: DirHandle, save_id: str, rank:
                     f"{job.keep.source if job.keep else job.file} changed after the incremental save checked it; "
                     "save again (or without incremental_from)"
                 )
-            job.result = write_chunk_file(directory, job.file, job.tensor, save_id, rank)
+            job.result = write_chunk_file(directory, job.file, job.tensor, save_id, rank, chunk=(job.key, job.start))
 
     if not jobs:
         return

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from torchrl_dcp.errors import CheckpointError, from_os_error
+from torchrl_dcp.storage import proven
 from torchrl_dcp.storage.files import DirHandle
 from torchrl_dcp.storage.libc import libc
 
@@ -283,9 +284,30 @@ def remove_tree(path: Path) -> None:
     except FileNotFoundError:
         return
     if stat.S_ISDIR(st.st_mode):
+        _unlink_proven_files(path)
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
+
+
+def _unlink_proven_files(path: Path) -> None:
+    """Unlink the files of the directory ``path`` that :mod:`~torchrl_dcp.storage.proven` vouches for, keeping
+    their proof (a pruned checkpoint's chunk files are often still linked by a newer one: their ``ctime`` moves)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC)
+    except OSError:
+        return
+    try:
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode) and st.st_nlink > 1 and proven.knows(st):
+                        proven.unlink_keeping_proof(fd, entry.name)
+                except OSError:
+                    continue  # rmtree removes (or reports nothing about) what is left
+    finally:
+        os.close(fd)
 
 
 def remove_entry(path: Path) -> bool:

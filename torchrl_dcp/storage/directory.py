@@ -379,7 +379,18 @@ class DirectoryLocation(Location):
     def can_keep_from(self, base: Location) -> bool:
         return base.is_local  # hard links, else copies, within this machine's file systems
 
-    def keepable(self, keeps: Mapping[str, KeptChunk]) -> dict[str, KeptChunk]:
-        from torchrl_dcp.storage.chunk_writer import can_keep
+    def keepable(self, keeps: Mapping[str, KeptChunk], rows: Mapping[str, Any]) -> dict[str, KeptChunk]:
+        from torchrl_dcp.storage.chunk_writer import prove_kept
+        from torchrl_dcp.storage.copying import default_threads, run_split
 
-        return {f: k for f, k in keeps.items() if can_keep(k)}
+        names = sorted(keeps)
+        proved: dict[str, KeptChunk] = {}
+
+        def work(part: list[str]) -> None:  # a stat each when this process wrote them, else a read
+            for name in part:
+                if prove_kept(keeps[name], rows[name]):
+                    proved[name] = keeps[name]
+
+        if names:
+            run_split(names, [keeps[n].size for n in names], max(1, min(default_threads(), len(names))), work)
+        return proved

@@ -133,7 +133,7 @@ class ObjectStoreLocation(Location):
     def can_keep_from(self, base: Location) -> bool:
         return isinstance(base, ObjectStoreLocation) and base.path.same_store(self.path) and self.keeps_files()
 
-    def keepable(self, keeps: Mapping[str, KeptChunk]) -> dict[str, KeptChunk]:
+    def keepable(self, keeps: Mapping[str, KeptChunk], rows: Mapping[str, Any]) -> dict[str, KeptChunk]:
         return objectstore_save.keepable_objects(dict(keeps))
 
     # ------------------------------------------------------------------ conversions
