@@ -4,9 +4,9 @@ Usage: ``python tests/objectstore_child.py <url> <step> <phase>``; the local S3 
 fsspec's configuration (``FSSPEC_S3_*`` in the environment). Phases: ``none``, ``before_data``
 (marker written, no data), ``mid_data`` (some parts of the multipart upload sent),
 ``before_manifest`` (data and ``.metadata`` uploaded, no manifest); ``inc_mid_copy`` and
-``inc_before_manifest``: an incremental save of :func:`incremental_state` (few rows changed since
-the previous step; chunk files of ``TDCP_CHUNK_BYTES``) killed after some unchanged chunk objects
-were copied server-side, or after every copy and upload but before its manifest.
+``inc_before_manifest``: the previous step saved, then an incremental save of :func:`incremental_state`
+(few rows changed since; chunk files of ``TDCP_CHUNK_BYTES``) killed after some unchanged chunk
+objects were copied server-side, or after every copy and upload but before its manifest.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ def _die() -> None:
 
 def main(url: str, step: int, phase: str) -> None:
     make = incremental_state if phase.startswith("inc_") else state
+    if phase.startswith("inc_"):  # the base first, by this process: only objects it wrote are copied
+        tdcp.CheckpointRotation(url, keep_last=5).save(tdcp.DistributedCheckpoint(state=make(step - 1)), step=step - 1)
     phase = phase.removeprefix("inc_")
     if phase == "mid_copy":
         keep = objectstore_save.keep_object

@@ -189,3 +189,41 @@ def test_rotation_saves_incrementally_into_a_store(store: tuple[str, dict[str, A
         tdcp.DistributedCheckpoint(buffer=restored, storage_options=options)
     )
     assert info is not None and info.step == 4 and same_buffer(restored, rb)
+
+
+@pytest.mark.parametrize("remembered", [True, False], ids=["same_process", "fresh_process"])
+def test_base_object_rewritten_and_resealed_is_uploaded_again(
+    store: tuple[str, dict[str, Any]], uploads: list[str], remembered: bool
+) -> None:
+    """A forger rewrites a base chunk object's rows (its trailer intact) and reseals the manifest: the object is
+    not the version this process wrote, so its rows are uploaded, never copied; objects unknown to the process
+    (a resumed job) are uploaded too."""
+    import json
+
+    from torchrl_dcp.format.checksums import crc32, format_crc
+    from torchrl_dcp.format.manifest import seal
+    from torchrl_dcp.storage import proven
+
+    url, options = store
+    rb = buffer()
+    rb.extend(batch(900, 0))
+    ckpt = tdcp.DistributedCheckpoint(buffer=rb, storage_options=options)
+    base = ckpt.save(f"{url}/base")
+    victim = sorted(chunk_objects(base))[0]
+    obj = resolve_path(f"{url}/base/{victim}", options)
+    data = bytearray(obj.fs.cat_file(obj.key))
+    data[len(data) // 2] ^= 0x40  # inside the rows
+    obj.fs.pipe_file(obj.key, bytes(data))
+    manifest_obj = resolve_path(f"{url}/base/manifest.json", options)
+    m = json.loads(manifest_obj.fs.cat_file(manifest_obj.key))
+    m["files"][victim]["checksum"] = format_crc(crc32(bytes(data)))
+    manifest_obj.fs.pipe_file(manifest_obj.key, json.dumps(seal(m)).encode())
+    if not remembered:
+        proven.forget_all()
+    uploads.clear()
+    inc = ckpt.save(f"{url}/inc", incremental_from=base)
+    assert victim in uploads and victim not in kept(inc)
+    assert bool(kept(inc)) == remembered  # the genuine objects are still copied, by a process that wrote them
+    restored = buffer()
+    tdcp.DistributedCheckpoint(buffer=restored, storage_options=options).load(inc)
+    assert same_buffer(restored, rb)

@@ -84,11 +84,10 @@ def test_kill_during_an_incremental_save_keeps_the_previous_checkpoint(  # type:
         tdcp.DistributedCheckpoint(state=target, storage_options=s3.storage_options).load(path)
         return all(torch.equal(target[k], v) for k, v in incremental_state(step).items())
 
-    save(1)
+    _child(s3, url, 2, phase, TDCP_CHUNK_BYTES=str(1 << 20))  # saves step 1, then step 2 from it (killed)
     root = resolve_path(url, s3.storage_options)
     first = root / "step-000000000001"
     assert len([n for n in list_objects(first) if n.endswith(".distcp")]) >= 10  # chunked: copies to kill amid
-    _child(s3, url, 2, phase, TDCP_CHUNK_BYTES=str(1 << 20))
     killed = root / "step-000000000002"
     if phase == "inc_mid_copy":
         assert 1 <= len([n for n in list_objects(killed) if n.endswith(".distcp")]) < 12  # died amid the copies

@@ -181,8 +181,9 @@ def download(path: StorePath, local: str | os.PathLike, size: int, checksum: str
 
 
 # ---------------------------------------------------------------------- uploads
-def upload_pieces(path: StorePath, pieces: Iterable[Any], size: int) -> None:
-    """Write the object ``path`` from the bytes-like ``pieces`` (``size`` bytes in all), in parallel parts.
+def upload_pieces(path: StorePath, pieces: Iterable[Any], size: int) -> str | None:
+    """Write the object ``path`` from the bytes-like ``pieces`` (``size`` bytes in all), in parallel parts; the new
+    object's ETag when the store answers one (S3), else ``None``.
 
     Nothing is visible at ``path`` until the upload completes (an S3 multipart upload
     is only published by its completion; a failed one is aborted).
@@ -190,13 +191,14 @@ def upload_pieces(path: StorePath, pieces: Iterable[Any], size: int) -> None:
     fs, part = path.fs, part_size()
     try:
         if size <= part:
-            fs.pipe_file(path.key, b"".join(bytes(p) for p in pieces))
-        elif hasattr(fs, "_call_s3"):
-            _s3_multipart(path, _parts(pieces, part))
-        else:
-            with fs.open(path.key, "wb", block_size=part) as f:
-                for p in pieces:
-                    f.write(p)
+            out = fs.pipe_file(path.key, b"".join(bytes(p) for p in pieces))
+            return out.get("ETag") if isinstance(out, dict) else None
+        if hasattr(fs, "_call_s3"):
+            return _s3_multipart(path, _parts(pieces, part))
+        with fs.open(path.key, "wb", block_size=part) as f:
+            for p in pieces:
+                f.write(p)
+        return None
     except CheckpointError:
         raise
     except Exception as err:
@@ -218,7 +220,7 @@ def _parts(pieces: Iterable[Any], part: int) -> Iterator[bytes | bytearray]:
         yield buf
 
 
-def _s3_multipart(path: StorePath, parts: Iterator[bytes | bytearray]) -> None:
+def _s3_multipart(path: StorePath, parts: Iterator[bytes | bytearray]) -> str | None:
     """An S3 multipart upload with up to :func:`concurrency` parts in flight, through s3fs's client."""
     from fsspec.asyn import sync
 
@@ -251,7 +253,7 @@ def _s3_multipart(path: StorePath, parts: Iterator[bytes | bytearray]) -> None:
                 fut.add_done_callback(lambda _f: slots.release())
                 futures.append(fut)
             done = [f.result() for f in futures]
-        sync(
+        out = sync(
             fs.loop,
             fs._call_s3,
             "complete_multipart_upload",
@@ -267,6 +269,7 @@ def _s3_multipart(path: StorePath, parts: Iterator[bytes | bytearray]) -> None:
             pass
         raise
     fs.invalidate_cache(path.key)
+    return out.get("ETag")
 
 
 def _bounded(obj: StorePath) -> bytes | None:

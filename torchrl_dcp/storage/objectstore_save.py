@@ -51,6 +51,7 @@ from torchrl_dcp.format.layout import (
     is_plain_name,
     read_identity,
 )
+from torchrl_dcp.storage import proven
 from torchrl_dcp.storage.base import ShareWrite, WriteOutcome
 from torchrl_dcp.storage.chunk_writer import ChunkFile, ChunkJob, KeptChunk, chunk_file_parts
 from torchrl_dcp.storage.objectstore import (
@@ -60,6 +61,7 @@ from torchrl_dcp.storage.objectstore import (
     map_pieces,
     upload_pieces,
 )
+from torchrl_dcp.storage.proven import ChunkIdentity
 from torchrl_dcp.storage.urls import StorePath, copy_object
 from torchrl_dcp.storage.writer import plan_layout
 
@@ -282,8 +284,8 @@ def write_share(destination: StorePath, share: ShareWrite) -> WriteOutcome:
 
 
 def put_chunk(destination: StorePath, job: ChunkJob, share: ShareWrite) -> ChunkFile:
-    """One chunk file into ``destination``: copied from the base when kept (and still the object checked), else
-    uploaded from its rows."""
+    """One chunk file into ``destination``: copied from the base when kept (and still the object proven), else
+    uploaded from its rows. Either way the new object's version is recorded as proven for later saves."""
     kept = job.keep
     if kept is not None:
         if keep_object(kept, destination / job.file):
@@ -296,47 +298,63 @@ def put_chunk(destination: StorePath, job: ChunkJob, share: ShareWrite) -> Chunk
             )
     assert job.tensor is not None
     parts, record = chunk_file_parts(job.tensor, share.save_id, share.rank)
-    upload_pieces(destination / job.file, iter(parts), record.size)
+    target = destination / job.file
+    etag = upload_pieces(target, iter(parts), record.size)
+    chunk = ChunkIdentity(job.key, job.start, job.rows, record.size, record.checksum, record.fingerprint)
+    proven.record_object(str(target), _version(target, etag), chunk)
     return record
 
 
 def keep_object(kept: KeptChunk, dst: StorePath) -> bool:
-    """Copy the kept chunk object to ``dst`` server-side; ``False`` (nothing left at ``dst``) when the copy is not
-    the object recorded (size and identity trailer), e.g. the base was replaced meanwhile."""
+    """Copy the kept chunk object to ``dst`` server-side, only while it is the version proven
+    (:func:`keepable_objects`; S3: a conditional copy); ``False`` (nothing left at ``dst``) otherwise."""
     src: StorePath = kept.source  # type: ignore[assignment]
+    version = proven.object_version_of(str(src), kept.identity())
+    if version is None:
+        return False
+    etag = version[len("ETag:") :] if version.startswith("ETag:") else None
     try:
-        copy_object(src.fs, src.key, dst.key)
+        copied = copy_object(src.fs, src.key, dst.key, if_match=etag)
     except CheckpointError as err:
         logger.info("could not copy %s (%s): uploading its rows", src, err.message)
+        dst.unlink(missing_ok=True)
         return False
-    if _is_object(dst, kept):
-        return True
-    dst.unlink(missing_ok=True)
-    return False
+    if (etag is None or copied != etag) and proven.object_version(_info(src)) != version:  # condition ignored
+        dst.unlink(missing_ok=True)  # (an identical single-part copy keeps its ETag; else the source is asked)
+        return False
+    proven.record_object(str(dst), _version(dst, copied), kept.identity())
+    return True
 
 
-def _is_object(obj: StorePath, kept: KeptChunk) -> bool:
-    """Whether ``obj`` is ``kept.size`` bytes ending with ``kept.origin``'s trailer (one open-ended ranged GET)."""
+def _info(obj: StorePath) -> dict[str, Any]:
     try:
-        tail = obj.fs.cat_file(obj.key, start=kept.size - TRAILER_SIZE)  # more or fewer bytes: another size
-    except (OSError, ValueError):  # missing, or shorter than the range (S3: 416)
-        return False
-    found = read_identity(bytes(tail)) if len(tail) == TRAILER_SIZE else None
-    return found is not None and found[0] == kept.origin
+        obj.fs.invalidate_cache(obj.key)
+        return dict(obj.fs.info(obj.key))
+    except (OSError, ValueError):
+        return {}
+
+
+def _version(obj: StorePath, etag: str | None) -> str | None:
+    """The version of the object just written: the ETag the store answered, else one ``info`` (HEAD)."""
+    return f"ETag:{etag}" if etag else proven.object_version(_info(obj))
 
 
 def keepable_objects(keeps: dict[str, KeptChunk]) -> dict[str, KeptChunk]:
-    """The kept chunks whose base object is still the one recorded: one listing per base prefix (sizes), then
-    every trailer read in parallel."""
-    sizes: dict[StorePath, int] = {}
+    """The kept chunks whose base object is, at the version listed now, one this process uploaded or copied as
+    holding that chunk (:mod:`~torchrl_dcp.storage.proven`): one listing per base prefix, no reads. Objects it
+    knows nothing of (a forger may have resealed the manifest) are uploaded again."""
+    listed: dict[str, dict[str, Any]] = {}
     for prefix in {k.source.parent for k in keeps.values()}:  # type: ignore[union-attr]
         for name, info in list_objects(prefix).items():
-            sizes[prefix / name] = int(info.get("size") or -1)
-    fits = {f: k for f, k in keeps.items() if sizes.get(k.source) == k.size and k.size >= TRAILER_SIZE}  # type: ignore[call-overload]
-    names = sorted(fits)
-    spans = [(fits[f].source, fits[f].size - TRAILER_SIZE, TRAILER_SIZE) for f in names]
-    tails = map_pieces(spans, lambda i, data: read_identity(bytes(data)), concurrency())  # type: ignore[arg-type]
-    return {f: fits[f] for f, found in zip(names, tails) if found is not None and found[0] == fits[f].origin}
+            listed[str(prefix / name)] = info
+    out = {}
+    for f, k in keeps.items():
+        info = listed.get(str(k.source), {})
+        if int(info.get("size") or -1) == k.size and proven.vouches_object(
+            str(k.source), proven.object_version(info), k.identity()
+        ):
+            out[f] = k
+    return out
 
 
 def publish_directory(local: Any, destination: StorePath, manifest: dict[str, Any], raw_manifest: bytes) -> None:

@@ -14,6 +14,12 @@ same chunk, checksum and fingerprint. Otherwise the file is proved by reading it
 This process's own links and unlinks move ``ctime`` too: :func:`linked` and
 :func:`unlink_keeping_proof` carry the record over to the new ``ctime``.
 
+Objects in a store are immutable; an overwrite is a new object with a new version (S3's
+ETag, GCS's generation, a memory store's creation time). :func:`record_object` remembers
+the version this process uploaded or copied and the chunk it holds; :func:`vouches_object`
+accepts a listed object only at that version. A store object this process knows nothing of
+is uploaded again rather than copied.
+
 Example:
     >>> import os, tempfile
     >>> fd, name = tempfile.mkstemp()
@@ -29,12 +35,25 @@ Example:
 
 from __future__ import annotations
 
+import datetime
 import os
 import stat
 import threading
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["ChunkIdentity", "forget_all", "linked", "record", "unlink_keeping_proof", "vouches"]
+__all__ = [
+    "ChunkIdentity",
+    "forget_all",
+    "linked",
+    "object_version",
+    "object_version_of",
+    "record",
+    "record_object",
+    "unlink_keeping_proof",
+    "vouches",
+    "vouches_object",
+]
 
 
 @dataclass(frozen=True)
@@ -58,6 +77,7 @@ class _Seen:
 
 
 _seen: dict[tuple[int, int], _Seen] = {}
+_objects: dict[str, tuple[str, ChunkIdentity]] = {}  # {object URL: (version, chunk)}
 _lock = threading.Lock()
 
 
@@ -117,6 +137,41 @@ def forget_all() -> None:
     """Drop every record (tests; a process that wants every kept file proved by reading again)."""
     with _lock:
         _seen.clear()
+        _objects.clear()
+
+
+def object_version(info: dict[str, Any]) -> str | None:
+    """The version of a store object from its listing or ``info`` (``None``: the store gives none)."""
+    for field in ("ETag", "etag", "generation", "VersionId", "LastModified", "mtime", "created"):
+        value = info.get(field)
+        if value is not None:
+            if isinstance(value, datetime.datetime):
+                value = value.timestamp()
+            return f"{field}:{value}"
+    return None
+
+
+def record_object(url: str, version: str | None, chunk: ChunkIdentity) -> None:
+    """Remember that the object ``url`` at ``version`` (uploaded or copied by this process) holds ``chunk``."""
+    with _lock:
+        if version is None:
+            _objects.pop(url, None)
+        else:
+            _objects[url] = (version, chunk)
+
+
+def object_version_of(url: str, chunk: ChunkIdentity) -> str | None:
+    """The version recorded for the object ``url`` holding ``chunk`` (``None``: none is)."""
+    with _lock:
+        seen = _objects.get(url)
+    return seen[0] if seen is not None and seen[1] == chunk else None
+
+
+def vouches_object(url: str, version: str | None, chunk: ChunkIdentity) -> bool:
+    """Whether the object ``url``, listed at ``version``, is one this process recorded as holding ``chunk``."""
+    with _lock:
+        seen = _objects.get(url)
+    return version is not None and seen == (version, chunk)
 
 
 def _carry(before: os.stat_result, after: os.stat_result) -> None:

@@ -179,11 +179,13 @@ def resolve_path(path: str | os.PathLike | StorePath, storage_options: Mapping[s
     return Path(path).expanduser().absolute()
 
 
-def copy_object(fs: Any, src: str, dst: str) -> None:
+def copy_object(fs: Any, src: str, dst: str, *, if_match: str | None = None) -> str | None:
     """Copy one object inside a store server-side (S3 ``CopyObject``, GCS rewrite), never through this host.
 
     For incremental saves: an unchanged chunk file is copied from the previous
     checkpoint's prefix instead of being uploaded again (local saves hard-link it).
+    ``if_match`` (an S3 ETag): copy only if the source is still that object. Returns the
+    copy's ETag when the store says it (S3), else ``None``.
 
     Example:
         >>> import fsspec
@@ -192,20 +194,39 @@ def copy_object(fs: Any, src: str, dst: str) -> None:
         b'x'
     """
     try:
-        if hasattr(fs, "_copy_basic") and hasattr(fs, "loop"):  # s3fs: one CopyObject, without its HEAD first
+        if hasattr(fs, "_call_s3") and hasattr(fs, "loop"):  # s3fs: one CopyObject, without its HEAD first
             from fsspec.asyn import sync
 
             try:
-                sync(fs.loop, fs._copy_basic, src, dst)
-                return
+                return _s3_copy(fs, sync, src, dst, if_match)
             except (ValueError, OSError) as err:  # e.g. over CopyObject's 5 GB: fsspec's managed copy below
-                if isinstance(err, FileNotFoundError):
+                if isinstance(err, FileNotFoundError) or if_match is not None:
                     raise
         fs.copy(src, dst)
+        return None
     except FileNotFoundError:
         raise CheckpointError(f"cannot copy {src}: the object does not exist", path=dst) from None
     except OSError as err:
         raise CheckpointError(f"copying {src} failed ({type(err).__name__}: {err})", path=dst) from None
+
+
+def _s3_copy(fs: Any, sync: Any, src: str, dst: str, if_match: str | None) -> str | None:
+    buc1, key1, _ = fs.split_path(src)
+    buc2, key2, _ = fs.split_path(dst)
+    condition = {} if if_match is None else {"CopySourceIfMatch": if_match}
+    try:  # s3fs translates the store's errors into OSError (FileNotFoundError, PermissionError, ...)
+        out = sync(
+            fs.loop,
+            fs._call_s3,
+            "copy_object",
+            Bucket=buc2,
+            Key=key2,
+            CopySource={"Bucket": buc1, "Key": key1},
+            **condition,
+        )
+    finally:
+        fs.invalidate_cache(dst)
+    return (out.get("CopyObjectResult") or {}).get("ETag")
 
 
 def supports_copy(fs: Any) -> bool:
