@@ -153,8 +153,9 @@ def prepare(request: LoadRequest, result: LoadResult) -> tuple[CheckpointSource,
 
 
 def verify_bytes(src: CheckpointSource, load_plan: LoadPlan, verify: bool, metadata: Any) -> None:
-    """Every file to read carries this save's identity; files holding tensors read into live objects are
-    checksummed now, the others while they are read (``verify=False``: sizes and identities only)."""
+    """Every record to read holds the dtype and shape DCP's metadata says and every file to read carries this save's
+    identity; files holding tensors read into live objects are checksummed now, the others while they are read
+    (``verify=False``: sizes, identities and records only)."""
     if metadata is None:
         src.check(False)
         return
@@ -162,6 +163,7 @@ def verify_bytes(src: CheckpointSource, load_plan: LoadPlan, verify: bool, metad
     needed_fresh = files_for(metadata, load_plan.fresh)
     src.check(needed_live if verify else False)  # sizes of every file (and checksums of those read in place)
     src.check_identity(needed_live | needed_fresh)
+    src.check_records(metadata, {*load_plan.live, *load_plan.fresh})  # every record to read, before any is read
     if verify:
         load_plan.verify_inline = needed_fresh - needed_live
         load_plan.verify_live = needed_live  # checked again during the final read: a file changed since is caught

@@ -131,6 +131,7 @@ def verify(path: str | os.PathLike, *, storage_options: dict[str, Any] | None = 
         _check_references(states, manifest["components"], root / MANIFEST)
         _check_blob_headers(src, metadata)
         _check_records_stored(src, metadata)
+        src.check_records(metadata)
     elif any(rec.get("num_tensors") or rec.get("inventory") for rec in manifest["components"].values()):
         raise CheckpointFormatError("manifest lists tensors but no data files", path=root)
     return {

@@ -361,15 +361,59 @@ def zip_data_offset(read: Any, length: int, dtype: torch.dtype, shape: tuple[int
     return data_at
 
 
+def template_tail_matches(end: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+    """Whether ``end`` (a record's last ``len(template.tail)`` bytes) is our template's tail (its central
+    directory: what ``torch.load`` goes by), the data CRC aside."""
+    tpl = template(dtype, shape)
+    c = tpl.tail_crc_at
+    return len(end) == len(tpl.tail) and end[:c] == tpl.tail[:c] and end[c + 4 :] == tpl.tail[c + 4 :]
+
+
 def record_data_offset(read: Any, head: Any, length: int, dtype: torch.dtype, shape: tuple[int, ...]) -> int | None:
-    """The tensor's byte offset inside a record: our template first (one compare), else the ZIP structure."""
+    """The tensor's byte offset inside a record of ``dtype`` and ``shape``: our template first (head and tail
+    compared: the local headers and the central directory agree), else the ZIP structure; ``None`` when the record
+    is neither (it is then decoded whole by :func:`decode_record`, which checks what it holds)."""
     at = template_data_offset(head, length, dtype, shape)
     if at is not None:
-        return at
+        n = len(template(dtype, shape).tail)
+        if template_tail_matches(bytes(read(length - n, n)), dtype, shape):
+            return at
     try:
         return zip_data_offset(read, length, dtype, shape)
     except (struct.error, ValueError, IndexError):
         return None
+
+
+def decode_record(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...], where: Any, key: str) -> torch.Tensor:
+    """A record that is not laid out as our writer (or ``torch.save`` of a contiguous tensor) lays it out, decoded
+    as DCP does (``torch.load(weights_only=True)``: no code runs) after :func:`check_stored_record`, and refused
+    unless it holds a tensor of exactly ``dtype`` and ``shape`` (what DCP's metadata says): never cast, never
+    reinterpreted.
+
+    Raises:
+        CheckpointIntegrityError: naming ``where`` (the data file) and ``key``.
+
+    Example:
+        >>> import io, torch
+        >>> buf = io.BytesIO(); torch.save(torch.ones(2, 3).t(), buf)  # not contiguous: not our layout
+        >>> decode_record(buf.getvalue(), torch.float32, (3, 2), "f", "k").shape
+        torch.Size([3, 2])
+    """
+    check_stored_record(raw, where)
+    try:
+        tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - whatever a damaged pickle raises, said with the file
+        raise CheckpointIntegrityError(
+            f"record {key!r} cannot be decoded ({type(err).__name__}: {err}): the file is damaged or forged",
+            path=where,
+        ) from None
+    if type(tensor) is not torch.Tensor or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+        found = f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise CheckpointIntegrityError(
+            f"record {key!r} holds {found}, DCP's metadata says {dtype} {list(shape)}: the file is damaged or forged",
+            path=where,
+        )
+    return tensor
 
 
 MAX_RECORD_MEMBERS = 64  # a torch.save record of one tensor holds a handful (data.pkl, byteorder, data/0, version...)

@@ -56,7 +56,7 @@ from torch.futures import Future
 from torchrl_dcp.errors import CheckpointIntegrityError
 from torchrl_dcp.format.checksums import combined_crc, crc32, format_crc
 from torchrl_dcp.format.layout import is_plain_name
-from torchrl_dcp.format.record import check_stored_record, is_memmap_tensor, record_data_offset
+from torchrl_dcp.format.record import decode_record, is_memmap_tensor, record_data_offset
 from torchrl_dcp.storage.base import ByteRange, Container
 from torchrl_dcp.storage.copying import ReadAhead, read_threads, run_split
 from torchrl_dcp.storage.files import open_regular
@@ -122,6 +122,27 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         self.prefault = os.environ.get("TDCP_READ_PREFAULT", "1") != "0"  # map fresh pages ahead of large reads
         self._lock = threading.RLock()  # stats and planner calls, from the threads reading records and files
         self._local = threading.local()  # each reading thread's scratch buffer
+        self._specs: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]] = {}
+        if metadata is not None:
+            self._keep_specs(metadata)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._keep_specs(metadata)
+
+    def _keep_specs(self, metadata: Metadata) -> None:
+        """``{(key, chunk offsets): (dtype, chunk sizes)}``: what each record must hold (DCP's metadata says)."""
+        specs = {}
+        for key, md in metadata.state_dict_metadata.items():
+            for chunk in getattr(md, "chunks", None) or ():
+                specs[(key, tuple(chunk.offsets))] = (md.properties.dtype, tuple(chunk.sizes))
+        self._specs = specs
+
+    def record_where(self, relative_path: str) -> Any:
+        """The data file ``relative_path`` as errors name it (a path, or ``archive::member``)."""
+        if self.container is not None:
+            return self.container.byte_range(relative_path).where
+        return os.path.join(str(self.path), relative_path)
 
     def read_source(self, relative_path: str) -> RangeFile:
         """Where a data file's bytes are: in the container, or the whole file of that name in ``path``."""
@@ -152,8 +173,14 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
             planner.load_bytes(req, io.BytesIO(stream.read(-1)))
             return
         raw = stream.read(-1)
-        check_stored_record(raw, f"{info.relative_path}::{req.storage_index.fqn}")  # nothing expands in torch.load
-        tensor = cast(torch.Tensor, torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True))
+        index = req.storage_index
+        spec = self._specs.get((index.fqn, tuple(index.offset or ())))
+        if spec is None:
+            raise CheckpointIntegrityError(
+                f"record {index.fqn!r} at {tuple(index.offset or ())} is not a chunk DCP's metadata lists",
+                path=self.record_where(info.relative_path),
+            )
+        tensor = decode_record(raw, spec[0], spec[1], self.record_where(info.relative_path), index.fqn)
         tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
         target = (planner.resolve_tensor(req) if target is None else target).detach()
         if target.size() != tensor.size():
@@ -336,12 +363,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         for item in items[i:j]:
             rel = item.offset - start
             small = item.small
-            if (  # our writer's record (direct reads): two comparisons, one copy by address
-                small is not None
-                and item.length == small.length
-                and buf.startswith(small.before, rel)
-                and buf.startswith(small.after, rel + small.after_at)
-            ):
+            if small is not None and item.length == small.length and small.matches(buf, rel):  # our writer's record
                 ctypes.memmove(item.target.data_ptr(), base + rel + small.data_at, small.nbytes)  # type: ignore[union-attr]
                 copied += 1
                 continue

@@ -226,8 +226,9 @@ def whole_record_device(info: Any, target: torch.Tensor) -> torch.Tensor | None:
 
 class SmallRecord(NamedTuple):
     """A small record as our writer lays it out for one dtype and shape: only the data member's CRC varies
-    (at ``before``'s end), so a record is recognized by two byte comparisons, and its tensor bytes are the
-    ``nbytes`` at ``data_at``."""
+    (at ``before``'s end in the head, at ``tail_before``'s end in the tail), so a record is recognized by four
+    byte comparisons (local headers and central directory), and its tensor bytes are the ``nbytes`` at
+    ``data_at``."""
 
     length: int
     before: bytes
@@ -235,13 +236,36 @@ class SmallRecord(NamedTuple):
     after: bytes
     data_at: int
     nbytes: int
+    tail_before: bytes
+    tail_after_at: int
+    tail_after: bytes
+
+    def matches(self, buf: Any, rel: int) -> bool:
+        """Whether the record at ``rel`` of ``buf`` is this layout (its data aside)."""
+        tail = rel + self.data_at + self.nbytes
+        return (
+            buf.startswith(self.before, rel)
+            and buf.startswith(self.after, rel + self.after_at)
+            and buf.startswith(self.tail_before, tail)
+            and buf.startswith(self.tail_after, tail + self.tail_after_at)
+        )
 
 
 @functools.lru_cache(maxsize=1024)
 def small_record(dtype: torch.dtype, shape: tuple[int, ...]) -> SmallRecord:
     tpl = template(dtype, shape)
-    at = tpl.head_crc_at
-    return SmallRecord(tpl.length, tpl.head[:at], at + 4, tpl.head[at + 4 :], len(tpl.head), tpl.nbytes)
+    at, t = tpl.head_crc_at, tpl.tail_crc_at
+    return SmallRecord(
+        tpl.length,
+        tpl.head[:at],
+        at + 4,
+        tpl.head[at + 4 :],
+        len(tpl.head),
+        tpl.nbytes,
+        tpl.tail[:t],
+        t + 4,
+        tpl.tail[t + 4 :],
+    )
 
 
 def plan_in_place(item: RecordRead, info: Any) -> None:

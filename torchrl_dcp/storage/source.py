@@ -29,6 +29,7 @@ from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
 from torchrl_dcp.format.checksums import checksum_mismatch, crc32, format_crc
 from torchrl_dcp.format.dcp_metadata import check_coverage, check_storage_bounds, parse_metadata
 from torchrl_dcp.format.layout import DCP_METADATA, MAX_MANIFEST_BYTES, TRAILER_SIZE, read_identity
+from torchrl_dcp.format.record import decode_record, record_data_offset
 from torchrl_dcp.storage.base import ByteRange, Container
 from torchrl_dcp.storage.files import open_regular
 from torchrl_dcp.storage.reader import InPlaceFileSystemReader
@@ -87,6 +88,40 @@ class CheckpointSource:
                 self._metadata = metadata
             self._metadata_read = True
         return self._metadata
+
+    def check_records(self, metadata: Metadata, keys: Collection[str] | None = None) -> None:
+        """Every tensor record (of ``keys``; ``None``: all) holds exactly the dtype and shape DCP's metadata gives its
+        chunk: laid out as our writer (or ``torch.save``) lays it out (head and tail compared, a few KiB read per
+        record), else decoded whole to that (:func:`~torchrl_dcp.format.record.decode_record`). Loads run it before
+        reading anything into a live object, ``verify`` over every record: a forged record is refused before any
+        state changes, naming its file.
+        """
+        specs = {
+            (key, tuple(c.offsets)): (md.properties.dtype, tuple(c.sizes))
+            for key, md in metadata.state_dict_metadata.items()
+            if keys is None or key in keys
+            for c in getattr(md, "chunks", None) or ()
+        }
+        by_file: dict[str, list[tuple[int, int, Any, Any]]] = {}
+        for index, info in metadata.storage_data.items():
+            spec = specs.get((index.fqn, tuple(index.offset or ())))
+            if spec is not None:  # (a bytes item has none: the metadata checks refuse it)
+                by_file.setdefault(info.relative_path, []).append((info.offset, info.length, index.fqn, spec))
+        for rel, items in sorted(by_file.items()):
+            where = self.container.byte_range(rel).where
+            spans = [(o, min(n, 4096)) for o, n, _, _ in items]
+            heads = dict(zip(spans, self.read_many(rel, spans)))
+            for (o, n, key, (dtype, shape)), span in zip(items, spans):
+
+                def read(at: int, size: int, o: int = o, head: bytes = heads[span], rel: str = rel) -> bytes:
+                    return head[at : at + size] if at + size <= len(head) else self.read_many(rel, [(o + at, size)])[0]
+
+                if record_data_offset(read, heads[span], n, dtype, shape) is None:
+                    try:
+                        decode_record(read(0, n), dtype, shape, where, key)
+                    except CheckpointIntegrityError:
+                        self.check([rel])  # a damaged file (its checksum) says more than its record does
+                        raise
 
     def read_many(self, name: str, spans: list[tuple[int, int]]) -> list[bytes]:
         """The bytes of each ``(offset, size)`` of the listed data file ``name`` (a span past its end: ``b""``)."""
