@@ -379,3 +379,24 @@ def test_a_module_not_read_in_place_is_rolled_back(tmp_path: Path) -> None:
     loading.unregister("counter")
     loading.load(path, components=["model"])  # and the copy with a cast works
     assert model.weight.dtype == torch.float32 and not torch.equal(model.weight, before["weight"])
+
+
+@pytest.mark.parametrize("mismatch", ["fewer_groups", "other_params_per_group"])
+def test_an_optimizer_with_other_param_groups_is_refused_while_planning(tmp_path: Path, mismatch: str) -> None:
+    """A common mistake (the optimizer rebuilt with other parameter groups) is refused before anything is read:
+    the module, read in place, keeps its values, and the message says what to build."""
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.Adam([{"params": net[0].parameters()}, {"params": net[1].parameters(), "lr": 0.1}])
+    net(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    path = tdcp.DistributedCheckpoint(policy=net, optim=opt).save(tmp_path / "c")
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    before = [p.detach().clone() for p in fresh.parameters()]
+    if mismatch == "fewer_groups":
+        other = torch.optim.Adam(fresh.parameters())
+    else:
+        other = torch.optim.Adam([{"params": [fresh[0].weight]}, {"params": [fresh[0].bias, *fresh[1].parameters()]}])
+    with pytest.raises(tdcp.IncompatibleComponentError, match="build the optimizer|build it with") as info:
+        tdcp.DistributedCheckpoint(policy=fresh, optim=other).load(path)
+    assert "'optim'" in str(info.value) and "could not be restored" not in str(info.value)  # planned, not restored
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters()))

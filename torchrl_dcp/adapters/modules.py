@@ -238,8 +238,12 @@ class OptimizerAdapter(Adapter):
         return {**_live_state_destinations(obj, saved), **optimizer_destinations(obj, saved)}
 
     def validate(self, obj: torch.optim.Optimizer, saved: dict[int, Any], ctx: AdapterContext) -> None:
-        """Notes which state tensors will be read in place (the snapshot keeps those by reference)."""
+        """Refuses, while planning, what ``load_state_dict`` would refuse after other components were read (other
+        parameter groups, other numbers of parameters per group) and states no save produces (a parameter listed
+        twice, state for a parameter no group lists); notes which state tensors will be read in place (the
+        snapshot keeps those by reference)."""
         for state in saved.values():
+            _check_param_groups(obj, state, ctx.name)
             ctx.plan["in_place"] = {id(t) for t in _live_state_destinations(obj, state).values()}
 
     def snapshot(self, obj: torch.optim.Optimizer, ctx: AdapterContext) -> Any:
@@ -255,6 +259,37 @@ class OptimizerAdapter(Adapter):
         except (ValueError, KeyError) as err:
             raise IncompatibleComponentError(f"component {ctx.name!r}: {err}") from err
         return None
+
+
+def _check_param_groups(optimizer: torch.optim.Optimizer, saved: Any, name: str) -> None:
+    groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
+    if not isinstance(groups, list) or not all(
+        isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups
+    ):
+        raise IncompatibleComponentError(f"component {name!r}: the saved optimizer state has no valid param_groups")
+    if len(groups) != len(optimizer.param_groups):
+        raise IncompatibleComponentError(
+            f"component {name!r}: the checkpoint has {len(groups)} parameter groups, the optimizer "
+            f"{len(optimizer.param_groups)}: build the optimizer with the parameter groups it was saved with"
+        )
+    for i, (saved_group, group) in enumerate(zip(groups, optimizer.param_groups)):
+        if len(saved_group["params"]) != len(group["params"]):
+            raise IncompatibleComponentError(
+                f"component {name!r}: parameter group {i} holds {len(saved_group['params'])} parameters in the "
+                f"checkpoint, {len(group['params'])} in the optimizer: build it with the parameters it was saved with"
+            )
+    ids = [p for g in groups for p in g["params"]]
+    if len(set(map(repr, ids))) != len(ids) or not all(type(p) is int for p in ids):
+        raise IncompatibleComponentError(
+            f"component {name!r}: the saved param_groups list a parameter twice (or not by number): no save writes "
+            "that; the checkpoint is damaged or forged"
+        )
+    extra = set(saved.get("state") or {}) - set(ids)
+    if extra:
+        raise IncompatibleComponentError(
+            f"component {name!r}: the saved state names parameters {sorted(map(str, extra))} that no parameter group "
+            "lists: the checkpoint is damaged or forged"
+        )
 
 
 def optimizer_destinations(optimizer: torch.optim.Optimizer, saved: Any) -> dict[str, torch.Tensor]:
