@@ -1105,14 +1105,6 @@ _CAPACITY = (
     "policy, optim, rb and prb are left changed; verify accepts it"
 )
 KNOWN: dict[tuple[str, str, str], str] = {
-    ("chunked", "files: entry removed", "*"): (
-        "a chunk file removed from 'files' is refused as 'malformed manifest: chunks[...] entries need ... a listed "
-        "file', which names the tensor but not the chunk file"
-    ),
-    ("chunked", "chunk file removed with its entry", "*"): (
-        "a chunk file deleted with its 'files' entry is refused as 'malformed manifest: chunks[...] entries need "
-        "... a listed file', which names the tensor but not the missing chunk file"
-    ),
     ("replay_buffer", "state value (rb): len past the rows", "*"): _LEN,
     ("replay_buffer", "state value (rb): len past the capacity", "*"): _LEN + " (len 99 with a capacity of 8)",
     ("prioritized", "state value (prb): len past the rows", "*"): _LEN,

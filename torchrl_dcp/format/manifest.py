@@ -434,7 +434,11 @@ def _validate_chunks(chunks: Any, files: dict[str, Any], bad: Callable[[str], Ch
                 and isinstance(e.get("fingerprint"), str)
             )
             if not ok:
-                raise bad(f"chunks[{key!r}] entries need start, rows, a listed file and a fingerprint")
+                name = e.get("file") if isinstance(e, dict) else None
+                unlisted = (
+                    f": chunk file {name!r} is not in 'files'" if isinstance(name, str) and name not in files else ""
+                )
+                raise bad(f"chunks[{key!r}] entries need start, rows, a listed file and a fingerprint{unlisted}")
 
 
 def _validate_component(name: str, rec: Any, world_size: int, bad: Callable[[str], CheckpointFormatError]) -> None:
