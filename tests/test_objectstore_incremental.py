@@ -143,6 +143,16 @@ def test_base_in_another_store_or_local_means_a_full_save(
         assert kept(ckpt.save(f"{url}/c", incremental_from=other)) == {}
 
 
+def base_and_victim(url: str, options: dict[str, Any]) -> tuple[TensorDictReplayBuffer, Any, Any, str, Any]:
+    """A buffer saved at ``<url>/base``, and the first of its chunk objects (name and path): the one to forge."""
+    rb = buffer()
+    rb.extend(batch(900, 0))
+    ckpt = tdcp.DistributedCheckpoint(buffer=rb, storage_options=options)
+    base = ckpt.save(f"{url}/base")
+    victim = sorted(chunk_objects(base))[0]
+    return rb, ckpt, base, victim, resolve_path(f"{url}/base/{victim}", options)
+
+
 @pytest.mark.parametrize("when", ["before the save", "between check and copy"])
 def test_replaced_base_object_is_uploaded_again(
     store: tuple[str, dict[str, Any]], uploads: list[str], monkeypatch: pytest.MonkeyPatch, when: str
@@ -150,12 +160,7 @@ def test_replaced_base_object_is_uploaded_again(
     url, options = store
     if when == "between check and copy":  # the check finds every object as recorded: the copy is checked again
         monkeypatch.setattr(objectstore_save, "keepable_objects", lambda keeps: keeps)
-    rb = buffer()
-    rb.extend(batch(900, 0))
-    ckpt = tdcp.DistributedCheckpoint(buffer=rb, storage_options=options)
-    base = ckpt.save(f"{url}/base")
-    victim = sorted(chunk_objects(base))[0]
-    obj = resolve_path(f"{url}/base/{victim}", options)
+    rb, ckpt, base, victim, obj = base_and_victim(url, options)
     data = bytearray(obj.fs.cat_file(obj.key))
     data[-1] ^= 1  # its identity trailer no longer names the base's save
     obj.fs.pipe_file(obj.key, bytes(data))
@@ -205,12 +210,7 @@ def test_base_object_rewritten_and_resealed_is_uploaded_again(
     from torchrl_dcp.storage import proven
 
     url, options = store
-    rb = buffer()
-    rb.extend(batch(900, 0))
-    ckpt = tdcp.DistributedCheckpoint(buffer=rb, storage_options=options)
-    base = ckpt.save(f"{url}/base")
-    victim = sorted(chunk_objects(base))[0]
-    obj = resolve_path(f"{url}/base/{victim}", options)
+    rb, ckpt, base, victim, obj = base_and_victim(url, options)
     data = bytearray(obj.fs.cat_file(obj.key))
     data[len(data) // 2] ^= 0x40  # inside the rows
     obj.fs.pipe_file(obj.key, bytes(data))
