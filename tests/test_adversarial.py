@@ -1104,7 +1104,16 @@ _CAPACITY = (
     "sampler capacity was N, the buffer's is 8'), after the module, optimizer and buffer rows were read in place: "
     "policy, optim, rb and prb are left changed; verify accepts it"
 )
+_STORE_IN_PLACE = (
+    "from an object store, a forged record is refused while it is read (loads check records before reading only "
+    "from files, to keep one GET per object), after the module's other tensors were read in place: policy is "
+    "left partly read"
+)
 KNOWN: dict[tuple[str, str, str], str] = {
+    **{
+        ("module", f"data: record of {what}", "memory"): _STORE_IN_PLACE
+        for what in ("the same-itemsize dtype", "a wider dtype", "another shape")
+    },
     ("replay_buffer", "state value (rb): len past the rows", "*"): _LEN,
     ("replay_buffer", "state value (rb): len past the capacity", "*"): _LEN + " (len 99 with a capacity of 8)",
     ("prioritized", "state value (prb): len past the rows", "*"): _LEN,

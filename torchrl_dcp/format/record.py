@@ -372,7 +372,10 @@ def template_tail_matches(end: Any, dtype: torch.dtype, shape: tuple[int, ...]) 
 def record_data_offset(read: Any, head: Any, length: int, dtype: torch.dtype, shape: tuple[int, ...]) -> int | None:
     """The tensor's byte offset inside a record of ``dtype`` and ``shape``: our template first (head and tail
     compared: the local headers and the central directory agree), else the ZIP structure; ``None`` when the record
-    is neither (it is then decoded whole by :func:`decode_record`, which checks what it holds)."""
+    is neither, or of a dtype our writer does not lay out (it is then decoded whole by :func:`decode_record`, which
+    checks what it holds)."""
+    if dtype not in STORAGE_NAMES:
+        return None
     at = template_data_offset(head, length, dtype, shape)
     if at is not None:
         n = len(template(dtype, shape).tail)
