@@ -623,10 +623,17 @@ def _value_mutation(path: tuple[Any, ...], value: Any) -> Callable[[Forger], Non
     return lambda f: f.edit(lambda m: f.set_value(m, path, value))
 
 
+_AGAINST_THE_OBJECT = {"state value (gen): device"}  # a valid state (a CUDA generator's), refused for this object
+
 for _kind_name, _kind in KINDS.items():
     for _label, _path, _value in _kind.values:
-        MUTATIONS[f"state value ({_kind.component}): {_label}"] = Mutation(
-            _value_mutation(_path, _value), MANIFEST, applies=lambda k, n=_kind_name: k == n, backends=MANIFEST_BACKENDS
+        _name = f"state value ({_kind.component}): {_label}"
+        MUTATIONS[_name] = Mutation(
+            _value_mutation(_path, _value),
+            MANIFEST,
+            applies=lambda k, n=_kind_name: k == n,
+            backends=MANIFEST_BACKENDS,
+            compatibility=_name in _AGAINST_THE_OBJECT,
         )
 
 
@@ -1094,16 +1101,6 @@ def deadline(seconds: int) -> Iterator[None]:
 # ---------------------------------------------------------------------- known findings
 # (kind or "*", mutation, backend or "*") -> what happens; each is xfail(strict=True)
 _IN_PLACE = ("module", "optimizer", "replay_buffer")  # kinds whose tensors are read in place (module, buffers)
-_LEN = (
-    "a forged storage 'len' larger than the saved rows loads: len(buffer) becomes the forged value and the rows "
-    "past the saved ones hold whatever the live storage held (uninitialised memory of torch.empty), sampleable; "
-    "verify accepts it"
-)
-_CAPACITY = (
-    "a forged prioritized-sampler capacity is refused only when restoring (IncompatibleComponentError 'prioritized "
-    "sampler capacity was N, the buffer's is 8'), after the module, optimizer and buffer rows were read in place: "
-    "policy, optim, rb and prb are left changed; verify accepts it"
-)
 _STORE_IN_PLACE = (
     "from an object store, a forged record is refused while it is read (loads check records before reading only "
     "from files, to keep one GET per object), after the module's other tensors were read in place: policy is "
@@ -1114,35 +1111,6 @@ KNOWN: dict[tuple[str, str, str], str] = {
         ("module", f"data: record of {what}", "memory"): _STORE_IN_PLACE
         for what in ("the same-itemsize dtype", "a wider dtype", "another shape")
     },
-    ("replay_buffer", "state value (rb): len past the rows", "*"): _LEN,
-    ("replay_buffer", "state value (rb): len past the capacity", "*"): _LEN + " (len 99 with a capacity of 8)",
-    ("prioritized", "state value (prb): len past the rows", "*"): _LEN,
-    ("replay_buffer", "state value (rb): max_size smaller", "*"): (
-        "a forged storage max_size of 4 (with 5 rows saved) loads and is ignored: the buffer keeps max_size 8"
-    ),
-    ("replay_buffer", "state value (rb): rows past the saved ones", "*"): (
-        "a storage 'rows' of 7 where the tensors hold 5 is refused by load (against the live buffer) but verify "
-        "accepts the manifest, which contradicts itself"
-    ),
-    ("prioritized", "state value (prb): capacity smaller", "*"): _CAPACITY,
-    ("prioritized", "state value (prb): capacity larger", "*"): _CAPACITY,
-    ("rng", "state value (rng): numpy kind", "*"): (
-        "numpy kind 'PCG64' is refused only when restoring (ValueError from set_state, wrapped); verify accepts it"
-    ),
-    ("rng", "state value (rng): python version", "*"): (
-        "python RNG version 9 is refused only when restoring (ValueError from Random.setstate, wrapped); verify "
-        "accepts it"
-    ),
-    ("optimizer", "state value (optim): params repeated", "*"): (
-        "param_groups[0].params forged to [0, 1, 2, 2] is refused by load while planning (a state no save writes), "
-        "but verify, which has no adapter-level checks of JSON states, accepts it"
-    ),
-    ("generator", "state value (gen): device", "*"): (
-        "a generator state saying device 'cuda:7' loads and the device is ignored (the generator stays on cpu)"
-    ),
-    ("generator", "state value (gen): device junk", "*"): (
-        "a generator state saying device 'nowhere' (not a device) loads and the value is ignored"
-    ),
 }
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from torchrl_dcp.adapters import Adapter, AdapterContext
+from torchrl_dcp.adapters import Adapter, AdapterContext, adapter_by_id
 from torchrl_dcp.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -303,10 +303,24 @@ def check_states(name: str, rec: dict[str, Any], metadata: Any, source: Any) -> 
                 _inventory_error(name, [key], source)
             seen.add(key)
             check_backed(metadata, key, spec, source)
+        _check_saved(rec, view, name, source)
         out[r] = SavedState(skeleton, prefix, specs, view, refs)
     if len(seen) != len(recorded):  # every tensor matched its entry: the others have no tensor
         _inventory_error(name, sorted(set(recorded) - seen), source)
     return out
+
+
+def _check_saved(rec: dict[str, Any], view: Any, name: str, source: Any) -> None:
+    """The saving adapter's own checks of a state (:meth:`Adapter.check_saved`), when this process knows it."""
+    adapter = adapter_by_id(rec["adapter"])
+    if adapter is None or rec.get("adapter_version") != adapter.version:
+        return  # an unknown adapter: refused where the component is planned (or left to the tools)
+    try:
+        adapter.check_saved(view)
+    except (ValueError, TypeError, KeyError) as err:
+        raise CheckpointIntegrityError(
+            f"component {name!r}: {err}: no save writes that state; the checkpoint is damaged or forged", path=source
+        ) from None
 
 
 def plan_view(skeleton: Any) -> tuple[Any, list[TensorSpec], list[tuple[str, TensorSpec]]]:

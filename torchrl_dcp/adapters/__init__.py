@@ -18,7 +18,7 @@ from torchrl_dcp.adapters.defaults import register_default_adapters
 from torchrl_dcp.adapters.generators import NumpyGeneratorAdapter, NumpyRandomStateAdapter, PythonRandomAdapter
 from torchrl_dcp.adapters.json import JSONAdapter
 from torchrl_dcp.adapters.modules import ModuleAdapter, OptimizerAdapter
-from torchrl_dcp.adapters.registry import register_adapter, resolve_adapter
+from torchrl_dcp.adapters.registry import adapter_by_id, register_adapter, resolve_adapter
 from torchrl_dcp.adapters.rng import GeneratorAdapter, RNGState, RNGStateAdapter
 from torchrl_dcp.adapters.state_dict import StateDictAdapter
 from torchrl_dcp.adapters.tensordict import TensorDictAdapter
@@ -27,6 +27,7 @@ register_default_adapters()
 
 __all__ = [
     "Adapter",
+    "adapter_by_id",
     "AdapterContext",
     "CheckpointOptions",
     "GeneratorAdapter",

@@ -131,6 +131,16 @@ class Adapter(abc.ABC):
         """
         return None
 
+    def check_saved(self, saved: Any) -> None:
+        """Raise ``ValueError`` (saying what is wrong) if ``saved`` is a state no save of this adapter writes.
+
+        Object-independent, so ``load`` (while planning) and ``verify`` both run it on every
+        saved state (tensors as :class:`~torchrl_dcp.format.codec.TensorSpec`, JSON values
+        real): JSON values that contradict the tensors they describe, impossible counts, a
+        value no ``state_dict`` produces. The default accepts everything.
+        """
+        return None
+
     def validate(self, obj: Any, saved: dict[int, Any], ctx: AdapterContext) -> None:
         """Raise (e.g. :class:`~torchrl_dcp.errors.IncompatibleComponentError`) if ``saved`` cannot be restored into ``obj``.
 

@@ -237,11 +237,14 @@ class OptimizerAdapter(Adapter):
         """
         return {**_live_state_destinations(obj, saved), **optimizer_destinations(obj, saved)}
 
+    def check_saved(self, saved: Any) -> None:
+        """A parameter listed twice, or state for a parameter no group lists: no ``state_dict()`` writes that."""
+        _check_param_ids(saved)
+
     def validate(self, obj: torch.optim.Optimizer, saved: dict[int, Any], ctx: AdapterContext) -> None:
         """Refuses, while planning, what ``load_state_dict`` would refuse after other components were read (other
-        parameter groups, other numbers of parameters per group) and states no save produces (a parameter listed
-        twice, state for a parameter no group lists); notes which state tensors will be read in place (the
-        snapshot keeps those by reference)."""
+        parameter groups, other numbers of parameters per group); notes which state tensors will be read in place
+        (the snapshot keeps those by reference)."""
         for state in saved.values():
             _check_param_groups(obj, state, ctx.name)
             ctx.plan["in_place"] = {id(t) for t in _live_state_destinations(obj, state).values()}
@@ -278,18 +281,22 @@ def _check_param_groups(optimizer: torch.optim.Optimizer, saved: Any, name: str)
                 f"component {name!r}: parameter group {i} holds {len(saved_group['params'])} parameters in the "
                 f"checkpoint, {len(group['params'])} in the optimizer: build it with the parameters it was saved with"
             )
+
+
+def _check_param_ids(saved: Any) -> None:
+    """``Optimizer.state_dict()`` numbers each parameter once, and has state only for listed parameters."""
+    groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
+    if not isinstance(groups, list) or not all(
+        isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups
+    ):
+        raise ValueError("the saved optimizer state has no valid param_groups")
     ids = [p for g in groups for p in g["params"]]
-    if len(set(map(repr, ids))) != len(ids) or not all(type(p) is int for p in ids):
-        raise IncompatibleComponentError(
-            f"component {name!r}: the saved param_groups list a parameter twice (or not by number): no save writes "
-            "that; the checkpoint is damaged or forged"
-        )
-    extra = set(saved.get("state") or {}) - set(ids)
+    if not all(type(p) is int for p in ids) or len(set(ids)) != len(ids):
+        raise ValueError("its param_groups list a parameter twice (or not by number)")
+    state = saved.get("state")
+    extra = set(state) - set(ids) if isinstance(state, Mapping) else set()
     if extra:
-        raise IncompatibleComponentError(
-            f"component {name!r}: the saved state names parameters {sorted(map(str, extra))} that no parameter group "
-            "lists: the checkpoint is damaged or forged"
-        )
+        raise ValueError(f"its state names parameters {sorted(map(str, extra))} that no parameter group lists")
 
 
 def optimizer_destinations(optimizer: torch.optim.Optimizer, saved: Any) -> dict[str, torch.Tensor]:

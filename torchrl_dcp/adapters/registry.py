@@ -30,7 +30,7 @@ from torchrl_dcp.adapters.base import Adapter
 from torchrl_dcp.adapters.json import JSONAdapter, is_plain_value
 from torchrl_dcp.adapters.state_dict import StateDictAdapter
 
-__all__ = ["register_adapter", "resolve_adapter"]
+__all__ = ["adapter_by_id", "register_adapter", "resolve_adapter"]
 
 _REGISTRY: dict[type, Adapter] = {}
 
@@ -63,3 +63,11 @@ def resolve_adapter(obj: Any, local: Mapping[type, Adapter] | None = None) -> Ad
         f"no adapter for {type(obj).__module__}.{type(obj).__qualname__}: give it state_dict()/"
         "load_state_dict(), pass adapter=..., or call register_adapter(type, adapter)"
     )
+
+
+def adapter_by_id(adapter_id: str) -> Adapter | None:
+    """The registered (or built-in fallback) adapter whose ``adapter_id`` is ``adapter_id``, if any."""
+    for adapter in (*_REGISTRY.values(), StateDictAdapter(), JSONAdapter()):
+        if adapter.adapter_id == adapter_id:
+            return adapter
+    return None

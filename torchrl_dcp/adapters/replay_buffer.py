@@ -317,9 +317,44 @@ class ReplayBufferAdapter(Adapter):
         restore_buffer_settings(rb, state)
         return None
 
+    def check_saved(self, saved: Any) -> None:
+        """A tensor storage holds ``len <= rows <= max_size`` transitions, ``rows`` in each tensor (one batch
+        dimension); a prioritized sampler's trees have ``capacity`` leaves."""
+        storage, sampler = saved["storage"], saved["sampler"]
+        if not isinstance(storage, Mapping):
+            raise ValueError("its storage state is not a mapping")
+        counts = [storage.get(k) for k in ("len", "rows", "max_size")]
+        if all(type(c) is int for c in counts):
+            n, rows, max_size = counts
+            if not 0 <= n <= rows <= max_size:
+                raise ValueError(f"its storage says len {n}, rows {rows}, max_size {max_size}")
+            if storage.get("ndim") == 1:
+                for spec in _specs(storage.get("data")):
+                    if not spec.shape or spec.shape[0] != rows:
+                        raise ValueError(f"its storage says {rows} rows, a tensor holds {list(spec.shape)}")
+        if isinstance(sampler, Mapping) and sampler.get("kind") == "prioritized":
+            capacity = sampler.get("capacity")
+            for tree in ("sum", "min"):
+                shape = getattr(sampler.get(tree), "shape", None)
+                if shape is not None and tuple(shape) != (capacity,):
+                    raise ValueError(
+                        f"its prioritized sampler says capacity {capacity!r}, its {tree} tree {list(shape)}"
+                    )
+
     def validate(self, rb: ReplayBuffer, saved: dict[int, Any], ctx: AdapterContext) -> None:
-        """After a world-size change: this rank's buffer must hold the transitions it receives."""
+        """The sampler's capacity must be the buffer's (checked while planning, before any row is read); after a
+        world-size change, this rank's buffer must hold the transitions it receives."""
         lengths = ctx.plan.get("lengths")
+        sampler = initialized_buffer(rb)._sampler
+        for state in saved.values() if lengths is None else ():  # (resharding rebuilds the sampler's trees)
+            saved_sampler = state.get("sampler") if isinstance(state, Mapping) else None
+            if isinstance(saved_sampler, Mapping) and saved_sampler.get("kind") == "prioritized":
+                capacity = saved_sampler.get("capacity")
+                if hasattr(sampler, "_max_capacity") and int(sampler._max_capacity) != capacity:
+                    raise IncompatibleComponentError(
+                        f"component {ctx.name!r}: prioritized sampler capacity was {capacity}, the buffer's is "
+                        f"{sampler._max_capacity}: build the buffer with the capacity it was saved with"
+                    )
         if lengths is None:
             return  # same world size: the destinations check the capacity
         n = sum(hi - lo for _, lo, hi in buffer_reshard.split(lengths, ctx.rank, ctx.world_size))
@@ -360,3 +395,10 @@ class ReplayBufferAdapter(Adapter):
 
 
 _STORAGE_ATTRS = ("_storage", "initialized", "_len", "_last_cursor")
+
+
+def _specs(node: Any) -> list[Any]:
+    """The tensor specs in a storage's saved ``data`` (a spec, or nested mappings of them)."""
+    if isinstance(node, Mapping):
+        return [s for v in node.values() for s in _specs(v)]
+    return [node] if hasattr(node, "shape") else []

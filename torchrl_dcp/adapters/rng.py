@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
+from torchrl_dcp.errors import IncompatibleComponentError
 
 
 class RNGState:
@@ -70,6 +71,11 @@ class RNGState:
                 warnings.warn(
                     "the checkpoint holds CUDA RNG state but CUDA is not available: not restored", stacklevel=2
                 )
+
+
+def _spec_shape(value: Any) -> tuple[int, ...] | None:
+    shape = getattr(value, "shape", None)
+    return None if shape is None else tuple(shape)
 
 
 def derived_seed(saved_state: torch.Tensor, rank: int, world_size: int) -> int:
@@ -141,6 +147,16 @@ class RNGStateAdapter(Adapter):
     def state(self, obj: RNGState, ctx: AdapterContext) -> Any:
         return obj.state_dict()
 
+    def check_saved(self, saved: Any) -> None:
+        """What ``random.getstate()`` and ``np.random.get_state()`` return, and nothing else."""
+        py, npst = saved["python"], saved["numpy"]
+        if py["version"] not in (2, 3) or _spec_shape(py["state"]) != (625,):
+            raise ValueError(f"Python RNG state of version {py['version']!r}, {_spec_shape(py['state'])} words")
+        if npst["kind"] != "MT19937" or _spec_shape(npst["keys"]) != (624,) or not 0 <= npst["pos"] <= 624:
+            raise ValueError(f"NumPy RNG state of kind {npst['kind']!r} at position {npst['pos']!r}")
+        if npst["has_gauss"] not in (0, 1):
+            raise ValueError(f"NumPy RNG has_gauss {npst['has_gauss']!r}")
+
     def restore(self, obj: RNGState, state: Any, ctx: AdapterContext) -> Any:
         obj.load_state_dict(state)
         return None
@@ -177,6 +193,22 @@ class GeneratorAdapter(Adapter):
 
     def state(self, obj: torch.Generator, ctx: AdapterContext) -> Any:
         return {"state": obj.get_state(), "device": str(obj.device)}
+
+    def check_saved(self, saved: Any) -> None:
+        try:
+            torch.device(saved["device"])
+        except (RuntimeError, TypeError):
+            raise ValueError(f"generator device {saved['device']!r} is not a device") from None
+
+    def validate(self, obj: torch.Generator, saved: dict[int, Any], ctx: AdapterContext) -> None:
+        """A generator saved on another kind of device than ``obj``'s is refused while planning (its state would not
+        fit); another index of the same kind (a rank's GPU) is accepted."""
+        for state in saved.values():
+            if torch.device(state["device"]).type != obj.device.type:
+                raise IncompatibleComponentError(
+                    f"component {ctx.name!r}: the generator was saved on {state['device']}, this one is on "
+                    f"{obj.device}: register a generator of that device"
+                )
 
     def restore(self, obj: torch.Generator, state: Any, ctx: AdapterContext) -> Any:
         obj.set_state(state["state"].cpu())
