@@ -318,20 +318,19 @@ class ReplayBufferAdapter(Adapter):
         return None
 
     def check_saved(self, saved: Any) -> None:
-        """A tensor storage holds ``len <= rows <= max_size`` transitions, ``rows`` in each tensor (one batch
-        dimension); a prioritized sampler's trees have ``capacity`` leaves."""
+        """A tensor storage of one batch dimension holds ``len <= rows <= max_size`` transitions, ``rows`` in each
+        tensor; a prioritized sampler's trees have ``capacity`` leaves."""
         storage, sampler = saved["storage"], saved["sampler"]
         if not isinstance(storage, Mapping):
             raise ValueError("its storage state is not a mapping")
         counts = [storage.get(k) for k in ("len", "rows", "max_size")]
-        if all(type(c) is int for c in counts):
+        if storage.get("ndim") == 1 and all(type(c) is int for c in counts):  # (ndim > 1: len counts elements)
             n, rows, max_size = counts
             if not 0 <= n <= rows <= max_size:
                 raise ValueError(f"its storage says len {n}, rows {rows}, max_size {max_size}")
-            if storage.get("ndim") == 1:
-                for spec in _specs(storage.get("data")):
-                    if not spec.shape or spec.shape[0] != rows:
-                        raise ValueError(f"its storage says {rows} rows, a tensor holds {list(spec.shape)}")
+            for spec in _specs(storage.get("data")):
+                if not spec.shape or spec.shape[0] != rows:
+                    raise ValueError(f"its storage says {rows} rows, a tensor holds {list(spec.shape)}")
         if isinstance(sampler, Mapping) and sampler.get("kind") == "prioritized":
             capacity = sampler.get("capacity")
             for tree in ("sum", "min"):
