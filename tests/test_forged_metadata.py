@@ -12,6 +12,7 @@ archives and object stores (fsspec's memory store).
 from __future__ import annotations
 
 import copy
+import io
 import json
 import pickle
 from collections.abc import Callable
@@ -230,3 +231,45 @@ def test_a_reference_with_another_shape_than_the_tensor_it_names_is_refused(tmp_
     with pytest.raises(tdcp.CheckpointError, match="refers to|inconsistent or forged"):
         tdcp.DistributedCheckpoint(policy=fresh, head={"w": torch.zeros(8, 16)}).load(path)
     assert torch.equal(fresh.weight, before)
+
+
+def test_a_bool_byte_other_than_0_or_1_is_refused_before_anything_is_read(tmp_path: Path) -> None:
+    """``torch.save`` writes bools as 0 or 1; a forged 2 (resealed) makes a value that is neither, so the record
+    is refused (naming its file) before the module, read in place, changes; ``verify`` refuses it too."""
+    from torchrl_dcp.format.record import record_data_offset
+
+    objs = objects(0)
+    objs["stats"]["done"] = torch.tensor([True, False, True, False] * 4)
+    path = tdcp.DistributedCheckpoint(**objs).save(tmp_path / "c")
+    md = safe_load_metadata(path / ".metadata")
+    (info,) = [s for i, s in md.storage_data.items() if i.fqn == "replicated/stats/done"]
+    data = bytearray((path / info.relative_path).read_bytes())
+    record = bytes(data[info.offset : info.offset + info.length])
+    at = record_data_offset(lambda o, n: record[o : o + n], record, info.length, torch.bool, (16,))
+    assert at is not None
+    data[info.offset + at] = 2
+    (path / info.relative_path).write_bytes(bytes(data))
+    m = json.loads((path / "manifest.json").read_text())
+    m["files"][info.relative_path]["checksum"] = file_checksum(path / info.relative_path)
+    (path / "manifest.json").write_text(json.dumps(seal(m)))
+    live = objects(1)
+    live["stats"]["done"] = torch.zeros(16, dtype=torch.bool)
+    before = snapshot(live)
+    with pytest.raises(tdcp.CheckpointError, match="bool") as err:
+        tdcp.DistributedCheckpoint(**live).load(path)
+    assert info.relative_path in str(err.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(live)))
+    with pytest.raises(tdcp.CheckpointError, match="bool"):
+        tdcp.verify(path)
+
+
+def test_a_decoded_bool_record_with_other_bytes_is_refused() -> None:
+    """The same for a record decoded by ``torch.load`` (not our writer's layout)."""
+    from torchrl_dcp.format.record import decode_record
+
+    flags = torch.tensor([True, False, True])
+    flags.view(torch.uint8)[1] = 7
+    buf = io.BytesIO()
+    torch.save(flags, buf)
+    with pytest.raises(tdcp.CheckpointError, match="bool bytes"):
+        decode_record(buf.getvalue(), torch.bool, (3,), "f.distcp", "k")

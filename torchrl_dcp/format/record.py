@@ -410,6 +410,11 @@ def decode_record(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...], where:
             f"record {key!r} cannot be decoded ({type(err).__name__}: {err}): the file is damaged or forged",
             path=where,
         ) from None
+    if dtype == torch.bool and isinstance(tensor, torch.Tensor) and tensor.dtype == dtype and tensor.numel():
+        if int(tensor.contiguous().view(torch.uint8).max()) > 1:
+            raise CheckpointIntegrityError(
+                f"record {key!r} holds bool bytes other than 0 and 1: the file is damaged or forged", path=where
+            )
     if type(tensor) is not torch.Tensor or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
         found = f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
         raise CheckpointIntegrityError(

@@ -18,11 +18,13 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
@@ -116,12 +118,17 @@ class CheckpointSource:
                 def read(at: int, size: int, o: int = o, head: bytes = heads[span], rel: str = rel) -> bytes:
                     return head[at : at + size] if at + size <= len(head) else self.read_many(rel, [(o + at, size)])[0]
 
-                if record_data_offset(read, heads[span], n, dtype, shape) is None:
+                at = record_data_offset(read, heads[span], n, dtype, shape)
+                if at is None:
                     try:
                         decode_record(read(0, n), dtype, shape, where, key)
                     except CheckpointIntegrityError:
                         self.check([rel])  # a damaged file (its checksum) says more than its record does
                         raise
+                elif dtype == torch.bool:
+                    size = math.prod(shape)
+                    for lo in range(0, size, 8 << 20):  # bounded memory
+                        _check_bools(read(at + lo, min(8 << 20, size - lo)), where, key)
 
     def read_many(self, name: str, spans: list[tuple[int, int]]) -> list[bytes]:
         """The bytes of each ``(offset, size)`` of the listed data file ``name`` (a span past its end: ``b""``)."""
@@ -196,6 +203,17 @@ def _will_need(fd: int, offset: int, size: int) -> None:
         os.posix_fadvise(fd, offset, size, os.POSIX_FADV_WILLNEED)
     except (AttributeError, OSError):  # pragma: no cover - not on every platform: the reads just wait in turn
         pass
+
+
+def _check_bools(data: bytes, where: Any, key: str) -> None:
+    """A bool tensor's bytes are 0 or 1 (``torch.save`` writes nothing else; other bytes make values that compare
+    neither true nor false consistently)."""
+    top = int(torch.frombuffer(bytearray(data), dtype=torch.uint8).max()) if data else 0
+    if top > 1:
+        raise CheckpointIntegrityError(
+            f"record {key!r} holds a bool byte {top} (only 0 and 1 are bools): the file is damaged or forged",
+            path=where,
+        )
 
 
 def check_trailer(tail: bytes, save_id: str, where: Any, kind: str = "a file") -> None:
