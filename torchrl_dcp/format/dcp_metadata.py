@@ -98,6 +98,19 @@ RecordIndex = dict[str, dict[tuple[int, ...], Any]]
 _INDEXES: dict[int, RecordIndex] = {}
 
 
+def chunk_specs(
+    metadata: Metadata, keys: Any = None
+) -> dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]]:
+    """``{(key, chunk offsets): (dtype, chunk sizes)}``: what each tensor record must hold, as DCP's metadata says
+    (of ``keys`` only, when given)."""
+    return {
+        (key, tuple(c.offsets)): (md.properties.dtype, tuple(c.sizes))
+        for key, md in metadata.state_dict_metadata.items()
+        if keys is None or key in keys
+        for c in getattr(md, "chunks", None) or ()
+    }
+
+
 def record_index(metadata: Metadata) -> RecordIndex:
     """``{key: {chunk offsets: storage info}}`` of every record DCP's metadata lists, built once per metadata
     object (loads look records up by key many times: a scan of ``storage_data`` per question was 1 ms a scan

@@ -361,6 +361,15 @@ def zip_data_offset(read: Any, length: int, dtype: torch.dtype, shape: tuple[int
     return data_at
 
 
+def template_tail_size(dtype: torch.dtype, shape: tuple[int, ...], length: int) -> int:
+    """How many bytes at the end of a record of ``length`` bytes :func:`record_data_offset` compares with our
+    template's tail (0: not our layout's length, nothing to compare), so callers can read them ahead."""
+    if dtype not in STORAGE_NAMES:
+        return 0
+    tpl = template(dtype, shape)
+    return len(tpl.tail) if tpl.length == length else 0
+
+
 def template_tail_matches(end: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
     """Whether ``end`` (a record's last ``len(template.tail)`` bytes) is our template's tail (its central
     directory: what ``torch.load`` goes by), the data CRC aside."""

@@ -55,6 +55,7 @@ from torch.futures import Future
 
 from torchrl_dcp.errors import CheckpointIntegrityError
 from torchrl_dcp.format.checksums import combined_crc, crc32, format_crc
+from torchrl_dcp.format.dcp_metadata import chunk_specs
 from torchrl_dcp.format.layout import is_plain_name
 from torchrl_dcp.format.record import decode_record, is_memmap_tensor, record_data_offset
 from torchrl_dcp.storage.base import ByteRange, Container
@@ -131,12 +132,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         self._keep_specs(metadata)
 
     def _keep_specs(self, metadata: Metadata) -> None:
-        """``{(key, chunk offsets): (dtype, chunk sizes)}``: what each record must hold (DCP's metadata says)."""
-        specs = {}
-        for key, md in metadata.state_dict_metadata.items():
-            for chunk in getattr(md, "chunks", None) or ():
-                specs[(key, tuple(chunk.offsets))] = (md.properties.dtype, tuple(chunk.sizes))
-        self._specs = specs
+        self._specs = chunk_specs(metadata)  # what each record must hold, for the fallback's decode
 
     def record_where(self, relative_path: str) -> Any:
         """The data file ``relative_path`` as errors name it (a path, or ``archive::member``)."""

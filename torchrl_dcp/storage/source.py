@@ -29,9 +29,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
 from torchrl_dcp.format.checksums import checksum_mismatch, crc32, format_crc
-from torchrl_dcp.format.dcp_metadata import check_coverage, check_storage_bounds, parse_metadata
+from torchrl_dcp.format.dcp_metadata import check_coverage, check_storage_bounds, chunk_specs, parse_metadata
 from torchrl_dcp.format.layout import DCP_METADATA, MAX_MANIFEST_BYTES, TRAILER_SIZE, read_identity
-from torchrl_dcp.format.record import decode_record, record_data_offset
+from torchrl_dcp.format.record import decode_record, record_data_offset, template_tail_size
 from torchrl_dcp.storage.base import ByteRange, Container
 from torchrl_dcp.storage.files import open_regular
 from torchrl_dcp.storage.reader import InPlaceFileSystemReader
@@ -98,12 +98,7 @@ class CheckpointSource:
         reading anything into a live object, ``verify`` over every record: a forged record is refused before any
         state changes, naming its file.
         """
-        specs = {
-            (key, tuple(c.offsets)): (md.properties.dtype, tuple(c.sizes))
-            for key, md in metadata.state_dict_metadata.items()
-            if keys is None or key in keys
-            for c in getattr(md, "chunks", None) or ()
-        }
+        specs = chunk_specs(metadata, keys)
         by_file: dict[str, list[tuple[int, int, Any, Any]]] = {}
         for index, info in metadata.storage_data.items():
             spec = specs.get((index.fqn, tuple(index.offset or ())))
@@ -111,14 +106,22 @@ class CheckpointSource:
                 by_file.setdefault(info.relative_path, []).append((info.offset, info.length, index.fqn, spec))
         for rel, items in sorted(by_file.items()):
             where = self.container.byte_range(rel).where
-            spans = [(o, min(n, 4096)) for o, n, _, _ in items]
-            heads = dict(zip(spans, self.read_many(rel, spans)))
-            for (o, n, key, (dtype, shape)), span in zip(items, spans):
+            heads = [(o, min(n, 4096)) for o, n, _, _ in items]
+            tails = [(o + n - t, t) for o, n, _, (dtype, shape) in items if (t := template_tail_size(dtype, shape, n))]
+            spans = heads + tails
+            cache = dict(zip(spans, self.read_many(rel, spans)))  # one open and batched reads per data file
+            for (o, n, key, (dtype, shape)), head_span in zip(items, heads):
+                head = cache[head_span]
 
-                def read(at: int, size: int, o: int = o, head: bytes = heads[span], rel: str = rel) -> bytes:
-                    return head[at : at + size] if at + size <= len(head) else self.read_many(rel, [(o + at, size)])[0]
+                def read(
+                    at: int, size: int, o: int = o, head: bytes = head, rel: str = rel, cache: dict = cache
+                ) -> bytes:
+                    if at + size <= len(head):
+                        return head[at : at + size]
+                    found = cache.get((o + at, size))
+                    return found if found is not None else self.read_many(rel, [(o + at, size)])[0]
 
-                at = record_data_offset(read, heads[span], n, dtype, shape)
+                at = record_data_offset(read, head, n, dtype, shape)
                 if at is None:
                     try:
                         decode_record(read(0, n), dtype, shape, where, key)
