@@ -1101,17 +1101,7 @@ def deadline(seconds: int) -> Iterator[None]:
 # ---------------------------------------------------------------------- known findings
 # (kind or "*", mutation, backend or "*") -> what happens; each is xfail(strict=True)
 _IN_PLACE = ("module", "optimizer", "replay_buffer")  # kinds whose tensors are read in place (module, buffers)
-_STORE_IN_PLACE = (
-    "from an object store, a forged record is refused while it is read (loads check records before reading only "
-    "from files, to keep one GET per object), after the module's other tensors were read in place: policy is "
-    "left partly read"
-)
-KNOWN: dict[tuple[str, str, str], str] = {
-    **{
-        ("module", f"data: record of {what}", "memory"): _STORE_IN_PLACE
-        for what in ("the same-itemsize dtype", "a wider dtype", "another shape")
-    },
-}
+KNOWN: dict[tuple[str, str, str], str] = {}
 
 
 def _known(kind: str, name: str, backend: str) -> str | None:

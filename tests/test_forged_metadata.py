@@ -233,16 +233,30 @@ def test_a_reference_with_another_shape_than_the_tensor_it_names_is_refused(tmp_
     assert torch.equal(fresh.weight, before)
 
 
-def test_a_bool_byte_other_than_0_or_1_is_refused_before_anything_is_read(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["directory", "archive", "store"])
+@pytest.mark.parametrize("into", ["live", "fresh"])
+def test_a_bool_byte_other_than_0_or_1_is_refused_before_anything_changes(tmp_path: Path, kind: str, into: str) -> None:
     """``torch.save`` writes bools as 0 or 1; a forged 2 (resealed) makes a value that is neither, so the record
-    is refused (naming its file) before the module, read in place, changes; ``verify`` refuses it too."""
+    is refused (naming its file) before the module, read in place, changes; ``verify`` refuses it too. Read into a
+    live tensor (a module's buffer: checked before any read) or into a fresh buffer (a dict's tensor: checked as it
+    is read, before anything is restored), from every backend."""
     from torchrl_dcp.format.record import record_data_offset
 
-    objs = objects(0)
-    objs["stats"]["done"] = torch.tensor([True, False, True, False] * 4)
-    path = tdcp.DistributedCheckpoint(**objs).save(tmp_path / "c")
+    def with_flags(seed: int, flags: torch.Tensor) -> dict[str, Any]:
+        objs = objects(seed)
+        if into == "live":
+            objs["flags"] = torch.nn.Module()
+            objs["flags"].register_buffer("done", flags)
+        else:
+            objs["flags"] = {"done": flags}
+        return objs
+
+    path = tdcp.DistributedCheckpoint(**with_flags(0, torch.tensor([True, False, True, False] * 4))).save(
+        tmp_path / "c"
+    )
+    key = "replicated/flags/done"
     md = safe_load_metadata(path / ".metadata")
-    (info,) = [s for i, s in md.storage_data.items() if i.fqn == "replicated/stats/done"]
+    (info,) = [s for i, s in md.storage_data.items() if i.fqn == key]
     data = bytearray((path / info.relative_path).read_bytes())
     record = bytes(data[info.offset : info.offset + info.length])
     at = record_data_offset(lambda o, n: record[o : o + n], record, info.length, torch.bool, (16,))
@@ -252,15 +266,16 @@ def test_a_bool_byte_other_than_0_or_1_is_refused_before_anything_is_read(tmp_pa
     m = json.loads((path / "manifest.json").read_text())
     m["files"][info.relative_path]["checksum"] = file_checksum(path / info.relative_path)
     (path / "manifest.json").write_text(json.dumps(seal(m)))
-    live = objects(1)
-    live["stats"]["done"] = torch.zeros(16, dtype=torch.bool)
-    before = snapshot(live)
+    where = _at(kind, path, tmp_path)
+    live = with_flags(1, torch.zeros(16, dtype=torch.bool))
+    flags = live["flags"].done if into == "live" else live["flags"]["done"]
+    before = [*snapshot(live), flags.clone()]
     with pytest.raises(tdcp.CheckpointError, match="bool") as err:
-        tdcp.DistributedCheckpoint(**live).load(path)
+        tdcp.DistributedCheckpoint(**live).load(where)
     assert info.relative_path in str(err.value)
-    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(live)))
+    assert all(torch.equal(a, b) for a, b in zip(before, [*snapshot(live), flags]))
     with pytest.raises(tdcp.CheckpointError, match="bool"):
-        tdcp.verify(path)
+        tdcp.verify(where)
 
 
 def test_a_decoded_bool_record_with_other_bytes_is_refused() -> None:
@@ -271,5 +286,5 @@ def test_a_decoded_bool_record_with_other_bytes_is_refused() -> None:
     flags.view(torch.uint8)[1] = 7
     buf = io.BytesIO()
     torch.save(flags, buf)
-    with pytest.raises(tdcp.CheckpointError, match="bool bytes"):
+    with pytest.raises(tdcp.CheckpointError, match="bool byte"):
         decode_record(buf.getvalue(), torch.bool, (3,), "f.distcp", "k")

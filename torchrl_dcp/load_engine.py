@@ -163,8 +163,9 @@ def verify_bytes(src: CheckpointSource, load_plan: LoadPlan, verify: bool, metad
     needed_fresh = files_for(metadata, load_plan.fresh)
     src.check(needed_live if verify else False)  # sizes of every file (and checksums of those read in place)
     src.check_identity(needed_live | needed_fresh)
-    if src.reads_files:  # every record to read, before any is read (stores: while read, one GET per object)
-        src.check_records(metadata, {*load_plan.live, *load_plan.fresh})
+    # every record to read, before any is read; from a store only those read into live objects (a few KiB of ranged
+    # GETs per record: the others are checked as they arrive, before anything is restored from them)
+    src.check_records(metadata, {*load_plan.live, *load_plan.fresh} if src.reads_files else load_plan.live)
     if verify:
         load_plan.verify_inline = needed_fresh - needed_live
         load_plan.verify_live = needed_live  # checked again during the final read: a file changed since is caught

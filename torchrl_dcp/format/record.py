@@ -13,7 +13,9 @@ Example:
     >>> import torch
     >>> from torchrl_dcp.format.record import template, record_data_offset
     >>> tpl = template(torch.float32, (3,))
-    >>> record_data_offset(None, tpl.head, tpl.length, torch.float32, (3,)) == len(tpl.head)
+    >>> record = tpl.head + bytes(12) + tpl.tail
+    >>> read = lambda at, n: record[at : at + n]
+    >>> record_data_offset(read, tpl.head, tpl.length, torch.float32, (3,)) == len(tpl.head)
     True
 """
 
@@ -30,6 +32,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from torchrl_dcp.errors import CheckpointIntegrityError
@@ -396,6 +399,27 @@ def record_data_offset(read: Any, head: Any, length: int, dtype: torch.dtype, sh
         return None
 
 
+def check_bool_bytes(data: Any, where: Any, key: str) -> None:
+    """A bool tensor's bytes (``data``: bytes, a buffer or a uint8 tensor) are 0 or 1: ``torch.save`` writes nothing
+    else, and other bytes make values that compare neither true nor false consistently.
+
+    Raises:
+        CheckpointIntegrityError: naming ``where`` and ``key``.
+
+    Example:
+        >>> check_bool_bytes(b"\\x00\\x01", "f", "k")  # fine
+    """
+    if isinstance(data, torch.Tensor):
+        top = int(data.max()) if data.numel() else 0
+    else:
+        top = int(np.frombuffer(data, dtype=np.uint8).max()) if len(data) else 0
+    if top > 1:
+        raise CheckpointIntegrityError(
+            f"record {key!r} holds a bool byte {top} (only 0 and 1 are bools): the file is damaged or forged",
+            path=where,
+        )
+
+
 def decode_record(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...], where: Any, key: str) -> torch.Tensor:
     """A record that is not laid out as our writer (or ``torch.save`` of a contiguous tensor) lays it out, decoded
     as DCP does (``torch.load(weights_only=True)``: no code runs) after :func:`check_stored_record`, and refused
@@ -420,10 +444,7 @@ def decode_record(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...], where:
             path=where,
         ) from None
     if dtype == torch.bool and isinstance(tensor, torch.Tensor) and tensor.dtype == dtype and tensor.numel():
-        if int(tensor.contiguous().view(torch.uint8).max()) > 1:
-            raise CheckpointIntegrityError(
-                f"record {key!r} holds bool bytes other than 0 and 1: the file is damaged or forged", path=where
-            )
+        check_bool_bytes(tensor.contiguous().view(torch.uint8), where, key)
     if type(tensor) is not torch.Tensor or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
         found = f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
         raise CheckpointIntegrityError(

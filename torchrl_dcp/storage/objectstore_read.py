@@ -40,7 +40,7 @@ from torch.futures import Future
 from torchrl_dcp.errors import CheckpointError, CheckpointIntegrityError
 from torchrl_dcp.format.checksums import checksum_mismatch, combined_crc, crc32, format_crc
 from torchrl_dcp.format.layout import TRAILER_SIZE, read_identity
-from torchrl_dcp.format.record import record_data_offset
+from torchrl_dcp.format.record import check_bool_bytes, record_data_offset
 from torchrl_dcp.storage.objectstore import object_checksums, store_error
 from torchrl_dcp.storage.reader import InPlaceFileSystemReader
 from torchrl_dcp.storage.readitems import HUGEPAGE_MIN, populate
@@ -262,15 +262,18 @@ class StoreReader(InPlaceFileSystemReader):
             self._check_identity(f, data[-TRAILER_SIZE:])
         for it in items:
             rel = it.offset - start
-            self._place(it, data[rel : rel + it.length])
+            self._place(it, data[rel : rel + it.length], f.where)
         return []
 
-    def _place(self, it: _Item, record: memoryview) -> None:
+    def _place(self, it: _Item, record: memoryview, where: str) -> None:
         planner = self._planner
         if (it.view is not None or it.device is not None) and it.target is not None:
             shape, dtype = tuple(it.target.shape), it.target.dtype
             at = record_data_offset(lambda o, n: record[o : o + n], record, it.length, dtype, shape)
             if at is not None:
+                if dtype == torch.bool:  # fresh or not, a tensor holds only what a save can write
+                    n = len(it.view) if it.view is not None else it.device.numel()  # type: ignore[union-attr]
+                    check_bool_bytes(record[at : at + n], where, it.req.storage_index.fqn)
                 if it.view is not None:
                     copy_bytes(it.view, record[at : at + len(it.view)])
                 else:
@@ -301,7 +304,7 @@ class StoreReader(InPlaceFileSystemReader):
             if f.verify is not None:
                 with self._lock:
                     f.pieces.append((it.offset, it.length, crc32(whole)))
-            self._place(it, memoryview(whole))
+            self._place(it, memoryview(whole), f.where)
             return []
         view, device = it.view, it.device
         n = len(view) if view is not None else device.numel()  # type: ignore[union-attr]
@@ -316,6 +319,8 @@ class StoreReader(InPlaceFileSystemReader):
                     f.pieces.append((start, len(data), crc))
             lo, hi = max(start, it.offset + at), min(start + len(data), it.offset + at + n)
             a, b = lo - it.offset - at, hi - it.offset - at  # in the tensor's bytes
+            if target.dtype == torch.bool and hi > lo:
+                check_bool_bytes(data[lo - start : hi - start], f.where, it.req.storage_index.fqn)
             if hi > lo and view is not None:
                 copy_bytes(view[a:b], data[lo - start : hi - start])
             elif hi > lo:

@@ -11,13 +11,14 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Collection, Iterable
 from typing import Any, BinaryIO
 
 from torchrl_dcp.errors import CheckpointError, CheckpointIntegrityError
 from torchrl_dcp.format.layout import TRAILER_SIZE
 from torchrl_dcp.storage.objectstore import ObjectStoreContainer, concurrency, map_pieces, range_size, read_range
-from torchrl_dcp.storage.objectstore_read import StoreReader
+from torchrl_dcp.storage.objectstore_read import MERGE_GAP, StoreReader
 from torchrl_dcp.storage.readitems import RangeFile
 from torchrl_dcp.storage.source import CheckpointSource, check_trailer
 from torchrl_dcp.storage.urls import StorePath
@@ -86,12 +87,26 @@ class ObjectStoreSource(CheckpointSource):
         return read_range(self.path / name, offset, size, span.size)
 
     def read_many(self, name: str, spans: list[tuple[int, int]]) -> list[bytes]:
-        """The bytes of each ``(offset, size)`` of ``name`` (requests in parallel; a span past the end: ``b""``)."""
+        """The bytes of each ``(offset, size)`` of ``name`` (a span past the end: ``b""``): spans close together in one
+        ranged GET, the GETs in parallel."""
         total = self.container.byte_range(name).size
         obj = self.path / name
-        wanted = [(obj, o, n) for o, n in spans if 0 <= o and o + n <= total]
-        got = iter(map_pieces(wanted, lambda i, data: data, concurrency()))
-        return [next(got) if 0 <= o and o + n <= total else b"" for o, n in spans]
+        inside = sorted({(o, n) for o, n in spans if 0 <= o and o + n <= total})
+        merged: list[list[int]] = []  # [start, end] of one GET: spans less than MERGE_GAP apart, up to a range
+        for o, n in inside:
+            if merged and o - merged[-1][1] <= MERGE_GAP and max(merged[-1][1], o + n) - merged[-1][0] <= range_size():
+                merged[-1][1] = max(merged[-1][1], o + n)
+            else:
+                merged.append([o, o + n])
+        got = map_pieces([(obj, a, b - a) for a, b in merged], lambda i, data: data, concurrency())
+        out: list[bytes] = []
+        for o, n in spans:
+            if not (0 <= o and o + n <= total):
+                out.append(b"")
+                continue
+            k = bisect.bisect_right(merged, [o, float("inf")]) - 1  # the GET that starts at or before o
+            out.append(bytes(memoryview(got[k])[o - merged[k][0] : o - merged[k][0] + n]))
+        return out
 
     def check(self, checksum: Iterable[str] | bool) -> None:
         """As :meth:`CheckpointSource.check`; the objects checksummed leave their trailers for :meth:`check_identity`."""

@@ -31,7 +31,7 @@ from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
 from torchrl_dcp.format.checksums import checksum_mismatch, crc32, format_crc
 from torchrl_dcp.format.dcp_metadata import check_coverage, check_storage_bounds, chunk_specs, parse_metadata
 from torchrl_dcp.format.layout import DCP_METADATA, MAX_MANIFEST_BYTES, TRAILER_SIZE, read_identity
-from torchrl_dcp.format.record import decode_record, record_data_offset, template_tail_size
+from torchrl_dcp.format.record import check_bool_bytes, decode_record, record_data_offset, template_tail_size
 from torchrl_dcp.storage.base import ByteRange, Container
 from torchrl_dcp.storage.files import open_regular
 from torchrl_dcp.storage.reader import InPlaceFileSystemReader
@@ -131,7 +131,7 @@ class CheckpointSource:
                 elif dtype == torch.bool:
                     size = math.prod(shape)
                     for lo in range(0, size, 8 << 20):  # bounded memory
-                        _check_bools(read(at + lo, min(8 << 20, size - lo)), where, key)
+                        check_bool_bytes(read(at + lo, min(8 << 20, size - lo)), where, key)
 
     def read_many(self, name: str, spans: list[tuple[int, int]]) -> list[bytes]:
         """The bytes of each ``(offset, size)`` of the listed data file ``name`` (a span past its end: ``b""``)."""
@@ -206,17 +206,6 @@ def _will_need(fd: int, offset: int, size: int) -> None:
         os.posix_fadvise(fd, offset, size, os.POSIX_FADV_WILLNEED)
     except (AttributeError, OSError):  # pragma: no cover - not on every platform: the reads just wait in turn
         pass
-
-
-def _check_bools(data: bytes, where: Any, key: str) -> None:
-    """A bool tensor's bytes are 0 or 1 (``torch.save`` writes nothing else; other bytes make values that compare
-    neither true nor false consistently)."""
-    top = int(torch.frombuffer(bytearray(data), dtype=torch.uint8).max()) if data else 0
-    if top > 1:
-        raise CheckpointIntegrityError(
-            f"record {key!r} holds a bool byte {top} (only 0 and 1 are bools): the file is damaged or forged",
-            path=where,
-        )
 
 
 def check_trailer(tail: bytes, save_id: str, where: Any, kind: str = "a file") -> None:
