@@ -550,6 +550,49 @@ def _(f: Forger) -> None:
     f.edit(fn)
 
 
+def _alias(f: Forger, m: dict[str, Any]) -> None:
+    """The target tensor's node made an alias of another tensor of its state (the same dtype and shape when there
+    is one: e.g. exp_avg made exp_avg_sq), and dropped from the inventory: the state holds one tensor twice."""
+    node, inventory = _node(f, m), f.entry(m)["inventory"]
+    others = [k for k in inventory if k != f.key]
+    alike = [k for k in others if inventory[k] == inventory[f.key]]
+    target = next(iter(alike + others), None)
+    target = target.split(f"{f.component}/", 1)[1] if target else node["key"] + "_x"
+    node.clear()
+    node.update(t="alias", key=target)
+    inventory.pop(f.key)
+
+
+@mutation(
+    "tensor made an alias of another, its record left",
+    lambda f: (*MANIFEST(f), *METADATA(f)),
+    backends=MANIFEST_BACKENDS,
+    must_refuse=True,
+)
+def _(f: Forger) -> None:  # .metadata then holds a record no state refers to: no save writes that
+    f.edit(lambda m: _alias(f, m))
+
+
+_NEVER_SHARING = ("optimizer", "replay_buffer", "prioritized", "rng", "generator")  # shares_tensors = False
+
+
+@mutation(
+    "tensor made an alias of another, its record dropped",
+    lambda f: (*MANIFEST(f), "twice"),
+    applies=lambda kind: kind in _NEVER_SHARING,
+    backends=MANIFEST_BACKENDS,
+    must_refuse=True,
+)
+def _(f: Forger) -> None:  # a consistent forgery; refused because these adapters' states never repeat a tensor
+    def drop(md: Any) -> None:
+        md.state_dict_metadata.pop(f.key)
+        for index in [i for i in md.storage_data if i.fqn == f.key]:
+            md.storage_data.pop(index)
+
+    f.edit(lambda m: _alias(f, m))
+    f.edit_metadata(drop)
+
+
 @mutation("tensor replaced by a number", MANIFEST, backends=MANIFEST_BACKENDS)
 def _(f: Forger) -> None:
     def fn(m: dict[str, Any]) -> None:

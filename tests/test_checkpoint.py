@@ -229,6 +229,31 @@ def test_encoding_error_at_save_names_component_and_key(tmp_path: Path) -> None:
     assert not (tmp_path / "c").exists() and not list(tmp_path.iterdir())
 
 
+def test_an_optimizer_state_holding_one_tensor_twice_is_refused_at_save(tmp_path: Path) -> None:
+    """Optimizer states never share tensors (a load refuses one that does: a forgery), so a save of one that does
+    is refused with what to do, instead of writing a checkpoint that can never load; tied module weights still save
+    and load tied."""
+    policy = torch.nn.Linear(3, 3)
+    optim = torch.optim.Adam(policy.parameters())
+    policy(torch.ones(3)).sum().backward()
+    optim.step()
+    state = optim.state[policy.weight]
+    state["exp_avg_sq"] = state["exp_avg"]
+    with pytest.raises(tdcp.EncodingError, match=r"'optim' holds one tensor twice.*clone"):
+        tdcp.DistributedCheckpoint(policy=policy, optim=optim).save(tmp_path / "c")
+    assert not list(tmp_path.iterdir())
+    tied = torch.nn.Module()
+    tied.a = torch.nn.Linear(2, 2)
+    tied.b = torch.nn.Linear(2, 2)
+    tied.b.weight = tied.a.weight
+    path = tdcp.DistributedCheckpoint(m=tied).save(tmp_path / "tied")
+    fresh = torch.nn.Module()
+    fresh.a, fresh.b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    fresh.b.weight = fresh.a.weight
+    tdcp.DistributedCheckpoint(m=fresh).load(path)
+    assert torch.equal(fresh.b.weight, tied.a.weight) and fresh.b.weight is fresh.a.weight
+
+
 def test_overwrite_is_atomic_and_foreign_directories_are_kept(tmp_path: Path) -> None:
     ck = tdcp.DistributedCheckpoint(w={"x": torch.ones(2)})
     path = ck.save(tmp_path / "c", step=1)

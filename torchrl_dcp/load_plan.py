@@ -32,7 +32,17 @@ from torchrl_dcp.errors import (
     IncompatibleComponentError,
     WorldSizeMismatchError,
 )
-from torchrl_dcp.format.codec import TensorSink, TensorSpec, decode, dtype_name, encode, is_dtensor, node_spec, xref_key
+from torchrl_dcp.format.codec import (
+    TensorSink,
+    TensorSpec,
+    decode,
+    dtype_name,
+    encode,
+    is_dtensor,
+    node_spec,
+    repeated_tensors,
+    xref_key,
+)
 from torchrl_dcp.format.dcp_metadata import record_index
 from torchrl_dcp.format.manifest import migrate_component
 from torchrl_dcp.placement import Placement, key_prefix
@@ -303,19 +313,22 @@ def check_states(name: str, rec: dict[str, Any], metadata: Any, source: Any) -> 
                 _inventory_error(name, [key], source)
             seen.add(key)
             check_backed(metadata, key, spec, source)
-        _check_saved(rec, view, name, source)
+        _check_saved(rec, skeleton, view, name, source)
         out[r] = SavedState(skeleton, prefix, specs, view, refs)
     if len(seen) != len(recorded):  # every tensor matched its entry: the others have no tensor
         _inventory_error(name, sorted(set(recorded) - seen), source)
     return out
 
 
-def _check_saved(rec: dict[str, Any], view: Any, name: str, source: Any) -> None:
-    """The saving adapter's own checks of a state (:meth:`Adapter.check_saved`), when this process knows it."""
+def _check_saved(rec: dict[str, Any], skeleton: Any, view: Any, name: str, source: Any) -> None:
+    """The saving adapter's own checks of a state (:meth:`Adapter.check_saved`, and no repeated tensor where its
+    states never share one: :attr:`Adapter.shares_tensors`), when this process knows the adapter."""
     adapter = adapter_by_id(rec["adapter"])
     if adapter is None or rec.get("adapter_version") != adapter.version:
         return  # an unknown adapter: refused where the component is planned (or left to the tools)
     try:
+        if not adapter.shares_tensors and (repeated := repeated_tensors(skeleton)):
+            raise ValueError(f"its state holds one tensor twice (or another component's) at {repeated[:3]}")
         adapter.check_saved(view)
     except (ValueError, TypeError, KeyError) as err:
         raise CheckpointIntegrityError(

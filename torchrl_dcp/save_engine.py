@@ -49,7 +49,7 @@ from torchrl_dcp._gc import gc_paused
 from torchrl_dcp.adapters import Adapter, AdapterContext
 from torchrl_dcp.collective import broadcast_step, error_status, raise_if_failed, run_step
 from torchrl_dcp.errors import CollectiveError, EncodingError
-from torchrl_dcp.format.codec import dtype_name, escape_key, is_dtensor, tensor_identity
+from torchrl_dcp.format.codec import dtype_name, escape_key, is_dtensor, repeated_tensors, tensor_identity
 from torchrl_dcp.format.codec import encode as encode_value
 from torchrl_dcp.format.layout import DCP_METADATA
 from torchrl_dcp.format.manifest import dumps, new_manifest
@@ -189,6 +189,12 @@ def _encode_item(item: EncodeItem, rank: int, out: Encoded, shared: dict[tuple[A
         if not any(s is snap for s in out.snapshots):
             out.snapshots.append(snap)
     skeleton, tensors = encode_value(item.adapter.state(item.value, item.ctx), where=item.name, shared=shared)
+    if not item.adapter.shares_tensors and (repeated := repeated_tensors(skeleton)):
+        raise EncodingError(
+            f"component {item.name!r} holds one tensor twice (or another component's tensor) at {repeated[:3]}: "
+            f"{item.adapter.adapter_id} states never share tensors, and a load would refuse it; clone the tensor "
+            "where it is shared"
+        )
     inventory: dict[str, dict[str, Any]] = {}
     for key, tensor in tensors.items():
         if item.placement == "per_rank" and is_dtensor(tensor):

@@ -102,6 +102,10 @@ class Adapter(abc.ABC):
     adapter_id: str = ""
     version: int = 1
     default_placement: Placement = "replicated"
+    #: ``False``: no state of this adapter holds one tensor twice (or another component's tensor). A save of such a
+    #: state is refused, and so is a saved state that does (an ``alias`` or ``xref``: a forgery), by ``load`` and
+    #: ``verify`` alike: e.g. an optimizer whose ``exp_avg_sq`` would be its ``exp_avg``.
+    shares_tensors: bool = True
 
     @abc.abstractmethod
     def state(self, obj: Any, ctx: AdapterContext) -> Any:

@@ -34,6 +34,7 @@ from torchrl_dcp.errors import IncompatibleComponentError
 
 class _PerRankGenerator(Adapter):
     default_placement = "per_rank"
+    shares_tensors = False
     can_reshard = True
 
     def reshard_sources(self, saved: dict[int, Any], ctx: AdapterContext) -> list[int]:

@@ -219,6 +219,7 @@ class OptimizerAdapter(Adapter):
 
     adapter_id = "torchrl_dcp.optimizer"
     version = 1
+    shares_tensors = False
 
     def state(self, obj: torch.optim.Optimizer, ctx: AdapterContext) -> Any:
         return obj.state_dict()

@@ -140,6 +140,7 @@ class RNGStateAdapter(Adapter):
 
     adapter_id = "torchrl_dcp.rng"
     version = 1
+    shares_tensors = False
     default_placement = "per_rank"
     restore_last = True
     can_reshard = True
@@ -180,6 +181,7 @@ class GeneratorAdapter(Adapter):
 
     adapter_id = "torchrl_dcp.generator"
     version = 1
+    shares_tensors = False
     default_placement = "per_rank"
     can_reshard = True
 

@@ -311,6 +311,19 @@ def xrefs(skeleton: Any) -> Iterator[tuple[str, TensorSpec]]:
             yield node["component"], node_spec(node)
 
 
+def repeated_tensors(skeleton: Any) -> list[str]:
+    """The keys every repeated tensor leaf names: an ``alias`` (a tensor met earlier in the same state) or an
+    ``xref`` (a tensor another component stores).
+
+    Example:
+        >>> import torch
+        >>> w = torch.zeros(2)
+        >>> repeated_tensors(encode({"a": w, "b": w, "c": torch.ones(1)})[0])
+        ['a']
+    """
+    return [node.get("key") for node in _nodes(skeleton) if node.get("t") in ("alias", "xref")]
+
+
 def xref_key(component: str, key: str) -> str:
     """The key under which :func:`decode` looks up a reference to another component's tensor."""
     return f"@{component}/{key}"

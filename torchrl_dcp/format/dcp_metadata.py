@@ -167,6 +167,26 @@ def check_storage_bounds(metadata: Metadata, source: str, files: Mapping[str, Ma
             )
 
 
+def check_inventoried(metadata: Metadata, source: Any, components: Mapping[str, Mapping[str, Any]]) -> None:
+    """Every tensor DCP's metadata holds is one a component's inventory lists: a save writes no record that no
+    saved state refers to, so an extra one is what is left where a forger made a state refer to another tensor.
+
+    Example:
+        >>> from torch.distributed.checkpoint.metadata import Metadata
+        >>> check_inventoried(Metadata(state_dict_metadata={}), "c", {})  # nothing to say
+    """
+    listed: set[str] = set()
+    for record in components.values():
+        listed.update(record.get("inventory") or ())
+    extra = sorted(k for k in metadata.state_dict_metadata if k not in listed)
+    if extra:
+        raise CheckpointIntegrityError(
+            f"DCP metadata holds {len(extra)} tensor(s) that no component's inventory lists ({extra[:3]}): no save "
+            "writes those; the checkpoint is inconsistent or forged",
+            path=source,
+        )
+
+
 MAX_CHUNKS_PER_TENSOR = 1 << 20  # chunk files of 8 MiB: 8 TiB in one tensor; a forged list is refused first
 
 

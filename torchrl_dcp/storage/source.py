@@ -29,7 +29,13 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
 from torchrl_dcp.format.checksums import checksum_mismatch, crc32, format_crc
-from torchrl_dcp.format.dcp_metadata import check_coverage, check_storage_bounds, chunk_specs, parse_metadata
+from torchrl_dcp.format.dcp_metadata import (
+    check_coverage,
+    check_inventoried,
+    check_storage_bounds,
+    chunk_specs,
+    parse_metadata,
+)
 from torchrl_dcp.format.layout import DCP_METADATA, MAX_MANIFEST_BYTES, TRAILER_SIZE, read_identity
 from torchrl_dcp.format.record import check_bool_bytes, decode_record, record_data_offset, template_tail_size
 from torchrl_dcp.storage.base import ByteRange, Container
@@ -87,6 +93,7 @@ class CheckpointSource:
                     )
                 check_storage_bounds(metadata, where, files)  # file names and byte ranges, one pass
                 check_coverage(metadata, where)  # every tensor tiled by its chunks, no bytes read twice
+                check_inventoried(metadata, where, self.manifest()["components"])  # no record left unreferred
                 self._metadata = metadata
             self._metadata_read = True
         return self._metadata
