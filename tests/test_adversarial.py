@@ -267,24 +267,49 @@ def trusted_tensors(root: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _states(manifest: dict[str, Any]) -> dict[str, Any]:
-    return {n: c.get("state", c.get("ranks")) for n, c in manifest["components"].items()}
+def leaves(manifest: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[tuple[Any, ...], Any]:
+    """Every leaf of every saved state by its path: JSON values as they are, tensors (plain, aliased or referenced
+    from another component) by their values. Two states that hold the same values compare equal whether a tensor
+    is stored once and repeated or stored twice (what a load into live objects may turn one into)."""
+    out: dict[tuple[Any, ...], Any] = {}
+
+    def walk(node: Any, path: tuple[Any, ...], prefix: str) -> None:
+        if isinstance(node, dict) and node.get("t") in ("tensor", "alias", "xref"):
+            if node["t"] == "xref":
+                key = f"replicated/{node['component']}/{node['key']}"
+            else:
+                key = f"{prefix}/{node['key']}"
+            if key not in tensors:
+                raise Untrusted(f"{path} names {key}, which the files do not hold")
+            out[path] = tensors[key]
+        elif isinstance(node, dict):
+            for k, v in sorted(node.items()):
+                walk(v, (*path, k), prefix)
+        elif isinstance(node, list):
+            for k, v in enumerate(node):
+                walk(v, (*path, k), prefix)
+        else:
+            out[path] = node
+
+    for name, c in manifest["components"].items():
+        if c["placement"] == "per_rank":
+            for r, entry in c["ranks"].items():
+                walk(entry["state"], (name, r), f"rank/{r}/{name}")
+        else:
+            walk(c["state"], (name,), f"{c['placement']}/{name}")
+    return out
 
 
 def holds_exactly_the_files(objs: dict[str, Any], forged: Path, root: Path) -> None:
-    """The loaded objects, saved again, give the forged checkpoint's tensors and JSON states exactly."""
-    expected = trusted_tensors(forged)  # Untrusted: the load accepted files that do not decode
+    """The loaded objects, saved again, give the forged checkpoint's states exactly: every JSON value, and every
+    tensor by the values its records hold."""
+    expected = leaves(json.loads((forged / "manifest.json").read_text()), trusted_tensors(forged))
     resaved = tdcp.DistributedCheckpoint(**objs).save(root / "resaved")
-    actual = trusted_tensors(resaved)
-    assert sorted(actual) == sorted(expected), (
-        f"the loaded objects hold other tensors: {sorted(set(actual) ^ set(expected))}"
-    )
+    actual = leaves(json.loads((resaved / "manifest.json").read_text()), trusted_tensors(resaved))
+    differ = sorted(set(actual) ^ set(expected), key=str)
+    assert not differ, f"the loaded objects hold another structure: {differ[:4]}"
     wrong = [k for k in expected if not same(actual[k], expected[k])]
-    assert not wrong, f"the loaded objects hold other values than the forged files for {wrong}"
-    forged_states = _states(json.loads((forged / "manifest.json").read_text()))
-    resaved_states = _states(json.loads((resaved / "manifest.json").read_text()))
-    wrong = [n for n in forged_states if forged_states[n] != resaved_states.get(n)]
-    assert not wrong, f"the loaded objects hold other JSON state than the forged manifest for {wrong}"
+    assert not wrong, f"the loaded objects hold other values than the forged files at {wrong[:4]}"
 
 
 # ---------------------------------------------------------------------- the forger
@@ -573,17 +598,9 @@ def _(f: Forger) -> None:  # .metadata then holds a record no state refers to: n
     f.edit(lambda m: _alias(f, m))
 
 
-_NEVER_SHARING = ("optimizer", "replay_buffer", "prioritized", "rng", "generator")  # shares_tensors = False
+def _alias_and_drop(f: Forger) -> None:
+    """A consistent alias forgery: the record dropped from .metadata too."""
 
-
-@mutation(
-    "tensor made an alias of another, its record dropped",
-    lambda f: (*MANIFEST(f), "twice"),
-    applies=lambda kind: kind in _NEVER_SHARING,
-    backends=MANIFEST_BACKENDS,
-    must_refuse=True,
-)
-def _(f: Forger) -> None:  # a consistent forgery; refused because these adapters' states never repeat a tensor
     def drop(md: Any) -> None:
         md.state_dict_metadata.pop(f.key)
         for index in [i for i in md.storage_data if i.fqn == f.key]:
@@ -591,6 +608,23 @@ def _(f: Forger) -> None:  # a consistent forgery; refused because these adapter
 
     f.edit(lambda m: _alias(f, m))
     f.edit_metadata(drop)
+
+
+_NEVER_SHARING = ("optimizer", "rng", "generator")  # their adapters' shares_tensors = False
+MUTATIONS["tensor made an alias of another, its record dropped"] = Mutation(  # refused: these never repeat one
+    _alias_and_drop,
+    lambda f: (*MANIFEST(f), "twice"),
+    applies=lambda kind: kind in _NEVER_SHARING,
+    backends=MANIFEST_BACKENDS,
+    must_refuse=True,
+)
+MUTATIONS["tensor made an alias of another, its record dropped (a state that may share)"] = Mutation(
+    _alias_and_drop,  # a state a save can write (tied weights, a list storage's shared tensors): loaded as the files
+    MANIFEST,  # say, or refused against the live object (an alias of another shape than the object's tensor)
+    applies=lambda kind: kind not in _NEVER_SHARING,
+    backends=MANIFEST_BACKENDS,
+    compatibility=True,
+)
 
 
 @mutation("tensor replaced by a number", MANIFEST, backends=MANIFEST_BACKENDS)

@@ -288,3 +288,21 @@ def test_a_decoded_bool_record_with_other_bytes_is_refused() -> None:
     torch.save(flags, buf)
     with pytest.raises(tdcp.CheckpointError, match="bool byte"):
         decode_record(buf.getvalue(), torch.bool, (3,), "f.distcp", "k")
+
+
+@pytest.mark.parametrize("shape", [[1 << 40], [1 << 62, 1 << 62]])
+def test_a_forged_inventory_shape_is_refused_by_the_tools_before_anything_is_allocated(
+    tmp_path: Path, shape: list[int]
+) -> None:
+    """``iter_inventory`` (what ``diff`` reads through) allocates from the inventory: a resealed inventory claiming
+    4 TiB (or more elements than an int64 counts) is refused against DCP's metadata, a ``CheckpointError`` naming
+    the checkpoint, not a ``RuntimeError`` from the allocator."""
+    from torchrl_dcp.extract import iter_inventory
+
+    path = tdcp.DistributedCheckpoint(**objects(1)).save(tmp_path / "c")
+    m = json.loads((path / "manifest.json").read_text())
+    m["components"]["stats"]["inventory"][TABLE]["shape"] = shape
+    (path / "manifest.json").write_text(json.dumps(seal(m)))
+    with pytest.raises(tdcp.CheckpointError, match="DCP's metadata") as err:
+        list(iter_inventory(path, "stats"))
+    assert str(path) in str(err.value)

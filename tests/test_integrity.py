@@ -139,7 +139,15 @@ def test_a_module_value_that_is_no_tensor_is_refused_before_any_copy(tmp_path: P
     (path / "manifest.json").write_text(json.dumps(seal(m)))
     info = load_into_fresh(path)  # the inventory still names the bias tensor: refused while planning
     assert "replicated/model/bias" in str(info.value) and "inventory" in str(info.value)
-    m["components"]["model"]["inventory"].pop("replicated/model/bias")  # a consistent forgery
+    m["components"]["model"]["inventory"].pop("replicated/model/bias")
     (path / "manifest.json").write_text(json.dumps(seal(m)))
+    info = load_into_fresh(path)  # .metadata still holds the bias record, which no state refers to now
+    assert "replicated/model/bias" in str(info.value) and "no component" in str(info.value)
+    md = safe_load_metadata(path / ".metadata")  # a consistent forgery: the record dropped too
+    md.state_dict_metadata.pop("replicated/model/bias")
+    for index in [i for i in md.storage_data if i.fqn == "replicated/model/bias"]:
+        md.storage_data.pop(index)
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    reseal(path, ".metadata")
     info = load_into_fresh(path)  # refused by the module adapter, before it copies weight
     assert "'bias'" in str(info.value) and "a tensor in the module" in str(info.value)

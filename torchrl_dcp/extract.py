@@ -23,7 +23,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from torchrl_dcp.errors import CheckpointError, CheckpointFormatError
-from torchrl_dcp.format.codec import decode, dtype_from_name, tensor_specs, xref_key, xrefs
+from torchrl_dcp.format.codec import TensorSpec, decode, dtype_from_name, tensor_specs, xref_key, xrefs
+from torchrl_dcp.load_plan import check_backed
 from torchrl_dcp.placement import key_prefix
 from torchrl_dcp.planner import SafeLoadPlanner
 from torchrl_dcp.storage.backends import open_source
@@ -50,12 +51,17 @@ def read_tensors(
         verify: checksum the data files that hold them (while reading them: the tensors are fresh).
     """
     src = as_source(source)
-    flat = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in specs.items()}
-    if not flat:
-        return flat
+    if not specs:
+        return {}
     metadata = src.dcp_metadata()
     if metadata is None:
         raise CheckpointFormatError("the checkpoint holds no tensors", path=src.path)
+    for key, (shape, dtype) in specs.items():  # before anything is allocated: no more than the files hold
+        check_backed(metadata, key, TensorSpec(key, tuple(shape), dtype, "cpu"), src.path)
+    try:
+        flat = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in specs.items()}
+    except RuntimeError as err:  # e.g. out of memory
+        raise CheckpointError(f"cannot allocate the tensors to read ({err})", path=src.path) from None
     files: set[str] = set()
     if verify:
         keys = set(flat)

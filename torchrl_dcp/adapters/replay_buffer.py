@@ -267,7 +267,6 @@ class ReplayBufferAdapter(Adapter):
 
     adapter_id = "torchrl_dcp.replay_buffer"
     version = 1
-    shares_tensors = False
     default_placement = "per_rank"
     can_reshard = True
 

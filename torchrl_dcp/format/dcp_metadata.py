@@ -181,8 +181,8 @@ def check_inventoried(metadata: Metadata, source: Any, components: Mapping[str, 
     extra = sorted(k for k in metadata.state_dict_metadata if k not in listed)
     if extra:
         raise CheckpointIntegrityError(
-            f"DCP metadata holds {len(extra)} tensor(s) that no component's inventory lists ({extra[:3]}): no save "
-            "writes those; the checkpoint is inconsistent or forged",
+            f"DCP metadata holds {len(extra)} tensor(s) that no component in the manifest lists ({extra[:3]}): no "
+            "save writes those; the checkpoint is inconsistent or forged",
             path=source,
         )
 
