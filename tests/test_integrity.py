@@ -151,3 +151,29 @@ def test_a_module_value_that_is_no_tensor_is_refused_before_any_copy(tmp_path: P
     reseal(path, ".metadata")
     info = load_into_fresh(path)  # refused by the module adapter, before it copies weight
     assert "'bias'" in str(info.value) and "a tensor in the module" in str(info.value)
+
+
+def test_a_manifest_dense_in_json_values_is_refused_before_it_is_parsed(tmp_path: Path) -> None:
+    """A resealed manifest of a million empty objects (3 MiB) would cost ~24x its size once decoded; it is refused,
+    naming the manifest, by load and verify, before ``json.loads`` builds anything (peak memory a few times the
+    file). A manifest the writer makes (thousands of tensors) still loads."""
+    import tracemalloc
+
+    path, _ = save(tmp_path)
+    m = json.loads((path / "manifest.json").read_text())
+    m["metadata"] = {"x": [{}] * 1_000_000}
+    text = json.dumps(seal(m), separators=(",", ":"))
+    (path / "manifest.json").write_text(text)
+    tracemalloc.start()
+    try:
+        info = load_into_fresh(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "manifest.json" in str(info.value) and "dense" in str(info.value)
+    assert peak < 4 * len(text), f"{peak} bytes to refuse a {len(text)}-byte manifest"
+    with pytest.raises(tdcp.CheckpointError, match="dense"):
+        tdcp.verify(path)
+    many = tdcp.DistributedCheckpoint(stats={f"t{i}": torch.zeros(2) for i in range(5000)})
+    saved = many.save(tmp_path / "many")
+    tdcp.DistributedCheckpoint(stats={f"t{i}": torch.ones(2) for i in range(5000)}).load(saved)

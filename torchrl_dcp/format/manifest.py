@@ -285,12 +285,46 @@ def loads_manifest(data: bytes, source: Any) -> dict[str, Any]:
     """Decode, check, validate and migrate manifest bytes (from a directory or an archive member)."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise CheckpointFormatError(f"manifest is implausibly large ({len(data)} bytes)", path=source)
+    check_parse_cost(data, source)
     try:
         raw = json.loads(data, parse_constant=_refuse_constant)
     except (ValueError, UnicodeDecodeError, RecursionError) as err:
         raise CheckpointFormatError(f"manifest is not valid JSON ({str(err)[:200]})", path=source) from None
     check_depth(structure(raw), source)
     return parse_manifest(raw, source, text=data)
+
+
+#: Python objects ``json.loads`` builds cost at most about this many bytes per JSON value (measured: an empty
+#: ``{}`` in a list 72, ``{"a":1}`` 96; a manifest our writer makes ~80 at one value per ~11 bytes of text)
+PARSE_BYTES_PER_VALUE = 100
+#: a manifest is parsed only if that bound stays within this multiple of its size (or :data:`PARSE_FLOOR`)
+PARSE_RATIO = 16
+PARSE_FLOOR = 64 << 20
+
+
+def check_parse_cost(data: bytes, source: Any) -> None:
+    """Refuse, before parsing, a manifest dense enough in JSON values that decoding it could take more than
+    :data:`PARSE_RATIO` times its size in memory (a forgery of ``[{},{},...]`` costs 24x; our writer's ~7x).
+
+    Every value after the first in a container follows a comma, so commas plus opening brackets bound the values;
+    counting them runs at memory speed.
+
+    Example:
+        >>> check_parse_cost(b'{"a": [1, 2]}', "m")  # fine
+        >>> try:
+        ...     check_parse_cost(b"[" + b"{}," * (1 << 20) + b"{}]", "m")  # 3 MiB of empty objects
+        ... except CheckpointFormatError as err:
+        ...     print(err.message[:48])
+        manifest holds up to 2097155 JSON values in 3145
+    """
+    values = data.count(b",") + data.count(b"{") + data.count(b"[") + 1
+    cost = values * PARSE_BYTES_PER_VALUE
+    if cost > max(PARSE_RATIO * len(data), PARSE_FLOOR):
+        raise CheckpointFormatError(
+            f"manifest holds up to {values} JSON values in {len(data)} bytes: decoding it could take ~{cost >> 20} "
+            f"MiB, more than {PARSE_RATIO}x its size; no save writes a manifest that dense (refused before parsing)",
+            path=source,
+        )
 
 
 def _refuse_constant(name: str) -> Any:
