@@ -356,3 +356,33 @@ def test_one_gigabyte_converts_both_ways_in_bounded_rss(tmp_path: Path) -> None:
     assert all(file_checksum(tmp_path / "back" / f.name) == file_checksum(f) for f in path.iterdir())
     shutil.rmtree(tmp_path / "back")
     assert ArchiveContainer(tmp_path / "big.zip").manifest()["components"]["big"]["nbytes"] == 1 << 30
+
+
+def test_many_central_entries_cost_a_small_multiple_of_the_archive_to_index(tmp_path: Path) -> None:
+    """The index reads the central directory itself (no ``ZipInfo`` per entry): 100,000 tiny members index within
+    3x the archive's size in memory (``zipfile`` took ~6x), and an end record that counts other entries than the
+    directory holds is refused."""
+    import tracemalloc
+
+    from torchrl_dcp.format.zipformat import central_entry, end_records, local_header
+
+    n = 100_000
+    body, directory = bytearray(), bytearray()
+    for i in range(n):
+        name = f"f{i}".encode()
+        directory += central_entry(name, 0, 0, len(body))
+        body += local_header(name, 0, 0, len(body))
+    blob = bytes(body + directory + end_records(n, len(body), len(directory)))
+    (tmp_path / "many.zip").write_bytes(blob)
+    tracemalloc.start()
+    try:
+        members = read_index(tmp_path / "many.zip")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(members) == n and members["f7"].size == 0
+    assert peak < 3 * len(blob), f"{peak} bytes to index a {len(blob)}-byte archive"
+    with pytest.raises(tdcp.CheckpointError, match="counts"):
+        miscounted = body + directory + end_records(n + 1, len(body), len(directory))
+        (tmp_path / "miscounted.zip").write_bytes(bytes(miscounted))
+        read_index(tmp_path / "miscounted.zip")

@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable, Iterator
 
 ALIGN = 64
 U32 = 0xFFFFFFFF
@@ -88,3 +89,94 @@ def end_records(entries: int, cd_offset: int, cd_size: int) -> bytes:
     cd_size, cd_offset = (U32, U32) if zip64 else (cd_size, cd_offset)
     out += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, n, n, cd_size, cd_offset, 0)
     return out
+
+
+# ---------------------------------------------------------------------- reading
+_END = struct.Struct("<IHHHHIIH")  # the end of central directory record: 22 bytes
+_Z64_LOCATOR = struct.Struct("<IIQI")  # 20 bytes
+_Z64_END = struct.Struct("<IQHHIIQQQQ")  # 56 bytes
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes, then name, extra, comment
+
+
+class ZipError(ValueError):
+    """A ZIP structure this module cannot read (the message says what)."""
+
+
+def central_directory_span(read: Callable[[int, int], bytes], size: int) -> tuple[int, int, int]:
+    """``(offset, size, entries)`` of the central directory of a ZIP of ``size`` bytes that ends with its end record
+    (no archive comment); ``read(offset, n)`` returns bytes of the file. ZIP64 records are followed.
+
+    Example:
+        >>> blob = central_entry(b"a", 0, 0, 0) + end_records(1, 0, 47)
+        >>> central_directory_span(lambda o, n: blob[o : o + n], len(blob))
+        (0, 47, 1)
+    """
+    if size < _END.size:
+        raise ZipError("too short for a ZIP end record")
+    sig, _, _, _, entries, cd_size, cd_offset, comment = _END.unpack(read(size - _END.size, _END.size))
+    if sig != 0x06054B50 or comment:
+        raise ZipError("no ZIP end record at the end of the file")
+    end = size - _END.size
+    if entries == 0xFFFF or cd_size == U32 or cd_offset == U32:
+        if end < _Z64_LOCATOR.size:
+            raise ZipError("ZIP64 locator missing")
+        lsig, _, z64_at, _ = _Z64_LOCATOR.unpack(read(end - _Z64_LOCATOR.size, _Z64_LOCATOR.size))
+        if lsig != 0x07064B50 or z64_at + _Z64_END.size > end - _Z64_LOCATOR.size:
+            raise ZipError("ZIP64 locator damaged")
+        zsig, _, _, _, _, _, _, entries, cd_size, cd_offset = _Z64_END.unpack(read(z64_at, _Z64_END.size))
+        if zsig != 0x06064B50:
+            raise ZipError("ZIP64 end record damaged")
+        end = z64_at
+    if cd_offset + cd_size > end or entries * _CENTRAL.size > cd_size:
+        raise ZipError(f"central directory of {entries} entries at {cd_offset}+{cd_size} does not fit the file")
+    return cd_offset, cd_size, entries
+
+
+def central_entries(directory: bytes | memoryview) -> Iterator[tuple[str, int, int, int, int, int, int]]:
+    """Every entry of a central directory as ``(name, flags, method, crc, compressed_size, size, header_offset)``,
+    ZIP64 sizes and offsets resolved; one tuple at a time, no per-entry objects kept (a million entries cost what
+    the caller keeps of them).
+
+    Example:
+        >>> list(central_entries(central_entry(b"a.txt", 7, 5, 0)))
+        [('a.txt', 0, 0, 7, 5, 5, 0)]
+    """
+    view = memoryview(directory)
+    at, total = 0, len(view)
+    while at < total:
+        if at + _CENTRAL.size > total:
+            raise ZipError("central directory entry truncated")
+        fields = _CENTRAL.unpack_from(view, at)
+        sig, _, _, flags, method, _, _, crc, csize, usize, n_name, n_extra, n_comment, _, _, _, offset = fields
+        if sig != 0x02014B50:
+            raise ZipError(f"no central directory entry at byte {at}")
+        stop = at + _CENTRAL.size + n_name + n_extra + n_comment
+        if stop > total:
+            raise ZipError("central directory entry truncated")
+        raw = bytes(view[at + _CENTRAL.size : at + _CENTRAL.size + n_name])
+        name = raw.decode("utf-8" if flags & 0x800 else "cp437")
+        if U32 in (usize, csize, offset):
+            usize, csize, offset = _zip64_fields(
+                view[at + _CENTRAL.size + n_name : stop - n_comment], usize, csize, offset
+            )
+        yield name, flags, method, crc, csize, usize, offset
+        at = stop
+
+
+def _zip64_fields(extra: memoryview, usize: int, csize: int, offset: int) -> tuple[int, int, int]:
+    at = 0
+    while at + 4 <= len(extra):
+        kind, n = struct.unpack_from("<HH", extra, at)
+        body = extra[at + 4 : at + 4 + n]
+        if kind == 1:
+            values = [v for (v,) in struct.iter_unpack("<Q", body[: len(body) // 8 * 8])]
+            out = []
+            for field in (usize, csize, offset):
+                if field == U32:
+                    if not values:
+                        raise ZipError("ZIP64 extra field too short")
+                    field = values.pop(0)
+                out.append(field)
+            return out[0], out[1], out[2]
+        at += 4 + n
+    raise ZipError("sizes or offset marked ZIP64 without a ZIP64 extra field")

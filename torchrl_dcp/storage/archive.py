@@ -34,7 +34,15 @@ from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, 
 from torchrl_dcp.format import manifest as schema
 from torchrl_dcp.format.checksums import checksum_mismatch, crc32, format_crc
 from torchrl_dcp.format.layout import MANIFEST, MAX_MANIFEST_BYTES
-from torchrl_dcp.format.zipformat import ZIPALIGN_PAD, central_entry, end_records, local_header
+from torchrl_dcp.format.zipformat import (
+    ZIPALIGN_PAD,
+    ZipError,
+    central_directory_span,
+    central_entries,
+    central_entry,
+    end_records,
+    local_header,
+)
 from torchrl_dcp.storage.base import ByteRange, EntryKind, Location
 from torchrl_dcp.storage.commit import TMP_TAG, remove_entry
 from torchrl_dcp.storage.files import open_regular
@@ -61,7 +69,7 @@ def byte_counter(total: int, progress: Progress | None) -> Callable[[int], None]
     return advance
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Member:
     """One STORED member: where its bytes are in the archive."""
 
@@ -86,63 +94,76 @@ def read_index(path: Path) -> dict[str, Member]:
 
 
 def _read_index(path: Path, f: Any) -> dict[str, Member]:
+    fd = f.fileno()
     try:
-        size = os.fstat(f.fileno()).st_size
-        f.seek(max(0, size - 22))  # our archives end with the end record (no comment); a data file may itself
-        end = f.read(22)  # be a ZIP (torch.save), whose end record must not be taken
-        if len(end) != 22 or end[:4] != b"PK\x05\x06" or end[20:22] != b"\0\0":
-            raise CheckpointFormatError(
-                "no ZIP end record at the end of the file: not an archive, or its central directory is damaged "
-                "(truncated or with trailing bytes)",
-                path=path,
-            )
-        f.seek(0)
-        with zipfile.ZipFile(f) as zf:
-            infos, start_dir = zf.infolist(), zf.start_dir
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, struct.error, UnicodeDecodeError) as err:
+        size = os.fstat(fd).st_size
+        # our archives end with the end record (no comment); a data file may itself be a ZIP (torch.save), whose
+        # end record must not be taken
+        cd_offset, cd_size, entries = central_directory_span(lambda o, n: os.pread(fd, n, o), size)
+        if cd_size > MAX_MANIFEST_BYTES:
+            raise ZipError(f"a central directory of {cd_size} bytes is implausibly large")
+        directory = os.pread(fd, cd_size, cd_offset)
+        if len(directory) != cd_size:
+            raise ZipError("central directory truncated")
+    except (ZipError, OSError, struct.error) as err:
         raise CheckpointFormatError(
-            f"not a readable ZIP archive, or its central directory is damaged ({type(err).__name__}: {err})", path=path
+            f"not a readable ZIP archive, or its central directory is damaged ({err}): no ZIP end record at the end "
+            "of the file means not an archive, or one truncated or with trailing bytes",
+            path=path,
         ) from None
     members: dict[str, Member] = {}
     # the same open file throughout: whatever is swapped in at its path later is never read
-    for info in infos:
-        name = info.orig_filename
-        where = f"{path}::{name}"
-        _check_name(name, where)
-        if name in members:
-            raise CheckpointFormatError("the archive holds this member twice", path=where)
-        if info.flag_bits & 0x1:
-            raise CheckpointFormatError("member is encrypted; torchrl_dcp archives never are", path=where)
-        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
-            raise CheckpointFormatError(
-                f"member is compressed (method {info.compress_type}); torchrl_dcp archives are STORED "
-                "(convert the checkpoint again with tdcp.to_archive)",
-                path=where,
-            )
-        if not 0 <= info.header_offset < min(start_dir, size):
-            raise CheckpointFormatError(
-                f"central directory puts the member at offset {info.header_offset}, outside the archive "
-                "(the central directory is damaged)",
-                path=where,
-            )
-        f.seek(info.header_offset)
-        header = f.read(_LOCAL_HEADER.size)
-        if len(header) != _LOCAL_HEADER.size:
-            raise CheckpointFormatError("local header lies beyond the end of the archive", path=where)
-        sig, _, _, method, _, _, _, _, _, name_len, extra_len = _LOCAL_HEADER.unpack(header)
-        if sig != _LOCAL_SIG or method != zipfile.ZIP_STORED:
-            raise CheckpointFormatError("local header is damaged (central directory points elsewhere)", path=where)
-        if f.read(name_len) != name.encode("utf-8" if info.flag_bits & 0x800 else "cp437"):
-            raise CheckpointFormatError("local header names another member", path=where)
-        data_offset = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-        if data_offset + info.file_size > min(start_dir, size):
-            raise CheckpointFormatError("member data extends beyond the end of the archive", path=where)
-        members[name] = Member(name, info.header_offset, data_offset, info.file_size, info.CRC)
+    try:
+        for entry in central_entries(directory):
+            m = _member(fd, path, entry, cd_offset)
+            if m.name in members:
+                raise CheckpointFormatError("the archive holds this member twice", path=f"{path}::{m.name}")
+            members[m.name] = m
+    except (ZipError, UnicodeDecodeError) as err:
+        raise CheckpointFormatError(f"the central directory is damaged ({err})", path=path) from None
+    if len(members) != entries:
+        raise CheckpointFormatError(
+            f"the end record counts {entries} members, the central directory holds {len(members)}: damaged", path=path
+        )
     spans = sorted(members.values(), key=lambda m: m.header_offset)
     for a, b in itertools.pairwise(spans):
         if a.data_offset + a.size > b.header_offset:
             raise CheckpointFormatError(f"member overlaps member {a.name!r}", path=f"{path}::{b.name}")
     return members
+
+
+def _member(fd: int, path: Path, entry: tuple[str, int, int, int, int, int, int], cd_offset: int) -> Member:
+    """One central directory entry checked (name, STORED, unencrypted, in bounds) against its local header."""
+    name, flags, method, crc, csize, file_size, header_offset = entry
+    where = f"{path}::{name}"
+    _check_name(name, where)
+    if flags & 0x1:
+        raise CheckpointFormatError("member is encrypted; torchrl_dcp archives never are", path=where)
+    if method != zipfile.ZIP_STORED or csize != file_size:
+        raise CheckpointFormatError(
+            f"member is compressed (method {method}); torchrl_dcp archives are STORED "
+            "(convert the checkpoint again with tdcp.to_archive)",
+            path=where,
+        )
+    if not 0 <= header_offset < cd_offset:
+        raise CheckpointFormatError(
+            f"central directory puts the member at offset {header_offset}, outside the archive "
+            "(the central directory is damaged)",
+            path=where,
+        )
+    encoded = name.encode("utf-8" if flags & 0x800 else "cp437")
+    header = os.pread(fd, _LOCAL_HEADER.size + len(encoded), header_offset)
+    if len(header) < _LOCAL_HEADER.size:
+        raise CheckpointFormatError("local header lies beyond the end of the archive", path=where)
+    sig, _, _, method, _, _, _, _, _, name_len, extra_len = _LOCAL_HEADER.unpack_from(header)
+    if sig != _LOCAL_SIG or method != zipfile.ZIP_STORED:
+        raise CheckpointFormatError("local header is damaged (central directory points elsewhere)", path=where)
+    if name_len != len(encoded) or header[_LOCAL_HEADER.size :] != encoded:
+        raise CheckpointFormatError("local header names another member", path=where)
+    data_offset = header_offset + _LOCAL_HEADER.size + name_len + extra_len
+    if data_offset + file_size > cd_offset:
+        raise CheckpointFormatError("member data extends beyond the end of the archive", path=where)
+    return Member(name, header_offset, data_offset, file_size, crc)
 
 
 def _check_name(name: str, where: str) -> None:
