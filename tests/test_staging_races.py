@@ -87,3 +87,42 @@ def test_a_race_in_staging_is_refused_and_nothing_outside_changes(
     assert tdcp.resume(tdcp.DistributedCheckpoint(state=fresh), tmp_path / "run").step == 1
     assert torch.equal(fresh["w"], torch.arange(1000.0))
     os.sync()
+
+
+@pytest.mark.parametrize("race", sorted(RACES))
+def test_a_race_while_an_archive_is_unpacked_is_refused_and_nothing_outside_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, race: str
+) -> None:
+    """``to_directory`` (an archive back to a checkpoint directory) stages the same way: every file created through
+    the staging directory's descriptor, the staged tree checked, the rename refusing a swapped staging path; the
+    checkpoint already at the destination is kept."""
+    from torchrl_dcp import convert
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "victim").write_bytes(b"precious")
+    state = {"w": torch.arange(1000.0)}
+    archive = tdcp.to_archive(tdcp.DistributedCheckpoint(state=state).save(tmp_path / "c"), tmp_path / "c.zip")
+    previous = tdcp.DistributedCheckpoint(state={"w": torch.ones(1000)}).save(tmp_path / "back")
+    original = convert.copy_ranges
+    raced: list[Path] = []
+
+    def copy_then_race(ranges, *args, **kwargs):  # type: ignore[no-untyped-def]
+        out = original(ranges, *args, **kwargs)
+        (staging,) = [p for p in tmp_path.iterdir() if ".tdcp-staging-" in p.name]
+        raced.append(staging)
+        RACES[race](staging, outside)
+        return out
+
+    monkeypatch.setattr(convert, "copy_ranges", copy_then_race)
+    with pytest.raises(tdcp.CheckpointError, match="tampered|replaced|not the regular file|appeared"):
+        tdcp.to_directory(archive, previous, overwrite=True)
+    monkeypatch.undo()
+    assert raced, "the race was never run"
+    assert (outside / "victim").read_bytes() == b"precious"
+    assert sorted(p.name for p in outside.iterdir()) == sorted(
+        ["victim"] + (["same-size"] if race == "data file swapped for a link" else [])
+    ), "the conversion wrote outside its checkpoint"
+    fresh = {"w": torch.zeros(1000)}
+    tdcp.DistributedCheckpoint(state=fresh).load(previous)
+    assert torch.equal(fresh["w"], torch.ones(1000))

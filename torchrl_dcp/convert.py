@@ -33,8 +33,6 @@ from torchrl_dcp.storage.archive import BUFFER, ArchiveContainer, Progress, byte
 from torchrl_dcp.storage.backends import is_remote, location_for, read_manifest
 from torchrl_dcp.storage.commit import (
     DestinationLock,
-    create_exclusive,
-    fsync_path,
     publish,
     remove_tree,
     staging_path,
@@ -43,7 +41,7 @@ from torchrl_dcp.storage.commit import (
 )
 from torchrl_dcp.storage.copying import CopyRange, copy_ranges
 from torchrl_dcp.storage.directory import DirectoryContainer
-from torchrl_dcp.storage.files import open_regular, read_whole
+from torchrl_dcp.storage.files import DirHandle, open_regular, read_whole
 
 __all__ = ["export_torchrl", "to_archive", "to_directory"]
 
@@ -219,6 +217,7 @@ def _unpack(
     advance = byte_counter(sum(rec["size"] for rec in files.values()), progress)
     staging = staging_path(destination)
     staging.mkdir()
+    within = DirHandle.open(staging)  # every file below is created through this descriptor, never by path
     try:
         names = sorted(files, key=lambda n: source.member(n).data_offset)
         archive = open_regular(path)
@@ -226,7 +225,7 @@ def _unpack(
         try:
             ranges = []
             for name in names:
-                outs.append(create_exclusive(staging / name))
+                outs.append(within.create(name))
                 m = source.member(name)
                 ranges.append(CopyRange(archive, m.data_offset, m.size, outs[-1], 0, f"{path}::{name}"))
             crcs = copy_ranges(ranges, buffer_size=buffer_size, progress=advance)
@@ -238,12 +237,16 @@ def _unpack(
         for name, crc in zip(names, crcs):
             if format_crc(crc) != files[name]["checksum"]:
                 raise checksum_mismatch(format_crc(crc), files[name]["checksum"], f"{path}::{name}", "member")
-        write_file_durably(staging / MANIFEST, source.read_raw_member(MANIFEST, MAX_MANIFEST_BYTES))
-        fsync_path(staging)
-        publish(staging, destination)
+        manifest = source.read_raw_member(MANIFEST, MAX_MANIFEST_BYTES)
+        write_file_durably(staging / MANIFEST, manifest, within=within)
+        within.check_tree({**{n: rec["size"] for n, rec in files.items()}, MANIFEST: len(manifest)})
+        within.fsync()
+        publish(staging, destination, expect=within.inode())  # a staging path swapped meanwhile is refused
     except BaseException:
         remove_tree(staging)
         raise
+    finally:
+        within.close()
 
 
 class _StateDict:
