@@ -769,9 +769,9 @@ def _(f: Forger) -> None:
     f.edit(lambda m: m.update(save_id=uuid.uuid4().hex))
 
 
-@mutation("world size 2", MANIFEST, must_refuse=True, applies=lambda k: k == "module", backends=MANIFEST_BACKENDS)
+@mutation("world size + 1", MANIFEST, must_refuse=True, applies=lambda k: k == "module", backends=MANIFEST_BACKENDS)
 def _(f: Forger) -> None:
-    f.edit(lambda m: m.update(world_size=2))
+    f.edit(lambda m: m.update(world_size=m["world_size"] + 1))
 
 
 def _chunks(f: Forger, m: dict[str, Any]) -> list[dict[str, Any]]:
