@@ -3,11 +3,17 @@
 The attacker (a forked process doing nothing but file-system calls, seeded) loops over what it finds: it plants
 links to an outside directory where the library writes (a `.metadata.tmp`, a data file, the next entry's
 name), plants extra files, swaps a staging directory for a link, and drops fake pending markers. Meanwhile the job
-saves 24 steps with ``CheckpointRotation(keep_last=2)`` (incremental directories, or archives). Whatever interleaving happens:
+saves 24 steps with ``CheckpointRotation(keep_last=2)`` (incremental directories, or archives), the even ones while
+the attacker holds still amid what it left behind. Whatever interleaving happens:
 
-* every save either commits or raises a ``CheckpointError`` (never another exception, never a hang);
+* every save either commits or raises a ``CheckpointError`` (never another exception, never a hang), and every
+  even step commits: leftovers (moved staging directories, links at other entries' names, markers) never break a
+  later save;
 * nothing outside the run directory changes: the outside directory holds exactly what it held;
-* every committed entry verifies and holds exactly the state of its step, and ``resume`` finds the newest one.
+* every committed entry verifies and holds exactly the state of its step, or (a file planted just after the
+  save's last check of its staging directory, which then lands in the entry) verify and load refuse it and the
+  load changes nothing; at least one entry loads (the prune never removes the good ones for a damaged one), and
+  ``resume`` finds the newest that loads.
 """
 
 from __future__ import annotations
@@ -35,7 +41,12 @@ def _attack(run: str, outside: str, seed: int, stop_file: str) -> None:  # pragm
     run_dir, out = Path(run), Path(outside)
     moves = 0
     Path(stop_file + ".ready").touch()
+    calm = Path(stop_file + ".calm")
     while not os.path.exists(stop_file):
+        if calm.exists():  # the job saves an even step: the attacker holds still (and says so)
+            Path(stop_file + ".calm-ack").touch()
+            time.sleep(0.0005)
+            continue
         try:
             names = os.listdir(run_dir)
         except OSError:
@@ -59,7 +70,7 @@ def _attack(run: str, outside: str, seed: int, stop_file: str) -> None:  # pragm
                     os.unlink(data[0])
                     os.symlink(out / "victim", data[0])
             elif move == 4:  # the name of a future entry, as a link to outside
-                name = f"step-{rng.randrange(1, 30):012d}" + rng.choice(["", ".zip"])
+                name = f"step-{rng.randrange(1, 30) | 1:012d}" + rng.choice(["", ".zip"])  # odd steps only
                 os.symlink(out if not name.endswith(".zip") else out / "victim", run_dir / name)
             else:  # a pending marker naming the parent, or an unrelated directory
                 _plant(run_dir / rng.choice([".tdcp-pending", f".step-{rng.randrange(1, 30):012d}.tdcp-pending"]))
@@ -105,26 +116,43 @@ def test_saves_racing_an_attacker_commit_or_refuse_and_never_write_outside(
     try:
         for step in range(1, 25):
             state["w"].fill_(float(step))
+            calm, ack = Path(str(stop) + ".calm"), Path(str(stop) + ".calm-ack")
+            if step % 2 == 0:  # even steps are saved while the attacker holds still, amid what it left behind
+                calm.touch()
+                while attacker.is_alive() and not ack.exists():
+                    time.sleep(0.0005)
             try:
                 rotation.save(ckpt, step=step)
                 committed.append(step)
             except tdcp.CheckpointError as err:
                 refused.append((step, str(err)))
+            calm.unlink(missing_ok=True)
+            ack.unlink(missing_ok=True)
     finally:
         stop.touch()
         attacker.join(10)
         if attacker.is_alive():
             attacker.kill()
     assert int(Path(str(stop) + ".moves").read_text()) > 0, "the attacker never got a move in"
+    assert [s for s in range(2, 25, 2) if s not in committed] == [], f"what the attacker left broke a save: {refused}"
     assert _tree(outside) == before, "a save wrote, moved or deleted something outside the run directory"
     entries = rotation.entries()
     assert entries, f"nothing committed; refused: {refused[:3]}"
-    for entry in entries:
-        tdcp.verify(entry.path)
-        fresh = {"w": torch.empty(2000)}
+    good = []
+    for entry in entries:  # a file planted into a staging directory just after its last check lands in the entry
+        fresh = {"w": torch.full((2000,), -1.0)}
+        try:
+            tdcp.verify(entry.path)
+        except tdcp.CheckpointError:  # then verify and load both refuse it, and the load changes nothing
+            with pytest.raises(tdcp.CheckpointError):
+                tdcp.DistributedCheckpoint(state=fresh).load(entry.path)
+            assert torch.equal(fresh["w"], torch.full((2000,), -1.0))
+            continue
         tdcp.DistributedCheckpoint(state=fresh).load(entry.path)
         assert torch.equal(fresh["w"], torch.full((2000,), float(entry.step))), f"step {entry.step} holds other state"
+        good.append(entry.step)
+    assert good, "no committed entry loads: the prune removed the good ones"
     fresh = {"w": torch.empty(2000)}
     info = tdcp.resume(tdcp.DistributedCheckpoint(state=fresh), run)
-    assert info.step == max(e.step for e in entries)
+    assert info.step == max(good)
     assert torch.equal(fresh["w"], torch.full((2000,), float(info.step)))

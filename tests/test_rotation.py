@@ -251,3 +251,56 @@ def test_commit_order_does_not_depend_on_the_clock(tmp_path: Path, monkeypatch: 
     assert [e.step for e in rotation.entries()] == [40, 50]
     assert rotation.latest() == rotation.path_for(50)
     assert [tdcp.read_manifest(e.path)["sequence"] for e in rotation.entries()] == [4, 5]
+
+
+@pytest.mark.parametrize("damage", ["truncated data file", "foreign data file", "metadata resealed uncovered"])
+def test_an_entry_damaged_between_its_commit_and_the_prune_prunes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    """With ``keep_last=1`` the prune would leave only the new entry: it runs only after that entry passes the checks
+    a load runs on its files and metadata, so a damaged one is refused and the previous entry still resumes."""
+    import json
+    import pickle
+
+    from torchrl_dcp.format.manifest import seal
+    from torchrl_dcp.storage.filesums import file_checksum
+    from torchrl_dcp.storage.filesystem import safe_load_metadata
+
+    state = {"w": torch.arange(64.0)}
+    ckpt = tdcp.DistributedCheckpoint(state=state)
+    rotation = tdcp.CheckpointRotation(tmp_path, keep_last=1, incremental=False)
+    rotation.save(ckpt, step=1)
+    other = tdcp.DistributedCheckpoint(state={"w": torch.ones(64)}).save(tmp_path.parent / f"{tmp_path.name}-other")
+    original = tdcp.DistributedCheckpoint.save
+
+    def save_then_damage(self, path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        out = original(self, path, *args, **kwargs)
+        data = out / "__0_0.distcp"
+        if damage == "truncated data file":
+            data.write_bytes(data.read_bytes()[:-10])
+        elif damage == "foreign data file":  # another save's file, its size and checksum resealed
+            data.write_bytes((other / "__0_0.distcp").read_bytes())
+            m = json.loads((out / "manifest.json").read_text())
+            m["files"]["__0_0.distcp"] = {"size": data.stat().st_size, "checksum": file_checksum(data)}
+            (out / "manifest.json").write_text(json.dumps(seal(m)))
+        else:
+            md = safe_load_metadata(out / ".metadata")
+            md.state_dict_metadata["replicated/state/w"].chunks = []
+            (out / ".metadata").write_bytes(pickle.dumps(md))
+            m = json.loads((out / "manifest.json").read_text())
+            m["files"][".metadata"] = {
+                "size": (out / ".metadata").stat().st_size,
+                "checksum": file_checksum(out / ".metadata"),
+            }
+            (out / "manifest.json").write_text(json.dumps(seal(m)))
+        return out
+
+    monkeypatch.setattr(tdcp.DistributedCheckpoint, "save", save_then_damage)
+    state["w"] += 1
+    with pytest.raises(tdcp.CheckpointError, match="no older entry was pruned"):
+        rotation.save(ckpt, step=2)
+    monkeypatch.undo()
+    assert 1 in [e.step for e in rotation.entries()]
+    fresh = {"w": torch.zeros(64)}
+    info = tdcp.resume(tdcp.DistributedCheckpoint(state=fresh), tmp_path)
+    assert info.step == 1 and torch.equal(fresh["w"], torch.arange(64.0))

@@ -48,6 +48,7 @@ from torchrl_dcp.errors import (
     CheckpointVersionError,
     CollectiveError,
 )
+from torchrl_dcp.format.layout import DCP_METADATA
 from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.storage.base import Location
 
@@ -84,6 +85,24 @@ class RotationEntry:
         orders entries written before counters existed (counter 0).
         """
         return (self.sequence or 0, _timestamp(self.created_at), self.step)
+
+
+def _check_committed(location: Location) -> None:
+    """The entry just committed passes the checks a load runs before it reads any tensor (its manifest, every file
+    present with its size and this save's identity, DCP's metadata: coverage, bounds, inventory), or the rotation
+    prunes nothing: a checkpoint damaged between its commit and the prune never replaces the good one before it."""
+    try:
+        src = location.open_source()
+        files = src.manifest()["files"]
+        src.check(False)
+        src.check_identity([n for n in files if n != DCP_METADATA])
+        src.dcp_metadata()
+    except CheckpointError as err:
+        raise CheckpointIntegrityError(
+            f"the checkpoint just committed fails a load's checks ({err.message}); no older entry was pruned: "
+            "save again, or resume from the previous one",
+            path=err.path or location.path,
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -220,6 +239,7 @@ class CheckpointRotation:
                 stale = self.location.child(f"step-{step:012d}.zip")  # same step saved as an archive before
                 if stale.entry_kind() == "archive":
                     stale.remove()
+            _check_committed(self.location.child(target.name))  # what replaces the pruned entries must load
             self.prune(protect=target)
 
         group = _dist.checkpoint_group(getattr(ckpt, "timeout", None))
