@@ -174,3 +174,31 @@ def test_saving_a_lazy_module_before_its_first_forward_says_what_to_do(tmp_path)
     with pytest.raises(tdcp.CheckpointError, match="not initialised yet.*run one forward pass"):
         tdcp.DistributedCheckpoint(policy=MLP(out_features=2, num_cells=[8])).save(tmp_path / "c")
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("backend", ["directory", "archive"])
+def test_td3_loss_with_one_element_stride_0_buffers_saves_and_loads_exactly(tmp_path, backend: str) -> None:  # type: ignore[no-untyped-def]
+    """TD3Loss keeps its action bounds as ``torch.tensor(x).expand(1)`` (stride 0, one element: ``is_contiguous()``
+    says yes, ``view(torch.uint8)`` refuses); the loss saves, verifies, converts and loads into a fresh one (whose
+    bounds are stride 0 too) exactly, its parameters and target parameters included."""
+    import torchrl_dcp as tdcp
+    from torchrl.data import Bounded
+    from torchrl.modules import MLP, Actor, ValueOperator
+    from torchrl.objectives import TD3Loss
+
+    def make(seed: int, low: float) -> TD3Loss:
+        torch.manual_seed(seed)
+        spec = Bounded(low, 1.0, shape=(1,))
+        actor = Actor(MLP(in_features=3, out_features=1, num_cells=[8]), in_keys=["observation"], spec=spec)
+        q = ValueOperator(MLP(in_features=4, out_features=1, num_cells=[8]), in_keys=["observation", "action"])
+        return TD3Loss(actor, q, action_spec=spec)
+
+    saved = make(0, -1.0)
+    assert saved.min_action.stride() == (0,)
+    path = tdcp.DistributedCheckpoint(loss=saved).save(tmp_path / "c")
+    tdcp.verify(path)
+    where = tdcp.to_archive(path, tmp_path / "c.zip") if backend == "archive" else path
+    fresh = make(1, -0.5)
+    tdcp.DistributedCheckpoint(loss=fresh).load(where)
+    for (k, a), (_, b) in zip(saved.state_dict().items(), fresh.state_dict().items()):
+        assert a.dtype == b.dtype and torch.equal(a, b), k

@@ -35,6 +35,7 @@ import torch
 
 from torchrl_dcp.errors import EncodingError
 from torchrl_dcp.format.checksums import crc32
+from torchrl_dcp.format.record import byte_view
 
 ReplicaCheck = Literal["sample", "full", "off"]
 REPLICA_CHECKS: tuple[str, ...] = get_args(ReplicaCheck)
@@ -55,7 +56,7 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
     t = t.resolve_conj().resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8)
+    return byte_view(t)
 
 
 def fingerprint(t: torch.Tensor, mode: ReplicaCheck) -> str:

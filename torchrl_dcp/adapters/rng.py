@@ -30,6 +30,7 @@ import torch
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
 from torchrl_dcp.errors import IncompatibleComponentError
+from torchrl_dcp.format.record import byte_view
 
 
 class RNGState:
@@ -123,7 +124,7 @@ def _feed(digest: Any, value: Any) -> None:
             _feed(digest, v)
         digest.update(b"]")
     elif isinstance(value, torch.Tensor):
-        digest.update(str(value.dtype).encode() + value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(str(value.dtype).encode() + byte_view(value.detach().cpu().contiguous()).numpy().tobytes())
     elif isinstance(value, np.ndarray):
         digest.update(value.dtype.str.encode() + np.ascontiguousarray(value).tobytes())
     else:

@@ -213,7 +213,24 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
         t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(byte_view(t).numpy())
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous ``tensor`` as a flat uint8 tensor sharing its memory (no copy).
+
+    ``is_contiguous()`` ignores the stride of a dimension of size 1, so a one-element tensor may have stride 0
+    (``torch.tensor(2.).expand(1)``: TD3's action bounds); its flat view is re-strided to 1 (the same element)
+    instead of failing ``view(torch.uint8)``.
+
+    Example:
+        >>> byte_view(torch.tensor(1.0).expand(1)).tolist()
+        [0, 0, 128, 63]
+    """
+    flat = tensor.reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:
+        flat = flat.as_strided((1,), (1,))
+    return flat.view(torch.uint8)
 
 
 # ---------------------------------------------------------------------- locating a record's tensor bytes
@@ -444,7 +461,7 @@ def decode_record(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...], where:
             path=where,
         ) from None
     if dtype == torch.bool and isinstance(tensor, torch.Tensor) and tensor.dtype == dtype and tensor.numel():
-        check_bool_bytes(tensor.contiguous().view(torch.uint8), where, key)
+        check_bool_bytes(byte_view(tensor.contiguous()), where, key)
     if type(tensor) is not torch.Tensor or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
         found = f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
         raise CheckpointIntegrityError(

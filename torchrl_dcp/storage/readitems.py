@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from torchrl_dcp.errors import CheckpointIntegrityError
-from torchrl_dcp.format.record import STORAGE_NAMES, is_memmap_tensor, template
+from torchrl_dcp.format.record import STORAGE_NAMES, byte_view, is_memmap_tensor, template
 from torchrl_dcp.storage.base import ByteRange
 from torchrl_dcp.storage.files import open_regular
 from torchrl_dcp.storage.libc import libc
@@ -200,7 +200,7 @@ def device_bytes(tensor: torch.Tensor) -> torch.Tensor | None:
         or tensor.numel() == 0
     ):
         return None
-    return tensor.detach().reshape(-1).view(torch.uint8)
+    return byte_view(tensor.detach())
 
 
 def _whole_record(info: Any, target: torch.Tensor) -> bool:
