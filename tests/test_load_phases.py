@@ -400,3 +400,18 @@ def test_an_optimizer_with_other_param_groups_is_refused_while_planning(tmp_path
         tdcp.DistributedCheckpoint(policy=fresh, optim=other).load(path)
     assert "'optim'" in str(info.value) and "could not be restored" not in str(info.value)  # planned, not restored
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters()))
+
+
+def test_saved_components_that_nothing_is_registered_for_are_named_in_a_warning(tmp_path: Path) -> None:
+    """A component registered only after the first save (IQL/CQL register their buffer lazily) would otherwise
+    resume from nothing without a word; naming ``components=`` says the subset is wanted."""
+    import warnings
+
+    path = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(2, 2), buffer={"rows": torch.ones(3)}).save(tmp_path / "c")
+    with pytest.warns(tdcp.UnrestoredComponentWarning, match=r"\['buffer'\].*register them"):
+        result = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(2, 2)).load(path)
+    assert result.unrequested == {"buffer"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tdcp.UnrestoredComponentWarning)
+        tdcp.DistributedCheckpoint(policy=torch.nn.Linear(2, 2), buffer={}).load(path, components=["policy"])
+        tdcp.DistributedCheckpoint(policy=torch.nn.Linear(2, 2), buffer={}).load(path)

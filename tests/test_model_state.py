@@ -181,10 +181,11 @@ def test_td3_loss_with_one_element_stride_0_buffers_saves_and_loads_exactly(tmp_
     """TD3Loss keeps its action bounds as ``torch.tensor(x).expand(1)`` (stride 0, one element: ``is_contiguous()``
     says yes, ``view(torch.uint8)`` refuses); the loss saves, verifies, converts and loads into a fresh one (whose
     bounds are stride 0 too) exactly, its parameters and target parameters included."""
-    import torchrl_dcp as tdcp
     from torchrl.data import Bounded
     from torchrl.modules import MLP, Actor, ValueOperator
     from torchrl.objectives import TD3Loss
+
+    import torchrl_dcp as tdcp
 
     def make(seed: int, low: float) -> TD3Loss:
         torch.manual_seed(seed)

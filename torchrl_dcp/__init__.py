@@ -59,6 +59,7 @@ from torchrl_dcp.errors import (
     CollectiveError,
     EncodingError,
     IncompatibleComponentError,
+    UnrestoredComponentWarning,
     UnsafeCheckpointError,
     WorldSizeMismatchError,
 )
@@ -94,6 +95,7 @@ __all__ = [
     "RotationEntry",
     "SaveHandle",
     "StaleCheckpointWarning",
+    "UnrestoredComponentWarning",
     "UnsafeCheckpointError",
     "WorldSizeMismatchError",
     "__version__",

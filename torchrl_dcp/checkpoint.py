@@ -397,6 +397,7 @@ class DistributedCheckpoint:
         _check_strict(strict)
         if world_size_change not in ("error", "reshard"):
             raise ValueError(f"world_size_change must be 'error' or 'reshard', got {world_size_change!r}")
+        _sync_trainer(self)
         requested = self._select(components, None)
         options = dict(component_options or {})
         request = load_engine.LoadRequest(
@@ -409,6 +410,7 @@ class DistributedCheckpoint:
             group=_dist.checkpoint_group(self.timeout),
             rank=_dist.rank(),
             world_size=_dist.world_size(),
+            chosen=components is not None,
         )
         with gc_paused():
             return load_engine.load(request)
@@ -428,6 +430,21 @@ class DistributedCheckpoint:
 
 # ---------------------------------------------------------------------- helpers
 _TRAINER_MARKER = "trainer_state"  # what torchrl's Trainer registers when it binds a checkpoint
+
+
+def _sync_trainer(ckpt: DistributedCheckpoint) -> None:
+    """Register what the bound torchrl ``Trainer`` would register at its next save, before a load.
+
+    torchrl's Trainer registers its components when it is built and again before each save; trainers that set
+    their replay buffer or target updater after ``Trainer.__init__`` (IQL, CQL in torchrl 0.14) are registered only
+    at the first save, so a resume in a fresh process would skip them. The Trainer's own sync (a private method:
+    skipped when a torchrl version lacks it) runs first, registering only names not yet registered.
+    """
+    marker = ckpt._components.get(_TRAINER_MARKER)
+    trainer = getattr(getattr(marker, "value", None), "trainer", None)
+    sync = getattr(trainer, "_sync_checkpoint_components", None)
+    if callable(sync) and getattr(trainer, "checkpoint", None) is ckpt:
+        sync(ckpt)
 
 
 def _incremental_base(incremental_from: Any, destination: Location, storage_options: Any) -> Location | None:

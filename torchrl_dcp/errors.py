@@ -96,6 +96,17 @@ _OS_HINTS = {
 }
 
 
+class UnrestoredComponentWarning(UserWarning):
+    """A load restores fewer components than the checkpoint holds: saved components that no object is registered
+    for are skipped (a component a job registers lazily, after its first save, would otherwise resume silently
+    from nothing). Not raised when the load names its ``components=`` itself.
+
+    Example:
+        >>> import warnings, torchrl_dcp as tdcp
+        >>> warnings.simplefilter("error", tdcp.UnrestoredComponentWarning)  # make it fatal
+    """
+
+
 def from_os_error(err: OSError, action: str, path: Any = None, *, after: str = "") -> CheckpointError:
     """An ``OSError`` as a :class:`CheckpointError` naming the path, what failed and what to do.
 

@@ -51,7 +51,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from torchrl_dcp import _dist
 from torchrl_dcp.collective import error_status, raise_if_failed, run_step
-from torchrl_dcp.errors import CheckpointError, CheckpointIntegrityError, CollectiveError, IncompatibleComponentError
+from torchrl_dcp.errors import (
+    CheckpointError,
+    CheckpointIntegrityError,
+    CollectiveError,
+    IncompatibleComponentError,
+    UnrestoredComponentWarning,
+)
 from torchrl_dcp.format.dcp_metadata import record_index
 from torchrl_dcp.format.manifest import library_versions
 from torchrl_dcp.load_plan import ComponentPlan, LoadPlan, Registered, decode_states, plan_components, rollback_one
@@ -111,6 +117,7 @@ class LoadRequest:
     group: Any
     rank: int
     world_size: int
+    chosen: bool = False  # the caller named the components (a subset is then what it asked for)
 
 
 # ---------------------------------------------------------------------- phases 1-4
@@ -128,6 +135,15 @@ def prepare(request: LoadRequest, result: LoadResult) -> tuple[CheckpointSource,
         saved = manifest["components"]
         result.missing = {n for n in request.requested if n not in saved}
         result.unrequested = set(saved) - set(request.requested)
+        if result.unrequested and not request.chosen and request.rank == 0:
+            warnings.warn(
+                UnrestoredComponentWarning(
+                    f"{request.path}: the checkpoint holds components no object is registered for, which this load "
+                    f"skips: {sorted(result.unrequested)}; register them before loading, or pass components=[...] "
+                    "to choose what to restore"
+                ),
+                stacklevel=6,
+            )
         metadata = src.dcp_metadata()
         found["plan"] = plan_components(  # 3. plan
             manifest,

@@ -163,10 +163,16 @@ def _check_keys(current: Mapping[str, Any], state: Any, ctx: AdapterContext) -> 
         expected = set(current)
         missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
         if missing or unexpected:
+            lazy = [k for k in (*missing, *unexpected) if k.split(".")[0] == "_value_estimator"]
+            hint = (
+                "the loss builds its value estimator lazily, at its first call: call loss.make_value_estimator() "
+                "(with the same arguments as when it was saved) before loading"
+                if lazy
+                else "pass CheckpointOptions(load_kwargs={'strict': False}) to load the common keys"
+            )
             raise IncompatibleComponentError(
                 f"component {ctx.name!r}: state_dict keys differ (missing in checkpoint: {missing[:5]}, "
-                f"not in module: {unexpected[:5]}); pass CheckpointOptions(load_kwargs={{'strict': False}}) "
-                "to load the common keys"
+                f"not in module: {unexpected[:5]}); {hint}"
             )
     return strict
 

@@ -1,0 +1,105 @@
+"""torchrl trainers that register components after ``Trainer.__init__`` resume them all.
+
+IQL and CQL (torchrl 0.14) set their replay buffer and target updater after ``Trainer.__init__`` registered the
+trainer's components, so only the first save registers them; a fresh process that resumes has not saved yet.
+``DistributedCheckpoint.load`` runs the bound Trainer's own registration first, so the buffer and the target updater
+come back (they used to be skipped: training went on from an empty buffer).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tensordict.nn import NormalParamExtractor, TensorDictModule
+from torchrl.collectors import Collector
+from torchrl.data import LazyTensorStorage, ReplayBuffer
+from torchrl.modules import MLP, ProbabilisticActor, TanhNormal, ValueOperator
+from torchrl.objectives import CQLLoss, IQLLoss, SoftUpdate
+
+import torchrl_dcp as tdcp
+from torchrl_dcp.examples.sac import make_env
+
+
+def build(kind: str, directory: Path) -> tuple[Any, ReplayBuffer, Any]:
+    from torchrl.trainers.algorithms import CQLTrainer, IQLTrainer
+
+    torch.manual_seed(0)
+    env = make_env(0, torch.device("cpu"))
+    net = torch.nn.Sequential(MLP(in_features=2, out_features=2, num_cells=[16]), NormalParamExtractor())
+    actor = ProbabilisticActor(
+        TensorDictModule(net, ["observation"], ["loc", "scale"]),
+        in_keys=["loc", "scale"],
+        spec=env.action_spec,
+        distribution_class=TanhNormal,
+    )
+    q = ValueOperator(MLP(in_features=3, out_features=1, num_cells=[16]), in_keys=["observation", "action"])
+    if kind == "iql":
+        loss = IQLLoss(actor, q, ValueOperator(MLP(in_features=2, out_features=1, num_cells=[16]), ["observation"]))
+    else:
+        loss = CQLLoss(actor, q)
+    loss.make_value_estimator()  # built lazily at the first call otherwise: a fresh loss would lack its gamma
+    buffer = ReplayBuffer(storage=LazyTensorStorage(256), batch_size=8)
+    trainer_type = IQLTrainer if kind == "iql" else CQLTrainer
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "experimental/prototype feature"
+        trainer = trainer_type(
+            collector=Collector(env, actor, frames_per_batch=16, total_frames=-1),
+            total_frames=64,
+            frame_skip=1,
+            optim_steps_per_batch=1,
+            loss_module=loss,
+            optimizer=torch.optim.Adam(loss.parameters(), lr=1e-3),
+            replay_buffer=buffer,
+            target_net_updater=SoftUpdate(loss, eps=0.9),
+            progress_bar=False,
+            enable_logging=False,
+            save_trainer_interval=63,
+            checkpoint=tdcp.DistributedCheckpoint(),
+            checkpoint_rotation=tdcp.CheckpointRotation(directory, keep_last=1),
+        )
+    return trainer, buffer, loss
+
+
+@pytest.mark.parametrize("kind", ["iql", "cql"])
+def test_components_a_trainer_registers_after_init_are_resumed(tmp_path: Path, kind: str) -> None:
+    trainer, buffer, loss = build(kind, tmp_path)
+    trainer.train()  # 64 frames; the scheduled save at 64 is the last thing it does
+    assert len(buffer) == 64
+    fresh, fresh_buffer, fresh_loss = build(kind, tmp_path)
+    assert "replay_buffer" not in fresh.checkpoint.components  # registered lazily by torchrl
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tdcp.UnrestoredComponentWarning)
+        info = tdcp.resume(fresh.checkpoint, tmp_path)
+    assert info is not None and info.step == 64 and not info.result.unrequested
+    assert len(fresh_buffer) == 64
+    rows, fresh_rows = buffer[:64], fresh_buffer[:64]
+    assert all(torch.equal(rows[k], fresh_rows[k]) for k in rows.keys(True, True))
+    for (name, a), (_, b) in zip(loss.state_dict().items(), fresh_loss.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert fresh.collected_frames == trainer.collected_frames
+
+
+def test_a_loss_whose_value_estimator_is_not_built_yet_is_told_to_build_it(tmp_path: Path) -> None:
+    """A saved loss holds ``_value_estimator.*`` buffers that a fresh loss builds only at its first call: the error
+    says to call ``make_value_estimator()``, not to drop keys with ``strict=False``."""
+    _, _, loss = build("iql", tmp_path)
+    path = tdcp.DistributedCheckpoint(loss=loss).save(tmp_path / "c")
+    torch.manual_seed(0)
+    env = make_env(0, torch.device("cpu"))
+    net = torch.nn.Sequential(MLP(in_features=2, out_features=2, num_cells=[16]), NormalParamExtractor())
+    actor = ProbabilisticActor(
+        TensorDictModule(net, ["observation"], ["loc", "scale"]),
+        in_keys=["loc", "scale"],
+        spec=env.action_spec,
+        distribution_class=TanhNormal,
+    )
+    q = ValueOperator(MLP(in_features=3, out_features=1, num_cells=[16]), in_keys=["observation", "action"])
+    fresh = IQLLoss(actor, q, ValueOperator(MLP(in_features=2, out_features=1, num_cells=[16]), ["observation"]))
+    with pytest.raises(tdcp.IncompatibleComponentError, match=r"make_value_estimator\(\)"):
+        tdcp.DistributedCheckpoint(loss=fresh).load(path)
+    fresh.make_value_estimator()
+    tdcp.DistributedCheckpoint(loss=fresh).load(path)
