@@ -138,3 +138,36 @@ def assert_same(a, b) -> None:
         assert torch.equal(a, b)
     else:
         assert a == b
+
+
+@pytest.mark.parametrize("policy", ["none", "random"])
+def test_a_collector_whose_policy_holds_no_state_resumes_exactly(tmp_path: Path, policy: str) -> None:
+    """``Collector(env, None)`` (a random policy drawing from the action spec) and an explicit ``RandomPolicy``:
+    torchrl's strict ``load_state_dict`` demanded a policy state that its ``state_dict`` never writes, so these
+    saved but could never load; now the next batches after a restore equal those of a run that never stopped."""
+    from torchrl.envs.utils import RandomPolicy
+
+    def build(seed: int) -> Collector:
+        env = make_env("vecnorm", seed)
+        actor = None if policy == "none" else RandomPolicy(env.action_spec)
+        return Collector(env, actor, frames_per_batch=10, total_frames=-1)
+
+    torch.manual_seed(0)
+    collector = build(0)
+    it = iter(collector)
+    for _ in range(3):
+        next(it)
+    ckpt = tdcp.DistributedCheckpoint(collector=collector, rng=tdcp.RNGState())
+    path = ckpt.save(tmp_path / "ckpt")
+    expected = [next(it) for _ in range(3)]
+    collector.shutdown()
+    torch.manual_seed(7)
+    fresh = build(5)
+    tdcp.DistributedCheckpoint(collector=fresh, rng=tdcp.RNGState()).load(path)
+    it2 = iter(fresh)
+    got = [next(it2) for _ in range(3)]
+    fresh.shutdown()
+    for a, b in zip(expected, got):
+        assert set(a.keys(True, True)) == set(b.keys(True, True))
+        for key in a.keys(True, True):
+            assert torch.equal(a[key], b[key]), key

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -191,7 +192,7 @@ class CollectorAdapter(Adapter):
         return self._restore(collector, state, ctx)
 
     def _restore(self, collector: Collector, state: Any, ctx: AdapterContext) -> Any:
-        collector.load_state_dict(state["state_dict"])
+        load_collector_state(collector, state["state_dict"])
         if state["carrier"] is not None:
             saved = tensordict_from_state(state["carrier"], ctx)
             carrier = collector._carrier
@@ -223,11 +224,26 @@ class CollectorAdapter(Adapter):
         counters of saved rank ``rank % saved_world_size``; the in-flight episode and the env's own
         generator are not taken over, so the collector starts fresh trajectories with its own seed."""
         (state,) = states.values()
-        collector.load_state_dict(state["state_dict"])
+        load_collector_state(collector, state["state_dict"])
         return None
 
 
 WORKER_TRAJ_IDS = "_tdcp_worker_traj_ids"  # added to the multi-collector state dict (older checkpoints lack it)
+
+
+def load_collector_state(collector: Any, state_dict: Mapping[str, Any]) -> None:
+    """``collector.load_state_dict(state_dict)``, also for a collector without a policy holding state.
+
+    torchrl 0.14's ``Collector.state_dict()`` leaves ``policy_state_dict`` out when the policy has no state
+    (``Collector(env, None)``, a ``RandomPolicy``), but its strict ``load_state_dict`` then demands one ("Underlying
+    policy does not have state_dict"), so such a collector saved but never loaded. When neither side has policy
+    state, the load runs non-strict: it then skips only the policy (the environment's state, counters and
+    trajectory ids load as saved; the adapter restores the carrier and generators itself).
+    """
+    if "policy_state_dict" not in state_dict and not hasattr(collector, "_policy_w_state_dict"):
+        collector.load_state_dict(state_dict, strict=False)
+    else:
+        collector.load_state_dict(state_dict)
 
 
 class MultiCollectorAdapter(Adapter):
