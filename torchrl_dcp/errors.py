@@ -96,6 +96,17 @@ _OS_HINTS = {
 }
 
 
+class InexactResumeWarning(UserWarning):
+    """A component holds state that its checkpoint does not restore, so training after a restore will not continue
+    exactly as it would have (the message names the component, the object and what differs). Emitted at save and
+    at load; filter it by category, or make it an error to refuse inexact resumes.
+
+    Example:
+        >>> import warnings, torchrl_dcp as tdcp
+        >>> warnings.simplefilter("error", tdcp.InexactResumeWarning)  # refuse inexact resumes
+    """
+
+
 class UnrestoredComponentWarning(UserWarning):
     """A load restores fewer components than the checkpoint holds: saved components that no object is registered
     for are skipped (a component a job registers lazily, after its first save, would otherwise resume silently

@@ -35,7 +35,7 @@ from torchrl.collectors import BaseCollector, Collector
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
 from torchrl_dcp.adapters.rng import same_rank_source
 from torchrl_dcp.adapters.tensordict import tensordict_from_state, tensordict_state
-from torchrl_dcp.errors import IncompatibleComponentError
+from torchrl_dcp.errors import IncompatibleComponentError, InexactResumeWarning
 
 
 def env_generators(env: Any) -> dict[str, Any]:
@@ -137,7 +137,7 @@ def warn_worker_state(name: str, where: list[str], action: str) -> None:
         "RNG streams in worker processes, out of reach of torchrl's API: they are not checkpointed, so after a "
         "restore the next batches equal an uninterrupted run's only until a sub-env resets (then its initial state "
         "differs). Use SerialEnv (exact) or accept the difference; see docs/components/collectors.md",
-        UserWarning,
+        InexactResumeWarning,
         stacklevel=3,
     )
 
@@ -149,7 +149,7 @@ def warn_simulator_state(name: str, where: list[str], action: str) -> None:
         "its random generator) is not checkpointed: after a restore the episodes in flight do not continue as they "
         "would have, and new episodes start from other initial states. The collector's counters, carrier and "
         "transforms are restored; see docs/components/collectors.md",
-        UserWarning,
+        InexactResumeWarning,
         stacklevel=3,
     )
 
@@ -262,6 +262,7 @@ class MultiCollectorAdapter(Adapter):
     default_placement = "per_rank"
 
     def state(self, collector: BaseCollector, ctx: AdapterContext) -> Any:
+        _warn_multi_worker_state(ctx.name, collector, "saving")
         state = dict(collector.state_dict())
         ids = _worker_traj_ids(collector)
         if ids is not None:
@@ -269,6 +270,7 @@ class MultiCollectorAdapter(Adapter):
         return state
 
     def restore(self, collector: BaseCollector, state: Any, ctx: AdapterContext) -> Any:
+        _warn_multi_worker_state(ctx.name, collector, "loading")
         state = dict(state)
         ids = state.pop(WORKER_TRAJ_IDS, None)
         collector.load_state_dict(state)
@@ -279,6 +281,17 @@ class MultiCollectorAdapter(Adapter):
         if pool is not None:  # each worker's load_state_dict allocated an id: undo it
             collector._traj_pool.load_state_dict(pool)
         return None
+
+
+def _warn_multi_worker_state(name: str, collector: BaseCollector, action: str) -> None:
+    warnings.warn(
+        f"component {name!r} ({action}): {type(collector).__name__} keeps its workers' environments, in-flight "
+        "episodes (carriers) and generators in worker processes, out of reach of torchrl's API: weights, transform "
+        "statistics, counters and trajectory ids are restored, the next batches are not an uninterrupted run's. "
+        "Use a Collector (over a SerialEnv) per rank where exactness matters; see docs/components/collectors.md",
+        InexactResumeWarning,
+        stacklevel=4,
+    )
 
 
 def _worker_traj_ids(collector: BaseCollector) -> list[torch.Tensor] | None:
