@@ -173,3 +173,35 @@ def test_a_collector_whose_policy_holds_no_state_resumes_exactly(tmp_path: Path,
         assert set(a.keys(True, True)) == set(b.keys(True, True))
         for key in a.keys(True, True):
             assert torch.equal(a[key], b[key]), key
+
+
+def test_a_traj_counter_inside_a_compose_continues_its_ids_after_a_restore(tmp_path: Path) -> None:
+    """``Compose.state_dict()`` drops ``TrajCounter``'s own ``state_dict`` (its count is a shared counter, not a
+    buffer: a torchrl 0.14 gap), so trajectory ids restarted; the adapter saves it: the next batches, trajectory ids
+    included, equal those of a run that never stopped."""
+    from torchrl.envs import TrajCounter
+
+    def build(seed: int) -> tuple[TensorDictModule, Collector]:
+        env = make_env(None, seed)
+        env.append_transform(TrajCounter())
+        policy = make_policy(seed)
+        return policy, Collector(
+            env, policy, frames_per_batch=10, total_frames=-1, auto_register_policy_transforms=False
+        )
+
+    policy, collector = build(0)
+    it = iter(collector)
+    for _ in range(4):  # 40 steps of 15-step episodes: the third trajectory is in flight
+        next(it)
+    path = checkpoint(policy, collector).save(tmp_path / "ckpt")
+    expected = [next(it) for _ in range(4)]
+    collector.shutdown()
+    assert int(expected[-1]["next", "traj_count"].max()) >= 4
+    policy2, collector2 = build(3)
+    checkpoint(policy2, collector2).load(path)
+    it2 = iter(collector2)
+    got = [next(it2) for _ in range(4)]
+    collector2.shutdown()
+    for a, b in zip(expected, got):
+        for key in a.keys(True, True):
+            assert torch.equal(a[key], b[key]), key

@@ -185,6 +185,7 @@ class CollectorAdapter(Adapter):
             "state_dict": collector.state_dict(),
             "carrier": None if carrier is None else tensordict_state(carrier),
             "env_rngs": {name: _generator_state(g) for name, g in env_generators(collector.env).items()},
+            "transforms": {path: dict(t.state_dict()) for path, t in composed_custom_state(collector.env).items()},
         }
 
     def restore(self, collector: Collector, state: Any, ctx: AdapterContext) -> Any:
@@ -193,6 +194,14 @@ class CollectorAdapter(Adapter):
 
     def _restore(self, collector: Collector, state: Any, ctx: AdapterContext) -> Any:
         load_collector_state(collector, state["state_dict"])
+        live = composed_custom_state(collector.env)
+        for path, saved in (state.get("transforms") or {}).items():  # (absent from checkpoints saved before)
+            if path not in live:
+                raise IncompatibleComponentError(
+                    f"component {ctx.name!r}: the checkpoint holds the state of transform {path}, which this "
+                    "collector's env does not have at that place: build the env with the transforms it was saved with"
+                )
+            live[path].load_state_dict(saved)
         if state["carrier"] is not None:
             saved = tensordict_from_state(state["carrier"], ctx)
             carrier = collector._carrier
@@ -229,6 +238,35 @@ class CollectorAdapter(Adapter):
 
 
 WORKER_TRAJ_IDS = "_tdcp_worker_traj_ids"  # added to the multi-collector state dict (older checkpoints lack it)
+
+
+def composed_custom_state(env: Any) -> dict[str, Any]:
+    """``{path: transform}`` of the transforms inside a ``Compose`` that define their own ``state_dict``.
+
+    ``Compose.state_dict()`` is ``nn.Module``'s: it gathers its children's parameters and buffers, never their own
+    ``state_dict`` overrides, so e.g. ``TrajCounter``'s trajectory count (a shared counter, not a buffer) was lost
+    and trajectory ids restarted after a restore (torchrl 0.14). The adapter saves those states itself.
+
+    Example:
+        >>> from torchrl.envs import Compose, PendulumEnv, StepCounter, TrajCounter, TransformedEnv
+        >>> sorted(composed_custom_state(TransformedEnv(PendulumEnv(), Compose(StepCounter(), TrajCounter()))))
+        ['transform.1']
+    """
+    out: dict[str, Any] = {}
+    stack: list[tuple[Any, str]] = [(env, "")]
+    while stack:
+        obj, path = stack.pop()
+        transform = getattr(obj, "transform", None) if hasattr(obj, "base_env") else None
+        if transform is not None:
+            stack.append((transform, f"{path}transform"))
+            stack.append((obj.base_env, f"{path}base_env."))
+        children = getattr(obj, "transforms", None) if type(obj).__name__ == "Compose" else None
+        for i, child in enumerate(children or ()):
+            where = f"{path}.{i}"
+            if type(child).state_dict is not torch.nn.Module.state_dict:
+                out[where] = child
+            stack.append((child, where))
+    return out
 
 
 def load_collector_state(collector: Any, state_dict: Mapping[str, Any]) -> None:
