@@ -201,3 +201,34 @@ def test_ndim2_storage_loads_into_a_fresh_lazy_buffer(tmp_path: Path, kind: str)
     a = rb.sample()
     torch.manual_seed(0)
     assert (fresh.sample() == a).all()
+
+
+def test_a_multi_step_transform_keeps_what_it_held_back_across_a_restore(tmp_path: Path) -> None:
+    """``ReplayBuffer(transform=MultiStepTransform(n_steps=3))`` writes a rollout's transitions only once the next
+    ``extend`` completes their n-step returns; the held-back ones live on the transform. After a restore the next
+    ``extend`` writes exactly what an uninterrupted buffer writes (they used to be lost)."""
+    from torchrl.envs.transforms import MultiStepTransform
+
+    from torchrl_dcp.examples.sac import make_env
+
+    env = make_env(0, torch.device("cpu"))
+    torch.manual_seed(0)
+    chunks = [env.rollout(10) for _ in range(3)]
+
+    def make() -> ReplayBuffer:
+        return ReplayBuffer(storage=LazyTensorStorage(100), transform=MultiStepTransform(n_steps=3, gamma=0.9))
+
+    rb = make()
+    rb.extend(chunks[0])
+    assert len(rb) == 7  # 3 transitions held back
+    path = tdcp.DistributedCheckpoint(rb=rb).save(tmp_path / "c")
+    rb.extend(chunks[1])
+    fresh = make()
+    fresh.extend(chunks[2])  # other transitions held back: the load replaces them
+    tdcp.DistributedCheckpoint(rb=fresh).load(path)
+    fresh.extend(chunks[1])
+    assert len(fresh) == len(rb) == 17
+    a, b = rb[:17], fresh[:17]
+    assert set(a.keys(True, True)) == set(b.keys(True, True))
+    for key in a.keys(True, True):
+        assert torch.equal(a[key], b[key]), key

@@ -48,6 +48,7 @@ from torchrl_dcp.adapters.buffer_state import (
     initialized_buffer,
     restore_buffer_settings,
 )
+from torchrl_dcp.adapters.buffer_transforms import restore_transform_states, transform_states
 from torchrl_dcp.adapters.list_storage import (
     LIST_KIND,
     check_list_destination,
@@ -279,12 +280,14 @@ class ReplayBufferAdapter(Adapter):
 
     def state(self, rb: ReplayBuffer, ctx: AdapterContext) -> Any:
         rb = initialized_buffer(rb)
+        held = transform_states(rb)
         return {
             "type": type(rb).__name__,
             "storage": storage_state(rb._storage),
             "sampler": sampler_state(rb._sampler),
             "writer": writer_state(rb._writer),
             **buffer_settings(rb),
+            **({"transforms": held} if held else {}),  # (buffers without n-step transforms: as before)
         }
 
     def row_changes(self, rb: ReplayBuffer, ctx: AdapterContext) -> dict[tuple[str, ...], Any] | None:
@@ -315,6 +318,8 @@ class ReplayBufferAdapter(Adapter):
         else:
             restore_storage(rb._storage, state["storage"])
         restore_buffer_settings(rb, state)
+        if state.get("transforms") or transform_states(rb):
+            restore_transform_states(rb, state.get("transforms") or {}, ctx)
         return None
 
     def check_saved(self, saved: Any) -> None:

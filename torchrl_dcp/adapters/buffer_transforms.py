@@ -1,0 +1,54 @@
+"""State that a replay buffer's transforms hold between ``extend`` calls, saved with the buffer.
+
+A ``MultiStepTransform`` (n-step returns) keeps the last ``n_steps`` transitions of each ``extend`` back until the
+next one completes their returns; that TensorDict lives on the transform, not in the storage, so a restore lost
+them (the next ``extend`` then wrote other transitions than an uninterrupted run). The buffer adapter saves each
+such transform's held-back data by its place in the buffer's ``Compose``, and puts it back at load.
+
+Example:
+    >>> import torch
+    >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
+    >>> from torchrl.envs.transforms import MultiStepTransform
+    >>> rb = ReplayBuffer(storage=LazyTensorStorage(8), transform=MultiStepTransform(n_steps=3, gamma=0.9))
+    >>> transform_states(rb)  # nothing held back yet
+    {'0': {'kind': 'multi_step', 'held': None}}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torchrl.envs.transforms import MultiStepTransform
+
+from torchrl_dcp.adapters.base import AdapterContext
+from torchrl_dcp.adapters.tensordict import tensordict_from_state, tensordict_state
+from torchrl_dcp.errors import IncompatibleComponentError
+
+
+def _held_transforms(rb: Any) -> dict[str, MultiStepTransform]:
+    """``{position in the buffer's Compose: transform}`` of the transforms that hold data back."""
+    transform = getattr(rb, "_transform", None)
+    children = list(getattr(transform, "transforms", None) or ([] if transform is None else [transform]))
+    return {str(i): t for i, t in enumerate(children) if isinstance(t, MultiStepTransform)}
+
+
+def transform_states(rb: Any) -> dict[str, Any]:
+    """What each data-holding transform of ``rb`` holds now (empty when it has none)."""
+    return {
+        where: {"kind": "multi_step", "held": None if t._buffer is None else tensordict_state(t._buffer)}
+        for where, t in _held_transforms(rb).items()
+    }
+
+
+def restore_transform_states(rb: Any, saved: Mapping[str, Any], ctx: AdapterContext) -> None:
+    """Put back what :func:`transform_states` saved (checkpoints saved before hold nothing to put back)."""
+    live = _held_transforms(rb)
+    if set(saved) != set(live):
+        raise IncompatibleComponentError(
+            f"component {ctx.name!r}: the checkpoint holds the state of the buffer's n-step transforms at "
+            f"{sorted(saved)}, the buffer has them at {sorted(live)}: build it with the transforms it was saved with"
+        )
+    for where, state in saved.items():
+        held = state.get("held") if isinstance(state, Mapping) else None
+        live[where]._buffer = None if held is None else tensordict_from_state(held, ctx)
