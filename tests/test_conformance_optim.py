@@ -142,3 +142,41 @@ def test_lr_scheduler_conformance(tmp_path: Path, kind: str) -> None:
     tdcp.DistributedCheckpoint(model=model2, optimizer=optimizer2, scheduler=scheduler2).load(path)
     assert _schedule_run(kind, model2, optimizer2, scheduler2, 4, 6) == expected
     assert torch.equal(model.weight, model2.weight)
+
+
+def test_dreamer_v3_optimizer_keeps_float32_moments_of_bf16_parameters(tmp_path: Path) -> None:
+    """torchrl's DreamerV3Optimizer accumulates float32 moments for bf16 parameters; ``load_state_dict`` casts
+    state to the parameter's dtype, so they came back as bf16. After a restore the state holds the saved dtypes and
+    values, and the next steps equal an uninterrupted run's bit for bit."""
+    from torchrl.trainers.algorithms.dreamer_v3 import DreamerV3Optimizer
+
+    def make(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(4, 3).to(torch.bfloat16)
+        return model, DreamerV3Optimizer(model.parameters(), lr=1e-2, warmup_steps=0)
+
+    def step(model: torch.nn.Module, optim: torch.optim.Optimizer, i: int) -> None:
+        x = torch.full((2, 4), float(i + 1), dtype=torch.bfloat16)
+        optim.zero_grad()
+        model(x).float().pow(2).sum().backward()
+        optim.step()
+
+    model, optim = make(0)
+    for i in range(3):
+        step(model, optim, i)
+    dtypes = {k: v.dtype for s in optim.state.values() for k, v in s.items() if isinstance(v, torch.Tensor)}
+    assert torch.float32 in dtypes.values()
+    path = tdcp.DistributedCheckpoint(model=model, optim=optim).save(tmp_path / "c")
+    model2, optim2 = make(1)
+    step(model2, optim2, 0)  # a state of its own first
+    tdcp.DistributedCheckpoint(model=model2, optim=optim2).load(path)
+    for (p, s), (p2, s2) in zip(optim.state.items(), optim2.state.items()):
+        assert torch.equal(p, p2)
+        for k, v in s.items():
+            if isinstance(v, torch.Tensor):
+                assert s2[k].dtype == v.dtype and torch.equal(s2[k], v), k
+    for i in range(3, 5):
+        step(model, optim, i)
+        step(model2, optim2, i)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)

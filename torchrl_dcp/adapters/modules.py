@@ -268,7 +268,31 @@ class OptimizerAdapter(Adapter):
             obj.load_state_dict(state)
         except (ValueError, KeyError) as err:
             raise IncompatibleComponentError(f"component {ctx.name!r}: {err}") from err
+        if not type(obj).__module__.startswith("torch.optim"):
+            _keep_saved_state_dtypes(obj, state)
         return None
+
+
+def _keep_saved_state_dtypes(optimizer: torch.optim.Optimizer, saved: Any) -> None:
+    """Give back each state tensor the dtype it was saved with, where ``load_state_dict`` cast it to its
+    parameter's.
+
+    ``Optimizer.load_state_dict`` casts every floating-point state tensor but ``step`` to its parameter's dtype:
+    right for torch's own optimizers (their state has the parameter's dtype, so a cast only follows a model whose
+    dtype changed), lossy for optimizers that keep their moments in another precision on purpose (torchrl's
+    ``DreamerV3Optimizer``: float32 moments for bf16 parameters came back as bf16). For optimizers outside
+    ``torch.optim`` the saved tensors are used as saved (on the parameter's device).
+    """
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    ids = [i for g in saved.get("param_groups", ()) for i in g.get("params", ())]
+    for pid, param in zip(ids, params):
+        saved_state, live_state = saved.get("state", {}).get(pid), optimizer.state.get(param)
+        if not isinstance(saved_state, Mapping) or not isinstance(live_state, dict):
+            continue
+        for key, value in saved_state.items():
+            live = live_state.get(key)
+            if isinstance(value, torch.Tensor) and isinstance(live, torch.Tensor) and live.dtype != value.dtype:
+                live_state[key] = value.to(device=live.device)
 
 
 def _check_param_groups(optimizer: torch.optim.Optimizer, saved: Any, name: str) -> None:
