@@ -34,7 +34,7 @@ from torchrl.envs import (
 
 import torchrl_dcp as tdcp
 
-ENVS = ["single", "serial", "parallel"]
+ENVS = ["single", "serial", "serial_inner", "parallel"]  # serial_inner: the transforms inside each sub-env
 TRANSFORMS = ["none", "vecnorm", "obsnorm", "rewardsum_stepcounter"]
 # ParallelEnv starts and stops 2 worker processes per collector (~50 s per case on 2 cores): one representative
 # case (the stateful RewardSum + StepCounter pair) is generated, the other ParallelEnv products are left out
@@ -46,6 +46,10 @@ def _base() -> PendulumEnv:
 
 
 def make_env(kind: str, transforms: str, seed: int) -> TransformedEnv:
+    if kind == "serial_inner":  # each sub-env transformed, the SerialEnv itself under an (empty) TransformedEnv
+        env = TransformedEnv(SerialEnv(2, lambda: make_env("single", transforms, seed)), Compose())
+        env.set_seed(seed)
+        return env
     base = {"single": _base, "serial": lambda: SerialEnv(2, _base), "parallel": lambda: ParallelEnv(2, _base)}[kind]()
     ts = [
         UnsqueezeTransform(-1, in_keys=["th", "thdot"], in_keys_inv=["th", "thdot"]),

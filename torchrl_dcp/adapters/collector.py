@@ -186,6 +186,7 @@ class CollectorAdapter(Adapter):
             "carrier": None if carrier is None else tensordict_state(carrier),
             "env_rngs": {name: _generator_state(g) for name, g in env_generators(collector.env).items()},
             "transforms": {path: dict(t.state_dict()) for path, t in composed_custom_state(collector.env).items()},
+            "sub_envs": {path: dict(e.state_dict()) for path, e in transformed_serial_envs(collector.env).items()},
         }
 
     def restore(self, collector: Collector, state: Any, ctx: AdapterContext) -> Any:
@@ -194,6 +195,14 @@ class CollectorAdapter(Adapter):
 
     def _restore(self, collector: Collector, state: Any, ctx: AdapterContext) -> Any:
         load_collector_state(collector, state["state_dict"])
+        for path, saved in (state.get("sub_envs") or {}).items():  # (absent from checkpoints saved before)
+            serial = transformed_serial_envs(collector.env).get(path)
+            if serial is None:
+                raise IncompatibleComponentError(
+                    f"component {ctx.name!r}: the checkpoint holds the sub-envs' state of a SerialEnv at {path}, which "
+                    "this collector's env does not have: build the env as it was saved"
+                )
+            serial.load_state_dict(saved)
         live = composed_custom_state(collector.env)
         for path, saved in (state.get("transforms") or {}).items():  # (absent from checkpoints saved before)
             if path not in live:
@@ -240,6 +249,27 @@ class CollectorAdapter(Adapter):
 WORKER_TRAJ_IDS = "_tdcp_worker_traj_ids"  # added to the multi-collector state dict (older checkpoints lack it)
 
 
+def transformed_serial_envs(env: Any) -> dict[str, Any]:
+    """``{path: SerialEnv}`` of a ``SerialEnv`` under the collector's ``TransformedEnv`` (however deep).
+
+    ``Collector.state_dict()`` saves a ``TransformedEnv``'s own transforms only (``env.transform.state_dict()``),
+    never what its base env holds, so the transforms inside a ``SerialEnv``'s sub-envs (their ``VecNormV2``
+    statistics) were lost (torchrl 0.14); the adapter saves the ``SerialEnv``'s ``state_dict()`` (every sub-env's)
+    itself. A ``ParallelEnv``'s sub-envs live in worker processes (see :func:`warn_worker_state`).
+
+    Example:
+        >>> from torchrl.envs import PendulumEnv, SerialEnv, TransformedEnv, StepCounter
+        >>> list(transformed_serial_envs(TransformedEnv(SerialEnv(2, PendulumEnv), StepCounter())))
+        ['base_env']
+    """
+    from torchrl.envs import SerialEnv, TransformedEnv
+
+    path = ""
+    while isinstance(env, TransformedEnv):  # (a batched env forwards unknown attributes such as base_env to workers)
+        env, path = env.base_env, f"{path}.base_env" if path else "base_env"
+    return {path: env} if path and isinstance(env, SerialEnv) else {}
+
+
 def composed_custom_state(env: Any) -> dict[str, Any]:
     """``{path: transform}`` of the transforms inside a ``Compose`` that define their own ``state_dict``.
 
@@ -252,13 +282,14 @@ def composed_custom_state(env: Any) -> dict[str, Any]:
         >>> sorted(composed_custom_state(TransformedEnv(PendulumEnv(), Compose(StepCounter(), TrajCounter()))))
         ['transform.1']
     """
+    from torchrl.envs import TransformedEnv
+
     out: dict[str, Any] = {}
     stack: list[tuple[Any, str]] = [(env, "")]
     while stack:
         obj, path = stack.pop()
-        transform = getattr(obj, "transform", None) if hasattr(obj, "base_env") else None
-        if transform is not None:
-            stack.append((transform, f"{path}transform"))
+        if isinstance(obj, TransformedEnv):
+            stack.append((obj.transform, f"{path}transform"))
             stack.append((obj.base_env, f"{path}base_env."))
         children = getattr(obj, "transforms", None) if type(obj).__name__ == "Compose" else None
         for i, child in enumerate(children or ()):
