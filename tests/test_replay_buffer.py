@@ -232,3 +232,19 @@ def test_a_multi_step_transform_keeps_what_it_held_back_across_a_restore(tmp_pat
     assert set(a.keys(True, True)) == set(b.keys(True, True))
     for key in a.keys(True, True):
         assert torch.equal(a[key], b[key]), key
+
+
+def test_a_memmap_scratch_dir_left_by_an_earlier_buffer_says_what_to_do(tmp_path: Path) -> None:
+    """A resume that reuses the crashed job's ``scratch_dir``: torchrl refuses to overwrite its memmap files; the
+    load is refused before anything changes and says to use an empty ``scratch_dir`` (which then loads)."""
+    from torchrl.data import LazyMemmapStorage
+
+    rb = ReplayBuffer(storage=LazyMemmapStorage(16, scratch_dir=tmp_path / "scratch"))
+    rb.extend(TensorDict({"obs": torch.arange(12.0).reshape(4, 3)}, [4]))
+    path = tdcp.DistributedCheckpoint(rb=rb).save(tmp_path / "c")
+    reused = ReplayBuffer(storage=LazyMemmapStorage(16, scratch_dir=tmp_path / "scratch"))
+    with pytest.raises(tdcp.IncompatibleComponentError, match="empty scratch_dir"):
+        tdcp.DistributedCheckpoint(rb=reused).load(path)
+    fresh = ReplayBuffer(storage=LazyMemmapStorage(16, scratch_dir=tmp_path / "scratch2"))
+    tdcp.DistributedCheckpoint(rb=fresh).load(path)
+    assert len(fresh) == 4 and torch.equal(fresh[:4]["obs"], torch.arange(12.0).reshape(4, 3))

@@ -59,7 +59,17 @@ def allocate(storage: TensorStorage, leaves: Mapping[tuple[str, ...], Any], is_t
     """
     items = {k: torch.zeros(tuple(v.shape[1:]), dtype=v.dtype) for k, v in leaves.items()}
     batch = tuple(next(iter(leaves.values())).shape[1:ndim]) if leaves else ()
-    storage._init(TensorDict(items, batch) if is_tensordict else items[()])
+    try:
+        storage._init(TensorDict(items, batch) if is_tensordict else items[()])
+    except RuntimeError as err:
+        scratch = getattr(storage, "scratch_dir", None)
+        if scratch is not None and "already exists" in str(err):  # a memmap storage's files from an earlier run
+            raise RuntimeError(
+                f"{err} The memmap storage's scratch_dir {str(scratch)!r} holds the files of an earlier buffer (the "
+                "job that crashed?); torchrl never overwrites them. Give the new buffer an empty scratch_dir, or "
+                "remove the old files once nothing uses them, then load again"
+            ) from None
+        raise
 
 
 def buffer_settings(rb: ReplayBuffer) -> dict[str, Any]:
