@@ -65,3 +65,16 @@ def load_and_continue(path: str, kind: str, steps: int) -> dict[str, Any]:
     result = ckpt.load(path)
     state = _full_state(model, optimizer)
     return {"loaded": sorted(result.loaded), "state": state, "next": _train(model, optimizer, steps, 3)}
+
+
+def default_placement_error(path: str) -> str:
+    """An FSDP2 model registered with the default (replicated) placement: the save's error message."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 7), torch.nn.Tanh(), torch.nn.Linear(7, 1))
+    fully_shard(model, mesh=mesh)
+    try:
+        tdcp.DistributedCheckpoint(model=model).save(path)
+    except tdcp.CheckpointError as err:
+        return f"{type(err).__name__}: {err}"
+    return "saved"

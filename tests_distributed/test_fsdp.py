@@ -28,3 +28,10 @@ def test_fsdp2_checkpoint_of_2_ranks_loads_on_3(tmp_path: Path) -> None:
     loaded = launch(f"{S}:load_and_continue", 3, path, "adamw", 2, timeout=180)
     for got in loaded:
         assert got.value["state"] == saved[0].value["state"]  # resharded by DCP: the same full tensors
+
+
+def test_an_fsdp2_model_with_the_default_placement_is_told_to_use_sharded(tmp_path: Path) -> None:
+    results = launch(f"{S}:default_placement_error", 2, str(tmp_path / "c"))
+    for r in results:
+        assert "placement='sharded'" in r.value and "'model'" in r.value, r.value
+    assert not (tmp_path / "c").exists()

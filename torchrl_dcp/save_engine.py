@@ -197,8 +197,11 @@ def _encode_item(item: EncodeItem, rank: int, out: Encoded, shared: dict[tuple[A
         )
     inventory: dict[str, dict[str, Any]] = {}
     for key, tensor in tensors.items():
-        if item.placement == "per_rank" and is_dtensor(tensor):
-            raise EncodingError(f"component {item.name!r} holds a DTensor at {key!r}: use placement='sharded'")
+        if item.placement != "sharded" and is_dtensor(tensor):
+            raise EncodingError(
+                f"component {item.name!r} ({item.placement}) holds a DTensor at {key!r} (FSDP2 or tensor "
+                f"parallelism: each rank holds a shard): register it with placement='sharded'"
+            )
         if item.placement == "replicated":
             ident = tensor_identity(tensor)
             if ident is not None:
