@@ -24,9 +24,8 @@ import torchrl_dcp as tdcp
 from torchrl_dcp.examples.sac import make_env
 
 
-def build(kind: str, directory: Path) -> tuple[Any, ReplayBuffer, Any]:
-    from torchrl.trainers.algorithms import CQLTrainer, IQLTrainer
-
+def make_loss(kind: str) -> tuple[Any, Any, Any]:
+    """The env, the actor and an IQL or CQL loss over a small actor and Q network (its value estimator not built yet)."""
     torch.manual_seed(0)
     env = make_env(0, torch.device("cpu"))
     net = torch.nn.Sequential(MLP(in_features=2, out_features=2, num_cells=[16]), NormalParamExtractor())
@@ -38,9 +37,15 @@ def build(kind: str, directory: Path) -> tuple[Any, ReplayBuffer, Any]:
     )
     q = ValueOperator(MLP(in_features=3, out_features=1, num_cells=[16]), in_keys=["observation", "action"])
     if kind == "iql":
-        loss = IQLLoss(actor, q, ValueOperator(MLP(in_features=2, out_features=1, num_cells=[16]), ["observation"]))
-    else:
-        loss = CQLLoss(actor, q)
+        value = ValueOperator(MLP(in_features=2, out_features=1, num_cells=[16]), ["observation"])
+        return env, actor, IQLLoss(actor, q, value)
+    return env, actor, CQLLoss(actor, q)
+
+
+def build(kind: str, directory: Path) -> tuple[Any, ReplayBuffer, Any]:
+    from torchrl.trainers.algorithms import CQLTrainer, IQLTrainer
+
+    env, actor, loss = make_loss(kind)
     loss.make_value_estimator()  # built lazily at the first call otherwise: a fresh loss would lack its gamma
     buffer = ReplayBuffer(storage=LazyTensorStorage(256), batch_size=8)
     trainer_type = IQLTrainer if kind == "iql" else CQLTrainer
@@ -88,17 +93,7 @@ def test_a_loss_whose_value_estimator_is_not_built_yet_is_told_to_build_it(tmp_p
     says to call ``make_value_estimator()``, not to drop keys with ``strict=False``."""
     _, _, loss = build("iql", tmp_path)
     path = tdcp.DistributedCheckpoint(loss=loss).save(tmp_path / "c")
-    torch.manual_seed(0)
-    env = make_env(0, torch.device("cpu"))
-    net = torch.nn.Sequential(MLP(in_features=2, out_features=2, num_cells=[16]), NormalParamExtractor())
-    actor = ProbabilisticActor(
-        TensorDictModule(net, ["observation"], ["loc", "scale"]),
-        in_keys=["loc", "scale"],
-        spec=env.action_spec,
-        distribution_class=TanhNormal,
-    )
-    q = ValueOperator(MLP(in_features=3, out_features=1, num_cells=[16]), in_keys=["observation", "action"])
-    fresh = IQLLoss(actor, q, ValueOperator(MLP(in_features=2, out_features=1, num_cells=[16]), ["observation"]))
+    _, _, fresh = make_loss("iql")
     with pytest.raises(tdcp.IncompatibleComponentError, match=r"make_value_estimator\(\)"):
         tdcp.DistributedCheckpoint(loss=fresh).load(path)
     fresh.make_value_estimator()
