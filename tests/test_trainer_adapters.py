@@ -50,3 +50,33 @@ def test_hook_round_trips_through_a_checkpoint(tmp_path: Path) -> None:
     fresh = CountFramesLog(frame_skip=1)
     tdcp.DistributedCheckpoint().register("trainer_module.count_frames_log", fresh).load(path)
     assert fresh.frame_count == 96
+
+
+def test_the_offline_to_online_hook_keeps_its_offline_keys_so_a_resume_draws_nothing_more(tmp_path: Path) -> None:
+    """``OfflineToOnlineReplayBufferHook`` finds the offline dataset's keys lazily, with ``offline.sample(1)`` (a
+    draw from the global RNG); its ``state_dict`` leaves them out, so a resumed trainer drew again and its RNG
+    stream (and every later batch) differed. The adapter saves the keys: after a restore, ``extend`` draws
+    nothing, as in the uninterrupted run."""
+    from tensordict import TensorDict
+    from torchrl.data import LazyTensorStorage, OfflineToOnlineReplayBuffer, ReplayBuffer
+    from torchrl.trainers.algorithms.offline_to_online import OfflineToOnlineReplayBufferHook
+
+    def make() -> OfflineToOnlineReplayBufferHook:
+        offline = ReplayBuffer(storage=LazyTensorStorage(8))
+        offline.extend(TensorDict({"obs": torch.arange(8.0).unsqueeze(-1), "reward": torch.ones(8, 1)}, [8]))
+        buffer = OfflineToOnlineReplayBuffer(offline, online_capacity=16, batch_size=4)
+        return OfflineToOnlineReplayBufferHook(buffer)
+
+    def batch() -> TensorDict:
+        return TensorDict({"obs": torch.ones(2, 1), "reward": torch.zeros(2, 1), "loc": torch.zeros(2, 1)}, [2])
+
+    hook = make()
+    hook.extend(batch())  # computes the offline keys (one draw)
+    path = tdcp.DistributedCheckpoint(**{"trainer_module.replay_buffer": hook}).save(tmp_path / "c")
+    fresh = make()
+    tdcp.DistributedCheckpoint(**{"trainer_module.replay_buffer": fresh}).load(path)
+    assert fresh._offline_keys == hook._offline_keys
+    before = torch.get_rng_state()
+    fresh.extend(batch())
+    assert torch.equal(torch.get_rng_state(), before), "extend drew from the RNG after a restore"
+    assert len(fresh.replay_buffer.online_buffer) == 4

@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from torchrl_dcp.adapters.base import AdapterContext
@@ -68,6 +69,13 @@ def trainer_placement(name: str, component: Any = None) -> Placement | None:
     return "per_rank"
 
 
+#: Attributes torchrl hooks compute lazily and their ``state_dict`` leaves out, by hook class name: computing them
+#: again after a restore would change what training does (``OfflineToOnlineReplayBufferHook`` finds its offline
+#: keys with ``offline.sample(1)``, a draw from the global RNG stream the uninterrupted run made only once).
+LAZY_HOOK_ATTRIBUTES: dict[str, tuple[str, ...]] = {"OfflineToOnlineReplayBufferHook": ("_offline_keys",)}
+LAZY_KEY = "_tdcp_lazy_attributes"  # where the state dict carries them
+
+
 class TrainerHookAdapter(StateDictAdapter):
     """``state_dict`` / ``load_state_dict`` of Trainer hooks and loggers, reshardable.
 
@@ -79,6 +87,23 @@ class TrainerHookAdapter(StateDictAdapter):
 
     default_placement = "per_rank"
     can_reshard = True
+
+    def state(self, obj: Any, ctx: AdapterContext) -> Any:
+        state = super().state(obj, ctx)
+        lazy = LAZY_HOOK_ATTRIBUTES.get(type(obj).__name__, ())
+        if lazy and isinstance(state, Mapping):
+            state = {**state, LAZY_KEY: {a: getattr(obj, a, None) for a in lazy}}
+        return state
+
+    def restore(self, obj: Any, state: Any, ctx: AdapterContext) -> Any:
+        lazy = state.get(LAZY_KEY) if isinstance(state, Mapping) else None
+        if lazy is not None:
+            state = {k: v for k, v in state.items() if k != LAZY_KEY}
+        out = super().restore(obj, state, ctx)
+        for attr, value in (lazy or {}).items():
+            if attr in LAZY_HOOK_ATTRIBUTES.get(type(obj).__name__, ()):
+                setattr(obj, attr, value)
+        return out
 
     def reshard_sources(self, saved: dict[int, Any], ctx: AdapterContext) -> list[int]:
         return [ctx.rank % (ctx.saved_world_size or len(saved) or 1)]
