@@ -252,6 +252,9 @@ def test_rotation_keeps_last_and_resumes(store: tuple[str, dict[str, Any]]) -> N
     fresh = _objects(17)
     info = tdcp.CheckpointRotation(f"{url}/run", storage_options=options).resume(_ckpt(fresh, options))
     assert info is not None and info.step == 30 and isinstance(info.path, StorePath) and _same(objs, fresh)
+    again = _objects(19)
+    info = tdcp.resume(_ckpt(again, options), f"{url}/run")  # the checkpoint's storage options list and load
+    assert info is not None and info.step == 30 and _same(objs, again)
 
 
 def test_convert_and_export_through_urls(store: tuple[str, dict[str, Any]], tmp_path: Path) -> None:

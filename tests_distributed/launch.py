@@ -110,6 +110,12 @@ def _outputs(results: list[RankResult]) -> str:
 
 def torchrun_module(module: str, *args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ``python -m module *args`` under ``torchrun`` (c10d rendezvous on a free local port), as users do."""
+    cmd, env = torchrun_command(module, *args, nproc=nproc)
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def torchrun_command(module: str, *args: str, nproc: int = 2) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment :func:`torchrun_module` runs (for tests that signal the agent)."""
     cmd = [
         sys.executable,
         "-m",
@@ -122,8 +128,7 @@ def torchrun_module(module: str, *args: str, nproc: int = 2, timeout: float = 30
         module,
         *args,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RL_WARNINGS": "False"}
-    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return cmd, {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RL_WARNINGS": "False"}
 
 
 def torchrun_nodes(

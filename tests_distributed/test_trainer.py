@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import ast
+import random
 import re
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 import torchrl_dcp as tdcp
-from tests_distributed.launch import torchrun_module
+from tests_distributed.launch import ROOT, torchrun_command, torchrun_module
 
 
 def torchrun(*args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -34,7 +37,7 @@ def finals(out: str) -> dict[str, tuple[str, ...]]:
 
 
 @pytest.mark.slow
-def test_sac_trainer_resumes_from_latest_scheduled_checkpoint(tmp_path: Path) -> None:
+def test_sac_trainer_resumes_from_scheduled_and_preemption_checkpoints(tmp_path: Path) -> None:
     ref = torchrun("--frames", "512", "--ckpt-dir", str(tmp_path / "ref"))
     assert ref.returncode == 0, ref.stdout + ref.stderr
     placements = ast.literal_eval(re.search(r"placements: (\{.*\})", ref.stdout).group(1))
@@ -55,6 +58,37 @@ def test_sac_trainer_resumes_from_latest_scheduled_checkpoint(tmp_path: Path) ->
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed from frame 256" in resumed.stdout
     assert finals(resumed.stdout) == finals(ref.stdout) and len(finals(ref.stdout)) == 2
+
+    # SIGTERM to torchrun at a random moment after the first scheduled save (async saves: one may be in flight):
+    # the Trainer ends the iteration, saves it on every rank, leaves train(); the resume matches the reference
+    seed = random.randrange(1 << 30)
+    run = tmp_path / "preempted"
+    cmd, env = torchrun_command(
+        "torchrl_dcp.examples.sac_trainer", "--frames-per-batch", "32", "--save-every", "128", "--hidden", "16",
+        "--frames", "512", "--async-saves", "--ckpt-dir", str(run),
+    )  # fmt: skip
+    agent = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "step-000000000128").exists():
+            assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()[0]
+            time.sleep(0.01)
+        time.sleep(random.Random(seed).uniform(0, 0.5))
+        agent.send_signal(signal.SIGTERM)
+        log = agent.communicate(timeout=120)[0]
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    note = f"(seed {seed})\n{log[-4000:]}"
+    stopped = re.search(r"preempted: saved frame (\d+)", log)
+    assert stopped is not None and "[rank" not in log and "exitcode" not in log, note  # workers left cleanly
+    frame = int(stopped.group(1))
+    assert 128 <= frame < 512 and len(finals(log)) == 2, note
+    assert tdcp.CheckpointRotation(run).entries()[-1].step == frame, note
+    again = torchrun("--frames", "512", "--async-saves", "--ckpt-dir", str(run))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"resumed from frame {frame}" in again.stdout, note
+    assert finals(again.stdout) == finals(ref.stdout), note
 
 
 @pytest.mark.slow

@@ -31,7 +31,7 @@ from torchrl_dcp.errors import CollectiveError
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's default for gloo groups
 
-_GROUPS: dict[tuple[int, float | None], Any] = {}
+_GROUPS: dict[tuple[int, float | None, int | None, str], Any] = {}
 _TIMEOUTS: dict[int, datetime.timedelta] = {}
 _NAMES: dict[int, str] = {}  # the same on every rank (groups are created in the same order everywhere)
 _SEQ: dict[int, int] = {}
@@ -73,20 +73,61 @@ def world_size() -> int:
     return dist.get_world_size() if initialized() else 1
 
 
-def checkpoint_group(timeout: datetime.timedelta | None = None) -> Any:
-    """The gloo group used for checkpoint collectives (collective on first call per timeout)."""
+def group_rank(group: Any) -> int:
+    """This process's rank within ``group`` (a checkpoint group; ``None``: a world of one, rank 0)."""
+    return dist.get_rank(group) if group is not None else 0
+
+
+def group_size(group: Any) -> int:
+    """The number of ranks of ``group`` (``None``: 1)."""
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def check_process_group(process_group: Any) -> Any:
+    """``process_group`` if it is one this process belongs to (``None``: the whole job), else a clear error."""
+    if process_group is None:
+        return None
+    if not initialized():
+        raise ValueError("process_group= needs torch.distributed initialised (init_process_group) first")
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed ProcessGroup, got {type(process_group).__name__}")
+    if dist.get_rank(process_group) < 0:
+        raise ValueError(
+            f"rank {dist.get_rank()} is not a member of the process_group given: only its ranks build the "
+            "checkpoint (the others need not)"
+        )
+    return process_group
+
+
+def checkpoint_group(
+    timeout: datetime.timedelta | None = None, process_group: Any = None, purpose: str = "checkpoint"
+) -> Any:
+    """The gloo group used for checkpoint collectives; ``None`` without an initialised process group.
+
+    Collective on the first call per timeout: over the whole job (every rank calls it), or, with
+    ``process_group``, over that group's ranks only (the others need not call it: a learner-only
+    subgroup checkpoints while the other ranks run their own work). ``purpose="control"`` is a
+    second group for the decisions a training loop takes while an async save's background
+    thread runs its collectives on the first (two threads never share a group).
+    """
     if not initialized():
         return None
     world = id(dist.group.WORLD)
     seconds = None if timeout is None else timeout.total_seconds()
     if any(key[0] != world for key in _GROUPS):  # the default group was re-initialised
         forget_groups()
-    group = _GROUPS.get((world, seconds))
+    scope = None if process_group is None or process_group is dist.group.WORLD else id(process_group)
+    group = _GROUPS.get((world, seconds, scope, purpose))
     if group is None:
-        group = dist.new_group(backend="gloo", timeout=timeout) if timeout else dist.new_group(backend="gloo")
-        _GROUPS[(world, seconds)] = group
+        kwargs: dict[str, Any] = {"backend": "gloo"}
+        if timeout:
+            kwargs["timeout"] = timeout
+        if scope is not None:
+            kwargs.update(ranks=dist.get_process_group_ranks(process_group), use_local_synchronization=True)
+        group = dist.new_group(**kwargs)
+        _GROUPS[(world, seconds, scope, purpose)] = group
         _TIMEOUTS[id(group)] = timeout or DEFAULT_TIMEOUT
-        _NAMES[id(group)] = f"{len(_GROUPS)}-{seconds}"
+        _NAMES[id(group)] = f"{len(_GROUPS)}-{seconds}-{scope or 'world'}-{purpose}"
     return group
 
 
@@ -181,8 +222,23 @@ def gather_to_0(obj: Any, group: Any, phase: str = "gathering to rank 0") -> lis
         return [obj]
     sync(group, phase)
     out: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
-    _collective(lambda: dist.gather_object(obj, out, dst=0, group=group), phase)
+    _collective(lambda: dist.gather_object(obj, out, group=group, group_dst=0), phase)
     return out
+
+
+def any_rank(flags: list[bool], group: Any, phase: str = "agreeing") -> list[bool]:
+    """Element-wise OR of every rank's ``flags``: one small ``all_reduce``, without a monitored barrier.
+
+    For decisions taken at every training step (is a save due, has any rank been preempted), where
+    a barrier would double the cost; a rank that is gone still turns into a :class:`CollectiveError`.
+    """
+    if group is None:
+        return list(flags)
+    import torch
+
+    values = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int64)
+    _collective(lambda: dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group), phase)
+    return [bool(v) for v in values.tolist()]
 
 
 def broadcast_from_0(obj: Any, group: Any, phase: str = "broadcast from rank 0") -> Any:
@@ -190,5 +246,5 @@ def broadcast_from_0(obj: Any, group: Any, phase: str = "broadcast from rank 0")
         return obj
     sync(group, phase)
     box = [obj]
-    _collective(lambda: dist.broadcast_object_list(box, src=0, group=group), phase)
+    _collective(lambda: dist.broadcast_object_list(box, group=group, group_src=0), phase)
     return box[0]

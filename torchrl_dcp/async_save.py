@@ -104,15 +104,23 @@ class AsyncSaver:
         self._stream: Any = None
         self._lock = threading.Lock()
 
-    def wait_pending(self) -> None:
-        """Wait for the save in flight; raise its failure as a :class:`CheckpointError` unless ``wait()`` did."""
+    @property
+    def pending(self) -> SaveHandle | None:
+        """The save in flight (or finished but not yet waited for), if any."""
+        return self._pending
+
+    def wait_pending(self) -> Path | None:
+        """Wait for the save in flight and return its path; raise its failure as a :class:`CheckpointError` unless
+        ``wait()`` did (then ``None``, as when no save was in flight)."""
         handle, self._pending = self._pending, None
-        if handle is not None:
-            try:
-                handle.wait()
-            except CheckpointError:
-                if not handle.reported_before_now:
-                    raise
+        if handle is None:
+            return None
+        try:
+            return handle.wait()
+        except CheckpointError:
+            if not handle.reported_before_now:
+                raise
+            return None
 
     def stage(self, flat: Mapping[str, torch.Tensor], *, stage_memmap: bool = False) -> tuple[dict[str, Any], Any]:
         """Copies of ``flat`` in reused host buffers; returns ``(staged, cuda_event_or_None)``.
@@ -180,3 +188,13 @@ class AsyncSaver:
             self.wait_pending()
         finally:
             self._buffers = {}
+
+    def shutdown(self) -> None:
+        """Wait for the save in flight, then stop the background thread and drop the buffers (a later save restarts
+        them)."""
+        try:
+            self.release()
+        finally:
+            executor, self._executor = self._executor, None
+            if executor is not None:
+                executor.shutdown(wait=True)

@@ -76,6 +76,11 @@ class DistributedCheckpoint:
         storage_options: fsspec options (endpoint, credentials, ...) for checkpoint paths that are
             URLs (``s3://bucket/run/step-100``); see docs/objectstores.md. A :class:`~torchrl_dcp.StorePath`
             passed as a path carries its own.
+        process_group: save and load among this group's ranks only (a learner-only subgroup):
+            ranks, world size, placements, replica checks and resharding are relative to the
+            group, and ranks outside it never take part (they need not even call).
+        no_dist: this process alone, inside a job or outside one: no collective at all (rank 0
+            evaluating an archive while the other ranks train). Saves and loads as a world of one.
         **components: components registered with their adapter's default placement
             (``replicated`` for modules, optimizers and state dicts).
 
@@ -87,22 +92,90 @@ class DistributedCheckpoint:
         *,
         strict: Strictness = "error",
         save_components: Collection[str] | None = None,
-        timeout: datetime.timedelta | None = None,
+        timeout: datetime.timedelta | float | None = None,
         replica_check: ReplicaCheck = "sample",
         storage_options: Mapping[str, Any] | None = None,
+        process_group: Any = None,
+        no_dist: bool = False,
         **components: Any,
     ) -> None:
         _check_strict(strict)
         self.strict = strict
         self.replica_check = check_replica_mode(replica_check)
         self.save_components = None if save_components is None else frozenset(save_components)
-        self.timeout = timeout
+        self.timeout = _check_timeout(timeout)
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise TypeError(
+                f"storage_options must be a mapping of fsspec options, got {type(storage_options).__name__}"
+            )
         self.storage_options = dict(storage_options or {})
+        if not isinstance(no_dist, bool):
+            raise TypeError(f"no_dist must be True or False, got {no_dist!r}")
+        if no_dist and process_group is not None:
+            raise ValueError("no_dist=True takes no process_group: this process saves and loads alone")
+        self.process_group = _dist.check_process_group(process_group)
+        self.no_dist = no_dist
         self._components: dict[str, _Registration] = {}
         self._local_adapters: dict[type, Adapter] = {}
         self._async = AsyncSaver()
         for name, value in components.items():
             self.register(name, value)
+
+    # ------------------------------------------------------------------ scope and lifetime
+    def _group(self) -> Any:
+        """The gloo group of this checkpoint's collectives (``None``: this process alone)."""
+        if self.no_dist:
+            return None
+        return _dist.checkpoint_group(self.timeout, self.process_group)
+
+    def _control_group(self) -> Any:
+        """A second gloo group, over the same ranks, for a training loop's per-step decisions (never used by a save)."""
+        if self.no_dist:
+            return None
+        return _dist.checkpoint_group(self.timeout, self.process_group, purpose="control")
+
+    @property
+    def rank(self) -> int:
+        """This process's rank among the checkpoint's ranks (its ``process_group``'s; 0 with ``no_dist``)."""
+        return _dist.group_rank(self._group()) if not self.no_dist else 0
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks save and load together (the ``process_group``'s size; 1 with ``no_dist``)."""
+        return _dist.group_size(self._group()) if not self.no_dist else 1
+
+    def wait(self) -> Path | None:
+        """Block until the async save in flight (if any) is committed; return its path (``None``: none was).
+
+        Raises its failure as a :class:`CheckpointError` (on every rank), like the handle's ``wait()``.
+        """
+        return self._async.wait_pending()
+
+    def close(self) -> None:
+        """Flush the async save in flight (:meth:`wait`) and stop the background writer; idempotent.
+
+        Example:
+            >>> import tempfile, torch, torchrl_dcp as tdcp
+            >>> with tdcp.DistributedCheckpoint(model=torch.nn.Linear(2, 2)) as ckpt:
+            ...     _ = ckpt.async_save(tempfile.mkdtemp() + "/c", step=1)
+            >>> # the save is committed here
+        """
+        try:
+            self.wait()
+        finally:
+            self._async.shutdown()
+
+    def __enter__(self) -> DistributedCheckpoint:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self.close()
+        else:  # leave the original error in front; a failed background save is logged, not raised over it
+            try:
+                self.close()
+            except Exception as err:  # noqa: BLE001
+                logger.error("async save failed while leaving the checkpoint after an error: %s", err)
 
     # ------------------------------------------------------------------ registration
     @property
@@ -156,10 +229,13 @@ class DistributedCheckpoint:
             resolved,
             None if replica_check is None else check_replica_mode(replica_check),
         )
-        if name == _TRAINER_MARKER and not any(isinstance(r.value, RNGState) for r in self._components.values()):
-            # a torchrl Trainer is binding this checkpoint: give every rank its RNG streams too
-            if "rng" not in self._components:
-                self.register("rng", RNGState())
+        if name == _TRAINER_MARKER:  # a torchrl Trainer is binding this checkpoint
+            if not any(isinstance(r.value, RNGState) for r in self._components.values()) and "rng" not in self:
+                self.register("rng", RNGState())  # give every rank its RNG streams too
+            trainer = getattr(component, "trainer", None)
+            bind = getattr(getattr(trainer, "checkpoint_rotation", None), "_bind_trainer", None)
+            if callable(bind) and getattr(trainer, "checkpoint", None) is self:
+                bind(trainer, self)  # our CheckpointRotation: its policies and preemption drive the Trainer's saves
         return self
 
     def unregister(self, name: str) -> None:
@@ -191,10 +267,11 @@ class DistributedCheckpoint:
 
     def _ctx(self, name: str, options: CheckpointOptions | None, **kw: Any) -> AdapterContext:
         reg = self._components[name]
+        group = self._group()
         return AdapterContext(
             name=name,
-            rank=_dist.rank(),
-            world_size=_dist.world_size(),
+            rank=_dist.group_rank(group),
+            world_size=_dist.group_size(group),
             options=reg.options.merged(options),
             **kw,
         )
@@ -286,6 +363,24 @@ class DistributedCheckpoint:
             >>> handle.wait().name
             'c'
         """
+        return self._async_save(
+            path, step, metadata, components, component_options, stage_memmap, incremental_from, commit_sequence
+        )
+
+    def _async_save(
+        self,
+        path: str | os.PathLike,
+        step: int | None,
+        metadata: Mapping[str, Any] | None,
+        components: Collection[str] | None,
+        component_options: Mapping[str, CheckpointOptions] | None,
+        stage_memmap: bool,
+        incremental_from: str | os.PathLike | None,
+        commit_sequence: int | None,
+        then: Any = None,
+    ) -> SaveHandle:
+        """:meth:`async_save`; ``then(committed_path) -> path`` runs in the background thread after the commit
+        (a rotation's conversion and pruning: its collectives follow the save's, in the same thread on every rank)."""
         self._async.wait_pending()
         with gc_paused():
             job = self._prepare_save(
@@ -294,7 +389,12 @@ class DistributedCheckpoint:
             )  # fmt: skip
         job.sequence = commit_sequence
         event, job.stage_event = job.stage_event, None
-        return self._async.submit(job.destination, job.step, lambda: save_engine.run(job), event)
+
+        def run() -> Path:
+            committed = save_engine.run(job)
+            return committed if then is None else then(committed)
+
+        return self._async.submit(job.destination, job.step, run, event)
 
     def _prepare_save(
         self,
@@ -320,8 +420,8 @@ class DistributedCheckpoint:
         metadata = dict(metadata or {})
         if step is None and isinstance(metadata.get("step"), int):
             step = metadata["step"]
-        group = _dist.checkpoint_group(self.timeout)
-        rank, world = _dist.rank(), _dist.world_size()
+        group = self._group()
+        rank, world = _dist.group_rank(group), _dist.group_size(group)
 
         def encode_step() -> save_engine.Encoded:
             _check_json(metadata, "metadata")
@@ -407,9 +507,9 @@ class DistributedCheckpoint:
             strict=strict,
             reshard=world_size_change == "reshard",
             verify=verify,
-            group=_dist.checkpoint_group(self.timeout),
-            rank=_dist.rank(),
-            world_size=_dist.world_size(),
+            group=(group := self._group()),
+            rank=_dist.group_rank(group),
+            world_size=_dist.group_size(group),
             chosen=components is not None,
         )
         with gc_paused():
@@ -471,6 +571,19 @@ def _stage_share(job: save_engine.SaveJob, stage: Any) -> None:
     staged, job.stage_event = stage(todo)
     encoded.flat = {k: staged.get(k, t) for k, t in encoded.flat.items()}  # the others are never read
     job.chunk_rows = {f: None if rows is None else staged[f"chunk:{f}"] for f, rows in job.chunk_rows.items()}
+
+
+def _check_timeout(timeout: Any) -> datetime.timedelta | None:
+    """``timeout`` as a positive ``timedelta`` (seconds accepted), checked when the checkpoint is built."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        timeout = datetime.timedelta(seconds=timeout)
+    if not isinstance(timeout, datetime.timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta or a number of seconds, got {timeout!r}")
+    if timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    return timeout
 
 
 def _check_strict(strict: str) -> None:

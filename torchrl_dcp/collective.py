@@ -70,14 +70,14 @@ def run_step(group: Any, phase: str, fn: Callable[[], T], *, fallback: Any = Non
 
 def run_on_coordinator(group: Any, phase: str, fn: Callable[[], T], *, rank: int | None = None) -> T | None:
     """Run ``fn()`` on rank 0 only; every rank raises if it failed. Returns rank 0's result (``None`` elsewhere)."""
-    me = _dist.rank() if rank is None else rank
+    me = _dist.group_rank(group) if rank is None else rank
     results = run_step(group, phase, fn if me == 0 else (lambda: None))
     return results[0] if me == 0 else None
 
 
 def broadcast_step(group: Any, phase: str, fn: Callable[[], T], *, rank: int | None = None) -> T:
     """Run ``fn()`` on rank 0 and hand its result to every rank; every rank raises if it failed."""
-    me = _dist.rank() if rank is None else rank
+    me = _dist.group_rank(group) if rank is None else rank
     error: BaseException | None = None
     value: Any = None
     if me == 0:

@@ -35,12 +35,14 @@ import logging
 import math
 import os
 import re
+import time
 import warnings
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+from torchrl_dcp import _dist
 from torchrl_dcp.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -49,6 +51,8 @@ from torchrl_dcp.errors import (
     CollectiveError,
 )
 from torchrl_dcp.format.layout import DCP_METADATA
+from torchrl_dcp.preemption import PreemptionWatcher
+from torchrl_dcp.save_policy import MetricMode, Retention, SaveSchedule, parse_keep_best
 from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.storage.base import Location
 
@@ -56,7 +60,6 @@ logger = logging.getLogger("torchrl_dcp")
 
 _ENTRY = re.compile(r"^step-(\d+)(\.zip)?$")
 _OWNER = re.compile(r"^step-(\d+)(\.zip)?$")  # the entry a leftover of a killed save or conversion was for
-MetricMode = Literal["max", "min"]
 
 
 @dataclass(frozen=True)
@@ -114,14 +117,37 @@ class ResumeInfo:
     result: Any
 
 
+@dataclass(frozen=True)
+class SaveDecision:
+    """What every rank agreed at one ``maybe_save`` call: a policy made ``step`` due, or a rank was preempted."""
+
+    step: int
+    due: bool
+    preempted: bool
+    signal: str | None = None
+
+
 class CheckpointRotation:
-    """Keep the last ``keep_last`` checkpoints of a run (plus the best one by a metric).
+    """Save step-named checkpoints when a policy says so, keep what the retention policy says, resume the newest.
 
     Args:
         directory: where the ``step-<N>`` entries live (created on first save).
-        keep_last: how many of the newest committed entries to keep (>= 1).
-        keep_best: ``(metadata_key, "max" | "min")``: also keep the entry whose user
-            metadata holds the best value; every save must then pass that metric.
+        keep_last: how many of the newest committed entries to keep (``None``: every one).
+        keep_best: ``(metadata_key, "max" | "min"[, N])`` (a list works too, as YAML gives): also keep
+            the N entries (default 1) whose user metadata holds the best values; every save must then
+            pass that metric.
+        keep_every: also keep, forever, every entry whose step is a multiple of this (Orbax's ``keep_period``).
+        every_steps: :meth:`maybe_save` saves when the step reaches a multiple of this that the
+            previous save (or the resume) had not reached.
+        every_seconds: :meth:`maybe_save` saves when this many seconds have passed since the previous
+            save, on rank 0's clock (every rank saves the same step).
+        async_saves: :meth:`maybe_save` saves with :meth:`DistributedCheckpoint.async_save`; the entry is
+            converted (``archive``) and older ones pruned in the background after its commit. Call
+            :meth:`close` (or :meth:`wait`) before the job ends.
+        preemption_signals: signals (``signal.SIGTERM``, ``"SIGUSR1"``) whose arrival on **any** rank makes
+            the next :meth:`maybe_save` save synchronously on every rank and set :attr:`preempted`
+            (:mod:`torchrl_dcp.preemption`). Installed from the main thread; :meth:`close` restores the
+            previous handlers.
         archive: store each entry as one ZIP file (``step-<N>.zip``), converted after commit.
         incremental: save each entry incrementally from the newest committed one (chunk
             files whose rows are unchanged are hard-linked, :mod:`torchrl_dcp.incremental`);
@@ -129,27 +155,39 @@ class CheckpointRotation:
             ``archive=True`` (an archive's members cannot be linked).
         storage_options: fsspec options when ``directory`` is a URL (``s3://bucket/run``; docs/objectstores.md).
 
-    ``save`` and ``load_latest`` are collective (every rank calls them); ``entries``,
-    ``latest`` and ``best`` only read manifests and may be called from any rank.
+    ``save``, ``maybe_save``, ``resume`` and ``load_latest`` are collective (every rank of the
+    checkpoint calls them); ``entries``, ``latest`` and ``best`` only read manifests and may be
+    called from any rank. See docs/job_loop.md.
+
+    Example:
+        >>> import tempfile, torch, torchrl_dcp as tdcp
+        >>> ckpt = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(2, 1))
+        >>> rotation = tdcp.CheckpointRotation(tempfile.mkdtemp(), every_steps=10, keep_last=2)
+        >>> saved = [step for step in range(1, 41) if rotation.maybe_save(ckpt, step)]
+        >>> saved, [e.step for e in rotation.entries()]
+        ([10, 20, 30, 40], [30, 40])
     """
 
     def __init__(
         self,
         directory: str | os.PathLike,
         *,
-        keep_last: int = 3,
-        keep_best: tuple[str, MetricMode] | None = None,
+        keep_last: int | None = None,
+        keep_best: Sequence[Any] | None = None,
+        keep_every: int | None = None,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        async_saves: bool = False,
+        preemption_signals: Iterable[Any] = (),
         archive: bool = False,
         incremental: bool = True,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-            raise ValueError(f"keep_last must be a positive integer, got {keep_last!r}")
-        if keep_best is not None:
-            if not (isinstance(keep_best, tuple) and len(keep_best) == 2 and isinstance(keep_best[0], str)):
-                raise ValueError(f"keep_best must be (metadata_key, 'max' | 'min'), got {keep_best!r}")
-            if keep_best[1] not in ("max", "min"):
-                raise ValueError(f"keep_best mode must be 'max' or 'min', got {keep_best[1]!r}")
+        best = parse_keep_best(keep_best)
+        self.retention = Retention(keep_last, keep_every, best)
+        self.schedule = SaveSchedule(every_steps, every_seconds)
+        if not isinstance(async_saves, bool):
+            raise TypeError(f"async_saves must be True or False, got {async_saves!r}")
         self.location: Location = location_for(directory, storage_options)
         self.directory = self.location.path
         if archive and not self.location.holds_archives:
@@ -157,9 +195,16 @@ class CheckpointRotation:
                 f"archive=True is for local directories: an {self.location.kind} entry is already one prefix"
             )
         self.keep_last = keep_last
-        self.keep_best = keep_best
+        self.keep_best: tuple[str, MetricMode] | None = None if best is None else (best[0], best[1])
+        self.keep_every = keep_every
+        self.async_saves = async_saves
         self.archive = archive
         self.incremental = incremental
+        self.preempted = False  # set on every rank once a preemption save has committed
+        self._watcher = PreemptionWatcher(preemption_signals) if preemption_signals else None
+        self._last_step = 0  # the step last saved or resumed (every_steps counts from it)
+        self._last_time = time.monotonic()  # when the last save started (rank 0's clock decides)
+        self._in_flight: Any = None  # the checkpoint of the async save in flight
 
     # ------------------------------------------------------------------ reading
     def path_for(self, step: int) -> Path:
@@ -203,21 +248,131 @@ class CheckpointRotation:
         components: Collection[str] | None = None,
         **save_kwargs: Any,
     ) -> Path:
-        """Save ``step`` (collective), then delete what the policy no longer keeps (rank 0).
+        """Save ``step`` now (collective, synchronous), then delete what the retention policy no longer keeps.
 
         The new checkpoint is committed (and, with ``archive=True``, converted and
         published) before any older entry is removed. Returns the entry's path.
         """
-        from torchrl_dcp import _dist
-        from torchrl_dcp.collective import run_on_coordinator
+        directory_path, metadata, save_kwargs = self._prepare(ckpt, step, metadata, save_kwargs)
+        path = ckpt.save(directory_path, step=step, metadata=metadata, components=components, **save_kwargs)
+        return self._rotate(ckpt, path, step)
 
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+    def maybe_save(
+        self,
+        ckpt: Any,
+        step: int,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        force: bool = False,
+        components: Collection[str] | None = None,
+        **save_kwargs: Any,
+    ) -> Any:
+        """Save ``step`` if a policy makes it due, a preemption signal reached any rank, or ``force`` (collective).
+
+        Every rank takes the same decision at this call (one small collective when a
+        preemption signal or ``every_seconds`` is configured; none otherwise). A preemption
+        save is synchronous (after waiting for an async save in flight) and sets
+        :attr:`preempted` on every rank: the job should then exit. Returns the entry's path,
+        the :class:`SaveHandle` of an async save, or ``None`` when nothing was due.
+
+        Example:
+            >>> for step in range(start, total):  # doctest: +SKIP
+            ...     train_one_step()
+            ...     rotation.maybe_save(ckpt, step, {"reward": reward})
+            ...     if rotation.preempted:
+            ...         break
+            >>> rotation.close()  # doctest: +SKIP
+        """
+        return self.save_decided(
+            ckpt, self.decide(ckpt, step), metadata, force=force, components=components, **save_kwargs
+        )
+
+    def decide(self, ckpt: Any, step: int) -> SaveDecision:
+        """Whether ``step`` is due or a rank was preempted, the same on every rank (collective; see :meth:`maybe_save`)."""
+        _check_step(step)
+        signalled = self._watcher.signalled if self._watcher is not None and not self.preempted else None
+        due = self.schedule.due_by_steps(step, self._last_step)
+        by_time = self.schedule.due_by_time(time.monotonic(), self._last_time)
+        if (self._watcher is not None or self.schedule.every_seconds is not None) and hasattr(ckpt, "_control_group"):
+            group = ckpt._control_group()
+            by_time = by_time and _dist.group_rank(group) == 0  # rank 0's clock decides
+            preempted, by_time = _dist.any_rank([signalled is not None, by_time], group, "agreeing whether to save")
+        else:
+            preempted = signalled is not None
+        return SaveDecision(step, due or by_time, preempted, signalled)
+
+    def save_decided(
+        self,
+        ckpt: Any,
+        decision: SaveDecision,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        force: bool = False,
+        sync: bool = False,
+        components: Collection[str] | None = None,
+        **save_kwargs: Any,
+    ) -> Any:
+        """Act on a :meth:`decide` result: save (async when configured, unless ``sync`` or preempted), or nothing."""
+        if not (force or decision.due or decision.preempted):
+            return None
+        step = decision.step
+        self._last_step, self._last_time = step, time.monotonic()
+        if decision.preempted or sync or not self.async_saves:
+            path = self.save(ckpt, step=step, metadata=metadata, components=components, **save_kwargs)
+            if decision.preempted:
+                self.preempted = True
+                logger.warning(
+                    "preemption (%s on some rank): step %d saved to %s", decision.signal or "a signal", step, path
+                )
+            return path
+        directory_path, metadata, save_kwargs = self._prepare(ckpt, step, metadata, save_kwargs)
+        handle = ckpt._async_save(
+            directory_path, step, metadata, components,
+            save_kwargs.pop("component_options", None), save_kwargs.pop("stage_memmap", False),
+            save_kwargs.pop("incremental_from", None), save_kwargs.pop("commit_sequence", None),
+            then=lambda committed: self._rotate(ckpt, committed, step),
+        )  # fmt: skip
+        if save_kwargs:
+            raise TypeError(f"unexpected save arguments: {sorted(save_kwargs)}")
+        self._in_flight = ckpt
+        return handle
+
+    def wait(self) -> Path | None:
+        """Block until the async save in flight (if any) is committed and pruned; its path, or ``None``."""
+        ckpt, self._in_flight = self._in_flight, None
+        return None if ckpt is None else ckpt.wait()
+
+    def close(self) -> None:
+        """:meth:`wait`, then restore the signal handlers ``preemption_signals`` replaced (idempotent)."""
+        try:
+            self.wait()
+        finally:
+            if self._watcher is not None:
+                self._watcher.restore()
+
+    def __enter__(self) -> CheckpointRotation:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _bind_trainer(self, trainer: Any, ckpt: Any) -> None:
+        """Called when a torchrl ``Trainer`` built with ``checkpoint_rotation=self`` binds ``ckpt`` (see trainer_loop)."""
+        from torchrl_dcp.trainer_loop import bind_trainer
+
+        bind_trainer(self, trainer, ckpt)
+
+    def _prepare(
+        self, ckpt: Any, step: int, metadata: Mapping[str, Any] | None, save_kwargs: dict[str, Any]
+    ) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+        """Check the step and the metric, wait for a save in flight, choose the commit counter and the base."""
+        _check_step(step)
         metadata = dict(metadata or {})
         if self.keep_best is not None:
             _metric(metadata.get(self.keep_best[0]), self.keep_best[0], required=True)
-        directory_path = self.directory / f"step-{step:012d}"
-        base, sequence = self._next_commit(getattr(ckpt, "timeout", None))
+        _wait(ckpt)  # a save in flight prunes in its thread: never interleave with its collectives
+        base, sequence = self._next_commit(ckpt)
+        save_kwargs = dict(save_kwargs)
         save_kwargs.setdefault("commit_sequence", sequence)
         if (
             self.incremental
@@ -226,7 +381,12 @@ class CheckpointRotation:
             and "incremental_from" not in save_kwargs
         ):
             save_kwargs["incremental_from"] = base
-        path = ckpt.save(directory_path, step=step, metadata=metadata, components=components, **save_kwargs)
+        return self.directory / f"step-{step:012d}", metadata, save_kwargs
+
+    def _rotate(self, ckpt: Any, path: Path, step: int) -> Path:
+        """After the commit of ``path``: convert it (``archive``), check it, prune (rank 0; collective)."""
+        from torchrl_dcp.collective import run_on_coordinator
+
         target = self.path_for(step)
 
         def rotate() -> None:
@@ -242,9 +402,8 @@ class CheckpointRotation:
             _check_committed(self.location.child(target.name))  # what replaces the pruned entries must load
             self.prune(protect=target)
 
-        group = _dist.checkpoint_group(getattr(ckpt, "timeout", None))
         try:
-            run_on_coordinator(group, "rotating checkpoints", rotate)
+            run_on_coordinator(_group(ckpt), "rotating checkpoints", rotate)
         except CheckpointError as err:
             if err.path is None:
                 err.path = str(target)
@@ -252,14 +411,13 @@ class CheckpointRotation:
             raise
         return target
 
-    def _next_commit(self, timeout: Any = None) -> tuple[Path | None, int]:
+    def _next_commit(self, ckpt: Any) -> tuple[Path | None, int]:
         """The base of the next incremental save (the newest committed directory entry) and its commit counter.
 
         Rank 0 chooses and every rank receives its choice, so all ranks agree even when
         another process commits or prunes meanwhile. The counter is one more than the
         largest in the directory.
         """
-        from torchrl_dcp import _dist
         from torchrl_dcp.collective import broadcast_step
 
         def choose() -> tuple[str | None, int]:
@@ -268,26 +426,21 @@ class CheckpointRotation:
             counter = 1 + max((e.sequence or 0 for e in entries), default=0)
             return (None if newest is None else str(newest.path)), counter
 
-        group = _dist.checkpoint_group(timeout)
-        chosen, counter = broadcast_step(group, "choosing the incremental base", choose, rank=_dist.rank())
+        chosen, counter = broadcast_step(_group(ckpt), "choosing the incremental base", choose)
         return (None if chosen is None else self.directory / Path(chosen).name), counter  # a Path, or a StorePath
 
     def prune(self, *, protect: Path | None = None) -> list[Path]:
         """Delete committed entries outside the policy and leftovers of killed saves (run by one process).
 
         The policy keeps the ``keep_last`` most recent commits (commit order, not
-        step order), the best entry, and ``protect`` (the entry :meth:`save` has just
-        committed) whatever its place. Higher steps committed before ``protect`` (left
-        by an earlier run, or before a rollback) are reported with a warning.
-        Entries removed meanwhile by another process are skipped.
+        step order), every ``keep_every``-th step, the ``keep_best`` entries, and ``protect``
+        (the entry :meth:`save` has just committed) whatever its place. Higher steps
+        committed before ``protect`` (left by an earlier run, or before a rollback) are
+        reported with a warning. Entries removed meanwhile by another process are skipped.
         """
         entries = by_commit(self.entries())
-        keep = {e.path for e in entries[-self.keep_last :]}
-        best = self.best_entry(entries)
-        if best is not None:
-            keep.add(best.path)
+        keep = self.retention.kept(entries, protect)
         if protect is not None:
-            keep.add(protect)
             self._warn_stale(entries, protect)
         newest = max((e.step for e in entries), default=-1)
         removed = []
@@ -335,10 +488,10 @@ class CheckpointRotation:
         return self._resume(ckpt, fallback, load_kwargs)
 
     def _resume(self, ckpt: Any, fallback: bool, load_kwargs: dict[str, Any]) -> ResumeInfo | None:
-        from torchrl_dcp import _dist
         from torchrl_dcp.collective import broadcast_step
 
-        group = _dist.checkpoint_group(getattr(ckpt, "timeout", None))
+        _wait(ckpt)
+        group = _group(ckpt)
         candidates = broadcast_step(  # rank 0 lists, newest commit first; every rank loads the same entries
             group, "listing checkpoints", lambda: [(e.step, str(e.path)) for e in reversed(by_commit(self.entries()))]
         )
@@ -357,6 +510,7 @@ class CheckpointRotation:
                 logger.warning("checkpoint %s is damaged (%s); trying the previous one", path, err)
                 continue
             logger.info("resumed from step %d (%s)", step, path)
+            self._last_step, self._last_time = step, time.monotonic()  # every_steps counts from the resumed step
             return ResumeInfo(step, path, result)
         logger.info("no committed checkpoint in %s: starting fresh", self.directory)
         return None
@@ -372,11 +526,31 @@ def resume(ckpt: Any, directory: str | os.PathLike, **load_kwargs: Any) -> Resum
         >>> info = tdcp.resume(ckpt, "ckpts")  # doctest: +SKIP
         >>> start = 0 if info is None else info.step + 1  # doctest: +SKIP
     """
-    return CheckpointRotation(directory).resume(ckpt, **load_kwargs)
+    return CheckpointRotation(directory, storage_options=getattr(ckpt, "storage_options", None)).resume(
+        ckpt, **load_kwargs
+    )
 
 
 class StaleCheckpointWarning(UserWarning):
     """A rotation directory holds higher steps committed before the checkpoint just saved."""
+
+
+def _group(ckpt: Any) -> Any:
+    """The checkpoint's own group (its ``process_group``'s ranks, ``None`` with ``no_dist``)."""
+    if hasattr(ckpt, "_group"):
+        return ckpt._group()
+    return _dist.checkpoint_group(getattr(ckpt, "timeout", None))
+
+
+def _wait(ckpt: Any) -> None:
+    wait = getattr(ckpt, "wait", None)
+    if callable(wait):
+        wait()
+
+
+def _check_step(step: Any) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative integer, got {step!r}")
 
 
 def by_commit(entries: Iterable[RotationEntry]) -> list[RotationEntry]:

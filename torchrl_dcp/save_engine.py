@@ -223,7 +223,7 @@ def plan(
     replicated state that differs between ranks (:mod:`torchrl_dcp.replicas`).
     """
     mine: list[Encoded] = []
-    several = _dist.world_size() > 1 if group is not None else False
+    several = _dist.group_size(group) > 1
 
     def local() -> Any:
         mine.append(encode_step())

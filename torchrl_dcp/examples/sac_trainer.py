@@ -3,9 +3,11 @@
 The Trainer registers its components (policy, loss module, optimizer, collector,
 replay buffer, target updater, its counters and hooks) through ``checkpoint=``;
 ``DistributedCheckpoint`` places the buffer and collector per rank, the learner
-replicated, and adds per-rank RNG streams. Scheduled saves go through
-``checkpoint_rotation=`` (DCP, atomic, the newest kept). ``tdcp.resume`` restarts
-from the latest committed checkpoint. Gradients are averaged over ranks by hooks
+replicated, and adds per-rank RNG streams. Saves go through
+``checkpoint_rotation=`` (DCP, atomic, the newest kept): every ``--save-every`` frames
+and, when ``torchrun`` receives SIGTERM (a scheduler preempting the job), once more at the
+end of the iteration in progress, after which ``train()`` returns and the job exits.
+``tdcp.resume`` restarts from the latest committed checkpoint. Gradients are averaged over ranks by hooks
 on the parameters, so the unchanged Trainer loop trains one replicated learner.
 
 Run:
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import signal
 import sys
 
 import numpy as np
@@ -56,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--hooks", action="store_true", help="also an LR-scheduler hook, a frame counter and a CSV logger")
     p.add_argument("--reshard", action="store_true", help="resume from a checkpoint saved by another number of ranks")
+    p.add_argument("--async-saves", action="store_true", help="scheduled saves in the background")
     args = p.parse_args(argv)
 
     if "RANK" in os.environ and not dist.is_initialized():
@@ -86,9 +90,14 @@ def main(argv: list[str] | None = None) -> None:
         progress_bar=False,
         enable_logging=False,
         logger=CSVLogger("sac", log_dir=f"{args.ckpt_dir}-logs/rank{rank}") if args.hooks else None,
-        save_trainer_interval=args.save_every - 1,
         checkpoint=tdcp.DistributedCheckpoint(),  # <- the two arguments
-        checkpoint_rotation=tdcp.CheckpointRotation(args.ckpt_dir, keep_last=2),  # <-
+        checkpoint_rotation=tdcp.CheckpointRotation(  # <-
+            args.ckpt_dir,
+            keep_last=2,
+            every_steps=args.save_every,  # steps are collected frames, as in torchrl's own checkpoints
+            async_saves=args.async_saves,
+            preemption_signals=(signal.SIGTERM,),
+        ),
     )
     if args.hooks:  # registered as trainer_module.<name>: per rank, resharded by rank % saved ranks
         LRSchedulerHook(torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.9)).register(trainer)
@@ -99,6 +108,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"placements: {placements}", flush=True)
         print("starting fresh" if info is None else f"resumed from frame {info.step}", flush=True)
     trainer.train()
+    trainer.checkpoint_rotation.close()  # an async save in flight commits; the signal handler is restored
+    if rank == 0 and trainer.checkpoint_rotation.preempted:
+        print(f"preempted: saved frame {trainer.collected_frames}", flush=True)
     idx = torch.arange(buffer._sampler._max_capacity)
     storage = buffer._storage._storage
     if os.environ.get("TDCP_DUMP"):

@@ -1,0 +1,239 @@
+"""The job loop in one process: save policies (a generated matrix), preemption signals, async rotations, and the
+checkpoint's lifetime (``wait``/``close``, a context manager, argument checks)."""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+import signal
+import threading
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import torchrl_dcp as tdcp
+from torchrl_dcp import rotation as rotation_module
+
+STEPS = range(1, 25)
+
+
+class Clock:
+    """A monotonic clock advanced by hand (one second per training step below)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def expected(every_steps, every_seconds, keep_last, keep_every, keep_best, metric) -> tuple[list[int], list[int]]:
+    """What the policies promise, computed independently of the library: (saved steps, kept steps)."""
+    saved: list[int] = []
+    last_step, last_time = 0, 0.0  # the clock below starts with the rotation, at 0 s
+    for step in STEPS:
+        now = float(step)
+        by_steps = every_steps is not None and step // every_steps > last_step // every_steps
+        by_time = every_seconds is not None and now - last_time >= every_seconds
+        if by_steps or by_time:
+            saved.append(step)
+            last_step, last_time = step, now
+    kept = set(saved if keep_last is None else saved[-keep_last:])
+    if keep_every is not None:
+        kept |= {s for s in saved if s % keep_every == 0}
+    if keep_best is not None:
+        key, mode, n = keep_best
+        ranked = sorted(saved, key=lambda s: (metric(s) if mode == "max" else -metric(s), s), reverse=True)
+        kept |= set(ranked[:n])
+    if saved:
+        kept.add(saved[-1])
+    return saved, sorted(kept)
+
+
+MATRIX = [
+    case
+    for case in itertools.product(
+        (None, 3, 5),  # every_steps
+        (None, 4.0),  # every_seconds
+        (None, 1, 2),  # keep_last
+        (None, 6),  # keep_every
+        (None, ("reward", "max", 2)),  # keep_best with N
+    )
+    if case[0] is not None or case[1] is not None
+]
+
+
+@pytest.mark.parametrize(("every_steps", "every_seconds", "keep_last", "keep_every", "keep_best"), MATRIX)
+def test_policies_save_and_keep_what_they_promise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, every_steps, every_seconds, keep_last, keep_every, keep_best
+) -> None:
+    clock = Clock()
+    monkeypatch.setattr(rotation_module, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+    clock.now = 0.0
+    rotation = tdcp.CheckpointRotation(
+        tmp_path,
+        every_steps=every_steps,
+        every_seconds=every_seconds,
+        keep_last=keep_last,
+        keep_every=keep_every,
+        keep_best=keep_best,
+        incremental=False,
+    )
+    ckpt = tdcp.DistributedCheckpoint(w={"x": torch.zeros(2)})
+
+    def metric(step: int) -> float:
+        return float((step * 7) % 11)  # not monotonic in the step: the best entries are old ones too
+
+    saved = []
+    for step in STEPS:
+        clock.now = float(step)
+        if rotation.maybe_save(ckpt, step, {"reward": metric(step)}) is not None:
+            saved.append(step)
+    want_saved, want_kept = expected(every_steps, every_seconds, keep_last, keep_every, keep_best, metric)
+    assert saved == want_saved
+    assert [e.step for e in rotation.entries()] == want_kept
+
+
+def test_every_steps_counts_from_the_resumed_step_and_force_saves(tmp_path: Path) -> None:
+    ckpt = tdcp.DistributedCheckpoint(w={"x": torch.zeros(2)})
+    first = tdcp.CheckpointRotation(tmp_path, every_steps=100)
+    assert first.maybe_save(ckpt, 0) is None and first.maybe_save(ckpt, 99) is None
+    assert first.maybe_save(ckpt, 130) is not None  # frames jump: the first step past 100
+    assert first.maybe_save(ckpt, 170, force=True) is not None  # the end of training
+    again = tdcp.CheckpointRotation(tmp_path, every_steps=100)
+    assert again.resume(ckpt).step == 170
+    assert again.maybe_save(ckpt, 190) is None and again.maybe_save(ckpt, 210) is not None
+
+
+def test_keep_best_accepts_a_count_and_a_yaml_list(tmp_path: Path) -> None:
+    assert tdcp.CheckpointRotation(tmp_path, keep_best=["loss", "min", 3]).retention.keep_best == ("loss", "min", 3)
+    assert tdcp.CheckpointRotation(tmp_path, keep_best=("loss", "min")).keep_best == ("loss", "min")
+    for bad in (("loss", "down"), ("loss", "min", 0), ("", "max"), "loss", ("loss", "max", True)):
+        with pytest.raises(ValueError, match="keep_best"):
+            tdcp.CheckpointRotation(tmp_path, keep_best=bad)
+    for name in ("keep_last", "keep_every", "every_steps"):
+        with pytest.raises(ValueError, match=name):
+            tdcp.CheckpointRotation(tmp_path, **{name: 0})
+    with pytest.raises(ValueError, match="every_seconds"):
+        tdcp.CheckpointRotation(tmp_path, every_seconds=float("nan"))
+
+
+# ---------------------------------------------------------------------- preemption
+def test_a_preemption_signal_saves_at_the_next_call_and_chains_the_previous_handler(tmp_path: Path) -> None:
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    try:
+        rotation = tdcp.CheckpointRotation(tmp_path, every_steps=1000, preemption_signals=("SIGUSR1",))
+        ckpt = tdcp.DistributedCheckpoint(w={"x": torch.arange(3.0)})
+        assert rotation.maybe_save(ckpt, 1) is None and not rotation.preempted
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1]  # the handler installed before still runs
+        path = rotation.maybe_save(ckpt, 2)
+        assert rotation.preempted and Path(path).name == "step-000000000002"
+        assert [e.step for e in rotation.entries()] == [2]
+        assert rotation.maybe_save(ckpt, 3) is None  # one preemption save, not one per later call
+        rotation.close()
+        assert signal.getsignal(signal.SIGUSR1) is not rotation._watcher._handle  # restored
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1] * 2
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_a_preemption_save_is_synchronous_and_waits_for_the_async_save_in_flight(tmp_path: Path) -> None:
+    rotation = tdcp.CheckpointRotation(
+        tmp_path, every_steps=2, keep_last=1, async_saves=True, preemption_signals=(signal.SIGUSR2,)
+    )
+    ckpt = tdcp.DistributedCheckpoint(w={"x": torch.randn(1000)})
+    try:
+        handle = rotation.maybe_save(ckpt, 2)
+        assert isinstance(handle, tdcp.SaveHandle)
+        os.kill(os.getpid(), signal.SIGUSR2)
+        path = rotation.maybe_save(ckpt, 3)
+        assert isinstance(path, Path) and handle.done() and rotation.preempted
+        assert [e.step for e in rotation.entries()] == [3]
+    finally:
+        rotation.close()
+
+
+def test_preemption_signals_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="SIGKILL cannot be caught"):
+        tdcp.CheckpointRotation(tmp_path, preemption_signals=(signal.SIGKILL,))
+    with pytest.raises(ValueError, match="not a signal"):
+        tdcp.CheckpointRotation(tmp_path, preemption_signals=("SIGNOPE",))
+    errors = []
+
+    def build() -> None:
+        try:
+            tdcp.CheckpointRotation(tmp_path, preemption_signals=(signal.SIGUSR1,))
+        except ValueError as err:
+            errors.append(str(err))
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    thread.join()
+    assert errors and "main thread" in errors[0]
+
+
+# ---------------------------------------------------------------------- async rotations and the checkpoint's lifetime
+def test_async_rotation_prunes_after_each_commit_and_close_flushes(tmp_path: Path) -> None:
+    rotation = tdcp.CheckpointRotation(tmp_path, every_steps=1, keep_last=2, async_saves=True)
+    weights = torch.zeros(256)
+    ckpt = tdcp.DistributedCheckpoint(w={"x": weights})
+    for step in range(1, 6):
+        weights.fill_(step)
+        handle = rotation.maybe_save(ckpt, step)
+        assert isinstance(handle, tdcp.SaveHandle)
+    rotation.close()
+    assert handle.done() and handle.wait() == rotation.path_for(5)
+    assert [e.step for e in rotation.entries()] == [4, 5]
+    loaded = {"x": torch.empty(256)}
+    tdcp.DistributedCheckpoint(w=loaded).load(rotation.path_for(5))
+    assert torch.equal(loaded["x"], torch.full((256,), 5.0))
+
+
+def test_async_archives_are_converted_in_the_background(tmp_path: Path) -> None:
+    rotation = tdcp.CheckpointRotation(tmp_path, every_steps=1, keep_last=1, async_saves=True, archive=True)
+    ckpt = tdcp.DistributedCheckpoint(w={"x": torch.ones(4)})
+    rotation.maybe_save(ckpt, 1)
+    rotation.maybe_save(ckpt, 2)
+    assert rotation.wait() == rotation.path_for(2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000000002.zip"]
+
+
+def test_checkpoint_wait_close_and_context_manager(tmp_path: Path) -> None:
+    ckpt = tdcp.DistributedCheckpoint(w={"x": torch.ones(8)})
+    assert ckpt.wait() is None
+    ckpt.async_save(tmp_path / "a", step=1)
+    assert ckpt.wait() == tmp_path / "a"
+    with tdcp.DistributedCheckpoint(w={"x": torch.ones(8)}) as scoped:
+        handle = scoped.async_save(tmp_path / "b", step=2)
+    assert handle.done() and tdcp.read_manifest(tmp_path / "b")["step"] == 2
+    scoped.close()  # idempotent; a later save starts the writer again
+    assert scoped.async_save(tmp_path / "c", step=3).wait() == tmp_path / "c"
+
+
+def test_checkpoint_arguments_are_checked_when_it_is_built() -> None:
+    assert tdcp.DistributedCheckpoint(timeout=60).timeout == datetime.timedelta(seconds=60)
+    with pytest.raises(TypeError, match="timeout must be a datetime.timedelta or a number of seconds"):
+        tdcp.DistributedCheckpoint(timeout="60")
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        tdcp.DistributedCheckpoint(timeout=0)
+    with pytest.raises(TypeError, match="storage_options"):
+        tdcp.DistributedCheckpoint(storage_options="key=x")
+    with pytest.raises(ValueError, match="process_group"):
+        tdcp.DistributedCheckpoint(process_group=object())  # no process group is initialised here
+    with pytest.raises(ValueError, match="no_dist=True takes no process_group"):
+        tdcp.DistributedCheckpoint(no_dist=True, process_group=object())
+
+
+def test_no_dist_outside_a_job_is_a_world_of_one(tmp_path: Path) -> None:
+    ckpt = tdcp.DistributedCheckpoint(no_dist=True, w={"x": torch.arange(4.0)})
+    assert (ckpt.rank, ckpt.world_size) == (0, 1)
+    path = ckpt.save(tmp_path / "c", step=1)
+    target = {"x": torch.zeros(4)}
+    tdcp.DistributedCheckpoint(no_dist=True, w=target).load(path)
+    assert torch.equal(target["x"], torch.arange(4.0))

@@ -1,0 +1,75 @@
+"""Preemption signals: handlers that only set a flag, for the next ``maybe_save`` to act on.
+
+Schedulers (Slurm, Kubernetes, spot instances) send ``SIGTERM`` and allow a grace period;
+``torchrun`` forwards it to its workers (and kills them after its ``--shutdown-timeout``,
+30 s by default). A :class:`PreemptionWatcher` installs a handler per signal that records it
+and returns: the training step in progress finishes, and the rotation's next
+``maybe_save`` agrees with every rank that one of them was signalled, saves and sets
+``preempted``. A Python handler installed before is still called after ours (chained);
+the default actions (``SIG_DFL``: terminate; Python's ``KeyboardInterrupt`` for ``SIGINT``)
+are replaced, since they would end the process before the save.
+
+Example:
+    >>> import os, signal
+    >>> watcher = PreemptionWatcher((signal.SIGUSR1,))
+    >>> os.kill(os.getpid(), signal.SIGUSR1)
+    >>> watcher.signalled
+    'SIGUSR1'
+    >>> watcher.restore()
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+logger = logging.getLogger("torchrl_dcp")
+
+_DEFAULTS = (signal.SIG_DFL, signal.SIG_IGN, None, signal.default_int_handler)
+
+
+def check_signals(signals: Iterable[Any]) -> tuple[signal.Signals, ...]:
+    """``signals`` as :class:`signal.Signals` (numbers and names such as ``"SIGTERM"`` accepted)."""
+    if isinstance(signals, (str, int)):
+        signals = (signals,)
+    out = []
+    for sig in signals:
+        try:
+            out.append(signal.Signals[sig] if isinstance(sig, str) else signal.Signals(sig))
+        except (KeyError, ValueError):
+            raise ValueError(f"preemption_signals: {sig!r} is not a signal of this platform") from None
+        if out[-1] in (signal.SIGKILL, signal.SIGSTOP):
+            raise ValueError(f"preemption_signals: {out[-1].name} cannot be caught")
+    return tuple(dict.fromkeys(out))
+
+
+class PreemptionWatcher:
+    """Installs a flag-setting handler for each of ``signals`` (from the main thread) until :meth:`restore`."""
+
+    def __init__(self, signals: Iterable[Any]) -> None:
+        self.signals = check_signals(signals)
+        self.signalled: str | None = None  # the name of the first signal received
+        self._previous: dict[signal.Signals, Any] = {}
+        if self.signals and threading.current_thread() is not threading.main_thread():
+            raise ValueError("preemption_signals can only be installed from the main thread: build the rotation there")
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.signalled is None:
+            self.signalled = name
+            logger.warning("%s received: the next maybe_save saves, and the job can then exit", name)
+        previous = self._previous.get(signal.Signals(signum))
+        if callable(previous) and previous not in _DEFAULTS:
+            previous(signum, frame)
+
+    def restore(self) -> None:
+        """Put the handlers installed before back (idempotent; only from the main thread)."""
+        previous, self._previous = self._previous, {}
+        for sig, handler in previous.items():
+            if signal.getsignal(sig) == self._handle:  # someone installed another since: leave theirs
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)

@@ -1,0 +1,95 @@
+"""A torchrl ``Trainer`` driven by a :class:`~torchrl_dcp.CheckpointRotation`'s policies and preemption.
+
+A ``Trainer(..., checkpoint=DistributedCheckpoint(), checkpoint_rotation=CheckpointRotation(...))``
+binds the rotation when it registers its components (torchrl 0.14.1,
+``Trainer._sync_checkpoint_components``). The binding:
+
+- adds a ``post_steps`` operation that takes the rotation's decision for the step
+  (:meth:`CheckpointRotation.decide`: one collective when preemption signals or
+  ``every_seconds`` are configured) and, when a preemption signal reached any rank, calls
+  ``trainer.request_stop``: the Trainer finishes the iteration, saves (forced, synchronously)
+  at its usual place and leaves ``train()`` cleanly;
+- replaces the instance's ``save_trainer`` (the Trainer's own schedule,
+  ``save_trainer_interval``) by the rotation's ``every_steps`` / ``every_seconds`` when
+  either is set (torchrl's interval otherwise), saving with ``async_saves`` when set. The
+  save happens where torchrl's does (end of the iteration, after the logging hooks), so a
+  resume continues exactly as the run that never stopped. The final save (``total_frames``
+  reached) is synchronous.
+
+Steps are the Trainer's ``collected_frames``, as in torchrl's own checkpoints.
+
+Example:
+    >>> rotation = tdcp.CheckpointRotation("ckpts", every_steps=10_000, keep_last=2,
+    ...                                    preemption_signals=(signal.SIGTERM,))  # doctest: +SKIP
+    >>> trainer = SACTrainer(..., checkpoint=tdcp.DistributedCheckpoint(), checkpoint_rotation=rotation)  # doctest: +SKIP
+    >>> tdcp.resume(trainer.checkpoint, "ckpts"); trainer.train(); rotation.close()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger("torchrl_dcp")
+
+_BOUND = "_tdcp_rotation"
+
+
+class _TrainerBinding:
+    """The state the two Trainer entry points share: the decision of the current iteration."""
+
+    def __init__(self, rotation: Any, trainer: Any) -> None:
+        self.rotation = rotation
+        self.trainer = trainer
+        self.decision: Any = None
+
+    def post_steps(self) -> None:
+        trainer = self.trainer
+        self.decision = self.rotation.decide(trainer.checkpoint, int(trainer.collected_frames))
+        if self.decision.preempted:
+            trainer.request_stop(f"preempted ({self.decision.signal or 'a signal on another rank'})")
+
+    def save_trainer(self, force_save: bool = False) -> None:
+        trainer, rotation = self.trainer, self.rotation
+        step = int(trainer.collected_frames)
+        decision, self.decision = self.decision, None
+        if decision is None or decision.step != step:  # called outside the training loop
+            decision = rotation.decide(trainer.checkpoint, step)
+        if rotation.schedule.active:
+            scheduled = decision.due
+        else:  # torchrl's own schedule
+            scheduled = (step - trainer._last_save) > trainer.save_trainer_interval
+        if scheduled:
+            trainer._last_save = step  # what torchrl records at a scheduled save
+        if not (force_save or scheduled or decision.preempted):
+            return
+        ckpt = trainer._sync_checkpoint_components()
+        rotation.save_decided(
+            ckpt,
+            decision,
+            trainer._checkpoint_manifest_metadata(),
+            force=True,
+            sync=force_save or decision.preempted,
+        )
+
+
+def bind_trainer(rotation: Any, trainer: Any, ckpt: Any) -> None:
+    """Let ``rotation`` decide when ``trainer`` saves ``ckpt`` (once per Trainer; see the module docstring)."""
+    if getattr(trainer, _BOUND, None) is rotation:
+        return
+    for needed in ("register_op", "request_stop", "_sync_checkpoint_components", "_checkpoint_manifest_metadata"):
+        if not callable(getattr(trainer, needed, None)):
+            logger.warning(
+                "this torchrl Trainer has no %s: the rotation's policies and preemption do not drive its saves "
+                "(torchrl's save_trainer_interval does); call rotation.maybe_save yourself",
+                needed,
+            )
+            return
+    binding = _TrainerBinding(rotation, trainer)
+
+    def checkpoint_policy() -> None:  # a named op: the Trainer's hook timing logs show it
+        binding.post_steps()
+
+    trainer.register_op("post_steps", checkpoint_policy)
+    trainer.save_trainer = binding.save_trainer  # the instance's schedule: torchrl's train() calls it each iteration
+    setattr(trainer, _BOUND, rotation)
