@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import torchrl_dcp as tdcp
-from tests_distributed.launch import ROOT, torchrun_command, torchrun_module
+from tests_distributed.launch import ROOT, launch, torchrun_command, torchrun_module
 
 MODULE = "tests_distributed.job_loop_train"
 STEPS = 120
@@ -73,3 +73,20 @@ def test_sigterm_to_torchrun_saves_one_step_exits_cleanly_and_resumes_exactly(tm
         resumed = run(tmp_path / mode, tmp_path / f"{mode}-resume-out", *extra)
         assert [r["resumed_from"] for r in resumed] == [step, step], note
         assert [r["digest"] for r in resumed] == [r["digest"] for r in reference], note
+
+
+def test_a_subgroup_saves_and_loads_while_another_rank_works_alone(tmp_path: Path) -> None:
+    results = launch("tests_distributed.scenarios_job_loop:subgroup_saves_and_loads", 3, str(tmp_path), timeout=120)
+    learners = [r.value for r in results[1:]]
+    assert [(v["group_rank"], v["world"]) for v in learners] == [(0, 2), (1, 2)]
+    assert all(v["loaded"] == v["saved"] and v["step"] == 5 for v in learners)
+    assert learners[0]["saved"] != learners[1]["saved"]  # each rank's own buffer came back to it
+    manifest = tdcp.read_manifest(tmp_path / "step-000000000005")
+    assert manifest["world_size"] == 2
+
+
+def test_a_no_dist_load_on_one_rank_returns_while_the_other_waits(tmp_path: Path) -> None:
+    results = launch(
+        "tests_distributed.scenarios_job_loop:lone_load_while_the_other_rank_waits", 2, str(tmp_path), timeout=120
+    )
+    assert results[0].value == {"rank": 0, "loaded": ["model"], "same": True, "world": 1}

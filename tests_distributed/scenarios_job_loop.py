@@ -1,0 +1,90 @@
+"""Rank functions for tests_distributed/test_job_loop.py: a checkpoint of a subgroup, and a lone ``no_dist`` load."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+import torchrl_dcp as tdcp
+
+
+def _digest(*tensors: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _learner_and_buffer(seed: int) -> tuple[torch.nn.Module, ReplayBuffer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 2)
+    buffer = ReplayBuffer(storage=LazyTensorStorage(64), batch_size=4)
+    buffer.extend(TensorDict(obs=torch.randn(10 + seed % 7, 4), batch_size=[10 + seed % 7]))
+    return model, buffer
+
+
+def _state(model: torch.nn.Module, buffer: ReplayBuffer) -> str:
+    storage = buffer._storage._storage
+    return _digest(*model.state_dict().values(), storage["obs"][: len(buffer)], torch.tensor(len(buffer)))
+
+
+def subgroup_saves_and_loads(directory: str) -> dict[str, Any]:
+    """Ranks 1 and 2 checkpoint as a group of two while rank 0 works alone, blocked on a key they set at the end.
+
+    Rank 0 never calls into the checkpoint: were any collective to need it, ranks 1 and 2 would wait for it
+    while it waits for them (a hang, turned into a timeout).
+    """
+    rank = dist.get_rank()
+    learners = dist.new_group([1, 2])  # the user's learner-only group (creating it involves every rank)
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        work = torch.zeros(()).add_(sum(range(1000)))  # its own work
+        store.wait(["learners-done"], datetime.timedelta(seconds=60))
+        dist.barrier()
+        return {"rank": 0, "work": float(work)}
+    model, buffer = _learner_and_buffer(7)  # the learner: the same on both ranks
+    _, buffer = _learner_and_buffer(100 + rank)  # its own buffer
+    ckpt = tdcp.DistributedCheckpoint(process_group=learners, timeout=30, model=model)
+    ckpt.register("buffer", buffer)
+    saved = _state(model, buffer)
+    rotation = tdcp.CheckpointRotation(directory, keep_last=1, every_steps=5)
+    assert rotation.maybe_save(ckpt, 5) is not None
+    group_rank = ckpt.rank
+    fresh_model, fresh_buffer = _learner_and_buffer(55)
+    fresh = tdcp.DistributedCheckpoint(process_group=learners, model=fresh_model)
+    fresh.register("buffer", fresh_buffer)
+    info = rotation.resume(fresh)
+    loaded = _state(fresh_model, fresh_buffer)
+    dist.barrier(group=learners)
+    if rank == 1:
+        store.set("learners-done", "1")
+    dist.barrier()
+    return {"rank": rank, "group_rank": group_rank, "world": ckpt.world_size, "saved": saved, "loaded": loaded,
+            "step": info.step}  # fmt: skip
+
+
+def lone_load_while_the_other_rank_waits(directory: str) -> dict[str, Any]:
+    """Both ranks save; rank 0 converts to an archive and loads it alone (``no_dist``) while rank 1 waits at a
+    barrier; a load that needed rank 1 would fail after the checkpoint's 20 s timeout."""
+    rank = dist.get_rank()
+    model, buffer = _learner_and_buffer(3)
+    ckpt = tdcp.DistributedCheckpoint(model=model)
+    ckpt.register("buffer", buffer)
+    path = ckpt.save(f"{directory}/step-1", step=1)
+    dist.barrier()
+    if rank == 1:
+        dist.barrier()
+        return {"rank": 1}
+    archive = tdcp.to_archive(path, f"{directory}/step-1.zip")
+    evaluation, _ = _learner_and_buffer(99)
+    lone = tdcp.DistributedCheckpoint(no_dist=True, timeout=20, model=evaluation)
+    result = lone.load(archive, components=["model"])
+    same = all(torch.equal(a, b) for a, b in zip(evaluation.state_dict().values(), model.state_dict().values()))
+    dist.barrier()
+    return {"rank": 0, "loaded": sorted(result.loaded), "same": same, "world": lone.world_size}
