@@ -12,7 +12,10 @@ prints the same ones as a run that never stopped.
 The printed ``return`` is the mean return of the rank's last 20 finished episodes
 (100 steps each): about -550 for a random policy; the default run reaches about -300
 by iteration 100 and -120 to -240 after the resume (2 ranks on 2 CPU cores: ~2.5 minutes for both).
-Each checkpoint save prints how long it took.
+Each checkpoint save prints how long it took. When ``torchrun`` receives SIGTERM (a
+scheduler preempting the job: Slurm, Kubernetes, a spot instance), every rank finishes
+its iteration, the job saves that iteration on every rank and exits cleanly; resume with
+``--resume``.
 
 Resuming: the checkpoint holds the run's training configuration (``config``:
 frames per batch, updates per batch, batch size, buffer size, hidden width, learning
@@ -134,7 +137,12 @@ class Job:
         self.ckpt.register("collector", self.collector)  # per_rank by default
         self.ckpt.register("buffer", self.buffer)  # per_rank by default
         self.ckpt.register("rng", tdcp.RNGState())  # per_rank, restored last
-        self.rotation = tdcp.CheckpointRotation(args.ckpt_dir, keep_last=args.keep_last)
+        self.rotation = tdcp.CheckpointRotation(
+            args.ckpt_dir,
+            keep_last=args.keep_last,
+            every_steps=args.save_every,
+            preemption_signals=(signal.SIGTERM,),  # torchrun forwards it to every worker
+        )
 
     def iteration(self, batch: TensorDictBase) -> float:
         self.last_batch = batch
@@ -286,15 +294,19 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
                 f"  {time.monotonic() - start:5.1f}s",
                 flush=True,
             )
-        if it % args.save_every == 0:
-            t0 = time.monotonic()
-            path = job.rotation.save(job.ckpt, step=it, metadata={"frames": job.counters["frames"]})
+        t0 = time.monotonic()
+        path = job.rotation.maybe_save(job.ckpt, it, {"frames": job.counters["frames"]})  # when due, or preempted
+        if path is not None:
             say(f"checkpoint saved: {path.name} in {time.monotonic() - t0:.2f}s", flush=True)
+        if job.rotation.preempted:
+            say(f"preempted: iteration {it} saved; resume with --resume", flush=True)
+            break
         if args.kill_at is not None and it == args.kill_at:
             if dist.is_initialized():
                 dist.barrier()
             os.kill(os.getpid(), signal.SIGKILL)
 
+    job.rotation.close()
     prints = job.fingerprints()
     sys.stdout.write(f"rank {rank} final " + " ".join(f"{k}={v}" for k, v in prints.items()) + "\n")  # one write:
     sys.stdout.flush()  # lines of different ranks never interleave
