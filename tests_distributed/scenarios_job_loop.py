@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import os
+import signal
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -67,6 +70,30 @@ def subgroup_saves_and_loads(directory: str) -> dict[str, Any]:
     dist.barrier()
     return {"rank": rank, "group_rank": group_rank, "world": ckpt.world_size, "saved": saved, "loaded": loaded,
             "step": info.step}  # fmt: skip
+
+
+def decisions_are_agreed(directory: str) -> dict[str, Any]:
+    """Only rank 1 receives the preemption signal: both save that step. Only rank 1's clock says a save is due:
+    neither saves (rank 0's clock decides); rank 0's says so: both save."""
+    rank = dist.get_rank()
+    model, buffer = _learner_and_buffer(3)
+    ckpt = tdcp.DistributedCheckpoint(model=model)
+    ckpt.register("buffer", buffer)
+    rotation = tdcp.CheckpointRotation(directory, every_seconds=3600, preemption_signals=(signal.SIGUSR1,))
+    seen = []
+    for step in range(1, 6):
+        if step == 2 and rank == 1:
+            rotation._last_time -= 7200  # rank 1 alone believes an hour has passed
+        if step == 3 and rank == 0:
+            rotation._last_time -= 7200
+        if step == 4 and rank == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        saved = rotation.maybe_save(ckpt, step)
+        seen.append(None if saved is None else Path(saved).name)
+        if rotation.preempted:
+            break
+    rotation.close()
+    return {"rank": rank, "saved": seen, "preempted": rotation.preempted}
 
 
 def lone_load_while_the_other_rank_waits(directory: str) -> dict[str, Any]:

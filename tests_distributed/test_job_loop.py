@@ -90,3 +90,9 @@ def test_a_no_dist_load_on_one_rank_returns_while_the_other_waits(tmp_path: Path
         "tests_distributed.scenarios_job_loop:lone_load_while_the_other_rank_waits", 2, str(tmp_path), timeout=120
     )
     assert results[0].value == {"rank": 0, "loaded": ["model"], "same": True, "world": 1}
+
+
+def test_preemption_of_one_rank_and_rank_0s_clock_decide_for_every_rank(tmp_path: Path) -> None:
+    results = launch("tests_distributed.scenarios_job_loop:decisions_are_agreed", 2, str(tmp_path), timeout=120)
+    want = [None, None, "step-000000000003", "step-000000000004"]
+    assert [r.value for r in results] == [{"rank": r, "saved": want, "preempted": True} for r in range(2)]
