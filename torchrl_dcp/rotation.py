@@ -42,7 +42,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchrl_dcp import _dist
 from torchrl_dcp.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -183,8 +182,7 @@ class CheckpointRotation:
         incremental: bool = True,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        best = parse_keep_best(keep_best)
-        self.retention = Retention(keep_last, keep_every, best)
+        Retention(keep_last, keep_every, parse_keep_best(keep_best))  # checks the arguments
         self.schedule = SaveSchedule(every_steps, every_seconds)
         if not isinstance(async_saves, bool):
             raise TypeError(f"async_saves must be True or False, got {async_saves!r}")
@@ -195,7 +193,7 @@ class CheckpointRotation:
                 f"archive=True is for local directories: an {self.location.kind} entry is already one prefix"
             )
         self.keep_last = keep_last
-        self.keep_best: tuple[str, MetricMode] | None = None if best is None else (best[0], best[1])
+        self.keep_best = keep_best  # type: ignore[assignment]
         self.keep_every = keep_every
         self.async_saves = async_saves
         self.archive = archive
@@ -205,6 +203,20 @@ class CheckpointRotation:
         self._last_step = 0  # the step last saved or resumed (every_steps counts from it)
         self._last_time = time.monotonic()  # when the last save started (rank 0's clock decides)
         self._in_flight: Any = None  # the checkpoint of the async save in flight
+
+    @property
+    def keep_best(self) -> tuple[str, MetricMode] | None:
+        """``(metadata_key, mode)`` of the ``keep_best`` policy (its count: ``retention.keep_best[2]``)."""
+        return None if self._keep_best is None else (self._keep_best[0], self._keep_best[1])
+
+    @keep_best.setter
+    def keep_best(self, value: Sequence[Any] | None) -> None:
+        self._keep_best = parse_keep_best(value)
+
+    @property
+    def retention(self) -> Retention:
+        """What :meth:`prune` keeps (from ``keep_last``, ``keep_every`` and ``keep_best``, which may be changed)."""
+        return Retention(self.keep_last, self.keep_every, self._keep_best)
 
     # ------------------------------------------------------------------ reading
     def path_for(self, step: int) -> Path:
@@ -289,6 +301,8 @@ class CheckpointRotation:
 
     def decide(self, ckpt: Any, step: int) -> SaveDecision:
         """Whether ``step`` is due or a rank was preempted, the same on every rank (collective; see :meth:`maybe_save`)."""
+        from torchrl_dcp import _dist
+
         _check_step(step)
         signalled = self._watcher.signalled if self._watcher is not None and not self.preempted else None
         due = self.schedule.due_by_steps(step, self._last_step)
@@ -488,6 +502,7 @@ class CheckpointRotation:
         return self._resume(ckpt, fallback, load_kwargs)
 
     def _resume(self, ckpt: Any, fallback: bool, load_kwargs: dict[str, Any]) -> ResumeInfo | None:
+        from torchrl_dcp import _dist
         from torchrl_dcp.collective import broadcast_step
 
         _wait(ckpt)
@@ -539,6 +554,8 @@ def _group(ckpt: Any) -> Any:
     """The checkpoint's own group (its ``process_group``'s ranks, ``None`` with ``no_dist``)."""
     if hasattr(ckpt, "_group"):
         return ckpt._group()
+    from torchrl_dcp import _dist
+
     return _dist.checkpoint_group(getattr(ckpt, "timeout", None))
 
 
