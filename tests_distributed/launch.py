@@ -1,18 +1,25 @@
 """Start real ranks as separate processes, like ``torchrun`` does, and collect what they did.
 
-Each rank runs ``python -m tests_distributed.worker <module:function> <args-json>`` with
-``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set (a free port per launch), a
-gloo process group, and a timeout. When a rank fails, the others are stopped (as
+Each rank is its own process running ``tests_distributed.worker`` with ``<module:function>
+<args-json>``, ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set (a free port per
+launch), a gloo process group, and a timeout. When a rank fails, the others are stopped (as
 torchrun does) and the failed ranks' output is shown in the assertion message.
+
+Ranks are forked from a server that has imported torch, tensordict and torchrl once
+(``multiprocessing``'s forkserver with preloaded modules), so a launch does not pay ~5 s
+of imports per rank; torchrl_dcp itself (which reads ``TDCP_*`` variables at import) and
+the scenario modules are imported by each rank after its environment is set.
+``TDCP_LAUNCH_EXEC=1`` starts every rank as a fresh interpreter instead.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -39,6 +46,66 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PRELOAD = ["torch", "torch.distributed", "numpy", "tensordict", "torchrl", "torchrl.data", "torchrl.envs",
+           "torchrl.collectors", "torchrl.modules", "torchrl.objectives"]  # fmt: skip
+
+
+@functools.cache
+def _forkserver() -> multiprocessing.context.BaseContext | None:
+    """The forkserver context with torch & co. imported in the server (started once per test process)."""
+    if os.environ.get("TDCP_LAUNCH_EXEC") == "1" or "forkserver" not in multiprocessing.get_all_start_methods():
+        return None
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "RL_WARNINGS")}
+    os.environ.update(OMP_NUM_THREADS="1", RL_WARNINGS="False")  # read when the server imports torch / torchrl
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return ctx
+
+
+class _Rank:
+    """One rank: a forked process (``multiprocessing``) or a fresh interpreter (``subprocess``), one interface."""
+
+    def __init__(self, target: str, args_json: str, env: dict[str, str], log: Path) -> None:
+        ctx = _forkserver()
+        self.log = open(log, "w+") if ctx is None else None
+        if ctx is None:
+            cmd = [sys.executable, "-m", "tests_distributed.worker", target, args_json]
+            self.proc: Any = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+        else:
+            from tests_distributed.worker import run_rank
+
+            self.proc = ctx.Process(
+                target=run_rank, args=(target, args_json, {**env, "TDCP_ROOT": str(ROOT)}, str(log))
+            )
+            self.proc.start()
+        self.path = log
+
+    def poll(self) -> int | None:
+        return self.proc.poll() if self.log is not None else self.proc.exitcode
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def wait(self) -> int:
+        if self.log is not None:
+            return self.proc.wait()
+        self.proc.join()
+        return self.proc.exitcode
+
+    def output(self) -> str:
+        if self.log is not None:
+            self.log.close()
+        return self.path.read_text(errors="replace") if self.path.exists() else ""
+
+
 def launch(
     target: str,
     world_size: int,
@@ -57,7 +124,6 @@ def launch(
         procs = []
         for rank in range(world_size):
             out_file = Path(tmp) / f"rank{rank}.json"
-            log = open(Path(tmp) / f"rank{rank}.log", "w+")
             rank_env = {
                 **os.environ,
                 "RANK": str(rank),
@@ -71,31 +137,25 @@ def launch(
                 "TDCP_RESULT": str(out_file),
                 **(env or {}),
             }
-            cmd = [sys.executable, "-m", "tests_distributed.worker", target, json.dumps(list(args))]
-            procs.append(
-                (subprocess.Popen(cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), log, out_file)
-            )
+            procs.append((_Rank(target, json.dumps(list(args)), rank_env, Path(tmp) / f"rank{rank}.log"), out_file))
         deadline = time.monotonic() + timeout
         timed_out = False
-        while any(p.poll() is None for p, _, _ in procs):
+        while any(p.poll() is None for p, _ in procs):
             if time.monotonic() > deadline:
                 timed_out = True
                 break
-            if any(p.poll() not in (None, 0) for p, _, _ in procs):
+            if any(p.poll() not in (None, 0) for p, _ in procs):
                 time.sleep(1.0)  # give the others a moment to fail on their own, then stop them
                 break
             time.sleep(0.05)
-        for p, _, _ in procs:
+        for p, _ in procs:
             if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-            p.wait()
+                p.kill()
         results = []
-        for rank, (p, log, out_file) in enumerate(procs):
-            log.seek(0)
-            output = log.read()
-            log.close()
+        for rank, (p, out_file) in enumerate(procs):
+            code = p.wait()
             value = json.loads(out_file.read_text()) if out_file.exists() else None
-            results.append(RankResult(rank, p.returncode, output, value))
+            results.append(RankResult(rank, code, p.output(), value))
     failed = [r for r in results if r.returncode != 0]
     if timed_out and not expect_failure:
         raise AssertionError(f"{target} timed out after {timeout}s\n" + _outputs(results))

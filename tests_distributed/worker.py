@@ -24,5 +24,24 @@ def main() -> None:
         json.dump(value, f)
 
 
+def run_rank(target: str, args_json: str, env: dict[str, str], log: str) -> None:
+    """A rank forked from the launcher's pre-loaded server (see ``launch.py``): its environment, output and argv."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(env.get("TDCP_ROOT", os.getcwd()))
+    for entry in reversed(env.get("PYTHONPATH", "").split(os.pathsep)):
+        if entry and entry not in sys.path:
+            sys.path.insert(0, entry)
+    import torch
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    sys.argv = [__file__, target, args_json]
+    main()
+
+
 if __name__ == "__main__":
     main()
