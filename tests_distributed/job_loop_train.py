@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -38,7 +39,7 @@ def digest(*tensors: torch.Tensor) -> str:
     return h.hexdigest()[:16]
 
 
-def main() -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--dir", required=True)
     p.add_argument("--out", required=True)
@@ -46,8 +47,12 @@ def main() -> None:
     p.add_argument("--every", type=int, default=4)
     p.add_argument("--step-ms", type=float, default=15.0)
     p.add_argument("--async-saves", action="store_true")
-    args = p.parse_args()
-    dist.init_process_group("gloo")
+    return p.parse_args(argv)
+
+
+def train(*argv: str) -> None:
+    """The loop on the ranks of an initialised process group (``launch`` calls this; ``main`` under torchrun)."""
+    args = parse(list(argv))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
@@ -104,6 +109,11 @@ def main() -> None:
         "resumed_from": None if info is None else info.step,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    train(*sys.argv[1:])
     dist.destroy_process_group()
 
 
