@@ -164,6 +164,16 @@ def launch(
     return results
 
 
+def run_main(module: str, *argv: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``module.main(argv)`` on ``nproc`` forked ranks: what ``torchrun -m module`` runs, without its start-up cost.
+
+    Returns a completed process whose ``stdout`` is every rank's output in rank order (``stderr`` empty) and whose
+    return code is the first non-zero rank's (0 when all succeeded)."""
+    results = launch("tests_distributed.worker:call_main", nproc, module, *argv, timeout=timeout, expect_failure=True)
+    code = next((r.returncode for r in results if r.returncode != 0), 0)
+    return subprocess.CompletedProcess([module, *argv], code, "".join(r.output for r in results), "")
+
+
 def _outputs(results: list[RankResult]) -> str:
     return "\n".join(f"----- rank {r.rank} (exit {r.returncode}) -----\n{r.output[-4000:]}" for r in results)
 

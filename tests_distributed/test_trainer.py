@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 
 import torchrl_dcp as tdcp
-from tests_distributed.launch import ROOT, torchrun_command, torchrun_module
+from tests_distributed.launch import ROOT, run_main, torchrun_command
 
 
 def torchrun(*args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
-    return torchrun_module(
+    """The example's ``main`` on forked ranks (what torchrun runs; the preemption case below uses torchrun itself)."""
+    return run_main(
         "torchrl_dcp.examples.sac_trainer",
         "--frames-per-batch",
         "32",

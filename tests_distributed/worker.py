@@ -24,6 +24,11 @@ def main() -> None:
         json.dump(value, f)
 
 
+def call_main(module: str, *argv: str) -> None:
+    """Run ``module.main(argv)`` (an example script) on this rank, as ``torchrun -m module argv`` would."""
+    importlib.import_module(module).main(list(argv))
+
+
 def run_rank(target: str, args_json: str, env: dict[str, str], log: str) -> None:
     """A rank forked from the launcher's pre-loaded server (see ``launch.py``): its environment, output and argv."""
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
