@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests_distributed.launch import torchrun_module
+from tests_distributed.launch import run_main, torchrun_module
 
 
 def torchrun(*args: str, nproc: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -21,7 +21,9 @@ def finals(out: str) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_demo_killed_and_resumed_matches_uninterrupted(tmp_path: Path) -> None:
-    ref = torchrun("--steps", "40", "--save-every", "10", "--ckpt-dir", str(tmp_path / "ref"))
+    ref = run_main(
+        "torchrl_dcp.examples.demo", "--steps", "40", "--save-every", "10", "--ckpt-dir", str(tmp_path / "ref")
+    )
     assert ref.returncode == 0, ref.stdout + ref.stderr
     killed = torchrun(
         "--steps", "40", "--save-every", "10", "--kill-at-step", "25", "--ckpt-dir", str(tmp_path / "run")
