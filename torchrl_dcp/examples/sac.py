@@ -249,6 +249,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def adopt_latest_config(args: argparse.Namespace, world: int, say: Any) -> None:
+    """Take the training options of the newest committed checkpoint (``--resume``), saying what changed."""
+    latest = tdcp.CheckpointRotation(args.ckpt_dir).latest()
+    if latest is not None and "config" in tdcp.read_manifest(latest)["components"]:
+        from torchrl_dcp.extract import read_component
+
+        for note in adopt_saved_config(args, read_component(latest, "config"), world):
+            say(f"note: {note}", flush=True)
+
+
+def report(say: Any, job: Any, batch: TensorDictBase, loss: float, elapsed: float) -> None:
+    """One progress line (rank 0): the mean return of the last 20 episodes, reward, loss, LR, time."""
+    it = job.counters["iteration"]
+    reward = batch["next", "reward"].mean().item()
+    recent = job.returns[-20:]
+    ret = f"{sum(recent) / len(recent):8.1f}" if recent else "     n/a"
+    say(
+        f"iteration {it:4d}  frames {job.counters['frames']:6d}  return {ret} (last {len(recent)} episodes, "
+        f"random policy ~ -550)  reward/step {reward:7.3f}  loss {loss:8.3f}  lr {job.scheduler.get_last_lr()[0]:.1e}"
+        f"  {elapsed:5.1f}s",
+        flush=True,
+    )
+
+
 def main(argv: list[str] | None = None) -> dict[str, str]:
     args = parse_args(argv)
     if "RANK" in os.environ and not dist.is_initialized():
@@ -262,12 +286,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
         torch.cuda.set_device(device)
     say = print if rank == 0 else (lambda *a, **k: None)
     if args.resume:  # training options come from the run being resumed, not from this command line
-        latest = tdcp.CheckpointRotation(args.ckpt_dir).latest()
-        if latest is not None and "config" in tdcp.read_manifest(latest)["components"]:
-            from torchrl_dcp.extract import read_component
-
-            for note in adopt_saved_config(args, read_component(latest, "config"), world):
-                say(f"note: {note}", flush=True)
+        adopt_latest_config(args, world, say)
     job = Job(args, rank, world, device)
     say(f"SAC on PendulumEnv: {world} rank(s) on {device}, checkpoints in {args.ckpt_dir}", flush=True)
 
@@ -285,15 +304,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
         loss = job.iteration(batch)
         it = job.counters["iteration"]
         if it % 10 == 0:
-            reward = batch["next", "reward"].mean().item()
-            recent = job.returns[-20:]
-            ret = f"{sum(recent) / len(recent):8.1f}" if recent else "     n/a"
-            say(
-                f"iteration {it:4d}  frames {job.counters['frames']:6d}  return {ret} (last {len(recent)} episodes, "
-                f"random policy ~ -550)  reward/step {reward:7.3f}  loss {loss:8.3f}  lr {job.scheduler.get_last_lr()[0]:.1e}"
-                f"  {time.monotonic() - start:5.1f}s",
-                flush=True,
-            )
+            report(say, job, batch, loss, time.monotonic() - start)
         t0 = time.monotonic()
         path = job.rotation.maybe_save(job.ckpt, it, {"frames": job.counters["frames"]})  # when due, or preempted
         if path is not None:
