@@ -136,13 +136,18 @@ class DistributedCheckpoint:
 
     @property
     def rank(self) -> int:
-        """This process's rank among the checkpoint's ranks (its ``process_group``'s; 0 with ``no_dist``)."""
-        return _dist.group_rank(self._group()) if not self.no_dist else 0
+        """This process's rank among the checkpoint's ranks (its ``process_group``'s; 0 with ``no_dist``); not a
+        collective (the checkpoint's own group, created at the first save or load, orders ranks alike)."""
+        if self.no_dist:
+            return 0
+        return _dist.group_rank(self.process_group) if self.process_group is not None else _dist.rank()
 
     @property
     def world_size(self) -> int:
         """How many ranks save and load together (the ``process_group``'s size; 1 with ``no_dist``)."""
-        return _dist.group_size(self._group()) if not self.no_dist else 1
+        if self.no_dist:
+            return 1
+        return _dist.group_size(self.process_group) if self.process_group is not None else _dist.world_size()
 
     def wait(self) -> Path | None:
         """Block until the async save in flight (if any) is committed; return its path (``None``: none was).

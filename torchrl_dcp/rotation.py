@@ -339,6 +339,11 @@ class CheckpointRotation:
                     "preemption (%s on some rank): step %d saved to %s", decision.signal or "a signal", step, path
                 )
             return path
+        unknown = sorted(
+            set(save_kwargs) - {"component_options", "stage_memmap", "incremental_from", "commit_sequence"}
+        )
+        if unknown:  # before anything is staged or exchanged
+            raise TypeError(f"unexpected save arguments: {unknown}")
         directory_path, metadata, save_kwargs = self._prepare(ckpt, step, metadata, save_kwargs)
         handle = ckpt._async_save(
             directory_path, step, metadata, components,
@@ -346,8 +351,6 @@ class CheckpointRotation:
             save_kwargs.pop("incremental_from", None), save_kwargs.pop("commit_sequence", None),
             then=lambda committed: self._rotate(ckpt, committed, step),
         )  # fmt: skip
-        if save_kwargs:
-            raise TypeError(f"unexpected save arguments: {sorted(save_kwargs)}")
         self._in_flight = ckpt
         return handle
 
