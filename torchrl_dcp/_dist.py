@@ -33,7 +33,7 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's default for gloo gro
 
 _GROUPS: dict[tuple[int, float | None, int | None, str], Any] = {}
 _TIMEOUTS: dict[int, datetime.timedelta] = {}
-_NAMES: dict[int, str] = {}  # the same on every rank (groups are created in the same order everywhere)
+_NAMES: dict[int, str] = {}  # from what the group is (timeout, members, purpose): the same on every member
 _SEQ: dict[int, int] = {}
 _SILENT = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 
@@ -122,12 +122,15 @@ def checkpoint_group(
         kwargs: dict[str, Any] = {"backend": "gloo"}
         if timeout:
             kwargs["timeout"] = timeout
+        members = "world"
         if scope is not None:
-            kwargs.update(ranks=dist.get_process_group_ranks(process_group), use_local_synchronization=True)
+            ranks = dist.get_process_group_ranks(process_group)
+            kwargs.update(ranks=ranks, use_local_synchronization=True)
+            members = ",".join(map(str, sorted(ranks)))  # the same on every member (an id() is not)
         group = dist.new_group(**kwargs)
         _GROUPS[(world, seconds, scope, purpose)] = group
         _TIMEOUTS[id(group)] = timeout or DEFAULT_TIMEOUT
-        _NAMES[id(group)] = f"{len(_GROUPS)}-{seconds}-{scope or 'world'}-{purpose}"
+        _NAMES[id(group)] = f"{seconds}-{members}-{purpose}"  # store keys of silent-rank reports: one per group
     return group
 
 
