@@ -322,3 +322,34 @@ def test_the_garbage_collector_is_paused_during_save_and_load_and_restored(tmp_p
             pass
         assert not gc.isenabled()  # nested: still paused until the outer block ends
     assert gc.isenabled()
+
+
+@pytest.mark.parametrize("layout", ["directory", "archive"])
+def test_bool_tensors_of_unset_memory_save_as_loadable_bools(tmp_path: Path, layout: str) -> None:
+    """A state_dict may hold bool tensors of memory ``torch.empty`` left unset (bytes other than 0 and 1, e.g. the
+    unwritten rows of a storage saved through its own ``state_dict``). Loads refuse such bytes as damage, so the save
+    writes 0 and 1 (true where the byte is not 0) instead of a checkpoint that can never load."""
+
+    class Mask:
+        def __init__(self, mask: torch.Tensor) -> None:
+            self.mask = mask
+
+        def state_dict(self) -> dict:
+            return {"mask": self.mask}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.mask.copy_(state["mask"])
+
+    unset = torch.tensor([0, 1, 255, 2, 0, 17], dtype=torch.uint8).view(torch.bool)
+    ckpt = tdcp.DistributedCheckpoint()
+    ckpt.register("mask", Mask(unset))
+    path = ckpt.save(tmp_path / "ckpt")
+    if layout == "archive":
+        path = tdcp.to_archive(path, tmp_path / "ckpt.zip")
+    assert unset.view(torch.uint8).tolist() == [0, 1, 255, 2, 0, 17]  # the saved object is left as it was
+    fresh = Mask(torch.zeros(6, dtype=torch.bool))
+    restored = tdcp.DistributedCheckpoint()
+    restored.register("mask", fresh)
+    restored.load(path)
+    assert fresh.mask.view(torch.uint8).tolist() == [0, 1, 1, 1, 0, 1]
+    tdcp.verify(path)

@@ -40,6 +40,7 @@ __all__ = [
     "dtype_name",
     "encode",
     "escape_key",
+    "canonical_bools",
     "is_dtensor",
     "np_dtype_from_name",
     "tensor_specs",
@@ -274,7 +275,7 @@ class _Encoder:
         key = self.key(path)
         if ident is not None:
             self._seen[ident] = key
-        self.tensors[key] = value.detach()
+        self.tensors[key] = canonical_bools(value.detach())
         return {
             "t": "tensor",
             "key": key,
@@ -282,6 +283,25 @@ class _Encoder:
             "shape": list(value.shape),
             "device": str(value.device),
         }
+
+
+def canonical_bools(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or for a bool tensor holding bytes other than 0 and 1 (memory ``torch.empty`` left unset, e.g. the
+    unwritten rows of a storage saved through its ``state_dict``) a copy holding 0 and 1 (true where a byte is not 0).
+
+    Loads refuse such bytes as damage, so a save never writes them.
+
+    Example:
+        >>> raw = torch.tensor([0, 1, 255], dtype=torch.uint8).view(torch.bool)
+        >>> canonical_bools(raw).view(torch.uint8).tolist()
+        [0, 1, 1]
+    """
+    if t.dtype != torch.bool or t.numel() == 0 or not t.is_contiguous():
+        return t  # (a copy to contiguous memory, as writers make of a strided tensor, already writes 0 and 1)
+    from torchrl_dcp.format.record import byte_view
+
+    raw = byte_view(t)  # the bytes as they are (no copy: a copy would convert them)
+    return (raw != 0).view(t.shape) if int(raw.max()) > 1 else t
 
 
 def encode(
