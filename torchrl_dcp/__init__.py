@@ -27,11 +27,15 @@ _LAZY: dict[str, str] = {
     "DistributedCheckpoint": "torchrl_dcp.checkpoint",
     "LoadResult": "torchrl_dcp.checkpoint",
     "verify": "torchrl_dcp.verification",
+    "StateDifference": "torchrl_dcp.audit",
+    "state_differences": "torchrl_dcp.audit",
+    "state_snapshot": "torchrl_dcp.audit",
 }
 
 if TYPE_CHECKING:
     from torchrl_dcp.adapters import Adapter, AdapterContext, CheckpointOptions, RNGState, register_adapter
     from torchrl_dcp.async_save import SaveHandle
+    from torchrl_dcp.audit import StateDifference, state_differences, state_snapshot
     from torchrl_dcp.checkpoint import DistributedCheckpoint, LoadResult
     from torchrl_dcp.verification import verify
 
@@ -97,6 +101,7 @@ __all__ = [
     "RotationEntry",
     "SaveHandle",
     "StaleCheckpointWarning",
+    "StateDifference",
     "UnrestoredComponentWarning",
     "UnsafeCheckpointError",
     "WorldSizeMismatchError",
@@ -106,6 +111,8 @@ __all__ = [
     "read_manifest",
     "register_adapter",
     "resume",
+    "state_differences",
+    "state_snapshot",
     "to_archive",
     "to_directory",
     "verify",

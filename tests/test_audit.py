@@ -1,0 +1,95 @@
+"""The state audit (torchrl_dcp.audit): what it walks, what it leaves out, and what it reports."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+import torchrl_dcp as tdcp
+from torchrl_dcp.audit import NOT_STATE, state_differences, state_snapshot
+
+
+class Holder:
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.steps = 0
+        self.weights = torch.zeros(3)
+        self.table = {"lr": 0.1, "betas": (0.9, 0.99), "array": np.arange(3)}
+        self.items = [TensorDict({"a": torch.ones(2)}, [2]), {1, 2}]
+        self.me = self  # a cycle: recorded as a reference, walked once
+        self.handler = print  # behaviour, not state
+        self.module = torch.nn.Linear(2, 1)
+
+
+def test_every_reachable_value_is_fingerprinted_and_json_safe() -> None:
+    snap = state_snapshot(Holder(), "h")
+    assert json.loads(json.dumps(snap)) == snap
+    assert snap["h.steps"] == "int 0" and snap["h.table['betas'][1]"] == "float 0.99"
+    assert snap["h.me"] == "ref h" and "h.handler" not in snap
+    assert snap["h.weights"].startswith("tensor torch.float32 (3,) ")
+    assert snap["h.items[0]['a']"].startswith("tensor torch.float32 (2,) ")
+    assert snap["h.table['array']"].startswith("tensor torch.int64 (3,) ")
+    assert any(p.startswith("h.module._parameters['weight']") for p in snap)
+
+
+def test_differences_name_each_attribute_that_differs() -> None:
+    saved, restored = Holder(), Holder()
+    saved.steps = 4
+    saved.weights[1] = 2.0
+    saved.table["new"] = "x"
+    saved.module.weight.data[0, 0] += 1
+    found = {d.path for d in state_differences(state_snapshot(saved), state_snapshot(restored))}
+    assert found == {"obj.steps", "obj.weights", "obj.table['new']", "obj.module._parameters['weight']"}
+
+
+def test_one_element_stride_zero_tensors_and_tensor_keys() -> None:
+    p = torch.nn.Parameter(torch.ones(2))
+    snap = state_snapshot({"bound": torch.tensor(2.0).expand(1), "state": {p: {"step": 3}}})
+    assert snap["obj['bound']"].startswith("tensor torch.float32 (1,)")
+    assert snap["obj['state'][<Parameter #0>]['step']"] == "int 3"
+
+
+def test_skips_by_name_and_by_class() -> None:
+    h = Holder()
+    assert "obj.steps" not in state_snapshot(h, skip=["steps"])
+    assert "obj.steps" not in state_snapshot(h, skip=["Holder.steps"])
+    assert "obj.steps" in state_snapshot(h, skip=["Other.steps"])
+    assert all("." in entry and reason for entry, reason in NOT_STATE.items())
+
+
+def test_a_storage_is_audited_by_its_written_rows() -> None:
+    def buffer(fill: float) -> ReplayBuffer:
+        rb = ReplayBuffer(storage=LazyTensorStorage(8))
+        rb.extend(TensorDict({"x": torch.arange(3.0)}, [3]))
+        rb._storage._storage["x"][3:] = fill  # rows never written: whatever the memory held
+        return rb
+
+    a, b = state_snapshot(buffer(0.0)), state_snapshot(buffer(7.0))
+    assert state_differences(a, b) == []
+    assert "obj._storage._storage[:3]['x']" in a
+
+
+def test_an_exact_restore_audits_clean_and_an_inexact_one_does_not(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    ckpt = tdcp.DistributedCheckpoint()
+    ckpt.register("model", model)
+    ckpt.register("optimizer", opt)
+    path = ckpt.save(tmp_path / "c")
+    torch.manual_seed(1)
+    model2 = torch.nn.Linear(3, 2)
+    opt2 = torch.optim.Adam(model2.parameters())
+    fresh = tdcp.DistributedCheckpoint()
+    fresh.register("model", model2)
+    fresh.register("optimizer", opt2)
+    before = state_differences(state_snapshot(opt), state_snapshot(opt2))
+    assert before  # (a fresh optimizer: no moments, other parameters)
+    fresh.load(path)
+    assert state_differences(state_snapshot(opt), state_snapshot(opt2)) == []
