@@ -194,7 +194,16 @@ def sampler_state(sampler: Any) -> dict[str, Any]:
         if extra is not None:
             state["slice"] = extra
         return state
-    return {"kind": "state_dict", "type": type(sampler).__name__, "state": sampler.state_dict()}
+    state = {"kind": "state_dict", "type": type(sampler).__name__, "state": sampler.state_dict()}
+    extra = {a: vars(sampler)[a] for a in SAMPLER_EXTRA_ATTRIBUTES if a in vars(sampler)}
+    if extra:
+        state["extra"] = extra
+    return state
+
+
+#: What samplers set while sampling and their ``state_dict`` leaves out (torchrl 0.14): a buffer's prefetching
+#: iterator reads ``SamplerWithoutReplacement._remaining_batches`` (the class default, int64 max, after a load).
+SAMPLER_EXTRA_ATTRIBUTES = ("_remaining_batches",)
 
 
 def _slice_state(sampler: Any) -> Any:
@@ -227,6 +236,9 @@ def restore_sampler(sampler: Any, saved: Mapping[str, Any], name: str) -> None:
             SliceSampler.load_state_dict(sampler, saved["slice"])
         return
     sampler.load_state_dict(saved["state"])
+    for attr, value in saved.get("extra", {}).items():
+        if attr in SAMPLER_EXTRA_ATTRIBUTES:
+            setattr(sampler, attr, value)
 
 
 # --------------------------------------------------------------------------- writer

@@ -1,4 +1,4 @@
-"""What a torchrl ``Trainer`` registers by name: placements, and hooks / loggers that reshard.
+"""What a torchrl ``Trainer`` registers by name: placements, hooks / loggers that reshard, the Trainer's counters.
 
 A ``Trainer`` bound to a checkpoint registers its hooks as ``trainer_module.<name>``
 and its ``logger``. Their state is small and of two kinds (torchrl 0.14.1,
@@ -33,7 +33,13 @@ from torchrl_dcp.adapters.registry import register_adapter
 from torchrl_dcp.adapters.state_dict import StateDictAdapter
 from torchrl_dcp.placement import Placement
 
-__all__ = ["TrainerHookAdapter", "replicated_hook_types", "trainer_placement"]
+__all__ = [
+    "OfflineToOnlineHookAdapter",
+    "TrainerHookAdapter",
+    "TrainerStateAdapter",
+    "replicated_hook_types",
+    "trainer_placement",
+]
 
 #: the names ``Trainer._sync_checkpoint_components`` registers hooks and the logger under
 HOOK_PREFIX = "trainer_module."
@@ -73,7 +79,58 @@ def trainer_placement(name: str, component: Any = None) -> Placement | None:
 #: again after a restore would change what training does (``OfflineToOnlineReplayBufferHook`` finds its offline
 #: keys with ``offline.sample(1)``, a draw from the global RNG stream the uninterrupted run made only once).
 LAZY_HOOK_ATTRIBUTES: dict[str, tuple[str, ...]] = {"OfflineToOnlineReplayBufferHook": ("_offline_keys",)}
+#: Trainer attributes torchrl's ``trainer_state`` (collected frames, last log and save, optimisation steps) leaves
+#: out, by Trainer class name: ``DQNTrainer._greedy_last_frames`` is where epsilon annealing continues from (without
+#: it, the first iteration after a restore anneals epsilon by every frame collected so far, a second time).
+TRAINER_ATTRIBUTES: dict[str, tuple[str, ...]] = {"DQNTrainer": ("_greedy_last_frames",)}
 LAZY_KEY = "_tdcp_lazy_attributes"  # where the state dict carries them
+
+
+def _attributes_of(obj: Any, table: Mapping[str, tuple[str, ...]]) -> tuple[str, ...]:
+    """The attributes ``table`` lists for ``obj``'s class or any base class (by name)."""
+    return tuple(a for klass in type(obj).__mro__ for a in table.get(klass.__name__, ()))
+
+
+def _with_attributes(state: Any, obj: Any, attributes: tuple[str, ...]) -> Any:
+    present = [a for a in attributes if hasattr(obj, a)]
+    if present and isinstance(state, Mapping):
+        return {**state, LAZY_KEY: {a: getattr(obj, a) for a in present}}
+    return state
+
+
+def _split_attributes(state: Any) -> tuple[Any, Mapping[str, Any]]:
+    if isinstance(state, Mapping) and LAZY_KEY in state:
+        return {k: v for k, v in state.items() if k != LAZY_KEY}, state[LAZY_KEY]
+    return state, {}
+
+
+def _set_attributes(obj: Any, values: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
+    for attr, value in values.items():
+        if attr in allowed:  # only what the table names is ever set from a checkpoint
+            setattr(obj, attr, value)
+
+
+class TrainerStateAdapter(StateDictAdapter):
+    """torchrl's ``trainer_state`` (the Trainer's counters) plus the attributes :data:`TRAINER_ATTRIBUTES` names.
+
+    The payload is the generic state-dict adapter's (same id and version), with the extra attributes under one
+    more key; checkpoints saved without them load as before.
+
+    Example:
+        >>> TRAINER_ATTRIBUTES["DQNTrainer"]
+        ('_greedy_last_frames',)
+    """
+
+    def state(self, obj: Any, ctx: AdapterContext) -> Any:
+        trainer = getattr(obj, "trainer", None)
+        return _with_attributes(super().state(obj, ctx), trainer, _attributes_of(trainer, TRAINER_ATTRIBUTES))
+
+    def restore(self, obj: Any, state: Any, ctx: AdapterContext) -> Any:
+        state, extra = _split_attributes(state)
+        out = super().restore(obj, state, ctx)
+        trainer = getattr(obj, "trainer", None)
+        _set_attributes(trainer, extra, _attributes_of(trainer, TRAINER_ATTRIBUTES))
+        return out
 
 
 class TrainerHookAdapter(StateDictAdapter):
@@ -89,20 +146,12 @@ class TrainerHookAdapter(StateDictAdapter):
     can_reshard = True
 
     def state(self, obj: Any, ctx: AdapterContext) -> Any:
-        state = super().state(obj, ctx)
-        lazy = LAZY_HOOK_ATTRIBUTES.get(type(obj).__name__, ())
-        if lazy and isinstance(state, Mapping):
-            state = {**state, LAZY_KEY: {a: getattr(obj, a, None) for a in lazy}}
-        return state
+        return _with_attributes(super().state(obj, ctx), obj, _attributes_of(obj, LAZY_HOOK_ATTRIBUTES))
 
     def restore(self, obj: Any, state: Any, ctx: AdapterContext) -> Any:
-        lazy = state.get(LAZY_KEY) if isinstance(state, Mapping) else None
-        if lazy is not None:
-            state = {k: v for k, v in state.items() if k != LAZY_KEY}
+        state, extra = _split_attributes(state)
         out = super().restore(obj, state, ctx)
-        for attr, value in (lazy or {}).items():
-            if attr in LAZY_HOOK_ATTRIBUTES.get(type(obj).__name__, ()):
-                setattr(obj, attr, value)
+        _set_attributes(obj, extra, _attributes_of(obj, LAZY_HOOK_ATTRIBUTES))
         return out
 
     def reshard_sources(self, saved: dict[int, Any], ctx: AdapterContext) -> list[int]:
@@ -114,10 +163,112 @@ class TrainerHookAdapter(StateDictAdapter):
 
 
 def register_trainer_adapters() -> None:
-    """Use :class:`TrainerHookAdapter` for every ``TrainerHookBase`` and torchrl ``Logger``."""
+    """:class:`TrainerHookAdapter` for every ``TrainerHookBase`` and torchrl ``Logger``, :class:`TrainerStateAdapter`
+    for the Trainer's ``trainer_state`` (a private torchrl class: skipped where a torchrl version lacks it)."""
     from torchrl.record.loggers import Logger
-    from torchrl.trainers.trainers import TrainerHookBase
+    from torchrl.trainers import trainers
 
     adapter = TrainerHookAdapter()
-    for klass in (TrainerHookBase, Logger):
+    for klass in (trainers.TrainerHookBase, Logger):
         register_adapter(klass, adapter)  # by type only: the id stays the generic state-dict adapter's
+    state_type = getattr(trainers, "_TrainerCheckpointState", None)
+    if isinstance(state_type, type):
+        register_adapter(state_type, TrainerStateAdapter())
+    from torchrl.trainers.algorithms.offline_to_online import OfflineToOnlineReplayBufferHook
+
+    register_adapter(OfflineToOnlineReplayBufferHook, OfflineToOnlineHookAdapter())
+
+
+ONLINE_KEY = "_tdcp_online_buffer"  # where an OfflineToOnlineReplayBufferHook's state holds its online buffer's
+
+
+class OfflineToOnlineHookAdapter(TrainerHookAdapter):
+    """``OfflineToOnlineReplayBufferHook``: its online buffer through the replay-buffer adapter, the rest as torchrl.
+
+    torchrl's ``state_dict`` of the hook holds the online buffer's whole storage (rows never written included:
+    unset memory) and leaves out the storage's last cursor; here the buffer's state is the replay-buffer adapter's
+    (written rows read in place, sampler, writer, last cursor; resharded like any buffer), beside the offline
+    fractions and the lazily found keys. The offline dataset is not saved: torchrl treats it as immutable and the
+    job builds it again. Same id and version as the generic adapter: states saved by torchrl's ``state_dict`` load.
+
+    Example:
+        >>> OfflineToOnlineHookAdapter().adapter_id
+        'torchrl_dcp.state_dict'
+    """
+
+    def __init__(self) -> None:
+        from torchrl_dcp.adapters.replay_buffer import ReplayBufferAdapter
+
+        self.buffer = ReplayBufferAdapter()
+
+    @staticmethod
+    def _ours(state: Any) -> bool:
+        return isinstance(state, Mapping) and ONLINE_KEY in state
+
+    def state(self, obj: Any, ctx: AdapterContext) -> Any:
+        rb = obj.replay_buffer
+        return {
+            ONLINE_KEY: self.buffer.state(rb.online_buffer, ctx),
+            "offline_fraction": rb._offline_fraction,
+            "base_offline_fraction": rb._base_offline_fraction,
+            LAZY_KEY: {a: getattr(obj, a) for a in _attributes_of(obj, LAZY_HOOK_ATTRIBUTES) if hasattr(obj, a)},
+        }
+
+    def restore(self, obj: Any, state: Any, ctx: AdapterContext) -> Any:
+        if not self._ours(state):
+            return super().restore(obj, state, ctx)  # torchrl's own state_dict
+        rb = obj.replay_buffer
+        self.buffer.restore(rb.online_buffer, state[ONLINE_KEY], ctx)
+        rb._offline_fraction = float(state["offline_fraction"])
+        rb._base_offline_fraction = float(state["base_offline_fraction"])
+        _set_attributes(obj, state.get(LAZY_KEY, {}), _attributes_of(obj, LAZY_HOOK_ATTRIBUTES))
+        return None
+
+    def destinations(self, obj: Any, saved: Any, ctx: AdapterContext) -> dict[str, Any] | None:
+        if not self._ours(saved):
+            return None
+        return self.buffer.destinations(obj.replay_buffer.online_buffer, saved[ONLINE_KEY], ctx)
+
+    def row_changes(self, obj: Any, ctx: AdapterContext) -> dict[tuple[str, ...], Any] | None:
+        inner = self.buffer.row_changes(obj.replay_buffer.online_buffer, ctx)
+        return None if inner is None else {(ONLINE_KEY, *path): snap for path, snap in inner.items()}
+
+    def check_saved(self, saved: Any) -> None:
+        if self._ours(saved):
+            self.buffer.check_saved(saved[ONLINE_KEY])
+
+    def validate(self, obj: Any, saved: dict[int, Any], ctx: AdapterContext) -> None:
+        inner = {r: s[ONLINE_KEY] for r, s in saved.items() if self._ours(s)}
+        if inner:
+            self.buffer.validate(obj.replay_buffer.online_buffer, inner, ctx)
+
+    def snapshot(self, obj: Any, ctx: AdapterContext) -> Any:
+        rb = obj.replay_buffer
+        return {
+            "online": self.buffer.snapshot(rb.online_buffer, ctx),
+            "fractions": (rb._offline_fraction, rb._base_offline_fraction),
+            "lazy": {a: getattr(obj, a) for a in _attributes_of(obj, LAZY_HOOK_ATTRIBUTES) if hasattr(obj, a)},
+        }
+
+    def rollback(self, obj: Any, snapshot: Any, ctx: AdapterContext) -> None:
+        rb = obj.replay_buffer
+        self.buffer.rollback(rb.online_buffer, snapshot["online"], ctx)
+        rb._offline_fraction, rb._base_offline_fraction = snapshot["fractions"]
+        for attr, value in snapshot["lazy"].items():
+            setattr(obj, attr, value)
+
+    def reshard_sources(self, saved: dict[int, Any], ctx: AdapterContext) -> list[int]:
+        if not all(self._ours(s) for s in saved.values()):
+            return super().reshard_sources(saved, ctx)
+        return self.buffer.reshard_sources({r: s[ONLINE_KEY] for r, s in saved.items()}, ctx)
+
+    def reshard(self, obj: Any, states: dict[int, Any], ctx: AdapterContext) -> Any:
+        if not all(self._ours(s) for s in states.values()):
+            return super().reshard(obj, states, ctx)
+        rb = obj.replay_buffer
+        self.buffer.reshard(rb.online_buffer, {r: s[ONLINE_KEY] for r, s in states.items()}, ctx)
+        first = states[min(states)]  # the fractions follow the schedule: the same on every rank
+        rb._offline_fraction = float(first["offline_fraction"])
+        rb._base_offline_fraction = float(first["base_offline_fraction"])
+        _set_attributes(obj, first.get(LAZY_KEY, {}), _attributes_of(obj, LAZY_HOOK_ATTRIBUTES))
+        return None
