@@ -79,6 +79,7 @@ NOT_STATE: dict[str, str] = {
     "LossModule._in_keys": "a loss's input keys, found from its modules on first use",
     "LossModule._cache": "a loss's cache of detached parameters, rebuilt on use",
     "ValueEstimatorBase._vmap_randomness": "a value estimator's vmap mode, found from its modules on first use",
+    "Transform._parent": "a transform's cached view of its parent env, rebuilt on use",
     "Transform._all_done_keys": "key lists a transform computes on first use",
     "Transform._all_truncated_keys": "key lists a transform computes on first use",
     "ReplayBuffer._warned_batch_size_conflict": "whether torchrl has shown a warning once",

@@ -33,6 +33,11 @@ import torch
 from torchrl.collectors import BaseCollector, Collector
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
+from torchrl_dcp.adapters.env_transforms import (
+    restore_transform_attributes,
+    transform_attributes,
+    warn_unverified_transforms,
+)
 from torchrl_dcp.adapters.rng import same_rank_source
 from torchrl_dcp.adapters.tensordict import tensordict_from_state, tensordict_state
 from torchrl_dcp.errors import IncompatibleComponentError, InexactResumeWarning
@@ -171,6 +176,7 @@ class CollectorAdapter(Adapter):
 
     def state(self, collector: Collector, ctx: AdapterContext) -> Any:
         _warn_unreachable(ctx.name, collector.env, "saving")
+        warn_unverified_transforms(ctx.name, collector.env, "saving")
         return self._state(collector)
 
     def snapshot(self, collector: Collector, ctx: AdapterContext) -> Any:
@@ -187,10 +193,12 @@ class CollectorAdapter(Adapter):
             "env_rngs": {name: _generator_state(g) for name, g in env_generators(collector.env).items()},
             "transforms": {path: dict(t.state_dict()) for path, t in composed_custom_state(collector.env).items()},
             "sub_envs": {path: dict(e.state_dict()) for path, e in transformed_serial_envs(collector.env).items()},
+            **({"transform_attributes": attrs} if (attrs := transform_attributes(collector.env)) else {}),
         }
 
     def restore(self, collector: Collector, state: Any, ctx: AdapterContext) -> Any:
         _warn_unreachable(ctx.name, collector.env, "loading")
+        warn_unverified_transforms(ctx.name, collector.env, "loading")
         return self._restore(collector, state, ctx)
 
     def _restore(self, collector: Collector, state: Any, ctx: AdapterContext) -> Any:
@@ -211,6 +219,7 @@ class CollectorAdapter(Adapter):
                     "collector's env does not have at that place: build the env with the transforms it was saved with"
                 )
             live[path].load_state_dict(saved)
+        restore_transform_attributes(collector.env, state.get("transform_attributes") or {}, ctx.name)
         if state["carrier"] is not None:
             saved = tensordict_from_state(state["carrier"], ctx)
             carrier = collector._carrier
@@ -219,6 +228,7 @@ class CollectorAdapter(Adapter):
                     f"component {ctx.name!r}: the collector runs {tuple(carrier.batch_size)} envs, the checkpoint "
                     f"holds {tuple(saved.batch_size)}"
                 )
+            _replace_expanded(carrier, saved)
             carrier.update(saved, inplace=True)  # existing entries in place (others may hold them), new ones set
         pool = state["state_dict"].get("traj_pool")
         if pool is not None:  # load_state_dict allocated a new trajectory id: undo it, the carrier is restored
@@ -244,6 +254,15 @@ class CollectorAdapter(Adapter):
         (state,) = states.values()
         load_collector_state(collector, state["state_dict"])
         return None
+
+
+def _replace_expanded(carrier: Any, saved: Any) -> None:
+    """Entries of ``carrier`` that are expanded views (a stride 0 along a dimension of size > 1, e.g. what
+    ``ExpandAs`` writes) cannot be written in place: they are replaced by the saved values instead."""
+    for key in saved.keys(include_nested=True, leaves_only=True):
+        live = carrier.get(key, None)
+        if isinstance(live, torch.Tensor) and any(st == 0 and n > 1 for st, n in zip(live.stride(), live.shape)):
+            carrier.set(key, saved.get(key).clone())
 
 
 WORKER_TRAJ_IDS = "_tdcp_worker_traj_ids"  # added to the multi-collector state dict (older checkpoints lack it)

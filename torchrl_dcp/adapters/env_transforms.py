@@ -1,0 +1,186 @@
+"""Which env transforms a collector restores exactly, what else they hold, and the warning for the others.
+
+Every transform of a collector's env is found (nested ``TransformedEnv`` and ``Compose``, and the sub-envs of a
+``SerialEnv``: :func:`env_transforms`). Three tables, checked by ``tests/test_conformance_transforms.py`` (each
+entry there is generated from ``torchrl.envs.transforms`` and audited with :mod:`torchrl_dcp.audit`):
+
+- :data:`EXACT_TRANSFORMS`: torchrl transforms whose state the collector adapter restores exactly (their
+  ``state_dict``, with what :data:`TRANSFORM_ATTRIBUTES` adds);
+- :data:`INEXACT_TRANSFORMS`: transforms that cannot continue exactly, and why;
+- :data:`TRANSFORM_ATTRIBUTES`: attributes a transform keeps outside its ``state_dict``, saved by the collector
+  adapter (``RandomTruncationTransform``'s per-env horizons, drawn at reset).
+
+A collector whose env holds a transform of another class (one not verified here, a user's own, a subclass) gets an
+:class:`~torchrl_dcp.errors.InexactResumeWarning` at save and at load naming it; declare a class of your own exact
+with :func:`register_exact_transform` once you have checked it.
+
+Example:
+    >>> from torchrl.envs import Compose, PendulumEnv, StepCounter, Timer, TransformedEnv
+    >>> env = TransformedEnv(PendulumEnv(), Compose(StepCounter(), Timer()))
+    >>> unverified_transforms(env)
+    ['transform.1 (Timer: measures wall-clock time, which no restore can continue)']
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from torchrl_dcp.errors import IncompatibleComponentError, InexactResumeWarning
+
+__all__ = [
+    "EXACT_TRANSFORMS",
+    "INEXACT_TRANSFORMS",
+    "TRANSFORM_ATTRIBUTES",
+    "env_transforms",
+    "register_exact_transform",
+    "restore_transform_attributes",
+    "transform_attributes",
+    "unverified_transforms",
+    "warn_unverified_transforms",
+]
+
+#: torchrl transforms a collector resumes exactly (by class name, classes of ``torchrl.envs.transforms`` only)
+EXACT_TRANSFORMS: frozenset[str] = frozenset(
+    {
+        "ActionDiscretizer", "ActionScaling", "BinarizeReward", "CatFrames", "CatTensors", "ClipTransform",
+        "Compose", "ConditionalSkip", "DTypeCastTransform", "DeviceCastTransform", "DoubleToFloat",
+        "ExcludeTransform", "ExpandAs", "FiniteTensorDictCheck", "FlattenObservation", "FrameSkipTransform", "InitTracker",
+        "LineariseRewards", "NoopResetEnv", "ObservationNorm", "PermuteTransform", "RandomTruncationTransform",
+        "RemoveEmptySpecs", "RenameTransform", "RewardClipping", "RewardScaling", "RewardSum", "SelectTransform",
+        "SignTransform", "SqueezeTransform", "StepCounter", "TargetReturn", "TensorDictPrimer",
+        "TerminateTransform", "TimeMaxPool", "TrajCounter", "UnaryTransform", "UnsqueezeTransform", "VecNorm",
+        "VecNormV2", "gSDENoise",
+    }
+)  # fmt: skip
+
+#: torchrl transforms that cannot continue exactly after a restore, and why
+INEXACT_TRANSFORMS: dict[str, str] = {
+    "Timer": "measures wall-clock time, which no restore can continue",
+}
+
+#: Attributes transforms keep outside their ``state_dict``, by class name: saved and restored by the collector
+#: adapter. ``RandomTruncationTransform`` draws each env's horizon at reset (``_horizons``, ``_first_episode``).
+TRANSFORM_ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    "RandomTruncationTransform": ("_horizons", "_first_episode", "_initialized"),
+}
+
+_USER_EXACT: set[type] = set()
+
+
+def register_exact_transform(transform_type: type) -> None:
+    """Declare ``transform_type`` (a transform class of your own) exact: its state is in its ``state_dict``.
+
+    Collectors holding it are then saved without an :class:`~torchrl_dcp.errors.InexactResumeWarning`. Check it
+    first, e.g. with :func:`torchrl_dcp.state_snapshot` of the collector at a save and after a restore.
+
+    Example:
+        >>> from torchrl.envs import Transform
+        >>> class Stateless(Transform):
+        ...     pass
+        >>> register_exact_transform(Stateless)
+    """
+    if not isinstance(transform_type, type):
+        raise TypeError(f"register_exact_transform takes a class, got {transform_type!r}")
+    _USER_EXACT.add(transform_type)
+
+
+def env_transforms(env: Any) -> Iterator[tuple[str, Any]]:
+    """``(path, transform)`` of every transform of ``env``: nested ``TransformedEnv`` and ``Compose``, and the
+    sub-envs of a ``SerialEnv`` (a ``ParallelEnv``'s live in worker processes, out of reach).
+
+    Paths are those of :func:`~torchrl_dcp.adapters.collector.composed_custom_state` (``transform.1``,
+    ``base_env.transform``, ``base_env._envs.0.transform``).
+    """
+    from torchrl.envs import SerialEnv, TransformedEnv
+
+    stack: list[tuple[Any, str]] = [(env, "")]
+    seen: set[int] = set()
+    while stack:
+        obj, path = stack.pop(0)
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, TransformedEnv):
+            stack.append((obj.transform, f"{path}transform"))
+            stack.append((obj.base_env, f"{path}base_env."))
+        elif isinstance(obj, SerialEnv):
+            stack.extend((e, f"{path}_envs.{i}.") for i, e in enumerate(obj.__dict__.get("_envs") or ()))
+        elif _is_transform(obj):
+            yield path, obj
+            if type(obj).__name__ == "Compose":
+                stack.extend((t, f"{path}.{i}") for i, t in enumerate(obj.transforms))
+
+
+def _is_transform(obj: Any) -> bool:
+    from torchrl.envs.transforms import Transform
+
+    return isinstance(obj, Transform)
+
+
+def _verdict(transform: Any) -> str | None:
+    """``None`` when ``transform`` is exact, otherwise why it is not known to be."""
+    klass = type(transform)
+    if klass in _USER_EXACT:
+        return None
+    name, module = klass.__name__, klass.__module__ or ""
+    if module.startswith("torchrl."):
+        if name in INEXACT_TRANSFORMS:
+            return INEXACT_TRANSFORMS[name]
+        if name in EXACT_TRANSFORMS:
+            return None
+        return "a torchrl transform not verified exact by torchrl_dcp"
+    return "not verified exact: declare it with tdcp.adapters.register_exact_transform once checked"
+
+
+def unverified_transforms(env: Any) -> list[str]:
+    """``"path (Class: why)"`` of each transform of ``env`` not known to resume exactly."""
+    out = []
+    for path, transform in env_transforms(env):
+        why = _verdict(transform)
+        if why is not None:
+            out.append(f"{path} ({type(transform).__name__}: {why})")
+    return out
+
+
+def warn_unverified_transforms(name: str, env: Any, action: str) -> None:
+    """An :class:`~torchrl_dcp.errors.InexactResumeWarning` naming every transform :func:`unverified_transforms`
+    lists (none: no warning)."""
+    found = unverified_transforms(env)
+    if found:
+        warnings.warn(
+            f"component {name!r} ({action}): the env's transform(s) {'; '.join(found)} may hold state the "
+            "checkpoint does not restore, so the batches after a restore may differ from an uninterrupted run's; "
+            "see docs/components/conformance.md",
+            InexactResumeWarning,
+            stacklevel=3,
+        )
+
+
+def transform_attributes(env: Any) -> dict[str, dict[str, Any]]:
+    """``{path: {attribute: value}}`` of what :data:`TRANSFORM_ATTRIBUTES` lists for the transforms of ``env``."""
+    out: dict[str, dict[str, Any]] = {}
+    for path, transform in env_transforms(env):
+        attrs = TRANSFORM_ATTRIBUTES.get(type(transform).__name__, ())
+        if attrs:
+            out[path] = {a: getattr(transform, a, None) for a in attrs}
+    return out
+
+
+def restore_transform_attributes(env: Any, saved: Mapping[str, Mapping[str, Any]], name: str) -> None:
+    """Put back what :func:`transform_attributes` saved (tensors copied, so the checkpoint's are not shared)."""
+    live = dict(env_transforms(env))
+    for path, values in saved.items():
+        transform = live.get(path)
+        allowed = TRANSFORM_ATTRIBUTES.get(type(transform).__name__, ()) if transform is not None else ()
+        if not allowed:
+            raise IncompatibleComponentError(
+                f"component {name!r}: the checkpoint holds the state of a transform at {path}, which this "
+                "collector's env does not have: build the env with the transforms it was saved with"
+            )
+        for attr, value in values.items():
+            if attr in allowed:
+                setattr(transform, attr, value.clone() if isinstance(value, torch.Tensor) else value)
