@@ -83,6 +83,11 @@ NOT_STATE: dict[str, str] = {
     "Transform._all_done_keys": "key lists a transform computes on first use",
     "Transform._all_truncated_keys": "key lists a transform computes on first use",
     "ReplayBuffer._warned_batch_size_conflict": "whether torchrl has shown a warning once",
+    "Storage._mutation_revision_value": "a counter invalidating caches derived from the rows (a load bumps it too)",
+    "TensorStorage._storage_keys": "a storage's cache of its keys",
+    "TensorStorage._total_shape_value": "a storage's cache of its allocated shape",
+    "LazyMemmapStorage.scratch_dir": "where this job keeps the memmap files (its own choice, not saved state)",
+    "SliceSamplerWithoutReplacement._storage_len_buffer": "the trajectory count, recomputed by every sample first",
     "Storage.set": "torchrl_dcp's write tracking around the storage's set (see Storage._tdcp_row_tracker)",
     "Storage._tdcp_row_tracker": "torchrl_dcp's record of the rows written since the last save (for incremental "
     "saves; its epoch is random per process)",

@@ -99,6 +99,11 @@ def storage_state(storage: Any) -> dict[str, Any]:
     if is_list_storage(storage):
         return list_storage_state(storage)
     if not isinstance(storage, TensorStorage):
+        if type(storage).__name__ == "StorageEnsemble":
+            raise EncodingError(
+                "a ReplayBufferEnsemble cannot be saved as one component (its StorageEnsemble is not a tensor or "
+                "list storage): register each of its buffers (ensemble[i]) as a component of its own"
+            )
         what = "it holds compressed bytes" if isinstance(storage, ListStorage) else "it is not a tensor or list storage"
         raise EncodingError(
             f"a replay buffer storage {type(storage).__name__} cannot be saved ({what}): use ListStorage, "
@@ -166,7 +171,11 @@ def restore_storage(storage: TensorStorage, saved: Mapping[str, Any]) -> None:
         storage._len = saved["len"]
         storage.initialized = True
         if saved.get("last_cursor") is not None:
-            storage._last_cursor = saved["last_cursor"]
+            set_cursor = getattr(storage, "_set_last_cursor", None)  # (torchrl 0.14: also its shared time index)
+            if callable(set_cursor):
+                set_cursor(saved["last_cursor"])
+            else:
+                storage._last_cursor = saved["last_cursor"]
     elif storage.initialized:
         storage._len = 0
     bump = getattr(storage, "_bump_mutation_revision", None)
