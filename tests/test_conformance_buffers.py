@@ -92,10 +92,9 @@ def build(storage: str, ndim: int, sampler: str, writer: str, generator: bool, t
     kw = {"ndim": ndim}
     if storage == "memmap":
         store = LazyMemmapStorage(CAPACITY, scratch_dir=tmp / f"scratch-{tag}", **kw)
-    elif storage == "preallocated":  # the rows a lazy storage would allocate, built by the user beforehand
-        probe = TensorDictReplayBuffer(storage=LazyTensorStorage(CAPACITY, **kw), batch_size=1)
-        probe.extend(frames(2, 0, ndim))
-        store = TensorStorage(probe._storage._storage.clone().zero_(), ndim=ndim)
+    elif storage == "preallocated":  # rows the user allocated ([time, envs] for ndim=2), without the "index"
+        rows = frames(CAPACITY, 0, 1) if ndim == 1 else frames(CAPACITY // ENVS, 0, 2).transpose(0, 1).contiguous()
+        store = TensorStorage(rows.zero_(), ndim=ndim)  # entry a TensorDictReplayBuffer adds at its first write
     else:
         store = LazyTensorStorage(CAPACITY, **kw)
     samp = {

@@ -7,13 +7,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
-from torchrl.data import LazyTensorStorage, TensorDictPrioritizedReplayBuffer
+from torchrl.data import LazyTensorStorage, TensorDictPrioritizedReplayBuffer, TensorStorage
 
 import torchrl_dcp as tdcp
 
 
-def _buffer(capacity: int) -> TensorDictPrioritizedReplayBuffer:
-    return TensorDictPrioritizedReplayBuffer(alpha=0.6, beta=0.4, storage=LazyTensorStorage(capacity), batch_size=4)
+def _buffer(capacity: int, preallocated: bool = False) -> TensorDictPrioritizedReplayBuffer:
+    """A prioritized buffer over a lazy storage, or over a ``TensorStorage`` of rows the user allocated."""
+    storage = LazyTensorStorage(capacity)
+    if preallocated:  # (without the "index" entry the buffer adds at its first write)
+        rows = {"id": torch.zeros(capacity, dtype=torch.float64), "obs": torch.zeros(capacity, 3)}
+        storage = TensorStorage(TensorDict(rows, [capacity]))
+    return TensorDictPrioritizedReplayBuffer(alpha=0.6, beta=0.4, storage=storage, batch_size=4)
 
 
 def _checkpoint(rb, policy) -> tdcp.DistributedCheckpoint:
@@ -32,10 +37,10 @@ def _items(rb) -> list[list[float]]:
     return [[i, p] for i, p in zip(ids, leaves)]
 
 
-def save_shards(path: str, capacity: int) -> dict[str, Any]:
+def save_shards(path: str, capacity: int, preallocated: bool = False) -> dict[str, Any]:
     rank = dist.get_rank()
     torch.manual_seed(rank)
-    rb = _buffer(capacity)
+    rb = _buffer(capacity, preallocated)
     n = 10 + 9 * rank  # unequal shards; rank 2 wraps around when capacity is small
     ids = torch.arange(n, dtype=torch.float64) + 1000 * rank
     idx = rb.extend(TensorDict({"id": ids, "obs": torch.randn(n, 3)}, [n]))
@@ -47,8 +52,8 @@ def save_shards(path: str, capacity: int) -> dict[str, Any]:
     return {"items": _items(rb)}
 
 
-def load_resharded(path: str, capacity: int) -> dict[str, Any]:
-    rb = _buffer(capacity)
+def load_resharded(path: str, capacity: int, preallocated: bool = False) -> dict[str, Any]:
+    rb = _buffer(capacity, preallocated)
     policy = torch.nn.Linear(2, 2)
     ckpt = _checkpoint(rb, policy)
     out: dict[str, Any] = {}

@@ -12,11 +12,17 @@ from tests_distributed.launch import launch
 S = "tests_distributed.scenarios_reshard"
 
 
-@pytest.mark.parametrize("saved, resumed, capacity", [(3, 2, 32), (2, 4, 32), (3, 2, 20)])
-def test_prioritized_shards_are_redistributed(tmp_path: Path, saved: int, resumed: int, capacity: int) -> None:
+@pytest.mark.parametrize(
+    "saved, resumed, capacity, preallocated",
+    [(3, 2, 32, False), (2, 4, 32, False), (3, 2, 20, False), (3, 2, 32, True), (2, 3, 32, True)],
+)
+def test_prioritized_shards_are_redistributed(
+    tmp_path: Path, saved: int, resumed: int, capacity: int, preallocated: bool
+) -> None:
+    """Lazy storages, and ``TensorStorage`` over rows the user allocated (``preallocated``), alike."""
     path = str(tmp_path / "ckpt")
-    before = launch(f"{S}:save_shards", saved, path, capacity)
-    after = launch(f"{S}:load_resharded", resumed, path, 64)
+    before = launch(f"{S}:save_shards", saved, path, capacity, preallocated)
+    after = launch(f"{S}:load_resharded", resumed, path, 64, preallocated)
     old = Counter(tuple(item) for r in before for item in r.value["items"])
     new = Counter(tuple(item) for r in after for item in r.value["items"])
     assert new == old  # every transition once, with its priority leaf, bit for bit
@@ -32,7 +38,7 @@ def test_prioritized_shards_are_redistributed(tmp_path: Path, saved: int, resume
         assert r.value["cursor"] == len(r.value["items"]) % 64
     draws = [r.value["draw"] for r in after]
     assert len(set(draws)) == len(draws)  # re-seeded streams differ between the new ranks
-    again = launch(f"{S}:load_resharded", resumed, path, 64)
+    again = launch(f"{S}:load_resharded", resumed, path, 64, preallocated)
     assert [r.value["draw"] for r in again] == draws  # ... deterministically
 
 

@@ -23,7 +23,13 @@ from torchrl.data.replay_buffers.samplers import PrioritizedSampler
 from torchrl.data.replay_buffers.writers import TensorDictMaxValueWriter
 
 from torchrl_dcp.adapters.base import AdapterContext
-from torchrl_dcp.adapters.buffer_state import allocate, flatten, initialized_buffer, restore_buffer_settings
+from torchrl_dcp.adapters.buffer_state import (
+    allocate,
+    flatten,
+    initialized_buffer,
+    live_leaf,
+    restore_buffer_settings,
+)
 from torchrl_dcp.adapters.list_storage import LIST_KIND, is_list_storage, list_items, restore_list_storage
 from torchrl_dcp.errors import IncompatibleComponentError
 
@@ -152,7 +158,14 @@ def _fill_storage(storage: Any, part: _Received, ctx: AdapterContext) -> None:
                 f"holds {capacity}; build the buffers with a capacity of at least {n}"
             )
         for key, tensor in flat_specs.items():
-            (live.get(key) if key else live)[:n].copy_(tensor)
+            leaf = live_leaf(storage, key, tuple(tensor.shape[1:]), tensor.dtype)
+            if not isinstance(leaf, torch.Tensor) or tuple(leaf.shape[1:]) != tuple(tensor.shape[1:]):
+                raise IncompatibleComponentError(
+                    f"component {ctx.name!r}: storage entry {'.'.join(key) or '<tensor>'} was saved as "
+                    f"{tuple(tensor.shape[1:])} {tensor.dtype}, the buffer holds "
+                    f"{tuple(leaf.shape[1:]) if isinstance(leaf, torch.Tensor) else type(leaf).__name__}"
+                )
+            leaf[:n].copy_(tensor)
         storage._len = n
         storage.initialized = True
     elif storage.initialized:

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from tensordict import TensorDict
+from tensordict import TensorDict, is_tensor_collection
 from torchrl.data.replay_buffers import ReplayBuffer
 from torchrl.data.replay_buffers.storages import TensorStorage
 
@@ -70,6 +70,23 @@ def allocate(storage: TensorStorage, leaves: Mapping[tuple[str, ...], Any], is_t
                 "remove the old files once nothing uses them, then load again"
             ) from None
         raise
+
+
+def live_leaf(storage: TensorStorage, key: tuple[str, ...], tail: tuple[int, ...], dtype: Any) -> Any:
+    """The storage's tensor at ``key`` (``()``: the storage itself), an entry it lacks allocated first.
+
+    A ``TensorStorage`` over rows the user allocated may lack entries the buffer writes itself (a
+    ``TensorDictReplayBuffer`` adds ``index``): torchrl adds them at the first write, so a load does too (zeros of
+    saved shape past the rows: ``tail``). Anything else found is returned as is, for the caller to check.
+    """
+    live = storage._storage
+    if not key:
+        return live
+    leaf = live.get(key, None) if is_tensor_collection(live) else None
+    if leaf is None and is_tensor_collection(live):
+        leaf = torch.zeros((int(live.shape[0]), *tail), dtype=dtype, device=live.device)
+        live.set(key, leaf)
+    return leaf
 
 
 def buffer_settings(rb: ReplayBuffer) -> dict[str, Any]:

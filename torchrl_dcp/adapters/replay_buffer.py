@@ -46,6 +46,7 @@ from torchrl_dcp.adapters.buffer_state import (
     buffer_settings,
     flatten,
     initialized_buffer,
+    live_leaf,
     restore_buffer_settings,
 )
 from torchrl_dcp.adapters.buffer_transforms import restore_transform_states, transform_states
@@ -155,7 +156,7 @@ def storage_destinations(storage: TensorStorage, saved: Mapping[str, Any], name:
         )
     out: dict[str, torch.Tensor] = {}
     for key, spec in flat.items():
-        leaf = live.get(key) if key else live
+        leaf = live_leaf(storage, key, tuple(spec.shape[1:]), spec.dtype)
         if not isinstance(leaf, torch.Tensor) or tuple(leaf.shape[1:]) != spec.shape[1:] or leaf.dtype != spec.dtype:
             found = (tuple(leaf.shape[1:]), leaf.dtype) if isinstance(leaf, torch.Tensor) else type(leaf).__name__
             raise IncompatibleComponentError(
