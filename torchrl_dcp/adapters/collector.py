@@ -351,8 +351,11 @@ class MultiCollectorAdapter(Adapter):
 
     def state(self, collector: BaseCollector, ctx: AdapterContext) -> Any:
         _warn_multi_worker_state(ctx.name, collector, "saving")
-        state = dict(collector.state_dict())
-        ids = _worker_traj_ids(collector)
+        try:
+            state = dict(collector.state_dict())
+            ids = _worker_traj_ids(collector)
+        finally:
+            resume_async_workers(collector)
         if ids is not None:
             state[WORKER_TRAJ_IDS] = ids
         return state
@@ -361,14 +364,37 @@ class MultiCollectorAdapter(Adapter):
         _warn_multi_worker_state(ctx.name, collector, "loading")
         state = dict(state)
         ids = state.pop(WORKER_TRAJ_IDS, None)
-        collector.load_state_dict(state)
-        if ids is not None and len(ids) == getattr(collector, "num_workers", -1):
-            key = ("collector", "traj_ids")
-            collector.map_fn("_carrier.set_", list_of_args=[(key, t.clone()) for t in ids])
+        try:
+            collector.load_state_dict(state)
+            if ids is not None and len(ids) == getattr(collector, "num_workers", -1):
+                key = ("collector", "traj_ids")
+                collector.map_fn("_carrier.set_", list_of_args=[(key, t.clone()) for t in ids])
+        finally:
+            resume_async_workers(collector)
         pool = state.get("traj_pool")
         if pool is not None:  # each worker's load_state_dict allocated an id: undo it
             collector._traj_pool.load_state_dict(pool)
         return None
+
+
+def resume_async_workers(collector: BaseCollector) -> None:
+    """Tell a running ``MultiAsyncCollector``'s workers to go on collecting after control messages.
+
+    A worker of torchrl 0.14 (``collectors/_runner.py``) that handles a control message (``state_dict``,
+    ``load_state_dict``, ``get_distant_attr``) forgets the ``continue`` it was running on and, if the queue was full
+    when it finished a batch, that batch: it then waits for a ``continue`` the main process never sends (it sends one
+    per batch it takes), and the next batch hangs (torchrl's own ``state_dict()`` between two batches hangs it the
+    same way). One ``continue`` per worker puts every worker back to work; a worker that did not need it is one
+    batch ahead, as asynchronous collection allows.
+    """
+    from torchrl.collectors import MultiAsyncCollector
+
+    if not isinstance(collector, MultiAsyncCollector) or not getattr(collector, "running", False):
+        return
+    should_random = getattr(collector, "_should_use_random_frames", None)
+    msg = "continue_random" if callable(should_random) and should_random() else "continue"
+    for idx, pipe in enumerate(collector.pipes):
+        pipe.send((idx, msg))
 
 
 def _warn_multi_worker_state(name: str, collector: BaseCollector, action: str) -> None:
