@@ -205,3 +205,16 @@ def test_a_traj_counter_inside_a_compose_continues_its_ids_after_a_restore(tmp_p
     for a, b in zip(expected, got):
         for key in a.keys(True, True):
             assert torch.equal(a[key], b[key]), key
+
+
+def test_a_shut_down_collector_is_refused_saying_why(tmp_path: Path) -> None:
+    """``Trainer.train()`` shuts its collector down when it ends: a save after that said only "no attribute env"."""
+    from torchrl.collectors import Collector
+    from torchrl.envs import PendulumEnv
+
+    collector = Collector(PendulumEnv(), None, frames_per_batch=4, total_frames=-1)
+    next(iter(collector))
+    collector.shutdown()
+    with pytest.raises(tdcp.CheckpointError, match=r"the collector was shut down .*save before the shutdown"):
+        tdcp.DistributedCheckpoint(collector=collector).save(tmp_path / "c")
+    assert not (tmp_path / "c").exists()

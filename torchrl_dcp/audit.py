@@ -82,6 +82,7 @@ NOT_STATE: dict[str, str] = {
     "Transform._parent": "a transform's cached view of its parent env, rebuilt on use",
     "Transform._all_done_keys": "key lists a transform computes on first use",
     "Transform._all_truncated_keys": "key lists a transform computes on first use",
+    "Optimizer._opt_called": "a flag LR schedulers set on the optimizer to warn about the call order",
     "ReplayBuffer._warned_batch_size_conflict": "whether torchrl has shown a warning once",
     "Storage._mutation_revision_value": "a counter invalidating caches derived from the rows (a load bumps it too)",
     "TensorStorage._storage_keys": "a storage's cache of its keys",

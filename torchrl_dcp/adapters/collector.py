@@ -40,7 +40,7 @@ from torchrl_dcp.adapters.env_transforms import (
 )
 from torchrl_dcp.adapters.rng import same_rank_source
 from torchrl_dcp.adapters.tensordict import tensordict_from_state, tensordict_state
-from torchrl_dcp.errors import IncompatibleComponentError, InexactResumeWarning
+from torchrl_dcp.errors import EncodingError, IncompatibleComponentError, InexactResumeWarning
 
 
 def env_generators(env: Any) -> dict[str, Any]:
@@ -175,6 +175,12 @@ class CollectorAdapter(Adapter):
     default_placement = "per_rank"
 
     def state(self, collector: Collector, ctx: AdapterContext) -> Any:
+        if "env" not in vars(collector) and not hasattr(collector, "env"):
+            raise EncodingError(
+                f"component {ctx.name!r}: the collector was shut down (collector.shutdown(), which Trainer.train() "
+                "calls when it ends), its env is gone: save before the shutdown (a Trainer's scheduled and final "
+                "saves happen inside train())"
+            )
         _warn_unreachable(ctx.name, collector.env, "saving")
         warn_unverified_transforms(ctx.name, collector.env, "saving")
         return self._state(collector)
