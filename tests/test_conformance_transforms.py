@@ -247,3 +247,32 @@ def test_a_users_transform_is_warned_about_until_declared_exact(tmp_path: Path) 
     with warnings.catch_warnings():
         warnings.simplefilter("error", tdcp.InexactResumeWarning)
         _checkpoint(collector()).save(tmp_path / "b")
+
+
+def test_stateless_transforms_are_exact_ones() -> None:
+    from torchrl_dcp.adapters.env_transforms import STATELESS_TRANSFORMS
+
+    assert STATELESS_TRANSFORMS <= EXACT_TRANSFORMS
+
+
+def test_a_buffer_transform_holding_state_is_warned_about(tmp_path: Path) -> None:
+    """A replay buffer's transforms are not saved with it (but MultiStepTransform's held items): a transform that
+    may hold state (VecNormV2's statistics, a user's) is named at save and load; stateless ones are not."""
+    from tensordict import TensorDict
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    def buffer(*transforms: Any) -> ReplayBuffer:
+        rb = ReplayBuffer(storage=LazyTensorStorage(16), transform=T.Compose(*transforms), batch_size=4)
+        rb.extend(TensorDict({"obs": torch.randn(8, 2), "reward": torch.randn(8, 1)}, [8]))
+        return rb
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tdcp.InexactResumeWarning)
+        tdcp.DistributedCheckpoint(rb=buffer(T.RewardScaling(0.0, 2.0), T.SignTransform(in_keys=["obs"]))).save(
+            tmp_path / "quiet"
+        )  # (MultiStepTransform's held items are saved: tests/test_replay_buffer.py)
+    stateful = buffer(T.RewardScaling(0.0, 2.0), T.VecNormV2(in_keys=["obs"]))
+    with pytest.warns(tdcp.InexactResumeWarning, match=r"transform\(s\) at 1 \(VecNormV2\)"):
+        path = tdcp.DistributedCheckpoint(rb=stateful).save(tmp_path / "warned")
+    with pytest.warns(tdcp.InexactResumeWarning, match="loading"):
+        tdcp.DistributedCheckpoint(rb=buffer(T.RewardScaling(0.0, 2.0), T.VecNormV2(in_keys=["obs"]))).load(path)

@@ -16,14 +16,16 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from torchrl.envs.transforms import MultiStepTransform
 
 from torchrl_dcp.adapters.base import AdapterContext
+from torchrl_dcp.adapters.env_transforms import STATELESS_TRANSFORMS
 from torchrl_dcp.adapters.tensordict import tensordict_from_state, tensordict_state
-from torchrl_dcp.errors import IncompatibleComponentError
+from torchrl_dcp.errors import IncompatibleComponentError, InexactResumeWarning
 
 
 def _held_transforms(rb: Any) -> dict[str, MultiStepTransform]:
@@ -31,6 +33,44 @@ def _held_transforms(rb: Any) -> dict[str, MultiStepTransform]:
     transform = getattr(rb, "_transform", None)
     children = list(getattr(transform, "transforms", None) or ([] if transform is None else [transform]))
     return {str(i): t for i, t in enumerate(children) if isinstance(t, MultiStepTransform)}
+
+
+def unsaved_transforms(rb: Any) -> list[str]:
+    """``"position (Class)"`` of each transform of ``rb`` whose state the buffer's checkpoint does not hold: any but
+    ``MultiStepTransform`` (saved), ``Compose`` (its children are looked at) and torchrl's stateless transforms.
+
+    Example:
+        >>> from torchrl.data import ReplayBuffer
+        >>> from torchrl.envs.transforms import Compose, RewardScaling, VecNormV2
+        >>> rb = ReplayBuffer(transform=Compose(RewardScaling(0.0, 2.0), VecNormV2(in_keys=["obs"])))
+        >>> unsaved_transforms(rb)
+        ['1 (VecNormV2)']
+    """
+    transform = getattr(rb, "_transform", None)
+    out: list[str] = []
+    stack = [("", transform)] if transform is not None else []
+    while stack:
+        where, t = stack.pop(0)
+        klass = type(t)
+        torchrl = (klass.__module__ or "").startswith("torchrl.")
+        if torchrl and klass.__name__ == "Compose":
+            stack.extend((f"{where}.{i}" if where else str(i), c) for i, c in enumerate(t.transforms))
+        elif not (isinstance(t, MultiStepTransform) or (torchrl and klass.__name__ in STATELESS_TRANSFORMS)):
+            out.append(f"{where or 'transform'} ({klass.__name__})")
+    return out
+
+
+def warn_unsaved_transforms(rb: Any, name: str, action: str) -> None:
+    """An :class:`~torchrl_dcp.errors.InexactResumeWarning` naming what :func:`unsaved_transforms` lists."""
+    found = unsaved_transforms(rb)
+    if found:
+        warnings.warn(
+            f"component {name!r} ({action}): the replay buffer's transform(s) at {', '.join(found)} may hold state "
+            "(statistics, items held back) that the buffer's checkpoint does not save, so samples after a restore "
+            "may differ: register such a transform as a component of its own where it has a state_dict",
+            InexactResumeWarning,
+            stacklevel=3,
+        )
 
 
 def transform_states(rb: Any) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from torchrl_dcp.errors import IncompatibleComponentError, InexactResumeWarning
 __all__ = [
     "EXACT_TRANSFORMS",
     "INEXACT_TRANSFORMS",
+    "STATELESS_TRANSFORMS",
     "TRANSFORM_ATTRIBUTES",
     "env_transforms",
     "register_exact_transform",
@@ -54,6 +55,17 @@ EXACT_TRANSFORMS: frozenset[str] = frozenset(
         "SignTransform", "SqueezeTransform", "StepCounter", "TargetReturn", "TensorDictPrimer",
         "TerminateTransform", "TimeMaxPool", "TrajCounter", "UnaryTransform", "UnsqueezeTransform", "VecNorm",
         "VecNormV2", "gSDENoise",
+    }
+)  # fmt: skip
+
+#: torchrl transforms that hold no state at all (a function of their input): a replay buffer's transforms other than
+#: these (and MultiStepTransform, saved with the buffer) are warned about
+STATELESS_TRANSFORMS: frozenset[str] = frozenset(
+    {
+        "ActionScaling", "BinarizeReward", "CatTensors", "ClipTransform", "DTypeCastTransform", "DeviceCastTransform",
+        "DoubleToFloat", "ExcludeTransform", "ExpandAs", "FiniteTensorDictCheck", "FlattenObservation",
+        "PermuteTransform", "RenameTransform", "RewardClipping", "RewardScaling", "SelectTransform", "SignTransform",
+        "SqueezeTransform", "UnaryTransform", "UnsqueezeTransform",
     }
 )  # fmt: skip
 

@@ -49,7 +49,11 @@ from torchrl_dcp.adapters.buffer_state import (
     live_leaf,
     restore_buffer_settings,
 )
-from torchrl_dcp.adapters.buffer_transforms import restore_transform_states, transform_states
+from torchrl_dcp.adapters.buffer_transforms import (
+    restore_transform_states,
+    transform_states,
+    warn_unsaved_transforms,
+)
 from torchrl_dcp.adapters.list_storage import (
     LIST_KIND,
     check_list_destination,
@@ -302,6 +306,7 @@ class ReplayBufferAdapter(Adapter):
 
     def state(self, rb: ReplayBuffer, ctx: AdapterContext) -> Any:
         rb = initialized_buffer(rb)
+        warn_unsaved_transforms(rb, ctx.name, "saving")
         held = transform_states(rb)
         return {
             "type": type(rb).__name__,
@@ -332,6 +337,7 @@ class ReplayBufferAdapter(Adapter):
 
     def restore(self, rb: ReplayBuffer, state: Any, ctx: AdapterContext) -> Any:
         rb = initialized_buffer(rb)
+        warn_unsaved_transforms(rb, ctx.name, "loading")
         items = list_items(state["storage"], ctx) if state["storage"].get("kind") == LIST_KIND else None
         restore_sampler(rb._sampler, state["sampler"], ctx.name)
         restore_writer(rb._writer, state["writer"], ctx.name)
