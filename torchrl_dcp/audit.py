@@ -69,6 +69,12 @@ _OPAQUE_NAMES = frozenset(
 NOT_STATE: dict[str, str] = {
     "BaseCollector._final_rollout": "the collector's output buffer: every batch rewrites all of it",
     "BaseCollector._iteration_started": "whether the collector's iterator started: a new process starts it again",
+    "BatchedEnvBase.shared_tensordict_parent": "a batched env's output buffer: every step rewrites it",
+    "BatchedEnvBase._shared_tensordict_parent_next": "a batched env's output buffer: every step rewrites it",
+    "BatchedEnvBase._shared_tensordict_parent_root": "a batched env's output buffer: every step rewrites it",
+    "BatchedEnvBase.shared_tensordicts": "views of a batched env's output buffer, one per sub-env",
+    "TransformedEnv._input_spec": "a transformed env's cache of its transformed specs, rebuilt on use",
+    "TransformedEnv._output_spec": "a transformed env's cache of its transformed specs, rebuilt on use",
     "EnvBase._cache": "torchrl's cache of an env's key lists, recomputed on use",
     "Trainer._log_dict": "values waiting for the logger",
     "Trainer._pbar": "the progress bar",
