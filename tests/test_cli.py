@@ -147,7 +147,7 @@ def test_console_script_runs_without_torch_for_inspect(tmp_path: Path) -> None:
     assert proc.returncode == 0 and "model" in proc.stdout, proc.stderr[-2000:]
 
 
-# ---------------------------------------------------------------------- hostile inputs: one error line, exit 1
+# ---------------------------------------------------------------------- hostile inputs: one error line, exit 1 (diff: 2)
 def _hostile(tmp_path: Path, kind: str) -> Path:
     import os
 
@@ -185,10 +185,11 @@ HOSTILE = ["absent", "fifo", "plain file", "empty directory", "manifest not JSON
 
 
 def _expect_error(capsys: pytest.CaptureFixture, argv: list[str]) -> None:
-    assert main(argv) == 1
+    code = 2 if argv[0] == "diff" else 1  # diff: 0 identical, 1 different, 2 an error (as diff(1))
+    assert main(argv) == code
     out = capsys.readouterr()
     assert out.err.startswith("error: ") and out.err.count("\n") == 1 and "Traceback" not in out.err, out.err
-    assert main([*argv, "--json"]) == 1
+    assert main([*argv, "--json"]) == code
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] is False and report["error"] and "Traceback" not in report["error"]
 
@@ -273,3 +274,69 @@ def test_inspect_names_where_shared_tensors_are_stored(tmp_path: Path, capsys: p
     dest = {"replicated/policy/weight": torch.empty(2, 3)}
     dcp.load(dest, checkpoint_id=str(path), no_dist=True)  # plain DCP resolves it with that key
     assert torch.equal(dest["replicated/policy/weight"], policy.weight)
+
+
+# ---------------------------------------------------------------------- conventions of a command-line tool
+def test_version_module_entry_and_global_options(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0 and capsys.readouterr().out.strip() == f"torchrl-dcp {tdcp.__version__}"
+    proc = subprocess.run([sys.executable, "-m", "torchrl_dcp", "--version"], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"torchrl-dcp {tdcp.__version__}"
+    path = save(tmp_path / "c")
+    assert main(["--json", "inspect", str(path)]) == 0  # a global option before the command, as after it
+    assert json.loads(capsys.readouterr().out)["step"] == 4
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
+    """``torchrl-dcp ls ckpts | head``: the reader leaves before the output is written; no traceback."""
+    for step in range(1, 4):
+        save(tmp_path / f"step-{step:012d}", step=step)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torchrl_dcp", "ls", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    proc.stdout.close()  # the reader is gone before the command writes anything
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and err == "", err
+
+
+def test_diff_exit_codes_json_bools_nan_and_named_values(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    def write(name: str, flags: list[bool], x: float, label: str) -> Path:
+        state = {"flags": torch.tensor(flags), "x": torch.tensor([x, 1.0]), "label": label, "n": 3}
+        return tdcp.DistributedCheckpoint(stats=state).save(tmp_path / name)
+
+    a = write("a", [True, False, True], 1.0, "run-a")
+    assert main(["diff", str(a), str(write("same", [True, False, True], 1.0, "run-a"))]) == 0
+    assert "identical" in capsys.readouterr().out
+    b = write("b", [False, False, False], float("nan"), "run-b")
+    code = main(["diff", str(a), str(b), "--json"])
+    text = capsys.readouterr().out
+    info = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+    assert code == 1
+    entry = info["components"]["stats"]
+    flags, x = entry["tensors"]["replicated/stats/flags"], entry["tensors"]["replicated/stats/x"]
+    assert flags == {"status": "values differ", "differing": 2}  # bools: how many differ, no "max abs diff nan"
+    assert x["differing"] == 1 and x["max_abs_diff"] is None  # only a NaN against a number: no finite difference
+    assert entry["state_differs"] and any("label" in v and "run-a" in v and "run-b" in v for v in entry["values"])
+    assert main(["diff", str(a), str(b)]) == 1
+    out = capsys.readouterr().out
+    assert "nan" not in out and "2 elements" in out and "value /label" in out
+    assert main(["diff", str(a), str(tmp_path / "absent")]) == 2  # an error is not a difference
+
+
+def test_ls_refuses_a_checkpoint_and_an_unknown_metric_and_shows_leftovers(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    path = save(tmp_path / "step-000000000004")
+    assert main(["ls", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "is a checkpoint, not a rotation directory" in err and "torchrl-dcp inspect" in err
+    assert main(["ls", str(tmp_path), "--metric", "nope"]) == 1
+    assert "no checkpoint" in capsys.readouterr().err
+    leftover = tmp_path / ".step-000000000008.tdcp-staging-abc"  # what a killed save leaves (the next save sweeps it)
+    leftover.mkdir()
+    (leftover / "__0_0.distcp").write_bytes(b"x" * 5000)
+    code, info = run_json(capsys, "ls", str(tmp_path))
+    assert code == 0 and info["leftovers"] == [{"name": leftover.name, "bytes": 5000}]
+    assert main(["ls", str(tmp_path)]) == 0
+    assert "left by a killed save" in capsys.readouterr().out

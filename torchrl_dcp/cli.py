@@ -1,9 +1,12 @@
 """The ``torchrl-dcp`` command: inspect, verify, convert, list and compare checkpoints.
 
 Every command takes a directory or an archive, prints a human summary, or JSON
-with ``--json``, and exits 1 with the failing file named when a checkpoint is
-damaged or refused. ``inspect``, ``ls`` and ``convert`` never import torch (they
-start in milliseconds and stream in bounded memory); ``verify`` and ``diff`` do.
+with ``--json`` (before or after the command), and exits 1 with the failing file
+named when a checkpoint is damaged or refused; ``diff`` exits 0 (identical), 1
+(different) or 2 (an error), as ``diff(1)`` does. Output into a closed pipe
+(``| head``) ends quietly. ``inspect``, ``ls`` and ``convert`` never import torch
+(they start in milliseconds and stream in bounded memory); ``verify`` and ``diff``
+do. Also ``python -m torchrl_dcp``.
 
 Example:
     $ torchrl-dcp inspect ckpts/step-000000000100
@@ -17,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import time
 from typing import Any
@@ -159,8 +164,16 @@ def _ls(directory: str, metric: str | None, mode: str) -> dict[str, Any]:
     d = where.path
     if where.entry_kind() != "checkpoint":
         raise CheckpointError("not a directory", path=d)
+    if _is_checkpoint(where):
+        raise CheckpointError(
+            f"{d} is a checkpoint, not a rotation directory of checkpoints: use `torchrl-dcp inspect {d}`", path=d
+        )
     rotation = CheckpointRotation(d, keep_best=(metric, mode) if metric else None)  # type: ignore[arg-type]
     entries = rotation.entries(include_uncommitted=True)  # each manifest read once; latest and best from this list
+    if metric and entries and all(e.metric is None for e in entries if e.committed):
+        raise CheckpointError(
+            f"no checkpoint in {d} has metadata {metric!r}: pass a key its saves put in metadata=", path=d
+        )
     rows = []
     for e in entries:
         row = {"step": e.step, "name": e.path.name, "container": "archive" if e.archive else "directory",
@@ -172,13 +185,46 @@ def _ls(directory: str, metric: str | None, mode: str) -> dict[str, Any]:
         rows.append(row)
     latest, best = latest_entry(entries), rotation.best_entry(entries)
     return {"directory": str(d), "entries": rows, "latest": latest.path.name if latest else None,
-            "best": best.path.name if best else None}  # fmt: skip
+            "best": best.path.name if best else None, "leftovers": _leftovers(d)}  # fmt: skip
+
+
+def _is_checkpoint(where: Any) -> bool:
+    try:
+        where.manifest()
+    except CheckpointError:
+        return False
+    return True
+
+
+def _leftovers(directory: Any) -> list[dict[str, Any]]:
+    """What killed saves and conversions left in ``directory`` (staging, trash, temporary files), with sizes; the
+    next save into the directory sweeps them."""
+    from torchrl_dcp.storage.commit import STAGING_TAG, TMP_TAG, TRASH_TAG
+
+    out = []
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return out
+    for name in names:
+        if any(tag in name for tag in (STAGING_TAG, TRASH_TAG, TMP_TAG)):
+            out.append({"name": name, "bytes": _tree_size(os.path.join(directory, name))})
+    return out
+
+
+def _tree_size(path: str) -> int:
+    if not os.path.isdir(path) or os.path.islink(path):
+        return os.lstat(path).st_size
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        total += sum(os.lstat(os.path.join(root, f)).st_size for f in files)
+    return total
 
 
 def _print_ls(info: dict[str, Any], metric: str | None) -> None:
     print(
-        f"{info['directory']}: {len(info['entries'])} entries, latest {info['latest']}"
-        + (f", best {info['best']} by {metric}" if metric else "")
+        f"{info['directory']}: {len(info['entries'])} entries, latest {info['latest'] or '(none committed)'}"
+        + (f", best {info['best'] or '(none)'} by {metric}" if metric else "")
     )
     for row in info["entries"]:
         flags = []
@@ -187,10 +233,14 @@ def _print_ls(info: dict[str, Any], metric: str | None) -> None:
         if metric and row["name"] == info["best"]:
             flags.append("best")
         state = "committed" if row["committed"] else "NOT COMMITTED"
-        score = f" {metric}={row.get(metric)}" if metric else ""
+        score = f" {metric}={row[metric] if row.get(metric) is not None else '-'}" if metric else ""
         print(f"  {row['name']:<24} {row['step']:>10} {row['bytes']:>14,} bytes  {state:<13}{score} {' '.join(flags)}")
         if row.get("error"):
             print(f"    ({row['error']})")
+    for left in info.get("leftovers", ()):
+        print(
+            f"  {left['name']:<24} {'':>10} {left['bytes']:>14,} bytes  left by a killed save (the next save removes it)"
+        )
 
 
 def _diff(a: str, b: str, atol: float) -> dict[str, Any]:
@@ -219,8 +269,10 @@ def _diff(a: str, b: str, atol: float) -> dict[str, Any]:
             rb["placement"],
         ):
             entry["layout_differs"] = True
-        if _strip_tensors(ra) != _strip_tensors(rb):
+        values = _value_differences(_strip_tensors(ra), _strip_tensors(rb))
+        if values:
             entry["state_differs"] = True  # non-tensor values (JSON leaves) differ
+            entry["values"] = values
         common = sorted(k for k in set(inv_a) & set(inv_b) if inv_a[k] == inv_b[k])
         for key in sorted(set(inv_a) ^ set(inv_b)) + sorted(k for k in set(inv_a) & set(inv_b) if inv_a[k] != inv_b[k]):
             entry["tensors"][key] = {
@@ -238,23 +290,81 @@ def _diff(a: str, b: str, atol: float) -> dict[str, Any]:
                 tb = tensors_b.pop(key)
                 if torch.equal(ta, tb):
                     continue
-                if (
-                    ta.is_floating_point()
-                    or ta.is_complex()
-                    or ta.dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-                ):
-                    diff = (ta.double() - tb.double()).abs() if not ta.is_complex() else (ta - tb).abs()
-                    finite = diff[torch.isfinite(diff)]
-                    max_abs = float(finite.max()) if finite.numel() else float("nan")
-                else:
-                    max_abs = float("nan")
-                if max_abs <= atol:
-                    continue
-                entry["tensors"][key] = {"status": "values differ", "max_abs_diff": max_abs}
+                found = _tensor_difference(ta, tb, atol)
+                if found is not None:
+                    entry["tensors"][key] = found
         if entry["tensors"] or entry["state_differs"] or entry["layout_differs"]:
             out["components"][name] = entry
             out["identical"] = False
     return out
+
+
+def _tensor_difference(ta: Any, tb: Any, atol: float) -> dict[str, Any] | None:
+    """How two tensors of one dtype and shape differ (``None``: within ``atol``); JSON-safe (no NaN).
+
+    Bools count the differing elements; numbers also give the largest finite absolute difference (``None`` when the
+    differences are all NaN or infinite: e.g. a NaN against a number).
+    """
+    import torch
+
+    if ta.dtype == torch.bool:
+        return {"status": "values differ", "differing": int((ta != tb).sum())}
+    if ta.is_complex():
+        diff = (ta - tb).abs()
+    elif ta.is_floating_point() or ta.dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        diff = (ta.double() - tb.double()).abs()
+    else:
+        return {"status": "values differ", "differing": int((ta != tb).sum())}
+    same = (ta == tb) | (torch.isnan(ta) & torch.isnan(tb)) if ta.is_floating_point() else ta == tb
+    unequal = ~same
+    finite = diff[unequal & torch.isfinite(diff)]
+    max_abs = float(finite.max()) if finite.numel() else None
+    nonfinite = bool((unequal & ~torch.isfinite(diff)).any())
+    if not nonfinite and max_abs is not None and max_abs <= atol:
+        return None
+    if not bool(unequal.any()):
+        return None  # (NaN in the same places: the same values)
+    return {"status": "values differ", "differing": int(unequal.sum()), "max_abs_diff": max_abs}
+
+
+def _value_differences(a: Any, b: Any, where: str = "", limit: int = 20) -> list[str]:
+    """Paths (into the saved state skeletons) where two components' JSON values differ, at most ``limit``."""
+    out: list[str] = []
+
+    def walk(x: Any, y: Any, path: str) -> None:
+        if len(out) >= limit:
+            return
+        if isinstance(x, dict) and isinstance(y, dict):
+            if x.get("t") in ("dict", "odict") and y.get("t") == x.get("t") and "items" in x and "items" in y:
+                xi = {json.dumps(i[0]): i[1] for i in x["items"] if len(i) == 2}
+                yi = {json.dumps(i[0]): i[1] for i in y["items"] if len(i) == 2}
+                for k in sorted(set(xi) | set(yi)):
+                    sub = f"{path}/{json.loads(k)}"
+                    if k not in xi or k not in yi:
+                        out.append(f"{sub} (only in {'b' if k not in xi else 'a'})")
+                    else:
+                        walk(xi[k], yi[k], sub)
+                return
+            for k in sorted(set(x) | set(y)):
+                if k in x and k in y:
+                    walk(x[k], y[k], path if k in ("t", "v", "items") else f"{path}/{k}")
+                else:
+                    out.append(f"{path}/{k} (only in {'b' if k not in x else 'a'})")
+            return
+        if isinstance(x, list) and isinstance(y, list) and len(x) == len(y):
+            for i, (u, v) in enumerate(zip(x, y)):
+                walk(u, v, f"{path}[{i}]")
+            return
+        if x != y:
+            out.append(f"{path or '/'}: {_short(x)} != {_short(y)}")
+
+    walk(a, b, where)
+    return out
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _restrict(items: Any, keys: set[str]) -> Any:
@@ -292,15 +402,28 @@ def _print_diff(info: dict[str, Any]) -> None:
             notes.append("non-tensor values differ")
         print(f"{name}: {len(entry['tensors'])} tensors differ" + (f" ({'; '.join(notes)})" if notes else ""))
         for key, t in entry["tensors"].items():
-            extra = f", max abs diff {t['max_abs_diff']:.6g}" if "max_abs_diff" in t else ""
+            extra = f", {t['differing']} elements" if "differing" in t else ""
+            if t.get("max_abs_diff") is not None:
+                extra += f", max abs diff {t['max_abs_diff']:.6g}"
             print(f"  {key}: {t['status']}{extra}")
+        for value in entry.get("values", ()):
+            print(f"  value {value}")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="torchrl-dcp", description="Inspect, verify, convert and compare torchrl_dcp checkpoints."
+    from torchrl_dcp._version import __version__
+
+    common = argparse.ArgumentParser(add_help=False)  # options accepted before and after the command
+    common.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output on stdout"
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="torchrl-dcp",
+        description="Inspect, verify, convert and compare torchrl_dcp checkpoints.",
+        parents=[common],
+    )
+    parser.add_argument("--version", action="version", version=f"torchrl-dcp {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_sub_parser(common))
     p = sub.add_parser("inspect", help="components, placements, ranks, tensors and bytes, versions, metadata")
     p.add_argument("path")
     p = sub.add_parser("verify", help="check every file's size and checksum; exit 1 naming the damaged file")
@@ -317,15 +440,46 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("a")
     p.add_argument("b")
     p.add_argument("--atol", type=float, default=0.0, help="ignore tensor differences up to this (default 0)")
-    for action in sub.choices.values():
-        action.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     return parser
 
 
+def _sub_parser(common: argparse.ArgumentParser) -> type:
+    class SubParser(argparse.ArgumentParser):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, parents=[common], **kwargs)
+
+    return SubParser
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the command; 0 on success (``diff``: identical), 1 on a refused or damaged checkpoint (``diff``: differ)."""
+    """Run the command; 0 on success, 1 on a refused or damaged checkpoint (``diff``: 0 identical, 1 different, 2
+    an error); quiet, exit 141, when stdout is a closed pipe."""
     args = _parser().parse_args(argv)
-    emit = (lambda info: print(json.dumps(info, indent=1, default=str))) if args.json else None
+    args.json = getattr(args, "json", False)
+    try:
+        return _run(args)
+    except BrokenPipeError:  # `torchrl-dcp ls ckpts | head`: the reader left; say nothing more
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # (the interpreter's final flush must not fail again)
+        return 141
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _run(args: argparse.Namespace) -> int:
+    emit = (
+        (lambda info: print(json.dumps(_json_safe(info), indent=1, default=str, allow_nan=False)))
+        if args.json
+        else None
+    )
     try:
         if args.command == "inspect":
             info = _inspect(args.path)
@@ -356,8 +510,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        raise
     except Exception as err:  # noqa: BLE001 - a command-line tool reports every failure as one line, never a traceback
-        return _report(err, args.json)
+        code = _report(err, args.json)
+        return 2 if args.command == "diff" else code
     return 0
 
 
