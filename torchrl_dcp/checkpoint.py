@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import logging
 import os
 import re
 from collections.abc import Collection, Mapping
@@ -27,6 +26,7 @@ from typing import Any, Literal
 
 from torchrl_dcp import _dist, load_engine, save_engine
 from torchrl_dcp._gc import gc_paused
+from torchrl_dcp._log import get_logger
 from torchrl_dcp.adapters import Adapter, AdapterContext, CheckpointOptions, RNGState, resolve_adapter
 from torchrl_dcp.adapters.trainer import trainer_placement
 from torchrl_dcp.async_save import AsyncSaver, SaveHandle
@@ -44,7 +44,7 @@ from torchrl_dcp.storage.urls import resolve_path
 
 __all__ = ["DistributedCheckpoint", "LoadResult"]
 
-logger = logging.getLogger("torchrl_dcp")
+logger = get_logger(__name__)
 
 WorldSizeChange = Literal["error", "reshard"]
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")

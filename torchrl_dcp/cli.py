@@ -197,11 +197,15 @@ def _is_checkpoint(where: Any) -> bool:
 
 
 def _leftovers(directory: Any) -> list[dict[str, Any]]:
-    """What killed saves and conversions left in ``directory`` (staging, trash, temporary files), with sizes; the
-    next save into the directory sweeps them."""
+    """What killed saves and conversions left in a local ``directory`` (staging, trash, temporary files), with
+    sizes; the next save into the directory sweeps them. (An object store's pending saves are swept the same way.)"""
+    from pathlib import Path
+
     from torchrl_dcp.storage.commit import STAGING_TAG, TMP_TAG, TRASH_TAG
 
-    out = []
+    out: list[dict[str, Any]] = []
+    if not isinstance(directory, Path):
+        return out
     try:
         names = sorted(os.listdir(directory))
     except OSError:

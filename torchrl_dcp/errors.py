@@ -96,7 +96,16 @@ _OS_HINTS = {
 }
 
 
-class InexactResumeWarning(UserWarning):
+class TorchrlDcpWarning(UserWarning):
+    """The base of every warning torchrl_dcp emits: filter them all by this category, or each by its own.
+
+    Example:
+        >>> import warnings, torchrl_dcp as tdcp
+        >>> warnings.simplefilter("error", tdcp.TorchrlDcpWarning)  # every torchrl_dcp warning becomes an error
+    """
+
+
+class InexactResumeWarning(TorchrlDcpWarning):
     """A component holds state that its checkpoint does not restore, so training after a restore will not continue
     exactly as it would have (the message names the component, the object and what differs). Emitted at save and
     at load; filter it by category, or make it an error to refuse inexact resumes.
@@ -107,7 +116,7 @@ class InexactResumeWarning(UserWarning):
     """
 
 
-class UnrestoredComponentWarning(UserWarning):
+class UnrestoredComponentWarning(TorchrlDcpWarning):
     """A load restores fewer components than the checkpoint holds: saved components that no object is registered
     for are skipped (a component a job registers lazily, after its first save, would otherwise resume silently
     from nothing). Not raised when the load names its ``components=`` itself.
@@ -116,6 +125,15 @@ class UnrestoredComponentWarning(UserWarning):
         >>> import warnings, torchrl_dcp as tdcp
         >>> warnings.simplefilter("error", tdcp.UnrestoredComponentWarning)  # make it fatal
     """
+
+
+class PartialLoadWarning(TorchrlDcpWarning):
+    """A load with ``strict="warn"`` skipped components it could not restore (missing, incompatible, or failing in
+    their adapter); ``LoadResult.missing`` / ``incompatible`` say which, and why."""
+
+
+class StaleCheckpointWarning(TorchrlDcpWarning):
+    """A rotation directory holds higher steps committed before the checkpoint just saved."""
 
 
 def from_os_error(err: OSError, action: str, path: Any = None, *, after: str = "") -> CheckpointError:

@@ -30,13 +30,13 @@ Example:
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from torchrl_dcp import _dist
+from torchrl_dcp._log import get_logger
 from torchrl_dcp.collective import broadcast_step
 from torchrl_dcp.errors import CheckpointError
 from torchrl_dcp.format.checksums import content_fingerprint
@@ -46,7 +46,7 @@ from torchrl_dcp.storage.base import Location
 from torchrl_dcp.storage.chunk_writer import KeptChunk
 from torchrl_dcp.storage.copying import default_threads, run_split
 
-logger = logging.getLogger("torchrl_dcp")
+logger = get_logger(__name__)
 
 
 @dataclass

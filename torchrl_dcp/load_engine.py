@@ -38,7 +38,6 @@ Example (one process):
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -50,12 +49,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from torchrl_dcp import _dist
+from torchrl_dcp._log import get_logger
 from torchrl_dcp.collective import error_status, raise_if_failed, run_step
 from torchrl_dcp.errors import (
     CheckpointError,
     CheckpointIntegrityError,
     CollectiveError,
     IncompatibleComponentError,
+    PartialLoadWarning,
     UnrestoredComponentWarning,
 )
 from torchrl_dcp.format.dcp_metadata import record_index
@@ -67,7 +68,7 @@ from torchrl_dcp.storage.backends import open_source
 from torchrl_dcp.storage.direct import read_direct
 from torchrl_dcp.storage.source import CheckpointSource
 
-logger = logging.getLogger("torchrl_dcp")
+logger = get_logger(__name__)
 Strictness = Literal["error", "warn", "ignore"]
 
 
@@ -297,7 +298,11 @@ def _restore_all(
                 error.__cause__ = err
                 return error
             if request.strict == "warn":
-                warnings.warn(f"{request.path}: component {comp.name!r} could not be restored: {err}", stacklevel=4)
+                warnings.warn(
+                    f"{request.path}: component {comp.name!r} could not be restored: {err}",
+                    PartialLoadWarning,
+                    stacklevel=4,
+                )
             continue
         done.append(comp)
         result.loaded.add(comp.name)
@@ -368,7 +373,7 @@ def report_issues(result: LoadResult, strict: str, source: Path) -> None:
             result=result,
         )
     if strict == "warn":
-        warnings.warn(f"{source}: {text}", stacklevel=5)
+        warnings.warn(f"{source}: {text}", PartialLoadWarning, stacklevel=5)
 
 
 def compare_versions(saved: Mapping[str, Any]) -> dict[str, Any]:

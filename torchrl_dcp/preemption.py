@@ -20,13 +20,14 @@ Example:
 
 from __future__ import annotations
 
-import logging
 import signal
 import threading
 from collections.abc import Iterable
 from typing import Any
 
-logger = logging.getLogger("torchrl_dcp")
+from torchrl_dcp._log import get_logger
+
+logger = get_logger(__name__)
 
 _DEFAULTS = (signal.SIG_DFL, signal.SIG_IGN, None, signal.default_int_handler)
 

@@ -31,7 +31,6 @@ Example:
 from __future__ import annotations
 
 import datetime
-import logging
 import math
 import os
 import re
@@ -42,12 +41,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torchrl_dcp._log import get_logger
 from torchrl_dcp.errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointIntegrityError,
     CheckpointVersionError,
     CollectiveError,
+    StaleCheckpointWarning,
 )
 from torchrl_dcp.format.layout import DCP_METADATA
 from torchrl_dcp.preemption import PreemptionWatcher
@@ -55,7 +56,7 @@ from torchrl_dcp.save_policy import MetricMode, Retention, SaveSchedule, parse_k
 from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.storage.base import Location
 
-logger = logging.getLogger("torchrl_dcp")
+logger = get_logger(__name__)
 
 _ENTRY = re.compile(r"^step-(\d+)(\.zip)?$")
 _OWNER = re.compile(r"^step-(\d+)(\.zip)?$")  # the entry a leftover of a killed save or conversion was for
@@ -547,10 +548,6 @@ def resume(ckpt: Any, directory: str | os.PathLike, **load_kwargs: Any) -> Resum
     return CheckpointRotation(directory, storage_options=getattr(ckpt, "storage_options", None)).resume(
         ckpt, **load_kwargs
     )
-
-
-class StaleCheckpointWarning(UserWarning):
-    """A rotation directory holds higher steps committed before the checkpoint just saved."""
 
 
 def _group(ckpt: Any) -> Any:

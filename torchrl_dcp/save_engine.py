@@ -33,7 +33,6 @@ Example (one process):
 
 from __future__ import annotations
 
-import logging
 import math
 import uuid
 from collections.abc import Mapping
@@ -46,6 +45,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from torchrl_dcp import _dist
 from torchrl_dcp._gc import gc_paused
+from torchrl_dcp._log import get_logger
 from torchrl_dcp.adapters import Adapter, AdapterContext
 from torchrl_dcp.collective import broadcast_step, error_status, raise_if_failed, run_step
 from torchrl_dcp.errors import CollectiveError, EncodingError
@@ -63,7 +63,7 @@ from torchrl_dcp.storage.base import ChunkEntry, Location, SaveTarget, ShareWrit
 from torchrl_dcp.storage.chunk_writer import ChunkJob, KeptChunk
 from torchrl_dcp.storage.writer import build_metadata
 
-logger = logging.getLogger("torchrl_dcp")
+logger = get_logger(__name__)
 _DTYPES = {str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
 
 

@@ -27,10 +27,11 @@ Example:
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-logger = logging.getLogger("torchrl_dcp")
+from torchrl_dcp._log import get_logger
+
+logger = get_logger(__name__)
 
 _BOUND = "_tdcp_rotation"
 

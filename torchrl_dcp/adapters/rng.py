@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
-from torchrl_dcp.errors import IncompatibleComponentError
+from torchrl_dcp.errors import IncompatibleComponentError, InexactResumeWarning
 from torchrl_dcp.format.record import byte_view
 
 
@@ -70,7 +70,10 @@ class RNGState:
                     torch.cuda.set_rng_state(cuda_states[i], i)
             else:
                 warnings.warn(
-                    "the checkpoint holds CUDA RNG state but CUDA is not available: not restored", stacklevel=2
+                    "the checkpoint holds CUDA RNG state but CUDA is not available: not restored (CUDA random "
+                    "draws after the restore will not continue the saved streams)",
+                    InexactResumeWarning,
+                    stacklevel=2,
                 )
 
 

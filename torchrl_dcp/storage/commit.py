@@ -22,7 +22,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
-import logging
 import os
 import shutil
 import socket
@@ -32,6 +31,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from torchrl_dcp._log import get_logger
 from torchrl_dcp.errors import CheckpointError, from_os_error
 from torchrl_dcp.storage import proven
 from torchrl_dcp.storage.files import DirHandle
@@ -40,7 +40,7 @@ from torchrl_dcp.storage.libc import libc
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-logger = logging.getLogger("torchrl_dcp")
+logger = get_logger(__name__)
 
 STAGING_TAG = ".tdcp-staging-"
 TRASH_TAG = ".tdcp-trash-"

@@ -23,7 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import stat
@@ -31,6 +30,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from torchrl_dcp._log import get_logger
 from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError
 from torchrl_dcp.format import manifest as schema
 from torchrl_dcp.format.checksums import checksum_mismatch
@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from torchrl_dcp.storage.chunk_writer import KeptChunk
     from torchrl_dcp.storage.source import CheckpointSource
 
-logger = logging.getLogger("torchrl_dcp")
+logger = get_logger(__name__)
 
 _LEFTOVER = re.compile(r"^\.(.+?)\.tdcp-(staging|trash|tmp)-")  # commit's STAGING_TAG, TRASH_TAG and TMP_TAG
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)

@@ -18,12 +18,12 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import logging
 import pickle
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from torchrl_dcp._log import get_logger
 from torchrl_dcp.errors import CheckpointError
 from torchrl_dcp.format.checksums import crc32, format_crc
 from torchrl_dcp.format.layout import DCP_METADATA
@@ -33,7 +33,7 @@ from torchrl_dcp.storage.chunk_writer import KeptChunk
 from torchrl_dcp.storage.objectstore import ObjectStoreContainer, list_objects, store_error
 from torchrl_dcp.storage.urls import StorePath, supports_copy
 
-logger = logging.getLogger("torchrl_dcp")
+logger = get_logger(__name__)
 
 
 class ObjectStoreSaveTarget(SaveTarget):

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import logging
 import time
 import uuid
 from collections.abc import Mapping
@@ -38,6 +37,7 @@ from typing import Any
 
 import torch
 
+from torchrl_dcp._log import get_logger
 from torchrl_dcp.errors import CheckpointError
 from torchrl_dcp.format.checksums import crc32, crc32_combine, format_crc
 from torchrl_dcp.format.layout import (
@@ -65,7 +65,7 @@ from torchrl_dcp.storage.proven import ChunkIdentity
 from torchrl_dcp.storage.urls import StorePath, copy_object
 from torchrl_dcp.storage.writer import plan_layout
 
-logger = logging.getLogger("torchrl_dcp")
+logger = get_logger(__name__)
 PENDING = ".tdcp-pending"
 
 
