@@ -337,6 +337,6 @@ def test_ls_refuses_a_checkpoint_and_an_unknown_metric_and_shows_leftovers(
     leftover.mkdir()
     (leftover / "__0_0.distcp").write_bytes(b"x" * 5000)
     code, info = run_json(capsys, "ls", str(tmp_path))
-    assert code == 0 and info["leftovers"] == [{"name": leftover.name, "bytes": 5000}]
+    assert code == 0 and info["leftovers"] == [{"name": leftover.name, "owner": "step-000000000008", "bytes": 5000}]
     assert main(["ls", str(tmp_path)]) == 0
     assert "left by a killed save" in capsys.readouterr().out

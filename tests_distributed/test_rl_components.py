@@ -22,3 +22,10 @@ def test_buffers_and_collectors_continue_identically_on_every_rank(tmp_path: Pat
         if got.rank % 2:
             assert got.value["memmap"].startswith(f"{scratch}/b-{got.rank}")  # restored into the rank's scratch_dir
     assert len({tuple(r.value["next"]) for r in saved}) == world_size  # ranks really differ
+
+
+def test_torchrls_global_rng_state_saves_each_ranks_streams(tmp_path: Path) -> None:
+    """torchrl's GlobalRNGState defaults to per rank: the first 2-rank save failed on the replica check."""
+    results = launch("tests_distributed.scenarios_torchrl_values:save_and_resume_global_rng", 2, str(tmp_path / "c"))
+    assert all(r.value["resumed"] == r.value["expected"] for r in results)
+    assert results[0].value["expected"] != results[1].value["expected"]

@@ -33,6 +33,7 @@ from torchrl_dcp.async_save import AsyncSaver, SaveHandle
 from torchrl_dcp.collective import run_step
 from torchrl_dcp.errors import EncodingError
 from torchrl_dcp.incremental import share_base
+from torchrl_dcp.json_values import plain_scalars
 from torchrl_dcp.load_engine import LoadResult, Strictness
 from torchrl_dcp.load_plan import Registered
 from torchrl_dcp.placement import Placement, check_placement
@@ -422,7 +423,7 @@ class DistributedCheckpoint:
         unknown = sorted(set(options) - set(names))
         if unknown:
             raise KeyError(f"options given for components that are not saved: {unknown}")
-        metadata = dict(metadata or {})
+        metadata = plain_scalars(dict(metadata or {}))  # (numpy and 0-d tensor scalars as numbers)
         if step is None and isinstance(metadata.get("step"), int):
             step = metadata["step"]
         group = self._group()

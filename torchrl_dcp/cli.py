@@ -185,7 +185,7 @@ def _ls(directory: str, metric: str | None, mode: str) -> dict[str, Any]:
         rows.append(row)
     latest, best = latest_entry(entries), rotation.best_entry(entries)
     return {"directory": str(d), "entries": rows, "latest": latest.path.name if latest else None,
-            "best": best.path.name if best else None, "leftovers": _leftovers(d)}  # fmt: skip
+            "best": best.path.name if best else None, "leftovers": _leftovers(where)}  # fmt: skip
 
 
 def _is_checkpoint(where: Any) -> bool:
@@ -196,33 +196,13 @@ def _is_checkpoint(where: Any) -> bool:
     return True
 
 
-def _leftovers(directory: Any) -> list[dict[str, Any]]:
-    """What killed saves and conversions left in a local ``directory`` (staging, trash, temporary files), with
-    sizes; the next save into the directory sweeps them. (An object store's pending saves are swept the same way.)"""
-    from pathlib import Path
-
-    from torchrl_dcp.storage.commit import STAGING_TAG, TMP_TAG, TRASH_TAG
-
-    out: list[dict[str, Any]] = []
-    if not isinstance(directory, Path):
-        return out
-    try:
-        names = sorted(os.listdir(directory))
-    except OSError:
-        return out
-    for name in names:
-        if any(tag in name for tag in (STAGING_TAG, TRASH_TAG, TMP_TAG)):
-            out.append({"name": name, "bytes": _tree_size(os.path.join(directory, name))})
+def _leftovers(where: Any) -> list[dict[str, Any]]:
+    """What killed saves and conversions left in the rotation directory (staging areas, trash, temporary files),
+    with their sizes where known; the next save into the directory sweeps them."""
+    out = []
+    for left in where.leftovers():
+        out.append({"name": left.name, "owner": left.owner, "bytes": where.child(left.name).size()})
     return out
-
-
-def _tree_size(path: str) -> int:
-    if not os.path.isdir(path) or os.path.islink(path):
-        return os.lstat(path).st_size
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        total += sum(os.lstat(os.path.join(root, f)).st_size for f in files)
-    return total
 
 
 def _print_ls(info: dict[str, Any], metric: str | None) -> None:

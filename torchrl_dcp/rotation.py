@@ -51,6 +51,7 @@ from torchrl_dcp.errors import (
     StaleCheckpointWarning,
 )
 from torchrl_dcp.format.layout import DCP_METADATA
+from torchrl_dcp.json_values import plain_scalars
 from torchrl_dcp.preemption import PreemptionWatcher
 from torchrl_dcp.save_policy import MetricMode, Retention, SaveSchedule, parse_keep_best
 from torchrl_dcp.storage.backends import location_for
@@ -385,7 +386,7 @@ class CheckpointRotation:
     ) -> tuple[Path, dict[str, Any], dict[str, Any]]:
         """Check the step and the metric, wait for a save in flight, choose the commit counter and the base."""
         _check_step(step)
-        metadata = dict(metadata or {})
+        metadata = plain_scalars(dict(metadata or {}))  # a metric may be a numpy or 0-d tensor scalar
         if self.keep_best is not None:
             _metric(metadata.get(self.keep_best[0]), self.keep_best[0], required=True)
         _wait(ckpt)  # a save in flight prunes in its thread: never interleave with its collectives

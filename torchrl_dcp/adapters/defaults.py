@@ -28,7 +28,8 @@ from torchrl_dcp.adapters.generators import NumpyGeneratorAdapter, NumpyRandomSt
 from torchrl_dcp.adapters.modules import ModuleAdapter, OptimizerAdapter
 from torchrl_dcp.adapters.registry import register_adapter
 from torchrl_dcp.adapters.replay_buffer import ReplayBufferAdapter
-from torchrl_dcp.adapters.rng import GeneratorAdapter, RNGState, RNGStateAdapter
+from torchrl_dcp.adapters.rng import GeneratorAdapter, RNGState, RNGStateAdapter, TorchrlGlobalRNGAdapter
+from torchrl_dcp.adapters.tensor import TensorAdapter
 from torchrl_dcp.adapters.tensordict import TensorDictAdapter
 from torchrl_dcp.adapters.trainer import register_trainer_adapters
 
@@ -40,7 +41,14 @@ def register_default_adapters() -> None:
     register_adapter(torch.nn.Module, ModuleAdapter())
     register_adapter(torch.optim.Optimizer, OptimizerAdapter())
     register_adapter(TensorDictBase, TensorDictAdapter())
+    register_adapter(torch.Tensor, TensorAdapter())
     register_adapter(RNGState, RNGStateAdapter())
+    try:
+        from torchrl.checkpoint import GlobalRNGState
+    except ImportError:  # (a torchrl without torchrl.checkpoint)
+        GlobalRNGState = None
+    if GlobalRNGState is not None:
+        register_adapter(GlobalRNGState, TorchrlGlobalRNGAdapter())
     register_adapter(torch.Generator, GeneratorAdapter())
     register_adapter(random.Random, PythonRandomAdapter())
     register_adapter(np.random.Generator, NumpyGeneratorAdapter())

@@ -1,7 +1,8 @@
-"""Adapter for plain values: dicts, lists and tuples of JSON scalars (and tensors).
+"""Adapter for plain values: dicts (and any ``Mapping``), lists and tuples of JSON scalars (and tensors).
 
 Loading returns the saved value in ``LoadResult.values[name]`` and, when the
-registered object is a mutable ``dict`` or ``list``, also updates it in place.
+registered object is a mutable mapping (``dict``, ``OrderedDict``, Hydra's ``DictConfig``) or ``list``, also updates
+it in place. A mapping of another type is stored as a plain ``dict`` of its items (nested mappings too).
 
 Example:
     >>> from torchrl_dcp.adapters.json import is_plain_value
@@ -12,6 +13,8 @@ Example:
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
@@ -20,12 +23,22 @@ _SCALARS = (type(None), bool, int, float, str)
 
 
 def is_plain_value(value: Any) -> bool:
-    """A scalar or a plain ``dict``/``list``/``tuple``: stored by the JSON adapter.
+    """A scalar, a mapping or a plain ``list``/``tuple``: stored by the JSON adapter.
 
     Its content is checked when saving; an entry that cannot be stored raises
     an error naming its key.
     """
-    return isinstance(value, _SCALARS) or type(value) in (dict, list, tuple)
+    return isinstance(value, (*_SCALARS, Mapping)) or type(value) in (list, tuple)
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every mapping turned into a ``dict`` (an ``OrderedDict`` kept as one), recursively."""
+    if isinstance(value, Mapping):
+        items = [(k, _plain(v)) for k, v in value.items()]
+        return OrderedDict(items) if type(value) is OrderedDict else dict(items)
+    if type(value) in (list, tuple):
+        return type(value)(_plain(v) for v in value)
+    return value
 
 
 class JSONAdapter(Adapter):
@@ -35,14 +48,14 @@ class JSONAdapter(Adapter):
     version = 1
 
     def state(self, obj: Any, ctx: AdapterContext) -> Any:
-        return obj
+        return _plain(obj)
 
     def snapshot(self, obj: Any, ctx: AdapterContext) -> Any:
         """A shallow copy: restoring replaces the container's items and never writes into the old ones."""
         return copy.copy(obj)
 
     def restore(self, obj: Any, state: Any, ctx: AdapterContext) -> Any:
-        if isinstance(obj, dict) and isinstance(state, dict):
+        if isinstance(obj, MutableMapping) and isinstance(state, Mapping):
             obj.clear()
             obj.update(state)
         elif isinstance(obj, list) and isinstance(state, list):

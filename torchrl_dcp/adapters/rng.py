@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
+from torchrl_dcp.adapters.state_dict import StateDictAdapter
 from torchrl_dcp.errors import IncompatibleComponentError, InexactResumeWarning
 from torchrl_dcp.format.record import byte_view
 
@@ -172,6 +173,28 @@ class RNGStateAdapter(Adapter):
     def reshard(self, obj: RNGState, states: dict[int, Any], ctx: AdapterContext) -> Any:
         (state,) = states.values()
         seed = derived_seed(state["torch"], ctx.rank, ctx.world_size)
+        random.seed(seed)
+        np.random.seed(seed % (1 << 32))
+        torch.manual_seed(seed)
+        if torch.cuda.is_available():
+            torch.cuda.manual_seed_all(seed)
+        return None
+
+
+class TorchrlGlobalRNGAdapter(StateDictAdapter):
+    """torchrl's ``torchrl.checkpoint.GlobalRNGState``: its ``state_dict``, per rank (each rank's own streams),
+    restored last; after a world-size change, deterministically re-seeded like :class:`RNGState`."""
+
+    default_placement = "per_rank"
+    restore_last = True
+    can_reshard = True
+
+    def reshard_sources(self, saved: dict[int, Any], ctx: AdapterContext) -> list[int]:
+        return same_rank_source(ctx)
+
+    def reshard(self, obj: Any, states: dict[int, Any], ctx: AdapterContext) -> Any:
+        (state,) = states.values()
+        seed = derived_seed(state["torch_cpu"], ctx.rank, ctx.world_size)
         random.seed(seed)
         np.random.seed(seed % (1 << 32))
         torch.manual_seed(seed)
