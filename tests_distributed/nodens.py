@@ -35,9 +35,15 @@ ROOT = Path(__file__).resolve().parent.parent  # the code under test: must stay 
 
 
 def _kept(shared: Path | None) -> list[Path]:
-    """What must stay visible under the private ``/tmp``: the shared directory, and this checkout when it lies there."""
-    paths = [p.resolve() for p in (shared, ROOT) if p is not None]
-    return [p for i, p in enumerate(paths) if p.is_relative_to("/tmp") and p not in paths[:i]]
+    """What must stay visible under the private ``/tmp``: the shared directory, this checkout and the interpreter
+    (a virtualenv's prefix and its base), when they lie there; a path inside another kept one is kept with it."""
+    candidates = [shared, ROOT, Path(sys.prefix), Path(sys.base_prefix), Path(sys.executable).parent]
+    paths = sorted({p.resolve() for p in candidates if p is not None}, key=lambda p: len(p.parts))
+    kept: list[Path] = []
+    for p in paths:
+        if p.is_relative_to("/tmp") and not any(p.is_relative_to(k) for k in kept):
+            kept.append(p)
+    return kept
 
 
 def private_tmp(shared: Path | None) -> None:

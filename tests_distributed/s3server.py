@@ -102,7 +102,7 @@ def s3_server() -> LocalS3:
 def s3() -> Iterator[LocalS3]:
     """moto's S3 server on 127.0.0.1 (a free port) for the session; skipped without s3fs/moto[server]."""
     if not have_s3():
-        pytest.skip("s3fs and moto[server] are not installed (pip install -e '.[test,s3]')")
+        pytest.skip("s3fs and moto[server] are not installed (pip install -e '.[test,s3,test-s3]')")
     server = s3_server()
     yield server
     server.stop()

@@ -174,3 +174,16 @@ def test_rotation_order_survives_a_coordinator_node_with_a_clock_behind(tmp_path
     # the job is restarted; torchrun puts rank 0 on a node whose clock is an hour behind
     second = _scenario("rotation_saves", run, [40, 50], 3600, out=tmp_path / "o2", root=tmp_path / "b", nproc=1)
     assert second[0]["value"] == {"kept": [40, 50], "latest": "step-000000000050"}
+
+
+def test_a_node_keeps_the_interpreter_visible_when_it_lives_under_tmp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A virtualenv under /tmp (CI, a scratch machine) must stay visible in a node's private /tmp, or the node's
+    torchrun cannot start (the mount-namespace test failed instead of running)."""
+    import sys
+
+    from tests_distributed.nodens import _kept
+
+    monkeypatch.setattr(sys, "prefix", "/tmp/some-venv")
+    monkeypatch.setattr(sys, "executable", "/tmp/some-venv/bin/python")
+    kept = _kept(Path("/tmp/some-venv/shared"))
+    assert Path("/tmp/some-venv") in kept and Path("/tmp/some-venv/shared") not in kept  # (inside a kept path)
