@@ -98,3 +98,28 @@ def test_a_loss_whose_value_estimator_is_not_built_yet_is_told_to_build_it(tmp_p
         tdcp.DistributedCheckpoint(loss=fresh).load(path)
     fresh.make_value_estimator()
     tdcp.DistributedCheckpoint(loss=fresh).load(path)
+
+
+def test_trainer_load_from_file_reads_our_checkpoints_and_names_torchrls(tmp_path: Path) -> None:
+    """torchrl's Trainer.load_from_file sent our directories to torch.load (IsADirectoryError); with our checkpoint
+    attached it loads them (directory and archive) and returns the Trainer; a torchrl.checkpoint checkpoint is
+    named with what to do instead of a TypeError."""
+    from torchrl.checkpoint import Checkpoint
+
+    from torchrl_dcp.audit import state_differences, state_snapshot
+
+    trainer, _, loss = build("iql", tmp_path / "run")
+    trainer.train()
+    path = tdcp.CheckpointRotation(tmp_path / "run").entries()[-1].path
+    saved = state_snapshot(loss, "loss")
+    archive = tdcp.to_archive(path, tmp_path / "ckpt.zip")
+    for source in (path, archive):
+        fresh, fresh_buffer, fresh_loss = build("iql", tmp_path / "other")
+        assert fresh.load_from_file(source) is fresh
+        assert state_differences(saved, state_snapshot(fresh_loss, "loss")) == []
+        assert len(fresh_buffer) == 64  # registered lazily by torchrl, loaded too
+    theirs = Checkpoint()
+    theirs.register("loss_module", loss)
+    theirs.save(tmp_path / "torchrl-ckpt")
+    with pytest.raises(tdcp.CheckpointFormatError, match="torchrl.checkpoint checkpoint.*torchrl's own Checkpoint"):
+        build("iql", tmp_path / "other2")[0].load_from_file(tmp_path / "torchrl-ckpt")

@@ -42,6 +42,7 @@ from torchrl_dcp.replicas import check_mode as check_replica_mode
 from torchrl_dcp.storage.backends import location_for, save_location
 from torchrl_dcp.storage.base import Location
 from torchrl_dcp.storage.urls import resolve_path
+from torchrl_dcp.trainer_binding import TRAINER_MARKER, bind_trainer_load, sync_trainer
 
 __all__ = ["DistributedCheckpoint", "LoadResult"]
 
@@ -235,10 +236,12 @@ class DistributedCheckpoint:
             resolved,
             None if replica_check is None else check_replica_mode(replica_check),
         )
-        if name == _TRAINER_MARKER:  # a torchrl Trainer is binding this checkpoint
+        if name == TRAINER_MARKER:  # a torchrl Trainer is binding this checkpoint
             if not any(isinstance(r.value, RNGState) for r in self._components.values()) and "rng" not in self:
                 self.register("rng", RNGState())  # give every rank its RNG streams too
             trainer = getattr(component, "trainer", None)
+            if getattr(trainer, "checkpoint", None) is self:
+                bind_trainer_load(trainer, self)  # trainer.load_from_file reads our checkpoints
             bind = getattr(getattr(trainer, "checkpoint_rotation", None), "_bind_trainer", None)
             if callable(bind) and getattr(trainer, "checkpoint", None) is self:
                 bind(trainer, self)  # our CheckpointRotation: its policies and preemption drive the Trainer's saves
@@ -503,7 +506,7 @@ class DistributedCheckpoint:
         _check_strict(strict)
         if world_size_change not in ("error", "reshard"):
             raise ValueError(f"world_size_change must be 'error' or 'reshard', got {world_size_change!r}")
-        _sync_trainer(self)
+        sync_trainer(self)
         requested = self._select(components, None)
         options = dict(component_options or {})
         request = load_engine.LoadRequest(
@@ -535,22 +538,6 @@ class DistributedCheckpoint:
 
 
 # ---------------------------------------------------------------------- helpers
-_TRAINER_MARKER = "trainer_state"  # what torchrl's Trainer registers when it binds a checkpoint
-
-
-def _sync_trainer(ckpt: DistributedCheckpoint) -> None:
-    """Register what the bound torchrl ``Trainer`` would register at its next save, before a load.
-
-    torchrl's Trainer registers its components when it is built and again before each save; trainers that set
-    their replay buffer or target updater after ``Trainer.__init__`` (IQL, CQL in torchrl 0.14) are registered only
-    at the first save, so a resume in a fresh process would skip them. The Trainer's own sync (a private method:
-    skipped when a torchrl version lacks it) runs first, registering only names not yet registered.
-    """
-    marker = ckpt._components.get(_TRAINER_MARKER)
-    trainer = getattr(getattr(marker, "value", None), "trainer", None)
-    sync = getattr(trainer, "_sync_checkpoint_components", None)
-    if callable(sync) and getattr(trainer, "checkpoint", None) is ckpt:
-        sync(ckpt)
 
 
 def _incremental_base(incremental_from: Any, destination: Location, storage_options: Any) -> Location | None:

@@ -1,0 +1,94 @@
+"""How a torchrl ``Trainer`` and a ``DistributedCheckpoint`` meet: its lazy registrations, its ``load_from_file``.
+
+torchrl's Trainer registers its components through ``checkpoint.register`` (``trainer_state`` last, which tells a
+checkpoint that a Trainer binds it). Two of its entry points need help to work with our checkpoint:
+
+- :func:`sync_trainer`: trainers that register components after ``Trainer.__init__`` (IQL, CQL) are registered before
+  a load, so a fresh process resumes them too;
+- :func:`bind_trainer_load`: ``trainer.load_from_file(path)`` reads our checkpoints.
+
+Example:
+    >>> TRAINER_MARKER
+    'trainer_state'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torchrl_dcp.errors import CheckpointError, CheckpointFormatError
+from torchrl_dcp.storage.backends import location_for
+
+__all__ = ["TRAINER_MARKER", "bind_trainer_load", "sync_trainer"]
+
+TRAINER_MARKER = "trainer_state"  # what torchrl's Trainer registers when it binds a checkpoint
+
+
+def sync_trainer(ckpt: Any) -> None:
+    """Register what the bound torchrl ``Trainer`` would register at its next save, before a load.
+
+    torchrl's Trainer registers its components when it is built and again before each save; trainers that set
+    their replay buffer or target updater after ``Trainer.__init__`` (IQL, CQL in torchrl 0.14) are registered only
+    at the first save, so a resume in a fresh process would skip them. The Trainer's own sync (a private method:
+    skipped when a torchrl version lacks it) runs first, registering only names not yet registered.
+    """
+    marker = ckpt._components.get(TRAINER_MARKER)
+    trainer = getattr(getattr(marker, "value", None), "trainer", None)
+    sync = getattr(trainer, "_sync_checkpoint_components", None)
+    if callable(sync) and getattr(trainer, "checkpoint", None) is ckpt:
+        sync(ckpt)
+
+
+def bind_trainer_load(trainer: Any, ckpt: Any) -> None:
+    """Make ``trainer.load_from_file(path)`` load a torchrl_dcp checkpoint (directory, archive or URL) into ``ckpt``.
+
+    torchrl's ``Trainer.load_from_file`` recognises only ``torchrl.checkpoint``'s manifest and sends anything else to
+    ``torch.load`` (``IsADirectoryError`` on our directories). The instance's method is wrapped: our checkpoints
+    load through ``ckpt.load`` (the Trainer's lazy registrations first, then every registered component; torchrl's
+    ``strict=True``/``False`` as ``"error"``/``"warn"``, ``map_location`` passed on), then the collector's policy
+    weights are synchronised as torchrl does; other files go to torchrl's own method.
+    """
+    original = getattr(trainer, "load_from_file", None)
+    if not callable(original) or getattr(original, "_tdcp_bound", False):
+        return
+
+    def load_from_file(file: Any, **kwargs: Any) -> Any:
+        if not _is_our_checkpoint(file, ckpt.storage_options):
+            if _is_torchrl_checkpoint(file):
+                raise CheckpointFormatError(
+                    f"{file} is a torchrl.checkpoint checkpoint; this Trainer's checkpoint is a torchrl_dcp "
+                    "DistributedCheckpoint, which does not read that format: load it with torchrl's own Checkpoint "
+                    "(trainer.checkpoint = torchrl.checkpoint.Checkpoint(); trainer.load_from_file(path)), then "
+                    "attach the DistributedCheckpoint again and save",
+                    path=file,
+                )
+            return original(file, **kwargs)
+        strict = kwargs.pop("strict", None)
+        options: dict[str, Any] = {"map_location": kwargs.pop("map_location", None)}
+        if strict is not None:
+            options["strict"] = "error" if strict else "warn"
+        result = ckpt.load(file, **options)
+        update = getattr(getattr(trainer, "collector", None), "update_policy_weights_", None)
+        if "policy" in result.loaded and callable(update):
+            update()  # local copies and workers see the restored learner, as after torchrl's own load
+        return trainer
+
+    load_from_file._tdcp_bound = True  # type: ignore[attr-defined]
+    load_from_file.__doc__ = original.__doc__
+    trainer.load_from_file = load_from_file
+
+
+def _is_our_checkpoint(path: Any, storage_options: Any) -> bool:
+    try:
+        location_for(path, storage_options).manifest()
+    except (CheckpointError, OSError, TypeError, ValueError):
+        return False
+    return True
+
+
+def _is_torchrl_checkpoint(path: Any) -> bool:
+    try:
+        from torchrl.checkpoint import Checkpoint
+    except ImportError:
+        return False
+    return bool(Checkpoint.is_checkpoint(path))
