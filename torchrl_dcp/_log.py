@@ -17,6 +17,8 @@ import logging
 import os
 import sys
 
+from torchrl_dcp.settings import setting
+
 __all__ = ["get_logger"]
 
 logging.getLogger("torchrl_dcp").addHandler(logging.NullHandler())
@@ -34,7 +36,7 @@ def _rank() -> int:
 
 class _RankZeroInfo(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.WARNING or os.environ.get("TDCP_LOG_ALL_RANKS") == "1":
+        if record.levelno >= logging.WARNING or setting("TDCP_LOG_ALL_RANKS"):
             return True
         return _rank() == 0
 

@@ -24,10 +24,11 @@ Example:
 from __future__ import annotations
 
 import math
-import os
 
-CHUNK_BYTES = int(os.environ.get("TDCP_CHUNK_BYTES", 8 << 20))
-MIN_CHUNKED_BYTES = int(os.environ.get("TDCP_MIN_CHUNKED_BYTES", 2 * CHUNK_BYTES))
+from torchrl_dcp.settings import setting
+
+CHUNK_BYTES = setting("TDCP_CHUNK_BYTES")
+MIN_CHUNKED_BYTES = setting("TDCP_MIN_CHUNKED_BYTES") or 2 * CHUNK_BYTES
 
 
 def chunk_ranges(

@@ -20,18 +20,18 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import zlib
 from collections.abc import Callable
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointIntegrityError
+from torchrl_dcp.settings import setting
 
 _U32 = 0xFFFFFFFF
 
 
 def _implementation() -> tuple[Callable[..., int], str]:
-    if os.environ.get("TDCP_CRC32", "") != "zlib":
+    if setting("TDCP_CRC32") != "zlib":
         try:
             from isal import isal_zlib
 

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 from torchrl_dcp.errors import CheckpointIntegrityError
 from torchrl_dcp.format.checksums import crc32, crc32_combine
+from torchrl_dcp.settings import setting
 from torchrl_dcp.storage.writeback import Writeback
 
 BUFFER = 4 << 20
@@ -52,9 +53,9 @@ def node_cpus_per_rank() -> int:
 
 
 def _threads(variable: str, cap: int) -> int:
-    env = os.environ.get(variable)
-    if env:
-        return max(1, int(env))
+    chosen = setting(variable)
+    if chosen is not None:
+        return chosen
     return max(1, min(cap, node_cpus_per_rank()))
 
 
@@ -67,19 +68,12 @@ def read_threads() -> int:
     """Reader threads per process: ``TDCP_READ_THREADS``, else this rank's share of the node's CPUs (at most 2)
     plus one: one read more in flight than there are CPUs to copy and checksum keeps a cold disk busy (1 GiB in
     128 chunk files, cold, on 2 CPUs: 0.30-0.33 s with 3 threads against 0.33-0.39 s with 2; warm unchanged)."""
-    if os.environ.get("TDCP_READ_THREADS"):
+    if setting("TDCP_READ_THREADS") is not None:
         return _threads("TDCP_READ_THREADS", 2)
     return _threads("TDCP_READ_THREADS", 2) + 1
 
 
-def _read_ahead_bytes() -> int:
-    try:
-        return max(0, int(os.environ.get("TDCP_READ_AHEAD", 32 << 20)))
-    except ValueError:
-        return 32 << 20
-
-
-READ_AHEAD = _read_ahead_bytes()  # bytes asked of the kernel ahead of the reads (``TDCP_READ_AHEAD``; 0: none)
+READ_AHEAD = setting("TDCP_READ_AHEAD")  # bytes asked of the kernel ahead of the reads (``TDCP_READ_AHEAD``; 0: none)
 
 
 class ReadAhead:

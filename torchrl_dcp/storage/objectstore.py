@@ -45,6 +45,7 @@ from torchrl_dcp.errors import (
 from torchrl_dcp.format import manifest as schema
 from torchrl_dcp.format.checksums import checksum_mismatch, crc32, crc32_combine, format_crc
 from torchrl_dcp.format.layout import DCP_METADATA, MANIFEST, MAX_MANIFEST_BYTES, TRAILER_SIZE
+from torchrl_dcp.settings import setting
 from torchrl_dcp.storage.base import ByteRange
 from torchrl_dcp.storage.urls import StorePath
 
@@ -53,17 +54,17 @@ READ_PIECE = 8 << 20  # bytes per ranged read when checksumming or downloading
 
 def part_size() -> int:
     """Bytes per uploaded part (``TDCP_STORE_PART_SIZE``, at least 5 MiB: S3's minimum part)."""
-    return max(5 << 20, int(os.environ.get("TDCP_STORE_PART_SIZE", 16 << 20)))
+    return setting("TDCP_STORE_PART_SIZE")
 
 
 def range_size() -> int:
     """Most bytes per ranged GET of a load (``TDCP_STORE_RANGE_SIZE``, default 32 MiB; larger records: several)."""
-    return max(1 << 20, int(os.environ.get("TDCP_STORE_RANGE_SIZE", 32 << 20)))
+    return setting("TDCP_STORE_RANGE_SIZE")
 
 
 def concurrency() -> int:
     """Requests in flight per rank (``TDCP_STORE_CONCURRENCY``, default 8)."""
-    return max(1, int(os.environ.get("TDCP_STORE_CONCURRENCY", 8)))
+    return setting("TDCP_STORE_CONCURRENCY")
 
 
 def store_error(err: BaseException, what: str, where: Any) -> CheckpointError:

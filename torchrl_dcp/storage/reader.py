@@ -58,6 +58,7 @@ from torchrl_dcp.format.checksums import combined_crc, crc32, format_crc
 from torchrl_dcp.format.dcp_metadata import chunk_specs
 from torchrl_dcp.format.layout import is_plain_name
 from torchrl_dcp.format.record import decode_record, is_memmap_tensor, record_data_offset
+from torchrl_dcp.settings import setting
 from torchrl_dcp.storage.base import ByteRange, Container
 from torchrl_dcp.storage.copying import ReadAhead, read_threads, run_split
 from torchrl_dcp.storage.files import open_regular
@@ -120,7 +121,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         self.on_read = on_read
         self.stats = {"in_place": 0, "staged": 0, "fallback": 0, "bytes": 0, "verified_files": 0}
         self.mismatch_note = "found while reading it; nothing was restored"  # what a checksum mismatch means
-        self.prefault = os.environ.get("TDCP_READ_PREFAULT", "1") != "0"  # map fresh pages ahead of large reads
+        self.prefault = setting("TDCP_READ_PREFAULT")  # map fresh pages ahead of large reads
         self._lock = threading.RLock()  # stats and planner calls, from the threads reading records and files
         self._local = threading.local()  # each reading thread's scratch buffer
         self._specs: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]] = {}

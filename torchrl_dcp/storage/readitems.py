@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from torchrl_dcp.errors import CheckpointIntegrityError
 from torchrl_dcp.format.record import STORAGE_NAMES, byte_view, is_memmap_tensor, template
+from torchrl_dcp.settings import setting
 from torchrl_dcp.storage.base import ByteRange
 from torchrl_dcp.storage.files import open_regular
 from torchrl_dcp.storage.libc import libc
@@ -110,7 +111,7 @@ class RangeFile:
 # ---------------------------------------------------------------------- destinations
 @functools.lru_cache(maxsize=1)
 def _hugepages_wanted() -> bool:
-    if os.environ.get("TDCP_READ_HUGEPAGES", "1") == "0" or not sys.platform.startswith("linux"):
+    if not setting("TDCP_READ_HUGEPAGES") or not sys.platform.startswith("linux"):
         return False
     try:
         return "[madvise]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
