@@ -304,3 +304,15 @@ def test_an_entry_damaged_between_its_commit_and_the_prune_prunes_nothing(
     fresh = {"w": torch.zeros(64)}
     info = tdcp.resume(tdcp.DistributedCheckpoint(state=fresh), tmp_path)
     assert info.step == 1 and torch.equal(fresh["w"], torch.arange(64.0))
+
+
+def test_a_printed_resume_reads_in_one_line(tmp_path: Path) -> None:
+    """Printing tdcp.resume's result dumped the whole manifest; it now says where, which step and what loaded."""
+    ckpt = tdcp.DistributedCheckpoint(model=torch.nn.Linear(2, 2))
+    tdcp.CheckpointRotation(tmp_path).save(ckpt, step=3)
+    info = tdcp.resume(ckpt, tmp_path)
+    text = repr(info)
+    assert text.startswith("ResumeInfo(step=3, path=") and "loaded=['model']" in text and "\n" not in text
+    assert len(text) < 200 and "format_version" not in text
+    result = repr(info.result)
+    assert result.startswith("LoadResult(path=") and "step=3" in result and "format_version" not in result

@@ -100,6 +100,17 @@ class LoadResult:
     def step(self) -> int | None:
         return self.manifest.get("step")
 
+    def __repr__(self) -> str:  # the manifest and values stay out of it: a printed result reads in one line
+        parts = [f"path={str(self.path)!r}", f"step={self.step!r}", f"loaded={sorted(self.loaded)!r}"]
+        for name in ("missing", "unrequested"):
+            if getattr(self, name):
+                parts.append(f"{name}={sorted(getattr(self, name))!r}")
+        if self.incompatible:
+            parts.append(f"incompatible={self.incompatible!r}")
+        if self.version_skew:
+            parts.append("version_skew=True")
+        return f"LoadResult({', '.join(parts)})"
+
     @property
     def version_skew(self) -> bool:
         return bool(self.comparison.get("version_skew"))

@@ -117,6 +117,9 @@ class ResumeInfo:
     path: Path
     result: Any
 
+    def __repr__(self) -> str:  # (the result's manifest stays out: printing a resume reads in one line)
+        return f"ResumeInfo(step={self.step}, path={str(self.path)!r}, loaded={sorted(self.result.loaded)!r})"
+
 
 @dataclass(frozen=True)
 class SaveDecision:
