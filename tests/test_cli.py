@@ -340,3 +340,13 @@ def test_ls_refuses_a_checkpoint_and_an_unknown_metric_and_shows_leftovers(
     assert code == 0 and info["leftovers"] == [{"name": leftover.name, "owner": "step-000000000008", "bytes": 5000}]
     assert main(["ls", str(tmp_path)]) == 0
     assert "left by a killed save" in capsys.readouterr().out
+
+
+def test_inspect_and_ls_count_the_same_bytes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = save(tmp_path / "step-000000000004")
+    archive = tdcp.to_archive(path, tmp_path / "step-000000000005.zip")
+    _, listed = run_json(capsys, "ls", str(tmp_path))
+    sizes = {row["name"]: row["bytes"] for row in listed["entries"]}
+    for target in (path, archive):
+        _, info = run_json(capsys, "inspect", str(target))
+        assert info["bytes"] == sizes[target.name] and 0 < info["data_bytes"] <= info["bytes"]

@@ -56,7 +56,8 @@ def _inspect(path: str) -> dict[str, Any]:
         "versions": m["versions"],
         "components": comps,
         "files": len(m["files"]),
-        "bytes": sum(f["size"] for f in m["files"].values()),
+        "bytes": where.size() or 0,  # the whole checkpoint, manifest included: what `ls` and a disk count
+        "data_bytes": sum(f["size"] for f in m["files"].values()),
         "metadata": m["metadata"],
     }
 
@@ -95,8 +96,8 @@ def _print_inspect(info: dict[str, Any]) -> None:
         f"{info['path']} ({info['container']}): step {info['step']}, saved by {info['world_size']} rank(s) at {info['created_at']}"
     )
     print(
-        f"  format v{info['format_version']}, {info['files']} files, {info['bytes']:,} bytes; "
-        + ", ".join(f"{k} {v}" for k, v in info["versions"].items())
+        f"  format v{info['format_version']}, {info['files']} files, {info['bytes']:,} bytes "
+        f"({info['data_bytes']:,} of data); " + ", ".join(f"{k} {v}" for k, v in info["versions"].items())
     )
     for name, c in info["components"].items():
         ranks = f" ranks {c['ranks'][0]}..{c['ranks'][-1]}" if c["ranks"] else ""
