@@ -61,18 +61,11 @@ def trainer_classes() -> dict[str, type]:
 
 
 def average_gradients_over_ranks(module: torch.nn.Module) -> None:
-    """All-reduce (mean) each parameter's gradient as soon as it is accumulated: one replicated learner."""
-    if not dist.is_initialized():
-        return
-    world = dist.get_world_size()
+    """One replicated learner: the example's gradient averaging, on ranks only (the hooks matrix runs one process)."""
+    if dist.is_initialized():
+        from torchrl_dcp.examples.sac_trainer import average_gradients_over_ranks as average
 
-    def hook(param: torch.Tensor) -> None:
-        dist.all_reduce(param.grad)
-        param.grad /= world
-
-    for param in module.parameters():
-        if param.requires_grad:
-            param.register_post_accumulate_grad_hook(hook)
+        average(module)
 
 
 def _mlp(n_in: int, n_out: int) -> MLP:

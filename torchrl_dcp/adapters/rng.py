@@ -172,12 +172,7 @@ class RNGStateAdapter(Adapter):
 
     def reshard(self, obj: RNGState, states: dict[int, Any], ctx: AdapterContext) -> Any:
         (state,) = states.values()
-        seed = derived_seed(state["torch"], ctx.rank, ctx.world_size)
-        random.seed(seed)
-        np.random.seed(seed % (1 << 32))
-        torch.manual_seed(seed)
-        if torch.cuda.is_available():
-            torch.cuda.manual_seed_all(seed)
+        reseed_global_streams(state["torch"], ctx)
         return None
 
 
@@ -194,13 +189,19 @@ class TorchrlGlobalRNGAdapter(StateDictAdapter):
 
     def reshard(self, obj: Any, states: dict[int, Any], ctx: AdapterContext) -> Any:
         (state,) = states.values()
-        seed = derived_seed(state["torch_cpu"], ctx.rank, ctx.world_size)
-        random.seed(seed)
-        np.random.seed(seed % (1 << 32))
-        torch.manual_seed(seed)
-        if torch.cuda.is_available():
-            torch.cuda.manual_seed_all(seed)
+        reseed_global_streams(state["torch_cpu"], ctx)
         return None
+
+
+def reseed_global_streams(saved_torch_state: Any, ctx: AdapterContext) -> None:
+    """After a world-size change: seed Python, NumPy, torch (and CUDA) from the saved torch stream, this rank and
+    the world size (:func:`derived_seed`: the same on every resume of the same job, different between ranks)."""
+    seed = derived_seed(saved_torch_state, ctx.rank, ctx.world_size)
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
 
 
 class GeneratorAdapter(Adapter):
