@@ -123,3 +123,12 @@ def test_trainer_load_from_file_reads_our_checkpoints_and_names_torchrls(tmp_pat
     theirs.save(tmp_path / "torchrl-ckpt")
     with pytest.raises(tdcp.CheckpointFormatError, match="torchrl.checkpoint checkpoint.*torchrl's own Checkpoint"):
         build("iql", tmp_path / "other2")[0].load_from_file(tmp_path / "torchrl-ckpt")
+
+
+def test_trainer_load_from_file_says_what_is_wrong_with_a_damaged_checkpoint(tmp_path: Path) -> None:
+    trainer, _, _ = build("iql", tmp_path / "run")
+    trainer.train()
+    path = tdcp.CheckpointRotation(tmp_path / "run").entries()[-1].path
+    (path / "manifest.json").write_text("{")  # damaged: our error names it, not torch.load's IsADirectoryError
+    with pytest.raises(tdcp.CheckpointError, match="manifest"):
+        build("iql", tmp_path / "other")[0].load_from_file(path)

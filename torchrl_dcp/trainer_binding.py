@@ -53,7 +53,7 @@ def bind_trainer_load(trainer: Any, ckpt: Any) -> None:
         return
 
     def load_from_file(file: Any, **kwargs: Any) -> Any:
-        if not _is_our_checkpoint(file, ckpt.storage_options):
+        if not _is_ours(file, ckpt.storage_options):
             if _is_torchrl_checkpoint(file):
                 raise CheckpointFormatError(
                     f"{file} is a torchrl.checkpoint checkpoint; this Trainer's checkpoint is a torchrl_dcp "
@@ -78,9 +78,17 @@ def bind_trainer_load(trainer: Any, ckpt: Any) -> None:
     trainer.load_from_file = load_from_file
 
 
-def _is_our_checkpoint(path: Any, storage_options: Any) -> bool:
+def _is_ours(path: Any, storage_options: Any) -> bool:
+    """A checkpoint of ours: a directory (or store prefix) that is not torchrl's, or a file holding our manifest.
+
+    A damaged checkpoint directory of ours is still ours (its load then says what is wrong), where ``torch.load``
+    would only say it is a directory; a single file is ours when our manifest reads from it (a ``torch.save`` file
+    goes to torchrl's own method)."""
     try:
-        location_for(path, storage_options).manifest()
+        where = location_for(path, storage_options)
+        if where.entry_kind() == "checkpoint":
+            return not _is_torchrl_checkpoint(path)
+        where.manifest()
     except (CheckpointError, OSError, TypeError, ValueError):
         return False
     return True
