@@ -151,25 +151,16 @@ def build_offline_to_online(kind: str, rank: int, args: dict[str, Any]) -> dict[
     return kw
 
 
-def build_ddpg(kind: str, rank: int, args: dict[str, Any]) -> dict[str, Any]:
-    from torchrl.objectives import DDPGLoss
+def build_ddpg_td3(kind: str, rank: int, args: dict[str, Any]) -> dict[str, Any]:
+    from torchrl.objectives import DDPGLoss, TD3Loss
 
     env = make_env(1000 + rank, torch.device("cpu"))
     torch.manual_seed(0)
     actor = _deterministic_actor(env)
-    loss = DDPGLoss(actor, _q(env))
-    loss.make_value_estimator(gamma=0.99)
-    kw = _common(kind, rank, env, actor, loss, args)
-    return {**kw, "replay_buffer": _buffer(), "target_net_updater": _soft_update(loss)}
-
-
-def build_td3(kind: str, rank: int, args: dict[str, Any]) -> dict[str, Any]:
-    from torchrl.objectives import TD3Loss
-
-    env = make_env(1000 + rank, torch.device("cpu"))
-    torch.manual_seed(0)
-    actor = _deterministic_actor(env)
-    loss = TD3Loss(actor, _q(env), action_spec=env.action_spec, num_qvalue_nets=2, deactivate_vmap=True)
+    if kind == "TD3Trainer":
+        loss = TD3Loss(actor, _q(env), action_spec=env.action_spec, num_qvalue_nets=2, deactivate_vmap=True)
+    else:
+        loss = DDPGLoss(actor, _q(env))
     loss.make_value_estimator(gamma=0.99)
     kw = _common(kind, rank, env, actor, loss, args)
     return {**kw, "replay_buffer": _buffer(), "target_net_updater": _soft_update(loss)}
@@ -225,7 +216,7 @@ def build_on_policy(kind: str, rank: int, args: dict[str, Any]) -> dict[str, Any
 BUILDERS: dict[str, Callable[[str, int, dict[str, Any]], dict[str, Any]]] = {
     "A2CTrainer": build_on_policy,
     "CQLTrainer": build_iql_cql,
-    "DDPGTrainer": build_ddpg,
+    "DDPGTrainer": build_ddpg_td3,
     "DQNTrainer": build_dqn,
     "IQLTrainer": build_iql_cql,
     "OfflineToOnlineTrainer": build_offline_to_online,
@@ -233,7 +224,7 @@ BUILDERS: dict[str, Callable[[str, int, dict[str, Any]], dict[str, Any]]] = {
     "PPOTrainer": build_on_policy,
     "ReinforceTrainer": build_on_policy,
     "SACTrainer": build_sac,
-    "TD3Trainer": build_td3,
+    "TD3Trainer": build_ddpg_td3,
 }
 
 
