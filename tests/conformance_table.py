@@ -90,9 +90,10 @@ def _transforms() -> str:
         "`tests/test_conformance_transforms.py`: each transform appended to a Pendulum env under a `Collector`, "
         "saved mid-run with the RNG streams, restored into a collector built with another seed. A collector whose env "
         "holds a transform not verified exact (the rows marked so, a user's own class, a subclass) is warned about; "
-        "declare a class of your own with `tdcp.adapters.register_exact_transform`. A replay buffer's transforms are "
-        "not saved with it, but for `MultiStepTransform`'s held-back items: any but the stateless ones "
-        "(`STATELESS_TRANSFORMS`) is warned about.\n\n" + _table(("transform", "verdict", "note"), rows)
+        "declare a class of your own with `tdcp.adapters.register_exact_transform`. In a replay buffer, a transform's "
+        "module state is saved with the buffer and `MultiStepTransform`'s held-back items too; any transform but "
+        "those and the stateless ones (`STATELESS_TRANSFORMS`) is warned about as not verified exact there.\n\n"
+        + _table(("transform", "verdict", "note"), rows)
     )
 
 

@@ -245,3 +245,18 @@ def test_a_replay_buffer_ensemble_is_refused_saying_what_to_do(tmp_path: Path) -
         tdcp.DistributedCheckpoint(buffer=ensemble).save(tmp_path / "c")
     ckpt = tdcp.DistributedCheckpoint(first=ensemble[0], second=ensemble[1])  # what the message says: it saves
     ckpt.save(tmp_path / "d")
+
+
+def test_an_entry_missing_from_user_rows_is_allocated_only_when_saved_rows_back_it() -> None:
+    """A saved state of zero rows backs no byte of its shape: the entry it names is not allocated (a forged shape of
+    billions of elements per row would otherwise be), and is left for torchrl's first write."""
+    from torchrl_dcp.adapters.replay_buffer import storage_destinations
+    from torchrl_dcp.format.codec import TensorSpec
+
+    storage = TensorStorage(TensorDict({"obs": torch.zeros(CAPACITY, 3)}, [CAPACITY]))
+    huge = TensorSpec("rank/0/buffer/storage/data/index", (0, 1 << 40), torch.int64, "cpu")
+    obs = TensorSpec("rank/0/buffer/storage/data/obs", (0, 3), torch.float32, "cpu")
+    saved = {"kind": "tensor", "initialized": True, "ndim": 1, "rows": 0, "is_tensordict": True,
+             "data": {"obs": obs, "index": huge}}  # fmt: skip
+    out = storage_destinations(storage, saved, "buffer")
+    assert set(out) == {obs.key} and "index" not in storage._storage.keys()

@@ -72,18 +72,22 @@ def allocate(storage: TensorStorage, leaves: Mapping[tuple[str, ...], Any], is_t
         raise
 
 
-def live_leaf(storage: TensorStorage, key: tuple[str, ...], tail: tuple[int, ...], dtype: Any) -> Any:
+def live_leaf(
+    storage: TensorStorage, key: tuple[str, ...], tail: tuple[int, ...], dtype: Any, *, allocate: bool = True
+) -> Any:
     """The storage's tensor at ``key`` (``()``: the storage itself), an entry it lacks allocated first.
 
     A ``TensorStorage`` over rows the user allocated may lack entries the buffer writes itself (a
     ``TensorDictReplayBuffer`` adds ``index``): torchrl adds them at the first write, so a load does too (zeros of
-    saved shape past the rows: ``tail``). Anything else found is returned as is, for the caller to check.
+    saved shape past the rows: ``tail``). Pass ``allocate=False`` when no saved row backs ``tail`` (a state of
+    zero rows): a size read off disk is never allocated unless the checkpoint's bytes back it; ``None`` then. Anything
+    else found is returned as is, for the caller to check.
     """
     live = storage._storage
     if not key:
         return live
     leaf = live.get(key, None) if is_tensor_collection(live) else None
-    if leaf is None and is_tensor_collection(live):
+    if leaf is None and is_tensor_collection(live) and allocate:
         leaf = torch.zeros((int(live.shape[0]), *tail), dtype=dtype, device=live.device)
         live.set(key, leaf)
     return leaf

@@ -36,8 +36,10 @@ def _held_transforms(rb: Any) -> dict[str, MultiStepTransform]:
 
 
 def unsaved_transforms(rb: Any) -> list[str]:
-    """``"position (Class)"`` of each transform of ``rb`` whose state the buffer's checkpoint does not hold: any but
-    ``MultiStepTransform`` (saved), ``Compose`` (its children are looked at) and torchrl's stateless transforms.
+    """``"position (Class)"`` of each transform of ``rb`` not verified exact in a buffer: any but
+    ``MultiStepTransform`` (its held items saved), ``Compose`` (its children are looked at) and torchrl's stateless
+    transforms. (The buffer saves its transform's module state, parameters and buffers, as ``state_dict`` gathers
+    them; what a transform keeps elsewhere is not saved.)
 
     Example:
         >>> from torchrl.data import ReplayBuffer
@@ -65,9 +67,10 @@ def warn_unsaved_transforms(rb: Any, name: str, action: str) -> None:
     found = unsaved_transforms(rb)
     if found:
         warnings.warn(
-            f"component {name!r} ({action}): the replay buffer's transform(s) at {', '.join(found)} may hold state "
-            "(statistics, items held back) that the buffer's checkpoint does not save, so samples after a restore "
-            "may differ: register such a transform as a component of its own where it has a state_dict",
+            f"component {name!r} ({action}): the replay buffer's transform(s) at {', '.join(found)} are not verified "
+            "exact in a buffer: their module state (parameters, buffers) is saved with the buffer, state kept "
+            "elsewhere (a state_dict of their own inside a Compose, Python attributes, lazily built statistics) is "
+            "not, so samples after a restore may differ; register such a transform as a component of its own",
             InexactResumeWarning,
             stacklevel=3,
         )

@@ -160,7 +160,9 @@ def storage_destinations(storage: TensorStorage, saved: Mapping[str, Any], name:
         )
     out: dict[str, torch.Tensor] = {}
     for key, spec in flat.items():
-        leaf = live_leaf(storage, key, tuple(spec.shape[1:]), spec.dtype)
+        leaf = live_leaf(storage, key, tuple(spec.shape[1:]), spec.dtype, allocate=rows > 0)
+        if leaf is None and rows == 0:
+            continue  # nothing saved to read in, and no saved byte backs its shape: torchrl adds it at its first write
         if not isinstance(leaf, torch.Tensor) or tuple(leaf.shape[1:]) != spec.shape[1:] or leaf.dtype != spec.dtype:
             found = (tuple(leaf.shape[1:]), leaf.dtype) if isinstance(leaf, torch.Tensor) else type(leaf).__name__
             raise IncompatibleComponentError(
