@@ -21,6 +21,7 @@ from torchrl.modules import MLP, ProbabilisticActor, TanhNormal, ValueOperator
 from torchrl.objectives import CQLLoss, IQLLoss, SoftUpdate
 
 import torchrl_dcp as tdcp
+from torchrl_dcp.audit import state_differences, state_snapshot
 from torchrl_dcp.examples.sac import make_env
 
 
@@ -42,7 +43,9 @@ def make_loss(kind: str) -> tuple[Any, Any, Any]:
     return env, actor, CQLLoss(actor, q)
 
 
-def build(kind: str, directory: Path) -> tuple[Any, ReplayBuffer, Any]:
+def build(kind: str, directory: Path, *, torchrl_checkpoint: bool = False) -> tuple[Any, ReplayBuffer, Any]:
+    """A small IQL/CQL trainer saving through our checkpoint (or, ``torchrl_checkpoint``, through torchrl's own)."""
+    from torchrl.checkpoint import Checkpoint, CheckpointRotation
     from torchrl.trainers.algorithms import CQLTrainer, IQLTrainer
 
     env, actor, loss = make_loss(kind)
@@ -63,8 +66,10 @@ def build(kind: str, directory: Path) -> tuple[Any, ReplayBuffer, Any]:
             progress_bar=False,
             enable_logging=False,
             save_trainer_interval=63,
-            checkpoint=tdcp.DistributedCheckpoint(),
-            checkpoint_rotation=tdcp.CheckpointRotation(directory, keep_last=1),
+            checkpoint=Checkpoint() if torchrl_checkpoint else tdcp.DistributedCheckpoint(),
+            checkpoint_rotation=CheckpointRotation(directory, keep_last=1)
+            if torchrl_checkpoint
+            else tdcp.CheckpointRotation(directory, keep_last=1),
         )
     return trainer, buffer, loss
 
@@ -100,14 +105,9 @@ def test_a_loss_whose_value_estimator_is_not_built_yet_is_told_to_build_it(tmp_p
     tdcp.DistributedCheckpoint(loss=fresh).load(path)
 
 
-def test_trainer_load_from_file_reads_our_checkpoints_and_names_torchrls(tmp_path: Path) -> None:
+def test_trainer_load_from_file_reads_our_checkpoints(tmp_path: Path) -> None:
     """torchrl's Trainer.load_from_file sent our directories to torch.load (IsADirectoryError); with our checkpoint
-    attached it loads them (directory and archive) and returns the Trainer; a torchrl.checkpoint checkpoint is
-    named with what to do instead of a TypeError."""
-    from torchrl.checkpoint import Checkpoint
-
-    from torchrl_dcp.audit import state_differences, state_snapshot
-
+    attached it loads them (directory and archive) and returns the Trainer."""
     trainer, _, loss = build("iql", tmp_path / "run")
     trainer.train()
     path = tdcp.CheckpointRotation(tmp_path / "run").entries()[-1].path
@@ -118,11 +118,34 @@ def test_trainer_load_from_file_reads_our_checkpoints_and_names_torchrls(tmp_pat
         assert fresh.load_from_file(source) is fresh
         assert state_differences(saved, state_snapshot(fresh_loss, "loss")) == []
         assert len(fresh_buffer) == 64  # registered lazily by torchrl, loaded too
-    theirs = Checkpoint()
-    theirs.register("loss_module", loss)
-    theirs.save(tmp_path / "torchrl-ckpt")
-    with pytest.raises(tdcp.CheckpointFormatError, match="torchrl.checkpoint checkpoint.*torchrl's own Checkpoint"):
-        build("iql", tmp_path / "other2")[0].load_from_file(tmp_path / "torchrl-ckpt")
+
+
+@pytest.mark.parametrize("kind", ["iql", "cql"])
+def test_trainer_load_from_file_imports_what_torchrls_trainer_saved(tmp_path: Path, kind: str) -> None:
+    """A Trainer that saved with torchrl.checkpoint (its own rotation) resumes in a Trainer bound to our checkpoint:
+    ``load_from_file`` imports it read-only, and the Trainer holds what torchrl's own load gives, then trains on
+    identically; its next save is ours."""
+    trainer, _, _ = build(kind, tmp_path / "theirs", torchrl_checkpoint=True)
+    trainer.train()
+    path = trainer.checkpoint_rotation.latest()
+    assert path is not None and (path / "manifest.json").is_file()
+    by_torchrl, _, _ = build(kind, tmp_path / "by-torchrl", torchrl_checkpoint=True)
+    by_torchrl.load_from_file(path)
+    ours, ours_buffer, _ = build(kind, tmp_path / "ours")
+    assert ours.load_from_file(path) is ours
+    assert len(ours_buffer) == 64 and ours.collected_frames == by_torchrl.collected_frames == 64
+    names = ["loss_module", "optimizer", "replay_buffer", "target_updater"]
+    audit = {n: state_snapshot(getattr(by_torchrl, a), n) for n, a in zip(names, _ATTRS)}
+    assert [str(d) for n, a in zip(names, _ATTRS) for d in state_differences(audit[n], state_snapshot(getattr(ours, a), n))] == []  # fmt: skip
+    for t in (by_torchrl, ours):  # training goes on alike
+        t.total_frames = 96
+        torch.manual_seed(11)
+        t.train()
+    assert all(torch.equal(a, b) for a, b in zip(by_torchrl.loss_module.parameters(), ours.loss_module.parameters()))
+    assert tdcp.CheckpointRotation(tmp_path / "ours").entries()[-1].step == 96
+
+
+_ATTRS = ["loss_module", "optimizer", "replay_buffer", "target_net_updater"]
 
 
 def test_trainer_load_from_file_says_what_is_wrong_with_a_damaged_checkpoint(tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ from torchrl_dcp.replicas import check_mode as check_replica_mode
 from torchrl_dcp.storage.backends import location_for, save_location
 from torchrl_dcp.storage.base import Location
 from torchrl_dcp.storage.urls import resolve_path
+from torchrl_dcp.torchrl_format import is_torchrl_checkpoint
 from torchrl_dcp.trainer_binding import TRAINER_MARKER, bind_trainer_load, sync_trainer
 
 __all__ = ["DistributedCheckpoint", "LoadResult"]
@@ -522,6 +523,10 @@ class DistributedCheckpoint:
             chosen=components is not None,
         )
         with gc_paused():
+            if isinstance(request.path, Path) and is_torchrl_checkpoint(request.path):
+                from torchrl_dcp.torchrl_format.importer import import_load
+
+                return import_load(request)  # torchrl.checkpoint's own format, read-only (docs/api.md)
             return load_engine.load(request)
 
     def _registered(self, name: str, options: CheckpointOptions | None, map_location: Any) -> Registered:

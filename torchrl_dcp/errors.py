@@ -20,8 +20,17 @@ import os
 from typing import Any
 
 
-class CheckpointError(RuntimeError):
+class _CheckpointErrorBase(RuntimeError):
+    """Where :class:`CheckpointError` derives from ``RuntimeError`` until :func:`adopt_torchrl_base` makes it derive
+    from ``torchrl.checkpoint.CheckpointError`` (a class of the same layout)."""
+
+
+class CheckpointError(_CheckpointErrorBase):
     """A checkpoint could not be saved, read or restored.
+
+    Once torchrl is imported by this library (any save or load does) it is also a
+    ``torchrl.checkpoint.CheckpointError``, so code written for torchrl's checkpoints
+    catches ours too.
 
     Args:
         message: what was expected and what was found, and what to do next.
@@ -30,10 +39,11 @@ class CheckpointError(RuntimeError):
     """
 
     def __init__(self, message: str, *, path: Any = None, result: Any = None) -> None:
-        self.path = None if path is None else str(path)
+        where = None if path is None else str(path)
+        super().__init__(f"{where}: {message}" if where else message)
+        self.path = where
         self.result = result
         self.message = message
-        super().__init__(f"{self.path}: {message}" if self.path else message)
 
     def __reduce__(self):  # keep the keyword arguments when sent between ranks
         return (_rebuild, (type(self), self.message, self.path))
@@ -41,6 +51,21 @@ class CheckpointError(RuntimeError):
 
 def _rebuild(cls: type, message: str, path: str | None) -> CheckpointError:
     return cls(message, path=path)
+
+
+def adopt_torchrl_base() -> None:
+    """Make :class:`CheckpointError` (and so every error of this library) a ``torchrl.checkpoint.CheckpointError``.
+
+    Called when the library first imports torchrl (errors stay torch-free until then, for the CLI's
+    torch-free tools); a torchrl without ``torchrl.checkpoint`` leaves the errors as they are.
+    """
+    if CheckpointError.__bases__ != (_CheckpointErrorBase,):
+        return
+    try:
+        from torchrl.checkpoint import CheckpointError as TorchrlCheckpointError
+    except ImportError:
+        return
+    CheckpointError.__bases__ = (TorchrlCheckpointError,)
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):

@@ -5,7 +5,7 @@ checkpoint that a Trainer binds it). Two of its entry points need help to work w
 
 - :func:`sync_trainer`: trainers that register components after ``Trainer.__init__`` (IQL, CQL) are registered before
   a load, so a fresh process resumes them too;
-- :func:`bind_trainer_load`: ``trainer.load_from_file(path)`` reads our checkpoints.
+- :func:`bind_trainer_load`: ``trainer.load_from_file(path)`` reads our checkpoints, and torchrl's.
 
 Example:
     >>> TRAINER_MARKER
@@ -14,10 +14,12 @@ Example:
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from torchrl_dcp.errors import CheckpointError, CheckpointFormatError
+from torchrl_dcp.errors import CheckpointError
 from torchrl_dcp.storage.backends import location_for
+from torchrl_dcp.torchrl_format.detect import is_torchrl_checkpoint, read_torchrl_manifest
 
 __all__ = ["TRAINER_MARKER", "bind_trainer_load", "sync_trainer"]
 
@@ -46,27 +48,27 @@ def bind_trainer_load(trainer: Any, ckpt: Any) -> None:
     ``torch.load`` (``IsADirectoryError`` on our directories). The instance's method is wrapped: our checkpoints
     load through ``ckpt.load`` (the Trainer's lazy registrations first, then every registered component; torchrl's
     ``strict=True``/``False`` as ``"error"``/``"warn"``, ``map_location`` passed on), then the collector's policy
-    weights are synchronised as torchrl does; other files go to torchrl's own method.
+    weights are synchronised as torchrl does. A ``torchrl.checkpoint`` checkpoint (directory or archive) is
+    imported read-only the same way (:mod:`torchrl_dcp.torchrl_format`), its components onto the same names; the
+    ``rng`` streams our checkpoint adds to a Trainer's are not in it and keep their state. Other files (a
+    ``torch.save`` of the legacy backend) go to torchrl's own method.
     """
     original = getattr(trainer, "load_from_file", None)
     if not callable(original) or getattr(original, "_tdcp_bound", False):
         return
 
     def load_from_file(file: Any, **kwargs: Any) -> Any:
-        if not _is_ours(file, ckpt.storage_options):
-            if _is_torchrl_checkpoint(file):
-                raise CheckpointFormatError(
-                    f"{file} is a torchrl.checkpoint checkpoint; this Trainer's checkpoint is a torchrl_dcp "
-                    "DistributedCheckpoint, which does not read that format: load it with torchrl's own Checkpoint "
-                    "(trainer.checkpoint = torchrl.checkpoint.Checkpoint(); trainer.load_from_file(path)), then "
-                    "attach the DistributedCheckpoint again and save",
-                    path=file,
-                )
+        theirs = is_torchrl_checkpoint(file) if isinstance(file, (str, os.PathLike)) else False
+        if not theirs and not _is_ours(file, ckpt.storage_options):
             return original(file, **kwargs)
         strict = kwargs.pop("strict", None)
         options: dict[str, Any] = {"map_location": kwargs.pop("map_location", None)}
         if strict is not None:
             options["strict"] = "error" if strict else "warn"
+        if theirs:  # read-only import; the RNG streams we add to a Trainer's checkpoint are not in torchrl's
+            saved = set(read_torchrl_manifest(file)["components"])
+            sync_trainer(ckpt)  # the Trainer's lazy registrations first (ckpt.load would run them after the choice)
+            options["components"] = [n for n in ckpt.components if n in saved or n != "rng"]
         result = ckpt.load(file, **options)
         update = getattr(getattr(trainer, "collector", None), "update_policy_weights_", None)
         if "policy" in result.loaded and callable(update):
@@ -87,16 +89,8 @@ def _is_ours(path: Any, storage_options: Any) -> bool:
     try:
         where = location_for(path, storage_options)
         if where.entry_kind() == "checkpoint":
-            return not _is_torchrl_checkpoint(path)
+            return True
         where.manifest()
     except (CheckpointError, OSError, TypeError, ValueError):
         return False
     return True
-
-
-def _is_torchrl_checkpoint(path: Any) -> bool:
-    try:
-        from torchrl.checkpoint import Checkpoint
-    except ImportError:
-        return False
-    return bool(Checkpoint.is_checkpoint(path))

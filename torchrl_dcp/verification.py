@@ -20,6 +20,7 @@ from torchrl_dcp.format.record import stored_record
 from torchrl_dcp.load_plan import check_states
 from torchrl_dcp.storage.backends import open_source
 from torchrl_dcp.storage.source import CheckpointSource
+from torchrl_dcp.torchrl_format import is_torchrl_checkpoint
 
 
 def _check_blob_headers(src: CheckpointSource, metadata: Any) -> None:
@@ -116,6 +117,10 @@ def verify(path: str | os.PathLike, *, storage_options: dict[str, Any] | None = 
     Raises:
         CheckpointError: naming the first problem found.
     """
+    if is_torchrl_checkpoint(path) and not storage_options:
+        from torchrl_dcp.torchrl_format.importer import verify_torchrl
+
+        return verify_torchrl(path)  # torchrl.checkpoint's format (read-only): its own checks
     src = open_source(path, storage_options)
     root = src.path
     manifest = src.manifest()

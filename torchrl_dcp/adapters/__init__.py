@@ -23,8 +23,10 @@ from torchrl_dcp.adapters.registry import adapter_by_id, register_adapter, resol
 from torchrl_dcp.adapters.rng import GeneratorAdapter, RNGState, RNGStateAdapter
 from torchrl_dcp.adapters.state_dict import StateDictAdapter
 from torchrl_dcp.adapters.tensordict import TensorDictAdapter
+from torchrl_dcp.errors import adopt_torchrl_base
 
 register_default_adapters()
+adopt_torchrl_base()  # torchrl is imported now: our errors become torchrl.checkpoint.CheckpointError too
 
 __all__ = [
     "Adapter",

@@ -1,0 +1,381 @@
+"""Checkpoints written by ``torchrl.checkpoint`` (torchrl 0.14.1) load into a DistributedCheckpoint, read-only.
+
+Every case writes a real torchrl checkpoint (directory and ``.torchrl`` archive), restores it
+once with torchrl's own ``Checkpoint.load`` and once with ours into equal fresh objects, and
+compares the whole objects by the state audit: the import restores what torchrl's load does.
+Then forgeries an attacker would write: pickles, foreign classes, sizes, names.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+import shutil
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+from torchrl.checkpoint import Checkpoint, CheckpointError, GlobalRNGState, StateDictCheckpointAdapter
+from torchrl.data import (
+    LazyMemmapStorage,
+    LazyTensorStorage,
+    PrioritizedSampler,
+    ReplayBuffer,
+    SamplerWithoutReplacement,
+    TensorDictReplayBuffer,
+)
+from torchrl.data.replay_buffers.samplers import SliceSampler
+
+import torchrl_dcp as tdcp
+from torchrl_dcp.audit import state_differences, state_snapshot
+
+pytestmark = pytest.mark.filterwarnings("ignore::torchrl_dcp.UnrestoredComponentWarning")
+
+
+def _module() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+
+
+def _trained(seed: int = 0) -> dict[str, object]:
+    torch.manual_seed(seed)
+    policy = _module()
+    optim = torch.optim.Adam(policy.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(optim, 2)
+    for _ in range(3):
+        policy(torch.randn(5, 3)).sum().backward()
+        optim.step()
+        sched.step()
+    return {"policy": policy, "optimizer": optim, "scheduler": sched}
+
+
+def _fresh() -> dict[str, object]:
+    torch.manual_seed(123)
+    policy = _module()
+    optim = torch.optim.Adam(policy.parameters(), lr=1e-3)
+    return {"policy": policy, "optimizer": optim, "scheduler": torch.optim.lr_scheduler.StepLR(optim, 2)}
+
+
+def _buffers(fill: bool) -> dict[str, ReplayBuffer]:
+    out = {
+        "prioritized": TensorDictReplayBuffer(
+            storage=LazyTensorStorage(20), sampler=PrioritizedSampler(20, 0.7, 0.5), batch_size=4
+        ),
+        "memmap_nested": TensorDictReplayBuffer(
+            storage=LazyMemmapStorage(16), sampler=SamplerWithoutReplacement(), batch_size=2
+        ),
+        "plain_tensor": ReplayBuffer(storage=LazyTensorStorage(10), batch_size=2),
+    }
+    out["plain_tensor"].set_rng(torch.Generator().manual_seed(7))
+    if fill:
+        torch.manual_seed(1)
+        out["prioritized"].extend(TensorDict({"obs": torch.randn(7, 3), "a": torch.arange(7)}, [7]))
+        s = out["prioritized"].sample()
+        s["td_error"] = torch.rand(4)
+        out["prioritized"].update_tensordict_priority(s)
+        out["memmap_nested"].extend(TensorDict({"x": torch.randn(5, 2), "next": {"x": torch.randn(5, 2)}}, [5]))
+        out["memmap_nested"].sample()
+        out["plain_tensor"].extend(torch.randn(4, 2))
+        out["plain_tensor"].sample()
+    return out
+
+
+def _save(tmp_path: Path, container: str, **components: object) -> Path:
+    if container == "archive":
+        return Checkpoint(**components).save(tmp_path / "run.torchrl", format="archive", metadata={"step": 30})
+    return Checkpoint(**components).save(tmp_path / "ckpt", metadata={"step": 30})
+
+
+def _audit(objs: dict[str, object]) -> dict[str, object]:
+    return {name: state_snapshot(obj, name) for name, obj in objs.items()}
+
+
+def _same(a: dict[str, object], b: dict[str, object]) -> list[str]:
+    return [str(d) for name in a for d in state_differences(a[name], b[name])]
+
+
+@pytest.mark.parametrize("container", ["directory", "archive"])
+def test_learner_components_load_as_torchrl_loads_them(tmp_path: Path, container: str) -> None:
+    saved = _trained()
+    stats: dict[str, object] = {"episodes": 3, "best": 1.5}
+    path = _save(tmp_path, container, **saved, stats=stats, note="hello")
+    by_torchrl, ours = _fresh(), _fresh()
+    theirs_stats: dict[str, object] = {}
+    our_stats: dict[str, object] = {"stale": 1}
+    Checkpoint(**by_torchrl, stats=theirs_stats, note=None).load(path)
+    result = tdcp.DistributedCheckpoint(**ours, stats=our_stats, note="").load(path)
+    assert result.loaded == {"policy", "optimizer", "scheduler", "stats", "note"}
+    assert result.step == 30 and result.values["note"] == "hello"
+    assert our_stats == theirs_stats == stats  # a mapping is updated in place, as torchrl does
+    assert _same(_audit(by_torchrl), _audit(ours)) == []
+    assert _same(_audit(saved), _audit(ours)) == []  # and it is the state that was saved
+
+
+#: what torchrl's dump of a buffer does not hold: the indices of the storage's last write
+NOT_IN_TORCHRL_DUMPS = ("_storage._last_cursor", "_storage._last_cursor_index_value")
+
+
+@pytest.mark.parametrize("container", ["directory", "archive"])
+def test_replay_buffers_load_as_torchrl_loads_them(tmp_path: Path, container: str) -> None:
+    saved = _buffers(fill=True)
+    path = _save(tmp_path, container, **saved)
+    by_torchrl, ours = _buffers(fill=False), _buffers(fill=False)
+    # torchrl 0.14's own load cannot fill a fresh lazy storage of one tensor ("Cannot fill a non-initialized
+    # pytree-based TensorStorage"): that one is compared with the saved buffer only
+    Checkpoint(**{k: v for k, v in by_torchrl.items() if k != "plain_tensor"}).load(path, components=["prioritized", "memmap_nested"])  # fmt: skip
+    ckpt = tdcp.DistributedCheckpoint()
+    for name, rb in ours.items():
+        ckpt.register(name, rb, placement="per_rank")
+    result = ckpt.load(path)
+    assert result.loaded == set(ours)
+    both = {k: ours[k] for k in ("prioritized", "memmap_nested")}
+    # where ours differs from torchrl's load, ours matches the saved buffer: torchrl's load leaves the max priority
+    # (a float32 and an int64 tensor when saved) as the Python floats its JSON holds, and drops the batches a
+    # SamplerWithoutReplacement has left (ours derives them from the saved sample list)
+    versus_torchrl = _same(_audit({k: by_torchrl[k] for k in both}), _audit(both))
+    assert [d.split(":")[0] for d in versus_torchrl] == [
+        "prioritized._sampler._max_priority[0]",
+        "prioritized._sampler._max_priority[1]",
+        "memmap_nested._sampler._remaining_batches",
+    ]
+    differences = _same(_audit(saved), _audit(ours))
+    assert [d for d in differences if not any(a in d for a in NOT_IN_TORCHRL_DUMPS)] == []
+    for name in ours:  # and the buffers sample as the saved ones do
+        torch.manual_seed(5), np.random.seed(5), random.seed(5)
+        a = saved[name].sample()
+        torch.manual_seed(5), np.random.seed(5), random.seed(5)
+        b = ours[name].sample()
+        assert (a == b).all()
+
+
+def test_global_rng_state_is_restored(tmp_path: Path) -> None:
+    random.seed(3), np.random.seed(3), torch.manual_seed(3)
+    path = Checkpoint(rng=GlobalRNGState()).save(tmp_path / "ckpt")
+    expected = (random.random(), np.random.rand(), torch.rand(2))
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    tdcp.DistributedCheckpoint(rng=GlobalRNGState()).load(path)
+    got = (random.random(), np.random.rand(), torch.rand(2))
+    assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
+
+
+@pytest.mark.parametrize("payload", ["directory", "archive", "consolidated"])
+def test_every_tensordict_payload_format_loads(tmp_path: Path, payload: str) -> None:
+    saved = _trained()["policy"]
+    ckpt = Checkpoint()
+    ckpt.register("policy", saved, adapter=StateDictCheckpointAdapter(payload))
+    path = ckpt.save(tmp_path / "ckpt")
+    target = _fresh()["policy"]
+    tdcp.DistributedCheckpoint(policy=target).load(path)
+    assert all(torch.equal(a, b) for a, b in zip(saved.state_dict().values(), target.state_dict().values()))
+
+
+def test_a_torch_pickle_payload_is_refused_unread(tmp_path: Path) -> None:
+    ckpt = Checkpoint()
+    ckpt.register("policy", _trained()["policy"], adapter=StateDictCheckpointAdapter("torch"))
+    path = ckpt.save(tmp_path / "ckpt")
+    target = _fresh()["policy"]
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(tdcp.CheckpointFormatError, match="state.pt.*pickle"):
+        tdcp.DistributedCheckpoint(policy=target).load(path)
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+
+
+def test_trainer_style_components_and_a_trainer_state(tmp_path: Path) -> None:
+    """What torchrl's Trainer registers (policy, optimizer, replay_buffer, trainer_state) maps by name."""
+
+    class Counters:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def state_dict(self) -> dict[str, int]:
+            return {"collected_frames": self.n}
+
+        def load_state_dict(self, sd: dict[str, int]) -> None:
+            self.n = sd["collected_frames"]
+
+    saved = _trained()
+    rb = _buffers(fill=True)["prioritized"]
+    path = Checkpoint(
+        policy=saved["policy"], optimizer=saved["optimizer"], replay_buffer=rb, trainer_state=Counters(96)
+    ).save(tmp_path / "ckpt")
+    fresh = _fresh()
+    counters = Counters(0)
+    tdcp.DistributedCheckpoint(
+        policy=fresh["policy"], optimizer=fresh["optimizer"], replay_buffer=_buffers(fill=False)["prioritized"],
+        trainer_state=counters,
+    ).load(path, components=["policy", "optimizer", "replay_buffer", "trainer_state"])  # fmt: skip
+    assert counters.n == 96
+
+
+def test_our_errors_are_torchrl_checkpoint_errors(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError):  # torchrl's class: code written for torchrl's checkpoints catches ours
+        tdcp.DistributedCheckpoint(policy=_module()).load(tmp_path / "absent")
+    assert issubclass(tdcp.CheckpointFormatError, CheckpointError)
+    err = tdcp.CheckpointError("x", path="p", result="r")
+    assert (err.path, err.result, err.message) == ("p", "r", "x")
+
+
+def test_a_failure_while_restoring_rolls_back_what_was_restored(tmp_path: Path) -> None:
+    class Refuses:  # takes its own state back (the rollback), refuses the saved one
+        def __init__(self, a: int) -> None:
+            self.a = a
+
+        def state_dict(self) -> dict[str, int]:
+            return {"a": self.a}
+
+        def load_state_dict(self, sd: dict[str, int]) -> None:
+            if sd["a"] == 1:
+                raise RuntimeError("refused by the object")
+            self.a = sd["a"]
+
+    saved = _trained()
+    path = Checkpoint(policy=saved["policy"], zzz=Refuses(1)).save(tmp_path / "ckpt")
+    target = _fresh()["policy"]
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(tdcp.CheckpointError, match="refused by the object.*rolled back"):
+        tdcp.DistributedCheckpoint(policy=target, zzz=Refuses(0)).load(path)
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+
+
+def test_missing_and_incompatible_components_follow_strict(tmp_path: Path) -> None:
+    path = Checkpoint(policy=_trained()["policy"]).save(tmp_path / "ckpt")
+    with pytest.raises(tdcp.CheckpointError, match="missing"):
+        tdcp.DistributedCheckpoint(policy=_module(), extra=torch.nn.Linear(1, 1)).load(path)
+    with pytest.warns(tdcp.PartialLoadWarning):
+        r = tdcp.DistributedCheckpoint(policy=_module(), extra=torch.nn.Linear(1, 1)).load(path, strict="warn")
+    assert r.loaded == {"policy"} and r.missing == {"extra"}
+
+
+def test_unsupported_buffer_parts_are_refused_naming_the_class(tmp_path: Path) -> None:
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(12), sampler=SliceSampler(num_slices=2), batch_size=4)
+    rb.extend(TensorDict({"x": torch.randn(6, 1), "episode": torch.zeros(6, dtype=torch.long)}, [6]))
+    path = Checkpoint(rb=rb).save(tmp_path / "ckpt")
+    fresh = TensorDictReplayBuffer(storage=LazyTensorStorage(12), sampler=SliceSampler(num_slices=2), batch_size=4)
+    with pytest.raises(tdcp.CheckpointError, match="SliceSampler sampler cannot be imported"):
+        tdcp.DistributedCheckpoint(rb=fresh).load(path)
+
+
+# ---------------------------------------------------------------------- forgeries
+def _forge_json(path: Path, member: str, edit) -> None:
+    f = path / member
+    f.write_text(json.dumps(edit(json.loads(f.read_text()))))
+
+
+def _policy_ckpt(tmp_path: Path) -> Path:
+    return Checkpoint(policy=_trained()["policy"]).save(tmp_path / "ckpt")
+
+
+def test_a_tensor_file_of_the_wrong_size_is_refused_naming_it(tmp_path: Path) -> None:
+    path = _policy_ckpt(tmp_path)
+    f = next((path / "components").glob("*/state/tensor_00000000.memmap"))
+    f.write_bytes(f.read_bytes()[:-4])
+    with pytest.raises(tdcp.CheckpointIntegrityError, match="tensor_00000000.memmap"):
+        tdcp.DistributedCheckpoint(policy=_module()).load(path)
+
+
+def test_a_foreign_tensordict_class_is_not_imported(tmp_path: Path) -> None:
+    path = _policy_ckpt(tmp_path)
+    member = next((path / "components").glob("*/state/meta.json")).relative_to(path).as_posix()
+    _forge_json(path, member, lambda m: {**m, "_type": "<class 'os._wrap_close'>"})
+    with pytest.raises(tdcp.CheckpointFormatError, match="only plain TensorDicts"):
+        tdcp.DistributedCheckpoint(policy=_module()).load(path)
+
+
+def test_a_schema_naming_an_absent_tensor_or_an_unknown_kind_is_refused(tmp_path: Path) -> None:
+    path = _policy_ckpt(tmp_path)
+    member = next((path / "components").glob("*/state.json")).relative_to(path).as_posix()
+    original = (path / member).read_text()
+    _forge_json(path, member, lambda s: {**s, "items": s["items"] + [[{"kind": "value", "value": "w"}, {"kind": "tensor", "key": "tensor_99", "device": "cpu"}]]})  # fmt: skip
+    with pytest.raises(tdcp.CheckpointFormatError, match="tensor_99"):
+        tdcp.DistributedCheckpoint(policy=_module()).load(path)
+    (path / member).write_text(original.replace('"kind":"ordered_dict"', '"kind":"global"', 1))
+    with pytest.raises(tdcp.CheckpointFormatError, match="unknown schema kind 'global'"):
+        tdcp.DistributedCheckpoint(policy=_module()).load(path)
+
+
+@pytest.mark.parametrize("bad", ["../outside", "/etc/passwd", "components/../../x"])
+def test_a_member_path_out_of_the_checkpoint_is_refused(tmp_path: Path, bad: str) -> None:
+    path = _policy_ckpt(tmp_path)
+    _forge_json(path, "manifest.json", lambda m: {**m, "components": {"policy": {**m["components"]["policy"], "path": bad}}})  # fmt: skip
+    with pytest.raises(tdcp.CheckpointFormatError, match="unsafe member name"):
+        tdcp.DistributedCheckpoint(policy=_module()).load(path)
+
+
+def test_a_linked_tensor_file_is_refused(tmp_path: Path) -> None:
+    path = _policy_ckpt(tmp_path)
+    f = next((path / "components").glob("*/state/tensor_00000000.memmap"))
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(f.read_bytes())
+    f.unlink()
+    f.symlink_to(outside)
+    with pytest.raises(tdcp.CheckpointFormatError, match="not a regular file"):
+        tdcp.DistributedCheckpoint(policy=_module()).load(path)
+
+
+class _Boom:
+    def __reduce__(self):
+        return (print, ("this must never run",))
+
+
+def test_a_prefetch_pickle_that_would_run_code_is_refused_unread(tmp_path: Path, capsys) -> None:
+    path = Checkpoint(rb=_buffers(fill=True)["prioritized"]).save(tmp_path / "ckpt")
+    pkl = next((path / "components").glob("*/prefetch.pkl"))
+    pkl.write_bytes(pickle.dumps({"version": 1, "capacity": 0, "queue": (_Boom(),)}))
+    _forge_size(path, pkl)
+    fresh = _buffers(fill=False)["prioritized"]
+    with pytest.raises(tdcp.CheckpointFormatError, match="prefetch.pkl holds a .*opcode"):
+        tdcp.DistributedCheckpoint(rb=fresh).load(path)
+    assert "must never run" not in capsys.readouterr().out
+    assert len(fresh) == 0
+
+
+def _forge_size(path: Path, f: Path) -> None:
+    """torchrl's manifest lists files without sizes or checksums: nothing to reseal (kept for clarity)."""
+    assert f.relative_to(path)
+
+
+def test_buffer_transforms_saved_as_a_pickle_are_refused(tmp_path: Path) -> None:
+    path = Checkpoint(rb=_buffers(fill=True)["prioritized"]).save(tmp_path / "ckpt")
+    folder = next((path / "components").glob("*-rb"))
+    (folder / "transform.t").write_bytes(pickle.dumps({"x": 1}))
+    _forge_json(path, "manifest.json", lambda m: {**m, "components": {"rb": {**m["components"]["rb"], "files": m["components"]["rb"]["files"] + ["transform.t"]}}})  # fmt: skip
+    with pytest.raises(tdcp.CheckpointFormatError, match="transforms were saved with torch.save"):
+        tdcp.DistributedCheckpoint(rb=_buffers(fill=False)["prioritized"]).load(path)
+
+
+def test_a_newer_format_and_a_malformed_record_are_refused(tmp_path: Path) -> None:
+    path = _policy_ckpt(tmp_path)
+    _forge_json(path, "manifest.json", lambda m: {**m, "format_version": 2})
+    with pytest.raises(tdcp.CheckpointFormatError, match="format version 2"):
+        tdcp.DistributedCheckpoint(policy=_module()).load(path)
+    _forge_json(path, "manifest.json", lambda m: {**m, "format_version": 1, "components": {"policy": {"adapter": 1}}})
+    with pytest.raises(tdcp.CheckpointFormatError, match="malformed record"):
+        tdcp.DistributedCheckpoint(policy=_module()).load(path)
+
+
+def test_an_archive_member_out_of_bounds_is_refused(tmp_path: Path) -> None:
+    path = Checkpoint(policy=_trained()["policy"]).save(tmp_path / "run.torchrl", format="archive")
+    forged = tmp_path / "forged.torchrl"
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(forged, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith("tensor_00000001.memmap"):
+                data = data + b"\0" * 8
+            dst.writestr(info, data)
+    with pytest.raises(tdcp.CheckpointIntegrityError, match="tensor_00000001.memmap"):
+        tdcp.DistributedCheckpoint(policy=_module()).load(forged)
+
+
+# ---------------------------------------------------------------------- tools
+def test_verify_and_inspect_read_torchrl_checkpoints(tmp_path: Path) -> None:
+    path = _save(tmp_path, "directory", **_trained(), rb=_buffers(fill=True)["prioritized"])
+    summary = tdcp.verify(path)
+    assert summary["tensors"] > 0 and "no checksums" in summary["unchecked"][0]
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy)
+    next((copy / "components").glob("*-policy/state/tensor_00000002.memmap")).write_bytes(b"")
+    with pytest.raises(tdcp.CheckpointIntegrityError, match="tensor_00000002.memmap"):
+        tdcp.verify(copy)
