@@ -1,7 +1,9 @@
-"""The main job (multi-rank SAC) killed with SIGKILL after a checkpoint resumes bit for bit."""
+"""The main job (multi-rank SAC) killed with SIGKILL after a checkpoint resumes bit for bit, its log included."""
 
 from __future__ import annotations
 
+import csv
+import importlib.util
 import re
 import subprocess
 from pathlib import Path
@@ -41,6 +43,27 @@ def finals(out: str) -> dict[str, dict[str, str]]:
     return {rank: dict(re.findall(r"(\w+)=(\w+)", rest)) for rank, rest in re.findall(r"rank (\d+) final (.*)", out)}
 
 
+def progress(out: str) -> list[str]:
+    """The progress lines without their timings: iteration, frames, the mean return and how many episodes it averages."""
+    return re.findall(r"iteration +\d+ +frames +\d+ +return +\S+ per \d+-step episode \( *\d+ ended", out)
+
+
+def curve(ckpt_dir: Path) -> list[dict[str, str]]:
+    with open(ckpt_dir / "learning_curve.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def assert_curve_continues(ref_dir: Path, run_dir: Path, resumed_at: int) -> None:
+    """The resumed run's curve is the uninterrupted run's, with one ``resumed`` row and nothing logged twice."""
+    ref, got = curve(ref_dir), curve(run_dir)
+    assert [r["event"] for r in ref] == ["start"] + ["progress"] * (len(ref) - 1), ref
+    resumed = [r for r in got if r["event"] == "resumed"]
+    assert [r["iteration"] for r in resumed] == [str(resumed_at)], got
+    assert [r for r in got if r["event"] != "resumed"] == ref  # rows a killed run logged after the checkpoint: dropped
+    assert got.index(resumed[0]) == 1 + sum(int(r["iteration"]) <= resumed_at for r in ref[1:])  # in its place
+    assert all(r["return"] for r in ref[1:])  # every progress row averages some episodes (the window is not empty)
+
+
 @pytest.mark.slow
 def test_sac_killed_and_resumed_is_bit_exact(tmp_path: Path) -> None:
     ref = forked("--ckpt-dir", str(tmp_path / "ref"))
@@ -61,8 +84,33 @@ def test_sac_killed_and_resumed_is_bit_exact(tmp_path: Path) -> None:
             "scheduler",
             "sampled",
             "batch",
+            "episodes",
             "rng",
         }
         assert got[rank] == expected[rank], f"rank {rank} differs: {got[rank]} vs {expected[rank]}"
     assert expected["0"]["buffer"] != expected["1"]["buffer"]  # each rank has its own shard
     assert expected["0"]["learner"] == expected["1"]["learner"]  # the learner is replicated
+    assert progress(resumed.stdout) == progress(ref.stdout)  # the return window continues across the resume
+    assert_curve_continues(tmp_path / "ref", tmp_path / "run", resumed_at=8)
+
+
+@pytest.mark.slow
+def test_sac_learning_curve_and_return_window_continue_across_a_resume(tmp_path: Path) -> None:
+    """A run that stopped after iteration 13 (its last checkpoint: 8) resumes with the curve and the return window
+    of a run that never stopped: the progress lines after the resume average the episodes that ended before it
+    (restored from the checkpoint), the rows logged after iteration 8 are replaced, the resume is marked."""
+    ref = forked("--ckpt-dir", str(tmp_path / "ref"))
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    first = forked("--ckpt-dir", str(tmp_path / "run"), "--iterations", "13")  # logs iterations 10 and 13, saves 8
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert [r["iteration"] for r in curve(tmp_path / "run")] == ["0", "10", "13"]
+    resumed = forked("--ckpt-dir", str(tmp_path / "run"), "--resume")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed from step-000000000008" in resumed.stdout
+    lines = progress(ref.stdout)
+    assert [line.split()[1] for line in lines] == ["10", "20", "24"]
+    assert progress(resumed.stdout) == lines  # the window at 10 holds the episodes of iterations 1-8 too
+    assert_curve_continues(tmp_path / "ref", tmp_path / "run", resumed_at=8)
+    assert finals(resumed.stdout) == finals(ref.stdout)
+    png = (tmp_path / "ref" / "learning_curve.png").is_file()
+    assert png == (importlib.util.find_spec("matplotlib") is not None)  # the plot only with the optional matplotlib
