@@ -50,7 +50,15 @@ from torchrl.data.replay_buffers.writers import RoundRobinWriter
 from torchrl_dcp.errors import CheckpointFormatError, IncompatibleComponentError
 from torchrl_dcp.torchrl_format.reader import DTYPES, TorchrlContainer, read_memmap_folder, tensor_from_bytes
 
-__all__ = ["SavedBuffer", "apply_buffer", "read_buffer", "read_prefetch_state"]
+__all__ = [
+    "SavedBuffer",
+    "apply_buffer",
+    "check_buffer",
+    "put_rows_back",
+    "read_buffer",
+    "read_prefetch_state",
+    "rows_to_overwrite",
+]
 
 SINGLE_TENSOR = "_-single-tensor-_"
 
@@ -334,6 +342,25 @@ def check_buffer(rb: Any, saved: SavedBuffer, name: str) -> None:
                 f"component {name!r}: storage entry {key!r} was {got.dtype} {list(got.shape[1:])} per row, this "
                 f"buffer's is {have.dtype} {list(have.shape[1:])}"
             )
+
+
+def rows_to_overwrite(rb: Any, saved: SavedBuffer) -> Any:
+    """A copy of the live storage's rows the import writes (``None`` when the storage is not allocated yet)."""
+    from torchrl_dcp.adapters.buffer_state import initialized_buffer
+
+    storage = initialized_buffer(rb)._storage
+    n = saved.state["storage"]["len"]
+    if saved.rows is None or not n or not storage.initialized:
+        return None
+    return storage._storage[:n].clone()
+
+
+def put_rows_back(rb: Any, rows: Any) -> None:
+    """Write back what :func:`rows_to_overwrite` copied."""
+    from torchrl_dcp.adapters.buffer_state import initialized_buffer
+
+    storage = initialized_buffer(rb)._storage
+    storage._storage[: rows.shape[0]] = rows
 
 
 def apply_buffer(rb: Any, saved: SavedBuffer, adapter: Any, ctx: Any) -> None:

@@ -11,7 +11,9 @@ map by name; each is restored as torchrl would restore it:
   to ``LoadResult.values``;
 - ``torchrl.dump_load``: replay buffers (:mod:`torchrl_dcp.torchrl_format.buffers`).
 
-RNG-like components (our adapters that restore last) are restored last. In a job of
+Replay buffers are restored after the other components (their rows are written into the
+live storage; the rows they overwrite are copied first, so a rollback puts them back), and
+RNG-like components (our adapters that restore last) last of the rest. In a job of
 several ranks every rank reads the same (single-process) checkpoint: replicated
 components load as usual, and per-rank ones give every rank the same state (said in
 the log). Collective: a failure on any rank raises on every rank.
@@ -27,7 +29,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from torchrl_dcp import _dist
@@ -35,7 +37,14 @@ from torchrl_dcp._log import get_logger
 from torchrl_dcp.collective import error_status, run_step
 from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, CollectiveError, IncompatibleComponentError
 from torchrl_dcp.load_engine import LoadRequest, LoadResult, compare_versions, report_issues
-from torchrl_dcp.torchrl_format.buffers import SavedBuffer, apply_buffer, check_buffer, read_buffer
+from torchrl_dcp.torchrl_format.buffers import (
+    SavedBuffer,
+    apply_buffer,
+    check_buffer,
+    put_rows_back,
+    read_buffer,
+    rows_to_overwrite,
+)
 from torchrl_dcp.torchrl_format.reader import ADAPTERS, MANIFEST, TorchrlContainer
 
 __all__ = ["import_load", "inspect_torchrl", "verify_torchrl"]
@@ -54,11 +63,12 @@ class _Planned:
     snapshot: Any = None
     has_snapshot: bool = False
     options: Any = None
-    restored: bool = field(default=False)
+    rows_before: Any = None  # a replay buffer's storage rows the import overwrites (put back by a rollback)
 
     @property
-    def restore_last(self) -> bool:
-        return bool(getattr(self.adapter, "restore_last", False))
+    def order(self) -> tuple[bool, bool]:
+        """Replay buffers (rows written into live storage) after the rest, RNG-like components last of those."""
+        return self.kind == "torchrl.dump_load", bool(getattr(self.adapter, "restore_last", False))
 
 
 def import_load(request: LoadRequest) -> LoadResult:
@@ -147,7 +157,7 @@ def _is_buffer(obj: Any) -> bool:
 def _restore(planned: list[_Planned], request: LoadRequest, result: LoadResult) -> None:
     failure: BaseException | None = None
     done: list[_Planned] = []
-    for p in sorted(planned, key=lambda p: p.restore_last):
+    for p in sorted(planned, key=lambda p: p.order):
         try:
             value = _restore_one(p)
         except Exception as err:
@@ -197,6 +207,7 @@ def _restore_one(p: _Planned) -> Any:
         p.value.load_state_dict(p.payload, *(opts.load_args or ()), **(opts.load_kwargs or {}))
         return None
     assert isinstance(p.payload, SavedBuffer)
+    p.rows_before = rows_to_overwrite(p.value, p.payload)
     apply_buffer(p.value, p.payload, p.adapter, p.ctx)
     return None
 
@@ -205,6 +216,8 @@ def _rollback(p: _Planned) -> str | None:
     if not p.has_snapshot:
         return f"{p.name!r} (its state could not be captured before the load)"
     try:
+        if p.rows_before is not None:
+            put_rows_back(p.value, p.rows_before)
         p.adapter.rollback(p.value, p.snapshot, p.ctx)
     except Exception as err:
         return f"{p.name!r} ({type(err).__name__}: {err})"
