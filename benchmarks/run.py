@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="runs per measurement, best kept (default 2; 3 with --full)")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a new one under /tmp)")
-    ap.add_argument("--out", default=None, help="directory for the report (default: docs/ and benchmarks/results/)")
+    ap.add_argument("--out", default=None, help="directory for the report (default: benchmarks/results/)")
     ap.add_argument("--no-extras", action="store_true", help="skip torch.save, torchrl.checkpoint and archive rows")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds allowed per world size")
     ap.add_argument("--notes", default=None, help="a markdown file whose text is appended to the report")
@@ -231,7 +231,11 @@ def main(argv: list[str] | None = None) -> int:
         out_dir = Path(args.out)
         md_path, json_path = out_dir / "benchmarks.md", out_dir / f"{tag}.json"
     else:
-        md_path, json_path = ROOT / "docs" / "benchmarks.md", ROOT / "benchmarks" / "results" / f"{tag}.json"
+        # (docs/benchmarks.md is the curated page of current figures: a run never writes over it)
+        md_path, json_path = (
+            ROOT / "benchmarks" / "results" / f"{tag}.md",
+            ROOT / "benchmarks" / "results" / f"{tag}.json",
+        )
     rows: list[dict[str, Any]] = []
     backends: dict[str, str] = {}
     t0 = time.perf_counter()
