@@ -83,3 +83,19 @@ def test_mappings_of_any_kind_and_bare_tensors_are_components(tmp_path: Path) ->
     assert torch.equal(alias, counts)
     with pytest.raises(tdcp.IncompatibleComponentError, match="register a tensor of the saved shape"):
         tdcp.DistributedCheckpoint(ordered=OrderedDict(), config=Store(), counts=torch.zeros(5)).load(path)
+
+
+def test_hydra_configs_are_components_in_their_container_form(tmp_path: Path) -> None:
+    """A DictConfig (nested ListConfigs, interpolations) saves as plain values and loads back into a DictConfig in
+    place; a ListConfig too."""
+    omegaconf = pytest.importorskip("omegaconf", reason="Hydra's omegaconf: pip install -e '.[hydra]'")
+    cfg = omegaconf.OmegaConf.create({"lr": 0.1, "net": {"cells": [64, 64]}, "name": "sac", "run": "${name}-1"})
+    layers = omegaconf.OmegaConf.create([1, {"a": [2]}])
+    path = tdcp.DistributedCheckpoint(config=cfg, layers=layers).save(tmp_path / "c")
+    fresh, fresh_layers = omegaconf.OmegaConf.create({"stale": 1}), omegaconf.OmegaConf.create([])
+    result = tdcp.DistributedCheckpoint(config=fresh, layers=fresh_layers).load(path)
+    assert isinstance(fresh, omegaconf.DictConfig) and omegaconf.OmegaConf.to_container(fresh) == {
+        "lr": 0.1, "net": {"cells": [64, 64]}, "name": "sac", "run": "sac-1"
+    }  # fmt: skip
+    assert omegaconf.OmegaConf.to_container(fresh_layers) == [1, {"a": [2]}]
+    assert result.values["config"]["net"] == {"cells": [64, 64]}

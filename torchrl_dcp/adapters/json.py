@@ -1,8 +1,10 @@
 """Adapter for plain values: dicts (and any ``Mapping``), lists and tuples of JSON scalars (and tensors).
 
 Loading returns the saved value in ``LoadResult.values[name]`` and, when the
-registered object is a mutable mapping (``dict``, ``OrderedDict``, Hydra's ``DictConfig``) or ``list``, also updates
-it in place. A mapping of another type is stored as a plain ``dict`` of its items (nested mappings too).
+registered object is a mutable mapping (``dict``, ``OrderedDict``, Hydra's ``DictConfig``) or a mutable sequence
+(``list``, Hydra's ``ListConfig``), also updates it in place. A mapping of another type is stored as a plain ``dict``
+of its items, a mutable sequence as a ``list`` (nested ones too: a ``DictConfig`` is stored as its container form,
+interpolations resolved).
 
 Example:
     >>> from torchrl_dcp.adapters.json import is_plain_value
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, MutableSequence
 from typing import Any
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
@@ -28,16 +30,24 @@ def is_plain_value(value: Any) -> bool:
     Its content is checked when saving; an entry that cannot be stored raises
     an error naming its key.
     """
-    return isinstance(value, (*_SCALARS, Mapping)) or type(value) in (list, tuple)
+    return isinstance(value, (*_SCALARS, Mapping)) or type(value) in (list, tuple) or _is_sequence(value)
+
+
+def _is_sequence(value: Any) -> bool:
+    """A mutable sequence other than bytes (Hydra's ``ListConfig``, a ``deque``): stored as a ``list``."""
+    return isinstance(value, MutableSequence) and not isinstance(value, bytearray)
 
 
 def _plain(value: Any) -> Any:
-    """``value`` with every mapping turned into a ``dict`` (an ``OrderedDict`` kept as one), recursively."""
+    """``value`` with every mapping turned into a ``dict`` (an ``OrderedDict`` kept as one) and every mutable
+    sequence into a ``list``, recursively."""
     if isinstance(value, Mapping):
         items = [(k, _plain(v)) for k, v in value.items()]
         return OrderedDict(items) if type(value) is OrderedDict else dict(items)
     if type(value) in (list, tuple):
         return type(value)(_plain(v) for v in value)
+    if _is_sequence(value):
+        return [_plain(v) for v in value]
     return value
 
 
@@ -58,6 +68,7 @@ class JSONAdapter(Adapter):
         if isinstance(obj, MutableMapping) and isinstance(state, Mapping):
             obj.clear()
             obj.update(state)
-        elif isinstance(obj, list) and isinstance(state, list):
-            obj[:] = state
+        elif _is_sequence(obj) and isinstance(state, list):
+            obj.clear()
+            obj.extend(state)
         return state
