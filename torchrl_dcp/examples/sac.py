@@ -9,9 +9,13 @@ from the newest committed one. The last lines print fingerprints of the
 weights, the buffer and the RNG streams: a run that was killed and resumed
 prints the same ones as a run that never stopped.
 
-The printed ``return`` is the mean return of the rank's last 20 finished episodes
-(100 steps each): about -550 for a random policy; the default run reaches about -300
-by iteration 100 and -120 to -240 after the resume (2 ranks on 2 CPU cores: ~2.5 minutes for both).
+Every 10 iterations rank 0 prints the mean return per 200-step episode of the episodes every rank ended in
+those 10 iterations (a random policy scores about -1,250). Each rank's log of finished episodes is part of the
+checkpoint (``episodes``), so the line after a resume averages the same episodes as a run that never stopped; rank
+0 also writes the curve to ``<ckpt dir>/learning_curve.csv`` (a ``resumed`` row marks each resume; rows a killed run
+logged after the checkpoint are dropped) and ``learning_curve.png`` when matplotlib is importable. Measured with 2
+ranks on 2 CPU cores (about 3 minutes for both commands): -1364 at iteration 10, -198 at 50, -172 at 100, -116 at
+150 after the resume (between -115 and -190 from iteration 60 on).
 Each checkpoint save prints how long it took. When ``torchrun`` receives SIGTERM (a
 scheduler preempting the job: Slurm, Kubernetes, a spot instance), every rank finishes
 its iteration, the job saves that iteration on every rank and exits cleanly; resume with
