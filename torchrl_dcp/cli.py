@@ -6,7 +6,8 @@ named when a checkpoint is damaged or refused; ``diff`` exits 0 (identical), 1
 (different) or 2 (an error), as ``diff(1)`` does. Output into a closed pipe
 (``| head``) ends quietly. ``inspect``, ``ls`` and ``convert`` never import torch
 (they start in milliseconds and stream in bounded memory); ``verify`` and ``diff``
-do. Also ``python -m torchrl_dcp``.
+do. Also ``python -m torchrl_dcp``. ``verify``, ``convert`` and ``diff`` draw a progress bar (tqdm) on stderr
+when it is a terminal, unless ``--json`` or ``-q``/``--quiet``: the library reports bytes through a callback.
 
 Example:
     $ torchrl-dcp inspect ckpts/step-000000000100
@@ -19,11 +20,14 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointError
@@ -111,41 +115,43 @@ def _print_inspect(info: dict[str, Any]) -> None:
         print(f"  metadata: {json.dumps(info['metadata'])}")
 
 
-def _progress(label: str) -> Any:
-    if not sys.stderr.isatty():
-        return None
-    start = time.monotonic()
-    last = [0.0]
+@contextlib.contextmanager
+def _progress(label: str, args: argparse.Namespace) -> Iterator[Callable[[int, int], None] | None]:
+    """A ``progress(done, total)`` callback drawing a tqdm bar of bytes on stderr, or ``None`` (then nothing is
+    drawn and the library runs as without a callback): only when stderr is a terminal, without ``--json`` or
+    ``--quiet``, and tqdm imports. The bar is removed when the work ends; stdout never changes."""
+    if args.json or args.quiet or not sys.stderr.isatty():
+        yield None
+        return
+    try:
+        from tqdm import tqdm
+    except ImportError:  # (a dependency: only a broken install lacks it)
+        yield None
+        return
+    lock = threading.Lock()
+    with tqdm(desc=label, total=0, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr, leave=False) as bar:
 
-    def show(done: int, total: int) -> None:
-        now = time.monotonic()
-        if now - last[0] < 0.1 and done < total:
-            return
-        last[0] = now
-        frac = done / total if total else 1.0
-        bar = "#" * int(30 * frac)
-        rate = done / max(now - start, 1e-6) / 1e6
-        end = "\n" if done >= total else ""
-        print(
-            f"\r{label} [{bar:<30}] {frac:6.1%} {done / 1e6:,.0f}/{total / 1e6:,.0f} MB {rate:,.0f} MB/s",
-            end=end,
-            file=sys.stderr,
-            flush=True,
-        )
+        def show(done: int, total: int) -> None:
+            with lock:  # (pieces finish on several threads)
+                if bar.total != total:
+                    bar.total = total
+                bar.update(done - bar.n)
 
-    return show
+        yield show
 
 
-def _convert(src: str, dst: str, overwrite: bool) -> dict[str, Any]:
+def _convert(src: str, dst: str, overwrite: bool, args: argparse.Namespace) -> dict[str, Any]:
     from torchrl_dcp.convert import to_archive, to_directory
 
     start = time.monotonic()
     source = location_for(src)
     if source.entry_kind() in ("archive", "other"):  # one file (or object): an archive to unpack
-        out = to_directory(src, dst, overwrite=overwrite, progress=_progress("unpacking"))
+        with _progress("unpacking", args) as show:
+            out = to_directory(src, dst, overwrite=overwrite, progress=show)
         kind = "directory"
     else:
-        out = to_archive(src, dst, overwrite=overwrite, progress=_progress("packing"))
+        with _progress("packing", args) as show:
+            out = to_archive(src, dst, overwrite=overwrite, progress=show)
         kind = "archive"
     size = _bytes(out)
     return {
@@ -228,12 +234,19 @@ def _print_ls(info: dict[str, Any], metric: str | None) -> None:
         )
 
 
-def _diff(a: str, b: str, atol: float) -> dict[str, Any]:
-    from torchrl_dcp.extract import as_source, iter_inventory
+def _diff(a: str, b: str, atol: float, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """How checkpoints ``a`` and ``b`` differ; ``progress(done, total)``: bytes of tensors read (both sides)."""
+    from torchrl_dcp.extract import as_source
 
     sa, sb = as_source(a), as_source(b)
     ma, mb = sa.manifest(), sb.manifest()
     ca, cb = ma["components"], mb["components"]
+    advance = None
+    if progress is not None:
+        from torchrl_dcp.storage.archive import byte_counter
+
+        total = sum(2 * _tensor_bytes(ca[n]["inventory"], _comparable(ca[n], cb[n])) for n in set(ca) & set(cb))
+        advance = byte_counter(total, progress)
     out: dict[str, Any] = {
         "a": str(sa.path),
         "b": str(sb.path),
@@ -258,7 +271,7 @@ def _diff(a: str, b: str, atol: float) -> dict[str, Any]:
         if values:
             entry["state_differs"] = True  # non-tensor values (JSON leaves) differ
             entry["values"] = values
-        common = sorted(k for k in set(inv_a) & set(inv_b) if inv_a[k] == inv_b[k])
+        common = _comparable(ra, rb)
         for key in sorted(set(inv_a) ^ set(inv_b)) + sorted(k for k in set(inv_a) & set(inv_b) if inv_a[k] != inv_b[k]):
             entry["tensors"][key] = {
                 "status": "only in a"
@@ -268,20 +281,48 @@ def _diff(a: str, b: str, atol: float) -> dict[str, Any]:
                 else "shape or dtype differs"
             }
         if common:
-            import torch
-
-            tensors_b = dict(_restrict(iter_inventory(sb, name), set(common)))
-            for key, ta in _restrict(iter_inventory(sa, name), set(common)):
-                tb = tensors_b.pop(key)
-                if torch.equal(ta, tb):
-                    continue
-                found = _tensor_difference(ta, tb, atol)
-                if found is not None:
-                    entry["tensors"][key] = found
+            entry["tensors"].update(_compare_tensors(sa, sb, name, common, atol, advance))
         if entry["tensors"] or entry["state_differs"] or entry["layout_differs"]:
             out["components"][name] = entry
             out["identical"] = False
     return out
+
+
+def _comparable(ra: dict[str, Any], rb: dict[str, Any]) -> list[str]:
+    """The keys of two components' inventories with one dtype and shape on both sides: their values are compared."""
+    inv_a, inv_b = ra["inventory"], rb["inventory"]
+    return sorted(k for k in set(inv_a) & set(inv_b) if inv_a[k] == inv_b[k])
+
+
+def _tensor_bytes(inventory: dict[str, Any], keys: list[str]) -> int:
+    from torchrl_dcp.format.codec import dtype_from_name
+
+    return sum(math.prod(inventory[k]["shape"]) * dtype_from_name(inventory[k]["dtype"]).itemsize for k in keys)
+
+
+def _compare_tensors(
+    sa: Any, sb: Any, name: str, common: list[str], atol: float, advance: Callable[[int], None] | None
+) -> dict[str, Any]:
+    """The tensors of component ``name`` among ``common`` whose values differ, by key (sorted); ``advance`` is told
+    the bytes of each tensor read."""
+    import torch
+
+    from torchrl_dcp.extract import iter_inventory
+
+    found: dict[str, Any] = {}
+    tensors_b = dict(_restrict(iter_inventory(sb, name), set(common)))
+    if advance is not None:
+        advance(sum(t.numel() * t.element_size() for t in tensors_b.values()))
+    for key, ta in _restrict(iter_inventory(sa, name), set(common)):
+        tb = tensors_b.pop(key)
+        if advance is not None:
+            advance(ta.numel() * ta.element_size())
+        if torch.equal(ta, tb):
+            continue
+        difference = _tensor_difference(ta, tb, atol)
+        if difference is not None:
+            found[key] = difference
+    return found
 
 
 def _tensor_difference(ta: Any, tb: Any, atol: float) -> dict[str, Any] | None:
@@ -402,6 +443,10 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output on stdout"
     )
+    common.add_argument(
+        "-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
+        help="no progress bar on stderr (verify, convert and diff draw one when stderr is a terminal)",
+    )  # fmt: skip
     parser = argparse.ArgumentParser(
         prog="torchrl-dcp",
         description="Inspect, verify, convert and compare torchrl_dcp checkpoints.",
@@ -441,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     an error); quiet, exit 141, when stdout is a closed pipe."""
     args = _parser().parse_args(argv)
     args.json = getattr(args, "json", False)
+    args.quiet = getattr(args, "quiet", False)
     try:
         return _run(args)
     except BrokenPipeError:  # `torchrl-dcp ls ckpts | head`: the reader left; say nothing more
@@ -472,7 +518,8 @@ def _run(args: argparse.Namespace) -> int:
         elif args.command == "verify":
             from torchrl_dcp.verification import verify
 
-            summary = verify(args.path)
+            with _progress("verifying", args) as show:
+                summary = verify(args.path, progress=show)
             if emit:
                 emit({"ok": True, **summary})
             else:
@@ -480,7 +527,7 @@ def _run(args: argparse.Namespace) -> int:
                     f"OK {summary['path']}: {summary['files']} files, {summary['bytes']:,} bytes, {summary['tensors']} tensors verified"
                 )
         elif args.command == "convert":
-            info = _convert(args.src, args.dst, args.overwrite)
+            info = _convert(args.src, args.dst, args.overwrite, args)
             if emit:
                 emit(info)
             else:
@@ -489,7 +536,8 @@ def _run(args: argparse.Namespace) -> int:
             info = _ls(args.directory, args.metric, args.mode)
             emit(info) if emit else _print_ls(info, args.metric)
         else:
-            info = _diff(args.a, args.b, args.atol)
+            with _progress("comparing", args) as show:
+                info = _diff(args.a, args.b, args.atol, show)
             emit(info) if emit else _print_diff(info)
             return 0 if info["identical"] else 1
     except KeyboardInterrupt:

@@ -10,7 +10,7 @@ Example:
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
@@ -18,6 +18,7 @@ from torchrl_dcp.format.layout import MANIFEST
 from torchrl_dcp.format.manifest import unchecked
 from torchrl_dcp.format.record import stored_record
 from torchrl_dcp.load_plan import check_states
+from torchrl_dcp.storage.archive import byte_counter
 from torchrl_dcp.storage.backends import open_source
 from torchrl_dcp.storage.source import CheckpointSource
 from torchrl_dcp.torchrl_format import is_torchrl_checkpoint
@@ -102,7 +103,12 @@ def _heads(src: CheckpointSource, rel: str, items: list[tuple[int, str]]) -> Ite
     yield from ((o, k, h) for (o, k), h in zip(items, src.read_many(rel, [(o, 4) for o, _ in items])))
 
 
-def verify(path: str | os.PathLike, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+def verify(
+    path: str | os.PathLike,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
     """Check a checkpoint without loading it: the manifest (its own checksum, schema), every file's size,
     checksum and save identity, DCP's metadata (same save, every byte range inside its file), and for every
     component the checks a load runs (inventory, decodable states, every tensor present with its dtype and
@@ -113,6 +119,8 @@ def verify(path: str | os.PathLike, *, storage_options: dict[str, Any] | None = 
         format cannot prove (e.g. a format-2 manifest has no checksum of its own).
 
     ``path`` may be an fsspec URL (``s3://bucket/run/step-100``; ``storage_options`` for its file system).
+    ``progress``, when given, is called as ``progress(bytes_checksummed, bytes_total)`` while the files' checksums
+    are computed (the bulk of the work; from any thread, one call at a time), as the command line's progress bar.
 
     Raises:
         CheckpointError: naming the first problem found.
@@ -124,7 +132,8 @@ def verify(path: str | os.PathLike, *, storage_options: dict[str, Any] | None = 
     src = open_source(path, storage_options)
     root = src.path
     manifest = src.manifest()
-    src.check(True)
+    total = sum(f["size"] for f in manifest["files"].values())
+    src.check(True, progress=None if progress is None else byte_counter(total, progress))
     tensors = 0
     metadata = src.dcp_metadata()
     if metadata is not None:

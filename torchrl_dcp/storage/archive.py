@@ -255,7 +255,7 @@ class ArchiveContainer:
         m = self.member(name)
         return ByteRange(str(self.path), m.data_offset, m.size, f"{self.path}::{name}")
 
-    def check(self, checksum: Iterable[str] | bool) -> None:
+    def check(self, checksum: Iterable[str] | bool, progress: Callable[[int], None] | None = None) -> None:
         """Sizes (and ZIP CRCs against the manifest) of every listed member; data checksums of ``checksum``."""
         files = self.manifest()["files"]
         wanted = set(files) if checksum is True else set() if checksum is False else set(checksum)
@@ -273,7 +273,7 @@ class ArchiveContainer:
             fd = open_regular(self.path)
             try:
                 members = [self.member(n) for n in names]
-                crcs = fds_checksums([(fd, m.data_offset, m.size, str(self.path)) for m in members])
+                crcs = fds_checksums([(fd, m.data_offset, m.size, str(self.path)) for m in members], progress=progress)
             finally:
                 os.close(fd)
             for name, crc in zip(names, crcs):

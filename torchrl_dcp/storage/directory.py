@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -97,7 +97,7 @@ class DirectoryContainer:
     def _listed(self, name: str) -> dict[str, Any] | None:
         return self.manifest()["files"].get(name)
 
-    def check(self, checksum: Iterable[str] | bool) -> None:
+    def check(self, checksum: Iterable[str] | bool, progress: Callable[[int], None] | None = None) -> None:
         files: dict[str, Any] = self.manifest()["files"]
         wanted = set(files) if checksum is True else set() if checksum is False else set(checksum)
         fds: list[tuple[str, int]] = []
@@ -116,7 +116,7 @@ class DirectoryContainer:
                 else:
                     os.close(fd)
             for (name, _), actual in zip(
-                fds, fds_checksums([(fd, 0, files[n]["size"], str(self.path / n)) for n, fd in fds])
+                fds, fds_checksums([(fd, 0, files[n]["size"], str(self.path / n)) for n, fd in fds], progress=progress)
             ):
                 if actual != files[name]["checksum"]:
                     raise checksum_mismatch(actual, files[name]["checksum"], self.path / name)

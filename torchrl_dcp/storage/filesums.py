@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from torchrl_dcp.format.checksums import format_crc
@@ -44,10 +45,15 @@ def files_checksums(paths: list[str | os.PathLike], chunk: int = CHECKSUM_BUFFER
             os.close(fd)
 
 
-def fds_checksums(ranges: list[tuple[int, int, int, str]], chunk: int = CHECKSUM_BUFFER) -> list[str]:
-    """``"crc32:<hex>"`` of each ``(fd, offset, size, name)`` byte range, split between threads (``copying.py``)."""
+def fds_checksums(
+    ranges: list[tuple[int, int, int, str]],
+    chunk: int = CHECKSUM_BUFFER,
+    progress: Callable[[int], None] | None = None,
+) -> list[str]:
+    """``"crc32:<hex>"`` of each ``(fd, offset, size, name)`` byte range, split between threads (``copying.py``);
+    ``progress`` is called with the bytes of each piece done (from any thread, one at a time)."""
     spans = [CopyRange(fd, offset, size, None, 0, name) for fd, offset, size, name in ranges]
-    return [format_crc(crc) for crc in copy_ranges(spans, buffer_size=chunk)]
+    return [format_crc(crc) for crc in copy_ranges(spans, buffer_size=chunk, progress=progress)]
 
 
 def file_record(path: Path) -> dict[str, object]:

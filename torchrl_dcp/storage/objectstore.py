@@ -133,18 +133,26 @@ def _pieces(size: int) -> list[tuple[int, int]]:
 
 
 def object_checksums(
-    objects: list[tuple[StorePath, int]], threads: int | None = None, tails: dict[str, bytes] | None = None
+    objects: list[tuple[StorePath, int]],
+    threads: int | None = None,
+    tails: dict[str, bytes] | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> list[str]:
     """``"crc32:<hex>"`` of each ``(object, size)``, from parallel ranged reads (memory: threads × 16 MiB).
 
-    ``tails``, when given, receives each object's last :data:`TRAILER_SIZE` bytes (its save identity), by URL.
+    ``tails``, when given, receives each object's last :data:`TRAILER_SIZE` bytes (its save identity), by URL;
+    ``progress`` is called with the bytes of each piece read (from any thread, one at a time).
     """
     spans = [(p, s, n) for p, size in objects for s, n in _pieces(size)]
+    lock = threading.Lock()
 
     def work(i: int, data: bytes) -> int:
         p, s, n = spans[i]
         if tails is not None and n >= TRAILER_SIZE and s + n == dict(objects)[p]:
             tails[str(p)] = data[-TRAILER_SIZE:]
+        if progress is not None:
+            with lock:
+                progress(n)
         return crc32(data)
 
     crcs = map_pieces(spans, work, threads or concurrency())
@@ -330,7 +338,7 @@ class ObjectStoreContainer:
             self._manifest = schema.loads_manifest(data, file)
         return self._manifest
 
-    def check(self, checksum: Iterable[str] | bool) -> None:
+    def check(self, checksum: Iterable[str] | bool, progress: Callable[[int], None] | None = None) -> None:
         files: dict[str, Any] = self.manifest()["files"]
         wanted = set(files) if checksum is True else set() if checksum is False else set(checksum)
         found = self._take("")
@@ -349,7 +357,9 @@ class ObjectStoreContainer:
                     "object not listed in the manifest: the checkpoint was altered", path=self.path / name
                 )
         names = sorted(wanted)
-        actual = object_checksums([(self.path / n, files[n]["size"]) for n in names], tails=self.tails)
+        actual = object_checksums(
+            [(self.path / n, files[n]["size"]) for n in names], tails=self.tails, progress=progress
+        )
         for name, value in zip(names, actual):
             if value != files[name]["checksum"]:
                 raise checksum_mismatch(value, files[name]["checksum"], self.path / name)

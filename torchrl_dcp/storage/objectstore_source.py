@@ -12,7 +12,7 @@ Example:
 from __future__ import annotations
 
 import bisect
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any, BinaryIO
 
 from torchrl_dcp.errors import CheckpointError, CheckpointIntegrityError
@@ -108,10 +108,10 @@ class ObjectStoreSource(CheckpointSource):
             out.append(bytes(memoryview(got[k])[o - merged[k][0] : o - merged[k][0] + n]))
         return out
 
-    def check(self, checksum: Iterable[str] | bool) -> None:
+    def check(self, checksum: Iterable[str] | bool, progress: Callable[[int], None] | None = None) -> None:
         """As :meth:`CheckpointSource.check`; the objects checksummed leave their trailers for :meth:`check_identity`."""
         checksum = checksum if isinstance(checksum, bool) else set(checksum)
-        self.container.check(checksum)
+        self.container.check(checksum, progress=progress)
         self._defer = checksum is not False
 
     def check_identity(self, names: Iterable[str]) -> None:

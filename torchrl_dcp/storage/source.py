@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -60,9 +60,10 @@ class CheckpointSource:
         """The validated (and migrated) manifest."""
         return self.container.manifest()
 
-    def check(self, checksum: Iterable[str] | bool) -> None:
-        """Sizes of every listed file (nothing unlisted); checksums of ``checksum`` (True: all, False: none)."""
-        self.container.check(checksum)
+    def check(self, checksum: Iterable[str] | bool, progress: Callable[[int], None] | None = None) -> None:
+        """Sizes of every listed file (nothing unlisted); checksums of ``checksum`` (True: all, False: none);
+        ``progress`` is called with the bytes of each piece checksummed (from any thread, one at a time)."""
+        self.container.check(checksum, progress=progress)
 
     def dcp_metadata(self) -> Metadata | None:
         """DCP's metadata (``None`` for a checkpoint without tensors), never unpickling anything but DCP's classes.
