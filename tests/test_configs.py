@@ -271,6 +271,23 @@ def test_the_example_config_builds_a_trainer_bound_to_our_rotation(tmp_path: Pat
         trainer.collector.shutdown()
 
 
+def test_the_example_config_refuses_bad_overrides(tmp_path: Path) -> None:
+    """Our nodes are typed by the dataclasses: a wrong type or an unknown key is refused when the config is
+    composed, a bad value when it is instantiated (before the Trainer is built)."""
+    from hydra.errors import ConfigCompositionException
+
+    from torchrl_dcp.examples.sac_trainer_config import compose
+
+    for override in ("trainer.checkpoint_rotation.keep_last=two", "trainer.checkpoint_rotation.keep_lst=2"):
+        with pytest.raises(ConfigCompositionException):
+            compose(overrides=[override])
+    cfg = compose(
+        overrides=[f"trainer.checkpoint_rotation.directory={tmp_path}", "trainer.checkpoint_rotation.keep_last=0"]
+    )
+    with pytest.raises(InstantiationException, match="CheckpointRotationConfig: keep_last must be a positive integer"):
+        instantiate(cfg.trainer.checkpoint_rotation)
+
+
 def _run_example(cwd: Path, *overrides: str) -> str:
     proc = subprocess.run(
         [sys.executable, "-m", "torchrl_dcp.examples.sac_trainer_config", "frames_per_batch=32",
