@@ -379,3 +379,21 @@ def test_verify_and_inspect_read_torchrl_checkpoints(tmp_path: Path) -> None:
     next((copy / "components").glob("*-policy/state/tensor_00000002.memmap")).write_bytes(b"")
     with pytest.raises(tdcp.CheckpointIntegrityError, match="tensor_00000002.memmap"):
         tdcp.verify(copy)
+
+
+def test_the_cli_inspects_and_verifies_torchrl_checkpoints(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from torchrl_dcp.cli import main
+
+    for container in ("directory", "archive"):
+        path = _save(tmp_path / container, container, **_trained(), stats={"episodes": 3})
+        assert main(["--json", "inspect", str(path)]) == 0
+        info = json.loads(capsys.readouterr().out)
+        assert info["container"] == f"torchrl.checkpoint {container}" and info["step"] == 30
+        assert info["components"]["policy"]["adapter"] == "torchrl.state_dict"
+        assert main(["verify", str(path)]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("OK ") and "not checked: torchrl.checkpoint format: no checksums" in out
+    member = next((tmp_path / "directory" / "ckpt" / "components").glob("*-policy/state/tensor_00000000.memmap"))
+    member.write_bytes(b"\0")
+    assert main(["verify", str(tmp_path / "directory" / "ckpt")]) == 1
+    assert "tensor_00000000.memmap" in capsys.readouterr().err

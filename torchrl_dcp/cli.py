@@ -32,9 +32,14 @@ from typing import Any
 
 from torchrl_dcp.errors import CheckpointError
 from torchrl_dcp.storage.backends import location_for
+from torchrl_dcp.torchrl_format.detect import is_torchrl_checkpoint
 
 
 def _inspect(path: str) -> dict[str, Any]:
+    if is_torchrl_checkpoint(path):  # torchrl.checkpoint's own format (read-only; imports torch)
+        from torchrl_dcp.torchrl_format.importer import inspect_torchrl
+
+        return inspect_torchrl(path)
     where = location_for(path)
     m = where.manifest()
     comps = {}
@@ -526,6 +531,8 @@ def _run(args: argparse.Namespace) -> int:
                 print(
                     f"OK {summary['path']}: {summary['files']} files, {summary['bytes']:,} bytes, {summary['tensors']} tensors verified"
                 )
+                for what in summary.get("unchecked", []):  # what this checkpoint's format cannot prove
+                    print(f"  not checked: {what}")
         elif args.command == "convert":
             info = _convert(args.src, args.dst, args.overwrite, args)
             if emit:

@@ -298,7 +298,7 @@ def inspect_torchrl(path: Any) -> dict[str, Any]:
             "versions": m.get("versions") or {},
             "components": comps,
             "files": sum(len(r["files"]) for r in box.components().values()) + 1,
-            "bytes": data + box.size(MANIFEST),
+            "bytes": box.path.stat().st_size if box.is_archive else data + box.size(MANIFEST),
             "data_bytes": data,
             "metadata": metadata,
         }

@@ -101,6 +101,10 @@ class TorchrlContainer:
         self.close()
 
     # ------------------------------------------------------------------ files
+    @property
+    def is_archive(self) -> bool:
+        return self._zip is not None
+
     def where(self, name: str) -> str:
         return f"{self.path}::{name}" if self._zip is not None else str(self.path / name)
 
