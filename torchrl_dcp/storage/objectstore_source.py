@@ -111,7 +111,10 @@ class ObjectStoreSource(CheckpointSource):
     def check(self, checksum: Iterable[str] | bool, progress: Callable[[int], None] | None = None) -> None:
         """As :meth:`CheckpointSource.check`; the objects checksummed leave their trailers for :meth:`check_identity`."""
         checksum = checksum if isinstance(checksum, bool) else set(checksum)
-        self.container.check(checksum, progress=progress)
+        if progress is None:
+            self.container.check(checksum)
+        else:
+            self.container.check(checksum, progress=progress)
         self._defer = checksum is not False
 
     def check_identity(self, names: Iterable[str]) -> None:

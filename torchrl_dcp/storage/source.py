@@ -63,7 +63,10 @@ class CheckpointSource:
     def check(self, checksum: Iterable[str] | bool, progress: Callable[[int], None] | None = None) -> None:
         """Sizes of every listed file (nothing unlisted); checksums of ``checksum`` (True: all, False: none);
         ``progress`` is called with the bytes of each piece checksummed (from any thread, one at a time)."""
-        self.container.check(checksum, progress=progress)
+        if progress is None:  # (a container written before progress existed still serves every other caller)
+            self.container.check(checksum)
+        else:
+            self.container.check(checksum, progress=progress)
 
     def dcp_metadata(self) -> Metadata | None:
         """DCP's metadata (``None`` for a checkpoint without tensors), never unpickling anything but DCP's classes.
