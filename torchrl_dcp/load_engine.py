@@ -265,8 +265,10 @@ def restore(src: CheckpointSource, request: LoadRequest, load_plan: LoadPlan, re
     """Restore every component; on any rank's failure (strict='error') every rank rolls back and raises.
 
     Order: components read into fresh buffers (RNG-like ones last), then the in-place
-    read, then the components read in place (their restore must not draw random
-    numbers). Up to the in-place read, a failure leaves every object as it was.
+    read, then the components read in place; the RNG-like ones are then set again (their
+    restore sets a state: doing it twice is harmless), so an in-place restore that draws
+    random numbers (an object's own ``load_state_dict``) leaves the streams as saved. Up
+    to the in-place read, a failure leaves every object as it was.
     """
     first = sorted((c for c in load_plan.components.values() if not c.in_place), key=lambda c: c.restore_last)
     in_place = [c for c in load_plan.components.values() if c.in_place]
@@ -281,7 +283,10 @@ def restore(src: CheckpointSource, request: LoadRequest, load_plan: LoadPlan, re
             read(src, request, load_plan.live, load_plan.verify_live, result, LIVE_MISMATCH)
         except BaseException as err:
             _rollback_and_raise(done, err, in_place, result)
+    last = [c for c in done if c.restore_last] if in_place else []
     failure = _restore_all(in_place, load_plan, request, result, done)
+    if failure is None and last:
+        failure = _restore_again(last, load_plan, request, result)
     statuses = _dist.all_gather(error_status(failure), request.group, "restoring components")
     if any(s is not None for s in statuses):
         _fail(done, statuses, failure, "restoring components", result, partial=in_place)
@@ -319,6 +324,29 @@ def _restore_all(
         result.loaded.add(comp.name)
         if value is not None:
             result.values[comp.name] = value
+    return None
+
+
+def _restore_again(
+    comps: list[ComponentPlan], load_plan: LoadPlan, request: LoadRequest, result: LoadResult
+) -> BaseException | None:
+    """Set RNG-like components again after the in-place restores (same decoded state, same result)."""
+    for comp in comps:
+        try:
+            states = decode_states(comp, load_plan, request.rank)
+            if comp.reshard:
+                comp.adapter.reshard(comp.value, states, comp.ctx)
+            else:
+                comp.adapter.restore(comp.value, states[comp.ctx.source_rank], comp.ctx)
+        except Exception as err:
+            error = IncompatibleComponentError(
+                f"component {comp.name!r} could not be restored again after the components read in place "
+                f"({type(err).__name__}: {err})",
+                path=request.path,
+                result=result,
+            )
+            error.__cause__ = err
+            return error
     return None
 
 

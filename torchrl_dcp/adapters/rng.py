@@ -4,8 +4,8 @@
 generator and every initialised CUDA device's generator. It is ``per_rank`` by
 default: each rank resumes its own streams. Its adapter is restored after every
 other component read into fresh buffers (``restore_last``), whatever the registration
-order, so loading other objects cannot consume random numbers after the streams
-were restored.
+order, and set again after the components read in place, so loading other objects
+cannot consume random numbers after the streams were restored.
 
 Example:
     >>> import torch
