@@ -12,6 +12,7 @@ import json
 import os
 import zipfile
 from pathlib import Path
+from typing import BinaryIO
 
 __all__ = ["FORMAT_NAME", "JSON_LIMIT", "MANIFEST", "is_torchrl_checkpoint", "read_torchrl_manifest"]
 
@@ -21,6 +22,22 @@ MANIFEST = "manifest.json"
 JSON_LIMIT = 256 << 20
 
 
+_SIGNATURE = b'"torchrl.checkpoint"'
+_BLOCK = 1 << 20
+
+
+def _read_if_theirs(f: BinaryIO) -> bytes | None:
+    """The manifest's bytes when they name torchrl's format, else ``None``. Scanned in 1 MiB blocks first, so telling
+    one of our (possibly large) manifests apart costs no parse and little memory."""
+    tail = b""
+    while block := f.read(_BLOCK):
+        if _SIGNATURE in tail + block:
+            f.seek(0)
+            return f.read()
+        tail = block[-len(_SIGNATURE) :]
+    return None
+
+
 def is_torchrl_checkpoint(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a directory or ZIP file whose ``manifest.json`` says ``torchrl.checkpoint``."""
     return read_torchrl_manifest(path) is not None
@@ -28,20 +45,26 @@ def is_torchrl_checkpoint(path: str | os.PathLike) -> bool:
 
 def read_torchrl_manifest(path: str | os.PathLike) -> dict | None:
     """The parsed ``manifest.json`` of the torchrl checkpoint at ``path`` (not validated: a load does that), or
-    ``None`` when ``path`` holds none."""
+    ``None`` when ``path`` holds none (an object-store URL never does: torchrl writes local paths only)."""
+    if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
+        return None
     p = Path(path)
     try:
         if p.is_dir():
             if not (p / MANIFEST).is_file() or (p / MANIFEST).stat().st_size > JSON_LIMIT:
                 return None
-            raw = (p / MANIFEST).read_bytes()
+            with open(p / MANIFEST, "rb") as f:
+                raw = _read_if_theirs(f)
         elif p.is_file() and zipfile.is_zipfile(p):
             with zipfile.ZipFile(p) as z:
                 info = z.getinfo(MANIFEST)
                 if info.file_size > JSON_LIMIT:
                     return None
-                raw = z.read(info)
+                with z.open(info) as f:
+                    raw = _read_if_theirs(f)
         else:
+            return None
+        if raw is None:
             return None
         manifest = json.loads(raw)
     except (OSError, KeyError, ValueError, zipfile.BadZipFile):
