@@ -43,7 +43,9 @@ def make_loss(kind: str) -> tuple[Any, Any, Any]:
     return env, actor, CQLLoss(actor, q)
 
 
-def build(kind: str, directory: Path, *, torchrl_checkpoint: bool = False) -> tuple[Any, ReplayBuffer, Any]:
+def build(
+    kind: str, directory: Path, *, torchrl_checkpoint: bool = False, **rotation: Any
+) -> tuple[Any, ReplayBuffer, Any]:
     """A small IQL/CQL trainer saving through our checkpoint (or, ``torchrl_checkpoint``, through torchrl's own)."""
     from torchrl.checkpoint import Checkpoint, CheckpointRotation
     from torchrl.trainers.algorithms import CQLTrainer, IQLTrainer
@@ -69,7 +71,7 @@ def build(kind: str, directory: Path, *, torchrl_checkpoint: bool = False) -> tu
             checkpoint=Checkpoint() if torchrl_checkpoint else tdcp.DistributedCheckpoint(),
             checkpoint_rotation=CheckpointRotation(directory, keep_last=1)
             if torchrl_checkpoint
-            else tdcp.CheckpointRotation(directory, keep_last=1),
+            else tdcp.CheckpointRotation(directory, **(rotation or {"keep_last": 1})),
         )
     return trainer, buffer, loss
 
@@ -155,3 +157,18 @@ def test_trainer_load_from_file_says_what_is_wrong_with_a_damaged_checkpoint(tmp
     (path / "manifest.json").write_text("{")  # damaged: our error names it, not torch.load's IsADirectoryError
     with pytest.raises(tdcp.CheckpointError, match="manifest"):
         build("iql", tmp_path / "other")[0].load_from_file(path)
+
+
+def test_resume_of_a_trainer_counts_its_save_policy_from_the_resumed_step(tmp_path: Path) -> None:
+    """``tdcp.resume(trainer.checkpoint, dir)`` resumes the Trainer's own rotation: with ``every_steps=32`` a run
+    resumed at 64 frames saves at 96 and 128, not also at 80 (a separate rotation's count started from 0)."""
+
+    first, _, _ = build("iql", tmp_path / "run", every_steps=32)
+    first.train()
+    assert [e.step for e in tdcp.CheckpointRotation(tmp_path / "run").entries()] == [32, 64]
+    again, _, _ = build("iql", tmp_path / "run", every_steps=32)
+    info = tdcp.resume(again.checkpoint, tmp_path / "run")
+    assert info is not None and info.step == 64
+    again.total_frames = 128
+    again.train()
+    assert [e.step for e in tdcp.CheckpointRotation(tmp_path / "run").entries()] == [32, 64, 96, 128]

@@ -548,9 +548,26 @@ def resume(ckpt: Any, directory: str | os.PathLike, **load_kwargs: Any) -> Resum
     Example:
         >>> info = tdcp.resume(ckpt, "ckpts")  # doctest: +SKIP
         >>> start = 0 if info is None else info.step + 1  # doctest: +SKIP
+
+    When ``ckpt`` is bound to a torchrl ``Trainer`` whose ``checkpoint_rotation`` is a rotation of ``directory``,
+    that rotation resumes, so its save policy counts from the resumed step (a new rotation's would count from 0 and
+    save again at the first iteration).
     """
-    return CheckpointRotation(directory, storage_options=getattr(ckpt, "storage_options", None)).resume(
-        ckpt, **load_kwargs
+    rotation = CheckpointRotation(directory, storage_options=getattr(ckpt, "storage_options", None))
+    bound = _trainer_rotation(ckpt)
+    if bound is not None and str(bound.directory) == str(rotation.directory):
+        rotation = bound
+    return rotation.resume(ckpt, **load_kwargs)
+
+
+def _trainer_rotation(ckpt: Any) -> CheckpointRotation | None:
+    """The rotation of the torchrl Trainer ``ckpt`` is bound to, if it is one of ours."""
+    components = getattr(ckpt, "_components", {})
+    marker = components.get("trainer_state") if isinstance(components, Mapping) else None
+    trainer = getattr(getattr(marker, "value", None), "trainer", None)
+    rotation = getattr(trainer, "checkpoint_rotation", None)
+    return (
+        rotation if isinstance(rotation, CheckpointRotation) and getattr(trainer, "checkpoint", None) is ckpt else None
     )
 
 
