@@ -136,7 +136,7 @@ def test_trainer_load_from_file_imports_what_torchrls_trainer_saved(tmp_path: Pa
     ours, ours_buffer, _ = build(kind, tmp_path / "ours")
     assert ours.load_from_file(path) is ours
     assert len(ours_buffer) == 64 and ours.collected_frames == by_torchrl.collected_frames == 64
-    names = ["loss_module", "optimizer", "replay_buffer", "target_updater"]
+    names = ["loss_module", "optimizer", "replay_buffer", "target_updater", "collector"]
     audit = {n: state_snapshot(getattr(by_torchrl, a), n) for n, a in zip(names, _ATTRS)}
     assert [str(d) for n, a in zip(names, _ATTRS) for d in state_differences(audit[n], state_snapshot(getattr(ours, a), n))] == []  # fmt: skip
     for t in (by_torchrl, ours):  # training goes on alike
@@ -147,7 +147,7 @@ def test_trainer_load_from_file_imports_what_torchrls_trainer_saved(tmp_path: Pa
     assert tdcp.CheckpointRotation(tmp_path / "ours").entries()[-1].step == 96
 
 
-_ATTRS = ["loss_module", "optimizer", "replay_buffer", "target_net_updater"]
+_ATTRS = ["loss_module", "optimizer", "replay_buffer", "target_net_updater", "collector"]
 
 
 def test_trainer_load_from_file_says_what_is_wrong_with_a_damaged_checkpoint(tmp_path: Path) -> None:
