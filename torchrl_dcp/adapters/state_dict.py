@@ -201,15 +201,20 @@ def _one_tensor(pairs: list[tuple[TensorSpec, Any]]) -> bool:
 
 def _without_overlaps(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``tensors`` less every pair whose memory overlaps (two saved tensors would be read into the same bytes)."""
-    spans = sorted(
-        (t.device.type, t.device.index or 0, t.data_ptr(), t.data_ptr() + t.nbytes, k) for k, t in tensors.items()
-    )
+    by_device: dict[torch.device, list[tuple[int, int, str]]] = {}
+    for k, t in tensors.items():
+        start = t.data_ptr()
+        spans = by_device.get(t.device)
+        if spans is None:
+            spans = by_device[t.device] = []
+        spans.append((start, start + t.nbytes, k))
     bad: set[str] = set()
-    end: tuple[Any, ...] = ()
-    last = ""
-    for dev, index, start, stop, key in spans:
-        if end and end[0] == (dev, index) and start < end[1]:
-            bad.update((key, last))
-        if not end or end[0] != (dev, index) or stop > end[1]:
-            end, last = ((dev, index), stop), key
+    for spans in by_device.values():
+        spans.sort()
+        end, last = -1, ""
+        for start, stop, key in spans:
+            if start < end:
+                bad.update((key, last))
+            if stop > end:
+                end, last = stop, key
     return {k: t for k, t in tensors.items() if k not in bad} if bad else tensors

@@ -385,6 +385,19 @@ def node_spec(node: dict[str, Any]) -> TensorSpec:
     if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
         raise CheckpointFormatError(f"malformed tensor shape {shape!r}")
     device = node.get("device", "cpu")
+    if device not in _DEVICES_SEEN:  # a load of 5,000 tensors names a device or two: each checked once
+        _check_device(device, key)
+    dtype = _DTYPES.get(node.get("dtype"))  # type: ignore[arg-type]
+    if dtype is None:
+        dtype = dtype_from_name(node.get("dtype"))
+    return TensorSpec(key, tuple(shape), dtype, device, node.get("t") == "dtensor")
+
+
+_DEVICES_SEEN: set[str] = set()  # device strings found valid (never "meta"); bounded below
+_DTYPES = {dtype_name(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+def _check_device(device: Any, key: str) -> None:
     if not isinstance(device, str) or len(device) > 64:
         raise CheckpointFormatError(f"malformed tensor device {device!r}")
     try:
@@ -393,7 +406,8 @@ def node_spec(node: dict[str, Any]) -> TensorSpec:
         raise CheckpointFormatError(f"malformed tensor device {device!r}") from None
     if kind == "meta":  # a tensor without data: no save writes one, a forged skeleton would load "nothing"
         raise CheckpointFormatError(f"tensor {key!r} is on the meta device, which no save writes: refused")
-    return TensorSpec(key, tuple(shape), dtype_from_name(node.get("dtype")), device, node.get("t") == "dtensor")
+    if len(_DEVICES_SEEN) < 1024:
+        _DEVICES_SEEN.add(device)
 
 
 def _decode_scalar_float(v: Any) -> float:

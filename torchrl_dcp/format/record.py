@@ -154,10 +154,10 @@ def template(dtype: torch.dtype, shape: tuple[int, ...]) -> Template:
     like its tuple but pickles differently, so the bytes must not depend on which a
     caller passed first.
     """
-    shape = tuple(int(s) for s in shape)
-    key = (dtype, shape)
-    t = _TEMPLATES.get(key)
+    t = _TEMPLATES.get((dtype, shape))  # a torch.Size finds its tuple's entry (equal and same hash): built once
     if t is None:
+        shape = tuple(int(s) for s in shape)
+        key = (dtype, shape)
         t = _buildtemplate(dtype, shape)
         with _TEMPLATES_LOCK:
             if len(_TEMPLATES) > 4096:
@@ -405,11 +405,18 @@ def record_data_offset(read: Any, head: Any, length: int, dtype: torch.dtype, sh
     checks what it holds)."""
     if dtype not in STORAGE_NAMES:
         return None
-    at = template_data_offset(head, length, dtype, shape)
-    if at is not None:
-        n = len(template(dtype, shape).tail)
-        if template_tail_matches(bytes(read(length - n, n)), dtype, shape):
-            return at
+    tpl = template(dtype, shape)  # once (a check of 5,000 records asked for it four times each)
+    n, at = len(tpl.head), tpl.head_crc_at
+    if (
+        length == tpl.length
+        and len(head) >= n
+        and head[:at] == tpl.head[:at]
+        and head[at + 4 : n] == tpl.head[at + 4 :]
+    ):
+        m, c = len(tpl.tail), tpl.tail_crc_at  # the template's head: its tail too (the central directory)
+        end = bytes(read(length - m, m))
+        if len(end) == m and end[:c] == tpl.tail[:c] and end[c + 4 :] == tpl.tail[c + 4 :]:
+            return n
     try:
         return zip_data_offset(read, length, dtype, shape)
     except (struct.error, ValueError, IndexError):
