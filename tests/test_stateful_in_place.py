@@ -106,10 +106,31 @@ def test_own_tensors_are_read_in_place(tmp_path: Path) -> None:
     assert obj.received["steps"] == 1 and obj.received["tag"] == "run-1"
 
 
-def test_copies_are_read_into_and_loaded(tmp_path: Path) -> None:
+def test_copies_are_read_fresh_and_loaded(tmp_path: Path) -> None:
     path, saved, obj = saved_and_fresh(tmp_path, lambda s: Copies(mixed_state(s)))
+    own = obj.state["f32"]
     tdcp.DistributedCheckpoint(obj=obj).load(path)
-    assert same_state(obj.state, saved.state)
+    assert same_state(obj.state, saved.state) and obj.state["f32"] is own
+
+
+def test_a_failing_object_returning_copies_leaves_the_modules_read_in_place_unchanged(tmp_path: Path) -> None:
+    """Its restore runs before the in-place read (as every component read into fresh tensors): when it fails, the
+    module's weights, which would be read in place after it, are still as they were."""
+
+    class Fails(Copies):
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
+            super().load_state_dict(sd)
+            raise RuntimeError("injected")
+
+    policy = torch.nn.Linear(300, 300)  # weights larger than what is staged: read in place
+    path = tdcp.DistributedCheckpoint(obj=Copies(mixed_state(1)), policy=policy).save(tmp_path / "c")
+    fresh = torch.nn.Linear(300, 300)
+    obj = Fails(mixed_state(2))
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(tdcp.CheckpointError, match="injected"):
+        tdcp.DistributedCheckpoint(obj=obj, policy=fresh).load(path)
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+    assert obj.state["steps"] == 2
 
 
 def test_nested_state_and_an_assigning_load_state_dict(tmp_path: Path) -> None:
@@ -299,3 +320,50 @@ def test_torchrl_global_rng_state_is_not_read_in_place() -> None:
     obj = Holder({"w": torch.zeros(3)})
     adapter.validate(obj, {0: {"w": TensorSpec("w", (3,), torch.float32, "cpu")}}, ctx)
     assert adapter.destinations(obj, {}, ctx) is None
+
+
+def test_overlapping_tensors_are_all_left_out() -> None:
+    from torchrl_dcp.adapters.state_dict import _without_overlaps
+
+    flat, other = torch.zeros(10), torch.zeros(3)
+    found = _without_overlaps({"a": flat[0:10], "b": flat[2:4], "c": flat[6:8], "d": other})
+    assert set(found) == {"d"}
+    assert set(_without_overlaps({"a": flat[0:5], "b": flat[5:10]})) == {"a", "b"}  # adjacent, not overlapping
+
+
+@pytest.mark.parametrize("total", [16 << 20, 2048, 0])
+def test_small_live_tensors_are_staged_then_copied_into_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, total: int
+) -> None:
+    """Small live tensors (a module's, an object's own) are read with the fresh buffers and copied into the live
+    ones last, up to ``STAGE_TOTAL`` bytes a load; the others are read in place. Either way the live tensors keep
+    their identity and get the saved values."""
+    from torchrl_dcp import load_plan
+
+    monkeypatch.setattr(load_plan, "STAGE_TOTAL", total)
+    staged: list[int] = []
+    original = load_plan.LoadPlan.copy_staged
+
+    def copy_staged(self: Any) -> None:
+        staged.append(len(self.staged))
+        original(self)
+
+    monkeypatch.setattr(load_plan.LoadPlan, "copy_staged", copy_staged)
+
+    def make(seed: int) -> tuple[torch.nn.Module, Holder]:
+        g = torch.Generator().manual_seed(seed)
+        module = torch.nn.Module()
+        for i in range(4):
+            module.register_buffer(f"b{i}", torch.randn(256, generator=g))
+        return module, Holder({"w": torch.randn(256, generator=g), "n": seed})
+
+    module, obj = make(1)
+    path = tdcp.DistributedCheckpoint(module=module, obj=obj).save(tmp_path / "c")
+    fresh, fresh_obj = make(2)
+    own = dict(fresh.named_buffers())
+    w = fresh_obj.state["w"]
+    tdcp.DistributedCheckpoint(module=fresh, obj=fresh_obj).load(path)
+    assert staged == [{16 << 20: 5, 2048: 2, 0: 0}[total]]
+    for k, t in fresh.named_buffers():
+        assert t is own[k] and torch.equal(t, getattr(module, k))
+    assert fresh_obj.state["w"] is w and torch.equal(w, obj.state["w"]) and fresh_obj.state["n"] == 1

@@ -12,18 +12,21 @@ restore from freshly read tensors would:
   nothing);
 - each tensor is a plain dense contiguous tensor (``torch.Tensor`` or ``nn.Parameter``, not an inference tensor nor
   the result of an autograd op) with the saved dtype and shape, on the device the saved one maps to;
-- no two tensors of the state share memory, except one tensor under several keys that the save stored once.
+- no two tensors of the state share memory, except one tensor under several keys that the save stored once;
+- they are the object's own: a second ``state_dict()`` returns the same memory (a ``state_dict()`` that returns
+  copies gains nothing from it; its restore then stays with the components restored before the in-place read, and
+  its snapshot is those copies).
 
-Anything else is read into fresh tensors. Whether ``state_dict()`` returns the object's own tensors or copies, the
-object ends as a normal restore leaves it: ``load_state_dict`` copies the tensors onto themselves, or keeps them.
-One case differs: an object whose ``load_state_dict`` *replaces* its tensors instead of copying into them, and whose
-tensors are shared with other objects, would see those objects take the loaded values too. Register such an object
-with ``adapter=StateDictAdapter(in_place=False)``.
+Anything else is read into fresh tensors. The object ends as a normal restore leaves it: ``load_state_dict`` copies
+the tensors onto themselves, or keeps them. One case differs: an object whose ``load_state_dict`` *replaces* its
+tensors instead of copying into them, and whose tensors are shared with other objects, would see those objects take
+the loaded values too. Register such an object with ``adapter=StateDictAdapter(in_place=False)``.
 
 **Rollback.** The snapshot taken while planning keeps the tensors read in place by reference (no copy of the state)
 and copies the rest: a load failing before the final in-place read (planning, verification, reading, restoring other
 components, on any rank) leaves the object exactly as it was; one failing during that read, or the object's own
-``load_state_dict`` raising after it, leaves those tensors with loaded values, as for modules (docs/reliability.md).
+``load_state_dict`` raising after it, leaves those tensors, and those of the other components read in place (a
+module's weights), with loaded values, as a module's failing restore does (docs/reliability.md).
 
 Example:
     >>> import torch
@@ -78,7 +81,14 @@ class StateDictAdapter(Adapter):
         current = self.state(obj, ctx)
         (view,) = saved.values()
         ctx.plan["current"] = current
-        ctx.plan["in_place"] = in_place_tensors(current, view, ctx)
+        found = in_place_tensors(current, view, ctx)
+        ctx.plan["copies"] = set()
+        if found:  # only the object's own tensors: copies gain nothing, and keep its restore before the in-place read
+            again = in_place_tensors(self.state(obj, ctx), view, ctx)
+            own = {k: t for k, t in found.items() if k in again and again[k].data_ptr() == t.data_ptr()}
+            ctx.plan["copies"] = {id(t) for k, t in found.items() if k not in own}
+            found = own
+        ctx.plan["in_place"] = found
 
     def destinations(self, obj: Any, saved: Any, ctx: AdapterContext) -> dict[str, torch.Tensor] | None:
         return ctx.plan.get("in_place") or None
@@ -88,7 +98,7 @@ class StateDictAdapter(Adapter):
         current = ctx.plan.get("current")
         if current is None:
             return super().snapshot(obj, ctx)
-        keep = {id(t) for t in ctx.plan["in_place"].values()}
+        keep = {id(t) for t in ctx.plan["in_place"].values()} | ctx.plan["copies"]  # copies: a copy already
         return _copy_except(current, keep)
 
 
