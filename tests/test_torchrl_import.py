@@ -397,3 +397,10 @@ def test_the_cli_inspects_and_verifies_torchrl_checkpoints(tmp_path: Path, capsy
     member.write_bytes(b"\0")
     assert main(["verify", str(tmp_path / "directory" / "ckpt")]) == 1
     assert "tensor_00000000.memmap" in capsys.readouterr().err
+
+
+def test_components_no_object_is_registered_for_are_named(tmp_path: Path) -> None:
+    path = Checkpoint(policy=_trained()["policy"], stats={"episodes": 1}).save(tmp_path / "ckpt")
+    with pytest.warns(tdcp.UnrestoredComponentWarning, match=r"\['stats'\]"):
+        result = tdcp.DistributedCheckpoint(policy=_module()).load(path)
+    assert result.unrequested == {"stats"}

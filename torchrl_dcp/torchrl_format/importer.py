@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,13 @@ from typing import Any
 from torchrl_dcp import _dist
 from torchrl_dcp._log import get_logger
 from torchrl_dcp.collective import error_status, run_step
-from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, CollectiveError, IncompatibleComponentError
+from torchrl_dcp.errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CollectiveError,
+    IncompatibleComponentError,
+    UnrestoredComponentWarning,
+)
 from torchrl_dcp.load_engine import LoadRequest, LoadResult, compare_versions, report_issues
 from torchrl_dcp.torchrl_format.buffers import (
     SavedBuffer,
@@ -83,6 +90,15 @@ def import_load(request: LoadRequest) -> LoadResult:
             saved = box.components()
             result.missing = {n for n in request.requested if n not in saved}
             result.unrequested = set(saved) - set(request.requested)
+            if result.unrequested and not request.chosen and request.rank == 0:
+                warnings.warn(
+                    UnrestoredComponentWarning(
+                        f"{request.path}: the torchrl checkpoint holds components no object is registered for, which "
+                        f"this load skips: {sorted(result.unrequested)}; register them before loading, or pass "
+                        "components=[...] to choose what to restore"
+                    ),
+                    stacklevel=6,
+                )
             for name in request.requested:
                 if name in saved:
                     p = _plan(box, name, request, result)
