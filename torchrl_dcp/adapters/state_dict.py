@@ -84,8 +84,10 @@ class StateDictAdapter(Adapter):
         found = in_place_tensors(current, view, ctx)
         ctx.plan["copies"] = set()
         if found:  # only the object's own tensors: copies gain nothing, and keep its restore before the in-place read
-            again = in_place_tensors(self.state(obj, ctx), view, ctx)
-            own = {k: t for k, t in found.items() if k in again and again[k].data_ptr() == t.data_ptr()}
+            again: dict[str, list[tuple[TensorSpec, Any]]] = {}
+            if not _pair(self.state(obj, ctx), view, again, 0):
+                again.clear()
+            own = {k: t for k, t in found.items() if _same_memory(again.get(k), t)}
             ctx.plan["copies"] = {id(t) for k, t in found.items() if k not in own}
             found = own
         ctx.plan["in_place"] = found
@@ -187,7 +189,15 @@ def _pair(live: Any, saved: Any, found: dict[str, list[tuple[TensorSpec, Any]]],
         if not isinstance(live, Mapping) or len(live) != len(saved) or depth > 64:
             return False
         for k, v in saved.items():
-            if k not in live or not _pair(live[k], v, found, depth + 1):
+            if k not in live:
+                return False
+            if type(v) is TensorSpec:  # the common leaf, without a call (5,000 tensors: 2 ms a walk)
+                pairs = found.get(v.key)
+                if pairs is None:
+                    found[v.key] = [(v, live[k])]
+                else:
+                    pairs.append((v, live[k]))
+            elif not _pair(live[k], v, found, depth + 1):
                 return False
         return True
     if isinstance(saved, (list, tuple)):
@@ -195,6 +205,12 @@ def _pair(live: Any, saved: Any, found: dict[str, list[tuple[TensorSpec, Any]]],
             return False
         return all(_pair(lv, sv, found, depth + 1) for lv, sv in zip(live, saved))
     return True  # a value (or a set): load_state_dict takes it as saved
+
+
+def _same_memory(pairs: list[tuple[TensorSpec, Any]] | None, t: torch.Tensor) -> bool:
+    """Whether a second ``state_dict()`` gave, for the same saved tensor, a tensor at ``t``'s memory."""
+    u = pairs[0][1] if pairs else None
+    return isinstance(u, torch.Tensor) and u.data_ptr() == t.data_ptr()
 
 
 def _one_tensor(pairs: list[tuple[TensorSpec, Any]]) -> bool:
