@@ -122,7 +122,7 @@ def test_a_failing_object_returning_copies_leaves_the_modules_read_in_place_unch
             super().load_state_dict(sd)
             raise RuntimeError("injected")
 
-    policy = torch.nn.Linear(300, 300)  # weights larger than what is staged: read in place
+    policy = torch.nn.Linear(300, 300)
     path = tdcp.DistributedCheckpoint(obj=Copies(mixed_state(1)), policy=policy).save(tmp_path / "c")
     fresh = torch.nn.Linear(300, 300)
     obj = Fails(mixed_state(2))
@@ -329,41 +329,3 @@ def test_overlapping_tensors_are_all_left_out() -> None:
     found = _without_overlaps({"a": flat[0:10], "b": flat[2:4], "c": flat[6:8], "d": other})
     assert set(found) == {"d"}
     assert set(_without_overlaps({"a": flat[0:5], "b": flat[5:10]})) == {"a", "b"}  # adjacent, not overlapping
-
-
-@pytest.mark.parametrize("total", [16 << 20, 2048, 0])
-def test_small_live_tensors_are_staged_then_copied_into_place(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, total: int
-) -> None:
-    """Small live tensors (a module's, an object's own) are read with the fresh buffers and copied into the live
-    ones last, up to ``STAGE_TOTAL`` bytes a load; the others are read in place. Either way the live tensors keep
-    their identity and get the saved values."""
-    from torchrl_dcp import load_plan
-
-    monkeypatch.setattr(load_plan, "STAGE_TOTAL", total)
-    staged: list[int] = []
-    original = load_plan.LoadPlan.copy_staged
-
-    def copy_staged(self: Any) -> None:
-        staged.append(len(self.staged))
-        original(self)
-
-    monkeypatch.setattr(load_plan.LoadPlan, "copy_staged", copy_staged)
-
-    def make(seed: int) -> tuple[torch.nn.Module, Holder]:
-        g = torch.Generator().manual_seed(seed)
-        module = torch.nn.Module()
-        for i in range(4):
-            module.register_buffer(f"b{i}", torch.randn(256, generator=g))
-        return module, Holder({"w": torch.randn(256, generator=g), "n": seed})
-
-    module, obj = make(1)
-    path = tdcp.DistributedCheckpoint(module=module, obj=obj).save(tmp_path / "c")
-    fresh, fresh_obj = make(2)
-    own = dict(fresh.named_buffers())
-    w = fresh_obj.state["w"]
-    tdcp.DistributedCheckpoint(module=fresh, obj=fresh_obj).load(path)
-    assert staged == [{16 << 20: 5, 2048: 2, 0: 0}[total]]
-    for k, t in fresh.named_buffers():
-        assert t is own[k] and torch.equal(t, getattr(module, k))
-    assert fresh_obj.state["w"] is w and torch.equal(w, obj.state["w"]) and fresh_obj.state["n"] == 1

@@ -13,8 +13,7 @@
    (RNG-like ones last); then read the tensors adapters asked to receive in place
    (module weights, optimizer state, replay-buffer storages, objects' ``state_dict``
    tensors), checksumming those files again as they are read, and restore those
-   components. Small live tensors are not read there: they were read in phase 5 into
-   buffers of their own (checked as the fresh ones are) and are copied into place now.
+   components.
 
 Every phase up to 5 is collective through :mod:`torchrl_dcp.collective`: a failure on
 any rank raises on every rank, and no object has changed. A failure while restoring
@@ -189,9 +188,9 @@ def verify_bytes(src: CheckpointSource, load_plan: LoadPlan, verify: bool, metad
     if metadata is None:
         src.check(False)
         return
-    live = load_plan.read_in_place()
+    live = load_plan.live
     needed_live = files_for(metadata, live)
-    needed_fresh = files_for(metadata, load_plan.read_first())
+    needed_fresh = files_for(metadata, load_plan.fresh)
     src.check(needed_live if verify else False)  # sizes of every file (and checksums of those read in place)
     src.check_identity(needed_live | needed_fresh)
     # the records read into live objects, before any is read; the others are checked as they arrive, before anything
@@ -200,7 +199,7 @@ def verify_bytes(src: CheckpointSource, load_plan: LoadPlan, verify: bool, metad
     # records are checked here wherever they go: a file reader takes their bytes without looking at their values
     keys = set(live)
     if src.reads_files:
-        keys.update(k for k, t in load_plan.read_first().items() if t.dtype == torch.bool)
+        keys.update(k for k, t in load_plan.fresh.items() if t.dtype == torch.bool)
     if keys:  # (none: nothing to check, and 5,000 records not walked for it)
         src.check_records(metadata, keys)
     if verify:
@@ -294,8 +293,7 @@ def restore(src: CheckpointSource, request: LoadRequest, load_plan: LoadPlan, re
         _fail(done, statuses, failure, "restoring components", result)
     if load_plan.live or request.group is not None:
         try:
-            read(src, request, load_plan.read_in_place(), load_plan.verify_live, result, LIVE_MISMATCH)
-            load_plan.copy_staged()
+            read(src, request, load_plan.live, load_plan.verify_live, result, LIVE_MISMATCH)
         except BaseException as err:
             _rollback_and_raise(done, err, in_place, result)
     last = [c for c in done if c.restore_last] if in_place else []
@@ -453,7 +451,7 @@ def load(request: LoadRequest) -> LoadResult:
     result = LoadResult(path=request.path)
     src, load_plan = prepare(request, result)
     try:
-        read(src, request, load_plan.read_first(), load_plan.verify_inline, result)  # 5. read
+        read(src, request, load_plan.fresh, load_plan.verify_inline, result)  # 5. read
     except BaseException:
         rollback(list(load_plan.components.values()))
         raise

@@ -86,53 +86,12 @@ class LoadPlan:
     components: dict[str, ComponentPlan] = field(default_factory=dict)
     fresh: dict[str, torch.Tensor] = field(default_factory=dict)  # new buffers, read before anything changes
     live: dict[str, torch.Tensor] = field(default_factory=dict)  # live objects' tensors, read in the final phase
-    # small live tensors: read with the fresh buffers into these, copied into the live ones in the final phase
-    staged: dict[str, torch.Tensor] = field(default_factory=dict)
-    staged_bytes: int = 0
     verify_inline: set[str] = field(default_factory=set)  # files checksummed while read into fresh buffers
     verify_live: set[str] = field(default_factory=set)  # files checksummed before, and again while read in place
 
     def destination(self, key: str) -> torch.Tensor:
         found = self.fresh.get(key)
         return self.live[key] if found is None else found
-
-    def read_in_place(self) -> dict[str, torch.Tensor]:
-        """The live tensors the final phase reads from the files (those not staged)."""
-        staged = self.staged
-        return {k: t for k, t in self.live.items() if k not in staged} if staged else self.live
-
-    def read_first(self) -> dict[str, torch.Tensor]:
-        """What the read phase fills, before anything changes: the fresh buffers and the staging ones."""
-        return {**self.fresh, **self.staged} if self.staged else self.fresh
-
-    def copy_staged(self) -> None:
-        """Copy the staged tensors into their live ones (the final phase, after the in-place read)."""
-        if self.staged:
-            with torch.no_grad():
-                torch._foreach_copy_([self.live[k] for k in self.staged], list(self.staged.values()))
-
-
-#: live tensors of at most this many bytes are read into fresh buffers with the others and copied into place last:
-#: no check of their records or checksum of their files before the read (5,000 tensors of 1 KiB into a module:
-#: 25 ms less), at most ``STAGE_TOTAL`` bytes a load (memory bounded by a buffer, not by the state)
-STAGE_TENSOR = 64 << 10
-STAGE_TOTAL = 16 << 20
-
-
-def _stage(plan: LoadPlan, key: str, dest: torch.Tensor) -> None:
-    nbytes = dest.nbytes
-    if (
-        nbytes > STAGE_TENSOR
-        or plan.staged_bytes + nbytes > STAGE_TOTAL
-        or type(dest) not in (torch.Tensor, torch.nn.Parameter)
-        or not dest.is_cpu
-        or dest.layout != torch.strided
-        or not dest.is_contiguous()
-        or dest.is_inference()
-    ):
-        return
-    plan.staged[key] = torch.empty_like(dest)  # contiguous, no grad; 2.5x faster than torch.empty(shape, dtype=)
-    plan.staged_bytes += nbytes
 
 
 @dataclass
@@ -271,7 +230,6 @@ def _destinations(comp: ComponentPlan, views: dict[int, Any], plan: LoadPlan, me
                 _check_destination(comp.name, spec, dest)
                 plan.live[key] = dest
                 comp.in_place = True
-                _stage(plan, key, dest)
                 continue
             if spec.dtensor:
                 if live_state is None:
