@@ -523,7 +523,7 @@ class DistributedCheckpoint:
             chosen=components is not None,
         )
         with gc_paused():
-            if isinstance(request.path, Path) and is_torchrl_checkpoint(request.path):
+            if is_torchrl_checkpoint(request.path):  # (a URL never is: torchrl writes local paths)
                 from torchrl_dcp.torchrl_format.importer import import_load
 
                 return import_load(request)  # torchrl.checkpoint's own format, read-only (docs/api.md)
