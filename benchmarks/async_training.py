@@ -9,7 +9,10 @@ batch 256, Adam): forward, backward, step. Three phases, alternated ``--rounds``
 - ``blocking``: the time ``async_save`` itself blocked (staging the state into host memory).
 
 Reported: update steps per second in both phases (medians), the slowdown while a save is in flight, and the
-blocking time. ``--threads`` sets torch's intra-op threads of the loop (default: torch's).
+blocking time. ``--threads`` sets torch's intra-op threads of the loop (default: torch's). ``--controls`` also
+times the loop against background threads that do one kind of work each over ``--mib`` MiB: raw ``os.write`` +
+``fsync`` (the GIL released), a torch copy, and 0.5 s of pure Python (the GIL held): what a save's slowdown is made
+of (CPU contention or the GIL).
 
 Usage::
 
@@ -117,11 +120,56 @@ def run(mib: int, rounds: int, root: Path) -> dict[str, Any]:
     }
 
 
+def controls(mib: int) -> dict[str, dict[str, float]]:
+    """The loop's slowdown while one background thread writes, copies, or runs Python (see the module docstring)."""
+    import os
+    import threading
+
+    nets, optim = make_learner()
+    data = torch.randn(mib << 18)
+    view = memoryview(data.numpy()).cast("B")
+    piece = 8 << 20
+
+    def raw_write() -> None:
+        fd, name = tempfile.mkstemp(dir="/tmp")
+        try:
+            for off in range(0, len(view), piece):
+                os.write(fd, view[off : off + piece])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(name)
+
+    def torch_copy() -> None:
+        out = torch.empty_like(data)
+        for off in range(0, data.numel(), piece // 4):
+            out[off : off + piece // 4].copy_(data[off : off + piece // 4])
+
+    def python_loop() -> None:
+        start = time.perf_counter()
+        while time.perf_counter() - start < 0.5:
+            sum(range(1000))
+
+    out = {}
+    for name, fn in (("raw write + fsync", raw_write), ("torch copy", torch_copy), ("pure Python", python_loop)):
+        idle = steps_for(0.6, nets, optim)
+        thread = threading.Thread(target=fn)
+        n, start = 0, time.perf_counter()
+        thread.start()
+        while thread.is_alive():
+            update(nets, optim)
+            n += 1
+        elapsed = time.perf_counter() - start
+        out[name] = {"seconds": elapsed, "steps_per_s_idle": idle, "slowdown": 1 - n / elapsed / idle}
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mib", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads of the loop")
+    ap.add_argument("--controls", action="store_true", help="also time background write / copy / Python threads")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.threads:
@@ -131,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
         report = run(args.mib, args.rounds, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    if args.controls:
+        report["controls"] = controls(args.mib)
     report["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     m = report["median"]
     print(
@@ -138,6 +188,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{m['steps_per_s_during_save']:.0f} with a save in flight (slowdown {m['slowdown']:.1%}); the call blocked "
         f"{m['blocking_s']:.3f} s, the save took {m['save_total_s']:.3f} s"
     )
+    for name, c in report.get("controls", {}).items():
+        print(f"  control, a background {name}: slowdown {c['slowdown']:.0%} over {c['seconds']:.2f} s")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 
