@@ -145,18 +145,7 @@ def prepare(request: LoadRequest, result: LoadResult) -> tuple[CheckpointSource,
         result.comparison = compare_versions(manifest["versions"])
         if result.version_skew:
             logger.warning("checkpoint %s was saved with other library versions: %s", request.path, skew_text(result))
-        saved = manifest["components"]
-        result.missing = {n for n in request.requested if n not in saved}
-        result.unrequested = set(saved) - set(request.requested)
-        if result.unrequested and not request.chosen and request.rank == 0:
-            warnings.warn(
-                UnrestoredComponentWarning(
-                    f"{request.path}: the checkpoint holds components no object is registered for, which this load "
-                    f"skips: {sorted(result.unrequested)}; register them before loading, or pass components=[...] "
-                    "to choose what to restore"
-                ),
-                stacklevel=6,
-            )
+        compare_components(request, result, manifest["components"])
         metadata = src.dcp_metadata()
         found["plan"] = plan_components(  # 3. plan
             manifest,
@@ -179,6 +168,25 @@ def prepare(request: LoadRequest, result: LoadResult) -> tuple[CheckpointSource,
             rollback(list(found["plan"].components.values()))
         raise
     return found["src"], found["plan"]
+
+
+def compare_components(
+    request: LoadRequest, result: LoadResult, saved: Mapping[str, Any], *, stacklevel: int = 7
+) -> None:
+    """What the checkpoint lacks (``missing``) and holds beyond the request (``unrequested``); the latter is warned
+    about on rank 0 (:class:`UnrestoredComponentWarning`, at the caller's ``load``: ``stacklevel`` frames up) unless
+    the caller chose the components."""
+    result.missing = {n for n in request.requested if n not in saved}
+    result.unrequested = set(saved) - set(request.requested)
+    if result.unrequested and not request.chosen and request.rank == 0:
+        warnings.warn(
+            UnrestoredComponentWarning(
+                f"{request.path}: the checkpoint holds components no object is registered for, which this load "
+                f"skips: {sorted(result.unrequested)}; register them before loading, or pass components=[...] "
+                "to choose what to restore"
+            ),
+            stacklevel=stacklevel,
+        )
 
 
 def verify_bytes(src: CheckpointSource, load_plan: LoadPlan, verify: bool, metadata: Any) -> None:

@@ -28,7 +28,6 @@ Example:
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -41,9 +40,8 @@ from torchrl_dcp.errors import (
     CheckpointFormatError,
     CollectiveError,
     IncompatibleComponentError,
-    UnrestoredComponentWarning,
 )
-from torchrl_dcp.load_engine import LoadRequest, LoadResult, compare_versions, report_issues
+from torchrl_dcp.load_engine import LoadRequest, LoadResult, compare_components, compare_versions, report_issues
 from torchrl_dcp.torchrl_format.buffers import (
     SavedBuffer,
     apply_buffer,
@@ -88,17 +86,7 @@ def import_load(request: LoadRequest) -> LoadResult:
             result.manifest = _as_manifest(box)
             result.comparison = compare_versions(box.manifest.get("versions") or {})
             saved = box.components()
-            result.missing = {n for n in request.requested if n not in saved}
-            result.unrequested = set(saved) - set(request.requested)
-            if result.unrequested and not request.chosen and request.rank == 0:
-                warnings.warn(
-                    UnrestoredComponentWarning(
-                        f"{request.path}: the torchrl checkpoint holds components no object is registered for, which "
-                        f"this load skips: {sorted(result.unrequested)}; register them before loading, or pass "
-                        "components=[...] to choose what to restore"
-                    ),
-                    stacklevel=6,
-                )
+            compare_components(request, result, saved, stacklevel=6)  # (one frame less than our loads: at load)
             for name in request.requested:
                 if name in saved:
                     p = _plan(box, name, request, result)
