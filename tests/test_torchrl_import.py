@@ -404,3 +404,22 @@ def test_components_no_object_is_registered_for_are_named(tmp_path: Path) -> Non
     with pytest.warns(tdcp.UnrestoredComponentWarning, match=r"\['stats'\]"):
         result = tdcp.DistributedCheckpoint(policy=_module()).load(path)
     assert result.unrequested == {"stats"}
+
+
+def test_detection_follows_no_link_and_opens_no_fifo(tmp_path: Path) -> None:
+    """Telling a torchrl checkpoint apart reads a manifest.json only as a regular file inside the directory."""
+    import os
+
+    from torchrl_dcp.torchrl_format import is_torchrl_checkpoint
+
+    theirs = _policy_ckpt(tmp_path)
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "manifest.json").symlink_to(theirs / "manifest.json")
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "manifest.json")
+    archive_link = tmp_path / "link.torchrl"
+    archive_link.symlink_to(Checkpoint(p=_module()).save(tmp_path / "a.torchrl", format="archive"))
+    assert is_torchrl_checkpoint(theirs) and is_torchrl_checkpoint(tmp_path / "a.torchrl")
+    assert not any(is_torchrl_checkpoint(p) for p in (linked, fifo, archive_link, "s3://bucket/run"))

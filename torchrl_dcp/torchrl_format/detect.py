@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import zipfile
 from pathlib import Path
 from typing import BinaryIO
@@ -51,11 +52,14 @@ def read_torchrl_manifest(path: str | os.PathLike) -> dict | None:
     p = Path(path)
     try:
         if p.is_dir():
-            if not (p / MANIFEST).is_file() or (p / MANIFEST).stat().st_size > JSON_LIMIT:
-                return None
-            with open(p / MANIFEST, "rb") as f:
+            # never through a link, never blocking on a FIFO: the directory may be hostile ground
+            fd = os.open(p / MANIFEST, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+            with os.fdopen(fd, "rb") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode) or st.st_size > JSON_LIMIT:
+                    return None
                 raw = _read_if_theirs(f)
-        elif p.is_file() and zipfile.is_zipfile(p):
+        elif p.is_file() and not p.is_symlink() and zipfile.is_zipfile(p):
             with zipfile.ZipFile(p) as z:
                 info = z.getinfo(MANIFEST)
                 if info.file_size > JSON_LIMIT:
