@@ -140,8 +140,13 @@ class TorchrlContainer:
             with self._zip.open(self._members[safe]) as f:
                 data = f.read(size + 1)
         else:
-            fd = os.open(self.path / safe, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)  # swapped for a FIFO
+            fd = os.open(self.path / safe, flags)
             with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    raise CheckpointFormatError(
+                        "not a regular file (a link, a folder or a device)", path=self.where(name)
+                    )
                 data = f.read(size + 1)
         if len(data) != size:
             raise CheckpointIntegrityError(f"holds {len(data)} bytes, its size said {size}", path=self.where(name))
