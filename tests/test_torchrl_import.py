@@ -423,3 +423,25 @@ def test_detection_follows_no_link_and_opens_no_fifo(tmp_path: Path) -> None:
     archive_link.symlink_to(Checkpoint(p=_module()).save(tmp_path / "a.torchrl", format="archive"))
     assert is_torchrl_checkpoint(theirs) and is_torchrl_checkpoint(tmp_path / "a.torchrl")
     assert not any(is_torchrl_checkpoint(p) for p in (linked, fifo, archive_link, "s3://bucket/run"))
+
+
+def test_with_strict_warn_a_failing_component_is_skipped_as_it_was(tmp_path: Path) -> None:
+    class HalfLoads:  # changes itself, then refuses
+        def __init__(self, a: int) -> None:
+            self.a, self.b = a, a
+
+        def state_dict(self) -> dict[str, int]:
+            return {"a": self.a, "b": self.b}
+
+        def load_state_dict(self, sd: dict[str, int]) -> None:
+            self.a = sd["a"]
+            if sd["b"] == 1:
+                raise RuntimeError("refused half-way")
+            self.b = sd["b"]
+
+    path = Checkpoint(policy=_trained()["policy"], obj=HalfLoads(1)).save(tmp_path / "ckpt")
+    obj, target = HalfLoads(0), _fresh()["policy"]
+    with pytest.warns(tdcp.PartialLoadWarning, match="refused half-way"):
+        result = tdcp.DistributedCheckpoint(policy=target, obj=obj).load(path, strict="warn")
+    assert result.loaded == {"policy"} and "obj" in result.incompatible
+    assert (obj.a, obj.b) == (0, 0)  # rolled back, not left half-loaded

@@ -169,7 +169,10 @@ def _restore(planned: list[_Planned], request: LoadRequest, result: LoadResult) 
                 failure = err
                 done.append(p)
                 break
-            result.incompatible[p.name] = f"{type(err).__name__}: {err}"
+            problem = _rollback(p)  # strict="warn"/"ignore": this one is skipped, as it was before the load
+            result.incompatible[p.name] = f"{type(err).__name__}: {err}" + (
+                f"; could not roll back {problem}" if problem else ""
+            )
             continue
         done.append(p)
         result.loaded.add(p.name)
