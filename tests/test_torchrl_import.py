@@ -445,3 +445,14 @@ def test_with_strict_warn_a_failing_component_is_skipped_as_it_was(tmp_path: Pat
         result = tdcp.DistributedCheckpoint(policy=target, obj=obj).load(path, strict="warn")
     assert result.loaded == {"policy"} and "obj" in result.incompatible
     assert (obj.a, obj.b) == (0, 0)  # rolled back, not left half-loaded
+
+
+def test_a_schema_dense_in_json_values_or_nested_too_deep_is_refused_naming_it(tmp_path: Path) -> None:
+    path = _policy_ckpt(tmp_path)
+    schema = next((path / "components").glob("*/state.json"))
+    schema.write_bytes(b"[" + b"{}," * (12 << 20) + b"{}]")  # 36 MiB of empty objects: ~24x that once parsed
+    with pytest.raises(tdcp.CheckpointFormatError, match="state.json.*refused before parsing"):
+        tdcp.DistributedCheckpoint(policy=_module()).load(path)
+    schema.write_bytes(b"[" * 100_000 + b"]" * 100_000)
+    with pytest.raises(tdcp.CheckpointFormatError, match="state.json: not valid JSON"):
+        tdcp.DistributedCheckpoint(policy=_module()).load(path)

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError
+from torchrl_dcp.format.manifest import check_parse_cost
 from torchrl_dcp.torchrl_format.detect import FORMAT_NAME, JSON_LIMIT, MANIFEST, is_torchrl_checkpoint
 
 __all__ = ["FORMAT_NAME", "TorchrlContainer", "is_torchrl_checkpoint"]  # (detection: .detect, torch-free)
@@ -154,10 +155,11 @@ class TorchrlContainer:
 
     def read_json(self, name: str) -> Any:
         raw = self.read(name, JSON_LIMIT)
+        check_parse_cost(raw, self.where(name))  # a forged file dense in JSON values is refused before it is parsed
         try:
             return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as err:
-            raise CheckpointFormatError(f"not valid JSON: {err}", path=self.where(name)) from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as err:
+            raise CheckpointFormatError(f"not valid JSON: {str(err)[:200]}", path=self.where(name)) from None
 
     # ------------------------------------------------------------------ manifest
     def _read_manifest(self) -> dict[str, Any]:
