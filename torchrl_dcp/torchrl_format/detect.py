@@ -15,6 +15,8 @@ import zipfile
 from pathlib import Path
 from typing import BinaryIO
 
+from torchrl_dcp.storage.backends import is_remote
+
 __all__ = ["FORMAT_NAME", "JSON_LIMIT", "MANIFEST", "is_torchrl_checkpoint", "read_torchrl_manifest"]
 
 FORMAT_NAME = "torchrl.checkpoint"
@@ -47,7 +49,7 @@ def is_torchrl_checkpoint(path: str | os.PathLike) -> bool:
 def read_torchrl_manifest(path: str | os.PathLike) -> dict | None:
     """The parsed ``manifest.json`` of the torchrl checkpoint at ``path`` (not validated: a load does that), or
     ``None`` when ``path`` holds none (an object-store URL never does: torchrl writes local paths only)."""
-    if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
+    if not isinstance(path, (str, os.PathLike)) or is_remote(path):  # the dispatch says what a path names
         return None
     p = Path(path)
     try:
