@@ -113,13 +113,7 @@ def read_buffer(box: TorchrlContainer, name: str, rb: Any) -> SavedBuffer:
 
 
 def box_need(box: TorchrlContainer, name: str, relative: str) -> str:
-    member = box.component_file(name, relative)
-    if member is None:
-        raise CheckpointFormatError(
-            f"component {name!r} does not list {relative}: not a replay buffer torchrl 0.14 dumped",
-            path=box.where(box.record(name)["path"]),
-        )
-    return member
+    return box.need(name, relative, "not a replay buffer torchrl 0.14 dumped")
 
 
 def _batch_size_ok(value: Any) -> bool:

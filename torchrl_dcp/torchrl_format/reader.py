@@ -222,7 +222,7 @@ class TorchrlContainer:
 
     # ------------------------------------------------------------------ payloads
     def json_payload(self, name: str) -> Any:
-        member = self._need(name, "value.json")
+        member = self.need(name, "value.json")
         return self.read_json(member)
 
     def state_dict_payload(self, name: str, device: Any = None) -> Any:
@@ -236,7 +236,7 @@ class TorchrlContainer:
                 path=self.where(rec["path"] + "/state.pt"),
             )
         tensors = self._state_tensors(name)
-        schema = self.read_json(self._need(name, "state.json"))
+        schema = self.read_json(self.need(name, "state.json"))
         used: set[str] = set()
         state = decode_schema(schema, tensors, used, self.where(f"{rec['path']}/state.json"), device)
         unused = set(tensors) - used
@@ -253,16 +253,19 @@ class TorchrlContainer:
         if "state/meta.json" in files:
             return read_memmap_folder(self, f"{rec['path']}/state", flat=True)
         if "state.tdz" in files:
-            return read_tensordict_archive(self, self._need(name, "state.tdz"))
+            return read_tensordict_archive(self, self.need(name, "state.tdz"))
         if "state.tdc" in files:
-            return read_consolidated(self, self._need(name, "state.tdc"))
+            return read_consolidated(self, self.need(name, "state.tdc"))
         raise CheckpointFormatError(f"component {name!r} holds no state-dict payload", path=self.where(rec["path"]))
 
-    def _need(self, name: str, relative: str) -> str:
+    def need(self, name: str, relative: str, what: str = "") -> str:
+        """The member name of ``relative`` inside component ``name``; refused when the manifest does not list it
+        (``what``: what a component without it is not, for the message)."""
         member = self.component_file(name, relative)
         if member is None:
             raise CheckpointFormatError(
-                f"component {name!r} does not list {relative}", path=self.where(self.record(name)["path"])
+                f"component {name!r} does not list {relative}" + (f": {what}" if what else ""),
+                path=self.where(self.record(name)["path"]),
             )
         return member
 
