@@ -16,7 +16,7 @@ SAVE_PHASES = {
     "chunk plan": "all_gather:planning the chunk files",
     "staging bcast": "broadcast:preparing the staging directory",
     "commit gather": "gather_to_0:collecting file records",
-    "confirm": "all_gather:confirming the commit",
+    "confirm": "broadcast:confirming the commit",
 }
 
 
