@@ -340,7 +340,7 @@ def commit(job: SaveJob, target: SaveTarget, outcome: WriteOutcome, write_error:
                 target.commit(manifest, files)
         except BaseException as err:
             error = save_failure(err, "committing the checkpoint", job.destination)
-    # only rank 0 can fail here: a broadcast of its status (a tree), not an all_gather of every rank's (a ring)
+    # only rank 0 can fail here: each rank receives its one status, not an all_gather of every rank's
     status = _dist.broadcast_from_0(error_status(error), job.group, "confirming the commit")
     raise_if_failed([status], "committing the checkpoint", error or write_error)
     return job.destination
