@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 import torchrl_dcp as tdcp
@@ -192,6 +192,9 @@ def test_newer_version_and_foreign_format_are_refused_with_their_kind() -> None:
 # ---------------------------------------------------------------------- codec
 @SETTINGS
 @given(skeletons())
+@example({"t": "tensor", "key": "a", "dtype": "float32", "shape": [], "device": []})  # unhashable device
+@example({"t": "tensor", "key": "a", "dtype": [], "shape": []})  # unhashable dtype
+@example({"t": [], "key": "a"})  # unhashable kind
 def test_decode_random_skeleton(skeleton: Any) -> None:
     tensors = {"a": torch.ones(2), "b/c": torch.zeros(1), "x": torch.arange(3)}
     try:

@@ -384,12 +384,14 @@ def node_spec(node: dict[str, Any]) -> TensorSpec:
         raise CheckpointFormatError(f"malformed tensor entry {node!r}")
     if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
         raise CheckpointFormatError(f"malformed tensor shape {shape!r}")
-    device = node.get("device", "cpu")
-    if device not in _DEVICES_SEEN:  # a load of 5,000 tensors names a device or two: each checked once
+    device, dtype_name_ = node.get("device", "cpu"), node.get("dtype")
+    # a load of 5,000 tensors names a device or two: each checked once (the set only holds strings; a forged
+    # node's list or dict is not hashable, so it is type-checked before the lookup)
+    if not isinstance(device, str) or device not in _DEVICES_SEEN:
         _check_device(device, key)
-    dtype = _DTYPES.get(node.get("dtype"))  # type: ignore[arg-type]
+    dtype = _DTYPES.get(dtype_name_) if isinstance(dtype_name_, str) else None
     if dtype is None:
-        dtype = dtype_from_name(node.get("dtype"))
+        dtype = dtype_from_name(dtype_name_)
     return TensorSpec(key, tuple(shape), dtype, device, node.get("t") == "dtensor")
 
 
