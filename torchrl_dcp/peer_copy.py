@@ -1,0 +1,252 @@
+"""Copy a committed checkpoint directory from one rank to another over the checkpoint's process group.
+
+The node-local tier (:mod:`torchrl_dcp.local_tier`) keeps a replica of each rank's part on
+ranks of other nodes and hands a part back to a rank whose node lost it. Both go through
+:func:`exchange_entries`: every rank sends the entries it is asked to send (a header, then each
+file in pieces of at most ``PIECE`` bytes) while it receives the ones sent to it, each into a
+new staging directory beside its destination (files created ``O_EXCL | O_NOFOLLOW`` through the
+directory's descriptor, each fsynced) that is published atomically once complete. One buffer
+per direction is reused for every piece, so memory stays at two pieces whatever the entry size.
+
+What travels is a checkpoint this job just wrote; the receiver still treats it as input: names
+must be plain file names, sizes are bounded by the header, and nothing is trusted before the load
+verifies every byte against the manifest's checksums.
+
+Example (one process: nothing to send or receive):
+    >>> from torchrl_dcp.peer_copy import exchange_entries
+    >>> exchange_entries([], [], None)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import threading
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, from_os_error
+from torchrl_dcp.storage.commit import publish, remove_tree, staging_path
+from torchrl_dcp.storage.files import DirHandle
+
+PIECE = 16 << 20  # bytes per message: bounds the memory of a copy (one buffer each way)
+_HEADER_LIMIT = 1 << 20  # a part lists a handful of files: a larger header is not ours
+_NAME = re.compile(r"^(?!\.\.?$)[A-Za-z0-9_.\-]{1,200}$")
+
+
+def entry_files(path: Path) -> list[tuple[str, int]]:
+    """The regular files of the committed entry ``path`` (name, size), sorted; anything else there is refused."""
+    handle = DirHandle.open(path)
+    try:
+        files = []
+        for name in handle.names():
+            st = handle.lstat(name)
+            if not stat.S_ISREG(st.st_mode) or not _NAME.match(name):
+                raise CheckpointError(f"{name!r} is not a plain file of a checkpoint: not copied", path=path)
+            files.append((name, st.st_size))
+        return files
+    finally:
+        handle.close()
+
+
+def exchange_entries(
+    sends: Sequence[tuple[Path, int]],
+    receives: Sequence[tuple[Path, int]],
+    group: object,
+    *,
+    send_error: str | None = None,
+) -> None:
+    """Send each ``(entry, group_rank)`` of ``sends`` while receiving each ``(destination, group_rank)`` of ``receives``.
+
+    Every rank calls it with the pairs its peers expect (each send has a matching receive on
+    its peer, in the same order). ``send_error``: this rank could not produce its entries; each
+    peer is told so (and raises it) instead of waiting for them. A failure on either side never
+    leaves the other waiting: a sender that cannot read a file pads what it declared, a receiver
+    that cannot write drains what it was sent. Raises the first failure of either direction
+    after both finished (a peer that is gone fails the receive at once, or at the group's timeout).
+    """
+    if not sends and not receives:
+        return
+    errors: list[BaseException] = []
+
+    def send_all() -> None:
+        buffer = torch.empty(PIECE, dtype=torch.uint8)
+        for entry, peer in sends:
+            try:
+                _send_entry(entry, peer, group, buffer, send_error)
+            except CheckpointError as err:  # the peer was told (header) or got padding; next entry
+                errors.append(err)
+            except BaseException as err:  # the group itself failed: nothing more can be sent
+                errors.append(err)
+                return
+
+    sender = threading.Thread(target=send_all, name="tdcp-peer-send", daemon=True)
+    sender.start()
+    try:
+        buffer = torch.empty(PIECE, dtype=torch.uint8)
+        for destination, peer in receives:
+            try:
+                _receive_entry(destination, peer, group, buffer)
+            except CheckpointFormatError as err:  # what follows cannot be told apart: stop receiving
+                errors.append(err)
+                break
+            except CheckpointError as err:  # drained: the next entry's messages are next in line
+                errors.append(err)
+    finally:
+        sender.join()
+    if errors:
+        raise errors[0]
+
+
+def _send_header(header: dict, peer: int, group: object) -> None:
+    raw = json.dumps(header).encode()
+    _send(torch.tensor([len(raw)], dtype=torch.int64), peer, group)
+    _send(torch.frombuffer(bytearray(raw), dtype=torch.uint8), peer, group)
+
+
+def _send_entry(entry: Path, peer: int, group: object, buffer: torch.Tensor, error: str | None) -> None:
+    try:
+        if error is not None:
+            raise CheckpointError(error, path=entry)
+        files = entry_files(entry)
+    except (OSError, CheckpointError) as err:
+        failure = err if isinstance(err, CheckpointError) else from_os_error(err, "listing a part to send", entry)
+        _send_header({"error": str(failure)[:4096]}, peer, group)
+        raise failure from None
+    _send_header({"files": files}, peer, group)
+    failure: CheckpointError | None = None
+    handle = DirHandle.open(entry)
+    try:
+        for name, size in files:
+            fd = _open_or_none(handle, name)
+            try:
+                for done in range(0, size, PIECE):
+                    n = min(PIECE, size - done)
+                    view = memoryview(buffer.numpy())[:n]
+                    got = os.preadv(fd, [view], done) if fd is not None and failure is None else 0
+                    if got != n:  # unreadable or shrunk: pad what the header declared, the peer is not left waiting
+                        view[got:] = bytes(n - got)
+                        failure = failure or CheckpointError(
+                            f"{name} could not be read whole while it was sent to rank {peer}", path=entry
+                        )
+                    _send(buffer[:n], peer, group)
+            finally:
+                if fd is not None:
+                    os.close(fd)
+    finally:
+        handle.close()
+    if failure is not None:
+        raise failure
+
+
+def _open_or_none(handle: DirHandle, name: str) -> int | None:
+    try:
+        return handle.open_file(name)
+    except OSError:
+        return None
+
+
+def _receive_entry(destination: Path, peer: int, group: object, buffer: torch.Tensor) -> None:
+    size = torch.empty(1, dtype=torch.int64)
+    _recv(size, peer, group)
+    if not 0 < int(size) <= _HEADER_LIMIT:
+        raise CheckpointFormatError(f"rank {peer} sent a header of {int(size)} bytes", path=destination)
+    raw = torch.empty(int(size), dtype=torch.uint8)
+    _recv(raw, peer, group)
+    files = _parse_header(raw.numpy().tobytes(), peer, destination)
+    staging = staging_path(destination, uuid.uuid4().hex)
+    failure: CheckpointError | None = None
+    handle = None
+    try:
+        staging.mkdir()
+        handle = DirHandle.open(staging)
+    except OSError as err:
+        failure = from_os_error(err, f"receiving a checkpoint from rank {peer}", destination)
+    try:
+        for name, length in files:
+            failure = _receive_file(handle if failure is None else None, name, length, peer, group, buffer) or failure
+            if failure is not None:
+                handle = _close(handle)
+        if handle is not None:
+            handle.fsync()
+            handle = _close(handle)
+            publish(staging, destination)
+    except OSError as err:
+        failure = from_os_error(err, f"receiving a checkpoint from rank {peer}", destination)
+    except BaseException:
+        _close(handle)
+        remove_tree(staging)
+        raise
+    if failure is not None:
+        _close(handle)
+        remove_tree(staging)
+        raise failure
+
+
+def _close(handle: DirHandle | None) -> None:
+    if handle is not None:
+        handle.close()
+
+
+def _receive_file(
+    handle: DirHandle | None, name: str, length: int, peer: int, group: object, buffer: torch.Tensor
+) -> CheckpointError | None:
+    """Receive ``name`` into ``handle``'s directory (``None``: drain it); the write failure, if any, after draining."""
+    failure: CheckpointError | None = None
+    fd = None
+    if handle is not None:
+        try:
+            fd = handle.create(name)
+        except OSError as err:
+            failure = from_os_error(err, f"receiving {name} from rank {peer}", handle.path)
+    try:
+        for done in range(0, length, PIECE):
+            n = min(PIECE, length - done)
+            _recv(buffer[:n], peer, group)
+            if fd is None:
+                continue
+            view, offset = memoryview(buffer.numpy())[:n], done
+            try:
+                while view:
+                    written = os.pwrite(fd, view, offset)
+                    view, offset = view[written:], offset + written
+            except OSError as err:
+                failure = from_os_error(err, f"receiving {name} from rank {peer}", handle.path)
+                os.close(fd)
+                fd = None
+        if fd is not None:
+            os.fsync(fd)
+    finally:
+        if fd is not None:
+            os.close(fd)
+    return failure
+
+
+def _parse_header(raw: bytes, peer: int, destination: Path) -> list[tuple[str, int]]:
+    try:
+        header = json.loads(raw)
+        if isinstance(header, dict) and "error" in header:
+            raise CheckpointError(f"rank {peer} could not send it: {str(header['error'])[:4096]}", path=destination)
+        out = [(str(name), int(length)) for name, length in header["files"]]
+    except (ValueError, TypeError, KeyError) as err:
+        raise CheckpointFormatError(f"rank {peer} sent a malformed header ({err})", path=destination) from None
+    names = [name for name, _ in out]
+    if len(set(names)) != len(names) or not all(_NAME.match(n) for n in names) or any(n < 0 for _, n in out):
+        raise CheckpointFormatError(
+            f"rank {peer} sent file names or sizes that are not a checkpoint's", path=destination
+        )
+    return out
+
+
+def _send(tensor: torch.Tensor, peer: int, group: object) -> None:
+    dist.send(tensor, group=group, group_dst=peer)  # type: ignore[arg-type]
+
+
+def _recv(tensor: torch.Tensor, peer: int, group: object) -> None:
+    dist.recv(tensor, group=group, group_src=peer)  # type: ignore[arg-type]
