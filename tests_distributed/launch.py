@@ -14,12 +14,14 @@ the scenario modules are imported by each rank after its environment is set.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import multiprocessing
 import multiprocessing.forkserver
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -178,13 +180,17 @@ def _outputs(results: list[RankResult]) -> str:
     return "\n".join(f"----- rank {r.rank} (exit {r.returncode}) -----\n{r.output[-4000:]}" for r in results)
 
 
-def torchrun_module(module: str, *args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+def torchrun_module(
+    module: str, *args: str, nproc: int = 2, timeout: float = 300, max_restarts: int = 0
+) -> subprocess.CompletedProcess:
     """Run ``python -m module *args`` under ``torchrun`` (c10d rendezvous on a free local port), as users do."""
-    cmd, env = torchrun_command(module, *args, nproc=nproc)
+    cmd, env = torchrun_command(module, *args, nproc=nproc, max_restarts=max_restarts)
     return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
-def torchrun_command(module: str, *args: str, nproc: int = 2) -> tuple[list[str], dict[str, str]]:
+def torchrun_command(
+    module: str, *args: str, nproc: int = 2, max_restarts: int = 0
+) -> tuple[list[str], dict[str, str]]:
     """The command line and environment :func:`torchrun_module` runs (for tests that signal the agent)."""
     cmd = [
         sys.executable,
@@ -193,7 +199,7 @@ def torchrun_command(module: str, *args: str, nproc: int = 2) -> tuple[list[str]
         f"--nproc-per-node={nproc}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        "--max-restarts=0",
+        f"--max-restarts={max_restarts}",
         "-m",
         module,
         *args,
@@ -209,6 +215,7 @@ def torchrun_nodes(
     root: Path,
     timeout: float = 300,
     private_tmp: Path | None = None,
+    max_restarts: int = 0,
 ) -> list[subprocess.CompletedProcess]:
     """Run ``module`` as ``nodes`` separate ``torchrun --nnodes N`` agents (one per "node") on this machine.
 
@@ -219,7 +226,8 @@ def torchrun_nodes(
     With ``private_tmp=SHARED`` each agent runs in its own mount namespace with a fresh
     tmpfs on ``/tmp`` (its ``TMPDIR``), where only the directory ``SHARED`` stays visible
     (see ``nodens.py``; check :func:`private_tmp_unavailable` first); what a node left in
-    its ``/tmp`` is listed in ``root/node<i>/tmp-listing.json``.
+    its ``/tmp`` is listed in ``root/node<i>/tmp-listing.json``. ``max_restarts``: how often each agent
+    restarts its workers after one failed (``torchrun --max-restarts``).
     """
     port = free_port()
     procs = []
@@ -235,7 +243,7 @@ def torchrun_nodes(
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{port}",
             f"--rdzv-id=nodes-{port}",
-            "--max-restarts=0",
+            f"--max-restarts={max_restarts}",
             "-m",
             module,
             *args,
@@ -257,15 +265,25 @@ def torchrun_nodes(
             ]
             cmd = ["unshare", "-m", "--propagation", "private", *nodens, "--", *cmd]
         procs.append(
-            subprocess.Popen(cmd, env=env, cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            subprocess.Popen(
+                cmd,
+                env=env,
+                cwd=home,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,  # a timeout kills the agent and its workers (a killed agent orphans them)
+            )
         )
     out = []
+    deadline = time.monotonic() + timeout
     for p in procs:
         try:
-            stdout, stderr = p.communicate(timeout=timeout)
+            stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             for q in procs:
-                q.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(q.pid, signal.SIGKILL)
             stdout, stderr = p.communicate()
         out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
     return out
