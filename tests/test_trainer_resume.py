@@ -8,6 +8,7 @@ come back (they used to be skipped: training went on from an empty buffer).
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -172,3 +173,26 @@ def test_resume_of_a_trainer_counts_its_save_policy_from_the_resumed_step(tmp_pa
     again.total_frames = 128
     again.train()
     assert [e.step for e in tdcp.CheckpointRotation(tmp_path / "run").entries()] == [32, 64, 96, 128]
+
+
+def test_a_trainer_saves_to_the_local_tier_on_its_schedule_and_resumes_from_it(tmp_path: Path) -> None:
+    """A rotation's LocalTier saves at its own schedule inside ``Trainer.train()`` (every 16 frames here, the shared
+    tier every 32), and the Trainer's resume takes the local tier's newest step when the shared tier is gone."""
+    local = tdcp.LocalTier(tmp_path / "local", every_steps=16, keep_last=2)
+    first, buffer, loss = build("iql", tmp_path / "run", every_steps=32, local=local)
+    first.total_frames = 80
+    first.train()
+    assert local.steps() == [64, 80]
+    assert [e.step for e in tdcp.CheckpointRotation(tmp_path / "run").entries()] == [32, 64, 80]
+    shutil.rmtree(tmp_path / "run")  # the shared tier is lost: the node's own tier holds the newest step
+    again, fresh_buffer, fresh_loss = build(
+        "iql", tmp_path / "run", every_steps=32, local=tdcp.LocalTier(tmp_path / "local", every_steps=16)
+    )
+    info = tdcp.resume(again.checkpoint, tmp_path / "run")
+    assert info is not None and (info.step, info.tier) == (80, "local")
+    assert len(fresh_buffer) == len(buffer) == 80
+    rows, fresh_rows = buffer[:80], fresh_buffer[:80]
+    assert all(torch.equal(rows[k], fresh_rows[k]) for k in rows.keys(True, True))
+    for (name, a), (_, b) in zip(loss.state_dict().items(), fresh_loss.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert again.collected_frames == first.collected_frames

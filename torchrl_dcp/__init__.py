@@ -26,6 +26,9 @@ _LAZY: dict[str, str] = {
     "SaveHandle": "torchrl_dcp.async_save",
     "DistributedCheckpoint": "torchrl_dcp.checkpoint",
     "LoadResult": "torchrl_dcp.checkpoint",
+    "LocalTier": "torchrl_dcp.local_tier",
+    "init_process_group": "torchrl_dcp.elastic",
+    "start_count": "torchrl_dcp.elastic",
     "verify": "torchrl_dcp.verification",
     "StateDifference": "torchrl_dcp.audit",
     "state_differences": "torchrl_dcp.audit",
@@ -37,6 +40,8 @@ if TYPE_CHECKING:
     from torchrl_dcp.async_save import SaveHandle
     from torchrl_dcp.audit import StateDifference, state_differences, state_snapshot
     from torchrl_dcp.checkpoint import DistributedCheckpoint, LoadResult
+    from torchrl_dcp.elastic import init_process_group, start_count
+    from torchrl_dcp.local_tier import LocalTier
     from torchrl_dcp.verification import verify
 
 
@@ -97,6 +102,7 @@ __all__ = [
     "IncompatibleComponentError",
     "InexactResumeWarning",
     "LoadResult",
+    "LocalTier",
     "PartialLoadWarning",
     "Placement",
     "RNGState",
@@ -112,6 +118,8 @@ __all__ = [
     "__version__",
     "by_commit",
     "export_torchrl",
+    "init_process_group",
+    "start_count",
     "read_manifest",
     "register_adapter",
     "resume",

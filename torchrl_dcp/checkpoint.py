@@ -15,6 +15,7 @@ Example (one process; under ``torchrun`` every rank runs the same lines):
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import os
@@ -151,6 +152,17 @@ class DistributedCheckpoint:
         if self.no_dist:
             return 1
         return _dist.group_size(self.process_group) if self.process_group is not None else _dist.world_size()
+
+    def _solo(self) -> DistributedCheckpoint:
+        """The same registrations as a world of one (``no_dist``): what a node-local tier saves and loads per rank.
+
+        It shares the components (later registrations included) but not the async saver, so its saves never
+        wait for (or interleave with) the job's async save in flight.
+        """
+        solo = copy.copy(self)
+        solo.no_dist, solo.process_group, solo._async = True, None, AsyncSaver()
+        solo._solo_of = self
+        return solo
 
     def wait(self) -> Path | None:
         """Block until the async save in flight (if any) is committed; return its path (``None``: none was).

@@ -111,14 +111,23 @@ def _check_committed(location: Location) -> None:
 
 @dataclass(frozen=True)
 class ResumeInfo:
-    """Where a resume came from: the step, the checkpoint path and the :class:`LoadResult`."""
+    """Where a resume came from: the step, the checkpoint path, the :class:`LoadResult` and the tier.
+
+    ``tier`` is ``"shared"`` (the rotation's directory), ``"local"`` (this rank's part in its node's
+    :class:`~torchrl_dcp.LocalTier`) or ``"peer"`` (its part received from a rank of another node holding
+    its replica); ``path`` is the entry (or, for a local tier, this rank's part) that was loaded.
+    """
 
     step: int
     path: Path
     result: Any
+    tier: str = "shared"
 
     def __repr__(self) -> str:  # (the result's manifest stays out: printing a resume reads in one line)
-        return f"ResumeInfo(step={self.step}, path={str(self.path)!r}, loaded={sorted(self.result.loaded)!r})"
+        return (
+            f"ResumeInfo(step={self.step}, path={str(self.path)!r}, tier={self.tier!r}, "
+            f"loaded={sorted(self.result.loaded)!r})"
+        )
 
 
 @dataclass(frozen=True)
@@ -158,6 +167,9 @@ class CheckpointRotation:
             every entry still stands alone, so pruning never breaks a kept one. Off with
             ``archive=True`` (an archive's members cannot be linked).
         storage_options: fsspec options when ``directory`` is a URL (``s3://bucket/run``; docs/objectstores.md).
+        local: a :class:`~torchrl_dcp.LocalTier`: :meth:`maybe_save` also saves to each node's own storage on
+            its (more frequent) schedule, with replicas on other nodes, and :meth:`resume` restores from it
+            first when it holds a step at least as new as the shared tier's (docs/recovery.md).
 
     ``save``, ``maybe_save``, ``resume`` and ``load_latest`` are collective (every rank of the
     checkpoint calls them); ``entries``, ``latest`` and ``best`` only read manifests and may be
@@ -186,8 +198,15 @@ class CheckpointRotation:
         archive: bool = False,
         incremental: bool = True,
         storage_options: Mapping[str, Any] | None = None,
+        local: Any = None,
     ) -> None:
         Retention(keep_last, keep_every, parse_keep_best(keep_best))  # checks the arguments
+        if local is not None:
+            from torchrl_dcp.local_tier import LocalTier
+
+            if not isinstance(local, LocalTier):
+                raise TypeError(f"local must be a tdcp.LocalTier, got {type(local).__name__}")
+        self.local = local
         self.schedule = SaveSchedule(every_steps, every_seconds)
         if not isinstance(async_saves, bool):
             raise TypeError(f"async_saves must be True or False, got {async_saves!r}")
@@ -332,6 +351,8 @@ class CheckpointRotation:
         **save_kwargs: Any,
     ) -> Any:
         """Act on a :meth:`decide` result: save (async when configured, unless ``sync`` or preempted), or nothing."""
+        if self.local is not None and not decision.preempted and self.local.due(decision.step):
+            self._save_local(ckpt, decision.step, metadata)
         if not (force or decision.due or decision.preempted):
             return None
         step = decision.step
@@ -358,6 +379,12 @@ class CheckpointRotation:
         )  # fmt: skip
         self._in_flight = ckpt
         return handle
+
+    def _save_local(self, ckpt: Any, step: int, metadata: Mapping[str, Any] | None) -> Path:
+        from torchrl_dcp.local_tier import tier_identity
+
+        _check_step(step)
+        return self.local.save(ckpt, step, plain_scalars(dict(metadata or {})), tier_identity(ckpt, self.directory))
 
     def wait(self) -> Path | None:
         """Block until the async save in flight (if any) is committed and pruned; its path, or ``None``."""
@@ -510,7 +537,6 @@ class CheckpointRotation:
         return self._resume(ckpt, fallback, load_kwargs)
 
     def _resume(self, ckpt: Any, fallback: bool, load_kwargs: dict[str, Any]) -> ResumeInfo | None:
-        from torchrl_dcp import _dist
         from torchrl_dcp.collective import broadcast_step
 
         _wait(ckpt)
@@ -518,6 +544,26 @@ class CheckpointRotation:
         candidates = broadcast_step(  # rank 0 lists, newest commit first; every rank loads the same entries
             group, "listing checkpoints", lambda: [(e.step, str(e.path)) for e in reversed(by_commit(self.entries()))]
         )
+        if self.local is not None:
+            from torchrl_dcp.local_tier import tier_identity
+
+            identity = tier_identity(ckpt, self.directory)
+            found = self.local.resume(ckpt, candidates[0][0] if candidates else None, identity, load_kwargs)
+            if found is not None:
+                step, path, result, tier = found
+                self._last_step, self._last_time = step, time.monotonic()
+                return ResumeInfo(step, path, result, tier)
+        info = self._resume_shared(ckpt, candidates, fallback, load_kwargs)
+        if self.local is not None:  # local steps newer than the one restored belong to an abandoned future
+            self.local.forget_after(ckpt, None if info is None else info.step)
+        return info
+
+    def _resume_shared(
+        self, ckpt: Any, candidates: list[tuple[int, str]], fallback: bool, load_kwargs: dict[str, Any]
+    ) -> ResumeInfo | None:
+        from torchrl_dcp import _dist
+
+        group = _group(ckpt)
         for step, listed in candidates:
             path = self.directory / listed.rsplit("/", 1)[-1]  # the rotation's own path (and storage options)
             try:

@@ -37,8 +37,9 @@ def sync_trainer(ckpt: Any) -> None:
     marker = ckpt._components.get(TRAINER_MARKER)
     trainer = getattr(getattr(marker, "value", None), "trainer", None)
     sync = getattr(trainer, "_sync_checkpoint_components", None)
-    if callable(sync) and getattr(trainer, "checkpoint", None) is ckpt:
-        sync(ckpt)
+    bound = getattr(ckpt, "_solo_of", ckpt)  # a local tier's world-of-one copy shares the Trainer's registrations
+    if callable(sync) and getattr(trainer, "checkpoint", None) is bound:
+        sync(bound)
 
 
 def bind_trainer_load(trainer: Any, ckpt: Any) -> None:

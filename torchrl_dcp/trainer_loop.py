@@ -14,7 +14,8 @@ binds the rotation when it registers its components (torchrl 0.14.1,
   either is set (torchrl's interval otherwise), saving with ``async_saves`` when set. The
   save happens where torchrl's does (end of the iteration, after the logging hooks), so a
   resume continues exactly as the run that never stopped. The final save (``total_frames``
-  reached) is synchronous.
+  reached) is synchronous. A rotation's :class:`~torchrl_dcp.LocalTier` saves on its own schedule
+  at the same place.
 
 Steps are the Trainer's ``collected_frames``, as in torchrl's own checkpoints.
 
@@ -62,14 +63,15 @@ class _TrainerBinding:
             scheduled = (step - trainer._last_save) > trainer.save_trainer_interval
         if scheduled:
             trainer._last_save = step  # what torchrl records at a scheduled save
-        if not (force_save or scheduled or decision.preempted):
+        local_due = rotation.local is not None and rotation.local.due(step)  # the node-local tier's own schedule
+        if not (force_save or scheduled or decision.preempted or local_due):
             return
         ckpt = trainer._sync_checkpoint_components()
         rotation.save_decided(
             ckpt,
             decision,
             trainer._checkpoint_manifest_metadata(),
-            force=True,
+            force=force_save or scheduled,
             sync=force_save or decision.preempted,
         )
 

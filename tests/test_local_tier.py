@@ -1,0 +1,168 @@
+"""The node-local tier in one process: schedule, retention, resume order between tiers, what it refuses.
+
+Replicas and peers need several ranks on several nodes: ``tests_distributed/test_recovery.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+import torchrl_dcp as tdcp
+from torchrl_dcp.local_tier import NodeLayout
+
+
+def _job(seed: int = 0) -> tuple[tdcp.DistributedCheckpoint, torch.nn.Linear, torch.optim.Adam]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    ckpt = tdcp.DistributedCheckpoint(model=model, optimizer=optimizer)
+    ckpt.register("rng", tdcp.RNGState())
+    ckpt.register("counter", {"steps": 0}, placement="per_rank")
+    return ckpt, model, optimizer
+
+
+def _step(model: torch.nn.Linear, optimizer: torch.optim.Adam, ckpt: tdcp.DistributedCheckpoint) -> None:
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    ckpt.components["counter"]["steps"] += 1
+
+
+def _rotation(tmp_path: Path, every: int = 2, shared_every: int = 10, **kw: object) -> tdcp.CheckpointRotation:
+    local = tdcp.LocalTier(tmp_path / "local", every_steps=every, **kw)  # type: ignore[arg-type]
+    return tdcp.CheckpointRotation(tmp_path / "shared", every_steps=shared_every, keep_last=2, local=local)
+
+
+def _train(ckpt, model, optimizer, rotation, start: int, stop: int) -> None:  # type: ignore[no-untyped-def]
+    for step in range(start + 1, stop + 1):
+        _step(model, optimizer, ckpt)
+        rotation.maybe_save(ckpt, step)
+
+
+def test_layout_sends_each_replica_to_another_node_and_spreads_them() -> None:
+    two = NodeLayout(("a", "a", "b", "b"))
+    assert [two.targets(r, 1) for r in range(4)] == [[2], [3], [0], [1]]
+    assert [two.sources(r, 1) for r in range(4)] == [[2], [3], [0], [1]]
+    assert [two.leader(r) for r in range(4)] == [True, False, True, False]
+    three = NodeLayout(("a", "a", "b", "c", "c", "c"))
+    assert three.targets(5, 2) == [0, 2]  # third of node c: to node a (modulo its 2 ranks), then node b
+    assert all(three.nodes[t] != three.nodes[r] for r in range(6) for t in three.targets(r, 5))
+    assert len(three.targets(0, 5)) == 2  # capped at the other nodes
+    assert NodeLayout(("a", "a")).targets(0, 1) == []
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"every_steps": 0}, {"every_steps": True}, {"every_steps": 2, "keep_last": 0},
+               {"every_steps": 2, "replicas": -1}, {"every_steps": 2.5}],
+)  # fmt: skip
+def test_bad_arguments_are_refused(tmp_path: Path, kwargs: dict) -> None:
+    with pytest.raises(ValueError, match="LocalTier"):
+        tdcp.LocalTier(tmp_path, **kwargs)
+
+
+def test_an_object_store_url_is_not_a_local_tier() -> None:
+    with pytest.raises(ValueError, match="node's own storage"):
+        tdcp.LocalTier("s3://bucket/run", every_steps=2)
+    with pytest.raises(TypeError, match="LocalTier"):
+        tdcp.CheckpointRotation("/tmp/x", local="/dev/shm/x")
+
+
+def test_local_saves_follow_their_schedule_and_keep_last(tmp_path: Path) -> None:
+    ckpt, model, optimizer = _job()
+    rotation = _rotation(tmp_path, every=3, keep_last=2)
+    _train(ckpt, model, optimizer, rotation, 0, 16)
+    assert rotation.local.steps() == [12, 15]
+    assert [e.step for e in rotation.entries()] == [10]
+    part = tmp_path / "local" / "step-000000000015" / "rank-00000"
+    manifest = tdcp.read_manifest(part)
+    assert manifest["world_size"] == 1 and manifest["step"] == 15
+    assert sorted(manifest["components"]) == ["counter", "model", "optimizer", "rng"]
+
+
+def test_resume_from_the_local_tier_continues_bit_exactly(tmp_path: Path) -> None:
+    ckpt, model, optimizer = _job()
+    _train(ckpt, model, optimizer, _rotation(tmp_path), 0, 13)  # local 12, shared 10
+    torch.randn(3)  # the interrupted run's RNG moves on: a resume must not keep that
+    ckpt2, model2, optimizer2 = _job(seed=1)
+    rotation2 = _rotation(tmp_path)
+    info = rotation2.resume(ckpt2)
+    assert (info.step, info.tier) == (12, "local")
+    assert info.path == tmp_path / "local" / "step-000000000012" / "rank-00000"
+    assert "tier='local'" in repr(info)
+    _train(ckpt2, model2, optimizer2, rotation2, 12, 20)
+
+    ckpt3, model3, optimizer3 = _job()
+    _train(ckpt3, model3, optimizer3, _rotation(tmp_path / "ref"), 0, 20)
+    assert all(torch.equal(a, b) for a, b in zip(model2.state_dict().values(), model3.state_dict().values()))
+    assert ckpt2.components["counter"] == ckpt3.components["counter"] == {"steps": 20}
+    assert torch.equal(torch.get_rng_state(), torch.get_rng_state())
+
+
+def test_a_newer_shared_step_wins_and_newer_local_steps_are_dropped_after_it(tmp_path: Path) -> None:
+    ckpt, model, optimizer = _job()
+    rotation = _rotation(tmp_path, every=4)
+    _train(ckpt, model, optimizer, rotation, 0, 11)  # local 4, 8; shared 10
+    info = _rotation(tmp_path, every=4).resume(_job(1)[0])
+    assert (info.step, info.tier) == (10, "shared")
+    assert rotation.local.steps() == [4, 8]  # older than the step restored: kept
+
+    ckpt, model, optimizer = _job()
+    rotation = _rotation(tmp_path / "b", every=4)
+    _train(ckpt, model, optimizer, rotation, 0, 13)  # local 8, 12; shared 10
+    for entry in (tmp_path / "b" / "local").iterdir():
+        (entry / "rank-00000.commit.json").unlink()  # the tier holds parts but no committed step
+    info = _rotation(tmp_path / "b", every=4).resume(_job(1)[0])
+    assert (info.step, info.tier) == (10, "shared")
+    assert rotation.local.steps_on_disk() == [8]  # step 12 came after the step restored: dropped
+
+
+def test_a_tier_of_another_job_is_ignored_with_a_log_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    ckpt, model, optimizer = _job()
+    _train(ckpt, model, optimizer, _rotation(tmp_path), 0, 13)
+    other = tdcp.CheckpointRotation(tmp_path / "other-run", local=tdcp.LocalTier(tmp_path / "local", every_steps=2))
+    with caplog.at_level(logging.INFO, logger="torchrl_dcp"):
+        assert other.resume(_job(1)[0]) is None
+    assert "another job" in caplog.text
+
+
+def test_a_forged_or_damaged_part_falls_back_to_the_shared_tier(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ckpt, model, optimizer = _job()
+    _train(ckpt, model, optimizer, _rotation(tmp_path), 0, 13)
+    part = tmp_path / "local" / "step-000000000012" / "rank-00000"
+    data = max((p for p in part.iterdir() if p.name != "manifest.json"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))  # the manifest's checksum no longer matches
+    with caplog.at_level(logging.WARNING, logger="torchrl_dcp"):
+        info = _rotation(tmp_path).resume(_job(1)[0])
+    assert (info.step, info.tier) == (10, "shared")
+    assert "could not be restored" in caplog.text
+
+    _train(ckpt, model, optimizer, _rotation(tmp_path / "b"), 0, 13)
+    record = tmp_path / "b" / "local" / "step-000000000012" / "rank-00000.commit.json"
+    forged = json.loads(record.read_text())
+    forged["manifest_sha256"] = "0" * 64  # names another manifest than the part's
+    record.write_text(json.dumps(forged))
+    info = _rotation(tmp_path / "b").resume(_job(1)[0])
+    assert (info.step, info.tier) == (10, "local")  # step 12 is not committed any more: the local step before it
+
+
+def test_a_link_planted_as_a_step_directory_is_neither_a_step_nor_written_through(tmp_path: Path) -> None:
+    ckpt, model, optimizer = _job()
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (tmp_path / "local").mkdir()
+    (tmp_path / "local" / "step-000000000002").symlink_to(victim)
+    rotation = _rotation(tmp_path)
+    with pytest.raises(tdcp.CheckpointError, match="not a directory"):
+        _train(ckpt, model, optimizer, rotation, 0, 2)
+    assert list(victim.iterdir()) == []
+    assert rotation.local.steps_on_disk() == []

@@ -1,0 +1,459 @@
+"""A node-local checkpoint tier: frequent saves to each node's own storage, replicas on other nodes.
+
+``CheckpointRotation(directory, ..., local=LocalTier("/dev/shm/run", every_steps=10))``
+saves every ``every_steps`` to the local tier besides its own (shared) saves. Each rank writes
+its **part** (what it needs to resume alone: the replicated components and its own per-rank
+ones) as a torchrl_dcp checkpoint of a world of one under ``path`` on its own node, and sends a
+copy to ``replicas`` ranks on other nodes, which keep it in their tier (:mod:`torchrl_dcp.peer_copy`).
+Once every part and every replica is durable (one agreement), each node writes the commit
+records of the parts it holds: a step without them does not exist for a resume.
+
+:meth:`CheckpointRotation.resume` asks the tier first: every rank lists what its node holds, and
+the newest step whose parts are **all** held somewhere (and not older than the shared tier's
+newest) is restored: a rank loads its part from its own node (``ResumeInfo.tier == "local"``), or
+receives it from a rank that holds its replica (``"peer"``). A tier of another job (run id, shared
+directory) or world size is ignored with a log line; a part that fails to load on any
+rank sends every rank to the shared tier. Components of placement ``sharded`` are not saved
+by the tier (DCP shards them over the whole group).
+
+Layout under ``path`` (one directory per node, shared by the node's ranks)::
+
+    step-<N, 12 digits>/rank-<R, 5 digits>/              rank R's part: a torchrl_dcp checkpoint
+    step-<N, 12 digits>/rank-<R, 5 digits>.commit.json    its commit record (JSON)
+
+Example:
+    >>> import tempfile, torch, torchrl_dcp as tdcp
+    >>> ckpt = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(2, 1))
+    >>> local = tdcp.LocalTier(tempfile.mkdtemp(), every_steps=2)
+    >>> rotation = tdcp.CheckpointRotation(tempfile.mkdtemp(), every_steps=10, local=local)
+    >>> for step in range(1, 6):
+    ...     _ = rotation.maybe_save(ckpt, step)
+    >>> local.steps()
+    [2, 4]
+    >>> rotation.resume(ckpt).tier
+    'local'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import socket
+import stat
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from torchrl_dcp import _dist
+from torchrl_dcp._log import get_logger
+from torchrl_dcp.collective import run_step
+from torchrl_dcp.errors import CheckpointError, from_os_error
+from torchrl_dcp.peer_copy import exchange_entries
+from torchrl_dcp.save_policy import SaveSchedule
+from torchrl_dcp.storage.commit import remove_entry, write_file_durably
+from torchrl_dcp.storage.files import DirHandle, read_whole
+
+logger = get_logger(__name__)
+
+Tier = Literal["local", "peer", "shared"]
+RECORD_FORMAT = "torchrl_dcp.local_tier"
+RECORD_VERSION = 1
+_STEP = re.compile(r"^step-(\d{12})$")
+_RECORD = re.compile(r"^rank-(\d{5})\.commit\.json$")
+_RECORD_LIMIT = 64 << 10
+
+
+def node_identity() -> str:
+    """What names this process's node: ``GROUP_RANK`` (the agent's rank, set by ``torchrun``), else the host name."""
+    agent = os.environ.get("GROUP_RANK")
+    return f"agent-{agent}" if agent is not None else f"host-{socket.gethostname()}"
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """Which node each rank of the group runs on, and where each rank's replicas go.
+
+    Nodes are ordered by their lowest rank; rank ``i``-th of its node sends its replica ``k``
+    (1-based) to the ``i``-th rank (modulo) of the ``k``-th next node, never to its own node.
+
+    Example:
+        >>> layout = NodeLayout(("a", "a", "b", "b"))
+        >>> layout.targets(0, 1), layout.sources(2, 1), layout.leader(3)
+        ([2], [0], False)
+    """
+
+    nodes: tuple[str, ...]
+
+    def _order(self) -> tuple[list[str], dict[str, list[int]]]:
+        members: dict[str, list[int]] = {}
+        for rank, node in enumerate(self.nodes):
+            members.setdefault(node, []).append(rank)
+        return list(members), members
+
+    def targets(self, rank: int, replicas: int) -> list[int]:
+        order, members = self._order()
+        n = order.index(self.nodes[rank])
+        i = members[self.nodes[rank]].index(rank)
+        out = []
+        for k in range(1, min(replicas, len(order) - 1) + 1):
+            ranks = members[order[(n + k) % len(order)]]
+            out.append(ranks[i % len(ranks)])
+        return out
+
+    def sources(self, rank: int, replicas: int) -> list[int]:
+        return [r for r in range(len(self.nodes)) if rank in self.targets(r, replicas)]
+
+    def leader(self, rank: int) -> bool:
+        """Whether ``rank`` is its node's first rank (the one that prunes the node's tier)."""
+        return self.nodes.index(self.nodes[rank]) == rank
+
+    def node_count(self) -> int:
+        return len(set(self.nodes))
+
+
+@dataclass(frozen=True)
+class HeldPart:
+    """A committed part this node's tier holds: ``rank``'s state at ``step`` from the save ``save_id``."""
+
+    step: int
+    rank: int
+    save_id: str
+
+
+class LocalTier:
+    """A node-local tier for :class:`~torchrl_dcp.CheckpointRotation` (``local=``): see the module docstring.
+
+    Args:
+        path: a directory on each node's own storage (tmpfs such as ``/dev/shm/<job>``, or a local NVMe);
+            the same string on every node, a different directory on each.
+        every_steps: save to the tier when the step reaches a multiple of this (far more often than the
+            shared tier).
+        keep_last: how many local steps each node keeps (at least 1; 2 keeps one while the next is written).
+        replicas: on how many other nodes each rank's part is also kept (0: none; capped at nodes - 1).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, every_steps: int, keep_last: int = 2, replicas: int = 1) -> None:
+        for name, value, least in (
+            ("every_steps", every_steps, 1),
+            ("keep_last", keep_last, 1),
+            ("replicas", replicas, 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"LocalTier {name} must be an integer of at least {least}, got {value!r}")
+        self.path = Path(path).absolute()
+        if str(self.path).startswith(("s3:", "gs:", "az:")) or "://" in os.fspath(path):
+            raise ValueError(f"LocalTier needs a directory on the node's own storage, got {os.fspath(path)!r}")
+        self.every_steps, self.keep_last, self.replicas = every_steps, keep_last, replicas
+        self.schedule = SaveSchedule(every_steps, None)
+        self.last_step = 0  # the step last saved to the tier or resumed (every_steps counts from it)
+        self._layouts: dict[int, NodeLayout] = {}
+        self._warned_replicas = False
+
+    def __repr__(self) -> str:
+        return (
+            f"LocalTier({str(self.path)!r}, every_steps={self.every_steps}, keep_last={self.keep_last}, "
+            f"replicas={self.replicas})"
+        )
+
+    def due(self, step: int) -> bool:
+        return self.schedule.due_by_steps(step, self.last_step)
+
+    def steps(self) -> list[int]:
+        """The steps this node's tier holds committed parts of (any rank's, any job's), sorted."""
+        return sorted({p.step for p in self._held(None)})
+
+    # ------------------------------------------------------------------ saving
+    def save(self, ckpt: Any, step: int, metadata: Mapping[str, Any], identity: Mapping[str, Any]) -> Path:
+        """Save this rank's part of ``step`` and its replicas, agree, then record the commit (collective)."""
+        group = _group(ckpt)
+        rank = _dist.group_rank(group)
+        layout = self._layout(group)
+        targets, sources = self._peers(layout, rank)
+        step_dir = self.path / f"step-{step:012d}"
+        own = step_dir / f"rank-{rank:05d}"
+        solo = ckpt._solo()
+        names = _unsharded(ckpt)
+
+        def write() -> str:
+            failure: Exception | None = None
+            try:
+                _make_dir(step_dir)
+                for r in (rank, *sources):  # a step saved again: its old records go before its parts change
+                    (step_dir / _record_name(r)).unlink(missing_ok=True)
+                solo.save(own, step=step, metadata={**metadata, "local_tier": {"rank": rank}}, components=names)
+            except OSError as err:
+                failure = from_os_error(err, "saving to the local tier", own)
+            except Exception as err:  # raised below, after the peers know
+                failure = err
+            # the peers are told of a failure instead of waiting for a part that will not come
+            exchange_entries(
+                [(own, t) for t in targets],
+                [(step_dir / f"rank-{s:05d}", s) for s in sources],
+                group,
+                send_error=None if failure is None else f"its own save failed: {failure}",
+            )
+            if failure is not None:
+                raise failure
+            return uuid.uuid4().hex
+
+        save_id = run_step(group, f"saving step {step} to the local tier {self.path}", write)[0]
+        for r in (rank, *sources):  # every part and replica is durable: this node records what it holds
+            try:
+                _write_record(step_dir, r, step, save_id, identity)
+            except (OSError, CheckpointError) as err:
+                logger.warning(
+                    "local tier %s: the commit record of rank %d at step %d failed: %s", step_dir, r, step, err
+                )
+        self.last_step = step
+        if layout.leader(rank):
+            self._prune(keep_from=step)
+        logger.info("local tier %s: step %d committed (replicas on ranks %s)", self.path, step, targets or "none")
+        return own
+
+    def _peers(self, layout: NodeLayout, rank: int) -> tuple[list[int], list[int]]:
+        if self.replicas > layout.node_count() - 1 and not self._warned_replicas:
+            self._warned_replicas = True
+            logger.info(
+                "local tier %s: %d replica(s) asked on %d node(s): each part is kept on %d other node(s)",
+                self.path, self.replicas, layout.node_count(), layout.node_count() - 1,
+            )  # fmt: skip
+        return layout.targets(rank, self.replicas), layout.sources(rank, self.replicas)
+
+    def _layout(self, group: Any) -> NodeLayout:
+        key = id(group)
+        if key not in self._layouts:  # one exchange per process: the nodes do not move while it lives
+            self._layouts[key] = NodeLayout(tuple(_dist.all_gather(node_identity(), group, "listing the nodes")))
+        return self._layouts[key]
+
+    def _prune(self, keep_from: int) -> None:
+        """Remove the node's steps older than the ``keep_last`` newest up to ``keep_from``, and any newer one."""
+        steps = self.steps_on_disk()
+        kept = [s for s in steps if s <= keep_from][-self.keep_last :]
+        for s in steps:
+            if s not in kept:
+                self._remove_step(s)
+
+    def steps_on_disk(self) -> list[int]:
+        """The steps of the ``step-<N>`` directories under ``path`` (a link or file planted there is no step)."""
+        try:
+            names = os.listdir(self.path)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        found = (m for m in map(_STEP.match, names) if m)
+        return sorted(int(m.group(1)) for m in found if _is_real_dir(self.path / m.group(0)))
+
+    def _remove_step(self, step: int) -> None:
+        step_dir = self.path / f"step-{step:012d}"
+        try:
+            names = os.listdir(step_dir)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        for name in names:  # records first: a step half removed is never taken for a committed one
+            if _RECORD.match(name):
+                (step_dir / name).unlink(missing_ok=True)
+        for name in names:
+            if re.match(r"^rank-\d{5}$", name) or ".tdcp-" in name:
+                remove_entry(step_dir / name)
+        try:
+            step_dir.rmdir()
+        except OSError:
+            pass  # something we did not write is there: left alone
+
+    def forget_after(self, ckpt: Any, step: int | None) -> None:
+        """After a resume from ``step``: every node drops newer steps (an abandoned future; collective)."""
+        group = _group(ckpt)
+        layout = self._layout(group)
+        self.last_step = step or 0
+
+        def drop() -> None:
+            if layout.leader(_dist.group_rank(group)):
+                for s in self.steps_on_disk():
+                    if step is None or s > step:
+                        self._remove_step(s)
+
+        run_step(group, f"dropping local steps after step {step}", drop)
+
+    # ------------------------------------------------------------------ resuming
+    def resume(
+        self, ckpt: Any, shared_step: int | None, identity: Mapping[str, Any], load_kwargs: Mapping[str, Any]
+    ) -> tuple[int, Path, Any, Tier] | None:
+        """Restore the newest step every rank can obtain from the tier (collective); ``None``: use the shared tier."""
+        group = _group(ckpt)
+        rank, world = _dist.group_rank(group), _dist.group_size(group)
+        held = run_step(group, f"listing the local tier {self.path}", lambda: [_plain(p) for p in self._held(identity)])
+        chosen = _newest_complete(held, world)
+        if chosen is None or (shared_step is not None and chosen[0] < shared_step):
+            if chosen is not None:
+                logger.info(
+                    "local tier %s: step %d is older than the shared tier's %d", self.path, chosen[0], shared_step
+                )
+            return None
+        step, save_id, holders = chosen
+        step_dir = self.path / f"step-{step:012d}"
+        own = step_dir / f"rank-{rank:05d}"
+        source = {r: (r if r in hs else min(hs)) for r, hs in holders.items()}
+        sends = [(step_dir / f"rank-{r:05d}", r) for r, h in source.items() if h == rank and r != rank]
+        receives = [(own, source[rank])] if source[rank] != rank else []
+        tier: Tier = "local" if not receives else "peer"
+        layout = self._layout(group)
+
+        def load() -> Any:
+            if receives:  # a replaced node's tier is empty: the step's directory comes first
+                try:
+                    _make_dir(step_dir)
+                except (OSError, CheckpointError):
+                    pass  # the receive fails on it (after draining what the peer sends) and says why
+            exchange_entries(sends, receives, group)
+            if layout.leader(rank):  # steps newer than the one restored belong to an abandoned future
+                for s in self.steps_on_disk():
+                    if s > step:
+                        self._remove_step(s)
+            if receives:
+                _write_record(step_dir, rank, step, save_id, identity)
+            return ckpt._solo().load(own, **load_kwargs)
+
+        try:
+            result = run_step(group, f"loading step {step} from the local tier {self.path}", load)[rank]
+        except CheckpointError as err:
+            logger.warning("local tier %s: step %d could not be restored on every rank (%s): the shared tier is next",
+                           self.path, step, err)  # fmt: skip
+            return None
+        self.last_step = step
+        logger.info("local tier %s: resumed step %d (%s)", self.path, step, tier)
+        return step, own, result, tier
+
+    def _held(self, identity: Mapping[str, Any] | None) -> list[HeldPart]:
+        """The committed parts this node holds whose record matches ``identity`` (``None``: any)."""
+        out, foreign = [], set()
+        for step in self.steps_on_disk():
+            step_dir = self.path / f"step-{step:012d}"
+            try:
+                names = os.listdir(step_dir)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for name in names:
+                m = _RECORD.match(name)
+                if not m:
+                    continue
+                part = _read_record(step_dir, int(m.group(1)), step, identity)
+                if part is None:
+                    foreign.add(step)
+                elif part.step == step:
+                    out.append(part)
+        if foreign and identity is not None:
+            logger.info(
+                "local tier %s: steps %s hold parts of another job or world size (or damaged ones): ignored "
+                "(delete them to free the space)", self.path, sorted(foreign),
+            )  # fmt: skip
+        return out
+
+
+def _group(ckpt: Any) -> Any:
+    if getattr(ckpt, "no_dist", False):
+        return None
+    return _dist.checkpoint_group(getattr(ckpt, "timeout", None), getattr(ckpt, "process_group", None), "local")
+
+
+def _unsharded(ckpt: Any) -> list[str]:
+    sharded = [n for n in ckpt.components if ckpt.placement(n) == "sharded"]
+    if sharded:
+        logger.info("local tier: sharded components %s are left to the shared tier", sharded)
+    selection = ckpt.save_components
+    return [n for n in ckpt.components if n not in sharded and (selection is None or n in selection)]
+
+
+def tier_identity(ckpt: Any, shared: Any) -> dict[str, Any]:
+    """What a local part must match to be restored: the job's run id, world size and shared directory.
+
+    The components are not part of it: a torchrl ``Trainer`` registers some only at its first save, and
+    a part is loaded (and its components checked) like any checkpoint; one that does not fit fails the
+    load on its rank, which sends every rank to the shared tier.
+    """
+    return {
+        "run": os.environ.get("TORCHELASTIC_RUN_ID"),
+        "world_size": _dist.group_size(_group(ckpt)),
+        "shared": str(shared),
+    }
+
+
+def _is_real_dir(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _make_dir(path: Path) -> None:
+    """Create ``path`` (and its parents); what is there must be a directory itself, not a link to one."""
+    path.mkdir(parents=True, exist_ok=True)
+    if not _is_real_dir(path):
+        raise CheckpointError("is not a directory (a link or a file was put in its place): refused", path=path)
+
+
+def _record_name(rank: int) -> str:
+    return f"rank-{rank:05d}.commit.json"
+
+
+def _manifest_digest(part: Path) -> str:
+    return hashlib.sha256(read_whole(part / "manifest.json", 64 << 20, part)).hexdigest()
+
+
+def _write_record(step_dir: Path, rank: int, step: int, save_id: str, identity: Mapping[str, Any]) -> None:
+    part = step_dir / f"rank-{rank:05d}"
+    record = {
+        "format": RECORD_FORMAT,
+        "version": RECORD_VERSION,
+        "step": step,
+        "rank": rank,
+        "save_id": save_id,
+        "identity": dict(identity),
+        "manifest_sha256": _manifest_digest(part),
+    }
+    handle = DirHandle.open(step_dir)
+    try:
+        write_file_durably(step_dir / _record_name(rank), json.dumps(record).encode(), within=handle)
+        handle.fsync()
+    finally:
+        handle.close()
+
+
+def _read_record(step_dir: Path, rank: int, step: int, identity: Mapping[str, Any] | None) -> HeldPart | None:
+    """The part a commit record names, if the record is well formed, matches and the part's manifest is its own."""
+    try:
+        record = json.loads(read_whole(step_dir / _record_name(rank), _RECORD_LIMIT, step_dir))
+        ok = (
+            isinstance(record, dict)
+            and record.get("format") == RECORD_FORMAT
+            and record.get("version") == RECORD_VERSION
+            and record.get("step") == step
+            and record.get("rank") == rank
+            and isinstance(record.get("save_id"), str)
+            and (identity is None or record.get("identity") == json.loads(json.dumps(dict(identity))))
+            and record.get("manifest_sha256") == _manifest_digest(step_dir / f"rank-{rank:05d}")
+        )
+    except (OSError, ValueError, CheckpointError):
+        return None
+    return HeldPart(step, rank, record["save_id"]) if ok else None
+
+
+def _plain(part: HeldPart) -> tuple[int, int, str]:
+    return part.step, part.rank, part.save_id
+
+
+def _newest_complete(
+    held: list[list[tuple[int, int, str]]], world: int
+) -> tuple[int, str, dict[int, list[int]]] | None:
+    """The newest ``(step, save_id)`` whose every rank's part some rank holds, with the holders of each part."""
+    found: dict[tuple[int, str], dict[int, list[int]]] = {}
+    for holder, parts in enumerate(held):
+        for step, owner, save_id in parts:
+            found.setdefault((step, save_id), {}).setdefault(owner, []).append(holder)
+    complete = [key for key, owners in found.items() if sorted(owners) == list(range(world))]
+    if not complete:
+        return None
+    step, save_id = max(complete)
+    return step, save_id, found[(step, save_id)]
