@@ -30,8 +30,10 @@ ARGS = [
 ]  # the buffer wraps around before the kill
 
 
-def torchrun(*args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
-    return torchrun_module("torchrl_dcp.examples.sac", *ARGS, *args, nproc=nproc, timeout=timeout)
+def torchrun(*args: str, nproc: int = 2, timeout: float = 300, max_restarts: int = 0) -> subprocess.CompletedProcess:
+    return torchrun_module(
+        "torchrl_dcp.examples.sac", *ARGS, *args, nproc=nproc, timeout=timeout, max_restarts=max_restarts
+    )
 
 
 def forked(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
@@ -114,3 +116,16 @@ def test_sac_learning_curve_and_return_window_continue_across_a_resume(tmp_path:
     assert finals(resumed.stdout) == finals(ref.stdout)
     png = (tmp_path / "ref" / "learning_curve.png").is_file()
     assert png == (importlib.util.find_spec("matplotlib") is not None)  # the plot only with the optional matplotlib
+
+
+@pytest.mark.slow
+def test_sac_under_max_restarts_resumes_from_the_local_tier_and_finishes_bit_exact(tmp_path: Path) -> None:
+    """``torchrun --max-restarts 1`` with a node-local tier: both workers SIGKILLed after iteration 13, restarted by
+    the agent, resumed from local iteration 12 (the shared tier holds 8), finishing as the run that never stopped."""
+    ref = forked("--ckpt-dir", str(tmp_path / "ref"))
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    local = ["--local-dir", str(tmp_path / "local"), "--local-every", "3"]
+    run = torchrun("--ckpt-dir", str(tmp_path / "run"), *local, "--kill-at", "13", max_restarts=1)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    assert "resumed from the local tier (iteration 12" in run.stdout
+    assert finals(run.stdout) == finals(ref.stdout)

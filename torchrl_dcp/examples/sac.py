@@ -206,6 +206,7 @@ class Job:
             keep_last=args.keep_last,
             every_steps=args.save_every,
             preemption_signals=(signal.SIGTERM,),  # torchrun forwards it to every worker
+            local=tdcp.LocalTier(args.local_dir, every_steps=args.local_every) if args.local_dir else None,
         )
 
     def iteration(self, batch: TensorDictBase) -> float:
@@ -396,6 +397,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ckpt-dir", default="ckpts/sac")
     p.add_argument("--resume", action="store_true", help="continue from the newest committed checkpoint")
     p.add_argument("--kill-at", type=int, default=None, help="SIGKILL every rank after this iteration (tests)")
+    p.add_argument(
+        "--local-dir", default=None, help="a node-local tier (e.g. /dev/shm/sac): frequent saves, fast restarts"
+    )
+    p.add_argument("--local-every", type=int, default=5, help="iterations between saves to the node-local tier")
     return p.parse_args(argv)
 
 
@@ -427,7 +432,7 @@ def setup(argv: list[str] | None) -> tuple[argparse.Namespace, Job, LearningCurv
     """Parse the options, join the process group, build the job and resume it when asked."""
     args = parse_args(argv)
     if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        tdcp.init_process_group("nccl" if torch.cuda.is_available() else "gloo")  # restart-safe under torchrun
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     device = (
@@ -436,25 +441,28 @@ def setup(argv: list[str] | None) -> tuple[argparse.Namespace, Job, LearningCurv
     if device.type == "cuda":
         torch.cuda.set_device(device)
     say = print if rank == 0 else (lambda *a, **k: None)
-    if args.resume:  # training options come from the run being resumed, not from this command line
+    restarted = (tdcp.start_count() or 1) > 1  # torchrun --max-restarts restarted the workers
+    if args.resume or restarted:  # training options come from the run being resumed, not from this command line
         adopt_latest_config(args, world, say)
     job = Job(args, rank, world, device)
     say(f"SAC on PendulumEnv: {world} rank(s) on {device}, checkpoints in {args.ckpt_dir}", flush=True)
     curve = LearningCurve(args.ckpt_dir, enabled=rank == 0)
     resumed_at = None
-    if args.resume:
+    if args.resume or restarted:
         info = job.rotation.resume(job.ckpt)  # the newest committed checkpoint (a damaged one is skipped)
         if info is None:
             say("no committed checkpoint found: starting fresh", flush=True)
         else:
             resumed_at = job.counters["iteration"]
-            say(f"resumed from {info.path.name} (iteration {info.step}, {job.counters['frames']} frames)", flush=True)
+            where = info.path.name if info.tier == "shared" else f"the {info.tier} tier"
+            say(f"resumed from {where} (iteration {info.step}, {job.counters['frames']} frames)", flush=True)
     curve.start(resumed_at, job.counters["frames"])
     return args, job, curve, say
 
 
 def main(argv: list[str] | None = None) -> dict[str, str]:
     args, job, curve, say = setup(argv)
+    restarted = (tdcp.start_count() or 1) > 1
     start = time.monotonic()
     collector = iter(job.collector)
     while job.counters["iteration"] < args.iterations:
@@ -471,7 +479,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
             curve.add(it, job.counters["frames"], 0, None, "preempted")
             say(f"preempted: iteration {it} saved; resume with --resume", flush=True)
             break
-        if args.kill_at is not None and it == args.kill_at:
+        if args.kill_at is not None and it == args.kill_at and not restarted:  # a restarted worker goes on
             if dist.is_initialized():
                 dist.barrier()
             os.kill(os.getpid(), signal.SIGKILL)

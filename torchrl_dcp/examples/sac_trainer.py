@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group("gloo")
+        tdcp.init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     env = make_env(seed=1000 + rank, device=torch.device("cpu"))
     actor, loss = make_learner(env, torch.device("cpu"), args.hidden)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torchrl.collectors import Collector
 
+import torchrl_dcp as tdcp
 from torchrl_dcp.examples.sac import fingerprint, make_env, make_learner
 from torchrl_dcp.examples.sac_trainer import average_gradients_over_ranks
 
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         print(OmegaConf.to_yaml(cfg), end="")
         return
     if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group("gloo")
+        tdcp.init_process_group("gloo")
     rank = _rank()
     trainer = instantiate(cfg.trainer)  # our checkpoint and rotation first, then torchrl's SACTrainer factory
     torch.manual_seed(2000 + rank)  # each rank explores and samples its buffer with its own streams
