@@ -40,16 +40,16 @@ def _arm(fault: str, rank: int) -> None:
     if fault == "save":
         save_engine.run = lambda job: _die()  # type: ignore[assignment]
     elif fault == "replicate":
-        real = peer_copy._send
+        real = peer_copy._isend
         sent = [0]
 
-        def send_then_die(tensor: Any, peer: int, group: Any) -> None:
+        def send_then_die(tensor: Any, peer: int, group: Any) -> Any:
             sent[0] += 1
-            if sent[0] > 2:  # the header went, the files had begun
+            if sent[0] > 1:  # the header and a first piece went, the rest of the files had not
                 _die()
-            real(tensor, peer, group)
+            return real(tensor, peer, group)
 
-        peer_copy._send = send_then_die  # type: ignore[assignment]
+        peer_copy._isend = send_then_die  # type: ignore[assignment]
 
 
 def train(shared: str, steps: int, kill_at: int | None, victim: int, wipe: list[int], fault: str | None) -> dict:

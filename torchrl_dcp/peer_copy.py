@@ -5,8 +5,9 @@ ranks of other nodes and hands a part back to a rank whose node lost it. Both go
 :func:`exchange_entries`: every rank sends the entries it is asked to send (a header, then each
 file in pieces of at most ``PIECE`` bytes) while it receives the ones sent to it, each into a
 new staging directory beside its destination (files created ``O_EXCL | O_NOFOLLOW`` through the
-directory's descriptor, each fsynced) that is published atomically once complete. One buffer
-per direction is reused for every piece, so memory stays at two pieces whatever the entry size.
+directory's descriptor, each fsynced) that is published atomically once complete. Two buffers
+per direction are reused for every piece (one in flight while the other is read or written), so
+memory stays at four pieces whatever the entry size.
 
 What travels is a checkpoint this job just wrote; the receiver still treats it as input: names
 must be plain file names, sizes are bounded by the header, and nothing is trusted before the load
@@ -35,7 +36,7 @@ from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, from_os_e
 from torchrl_dcp.storage.commit import publish, remove_tree, staging_path
 from torchrl_dcp.storage.files import DirHandle
 
-PIECE = 16 << 20  # bytes per message: bounds the memory of a copy (one buffer each way)
+PIECE = 16 << 20  # bytes per message: bounds the memory of a copy (two buffers each way)
 _HEADER_LIMIT = 1 << 20  # a part lists a handful of files: a larger header is not ours
 _NAME = re.compile(r"^(?!\.\.?$)[A-Za-z0-9_.\-]{1,200}$")
 
@@ -76,10 +77,10 @@ def exchange_entries(
     errors: list[BaseException] = []
 
     def send_all() -> None:
-        buffer = torch.empty(PIECE, dtype=torch.uint8)
+        buffers = [torch.empty(PIECE, dtype=torch.uint8) for _ in range(2)]
         for entry, peer in sends:
             try:
-                _send_entry(entry, peer, group, buffer, send_error)
+                _send_entry(entry, peer, group, buffers, send_error)
             except CheckpointError as err:  # the peer was told (header) or got padding; next entry
                 errors.append(err)
             except BaseException as err:  # the group itself failed: nothing more can be sent
@@ -89,10 +90,10 @@ def exchange_entries(
     sender = threading.Thread(target=send_all, name="tdcp-peer-send", daemon=True)
     sender.start()
     try:
-        buffer = torch.empty(PIECE, dtype=torch.uint8)
+        buffers = [torch.empty(PIECE, dtype=torch.uint8) for _ in range(2)]
         for destination, peer in receives:
             try:
-                _receive_entry(destination, peer, group, buffer)
+                _receive_entry(destination, peer, group, buffers)
             except CheckpointFormatError as err:  # what follows cannot be told apart: stop receiving
                 errors.append(err)
                 break
@@ -110,7 +111,7 @@ def _send_header(header: dict, peer: int, group: object) -> None:
     _send(torch.frombuffer(bytearray(raw), dtype=torch.uint8), peer, group)
 
 
-def _send_entry(entry: Path, peer: int, group: object, buffer: torch.Tensor, error: str | None) -> None:
+def _send_entry(entry: Path, peer: int, group: object, buffers: list[torch.Tensor], error: str | None) -> None:
     try:
         if error is not None:
             raise CheckpointError(error, path=entry)
@@ -121,26 +122,34 @@ def _send_entry(entry: Path, peer: int, group: object, buffer: torch.Tensor, err
         raise failure from None
     _send_header({"files": files}, peer, group)
     failure: CheckpointError | None = None
+    pending: list = [None, None]  # the send in flight from each buffer: a buffer is refilled once its send is done
+    piece = 0
     handle = DirHandle.open(entry)
     try:
         for name, size in files:
             fd = _open_or_none(handle, name)
             try:
                 for done in range(0, size, PIECE):
-                    n = min(PIECE, size - done)
-                    view = memoryview(buffer.numpy())[:n]
+                    n, slot = min(PIECE, size - done), piece % 2
+                    if pending[slot] is not None:
+                        pending[slot].wait()
+                    view = memoryview(buffers[slot].numpy())[:n]
                     got = os.preadv(fd, [view], done) if fd is not None and failure is None else 0
                     if got != n:  # unreadable or shrunk: pad what the header declared, the peer is not left waiting
                         view[got:] = bytes(n - got)
                         failure = failure or CheckpointError(
                             f"{name} could not be read whole while it was sent to rank {peer}", path=entry
                         )
-                    _send(buffer[:n], peer, group)
+                    pending[slot] = _isend(buffers[slot][:n], peer, group)
+                    piece += 1
             finally:
                 if fd is not None:
                     os.close(fd)
     finally:
         handle.close()
+        for work in pending:
+            if work is not None:
+                work.wait()
     if failure is not None:
         raise failure
 
@@ -152,7 +161,7 @@ def _open_or_none(handle: DirHandle, name: str) -> int | None:
         return None
 
 
-def _receive_entry(destination: Path, peer: int, group: object, buffer: torch.Tensor) -> None:
+def _receive_entry(destination: Path, peer: int, group: object, buffers: list[torch.Tensor]) -> None:
     size = torch.empty(1, dtype=torch.int64)
     _recv(size, peer, group)
     if not 0 < int(size) <= _HEADER_LIMIT:
@@ -160,6 +169,7 @@ def _receive_entry(destination: Path, peer: int, group: object, buffer: torch.Te
     raw = torch.empty(int(size), dtype=torch.uint8)
     _recv(raw, peer, group)
     files = _parse_header(raw.numpy().tobytes(), peer, destination)
+    stream = _Pieces([min(PIECE, n - done) for _, n in files for done in range(0, n, PIECE)], peer, group, buffers)
     staging = staging_path(destination, uuid.uuid4().hex)
     failure: CheckpointError | None = None
     handle = None
@@ -170,7 +180,7 @@ def _receive_entry(destination: Path, peer: int, group: object, buffer: torch.Te
         failure = from_os_error(err, f"receiving a checkpoint from rank {peer}", destination)
     try:
         for name, length in files:
-            failure = _receive_file(handle if failure is None else None, name, length, peer, group, buffer) or failure
+            failure = _receive_file(handle if failure is None else None, name, length, peer, stream) or failure
             if failure is not None:
                 handle = _close(handle)
         if handle is not None:
@@ -194,8 +204,27 @@ def _close(handle: DirHandle | None) -> None:
         handle.close()
 
 
+class _Pieces:
+    """The pieces of an entry as they arrive: the next one is received into the other buffer while one is written."""
+
+    def __init__(self, sizes: list[int], peer: int, group: object, buffers: list[torch.Tensor]) -> None:
+        self.sizes, self.peer, self.group, self.buffers = sizes, peer, group, buffers
+        self.index, self.work = 0, self._post(0) if sizes else None
+
+    def _post(self, index: int) -> object:
+        return _irecv(self.buffers[index % 2][: self.sizes[index]], self.peer, self.group)
+
+    def next(self) -> memoryview:
+        """The next piece (valid until the call after this one)."""
+        self.work.wait()  # type: ignore[union-attr]
+        index = self.index
+        self.index += 1
+        self.work = self._post(self.index) if self.index < len(self.sizes) else None
+        return memoryview(self.buffers[index % 2].numpy())[: self.sizes[index]]
+
+
 def _receive_file(
-    handle: DirHandle | None, name: str, length: int, peer: int, group: object, buffer: torch.Tensor
+    handle: DirHandle | None, name: str, length: int, peer: int, stream: _Pieces
 ) -> CheckpointError | None:
     """Receive ``name`` into ``handle``'s directory (``None``: drain it); the write failure, if any, after draining."""
     failure: CheckpointError | None = None
@@ -207,17 +236,15 @@ def _receive_file(
             failure = from_os_error(err, f"receiving {name} from rank {peer}", handle.path)
     try:
         for done in range(0, length, PIECE):
-            n = min(PIECE, length - done)
-            _recv(buffer[:n], peer, group)
+            view, offset = stream.next(), done
             if fd is None:
                 continue
-            view, offset = memoryview(buffer.numpy())[:n], done
             try:
                 while view:
                     written = os.pwrite(fd, view, offset)
                     view, offset = view[written:], offset + written
             except OSError as err:
-                failure = from_os_error(err, f"receiving {name} from rank {peer}", handle.path)
+                failure = from_os_error(err, f"receiving {name} from rank {peer}", handle.path)  # type: ignore[union-attr]
                 os.close(fd)
                 fd = None
         if fd is not None:
@@ -250,3 +277,11 @@ def _send(tensor: torch.Tensor, peer: int, group: object) -> None:
 
 def _recv(tensor: torch.Tensor, peer: int, group: object) -> None:
     dist.recv(tensor, group=group, group_src=peer)  # type: ignore[arg-type]
+
+
+def _isend(tensor: torch.Tensor, peer: int, group: object) -> object:
+    return dist.isend(tensor, group=group, group_dst=peer)  # type: ignore[arg-type]
+
+
+def _irecv(tensor: torch.Tensor, peer: int, group: object) -> object:
+    return dist.irecv(tensor, group=group, group_src=peer)  # type: ignore[arg-type]
