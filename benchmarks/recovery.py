@@ -1,0 +1,196 @@
+"""Recovery and save times of the node-local tier against the shared tier, and what local saves cost a training loop.
+
+Real ranks (spawned, gloo) on ``--nodes`` simulated nodes (``GROUP_RANK`` per rank, each node its own
+tier directory under ``--local-dir``, tmpfs by default); each rank holds a replay buffer of ``--mib`` MiB
+(its per-rank state) and a small learner. Measured, every figure the slowest rank's, best of ``--reps``:
+
+- ``save shared``: ``CheckpointRotation.save`` to ``--shared-dir`` (a disk; full saves, not incremental ones;
+  checksums, fsyncs, commit);
+- ``save local``: a local-tier save (each rank's part into its node's tier, its replica sent to a rank of the
+  next node and stored there, commit records);
+- ``recover local`` / ``recover peer`` / ``recover shared``: ``rotation.resume`` in place when every node holds
+  its parts; when the last node's tier was wiped (its ranks receive their parts from the replicas); when every
+  tier was wiped (cold page cache when it can be dropped: ``echo 3 > /proc/sys/vm/drop_caches`` needs root;
+  tmpfs pages are never dropped);
+- ``training``: update steps per second of a SAC-sized update on each rank, with no saves and with a local save
+  every ``--every-seconds`` of training (the step count derived from the loop's measured speed).
+
+Usage::
+
+    python -m benchmarks.recovery --mib 1024 --ranks 2 --nodes 2 --reps 3 --out benchmarks/results/recovery-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.async_training import make_buffer, make_learner, update
+from benchmarks.bench import drop_caches
+from benchmarks.world import spawn_world
+
+
+def _timed(fn: Any) -> float:
+    """Seconds the slowest rank spends in ``fn`` (barriers on both sides)."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
+def _wipe(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True, exist_ok=True)
+
+
+def _rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    import torchrl_dcp as tdcp
+
+    nodes = cfg["nodes"]
+    node = rank * nodes // world
+    os.environ["GROUP_RANK"] = str(node)  # what torchrun's agents set: the tier's node identity
+    local_rank = rank - min(r for r in range(world) if r * nodes // world == node)
+    node_dir = Path(cfg["local_dir"]) / f"node-{node}"
+    torch.manual_seed(0)  # the learner is replicated: the same on every rank
+    nets, optim = make_learner()
+    torch.manual_seed(1 + rank)  # each rank's own transitions
+    buffer = make_buffer(cfg["mib"])
+    ckpt = tdcp.DistributedCheckpoint(policy=nets[0], optimizer=optim)
+    ckpt.register("buffer", buffer)
+    local = tdcp.LocalTier(node_dir, every_steps=1, keep_last=1)
+    rotation = tdcp.CheckpointRotation(cfg["shared_dir"], keep_last=1, local=local, incremental=False)  # full saves
+    reps = cfg["reps"]
+    step = [0]
+
+    def next_step() -> int:
+        step[0] += 1
+        return step[0]
+
+    out: dict[str, Any] = {"ranks": world, "nodes": nodes, "mib_per_rank": cfg["mib"]}
+    out["save_shared_s"] = min(_timed(lambda: rotation.save(ckpt, step=next_step())) for _ in range(reps))
+    out["save_local_s"] = min(_timed(lambda: rotation.maybe_save(ckpt, next_step())) for _ in range(reps))
+    rotation.save(ckpt, step=step[0])  # shared and local tiers now hold the same step
+    tiers: dict[str, list[str]] = {}
+
+    def recover(kind: str) -> float:
+        def prepare() -> None:
+            if kind == "peer" and node == nodes - 1 and local_rank == 0:
+                _wipe(node_dir)
+            if kind == "shared" and local_rank == 0:
+                _wipe(node_dir)
+
+        dist.barrier()
+        prepare()
+        if kind == "shared" and rank == 0:
+            drop_caches()
+        found: list[Any] = []
+        seconds = _timed(lambda: found.append(rotation.resume(ckpt)))
+        tier = found[0].tier
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, tier)
+        tiers.setdefault(kind, gathered)
+        if kind != "local":  # every node's tier holds the step again for the next round
+            rotation.maybe_save(ckpt, next_step())
+            rotation.save(ckpt, step=step[0])
+        return seconds
+
+    for kind in ("local", "peer", "shared"):
+        out[f"recover_{kind}_s"] = min(recover(kind) for _ in range(reps))
+    out["tiers"] = tiers
+    out["cold_page_cache"] = drop_caches()
+
+    update(nets, optim)
+    probe, n = time.perf_counter(), 0
+    while time.perf_counter() - probe < 2.0:
+        update(nets, optim)
+        n += 1
+    rate = torch.tensor([n / (time.perf_counter() - probe)], dtype=torch.float64)
+    dist.all_reduce(rate, op=dist.ReduceOp.MIN)
+    every = max(1, int(float(rate) * cfg["every_seconds"]))  # the same step count on every rank
+    total = every * cfg["intervals"]
+
+    timed = tdcp.CheckpointRotation(cfg["shared_dir"], keep_last=1, local=tdcp.LocalTier(node_dir, every_steps=every))
+
+    def loop(save: bool) -> float:
+        dist.barrier()
+        begin = time.perf_counter()
+        for _ in range(total):
+            update(nets, optim)
+            if save:
+                timed.maybe_save(ckpt, next_step())
+        return total / (time.perf_counter() - begin)
+
+    rates: dict[str, list[float]] = {"none": [], "local": []}
+    for _ in range(max(1, reps // 2 + 1)):
+        for mode in ("none", "local"):
+            rates[mode].append(loop(mode == "local"))
+    out["train_steps_per_save"] = every
+    out["train_steps_per_s"] = {k: statistics.median(v) for k, v in rates.items()}
+    out["train_slowdown"] = 1 - out["train_steps_per_s"]["local"] / out["train_steps_per_s"]["none"]
+    rotation.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mib", type=int, default=1024, help="replay buffer MiB per rank")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--every-seconds", type=float, default=20.0, help="training time between local saves")
+    parser.add_argument("--intervals", type=int, default=3, help="local saves per timed training loop")
+    parser.add_argument("--local-dir", default=None, help="parent of the nodes' tiers (default: under /dev/shm)")
+    parser.add_argument("--shared-dir", default=None, help="the shared tier (default: a directory under ./)")
+    parser.add_argument("--out", default=None, help="write the JSON report here")
+    args = parser.parse_args(argv)
+    if args.nodes < 1 or args.ranks % args.nodes:
+        parser.error("--ranks must be a multiple of --nodes")
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    local_dir = Path(args.local_dir or tempfile.mkdtemp(prefix="tdcp-bench-local-", dir=shm))
+    shared_dir = Path(args.shared_dir or tempfile.mkdtemp(prefix="tdcp-bench-shared-", dir="."))
+    cfg = {**vars(args), "local_dir": str(local_dir), "shared_dir": str(shared_dir / "run")}
+    try:
+        report = spawn_world(args.ranks, _rank_main, cfg)
+    finally:
+        if args.local_dir is None:
+            shutil.rmtree(local_dir, ignore_errors=True)
+        if args.shared_dir is None:
+            shutil.rmtree(shared_dir, ignore_errors=True)
+    shared = report["recover_shared_s"]
+    report["ratios"] = {
+        "recover_local_vs_shared": shared / report["recover_local_s"],
+        "recover_peer_vs_shared": shared / report["recover_peer_s"],
+        "save_local_vs_shared": report["save_shared_s"] / report["save_local_s"],
+    }
+    report["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__}
+    gib = report["mib_per_rank"] / 1024
+    for name in ("save_shared", "save_local", "recover_local", "recover_peer", "recover_shared"):
+        print(f"{name:16s} {report[name + '_s']:7.3f} s  ({gib / report[name + '_s']:.2f} GiB/s per rank)")
+    for name, value in report["ratios"].items():
+        print(f"{name:28s} {value:6.2f}x")
+    steps = report["train_steps_per_s"]
+    print(
+        f"training: {steps['none']:.1f} steps/s without saves, {steps['local']:.1f} with a local save every "
+        f"{report['train_steps_per_save']} steps (~{args.every_seconds:g} s): slowdown {report['train_slowdown']:.1%}"
+    )
+    print("tiers:", json.dumps(report["tiers"]))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
