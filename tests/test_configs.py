@@ -122,6 +122,22 @@ def test_config_round_trip_saves_and_resumes(tmp_path: Path) -> None:
     assert torch.equal(fresh.weight, model.weight)
 
 
+def test_a_yaml_rotation_with_a_local_tier_saves_to_it_and_resumes_from_it(tmp_path: Path) -> None:
+    import torch
+
+    local = {"path": str(tmp_path / "tier"), "every_steps": 2, "keep_last": 1}
+    yaml = OmegaConf.to_yaml(OmegaConf.structured(CheckpointRotationConfig(str(tmp_path / "run"), local=local)))
+    rotation, model = instantiate(OmegaConf.create(yaml)), torch.nn.Linear(2, 2)
+    assert isinstance(rotation.local, tdcp.LocalTier) and rotation.local.keep_last == 1
+    ckpt = tdcp.DistributedCheckpoint(model=model)
+    for step in range(1, 6):
+        rotation.maybe_save(ckpt, step)
+    assert rotation.local.steps() == [4] and rotation.entries() == []
+    fresh = torch.nn.Linear(2, 2)
+    info = instantiate(OmegaConf.create(yaml)).resume(tdcp.DistributedCheckpoint(model=fresh))
+    assert (info.step, info.tier) == (4, "local") and torch.equal(fresh.weight, model.weight)
+
+
 BAD_CHECKPOINTS = [
     ({"strict": "loud"}, ValueError, "strict must be 'error', 'warn' or 'ignore'"),
     ({"replica_check": "all"}, ValueError, "replica_check must be one of"),
@@ -144,6 +160,12 @@ BAD_ROTATIONS = [
     ({"preemption_signals": "SIGTERM"}, TypeError, "preemption_signals must be a list of signal names"),
     ({"async_saves": "yes"}, TypeError, "async_saves must be True or False"),
     ({"directory": ""}, TypeError, "directory must be a non-empty path or URL"),
+    ({"local": {"every_steps": 2}}, TypeError, "local must be a mapping of LocalTier's options with a path"),
+    (
+        {"local": {"path": "tier", "every_steps": 0}},
+        ValueError,
+        "LocalTier every_steps must be an integer of at least 1",
+    ),
 ]
 
 

@@ -134,8 +134,9 @@ class CheckpointRotationConfig(_Options):
     The policies of docs/job_loop.md: ``every_steps`` / ``every_seconds`` (when :meth:`maybe_save`, and a bound
     Trainer, save), ``keep_last`` / ``keep_every`` / ``keep_best`` (``[metadata_key, max | min]`` or
     ``[key, mode, count]``), ``async_saves``, ``preemption_signals`` (names: ``[SIGTERM, SIGUSR1]``), ``archive``,
-    ``incremental``, ``storage_options`` (fsspec options when ``directory`` is a URL). ``directory`` has no
-    default (``???``: the YAML or a command-line override sets it).
+    ``incremental``, ``storage_options`` (fsspec options when ``directory`` is a URL), ``local`` (a node-local
+    tier: :class:`~torchrl_dcp.LocalTier`'s keywords, ``{path: /dev/shm/run, every_steps: 100}``; docs/recovery.md).
+    ``directory`` has no default (``???``: the YAML or a command-line override sets it).
 
     Example:
         >>> CheckpointRotationConfig(directory="ckpts", keep_last=0)
@@ -155,6 +156,7 @@ class CheckpointRotationConfig(_Options):
     archive: bool = False
     incremental: bool = True
     storage_options: dict[str, Any] | None = None
+    local: dict[str, Any] | None = None
     _target_: str = "torchrl_dcp.configs.checkpoint_rotation"
 
     def __post_init__(self) -> None:
@@ -179,6 +181,8 @@ class CheckpointRotationConfig(_Options):
         self._check(check_signals, signals)
         if self.storage_options is not None and not isinstance(_plain(self.storage_options), dict):
             raise TypeError(f"{name}: storage_options must be a mapping of fsspec options or None")
+        if self.local is not None:
+            self._check(_local_tier, _plain(self.local))
 
     def build(self) -> Any:
         """The :class:`~torchrl_dcp.CheckpointRotation` these options describe (signal handlers installed)."""
@@ -187,7 +191,19 @@ class CheckpointRotationConfig(_Options):
         if self.directory is MISSING or self.directory == "???":
             raise ValueError(f"{type(self).__name__}: directory is not set (where the step-<N> entries go)")
         options = self.options()
+        if options["local"] is not None:
+            options["local"] = _local_tier(options["local"])
         return CheckpointRotation(options.pop("directory"), **options)
+
+
+def _local_tier(options: Any) -> Any:
+    """The :class:`~torchrl_dcp.LocalTier` of a config's ``local`` mapping (its keywords; ``path`` required)."""
+    from torchrl_dcp.local_tier import LocalTier
+
+    if not isinstance(options, dict) or "path" not in options:
+        raise TypeError(f"local must be a mapping of LocalTier's options with a path, got {options!r}")
+    options = dict(options)
+    return LocalTier(options.pop("path"), **options)
 
 
 def distributed_checkpoint(**options: Any) -> Any:
