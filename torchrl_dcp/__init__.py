@@ -77,13 +77,8 @@ from torchrl_dcp.errors import (
     WorldSizeMismatchError,
 )
 from torchrl_dcp.placement import Placement
-from torchrl_dcp.rotation import (
-    CheckpointRotation,
-    ResumeInfo,
-    RotationEntry,
-    by_commit,
-    resume,
-)
+from torchrl_dcp.rotation import CheckpointRotation, ResumeInfo, resume
+from torchrl_dcp.rotation_entries import RotationEntry, by_commit
 from torchrl_dcp.storage.backends import read_manifest
 
 __all__ = [

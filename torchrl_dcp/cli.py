@@ -170,7 +170,8 @@ def _convert(src: str, dst: str, overwrite: bool, args: argparse.Namespace) -> d
 
 
 def _ls(directory: str, metric: str | None, mode: str) -> dict[str, Any]:
-    from torchrl_dcp.rotation import CheckpointRotation, latest_entry
+    from torchrl_dcp.rotation import CheckpointRotation
+    from torchrl_dcp.rotation_entries import latest_entry
 
     where = location_for(directory)
     d = where.path

@@ -30,8 +30,6 @@ Example:
 
 from __future__ import annotations
 
-import datetime
-import math
 import os
 import re
 import time
@@ -53,42 +51,14 @@ from torchrl_dcp.errors import (
 from torchrl_dcp.format.layout import DCP_METADATA
 from torchrl_dcp.json_values import plain_scalars
 from torchrl_dcp.preemption import PreemptionWatcher
+from torchrl_dcp.rotation_entries import RotationEntry, by_commit, latest_entry, list_entries, metric_value
 from torchrl_dcp.save_policy import MetricMode, Retention, SaveSchedule, parse_keep_best
 from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.storage.base import Location
 
 logger = get_logger(__name__)
 
-_ENTRY = re.compile(r"^step-(\d+)(\.zip)?$")
 _OWNER = re.compile(r"^step-(\d+)(\.zip)?$")  # the entry a leftover of a killed save or conversion was for
-
-
-@dataclass(frozen=True)
-class RotationEntry:
-    """One entry of a rotation directory."""
-
-    step: int
-    path: Path
-    committed: bool
-    archive: bool
-    size: int
-    metric: float | None = None
-    created_at: str | None = None
-    error: str | None = None
-    sequence: int | None = (
-        None  # the rotation's commit counter (format 4; absent in older entries)  # why an uncommitted entry is not committed (``include_uncommitted``)
-    )
-
-    @property
-    def commit_key(self) -> tuple[int, float, int]:
-        """Sort key of the commit order: the rotation's commit counter, then ``created_at``, then step.
-
-        The counter (manifest ``sequence``) is one more than the largest in the directory
-        when a save starts, so the order holds whatever the clocks of the nodes that
-        coordinated each save; ``created_at`` (seconds, UTC; unreadable: oldest) only
-        orders entries written before counters existed (counter 0).
-        """
-        return (self.sequence or 0, _timestamp(self.created_at), self.step)
 
 
 def _check_committed(location: Location) -> None:
@@ -418,7 +388,7 @@ class CheckpointRotation:
         _check_step(step)
         metadata = plain_scalars(dict(metadata or {}))  # a metric may be a numpy or 0-d tensor scalar
         if self.keep_best is not None:
-            _metric(metadata.get(self.keep_best[0]), self.keep_best[0], required=True)
+            metric_value(metadata.get(self.keep_best[0]), self.keep_best[0], required=True)
         _wait(ckpt)  # a save in flight prunes in its thread: never interleave with its collectives
         base, sequence = self._next_commit(ckpt)
         save_kwargs = dict(save_kwargs)
@@ -635,95 +605,3 @@ def _wait(ckpt: Any) -> None:
 def _check_step(step: Any) -> None:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
-
-
-def by_commit(entries: Iterable[RotationEntry]) -> list[RotationEntry]:
-    """Committed entries from the oldest commit to the newest (``created_at``, then step).
-
-    Example:
-        >>> [e.step for e in by_commit(rotation.entries())]  # doctest: +SKIP
-        [300, 10, 20]
-    """
-    return sorted((e for e in entries if e.committed), key=lambda e: e.commit_key)
-
-
-def latest_entry(entries: Iterable[RotationEntry]) -> RotationEntry | None:
-    """The most recently committed of ``entries`` (see :func:`by_commit`), or ``None``."""
-    ordered = by_commit(entries)
-    return ordered[-1] if ordered else None
-
-
-def list_entries(
-    directory: Location | str | os.PathLike, metric: str | None = None, include_uncommitted: bool = False
-) -> list[RotationEntry]:
-    """Step-named entries of ``directory`` sorted by step; committed means a manifest that reads and validates.
-
-    Each manifest is read once. Entries of the wrong kind (a ``step-N`` that is not a
-    checkpoint directory or prefix, a ``step-N.zip`` that is not a regular file, any
-    symlink) are skipped; so are entries that vanish while they are read.
-    """
-    location = directory if isinstance(directory, Location) else location_for(directory)
-    found: dict[int, RotationEntry] = {}
-    for child in location.children():
-        m = _ENTRY.match(child.name)
-        if not m:
-            continue
-        is_archive = m.group(2) is not None
-        if child.kind != ("archive" if is_archive else "checkpoint"):
-            continue  # a symlink, a FIFO, a directory named .zip, an object named step-N: never ours
-        error = None
-        try:
-            manifest = child.location.manifest()
-        except Exception as err:  # noqa: BLE001 - one damaged entry must never break a listing
-            manifest, error = {}, f"{type(err).__name__}: {err}"
-        if error is not None and not include_uncommitted:
-            continue
-        size = child.location.size()
-        if size is None:
-            continue  # removed while listed
-        created_at = manifest.get("created_at")
-        entry = RotationEntry(
-            step=int(m.group(1)),
-            path=child.location.path,
-            committed=error is None,
-            archive=is_archive,
-            size=size,
-            metric=_metric(manifest.get("metadata", {}).get(metric), metric) if metric and error is None else None,
-            created_at=created_at if isinstance(created_at, str) else None,
-            error=error,
-            sequence=entry_sequence(manifest),
-        )
-        old = found.get(entry.step)
-        if old is None or (entry.committed, not entry.archive) > (old.committed, not old.archive):
-            found[entry.step] = entry  # one entry per step: committed first, a directory over an archive
-    return sorted(found.values(), key=lambda e: e.step)
-
-
-def entry_sequence(manifest: Mapping[str, Any]) -> int | None:
-    """The commit counter a manifest records (``None``: written without one)."""
-    value = manifest.get("sequence")
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
-
-
-def _timestamp(created_at: str | None) -> float:
-    """``created_at`` (ISO 8601; UTC when it names no zone) in seconds; unreadable or absent: ``-inf`` (oldest)."""
-    if not isinstance(created_at, str):
-        return -math.inf
-    try:
-        when = datetime.datetime.fromisoformat(created_at)
-    except ValueError:
-        return -math.inf
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=datetime.timezone.utc)
-    try:
-        return when.timestamp()
-    except (OverflowError, ValueError, OSError):
-        return -math.inf
-
-
-def _metric(value: Any, key: str | None, required: bool = False) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
-    if required:
-        raise ValueError(f"keep_best needs a finite number in metadata[{key!r}], got {value!r}")
-    return None

@@ -1,0 +1,151 @@
+"""What a rotation directory holds: its step-named entries, which of them are committed, and their commit order.
+
+:func:`list_entries` reads each ``step-<N>`` (directory or ``.zip``) once through the storage
+dispatch: committed means a manifest that reads and validates; anything of the wrong kind (a link,
+a FIFO, a directory named ``.zip``) is skipped. :func:`by_commit` orders committed entries by the
+rotation's commit counter (the manifest's ``sequence``), then ``created_at``, then step; never by a
+node's clock alone. :class:`~torchrl_dcp.CheckpointRotation` builds its retention, ``latest()``,
+``best()`` and resume on these.
+
+Example:
+    >>> import tempfile
+    >>> list_entries(tempfile.mkdtemp())
+    []
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torchrl_dcp.storage.backends import location_for
+from torchrl_dcp.storage.base import Location
+
+_ENTRY = re.compile(r"^step-(\d+)(\.zip)?$")
+
+
+@dataclass(frozen=True)
+class RotationEntry:
+    """One entry of a rotation directory."""
+
+    step: int
+    path: Path
+    committed: bool
+    archive: bool
+    size: int
+    metric: float | None = None
+    created_at: str | None = None
+    error: str | None = None
+    sequence: int | None = (
+        None  # the rotation's commit counter (format 4; absent in older entries)  # why an uncommitted entry is not committed (``include_uncommitted``)
+    )
+
+    @property
+    def commit_key(self) -> tuple[int, float, int]:
+        """Sort key of the commit order: the rotation's commit counter, then ``created_at``, then step.
+
+        The counter (manifest ``sequence``) is one more than the largest in the directory
+        when a save starts, so the order holds whatever the clocks of the nodes that
+        coordinated each save; ``created_at`` (seconds, UTC; unreadable: oldest) only
+        orders entries written before counters existed (counter 0).
+        """
+        return (self.sequence or 0, _timestamp(self.created_at), self.step)
+
+
+def by_commit(entries: Iterable[RotationEntry]) -> list[RotationEntry]:
+    """Committed entries from the oldest commit to the newest (``created_at``, then step).
+
+    Example:
+        >>> [e.step for e in by_commit(rotation.entries())]  # doctest: +SKIP
+        [300, 10, 20]
+    """
+    return sorted((e for e in entries if e.committed), key=lambda e: e.commit_key)
+
+
+def latest_entry(entries: Iterable[RotationEntry]) -> RotationEntry | None:
+    """The most recently committed of ``entries`` (see :func:`by_commit`), or ``None``."""
+    ordered = by_commit(entries)
+    return ordered[-1] if ordered else None
+
+
+def list_entries(
+    directory: Location | str | os.PathLike, metric: str | None = None, include_uncommitted: bool = False
+) -> list[RotationEntry]:
+    """Step-named entries of ``directory`` sorted by step; committed means a manifest that reads and validates.
+
+    Each manifest is read once. Entries of the wrong kind (a ``step-N`` that is not a
+    checkpoint directory or prefix, a ``step-N.zip`` that is not a regular file, any
+    symlink) are skipped; so are entries that vanish while they are read.
+    """
+    location = directory if isinstance(directory, Location) else location_for(directory)
+    found: dict[int, RotationEntry] = {}
+    for child in location.children():
+        m = _ENTRY.match(child.name)
+        if not m:
+            continue
+        is_archive = m.group(2) is not None
+        if child.kind != ("archive" if is_archive else "checkpoint"):
+            continue  # a symlink, a FIFO, a directory named .zip, an object named step-N: never ours
+        error = None
+        try:
+            manifest = child.location.manifest()
+        except Exception as err:  # noqa: BLE001 - one damaged entry must never break a listing
+            manifest, error = {}, f"{type(err).__name__}: {err}"
+        if error is not None and not include_uncommitted:
+            continue
+        size = child.location.size()
+        if size is None:
+            continue  # removed while listed
+        created_at = manifest.get("created_at")
+        entry = RotationEntry(
+            step=int(m.group(1)),
+            path=child.location.path,
+            committed=error is None,
+            archive=is_archive,
+            size=size,
+            metric=metric_value(manifest.get("metadata", {}).get(metric), metric) if metric and error is None else None,
+            created_at=created_at if isinstance(created_at, str) else None,
+            error=error,
+            sequence=entry_sequence(manifest),
+        )
+        old = found.get(entry.step)
+        if old is None or (entry.committed, not entry.archive) > (old.committed, not old.archive):
+            found[entry.step] = entry  # one entry per step: committed first, a directory over an archive
+    return sorted(found.values(), key=lambda e: e.step)
+
+
+def entry_sequence(manifest: Mapping[str, Any]) -> int | None:
+    """The commit counter a manifest records (``None``: written without one)."""
+    value = manifest.get("sequence")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _timestamp(created_at: str | None) -> float:
+    """``created_at`` (ISO 8601; UTC when it names no zone) in seconds; unreadable or absent: ``-inf`` (oldest)."""
+    if not isinstance(created_at, str):
+        return -math.inf
+    try:
+        when = datetime.datetime.fromisoformat(created_at)
+    except ValueError:
+        return -math.inf
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    try:
+        return when.timestamp()
+    except (OverflowError, ValueError, OSError):
+        return -math.inf
+
+
+def metric_value(value: Any, key: str | None, required: bool = False) -> float | None:
+    """A metadata value as the finite float retention ranks by; ``None`` (or, ``required``, an error) otherwise."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    if required:
+        raise ValueError(f"keep_best needs a finite number in metadata[{key!r}], got {value!r}")
+    return None
