@@ -1,16 +1,20 @@
 """Per-rank save cost from 1 to N ranks with a fixed per-rank state: where coordination time goes.
 
 Every world size runs in real processes (``torch.multiprocessing`` spawn, gloo). Each rank holds
-the same amount of state whatever the world size (weak scaling), in three variants:
+the same amount of state whatever the world size (weak scaling), in four variants:
 
 - ``dict``: a 16 MiB per_rank buffer-like tensor (cut into two 8 MiB chunk files), 200 small
   per_rank tensors (1 KiB each) and a replicated 4 MiB policy (``nn.Linear(1024, 1024)``);
 - ``rb``: a real torchrl ``TensorDictReplayBuffer`` shard (``LazyTensorStorage``, 16 MiB of
   observations, sampler/writer state) per rank, plus the same policy;
 - ``tiny``: a 4 KiB policy and one per_rank scalar: the fixed cost of a save (collectives, manifest,
-  staging and rename) with almost no bytes.
+  staging and rename) with almost no bytes;
+- ``small2000``: 2,000 per_rank 1 KiB tensors and a 4 KiB policy: metadata-bound (what a rank reads
+  and parses at load grows with the world unless metadata is per rank).
 
-Per world size and variant: median over ``--reps`` of the save and load time of the slowest rank
+Per world size and variant: the bytes each rank reads during a load (``/proc/self/io`` ``rchar``, max
+over ranks), the number of exchanges and monitored barriers per save and per load, the median over
+``--reps`` of the save and load time of the slowest rank
 (between barriers), the time of each collective phase (its monitored barrier, the exchange) and
 of rank 0's commit work (``benchmarks/scaling_hooks.py`` wraps the library's functions from outside;
 no library code is changed), the pickled payload of each collective (untimed warm-up), the
@@ -56,6 +60,9 @@ def build_state(variant: str, rank: int, device: str) -> dict[str, tuple[Any, st
     """``{name: (object, placement)}``: the same sizes on every rank, different values per rank."""
     g = torch.Generator().manual_seed(1234 + rank)
     torch.manual_seed(0)  # the replicated policy is the same everywhere
+    if variant == "small2000":
+        small = {f"t{i:04d}": torch.randn(256, generator=g).to(device) for i in range(2000)}
+        return {"policy": (torch.nn.Linear(32, 32).to(device), "replicated"), "small": (small, "per_rank")}
     if variant == "tiny":
         return {
             "policy": (torch.nn.Linear(32, 32).to(device), "replicated"),
@@ -107,13 +114,24 @@ def timed(fn: Any) -> dict[str, Any]:
     """Run ``fn`` between barriers; this rank's own wall and CPU seconds and hooked events."""
     _barrier()
     hooks.reset()
+    read = rchar()
     cpu, t = time.process_time(), time.perf_counter()
     fn()
     own = time.perf_counter() - t
     cpu = time.process_time() - cpu
+    read = rchar() - read
     events = hooks.totals()
     _barrier()
-    return {"own_s": own, "cpu_s": cpu, "events": events}
+    return {"own_s": own, "cpu_s": cpu, "events": events, "rchar": read}
+
+
+def rchar() -> int:
+    """Bytes this process has read through read() and friends (``/proc/self/io``; 0 where there is none)."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
+    except (OSError, StopIteration):
+        return 0
 
 
 def gather(rec: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -167,12 +185,14 @@ def summarize(reps: list[list[dict[str, Any]]]) -> dict[str, Any]:
     """Per rep: slowest rank's wall time, each event's max over ranks, CPU summed; then medians over reps."""
     walls = [max(r["own_s"] for r in rep) for rep in reps]
     cpus = [sum(r["cpu_s"] for r in rep) for rep in reps]
-    names = sorted({n for rep in reps for r in rep for n in r["events"] if not n.startswith("bytes:")})
+    names = sorted({n for rep in reps for r in rep for n in r["events"] if not n.startswith(("bytes:", "count:"))})
     slowest = {n: statistics.median(max(r["events"].get(n, 0.0) for r in rep) for rep in reps) for n in names}
     rank0 = {n: statistics.median(rep[0]["events"].get(n, 0.0) for rep in reps) for n in names}
     return {
         "wall_s": statistics.median(walls),
         "wall_all_s": walls,
+        "rchar_max_rank_bytes": statistics.median(max(r["rchar"] for r in rep) for rep in reps),
+        "collectives_rank0": hooks.exchanges(reps[-1][0]["events"]),
         "cpu_s_all_ranks": statistics.median(cpus),
         "events_slowest_rank_s": slowest,
         "events_rank0_s": {n: v for n, v in rank0.items() if n.startswith(("rank0.", "barrier", "gather", "all_g"))},
@@ -291,7 +311,7 @@ def machine(device: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="1,2,4,8")
-    parser.add_argument("--variants", default="tiny,dict,rb")
+    parser.add_argument("--variants", default="tiny,dict,rb,small2000")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--s3-ranks", default="", help="world sizes that also save the dict variant to a local S3")

@@ -39,9 +39,27 @@ def totals() -> dict[str, float]:
     return dict(out)
 
 
+def exchanges(totals_: dict[str, float]) -> dict[str, int]:
+    """How many times each collective ran (``count:`` events), barriers apart from exchanges."""
+    counts = {n[6:]: int(v) for n, v in totals_.items() if n.startswith("count:")}
+    return {
+        "exchanges": sum(v for n, v in counts.items() if n.split(":")[0] in COLLECTIVES),
+        "barriers": sum(v for n, v in counts.items() if n.startswith("barrier")),
+        "dcp_collectives": sum(v for n, v in counts.items() if n.startswith("dcp_")),
+        "by_phase": counts,
+    }
+
+
+COLLECTIVES = ("all_gather", "gather_to_0", "broadcast", "agree")
+
+
 def _wrap(owner: Any, attr: str, name: str, *, phase_arg: int | None = None, payload_arg: int | None = None) -> None:
-    """Replace ``owner.attr`` by a timed wrapper; ``phase_arg``: the positional index of a phase name to append."""
-    fn = getattr(owner, attr)
+    """Replace ``owner.attr`` by a timed wrapper; ``phase_arg``: the positional index of a phase name to append.
+
+    Each call also counts itself (``count:<name>``); an attribute the library no longer has is left alone."""
+    fn = getattr(owner, attr, None)
+    if fn is None:
+        return
 
     @functools.wraps(fn)
     def timed(*args: Any, **kwargs: Any) -> Any:
@@ -59,6 +77,7 @@ def _wrap(owner: Any, attr: str, name: str, *, phase_arg: int | None = None, pay
             return fn(*args, **kwargs)
         finally:
             EVENTS.append((label, time.perf_counter() - t))
+            EVENTS.append((f"count:{label}", 1.0))
 
     setattr(owner, attr, timed)
 
@@ -79,16 +98,16 @@ def install() -> None:
     _wrap(_dist, "all_gather", "all_gather", phase_arg=2, payload_arg=0)
     _wrap(_dist, "gather_to_0", "gather_to_0", phase_arg=2, payload_arg=0)
     _wrap(_dist, "broadcast_from_0", "broadcast", phase_arg=2, payload_arg=0)
+    _wrap(_dist, "agree", "agree", phase_arg=3, payload_arg=0)
     # DCP's collectives inside dcp.load (plan exchange, read confirmation)
     _wrap(_DistWrapper, "gather_object", "dcp_gather", payload_arg=1)
     _wrap(_DistWrapper, "scatter_object", "dcp_scatter", payload_arg=1)
     _wrap(_DistWrapper, "all_gather_object", "dcp_all_gather", payload_arg=1)
     # save steps (every rank) and rank 0's commit work
-    for attr in ("encode", "plan_writes", "prepare_staging", "write", "commit"):
+    for attr in ("encode", "plan_local", "plan_writes", "prepare", "write", "commit"):
         _wrap(save_engine, attr, f"save.{attr}")
-    for attr in ("write_manifest", "dcp_metadata", "build_manifest", "dumps", "write_metadata", "publish"):
+    for attr in ("manifest_bytes", "dcp_metadata", "build_manifest", "dumps"):
         _wrap(save_engine, attr, f"rank0.{attr}")
-    _wrap(save_engine, "write_file_durably", "rank0.write_manifest_file")
     # object-store saves
     _wrap(objectstore_save, "begin", "rank0.store_begin")
     _wrap(objectstore_save, "manifest_bytes", "rank0.store_manifest_bytes")

@@ -12,8 +12,8 @@ from typing import Any
 
 # the collective phases of a local save, in order (names as torchrl_dcp passes them to _dist)
 SAVE_PHASES = {
-    "encode+plan gather": "all_gather:encoding the state",
-    "chunk plan": "all_gather:planning the chunk files",
+    "encode+plan agreement": "agree:encoding the state",
+    "chunk plan": "agree:planning the chunk files",
     "staging bcast": "broadcast:preparing the staging directory",
     "commit gather": "gather_to_0:collecting file records",
     "confirm": "broadcast:confirming the commit",
@@ -34,8 +34,13 @@ def phase_split(row: dict[str, Any]) -> dict[str, float]:
         "barriers": barrier,
         "write": _ev(row, "save", "save.write"),
         "encode": _ev(row, "save", "save.encode"),
-        "rank0_manifest": rank0.get("rank0.write_manifest", 0.0) + rank0.get("rank0.publish", 0.0),
+        "rank0_manifest": rank0.get("rank0.manifest_bytes", 0.0),
     }
+
+
+def _count(row: dict[str, Any], kind: str) -> str:
+    c = row[kind].get("collectives_rank0")
+    return f"{c['exchanges']} ({c['barriers']})" if c else "-"
 
 
 def summarize_table(report: dict[str, Any]) -> str:
@@ -43,8 +48,9 @@ def summarize_table(report: dict[str, Any]) -> str:
     lines = [
         "| variant | ranks | save s (slowest rank) | load s | raw write, 1 proc, same files s | coordination "
         "per rank ms | collectives s (of which barriers) | commit gather + manifest (rank 0) ms | confirm ms "
-        "| CPU s, all ranks | manifest KiB | .metadata KiB | files |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| CPU s, all ranks | manifest KiB | .metadata KiB | files | exchanges (barriers) per save | per load "
+        "| load rchar per rank MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["results"]:
         if row.get("store"):
@@ -57,7 +63,8 @@ def summarize_table(report: dict[str, Any]) -> str:
             f"| {row['raw_write_rank0_alone_s']:.3f} | {row['coordination_per_rank_s'] * 1e3:.1f} "
             f"| {split['collectives']:.3f} ({split['barriers']:.3f}) | {commit:.1f} "
             f"| {_ev(row, 'save', SAVE_PHASES['confirm']) * 1e3:.1f} | {row['save']['cpu_s_all_ranks']:.2f} "
-            f"| {sizes['manifest_bytes'] / 1024:.1f} | {sizes['metadata_bytes'] / 1024:.1f} | {sizes['files']} |"
+            f"| {sizes['manifest_bytes'] / 1024:.1f} | {sizes['metadata_bytes'] / 1024:.1f} | {sizes['files']} "
+            f"| {_count(row, 'save')} | {_count(row, 'load')} | {row['load'].get('rchar_max_rank_bytes', 0) / 1e6:.2f} |"
         )
     stores = [r for r in report["results"] if r.get("store")]
     if stores:

@@ -6,8 +6,10 @@ library's own planning and commit functions with what N ranks would send, built 
 buffer in two chunks, 200 small per_rank tensors, a replicated 4 MiB policy), and times what grows
 with N:
 
-- every rank: ``plan_writes`` over all ranks' tensor lists (after the first all_gather), unpickling
-  the N gathered payloads, ``WritePlan.share``/``chunk_share`` (scans of the whole plan);
+- every rank: its own plan (``plan_local``: the shared tensors and its own, after one fixed-size
+  ``all_reduce``), ``WritePlan.share``/``chunk_share``; for comparison, what the gathered planning
+  (``plan_writes`` over all ranks' tensor lists, which only a failed or differing save runs now)
+  and unpickling the N payloads of its all_gather would cost every rank;
 - rank 0 at commit: ``dcp_metadata`` + pickle (``.metadata``), ``build_manifest`` + ``dumps``
   (JSON + the manifest's CRC-32 seal);
 - every rank at load: ``loads_manifest`` (parse, checksum, validate) and the allow-list unpickling of
@@ -52,9 +54,9 @@ def simulate(world: int, reps: int = 3) -> dict[str, Any]:
 def _simulate(world: int, reps: int) -> dict[str, Any]:
     from benchmarks.scaling import build_state, checkpoint_for
     from torchrl_dcp import load_engine, save_engine
+    from torchrl_dcp.format.dcp_metadata import parse_metadata
     from torchrl_dcp.format.manifest import loads_manifest
-    from torchrl_dcp.planner import plan_writes, tensor_infos
-    from torchrl_dcp.storage.filesystem import safe_load_metadata
+    from torchrl_dcp.planner import plan_local, plan_writes, tensor_infos
     from torchrl_dcp.storage.writer import ChunkEntry
 
     ckpt = checkpoint_for(build_state("dict", 0, "cpu"))
@@ -73,11 +75,13 @@ def _simulate(world: int, reps: int) -> dict[str, Any]:
     infos = [tensor_infos(e.flat) for e in encoded]
     plan_payload = [pickle.dumps((None, (i, {}))) for i in infos]
     unpickle_s, _ = _t(lambda: [pickle.loads(p) for p in plan_payload], reps)
-    plan_s, plan = _t(lambda: plan_writes(infos), reps)
-    share_s, _ = _t(lambda: (plan.share(world - 1), plan.chunk_share(world - 1)), reps)
+    gathered_plan_s, _ = _t(lambda: plan_writes(infos), reps)
+    plans = [plan_local(i, r, world) for r, i in enumerate(infos)]
+    plan_s, last = _t(lambda: plan_local(infos[-1], world - 1, world), reps)
+    share_s, _ = _t(lambda: (last.share(world - 1), last.chunk_share(world - 1)), reps)
 
     gathered = []
-    for r, enc in enumerate(encoded):
+    for r, (enc, plan) in enumerate(zip(encoded, plans)):
         files: dict[str, Any] = {}
         entries, offset = [], 0
         for key in plan.share(r):
@@ -95,13 +99,13 @@ def _simulate(world: int, reps: int) -> dict[str, Any]:
         gathered.append((None, files, entries, per_rank, chunks))
     commit_payload = [len(pickle.dumps(g)) for g in gathered]
     with tempfile.TemporaryDirectory() as d:
-        job = save_engine.SaveJob(Path(d), 1, {}, encoded[0], plan, None, 0, world, save_id="0" * 32)
+        job = save_engine.SaveJob(Path(d), None, 1, {}, encoded[0], plans[0], None, 0, world, save_id="0" * 32)
         meta_s, meta = _t(lambda: pickle.dumps(save_engine.dcp_metadata(job, gathered, d)), reps)
         files = {name: rec for g in gathered for name, rec in g[1].items()}
         files[".metadata"] = {"size": len(meta), "checksum": "crc32:0123abcd"}
         manifest_s, manifest = _t(lambda: save_engine.dumps(save_engine.build_manifest(job, gathered, files)), reps)
         parse_s, _ = _t(lambda: loads_manifest(manifest, "synthetic"), reps)
-        unpickle_meta_s, metadata = _t(lambda: safe_load_metadata("synthetic", data=meta), reps)
+        unpickle_meta_s, metadata = _t(lambda: parse_metadata(meta, "synthetic"), reps)
     mine = {k: None for k in encoded[-1].flat}
     files_for_s, _ = _t(lambda: load_engine.files_for(metadata, mine), reps)
     parsed = json.loads(manifest)
@@ -114,12 +118,14 @@ def _simulate(world: int, reps: int) -> dict[str, Any]:
         "component_bytes": comp_bytes,
         "chunk_table_bytes": len(json.dumps(parsed["chunks"], separators=(",", ":"))),
         "files_table_bytes": len(json.dumps(parsed["files"], separators=(",", ":"))),
-        "plan_payload_bytes_per_rank": statistics.median(len(p) for p in plan_payload),
+        "plan_payload_bytes_per_rank": 6 * 8,  # the agreement: an all_reduce of 6 int64 (``_dist.agree``)
+        "gathered_plan_payload_bytes_per_rank": statistics.median(len(p) for p in plan_payload),
         "commit_payload_bytes_per_rank": statistics.median(commit_payload),
         "every_rank": {
             "encode_own_state_s": encode_s,
-            "unpickle_plan_all_gather_s": unpickle_s,
-            "plan_writes_s": plan_s,
+            "plan_local_s": plan_s,
+            "gathered_unpickle_all_gather_s": unpickle_s,
+            "gathered_plan_writes_s": gathered_plan_s,
             "share_and_chunk_share_s": share_s,
             "load_parse_manifest_s": parse_s,
             "load_unpickle_metadata_s": unpickle_meta_s,

@@ -138,6 +138,38 @@ def test_plan_writes_balances_shared_keys_and_refuses_mismatches() -> None:
         plan_writes([shared, [TensorInfo("replicated/w0", "torch.float64", (100,), 800)]])
 
 
+def test_plan_local_gives_every_rank_the_plan_gathered_planning_would_for_its_own_writes() -> None:
+    """Each rank plans alone from its own tensors: the shared writers agree across ranks whatever each rank holds
+    of its own, every shared key and chunk has exactly one writer, and every rank writes all of its own keys."""
+    from torchrl_dcp.planner import TensorInfo, plan_local, shared_digest
+
+    mib = 1 << 20
+    shared = [TensorInfo(f"replicated/w{i}", "torch.float32", (256 * (i + 1),), 1024 * (i + 1)) for i in range(7)]
+    shared.append(TensorInfo("replicated/big", "torch.float32", (64, mib // 4), 64 * mib))  # chunked: 8 chunks
+    own = [  # very different per-rank sizes: must not change who writes the shared keys
+        [TensorInfo("rank/0/b/x", "torch.float32", (4,), 16)],
+        [
+            TensorInfo("rank/1/b/x", "torch.float32", (8, mib), 32 * mib),
+            TensorInfo("rank/1/b/y", "torch.int64", (1,), 8),
+        ],
+        [],
+    ]
+    plans = [plan_local(own[r] + shared, r, 3) for r in range(3)]
+    assert len({shared_digest(own[r] + shared) for r in range(3)}) == 1  # own keys are not in the digest
+    whole = [{k: p.owner[k] for k in p.owner if k.startswith("replicated/")} for p in plans]
+    assert whole[0] == whole[1] == whole[2] and set(whole[0]) == {t.key for t in shared[:-1]}
+    chunks = [[(c.start, c.rows, c.owner) for c in p.chunks["replicated/big"]] for p in plans]
+    assert chunks[0] == chunks[1] == chunks[2] and len(chunks[0]) == 8
+    assert sorted({owner for _, _, owner in chunks[0]}) == [0, 1, 2]  # a large replicated tensor is spread
+    for r, p in enumerate(plans):
+        mine = p.writes(r)
+        assert {t.key for t in own[r]} <= mine and not any(k.startswith("rank/") and f"/{r}/" not in k for k in mine)
+        files = [c.file for c in p.chunk_share(r)]
+        assert len(files) == len(set(files)) and all(f.startswith(f"__{r}_") for f in files)
+    assert plan_local(None, 0, 3).backend == "dcp"
+    assert shared_digest(shared) != shared_digest(shared[:-1]) != shared_digest(None)
+
+
 # ---------------------------------------------------------------------- async save
 def test_async_content_is_identical_to_a_sync_save(tmp_path: Path) -> None:
     state = _state()

@@ -77,10 +77,10 @@ def arm(phase: str) -> None:
     elif phase == "announce":  # a rank dies while the staging directory is being announced
         original_broadcast = _dist.broadcast_from_0
 
-        def broadcast_and_die(obj, group, phase="broadcast"):  # type: ignore[no-untyped-def]
+        def broadcast_and_die(obj, group, phase="broadcast", **kwargs):  # type: ignore[no-untyped-def]
             if phase == "preparing the staging directory":
                 _die()
-            return original_broadcast(obj, group, phase)
+            return original_broadcast(obj, group, phase, **kwargs)
 
         _dist.broadcast_from_0 = broadcast_and_die
     elif phase in ("write", "async_write"):  # in the middle of writing its data file

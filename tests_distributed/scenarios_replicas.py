@@ -14,7 +14,8 @@ import torchrl_dcp as tdcp
 
 def _model(rank: int, differ: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.Linear(512, 4))
+    outputs = 5 if differ == "shape" and rank == 1 else 4
+    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.Linear(512, outputs))
     with torch.no_grad():
         if differ == "bias" and rank == 1:
             model[1].bias[0] += 1

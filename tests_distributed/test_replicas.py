@@ -39,3 +39,14 @@ def test_replicas_are_compared_before_anything_is_written(
         assert repr(component) in r.value["error"]
         if differ == "dict":
             assert "placement='per_rank'" in r.value["error"]
+
+
+@pytest.mark.parametrize("mode", ["sample", "off"])
+def test_a_replicated_tensor_shaped_differently_on_one_rank_is_refused_naming_it(tmp_path: Path, mode: str) -> None:
+    """The ranks only agree on a digest of their shared tensor lists; when it differs they gather the lists to name
+    the key, even with the replica check off."""
+    results = launch(f"{S}:save_differing", 2, str(tmp_path), "shape", mode, None)
+    for r in results:
+        assert r.value["type"] in ("EncodingError", "CollectiveError"), r.value
+        assert "replicated/model/1." in r.value["error"] and "rank 1" in r.value["error"], r.value
+        assert not r.value["exists"] and r.value["left"] == [], r.value

@@ -5,11 +5,15 @@ group and timeout, collectively, at the first save or load) so they never
 interleave with the training's NCCL/gloo collectives. Without an initialised
 process group the world is one rank and every collective is a no-op.
 
-Every collective here is preceded by a *monitored* barrier with the group's
-timeout: a rank that is stuck (or gone) turns into a :class:`CollectiveError` on
-every rank after at most the timeout, naming the silent ranks, instead of a hang
-or an anonymous gloo timeout. Rank 0 learns the silent ranks from the barrier and
-publishes them in the job's store, so the other ranks' errors name them too.
+A collective where a rank may be stuck somewhere else (the first exchange of a save
+or load: a rank still training; the commit gather: a rank stuck writing) is preceded
+by a *monitored* barrier with the group's timeout: a rank that is stuck (or gone)
+turns into a :class:`CollectiveError` on every rank after at most the timeout,
+naming the silent ranks, instead of a hang or an anonymous gloo timeout. Rank 0
+learns the silent ranks from the barrier and publishes them in the job's store, so
+the other ranks' errors name them too. The exchanges in between pass
+``monitored=False``: every rank is inside the same checkpoint call there, a dead
+rank still raises at once, and a barrier would double their rounds.
 
 Example:
     >>> from torchrl_dcp import _dist
@@ -205,25 +209,30 @@ def _collective(fn: Any, phase: str) -> Any:
         return fn()
     except RuntimeError as err:
         raise CollectiveError(
-            f"checkpoint collective ({phase}) failed: a rank died or the connection broke "
-            f"(gloo: {_last_line(str(err))}). Nothing was committed; the previous checkpoint is intact"
+            f"checkpoint collective ({phase}) failed: a rank died, the connection broke or a rank did not answer "
+            f"within the timeout (gloo: {_last_line(str(err))}). Nothing was committed; the previous checkpoint is "
+            "intact"
         ) from None
 
 
-def all_gather(obj: Any, group: Any, phase: str = "exchanging status") -> list[Any]:
+def all_gather(obj: Any, group: Any, phase: str = "exchanging status", *, monitored: bool = True) -> list[Any]:
     """Every rank's ``obj`` (live, trusted values between our own ranks; never checkpoint content)."""
     if group is None:
         return [obj]
-    sync(group, phase)
+    if monitored:
+        sync(group, phase)
     out: list[Any] = [None] * dist.get_world_size(group)
     _collective(lambda: dist.all_gather_object(out, obj, group=group), phase)
     return out
 
 
-def gather_to_0(obj: Any, group: Any, phase: str = "gathering to rank 0") -> list[Any] | None:
+def gather_to_0(
+    obj: Any, group: Any, phase: str = "gathering to rank 0", *, monitored: bool = True
+) -> list[Any] | None:
     if group is None:
         return [obj]
-    sync(group, phase)
+    if monitored:
+        sync(group, phase)
     out: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
     _collective(lambda: dist.gather_object(obj, out, group=group, group_dst=0), phase)
     return out
@@ -244,10 +253,35 @@ def any_rank(flags: list[bool], group: Any, phase: str = "agreeing") -> list[boo
     return [bool(v) for v in values.tolist()]
 
 
-def broadcast_from_0(obj: Any, group: Any, phase: str = "broadcast from rank 0") -> Any:
+def agree(flags: list[bool], digest: int, group: Any, phase: str, *, monitored: bool = True) -> tuple[list[bool], bool]:
+    """Element-wise OR of every rank's ``flags``, and whether every rank's ``digest`` is the same.
+
+    One monitored barrier (unless ``monitored=False``) and one ``all_reduce`` of ``len(flags) + 2`` integers: what every rank
+    sends and receives does not grow with the world size (unlike an ``all_gather`` of what each
+    rank holds). ``digest`` is any integer (a hash of what must be the same everywhere).
+
+    Example (one process):
+        >>> agree([False, True], 7, None, "agreeing")
+        ([False, True], True)
+    """
+    if group is None:
+        return list(flags), True
+    import torch
+
+    if monitored:
+        sync(group, phase)
+    folded = digest & ((1 << 62) - 1)  # non-negative and negatable in int64: max(d) == -max(-d) iff all equal
+    values = torch.tensor([1 if f else 0 for f in flags] + [folded, -folded], dtype=torch.int64)
+    _collective(lambda: dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group), phase)
+    out = values.tolist()
+    return [bool(v) for v in out[: len(flags)]], out[-2] == -out[-1]
+
+
+def broadcast_from_0(obj: Any, group: Any, phase: str = "broadcast from rank 0", *, monitored: bool = True) -> Any:
     if group is None:
         return obj
-    sync(group, phase)
+    if monitored:
+        sync(group, phase)
     box = [obj]
     _collective(lambda: dist.broadcast_object_list(box, group=group, group_src=0), phase)
     return box[0]

@@ -31,7 +31,7 @@ from torchrl_dcp._log import get_logger
 from torchrl_dcp.adapters import Adapter, AdapterContext, CheckpointOptions, RNGState, resolve_adapter
 from torchrl_dcp.adapters.trainer import trainer_placement
 from torchrl_dcp.async_save import AsyncSaver, SaveHandle
-from torchrl_dcp.collective import run_step
+from torchrl_dcp.collective import run_agreed
 from torchrl_dcp.errors import EncodingError
 from torchrl_dcp.incremental import share_base
 from torchrl_dcp.json_values import plain_scalars
@@ -468,13 +468,14 @@ class DistributedCheckpoint:
             if base_info is None:  # nothing to check in a base: local views only, no exchange
                 save_engine.plan_chunks(job, None, stage is not None)
             else:
-                run_step(
+                run_agreed(
                     group,
                     "planning the chunk files",
                     lambda: save_engine.plan_chunks(job, base_info, stage is not None),
+                    monitored=False,
                 )
             if stage is not None:
-                run_step(group, "staging the state", lambda: _stage_share(job, stage))
+                run_agreed(group, "staging the state", lambda: _stage_share(job, stage), monitored=False)
         except BaseException:
             encoded.settle(None)
             raise

@@ -52,7 +52,7 @@ def raise_if_failed(statuses: list[Status | None], phase: str, own: BaseExceptio
             raise CollectiveError(f"rank {rank} failed while {phase}: {kind}: {message}", path=path)
 
 
-def run_step(group: Any, phase: str, fn: Callable[[], T], *, fallback: Any = None) -> list[T]:
+def run_step(group: Any, phase: str, fn: Callable[[], T], *, fallback: Any = None, monitored: bool = True) -> list[T]:
     """Run ``fn()`` on this rank, gather every rank's result, raise everywhere if any rank failed.
 
     Returns every rank's result, in rank order. ``fallback`` stands for this rank's
@@ -63,9 +63,47 @@ def run_step(group: Any, phase: str, fn: Callable[[], T], *, fallback: Any = Non
         value: Any = fn()
     except BaseException as err:  # reported to every rank below, then re-raised here
         value, error = fallback, err
-    gathered = _dist.all_gather((error_status(error), value), group, phase)
+    gathered = _dist.all_gather((error_status(error), value), group, phase, monitored=monitored)
     raise_if_failed([status for status, _ in gathered], phase, error)
     return [v for _, v in gathered]
+
+
+def run_agreed(
+    group: Any,
+    phase: str,
+    fn: Callable[[], T],
+    *,
+    flag: Callable[[T], bool] | None = None,
+    monitored: bool = True,
+) -> tuple[T, bool]:
+    """Like :func:`run_step`, but every rank learns only whether any rank failed (and the OR of ``flag(result)``).
+
+    Returns this rank's result and that OR. The exchange is one fixed-size ``all_reduce``
+    (:func:`torchrl_dcp._dist.agree`), whatever the world size; only when a rank failed are the
+    statuses gathered, so that every rank raises naming it, as :func:`run_step` does.
+
+    Example (one process):
+        >>> run_agreed(None, "counting", lambda: 3, flag=lambda n: n > 2)
+        (3, True)
+    """
+    error: BaseException | None = None
+    value: Any = None
+    try:
+        value = fn()
+    except BaseException as err:  # reported to every rank below, then re-raised here
+        error = err
+    mine = error is None and flag is not None and bool(flag(value))
+    (failed, any_flag), _ = _dist.agree([error is not None, mine], 0, group, phase, monitored=monitored)
+    if failed:
+        raise_failure(group, phase, error)
+    return value, any_flag
+
+
+def raise_failure(group: Any, phase: str, error: BaseException | None) -> None:
+    """Some rank failed at ``phase`` (every rank knows it): gather the statuses, raise on every rank naming it."""
+    statuses = _dist.all_gather(error_status(error), group, phase, monitored=False)
+    raise_if_failed(statuses, phase, error)
+    raise CollectiveError(f"a rank failed while {phase}")  # (not reached: a rank reported its failure)
 
 
 def run_on_coordinator(group: Any, phase: str, fn: Callable[[], T], *, rank: int | None = None) -> T | None:
@@ -75,8 +113,13 @@ def run_on_coordinator(group: Any, phase: str, fn: Callable[[], T], *, rank: int
     return results[0] if me == 0 else None
 
 
-def broadcast_step(group: Any, phase: str, fn: Callable[[], T], *, rank: int | None = None) -> T:
-    """Run ``fn()`` on rank 0 and hand its result to every rank; every rank raises if it failed."""
+def broadcast_step(
+    group: Any, phase: str, fn: Callable[[], T], *, rank: int | None = None, monitored: bool = True
+) -> T:
+    """Run ``fn()`` on rank 0 and hand its result to every rank; every rank raises if it failed.
+
+    ``monitored=False`` skips the monitored barrier (``_dist``): for a step between two exchanges
+    of the same checkpoint call, where no rank can be elsewhere."""
     me = _dist.group_rank(group) if rank is None else rank
     error: BaseException | None = None
     value: Any = None
@@ -85,6 +128,6 @@ def broadcast_step(group: Any, phase: str, fn: Callable[[], T], *, rank: int | N
             value = fn()
         except BaseException as err:
             error = err
-    status, value = _dist.broadcast_from_0((error_status(error), value), group, phase)
+    status, value = _dist.broadcast_from_0((error_status(error), value), group, phase, monitored=monitored)
     raise_if_failed([status], phase, error)
     return value

@@ -110,7 +110,11 @@ def share_base(group: Any, request: Any, rank: int) -> Base | None:
     if request is None:
         return None
     return broadcast_step(
-        group, "reading the incremental base", lambda: read_base(request, _dist.group_size(group)), rank=rank
+        group,
+        "reading the incremental base",
+        lambda: read_base(request, _dist.group_size(group)),
+        rank=rank,
+        monitored=False,
     )
 
 

@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from torchrl_dcp import _dist
 from torchrl_dcp._log import get_logger
-from torchrl_dcp.collective import error_status, raise_if_failed, run_step
+from torchrl_dcp.collective import error_status, raise_if_failed, run_agreed
 from torchrl_dcp.errors import (
     CheckpointError,
     CheckpointIntegrityError,
@@ -162,7 +162,7 @@ def prepare(request: LoadRequest, result: LoadResult) -> tuple[CheckpointSource,
         verify_bytes(src, found["plan"], request.verify, metadata)  # 4. verify
 
     try:
-        run_step(request.group, "validating the checkpoint", local)
+        run_agreed(request.group, "validating the checkpoint", local)
     except BaseException:
         if "plan" in found:  # this rank planned (and may have allocated lazily built storages): undo it
             rollback(list(found["plan"].components.values()))
@@ -258,11 +258,11 @@ def read(
 
     left: dict[str, torch.Tensor] = {}
     try:
-        pending = run_step(request.group, "reading tensors", local, fallback=False)
+        _, pending = run_agreed(request.group, "reading tensors", local, flag=bool, monitored=False)
     except CheckpointError as err:
         err.result = result
         raise
-    if not any(pending):
+    if not pending:
         return
     try:
         with quiet_single_process():
@@ -296,8 +296,8 @@ def restore(src: CheckpointSource, request: LoadRequest, load_plan: LoadPlan, re
     done: list[ComponentPlan] = []
 
     failure = _restore_all(first, load_plan, request, result, done)
-    statuses = _dist.all_gather(error_status(failure), request.group, "restoring components")
-    if any(s is not None for s in statuses):
+    statuses = _failures(failure, request.group, "restoring components")
+    if statuses is not None:
         _fail(done, statuses, failure, "restoring components", result)
     if load_plan.live or request.group is not None:
         try:
@@ -308,9 +308,15 @@ def restore(src: CheckpointSource, request: LoadRequest, load_plan: LoadPlan, re
     failure = _restore_all(in_place, load_plan, request, result, done)
     if failure is None and last:
         failure = _restore_again(last, load_plan, request, result)
-    statuses = _dist.all_gather(error_status(failure), request.group, "restoring components")
-    if any(s is not None for s in statuses):
+    statuses = _failures(failure, request.group, "restoring components")
+    if statuses is not None:
         _fail(done, statuses, failure, "restoring components", result, partial=in_place)
+
+
+def _failures(failure: BaseException | None, group: Any, phase: str) -> list[Any] | None:
+    """Every rank's status when any rank failed (gathered only then), else ``None``: one fixed-size exchange."""
+    (failed,), _ = _dist.agree([failure is not None], 0, group, phase, monitored=False)
+    return _dist.all_gather(error_status(failure), group, phase, monitored=False) if failed else None
 
 
 def _restore_all(

@@ -1,28 +1,34 @@
 """Planning: which rank writes each tensor (:func:`plan_writes`), and DCP's save/load planners.
 
 Per-rank state already carries rank-specific keys (``rank/<r>/...``) when it is
-planned, so only truly replicated state appears on several ranks; each such tensor
-is written by the least-loaded rank that holds it, so all ranks write their share
-at once. The plan is computed on every rank from the same gathered input, so every
-rank reaches the same answer without another exchange. State our writer cannot
+planned, so only shared state (replicated, and any other key outside ``rank/``)
+appears on several ranks. A save plans locally (:func:`plan_local`): each rank writes
+its own keys, and every shared tensor is given a writer by a rule every rank computes
+alike from the shared tensor list, which the ranks only prove identical (a digest,
+:func:`shared_digest`), never exchange. When they are not identical (or to report
+which key differs), :func:`plan_writes` plans from every rank's gathered list. State our writer cannot
 encode (DTensors, ...) goes through DCP's own writer, whose de-duplication balances
 the same way (:class:`SavePlanner`). The load planner refuses byte items (DCP would
 ``torch.load(weights_only=False)`` them) and checks every destination's dtype and
 shape against the saved metadata, which DCP does not do for dtypes.
 
 Example:
-    >>> from torchrl_dcp.planner import TensorInfo, plan_writes
+    >>> from torchrl_dcp.planner import TensorInfo, plan_local, plan_writes
     >>> a = [TensorInfo("replicated/p/w", "torch.float32", (4,), 16), TensorInfo("rank/0/r/x", "torch.int64", (1,), 8)]
     >>> b = [TensorInfo("replicated/p/w", "torch.float32", (4,), 16), TensorInfo("rank/1/r/x", "torch.int64", (1,), 8)]
     >>> plan = plan_writes([a, b])
     >>> plan.backend, plan.share(0), plan.share(1)
     ('fast', ['replicated/p/w', 'rank/0/r/x'], ['rank/1/r/x'])
+    >>> plan_local(b, rank=1, world_size=2).share(1)  # rank 1 alone, no exchange: the same share
+    ['rank/1/r/x']
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
-from collections.abc import Mapping
+import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -69,7 +75,11 @@ class ChunkPlan:
 
 @dataclass
 class WritePlan:
-    """Who writes what, identical on every rank.
+    """Who writes what: every shared key's writer (the same on every rank) and this rank's own keys.
+
+    A plan from :func:`plan_writes` also holds every other rank's own keys; one from
+    :func:`plan_local` only this rank's: ``share``, ``chunk_share`` and ``writes`` are
+    asked for this rank alone.
 
     Attributes:
         backend: ``"fast"`` (our writer, :mod:`torchrl_dcp.storage.writer`) or ``"dcp"``
@@ -77,7 +87,7 @@ class WritePlan:
         owner: the rank that writes each key saved whole (``"fast"`` only).
         chunks: the chunks of each tensor cut along dim 0 (:mod:`torchrl_dcp.chunking`),
             each with its writer and file (``"fast"`` only).
-        tensors: every key of the save with its dtype and shape (``"fast"`` only).
+        tensors: every key planned (shared keys and this rank's own) with its dtype and shape (``"fast"`` only).
     """
 
     backend: WriteBackend
@@ -96,6 +106,24 @@ class WritePlan:
     def writes(self, rank: int) -> set[str]:
         """Every key ``rank`` writes all or part of."""
         return set(self.share(rank)) | {c.key for c in self.chunk_share(rank)}
+
+
+def is_own_key(key: str) -> bool:
+    """Whether ``key`` belongs to one rank alone (a per_rank component's ``rank/<r>/...``)."""
+    return key.startswith("rank/")
+
+
+def shared_digest(infos: Iterable[TensorInfo] | None, extra: Any = None) -> int:
+    """A 64-bit digest of the shared tensors (key, dtype, shape) and ``extra`` (JSON-safe): equal on every rank
+    exactly when :func:`plan_local` gives every rank the same writers (``None``: our writer cannot encode)."""
+    h = hashlib.blake2b(digest_size=8)
+    if infos is None:
+        h.update(b"\x00dcp")
+    else:
+        for info in sorted((i for i in infos if not is_own_key(i.key)), key=lambda i: i.key):
+            h.update(f"{info.key}\x00{info.dtype}\x00{info.shape}\x01".encode())
+    h.update(json.dumps(extra, sort_keys=True, separators=(",", ":")).encode())
+    return int.from_bytes(h.digest(), "little")
 
 
 def plan_writes(per_rank: list[list[TensorInfo] | None]) -> WritePlan:
@@ -123,13 +151,42 @@ def plan_writes(per_rank: list[list[TensorInfo] | None]) -> WritePlan:
                     "(register the component with placement='per_rank' if each rank has its own)"
                 )
             holders[info.key].append(r)
-    load = [0] * len(per_rank)
+    return _assign(tensors, holders, len(per_rank))
+
+
+def plan_local(infos: list[TensorInfo] | None, rank: int, world_size: int) -> WritePlan:
+    """This rank's plan from its own :func:`tensor_infos` alone, without an exchange.
+
+    Valid when every rank holds the same shared tensors (equal :func:`shared_digest`): each
+    shared key is then held by every rank, and every rank assigns it the same writer (the
+    least-loaded rank by shared bytes alone: what other ranks hold of their own is not known
+    here). ``None`` (a tensor our writer cannot encode, on any rank): DCP's writer.
+    """
+    if infos is None:
+        return WritePlan("dcp")
+    shared = sorted((i for i in infos if not is_own_key(i.key)), key=lambda i: i.key)
+    tensors = {i.key: i for i in shared}
+    holders = {i.key: list(range(world_size)) for i in shared}
+    for info in infos:
+        if is_own_key(info.key):
+            tensors[info.key] = info
+            holders[info.key] = [rank]
+    return _assign(tensors, holders, world_size, count_single=False)
+
+
+def _assign(
+    tensors: dict[str, TensorInfo], holders: dict[str, list[int]], world_size: int, count_single: bool = True
+) -> WritePlan:
+    """Writers of whole keys and of chunks: single holders write their own; each key (or chunk) held by several
+    goes to the least-loaded holder, largest first (ties: lowest rank). ``count_single``: a single holder's bytes
+    count in its load (only when every rank's keys are known: otherwise ranks would balance differently)."""
+    load = [0] * world_size
     owner: dict[str, int] = {}
     cuts: dict[str, list[tuple[int, int, int]]] = {}  # key: [(start, rows, owner)]
     ranges = {k: chunk_ranges(t.shape, _itemsize(t)) for k, t in tensors.items()}
     for key, ranks in holders.items():  # single holders first: their bytes are fixed
         if len(ranks) == 1:
-            load[ranks[0]] += tensors[key].nbytes
+            load[ranks[0]] += tensors[key].nbytes if count_single else 0
             if ranges[key]:
                 cuts[key] = [(start, rows, ranks[0]) for start, rows in ranges[key]]
             else:

@@ -5,9 +5,11 @@ that disagree would otherwise commit a state that never existed (one rank's
 ``weight``, another's ``bias``), or every rank would resume with one rank's values of
 what was really per-rank state (a plain dict registered without ``placement=``).
 Before anything is written, each rank computes a digest of its replicated
-components; the digests are gathered with the encode step's status and compared
-the same way on every rank, so every rank raises the same
-:class:`~torchrl_dcp.errors.EncodingError` naming the component, the key and the ranks.
+components; a hash of them enters the save's one agreement
+(:func:`torchrl_dcp._dist.agree`, a fixed-size ``all_reduce``). Only when the hashes
+differ are the digests gathered and compared, the same way on every rank, so every
+rank raises the same :class:`~torchrl_dcp.errors.EncodingError` naming the component,
+the key and the ranks.
 
 Modes (``DistributedCheckpoint(replica_check=...)``, or per component at ``register``):
 

@@ -54,7 +54,7 @@ from torchrl_dcp.format.codec import encode as encode_value
 from torchrl_dcp.format.layout import DCP_METADATA
 from torchrl_dcp.format.manifest import dumps, new_manifest
 from torchrl_dcp.placement import Placement, key_prefix
-from torchrl_dcp.planner import SavePlanner, WritePlan, plan_writes, tensor_infos
+from torchrl_dcp.planner import SavePlanner, WritePlan, plan_local, plan_writes, shared_digest, tensor_infos
 from torchrl_dcp.replicas import ReplicaCheck
 from torchrl_dcp.replicas import compare as compare_replicas
 from torchrl_dcp.replicas import digest as replica_digest
@@ -217,27 +217,60 @@ def _encode_item(item: EncodeItem, rank: int, out: Encoded, shared: dict[tuple[A
 def plan(
     group: Any, encode_step: Any, replica_checks: Mapping[str, ReplicaCheck] | None = None
 ) -> tuple[Encoded, WritePlan]:
-    """Encode on every rank (``encode_step()``), exchange what each holds, plan the writes (collective).
+    """Encode on every rank (``encode_step()``), agree, plan the writes (collective).
 
-    Any rank's encoding failure raises on every rank before anything is written; so does
-    replicated state that differs between ranks (:mod:`torchrl_dcp.replicas`).
+    The ranks agree in one small exchange (:func:`torchrl_dcp._dist.agree`: did any rank fail,
+    does any need DCP's writer, is the digest of the shared tensor list and of the replica
+    digests the same everywhere); each rank then plans its own writes alone
+    (:func:`~torchrl_dcp.planner.plan_local`). Only when a rank failed or the digests differ do
+    the ranks gather what each holds, to raise the same error everywhere naming the rank, the
+    component or the key (:func:`_plan_gathered`). Any rank's encoding failure raises on every
+    rank before anything is written; so does replicated state that differs between ranks
+    (:mod:`torchrl_dcp.replicas`).
     """
     mine: list[Encoded] = []
     several = _dist.group_size(group) > 1
-
-    def local() -> Any:
+    held: list[Any] = []  # this rank's (tensor infos, replica digests), once encoded
+    error: BaseException | None = None
+    try:
         mine.append(encode_step())
         replicas = replica_digest(mine[0].records, mine[0].flat, replica_checks or {}) if several else {}
-        return tensor_infos(mine[0].flat), replicas
-
+        held.append((tensor_infos(mine[0].flat), replicas))
+    except BaseException as err:  # reported to every rank (below), then re-raised here
+        error = err
     try:
-        gathered = run_step(group, "encoding the state", local)
-        compare_replicas([replicas for _, replicas in gathered])
-        return mine[0], plan_writes([infos for infos, _ in gathered])
+        if not several:
+            raise_if_failed([], "encoding the state", error)
+            return mine[0], plan_local(held[0][0], 0, 1)
+        infos, replicas = held[0] if held else (None, {})
+        (failed, needs_dcp), same = _dist.agree(
+            [error is not None, bool(held) and infos is None],
+            shared_digest(infos, replicas),
+            group,
+            "encoding the state",
+        )
+        if failed or not same:
+            gathered_plan = _plan_gathered(group, held, error)  # raises what failed or differs, on every rank
+            return mine[0], gathered_plan
+        return mine[0], plan_local(None if needs_dcp else infos, _dist.group_rank(group), _dist.group_size(group))
     except BaseException:
         for encoded in mine:
             encoded.settle(None)
         raise
+
+
+def _plan_gathered(group: Any, held: list[Any], error: BaseException | None) -> WritePlan:
+    """The plan from every rank's gathered tensor list and replica digests, when they did not agree: raises
+    what differs (or the failed rank's error) on every rank; a plan for what merely differs in who holds it."""
+
+    def local() -> Any:
+        if error is not None:
+            raise error
+        return held[0]
+
+    gathered = run_step(group, "encoding the state", local, monitored=False)
+    compare_replicas([replicas for _, replicas in gathered])
+    return plan_writes([infos for infos, _ in gathered])
 
 
 def plan_chunks(job: SaveJob, base: Any, staged: bool = False) -> None:
@@ -312,7 +345,9 @@ def prepare(job: SaveJob) -> SaveTarget:
             raise save_failure(err, "preparing the staging directory", job.destination) from err
         return prepared[0].token, save_id
 
-    token, job.save_id = broadcast_step(job.group, "preparing the staging directory", on_rank_0, rank=job.rank)
+    token, job.save_id = broadcast_step(
+        job.group, "preparing the staging directory", on_rank_0, rank=job.rank, monitored=False
+    )
     return prepared[0] if prepared else job.location.attach_save(token)
 
 
@@ -341,7 +376,7 @@ def commit(job: SaveJob, target: SaveTarget, outcome: WriteOutcome, write_error:
         except BaseException as err:
             error = save_failure(err, "committing the checkpoint", job.destination)
     # only rank 0 can fail here: each rank receives its one status, not an all_gather of every rank's
-    status = _dist.broadcast_from_0(error_status(error), job.group, "confirming the commit")
+    status = _dist.broadcast_from_0(error_status(error), job.group, "confirming the commit", monitored=False)
     raise_if_failed([status], "committing the checkpoint", error or write_error)
     return job.destination
 
@@ -375,6 +410,9 @@ def manifest_bytes(job: SaveJob, target: SaveTarget, gathered: list[Any]) -> tup
 def dcp_metadata(job: SaveJob, gathered: list[Any], checkpoint_id: Any) -> Any:
     """DCP's ``Metadata`` of a save by our writer, from every rank's gathered entries and chunks."""
     tensors = {k: (_DTYPES[t.dtype], t.shape) for k, t in job.plan.tensors.items()}
+    for g in gathered:  # every rank's own keys (a local plan holds rank 0's only)
+        for _, inventory in g[3].values():
+            tensors.update({k: (_DTYPES[f"torch.{t['dtype']}"], tuple(t["shape"])) for k, t in inventory.items()})
     entries = [e for g in gathered for e in g[2]]
     chunks = [c for g in gathered for c in g[4]]
     return build_metadata(tensors, entries, checkpoint_id, job.save_id, chunks)

@@ -1,0 +1,57 @@
+"""Per-rank programs counting the checkpoint's collectives: how many a save and a load make, at any world size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import torchrl_dcp as tdcp
+
+COUNTED = ("sync", "agree", "all_gather", "gather_to_0", "broadcast_from_0")
+
+
+def _count_collectives() -> list[str]:
+    """Wrap ``_dist``'s collectives in this process; each call appends its name to the list returned."""
+    from torchrl_dcp import _dist
+
+    calls: list[str] = []
+    for name in COUNTED:
+        original = getattr(_dist, name)
+
+        def counted(*args: Any, __name: str = name, __original: Any = original, **kwargs: Any) -> Any:
+            calls.append(__name)
+            return __original(*args, **kwargs)
+
+        setattr(_dist, name, counted)
+    return calls
+
+
+def save_and_load(directory: str) -> dict[str, Any]:
+    """A save and a load of replicated, per-rank and in-place (replay buffer) state; the collectives of each."""
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    policy = torch.nn.Linear(8, 4)
+    buffer = ReplayBuffer(storage=LazyTensorStorage(64))
+    buffer.extend(torch.arange(32 * 3, dtype=torch.float32).reshape(32, 3) + rank)
+    small = {f"t{i}": torch.full((4,), float(rank * 100 + i)) for i in range(20)}
+    ckpt = tdcp.DistributedCheckpoint(policy=policy)
+    ckpt.register("small", small, placement="per_rank")
+    ckpt.register("buffer", buffer, placement="per_rank")
+    path = Path(directory) / "ckpt"
+    ckpt.save(path / "warm", step=0)  # the checkpoint group is created here, outside the counts
+    calls = _count_collectives()
+    ckpt.save(path / "step-1", step=1)
+    save_calls = list(calls)
+    calls.clear()
+    expected = {k: v.clone() for k, v in small.items()}
+    for v in small.values():
+        v.zero_()
+    ckpt.load(path / "step-1")
+    load_calls = list(calls)
+    assert all(torch.equal(small[k], expected[k]) for k in small)
+    return {"save": save_calls, "load": load_calls}
