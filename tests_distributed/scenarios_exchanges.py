@@ -55,3 +55,41 @@ def save_and_load(directory: str) -> dict[str, Any]:
     load_calls = list(calls)
     assert all(torch.equal(small[k], expected[k]) for k in small)
     return {"save": save_calls, "load": load_calls}
+
+
+def _opened_during(fn: Any) -> list[str]:
+    """The names of the files this process opened (``os.open``) while ``fn()`` ran."""
+    import os
+
+    names: list[str] = []
+    original = os.open
+
+    def recording(path: Any, *args: Any, **kwargs: Any) -> int:
+        names.append(os.path.basename(os.fspath(path)))
+        return original(path, *args, **kwargs)
+
+    os.open = recording
+    try:
+        fn()
+    finally:
+        os.open = original
+    return names
+
+
+def own_files_only(directory: str, plant: bool) -> dict[str, Any]:
+    """Per-rank state only: which data files each rank opens while loading; with ``plant``, a file the manifest does
+    not list is planted first (rank 0, which checks the whole listing, refuses it; every rank raises)."""
+    rank = dist.get_rank()
+    state = {f"t{i}": torch.full((64,), float(rank * 10 + i)) for i in range(8)}
+    ckpt = tdcp.DistributedCheckpoint()
+    ckpt.register("state", state, placement="per_rank")
+    path = Path(directory) / "ckpt"
+    ckpt.save(path, step=1)
+    if plant and rank == 0:
+        (path / "__9_0.distcp").write_bytes(b"planted")
+    dist.barrier()
+    try:
+        opened = _opened_during(lambda: ckpt.load(path))
+    except tdcp.CheckpointError as err:
+        return {"error": type(err).__name__, "message": str(err)}
+    return {"error": None, "opened": sorted(n for n in opened if n.endswith(".distcp"))}

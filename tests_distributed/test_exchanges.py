@@ -15,9 +15,11 @@ from tests_distributed.launch import launch
 
 S = "tests_distributed.scenarios_exchanges"
 
-SAVE = ["sync", "agree", "broadcast_from_0", "sync", "gather_to_0", "broadcast_from_0"]
+# in the order entered (a monitored exchange enters its barrier, ``sync``, from inside): agree on the plan (monitored),
+# staging, commit gather (monitored), confirm
+SAVE = ["agree", "sync", "broadcast_from_0", "gather_to_0", "sync", "broadcast_from_0"]
 # validate (monitored), read into fresh buffers, restore, read in place, restore in place
-LOAD = ["sync", "agree", "agree", "agree", "agree", "agree"]
+LOAD = ["agree", "sync", "agree", "agree", "agree", "agree"]
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -26,3 +28,25 @@ def test_a_save_and_a_load_make_the_same_exchanges_at_any_world_size(tmp_path: P
     for r in results:
         assert r.value["save"] == SAVE, r.value
         assert r.value["load"] == LOAD, r.value
+
+
+def test_a_rank_opens_its_own_data_files_and_rank_0_checks_the_listing(tmp_path: Path) -> None:
+    """Sizes of every listed file and 'nothing unlisted' are checked once, on rank 0; every other rank opens only the
+    files it reads (at 1,000 ranks: its own, not 1,000 ranks' files each)."""
+    results = launch(f"{S}:own_files_only", 3, str(tmp_path), False)
+    for r in results:
+        assert r.value["error"] is None, r.value
+        others = [n for n in r.value["opened"] if n.startswith("__") and not n.startswith(f"__{r.rank}_")]
+        if r.rank == 0:
+            assert others, r.value  # the whole listing
+        else:
+            assert others == [], r.value
+
+
+def test_a_planted_file_is_refused_by_rank_0_and_the_load_fails_on_every_rank(tmp_path: Path) -> None:
+    results = launch(f"{S}:own_files_only", 3, str(tmp_path), True)
+    assert results[0].value["error"] == "CheckpointIntegrityError", results[0].value
+    assert "__9_0.distcp" in results[0].value["message"] and "not listed" in results[0].value["message"]
+    for r in results[1:]:
+        assert r.value["error"] == "CollectiveError", r.value
+        assert "rank 0" in r.value["message"] and "not listed" in r.value["message"], r.value

@@ -159,7 +159,7 @@ def prepare(request: LoadRequest, result: LoadResult) -> tuple[CheckpointSource,
             source=request.path,
         )
         report_issues(result, request.strict, request.path)
-        verify_bytes(src, found["plan"], request.verify, metadata)  # 4. verify
+        verify_bytes(src, found["plan"], request.verify, metadata, whole=request.rank == 0)  # 4. verify
 
     try:
         run_agreed(request.group, "validating the checkpoint", local)
@@ -189,17 +189,22 @@ def compare_components(
         )
 
 
-def verify_bytes(src: CheckpointSource, load_plan: LoadPlan, verify: bool, metadata: Any) -> None:
+def verify_bytes(
+    src: CheckpointSource, load_plan: LoadPlan, verify: bool, metadata: Any, *, whole: bool = True
+) -> None:
     """Every record to read holds the dtype and shape DCP's metadata says and every file to read carries this save's
     identity; files holding tensors read into live objects are checksummed now, the others while they are read
-    (``verify=False``: sizes, identities and records only)."""
+    (``verify=False``: sizes, identities and records only). ``whole``: the sizes of every listed file and nothing
+    unlisted (rank 0 of a load); otherwise the sizes of the files this rank reads alone, so that a rank's load opens
+    its own files, not every rank's."""
     if metadata is None:
         src.check(False)
         return
     live = load_plan.live
     needed_live = files_for(metadata, live)
     needed_fresh = files_for(metadata, load_plan.fresh)
-    src.check(needed_live if verify else False)  # sizes of every file (and checksums of those read in place)
+    # sizes (of every file, or of those read here), and checksums of those read in place
+    src.check(needed_live if verify else False, only=None if whole else needed_live | needed_fresh)
     src.check_identity(needed_live | needed_fresh)
     # the records read into live objects, before any is read; the others are checked as they arrive, before anything
     # is restored from them: every reader compares a record with its layout before taking its bytes (files: the

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -70,9 +70,16 @@ class Container(Protocol):
     def manifest(self) -> dict[str, Any]:
         """The validated (and migrated) manifest, parsed once."""
 
-    def check(self, checksum: Iterable[str] | bool, progress: Callable[[int], None] | None = None) -> None:
+    def check(
+        self,
+        checksum: Iterable[str] | bool,
+        progress: Callable[[int], None] | None = None,
+        *,
+        only: Collection[str] | None = None,
+    ) -> None:
         """Every listed file's size, nothing unlisted, and the checksums of ``checksum`` (True: all); ``progress``
-        is called with the bytes of each piece checksummed (from any thread, one at a time)."""
+        is called with the bytes of each piece checksummed (from any thread, one at a time). ``only``: the sizes
+        of these listed files alone, and no listing (what one rank of a load reads; rank 0 checks the whole)."""
 
     def read_member(self, name: str, limit: int) -> bytes | None:
         """A listed file's bytes, size-checked against the manifest (``None`` when the manifest does not list it)."""

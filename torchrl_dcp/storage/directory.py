@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -97,12 +97,19 @@ class DirectoryContainer:
     def _listed(self, name: str) -> dict[str, Any] | None:
         return self.manifest()["files"].get(name)
 
-    def check(self, checksum: Iterable[str] | bool, progress: Callable[[int], None] | None = None) -> None:
+    def check(
+        self,
+        checksum: Iterable[str] | bool,
+        progress: Callable[[int], None] | None = None,
+        *,
+        only: Collection[str] | None = None,
+    ) -> None:
         files: dict[str, Any] = self.manifest()["files"]
         wanted = set(files) if checksum is True else set() if checksum is False else set(checksum)
+        checked = files if only is None else {n: files[n] for n in sorted(set(only) | wanted) if n in files}
         fds: list[tuple[str, int]] = []
         try:
-            for name, rec in files.items():
+            for name, rec in checked.items():
                 path = self.path / name
                 fd = open_regular(path)
                 size = os.fstat(fd).st_size
@@ -123,6 +130,8 @@ class DirectoryContainer:
         finally:
             for _, fd in fds:
                 os.close(fd)
+        if only is not None:
+            return  # (the listing is rank 0's: one scan of the directory per load, not one per rank)
         for entry in os.scandir(self.path):
             if entry.name != MANIFEST and entry.name not in files:
                 raise CheckpointIntegrityError(

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -338,11 +338,18 @@ class ObjectStoreContainer:
             self._manifest = schema.loads_manifest(data, file)
         return self._manifest
 
-    def check(self, checksum: Iterable[str] | bool, progress: Callable[[int], None] | None = None) -> None:
+    def check(
+        self,
+        checksum: Iterable[str] | bool,
+        progress: Callable[[int], None] | None = None,
+        *,
+        only: Collection[str] | None = None,
+    ) -> None:
         files: dict[str, Any] = self.manifest()["files"]
         wanted = set(files) if checksum is True else set() if checksum is False else set(checksum)
         found = self._take("")
-        for name, rec in files.items():
+        checked = files if only is None else {n: files[n] for n in sorted(set(only) | wanted) if n in files}
+        for name, rec in checked.items():
             info = found.get(name)
             if info is None or info.get("type") != "file":
                 raise CheckpointIntegrityError("object listed in the manifest is missing", path=self.path / name)
@@ -351,7 +358,7 @@ class ObjectStoreContainer:
                     f"size is {info.get('size')} bytes, the manifest says {rec['size']}: truncated or altered",
                     path=self.path / name,
                 )
-        for name in found:
+        for name in found if only is None else ():
             if name != MANIFEST and name not in files:
                 raise CheckpointIntegrityError(
                     "object not listed in the manifest: the checkpoint was altered", path=self.path / name

@@ -108,13 +108,19 @@ class ObjectStoreSource(CheckpointSource):
             out.append(bytes(memoryview(got[k])[o - merged[k][0] : o - merged[k][0] + n]))
         return out
 
-    def check(self, checksum: Iterable[str] | bool, progress: Callable[[int], None] | None = None) -> None:
+    def check(
+        self,
+        checksum: Iterable[str] | bool,
+        progress: Callable[[int], None] | None = None,
+        *,
+        only: Collection[str] | None = None,
+    ) -> None:
         """As :meth:`CheckpointSource.check`; the objects checksummed leave their trailers for :meth:`check_identity`."""
         checksum = checksum if isinstance(checksum, bool) else set(checksum)
-        if progress is None:
-            self.container.check(checksum)
-        else:
-            self.container.check(checksum, progress=progress)
+        kwargs: dict[str, Any] = {} if only is None else {"only": only}
+        if progress is not None:
+            kwargs["progress"] = progress
+        self.container.check(checksum, **kwargs)
         self._defer = checksum is not False
 
     def check_identity(self, names: Iterable[str]) -> None:

@@ -60,13 +60,20 @@ class CheckpointSource:
         """The validated (and migrated) manifest."""
         return self.container.manifest()
 
-    def check(self, checksum: Iterable[str] | bool, progress: Callable[[int], None] | None = None) -> None:
-        """Sizes of every listed file (nothing unlisted); checksums of ``checksum`` (True: all, False: none);
-        ``progress`` is called with the bytes of each piece checksummed (from any thread, one at a time)."""
-        if progress is None:  # (a container written before progress existed still serves every other caller)
-            self.container.check(checksum)
-        else:
-            self.container.check(checksum, progress=progress)
+    def check(
+        self,
+        checksum: Iterable[str] | bool,
+        progress: Callable[[int], None] | None = None,
+        *,
+        only: Collection[str] | None = None,
+    ) -> None:
+        """Sizes of every listed file (nothing unlisted; ``only``: of these files alone, no listing); checksums of
+        ``checksum`` (True: all, False: none); ``progress`` is called with the bytes of each piece checksummed
+        (from any thread, one at a time)."""
+        kwargs: dict[str, Any] = {} if only is None else {"only": only}
+        if progress is not None:  # (a container written before progress existed still serves every other caller)
+            kwargs["progress"] = progress
+        self.container.check(checksum, **kwargs)
 
     def dcp_metadata(self) -> Metadata | None:
         """DCP's metadata (``None`` for a checkpoint without tensors), never unpickling anything but DCP's classes.
