@@ -57,7 +57,21 @@ def incremental_shards(directory: str) -> dict[str, Any]:
     d = Path(directory)
     base = ckpt.save(d / "base", step=0)
     step(rb, policy, rank, 1)
-    inc = ckpt.save(d / "inc", step=1, incremental_from=base)
+    import torchrl_dcp.checkpoint as checkpoint_module
+
+    received: list[str] = []  # the keys of the base this rank was sent: the shared ones and its own
+    original_share = checkpoint_module.share_base
+
+    def recording(*args: Any) -> Any:
+        part = original_share(*args)
+        received.extend(sorted(set(part.inventory) | set(part.chunks)))
+        return part
+
+    checkpoint_module.share_base = recording
+    try:
+        inc = ckpt.save(d / "inc", step=1, incremental_from=base)
+    finally:
+        checkpoint_module.share_base = original_share
     ckpt.save(d / "full", step=1)
     restored_rb = TensorDictReplayBuffer(storage=LazyTensorStorage(CAPACITY), batch_size=4)
     restored_policy = torch.nn.Embedding(512, 16)
@@ -71,7 +85,7 @@ def incremental_shards(directory: str) -> dict[str, Any]:
     restored.load(inc)
     same = bool((restored_rb[:].exclude("index") == rb[:].exclude("index")).all())
     same_policy = torch.equal(restored_policy.weight, policy.weight)
-    return {"same": same, "same_policy": same_policy, **kept(inc)}
+    return {"same": same, "same_policy": same_policy, "received": received, **kept(inc)}
 
 
 def _die() -> None:

@@ -28,6 +28,10 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
 def test_every_rank_keeps_its_unchanged_chunks_and_the_result_equals_a_full_save(tmp_path: Path) -> None:
     results = [r.value for r in launch(f"{S}:incremental_shards", 2, str(tmp_path), env=SMALL_CHUNKS)]
     assert all(r["same"] and r["same_policy"] for r in results), results
+    for rank, r in enumerate(results):  # each rank was sent the base's shared keys and its own, not the other's
+        assert any(k.startswith(f"rank/{rank}/buffer/") for k in r["received"]), r["received"]
+        assert "replicated/policy/weight" in r["received"]
+        assert all(k.startswith(("replicated/", f"rank/{rank}/")) for k in r["received"]), r["received"]
     kept = results[0]["kept"]
     assert any(f.startswith("__0_") for f in kept) and any(f.startswith("__1_") for f in kept), kept
     assert results[0]["written"], "the changed rows were written"

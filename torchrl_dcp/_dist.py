@@ -253,6 +253,19 @@ def any_rank(flags: list[bool], group: Any, phase: str = "agreeing") -> list[boo
     return [bool(v) for v in values.tolist()]
 
 
+def scatter_from_0(objs: list[Any] | None, group: Any, phase: str = "scatter from rank 0") -> Any:
+    """Rank 0 hands ``objs[r]`` to each rank ``r`` (others pass ``None``): each rank receives its own part only."""
+    if group is None:
+        assert objs is not None
+        return objs[0]
+    box: list[Any] = [None]
+    _collective(
+        lambda: dist.scatter_object_list(box, objs if dist.get_rank(group) == 0 else None, group=group, group_src=0),
+        phase,
+    )
+    return box[0]
+
+
 def agree(flags: list[bool], digest: int, group: Any, phase: str, *, monitored: bool = True) -> tuple[list[bool], bool]:
     """Element-wise OR of every rank's ``flags``, and whether every rank's ``digest`` is the same.
 

@@ -99,6 +99,30 @@ def run_agreed(
     return value, any_flag
 
 
+def scatter_step(group: Any, phase: str, fn: Callable[[], list[T]], *, rank: int | None = None) -> T:
+    """Run ``fn()`` on rank 0 (one value per rank) and hand each rank its own; every rank raises if it failed.
+
+    What a rank receives is its part, not every rank's (unlike :func:`broadcast_step`). No monitored
+    barrier: for a step between two exchanges of the same checkpoint call.
+    """
+    me = _dist.group_rank(group) if rank is None else rank
+    size = _dist.group_size(group)
+    parts: list[Any] | None = None
+    error: BaseException | None = None
+    if me == 0:
+        try:
+            values = list(fn())
+            if len(values) != size:
+                raise ValueError(f"{phase}: {len(values)} parts for {size} ranks")
+            parts = [(None, v) for v in values]
+        except BaseException as err:
+            error = err
+            parts = [(error_status(err), None)] * size
+    status, value = _dist.scatter_from_0(parts, group, phase)
+    raise_if_failed([status], phase, error)
+    return value
+
+
 def raise_failure(group: Any, phase: str, error: BaseException | None) -> None:
     """Some rank failed at ``phase`` (every rank knows it): gather the statuses, raise on every rank naming it."""
     statuses = _dist.all_gather(error_status(error), group, phase, monitored=False)

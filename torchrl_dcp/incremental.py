@@ -37,11 +37,11 @@ import torch
 
 from torchrl_dcp import _dist
 from torchrl_dcp._log import get_logger
-from torchrl_dcp.collective import broadcast_step
+from torchrl_dcp.collective import scatter_step
 from torchrl_dcp.errors import CheckpointError
 from torchrl_dcp.format.checksums import content_fingerprint
 from torchrl_dcp.format.record import tensor_bytes
-from torchrl_dcp.planner import ChunkPlan, WritePlan
+from torchrl_dcp.planner import ChunkPlan, WritePlan, is_own_key
 from torchrl_dcp.storage.base import Location
 from torchrl_dcp.storage.chunk_writer import KeptChunk
 from torchrl_dcp.storage.copying import default_threads, run_split
@@ -51,13 +51,28 @@ logger = get_logger(__name__)
 
 @dataclass
 class Base:
-    """What an incremental save needs of its base checkpoint (read by rank 0, sent to every rank)."""
+    """What an incremental save needs of its base checkpoint (read by rank 0; each rank receives its :meth:`part`)."""
 
     location: Location  # a directory, or a prefix: its kept objects are copied server-side
     save_id: str
     world_size: int
     chunks: dict[str, dict[tuple[int, int], KeptChunk]] = field(default_factory=dict)
     inventory: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+
+    def part(self, rank: int) -> Base:
+        """What ``rank`` can keep: the shared keys and its own (``rank/<rank>/...``), not the other ranks'."""
+        own = f"rank/{rank}/"
+
+        def wanted(key: str) -> bool:
+            return not is_own_key(key) or key.startswith(own)
+
+        return Base(
+            self.location,
+            self.save_id,
+            self.world_size,
+            {k: v for k, v in self.chunks.items() if wanted(k)},
+            {k: v for k, v in self.inventory.items() if wanted(k)},
+        )
 
 
 def read_base(location: Location, world_size: int) -> Base | None:
@@ -106,16 +121,17 @@ def read_base(location: Location, world_size: int) -> Base | None:
 
 
 def share_base(group: Any, request: Any, rank: int) -> Base | None:
-    """Rank 0 reads the base (:func:`read_base`), every rank receives it (collective; the same error everywhere)."""
+    """Rank 0 reads the base (:func:`read_base`), every rank receives its part of it (collective; the same error
+    everywhere). A rank receives the shared keys' chunks and its own, not every rank's."""
     if request is None:
         return None
-    return broadcast_step(
-        group,
-        "reading the incremental base",
-        lambda: read_base(request, _dist.group_size(group)),
-        rank=rank,
-        monitored=False,
-    )
+    size = _dist.group_size(group)
+
+    def parts() -> list[Base | None]:
+        base = read_base(request, size)
+        return [None if base is None else base.part(r) for r in range(size)]
+
+    return scatter_step(group, "reading the incremental base", parts, rank=rank)
 
 
 def plan_keeps(
