@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import torchrl_dcp as tdcp
 
-COUNTED = ("sync", "agree", "all_gather", "gather_to_0", "broadcast_from_0")
+COUNTED = ("sync", "agree", "all_gather", "gather_to_0", "broadcast_from_0", "scatter_from_0")
 
 
 def _count_collectives() -> list[str]:
@@ -93,3 +93,16 @@ def own_files_only(directory: str, plant: bool) -> dict[str, Any]:
     except tdcp.CheckpointError as err:
         return {"error": type(err).__name__, "message": str(err)}
     return {"error": None, "opened": sorted(n for n in opened if n.endswith(".distcp"))}
+
+
+def rotation_save(directory: str) -> list[str]:
+    """The collectives of a rotation's second save (an incremental one: the first is its base), pruning included."""
+    rank = dist.get_rank()
+    state = {"x": torch.full((64,), float(rank))}
+    ckpt = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(4, 4))
+    ckpt.register("state", state, placement="per_rank")
+    rotation = tdcp.CheckpointRotation(Path(directory) / "run", keep_last=1)
+    rotation.save(ckpt, step=1)
+    calls = _count_collectives()
+    rotation.save(ckpt, step=2)
+    return calls

@@ -50,3 +50,14 @@ def test_a_planted_file_is_refused_by_rank_0_and_the_load_fails_on_every_rank(tm
     for r in results[1:]:
         assert r.value["error"] == "CollectiveError", r.value
         assert "rank 0" in r.value["message"] and "not listed" in r.value["message"], r.value
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_rotation_save_sends_rank_0s_word_and_each_rank_its_part_of_the_base(tmp_path: Path, world: int) -> None:
+    """Choosing the base (rank 0 lists the directory) and pruning (rank 0 deletes) send only rank 0's word; the
+    incremental base is scattered (each rank its part); nothing is gathered to every rank."""
+    results = launch(f"{S}:rotation_save", world, str(tmp_path))
+    choose = ["broadcast_from_0", "sync"]  # rank 0 lists the directory: the base and the commit counter (monitored)
+    incremental = ["agree", "sync", "scatter_from_0", "agree"]  # plan; each rank's part of the base; chunk plan
+    for r in results:
+        assert r.value == [*choose, *incremental, *SAVE[2:], "broadcast_from_0"], r.value  # + rank 0 prunes

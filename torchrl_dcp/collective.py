@@ -130,11 +130,23 @@ def raise_failure(group: Any, phase: str, error: BaseException | None) -> None:
     raise CollectiveError(f"a rank failed while {phase}")  # (not reached: a rank reported its failure)
 
 
-def run_on_coordinator(group: Any, phase: str, fn: Callable[[], T], *, rank: int | None = None) -> T | None:
-    """Run ``fn()`` on rank 0 only; every rank raises if it failed. Returns rank 0's result (``None`` elsewhere)."""
+def run_on_coordinator(
+    group: Any, phase: str, fn: Callable[[], T], *, rank: int | None = None, monitored: bool = True
+) -> T | None:
+    """Run ``fn()`` on rank 0 only; every rank raises if it failed. Returns rank 0's result (``None`` elsewhere).
+
+    Only rank 0's status travels (a broadcast): the others have nothing to report."""
     me = _dist.group_rank(group) if rank is None else rank
-    results = run_step(group, phase, fn if me == 0 else (lambda: None))
-    return results[0] if me == 0 else None
+    error: BaseException | None = None
+    value: Any = None
+    if me == 0:
+        try:
+            value = fn()
+        except BaseException as err:
+            error = err
+    status = _dist.broadcast_from_0(error_status(error), group, phase, monitored=monitored)
+    raise_if_failed([status], phase, error)
+    return value
 
 
 def broadcast_step(

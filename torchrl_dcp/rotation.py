@@ -422,7 +422,7 @@ class CheckpointRotation:
             self.prune(protect=target)
 
         try:
-            run_on_coordinator(_group(ckpt), "rotating checkpoints", rotate)
+            run_on_coordinator(_group(ckpt), "rotating checkpoints", rotate, monitored=False)  # (right after the save)
         except CheckpointError as err:
             if err.path is None:
                 err.path = str(target)
