@@ -110,9 +110,8 @@ def install() -> None:
         _wrap(save_engine, attr, f"rank0.{attr}")
     # object-store saves
     _wrap(objectstore_save, "begin", "rank0.store_begin")
-    _wrap(objectstore_save, "manifest_bytes", "rank0.store_manifest_bytes")
     _wrap(objectstore_save, "finish", "rank0.store_finish")
-    _wrap(objectstore_save.ObjectStoreStateWriter, "write", "save.store_write")
+    _wrap(objectstore_save, "write_share", "save.store_write")
     # load phases
     for attr in ("prepare", "read", "restore"):
         _wrap(load_engine, attr, f"load.{attr}")

@@ -61,3 +61,12 @@ def test_a_rotation_save_sends_rank_0s_word_and_each_rank_its_part_of_the_base(t
     incremental = ["agree", "sync", "scatter_from_0", "agree"]  # plan; each rank's part of the base; chunk plan
     for r in results:
         assert r.value == [*choose, *incremental, *SAVE[2:], "broadcast_from_0"], r.value  # + rank 0 prunes
+
+
+def test_tdcp_monitor_all_puts_a_barrier_before_every_exchange(tmp_path: Path) -> None:
+    results = launch(f"{S}:save_and_load", 2, str(tmp_path), env={"TDCP_MONITOR_ALL": "1"})
+    for r in results:
+        for kind in ("save", "load"):
+            calls = r.value[kind]
+            exchanges = [c for c in calls if c != "sync"]
+            assert calls == [c for e in exchanges for c in (e, "sync")], calls  # each exchange enters its barrier

@@ -13,7 +13,8 @@ naming the silent ranks, instead of a hang or an anonymous gloo timeout. Rank 0
 learns the silent ranks from the barrier and publishes them in the job's store, so
 the other ranks' errors name them too. The exchanges in between pass
 ``monitored=False``: every rank is inside the same checkpoint call there, a dead
-rank still raises at once, and a barrier would double their rounds.
+rank still raises at once, and a barrier would double their rounds. ``TDCP_MONITOR_ALL=1``
+puts the barrier back before every exchange (to name a rank stuck inside a save or load).
 
 Example:
     >>> from torchrl_dcp import _dist
@@ -32,6 +33,7 @@ from typing import Any
 import torch.distributed as dist
 
 from torchrl_dcp.errors import CollectiveError
+from torchrl_dcp.settings import setting
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's default for gloo groups
 
@@ -219,7 +221,7 @@ def all_gather(obj: Any, group: Any, phase: str = "exchanging status", *, monito
     """Every rank's ``obj`` (live, trusted values between our own ranks; never checkpoint content)."""
     if group is None:
         return [obj]
-    if monitored:
+    if monitored or setting("TDCP_MONITOR_ALL"):
         sync(group, phase)
     out: list[Any] = [None] * dist.get_world_size(group)
     _collective(lambda: dist.all_gather_object(out, obj, group=group), phase)
@@ -231,7 +233,7 @@ def gather_to_0(
 ) -> list[Any] | None:
     if group is None:
         return [obj]
-    if monitored:
+    if monitored or setting("TDCP_MONITOR_ALL"):
         sync(group, phase)
     out: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
     _collective(lambda: dist.gather_object(obj, out, group=group, group_dst=0), phase)
@@ -253,11 +255,15 @@ def any_rank(flags: list[bool], group: Any, phase: str = "agreeing") -> list[boo
     return [bool(v) for v in values.tolist()]
 
 
-def scatter_from_0(objs: list[Any] | None, group: Any, phase: str = "scatter from rank 0") -> Any:
+def scatter_from_0(
+    objs: list[Any] | None, group: Any, phase: str = "scatter from rank 0", *, monitored: bool = True
+) -> Any:
     """Rank 0 hands ``objs[r]`` to each rank ``r`` (others pass ``None``): each rank receives its own part only."""
     if group is None:
         assert objs is not None
         return objs[0]
+    if monitored or setting("TDCP_MONITOR_ALL"):
+        sync(group, phase)
     box: list[Any] = [None]
     _collective(
         lambda: dist.scatter_object_list(box, objs if dist.get_rank(group) == 0 else None, group=group, group_src=0),
@@ -281,7 +287,7 @@ def agree(flags: list[bool], digest: int, group: Any, phase: str, *, monitored: 
         return list(flags), True
     import torch
 
-    if monitored:
+    if monitored or setting("TDCP_MONITOR_ALL"):
         sync(group, phase)
     folded = digest & ((1 << 62) - 1)  # non-negative and negatable in int64: max(d) == -max(-d) iff all equal
     values = torch.tensor([1 if f else 0 for f in flags] + [folded, -folded], dtype=torch.int64)
@@ -293,7 +299,7 @@ def agree(flags: list[bool], digest: int, group: Any, phase: str, *, monitored: 
 def broadcast_from_0(obj: Any, group: Any, phase: str = "broadcast from rank 0", *, monitored: bool = True) -> Any:
     if group is None:
         return obj
-    if monitored:
+    if monitored or setting("TDCP_MONITOR_ALL"):
         sync(group, phase)
     box = [obj]
     _collective(lambda: dist.broadcast_object_list(box, group=group, group_src=0), phase)

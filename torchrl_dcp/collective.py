@@ -118,7 +118,7 @@ def scatter_step(group: Any, phase: str, fn: Callable[[], list[T]], *, rank: int
         except BaseException as err:
             error = err
             parts = [(error_status(err), None)] * size
-    status, value = _dist.scatter_from_0(parts, group, phase)
+    status, value = _dist.scatter_from_0(parts, group, phase, monitored=False)
     raise_if_failed([status], phase, error)
     return value
 

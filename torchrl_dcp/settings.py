@@ -77,6 +77,8 @@ SETTINGS: dict[str, Setting] = {
         Setting("TDCP_CRC32", "choice", "isal", "CRC-32 implementation (isal, or zlib to compare)",
                 choices=("isal", "zlib")),
         Setting("TDCP_LOG_ALL_RANKS", "switch", False, "log INFO lines from every rank, not only rank 0"),
+        Setting("TDCP_MONITOR_ALL", "switch", False, "a monitored barrier before every checkpoint exchange, to name "
+                "a rank stuck inside a save or load (default: before the first exchange and the commit gather)"),
     )
 }  # fmt: skip
 
