@@ -94,7 +94,8 @@ def plot(report: dict[str, Any], path: str) -> bool:
         print("matplotlib is not installed: no plot (pip install matplotlib)")
         return False
     rows = [r for r in report["results"] if not r.get("store")]
-    variants = sorted({r["variant"] for r in rows}, key=["tiny", "dict", "rb"].index)
+    order = ["tiny", "dict", "rb", "small2000"]
+    variants = sorted({r["variant"] for r in rows}, key=lambda v: order.index(v) if v in order else len(order))
     fig, axes = plt.subplots(1, len(variants) + 1, figsize=(4.2 * (len(variants) + 1), 3.8))
     for ax, variant in zip(axes, variants):
         sel = sorted((r for r in rows if r["variant"] == variant), key=lambda r: r["ranks"])
@@ -103,7 +104,7 @@ def plot(report: dict[str, Any], path: str) -> bool:
         ax.plot(x, [r["load"]["wall_s"] for r in sel], "s-", label="load")
         ax.plot(x, [r["raw_write_rank0_alone_s"] for r in sel], "^--", label="raw write, 1 proc, same files")
         ax.plot(x, [phase_split(r)["collectives"] for r in sel], "v:", label="in collectives (save)")
-        ax.plot(x, [phase_split(r)["rank0_manifest"] for r in sel], "x:", label="rank 0 manifest+publish")
+        ax.plot(x, [phase_split(r)["rank0_manifest"] for r in sel], "x:", label="rank 0 metadata + manifest")
         ax.set_xscale("log", base=2)
         ax.set_xticks(x, [str(v) for v in x])
         ax.set_xlabel("ranks (2 CPUs: >2 is oversubscribed)")
@@ -115,12 +116,14 @@ def plot(report: dict[str, Any], path: str) -> bool:
     for variant in variants:
         sel = sorted((r for r in rows if r["variant"] == variant), key=lambda r: r["ranks"])
         x = [r["ranks"] for r in sel]
-        ax.plot(x, [r["coordination_per_rank_s"] * 1e3 for r in sel], "o-", label=variant)
+        first = sel[0]["load"].get("rchar_max_rank_bytes") or 1
+        ax.plot(x, [r["load"].get("rchar_max_rank_bytes", 0) / first for r in sel], "o-", label=variant)
         ax.set_xscale("log", base=2)
         ax.set_xticks(x, [str(v) for v in x])
+    ax.axhline(1.3, color="grey", ls="--", lw=0.8, label="target 1.3x")
     ax.set_xlabel("ranks")
-    ax.set_ylabel("ms per rank")
-    ax.set_title("(save - serial raw write, same files) / ranks", fontsize=9)
+    ax.set_ylabel("bytes a rank reads at load / at 1 rank")
+    ax.set_title("load rchar per rank, relative to 1 rank", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -118,7 +118,7 @@ def _simulate(world: int, reps: int) -> dict[str, Any]:
         "component_bytes": comp_bytes,
         "chunk_table_bytes": len(json.dumps(parsed["chunks"], separators=(",", ":"))),
         "files_table_bytes": len(json.dumps(parsed["files"], separators=(",", ":"))),
-        "plan_payload_bytes_per_rank": 6 * 8,  # the agreement: an all_reduce of 6 int64 (``_dist.agree``)
+        "plan_payload_bytes_per_rank": 4 * 8,  # the agreement: an all_reduce of 4 int64 (``_dist.agree``)
         "gathered_plan_payload_bytes_per_rank": statistics.median(len(p) for p in plan_payload),
         "commit_payload_bytes_per_rank": statistics.median(commit_payload),
         "every_rank": {
