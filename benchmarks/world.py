@@ -8,7 +8,9 @@ Example:
 from __future__ import annotations
 
 import os
+import queue as queue_module
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +46,18 @@ def spawn_world(world: int, fn: RankFn, cfg: dict[str, Any], timeout: float = 36
     for p in procs:
         p.start()
     try:
-        return queue.get(timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while True:  # a rank that died is reported at once, not after the whole timeout
+            try:
+                return queue.get(timeout=1.0)
+            except queue_module.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    for other in procs:  # the others would wait for it in their next collective
+                        other.kill()
+                    raise RuntimeError(f"rank(s) died before returning a result: {dead} (rank, exit code)") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no result from rank 0 within {timeout:g} s") from None
     finally:
         for p in procs:
             p.join(timeout=60)
