@@ -123,6 +123,13 @@ def scatter_step(group: Any, phase: str, fn: Callable[[], list[T]], *, rank: int
     return value
 
 
+def failures(failure: BaseException | None, group: Any, phase: str) -> list[Status | None] | None:
+    """Every rank's status when any rank failed (gathered only then), else ``None``: one fixed-size exchange, no
+    barrier (for a step inside a checkpoint call, whose caller decides how to undo and raise)."""
+    (failed,), _ = _dist.agree([failure is not None], 0, group, phase, monitored=False)
+    return _dist.all_gather(error_status(failure), group, phase, monitored=False) if failed else None
+
+
 def raise_failure(group: Any, phase: str, error: BaseException | None) -> None:
     """Some rank failed at ``phase`` (every rank knows it): gather the statuses, raise on every rank naming it."""
     statuses = _dist.all_gather(error_status(error), group, phase, monitored=False)

@@ -49,9 +49,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from torchrl_dcp import _dist
 from torchrl_dcp._log import get_logger
-from torchrl_dcp.collective import error_status, raise_if_failed, run_agreed
+from torchrl_dcp.collective import failures, raise_if_failed, run_agreed
 from torchrl_dcp.errors import (
     CheckpointError,
     CheckpointIntegrityError,
@@ -301,7 +300,7 @@ def restore(src: CheckpointSource, request: LoadRequest, load_plan: LoadPlan, re
     done: list[ComponentPlan] = []
 
     failure = _restore_all(first, load_plan, request, result, done)
-    statuses = _failures(failure, request.group, "restoring components")
+    statuses = failures(failure, request.group, "restoring components")
     if statuses is not None:
         _fail(done, statuses, failure, "restoring components", result)
     if load_plan.live or request.group is not None:
@@ -313,15 +312,9 @@ def restore(src: CheckpointSource, request: LoadRequest, load_plan: LoadPlan, re
     failure = _restore_all(in_place, load_plan, request, result, done)
     if failure is None and last:
         failure = _restore_again(last, load_plan, request, result)
-    statuses = _failures(failure, request.group, "restoring components")
+    statuses = failures(failure, request.group, "restoring components")
     if statuses is not None:
         _fail(done, statuses, failure, "restoring components", result, partial=in_place)
-
-
-def _failures(failure: BaseException | None, group: Any, phase: str) -> list[Any] | None:
-    """Every rank's status when any rank failed (gathered only then), else ``None``: one fixed-size exchange."""
-    (failed,), _ = _dist.agree([failure is not None], 0, group, phase, monitored=False)
-    return _dist.all_gather(error_status(failure), group, phase, monitored=False) if failed else None
 
 
 def _restore_all(

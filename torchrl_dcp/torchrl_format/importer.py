@@ -32,9 +32,8 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from torchrl_dcp import _dist
 from torchrl_dcp._log import get_logger
-from torchrl_dcp.collective import error_status, run_step
+from torchrl_dcp.collective import failures, run_agreed
 from torchrl_dcp.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -94,7 +93,7 @@ def import_load(request: LoadRequest) -> LoadResult:
                         planned.append(p)
             report_issues(result, request.strict, request.path)
 
-    run_step(request.group, "reading the torchrl checkpoint", prepare)
+    run_agreed(request.group, "reading the torchrl checkpoint", prepare)
     if request.world_size > 1 and request.rank == 0:
         per_rank = [p.name for p in planned if request.registered[p.name].placement == "per_rank"]
         if per_rank:
@@ -178,8 +177,8 @@ def _restore(planned: list[_Planned], request: LoadRequest, result: LoadResult) 
         result.loaded.add(p.name)
         if value is not None:
             result.values[p.name] = value
-    statuses = _dist.all_gather(error_status(failure), request.group, "restoring components")
-    if all(s is None for s in statuses):
+    statuses = failures(failure, request.group, "restoring components")
+    if statuses is None:
         if result.incompatible:
             report_issues(result, request.strict if request.strict != "error" else "warn", request.path)
         return
