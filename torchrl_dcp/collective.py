@@ -105,22 +105,29 @@ def scatter_step(group: Any, phase: str, fn: Callable[[], list[T]], *, rank: int
     What a rank receives is its part, not every rank's (unlike :func:`broadcast_step`). No monitored
     barrier: for a step between two exchanges of the same checkpoint call.
     """
-    me = _dist.group_rank(group) if rank is None else rank
     size = _dist.group_size(group)
-    parts: list[Any] | None = None
-    error: BaseException | None = None
-    if me == 0:
-        try:
-            values = list(fn())
-            if len(values) != size:
-                raise ValueError(f"{phase}: {len(values)} parts for {size} ranks")
-            parts = [(None, v) for v in values]
-        except BaseException as err:
-            error = err
-            parts = [(error_status(err), None)] * size
+
+    def split() -> list[Any]:
+        values = list(fn())
+        if len(values) != size:
+            raise ValueError(f"{phase}: {len(values)} parts for {size} ranks")
+        return values
+
+    values, error = _on_rank_0(group, rank, split)
+    parts = None if values is None and error is None else [(error_status(error), v) for v in values or [None] * size]
     status, value = _dist.scatter_from_0(parts, group, phase, monitored=False)
     raise_if_failed([status], phase, error)
     return value
+
+
+def _on_rank_0(group: Any, rank: int | None, fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
+    """``fn()``'s result on rank 0 (``None`` elsewhere) and the error it raised there, if any."""
+    if (_dist.group_rank(group) if rank is None else rank) != 0:
+        return None, None
+    try:
+        return fn(), None
+    except BaseException as err:  # reported to every rank by the caller, then re-raised here
+        return None, err
 
 
 def failures(failure: BaseException | None, group: Any, phase: str) -> list[Status | None] | None:
@@ -143,14 +150,7 @@ def run_on_coordinator(
     """Run ``fn()`` on rank 0 only; every rank raises if it failed. Returns rank 0's result (``None`` elsewhere).
 
     Only rank 0's status travels (a broadcast): the others have nothing to report."""
-    me = _dist.group_rank(group) if rank is None else rank
-    error: BaseException | None = None
-    value: Any = None
-    if me == 0:
-        try:
-            value = fn()
-        except BaseException as err:
-            error = err
+    value, error = _on_rank_0(group, rank, fn)
     status = _dist.broadcast_from_0(error_status(error), group, phase, monitored=monitored)
     raise_if_failed([status], phase, error)
     return value
@@ -163,14 +163,7 @@ def broadcast_step(
 
     ``monitored=False`` skips the monitored barrier (``_dist``): for a step between two exchanges
     of the same checkpoint call, where no rank can be elsewhere."""
-    me = _dist.group_rank(group) if rank is None else rank
-    error: BaseException | None = None
-    value: Any = None
-    if me == 0:
-        try:
-            value = fn()
-        except BaseException as err:
-            error = err
+    value, error = _on_rank_0(group, rank, fn)
     status, value = _dist.broadcast_from_0((error_status(error), value), group, phase, monitored=monitored)
     raise_if_failed([status], phase, error)
     return value

@@ -43,7 +43,7 @@ from torchrl_dcp.format.zipformat import (
     end_records,
     local_header,
 )
-from torchrl_dcp.storage.base import ByteRange, EntryKind, Location
+from torchrl_dcp.storage.base import ByteRange, EntryKind, Location, files_to_check
 from torchrl_dcp.storage.commit import TMP_TAG, remove_entry
 from torchrl_dcp.storage.files import open_regular
 from torchrl_dcp.storage.filesums import fds_checksums
@@ -266,7 +266,7 @@ class ArchiveContainer:
         ``checksum``."""
         files = self.manifest()["files"]
         wanted = set(files) if checksum is True else set() if checksum is False else set(checksum)
-        checked = files if only is None else {n: files[n] for n in sorted(set(only) | wanted) if n in files}
+        checked = files_to_check(files, wanted, only)
         for name, rec in checked.items():
             m, where = self.member(name), f"{self.path}::{name}"
             if m.size != rec["size"]:

@@ -62,6 +62,21 @@ class ByteRange:
     where: str
 
 
+def files_to_check(
+    files: Mapping[str, Any], wanted: Collection[str], only: Collection[str] | None
+) -> Mapping[str, Any]:
+    """The listed files whose sizes :meth:`Container.check` compares: every one, or (``only``) those and the ones it
+    checksums (``wanted``).
+
+    Example:
+        >>> sorted(files_to_check({"a": 1, "b": 2, "c": 3}, {"c"}, only=["a", "x"]))
+        ['a', 'c']
+    """
+    if only is None:
+        return files
+    return {n: files[n] for n in sorted(set(only) | set(wanted)) if n in files}
+
+
 class Container(Protocol):
     """The files of one committed checkpoint (directory, archive or object-store prefix)."""
 

@@ -45,6 +45,7 @@ from torchrl_dcp.storage.base import (
     SaveTarget,
     ShareWrite,
     WriteOutcome,
+    files_to_check,
 )
 from torchrl_dcp.storage.commit import (
     DestinationLock,
@@ -106,7 +107,7 @@ class DirectoryContainer:
     ) -> None:
         files: dict[str, Any] = self.manifest()["files"]
         wanted = set(files) if checksum is True else set() if checksum is False else set(checksum)
-        checked = files if only is None else {n: files[n] for n in sorted(set(only) | wanted) if n in files}
+        checked = files_to_check(files, wanted, only)
         fds: list[tuple[str, int]] = []
         try:
             for name, rec in checked.items():

@@ -46,7 +46,7 @@ from torchrl_dcp.format import manifest as schema
 from torchrl_dcp.format.checksums import checksum_mismatch, crc32, crc32_combine, format_crc
 from torchrl_dcp.format.layout import DCP_METADATA, MANIFEST, MAX_MANIFEST_BYTES, TRAILER_SIZE
 from torchrl_dcp.settings import setting
-from torchrl_dcp.storage.base import ByteRange
+from torchrl_dcp.storage.base import ByteRange, files_to_check
 from torchrl_dcp.storage.urls import StorePath
 
 READ_PIECE = 8 << 20  # bytes per ranged read when checksumming or downloading
@@ -348,7 +348,7 @@ class ObjectStoreContainer:
         files: dict[str, Any] = self.manifest()["files"]
         wanted = set(files) if checksum is True else set() if checksum is False else set(checksum)
         found = self._take("")
-        checked = files if only is None else {n: files[n] for n in sorted(set(only) | wanted) if n in files}
+        checked = files_to_check(files, wanted, only)
         for name, rec in checked.items():
             info = found.get(name)
             if info is None or info.get("type") != "file":
