@@ -201,6 +201,13 @@ def sync(group: Any, phase: str) -> None:
     ) from None
 
 
+def _barrier_unless_inside(monitored: bool, group: Any, phase: str) -> None:
+    """The monitored barrier of a collective, unless it runs inside a checkpoint call (``monitored=False``) and
+    ``TDCP_MONITOR_ALL`` is not set."""
+    if monitored or setting("TDCP_MONITOR_ALL"):
+        sync(group, phase)
+
+
 def _last_line(text: str) -> str:
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     return lines[-1][:300] if lines else "no details"
@@ -221,8 +228,7 @@ def all_gather(obj: Any, group: Any, phase: str = "exchanging status", *, monito
     """Every rank's ``obj`` (live, trusted values between our own ranks; never checkpoint content)."""
     if group is None:
         return [obj]
-    if monitored or setting("TDCP_MONITOR_ALL"):
-        sync(group, phase)
+    _barrier_unless_inside(monitored, group, phase)
     out: list[Any] = [None] * dist.get_world_size(group)
     _collective(lambda: dist.all_gather_object(out, obj, group=group), phase)
     return out
@@ -233,8 +239,7 @@ def gather_to_0(
 ) -> list[Any] | None:
     if group is None:
         return [obj]
-    if monitored or setting("TDCP_MONITOR_ALL"):
-        sync(group, phase)
+    _barrier_unless_inside(monitored, group, phase)
     out: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
     _collective(lambda: dist.gather_object(obj, out, group=group, group_dst=0), phase)
     return out
@@ -262,8 +267,7 @@ def scatter_from_0(
     if group is None:
         assert objs is not None
         return objs[0]
-    if monitored or setting("TDCP_MONITOR_ALL"):
-        sync(group, phase)
+    _barrier_unless_inside(monitored, group, phase)
     box: list[Any] = [None]
     _collective(
         lambda: dist.scatter_object_list(box, objs if dist.get_rank(group) == 0 else None, group=group, group_src=0),
@@ -287,8 +291,7 @@ def agree(flags: list[bool], digest: int, group: Any, phase: str, *, monitored: 
         return list(flags), True
     import torch
 
-    if monitored or setting("TDCP_MONITOR_ALL"):
-        sync(group, phase)
+    _barrier_unless_inside(monitored, group, phase)
     folded = digest & ((1 << 62) - 1)  # non-negative and negatable in int64: max(d) == -max(-d) iff all equal
     values = torch.tensor([1 if f else 0 for f in flags] + [folded, -folded], dtype=torch.int64)
     _collective(lambda: dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group), phase)
@@ -299,8 +302,7 @@ def agree(flags: list[bool], digest: int, group: Any, phase: str, *, monitored: 
 def broadcast_from_0(obj: Any, group: Any, phase: str = "broadcast from rank 0", *, monitored: bool = True) -> Any:
     if group is None:
         return obj
-    if monitored or setting("TDCP_MONITOR_ALL"):
-        sync(group, phase)
+    _barrier_unless_inside(monitored, group, phase)
     box = [obj]
     _collective(lambda: dist.broadcast_object_list(box, group=group, group_src=0), phase)
     return box[0]

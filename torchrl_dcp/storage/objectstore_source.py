@@ -117,10 +117,7 @@ class ObjectStoreSource(CheckpointSource):
     ) -> None:
         """As :meth:`CheckpointSource.check`; the objects checksummed leave their trailers for :meth:`check_identity`."""
         checksum = checksum if isinstance(checksum, bool) else set(checksum)
-        kwargs: dict[str, Any] = {} if only is None else {"only": only}
-        if progress is not None:
-            kwargs["progress"] = progress
-        self.container.check(checksum, **kwargs)
+        super().check(checksum, progress, only=only)
         self._defer = checksum is not False
 
     def check_identity(self, names: Iterable[str]) -> None:
