@@ -28,7 +28,6 @@ import copy
 import hashlib
 import io
 import json
-import pickle
 import random
 import re
 import shutil
@@ -57,11 +56,11 @@ from torchrl.data import LazyTensorStorage, ReplayBuffer, TensorDictPrioritizedR
 
 import torchrl_dcp as tdcp
 import torchrl_dcp.chunking as chunking
+from tests import forging
 from tests.test_forged_metadata import FORGERIES
 from tests.test_load_phases import _clone, same
 from torchrl_dcp.format.checksums import content_fingerprint
 from torchrl_dcp.format.layout import identity_trailer
-from torchrl_dcp.format.manifest import seal
 from torchrl_dcp.storage.archive import write_archive
 from torchrl_dcp.storage.filesums import file_checksum
 from torchrl_dcp.storage.filesystem import safe_load_metadata
@@ -219,7 +218,7 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> Pristine:
         mp.setattr(chunking, "MIN_CHUNKED_BYTES", 8192)
         path = tdcp.DistributedCheckpoint(**make_objects(1)).save(root / "c", step=1)
         other = tdcp.DistributedCheckpoint(**make_objects(2)).save(root / "other", step=2)
-    manifest = json.loads((path / "manifest.json").read_text())
+    manifest = forging.read_parts(path)
     assert len(manifest["chunks"]["replicated/big/x"]) == 4
     return Pristine(path, other, manifest)
 
@@ -303,9 +302,9 @@ def leaves(manifest: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[t
 def holds_exactly_the_files(objs: dict[str, Any], forged: Path, root: Path) -> None:
     """The loaded objects, saved again, give the forged checkpoint's states exactly: every JSON value, and every
     tensor by the values its records hold."""
-    expected = leaves(json.loads((forged / "manifest.json").read_text()), trusted_tensors(forged))
+    expected = leaves(forging.read_parts(forged), trusted_tensors(forged))
     resaved = tdcp.DistributedCheckpoint(**objs).save(root / "resaved")
-    actual = leaves(json.loads((resaved / "manifest.json").read_text()), trusted_tensors(resaved))
+    actual = leaves(forging.read_parts(resaved), trusted_tensors(resaved))
     differ = sorted(set(actual) ^ set(expected), key=str)
     assert not differ, f"the loaded objects hold another structure: {differ[:4]}"
     wrong = [k for k in expected if not same(actual[k], expected[k])]
@@ -352,13 +351,23 @@ class Forger:
     def __init__(self, path: Path, kind: Kind, pristine: Pristine) -> None:
         self.path, self.kind, self.pristine = path, kind, pristine
         self.component, self.key = kind.component, kind.key
+        self.unread = False  # only .metadata was forged, which loads do not read (its records not in the manifest's)
+        self.mirrored = False  # a .metadata forgery was mirrored into the manifest's storage entries
 
-    # the manifest
+    # the manifest (root and shards, edited as one: tests/forging.py)
     def manifest(self) -> dict[str, Any]:
-        return json.loads((self.path / "manifest.json").read_text())
+        return forging.read_parts(self.path)
 
     def write_manifest(self, m: dict[str, Any]) -> None:
-        (self.path / "manifest.json").write_text(json.dumps(seal(m)))
+        """Write ``m`` back; where its storage entries (index, chunk places) changed, ``.metadata`` says the same
+        (a forger who moves a record in one moves it in the other)."""
+        if forging.places(m) != forging.places(self.manifest()):
+            forging.mirror_into_metadata(self.path, m)
+        forging.write_parts(self.path, m)
+
+    def write_root_text(self, m: dict[str, Any], text: Callable[[dict[str, Any]], str]) -> None:
+        """Write ``m`` with its root spelled by ``text(sealed root)`` (forgeries of the JSON text itself)."""
+        forging.write_parts(self.path, m, text=text)
 
     def edit(self, fn: Callable[[dict[str, Any]], Any]) -> None:
         m = self.manifest()
@@ -414,7 +423,11 @@ class Forger:
         return safe_load_metadata(self.path / ".metadata")
 
     def write_metadata(self, md: Any) -> None:
-        (self.path / ".metadata").write_bytes(pickle.dumps(md))
+        """Write ``md`` as ``.metadata`` and mirror its records into the manifest's storage entries (a forger
+        changes both); a forgery they cannot say (dtypes, shapes, chunking, DCP's types) stays in ``.metadata``."""
+        mirrored = forging.write_metadata(self.path, md)
+        self.mirrored = self.mirrored or mirrored
+        self.unread = self.unread or not mirrored
         self.reseal(".metadata")
 
     def edit_metadata(self, fn: Callable[[Any], Any]) -> None:
@@ -452,7 +465,7 @@ class Forger:
         info = copy.copy(md.storage_data[self.index(md)])
         info.offset, info.length = len(data) - 64, len(record)
         md.storage_data[self.index(md)] = info
-        (self.path / ".metadata").write_bytes(pickle.dumps(md))
+        forging.write_metadata(self.path, md)
         self.reseal(name, ".metadata")
 
     def target_tensor(self) -> torch.Tensor:
@@ -676,12 +689,16 @@ def _(f: Forger) -> None:
 @mutation("duplicate keys, the last one genuine", MANIFEST, backends=MANIFEST_BACKENDS)
 def _(f: Forger) -> None:
     m = f.manifest()
-    text = json.dumps(seal(m))  # parsed, the last of two equal keys wins: the seal is the genuine manifest's
-    genuine = json.dumps({"adapter": f.entry(m)["adapter"]})[1:-1]
-    at = text.index(json.dumps(f.component) + ": {") + len(json.dumps(f.component) + ": {")
-    text = text[:at] + '"adapter": "evil.adapter", "placement": "sharded", ' + text[at:]
-    assert genuine in text
-    (f.path / "manifest.json").write_text(text)
+
+    def text(sealed: dict[str, Any]) -> str:  # parsed, the last of two equal keys wins: the seal is the genuine one's
+        out = json.dumps(sealed)
+        genuine = json.dumps({"adapter": f.entry(m)["adapter"]})[1:-1]
+        at = out.index(json.dumps(f.component) + ": {") + len(json.dumps(f.component) + ": {")
+        out = out[:at] + '"adapter": "evil.adapter", "placement": "sharded", ' + out[at:]
+        assert genuine in out
+        return out
+
+    f.write_root_text(m, text)
 
 
 @mutation("duplicate keys, the first one genuine", MANIFEST, backends=MANIFEST_BACKENDS, compatibility=True)
@@ -689,11 +706,14 @@ def _(f: Forger) -> None:
     m = f.manifest()
     forged = copy.deepcopy(m)
     f.entry(forged)["adapter_version"] = 99
-    text = json.dumps(seal(forged))
-    name = json.dumps(f.component) + ": {"
-    at = text.index(name) + len(name)
-    text = text[:at] + f'"adapter_version": {f.entry(m)["adapter_version"]}, ' + text[at:]
-    (f.path / "manifest.json").write_text(text)
+
+    def text(sealed: dict[str, Any]) -> str:
+        out = json.dumps(sealed)
+        name = json.dumps(f.component) + ": {"
+        at = out.index(name) + len(name)
+        return out[:at] + f'"adapter_version": {f.entry(m)["adapter_version"]}, ' + out[at:]
+
+    f.write_root_text(forged, text)
 
 
 def _value_mutation(path: tuple[Any, ...], value: Any) -> Callable[[Forger], None]:
@@ -1098,6 +1118,7 @@ def _(f: Forger) -> None:
 @mutation("data: .metadata copied from another save", METADATA, must_refuse=True, applies=lambda k: k == "module")
 def _(f: Forger) -> None:
     shutil.copyfile(f.pristine.other / ".metadata", f.path / ".metadata")
+    f.unread = True  # (the other save's records are not this manifest's)
     f.reseal(".metadata")
 
 
@@ -1233,6 +1254,8 @@ def test_a_forgery_never_becomes_the_state(
     forger = Forger(forged, KINDS[kind], pristine)
     names = mutation.names(forger)  # before the mutation: the files as saved
     mutation.apply(forger)
+    if forger.mirrored:  # the records moved in the manifest's storage entries too: an error may name either
+        names = (*names, "manifest")
 
     options: dict[str, Any] = {}
     where: Any = forged
@@ -1268,7 +1291,17 @@ def test_a_forgery_never_becomes_the_state(
     problems: list[str] = []
     if verify_error is not None and not isinstance(verify_error, tdcp.CheckpointError):
         problems.append(f"verify raised {verify_error!r}")
-    if load_error is not None:
+    if forger.unread:  # only .metadata is forged: loads read the manifest's entries, verify compares the two
+        if verify_error is None or "metadata" not in str(verify_error):
+            problems.append(f"verify does not refuse a forged .metadata naming it: {verify_error}")
+        if load_error is not None:
+            problems.append(f"a load refused a .metadata it does not read: {load_error}")
+        else:
+            try:
+                holds_exactly_the_files(objs, pristine.path, tmp_path)
+            except AssertionError as err:
+                problems.append(str(err).split("\n")[0])
+    elif load_error is not None:
         if not isinstance(load_error, tdcp.CheckpointError):
             problems.append(f"load raised {load_error!r}")
         elif not any(n in str(load_error) for n in names):

@@ -139,6 +139,8 @@ def prepare(request: LoadRequest, result: LoadResult) -> tuple[CheckpointSource,
 
     def local() -> None:
         src = found["src"] = open_source(request.path)  # 1. open
+        if src.container.root()["world_size"] == request.world_size:  # this rank's shard (a reshard reads all)
+            src.restrict([request.rank])
         manifest = src.manifest()  # 2. read and validate
         result.manifest = manifest
         result.comparison = compare_versions(manifest["versions"])

@@ -48,7 +48,7 @@ from torchrl_dcp.errors import (
     CollectiveError,
     StaleCheckpointWarning,
 )
-from torchrl_dcp.format.layout import DCP_METADATA
+from torchrl_dcp.format.layout import is_data_file
 from torchrl_dcp.json_values import plain_scalars
 from torchrl_dcp.preemption import PreemptionWatcher
 from torchrl_dcp.rotation_entries import RotationEntry, by_commit, latest_entry, list_entries, metric_value
@@ -69,7 +69,7 @@ def _check_committed(location: Location) -> None:
         src = location.open_source()
         files = src.manifest()["files"]
         src.check(False)
-        src.check_identity([n for n in files if n != DCP_METADATA])
+        src.check_identity([n for n in files if is_data_file(n)])
         src.dcp_metadata()
     except CheckpointError as err:
         raise CheckpointIntegrityError(

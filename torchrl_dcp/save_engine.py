@@ -34,6 +34,7 @@ Example (one process):
 from __future__ import annotations
 
 import math
+import pickle
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -48,20 +49,27 @@ from torchrl_dcp._gc import gc_paused
 from torchrl_dcp._log import get_logger
 from torchrl_dcp.adapters import Adapter, AdapterContext
 from torchrl_dcp.collective import broadcast_step, error_status, raise_if_failed, run_step
+from torchrl_dcp.commit_records import RankPart, metadata_bytes, root_manifest, write_rank_part
 from torchrl_dcp.errors import CollectiveError, EncodingError
 from torchrl_dcp.format.codec import dtype_name, escape_key, is_dtensor, repeated_tensors, tensor_identity
 from torchrl_dcp.format.codec import encode as encode_value
 from torchrl_dcp.format.layout import DCP_METADATA
-from torchrl_dcp.format.manifest import dumps, new_manifest
 from torchrl_dcp.placement import Placement, key_prefix
-from torchrl_dcp.planner import SavePlanner, WritePlan, plan_local, plan_writes, shared_digest, tensor_infos
+from torchrl_dcp.planner import (
+    SavePlanner,
+    WritePlan,
+    is_own_key,
+    plan_local,
+    plan_writes,
+    shared_digest,
+    tensor_infos,
+)
 from torchrl_dcp.replicas import ReplicaCheck
 from torchrl_dcp.replicas import compare as compare_replicas
 from torchrl_dcp.replicas import digest as replica_digest
 from torchrl_dcp.save_support import quiet_single_process, save_failure, summarize
-from torchrl_dcp.storage.base import ChunkEntry, Location, SaveTarget, ShareWrite, WriteOutcome
+from torchrl_dcp.storage.base import Location, SaveTarget, ShareWrite, WriteOutcome
 from torchrl_dcp.storage.chunk_writer import ChunkJob, KeptChunk
-from torchrl_dcp.storage.writer import build_metadata
 
 logger = get_logger(__name__)
 _DTYPES = {str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
@@ -86,24 +94,18 @@ class ComponentRecord:
     def nbytes(self) -> int:
         return sum(math.prod(t["shape"]) * _DTYPES[f"torch.{t['dtype']}"].itemsize for t in self.inventory.values())
 
-    def manifest_entry(self, ranks: dict[int, tuple[Any, dict[str, Any]]] | None = None) -> dict[str, Any]:
-        """The manifest's record; ``ranks`` holds every rank's ``(state, inventory)`` of a per_rank component."""
-        entry: dict[str, Any] = {
+    def manifest_entry(self) -> dict[str, Any]:
+        """The root manifest's record of a replicated or sharded component (a per-rank one's states go to the
+        shards: :mod:`torchrl_dcp.commit_records`)."""
+        return {
             "adapter": self.adapter,
             "adapter_version": self.adapter_version,
             "placement": self.placement,
+            "state": self.state,
+            "inventory": dict(sorted(self.inventory.items())),
+            "num_tensors": self.num_tensors,
+            "nbytes": self.nbytes,
         }
-        if ranks is None:
-            entry["state"], inventory = self.state, dict(self.inventory)
-        else:
-            entry["ranks"] = {str(r): {"state": state} for r, (state, _) in sorted(ranks.items())}
-            inventory = {k: v for _, (_, inv) in sorted(ranks.items()) for k, v in inv.items()}
-        entry["inventory"] = dict(sorted(inventory.items()))
-        entry["num_tensors"] = len(inventory)
-        entry["nbytes"] = sum(
-            math.prod(t["shape"]) * _DTYPES[f"torch.{t['dtype']}"].itemsize for t in inventory.values()
-        )
-        return entry
 
 
 @dataclass
@@ -363,13 +365,14 @@ def write(job: SaveJob, target: SaveTarget) -> tuple[WriteOutcome, BaseException
 
 # ---------------------------------------------------------------------- step 4: commit
 def commit(job: SaveJob, target: SaveTarget, outcome: WriteOutcome, write_error: BaseException | None) -> Any:
-    """Rank 0 writes DCP's metadata and the manifest last, then publishes; every rank learns the outcome."""
-    gathered = gather_records(job, outcome, write_error)
-    error: BaseException | None = None
+    """Every rank writes its manifest shard; rank 0 writes DCP's metadata and the root manifest last, then
+    publishes; every rank learns the outcome."""
+    part, error = _rank_part(job, target, outcome, write_error)
+    gathered = _dist.gather_to_0(part, job.group, "collecting file records")
     if job.rank == 0:
         try:
             assert gathered is not None
-            raise_if_failed([g[0] for g in gathered], "writing data files", None)
+            raise_if_failed([p.status for p in gathered], "writing data files", None)
             with gc_paused():  # thousands of small objects: metadata and manifest
                 manifest, files = manifest_bytes(job, target, gathered)
                 target.commit(manifest, files)
@@ -381,69 +384,53 @@ def commit(job: SaveJob, target: SaveTarget, outcome: WriteOutcome, write_error:
     return job.destination
 
 
-def gather_records(job: SaveJob, outcome: WriteOutcome, error: BaseException | None) -> list[Any] | None:
-    """Rank 0 receives every rank's ``(status, files, entries, per_rank states, chunks)`` (others: ``None``)."""
-    per_rank = {
-        name: (rec.state, rec.inventory) for name, rec in job.encoded.records.items() if rec.placement == "per_rank"
-    }
-    return _dist.gather_to_0(
-        (error_status(error), outcome.files, outcome.entries, per_rank, outcome.chunks),
-        job.group,
-        "collecting file records",
-    )
+def _rank_part(
+    job: SaveJob, target: SaveTarget, outcome: WriteOutcome, error: BaseException | None
+) -> tuple[RankPart, BaseException | None]:
+    """This rank's manifest shard written, and what rank 0 receives of it (a failure becomes its status)."""
+    if error is None:
+        try:
+            part = write_rank_part(
+                records=job.encoded.records,
+                outcome=outcome,
+                target=target,
+                rank=job.rank,
+                save_id=job.save_id,
+                indexed=job.plan.backend == "fast",
+                checkpoint_id=target.checkpoint_id,
+            )
+            return part, None
+        except Exception as err:
+            error = save_failure(err, f"rank {job.rank} writing its manifest shard", target.where)
+    return RankPart(error_status(error), {}, [], {}, []), error
 
 
-def manifest_bytes(job: SaveJob, target: SaveTarget, gathered: list[Any]) -> tuple[bytes, dict[str, Any]]:
-    """Writes DCP's ``.metadata`` into the staging area; returns the sealed manifest to commit and the file records
-    it lists (rank 0)."""
-    files = {name: rec for g in gathered for name, rec in g[1].items()}
-    if job.plan.backend == "fast":  # DCP's metadata, as dcp.save would have written it
-        files[DCP_METADATA] = target.write_dcp_metadata(dcp_metadata(job, gathered, target.checkpoint_id))
+def manifest_bytes(job: SaveJob, target: SaveTarget, gathered: list[RankPart]) -> tuple[bytes, dict[str, Any]]:
+    """Writes DCP's ``.metadata`` into the staging area; returns the sealed root manifest to commit and the file
+    records it lists (rank 0)."""
+    files = {name: rec for p in gathered for name, rec in p.files.items()}
+    indexed = job.plan.backend == "fast"
+    if indexed:  # DCP's metadata, as dcp.save would have written it
+        shared = {k: (_DTYPES[t.dtype], t.shape) for k, t in job.plan.tensors.items() if not is_own_key(k)}
+        data = metadata_bytes(shared, gathered, target.checkpoint_id, job.save_id)
+        files[DCP_METADATA] = target.write_member(DCP_METADATA, data)
     else:
         metadata = target.read_dcp_metadata()  # DCP wrote it (our own file, just written)
         if metadata is not None:  # give it this save's identity
             metadata.storage_meta.save_id = job.save_id
-            files[DCP_METADATA] = target.write_dcp_metadata(metadata)
-    return dumps(build_manifest(job, gathered, files)), files
-
-
-def dcp_metadata(job: SaveJob, gathered: list[Any], checkpoint_id: Any) -> Any:
-    """DCP's ``Metadata`` of a save by our writer, from every rank's gathered entries and chunks."""
-    tensors = {k: (_DTYPES[t.dtype], t.shape) for k, t in job.plan.tensors.items()}
-    for g in gathered:  # every rank's own keys (a local plan holds rank 0's only)
-        for _, inventory in g[3].values():
-            tensors.update({k: (_DTYPES[f"torch.{t['dtype']}"], tuple(t["shape"])) for k, t in inventory.items()})
-    entries = [e for g in gathered for e in g[2]]
-    chunks = [c for g in gathered for c in g[4]]
-    return build_metadata(tensors, entries, checkpoint_id, job.save_id, chunks)
-
-
-def build_manifest(job: SaveJob, gathered: list[Any], files: dict[str, Any]) -> dict[str, Any]:
-    """The sealed manifest of a save from every rank's gathered ``(status, files, entries, per_rank, chunks)``."""
-    components = {}
-    for name, rec in job.encoded.records.items():
-        ranks = {r: g[3][name] for r, g in enumerate(gathered)} if rec.placement == "per_rank" else None
-        components[name] = rec.manifest_entry(ranks)
-    return new_manifest(
-        world_size=job.world_size,
-        components=components,
+            files[DCP_METADATA] = target.write_member(DCP_METADATA, pickle.dumps(metadata))
+    manifest = root_manifest(
+        records=job.encoded.records,
+        parts=gathered,
         files=files,
+        indexed=indexed,
+        world_size=job.world_size,
         metadata=job.metadata,
         step=job.step,
         save_id=job.save_id,
-        chunks=chunk_table([c for g in gathered for c in g[4]]),
         sequence=job.sequence,
     )
-
-
-def chunk_table(chunks: list[ChunkEntry]) -> dict[str, list[dict[str, Any]]]:
-    """The manifest's ``chunks``: each chunked tensor's row ranges, files and fingerprints, in row order."""
-    table: dict[str, list[dict[str, Any]]] = {}
-    for c in sorted(chunks, key=lambda c: (c.key, c.start)):
-        table.setdefault(c.key, []).append(
-            {"start": c.start, "rows": c.rows, "file": c.file, "fingerprint": c.fingerprint}
-        )
-    return dict(sorted(table.items()))
+    return manifest, files
 
 
 def run(job: SaveJob) -> Any:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
+from torchrl_dcp.format.dcp_metadata import metadata_difference
 from torchrl_dcp.format.layout import MANIFEST
 from torchrl_dcp.format.manifest import unchecked
 from torchrl_dcp.format.record import stored_record
@@ -136,6 +137,15 @@ def verify(
     src.check(True, progress=None if progress is None else byte_counter(total, progress))
     tensors = 0
     metadata = src.dcp_metadata()
+    if metadata is not None and manifest.get("index") is not None:  # the manifest's entries against .metadata
+        saved = src.saved_dcp_metadata()
+        differ = None if saved is None else metadata_difference(metadata, saved)
+        if saved is None or differ is not None:
+            raise CheckpointIntegrityError(
+                f"the manifest places tensors elsewhere than DCP's .metadata does ({differ or 'none listed'}): "
+                "one of them is damaged or forged; do not load it",
+                path=root,
+            )
     if metadata is not None:
         src.check_identity(info.relative_path for info in metadata.storage_data.values())
         states = {

@@ -331,3 +331,113 @@ def _check_disjoint_records(metadata: Metadata, source: Any) -> None:
                     "the checkpoint is damaged or forged, refused",
                     path=source,
                 )
+
+
+# ---------------------------------------------------------------------- writing it from every rank's part
+_FRAGMENT_HEAD = b"\x80\x02}q\x00"  # protocol 2, an empty dict, memoized as 0
+
+
+def metadata_fragments(part: Metadata) -> tuple[bytes, bytes]:
+    """The items of one rank's ``state_dict_metadata`` and ``storage_data`` as pickle opcodes (protocol 2) that
+    :func:`spliced_metadata` can put into the whole file's dicts: each rank pickles its own part, rank 0 only
+    concatenates (a pickled dict is ``}`` then ``MARK key value ... SETITEMS`` batches, which apply to any dict
+    on the stack; memo slots a fragment fills are its own, each read only after it was written in the same
+    fragment).
+
+    Example:
+        >>> from torch.distributed.checkpoint.metadata import Metadata
+        >>> metadata_fragments(Metadata(state_dict_metadata={}, storage_data={}))
+        (b'', b'')
+    """
+    out = []
+    for d in (part.state_dict_metadata, part.storage_data or {}):
+        data = pickle.dumps(dict(d), protocol=2)
+        if not (data.startswith(_FRAGMENT_HEAD) and data.endswith(pickle.STOP)):  # pragma: no cover - pickle's own
+            raise RuntimeError("internal: unexpected pickle of a dict")
+        out.append(data[len(_FRAGMENT_HEAD) : -1])
+    return out[0], out[1]
+
+
+class _Spliced(dict):  # a dict pickled as its fragments
+    def __init__(self, fragments: list[bytes]) -> None:
+        super().__init__()
+        self.fragments = fragments
+
+
+class _SplicingPickler(pickle._Pickler):  # the pure-Python pickler: its dispatch table takes a new type
+    dispatch = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]
+
+    def _save_spliced(self, obj: _Spliced) -> None:
+        self.write(pickle.EMPTY_DICT)
+        for fragment in obj.fragments:
+            self.write(fragment)
+
+    dispatch[_Spliced] = _save_spliced
+
+
+def spliced_metadata(shared: Metadata, fragments: list[tuple[bytes, bytes]]) -> bytes:
+    """The ``.metadata`` bytes of ``shared`` (rank 0's: the tensors no one rank owns, and the file's identity)
+    with every rank's :func:`metadata_fragments` added to its two dicts: what ``pickle.dumps`` of the whole
+    ``Metadata`` would load as, in time proportional to the bytes, not to the tensors.
+
+    The outer pickle keeps no memo (``fast``), so no fragment can overwrite a slot it reads.
+
+    Example:
+        >>> from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+        >>> a, b = Metadata(state_dict_metadata={"x": 1}, storage_data={}), Metadata({"y": 2}, storage_data={})
+        >>> sorted(pickle.loads(spliced_metadata(a, [metadata_fragments(b)])).state_dict_metadata.items())
+        [('x', 1), ('y', 2)]
+    """
+    own_state, own_storage = metadata_fragments(shared)
+    whole = Metadata(
+        state_dict_metadata=_Spliced([own_state, *(f[0] for f in fragments)]),
+        planner_data=shared.planner_data,
+        storage_data=_Spliced([own_storage, *(f[1] for f in fragments)]),
+        storage_meta=shared.storage_meta,
+        version=shared.version,
+    )
+    buffer = io.BytesIO()
+    pickler = _SplicingPickler(buffer, protocol=2)
+    pickler.fast = True
+    pickler.dump(whole)
+    return buffer.getvalue()
+
+
+def metadata_difference(built: Metadata, saved: Metadata) -> str | None:
+    """Where two ``Metadata`` place tensors differently (dtype, shape, chunks, records: file, offset, length), or
+    ``None``: ``verify`` compares the manifest's storage entries with ``.metadata`` this way, so that a forged,
+    resealed manifest cannot point a load elsewhere than a plain ``dcp.load`` reads.
+
+    Example:
+        >>> from torch.distributed.checkpoint.metadata import Metadata
+        >>> metadata_difference(Metadata({}, storage_data={}), Metadata({}, storage_data={})) is None
+        True
+    """
+    a, b = built.state_dict_metadata, saved.state_dict_metadata
+    if a.keys() != b.keys():
+        differ = sorted(a.keys() ^ b.keys())
+        return f"tensors {differ[:3]} are in only one of them"
+    for key, x in a.items():
+        y = b[key]
+        px, py = getattr(x, "properties", None), getattr(y, "properties", None)
+        same = (
+            type(x) is type(y)
+            and getattr(px, "dtype", None) == getattr(py, "dtype", None)
+            and tuple(getattr(x, "size", ())) == tuple(getattr(y, "size", ()))
+            and [(tuple(c.offsets), tuple(c.sizes)) for c in getattr(x, "chunks", [])]
+            == [(tuple(c.offsets), tuple(c.sizes)) for c in getattr(y, "chunks", [])]
+        )
+        if not same:
+            return f"tensor {key!r} has another dtype, shape or chunking"
+
+    def places(md: Metadata) -> dict[tuple[str, tuple[int, ...]], tuple[str, int, int]]:
+        return {
+            (i.fqn, tuple(i.offset or ())): (s.relative_path, s.offset, s.length)
+            for i, s in (md.storage_data or {}).items()
+        }
+
+    pa, pb = places(built), places(saved)
+    if pa != pb:
+        differ = sorted(k for k in pa.keys() | pb.keys() if pa.get(k) != pb.get(k))
+        return f"the records of {[k[0] for k in differ[:3]]} are elsewhere"
+    return None

@@ -1,13 +1,14 @@
 """Names of the files in a checkpoint, spelled once (no torch needed).
 
 A committed checkpoint (directory or archive) holds ``manifest.json`` (written last: it
-is what makes the checkpoint exist), DCP's ``.metadata`` and one data file per rank
-that wrote tensors, ``__<rank>_0.distcp``.
+is what makes the checkpoint exist), one manifest shard per rank ``manifest-<rank>.json``
+(that rank's per-rank states and where its tensors are), DCP's ``.metadata`` and one data
+file per rank that wrote tensors, ``__<rank>_0.distcp``.
 
 Example:
-    >>> from torchrl_dcp.format.layout import MANIFEST, DCP_METADATA, data_file_name
-    >>> MANIFEST, DCP_METADATA, data_file_name(3)
-    ('manifest.json', '.metadata', '__3_0.distcp')
+    >>> from torchrl_dcp.format.layout import MANIFEST, DCP_METADATA, data_file_name, shard_name
+    >>> MANIFEST, DCP_METADATA, data_file_name(3), shard_name(3)
+    ('manifest.json', '.metadata', '__3_0.distcp', 'manifest-3.json')
 """
 
 from __future__ import annotations
@@ -25,17 +26,39 @@ def data_file_name(rank: int) -> str:
 
 
 _DATA_FILE = re.compile(r"^__(\d{1,9})_(\d{1,12})\.distcp$")
+_SHARD = re.compile(r"^manifest-(0|[1-9]\d{0,8})\.json$")
+
+
+def shard_name(rank: int) -> str:
+    """The manifest shard of rank ``rank`` (format 5): its per-rank states, inventories and storage entries."""
+    return f"manifest-{rank}.json"
+
+
+def shard_rank(name: str) -> int | None:
+    """The rank whose manifest shard ``name`` is (``None``: not a shard name).
+
+    Example:
+        >>> shard_rank("manifest-12.json"), shard_rank("manifest-012.json"), shard_rank("__0_0.distcp")
+        (12, None, None)
+    """
+    m = _SHARD.match(name)
+    return None if m is None else int(m.group(1))
+
+
+def is_data_file(name: str) -> bool:
+    """A data or chunk file (``__<rank>_<n>.distcp``): what ends with a save's identity trailer."""
+    return _DATA_FILE.match(name) is not None
 
 
 def is_library_file(name: str) -> bool:
     """Whether ``name`` is a file name this library writes into a checkpoint (data and chunk files, DCP's
-    metadata, the manifest): what a sweep of a killed save's leftovers may delete.
+    metadata, the manifest and its shards): what a sweep of a killed save's leftovers may delete.
 
     Example:
-        >>> [is_library_file(n) for n in ("__0_0.distcp", "__3_12.distcp", ".metadata", "train.csv")]
-        [True, True, True, False]
+        >>> [is_library_file(n) for n in ("__0_0.distcp", "__3_12.distcp", ".metadata", "manifest-1.json", "a.csv")]
+        [True, True, True, True, False]
     """
-    return name in (MANIFEST, DCP_METADATA) or _DATA_FILE.match(name) is not None
+    return name in (MANIFEST, DCP_METADATA) or _DATA_FILE.match(name) is not None or _SHARD.match(name) is not None
 
 
 def is_chunk_file(name: str) -> bool:

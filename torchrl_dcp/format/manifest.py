@@ -8,7 +8,11 @@ the end of every data file) and, since format 3, a checksum of its own canonical
 body (``manifest_checksum``), so a damaged manifest is refused rather than loaded. Since
 format 4 it also records how large tensors were cut into chunk files (``chunks``: rows,
 file and content fingerprint of each chunk) and, for a data file kept from an earlier save
-by an incremental save, that save's identity (``files[name].origin``). Readers validate it strictly, refuse newer format versions and upgrade
+by an incremental save, that save's identity (``files[name].origin``). Since format 5 each rank's per-rank
+states, inventories, chunk table and storage entries are in a shard of their own
+(``manifest-<rank>.json``, :mod:`torchrl_dcp.format.shards`), and the manifest records where
+tensors are (``index``), so a load reads the root and its own shard and never DCP's whole
+``.metadata``. Readers validate it strictly, refuse newer format versions and upgrade
 older ones step by step through registered migrations (:func:`register_migration`);
 older adapter payloads are upgraded the same way (:func:`register_adapter_migration`).
 See docs/migrations.md.
@@ -16,7 +20,7 @@ See docs/migrations.md.
 Example:
     >>> from torchrl_dcp.format.manifest import FORMAT, FORMAT_VERSION
     >>> FORMAT, FORMAT_VERSION
-    ('torchrl_dcp', 4)
+    ('torchrl_dcp', 5)
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import copy
 import datetime
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointVersionError
@@ -34,7 +38,7 @@ from torchrl_dcp.format.manifest_depth import check_depth, structure
 from torchrl_dcp.placement import PLACEMENTS
 
 FORMAT = "torchrl_dcp"
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 CHECKSUM_FIELD = "manifest_checksum"
 
 Migration = Callable[[dict[str, Any]], dict[str, Any]]
@@ -212,6 +216,16 @@ def _v3_to_v4(manifest: dict[str, Any]) -> dict[str, Any]:
     return manifest
 
 
+@register_migration(4)
+def _v4_to_v5(manifest: dict[str, Any]) -> dict[str, Any]:
+    """v5 moves per-rank states into shards (``sharded``) and records storage entries (``index``); a v4 checkpoint
+    holds everything in its root and leaves storage entries to ``.metadata``."""
+    manifest["sharded"] = False
+    manifest["index"] = None
+    manifest["format_version"] = 5
+    return manifest
+
+
 def unchecked(manifest: dict[str, Any]) -> list[str]:
     """What this checkpoint's format cannot prove (older formats): shown by ``verify``."""
     missing = []
@@ -247,8 +261,12 @@ def new_manifest(
     save_id: str,
     chunks: dict[str, list[dict[str, Any]]] | None = None,
     sequence: int | None = None,
+    sharded: bool = False,
+    index: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A sealed manifest of the current format; ``components`` already carry their inventory (computed at encode)."""
+    """A sealed manifest of the current format: the root when ``sharded`` (per-rank components carry no ``ranks``
+    nor ``inventory``: they are in the shards, which ``files`` lists); ``index``: the storage entries of the
+    tensors the root inventories (``None``: DCP's ``.metadata`` is the only index)."""
     return seal(
         {
             "format": FORMAT,
@@ -263,6 +281,8 @@ def new_manifest(
             "save_id": save_id,
             "chunks": chunks or {},
             "sequence": sequence,
+            "sharded": sharded,
+            "index": index,
         }
     )
 
@@ -434,8 +454,48 @@ def _validate(m: dict[str, Any], source: Any) -> None:
     _validate_chunks(m.get("chunks"), m["files"], bad)
     if m.get("sequence") is not None and not (_is_int(m["sequence"]) and m["sequence"] >= 0):
         raise bad("sequence must be a non-negative integer or null")
+    if not isinstance(m.get("sharded"), bool):
+        raise bad("sharded must be true or false")
+    _validate_index(m, bad)
     for name, rec in m["components"].items():
-        _validate_component(name, rec, m["world_size"], bad)
+        _validate_component(name, rec, None if m["sharded"] else range(m["world_size"]), bad)
+
+
+def _validate_index(m: dict[str, Any], bad: Callable[[str], CheckpointFormatError]) -> None:
+    from torchrl_dcp.format.shards import check_entries
+
+    index = m.get("index")
+    if index is None:
+        return
+    if not isinstance(index, dict) or set(index) != {"entries"}:
+        raise bad("index must be null or {entries}")
+    shared = {
+        k for rec in m["components"].values() if isinstance(rec, dict) for k in (rec.get("inventory") or {})
+    }  # the root's own tensors (a shard places its rank's)
+    check_entries(index["entries"], m["files"], shared, bad)
+    _validate_placed(m["chunks"], bad)
+
+
+def _validate_placed(chunks: dict[str, Any], bad: Callable[[str], CheckpointFormatError]) -> None:
+    """Where the manifest has an index, every chunk entry says where its record is."""
+    for key, entries in chunks.items():
+        if not all(_is_int(e.get(f)) and e[f] >= 0 for e in entries for f in ("offset", "length")):
+            raise bad(f"chunks[{key!r}] entries need an offset and a length where the manifest has an index")
+
+
+def validate_assembled(m: dict[str, Any], source: Any) -> None:
+    """The checks of a root that concern per-rank states, on the manifest assembled from it and the shards read."""
+
+    def bad(what: str) -> CheckpointFormatError:
+        return CheckpointFormatError(f"malformed manifest: {what}", path=source)
+
+    ranks = m["shards_read"]
+    for name, rec in m["components"].items():
+        if rec.get("placement") == "per_rank":
+            _validate_component(name, rec, ranks, bad)
+    _validate_chunks(m["chunks"], m["files"], bad)
+    if m.get("index") is not None:
+        _validate_placed(m["chunks"], bad)
 
 
 def _validate_file(name: str, rec: Any, bad: Callable[[str], CheckpointFormatError]) -> None:
@@ -475,7 +535,11 @@ def _validate_chunks(chunks: Any, files: dict[str, Any], bad: Callable[[str], Ch
                 raise bad(f"chunks[{key!r}] entries need start, rows, a listed file and a fingerprint{unlisted}")
 
 
-def _validate_component(name: str, rec: Any, world_size: int, bad: Callable[[str], CheckpointFormatError]) -> None:
+def _validate_component(
+    name: str, rec: Any, ranks: Collection[int] | None, bad: Callable[[str], CheckpointFormatError]
+) -> None:
+    """``ranks``: the saved ranks whose states a per-rank component must hold (``None``: a sharded root's, whose
+    states are in the shards)."""
     if not isinstance(rec, dict):
         raise bad(f"components[{name!r}] must be an object")
     if not isinstance(rec.get("adapter"), str) or not _is_int(rec.get("adapter_version")):
@@ -483,11 +547,15 @@ def _validate_component(name: str, rec: Any, world_size: int, bad: Callable[[str
     placement = rec.get("placement")
     if placement not in PLACEMENTS:
         raise bad(f"components[{name!r}].placement {placement!r} is not one of {PLACEMENTS}")
+    if placement == "per_rank" and ranks is None:
+        if "ranks" in rec or "inventory" in rec or not all(_is_int(rec.get(f)) for f in ("num_tensors", "nbytes")):
+            raise bad(f"components[{name!r}] is per-rank: its states are in the shards, its totals in the root")
+        return
     if placement == "per_rank":
-        ranks = rec.get("ranks")
-        if not isinstance(ranks, dict) or sorted(ranks) != sorted(str(r) for r in range(world_size)):
+        states = rec.get("ranks")
+        if not isinstance(states, dict) or sorted(states) != sorted(str(r) for r in ranks):
             raise bad(f"components[{name!r}].ranks must hold one state per saved rank")
-        for r, state in ranks.items():
+        for r, state in states.items():
             if not isinstance(state, dict) or "state" not in state:
                 raise bad(f"components[{name!r}].ranks[{r}] needs a state")
     elif "state" not in rec:

@@ -472,7 +472,7 @@ def decode_record(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...], where:
     if type(tensor) is not torch.Tensor or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
         found = f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
         raise CheckpointIntegrityError(
-            f"record {key!r} holds {found}, DCP's metadata says {dtype} {list(shape)}: the file is damaged or forged",
+            f"record {key!r} holds {found}, the manifest and DCP's metadata say {dtype} {list(shape)}: the file is damaged or forged",
             path=where,
         )
     return tensor

@@ -43,7 +43,7 @@ from torchrl_dcp.format.zipformat import (
     end_records,
     local_header,
 )
-from torchrl_dcp.storage.base import ByteRange, EntryKind, Location, files_to_check
+from torchrl_dcp.storage.base import ByteRange, EntryKind, Location, ManifestParts, files_to_check
 from torchrl_dcp.storage.commit import TMP_TAG, remove_entry
 from torchrl_dcp.storage.files import open_regular
 from torchrl_dcp.storage.filesums import fds_checksums
@@ -181,7 +181,7 @@ def _check_name(name: str, where: str) -> None:
         raise CheckpointFormatError("member is in a sub-directory; torchrl_dcp archives are flat", path=where)
 
 
-class ArchiveContainer:
+class ArchiveContainer(ManifestParts):
     """A checkpoint stored as one ZIP archive, read in place (see :class:`~torchrl_dcp.storage.base.Container`)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -222,7 +222,7 @@ class ArchiveContainer:
             )
         return data
 
-    def manifest(self) -> dict[str, Any]:
+    def root(self) -> dict[str, Any]:
         if self._manifest is None:
             if MANIFEST not in self.members:
                 raise CheckpointFormatError(
@@ -240,7 +240,7 @@ class ArchiveContainer:
         return self._manifest
 
     def read_member(self, name: str, limit: int) -> bytes | None:
-        rec = self.manifest()["files"].get(name)
+        rec = self.root()["files"].get(name)
         if rec is None:
             return None
         if self.member(name).size != rec["size"]:
@@ -250,7 +250,7 @@ class ArchiveContainer:
         return self.read_raw_member(name, limit)
 
     def byte_range(self, name: str) -> ByteRange:
-        if name not in self.manifest()["files"]:
+        if name not in self.root()["files"]:
             raise CheckpointIntegrityError("member is not listed in the manifest: refused", path=f"{self.path}::{name}")
         m = self.member(name)
         return ByteRange(str(self.path), m.data_offset, m.size, f"{self.path}::{name}")
@@ -264,7 +264,7 @@ class ArchiveContainer:
     ) -> None:
         """Sizes (and ZIP CRCs against the manifest) of every listed member (``only``: of these); data checksums of
         ``checksum``."""
-        files = self.manifest()["files"]
+        files = self.root()["files"]
         wanted = set(files) if checksum is True else set() if checksum is False else set(checksum)
         checked = files_to_check(files, wanted, only)
         for name, rec in checked.items():

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from torchrl_dcp.errors import CheckpointError
+from torchrl_dcp.errors import CheckpointError, CheckpointFormatError
 
 if TYPE_CHECKING:  # annotations only: the location layer imports no torch (torch-free tools list and inspect)
     import torch
@@ -82,8 +82,12 @@ class Container(Protocol):
 
     path: Any
 
-    def manifest(self) -> dict[str, Any]:
-        """The validated (and migrated) manifest, parsed once."""
+    def root(self) -> dict[str, Any]:
+        """The validated (and migrated) root manifest (``manifest.json``), parsed once."""
+
+    def manifest(self, ranks: Collection[int] | None = None) -> dict[str, Any]:
+        """The manifest with the shards of ``ranks`` (``None``: every rank's), assembled once per set of ranks
+        (:class:`ManifestParts`)."""
 
     def check(
         self,
@@ -101,6 +105,63 @@ class Container(Protocol):
 
     def byte_range(self, name: str) -> ByteRange:
         """Where a listed data file's bytes are."""
+
+
+class ManifestParts:
+    """What every container builds on its :meth:`Container.root`: the manifest assembled with the shards of some
+    ranks (format 5, :mod:`torchrl_dcp.format.shards`), each shard read as a listed file (its size and CRC-32
+    checked before it is parsed) and checked against the root."""
+
+    path: Any
+
+    def root(self) -> dict[str, Any]:  # pragma: no cover - every container defines it
+        raise NotImplementedError
+
+    def read_member(self, name: str, limit: int) -> bytes | None:  # pragma: no cover - every container defines it
+        raise NotImplementedError
+
+    def byte_range(self, name: str) -> ByteRange:  # pragma: no cover - every container defines it
+        raise NotImplementedError
+
+    def manifest(self, ranks: Collection[int] | None = None) -> dict[str, Any]:
+        """The manifest with the shards of ``ranks`` (``None``: every saved rank's; ranks the checkpoint does not
+        have are left out), validated as a whole."""
+        from torchrl_dcp.format.manifest import validate_assembled
+        from torchrl_dcp.format.shards import assemble
+
+        root = self.root()
+        world = root["world_size"]
+        wanted = tuple(range(world)) if ranks is None else tuple(sorted({r for r in ranks if 0 <= r < world}))
+        cache: dict[tuple[int, ...], dict[str, Any]] = self.__dict__.setdefault("_assembled", {})
+        if not root.get("sharded"):
+            wanted = ()
+        found = cache.get(wanted)
+        if found is None:
+            found = assemble(root, {r: self.shard(r) for r in wanted} if root.get("sharded") else {}, self.path)
+            if root.get("sharded"):
+                validate_assembled(found, self.path)
+            cache[wanted] = found
+        return found
+
+    def shard(self, rank: int) -> dict[str, Any]:
+        """Rank ``rank``'s manifest shard, read, checksummed and checked against the root."""
+        from torchrl_dcp.format.checksums import checksum_mismatch, crc32, format_crc
+        from torchrl_dcp.format.layout import MAX_MANIFEST_BYTES, shard_name
+        from torchrl_dcp.format.shards import parse_shard
+
+        root, name = self.root(), shard_name(rank)
+        rec = root["files"].get(name)
+        if rec is None:
+            raise CheckpointFormatError(
+                f"the manifest lists no shard for rank {rank} ({name}): damaged or altered", path=self.path
+            )
+        where = self.byte_range(name).where
+        data = self.read_member(name, MAX_MANIFEST_BYTES)
+        assert data is not None
+        actual = format_crc(crc32(data))
+        if actual != rec["checksum"]:
+            raise checksum_mismatch(actual, rec["checksum"], where)
+        return parse_shard(data, root, rank, where)
 
 
 # ---------------------------------------------------------------------- what one rank writes
@@ -164,9 +225,10 @@ class SaveTarget(abc.ABC):
 
     Rank 0 gets it from :meth:`Location.prepare_save` (and holds what keeps other saves
     out, e.g. a lock); the other ranks from :meth:`Location.attach_save` with its
-    :attr:`token`. The order of the calls is the commit protocol: ``write`` (every
-    rank) → ``write_dcp_metadata`` → ``commit`` (rank 0: the manifest last), then
-    ``release``; ``abandon`` after any failure.
+    :attr:`token`. The order of the calls is the commit protocol: ``write`` then
+    ``write_member`` of its manifest shard (every rank) → ``write_member`` of DCP's
+    ``.metadata`` → ``commit`` (rank 0: the manifest last), then ``release``;
+    ``abandon`` after any failure.
     """
 
     #: what the other ranks need to attach (picklable, small)
@@ -195,8 +257,9 @@ class SaveTarget(abc.ABC):
         raise CheckpointError("internal: no DCP writer here", path=self.where)
 
     @abc.abstractmethod
-    def write_dcp_metadata(self, metadata: Metadata) -> dict[str, Any]:
-        """Write DCP's ``.metadata`` (replacing DCP's own); returns its manifest record (rank 0)."""
+    def write_member(self, name: str, data: bytes) -> dict[str, Any]:
+        """Write the small file ``name`` (a manifest shard, DCP's ``.metadata``, replacing DCP's own) durably into
+        the staging area; returns its manifest record (``size``, ``checksum``)."""
 
     @abc.abstractmethod
     def commit(self, manifest: bytes, files: Mapping[str, Mapping[str, Any]]) -> None:

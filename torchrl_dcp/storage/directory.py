@@ -42,6 +42,7 @@ from torchrl_dcp.storage.base import (
     EntryKind,
     Leftover,
     Location,
+    ManifestParts,
     SaveTarget,
     ShareWrite,
     WriteOutcome,
@@ -71,14 +72,14 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
-class DirectoryContainer:
+class DirectoryContainer(ManifestParts):
     """A committed checkpoint directory (the :class:`~torchrl_dcp.storage.base.Container` protocol)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self._manifest: dict[str, Any] | None = None
 
-    def manifest(self) -> dict[str, Any]:
+    def root(self) -> dict[str, Any]:
         if self._manifest is None:
             if not self.path.exists() and not self.path.is_symlink():
                 raise CheckpointNotFoundError("no checkpoint here: the path does not exist", path=self.path)
@@ -96,7 +97,7 @@ class DirectoryContainer:
         return self._manifest
 
     def _listed(self, name: str) -> dict[str, Any] | None:
-        return self.manifest()["files"].get(name)
+        return self.root()["files"].get(name)
 
     def check(
         self,
@@ -105,7 +106,7 @@ class DirectoryContainer:
         *,
         only: Collection[str] | None = None,
     ) -> None:
-        files: dict[str, Any] = self.manifest()["files"]
+        files: dict[str, Any] = self.root()["files"]
         wanted = set(files) if checksum is True else set() if checksum is False else set(checksum)
         checked = files_to_check(files, wanted, only)
         fds: list[tuple[str, int]] = []
@@ -267,10 +268,10 @@ class DirectorySaveTarget(SaveTarget):
             os.close(fd)
         return parse_metadata(data, self.staging / DCP_METADATA)
 
-    def write_dcp_metadata(self, metadata: Any) -> dict[str, Any]:
-        from torchrl_dcp.storage.writer import write_metadata
+    def write_member(self, name: str, data: bytes) -> dict[str, Any]:
+        from torchrl_dcp.storage.writer import write_member
 
-        return write_metadata(self.dir, metadata)
+        return write_member(self.dir, name, data)
 
     def commit(self, manifest: bytes, files: Mapping[str, Mapping[str, Any]]) -> None:
         write_file_durably(self.staging / MANIFEST, manifest, within=self.dir)

@@ -46,7 +46,7 @@ from torchrl_dcp.format import manifest as schema
 from torchrl_dcp.format.checksums import checksum_mismatch, crc32, crc32_combine, format_crc
 from torchrl_dcp.format.layout import DCP_METADATA, MANIFEST, MAX_MANIFEST_BYTES, TRAILER_SIZE
 from torchrl_dcp.settings import setting
-from torchrl_dcp.storage.base import ByteRange, files_to_check
+from torchrl_dcp.storage.base import ByteRange, ManifestParts, files_to_check
 from torchrl_dcp.storage.urls import StorePath
 
 READ_PIECE = 8 << 20  # bytes per ranged read when checksumming or downloading
@@ -290,7 +290,7 @@ def _bounded(obj: StorePath) -> bytes | None:
 
 
 # ---------------------------------------------------------------------- the container
-class ObjectStoreContainer:
+class ObjectStoreContainer(ManifestParts):
     """A committed checkpoint under an object-store prefix (the :class:`~torchrl_dcp.storage.base.Container` protocol)."""
 
     def __init__(self, path: StorePath) -> None:
@@ -313,7 +313,7 @@ class ObjectStoreContainer:
             return early.result()
         return list_objects(self.path) if name == "" else _bounded(self.path / name)
 
-    def manifest(self) -> dict[str, Any]:
+    def root(self) -> dict[str, Any]:
         if self._manifest is None:
             file = self.path / MANIFEST
             try:
@@ -345,7 +345,7 @@ class ObjectStoreContainer:
         *,
         only: Collection[str] | None = None,
     ) -> None:
-        files: dict[str, Any] = self.manifest()["files"]
+        files: dict[str, Any] = self.root()["files"]
         wanted = set(files) if checksum is True else set() if checksum is False else set(checksum)
         found = self._take("")
         checked = files_to_check(files, wanted, only)
@@ -372,7 +372,7 @@ class ObjectStoreContainer:
                 raise checksum_mismatch(value, files[name]["checksum"], self.path / name)
 
     def read_member(self, name: str, limit: int) -> bytes | None:
-        rec = self.manifest()["files"].get(name)
+        rec = self.root()["files"].get(name)
         if rec is None:
             return None
         if rec["size"] > limit:
@@ -389,7 +389,7 @@ class ObjectStoreContainer:
         return read_range(self.path / name, 0, rec["size"], rec["size"])
 
     def byte_range(self, name: str) -> ByteRange:
-        rec = self.manifest()["files"].get(name)
+        rec = self.root()["files"].get(name)
         if rec is None:
             raise CheckpointIntegrityError("data file is not listed in the manifest: refused", path=self.path / name)
         return ByteRange((self.path / name).key, 0, rec["size"], str(self.path / name))

@@ -18,7 +18,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import pickle
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,6 @@ from typing import Any
 from torchrl_dcp._log import get_logger
 from torchrl_dcp.errors import CheckpointError
 from torchrl_dcp.format.checksums import crc32, format_crc
-from torchrl_dcp.format.layout import DCP_METADATA
 from torchrl_dcp.storage import objectstore_save
 from torchrl_dcp.storage.base import Entry, EntryKind, Location, SaveTarget, ShareWrite, WriteOutcome
 from torchrl_dcp.storage.chunk_writer import KeptChunk
@@ -46,9 +44,11 @@ class ObjectStoreSaveTarget(SaveTarget):
     def write(self, share: ShareWrite) -> WriteOutcome:
         return objectstore_save.write_share(self.destination, share)
 
-    def write_dcp_metadata(self, metadata: Any) -> dict[str, Any]:
-        data = pickle.dumps(metadata)  # read back only through the allow-list unpickler
-        self.destination.fs.pipe_file((self.destination / DCP_METADATA).key, data)
+    def write_member(self, name: str, data: bytes) -> dict[str, Any]:
+        try:
+            self.destination.fs.pipe_file((self.destination / name).key, data)
+        except Exception as err:
+            raise store_error(err, f"writing {name}", self.destination / name) from None
         return {"size": len(data), "checksum": format_crc(crc32(data))}
 
     def commit(self, manifest: bytes, files: Mapping[str, Mapping[str, Any]]) -> None:

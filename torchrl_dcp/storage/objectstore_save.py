@@ -47,6 +47,7 @@ from torchrl_dcp.format.layout import (
     data_file_name,
     identity_trailer,
     is_chunk_file,
+    is_data_file,
     is_library_file,
     is_plain_name,
     read_identity,
@@ -116,7 +117,7 @@ def _left_by(target: StorePath, found: dict[str, dict[str, Any]], save_id: str) 
     ending with that save's identity trailer (a chunk file: any save's, it may have been kept from its base)."""
     if foreign_objects(target, found):
         return False
-    names = sorted(n for n in found if n not in (MANIFEST, DCP_METADATA))
+    names = sorted(n for n in found if is_data_file(n))  # (the manifest, its shards and .metadata carry none)
     sizes = [int(found[n].get("size") or 0) for n in names]
     if any(size < TRAILER_SIZE for size in sizes):
         return False

@@ -36,7 +36,7 @@ from torchrl_dcp.format.dcp_metadata import (
     chunk_specs,
     parse_metadata,
 )
-from torchrl_dcp.format.layout import DCP_METADATA, MAX_MANIFEST_BYTES, TRAILER_SIZE, read_identity
+from torchrl_dcp.format.layout import DCP_METADATA, MAX_MANIFEST_BYTES, TRAILER_SIZE, is_data_file, read_identity
 from torchrl_dcp.format.record import check_bool_bytes, decode_record, record_data_offset, template_tail_size
 from torchrl_dcp.storage.base import ByteRange, Container
 from torchrl_dcp.storage.files import open_regular
@@ -54,11 +54,19 @@ class CheckpointSource:
         self.path: Path = container.path
         self._metadata: Metadata | None = None
         self._metadata_read = False
+        self.ranks: list[int] | None = None  # the ranks whose manifest shards are read (None: all)
         self.bytes_read = 0  # tensor bytes read through storage readers (diagnostics, tests)
 
     def manifest(self) -> dict[str, Any]:
-        """The validated (and migrated) manifest."""
-        return self.container.manifest()
+        """The validated (and migrated) manifest, with the shards of :attr:`ranks` (every rank's when ``None``)."""
+        return self.container.manifest(self.ranks)
+
+    def restrict(self, ranks: Collection[int]) -> None:
+        """Read only the manifest shards of ``ranks`` from now on (a load: the ranks it restores), before anything
+        was read through this source."""
+        if self._metadata_read:
+            raise RuntimeError("restrict() after the metadata was read")
+        self.ranks = sorted(set(ranks))
 
     def check(
         self,
@@ -76,38 +84,62 @@ class CheckpointSource:
         self.container.check(checksum, **kwargs)
 
     def dcp_metadata(self) -> Metadata | None:
-        """DCP's metadata (``None`` for a checkpoint without tensors), never unpickling anything but DCP's classes.
+        """DCP's metadata of the tensors this source's manifest holds (``None`` for a checkpoint without tensors).
 
-        Only a ``.metadata`` the manifest lists is read, as a regular file of the recorded
-        size, and its checksum is compared before it is parsed.
+        Built from the manifest's storage entries (format 5: the root's and the shards read), so a rank's load
+        never parses the whole ``.metadata``; read from ``.metadata`` where the manifest has no index
+        (:meth:`saved_dcp_metadata`). Either way checked the same: every byte range inside a listed file, every
+        tensor tiled by its chunks, every record one the manifest inventories.
         """
         if not self._metadata_read:
-            files = self.manifest()["files"]
-            if DCP_METADATA not in files:
-                if files:
-                    raise CheckpointFormatError(
-                        "the manifest lists data files but no DCP metadata (.metadata)", path=self.path
-                    )
+            manifest = self.manifest()
+            if not self._has_metadata(manifest):
+                metadata = None
+            elif manifest.get("index") is None:
+                metadata = self.saved_dcp_metadata()
             else:
-                where = self.container.byte_range(DCP_METADATA).where
-                data = self.container.read_member(DCP_METADATA, MAX_MANIFEST_BYTES)
-                assert data is not None
-                _check_checksum(data, files[DCP_METADATA], where)
-                metadata = parse_metadata(data, where)
-                save_id = self.manifest().get("save_id")
-                found = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
-                if save_id is not None and found != save_id:
-                    raise CheckpointIntegrityError(
-                        f"DCP metadata belongs to save {found!r}, the manifest to {save_id!r}: a file from another "
-                        "checkpoint was copied in; refused",
-                        path=where,
-                    )
-                check_storage_bounds(metadata, where, files)  # file names and byte ranges, one pass
-                check_coverage(metadata, where)  # every tensor tiled by its chunks, no bytes read twice
-                check_inventoried(metadata, where, self.manifest()["components"])  # no record left unreferred
-                self._metadata = metadata
+                where = f"{self.path} (the manifest's storage entries)"
+                metadata = metadata_from_index(manifest, str(self.path), where)
+                check_storage_bounds(metadata, where, manifest["files"])
+                check_coverage(metadata, where)
+                check_inventoried(metadata, where, manifest["components"])
+            self._metadata = metadata
             self._metadata_read = True
         return self._metadata
+
+    def _has_metadata(self, manifest: dict[str, Any]) -> bool:
+        files = manifest["files"]
+        if DCP_METADATA in files:
+            return True
+        if any(is_data_file(n) for n in files):
+            raise CheckpointFormatError("the manifest lists data files but no DCP metadata (.metadata)", path=self.path)
+        return False
+
+    def saved_dcp_metadata(self) -> Metadata | None:
+        """DCP's ``.metadata`` file itself (what a plain ``dcp.load`` reads), never unpickling anything but DCP's
+        classes: only a ``.metadata`` the manifest lists, as a regular file of the recorded size, its checksum
+        compared before it is parsed; checked like :meth:`dcp_metadata` against the whole manifest."""
+        manifest = self.container.manifest() if self.ranks is not None else self.manifest()
+        files = manifest["files"]
+        if not self._has_metadata(manifest):
+            return None
+        where = self.container.byte_range(DCP_METADATA).where
+        data = self.container.read_member(DCP_METADATA, MAX_MANIFEST_BYTES)
+        assert data is not None
+        _check_checksum(data, files[DCP_METADATA], where)
+        metadata = parse_metadata(data, where)
+        save_id = manifest.get("save_id")
+        found = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
+        if save_id is not None and found != save_id:
+            raise CheckpointIntegrityError(
+                f"DCP metadata belongs to save {found!r}, the manifest to {save_id!r}: a file from another "
+                "checkpoint was copied in; refused",
+                path=where,
+            )
+        check_storage_bounds(metadata, where, files)  # file names and byte ranges, one pass
+        check_coverage(metadata, where)  # every tensor tiled by its chunks, no bytes read twice
+        check_inventoried(metadata, where, manifest["components"])  # no record left unreferred
+        return metadata
 
     def check_records(self, metadata: Metadata, keys: Collection[str] | None = None) -> None:
         """Every tensor record (of ``keys``; ``None``: all) holds exactly the dtype and shape DCP's metadata gives its
@@ -242,3 +274,34 @@ def _check_checksum(data: bytes, record: dict[str, Any], where: str) -> None:
     actual = format_crc(crc32(data))
     if actual != record["checksum"]:
         raise checksum_mismatch(actual, record["checksum"], where)
+
+
+def metadata_from_index(manifest: dict[str, Any], checkpoint_id: Any, where: Any) -> Metadata:
+    """DCP's ``Metadata`` of the tensors ``manifest`` inventories, from its storage entries and chunk table (format
+    5): what our writer wrote into ``.metadata`` for them, built without reading it."""
+    from torchrl_dcp.format.codec import dtype_from_name
+    from torchrl_dcp.storage.base import ChunkEntry
+    from torchrl_dcp.storage.writer import build_metadata
+
+    dtypes: dict[str, torch.dtype] = {}
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    for rec in manifest["components"].values():
+        for key, t in rec["inventory"].items():
+            dtype = dtypes.get(t["dtype"])
+            if dtype is None:
+                dtype = dtypes[t["dtype"]] = dtype_from_name(t["dtype"])
+            tensors[key] = (dtype, tuple(t["shape"]))
+    entries = [tuple(e) for e in manifest["index"]["entries"]]
+    chunks = []
+    for key, parts in manifest["chunks"].items():
+        if key not in tensors:
+            raise CheckpointFormatError(f"the chunk table names {key!r}, a tensor no component holds", path=where)
+        for c in parts:
+            chunks.append(ChunkEntry(key, c["start"], c["rows"], c["file"], c["offset"], c["length"], c["fingerprint"]))
+    placed = {e[0] for e in entries} | {c.key for c in chunks}
+    missing = [k for k in tensors if k not in placed]
+    if missing:
+        raise CheckpointFormatError(
+            f"the manifest places no bytes for tensors {sorted(missing)[:3]}: damaged or forged", path=where
+        )
+    return build_metadata(tensors, entries, checkpoint_id, manifest.get("save_id"), chunks)  # type: ignore[arg-type]

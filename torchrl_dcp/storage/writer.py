@@ -225,10 +225,14 @@ def build_metadata(
 
 
 def write_metadata(directory: DirHandle, metadata: Metadata) -> dict[str, Any]:
-    """Write ``.metadata`` durably (a new temporary file, fsync, rename, all through the directory's descriptor);
-    returns its manifest record."""
-    data = pickle.dumps(metadata)
-    tmp = f"{DCP_METADATA}.tmp-{uuid.uuid4().hex}"
+    """Write ``.metadata`` durably; returns its manifest record."""
+    return write_member(directory, DCP_METADATA, pickle.dumps(metadata))
+
+
+def write_member(directory: DirHandle, name: str, data: bytes) -> dict[str, Any]:
+    """Write the small file ``name`` durably (a new temporary file, fsync, rename, all through the directory's
+    descriptor; replacing one of that name); returns its manifest record."""
+    tmp = f"{name}.tmp-{uuid.uuid4().hex}"
     fd = directory.create(tmp)
     try:
         try:
@@ -236,7 +240,7 @@ def write_metadata(directory: DirHandle, metadata: Metadata) -> dict[str, Any]:
             os.fsync(fd)
         finally:
             os.close(fd)
-        directory.replace(tmp, DCP_METADATA)
+        directory.replace(tmp, name)
     except BaseException:
         directory.unlink(tmp, missing_ok=True)
         raise

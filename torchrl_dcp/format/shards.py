@@ -1,0 +1,243 @@
+"""Manifest shards (format 5): each rank's part of the manifest in a file of its own.
+
+The root ``manifest.json`` holds what every rank needs: the components (adapter, version,
+placement, totals; the state and inventory of replicated and sharded ones), every file's
+size and checksum, the chunk table and storage entries of the tensors that are not any one
+rank's (``index``). When the save held per-rank components (``"sharded": true``), each rank
+``r`` wrote ``manifest-<r>.json`` (listed in ``files``, so sized and checksummed like any
+file) with its per-rank states and inventories, its tensors' chunk table and storage entries::
+
+    {"format": "torchrl_dcp.shard", "format_version": 5, "save_id": ..., "rank": r,
+     "components": {name: {"state": <skeleton>, "inventory": {key: {"dtype", "shape"}}}},
+     "chunks": {key: [{"start", "rows", "file", "offset", "length", "fingerprint"}]},
+     "entries": [[key, file, offset, length], ...]}
+
+A load reads the root and the shards of the ranks it restores; ``verify``, ``inspect`` and
+the tools read them all. Either way the result has the shape every reader knows
+(:func:`assemble`): per-rank components with ``ranks`` and ``inventory``, one ``chunks``
+table, one ``index``; ``shards_read`` says which ranks' shards it holds (``None``: the
+checkpoint has none, everything was in the root). ``entries`` and ``index`` are ``null``
+when DCP's own writer wrote the data (then ``.metadata`` alone says where tensors are).
+
+Example:
+    >>> from torchrl_dcp.format.shards import assemble, split
+    >>> full = {"world_size": 2, "save_id": "0" * 32, "sharded": True, "files": {}, "chunks": {},
+    ...         "index": {"entries": []}, "components": {"b": {"adapter": "a", "adapter_version": 1,
+    ...         "placement": "per_rank", "num_tensors": 0, "nbytes": 0, "inventory": {},
+    ...         "ranks": {"0": {"state": 1}, "1": {"state": 2}}}}}
+    >>> root, shards = split(full)
+    >>> "ranks" in root["components"]["b"], sorted(shards), shards[1]["components"]["b"]["state"]
+    (False, [0, 1], 2)
+    >>> assemble(root, {1: shards[1]}, "m")["components"]["b"]["ranks"]
+    {'1': {'state': 2}}
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
+from torchrl_dcp.format.layout import shard_name
+from torchrl_dcp.format.manifest_depth import check_depth, structure
+from torchrl_dcp.placement import key_prefix
+
+SHARD_FORMAT = "torchrl_dcp.shard"
+SHARD_VERSION = 5
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def per_rank_names(root: Mapping[str, Any]) -> list[str]:
+    """The per-rank components of a manifest, sorted."""
+    return sorted(n for n, rec in root["components"].items() if rec.get("placement") == "per_rank")
+
+
+def shard_body(
+    *,
+    save_id: str,
+    rank: int,
+    components: Mapping[str, Mapping[str, Any]],
+    chunks: Mapping[str, list[dict[str, Any]]],
+    entries: list[list[Any]] | None,
+) -> dict[str, Any]:
+    """One rank's shard: ``components`` maps each per-rank component to ``{"state", "inventory"}``."""
+    return {
+        "format": SHARD_FORMAT,
+        "format_version": SHARD_VERSION,
+        "save_id": save_id,
+        "rank": rank,
+        "components": dict(components),
+        "chunks": dict(chunks),
+        "entries": entries,
+    }
+
+
+def parse_shard(data: bytes, root: Mapping[str, Any], rank: int, source: Any) -> dict[str, Any]:
+    """A shard's bytes decoded and checked against its root (save, rank, components, files, keys).
+
+    The caller checked the bytes against the root's size and checksum. Raises
+    :class:`~torchrl_dcp.errors.CheckpointFormatError` naming ``source``.
+    """
+    from torchrl_dcp.format.manifest import check_parse_cost
+
+    check_parse_cost(data, source)
+    try:
+        raw = json.loads(data, parse_constant=_refuse)
+    except (ValueError, UnicodeDecodeError, RecursionError) as err:
+        raise CheckpointFormatError(f"manifest shard is not valid JSON ({str(err)[:200]})", path=source) from None
+    check_depth(structure(raw), source)
+    return check_shard(raw, root, rank, source)
+
+
+def _refuse(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def check_shard(raw: Any, root: Mapping[str, Any], rank: int, source: Any) -> dict[str, Any]:
+    """Validate a decoded shard against its root: it must be this save's, this rank's, hold exactly the root's
+    per-rank components, name only listed files, and place only its own tensors."""
+
+    def bad(what: str) -> CheckpointFormatError:
+        return CheckpointFormatError(f"malformed manifest shard: {what}", path=source)
+
+    if not isinstance(raw, dict) or raw.get("format") != SHARD_FORMAT or raw.get("format_version") != SHARD_VERSION:
+        raise bad(f"not a {SHARD_FORMAT} v{SHARD_VERSION} object")
+    if raw.get("save_id") != root.get("save_id") or raw.get("rank") != rank:
+        raise CheckpointIntegrityError(
+            f"manifest shard belongs to save {raw.get('save_id')!r} rank {raw.get('rank')!r}, the manifest expects "
+            f"save {root.get('save_id')!r} rank {rank}: a shard of another save or rank was copied in; refused",
+            path=source,
+        )
+    components = raw.get("components")
+    if not isinstance(components, dict) or sorted(components) != per_rank_names(root):
+        raise bad(f"components must be the manifest's per-rank components {per_rank_names(root)}")
+    own: set[str] = set()
+    for name, part in components.items():
+        if not isinstance(part, dict) or set(part) != {"state", "inventory"} or not isinstance(part["inventory"], dict):
+            raise bad(f"components[{name!r}] must hold exactly a state and an inventory")
+        own.update(part["inventory"])
+    entries = raw.get("entries")
+    if (entries is None) != (root.get("index") is None):
+        raise bad("entries must be a list exactly when the manifest has an index")
+    files = root["files"]
+    check_entries(entries or [], files, own, bad)
+    chunks = raw.get("chunks")
+    if not isinstance(chunks, dict) or not all(k in own for k in chunks):
+        raise bad("chunks may only name this rank's tensors")
+    return raw
+
+
+def check_entries(
+    entries: Any, files: Mapping[str, Any], keys: Collection[str], bad: Callable[[str], CheckpointFormatError]
+) -> None:
+    """Storage entries ``[key, file, offset, length]``: of ``keys`` only, in listed files, non-negative."""
+    if not isinstance(entries, list):
+        raise bad("entries must be a list")
+    for e in entries:
+        ok = (
+            isinstance(e, list)
+            and len(e) == 4
+            and isinstance(e[0], str)
+            and isinstance(e[1], str)
+            and all(_is_int(v) and v >= 0 for v in e[2:])
+        )
+        if not ok:
+            raise bad("entries must be [key, file, offset, length]")
+        if e[0] not in keys:
+            raise bad(f"entry for {e[0]!r}, a tensor this part of the manifest does not hold")
+        if e[1] not in files:
+            raise bad(f"entry for {e[0]!r} names {e[1]!r}, which is not in 'files'")
+
+
+def assemble(root: Mapping[str, Any], shards: Mapping[int, Mapping[str, Any]], source: Any) -> dict[str, Any]:
+    """The manifest in the shape readers use, from a root and the (checked) shards of some ranks.
+
+    Per-rank components get ``ranks`` (the shards' states) and ``inventory``; ``chunks`` and
+    ``index`` gain the shards' tables; ``shards_read`` lists the ranks included. A root
+    without shards comes back as it is, ``shards_read`` ``None``.
+    """
+    if not root.get("sharded"):
+        return {**root, "shards_read": None}
+    out = {k: v for k, v in root.items() if k not in ("components", "chunks", "index")}
+    out["components"] = components = {}
+    for name, rec in root["components"].items():
+        if rec["placement"] != "per_rank":
+            components[name] = rec
+            continue
+        inventory: dict[str, Any] = {}
+        ranks = {}
+        for r in sorted(shards):
+            part = shards[r]["components"][name]
+            ranks[str(r)] = {"state": part["state"]}
+            inventory.update(part["inventory"])
+        components[name] = {**rec, "ranks": ranks, "inventory": dict(sorted(inventory.items()))}
+    chunks = dict(root["chunks"])
+    for r in sorted(shards):
+        chunks.update(shards[r]["chunks"])
+    out["chunks"] = dict(sorted(chunks.items()))
+    index = root.get("index")
+    if index is not None:
+        entries = list(index["entries"])
+        for r in sorted(shards):
+            entries.extend(shards[r]["entries"])
+        index = {"entries": entries}
+    out["index"] = index
+    out["shards_read"] = sorted(shards)
+    return out
+
+
+def split(manifest: Mapping[str, Any]) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+    """The root and the shards (``{rank: shard}``) of a whole assembled manifest: the inverse of :func:`assemble`,
+    what a tool that rewrites a checkpoint writes back (resealing the root and each shard's record in ``files``).
+    A manifest without per-rank components has no shards."""
+    m = copy.deepcopy(dict(manifest))
+    m.pop("shards_read", None)
+    names = per_rank_names(m)
+    m["sharded"] = bool(names)
+    if not names:
+        return m, {}
+    shards: dict[int, dict[str, Any]] = {}
+    owner: dict[str, int] = {}
+    for r in range(m["world_size"]):
+        parts = {}
+        for name in names:
+            rec = m["components"][name]
+            if str(r) not in rec["ranks"]:
+                continue  # (a manifest claiming ranks it holds no state of: such a shard is incomplete)
+            prefix = key_prefix("per_rank", name, r) + "/"
+            inventory = {k: v for k, v in rec["inventory"].items() if k.startswith(prefix)}
+            owner.update(dict.fromkeys(inventory, r))
+            parts[name] = {"state": rec["ranks"][str(r)]["state"], "inventory": inventory}
+        shards[r] = {"components": parts, "chunks": {}, "entries": None if m.get("index") is None else []}
+    for name in names:
+        for field in ("ranks", "inventory"):
+            m["components"][name].pop(field, None)
+    chunks = {}
+    for key, entries in m["chunks"].items():
+        if key in owner:
+            shards[owner[key]]["chunks"][key] = entries
+        else:
+            chunks[key] = entries
+    m["chunks"] = chunks
+    if m.get("index") is not None:
+        shared = []
+        for e in m["index"]["entries"]:
+            if e[0] in owner:
+                shards[owner[e[0]]]["entries"].append(e)
+            else:
+                shared.append(e)
+        m["index"] = {"entries": shared}
+    out = {
+        r: shard_body(
+            save_id=m["save_id"], rank=r, components=s["components"], chunks=s["chunks"], entries=s["entries"]
+        )
+        for r, s in shards.items()
+    }
+    for r in out:
+        m["files"].setdefault(shard_name(r), {"size": 0, "checksum": ""})  # the caller records the bytes it writes
+    return m, out
