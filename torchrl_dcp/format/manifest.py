@@ -29,7 +29,7 @@ import copy
 import datetime
 import json
 import math
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointVersionError
@@ -462,8 +462,6 @@ def _validate(m: dict[str, Any], source: Any) -> None:
 
 
 def _validate_index(m: dict[str, Any], bad: Callable[[str], CheckpointFormatError]) -> None:
-    from torchrl_dcp.format.shards import check_entries
-
     index = m.get("index")
     if index is None:
         return
@@ -481,6 +479,28 @@ def _validate_placed(chunks: dict[str, Any], bad: Callable[[str], CheckpointForm
     for key, entries in chunks.items():
         if not all(_is_int(e.get(f)) and e[f] >= 0 for e in entries for f in ("offset", "length")):
             raise bad(f"chunks[{key!r}] entries need an offset and a length where the manifest has an index")
+
+
+def check_entries(
+    entries: Any, files: Mapping[str, Any], keys: Collection[str], bad: Callable[[str], CheckpointFormatError]
+) -> None:
+    """Storage entries ``[key, file, offset, length]``: of ``keys`` only, in listed files, non-negative."""
+    if not isinstance(entries, list):
+        raise bad("entries must be a list")
+    for e in entries:
+        ok = (
+            isinstance(e, list)
+            and len(e) == 4
+            and isinstance(e[0], str)
+            and isinstance(e[1], str)
+            and all(_is_int(v) and v >= 0 for v in e[2:])
+        )
+        if not ok:
+            raise bad("entries must be [key, file, offset, length]")
+        if e[0] not in keys:
+            raise bad(f"entry for {e[0]!r}, a tensor this part of the manifest does not hold")
+        if e[1] not in files:
+            raise bad(f"entry for {e[0]!r} names {e[1]!r}, which is not in 'files'")
 
 
 def validate_assembled(m: dict[str, Any], source: Any) -> None:

@@ -36,11 +36,12 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
 from torchrl_dcp.format.layout import shard_name
+from torchrl_dcp.format.manifest import check_entries, check_parse_cost
 from torchrl_dcp.format.manifest_depth import check_depth, structure
 from torchrl_dcp.placement import key_prefix
 
@@ -83,8 +84,6 @@ def parse_shard(data: bytes, root: Mapping[str, Any], rank: int, source: Any) ->
     The caller checked the bytes against the root's size and checksum. Raises
     :class:`~torchrl_dcp.errors.CheckpointFormatError` naming ``source``.
     """
-    from torchrl_dcp.format.manifest import check_parse_cost
-
     check_parse_cost(data, source)
     try:
         raw = json.loads(data, parse_constant=_refuse)
@@ -130,28 +129,6 @@ def check_shard(raw: Any, root: Mapping[str, Any], rank: int, source: Any) -> di
     if not isinstance(chunks, dict) or not all(k in own for k in chunks):
         raise bad("chunks may only name this rank's tensors")
     return raw
-
-
-def check_entries(
-    entries: Any, files: Mapping[str, Any], keys: Collection[str], bad: Callable[[str], CheckpointFormatError]
-) -> None:
-    """Storage entries ``[key, file, offset, length]``: of ``keys`` only, in listed files, non-negative."""
-    if not isinstance(entries, list):
-        raise bad("entries must be a list")
-    for e in entries:
-        ok = (
-            isinstance(e, list)
-            and len(e) == 4
-            and isinstance(e[0], str)
-            and isinstance(e[1], str)
-            and all(_is_int(v) and v >= 0 for v in e[2:])
-        )
-        if not ok:
-            raise bad("entries must be [key, file, offset, length]")
-        if e[0] not in keys:
-            raise bad(f"entry for {e[0]!r}, a tensor this part of the manifest does not hold")
-        if e[1] not in files:
-            raise bad(f"entry for {e[0]!r} names {e[1]!r}, which is not in 'files'")
 
 
 def assemble(root: Mapping[str, Any], shards: Mapping[int, Mapping[str, Any]], source: Any) -> dict[str, Any]:
