@@ -171,6 +171,7 @@ def sizes_of(path: Path) -> dict[str, Any]:
     return {
         "manifest_bytes": len(manifest_bytes),
         "metadata_bytes": files[".metadata"]["size"],
+        "shard_bytes": files.get("manifest-0.json", {}).get("size", 0),  # rank 0's manifest shard (format 5)
         "component_bytes": comp,
         "chunk_table_bytes": len(json.dumps(manifest.get("chunks", {}), separators=(",", ":"))),
         "files_table_bytes": len(json.dumps(files, separators=(",", ":"))),

@@ -106,8 +106,9 @@ def install() -> None:
     # save steps (every rank) and rank 0's commit work
     for attr in ("encode", "plan_local", "plan_writes", "prepare", "write", "commit"):
         _wrap(save_engine, attr, f"save.{attr}")
-    for attr in ("manifest_bytes", "dcp_metadata", "build_manifest", "dumps"):
+    for attr in ("manifest_bytes", "metadata_bytes", "root_manifest"):
         _wrap(save_engine, attr, f"rank0.{attr}")
+    _wrap(save_engine, "write_rank_part", "save.shard")  # every rank: its manifest shard and .metadata part
     # object-store saves
     _wrap(objectstore_save, "begin", "rank0.store_begin")
     _wrap(objectstore_save, "finish", "rank0.store_finish")

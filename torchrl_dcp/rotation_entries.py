@@ -94,7 +94,7 @@ def list_entries(
             continue  # a symlink, a FIFO, a directory named .zip, an object named step-N: never ours
         error = None
         try:
-            manifest = child.location.manifest()
+            manifest = child.location.root()  # (its shards are checked when it is loaded: a damaged one falls back)
         except Exception as err:  # noqa: BLE001 - one damaged entry must never break a listing
             manifest, error = {}, f"{type(err).__name__}: {err}"
         if error is not None and not include_uncommitted:

@@ -321,8 +321,12 @@ class Location(abc.ABC):
         """The committed checkpoint here, to read tensors from (its container plus DCP's metadata)."""
 
     def manifest(self) -> dict[str, Any]:
-        """The validated (and migrated) manifest of the checkpoint here."""
+        """The validated (and migrated) manifest of the checkpoint here, every rank's shard assembled in."""
         return self.container().manifest()
+
+    def root(self) -> dict[str, Any]:
+        """The validated root manifest of the checkpoint here (step, metadata, sequence, files: no shard read)."""
+        return self.container().root()
 
     # ------------------------------------------------------------------ saving
     def prepare_save(self, save_id: str) -> SaveTarget:

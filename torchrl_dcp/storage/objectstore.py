@@ -44,7 +44,7 @@ from torchrl_dcp.errors import (
 )
 from torchrl_dcp.format import manifest as schema
 from torchrl_dcp.format.checksums import checksum_mismatch, crc32, crc32_combine, format_crc
-from torchrl_dcp.format.layout import DCP_METADATA, MANIFEST, MAX_MANIFEST_BYTES, TRAILER_SIZE
+from torchrl_dcp.format.layout import MANIFEST, MAX_MANIFEST_BYTES, TRAILER_SIZE
 from torchrl_dcp.settings import setting
 from torchrl_dcp.storage.base import ByteRange, ManifestParts, files_to_check
 from torchrl_dcp.storage.urls import StorePath
@@ -300,10 +300,11 @@ class ObjectStoreContainer(ManifestParts):
         self._early: dict[str, Future[Any]] = {}
 
     def prefetch(self) -> None:
-        """Send the requests every reader makes first at once: the manifest, DCP's metadata (both bounded GETs)
-        and the listing, instead of one after the other. Their checks are unchanged (they run on use)."""
-        with ThreadPoolExecutor(3, thread_name_prefix="tdcp-store-open") as pool:
-            self._early = {n: pool.submit(_bounded, self.path / n) for n in (MANIFEST, DCP_METADATA)}
+        """Send the requests every reader makes first at once: the manifest (a bounded GET) and the listing,
+        instead of one after the other. Their checks are unchanged (they run on use). (DCP's ``.metadata`` is not
+        among them: a format-5 load never reads it.)"""
+        with ThreadPoolExecutor(2, thread_name_prefix="tdcp-store-open") as pool:
+            self._early = {MANIFEST: pool.submit(_bounded, self.path / MANIFEST)}
             self._early[""] = pool.submit(list_objects, self.path)
 
     def _take(self, name: str) -> Any:
@@ -379,13 +380,6 @@ class ObjectStoreContainer(ManifestParts):
             raise CheckpointFormatError(
                 f"is implausibly large ({rec['size']} bytes, at most {limit} expected)", path=self.path / name
             )
-        if name == DCP_METADATA and name in self._early:
-            try:
-                data = self._take(name)
-            except Exception:  # noqa: BLE001 - read again below, where a failure is reported as such
-                data = None
-            if data is not None and len(data) == rec["size"]:
-                return bytes(data)
         return read_range(self.path / name, 0, rec["size"], rec["size"])
 
     def byte_range(self, name: str) -> ByteRange:
