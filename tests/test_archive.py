@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import pickle
 import shutil
 import struct
@@ -16,7 +15,7 @@ import pytest
 import torch
 
 import torchrl_dcp as tdcp
-from torchrl_dcp.format.manifest import seal
+from tests import forging
 from torchrl_dcp.storage import reader as reader_module
 from torchrl_dcp.storage.archive import ALIGN, ArchiveContainer, read_index
 from torchrl_dcp.storage.filesums import file_checksum
@@ -228,7 +227,9 @@ def test_damaged_member_data_is_refused_naming_the_member(tmp_path: Path) -> Non
 
 
 def test_planted_pickle_in_archived_metadata_is_never_run(tmp_path: Path) -> None:
-    path, _ = make(tmp_path)
+    """A resealed ``.metadata`` that is a payload: ``verify`` of the archive refuses to unpickle it naming the member;
+    a load restores exactly the saved state without reading it; nothing runs."""
+    path, saved = make(tmp_path)
     marker = tmp_path / "pwned"
 
     class Payload:
@@ -236,15 +237,18 @@ def test_planted_pickle_in_archived_metadata_is_never_run(tmp_path: Path) -> Non
             return (Path.touch, (marker,))
 
     (path / ".metadata").write_bytes(pickle.dumps(Payload()))
-    m = json.loads((path / "manifest.json").read_text())
-    m["files"][".metadata"] = {
-        "size": (path / ".metadata").stat().st_size,
-        "checksum": file_checksum(path / ".metadata"),
-    }
-    (path / "manifest.json").write_text(json.dumps(seal(m)))
+    forging.reseal(path, ".metadata")  # its size and CRC-32 recorded, the manifest resealed
     archive = tdcp.to_archive(path, tmp_path / "c.zip")
-    with pytest.raises(tdcp.UnsafeCheckpointError, match="c.zip::.metadata"):
-        fresh()[0].load(archive)
+    with pytest.raises(tdcp.UnsafeCheckpointError, match=r"c\.zip::\.metadata"):
+        tdcp.verify(archive)
+    # a load never reads .metadata (format 5: the manifest's storage entries place the tensors): the saved state
+    ckpt, objs = fresh()
+    ckpt.load(archive)
+    assert torch.equal(objs["policy"].weight, saved["policy"].weight)
+    assert (
+        all(torch.equal(objs["big"][k], v) for k, v in saved["big"].items())
+        and objs["big"].keys() == saved["big"].keys()
+    )
     assert not marker.exists()
 
 

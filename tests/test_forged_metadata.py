@@ -1,12 +1,19 @@
 """Forged DCP metadata that reseals every checksum the format documents never becomes the state.
 
 The forger rewrites ``.metadata`` (pickled by DCP, read here through the allow-list
-unpickler), then records its new size and CRC-32 in the manifest and recomputes the
-manifest's seal, as ``docs/format.md`` describes. Only structure can then catch the
-forgery: every tensor must be tiled by its chunks, each chunk backed by its own record,
-no two records on the same bytes. Each case: ``verify`` refuses, and ``load`` refuses
-naming ``.metadata`` with the live objects bit-for-bit unchanged, for directories,
-archives and object stores (fsspec's memory store).
+unpickler), mirrors its records into the manifest's storage entries where they can say
+the same (``tests/forging.py``: a forger who moves a record moves it in both), records the
+new sizes and CRC-32s in the manifest and recomputes its seal, as ``docs/format.md``
+describes. Only structure can then catch the forgery: every tensor must be tiled by its
+chunks, each chunk backed by its own record, no two records on the same bytes.
+
+Format 5: loads build DCP's metadata from the manifest's storage entries and never read
+``.metadata``; ``verify`` reads it too. So each case: ``verify`` refuses naming what is
+forged; where the forgery reached the manifest's entries, ``load`` refuses naming them with
+the live objects bit-for-bit unchanged; where only ``.metadata`` is forged, ``load``
+restores exactly the saved state, and ``.metadata`` (what a plain ``dcp.load`` reads) is
+refused by its own checks. For directories, archives and object stores (fsspec's memory
+store).
 """
 
 from __future__ import annotations
@@ -14,7 +21,6 @@ from __future__ import annotations
 import copy
 import io
 import json
-import pickle
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,8 +31,8 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 import torchrl_dcp as tdcp
-from torchrl_dcp.format.manifest import seal
-from torchrl_dcp.storage.filesums import file_checksum
+from tests import forging
+from torchrl_dcp.storage.backends import open_source
 from torchrl_dcp.storage.filesystem import safe_load_metadata
 
 WEIGHT = "replicated/policy/weight"  # read in place into the live module
@@ -100,17 +106,16 @@ FORGERIES: dict[str, Callable[[Any, str], None]] = {
 }
 
 
-def forge(path: Path, fn: Callable[[Any, str], None], key: str) -> None:
-    """Rewrite ``.metadata`` with ``fn``, then reseal: the file's size and CRC-32, and the manifest's own seal."""
-    md = safe_load_metadata(path / ".metadata")
-    fn(md, key)
-    (path / ".metadata").write_bytes(pickle.dumps(md))
-    manifest = json.loads((path / "manifest.json").read_text())
-    manifest["files"][".metadata"] = {
-        "size": (path / ".metadata").stat().st_size,
-        "checksum": file_checksum(path / ".metadata"),
-    }
-    (path / "manifest.json").write_text(json.dumps(seal(manifest)))
+# the forgeries whose records the manifest's storage entries can say too (moved or dropped records); the others
+# (chunk lists, which the manifest derives from the inventory) stay in .metadata, which loads do not read
+MIRRORED = {"past the end", "two tensors on one record"}
+
+
+def forge(path: Path, fn: Callable[[Any, str], None], key: str) -> bool:
+    """Rewrite ``.metadata`` with ``fn``, mirror its records into the manifest's storage entries where they can say
+    the same, then reseal: the files' sizes and CRC-32s, and the manifest's own seal. ``True``: the manifest's
+    entries changed too (else only ``.metadata`` is forged)."""
+    return forging.forge_metadata(path, lambda md: fn(md, key))
 
 
 def _at(kind: str, forged: Path, tmp_path: Path) -> str:
@@ -125,7 +130,9 @@ def _at(kind: str, forged: Path, tmp_path: Path) -> str:
     return url
 
 
-def refused_by_verify_and_load(where: str | Path, error: type, verify_match: str, load_match: str) -> None:
+def refused_by_verify_and_load(
+    where: str | Path, error: type | tuple[type, ...], verify_match: str, load_match: str
+) -> None:
     """``verify`` refuses ``where``; ``load`` refuses it too, and the live objects are bit-for-bit unchanged."""
     with pytest.raises(error, match=verify_match):
         tdcp.verify(where)
@@ -134,6 +141,22 @@ def refused_by_verify_and_load(where: str | Path, error: type, verify_match: str
     with pytest.raises(error, match=load_match):
         tdcp.DistributedCheckpoint(**objs).load(where)
     assert all(torch.equal(a, b) for a, b in zip(snapshot(objs), before)), "a refused load changed the objects"
+
+
+def loads_exactly_the_saved_state(where: str | Path) -> None:
+    """A load of ``where`` (whose forged ``.metadata`` it does not read) restores exactly ``objects(1)``."""
+    objs = objects(2)
+    tdcp.DistributedCheckpoint(**objs).load(where)
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(objs), snapshot(objects(1)))), "the load is not exact"
+    assert objs["stats"]["n"] == 1
+
+
+def refused_by_verify_loaded_exactly(where: str | Path, error: type, verify_match: str) -> None:
+    """Only ``.metadata`` is forged: ``verify`` refuses it naming it; a load (which reads the manifest's storage
+    entries, never ``.metadata``) restores exactly the saved state."""
+    with pytest.raises(error, match=verify_match):
+        tdcp.verify(where)
+    loads_exactly_the_saved_state(where)
 
 
 def test_the_control_loads_exactly(tmp_path: Path) -> None:
@@ -148,10 +171,20 @@ def test_the_control_loads_exactly(tmp_path: Path) -> None:
 @pytest.mark.parametrize("case", sorted(FORGERIES))
 def test_forged_chunk_lists_are_refused_and_nothing_changes(tmp_path: Path, case: str, key: str, kind: str) -> None:
     path = tdcp.DistributedCheckpoint(**objects(1)).save(tmp_path / "c")
-    forge(path, FORGERIES[case], key)
-    refused_by_verify_and_load(
-        _at(kind, path, tmp_path), tdcp.CheckpointIntegrityError, r"\.metadata", r"\.metadata.*forged"
-    )
+    mirrored = forge(path, FORGERIES[case], key)
+    assert mirrored == (case in MIRRORED), "the forgery reached the manifest's storage entries other than expected"
+    where = _at(kind, path, tmp_path)
+    with pytest.raises(tdcp.CheckpointIntegrityError, match=r"\.metadata.*forged"):  # what a plain dcp.load reads
+        open_source(where).saved_dcp_metadata()
+    if mirrored:  # the manifest's own entries are forged (a structure error there is a CheckpointFormatError)
+        refused_by_verify_and_load(
+            where,
+            (tdcp.CheckpointIntegrityError, tdcp.CheckpointFormatError),
+            r"manifest's storage entries.*forged",
+            r"manifest's storage entries.*forged",
+        )
+    else:
+        refused_by_verify_loaded_exactly(where, tdcp.CheckpointIntegrityError, r"\.metadata.*forged")
 
 
 def _deflated_record(tensor: torch.Tensor) -> bytes:
@@ -181,11 +214,8 @@ def test_a_compressed_record_is_refused_before_torch_load(tmp_path: Path, kind: 
     moved = copy.copy(info)
     moved.offset, moved.length = len(data) - 64, len(record)
     md.storage_data[index] = moved
-    (path / ".metadata").write_bytes(pickle.dumps(md))
-    manifest = json.loads((path / "manifest.json").read_text())
-    for name in (".metadata", info.relative_path):
-        manifest["files"][name] = {"size": (path / name).stat().st_size, "checksum": file_checksum(path / name)}
-    (path / "manifest.json").write_text(json.dumps(seal(manifest)))
+    assert forging.write_metadata(path, md), "the moved record is not in the manifest's storage entries"
+    forging.reseal(path, info.relative_path)
     refused_by_verify_and_load(
         _at(kind, path, tmp_path), tdcp.CheckpointIntegrityError, "STORED|compressed", "compressed"
     )
@@ -194,11 +224,13 @@ def test_a_compressed_record_is_refused_before_torch_load(tmp_path: Path, kind: 
 def test_a_skeleton_naming_the_meta_device_is_refused(tmp_path: Path) -> None:
     """``"device": "meta"`` in a resealed skeleton would load a tensor without data: refused by load and verify."""
     path = tdcp.DistributedCheckpoint(**objects(1)).save(tmp_path / "c")
-    manifest = json.loads((path / "manifest.json").read_text())
-    text = json.dumps(manifest["components"]["stats"]["state"])
-    assert '"device": "cpu"' in text
-    manifest["components"]["stats"]["state"] = json.loads(text.replace('"device": "cpu"', '"device": "meta"'))
-    (path / "manifest.json").write_text(json.dumps(seal(manifest)))
+
+    def to_meta(manifest: dict[str, Any]) -> None:
+        text = json.dumps(manifest["components"]["stats"]["state"])
+        assert '"device": "cpu"' in text
+        manifest["components"]["stats"]["state"] = json.loads(text.replace('"device": "cpu"', '"device": "meta"'))
+
+    forging.edit(path, to_meta)
     refused_by_verify_and_load(path, tdcp.CheckpointFormatError, "meta device", "meta device")
     with pytest.raises(tdcp.EncodingError, match="meta device"):
         tdcp.DistributedCheckpoint(w={"x": torch.empty(3, device="meta")}).save(tmp_path / "m")
@@ -206,24 +238,24 @@ def test_a_skeleton_naming_the_meta_device_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("field", ["state_dict_metadata", "storage_data"])
 def test_metadata_with_containers_of_the_wrong_types_is_a_checkpoint_error(tmp_path: Path, field: str) -> None:
-    """A list where DCP writes a dict: ``verify`` and ``load`` say so (no AttributeError escapes)."""
+    """A list where DCP writes a dict: ``verify`` says so naming ``.metadata`` (no AttributeError escapes); the
+    manifest's entries cannot say it, so a load (which never reads ``.metadata``) restores the saved state."""
     path = tdcp.DistributedCheckpoint(**objects(1)).save(tmp_path / "c")
-    forge(path, lambda md, key: setattr(md, field, list(getattr(md, field).items())), WEIGHT)
-    with pytest.raises(tdcp.CheckpointFormatError, match="wrong types"):
-        tdcp.verify(path)
-    with pytest.raises(tdcp.CheckpointFormatError, match="wrong types"):
-        tdcp.DistributedCheckpoint(**objects(2)).load(path)
+    assert not forge(path, lambda md, key: setattr(md, field, list(getattr(md, field).items())), WEIGHT)
+    refused_by_verify_loaded_exactly(path, tdcp.CheckpointFormatError, r"\.metadata.*wrong types")
 
 
 def test_a_reference_with_another_shape_than_the_tensor_it_names_is_refused(tmp_path: Path) -> None:
     """A shared tensor (stored once, referenced as ``xref``) whose reference declares another shape: refused."""
     policy = torch.nn.Linear(16, 8)
     path = tdcp.DistributedCheckpoint(policy=policy, head={"w": policy.weight}).save(tmp_path / "c")
-    manifest = json.loads((path / "manifest.json").read_text())
-    text = json.dumps(manifest["components"]["head"]["state"])
-    assert '"t": "xref"' in text and '"shape": [8, 16]' in text
-    manifest["components"]["head"]["state"] = json.loads(text.replace('"shape": [8, 16]', '"shape": [16, 8]'))
-    (path / "manifest.json").write_text(json.dumps(seal(manifest)))
+
+    def reshape(manifest: dict[str, Any]) -> None:
+        text = json.dumps(manifest["components"]["head"]["state"])
+        assert '"t": "xref"' in text and '"shape": [8, 16]' in text
+        manifest["components"]["head"]["state"] = json.loads(text.replace('"shape": [8, 16]', '"shape": [16, 8]'))
+
+    forging.edit(path, reshape)
     with pytest.raises(tdcp.CheckpointError, match="refers to"):
         tdcp.verify(path)
     fresh = torch.nn.Linear(16, 8)
@@ -263,9 +295,7 @@ def test_a_bool_byte_other_than_0_or_1_is_refused_before_anything_changes(tmp_pa
     assert at is not None
     data[info.offset + at] = 2
     (path / info.relative_path).write_bytes(bytes(data))
-    m = json.loads((path / "manifest.json").read_text())
-    m["files"][info.relative_path]["checksum"] = file_checksum(path / info.relative_path)
-    (path / "manifest.json").write_text(json.dumps(seal(m)))
+    forging.reseal(path, info.relative_path)
     where = _at(kind, path, tmp_path)
     live = with_flags(1, torch.zeros(16, dtype=torch.bool))
     flags = live["flags"].done if into == "live" else live["flags"]["done"]
@@ -295,14 +325,13 @@ def test_a_forged_inventory_shape_is_refused_by_the_tools_before_anything_is_all
     tmp_path: Path, shape: list[int]
 ) -> None:
     """``iter_inventory`` (what ``diff`` reads through) allocates from the inventory: a resealed inventory claiming
-    4 TiB (or more elements than an int64 counts) is refused against DCP's metadata, a ``CheckpointError`` naming
+    4 TiB (or more elements than an int64 counts) is refused against the bytes its storage records hold (format 5:
+    DCP's metadata is built from the inventory and the manifest's storage entries), a ``CheckpointError`` naming
     the checkpoint, not a ``RuntimeError`` from the allocator."""
     from torchrl_dcp.extract import iter_inventory
 
     path = tdcp.DistributedCheckpoint(**objects(1)).save(tmp_path / "c")
-    m = json.loads((path / "manifest.json").read_text())
-    m["components"]["stats"]["inventory"][TABLE]["shape"] = shape
-    (path / "manifest.json").write_text(json.dumps(seal(m)))
-    with pytest.raises(tdcp.CheckpointError, match="DCP's metadata") as err:
+    forging.edit(path, lambda m: m["components"]["stats"]["inventory"][TABLE].__setitem__("shape", shape))
+    with pytest.raises(tdcp.CheckpointError, match=r"claims \d+ bytes but its records hold \d+") as err:
         list(iter_inventory(path, "stats"))
     assert str(path) in str(err.value)

@@ -4,6 +4,12 @@ Every damage case is applied to a real checkpoint of a module, an optimizer with
 state, a plain dict and a TensorDict; loading it must raise a ``CheckpointError``
 whose message names the file (or member) and the problem, leave every live object
 bit-for-bit unchanged, and ``verify`` must report the same damage without loading.
+
+Format 5: loads build DCP's metadata from the manifest's storage entries and never read
+``.metadata`` (only its size is checked); ``verify`` reads it. Damage or a planted pickle
+in ``.metadata`` alone is therefore refused by ``verify`` naming it, never run, and a load
+restores exactly the saved state; a forger who also moves the manifest's entries is
+refused by the load as before.
 """
 
 from __future__ import annotations
@@ -21,8 +27,8 @@ import torch
 from tensordict import TensorDict
 
 import torchrl_dcp as tdcp
+from tests import forging
 from torchrl_dcp.format.manifest import seal
-from torchrl_dcp.storage.filesums import file_checksum
 from torchrl_dcp.verification import verify
 
 DATA = "__0_0.distcp"
@@ -100,11 +106,16 @@ def refuse_unchanged(path: Path, match: str | None = None) -> tdcp.CheckpointErr
     return info.value
 
 
+def loads_exactly(path: Path) -> None:
+    """Load into fresh objects: exactly the saved state (``make_objects(1)``), whatever ``.metadata`` holds."""
+    objs = make_objects(2)
+    checkpoint(objs).load(path)
+    assert same(snapshot(objs), snapshot(make_objects(1))), "the load did not restore exactly the saved state"
+
+
 def reseal(path: Path, name: str) -> None:
     """Record ``name``'s current size and checksum in the manifest (a consistent forgery)."""
-    m = json.loads((path / "manifest.json").read_text())
-    m["files"][name] = {"size": (path / name).stat().st_size, "checksum": file_checksum(path / name)}
-    (path / "manifest.json").write_text(json.dumps(seal(m)))
+    forging.reseal(path, name)
 
 
 def edit_manifest(path: Path, fn: Callable[[dict[str, Any]], None]) -> None:
@@ -203,14 +214,21 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], str, str]] = {
 }
 
 
+# damage that only ``verify`` sees: loads never read ``.metadata``'s bytes (format 5), they restore the saved state
+VERIFY_ONLY = {"flipped byte in .metadata"}
+
+
 @pytest.mark.parametrize("case", sorted(DAMAGE))
 def test_damage_is_refused_naming_file_and_problem_objects_unchanged(tmp_path: Path, case: str) -> None:
     damage, file, problem = DAMAGE[case]
     path = saved(tmp_path)
     damage(path)
-    err = refuse_unchanged(path)
-    text = str(err)
-    assert file in text and problem in text, text
+    if case in VERIFY_ONLY:
+        loads_exactly(path)
+    else:
+        err = refuse_unchanged(path)
+        text = str(err)
+        assert file in text and problem in text, text
     with pytest.raises(tdcp.CheckpointError) as info:
         verify(path)
     assert file in str(info.value) and problem in str(info.value), str(info.value)
@@ -296,14 +314,16 @@ def test_save_never_writes_through_a_symlinked_destination(tmp_path: Path) -> No
 
 # ---------------------------------------------------------------------- planted pickles
 def test_pickle_in_metadata_never_runs(tmp_path: Path) -> None:
+    """A resealed ``.metadata`` that is a payload: ``verify`` refuses to unpickle it, naming it; a load never reads
+    it (its tensors are placed by the manifest) and restores exactly the saved state; nothing runs."""
     path = saved(tmp_path)
     marker = tmp_path / "pwned"
     (path / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
     reseal(path, ".metadata")
-    err = refuse_unchanged(path)
-    assert isinstance(err, tdcp.UnsafeCheckpointError) and ".metadata" in str(err) and "refused" in str(err)
-    with pytest.raises(tdcp.UnsafeCheckpointError):
+    loads_exactly(path)
+    with pytest.raises(tdcp.UnsafeCheckpointError) as info:
         verify(path)
+    assert ".metadata" in str(info.value) and "refused" in str(info.value), str(info.value)
     assert not marker.exists()
 
 
@@ -317,8 +337,9 @@ def test_pickle_nested_inside_valid_metadata_never_runs(tmp_path: Path) -> None:
     metadata.planner_data = {"x": Payload(marker)}
     (path / ".metadata").write_bytes(pickle.dumps(metadata))
     reseal(path, ".metadata")
-    err = refuse_unchanged(path)
-    assert isinstance(err, tdcp.UnsafeCheckpointError), err
+    loads_exactly(path)  # (loads never read .metadata)
+    with pytest.raises(tdcp.UnsafeCheckpointError, match=r"\.metadata"):
+        verify(path)
     assert not marker.exists()
 
 
@@ -365,7 +386,11 @@ def test_pickle_in_manifest_or_extra_file_never_runs(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
-def test_metadata_naming_files_outside_or_unlisted(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mirrored", [False, True], ids=["metadata only", "manifest entries too"])
+def test_metadata_naming_files_outside_or_unlisted(tmp_path: Path, mirrored: bool) -> None:
+    """Records naming a file outside the checkpoint, or one it does not list. In ``.metadata`` only: ``verify``
+    refuses naming it and the problem, a load (which never reads it) restores exactly the saved state. Moved in the
+    manifest's storage entries too (a complete forger): the load and ``verify`` refuse naming the file."""
     from torchrl_dcp.storage.filesystem import safe_load_metadata
 
     for target, problem in (
@@ -378,11 +403,19 @@ def test_metadata_naming_files_outside_or_unlisted(tmp_path: Path) -> None:
         metadata = safe_load_metadata(path / ".metadata")
         for info in metadata.storage_data.values():
             info.relative_path = target
-        (path / ".metadata").write_bytes(pickle.dumps(metadata))
-        reseal(path, ".metadata")
-        refuse_unchanged(path, problem)
-        with pytest.raises(tdcp.CheckpointError, match=problem):
-            verify(path)
+        if mirrored:
+            assert forging.write_metadata(path, metadata)
+            refuse_unchanged(path, f"names {target!r}, which is not in 'files'")
+            with pytest.raises(tdcp.CheckpointError, match="which is not in 'files'") as info:
+                verify(path)
+            assert repr(target) in str(info.value), str(info.value)
+        else:
+            (path / ".metadata").write_bytes(pickle.dumps(metadata))
+            reseal(path, ".metadata")
+            loads_exactly(path)
+            with pytest.raises(tdcp.CheckpointError, match=problem) as info:
+                verify(path)
+            assert ".metadata" in str(info.value), str(info.value)
 
 
 # ---------------------------------------------------------------------- archives
@@ -413,9 +446,19 @@ ARCHIVE_DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
         "central directory",
     ),
     "trailing bytes": (lambda p: p.write_bytes(p.read_bytes() + b"junk"), "end record"),
-    "flipped byte in a member": (lambda p: flip(p, 0.3), "damaged"),
+    "flipped byte in a member": (lambda p: _flip_member(p, DATA), "damaged"),
     "empty file": (lambda p: p.write_bytes(b""), "ZIP"),
 }
+
+
+def _flip_member(p: Path, name: str) -> None:
+    """Flip a bit in the middle of member ``name``'s data (a member a load reads: loads never read ``.metadata``)."""
+    from torchrl_dcp.storage.archive import read_index
+
+    member = read_index(p)[name]
+    data = bytearray(p.read_bytes())
+    data[member.data_offset + member.size // 2] ^= 0x01
+    p.write_bytes(bytes(data))
 
 
 def _patch_end(p: Path, fn: Callable[[int, int], tuple[int, int]]) -> None:
@@ -436,6 +479,16 @@ def test_damaged_archive_is_refused(tmp_path: Path, case: str) -> None:
     err = refuse_unchanged(path)
     assert "ckpt.zip" in str(err) and problem in str(err), str(err)
     with pytest.raises(tdcp.CheckpointError, match=problem):
+        verify(path)
+
+
+def test_damaged_metadata_member_is_refused_by_verify_and_never_read_by_a_load(tmp_path: Path) -> None:
+    """A flipped byte in the archive's ``.metadata``: ``verify`` refuses naming the member; a load reads the
+    manifest's storage entries instead and restores exactly the saved state."""
+    path = archive(tmp_path)
+    _flip_member(path, ".metadata")
+    loads_exactly(path)
+    with pytest.raises(tdcp.CheckpointIntegrityError, match=r"ckpt\.zip::\.metadata: checksum.*damaged"):
         verify(path)
 
 
@@ -476,9 +529,8 @@ def test_pickle_in_archive_metadata_never_runs(tmp_path: Path) -> None:
     (path / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
     reseal(path, ".metadata")
     bad = tdcp.to_archive(path, tmp_path / "bad.zip")
-    err = refuse_unchanged(bad)
-    assert isinstance(err, tdcp.UnsafeCheckpointError), err
-    with pytest.raises(tdcp.UnsafeCheckpointError):
+    loads_exactly(bad)  # (loads never read .metadata)
+    with pytest.raises(tdcp.UnsafeCheckpointError, match=r"bad\.zip::\.metadata"):
         verify(bad)
     assert not marker.exists()
 

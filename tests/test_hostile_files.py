@@ -65,15 +65,19 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return with_tensors, json_only
 
 
-def _entry_points(path: Path, tmp: Path, name: str) -> dict[str, Callable[[], object]]:
+def _entry_points(path: Path, tmp: Path, name: str, json_only: bool) -> dict[str, Callable[[], object]]:
     def load() -> object:
+        """A load of the components the checkpoint holds (so that it reaches the files: a load asking for a component
+        the checkpoint lacks is refused for that first, before any file is opened)."""
         model = torch.nn.Linear(3, 2)
+        stats: dict[str, object] = {"episodes": 0}
         before = {k: v.clone() for k, v in model.state_dict().items()}
-        ckpt = tdcp.DistributedCheckpoint(policy=model) if (path / "manifest.json").exists() else None
+        ckpt = tdcp.DistributedCheckpoint(stats=stats) if json_only else tdcp.DistributedCheckpoint(policy=model)
         try:
-            return (ckpt or tdcp.DistributedCheckpoint(stats={})).load(path)
+            return ckpt.load(path)
         finally:
             assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+            assert stats == {"episodes": 0}
 
     def rotation_resume() -> object:
         """The planted entry is the newest of a rotation: resume skips it for the older, intact one."""
@@ -122,7 +126,7 @@ def test_planted_special_files_are_refused_quickly(
     outside.write_bytes(b"\x80\x04K\x01." * 100)  # bytes that are not a checkpoint file (a tiny pickle, too)
     name = ".metadata" if target == "unlisted .metadata" else target
     _plant(path / name, kind, outside)
-    run = _entry_points(path, tmp_path, name)[entry]
+    run = _entry_points(path, tmp_path, name, json_only=source == json_only)[entry]
     with deadline(20):
         if target == "unlisted .metadata" and entry == "cli_diff":
             run()  # a JSON-only checkpoint's diff reads no file: the planted one is never opened (no hang)

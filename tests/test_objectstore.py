@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 import torchrl_dcp as tdcp
 from torchrl_dcp.cli import main as cli
-from torchrl_dcp.format.layout import identity_trailer
+from torchrl_dcp.format.layout import identity_trailer, shard_name
 from torchrl_dcp.storage.objectstore_save import PENDING, marker_for
 from torchrl_dcp.storage.objectstore_tools import download_checkpoint
 from torchrl_dcp.storage.urls import StorePath, copy_object, resolve_path
@@ -78,9 +78,9 @@ def test_save_load_verify_round_trip(store: tuple[str, dict[str, Any]]) -> None:
     assert result.loaded == {"policy", "optim", "big", "stats"} and result.step == 1
     assert result.values["stats"] == {"episodes": 1} and _same(saved, fresh)
     summary = tdcp.verify(f"{url}/step-1", storage_options=options)
-    assert summary["files"] == 2 and summary["tensors"] > 4
+    assert summary["files"] == 3 and summary["tensors"] > 4  # .metadata, the data, rank 0's manifest shard
     names = sorted(n.rsplit("/", 1)[-1] for n in _store_fs(url, options).ls(path.key, detail=False))
-    assert names == [".metadata", "__0_0.distcp", "manifest.json"]
+    assert names == [".metadata", "__0_0.distcp", shard_name(0), "manifest.json"]  # (stats is per_rank: a shard)
     assert not _store_fs(url, options).exists(marker_for(path).key)  # the marker went with the commit
 
 
@@ -89,7 +89,8 @@ def test_same_format_as_a_local_save(store: tuple[str, dict[str, Any]], tmp_path
     objs = _objects(3)
     remote = _ckpt(objs, options).save(f"{url}/c", step=3)
     local = download_checkpoint(remote, tmp_path / "copy")  # byte for byte, checksums compared
-    assert tdcp.verify(local)["files"] == 2
+    assert tdcp.verify(local)["files"] == 3  # .metadata, the data, rank 0's manifest shard
+    assert sorted(p.name for p in local.iterdir()) == [".metadata", "__0_0.distcp", shard_name(0), "manifest.json"]
     target = {"replicated/big/x": torch.zeros(3_000_000)}
     dcp.load(target, checkpoint_id=str(local), no_dist=True)  # a plain DCP load reads the same layout
     assert torch.equal(target["replicated/big/x"], objs["big"]["x"])
@@ -194,19 +195,28 @@ def _damage(url: str, options: dict[str, Any], name: str, how: str) -> None:
         ("__0_0.distcp", "flip", "checksum is crc32:"),
         ("__0_0.distcp", "truncate", "truncated or altered"),
         (".metadata", "flip", "checksum is crc32:"),
+        (shard_name(0), "flip", "checksum is crc32:"),
     ],
 )
 def test_damaged_objects_are_refused(store: tuple[str, dict[str, Any]], name: str, how: str, match: str) -> None:
+    """A damaged object: ``verify`` refuses naming it; a load refuses naming it with nothing restored, except for
+    ``.metadata``, which loads never read (format 5: the manifest places the tensors), so that one loads exactly."""
     url, options = store
-    _ckpt(_objects(12), options).save(f"{url}/c")
+    saved = _objects(12)
+    _ckpt(saved, options).save(f"{url}/c")
     _damage(url, options, name, how)
     fresh = _objects(13)
     before = fresh["big"]["x"].clone()
-    with pytest.raises(tdcp.CheckpointError, match=match) as err:
+    if name == ".metadata":
         _ckpt(fresh, options).load(f"{url}/c")
-    assert name in str(err.value) and torch.equal(fresh["big"]["x"], before)  # names the object; nothing restored
-    with pytest.raises(tdcp.CheckpointError, match=match):
+        assert _same(saved, fresh) and fresh["stats"] == {"episodes": 12}
+    else:
+        with pytest.raises(tdcp.CheckpointError, match=match) as err:
+            _ckpt(fresh, options).load(f"{url}/c")
+        assert name in str(err.value) and torch.equal(fresh["big"]["x"], before)  # names the object; nothing restored
+    with pytest.raises(tdcp.CheckpointError, match=match) as err:
         tdcp.verify(f"{url}/c", storage_options=options)
+    assert name in str(err.value)
 
 
 class _Boom:
@@ -215,8 +225,11 @@ class _Boom:
 
 
 def test_hostile_metadata_is_never_unpickled(store: tuple[str, dict[str, Any]]) -> None:
+    """A payload as ``.metadata``, resealed in the root manifest: ``verify`` refuses to unpickle it; a load never reads
+    it (format 5: the manifest places the tensors) and restores exactly the saved state; nothing runs."""
     url, options = store
-    _ckpt(_objects(14), options).save(f"{url}/c")
+    saved = _objects(14)
+    _ckpt(saved, options).save(f"{url}/c")
     root = resolve_path(f"{url}/c", options)
     payload = pickle.dumps(_Boom())
     root.fs.pipe_file((root / ".metadata").key, payload)
@@ -227,10 +240,11 @@ def test_hostile_metadata_is_never_unpickled(store: tuple[str, dict[str, Any]]) 
 
     root.fs.pipe_file((root / "manifest.json").key, dumps(seal(manifest)))
     Path("/tmp/tdcp-pwned-objstore").unlink(missing_ok=True)
-    with pytest.raises(tdcp.CheckpointError, match="refused to unpickle builtins.exec"):
-        _ckpt(_objects(15), options).load(root)
-    with pytest.raises(tdcp.CheckpointError, match="refused to unpickle"):
+    with pytest.raises(tdcp.UnsafeCheckpointError, match=r"\.metadata.*refused to unpickle builtins\.exec"):
         tdcp.verify(root)
+    fresh = _objects(15)
+    _ckpt(fresh, options).load(root)
+    assert _same(saved, fresh) and fresh["stats"] == {"episodes": 14}
     assert not Path("/tmp/tdcp-pwned-objstore").exists()
 
 
@@ -262,7 +276,7 @@ def test_convert_and_export_through_urls(store: tuple[str, dict[str, Any]], tmp_
     objs = _objects(18)
     remote = _ckpt(objs, options).save(f"{url}/c", step=4)
     archive = tdcp.to_archive(remote, tmp_path / "c.zip")  # URL -> local archive
-    assert tdcp.verify(archive)["files"] == 2
+    assert tdcp.verify(archive)["files"] == 3  # .metadata, the data, rank 0's manifest shard
     back = tdcp.to_directory(archive, resolve_path(f"{url}/back", options))  # local archive -> URL
     fresh = _objects(19)
     assert _ckpt(fresh, options).load(back).step == 4 and _same(objs, fresh)

@@ -77,8 +77,8 @@ def _opened_during(fn: Any) -> list[str]:
 
 
 def own_files_only(directory: str, plant: bool) -> dict[str, Any]:
-    """Per-rank state only: which data files each rank opens while loading; with ``plant``, a file the manifest does
-    not list is planted first (rank 0, which checks the whole listing, refuses it; every rank raises)."""
+    """Per-rank state only: which data files (and which manifest files, shards and ``.metadata``) each rank opens
+    while loading; with ``plant``, a file the manifest does not list is planted first (rank 0, which checks the whole listing, refuses it; every rank raises)."""
     rank = dist.get_rank()
     state = {f"t{i}": torch.full((64,), float(rank * 10 + i)) for i in range(8)}
     ckpt = tdcp.DistributedCheckpoint()
@@ -92,7 +92,12 @@ def own_files_only(directory: str, plant: bool) -> dict[str, Any]:
         opened = _opened_during(lambda: ckpt.load(path))
     except tdcp.CheckpointError as err:
         return {"error": type(err).__name__, "message": str(err)}
-    return {"error": None, "opened": sorted(n for n in opened if n.endswith(".distcp"))}
+    listed = {p.name for p in path.iterdir()}
+    return {
+        "error": None,
+        "opened": sorted(n for n in opened if n.endswith(".distcp")),
+        "metadata_opened": sorted({n for n in opened if n in listed and not n.endswith(".distcp")}),
+    }
 
 
 def rotation_save(directory: str) -> list[str]:

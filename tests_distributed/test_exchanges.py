@@ -41,6 +41,10 @@ def test_a_rank_opens_its_own_data_files_and_rank_0_checks_the_listing(tmp_path:
             assert others, r.value  # the whole listing
         else:
             assert others == [], r.value
+        # the metadata a rank reads: the root and its own shard (format 5), never another rank's, never .metadata
+        # (rank 0 opens every listed file for its size: the whole listing)
+        if r.rank != 0:
+            assert r.value["metadata_opened"] == sorted(["manifest.json", f"manifest-{r.rank}.json"]), r.value
 
 
 def test_a_planted_file_is_refused_by_rank_0_and_the_load_fails_on_every_rank(tmp_path: Path) -> None:

@@ -301,7 +301,7 @@ def metadata_from_index(manifest: dict[str, Any], checkpoint_id: Any, where: Any
     placed = {e[0] for e in entries} | {c.key for c in chunks}
     missing = [k for k in tensors if k not in placed]
     if missing:
-        raise CheckpointFormatError(
+        raise CheckpointIntegrityError(
             f"the manifest places no bytes for tensors {sorted(missing)[:3]}: damaged or forged", path=where
         )
     return build_metadata(tensors, entries, checkpoint_id, manifest.get("save_id"), chunks)  # type: ignore[arg-type]

@@ -1,0 +1,184 @@
+"""Format 5: per-rank manifest shards, storage entries in the manifest, ``.metadata`` spliced from every rank's part.
+
+Multi-rank behaviour (each rank writes and reads its own shard) is in ``tests_distributed/test_exchanges.py``;
+these are the single-process guarantees: the layout, that a load never parses ``.metadata``, that the spliced
+``.metadata`` is what a plain ``dcp.load`` reads, and that shards are checked against their root.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata
+
+import torchrl_dcp as tdcp
+import torchrl_dcp.storage.source as source_module
+from tests import forging
+from torchrl_dcp.format.dcp_metadata import metadata_fragments, parse_metadata, spliced_metadata
+from torchrl_dcp.format.layout import shard_name
+from torchrl_dcp.storage.writer import build_metadata
+
+
+def _save(path: Path, seed: int = 0) -> tuple[Path, dict[str, Any]]:
+    g = torch.Generator().manual_seed(seed)
+    objs = {
+        "policy": {"w": torch.randn(4, 3, generator=g)},
+        "stats": {"x": torch.randn(5, generator=g), "n": seed},
+    }
+    ckpt = tdcp.DistributedCheckpoint(policy=objs["policy"])
+    ckpt.register("stats", objs["stats"], placement="per_rank")
+    return ckpt.save(path, step=seed), objs
+
+
+def _load(path: Any) -> dict[str, Any]:
+    objs = {"policy": {"w": torch.zeros(4, 3)}, "stats": {"x": torch.zeros(5), "n": -1}}
+    ckpt = tdcp.DistributedCheckpoint(policy=objs["policy"])
+    ckpt.register("stats", objs["stats"], placement="per_rank")
+    ckpt.load(path)
+    return objs
+
+
+def test_per_rank_state_is_in_the_rank_s_shard_and_readers_see_it_assembled(tmp_path: Path) -> None:
+    path, _ = _save(tmp_path / "c")
+    root = json.loads((path / "manifest.json").read_text())
+    shard = json.loads((path / shard_name(0)).read_text())
+    assert root["format_version"] == 5 and root["sharded"] is True
+    assert set(root["components"]["stats"]) == {"adapter", "adapter_version", "placement", "num_tensors", "nbytes"}
+    assert "state" in root["components"]["policy"] and "inventory" in root["components"]["policy"]
+    assert [e[0] for e in root["index"]["entries"]] == ["replicated/policy/w"]
+    assert shard["rank"] == 0 and shard["save_id"] == root["save_id"]
+    assert list(shard["components"]["stats"]["inventory"]) == ["rank/0/stats/x"]
+    assert [e[0] for e in shard["entries"]] == ["rank/0/stats/x"]
+    assert shard_name(0) in root["files"]
+    m = tdcp.read_manifest(path)  # what tools see: the format-4 shape
+    assert m["components"]["stats"]["ranks"]["0"]["state"] == shard["components"]["stats"]["state"]
+    assert sorted(m["components"]["stats"]["inventory"]) == ["rank/0/stats/x"]
+    assert sorted(e[0] for e in m["index"]["entries"]) == ["rank/0/stats/x", "replicated/policy/w"]
+    assert m["shards_read"] == [0]
+
+
+def test_a_save_of_replicated_state_only_writes_no_shard(tmp_path: Path) -> None:
+    path = tdcp.DistributedCheckpoint(w={"x": torch.ones(2)}).save(tmp_path / "c")
+    root = json.loads((path / "manifest.json").read_text())
+    assert root["sharded"] is False and not list(path.glob("manifest-*.json"))
+    assert tdcp.read_manifest(path)["shards_read"] is None
+
+
+def test_a_load_never_parses_the_metadata_file_and_verify_does(tmp_path: Path, monkeypatch: Any) -> None:
+    path, saved = _save(tmp_path / "c", seed=3)
+    parsed: list[str] = []
+    original = source_module.parse_metadata
+
+    def counting(data: bytes, where: Any) -> Any:
+        parsed.append(str(where))
+        return original(data, where)
+
+    monkeypatch.setattr(source_module, "parse_metadata", counting)
+    loaded = _load(path)
+    assert parsed == []
+    assert torch.equal(loaded["policy"]["w"], saved["policy"]["w"]) and torch.equal(
+        loaded["stats"]["x"], saved["stats"]["x"]
+    )
+    assert loaded["stats"]["n"] == 3
+    tdcp.verify(path)
+    assert parsed and parsed[0].endswith(".metadata")
+
+
+def test_the_spliced_metadata_is_what_plain_dcp_load_reads(tmp_path: Path) -> None:
+    """The ``.metadata`` rank 0 concatenates from every rank's pickled part loads as one ``Metadata`` holding every
+    key, and a plain ``dcp.load`` reads every tensor back exactly."""
+    path, saved = _save(tmp_path / "c", seed=5)
+    state = {"replicated/policy/w": torch.empty(4, 3), "rank/0/stats/x": torch.empty(5)}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    assert torch.equal(state["replicated/policy/w"], saved["policy"]["w"])
+    assert torch.equal(state["rank/0/stats/x"], saved["stats"]["x"])
+
+
+def test_splicing_gives_the_metadata_pickle_would_give() -> None:
+    """Fragments pickled by several processes, each with its own memo, concatenate into one valid pickle."""
+    parts = []
+    for r in range(3):
+        tensors = {f"rank/{r}/s/{i}": (torch.float32, (i + 1, 2)) for i in range(1200)}  # > one SETITEMS batch
+        entries = [(k, f"__{r}_0.distcp", 100 * i, 90) for i, k in enumerate(tensors)]
+        parts.append(build_metadata(tensors, entries, "c", "0" * 32))
+    shared = build_metadata(
+        {"replicated/p": (torch.int64, (3,))}, [("replicated/p", "__0_0.distcp", 0, 10)], "c", "0" * 32
+    )
+    data = spliced_metadata(shared, [metadata_fragments(p) for p in parts])
+    whole = parse_metadata(data, "spliced")  # the allow-list unpickler
+    plain = pickle.loads(data)
+    assert isinstance(whole, Metadata) and whole.storage_meta.save_id == "0" * 32
+    expected_state = {**shared.state_dict_metadata, **{k: v for p in parts for k, v in p.state_dict_metadata.items()}}
+    expected_storage = {**shared.storage_data, **{k: v for p in parts for k, v in p.storage_data.items()}}
+    for md in (whole, plain):
+        assert md.state_dict_metadata == expected_state
+        assert md.storage_data == expected_storage
+
+
+def test_a_shard_of_another_save_is_refused_naming_it(tmp_path: Path) -> None:
+    path, _ = _save(tmp_path / "c", seed=1)
+    other, _ = _save(tmp_path / "o", seed=2)
+    shutil.copyfile(other / shard_name(0), path / shard_name(0))
+    _record_only(path, shard_name(0))
+    with pytest.raises(tdcp.CheckpointIntegrityError, match=r"manifest-0\.json.*|another save"):
+        _load(path)
+    with pytest.raises(tdcp.CheckpointIntegrityError, match="another save"):
+        tdcp.verify(path)
+
+
+def _record_only(path: Path, name: str) -> None:
+    """Record ``name``'s size and CRC-32 in the root, reseal the root, leave every shard as it is on disk."""
+    from torchrl_dcp.format.manifest import dumps, seal
+    from torchrl_dcp.storage.filesums import file_checksum
+
+    root = json.loads((path / "manifest.json").read_text())
+    root["files"][name] = {"size": (path / name).stat().st_size, "checksum": file_checksum(path / name)}
+    (path / "manifest.json").write_bytes(dumps(seal(root)))
+
+
+@pytest.mark.parametrize("key", ["replicated/policy/w", "rank/1/stats/x"])
+def test_a_shard_may_place_only_its_own_tensors(tmp_path: Path, key: str) -> None:
+    """A resealed shard with an entry for a tensor it does not hold (a replicated one, another rank's) is refused."""
+    path, _ = _save(tmp_path / "c")
+    shard = json.loads((path / shard_name(0)).read_text())
+    shard["entries"].append([key, "__0_0.distcp", 0, 8])
+    from torchrl_dcp.format.manifest import dumps
+
+    (path / shard_name(0)).write_bytes(dumps(shard))
+    _record_only(path, shard_name(0))
+    for action in (lambda: _load(path), lambda: tdcp.verify(path)):
+        with pytest.raises(tdcp.CheckpointFormatError, match=rf"manifest-0\.json.*{key}|{key}.*does not hold"):
+            action()
+
+
+def test_a_forged_index_that_reseals_everything_but_metadata_is_refused_by_verify(tmp_path: Path) -> None:
+    """Entries moved in the manifest alone (``.metadata`` left as saved): the load reads what the manifest says (here
+    a record of the same shape: the other tensor's bytes), verify refuses because ``.metadata`` places it elsewhere."""
+    path, saved = _save(tmp_path / "c", seed=7)
+    m = forging.read_parts(path)
+    entries = {e[0]: e for e in m["index"]["entries"]}
+    w, x = entries["replicated/policy/w"], entries["rank/0/stats/x"]
+    assert w[1] == x[1]
+    x[2], x[3] = w[2], w[3]  # x's entry now points at w's record (another shape: refused by the record check)
+    forging.write_parts(path, m)
+    with pytest.raises(tdcp.CheckpointIntegrityError, match="rank/0/stats/x"):
+        _load(path)
+    with pytest.raises(tdcp.CheckpointError):
+        tdcp.verify(path)
+
+
+def test_a_damaged_shard_is_refused_before_it_is_parsed(tmp_path: Path) -> None:
+    path, _ = _save(tmp_path / "c")
+    data = bytearray((path / shard_name(0)).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (path / shard_name(0)).write_bytes(bytes(data))
+    for action in (lambda: _load(path), lambda: tdcp.verify(path)):
+        with pytest.raises(tdcp.CheckpointIntegrityError, match=r"manifest-0\.json"):
+            action()
