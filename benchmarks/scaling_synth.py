@@ -166,6 +166,12 @@ def _simulate(world: int, reps: int) -> dict[str, Any]:
     load_metadata()
     parse_peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
+    tracemalloc.start()  # the JSON alone: the root and the shard parsed and validated, kept (what a load holds)
+    parsed_root = loads_manifest(manifest, "synthetic")
+    held = (parsed_root, parse_shard(shard, parsed_root, me, "shard"))
+    json_peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    del held
     unpickle_meta_s, whole = _t(lambda: parse_metadata(meta, "synthetic"), 1)
     assert all(k in whole.state_dict_metadata for k in metadata.state_dict_metadata)  # the splice holds every rank's
     mine = {k: None for k in encoded[-1].flat}
@@ -186,6 +192,7 @@ def _simulate(world: int, reps: int) -> dict[str, Any]:
         "commit_payload_bytes_per_rank": statistics.median(len(p) for p in payloads),
         "load_parsed_bytes_per_rank": len(manifest) + len(shard),
         "load_parse_peak_bytes": parse_peak,
+        "load_json_parse_peak_bytes": json_peak,
         "every_rank": {
             "encode_own_state_s": encode_s,
             "plan_local_s": plan_s,

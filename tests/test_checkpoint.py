@@ -75,14 +75,24 @@ def test_layout_and_manifest(tmp_path: Path) -> None:
     ckpt.register("stats", {"episodes": 3}, placement="per_rank")
     path = ckpt.save(tmp_path / "c", step=5)
     names = sorted(p.name for p in path.iterdir())
-    assert names == [".metadata", "__0_0.distcp", "manifest.json"]
-    m = json.loads((path / "manifest.json").read_text())
-    assert m["format"] == "torchrl_dcp" and m["format_version"] == 4 and m["world_size"] == 1
+    assert names == [".metadata", "__0_0.distcp", "manifest-0.json", "manifest.json"]
+    m = json.loads((path / "manifest.json").read_text())  # the root
+    assert m["format"] == "torchrl_dcp" and m["format_version"] == 5 and m["world_size"] == 1
+    assert m["sharded"] is True
     assert set(m["versions"]) == {"torch", "tensordict", "torchrl", "torchrl_dcp"}
     assert m["components"]["model"]["placement"] == "replicated"
-    assert m["components"]["stats"]["ranks"]["0"]["state"]["items"] == [["episodes", 3]]
-    assert set(m["files"]) == {".metadata", "__0_0.distcp"}
+    assert m["components"]["stats"]["placement"] == "per_rank"
+    assert "ranks" not in m["components"]["stats"] and "inventory" not in m["components"]["stats"]
+    assert set(m["files"]) == {".metadata", "__0_0.distcp", "manifest-0.json"}
     assert all(f["checksum"].startswith("crc32:") for f in m["files"].values())
+    replicated = {k for name in ("model", "optimizer") for k in m["components"][name]["inventory"]}
+    assert {e[0] for e in m["index"]["entries"]} == replicated  # where the root's tensors' records are
+    assert all(e[1] == "__0_0.distcp" and e[2] >= 0 and e[3] > 0 for e in m["index"]["entries"])
+    shard = json.loads((path / "manifest-0.json").read_text())  # rank 0's per-rank states
+    assert shard["format"] == "torchrl_dcp.shard" and shard["format_version"] == 5
+    assert shard["rank"] == 0 and shard["save_id"] == m["save_id"]
+    assert shard["components"]["stats"] == {"state": {"t": "dict", "items": [["episodes", 3]]}, "inventory": {}}
+    assert tdcp.read_manifest(path)["components"]["stats"]["ranks"]["0"]["state"]["items"] == [["episodes", 3]]
 
 
 def test_plain_dcp_load_finds_tensors_under_documented_keys(tmp_path: Path) -> None:

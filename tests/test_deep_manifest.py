@@ -1,7 +1,8 @@
 """A manifest nested deeply anywhere, sealed so that only its shape is wrong.
 
-Every place a forger can nest (a replicated state, a per-rank state, a tensor inventory,
-a file record, the user's metadata, the chunk table), every container kind, depths past
+Every place a forger can nest (a replicated state, a per-rank state and inventory, which
+format 5 keeps in the rank's manifest shard, a tensor inventory, a storage entry, a file
+record, the user's metadata, the chunk table), every container kind, depths past
 the manifest's limit and near Python's recursion limit, in the current format and in an
 older one (migrations walk states recursively): ``load`` and ``verify`` refuse it with a
 ``CheckpointError`` (never a ``RecursionError``); ``inspect``, ``convert`` and ``diff``, which never decode
@@ -21,8 +22,9 @@ import pytest
 import torch
 
 import torchrl_dcp as tdcp
+from tests import forging
 from torchrl_dcp.cli import main
-from torchrl_dcp.format.manifest import seal
+from torchrl_dcp.format.layout import shard_name
 
 WRAP: dict[str, Callable[[Any], Any]] = {
     "skeleton list": lambda n: {"t": "list", "items": [n]},
@@ -50,6 +52,12 @@ PLACES: dict[str, Callable[[dict[str, Any], Any], None]] = {
     "next to an inventory entry": lambda m, deep: next(
         iter(m["components"]["model"]["inventory"].values())
     ).__setitem__("extra", deep),
+    "per-rank inventory entry": lambda m, deep: next(  # format 5: in the rank's manifest shard
+        iter(m["components"]["rng"]["inventory"].values())
+    ).__setitem__("shape", [deep]),
+    "storage entry": lambda m, deep: m.__setitem__(  # format 5: the index (a format-3 manifest's is dropped)
+        "index", {"entries": [["replicated/model/weight", deep, 0, 0]]}
+    ),
     "file record": lambda m, deep: m["files"][".metadata"].__setitem__("extra", deep),
     "user metadata": lambda m, deep: m["metadata"].__setitem__("deep", deep),
     "chunk table": lambda m, deep: m.setdefault("chunks", {}).__setitem__("model/weight", [deep]),
@@ -63,17 +71,21 @@ def _state() -> dict[str, Any]:
 
 def _forge(tmp_path: Path, place: str, kind: str, depth: int, old_format: bool) -> Path:
     path = tdcp.DistributedCheckpoint(**_state()).save(tmp_path / "ck", metadata={"run": 1})
-    m = json.loads((path / "manifest.json").read_text())
-    if old_format:  # format 3: no chunk table, no commit counter (migrated on load)
+    m = forging.read_parts(path)  # the root with its shards merged in: per-rank states where a reader sees them
+    if old_format:  # format 3: one manifest file, no chunk table, no commit counter, no index (migrated on load)
         m["format_version"] = 3
-        m.pop("chunks", None)
-        m.pop("sequence", None)
+        for field in ("chunks", "sequence", "sharded", "index"):
+            m.pop(field, None)
+        for r in range(m["world_size"]):
+            m["files"].pop(shard_name(r), None)
+            (path / shard_name(r)).unlink()
+        assert "ranks" in m["components"]["rng"]  # the per-rank state is in the one file, as format 3 kept it
     PLACES[place](m, _nest(kind, depth))
     m.pop("manifest_checksum", None)
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(10_000)  # the forger's own json.dumps
     try:
-        (path / "manifest.json").write_text(json.dumps(seal(m)))
+        forging.write_parts(path, m)  # the root (and, in format 5, the shard holding a per-rank state) resealed
     finally:
         sys.setrecursionlimit(limit)
     return path

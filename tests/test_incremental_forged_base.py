@@ -1,7 +1,8 @@
 """Incremental saves never keep a base file on the manifest's word: forged bases give honest checkpoints.
 
 The forger can write the base checkpoint and reseal every checksum the format documents
-(each file's size and CRC-32, the chunk table, the manifest's own checksum). A chunk file
+(each file's size and CRC-32, the chunk table and storage entries, the rank's manifest shard,
+``.metadata``, the manifest's own checksum). A chunk file
 is kept only when this process wrote (or compared) it and a ``fstat`` shows it unchanged,
 or when it is read and found byte for byte equal to the live rows
 (:mod:`torchrl_dcp.storage.proven`); otherwise its rows are written anew. Each case: the
@@ -10,7 +11,6 @@ incremental checkpoint equals a full save of the same live state, bit for bit.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 import torchrl_dcp as tdcp
+from tests import forging
 from tests.test_incremental import (
     assert_same_checkpoint,
     base_and_buffer,
@@ -27,23 +28,22 @@ from tests.test_incremental import (
     kept_files,
     small_chunks,  # noqa: F401 - the autouse fixture: chunk files of a few KiB
 )
-from torchrl_dcp.format.manifest import seal
 from torchrl_dcp.storage import chunk_writer, proven
-from torchrl_dcp.storage.filesums import file_checksum
 
 
 def edit_manifest(path: Path, fn: Callable[[dict[str, Any]], None]) -> None:
-    m = json.loads((path / "manifest.json").read_text())
+    """Edit the manifest (root and shards, as readers see it) and reseal it; where the storage entries (the chunk
+    table's places) changed, ``.metadata`` is rewritten to say the same (a forger moves a record in both)."""
+    m = forging.read_parts(path)
+    before = forging.places(m)
     fn(m)
-    (path / "manifest.json").write_text(json.dumps(seal(m)))
+    if forging.places(m) != before:
+        assert forging.mirror_into_metadata(path, m)
+    forging.write_parts(path, m)
 
 
 def reseal(path: Path, *names: str) -> None:
-    def fn(m: dict[str, Any]) -> None:
-        for name in names:
-            m["files"][name].update(size=(path / name).stat().st_size, checksum=file_checksum(path / name))
-
-    edit_manifest(path, fn)
+    forging.reseal(path, *names)
 
 
 def rewrite_rows_in_place(base: Path, name: str) -> int:

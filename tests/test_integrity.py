@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import torchrl_dcp as tdcp
+from tests import forging
 from torchrl_dcp.format.manifest import seal
-from torchrl_dcp.storage.filesums import file_checksum
 from torchrl_dcp.storage.filesystem import safe_load_metadata
 
 
@@ -32,9 +32,7 @@ def save(tmp_path: Path) -> tuple[Path, torch.nn.Module]:
 
 def reseal(path: Path, name: str) -> None:
     """Update the manifest's record of ``name`` so that only the content check remains."""
-    m = json.loads((path / "manifest.json").read_text())
-    m["files"][name] = {"size": (path / name).stat().st_size, "checksum": file_checksum(path / name)}
-    (path / "manifest.json").write_text(json.dumps(seal(m)))
+    forging.reseal(path, name)
 
 
 def load_into_fresh(path: Path) -> torch.nn.Module:
@@ -46,16 +44,30 @@ def load_into_fresh(path: Path) -> torch.nn.Module:
     return info
 
 
+def loads_exactly_the_save(path: Path, model: torch.nn.Module) -> None:
+    """A load of ``path`` restores exactly the state ``model`` was saved with (format 5: loads read the manifest's
+    storage entries, never ``.metadata``, so a forgery of ``.metadata`` alone is neither read nor restored)."""
+    target = torch.nn.Linear(3, 2)
+    stats: dict[str, object] = {}
+    tdcp.DistributedCheckpoint(model=target, stats=stats).load(path)
+    assert all(torch.equal(target.state_dict()[k], v) for k, v in model.state_dict().items())
+    assert stats == {"n": 1}
+
+
 def test_planted_pickle_in_metadata_is_refused_and_never_run(tmp_path: Path) -> None:
-    path, _ = save(tmp_path)
+    """Format 5: loads never read ``.metadata`` (the manifest says where records are), so a planted pickle there is
+    never unpickled by a load, which restores exactly the saved state; ``verify``, which reads ``.metadata``, refuses
+    it as unsafe, naming it, without running it."""
+    path, model = save(tmp_path)
     marker = tmp_path / "pwned"
     (path / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
     reseal(path, ".metadata")
-    info = load_into_fresh(path)
-    assert isinstance(info.value, tdcp.UnsafeCheckpointError)
-    assert ".metadata" in str(info.value) and "pathlib.Path" not in str(info.value) or "refused" in str(info.value)
-    with pytest.raises(tdcp.UnsafeCheckpointError):
+    loads_exactly_the_save(path, model)
+    assert not marker.exists()
+    with pytest.raises(tdcp.UnsafeCheckpointError) as info:
         tdcp.verify(path)
+    assert ".metadata" in str(info.value)
+    assert "pathlib.Path" not in str(info.value) or "refused" in str(info.value)
     assert not marker.exists()
 
 
@@ -72,14 +84,26 @@ def test_planted_pickle_in_data_file_is_never_run(tmp_path: Path) -> None:
 
 
 def test_metadata_pointing_outside_is_refused(tmp_path: Path) -> None:
-    path, _ = save(tmp_path)
+    path, model = save(tmp_path)
     metadata = safe_load_metadata(path / ".metadata")
     for info in metadata.storage_data.values():
         info.relative_path = "../../etc/passwd"
     (path / ".metadata").write_bytes(pickle.dumps(metadata))
     reseal(path, ".metadata")
+    with pytest.raises(tdcp.CheckpointIntegrityError, match="outside the checkpoint") as err:
+        tdcp.verify(path)  # verify reads .metadata: refused, naming it
+    assert ".metadata" in str(err.value)
+    loads_exactly_the_save(path, model)  # a load never reads .metadata: it restores what was saved
+    # a complete forger points the manifest's storage entries outside too: the load refuses them
+    assert forging.write_metadata(path, metadata)
     info = load_into_fresh(path)
-    assert "outside the checkpoint" in str(info.value)
+    assert "../../etc/passwd" in str(info.value) and "manifest" in str(info.value)
+    with pytest.raises(tdcp.CheckpointError, match=r"\.\./\.\./etc/passwd"):
+        tdcp.verify(path)
+    # and one who lists that path among the files is refused for the name itself
+    forging.edit(path, lambda m: m["files"].__setitem__("../../etc/passwd", {"size": 1, "checksum": "crc32:0"}))
+    info = load_into_fresh(path)
+    assert "../../etc/passwd" in str(info.value) and "not a plain file name" in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -132,23 +156,30 @@ def _edit(p: Path, **fields) -> None:
 def test_a_module_value_that_is_no_tensor_is_refused_before_any_copy(tmp_path: Path, value: object) -> None:
     """A manifest whose skeleton turns ``bias`` into a non-tensor: load_state_dict would copy ``weight`` first."""
     path, _ = save(tmp_path)
-    m = json.loads((path / "manifest.json").read_text())
+    m = forging.read_parts(path)
     items = m["components"]["model"]["state"]["items"]
     assert [k for k, _ in items] == ["weight", "bias"]
     items[1][1] = value
-    (path / "manifest.json").write_text(json.dumps(seal(m)))
+    forging.write_parts(path, m)
     info = load_into_fresh(path)  # the inventory still names the bias tensor: refused while planning
     assert "replicated/model/bias" in str(info.value) and "inventory" in str(info.value)
     m["components"]["model"]["inventory"].pop("replicated/model/bias")
-    (path / "manifest.json").write_text(json.dumps(seal(m)))
-    info = load_into_fresh(path)  # .metadata still holds the bias record, which no state refers to now
-    assert "replicated/model/bias" in str(info.value) and "no component" in str(info.value)
-    md = safe_load_metadata(path / ".metadata")  # a consistent forgery: the record dropped too
+    forging.write_parts(path, m)
+    info = load_into_fresh(path)  # the manifest's storage entries still place the bias, which nothing holds now
+    assert "replicated/model/bias" in str(info.value) and "does not hold" in str(info.value)
+    m["index"]["entries"] = [e for e in m["index"]["entries"] if e[0] != "replicated/model/bias"]
+    forging.write_parts(path, m)
+    with pytest.raises(tdcp.CheckpointIntegrityError) as err:  # .metadata still holds the bias record: verify sees it
+        tdcp.verify(path)
+    assert ".metadata" in str(err.value) and "replicated/model/bias" in str(err.value)
+    assert "no component" in str(err.value)
+    info = load_into_fresh(path)  # a load reads the entries only: refused by the module adapter, before any copy
+    assert "'bias'" in str(info.value) and "a tensor in the module" in str(info.value)
+    md = safe_load_metadata(path / ".metadata")  # a consistent forgery: the record dropped from .metadata too
     md.state_dict_metadata.pop("replicated/model/bias")
     for index in [i for i in md.storage_data if i.fqn == "replicated/model/bias"]:
         md.storage_data.pop(index)
-    (path / ".metadata").write_bytes(pickle.dumps(md))
-    reseal(path, ".metadata")
+    forging.write_metadata(path, md)
     info = load_into_fresh(path)  # refused by the module adapter, before it copies weight
     assert "'bias'" in str(info.value) and "a tensor in the module" in str(info.value)
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import torchrl_dcp as tdcp
-from torchrl_dcp.format.manifest import CHECKSUM_FIELD, body_checksum, loads_manifest, seal
+from torchrl_dcp.format.layout import shard_name
+from torchrl_dcp.format.manifest import CHECKSUM_FIELD, FORMAT_VERSION, body_checksum, loads_manifest, seal
 
 
 def _objects(seed: int) -> dict:
@@ -29,9 +30,31 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_seal_is_the_checksum_of_the_canonical_body(saved: Path) -> None:
     raw = json.loads((saved / "manifest.json").read_text())
-    assert raw[CHECKSUM_FIELD] == body_checksum(raw) and raw["format_version"] == 4
+    assert raw[CHECKSUM_FIELD] == body_checksum(raw) and raw["format_version"] == FORMAT_VERSION == 5
     assert len(raw["save_id"]) == 32
     assert seal(raw) == raw
+
+
+def test_the_seal_covers_every_rank_shard(tmp_path: Path) -> None:
+    """Format 5: per-rank states live in ``manifest-<rank>.json``, whose size and CRC-32 the sealed root records; a
+    flipped value in a shard is refused by load and verify, naming the shard, the objects unchanged."""
+    objs = {**_objects(1), "rng": tdcp.RNGState()}
+    path = tdcp.DistributedCheckpoint(**objs).save(tmp_path / "c", step=7)
+    raw = json.loads((path / "manifest.json").read_text())
+    shard = path / shard_name(0)
+    assert raw["sharded"] is True and raw[CHECKSUM_FIELD] == body_checksum(raw)
+    assert raw["files"][shard.name]["size"] == shard.stat().st_size
+    data = bytearray(shard.read_bytes())
+    at = data.index(b'["pos",') + len(b'["pos",')
+    data[at] ^= 0x01  # the numpy generator's position: still valid JSON, another state
+    shard.write_bytes(bytes(data))
+    target = _objects(2)
+    before = {k: v.clone() for k, v in target["model"].state_dict().items()}
+    with pytest.raises(tdcp.CheckpointIntegrityError, match=shard.name):
+        tdcp.DistributedCheckpoint(**target, rng=tdcp.RNGState()).load(path)
+    assert all(torch.equal(before[k], v) for k, v in target["model"].state_dict().items())
+    with pytest.raises(tdcp.CheckpointIntegrityError, match=shard.name):
+        tdcp.verify(path)
 
 
 def test_no_single_bit_flip_loads_a_different_state(saved: Path) -> None:

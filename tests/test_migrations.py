@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -12,8 +13,12 @@ import pytest
 import torch
 
 import torchrl_dcp as tdcp
+import torchrl_dcp.chunking as chunking
+from tests import forging
 from torchrl_dcp.format import manifest as mf
+from torchrl_dcp.format.layout import shard_name
 from torchrl_dcp.format.manifest import make_skeleton_dict, register_adapter_migration, seal, skeleton_dict
+from torchrl_dcp.storage.filesystem import safe_load_metadata
 
 FIXTURE = Path(__file__).parent / "fixtures" / "v1_checkpoint"
 
@@ -88,8 +93,9 @@ def test_fixture_really_is_format_v1() -> None:
 
 def test_v1_to_v2_adds_the_tensor_inventory_a_fresh_save_writes(tmp_path: Path) -> None:
     m = tdcp.read_manifest(FIXTURE)
-    assert m["format_version"] == mf.FORMAT_VERSION == 4
+    assert m["format_version"] == mf.FORMAT_VERSION == 5
     assert m["chunks"] == {}  # v3 -> v4: nothing was cut into chunk files
+    assert m["sharded"] is False and m["index"] is None  # v4 -> v5: one file, DCP's .metadata says where records are
     assert m["components"]["policy"]["inventory"] == {
         "replicated/policy/bias": {"dtype": "float32", "shape": [2]},
         "replicated/policy/weight": {"dtype": "float32", "shape": [2, 3]},
@@ -101,8 +107,10 @@ def test_v1_to_v2_adds_the_tensor_inventory_a_fresh_save_writes(tmp_path: Path) 
     # the migrated inventory equals what the v2 writer records for the same objects
     ckpt, _ = fresh()
     path = ckpt.save(tmp_path / "v2")
-    written = json.loads((path / "manifest.json").read_text())
-    assert written["format_version"] == 4
+    root = json.loads((path / "manifest.json").read_text())
+    assert root["format_version"] == 5 and root["sharded"] is True
+    assert "inventory" not in root["components"]["episode"]  # a per-rank inventory is in the rank's shard
+    written = tdcp.read_manifest(path)  # the root with its shards: per-rank inventories where format 4 had them
     for name in ("policy", "episode", "stats"):
         assert written["components"][name]["inventory"] == m["components"][name]["inventory"]
     # migration works on a copy: parsing twice gives the same answer
@@ -124,7 +132,7 @@ def test_v1_fixture_loads_through_the_chain_into_objects() -> None:
     assert (c.value, c.label, c.unit) == (41, "forty-one", "steps")
     assert torch.equal(objs["episode"]["return"], torch.tensor([1.5, -2.0]))
     assert result.step == 7 and result.manifest["metadata"]["reward"] == 1.25
-    assert result.manifest["format_version"] == 4
+    assert result.manifest["format_version"] == 5 and result.manifest["index"] is None
     report = tdcp.verify(FIXTURE)
     assert report["tensors"] == 4
     assert any("manifest checksum" in u for u in report["unchecked"]) and any(
@@ -152,25 +160,102 @@ def test_format_migrations_run_step_by_step(monkeypatch: pytest.MonkeyPatch) -> 
 
         return step
 
-    def record_4(m: dict[str, Any]) -> dict[str, Any]:
+    def record_5(m: dict[str, Any]) -> dict[str, Any]:
         seen.append(m["format_version"])
-        m["metadata"]["upgraded_to_5"] = True
-        m["format_version"] = 5
+        m["metadata"]["upgraded_to_6"] = True
+        m["format_version"] = 6
         return m
 
-    for version in (1, 2, 3):
+    for version in (1, 2, 3, 4):
         monkeypatch.setitem(mf._MIGRATIONS, version, recording(version))
-    monkeypatch.setitem(mf._MIGRATIONS, 4, record_4)
-    monkeypatch.setattr(mf, "FORMAT_VERSION", 5)
+    monkeypatch.setitem(mf._MIGRATIONS, 5, record_5)
+    monkeypatch.setattr(mf, "FORMAT_VERSION", 6)
     m = tdcp.read_manifest(FIXTURE)
-    assert seen == [1, 2, 3, 4] and m["format_version"] == 5 and m["metadata"]["upgraded_to_5"] is True
+    assert seen == [1, 2, 3, 4, 5] and m["format_version"] == 6 and m["metadata"]["upgraded_to_6"] is True
     assert "inventory" in m["components"]["policy"]  # the v1 -> v2 step ran first
+    assert m["sharded"] is False and m["index"] is None  # and the v4 -> v5 step before the last
+
+
+def as_format_4(path: Path) -> None:
+    """Rewrite a fresh save as the format-4 writer wrote it: one manifest file (per-rank states and inventories in
+    it, no shards, no ``sharded``, no ``index``, chunk entries without offset and length), ``.metadata`` one pickle
+    of DCP's whole ``Metadata``. (Checked against the format-4 library's own output for the same objects: the
+    manifests agree but for save ids, times and checksums, the ``.metadata`` records are the same.)"""
+    m = forging.read_parts(path)
+    m["format_version"] = 4
+    del m["sharded"], m["index"]
+    for entries in m["chunks"].values():
+        for entry in entries:
+            del entry["offset"], entry["length"]
+    for r in range(m["world_size"]):
+        del m["files"][shard_name(r)]
+        (path / shard_name(r)).unlink()
+    (path / ".metadata").write_bytes(pickle.dumps(safe_load_metadata(path / ".metadata")))
+    m["files"][".metadata"] = {"size": (path / ".metadata").stat().st_size, "checksum": ""}
+    forging.write_parts(path, m)
+    forging.reseal(path, ".metadata")
+
+
+def test_a_format_4_checkpoint_loads_and_verifies_through_its_metadata(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """v4 -> v5: a format-4 checkpoint (per-rank states in its one manifest, a tensor cut into chunk files) loads
+    exactly and verifies; having no storage entries, its loads read DCP's ``.metadata``, checked as format 4 did."""
+    monkeypatch.setattr(chunking, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(chunking, "MIN_CHUNKED_BYTES", 8192)
+
+    def objects(seed: int) -> dict[str, Any]:
+        torch.manual_seed(seed)
+        big = torch.arange(4096.0).reshape(16, 256) * seed
+        return {"policy": torch.nn.Linear(3, 2), "stats": {"episodes": seed}, "big": {"x": big}, "rng": tdcp.RNGState()}
+
+    saved = objects(1)
+    path = tdcp.DistributedCheckpoint(**saved).save(tmp_path / "c", step=7)
+    expected_rng = torch.get_rng_state()
+    as_format_4(path)
+    raw = json.loads((path / "manifest.json").read_text())
+    assert raw["format_version"] == 4 and "index" not in raw and "sharded" not in raw
+    assert "ranks" in raw["components"]["rng"] and len(raw["chunks"]["replicated/big/x"]) == 4
+    assert not (path / shard_name(0)).exists()
+    m = tdcp.read_manifest(path)
+    assert m["format_version"] == 5 and m["sharded"] is False and m["index"] is None
+
+    torch.manual_seed(99)
+    target = objects(2)
+    result = tdcp.DistributedCheckpoint(**target).load(path)
+    assert result.loaded == {"policy", "stats", "big", "rng"} and result.step == 7
+    assert all(torch.equal(target["policy"].state_dict()[k], v) for k, v in saved["policy"].state_dict().items())
+    assert torch.equal(target["big"]["x"], saved["big"]["x"]) and target["stats"] == {"episodes": 1}
+    assert torch.equal(torch.get_rng_state(), expected_rng)
+    report = tdcp.verify(path)
+    assert report["tensors"] == 6  # the policy's 2, the big one, the generators' 3
+    assert report["unchecked"] == []
+
+    # its loads read .metadata (the manifest says nowhere else where records are): a planted pickle is refused
+    marker = tmp_path / "pwned"
+    (path / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    forging.reseal(path, ".metadata")
+    target = objects(3)
+    with pytest.raises(tdcp.UnsafeCheckpointError, match=r"\.metadata"):
+        tdcp.DistributedCheckpoint(**target).load(path)
+    assert torch.equal(target["big"]["x"], objects(3)["big"]["x"]) and not marker.exists()
+
+
+class _Payload:
+    """Unpickling this runs code: it creates a marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (Path.touch, (self.marker,))
 
 
 def test_newer_format_is_refused_with_a_clear_error(tmp_path: Path) -> None:
     path = copy_fixture(tmp_path)
     edit_manifest(path, format_version=mf.FORMAT_VERSION + 1)
-    with pytest.raises(tdcp.CheckpointVersionError, match="format version 5.*reads up to 4.*upgrade torchrl_dcp"):
+    newer, current = mf.FORMAT_VERSION + 1, mf.FORMAT_VERSION
+    with pytest.raises(tdcp.CheckpointVersionError, match=f"format version {newer}.*reads up to {current}.*upgrade"):
         tdcp.read_manifest(path)
     with pytest.raises(tdcp.CheckpointVersionError):
         fresh()[0].load(path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -253,18 +254,22 @@ def test_commit_order_does_not_depend_on_the_clock(tmp_path: Path, monkeypatch: 
     assert [tdcp.read_manifest(e.path)["sequence"] for e in rotation.entries()] == [4, 5]
 
 
-@pytest.mark.parametrize("damage", ["truncated data file", "foreign data file", "metadata resealed uncovered"])
+def _uncover_w(md: Any) -> None:
+    """DCP metadata in which the tensor ``replicated/state/w`` has no chunk and no record: nothing covers it."""
+    md.state_dict_metadata["replicated/state/w"].chunks = []
+    for index in [i for i in md.storage_data if i.fqn == "replicated/state/w"]:
+        del md.storage_data[index]
+
+
+@pytest.mark.parametrize("damage", ["truncated data file", "foreign data file", "storage entries resealed uncovered"])
 def test_an_entry_damaged_between_its_commit_and_the_prune_prunes_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
 ) -> None:
     """With ``keep_last=1`` the prune would leave only the new entry: it runs only after that entry passes the checks
-    a load runs on its files and metadata, so a damaged one is refused and the previous entry still resumes."""
-    import json
-    import pickle
-
-    from torchrl_dcp.format.manifest import seal
-    from torchrl_dcp.storage.filesums import file_checksum
-    from torchrl_dcp.storage.filesystem import safe_load_metadata
+    a load runs on its files and storage entries, so a damaged one is refused and the previous entry still resumes.
+    (Format 5: a load finds records through the manifest's storage entries; the uncovered tensor is damaged there,
+    and in ``.metadata`` alike, everything resealed.)"""
+    from tests import forging
 
     state = {"w": torch.arange(64.0)}
     ckpt = tdcp.DistributedCheckpoint(state=state)
@@ -280,19 +285,10 @@ def test_an_entry_damaged_between_its_commit_and_the_prune_prunes_nothing(
             data.write_bytes(data.read_bytes()[:-10])
         elif damage == "foreign data file":  # another save's file, its size and checksum resealed
             data.write_bytes((other / "__0_0.distcp").read_bytes())
-            m = json.loads((out / "manifest.json").read_text())
-            m["files"]["__0_0.distcp"] = {"size": data.stat().st_size, "checksum": file_checksum(data)}
-            (out / "manifest.json").write_text(json.dumps(seal(m)))
+            forging.reseal(out, "__0_0.distcp")
         else:
-            md = safe_load_metadata(out / ".metadata")
-            md.state_dict_metadata["replicated/state/w"].chunks = []
-            (out / ".metadata").write_bytes(pickle.dumps(md))
-            m = json.loads((out / "manifest.json").read_text())
-            m["files"][".metadata"] = {
-                "size": (out / ".metadata").stat().st_size,
-                "checksum": file_checksum(out / ".metadata"),
-            }
-            (out / "manifest.json").write_text(json.dumps(seal(m)))
+            assert forging.forge_metadata(out, _uncover_w)  # the manifest's entries place no bytes for w either
+            assert not forging.read_parts(out)["index"]["entries"]
         return out
 
     monkeypatch.setattr(tdcp.DistributedCheckpoint, "save", save_then_damage)
@@ -304,6 +300,54 @@ def test_an_entry_damaged_between_its_commit_and_the_prune_prunes_nothing(
     fresh = {"w": torch.zeros(64)}
     info = tdcp.resume(tdcp.DistributedCheckpoint(state=fresh), tmp_path)
     assert info.step == 1 and torch.equal(fresh["w"], torch.arange(64.0))
+
+
+def test_an_entry_whose_metadata_alone_is_damaged_resumes_as_saved_or_prunes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Format 5: loads never read ``.metadata``; damaged alone (resealed, uncovering a tensor) it is no load's
+    concern: either the rotation still refuses the entry (prunes nothing, the previous entry resumes) or the entry
+    resumes exactly as saved. ``verify``, which reads ``.metadata``, refuses it naming it."""
+    import pickle
+
+    from tests import forging
+    from torchrl_dcp.storage.filesystem import safe_load_metadata
+
+    state = {"w": torch.arange(64.0)}
+    ckpt = tdcp.DistributedCheckpoint(state=state)
+    rotation = tdcp.CheckpointRotation(tmp_path, keep_last=1, incremental=False)
+    rotation.save(ckpt, step=1)
+    original = tdcp.DistributedCheckpoint.save
+    damaged: list[Path] = []
+
+    def save_then_damage(self, path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        out = original(self, path, *args, **kwargs)
+        before = forging.read_parts(out)["index"]
+        md = safe_load_metadata(out / ".metadata")
+        md.state_dict_metadata["replicated/state/w"].chunks = []
+        (out / ".metadata").write_bytes(pickle.dumps(md))  # not mirrored: the manifest still places w's record
+        forging.reseal(out, ".metadata")
+        assert forging.read_parts(out)["index"] == before
+        damaged.append(out)
+        return out
+
+    monkeypatch.setattr(tdcp.DistributedCheckpoint, "save", save_then_damage)
+    state["w"] += 1
+    try:
+        rotation.save(ckpt, step=2)
+        refused = None
+    except tdcp.CheckpointError as err:
+        refused = err
+    monkeypatch.undo()
+    with pytest.raises(tdcp.CheckpointError, match="metadata"):
+        tdcp.verify(damaged[0])
+    fresh = {"w": torch.zeros(64)}
+    info = tdcp.resume(tdcp.DistributedCheckpoint(state=fresh), tmp_path)
+    if refused is not None:
+        assert "no older entry was pruned" in str(refused) and 1 in [e.step for e in rotation.entries()]
+        assert info.step == 1 and torch.equal(fresh["w"], torch.arange(64.0))
+    else:
+        assert info.step == 2 and torch.equal(fresh["w"], torch.arange(64.0) + 1)
 
 
 def test_a_printed_resume_reads_in_one_line(tmp_path: Path) -> None:

@@ -62,13 +62,14 @@ _OWNER = re.compile(r"^step-(\d+)(\.zip)?$")  # the entry a leftover of a killed
 
 
 def _check_committed(location: Location) -> None:
-    """The entry just committed passes the checks a load runs before it reads any tensor (its manifest, every file
-    present with its size and this save's identity, DCP's metadata: coverage, bounds, inventory), or the rotation
+    """The entry just committed passes the checks a load runs before it reads any tensor (its manifest and every
+    shard, every file present with its size and this save's identity, the storage entries: coverage, bounds,
+    inventory), and ``.metadata`` its checksum (what a plain ``dcp.load`` reads; not parsed), or the rotation
     prunes nothing: a checkpoint damaged between its commit and the prune never replaces the good one before it."""
     try:
         src = location.open_source()
         files = src.manifest()["files"]
-        src.check(False)
+        src.check([n for n in files if not is_data_file(n)])  # sizes; checksums of .metadata and the shards
         src.check_identity([n for n in files if is_data_file(n)])
         src.dcp_metadata()
     except CheckpointError as err:
