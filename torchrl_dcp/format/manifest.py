@@ -305,13 +305,19 @@ def loads_manifest(data: bytes, source: Any) -> dict[str, Any]:
     """Decode, check, validate and migrate manifest bytes (from a directory or an archive member)."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise CheckpointFormatError(f"manifest is implausibly large ({len(data)} bytes)", path=source)
+    return parse_manifest(decode_json(data, source, "manifest"), source, text=data)
+
+
+def decode_json(data: bytes, source: Any, what: str) -> Any:
+    """JSON bytes of a manifest (or a shard: ``what``) decoded under the parse-cost and nesting bounds, strictly
+    (no NaN or Infinity)."""
     check_parse_cost(data, source)
     try:
         raw = json.loads(data, parse_constant=_refuse_constant)
     except (ValueError, UnicodeDecodeError, RecursionError) as err:
-        raise CheckpointFormatError(f"manifest is not valid JSON ({str(err)[:200]})", path=source) from None
+        raise CheckpointFormatError(f"{what} is not valid JSON ({str(err)[:200]})", path=source) from None
     check_depth(structure(raw), source)
-    return parse_manifest(raw, source, text=data)
+    return raw
 
 
 #: Python objects ``json.loads`` builds cost at most about this many bytes per JSON value (measured: an empty

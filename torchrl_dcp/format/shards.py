@@ -35,14 +35,12 @@ Example:
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Mapping
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
 from torchrl_dcp.format.layout import shard_name
-from torchrl_dcp.format.manifest import check_entries, check_parse_cost
-from torchrl_dcp.format.manifest_depth import check_depth, structure
+from torchrl_dcp.format.manifest import check_entries, decode_json
 from torchrl_dcp.placement import key_prefix
 
 SHARD_FORMAT = "torchrl_dcp.shard"
@@ -84,17 +82,7 @@ def parse_shard(data: bytes, root: Mapping[str, Any], rank: int, source: Any) ->
     The caller checked the bytes against the root's size and checksum. Raises
     :class:`~torchrl_dcp.errors.CheckpointFormatError` naming ``source``.
     """
-    check_parse_cost(data, source)
-    try:
-        raw = json.loads(data, parse_constant=_refuse)
-    except (ValueError, UnicodeDecodeError, RecursionError) as err:
-        raise CheckpointFormatError(f"manifest shard is not valid JSON ({str(err)[:200]})", path=source) from None
-    check_depth(structure(raw), source)
-    return check_shard(raw, root, rank, source)
-
-
-def _refuse(name: str) -> Any:
-    raise ValueError(f"non-standard JSON constant {name}")
+    return check_shard(decode_json(data, source, "manifest shard"), root, rank, source)
 
 
 def check_shard(raw: Any, root: Mapping[str, Any], rank: int, source: Any) -> dict[str, Any]:
