@@ -182,3 +182,17 @@ def test_a_damaged_shard_is_refused_before_it_is_parsed(tmp_path: Path) -> None:
     for action in (lambda: _load(path), lambda: tdcp.verify(path)):
         with pytest.raises(tdcp.CheckpointIntegrityError, match=r"manifest-0\.json"):
             action()
+
+
+def test_a_sharded_root_lists_one_shard_per_saved_rank(tmp_path: Path) -> None:
+    """A resealed root claiming a world of a billion ranks is refused at once (readers iterate the listed shards,
+    never ``range(world_size)`` of a forged number)."""
+    from torchrl_dcp.format.manifest import dumps, seal
+
+    path, _ = _save(tmp_path / "c")
+    root = json.loads((path / "manifest.json").read_text())
+    root["world_size"] = 10**9
+    (path / "manifest.json").write_bytes(dumps(seal(root)))
+    for action in (lambda: _load(path), lambda: tdcp.verify(path), lambda: tdcp.read_manifest(path)):
+        with pytest.raises(tdcp.CheckpointFormatError, match="one shard per saved rank"):
+            action()

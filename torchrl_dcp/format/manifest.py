@@ -33,7 +33,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointVersionError
-from torchrl_dcp.format.layout import MANIFEST, MAX_MANIFEST_BYTES, is_plain_name
+from torchrl_dcp.format.layout import MANIFEST, MAX_MANIFEST_BYTES, is_plain_name, shard_rank
 from torchrl_dcp.format.manifest_depth import check_depth, structure
 from torchrl_dcp.placement import PLACEMENTS
 
@@ -462,6 +462,12 @@ def _validate(m: dict[str, Any], source: Any) -> None:
         raise bad("sequence must be a non-negative integer or null")
     if not isinstance(m.get("sharded"), bool):
         raise bad("sharded must be true or false")
+    if m["sharded"]:  # one shard per saved rank, each listed (what bounds the ranks a reader iterates)
+        shards = sorted(r for r in map(shard_rank, m["files"]) if r is not None)
+        if shards != list(range(len(shards))) or len(shards) != m["world_size"]:
+            raise bad(
+                f"a sharded manifest lists one shard per saved rank (world_size {m['world_size']}, shards {len(shards)})"
+            )
     _validate_index(m, bad)
     for name, rec in m["components"].items():
         _validate_component(name, rec, None if m["sharded"] else range(m["world_size"]), bad)
