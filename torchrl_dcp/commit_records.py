@@ -16,7 +16,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,10 +43,6 @@ class RankPart:
     totals: dict[str, tuple[int, int]]
     shared_chunks: list[ChunkEntry]
     fragments: tuple[bytes, bytes] | None = None
-
-
-def _nbytes(inventory: dict[str, dict[str, Any]]) -> int:
-    return sum(math.prod(t["shape"]) * dtype_from_name(t["dtype"]).itemsize for t in inventory.values())
 
 
 def chunk_record(c: ChunkEntry) -> dict[str, Any]:
@@ -110,7 +105,7 @@ def write_rank_part(
         status=None,
         files=files,
         shared_entries=[e for e in outcome.entries if not is_own_key(e[0])],
-        totals={n: (len(r.inventory), _nbytes(r.inventory)) for n, r in per_rank.items()},
+        totals={n: (r.num_tensors, r.nbytes) for n, r in per_rank.items()},
         shared_chunks=[c for c in outcome.chunks if not is_own_key(c.key)],
         fragments=fragments,
     )
