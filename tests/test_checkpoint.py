@@ -75,24 +75,49 @@ def test_layout_and_manifest(tmp_path: Path) -> None:
     ckpt.register("stats", {"episodes": 3}, placement="per_rank")
     path = ckpt.save(tmp_path / "c", step=5)
     names = sorted(p.name for p in path.iterdir())
-    assert names == [".metadata", "__0_0.distcp", "manifest-0.json", "manifest.json"]
+    assert names == [".metadata", "__0_shared.distcp", "manifest-0.json", "manifest.json"]
     m = json.loads((path / "manifest.json").read_text())  # the root
-    assert m["format"] == "torchrl_dcp" and m["format_version"] == 5 and m["world_size"] == 1
+    assert m["format"] == "torchrl_dcp" and m["format_version"] == 6 and m["world_size"] == 1
     assert m["sharded"] is True
     assert set(m["versions"]) == {"torch", "tensordict", "torchrl", "torchrl_dcp"}
     assert m["components"]["model"]["placement"] == "replicated"
     assert m["components"]["stats"]["placement"] == "per_rank"
     assert "ranks" not in m["components"]["stats"] and "inventory" not in m["components"]["stats"]
-    assert set(m["files"]) == {".metadata", "__0_0.distcp", "manifest-0.json"}
+    assert set(m["files"]) == {".metadata", "__0_shared.distcp", "manifest-0.json"}  # replicated tensors only
     assert all(f["checksum"].startswith("crc32:") for f in m["files"].values())
     replicated = {k for name in ("model", "optimizer") for k in m["components"][name]["inventory"]}
     assert {e[0] for e in m["index"]["entries"]} == replicated  # where the root's tensors' records are
-    assert all(e[1] == "__0_0.distcp" and e[2] >= 0 and e[3] > 0 for e in m["index"]["entries"])
+    assert all(e[1] == "__0_shared.distcp" and e[2] >= 0 and e[3] > 0 for e in m["index"]["entries"])
     shard = json.loads((path / "manifest-0.json").read_text())  # rank 0's per-rank states
     assert shard["format"] == "torchrl_dcp.shard" and shard["format_version"] == 5
     assert shard["rank"] == 0 and shard["save_id"] == m["save_id"]
     assert shard["components"]["stats"] == {"state": {"t": "dict", "items": [["episodes", 3]]}, "inventory": {}}
     assert tdcp.read_manifest(path)["components"]["stats"]["ranks"]["0"]["state"]["items"] == [["episodes", 3]]
+
+
+def test_replicated_and_per_rank_tensors_are_in_files_of_their_own(tmp_path: Path) -> None:
+    """Format 6: a rank's per-rank tensors are in ``__<rank>_0.distcp``, the replicated ones it writes in
+    ``__<rank>_shared.distcp`` (every rank reads those, and none reads another rank's per-rank bytes); plain
+    ``dcp.load`` still reads every key from both."""
+    import torch.distributed.checkpoint as dcp
+
+    policy = torch.nn.Linear(3, 2)
+    own = {"a": torch.arange(6.0), "b": torch.ones(2, 2)}
+    ckpt = tdcp.DistributedCheckpoint(policy=policy)
+    ckpt.register("own", own, placement="per_rank")
+    path = ckpt.save(tmp_path / "c")
+    m = tdcp.read_manifest(path)
+    where = {e[0]: e[1] for e in m["index"]["entries"]}  # the root's and the shard's storage entries
+    assert where == {
+        "replicated/policy/weight": "__0_shared.distcp",
+        "replicated/policy/bias": "__0_shared.distcp",
+        "rank/0/own/a": "__0_0.distcp",
+        "rank/0/own/b": "__0_0.distcp",
+    }
+    flat = {k: torch.zeros(t["shape"]) for c in m["components"].values() for k, t in c["inventory"].items()}
+    dcp.load(flat, checkpoint_id=str(path), no_dist=True)
+    assert torch.equal(flat["replicated/policy/weight"], policy.weight) and torch.equal(flat["rank/0/own/a"], own["a"])
+    assert tdcp.verify(path)["files"] == 4  # .metadata, both data files, the shard
 
 
 def test_plain_dcp_load_finds_tensors_under_documented_keys(tmp_path: Path) -> None:

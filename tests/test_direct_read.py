@@ -154,7 +154,7 @@ def test_a_file_changed_after_verification_is_caught_by_the_final_read(
     def restore_then_change(*args: Any, **kwargs: Any) -> Any:
         out = original(*args, **kwargs)
         if not calls:  # after the components read into fresh buffers, before the final in-place read
-            data = path / "__0_0.distcp"
+            data = path / "__0_shared.distcp"
             raw = bytearray(data.read_bytes())
             raw[len(raw) // 2] ^= 0x01
             data.write_bytes(bytes(raw))

@@ -31,7 +31,7 @@ from tests import forging
 from torchrl_dcp.format.manifest import seal
 from torchrl_dcp.verification import verify
 
-DATA = "__0_0.distcp"
+DATA = "__0_shared.distcp"  # every state here is replicated (format 6: the shared data file)
 
 
 class Payload:

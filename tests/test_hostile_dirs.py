@@ -306,10 +306,10 @@ def test_conversion_refuses_a_linked_destination_and_fifo_sources(tmp_path: Path
     os.mkfifo(fifo)
     with pytest.raises(tdcp.CheckpointError, match="fifo.zip"):
         tdcp.to_directory(fifo, tmp_path / "out")
-    data = src / "__0_0.distcp"
+    data = src / "__0_shared.distcp"
     data.rename(tmp_path / "moved")
     os.mkfifo(data)  # a listed data file replaced by a FIFO: refused, never waited on
-    with pytest.raises(tdcp.CheckpointError, match="__0_0.distcp"):
+    with pytest.raises(tdcp.CheckpointError, match="__0_shared.distcp"):
         tdcp.to_archive(src, tmp_path / "new.zip")
 
 

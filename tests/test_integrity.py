@@ -25,9 +25,19 @@ class _Payload:
         return (Path.touch, (self.marker,))
 
 
+# format 6: the replicated model is in the shared file, the per-rank tensors in the rank's own data file
+DATA_FILES = ("__0_shared.distcp", "__0_0.distcp")
+
+
+def _checkpoint(model: torch.nn.Module, stats: dict, own: dict) -> tdcp.DistributedCheckpoint:
+    ckpt = tdcp.DistributedCheckpoint(model=model, stats=stats)
+    ckpt.register("own", own, placement="per_rank")
+    return ckpt
+
+
 def save(tmp_path: Path) -> tuple[Path, torch.nn.Module]:
     model = torch.nn.Linear(3, 2)
-    return tdcp.DistributedCheckpoint(model=model, stats={"n": 1}).save(tmp_path / "c", step=1), model
+    return _checkpoint(model, {"n": 1}, {"x": torch.arange(4.0)}).save(tmp_path / "c", step=1), model
 
 
 def reseal(path: Path, name: str) -> None:
@@ -38,9 +48,11 @@ def reseal(path: Path, name: str) -> None:
 def load_into_fresh(path: Path) -> torch.nn.Module:
     target = torch.nn.Linear(3, 2)
     before = target.weight.detach().clone()
+    own = {"x": torch.zeros(4)}
     with pytest.raises(tdcp.CheckpointError) as info:
-        tdcp.DistributedCheckpoint(model=target, stats={}).load(path)
+        _checkpoint(target, {}, own).load(path)
     assert torch.equal(target.weight, before), "a failed load changed the object"
+    assert torch.equal(own["x"], torch.zeros(4)), "a failed load changed the object"
     return info
 
 
@@ -49,9 +61,10 @@ def loads_exactly_the_save(path: Path, model: torch.nn.Module) -> None:
     storage entries, never ``.metadata``, so a forgery of ``.metadata`` alone is neither read nor restored)."""
     target = torch.nn.Linear(3, 2)
     stats: dict[str, object] = {}
-    tdcp.DistributedCheckpoint(model=target, stats=stats).load(path)
+    own = {"x": torch.zeros(4)}
+    _checkpoint(target, stats, own).load(path)
     assert all(torch.equal(target.state_dict()[k], v) for k, v in model.state_dict().items())
-    assert stats == {"n": 1}
+    assert stats == {"n": 1} and torch.equal(own["x"], torch.arange(4.0))
 
 
 def test_planted_pickle_in_metadata_is_refused_and_never_run(tmp_path: Path) -> None:
@@ -71,14 +84,15 @@ def test_planted_pickle_in_metadata_is_refused_and_never_run(tmp_path: Path) -> 
     assert not marker.exists()
 
 
-def test_planted_pickle_in_data_file_is_never_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", DATA_FILES)
+def test_planted_pickle_in_data_file_is_never_run(tmp_path: Path, name: str) -> None:
     path, _ = save(tmp_path)
     marker = tmp_path / "pwned"
-    data = path / "__0_0.distcp"
+    data = path / name
     data.write_bytes(pickle.dumps(_Payload(marker)))
     info = load_into_fresh(path)  # checksum mismatch
-    assert "__0_0.distcp" in str(info.value)
-    reseal(path, "__0_0.distcp")
+    assert name in str(info.value)
+    reseal(path, name)
     load_into_fresh(path)  # content is only ever read with weights_only=True
     assert not marker.exists()
 
@@ -109,9 +123,9 @@ def test_metadata_pointing_outside_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "damage, expected",
     [
-        (lambda p: (p / "__0_0.distcp").write_bytes((p / "__0_0.distcp").read_bytes()[:-10]), "truncated"),
-        (lambda p: _flip(p / "__0_0.distcp"), "checksum"),
-        (lambda p: (p / "__0_0.distcp").unlink(), "missing"),
+        *((lambda p, n=n: (p / n).write_bytes((p / n).read_bytes()[:-10]), "truncated") for n in DATA_FILES),
+        *((lambda p, n=n: _flip(p / n), "checksum") for n in DATA_FILES),
+        *((lambda p, n=n: (p / n).unlink(), "missing") for n in DATA_FILES),
         (lambda p: (p / "extra.bin").write_bytes(b"x"), "not listed"),
         (lambda p: (p / "manifest.json").write_text("{not json"), "not valid JSON"),
         (lambda p: _edit(p, world_size="two"), "world_size"),

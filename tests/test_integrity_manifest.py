@@ -30,7 +30,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_seal_is_the_checksum_of_the_canonical_body(saved: Path) -> None:
     raw = json.loads((saved / "manifest.json").read_text())
-    assert raw[CHECKSUM_FIELD] == body_checksum(raw) and raw["format_version"] == FORMAT_VERSION == 5
+    assert raw[CHECKSUM_FIELD] == body_checksum(raw) and raw["format_version"] == FORMAT_VERSION == 6
     assert len(raw["save_id"]) == 32
     assert seal(raw) == raw
 
@@ -99,12 +99,12 @@ def test_a_data_file_from_another_save_is_refused(saved: Path, tmp_path: Path) -
     """A data file copied in with its manifest entry (size and checksum consistent) is not this save's."""
     a = Path(shutil.copytree(saved, tmp_path / "a"))
     b = tdcp.DistributedCheckpoint(**_objects(1)).save(tmp_path / "b", step=7)  # same objects: same sizes
-    shutil.copyfile(b / "__0_0.distcp", a / "__0_0.distcp")
+    shutil.copyfile(b / "__0_shared.distcp", a / "__0_shared.distcp")
     m = json.loads((a / "manifest.json").read_text())
-    m["files"]["__0_0.distcp"] = json.loads((b / "manifest.json").read_text())["files"]["__0_0.distcp"]
+    m["files"]["__0_shared.distcp"] = json.loads((b / "manifest.json").read_text())["files"]["__0_shared.distcp"]
     (a / "manifest.json").write_text(json.dumps(seal(m)))
     for attempt in (lambda: tdcp.DistributedCheckpoint(**_objects(2)).load(a), lambda: tdcp.verify(a)):
-        with pytest.raises(tdcp.CheckpointIntegrityError, match="__0_0.distcp.*another checkpoint"):
+        with pytest.raises(tdcp.CheckpointIntegrityError, match="__0_shared.distcp.*another checkpoint"):
             attempt()
     shutil.copyfile(b / ".metadata", a / ".metadata")
     m["files"][".metadata"] = json.loads((b / "manifest.json").read_text())["files"][".metadata"]

@@ -94,7 +94,7 @@ def test_fixture_really_is_format_v1() -> None:
 
 def test_v1_to_v2_adds_the_tensor_inventory_a_fresh_save_writes(tmp_path: Path) -> None:
     m = tdcp.read_manifest(FIXTURE)
-    assert m["format_version"] == mf.FORMAT_VERSION == 5
+    assert m["format_version"] == mf.FORMAT_VERSION == 6
     assert m["chunks"] == {}  # v3 -> v4: nothing was cut into chunk files
     assert m["sharded"] is False and m["index"] is None  # v4 -> v5: one file, DCP's .metadata says where records are
     assert m["components"]["policy"]["inventory"] == {
@@ -109,7 +109,7 @@ def test_v1_to_v2_adds_the_tensor_inventory_a_fresh_save_writes(tmp_path: Path) 
     ckpt, _ = fresh()
     path = ckpt.save(tmp_path / "v2")
     root = json.loads((path / "manifest.json").read_text())
-    assert root["format_version"] == 5 and root["sharded"] is True
+    assert root["format_version"] == 6 and root["sharded"] is True
     assert "inventory" not in root["components"]["episode"]  # a per-rank inventory is in the rank's shard
     written = tdcp.read_manifest(path)  # the root with its shards: per-rank inventories where format 4 had them
     for name in ("policy", "episode", "stats"):
@@ -133,7 +133,7 @@ def test_v1_fixture_loads_through_the_chain_into_objects() -> None:
     assert (c.value, c.label, c.unit) == (41, "forty-one", "steps")
     assert torch.equal(objs["episode"]["return"], torch.tensor([1.5, -2.0]))
     assert result.step == 7 and result.manifest["metadata"]["reward"] == 1.25
-    assert result.manifest["format_version"] == 5 and result.manifest["index"] is None
+    assert result.manifest["format_version"] == 6 and result.manifest["index"] is None
     report = tdcp.verify(FIXTURE)
     assert report["tensors"] == 4
     assert any("manifest checksum" in u for u in report["unchecked"]) and any(
@@ -161,20 +161,20 @@ def test_format_migrations_run_step_by_step(monkeypatch: pytest.MonkeyPatch) -> 
 
         return step
 
-    def record_5(m: dict[str, Any]) -> dict[str, Any]:
+    def record_6(m: dict[str, Any]) -> dict[str, Any]:
         seen.append(m["format_version"])
-        m["metadata"]["upgraded_to_6"] = True
-        m["format_version"] = 6
+        m["metadata"]["upgraded_to_7"] = True
+        m["format_version"] = 7
         return m
 
-    for version in (1, 2, 3, 4):
+    for version in (1, 2, 3, 4, 5):
         monkeypatch.setitem(mf._MIGRATIONS, version, recording(version))
-    monkeypatch.setitem(mf._MIGRATIONS, 5, record_5)
-    monkeypatch.setattr(mf, "FORMAT_VERSION", 6)
+    monkeypatch.setitem(mf._MIGRATIONS, 6, record_6)
+    monkeypatch.setattr(mf, "FORMAT_VERSION", 7)
     m = tdcp.read_manifest(FIXTURE)
-    assert seen == [1, 2, 3, 4, 5] and m["format_version"] == 6 and m["metadata"]["upgraded_to_6"] is True
+    assert seen == [1, 2, 3, 4, 5, 6] and m["format_version"] == 7 and m["metadata"]["upgraded_to_7"] is True
     assert "inventory" in m["components"]["policy"]  # the v1 -> v2 step ran first
-    assert m["sharded"] is False and m["index"] is None  # and the v4 -> v5 step before the last
+    assert m["sharded"] is False and m["index"] is None  # and the v4 -> v5 step before the last two
 
 
 def as_format_4(path: Path) -> None:
@@ -219,7 +219,7 @@ def test_a_format_4_checkpoint_loads_and_verifies_through_its_metadata(
     assert "ranks" in raw["components"]["rng"] and len(raw["chunks"]["replicated/big/x"]) == 4
     assert not (path / shard_name(0)).exists()
     m = tdcp.read_manifest(path)
-    assert m["format_version"] == 5 and m["sharded"] is False and m["index"] is None
+    assert m["format_version"] == 6 and m["sharded"] is False and m["index"] is None
 
     torch.manual_seed(99)
     target = objects(2)

@@ -80,7 +80,7 @@ def test_save_load_verify_round_trip(store: tuple[str, dict[str, Any]]) -> None:
     summary = tdcp.verify(f"{url}/step-1", storage_options=options)
     assert summary["files"] == 3 and summary["tensors"] > 4  # .metadata, the data, rank 0's manifest shard
     names = sorted(n.rsplit("/", 1)[-1] for n in _store_fs(url, options).ls(path.key, detail=False))
-    assert names == [".metadata", "__0_0.distcp", shard_name(0), "manifest.json"]  # (stats is per_rank: a shard)
+    assert names == [".metadata", "__0_shared.distcp", shard_name(0), "manifest.json"]  # (stats is per_rank: a shard)
     assert not _store_fs(url, options).exists(marker_for(path).key)  # the marker went with the commit
 
 
@@ -90,7 +90,7 @@ def test_same_format_as_a_local_save(store: tuple[str, dict[str, Any]], tmp_path
     remote = _ckpt(objs, options).save(f"{url}/c", step=3)
     local = download_checkpoint(remote, tmp_path / "copy")  # byte for byte, checksums compared
     assert tdcp.verify(local)["files"] == 3  # .metadata, the data, rank 0's manifest shard
-    assert sorted(p.name for p in local.iterdir()) == [".metadata", "__0_0.distcp", shard_name(0), "manifest.json"]
+    assert sorted(p.name for p in local.iterdir()) == [".metadata", "__0_shared.distcp", shard_name(0), "manifest.json"]
     target = {"replicated/big/x": torch.zeros(3_000_000)}
     dcp.load(target, checkpoint_id=str(local), no_dist=True)  # a plain DCP load reads the same layout
     assert torch.equal(target["replicated/big/x"], objs["big"]["x"])
@@ -129,14 +129,14 @@ def test_prefix_without_manifest_is_absent_and_swept(store: tuple[str, dict[str,
     fs = dead.fs
     sid = "d" * 32  # what a save killed after uploading its data leaves: its marker, a data object of that save
     fs.pipe_file(marker_for(dead).key, json.dumps({"save_id": sid, "started": 0.0}).encode())
-    fs.pipe_file((dead / "__0_0.distcp").key, b"partial" + identity_trailer(sid, 0))
+    fs.pipe_file((dead / "__0_shared.distcp").key, b"partial" + identity_trailer(sid, 0))
     with pytest.raises(tdcp.CheckpointFormatError, match="no manifest.json"):
         _ckpt(_objects(10), options).load(dead)
     rotation = tdcp.CheckpointRotation(url, storage_options=options)
     assert [e.step for e in rotation.entries()] == [1]
     assert [e.committed for e in rotation.entries(include_uncommitted=True)] == [True, False]
     rotation.save(ckpt, step=3)  # the next save sweeps the dead one
-    assert not fs.exists((dead / "__0_0.distcp").key) and not fs.exists(marker_for(dead).key)
+    assert not fs.exists((dead / "__0_shared.distcp").key) and not fs.exists(marker_for(dead).key)
     assert not [n for n in fs.ls(resolve_path(url, options).key, detail=False) if n.endswith(PENDING)]
 
 
@@ -158,9 +158,9 @@ def test_sweeps_delete_only_what_a_killed_save_wrote(store: tuple[str, dict[str,
         fs.pipe_file(marker_for(data).key, json.dumps(marker if planted != "no save id" else {}).encode())
         files = {
             "unrelated prefix": {"train/part-0.csv": b"a,b\n1,2\n"},
-            "foreign object": {"__0_0.distcp": b"x" * 10 + identity_trailer(sid, 0), "notes.txt": b"mine"},
-            "other save": {"__0_0.distcp": b"x" * 10 + identity_trailer("f" * 32, 0)},
-            "no save id": {"__0_0.distcp": b"x" * 10 + identity_trailer(sid, 0)},
+            "foreign object": {"__0_shared.distcp": b"x" * 10 + identity_trailer(sid, 0), "notes.txt": b"mine"},
+            "other save": {"__0_shared.distcp": b"x" * 10 + identity_trailer("f" * 32, 0)},
+            "no save id": {"__0_shared.distcp": b"x" * 10 + identity_trailer(sid, 0)},
         }[planted]
         for name, body in files.items():
             fs.pipe_file((data / name).key, body)
@@ -192,8 +192,8 @@ def _damage(url: str, options: dict[str, Any], name: str, how: str) -> None:
 @pytest.mark.parametrize(
     ("name", "how", "match"),
     [
-        ("__0_0.distcp", "flip", "checksum is crc32:"),
-        ("__0_0.distcp", "truncate", "truncated or altered"),
+        ("__0_shared.distcp", "flip", "checksum is crc32:"),
+        ("__0_shared.distcp", "truncate", "truncated or altered"),
         (".metadata", "flip", "checksum is crc32:"),
         (shard_name(0), "flip", "checksum is crc32:"),
     ],
@@ -304,8 +304,8 @@ def test_cli_on_memory_urls(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
     capsys.readouterr()
     assert cli(["diff", entry, str(tmp_path / "e.zip"), "--json"]) == 0
     fs = fsspec.filesystem("memory")
-    fs.pipe_file(resolve_path(f"{entry}/__0_0.distcp").key, b"x")
-    assert cli(["verify", entry]) == 1 and "__0_0.distcp" in capsys.readouterr().err
+    fs.pipe_file(resolve_path(f"{entry}/__0_shared.distcp").key, b"x")
+    assert cli(["verify", entry]) == 1 and "__0_shared.distcp" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------- paths
@@ -360,7 +360,7 @@ def test_chunked_tensors_load_with_one_read_per_object(
     fresh = _objects(22)
     assert _ckpt(fresh, options).load(path, verify=verify).loaded == {"policy", "optim", "big", "stats"}
     assert _same(saved, fresh)
-    chunks = {n: reads.count(n) for n in data if n != "__0_0.distcp"}  # big/x: read into a fresh tensor
+    chunks = {n: reads.count(n) for n in data if n != "__0_shared.distcp"}  # big/x: read into a fresh tensor
     # each chunk object in one GET (record and trailer; verified from those bytes); unverified: the trailers first
     assert set(chunks.values()) == ({1} if verify else {2})
 
@@ -412,8 +412,8 @@ def test_record_larger_than_a_range(store: tuple[str, dict[str, Any]], monkeypat
     fresh: dict[str, Any] = {"x": torch.zeros(1)}
     tdcp.DistributedCheckpoint(big=fresh, storage_options=options).load(path)
     # 12 ranges, one for the trailer, one for the record's tail (its central directory, checked before its data)
-    assert torch.equal(fresh["x"], x) and reads.count("__0_0.distcp") == 14
-    _damage(url, options, "__0_0.distcp", "flip")
+    assert torch.equal(fresh["x"], x) and reads.count("__0_shared.distcp") == 14
+    _damage(url, options, "__0_shared.distcp", "flip")
     fresh = {"x": torch.zeros(1)}
     with pytest.raises(tdcp.CheckpointIntegrityError, match="checksum is crc32:.*nothing was restored"):
         tdcp.DistributedCheckpoint(big=fresh, storage_options=options).load(path)

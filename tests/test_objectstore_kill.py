@@ -55,7 +55,7 @@ def test_kill_at_each_phase_keeps_the_previous_checkpoint(s3, phase: str) -> Non
     assert ".step-000000000002.tdcp-pending" in list_objects(root)  # the marker says who died
     killed = root / "step-000000000002"
     if phase == "before_manifest":
-        assert sorted(list_objects(killed)) == [".metadata", "__0_0.distcp"]
+        assert sorted(list_objects(killed)) == [".metadata", "__0_shared.distcp"]
     with pytest.raises(tdcp.CheckpointError):
         tdcp.DistributedCheckpoint(state={"w": torch.zeros(1)}).load(killed)
     _save(s3, url, 3)  # the next save cleans up

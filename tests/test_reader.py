@@ -165,10 +165,10 @@ def test_load_checksums_while_reading_and_refuses_a_flipped_byte(
     torch.manual_seed(1)
     live = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 8))
     tdcp.DistributedCheckpoint(model=live).load(path)
-    assert checked == [{"__0_0.distcp"}]  # read straight into the live module: checksummed before that
+    assert checked == [{"__0_shared.distcp"}]  # read straight into the live module: checksummed before that
     assert all(torch.equal(a, b) for a, b in zip(live.state_dict().values(), model.state_dict().values()))
 
-    data = path / "__0_0.distcp"
+    data = path / "__0_shared.distcp"
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x01
     data.write_bytes(bytes(raw))
@@ -177,7 +177,7 @@ def test_load_checksums_while_reading_and_refuses_a_flipped_byte(
     before = {k: v.clone() for k, v in live.state_dict().items()}
     with pytest.raises(tdcp.CheckpointIntegrityError, match="checksum") as info:
         tdcp.DistributedCheckpoint(model=live).load(path)
-    assert "__0_0.distcp" in str(info.value)
+    assert "__0_shared.distcp" in str(info.value)
     assert all(torch.equal(before[k], v) for k, v in live.state_dict().items())  # nothing restored
 
 
@@ -226,7 +226,7 @@ def test_archive_loads_in_place_and_refuses_a_damaged_member(tmp_path: Path, mon
     assert all(torch.equal(a, b) for a, b in zip(live.state_dict().values(), model.state_dict().values()))
 
     src = open_source(archive)
-    m = src.container.member("__0_0.distcp")
+    m = src.container.member("__0_shared.distcp")
     raw = bytearray(archive.read_bytes())
     raw[m.data_offset + m.size // 2] ^= 0x01
     archive.write_bytes(bytes(raw))
@@ -235,10 +235,10 @@ def test_archive_loads_in_place_and_refuses_a_damaged_member(tmp_path: Path, mon
     meta = src.dcp_metadata()
     for key, item in meta.state_dict_metadata.items():
         flat[key] = torch.empty(item.size, dtype=item.properties.dtype)
-    reader = src.storage_reader(verify=["__0_0.distcp"])
+    reader = src.storage_reader(verify=["__0_shared.distcp"])
     with pytest.raises(BaseException, match="checksum"):
         dcp.load(flat, storage_reader=reader, no_dist=True)
-    assert file_checksum(path / "__0_0.distcp") == src.manifest()["files"]["__0_0.distcp"]["checksum"]
+    assert file_checksum(path / "__0_shared.distcp") == src.manifest()["files"]["__0_shared.distcp"]["checksum"]
 
 
 def test_fast_load_plan_equals_dcps(tmp_path: Path) -> None:

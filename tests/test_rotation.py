@@ -60,9 +60,9 @@ def test_latest_never_picks_a_half_written_entry(tmp_path: Path) -> None:
     # what killed saves leave: a staging directory, an uncommitted entry, a half-written archive
     staging = tmp_path / ".step-000000000002.tdcp-staging-dead"
     staging.mkdir()
-    (staging / "__0_0.distcp").write_bytes(b"partial")
+    (staging / "__0_shared.distcp").write_bytes(b"partial")
     (tmp_path / "step-000000000003").mkdir()
-    (tmp_path / "step-000000000003" / "__0_0.distcp").write_bytes(b"partial")
+    (tmp_path / "step-000000000003" / "__0_shared.distcp").write_bytes(b"partial")
     (tmp_path / "step-000000000004.zip").write_bytes(b"PK\x03\x04 half an archive")
     assert rotation.latest() == tmp_path / "step-000000000001"
     every = rotation.entries(include_uncommitted=True)
@@ -83,7 +83,7 @@ def test_resume_starts_fresh_then_resumes_and_skips_a_damaged_latest(
     rotation = tdcp.CheckpointRotation(tmp_path, keep_last=3)
     for step in (1, 2):
         rotation.save(ckpt_for(step)[0], step=step)
-    data = tmp_path / "step-000000000002" / "__0_0.distcp"
+    data = tmp_path / "step-000000000002" / "__0_shared.distcp"
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 1
     data.write_bytes(raw)
@@ -280,12 +280,12 @@ def test_an_entry_damaged_between_its_commit_and_the_prune_prunes_nothing(
 
     def save_then_damage(self, path, *args, **kwargs):  # type: ignore[no-untyped-def]
         out = original(self, path, *args, **kwargs)
-        data = out / "__0_0.distcp"
+        data = out / "__0_shared.distcp"
         if damage == "truncated data file":
             data.write_bytes(data.read_bytes()[:-10])
         elif damage == "foreign data file":  # another save's file, its size and checksum resealed
-            data.write_bytes((other / "__0_0.distcp").read_bytes())
-            forging.reseal(out, "__0_0.distcp")
+            data.write_bytes((other / "__0_shared.distcp").read_bytes())
+            forging.reseal(out, "__0_shared.distcp")
         else:
             assert forging.forge_metadata(out, _uncover_w)  # the manifest's entries place no bytes for w either
             assert not forging.read_parts(out)["index"]["entries"]

@@ -49,7 +49,7 @@ def test_per_rank_state_is_in_the_rank_s_shard_and_readers_see_it_assembled(tmp_
     path, _ = _save(tmp_path / "c")
     root = json.loads((path / "manifest.json").read_text())
     shard = json.loads((path / shard_name(0)).read_text())
-    assert root["format_version"] == 5 and root["sharded"] is True
+    assert root["format_version"] == 6 and root["sharded"] is True
     assert set(root["components"]["stats"]) == {"adapter", "adapter_version", "placement", "num_tensors", "nbytes"}
     assert "state" in root["components"]["policy"] and "inventory" in root["components"]["policy"]
     assert [e[0] for e in root["index"]["entries"]] == ["replicated/policy/w"]
@@ -165,8 +165,11 @@ def test_a_forged_index_that_reseals_everything_but_metadata_is_refused_by_verif
     m = forging.read_parts(path)
     entries = {e[0]: e for e in m["index"]["entries"]}
     w, x = entries["replicated/policy/w"], entries["rank/0/stats/x"]
-    assert w[1] == x[1]
-    x[2], x[3] = w[2], w[3]  # x's entry now points at w's record (another shape: refused by the record check)
+    x[1], x[2], x[3] = (
+        w[1],
+        w[2],
+        w[3],
+    )  # x's entry now points at w's record (another shape: refused by the record check)
     forging.write_parts(path, m)
     with pytest.raises(tdcp.CheckpointIntegrityError, match="rank/0/stats/x"):
         _load(path)

@@ -36,7 +36,7 @@ def _swap_staging_for_link(staging: Path, outside: Path) -> None:
 
 
 def _swap_data_file_for_link(staging: Path, outside: Path) -> None:
-    data = staging / "__0_0.distcp"
+    data = staging / "__0_shared.distcp"
     size = data.stat().st_size
     (outside / "same-size").write_bytes(b"\0" * size)
     data.unlink()

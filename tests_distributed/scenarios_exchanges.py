@@ -77,11 +77,14 @@ def _opened_during(fn: Any) -> list[str]:
 
 
 def own_files_only(directory: str, plant: bool) -> dict[str, Any]:
-    """Per-rank state only: which data files (and which manifest files, shards and ``.metadata``) each rank opens
-    while loading; with ``plant``, a file the manifest does not list is planted first (rank 0, which checks the whole listing, refuses it; every rank raises)."""
+    """Per-rank state and a replicated policy (its tensors written by several ranks): which data files (and which
+    manifest files, shards and ``.metadata``) each rank opens while loading; with ``plant``, a file the manifest does
+    not list is planted first (rank 0, which checks the whole listing, refuses it; every rank raises)."""
     rank = dist.get_rank()
     state = {f"t{i}": torch.full((64,), float(rank * 10 + i)) for i in range(8)}
-    ckpt = tdcp.DistributedCheckpoint()
+    torch.manual_seed(0)
+    policy = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    ckpt = tdcp.DistributedCheckpoint(policy=policy)
     ckpt.register("state", state, placement="per_rank")
     path = Path(directory) / "ckpt"
     ckpt.save(path, step=1)

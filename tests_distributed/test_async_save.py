@@ -17,7 +17,9 @@ def test_async_save_matches_sync_save_on_two_ranks(tmp_path: Path) -> None:
     saved = launch(f"{S}:sync_then_async", 2, str(sync), str(asyn), 3)
     files = tdcp.read_manifest(sync)["files"]
     assert files.keys() == tdcp.read_manifest(asyn)["files"].keys()
-    assert {n for n in files if n.startswith("__")} == {"__0_0.distcp", "__1_0.distcp"}  # both ranks wrote
+    own = {n for n in files if n.startswith("__") and not n.endswith("_shared.distcp")}
+    assert own == {"__0_0.distcp", "__1_0.distcp"}  # both ranks wrote their own
+    assert any(n.endswith("_shared.distcp") for n in files)  # and the replicated state, apart
     for name in files:
         if name != ".metadata":  # data files differ only by their save identity trailer (64 bytes)
             assert (sync / name).read_bytes()[:-64] == (asyn / name).read_bytes()[:-64], name

@@ -32,11 +32,14 @@ def test_a_save_and_a_load_make_the_same_exchanges_at_any_world_size(tmp_path: P
 
 def test_a_rank_opens_its_own_data_files_and_rank_0_checks_the_listing(tmp_path: Path) -> None:
     """Sizes of every listed file and 'nothing unlisted' are checked once, on rank 0; every other rank opens only the
-    files it reads (at 1,000 ranks: its own, not 1,000 ranks' files each)."""
+    files it reads (at 1,000 ranks: its own, not 1,000 ranks' files each): its own data files and the shared files of
+    the replicated policy (format 6), never another rank's per-rank data file."""
     results = launch(f"{S}:own_files_only", 3, str(tmp_path), False)
+    shared = set()
     for r in results:
         assert r.value["error"] is None, r.value
-        others = [n for n in r.value["opened"] if n.startswith("__") and not n.startswith(f"__{r.rank}_")]
+        shared |= {n for n in r.value["opened"] if n.endswith("_shared.distcp")}
+        others = [n for n in r.value["opened"] if not n.startswith(f"__{r.rank}_") and not n.endswith("_shared.distcp")]
         if r.rank == 0:
             assert others, r.value  # the whole listing
         else:
@@ -45,6 +48,7 @@ def test_a_rank_opens_its_own_data_files_and_rank_0_checks_the_listing(tmp_path:
         # (rank 0 opens every listed file for its size: the whole listing)
         if r.rank != 0:
             assert r.value["metadata_opened"] == sorted(["manifest.json", f"manifest-{r.rank}.json"]), r.value
+    assert len(shared) >= 2  # the policy's tensors were written by more than one rank, and read by every rank
 
 
 def test_a_planted_file_is_refused_by_rank_0_and_the_load_fails_on_every_rank(tmp_path: Path) -> None:

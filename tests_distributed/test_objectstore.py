@@ -20,17 +20,13 @@ def test_two_ranks_save_and_load_through_s3(s3, use_async: bool) -> None:  # typ
     saved = launch(f"{S}:save", 2, url, 7, use_async, env={**s3.env, "TDCP_STORE_PART_SIZE": str(5 << 20)})
     assert {r.value["path"] for r in saved} == {url}
     path = resolve_path(url, s3.storage_options)
-    assert sorted(list_objects(path)) == [  # each rank's manifest shard: it wrote its own (format 5)
-        ".metadata",
-        "__0_0.distcp",
-        "__1_0.distcp",
-        "manifest-0.json",
-        "manifest-1.json",
-        "manifest.json",
-    ]
+    names = sorted(list_objects(path))
+    shared = [n for n in names if n.endswith("_shared.distcp")]  # the replicated policy (format 6)
+    expected = [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest-0.json", "manifest-1.json", "manifest.json"]
+    assert shared and names == sorted(expected + shared)  # each rank's manifest shard: it wrote its own (format 5)
     files = tdcp.read_manifest(path)["files"]
-    assert files["__0_0.distcp"]["size"] > 5 << 20 and files["__1_0.distcp"]["size"] > 5 << 20  # both wrote parts
-    assert tdcp.verify(path)["files"] == 5
+    assert len(shared) == 2 and all(files[n]["size"] > 5 << 20 for n in shared)  # both wrote the replicated in parts
+    assert tdcp.verify(path)["files"] == 5 + len(shared)
     loaded = launch(f"{S}:load", 2, url, 7, env=s3.env)
     for s, got in zip(saved, loaded):
         assert got.value == {"step": 7, **{k: v for k, v in s.value.items() if k != "path"}}

@@ -309,8 +309,10 @@ class FastStateWriter:
         jobs = [
             ChunkJob(c.file, c.key, c.start, c.rows, job.chunk_rows.get(c.file), job.keeps.get(c.file)) for c in chunks
         ]
-        tensors = [(k, job.encoded.flat[k]) for k in job.plan.share(job.rank)]
-        return target.write(ShareWrite(tensors, jobs, job.save_id, job.rank))
+        keys = job.plan.share(job.rank)
+        own = [(k, job.encoded.flat[k]) for k in keys if is_own_key(k)]
+        shared = [(k, job.encoded.flat[k]) for k in keys if not is_own_key(k)]
+        return target.write(ShareWrite(own, jobs, job.save_id, job.rank, shared))
 
 
 class DCPStateWriter:

@@ -2,13 +2,15 @@
 
 A committed checkpoint (directory or archive) holds ``manifest.json`` (written last: it
 is what makes the checkpoint exist), one manifest shard per rank ``manifest-<rank>.json``
-(that rank's per-rank states and where its tensors are), DCP's ``.metadata`` and one data
-file per rank that wrote tensors, ``__<rank>_0.distcp``.
+(that rank's per-rank states and where its tensors are), DCP's ``.metadata``, and the data
+files of each rank that wrote tensors: ``__<rank>_0.distcp`` (its per-rank tensors),
+``__<rank>_shared.distcp`` (the replicated tensors it was chosen to write: every rank reads
+them, so they are kept apart from any one rank's state) and chunk files ``__<rank>_<n>.distcp``.
 
 Example:
-    >>> from torchrl_dcp.format.layout import MANIFEST, DCP_METADATA, data_file_name, shard_name
-    >>> MANIFEST, DCP_METADATA, data_file_name(3), shard_name(3)
-    ('manifest.json', '.metadata', '__3_0.distcp', 'manifest-3.json')
+    >>> from torchrl_dcp.format.layout import MANIFEST, DCP_METADATA, data_file_name, shared_file_name, shard_name
+    >>> MANIFEST, DCP_METADATA, data_file_name(3), shared_file_name(3), shard_name(3)
+    ('manifest.json', '.metadata', '__3_0.distcp', '__3_shared.distcp', 'manifest-3.json')
 """
 
 from __future__ import annotations
@@ -21,11 +23,17 @@ MAX_MANIFEST_BYTES = 256 << 20  # a manifest (or .metadata) larger than this is 
 
 
 def data_file_name(rank: int) -> str:
-    """The data file our writer gives rank ``rank`` (DCP's own writer uses the same name)."""
+    """The data file of rank ``rank``'s per-rank tensors (DCP's own writer gives its first file the same name)."""
     return f"__{rank}_0.distcp"
 
 
-_DATA_FILE = re.compile(r"^__(\d{1,9})_(\d{1,12})\.distcp$")
+def shared_file_name(rank: int) -> str:
+    """The data file of the replicated (shared) tensors rank ``rank`` writes (format 6): every rank reads it whole
+    at load, so it holds nothing that only one rank needs."""
+    return f"__{rank}_shared.distcp"
+
+
+_DATA_FILE = re.compile(r"^__(\d{1,9})_(\d{1,12}|shared)\.distcp$")
 _SHARD = re.compile(r"^manifest-(0|[1-9]\d{0,8})\.json$")
 
 
@@ -46,7 +54,13 @@ def shard_rank(name: str) -> int | None:
 
 
 def is_data_file(name: str) -> bool:
-    """A data or chunk file (``__<rank>_<n>.distcp``): what ends with a save's identity trailer."""
+    """A data, shared or chunk file (``__<rank>_<n>.distcp``, ``__<rank>_shared.distcp``): what ends with a save's
+    identity trailer.
+
+    Example:
+        >>> [is_data_file(n) for n in ("__0_0.distcp", "__2_shared.distcp", "__2_other.distcp", "manifest.json")]
+        [True, True, False, False]
+    """
     return _DATA_FILE.match(name) is not None
 
 
@@ -64,7 +78,7 @@ def is_library_file(name: str) -> bool:
 def is_chunk_file(name: str) -> bool:
     """A chunk file (``__<rank>_<n>.distcp``, ``n >= 1``): one an incremental save may have kept from another save."""
     m = _DATA_FILE.match(name)
-    return m is not None and int(m.group(2)) >= 1
+    return m is not None and m.group(2).isdigit() and int(m.group(2)) >= 1
 
 
 def is_plain_name(name: str) -> bool:

@@ -12,7 +12,8 @@ by an incremental save, that save's identity (``files[name].origin``). Since for
 states, inventories, chunk table and storage entries are in a shard of their own
 (``manifest-<rank>.json``, :mod:`torchrl_dcp.format.shards`), and the manifest records where
 tensors are (``index``), so a load reads the root and its own shard and never DCP's whole
-``.metadata``. Readers validate it strictly, refuse newer format versions and upgrade
+``.metadata``. Since format 6 the replicated tensors a rank writes are in a data file of their own
+(``__<rank>_shared.distcp``), so no rank reads (or checksums) another rank's per-rank bytes. Readers validate it strictly, refuse newer format versions and upgrade
 older ones step by step through registered migrations (:func:`register_migration`);
 older adapter payloads are upgraded the same way (:func:`register_adapter_migration`).
 See docs/migrations.md.
@@ -20,7 +21,7 @@ See docs/migrations.md.
 Example:
     >>> from torchrl_dcp.format.manifest import FORMAT, FORMAT_VERSION
     >>> FORMAT, FORMAT_VERSION
-    ('torchrl_dcp', 5)
+    ('torchrl_dcp', 6)
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from torchrl_dcp.format.manifest_depth import check_depth, structure
 from torchrl_dcp.placement import PLACEMENTS
 
 FORMAT = "torchrl_dcp"
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 CHECKSUM_FIELD = "manifest_checksum"
 
 Migration = Callable[[dict[str, Any]], dict[str, Any]]
@@ -223,6 +224,14 @@ def _v4_to_v5(manifest: dict[str, Any]) -> dict[str, Any]:
     manifest["sharded"] = False
     manifest["index"] = None
     manifest["format_version"] = 5
+    return manifest
+
+
+@register_migration(5)
+def _v5_to_v6(manifest: dict[str, Any]) -> dict[str, Any]:
+    """v6 writes replicated tensors into ``__<rank>_shared.distcp``; a v5 checkpoint keeps them in its ranks' data
+    files, where its manifest says they are: nothing to change."""
+    manifest["format_version"] = 6
     return manifest
 
 

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from torchrl_dcp.errors import CheckpointError, CheckpointFormatError
+from torchrl_dcp.format.layout import data_file_name, shared_file_name
 
 if TYPE_CHECKING:  # annotations only: the location layer imports no torch (torch-free tools list and inspect)
     import torch
@@ -189,6 +190,15 @@ class WriteOutcome:
     kept: int = 0  # chunk files kept from the incremental base
     copied: int = 0  # ... of which copied, because a hard link was impossible
 
+    def merge(self, other: WriteOutcome) -> None:
+        """Add what ``other`` wrote (another data file of the same rank's share) to this outcome."""
+        self.files.update(other.files)
+        self.entries += other.entries
+        self.bytes_written += other.bytes_written
+        self.chunks += other.chunks
+        self.kept += other.kept
+        self.copied += other.copied
+
     def add_chunks(self, jobs: Iterable[ChunkJob]) -> None:
         """Record the chunk files ``jobs`` wrote or kept (each job's ``result`` set)."""
         for j in jobs:
@@ -207,7 +217,8 @@ class WriteOutcome:
 
 @dataclass
 class ShareWrite:
-    """One rank's share of a save by our writer: the tensors of its data file and its chunk files.
+    """One rank's share of a save by our writer: its per-rank tensors (``tensors``), the replicated tensors it was
+    chosen to write (``shared``) and its chunk files.
 
     ``chunks[i].tensor`` is ``None`` only for a chunk an async save did not stage
     because it is kept from the incremental base.
@@ -217,6 +228,21 @@ class ShareWrite:
     chunks: list[ChunkJob]
     save_id: str
     rank: int
+    shared: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+
+    def data_files(self) -> list[tuple[str, list[tuple[str, torch.Tensor]]]]:
+        """``[(file name, tensors)]`` of the data files to write (none for an empty group): per-rank tensors in
+        ``__<rank>_0.distcp``, shared ones in ``__<rank>_shared.distcp``, so a rank's load reads the shared files and
+        its own, never another rank's per-rank bytes.
+
+        Example:
+            >>> import torch
+            >>> share = ShareWrite([("rank/1/a", torch.ones(1))], [], "0" * 32, 1, [("replicated/p/w", torch.ones(1))])
+            >>> [name for name, _ in share.data_files()]
+            ['__1_0.distcp', '__1_shared.distcp']
+        """
+        named = ((data_file_name(self.rank), self.tensors), (shared_file_name(self.rank), self.shared))
+        return [(name, tensors) for name, tensors in named if tensors]
 
 
 # ---------------------------------------------------------------------- saving

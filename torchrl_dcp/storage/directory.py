@@ -220,9 +220,10 @@ class DirectorySaveTarget(SaveTarget):
         from torchrl_dcp.storage.copying import default_threads
         from torchrl_dcp.storage.writer import write_share
 
-        out = write_share(
-            dict(share.tensors), [k for k, _ in share.tensors], self.dir, share.rank, save_id=share.save_id
-        )
+        out = WriteOutcome()
+        for name, tensors in share.data_files():
+            keys = [k for k, _ in tensors]
+            out.merge(write_share(dict(tensors), keys, self.dir, share.rank, save_id=share.save_id, name=name))
         write_chunks(share.chunks, self.dir, share.save_id, share.rank, default_threads())
         out.add_chunks(share.chunks)
         return out

@@ -44,7 +44,6 @@ from torchrl_dcp.format.layout import (
     DCP_METADATA,
     MANIFEST,
     TRAILER_SIZE,
-    data_file_name,
     identity_trailer,
     is_chunk_file,
     is_data_file,
@@ -247,8 +246,10 @@ def file_pieces(tensors: list[tuple[str, torch.Tensor]], trailer: bytes) -> tupl
     return layout, layout.units
 
 
-def write_data_file(destination: StorePath, rank: int, tensors: list[tuple[str, torch.Tensor]], save_id: str) -> Any:
-    """Upload this rank's ``__<rank>_0.distcp``; returns ``(entries, {"size", "checksum"})``."""
+def write_data_file(
+    destination: StorePath, name: str, rank: int, tensors: list[tuple[str, torch.Tensor]], save_id: str
+) -> Any:
+    """Upload one of this rank's data files (``ShareWrite.data_files``); returns ``(entries, {"size", "checksum"})``."""
     layout, units = file_pieces(tensors, identity_trailer(save_id, rank))
     large = {id(u) for _, _, data_units, _ in layout.large for u in data_units}
 
@@ -258,7 +259,7 @@ def write_data_file(destination: StorePath, rank: int, tensors: list[tuple[str, 
                 u.crc = crc32(u.data)
             yield u.data
 
-    upload_pieces(destination / data_file_name(rank), stream(), layout.size)
+    upload_pieces(destination / name, stream(), layout.size)
     value = 0
     for u in units:
         value = crc32_combine(value, u.crc, len(u.data))
@@ -269,12 +270,11 @@ def write_share(destination: StorePath, share: ShareWrite) -> WriteOutcome:
     """Upload this rank's share: its data file, and its chunk files (a kept one copied server-side from the
     base's prefix, :func:`keep_object`, never through this host)."""
     out = WriteOutcome()
-    if share.tensors:
-        name = data_file_name(share.rank)
-        entries, record = write_data_file(destination, share.rank, share.tensors, share.save_id)
+    for name, tensors in share.data_files():
+        entries, record = write_data_file(destination, name, share.rank, tensors, share.save_id)
         out.files[name] = record
-        out.entries = [(k, name, off, length) for k, off, length in entries]
-        out.bytes_written = record["size"]
+        out.entries += [(k, name, off, length) for k, off, length in entries]
+        out.bytes_written += record["size"]
     if share.chunks:
         threads = min(concurrency(), len(share.chunks))
         with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tdcp-store-chunk") as pool:

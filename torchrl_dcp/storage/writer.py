@@ -264,15 +264,17 @@ def write_share(
     rank: int,
     threads: int | None = None,
     save_id: str | None = None,
+    name: str | None = None,
 ) -> WriteOutcome:
-    """Write ``keys`` of ``flat`` (this rank's share) into ``__<rank>_0.distcp`` (nothing when there are none).
+    """Write ``keys`` of ``flat`` into the data file ``name`` (default ``__<rank>_0.distcp``; nothing when there are
+    no keys).
 
     With ``save_id``, the file ends with the save's identity trailer (:func:`~torchrl_dcp.format.layout.identity_trailer`).
     """
     out = WriteOutcome()
     if not keys:
         return out
-    name = data_file_name(rank)
+    name = name or data_file_name(rank)
     trailer = b"" if save_id is None else identity_trailer(save_id, rank)
     entries, record = write_file(
         directory, name, [(k, flat[k]) for k in keys], threads=threads or default_threads(), trailer=trailer
