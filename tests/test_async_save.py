@@ -202,6 +202,35 @@ def test_async_save_holds_the_state_at_the_call(tmp_path: Path) -> None:
         assert torch.equal(v, before[k])
 
 
+def test_the_background_write_leaves_the_training_threads_their_cpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An async save writes with this rank's CPUs less torch's intra-op threads (at least one); a sync save, the caller
+    waiting, with all of them; ``TDCP_WRITE_THREADS`` wins over both."""
+    from torchrl_dcp.storage import copying
+
+    used: list[int] = []
+    original = W.write_file
+    monkeypatch.setattr(W, "write_file", lambda *a, **k: used.append(k["threads"]) or original(*a, **k))
+    monkeypatch.setattr(copying, "node_cpus_per_rank", lambda: 8)
+    monkeypatch.delenv("TDCP_WRITE_THREADS", raising=False)
+    ckpt = tdcp.DistributedCheckpoint(model=torch.nn.Linear(4, 4))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(6)
+        ckpt.save(tmp_path / "sync")
+        ckpt.async_save(tmp_path / "six").wait()
+        torch.set_num_threads(7)
+        ckpt.async_save(tmp_path / "seven").wait()
+        torch.set_num_threads(2)
+        ckpt.async_save(tmp_path / "two").wait()
+        monkeypatch.setenv("TDCP_WRITE_THREADS", "3")
+        ckpt.async_save(tmp_path / "set").wait()
+    finally:
+        torch.set_num_threads(threads)
+    assert used == [4, 2, 1, 4, 3]
+
+
 def test_staging_buffers_are_reused_across_saves(tmp_path: Path) -> None:
     state = {"w": torch.randn(1000), "b": torch.randn(10)}
     ckpt = tdcp.DistributedCheckpoint(state=state)

@@ -8,7 +8,9 @@ Collectives of the background write run on the checkpoint's own gloo group, in t
 same order on every rank. One save is in flight at a time: the next ``save``,
 ``async_save`` or ``load`` first waits for it, and a failure in the background is
 raised (as a :class:`CheckpointError`, on every rank) by ``handle.wait()`` or by that
-next call, never swallowed.
+next call, never swallowed. The background thread writes with the CPUs the training loop
+leaves free: this rank's share of the node's CPUs less torch's intra-op threads, at least
+one (``TDCP_WRITE_THREADS`` overrides it).
 
 Tensors backed by a memory-mapped file (``LazyMemmapStorage`` replay buffers) are
 written from the file in place, without a staging copy, unless
@@ -37,6 +39,7 @@ import torch
 
 from torchrl_dcp.errors import CheckpointError
 from torchrl_dcp.format.record import can_write_fast
+from torchrl_dcp.storage.copying import leaving_cpus
 
 
 class SaveHandle:
@@ -173,10 +176,13 @@ class AsyncSaver:
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tdcp-async-save")
 
+        training_threads = torch.get_num_threads()  # the loop's intra-op threads keep their CPUs (storage/copying.py)
+
         def task() -> Path:
             if event is not None:
                 event.synchronize()
-            return run()
+            with leaving_cpus(training_threads):
+                return run()
 
         handle = SaveHandle(path, step, self._executor.submit(task))
         self._pending = handle

@@ -58,7 +58,8 @@ SETTINGS: dict[str, Setting] = {
     s.name: s
     for s in (
         Setting("TDCP_WRITE_THREADS", "int", None, "write/copy threads per rank (default: up to 4, this rank's share "
-                "of the node's CPUs)", minimum=1),
+                "of the node's CPUs; an async save's background writes leave torch's intra-op threads their CPUs)",
+                minimum=1),
         Setting("TDCP_READ_THREADS", "int", None, "reader threads per rank (default: this rank's share of the "
                 "node's CPUs, at most 2, plus one)", minimum=1),
         Setting("TDCP_READ_AHEAD", "int", 32 * MIB, "bytes of the next data files announced to the kernel ahead "

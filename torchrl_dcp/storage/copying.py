@@ -21,9 +21,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -52,11 +53,36 @@ def node_cpus_per_rank() -> int:
     return max(1, cpus // max(1, local))
 
 
+_LEFT_FREE = threading.local()
+
+
+@contextlib.contextmanager
+def leaving_cpus(n: int) -> Iterator[None]:
+    """Within: the default thread counts of this thread's writes, copies and reads leave ``n`` of this rank's CPUs
+    free (at least one thread still runs); explicit ``TDCP_WRITE_THREADS`` / ``TDCP_READ_THREADS`` win.
+
+    An async save's background thread leaves the training loop's intra-op threads their CPUs: on 2 CPUs, a 1-thread
+    SAC update loop slowed by 20 % while a 512 MiB save wrote with 2 threads, by 7 % with 1
+    (``benchmarks/async_training.py``).
+
+    Example:
+        >>> with leaving_cpus(10**6):
+        ...     default_threads()
+        1
+    """
+    before = getattr(_LEFT_FREE, "n", 0)
+    _LEFT_FREE.n = max(0, n)
+    try:
+        yield
+    finally:
+        _LEFT_FREE.n = before
+
+
 def _threads(variable: str, cap: int) -> int:
     chosen = setting(variable)
     if chosen is not None:
         return chosen
-    return max(1, min(cap, node_cpus_per_rank()))
+    return max(1, min(cap, node_cpus_per_rank() - getattr(_LEFT_FREE, "n", 0)))
 
 
 def default_threads() -> int:
