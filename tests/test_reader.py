@@ -201,7 +201,9 @@ def test_live_in_place_destinations_are_checksummed_first(tmp_path: Path, monkey
     )
     target = buffer(1)
     tdcp.DistributedCheckpoint(rb=target).load(path)
-    assert checked == [{"__0_0.distcp"}]  # read into the live storage: verified before the read
+    # read into the live storage: verified before that read, by the read of the sampler and writer state (fresh
+    # buffers) from the same file, which checksums it whole before anything is restored
+    assert checked == [set()]
     assert torch.equal(target.storage._storage["obs"][:40], buffer(0).storage._storage["obs"][:40])
 
     data = path / "__0_0.distcp"
@@ -279,3 +281,47 @@ def test_a_flipped_byte_anywhere_fails_the_inline_checksum(tmp_path: Path, where
     (failure,) = info.value.failures.values()
     failure = failure[0] if isinstance(failure, tuple) else failure
     assert isinstance(failure, tdcp.CheckpointIntegrityError) and "the file is damaged" in str(failure)
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs /proc/self/io")
+def test_a_file_read_fresh_and_in_place_is_checksummed_once_before_the_in_place_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file holding tensors read into fresh buffers (a dict, most of the file) and tensors read in place (a module)
+    is checksummed whole by the fresh read, which ends before anything is restored: no separate pass before it (the
+    file is read twice, not three times). A flipped byte still fails the load with every object unchanged."""
+    torch.manual_seed(0)
+    model, stats = torch.nn.Linear(64, 64), {"t": torch.arange(300_000.0)}
+    path = tdcp.DistributedCheckpoint(model=model, stats=stats).save(tmp_path / "c")
+    data = path / "__0_shared.distcp"
+    size = data.stat().st_size
+    assert size > 1 << 20  # both components are replicated: one shared file holds them
+
+    def load(seed: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+        torch.manual_seed(seed)
+        live, fresh = torch.nn.Linear(64, 64), {"t": torch.zeros(300_000)}
+        tdcp.DistributedCheckpoint(model=live, stats=fresh).load(path)
+        return live, fresh
+
+    load(1)  # warm: modules imported, pages cached
+    before = _rchar()
+    live, fresh = load(2)
+    read = _rchar() - before
+    assert torch.equal(live.weight, model.weight) and torch.equal(fresh["t"], stats["t"])
+    assert 2 * size <= read < 2.5 * size, (read, size)  # the fresh read (whole, checksummed), the in-place read
+
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    torch.manual_seed(3)
+    live, fresh = torch.nn.Linear(64, 64), {"t": torch.zeros(300_000)}
+    weight = live.weight.detach().clone()
+    with pytest.raises(tdcp.CheckpointIntegrityError, match="checksum") as info:
+        tdcp.DistributedCheckpoint(model=live, stats=fresh).load(path)
+    assert "__0_shared.distcp" in str(info.value)
+    assert torch.equal(live.weight, weight) and torch.equal(fresh["t"], torch.zeros(300_000))  # nothing restored

@@ -6,7 +6,9 @@
    placements, resharding and capacity, dtype/shape, destinations; each object's
    rollback snapshot is taken here;
 4. **verify** the bytes that will be read (CRC-32 of the files, before anything is
-   read into a live object; files read into fresh buffers are checked while read);
+   read into a live object; files read into fresh buffers are checked while read, in
+   phase 5, also those that hold tensors read in place too: that read ends before
+   anything is restored);
 5. **read** every tensor into fresh buffers (collective): plain tensors straight from
    their records (:mod:`torchrl_dcp.storage.direct`), the rest through ``dcp.load``;
 6. **restore** every component read into fresh buffers from its decoded state
@@ -195,7 +197,8 @@ def verify_bytes(
 ) -> None:
     """Every record to read holds the dtype and shape DCP's metadata says and every file to read carries this save's
     identity; files holding tensors read into live objects are checksummed now, the others while they are read
-    (``verify=False``: sizes, identities and records only). ``whole``: the sizes of every listed file and nothing
+    into fresh buffers (phase 5, before anything is restored; so are live objects' files that also hold fresh
+    tensors, when the source reads files) (``verify=False``: sizes, identities and records only). ``whole``: the sizes of every listed file and nothing
     unlisted (rank 0 of a load); otherwise the sizes of the files this rank reads alone, so that a rank's load opens
     its own files, not every rank's."""
     if metadata is None:
@@ -204,8 +207,12 @@ def verify_bytes(
     live = load_plan.live
     needed_live = files_for(metadata, live)
     needed_fresh = files_for(metadata, load_plan.fresh)
+    # a file that also holds tensors read into fresh buffers is checksummed whole by that read (phase 5), which ends
+    # before anything is restored: checksummed here too, it would be read three times (the file reader checksums whole
+    # files; other sources go on checking here)
+    by_fresh_read = needed_live & needed_fresh if src.reads_files else set()
     # sizes (of every file, or of those read here), and checksums of those read in place
-    src.check(needed_live if verify else False, only=None if whole else needed_live | needed_fresh)
+    src.check(needed_live - by_fresh_read if verify else False, only=None if whole else needed_live | needed_fresh)
     src.check_identity(needed_live | needed_fresh)
     # the records read into live objects, before any is read; the others are checked as they arrive, before anything
     # is restored from them: every reader compares a record with its layout before taking its bytes (files: the
@@ -217,7 +224,7 @@ def verify_bytes(
     if keys:  # (none: nothing to check, and 5,000 records not walked for it)
         src.check_records(metadata, keys)
     if verify:
-        load_plan.verify_inline = needed_fresh - needed_live
+        load_plan.verify_inline = (needed_fresh - needed_live) | by_fresh_read
         load_plan.verify_live = needed_live  # checked again during the final read: a file changed since is caught
 
 
