@@ -197,9 +197,9 @@ def verify_bytes(
 ) -> None:
     """Every record to read holds the dtype and shape DCP's metadata says and every file to read carries this save's
     identity; files holding tensors read into live objects are checksummed now, the others while they are read
-    into fresh buffers (phase 5, before anything is restored; so are live objects' files that also hold fresh
-    tensors, when the source reads files) (``verify=False``: sizes, identities and records only). ``whole``: the sizes of every listed file and nothing
-    unlisted (rank 0 of a load); otherwise the sizes of the files this rank reads alone, so that a rank's load opens
+    into fresh buffers (phase 5, before anything is restored), and so are files that hold both, when the source
+    reads files (``verify=False``: sizes, identities and records only). ``whole``: the sizes of every listed file
+    and nothing unlisted (rank 0 of a load); otherwise the sizes of the files this rank reads alone, so that a rank's load opens
     its own files, not every rank's."""
     if metadata is None:
         src.check(False)

@@ -12,11 +12,11 @@ by an incremental save, that save's identity (``files[name].origin``). Since for
 states, inventories, chunk table and storage entries are in a shard of their own
 (``manifest-<rank>.json``, :mod:`torchrl_dcp.format.shards`), and the manifest records where
 tensors are (``index``), so a load reads the root and its own shard and never DCP's whole
-``.metadata``. Since format 6 the replicated tensors a rank writes are in a data file of their own
-(``__<rank>_shared.distcp``), so no rank reads (or checksums) another rank's per-rank bytes. Readers validate it strictly, refuse newer format versions and upgrade
-older ones step by step through registered migrations (:func:`register_migration`);
-older adapter payloads are upgraded the same way (:func:`register_adapter_migration`).
-See docs/migrations.md.
+``.metadata``. Since format 6 the replicated tensors a rank writes are in a data file of their
+own (``__<rank>_shared.distcp``), so no rank reads (or checksums) another rank's per-rank bytes.
+Readers validate it strictly, refuse newer format versions and upgrade older ones step by step
+through registered migrations (:func:`register_migration`); older adapter payloads are
+upgraded the same way (:func:`register_adapter_migration`). See docs/migrations.md.
 
 Example:
     >>> from torchrl_dcp.format.manifest import FORMAT, FORMAT_VERSION

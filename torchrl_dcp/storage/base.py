@@ -190,6 +190,12 @@ class WriteOutcome:
     kept: int = 0  # chunk files kept from the incremental base
     copied: int = 0  # ... of which copied, because a hard link was impossible
 
+    def add_data_file(self, name: str, entries: Iterable[tuple[str, int, int]], record: dict[str, Any]) -> None:
+        """Record the data file ``name`` written: its ``(key, offset, length)`` entries and its size and checksum."""
+        self.files[name] = record
+        self.entries += [(k, name, offset, length) for k, offset, length in entries]
+        self.bytes_written += record["size"]
+
     def merge(self, other: WriteOutcome) -> None:
         """Add what ``other`` wrote (another data file of the same rank's share) to this outcome."""
         self.files.update(other.files)

@@ -271,10 +271,7 @@ def write_share(destination: StorePath, share: ShareWrite) -> WriteOutcome:
     base's prefix, :func:`keep_object`, never through this host)."""
     out = WriteOutcome()
     for name, tensors in share.data_files():
-        entries, record = write_data_file(destination, name, share.rank, tensors, share.save_id)
-        out.files[name] = record
-        out.entries += [(k, name, off, length) for k, off, length in entries]
-        out.bytes_written += record["size"]
+        out.add_data_file(name, *write_data_file(destination, name, share.rank, tensors, share.save_id))
     if share.chunks:
         threads = min(concurrency(), len(share.chunks))
         with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tdcp-store-chunk") as pool:

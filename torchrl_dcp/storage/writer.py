@@ -279,9 +279,7 @@ def write_share(
     entries, record = write_file(
         directory, name, [(k, flat[k]) for k in keys], threads=threads or default_threads(), trailer=trailer
     )
-    out.files[name] = record
-    out.entries = [(k, name, off, length) for k, off, length in entries]
-    out.bytes_written = record["size"]
+    out.add_data_file(name, entries, record)
     return out
 
 
