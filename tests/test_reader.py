@@ -325,3 +325,34 @@ def test_a_file_read_fresh_and_in_place_is_checksummed_once_before_the_in_place_
         tdcp.DistributedCheckpoint(model=live, stats=fresh).load(path)
     assert "__0_shared.distcp" in str(info.value)
     assert torch.equal(live.weight, weight) and torch.equal(fresh["t"], torch.zeros(300_000))  # nothing restored
+
+
+def test_small_records_read_in_place_are_checked_in_runs_read_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before a load reads into live tensors it compares every record with our writer's layout: small records are
+    compared in runs read whole (2,001 records of a module: one read), not with two reads each (4,002 before)."""
+    from torchrl_dcp.storage.source import CheckpointSource
+
+    def module(seed: int) -> torch.nn.Module:
+        g = torch.Generator().manual_seed(seed)
+        m = torch.nn.Module()
+        for i in range(2000):
+            m.register_buffer(f"b{i}", torch.randn(64, generator=g))
+        m.register_buffer("flags", torch.rand(16, generator=g) > 0.5)
+        return m
+
+    saved = module(0)
+    path = tdcp.DistributedCheckpoint(model=saved).save(tmp_path / "c")
+    spans: list[tuple[int, int]] = []
+    read_many = CheckpointSource.read_many
+
+    def counted(self: CheckpointSource, name: str, asked: list[tuple[int, int]]) -> list[bytes]:
+        spans.extend(asked)
+        return read_many(self, name, asked)
+
+    monkeypatch.setattr(CheckpointSource, "read_many", counted)
+    live = module(1)
+    tdcp.DistributedCheckpoint(model=live).load(path)
+    assert all(torch.equal(a, b) for a, b in zip(live.state_dict().values(), saved.state_dict().values()))
+    assert 1 <= len(spans) <= 2, len(spans)

@@ -37,10 +37,17 @@ from torchrl_dcp.format.dcp_metadata import (
     parse_metadata,
 )
 from torchrl_dcp.format.layout import DCP_METADATA, MAX_MANIFEST_BYTES, TRAILER_SIZE, is_data_file, read_identity
-from torchrl_dcp.format.record import check_bool_bytes, decode_record, record_data_offset, template_tail_size
+from torchrl_dcp.format.record import (
+    STORAGE_NAMES,
+    check_bool_bytes,
+    decode_record,
+    record_data_offset,
+    template_tail_size,
+)
 from torchrl_dcp.storage.base import ByteRange, Container
 from torchrl_dcp.storage.files import open_regular
 from torchrl_dcp.storage.reader import InPlaceFileSystemReader
+from torchrl_dcp.storage.readitems import BATCH, SMALL, small_record
 
 
 class CheckpointSource:
@@ -143,8 +150,8 @@ class CheckpointSource:
 
     def check_records(self, metadata: Metadata, keys: Collection[str] | None = None) -> None:
         """Every tensor record (of ``keys``; ``None``: all) holds exactly the dtype and shape DCP's metadata gives its
-        chunk: laid out as our writer (or ``torch.save``) lays it out (head and tail compared, a few KiB read per
-        record), else decoded whole to that (:func:`~torchrl_dcp.format.record.decode_record`). Loads run it before
+        chunk: laid out as our writer (or ``torch.save``) lays it out (head and tail compared: small records in runs
+        read whole, others a few KiB each), else decoded whole to that (:func:`~torchrl_dcp.format.record.decode_record`). Loads run it before
         reading anything into a live object, ``verify`` over every record: a forged record is refused before any
         state changes, naming its file.
         """
@@ -154,8 +161,11 @@ class CheckpointSource:
             spec = specs.get((index.fqn, tuple(index.offset or ())))
             if spec is not None:  # (a bytes item has none: the metadata checks refuse it)
                 by_file.setdefault(info.relative_path, []).append((info.offset, info.length, index.fqn, spec))
-        for rel, items in sorted(by_file.items()):
+        for rel, found in sorted(by_file.items()):
             where = self.container.byte_range(rel).where
+            items = self._unmatched_small_records(rel, found, where)  # most records: one read per 8 MiB of them
+            if not items:
+                continue
             heads = [(o, min(n, 4096)) for o, n, _, _ in items]
             tails = [(o + n - t, t) for o, n, _, (dtype, shape) in items if (t := template_tail_size(dtype, shape, n))]
             spans = heads + tails
@@ -182,6 +192,41 @@ class CheckpointSource:
                     size = math.prod(shape)
                     for lo in range(0, size, 8 << 20):  # bounded memory
                         check_bool_bytes(read(at + lo, min(8 << 20, size - lo)), where, key)
+
+    def _unmatched_small_records(
+        self, rel: str, items: list[tuple[int, int, Any, Any]], where: Any
+    ) -> list[tuple[int, int, Any, Any]]:
+        """The records of ``items`` (``(offset, length, key, (dtype, shape))`` in the data file ``rel``) that are not
+        small records laid out as our writer lays them out: those are recognized in runs read whole (at most
+        ``BATCH`` bytes, gaps of at most 4 KiB), by the comparisons the file reader makes before it takes a record's
+        bytes (:class:`~torchrl_dcp.storage.readitems.SmallRecord`: the local headers and the central directory),
+        and bool records' bytes checked. 5,000 records of 1 KiB: one read instead of 10,000."""
+        items = sorted(items, key=lambda it: it[0])
+        rest: list[tuple[int, int, Any, Any]] = []
+        i = 0
+        while i < len(items):
+            start, n = items[i][0], items[i][1]
+            if n >= SMALL or items[i][3][0] not in STORAGE_NAMES:
+                rest.append(items[i])
+                i += 1
+                continue
+            j, end = i + 1, start + n
+            while j < len(items):
+                o, m, _, (dtype, _) = items[j]
+                if m >= SMALL or dtype not in STORAGE_NAMES or not end <= o <= end + 4096 or o + m - start > BATCH:
+                    break
+                end, j = o + m, j + 1
+            data = self.read_many(rel, [(start, end - start)])[0]  # (past the file's end: empty)
+            for item in items[i:j]:
+                o, m, key, (dtype, shape) = item
+                small = small_record(dtype, shape)
+                at = o - start
+                if len(data) < end - start or m != small.length or not small.matches(data, at):
+                    rest.append(item)  # another layout, or damage: checked (and explained) one by one
+                elif dtype == torch.bool:
+                    check_bool_bytes(data[at + small.data_at : at + small.data_at + small.nbytes], where, key)
+            i = j
+        return rest
 
     def read_many(self, name: str, spans: list[tuple[int, int]]) -> list[bytes]:
         """The bytes of each ``(offset, size)`` of the listed data file ``name`` (a span past its end: ``b""``)."""
