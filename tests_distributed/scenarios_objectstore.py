@@ -52,3 +52,35 @@ def load(url: str, seed: int) -> dict[str, Any]:
     objs = _objects(seed + 100)
     result = _checkpoint(objs).load(url)
     return {"step": result.step, **_summary(objs)}
+
+
+def load_counting_lists(url: str, seed: int) -> dict[str, Any]:
+    """:func:`load`, counting the listings of the prefix this rank makes."""
+    import torchrl_dcp.storage.objectstore as objectstore
+
+    listed = []
+    list_objects = objectstore.list_objects
+
+    def counted(path: Any) -> Any:
+        listed.append(str(path))
+        return list_objects(path)
+
+    objectstore.list_objects = counted
+    try:
+        loaded = load(url, seed)
+    finally:
+        objectstore.list_objects = list_objects
+    return {**loaded, "lists": len(listed)}
+
+
+def load_refused(url: str, seed: int) -> dict[str, Any]:
+    """Load into fresh objects; report the error and whether every object (and the RNG) is as it was before."""
+    objs = _objects(seed + 100)
+    before, rng = {k: v for k, v in _summary(objs).items() if k != "rng"}, torch.get_rng_state()
+    try:
+        _checkpoint(objs).load(url)
+    except tdcp.CheckpointError as err:
+        same_rng = torch.equal(torch.get_rng_state(), rng)  # (before _summary draws from it)
+        after = {k: v for k, v in _summary(objs).items() if k != "rng"}
+        return {"error": f"{type(err).__name__}: {err}", "unchanged": after == before and same_rng}
+    return {"error": None}

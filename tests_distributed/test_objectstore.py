@@ -31,3 +31,26 @@ def test_two_ranks_save_and_load_through_s3(s3, use_async: bool) -> None:  # typ
     for s, got in zip(saved, loaded):
         assert got.value == {"step": 7, **{k: v for k, v in s.value.items() if k != "path"}}
     assert loaded[0].value["shard"] != loaded[1].value["shard"]  # each rank got its own state back
+
+
+@pytest.mark.slow
+def test_a_load_lists_the_prefix_once_and_every_rank_refuses_a_truncated_object(s3) -> None:  # type: ignore[no-untyped-def]
+    """Rank 0 lists the prefix (every object's size, nothing unlisted); the other ranks make no listing (1 LIST per
+    load, not one per rank) and read their objects within the recorded sizes. An object of rank 1 cut short fails
+    the load on every rank, naming it, with every object left as it was."""
+    url = s3.url("run/lists")
+    saved = launch(f"{S}:save", 2, url, 5, False, env=s3.env)
+    loaded = launch(f"{S}:load_counting_lists", 2, url, 5, env=s3.env)
+    assert [r.value["lists"] for r in loaded] == [1, 0]
+    for s, got in zip(saved, loaded):
+        assert {k: v for k, v in got.value.items() if k != "lists"} == {
+            "step": 5,
+            **{k: v for k, v in s.value.items() if k != "path"},
+        }
+    path = resolve_path(url, s3.storage_options)
+    key = (path / "__1_0.distcp").key  # rank 1's per-rank data: only rank 1 reads it
+    path.fs.pipe_file(key, path.fs.cat_file(key)[:-100])
+    refused = launch(f"{S}:load_refused", 2, url, 5, env=s3.env)
+    for r in refused:
+        assert r.value["error"] and "__1_0.distcp" in r.value["error"], r.value
+        assert "truncated" in r.value["error"] and r.value["unchanged"], r.value

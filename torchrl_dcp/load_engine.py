@@ -140,7 +140,7 @@ def prepare(request: LoadRequest, result: LoadResult) -> tuple[CheckpointSource,
     found: dict[str, Any] = {}
 
     def local() -> None:
-        src = found["src"] = open_source(request.path)  # 1. open
+        src = found["src"] = open_source(request.path, whole=request.rank == 0)  # 1. open
         if src.container.root()["world_size"] == request.world_size:  # this rank's shard (a reshard reads all)
             src.restrict([request.rank])
         manifest = src.manifest()  # 2. read and validate

@@ -302,7 +302,7 @@ class ArchiveLocation(Location):
     def container(self) -> ArchiveContainer:
         return ArchiveContainer(self.path)
 
-    def open_source(self) -> Any:
+    def open_source(self, *, whole: bool = True) -> Any:
         from torchrl_dcp.storage.source import CheckpointSource  # torch: only where tensors are read
 
         return CheckpointSource(self.container())

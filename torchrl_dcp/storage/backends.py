@@ -55,9 +55,10 @@ def save_location(path: PathLike, storage_options: Mapping[str, Any] | None = No
     return DirectoryLocation(resolved)
 
 
-def open_source(path: PathLike, storage_options: Mapping[str, Any] | None = None) -> Any:
-    """The committed checkpoint at ``path``, to read (see :func:`location_for`)."""
-    return location_for(path, storage_options).open_source()
+def open_source(path: PathLike, storage_options: Mapping[str, Any] | None = None, *, whole: bool = True) -> Any:
+    """The committed checkpoint at ``path``, to read (see :func:`location_for`; ``whole``:
+    :meth:`~torchrl_dcp.storage.base.Location.open_source`)."""
+    return location_for(path, storage_options).open_source(whole=whole)
 
 
 def open_container(path: PathLike, storage_options: Mapping[str, Any] | None = None) -> Any:

@@ -349,8 +349,10 @@ class Location(abc.ABC):
         """The files of the committed checkpoint here (no torch needed)."""
 
     @abc.abstractmethod
-    def open_source(self) -> CheckpointSource:
-        """The committed checkpoint here, to read tensors from (its container plus DCP's metadata)."""
+    def open_source(self, *, whole: bool = True) -> CheckpointSource:
+        """The committed checkpoint here, to read tensors from (its container plus DCP's metadata). ``whole=False``:
+        the reader is one rank of a load, which checks only the files it reads (``Container.check(only=...)``) while
+        rank 0 checks the whole; a backend may then skip what only the whole check needs (an object store's listing)."""
 
     def manifest(self) -> dict[str, Any]:
         """The validated (and migrated) manifest of the checkpoint here, every rank's shard assembled in."""

@@ -303,7 +303,7 @@ class DirectoryLocation(Location):
     def container(self) -> DirectoryContainer:
         return DirectoryContainer(self.path)
 
-    def open_source(self) -> CheckpointSource:
+    def open_source(self, *, whole: bool = True) -> CheckpointSource:
         from torchrl_dcp.storage.source import CheckpointSource  # torch: only where tensors are read
 
         return CheckpointSource(self.container())

@@ -299,13 +299,15 @@ class ObjectStoreContainer(ManifestParts):
         self.tails: dict[str, bytes] = {}  # {object URL: last 64 bytes} of the objects checksummed
         self._early: dict[str, Future[Any]] = {}
 
-    def prefetch(self) -> None:
-        """Send the requests every reader makes first at once: the manifest (a bounded GET) and the listing,
-        instead of one after the other. Their checks are unchanged (they run on use). (DCP's ``.metadata`` is not
-        among them: a format-5 load never reads it.)"""
+    def prefetch(self, *, listing: bool = True) -> None:
+        """Send the requests a reader makes first at once: the manifest (a bounded GET) and, with ``listing``, the
+        listing, instead of one after the other. Their checks are unchanged (they run on use). (DCP's ``.metadata``
+        is not among them: a format-5 load never reads it.) One rank of a load (``listing=False``) never lists
+        the prefix: :meth:`check` with ``only`` needs no listing."""
         with ThreadPoolExecutor(2, thread_name_prefix="tdcp-store-open") as pool:
             self._early = {MANIFEST: pool.submit(_bounded, self.path / MANIFEST)}
-            self._early[""] = pool.submit(list_objects, self.path)
+            if listing:
+                self._early[""] = pool.submit(list_objects, self.path)
 
     def _take(self, name: str) -> Any:
         """A prefetched answer (``""``: the listing), else the request now."""
@@ -346,24 +348,28 @@ class ObjectStoreContainer(ManifestParts):
         *,
         only: Collection[str] | None = None,
     ) -> None:
+        """As :meth:`Container.check`. With ``only`` (one rank of a load) the prefix is not listed, unless a listing
+        was fetched already: each of these objects is then read only within its recorded size, a short read fails as
+        truncated, and rank 0 of the same load (``only=None``) compares every object's size with the one listing
+        the load makes (at 1,000 ranks: 1 LIST instead of 1,000, each of every object)."""
         files: dict[str, Any] = self.root()["files"]
         wanted = set(files) if checksum is True else set() if checksum is False else set(checksum)
-        found = self._take("")
-        checked = files_to_check(files, wanted, only)
-        for name, rec in checked.items():
-            info = found.get(name)
-            if info is None or info.get("type") != "file":
-                raise CheckpointIntegrityError("object listed in the manifest is missing", path=self.path / name)
-            if int(info.get("size") or 0) != rec["size"]:
-                raise CheckpointIntegrityError(
-                    f"size is {info.get('size')} bytes, the manifest says {rec['size']}: truncated or altered",
-                    path=self.path / name,
-                )
-        for name in found if only is None else ():
-            if name != MANIFEST and name not in files:
-                raise CheckpointIntegrityError(
-                    "object not listed in the manifest: the checkpoint was altered", path=self.path / name
-                )
+        found: dict[str, Any] | None = self._take("") if only is None or "" in self._early else None
+        if found is not None:
+            for name, rec in files_to_check(files, wanted, only).items():
+                info = found.get(name)
+                if info is None or info.get("type") != "file":
+                    raise CheckpointIntegrityError("object listed in the manifest is missing", path=self.path / name)
+                if int(info.get("size") or 0) != rec["size"]:
+                    raise CheckpointIntegrityError(
+                        f"size is {info.get('size')} bytes, the manifest says {rec['size']}: truncated or altered",
+                        path=self.path / name,
+                    )
+            for name in found if only is None else ():
+                if name != MANIFEST and name not in files:
+                    raise CheckpointIntegrityError(
+                        "object not listed in the manifest: the checkpoint was altered", path=self.path / name
+                    )
         names = sorted(wanted)
         actual = object_checksums(
             [(self.path / n, files[n]["size"]) for n in names], tails=self.tails, progress=progress

@@ -75,10 +75,10 @@ class ObjectStoreLocation(Location):
     def container(self) -> ObjectStoreContainer:
         return ObjectStoreContainer(self.path)
 
-    def open_source(self) -> Any:
+    def open_source(self, *, whole: bool = True) -> Any:
         from torchrl_dcp.storage.objectstore_source import open_store_source  # torch: only where tensors are read
 
-        return open_store_source(self.path)
+        return open_store_source(self.path, listing=whole)
 
     # ------------------------------------------------------------------ saving
     def prepare_save(self, save_id: str) -> SaveTarget:

@@ -172,8 +172,9 @@ class ObjectStoreSource(CheckpointSource):
         return reader
 
 
-def open_store_source(path: StorePath) -> ObjectStoreSource:
-    """The source of the checkpoint under the prefix ``path`` (its first three requests sent at once)."""
+def open_store_source(path: StorePath, *, listing: bool = True) -> ObjectStoreSource:
+    """The source of the checkpoint under the prefix ``path`` (its first requests sent at once). ``listing=False``:
+    one rank of a load, which never lists the prefix (rank 0 does, once for the load)."""
     container = ObjectStoreContainer(path)
-    container.prefetch()
+    container.prefetch(listing=listing)
     return ObjectStoreSource(container)  # type: ignore[arg-type]
