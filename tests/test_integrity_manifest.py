@@ -187,3 +187,23 @@ def test_a_chunk_file_from_another_save_is_refused_wherever_it_is(
     live = {"x": torch.zeros(130, 1024)}
     tdcp.DistributedCheckpoint(w=live).load(a)  # the intact save loads whole
     assert torch.equal(live["x"], torch.arange(130 * 1024.0).reshape(130, 1024))
+
+
+@pytest.mark.parametrize("inventory", [True, 3, "x", [["k", {"dtype": "float32", "shape": [2]}]]])
+def test_an_inventory_that_is_not_an_object_is_a_format_error(saved: Path, tmp_path: Path, inventory: object) -> None:
+    """A resealed manifest whose component inventory is not an object is refused as malformed (it was read by the
+    index check before the components were validated: a bool raised ``TypeError``), and nothing is loaded."""
+    path = tmp_path / "c"
+    shutil.copytree(saved, path)
+    raw = json.loads((path / "manifest.json").read_text())
+    raw["components"]["stats"]["inventory"] = inventory
+    raw.pop(CHECKSUM_FIELD)
+    (path / "manifest.json").write_text(json.dumps(seal(raw)))
+    with pytest.raises(tdcp.CheckpointFormatError, match="inventory must map tensor keys") as err:
+        tdcp.verify(path)
+    assert "manifest.json" in str(err.value)
+    objs = _objects(2)
+    before = objs["stats"].copy()
+    with pytest.raises(tdcp.CheckpointFormatError, match="inventory"):
+        tdcp.DistributedCheckpoint(**objs).load(path)
+    assert objs["stats"] == before

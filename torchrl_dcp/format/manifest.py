@@ -477,9 +477,9 @@ def _validate(m: dict[str, Any], source: Any) -> None:
             raise bad(
                 f"a sharded manifest lists one shard per saved rank (world_size {m['world_size']}, shards {len(shards)})"
             )
-    _validate_index(m, bad)
-    for name, rec in m["components"].items():
+    for name, rec in m["components"].items():  # before the index, which reads their inventories
         _validate_component(name, rec, None if m["sharded"] else range(m["world_size"]), bad)
+    _validate_index(m, bad)
 
 
 def _validate_index(m: dict[str, Any], bad: Callable[[str], CheckpointFormatError]) -> None:
@@ -488,9 +488,9 @@ def _validate_index(m: dict[str, Any], bad: Callable[[str], CheckpointFormatErro
         return
     if not isinstance(index, dict) or set(index) != {"entries"}:
         raise bad("index must be null or {entries}")
-    shared = {
-        k for rec in m["components"].values() if isinstance(rec, dict) for k in (rec.get("inventory") or {})
-    }  # the root's own tensors (a shard places its rank's)
+    shared = {  # the root's own tensors (a shard places its rank's); the components were validated first
+        k for rec in m["components"].values() for k in rec.get("inventory") or {}
+    }
     check_entries(index["entries"], m["files"], shared, bad)
     _validate_placed(m["chunks"], bad)
 
