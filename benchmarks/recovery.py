@@ -8,10 +8,11 @@ tier directory under ``--local-dir``, tmpfs by default); each rank holds a repla
   checksums, fsyncs, commit);
 - ``save local``: a local-tier save (each rank's part into its node's tier, its replica sent to a rank of the
   next node and stored there, commit records);
-- ``recover local`` / ``recover peer`` / ``recover shared``: ``rotation.resume`` in place when every node holds
-  its parts; when the last node's tier was wiped (its ranks receive their parts from the replicas); when every
-  tier was wiped (cold page cache when it can be dropped: ``echo 3 > /proc/sys/vm/drop_caches`` needs root;
-  tmpfs pages are never dropped);
+- ``recover local`` / ``recover peer`` / ``recover shared``: ``rotation.resume`` by restarted workers (new
+  processes that build the learner and an empty buffer, as a job does after ``torchrun`` restarts it, so the
+  buffer's memory is new to the process) when every node holds its parts; when the last node's tier was wiped
+  (its ranks receive their parts from the replicas); when every tier was wiped (cold page cache when it can be
+  dropped: ``echo 3 > /proc/sys/vm/drop_caches`` needs root; tmpfs pages are never dropped);
 - ``training``: update steps per second of a SAC-sized update on each rank, with no saves and with a local save
   every ``--every-seconds`` of training (the step count derived from the loop's measured speed).
 
@@ -62,7 +63,6 @@ def _rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     nodes = cfg["nodes"]
     node = rank * nodes // world
     os.environ["GROUP_RANK"] = str(node)  # what torchrun's agents set: the tier's node identity
-    local_rank = rank - min(r for r in range(world) if r * nodes // world == node)
     node_dir = Path(cfg["local_dir"]) / f"node-{node}"
     torch.manual_seed(0)  # the learner is replicated: the same on every rank
     nets, optim = make_learner()
@@ -82,36 +82,25 @@ def _rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"ranks": world, "nodes": nodes, "mib_per_rank": cfg["mib"]}
     out["save_shared_s"] = min(_timed(lambda: rotation.save(ckpt, step=next_step())) for _ in range(reps))
     out["save_local_s"] = min(_timed(lambda: rotation.maybe_save(ckpt, next_step())) for _ in range(reps))
-    rotation.save(ckpt, step=step[0])  # shared and local tiers now hold the same step
-    tiers: dict[str, list[str]] = {}
+    rotation.save(ckpt, step=step[0])  # shared and local tiers now hold the same step: what restarts resume
+    rotation.close()
+    out["step"] = step[0]
+    return out
 
-    def recover(kind: str) -> float:
-        def prepare() -> None:
-            if kind == "peer" and node == nodes - 1 and local_rank == 0:
-                _wipe(node_dir)
-            if kind == "shared" and local_rank == 0:
-                _wipe(node_dir)
 
-        dist.barrier()
-        prepare()
-        if kind == "shared" and rank == 0:
-            drop_caches()
-        found: list[Any] = []
-        seconds = _timed(lambda: found.append(rotation.resume(ckpt)))
-        tier = found[0].tier
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, tier)
-        tiers.setdefault(kind, gathered)
-        if kind != "local":  # every node's tier holds the step again for the next round
-            rotation.maybe_save(ckpt, next_step())
-            rotation.save(ckpt, step=step[0])
-        return seconds
+def _training_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Training steps per second without saves and with a local-tier save every ``--every-seconds`` (tiers of
+    their own)."""
+    import torchrl_dcp as tdcp
 
-    for kind in ("local", "peer", "shared"):
-        out[f"recover_{kind}_s"] = min(recover(kind) for _ in range(reps))
-    out["tiers"] = tiers
-    out["cold_page_cache"] = drop_caches()
-
+    nodes = cfg["nodes"]
+    node = rank * nodes // world
+    os.environ["GROUP_RANK"] = str(node)
+    torch.manual_seed(0)
+    nets, optim = make_learner()
+    torch.manual_seed(1 + rank)
+    ckpt = tdcp.DistributedCheckpoint(policy=nets[0], optimizer=optim)
+    ckpt.register("buffer", make_buffer(cfg["mib"]))
     update(nets, optim)
     probe, n = time.perf_counter(), 0
     while time.perf_counter() - probe < 2.0:
@@ -121,27 +110,69 @@ def _rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     dist.all_reduce(rate, op=dist.ReduceOp.MIN)
     every = max(1, int(float(rate) * cfg["every_seconds"]))  # the same step count on every rank
     total = every * cfg["intervals"]
-
-    timed = tdcp.CheckpointRotation(cfg["shared_dir"], keep_last=1, local=tdcp.LocalTier(node_dir, every_steps=every))
+    local = tdcp.LocalTier(Path(cfg["local_dir"]) / f"training-node-{node}", every_steps=every)
+    timed = tdcp.CheckpointRotation(cfg["shared_dir"] + "-training", keep_last=1, local=local)
+    step = [0]
 
     def loop(save: bool) -> float:
         dist.barrier()
         begin = time.perf_counter()
         for _ in range(total):
             update(nets, optim)
+            step[0] += 1
             if save:
-                timed.maybe_save(ckpt, next_step())
+                timed.maybe_save(ckpt, step[0])
         return total / (time.perf_counter() - begin)
 
     rates: dict[str, list[float]] = {"none": [], "local": []}
-    for _ in range(max(1, reps // 2 + 1)):
+    for _ in range(max(1, cfg["reps"] // 2 + 1)):
         for mode in ("none", "local"):
             rates[mode].append(loop(mode == "local"))
-    out["train_steps_per_save"] = every
-    out["train_steps_per_s"] = {k: statistics.median(v) for k, v in rates.items()}
-    out["train_slowdown"] = 1 - out["train_steps_per_s"]["local"] / out["train_steps_per_s"]["none"]
+    timed.close()
+    steps_per_s = {k: statistics.median(v) for k, v in rates.items()}
+    return {
+        "train_steps_per_save": every,
+        "train_steps_per_s": steps_per_s,
+        "train_slowdown": 1 - steps_per_s["local"] / steps_per_s["none"],
+    }
+
+
+def _restarted_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A restarted worker: the learner and an empty buffer built as at startup, then ``rotation.resume`` from the tier
+    that ``cfg["kind"]`` leaves (``peer``: the last node's tier wiped first; ``shared``: every tier wiped); the tiers are
+    then filled again at the next step."""
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    import torchrl_dcp as tdcp
+
+    nodes, kind = cfg["nodes"], cfg["kind"]
+    node = rank * nodes // world
+    os.environ["GROUP_RANK"] = str(node)
+    local_rank = rank - min(r for r in range(world) if r * nodes // world == node)
+    node_dir = Path(cfg["local_dir"]) / f"node-{node}"
+    torch.manual_seed(0)
+    nets, optim = make_learner()
+    ckpt = tdcp.DistributedCheckpoint(policy=nets[0], optimizer=optim)
+    ckpt.register("buffer", ReplayBuffer(storage=LazyTensorStorage((cfg["mib"] << 20) // 4096)))  # not allocated
+    rotation = tdcp.CheckpointRotation(
+        cfg["shared_dir"], keep_last=1, local=tdcp.LocalTier(node_dir, every_steps=1, keep_last=1), incremental=False
+    )
+    dist.barrier()
+    if local_rank == 0 and (kind == "shared" or (kind == "peer" and node == nodes - 1)):
+        _wipe(node_dir)
+    if kind == "shared" and rank == 0:
+        drop_caches()
+    found: list[Any] = []
+    seconds = _timed(lambda: found.append(rotation.resume(ckpt)))
+    tiers: list[Any] = [None] * world
+    dist.all_gather_object(tiers, found[0].tier)
+    step = cfg["step"]
+    if kind != "local":  # every node's tier holds the step again for the next restart
+        step += 1
+        rotation.maybe_save(ckpt, step)
+        rotation.save(ckpt, step=step)
     rotation.close()
-    return out
+    return {"seconds": seconds, "tiers": tiers, "step": step}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -164,6 +195,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = {**vars(args), "local_dir": str(local_dir), "shared_dir": str(shared_dir / "run")}
     try:
         report = spawn_world(args.ranks, _rank_main, cfg)
+        report["tiers"] = {}
+        for kind in ("local", "peer", "shared"):
+            seconds = []
+            for _ in range(args.reps):
+                restart = spawn_world(args.ranks, _restarted_main, {**cfg, "kind": kind, "step": report["step"]})
+                seconds.append(restart["seconds"])
+                report["step"] = restart["step"]
+                report["tiers"].setdefault(kind, restart["tiers"])
+            report[f"recover_{kind}_s"] = min(seconds)
+        report["cold_page_cache"] = drop_caches()
+        report.update(spawn_world(args.ranks, _training_main, cfg))
     finally:
         if args.local_dir is None:
             shutil.rmtree(local_dir, ignore_errors=True)

@@ -210,3 +210,45 @@ def test_a_file_of_large_records_and_chunk_files_load_exactly_together(
     target = {k: torch.zeros_like(v) for k, v in saved.items()}
     tdcp.DistributedCheckpoint(state=target).load(path, verify=verify)
     assert all(torch.equal(target[k], v) for k, v in saved.items())
+
+
+def _virtio(root: Path, name: str, device: int, features: str) -> None:
+    dev = root / name
+    dev.mkdir()
+    (dev / "device").write_text(f"0x{device:04x}\n")
+    (dev / "features").write_text(features + "0" * 64 + "\n")
+
+
+def test_huge_pages_are_asked_for_unless_free_memory_is_reported_to_a_hypervisor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``TDCP_READ_HUGEPAGES=auto`` leaves huge pages out where a virtio balloon reports free pages (feature bit 5):
+    a machine without one, or a balloon without the feature, keeps them; ``1`` and ``0`` decide either way."""
+    from torchrl_dcp.storage import readitems
+
+    assert not readitems.reports_free_pages(tmp_path / "absent")
+    _virtio(tmp_path, "virtio0", 2, "01100101")  # a block device: its bit 5 means something else
+    _virtio(tmp_path, "virtio1", 5, "01100001")  # a balloon without free page reporting
+    assert not readitems.reports_free_pages(tmp_path)
+    _virtio(tmp_path, "virtio2", 5, "01100101")  # with it (as on this project's VMs)
+    assert readitems.reports_free_pages(tmp_path)
+
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[madvise]" not in thp.read_text():
+        pytest.skip("transparent huge pages are not granted on request (madvise) here")
+    for reporting, value, wanted in [
+        (True, None, False),
+        (False, None, True),
+        (True, "1", True),
+        (False, "0", False),
+    ]:
+        monkeypatch.setattr(readitems, "reports_free_pages", lambda r=reporting: r)
+        if value is None:
+            monkeypatch.delenv("TDCP_READ_HUGEPAGES", raising=False)
+        else:
+            monkeypatch.setenv("TDCP_READ_HUGEPAGES", value)
+        readitems._hugepages_wanted.cache_clear()
+        try:
+            assert readitems._hugepages_wanted() is wanted, (reporting, value)
+        finally:
+            readitems._hugepages_wanted.cache_clear()

@@ -46,7 +46,9 @@ def test_defaults_and_values(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TDCP_STORE_CONCURRENCY", "3")
     assert setting("TDCP_STORE_CONCURRENCY") == 3
     monkeypatch.setenv("TDCP_READ_HUGEPAGES", "0")
-    assert setting("TDCP_READ_HUGEPAGES") is False
+    assert setting("TDCP_READ_HUGEPAGES") == "0"
+    monkeypatch.delenv("TDCP_READ_HUGEPAGES")
+    assert setting("TDCP_READ_HUGEPAGES") == "auto"
 
 
 def test_the_docs_table_is_the_declared_one() -> None:

@@ -64,7 +64,9 @@ SETTINGS: dict[str, Setting] = {
                 "node's CPUs, at most 2, plus one)", minimum=1),
         Setting("TDCP_READ_AHEAD", "int", 32 * MIB, "bytes of the next data files announced to the kernel ahead "
                 "of a load's reads (0: none)", minimum=0),
-        Setting("TDCP_READ_HUGEPAGES", "switch", True, "transparent huge pages for large destinations of a load"),
+        Setting("TDCP_READ_HUGEPAGES", "choice", "auto", "transparent huge pages for large fresh destinations of a "
+                "load (auto: unless the kernel reports free pages to a hypervisor, see docs/api.md)",
+                choices=("auto", "0", "1")),
         Setting("TDCP_READ_PREFAULT", "switch", True, "map fresh destination pages ahead of large reads"),
         Setting("TDCP_CHUNK_BYTES", "int", 8 * MIB, "bytes per chunk file of a large tensor (incremental saves "
                 "keep unchanged chunks)", minimum=1),
