@@ -151,9 +151,9 @@ class CheckpointSource:
     def check_records(self, metadata: Metadata, keys: Collection[str] | None = None) -> None:
         """Every tensor record (of ``keys``; ``None``: all) holds exactly the dtype and shape DCP's metadata gives its
         chunk: laid out as our writer (or ``torch.save``) lays it out (head and tail compared: small records in runs
-        read whole, others a few KiB each), else decoded whole to that (:func:`~torchrl_dcp.format.record.decode_record`). Loads run it before
-        reading anything into a live object, ``verify`` over every record: a forged record is refused before any
-        state changes, naming its file.
+        read whole, others a few KiB each), else decoded whole to that
+        (:func:`~torchrl_dcp.format.record.decode_record`). Loads run it before reading anything into a live object,
+        ``verify`` over every record: a forged record is refused before any state changes, naming its file.
         """
         specs = chunk_specs(metadata, keys)
         by_file: dict[str, list[tuple[int, int, Any, Any]]] = {}
@@ -198,34 +198,44 @@ class CheckpointSource:
     ) -> list[tuple[int, int, Any, Any]]:
         """The records of ``items`` (``(offset, length, key, (dtype, shape))`` in the data file ``rel``) that are not
         small records laid out as our writer lays them out: those are recognized in runs read whole (at most
-        ``BATCH`` bytes, gaps of at most 4 KiB), by the comparisons the file reader makes before it takes a record's
-        bytes (:class:`~torchrl_dcp.storage.readitems.SmallRecord`: the local headers and the central directory),
-        and bool records' bytes checked. 5,000 records of 1 KiB: one read instead of 10,000."""
+        ``BATCH`` bytes, gaps of at most 4 KiB; up to 4 runs per :meth:`read_many`, which an object store fetches in
+        parallel), by the comparisons the file reader makes before it takes a record's bytes
+        (:class:`~torchrl_dcp.storage.readitems.SmallRecord`: the local headers and the central directory), and bool
+        records' bytes checked. 5,000 records of 1 KiB: one read instead of 10,000."""
         items = sorted(items, key=lambda it: it[0])
         rest: list[tuple[int, int, Any, Any]] = []
+        runs: list[tuple[int, int]] = []  # [i, j) of items, each run contiguous small records of our dtypes
         i = 0
         while i < len(items):
-            start, n = items[i][0], items[i][1]
-            if n >= SMALL or items[i][3][0] not in STORAGE_NAMES:
+            if items[i][1] >= SMALL or items[i][3][0] not in STORAGE_NAMES:
                 rest.append(items[i])
                 i += 1
                 continue
-            j, end = i + 1, start + n
+            j, end = i + 1, items[i][0] + items[i][1]
             while j < len(items):
                 o, m, _, (dtype, _) = items[j]
-                if m >= SMALL or dtype not in STORAGE_NAMES or not end <= o <= end + 4096 or o + m - start > BATCH:
+                if (
+                    m >= SMALL
+                    or dtype not in STORAGE_NAMES
+                    or not end <= o <= end + 4096
+                    or o + m - items[i][0] > BATCH
+                ):
                     break
                 end, j = o + m, j + 1
-            data = self.read_many(rel, [(start, end - start)])[0]  # (past the file's end: empty)
-            for item in items[i:j]:
-                o, m, key, (dtype, shape) = item
-                small = small_record(dtype, shape)
-                at = o - start
-                if len(data) < end - start or m != small.length or not small.matches(data, at):
-                    rest.append(item)  # another layout, or damage: checked (and explained) one by one
-                elif dtype == torch.bool:
-                    check_bool_bytes(data[at + small.data_at : at + small.data_at + small.nbytes], where, key)
+            runs.append((i, j))
             i = j
+        for at in range(0, len(runs), 4):  # bounded memory: 4 runs of at most BATCH bytes at a time
+            group = runs[at : at + 4]
+            spans = [(items[i][0], items[j - 1][0] + items[j - 1][1] - items[i][0]) for i, j in group]
+            for (i, j), (start, size), data in zip(group, spans, self.read_many(rel, spans)):
+                for item in items[i:j]:
+                    o, m, key, (dtype, shape) = item
+                    small = small_record(dtype, shape)
+                    first = o - start
+                    if len(data) < size or m != small.length or not small.matches(data, first):
+                        rest.append(item)  # another layout, or damage: checked (and explained) one by one
+                    elif dtype == torch.bool:
+                        check_bool_bytes(data[first + small.data_at : first + small.data_at + small.nbytes], where, key)
         return rest
 
     def read_many(self, name: str, spans: list[tuple[int, int]]) -> list[bytes]:
