@@ -57,12 +57,19 @@ def _wipe(path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
 
 
+def _join_node(rank: int, world: int, nodes: int) -> tuple[int, int]:
+    """This rank's simulated node and its rank within it; sets ``GROUP_RANK`` as torchrun's agents do (the tier's
+    node identity)."""
+    node = rank * nodes // world
+    os.environ["GROUP_RANK"] = str(node)
+    return node, rank - min(r for r in range(world) if r * nodes // world == node)
+
+
 def _rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import torchrl_dcp as tdcp
 
     nodes = cfg["nodes"]
-    node = rank * nodes // world
-    os.environ["GROUP_RANK"] = str(node)  # what torchrun's agents set: the tier's node identity
+    node, _ = _join_node(rank, world, nodes)
     node_dir = Path(cfg["local_dir"]) / f"node-{node}"
     torch.manual_seed(0)  # the learner is replicated: the same on every rank
     nets, optim = make_learner()
@@ -94,8 +101,7 @@ def _training_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
     import torchrl_dcp as tdcp
 
     nodes = cfg["nodes"]
-    node = rank * nodes // world
-    os.environ["GROUP_RANK"] = str(node)
+    node, _ = _join_node(rank, world, nodes)
     torch.manual_seed(0)
     nets, optim = make_learner()
     torch.manual_seed(1 + rank)
@@ -152,9 +158,7 @@ def _restarted_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any
     import torchrl_dcp as tdcp
 
     nodes, kind = cfg["nodes"], cfg["kind"]
-    node = rank * nodes // world
-    os.environ["GROUP_RANK"] = str(node)
-    local_rank = rank - min(r for r in range(world) if r * nodes // world == node)
+    node, local_rank = _join_node(rank, world, nodes)
     node_dir = Path(cfg["local_dir"]) / f"node-{node}"
     torch.manual_seed(0)
     nets, optim = make_learner()
