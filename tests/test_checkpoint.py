@@ -77,7 +77,7 @@ def test_layout_and_manifest(tmp_path: Path) -> None:
     names = sorted(p.name for p in path.iterdir())
     assert names == [".metadata", "__0_shared.distcp", "manifest-0.json", "manifest.json"]
     m = json.loads((path / "manifest.json").read_text())  # the root
-    assert m["format"] == "torchrl_dcp" and m["format_version"] == 6 and m["world_size"] == 1
+    assert m["format"] == "torchrl_dcp" and m["format_version"] == 7 and m["world_size"] == 1
     assert m["sharded"] is True
     assert set(m["versions"]) == {"torch", "tensordict", "torchrl", "torchrl_dcp"}
     assert m["components"]["model"]["placement"] == "replicated"
@@ -89,7 +89,8 @@ def test_layout_and_manifest(tmp_path: Path) -> None:
     assert {e[0] for e in m["index"]["entries"]} == replicated  # where the root's tensors' records are
     assert all(e[1] == "__0_shared.distcp" and e[2] >= 0 and e[3] > 0 for e in m["index"]["entries"])
     shard = json.loads((path / "manifest-0.json").read_text())  # rank 0's per-rank states
-    assert shard["format"] == "torchrl_dcp.shard" and shard["format_version"] == 5
+    assert shard["format"] == "torchrl_dcp.shard" and shard["format_version"] == 7
+    assert shard["files"] == {} and m["rank_files"] == [[0, 0]]  # its per-rank state holds no tensor
     assert shard["rank"] == 0 and shard["save_id"] == m["save_id"]
     assert shard["components"]["stats"] == {"state": {"t": "dict", "items": [["episodes", 3]]}, "inventory": {}}
     assert tdcp.read_manifest(path)["components"]["stats"]["ranks"]["0"]["state"]["items"] == [["episodes", 3]]

@@ -30,7 +30,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_seal_is_the_checksum_of_the_canonical_body(saved: Path) -> None:
     raw = json.loads((saved / "manifest.json").read_text())
-    assert raw[CHECKSUM_FIELD] == body_checksum(raw) and raw["format_version"] == FORMAT_VERSION == 6
+    assert raw[CHECKSUM_FIELD] == body_checksum(raw) and raw["format_version"] == FORMAT_VERSION == 7
     assert len(raw["save_id"]) == 32
     assert seal(raw) == raw
 

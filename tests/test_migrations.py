@@ -94,7 +94,7 @@ def test_fixture_really_is_format_v1() -> None:
 
 def test_v1_to_v2_adds_the_tensor_inventory_a_fresh_save_writes(tmp_path: Path) -> None:
     m = tdcp.read_manifest(FIXTURE)
-    assert m["format_version"] == mf.FORMAT_VERSION == 6
+    assert m["format_version"] == mf.FORMAT_VERSION == 7
     assert m["chunks"] == {}  # v3 -> v4: nothing was cut into chunk files
     assert m["sharded"] is False and m["index"] is None  # v4 -> v5: one file, DCP's .metadata says where records are
     assert m["components"]["policy"]["inventory"] == {
@@ -109,7 +109,7 @@ def test_v1_to_v2_adds_the_tensor_inventory_a_fresh_save_writes(tmp_path: Path) 
     ckpt, _ = fresh()
     path = ckpt.save(tmp_path / "v2")
     root = json.loads((path / "manifest.json").read_text())
-    assert root["format_version"] == 6 and root["sharded"] is True
+    assert root["format_version"] == 7 and root["sharded"] is True
     assert "inventory" not in root["components"]["episode"]  # a per-rank inventory is in the rank's shard
     written = tdcp.read_manifest(path)  # the root with its shards: per-rank inventories where format 4 had them
     for name in ("policy", "episode", "stats"):
@@ -133,7 +133,7 @@ def test_v1_fixture_loads_through_the_chain_into_objects() -> None:
     assert (c.value, c.label, c.unit) == (41, "forty-one", "steps")
     assert torch.equal(objs["episode"]["return"], torch.tensor([1.5, -2.0]))
     assert result.step == 7 and result.manifest["metadata"]["reward"] == 1.25
-    assert result.manifest["format_version"] == 6 and result.manifest["index"] is None
+    assert result.manifest["format_version"] == 7 and result.manifest["index"] is None
     report = tdcp.verify(FIXTURE)
     assert report["tensors"] == 4
     assert any("manifest checksum" in u for u in report["unchecked"]) and any(
@@ -161,20 +161,21 @@ def test_format_migrations_run_step_by_step(monkeypatch: pytest.MonkeyPatch) -> 
 
         return step
 
-    def record_6(m: dict[str, Any]) -> dict[str, Any]:
+    def record_7(m: dict[str, Any]) -> dict[str, Any]:
         seen.append(m["format_version"])
-        m["metadata"]["upgraded_to_7"] = True
-        m["format_version"] = 7
+        m["metadata"]["upgraded_to_8"] = True
+        m["format_version"] = 8
         return m
 
-    for version in (1, 2, 3, 4, 5):
+    for version in (1, 2, 3, 4, 5, 6):
         monkeypatch.setitem(mf._MIGRATIONS, version, recording(version))
-    monkeypatch.setitem(mf._MIGRATIONS, 6, record_6)
-    monkeypatch.setattr(mf, "FORMAT_VERSION", 7)
+    monkeypatch.setitem(mf._MIGRATIONS, 7, record_7)
+    monkeypatch.setattr(mf, "FORMAT_VERSION", 8)
     m = tdcp.read_manifest(FIXTURE)
-    assert seen == [1, 2, 3, 4, 5, 6] and m["format_version"] == 7 and m["metadata"]["upgraded_to_7"] is True
+    assert seen == [1, 2, 3, 4, 5, 6, 7] and m["format_version"] == 8 and m["metadata"]["upgraded_to_8"] is True
     assert "inventory" in m["components"]["policy"]  # the v1 -> v2 step ran first
-    assert m["sharded"] is False and m["index"] is None  # and the v4 -> v5 step before the last two
+    assert m["sharded"] is False and m["index"] is None  # and the v4 -> v5 step before the last three
+    assert m["rank_files"] is None  # and the v6 -> v7 step before the last
 
 
 def as_format_4(path: Path) -> None:
@@ -219,7 +220,7 @@ def test_a_format_4_checkpoint_loads_and_verifies_through_its_metadata(
     assert "ranks" in raw["components"]["rng"] and len(raw["chunks"]["replicated/big/x"]) == 4
     assert not (path / shard_name(0)).exists()
     m = tdcp.read_manifest(path)
-    assert m["format_version"] == 6 and m["sharded"] is False and m["index"] is None
+    assert m["format_version"] == 7 and m["sharded"] is False and m["index"] is None
 
     torch.manual_seed(99)
     target = objects(2)
@@ -406,6 +407,20 @@ def test_the_committed_format_4_checkpoint_loads_exactly(tmp_path: Path) -> None
 V5_FIXTURE = Path(__file__).parent / "fixtures" / "v5_checkpoint"
 
 
+def _copy_and_read_with_dcp(fixture: Path, to: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A copy of the single-rank ``fixture`` and every tensor its manifest and shard inventory, read by a plain
+    ``dcp.load`` of its files (DCP's own reading: the reference a load must match)."""
+    raw = json.loads((fixture / "manifest.json").read_text())
+    shard = json.loads((fixture / shard_name(0)).read_text())
+    path = Path(shutil.copytree(fixture, to))
+    inventories = [c["inventory"] for c in raw["components"].values() if "inventory" in c]
+    inventories += [c["inventory"] for c in shard["components"].values()]
+    files = {k: torch.empty(t["shape"], dtype=getattr(torch, t["dtype"])) for inv in inventories
+             for k, t in inv.items()}  # fmt: skip
+    dcp.load(files, checkpoint_id=str(path), no_dist=True)
+    return path, files
+
+
 def test_the_committed_format_5_checkpoint_loads_exactly(tmp_path: Path) -> None:
     """A checkpoint written by the format-5 library itself (``tests/fixtures/v5_checkpoint``: a module, a chunked
     tensor, a dict, a per-rank dict and the RNG streams, step 7, with ``TDCP_CHUNK_BYTES=4096``; its replicated and
@@ -414,13 +429,7 @@ def test_the_committed_format_5_checkpoint_loads_exactly(tmp_path: Path) -> None
     raw = json.loads((V5_FIXTURE / "manifest.json").read_text())
     assert raw["format_version"] == 5 and raw["sharded"] is True and len(raw["chunks"]) == 1
     assert sorted(n for n in raw["files"] if n.endswith(".distcp")) == [f"__0_{i}.distcp" for i in range(5)]
-    path = Path(shutil.copytree(V5_FIXTURE, tmp_path / "c"))
-    shard = json.loads((V5_FIXTURE / shard_name(0)).read_text())
-    inventories = [c["inventory"] for c in raw["components"].values() if "inventory" in c]
-    inventories += [c["inventory"] for c in shard["components"].values()]
-    files = {k: torch.empty(t["shape"], dtype=getattr(torch, t["dtype"])) for inv in inventories
-             for k, t in inv.items()}  # fmt: skip
-    dcp.load(files, checkpoint_id=str(path), no_dist=True)  # DCP's own reading of the files: the reference
+    path, files = _copy_and_read_with_dcp(V5_FIXTURE, tmp_path / "c")
     target = {"policy": torch.nn.Linear(3, 2), "stats": {"episodes": -1}, "big": {"x": torch.zeros(16, 256)}}
     small = {"a": torch.zeros(5), "b": torch.zeros(2, dtype=torch.bool)}
     ckpt = tdcp.DistributedCheckpoint(**target, rng=tdcp.RNGState())
@@ -432,3 +441,36 @@ def test_the_committed_format_5_checkpoint_loads_exactly(tmp_path: Path) -> None
     assert torch.equal(small["a"], files["rank/0/small/a"]) and small["b"].tolist() == [True, False]
     assert torch.equal(torch.get_rng_state(), files["rank/0/rng/torch"])
     assert tdcp.verify(path)["unchecked"] == []
+
+
+V6_FIXTURE = Path(__file__).parent / "fixtures" / "v6_checkpoint"
+
+
+def test_the_committed_format_6_checkpoint_loads_exactly(tmp_path: Path) -> None:
+    """A checkpoint written by the format-6 library itself (``tests/fixtures/v6_checkpoint``: a module, a chunked
+    replicated tensor, a dict, per-rank dicts (one chunked) and the RNG streams, step 7, ``TDCP_CHUNK_BYTES=4096``;
+    its root lists every file, rank 0's own ones included) loads exactly as a plain ``dcp.load`` of its files reads
+    them, and verifies with nothing unchecked: format 7's ``rank_files`` is ``null`` (its shards list no files)."""
+    raw = json.loads((V6_FIXTURE / "manifest.json").read_text())
+    assert raw["format_version"] == 6 and "rank_files" not in raw and "__0_0.distcp" in raw["files"]
+    shard = json.loads((V6_FIXTURE / shard_name(0)).read_text())
+    assert "files" not in shard and "rank/0/buf/rows" in shard["chunks"]
+    path, files = _copy_and_read_with_dcp(V6_FIXTURE, tmp_path / "c")
+    target = {"policy": torch.nn.Linear(3, 2), "stats": {"episodes": -1}, "big": {"x": torch.zeros(16, 256)}}
+    small = {"a": torch.zeros(5), "b": torch.zeros(2, dtype=torch.bool)}
+    buf = {"rows": torch.zeros(32, 64)}
+    ckpt = tdcp.DistributedCheckpoint(**target, rng=tdcp.RNGState())
+    ckpt.register("small", small, placement="per_rank")
+    ckpt.register("buf", buf, placement="per_rank")
+    result = ckpt.load(path)
+    assert result.loaded == {"policy", "stats", "big", "rng", "small", "buf"} and result.step == 7
+    assert result.manifest["format_version"] == 7 and result.manifest["rank_files"] is None
+    assert torch.equal(target["policy"].weight, files["replicated/policy/weight"])
+    assert torch.equal(target["big"]["x"], files["replicated/big/x"]) and target["stats"] == {"episodes": 3}
+    assert torch.equal(small["a"], files["rank/0/small/a"]) and small["b"].tolist() == [True, False]
+    assert torch.equal(buf["rows"], files["rank/0/buf/rows"])
+    assert torch.equal(torch.get_rng_state(), files["rank/0/rng/torch"])
+    assert tdcp.verify(path)["unchecked"] == []
+    (path / "__0_9.distcp").write_bytes(b"x")  # nothing is counted by rank: every file must be listed
+    with pytest.raises(tdcp.CheckpointIntegrityError, match=r"__0_9\.distcp: file not listed"):
+        tdcp.verify(path)

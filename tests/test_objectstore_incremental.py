@@ -216,7 +216,13 @@ def test_base_object_rewritten_and_resealed_is_uploaded_again(
     obj.fs.pipe_file(obj.key, bytes(data))
     manifest_obj = resolve_path(f"{url}/base/manifest.json", options)
     m = json.loads(manifest_obj.fs.cat_file(manifest_obj.key))
-    m["files"][victim]["checksum"] = format_crc(crc32(bytes(data)))
+    shard_obj = resolve_path(f"{url}/base/manifest-0.json", options)
+    shard = json.loads(shard_obj.fs.cat_file(shard_obj.key))
+    assert victim in shard["files"]  # the buffer's chunk objects are rank 0's own: listed in its shard (format 7)
+    shard["files"][victim]["checksum"] = format_crc(crc32(bytes(data)))
+    shard_bytes = json.dumps(shard).encode()
+    shard_obj.fs.pipe_file(shard_obj.key, shard_bytes)
+    m["files"]["manifest-0.json"] = {"size": len(shard_bytes), "checksum": format_crc(crc32(shard_bytes))}
     manifest_obj.fs.pipe_file(manifest_obj.key, json.dumps(seal(m)).encode())
     if not remembered:
         proven.forget_all()

@@ -8,7 +8,9 @@ these are the single-process guarantees: the layout, that a load never parses ``
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -49,7 +51,7 @@ def test_per_rank_state_is_in_the_rank_s_shard_and_readers_see_it_assembled(tmp_
     path, _ = _save(tmp_path / "c")
     root = json.loads((path / "manifest.json").read_text())
     shard = json.loads((path / shard_name(0)).read_text())
-    assert root["format_version"] == 6 and root["sharded"] is True
+    assert root["format_version"] == 7 and root["sharded"] is True
     assert set(root["components"]["stats"]) == {"adapter", "adapter_version", "placement", "num_tensors", "nbytes"}
     assert "state" in root["components"]["policy"] and "inventory" in root["components"]["policy"]
     assert [e[0] for e in root["index"]["entries"]] == ["replicated/policy/w"]
@@ -199,3 +201,125 @@ def test_a_sharded_root_lists_one_shard_per_saved_rank(tmp_path: Path) -> None:
     for action in (lambda: _load(path), lambda: tdcp.verify(path), lambda: tdcp.read_manifest(path)):
         with pytest.raises(tdcp.CheckpointFormatError, match="one shard per saved rank"):
             action()
+
+
+# ---------------------------------------------------------------------- format 7: a rank's own files in its shard
+def _save_own_files(path: Path, monkeypatch: Any, rows: int = 32) -> tuple[Path, dict[str, Any]]:
+    """A replicated policy and a per-rank buffer cut into chunk files of 4 KiB (its own files: ``__0_0.distcp`` and
+    the chunk files of ``rank/0/buf/rows``)."""
+    from torchrl_dcp import chunking
+
+    monkeypatch.setattr(chunking, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(chunking, "MIN_CHUNKED_BYTES", 8192)
+    g = torch.Generator().manual_seed(rows)
+    objs = {
+        "policy": {"w": torch.randn(4, 3, generator=g)},
+        "buf": {"rows": torch.randn(rows, 64, generator=g), "seen": torch.randn(3, generator=g)},
+    }
+    ckpt = tdcp.DistributedCheckpoint(policy=objs["policy"])
+    ckpt.register("buf", objs["buf"], placement="per_rank")
+    return ckpt.save(path, step=1), objs
+
+
+def _load_own_files(path: Path, rows: int = 32) -> dict[str, Any]:
+    objs = {"policy": {"w": torch.zeros(4, 3)}, "buf": {"rows": torch.zeros(rows, 64), "seen": torch.zeros(3)}}
+    ckpt = tdcp.DistributedCheckpoint(policy=objs["policy"])
+    ckpt.register("buf", objs["buf"], placement="per_rank")
+    ckpt.load(path)
+    return objs
+
+
+def test_a_rank_s_own_files_are_listed_in_its_shard_and_only_counted_in_the_root(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """The root lists what more than one rank reads (shared files, shards, ``.metadata``) and counts each rank's own
+    files: it does not grow with the chunk files a rank writes for its per-rank state (every rank parses the root)."""
+    roots = []
+    for rows in (32, 128):  # 2 and 8 chunk files of the per-rank buffer
+        path, saved = _save_own_files(tmp_path / f"c{rows}", monkeypatch, rows)
+        root = json.loads((path / "manifest.json").read_text())
+        shard = json.loads((path / shard_name(0)).read_text())
+        own = sorted(shard["files"])
+        chunk_files = sorted({c["file"] for c in shard["chunks"]["rank/0/buf/rows"]})
+        assert own == sorted(["__0_0.distcp", *chunk_files]) and len(chunk_files) == rows // 16
+        assert not set(own) & set(root["files"]) and "__0_shared.distcp" in root["files"]
+        assert root["rank_files"] == [[len(own), sum((path / n).stat().st_size for n in own)]]
+        assert shard["format_version"] == 7
+        loaded = _load_own_files(path, rows)
+        assert all(torch.equal(loaded["buf"][k], saved["buf"][k]) for k in ("rows", "seen"))
+        assert torch.equal(loaded["policy"]["w"], saved["policy"]["w"])
+        assert tdcp.verify(path)["files"] == len(own) + len(root["files"])
+        assert sorted(tdcp.read_manifest(path)["files"]) == sorted([*own, *root["files"]])
+        roots.append(root)
+    assert sorted(roots[0]["files"]) == sorted(roots[1]["files"])
+
+
+@pytest.mark.parametrize("change", ["extra", "removed", "truncated", "directory", "link"])
+def test_a_rank_s_own_files_altered_on_disk_are_refused(tmp_path: Path, monkeypatch: Any, change: str) -> None:
+    path, _ = _save_own_files(tmp_path / "c", monkeypatch)
+    own = sorted(json.loads((path / shard_name(0)).read_text())["files"])
+    chunk = own[-1]
+    if change == "extra":
+        (path / "__0_9.distcp").write_bytes(b"x" * 16)
+    elif change == "removed":
+        (path / chunk).unlink()
+    elif change == "truncated":
+        os.truncate(path / chunk, (path / chunk).stat().st_size - 1)
+    elif change == "directory":
+        (path / "__0_9.distcp").mkdir()
+    else:
+        (path / "__0_9.distcp").symlink_to(path / chunk)
+    named = chunk if change in ("removed", "truncated") else "__0_9.distcp"
+    for action in (
+        lambda: _load_own_files(path),
+        lambda: tdcp.verify(path),
+        lambda: tdcp.to_archive(path, tmp_path / "a.zip"),
+    ):
+        with pytest.raises(tdcp.CheckpointIntegrityError, match=re.escape(named)):
+            action()
+
+
+@pytest.mark.parametrize("forgery", ["shared file", "another rank's file", "not counted", "root lists it too"])
+def test_a_resealed_shard_may_list_only_its_rank_s_own_files_as_the_root_counts_them(
+    tmp_path: Path, monkeypatch: Any, forgery: str
+) -> None:
+    """A forger who rewrites a shard's ``files`` and reseals the shard's record (and the root) is refused: a shard
+    lists only ``__<rank>_<n>.distcp`` files the root does not list, exactly as many bytes as ``rank_files`` says."""
+    from torchrl_dcp.format.manifest import dumps, seal
+    from torchrl_dcp.storage.filesums import file_checksum
+
+    path, _ = _save_own_files(tmp_path / "c", monkeypatch)
+    root = json.loads((path / "manifest.json").read_text())
+    shard = json.loads((path / shard_name(0)).read_text())
+    if forgery == "shared file":
+        shard["files"]["__0_shared.distcp"] = root["files"]["__0_shared.distcp"]
+    elif forgery == "another rank's file":
+        shard["files"]["__1_0.distcp"] = shard["files"].pop("__0_0.distcp")
+    elif forgery == "not counted":
+        root["rank_files"][0][1] += 1
+    else:
+        root["files"]["__0_0.distcp"] = shard["files"]["__0_0.distcp"]
+    (path / shard_name(0)).write_bytes(dumps(shard))
+    root["files"][shard_name(0)] = {
+        "size": (path / shard_name(0)).stat().st_size,
+        "checksum": file_checksum(path / shard_name(0)),
+    }
+    (path / "manifest.json").write_bytes(dumps(seal(root)))
+    says = "damaged or altered" if forgery == "not counted" else "may only list this rank's own"
+    for action in (lambda: _load_own_files(path), lambda: tdcp.verify(path), lambda: tdcp.read_manifest(path)):
+        with pytest.raises(tdcp.CheckpointError, match=rf"manifest-0\.json.*{says}"):
+            action()
+
+
+def test_a_tool_that_rewrites_a_checkpoint_keeps_each_rank_s_own_files_in_its_shard(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """``split`` (what the forging tools and rewriting tools use) puts each rank's own files back into its shard,
+    counted in the root, as a save writes them."""
+    path, saved = _save_own_files(tmp_path / "c", monkeypatch)
+    before = (json.loads((path / "manifest.json").read_text()), json.loads((path / shard_name(0)).read_text()))
+    forging.write_parts(path, forging.read_parts(path))
+    root, shard = json.loads((path / "manifest.json").read_text()), json.loads((path / shard_name(0)).read_text())
+    assert shard["files"] == before[1]["files"] and root["rank_files"] == before[0]["rank_files"]
+    assert sorted(root["files"]) == sorted(before[0]["files"])
+    assert torch.equal(_load_own_files(path)["buf"]["rows"], saved["buf"]["rows"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -76,10 +77,11 @@ def _opened_during(fn: Any) -> list[str]:
     return names
 
 
-def own_files_only(directory: str, plant: bool) -> dict[str, Any]:
+def own_files_only(directory: str, tamper: str) -> dict[str, Any]:
     """Per-rank state and a replicated policy (its tensors written by several ranks): which data files (and which
-    manifest files, shards and ``.metadata``) each rank opens while loading; with ``plant``, a file the manifest does
-    not list is planted first (rank 0, which checks the whole listing, refuses it; every rank raises)."""
+    manifest files, shards and ``.metadata``) each rank opens while loading. ``tamper`` (rank 0 does it before the
+    load): ``"plant"`` a file the manifest does not list, ``"truncate"`` rank 1's own data file by a byte, add an
+    ``"extra"`` chunk file of rank 2 (rank 0, which checks the whole listing, refuses each; every rank raises)."""
     rank = dist.get_rank()
     state = {f"t{i}": torch.full((64,), float(rank * 10 + i)) for i in range(8)}
     torch.manual_seed(0)
@@ -88,8 +90,13 @@ def own_files_only(directory: str, plant: bool) -> dict[str, Any]:
     ckpt.register("state", state, placement="per_rank")
     path = Path(directory) / "ckpt"
     ckpt.save(path, step=1)
-    if plant and rank == 0:
-        (path / "__9_0.distcp").write_bytes(b"planted")
+    if tamper and rank == 0:
+        if tamper == "plant":
+            (path / "__9_0.distcp").write_bytes(b"planted")
+        elif tamper == "truncate":
+            os.truncate(path / "__1_0.distcp", (path / "__1_0.distcp").stat().st_size - 1)
+        else:
+            (path / "__2_7.distcp").write_bytes(b"extra")
     dist.barrier()
     try:
         opened = _opened_during(lambda: ckpt.load(path))

@@ -31,33 +31,43 @@ def test_a_save_and_a_load_make_the_same_exchanges_at_any_world_size(tmp_path: P
 
 
 def test_a_rank_opens_its_own_data_files_and_rank_0_checks_the_listing(tmp_path: Path) -> None:
-    """Sizes of every listed file and 'nothing unlisted' are checked once, on rank 0; every other rank opens only the
-    files it reads (at 1,000 ranks: its own, not 1,000 ranks' files each): its own data files and the shared files of
-    the replicated policy (format 6), never another rank's per-rank data file."""
-    results = launch(f"{S}:own_files_only", 3, str(tmp_path), False)
+    """Sizes of every file the root lists and 'nothing unlisted' are checked once, on rank 0; every rank opens only
+    the files it reads (at 1,000 ranks: its own, not 1,000 ranks' files each): its own data files and the shared files
+    of the replicated policy (format 6), never another rank's per-rank data file; rank 0 counts and sizes the other
+    ranks' own files from the directory listing against the root's ``rank_files`` (format 7)."""
+    results = launch(f"{S}:own_files_only", 3, str(tmp_path), "")
     shared = set()
     for r in results:
         assert r.value["error"] is None, r.value
         shared |= {n for n in r.value["opened"] if n.endswith("_shared.distcp")}
         others = [n for n in r.value["opened"] if not n.startswith(f"__{r.rank}_") and not n.endswith("_shared.distcp")]
-        if r.rank == 0:
-            assert others, r.value  # the whole listing
-        else:
-            assert others == [], r.value
+        assert others == [], r.value
         # the metadata a rank reads: the root and its own shard (format 5), never another rank's, never .metadata
-        # (rank 0 opens every listed file for its size: the whole listing)
+        # (rank 0 opens every file the root lists for its size: the shards and .metadata too)
         if r.rank != 0:
             assert r.value["metadata_opened"] == sorted(["manifest.json", f"manifest-{r.rank}.json"]), r.value
     assert len(shared) >= 2  # the policy's tensors were written by more than one rank, and read by every rank
 
 
-def test_a_planted_file_is_refused_by_rank_0_and_the_load_fails_on_every_rank(tmp_path: Path) -> None:
-    results = launch(f"{S}:own_files_only", 3, str(tmp_path), True)
+@pytest.mark.parametrize(
+    ("tamper", "named", "says"),
+    [
+        ("plant", "__9_0.distcp", "not listed"),  # no rank 9: listed nowhere
+        ("truncate", "manifest-1.json", "rank 1's own data and chunk files"),  # counted, one byte short
+        ("extra", "manifest-2.json", "rank 2's own data and chunk files"),  # one more than rank 2's shard lists
+    ],
+)
+def test_a_planted_or_altered_file_is_refused_by_rank_0_and_the_load_fails_on_every_rank(
+    tmp_path: Path, tamper: str, named: str, says: str
+) -> None:
+    """Rank 0 reads only the root and its own shard, yet refuses a file no shard could list, another rank's own file
+    cut short, and one more file of another rank (format 7: the root counts each rank's own files and their bytes)."""
+    results = launch(f"{S}:own_files_only", 3, str(tmp_path), tamper)
     assert results[0].value["error"] == "CheckpointIntegrityError", results[0].value
-    assert "__9_0.distcp" in results[0].value["message"] and "not listed" in results[0].value["message"]
+    assert named in results[0].value["message"] and says in results[0].value["message"], results[0].value
     for r in results[1:]:
-        assert r.value["error"] == "CollectiveError", r.value
-        assert "rank 0" in r.value["message"] and "not listed" in r.value["message"], r.value
+        assert r.value["error"] in ("CollectiveError", "CheckpointIntegrityError"), r.value
+        assert says in r.value["message"] or "truncated" in r.value["message"], r.value
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -1,12 +1,13 @@
-"""What a save's commit records, split so that no rank handles every rank's metadata (format 5).
+"""What a save's commit records, split so that no rank handles every rank's metadata (formats 5 and 7).
 
 Before the commit gather each rank writes its manifest shard (its per-rank states and
-inventories, its tensors' chunk table and storage entries: :mod:`torchrl_dcp.format.shards`)
-into the staging area and pickles its part of DCP's ``.metadata``
-(:func:`~torchrl_dcp.format.dcp_metadata.metadata_fragments`). Rank 0 then receives, per rank,
-only its file records, what it wrote of tensors no one rank owns, its components' totals and
+inventories, its tensors' chunk table and storage entries, the records of the files only it
+reads: :mod:`torchrl_dcp.format.shards`) into the staging area and pickles its part of DCP's
+``.metadata`` (:func:`~torchrl_dcp.format.dcp_metadata.metadata_fragments`). Rank 0 then
+receives, per rank, its file records (to check the staging area before the commit), which of
+them its shard lists, what it wrote of tensors no one rank owns, its components' totals and
 those pickled bytes (:class:`RankPart`), writes ``.metadata`` by concatenating them, and the
-root manifest: its work grows with the number of files, not with every rank's tensors.
+root manifest, which lists the other files and counts each rank's own.
 
 Example:
     >>> from torchrl_dcp.commit_records import RankPart
@@ -16,14 +17,14 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from torchrl_dcp.format.codec import dtype_from_name
 from torchrl_dcp.format.dcp_metadata import metadata_fragments, spliced_metadata
-from torchrl_dcp.format.layout import shard_name
+from torchrl_dcp.format.layout import own_file_rank, shard_name
 from torchrl_dcp.format.manifest import dumps, new_manifest
 from torchrl_dcp.format.shards import shard_body
 from torchrl_dcp.planner import is_own_key
@@ -34,8 +35,8 @@ from torchrl_dcp.storage.writer import build_metadata
 @dataclass
 class RankPart:
     """What one rank sends rank 0 at commit: its status, file records (its shard's included), the storage entries
-    and chunks of the shared tensors it wrote, each per-rank component's ``(num_tensors, nbytes)`` on it, and its
-    pickled part of ``.metadata`` (``None``: DCP's writer wrote ``.metadata``)."""
+    and chunks of the shared tensors it wrote, each per-rank component's ``(num_tensors, nbytes)`` on it, its
+    pickled part of ``.metadata`` (``None``: DCP's writer wrote ``.metadata``) and which files its shard lists."""
 
     status: Any
     files: dict[str, dict[str, Any]]
@@ -43,6 +44,7 @@ class RankPart:
     totals: dict[str, tuple[int, int]]
     shared_chunks: list[ChunkEntry]
     fragments: tuple[bytes, bytes] | None = None
+    own_files: list[str] = field(default_factory=list)  # the files its shard lists (format 7)
 
 
 def chunk_record(c: ChunkEntry) -> dict[str, Any]:
@@ -82,7 +84,9 @@ def write_rank_part(
     files = dict(outcome.files)
     own_entries = [e for e in outcome.entries if is_own_key(e[0])]
     own_chunks = [c for c in outcome.chunks if is_own_key(c.key)]
+    own_files: list[str] = []
     if per_rank:
+        own_files = own_file_names(outcome, rank) if indexed else []
         body = shard_body(
             save_id=save_id,
             rank=rank,
@@ -91,6 +95,7 @@ def write_rank_part(
             },
             chunks=chunk_table(own_chunks),
             entries=[list(e) for e in own_entries] if indexed else None,
+            files={n: files[n] for n in own_files},
         )
         files[shard_name(rank)] = target.write_member(shard_name(rank), dumps(body))
     fragments = None
@@ -108,7 +113,17 @@ def write_rank_part(
         totals={n: (r.num_tensors, r.nbytes) for n, r in per_rank.items()},
         shared_chunks=[c for c in outcome.chunks if not is_own_key(c.key)],
         fragments=fragments,
+        own_files=own_files,
     )
+
+
+def own_file_names(outcome: WriteOutcome, rank: int) -> list[str]:
+    """The files of ``outcome`` that only this rank reads: ``__<rank>_<n>.distcp`` files holding its per-rank
+    tensors and nothing else (format 7: listed in its shard, not in the root)."""
+    holds: dict[str, bool] = {}  # file -> every record in it is one of this rank's own tensors
+    for key, file in [(e[0], e[1]) for e in outcome.entries] + [(c.key, c.file) for c in outcome.chunks]:
+        holds[file] = holds.get(file, True) and is_own_key(key)
+    return sorted(n for n, own in holds.items() if own and n in outcome.files and own_file_rank(n) == rank)
 
 
 def metadata_bytes(
@@ -135,7 +150,8 @@ def root_manifest(
     sequence: int | None,
 ) -> bytes:
     """The sealed root manifest (rank 0): per-rank components by their totals over every rank (their states are
-    in the shards), the others whole, the shared tensors' chunk table and storage entries."""
+    in the shards), the others whole, the shared tensors' chunk table and storage entries; ``files``: every file's
+    record, of which the root lists those no shard lists (and counts each rank's own)."""
     components = {}
     for name, rec in records.items():
         if rec.placement == "per_rank":
@@ -149,17 +165,22 @@ def root_manifest(
         else:
             components[name] = rec.manifest_entry()
     entries = [list(e) for p in parts for e in p.shared_entries]
+    sharded = any(rec.placement == "per_rank" for rec in records.values())
+    own = {n for p in parts for n in p.own_files}
     return dumps(
         new_manifest(
             world_size=world_size,
             components=components,
-            files=files,
+            files={n: r for n, r in files.items() if n not in own},
             metadata=metadata,
             step=step,
             save_id=save_id,
             chunks=chunk_table([c for p in parts for c in p.shared_chunks]),
             sequence=sequence,
-            sharded=any(rec.placement == "per_rank" for rec in records.values()),
+            sharded=sharded,
             index={"entries": entries} if indexed else None,
+            rank_files=[[len(p.own_files), sum(files[n]["size"] for n in p.own_files)] for p in parts]
+            if sharded
+            else None,
         )
     )

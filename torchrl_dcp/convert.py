@@ -158,14 +158,16 @@ def to_archive(
     if not src.is_dir():
         raise CheckpointFormatError("not a checkpoint directory (already an archive? use to_directory)", path=src)
     try:
-        manifest, manifest_bytes = _read_manifest_bytes(src)  # the archive keeps the original bytes
-        DirectoryContainer(src).check(False)
+        _, manifest_bytes = _read_manifest_bytes(src)  # the archive keeps the original bytes
+        container = DirectoryContainer(src)
+        listed = container.manifest()["files"]  # the root's files and those the shards list (format 7)
+        container.check(False)
     except CheckpointError:
         raise
     except OSError as err:
         raise from_os_error(err, "reading the checkpoint to pack", src) from None
-    names = sorted(manifest["files"], key=lambda n: (n != DCP_METADATA, n))
-    files = [(n, src / n, manifest["files"][n]["size"], manifest["files"][n]["checksum"]) for n in names]
+    names = sorted(listed, key=lambda n: (n != DCP_METADATA, n))
+    files = [(n, src / n, listed[n]["size"], listed[n]["checksum"]) for n in names]
     with _converting(f"packing {src.name} into an archive", dst_file, overwrite) as destination:
         write_archive(files, manifest_bytes, destination, buffer_size=buffer_size, progress=progress)
     return destination

@@ -75,6 +75,18 @@ def is_library_file(name: str) -> bool:
     return name in (MANIFEST, DCP_METADATA) or _DATA_FILE.match(name) is not None or _SHARD.match(name) is not None
 
 
+def own_file_rank(name: str) -> int | None:
+    """The writing rank of a file that may be one rank's own (format 7: listed in that rank's manifest shard, not
+    in the root): a data or chunk file ``__<rank>_<n>.distcp``; ``None`` for any other name (shared files too).
+
+    Example:
+        >>> own_file_rank("__3_0.distcp"), own_file_rank("__3_12.distcp"), own_file_rank("__3_shared.distcp")
+        (3, 3, None)
+    """
+    m = _DATA_FILE.match(name)
+    return None if m is None or not m.group(2).isdigit() else int(m.group(1))
+
+
 def is_chunk_file(name: str) -> bool:
     """A chunk file (``__<rank>_<n>.distcp``, ``n >= 1``): one an incremental save may have kept from another save."""
     m = _DATA_FILE.match(name)

@@ -14,6 +14,9 @@ states, inventories, chunk table and storage entries are in a shard of their own
 tensors are (``index``), so a load reads the root and its own shard and never DCP's whole
 ``.metadata``. Since format 6 the replicated tensors a rank writes are in a data file of their
 own (``__<rank>_shared.distcp``), so no rank reads (or checksums) another rank's per-rank bytes.
+Since format 7 the files only one rank reads (its per-rank data and chunk files) are listed in
+that rank's shard; the root lists the others and, per rank, how many files its shard lists and
+their bytes (``rank_files``), so the root no longer grows with the files every rank writes.
 Readers validate it strictly, refuse newer format versions and upgrade older ones step by step
 through registered migrations (:func:`register_migration`); older adapter payloads are
 upgraded the same way (:func:`register_adapter_migration`). See docs/migrations.md.
@@ -21,7 +24,7 @@ upgraded the same way (:func:`register_adapter_migration`). See docs/migrations.
 Example:
     >>> from torchrl_dcp.format.manifest import FORMAT, FORMAT_VERSION
     >>> FORMAT, FORMAT_VERSION
-    ('torchrl_dcp', 6)
+    ('torchrl_dcp', 7)
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from torchrl_dcp.format.manifest_depth import check_depth, structure
 from torchrl_dcp.placement import PLACEMENTS
 
 FORMAT = "torchrl_dcp"
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 CHECKSUM_FIELD = "manifest_checksum"
 
 Migration = Callable[[dict[str, Any]], dict[str, Any]]
@@ -235,6 +238,15 @@ def _v5_to_v6(manifest: dict[str, Any]) -> dict[str, Any]:
     return manifest
 
 
+@register_migration(6)
+def _v6_to_v7(manifest: dict[str, Any]) -> dict[str, Any]:
+    """v7 lists each rank's own files in its shard (``rank_files`` counts them in the root); a v6 root lists every
+    file itself, which ``rank_files`` ``null`` says (its shards list none)."""
+    manifest["rank_files"] = None
+    manifest["format_version"] = 7
+    return manifest
+
+
 def unchecked(manifest: dict[str, Any]) -> list[str]:
     """What this checkpoint's format cannot prove (older formats): shown by ``verify``."""
     missing = []
@@ -272,10 +284,12 @@ def new_manifest(
     sequence: int | None = None,
     sharded: bool = False,
     index: dict[str, Any] | None = None,
+    rank_files: list[list[int]] | None = None,
 ) -> dict[str, Any]:
     """A sealed manifest of the current format: the root when ``sharded`` (per-rank components carry no ``ranks``
     nor ``inventory``: they are in the shards, which ``files`` lists); ``index``: the storage entries of the
-    tensors the root inventories (``None``: DCP's ``.metadata`` is the only index)."""
+    tensors the root inventories (``None``: DCP's ``.metadata`` is the only index); ``rank_files``: per saved
+    rank, ``[count, bytes]`` of the files its shard lists (a sharded root; ``None`` otherwise)."""
     return seal(
         {
             "format": FORMAT,
@@ -292,6 +306,7 @@ def new_manifest(
             "sequence": sequence,
             "sharded": sharded,
             "index": index,
+            "rank_files": rank_files,
         }
     )
 
@@ -465,7 +480,7 @@ def _validate(m: dict[str, Any], source: Any) -> None:
     if m.get("save_id") is not None and not (isinstance(m["save_id"], str) and len(m["save_id"]) == 32):
         raise bad("save_id must be 32 hex digits or null")
     for name, rec in m["files"].items():
-        _validate_file(name, rec, bad)
+        validate_file_record(name, rec, bad)
     _validate_chunks(m.get("chunks"), m["files"], bad)
     if m.get("sequence") is not None and not (_is_int(m["sequence"]) and m["sequence"] >= 0):
         raise bad("sequence must be a non-negative integer or null")
@@ -477,9 +492,26 @@ def _validate(m: dict[str, Any], source: Any) -> None:
             raise bad(
                 f"a sharded manifest lists one shard per saved rank (world_size {m['world_size']}, shards {len(shards)})"
             )
+    _validate_rank_files(m, bad)
     for name, rec in m["components"].items():  # before the index, which reads their inventories
         _validate_component(name, rec, None if m["sharded"] else range(m["world_size"]), bad)
     _validate_index(m, bad)
+
+
+def _validate_rank_files(m: dict[str, Any], bad: Callable[[str], CheckpointFormatError]) -> None:
+    """``rank_files``: ``null``, or (a sharded root) ``[count, bytes]`` of each saved rank's own files."""
+    if "rank_files" not in m:
+        raise bad("rank_files is missing")
+    rank_files = m["rank_files"]
+    if rank_files is None:
+        return
+    if (
+        not m["sharded"]
+        or not isinstance(rank_files, list)
+        or len(rank_files) != m["world_size"]
+        or not all(isinstance(e, list) and len(e) == 2 and all(_is_int(v) and v >= 0 for v in e) for e in rank_files)
+    ):
+        raise bad("rank_files must be null, or (a sharded manifest) [count, bytes] of each saved rank's own files")
 
 
 def _validate_index(m: dict[str, Any], bad: Callable[[str], CheckpointFormatError]) -> None:
@@ -539,7 +571,8 @@ def validate_assembled(m: dict[str, Any], source: Any) -> None:
         _validate_placed(m["chunks"], bad)
 
 
-def _validate_file(name: str, rec: Any, bad: Callable[[str], CheckpointFormatError]) -> None:
+def validate_file_record(name: str, rec: Any, bad: Callable[[str], CheckpointFormatError]) -> None:
+    """A ``files`` record: an integer size, a checksum, a plain name (not the manifest's), an optional origin."""
     if not isinstance(rec, dict) or not _is_int(rec.get("size")) or rec["size"] < 0:
         raise bad(f"files[{name!r}] needs an integer size")
     if not isinstance(rec.get("checksum"), str):

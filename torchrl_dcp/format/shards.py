@@ -1,27 +1,36 @@
-"""Manifest shards (format 5): each rank's part of the manifest in a file of its own.
+"""Manifest shards (format 5, files since format 7): each rank's part of the manifest in a file of its own.
 
 The root ``manifest.json`` holds what every rank needs: the components (adapter, version,
-placement, totals; the state and inventory of replicated and sharded ones), every file's
-size and checksum, the chunk table and storage entries of the tensors that are not any one
-rank's (``index``). When the save held per-rank components (``"sharded": true``), each rank
-``r`` wrote ``manifest-<r>.json`` (listed in ``files``, so sized and checksummed like any
-file) with its per-rank states and inventories, its tensors' chunk table and storage entries::
+placement, totals; the state and inventory of replicated and sharded ones), the size and
+checksum of every file more than one rank reads (shared data files, their chunk files, the
+shards, ``.metadata``), the chunk table and storage entries of the tensors that are not any one
+rank's (``index``), and per rank the number and bytes of the files its shard lists
+(``rank_files``). When the save held per-rank components (``"sharded": true``), each rank
+``r`` wrote ``manifest-<r>.json`` (listed in the root's ``files``, so sized and checksummed like
+any file) with its per-rank states and inventories, its tensors' chunk table and storage
+entries, and the records of its own files (``__<r>_<n>.distcp`` holding only its per-rank
+tensors)::
 
-    {"format": "torchrl_dcp.shard", "format_version": 5, "save_id": ..., "rank": r,
+    {"format": "torchrl_dcp.shard", "format_version": 7, "save_id": ..., "rank": r,
      "components": {name: {"state": <skeleton>, "inventory": {key: {"dtype", "shape"}}}},
      "chunks": {key: [{"start", "rows", "file", "offset", "length", "fingerprint"}]},
-     "entries": [[key, file, offset, length], ...]}
+     "entries": [[key, file, offset, length], ...],
+     "files": {name: {"size", "checksum", "origin"?}}}
+
+Shards of format 5 and 6 checkpoints (``rank_files`` ``null`` once migrated) are version 5:
+no ``files``, the root lists every file.
 
 A load reads the root and the shards of the ranks it restores; ``verify``, ``inspect`` and
 the tools read them all. Either way the result has the shape every reader knows
 (:func:`assemble`): per-rank components with ``ranks`` and ``inventory``, one ``chunks``
-table, one ``index``; ``shards_read`` says which ranks' shards it holds (``None``: the
-checkpoint has none, everything was in the root). ``entries`` and ``index`` are ``null``
-when DCP's own writer wrote the data (then ``.metadata`` alone says where tensors are).
+table, one ``index``, the ``files`` of the root and of the shards read; ``shards_read`` says
+which ranks' shards it holds (``None``: the checkpoint has none, everything was in the root).
+``entries`` and ``index`` are ``null`` when DCP's own writer wrote the data (then
+``.metadata`` alone says where tensors are).
 
 Example:
     >>> from torchrl_dcp.format.shards import assemble, split
-    >>> full = {"world_size": 2, "save_id": "0" * 32, "sharded": True, "files": {}, "chunks": {},
+    >>> full = {"world_size": 2, "save_id": "0" * 32, "sharded": True, "files": {}, "chunks": {}, "format_version": 7,
     ...         "index": {"entries": []}, "components": {"b": {"adapter": "a", "adapter_version": 1,
     ...         "placement": "per_rank", "num_tensors": 0, "nbytes": 0, "inventory": {},
     ...         "ranks": {"0": {"state": 1}, "1": {"state": 2}}}}}
@@ -35,16 +44,18 @@ Example:
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
-from torchrl_dcp.format.layout import shard_name
-from torchrl_dcp.format.manifest import check_entries, decode_json
+from torchrl_dcp.format.layout import own_file_rank, shard_name
+from torchrl_dcp.format.manifest import FORMAT_VERSION, check_entries, decode_json, validate_file_record
 from torchrl_dcp.placement import key_prefix
 
 SHARD_FORMAT = "torchrl_dcp.shard"
-SHARD_VERSION = 5
+SHARD_VERSION = 7
+#: the shards of a format 5 or 6 checkpoint (its root lists every file; they list none)
+FILELESS_SHARD_VERSION = 5
 
 
 def _is_int(v: Any) -> bool:
@@ -63,17 +74,22 @@ def shard_body(
     components: Mapping[str, Mapping[str, Any]],
     chunks: Mapping[str, list[dict[str, Any]]],
     entries: list[list[Any]] | None,
+    files: Mapping[str, Mapping[str, Any]] | None,
 ) -> dict[str, Any]:
-    """One rank's shard: ``components`` maps each per-rank component to ``{"state", "inventory"}``."""
-    return {
+    """One rank's shard: ``components`` maps each per-rank component to ``{"state", "inventory"}``; ``files``: the
+    records of the files only this rank reads (``None``: a shard of format 5, whose root lists every file)."""
+    body = {
         "format": SHARD_FORMAT,
-        "format_version": SHARD_VERSION,
+        "format_version": SHARD_VERSION if files is not None else FILELESS_SHARD_VERSION,
         "save_id": save_id,
         "rank": rank,
         "components": dict(components),
         "chunks": dict(chunks),
         "entries": entries,
     }
+    if files is not None:
+        body["files"] = {n: dict(r) for n, r in sorted(files.items())}
+    return body
 
 
 def parse_shard(data: bytes, root: Mapping[str, Any], rank: int, source: Any) -> dict[str, Any]:
@@ -92,8 +108,10 @@ def check_shard(raw: Any, root: Mapping[str, Any], rank: int, source: Any) -> di
     def bad(what: str) -> CheckpointFormatError:
         return CheckpointFormatError(f"malformed manifest shard: {what}", path=source)
 
-    if not isinstance(raw, dict) or raw.get("format") != SHARD_FORMAT or raw.get("format_version") != SHARD_VERSION:
-        raise bad(f"not a {SHARD_FORMAT} v{SHARD_VERSION} object")
+    listed = root.get("rank_files")
+    version = FILELESS_SHARD_VERSION if listed is None else SHARD_VERSION
+    if not isinstance(raw, dict) or raw.get("format") != SHARD_FORMAT or raw.get("format_version") != version:
+        raise bad(f"not a {SHARD_FORMAT} v{version} object")
     if raw.get("save_id") != root.get("save_id") or raw.get("rank") != rank:
         raise CheckpointIntegrityError(
             f"manifest shard belongs to save {raw.get('save_id')!r} rank {raw.get('rank')!r}, the manifest expects "
@@ -111,12 +129,34 @@ def check_shard(raw: Any, root: Mapping[str, Any], rank: int, source: Any) -> di
     entries = raw.get("entries")
     if (entries is None) != (root.get("index") is None):
         raise bad("entries must be a list exactly when the manifest has an index")
-    files = root["files"]
+    files = root["files"] if listed is None else {**root["files"], **_own_files(raw, root, rank, source, bad)}
     check_entries(entries or [], files, own, bad)
     chunks = raw.get("chunks")
     if not isinstance(chunks, dict) or not all(k in own for k in chunks):
         raise bad("chunks may only name this rank's tensors")
     return raw
+
+
+def _own_files(
+    raw: dict[str, Any], root: Mapping[str, Any], rank: int, source: Any, bad: Callable[[str], CheckpointFormatError]
+) -> dict[str, Any]:
+    """A format-7 shard's ``files``: records of this rank's data and chunk files that the root does not list, as
+    many and as large as the root's ``rank_files`` says."""
+    files = raw.get("files")
+    if not isinstance(files, dict):
+        raise bad("files must be an object")
+    for name, rec in files.items():
+        validate_file_record(name, rec, bad)
+        if own_file_rank(name) != rank or name in root["files"]:
+            raise bad(f"files may only list this rank's own data and chunk files (__{rank}_<n>.distcp), not {name!r}")
+    count, nbytes = root["rank_files"][rank]
+    if len(files) != count or sum(r["size"] for r in files.values()) != nbytes:
+        raise CheckpointIntegrityError(
+            f"manifest shard lists {len(files)} files of {sum(r['size'] for r in files.values())} bytes, the manifest "
+            f"says {count} of {nbytes}: damaged or altered",
+            path=source,
+        )
+    return files
 
 
 def assemble(root: Mapping[str, Any], shards: Mapping[int, Mapping[str, Any]], source: Any) -> dict[str, Any]:
@@ -128,7 +168,11 @@ def assemble(root: Mapping[str, Any], shards: Mapping[int, Mapping[str, Any]], s
     """
     if not root.get("sharded"):
         return {**root, "shards_read": None}
-    out = {k: v for k, v in root.items() if k not in ("components", "chunks", "index")}
+    out = {k: v for k, v in root.items() if k not in ("components", "chunks", "index", "files")}
+    files = dict(root["files"])
+    for r in sorted(shards):
+        files.update(shards[r].get("files") or {})
+    out["files"] = files
     out["components"] = components = {}
     for name, rec in root["components"].items():
         if rec["placement"] != "per_rank":
@@ -197,12 +241,54 @@ def split(manifest: Mapping[str, Any]) -> tuple[dict[str, Any], dict[int, dict[s
             else:
                 shared.append(e)
         m["index"] = {"entries": shared}
+    with_files = m.get("format_version", FORMAT_VERSION) >= 7
+    if with_files:
+        _move_own_files(m, shards)
     out = {
         r: shard_body(
-            save_id=m["save_id"], rank=r, components=s["components"], chunks=s["chunks"], entries=s["entries"]
+            save_id=m["save_id"],
+            rank=r,
+            components=s["components"],
+            chunks=s["chunks"],
+            entries=s["entries"],
+            files=s["files"] if with_files else None,
         )
         for r, s in shards.items()
     }
     for r in out:
         m["files"].setdefault(shard_name(r), {"size": 0, "checksum": ""})  # the caller records the bytes it writes
     return m, out
+
+
+def _move_own_files(m: dict[str, Any], shards: dict[int, dict[str, Any]]) -> None:
+    """Format 7: each rank's own files move from the root's ``files`` to its shard's, counted in ``rank_files``."""
+    m["rank_files"] = [[0, 0] for _ in range(m["world_size"])]
+    for r, listed in _own_file_names(m, shards).items():
+        shards[r]["files"] = {n: m["files"].pop(n) for n in listed}
+        m["rank_files"][r] = [len(listed), sum(shards[r]["files"][n]["size"] for n in listed)]
+
+
+def _own_file_names(m: Mapping[str, Any], shards: Mapping[int, Mapping[str, Any]]) -> dict[int, list[str]]:
+    """Each rank's own files (format 7): the listed ``__<r>_<n>.distcp`` files its shard's entries and chunks name
+    and nothing else does (what a save lists in the rank's shard)."""
+
+    def named(entries: Any, chunks: Mapping[str, Any]) -> set[str]:  # (a forged manifest may hold anything)
+        files = [e[1] for e in entries or [] if isinstance(e, list) and len(e) > 1]
+        files += [
+            c.get("file") for parts in chunks.values() if isinstance(parts, list) for c in parts if isinstance(c, dict)
+        ]
+        return {f for f in files if isinstance(f, str)}
+
+    by_rank = {r: named(s["entries"], s["chunks"]) for r, s in shards.items()}
+    index = m.get("index")
+    elsewhere = named(None if index is None else index["entries"], m["chunks"])
+    readers: dict[str, int] = {}
+    for names in by_rank.values():
+        for n in names:
+            readers[n] = readers.get(n, 0) + 1
+    return {
+        r: sorted(
+            n for n in names if own_file_rank(n) == r and n in m["files"] and n not in elsewhere and readers[n] == 1
+        )
+        for r, names in by_rank.items()
+    }

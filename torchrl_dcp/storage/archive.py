@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError
+from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError
 from torchrl_dcp.format import manifest as schema
 from torchrl_dcp.format.checksums import checksum_mismatch, crc32, format_crc
 from torchrl_dcp.format.layout import MANIFEST, MAX_MANIFEST_BYTES
@@ -43,7 +43,7 @@ from torchrl_dcp.format.zipformat import (
     end_records,
     local_header,
 )
-from torchrl_dcp.storage.base import ByteRange, EntryKind, Location, ManifestParts, files_to_check
+from torchrl_dcp.storage.base import ByteRange, EntryKind, Location, ManifestParts, check_listing, files_to_check
 from torchrl_dcp.storage.commit import TMP_TAG, remove_entry
 from torchrl_dcp.storage.files import open_regular
 from torchrl_dcp.storage.filesums import fds_checksums
@@ -231,16 +231,21 @@ class ArchiveContainer(ManifestParts):
             manifest = schema.loads_manifest(
                 self.read_raw_member(MANIFEST, MAX_MANIFEST_BYTES), f"{self.path}::{MANIFEST}"
             )
-            for name in self.members:
-                if name != MANIFEST and name not in manifest["files"]:
-                    raise CheckpointIntegrityError(
-                        "member not listed in the manifest: the archive was altered", path=f"{self.path}::{name}"
-                    )
             self._manifest = manifest
+            try:  # every member accounted for (those of ranks' own files by their shards' counts, format 7)
+                check_listing(
+                    ((n, m.size) for n, m in self.members.items() if n != MANIFEST and n not in manifest["files"]),
+                    self,
+                    lambda name: f"{self.path}::{name}",
+                    "member",
+                )
+            except CheckpointError:
+                self._manifest = None
+                raise
         return self._manifest
 
     def read_member(self, name: str, limit: int) -> bytes | None:
-        rec = self.root()["files"].get(name)
+        rec = self.listed().get(name)
         if rec is None:
             return None
         if self.member(name).size != rec["size"]:
@@ -250,7 +255,7 @@ class ArchiveContainer(ManifestParts):
         return self.read_raw_member(name, limit)
 
     def byte_range(self, name: str) -> ByteRange:
-        if name not in self.root()["files"]:
+        if name not in self.listed():
             raise CheckpointIntegrityError("member is not listed in the manifest: refused", path=f"{self.path}::{name}")
         m = self.member(name)
         return ByteRange(str(self.path), m.data_offset, m.size, f"{self.path}::{name}")
@@ -264,7 +269,7 @@ class ArchiveContainer(ManifestParts):
     ) -> None:
         """Sizes (and ZIP CRCs against the manifest) of every listed member (``only``: of these); data checksums of
         ``checksum``."""
-        files = self.root()["files"]
+        files = self.listed()
         wanted = set(files) if checksum is True else set() if checksum is False else set(checksum)
         checked = files_to_check(files, wanted, only)
         for name, rec in checked.items():

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+from collections import ChainMap
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,6 +91,9 @@ class Container(Protocol):
         """The manifest with the shards of ``ranks`` (``None``: every rank's), assembled once per set of ranks
         (:class:`ManifestParts`)."""
 
+    def listed(self) -> Mapping[str, Any]:
+        """The records of the root's files and of those the shards read so far list (format 7)."""
+
     def check(
         self,
         checksum: Iterable[str] | bool,
@@ -144,6 +148,17 @@ class ManifestParts:
             cache[wanted] = found
         return found
 
+    def listed(self) -> Mapping[str, Any]:
+        """The records of the files this container can vouch for: the root's, and (format 7) those listed by the
+        shards read so far. A data file of a rank whose shard was not read is sized by :meth:`check` alone
+        (:func:`check_listing`); nothing reads it."""
+        found: dict[str, Any] = self.__dict__.setdefault("_shard_files", {})
+        return ChainMap(found, self.root()["files"]) if found else self.root()["files"]
+
+    def shards_read(self) -> set[int]:
+        """The ranks whose shards were read (and checked) so far."""
+        return self.__dict__.setdefault("_shards_read", set())
+
     def shard(self, rank: int) -> dict[str, Any]:
         """Rank ``rank``'s manifest shard, read, checksummed and checked against the root."""
         from torchrl_dcp.format.checksums import checksum_mismatch, crc32, format_crc
@@ -162,7 +177,54 @@ class ManifestParts:
         actual = format_crc(crc32(data))
         if actual != rec["checksum"]:
             raise checksum_mismatch(actual, rec["checksum"], where)
-        return parse_shard(data, root, rank, where)
+        shard = parse_shard(data, root, rank, where)
+        self.__dict__.setdefault("_shard_files", {}).update(shard.get("files") or {})
+        self.shards_read().add(rank)
+        return shard
+
+
+def check_listing(
+    listing: Iterable[tuple[str, int | None]], parts: ManifestParts, where: Callable[[str], Any], what: str = "file"
+) -> None:
+    """Everything in a checkpoint is accounted for: ``listing`` (``(name, size)`` of everything in it but the
+    manifest; size ``None``: not a regular file) holds only files :meth:`ManifestParts.listed` lists (their sizes
+    are compared by the caller) and, for each rank whose shard was not read (format 7), exactly as many of its own
+    data and chunk files, of as many bytes, as the root's ``rank_files`` says. ``where(name)`` names a file in
+    errors; ``what``: what the container holds ("file", "member", "object").
+
+    Raises:
+        CheckpointIntegrityError: an unlisted file, or a rank's own files added, missing or resized.
+    """
+    from torchrl_dcp.errors import CheckpointIntegrityError
+    from torchrl_dcp.format.layout import own_file_rank, shard_name
+
+    root, listed, read = parts.root(), parts.listed(), parts.shards_read()
+    counted = root.get("rank_files")
+    found: dict[int, list[int]] = {}
+    names: dict[int, list[str]] = {}
+    for name, size in listing:
+        if name in listed:
+            continue
+        r = own_file_rank(name)
+        if counted is None or r is None or r >= len(counted) or r in read:
+            raise CheckpointIntegrityError(
+                f"{what} not listed in the manifest: the checkpoint was altered", path=where(name)
+            )
+        if size is None:
+            raise CheckpointIntegrityError(f"is not a regular {what}: the checkpoint was altered", path=where(name))
+        seen = found.setdefault(r, [0, 0])
+        seen[0], seen[1] = seen[0] + 1, seen[1] + size
+        names.setdefault(r, []).append(name)
+    for r, expected in enumerate(counted or ()):
+        if r not in read and found.get(r, [0, 0]) != expected:
+            n, b = found.get(r, [0, 0])
+            here = sorted(names.get(r, []))
+            shown = ", ".join(here[:4]) + (f" and {len(here) - 4} more" if len(here) > 4 else "")
+            raise CheckpointIntegrityError(
+                f"rank {r}'s own data and chunk files here ({shown or 'none'}) are {n} of {b} bytes, its shard lists "
+                f"{expected[0]} of {expected[1]}: one was added, removed, truncated or altered",
+                path=where(shard_name(r)),
+            )
 
 
 # ---------------------------------------------------------------------- what one rank writes

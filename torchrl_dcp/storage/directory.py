@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +46,7 @@ from torchrl_dcp.storage.base import (
     SaveTarget,
     ShareWrite,
     WriteOutcome,
+    check_listing,
     files_to_check,
 )
 from torchrl_dcp.storage.commit import (
@@ -97,7 +98,7 @@ class DirectoryContainer(ManifestParts):
         return self._manifest
 
     def _listed(self, name: str) -> dict[str, Any] | None:
-        return self.root()["files"].get(name)
+        return self.listed().get(name)
 
     def check(
         self,
@@ -106,7 +107,7 @@ class DirectoryContainer(ManifestParts):
         *,
         only: Collection[str] | None = None,
     ) -> None:
-        files: dict[str, Any] = self.root()["files"]
+        files = self.listed()
         wanted = set(files) if checksum is True else set() if checksum is False else set(checksum)
         checked = files_to_check(files, wanted, only)
         fds: list[tuple[str, int]] = []
@@ -134,11 +135,15 @@ class DirectoryContainer(ManifestParts):
                 os.close(fd)
         if only is not None:
             return  # (the listing is rank 0's: one scan of the directory per load, not one per rank)
+        check_listing(self._listing(files), self, lambda name: self.path / name)
+
+    def _listing(self, files: Mapping[str, Any]) -> Iterator[tuple[str, int | None]]:
+        """``(name, size)`` of what is here besides the manifest and the listed files (sized already); the size is
+        ``None`` for anything but a regular file."""
         for entry in os.scandir(self.path):
             if entry.name != MANIFEST and entry.name not in files:
-                raise CheckpointIntegrityError(
-                    "file not listed in the manifest: the checkpoint was altered", path=self.path / entry.name
-                )
+                regular = entry.is_file(follow_symlinks=False)
+                yield entry.name, entry.stat(follow_symlinks=False).st_size if regular else None
 
     def read_member(self, name: str, limit: int) -> bytes | None:
         rec = self._listed(name)

@@ -46,7 +46,7 @@ from torchrl_dcp.format import manifest as schema
 from torchrl_dcp.format.checksums import checksum_mismatch, crc32, crc32_combine, format_crc
 from torchrl_dcp.format.layout import MANIFEST, MAX_MANIFEST_BYTES, TRAILER_SIZE
 from torchrl_dcp.settings import setting
-from torchrl_dcp.storage.base import ByteRange, ManifestParts, files_to_check
+from torchrl_dcp.storage.base import ByteRange, ManifestParts, check_listing, files_to_check
 from torchrl_dcp.storage.urls import StorePath
 
 READ_PIECE = 8 << 20  # bytes per ranged read when checksumming or downloading
@@ -352,7 +352,7 @@ class ObjectStoreContainer(ManifestParts):
         was fetched already: each of these objects is then read only within its recorded size, a short read fails as
         truncated, and rank 0 of the same load (``only=None``) compares every object's size with the one listing
         the load makes (at 1,000 ranks: 1 LIST instead of 1,000, each of every object)."""
-        files: dict[str, Any] = self.root()["files"]
+        files = self.listed()
         wanted = set(files) if checksum is True else set() if checksum is False else set(checksum)
         found: dict[str, Any] | None = self._take("") if only is None or "" in self._early else None
         if found is not None:
@@ -365,11 +365,17 @@ class ObjectStoreContainer(ManifestParts):
                         f"size is {info.get('size')} bytes, the manifest says {rec['size']}: truncated or altered",
                         path=self.path / name,
                     )
-            for name in found if only is None else ():
-                if name != MANIFEST and name not in files:
-                    raise CheckpointIntegrityError(
-                        "object not listed in the manifest: the checkpoint was altered", path=self.path / name
-                    )
+            if only is None:
+                check_listing(
+                    (
+                        (n, int(i.get("size") or 0) if i.get("type") == "file" else None)
+                        for n, i in found.items()
+                        if n != MANIFEST and n not in files
+                    ),
+                    self,
+                    lambda name: self.path / name,
+                    "object",
+                )
         names = sorted(wanted)
         actual = object_checksums(
             [(self.path / n, files[n]["size"]) for n in names], tails=self.tails, progress=progress
@@ -379,7 +385,7 @@ class ObjectStoreContainer(ManifestParts):
                 raise checksum_mismatch(value, files[name]["checksum"], self.path / name)
 
     def read_member(self, name: str, limit: int) -> bytes | None:
-        rec = self.root()["files"].get(name)
+        rec = self.listed().get(name)
         if rec is None:
             return None
         if rec["size"] > limit:
@@ -389,7 +395,7 @@ class ObjectStoreContainer(ManifestParts):
         return read_range(self.path / name, 0, rec["size"], rec["size"])
 
     def byte_range(self, name: str) -> ByteRange:
-        rec = self.root()["files"].get(name)
+        rec = self.listed().get(name)
         if rec is None:
             raise CheckpointIntegrityError("data file is not listed in the manifest: refused", path=self.path / name)
         return ByteRange((self.path / name).key, 0, rec["size"], str(self.path / name))

@@ -113,7 +113,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
     ) -> None:
         self.container: Container | None = None if isinstance(location, (str, os.PathLike)) else location
         if self.container is not None:
-            super().__init__(self.container.path, allowed_files=self.container.root()["files"], metadata=metadata)
+            super().__init__(self.container.path, allowed_files=self.container.listed(), metadata=metadata)
         else:
             super().__init__(location, metadata=metadata)  # type: ignore[arg-type]
         self.verify = dict(verify or {})
