@@ -323,3 +323,35 @@ def test_a_tool_that_rewrites_a_checkpoint_keeps_each_rank_s_own_files_in_its_sh
     assert shard["files"] == before[1]["files"] and root["rank_files"] == before[0]["rank_files"]
     assert sorted(root["files"]) == sorted(before[0]["files"])
     assert torch.equal(_load_own_files(path)["buf"]["rows"], saved["buf"]["rows"])
+
+
+@pytest.mark.parametrize("chunk_file", ["__1_1.distcp", "__0_1.distcp", "__0_shared.distcp"])
+def test_a_shard_s_chunks_are_in_its_own_files_or_the_root_s_never_another_rank_s(chunk_file: str) -> None:
+    """Rank 1's chunk table may name its own files and the files the root lists, never rank 0's own ones (a load
+    that reads every shard, after a change of world size, would otherwise accept them)."""
+    from torchrl_dcp.format.shards import check_shard
+
+    record = {"size": 10, "checksum": "crc32:00000000"}
+    root = {
+        "save_id": "0" * 32,
+        "components": {"b": {"placement": "per_rank"}},
+        "files": {"manifest-0.json": record, "manifest-1.json": record, "__0_shared.distcp": record},
+        "index": {"entries": []},
+        "rank_files": [[1, 10], [1, 10]],
+    }
+    chunk = {"start": 0, "rows": 4, "file": chunk_file, "offset": 0, "length": 10, "fingerprint": "crc32:0/adler32:0"}
+    shard = {
+        "format": "torchrl_dcp.shard",
+        "format_version": 7,
+        "save_id": "0" * 32,
+        "rank": 1,
+        "components": {"b": {"state": {}, "inventory": {"rank/1/b/x": {"dtype": "float32", "shape": [4]}}}},
+        "chunks": {"rank/1/b/x": [chunk]},
+        "entries": [],
+        "files": {"__1_1.distcp": record},
+    }
+    if chunk_file == "__0_1.distcp":
+        with pytest.raises(tdcp.CheckpointFormatError, match=r"chunk file '__0_1\.distcp' is not in 'files'"):
+            check_shard(shard, root, 1, "s")
+    else:
+        assert check_shard(shard, root, 1, "s") is shard

@@ -481,7 +481,7 @@ def _validate(m: dict[str, Any], source: Any) -> None:
         raise bad("save_id must be 32 hex digits or null")
     for name, rec in m["files"].items():
         validate_file_record(name, rec, bad)
-    _validate_chunks(m.get("chunks"), m["files"], bad)
+    validate_chunk_table(m.get("chunks"), m["files"], bad)
     if m.get("sequence") is not None and not (_is_int(m["sequence"]) and m["sequence"] >= 0):
         raise bad("sequence must be a non-negative integer or null")
     if not isinstance(m.get("sharded"), bool):
@@ -566,7 +566,7 @@ def validate_assembled(m: dict[str, Any], source: Any) -> None:
     for name, rec in m["components"].items():
         if rec.get("placement") == "per_rank":
             _validate_component(name, rec, ranks, bad)
-    _validate_chunks(m["chunks"], m["files"], bad)
+    validate_chunk_table(m["chunks"], m["files"], bad)
     if m.get("index") is not None:
         _validate_placed(m["chunks"], bad)
 
@@ -587,7 +587,8 @@ def _is_save_id(v: Any) -> bool:
     return isinstance(v, str) and len(v) == 32 and all(c in "0123456789abcdef" for c in v)
 
 
-def _validate_chunks(chunks: Any, files: dict[str, Any], bad: Callable[[str], CheckpointFormatError]) -> None:
+def validate_chunk_table(chunks: Any, files: Mapping[str, Any], bad: Callable[[str], CheckpointFormatError]) -> None:
+    """A chunk table: per key, a list of ``{start, rows, file, fingerprint, ...}`` entries, each in a listed file."""
     if not isinstance(chunks, dict):
         raise bad("chunks must be an object")
     for key, entries in chunks.items():

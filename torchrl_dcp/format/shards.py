@@ -49,7 +49,13 @@ from typing import Any
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
 from torchrl_dcp.format.layout import own_file_rank, shard_name
-from torchrl_dcp.format.manifest import FORMAT_VERSION, check_entries, decode_json, validate_file_record
+from torchrl_dcp.format.manifest import (
+    FORMAT_VERSION,
+    check_entries,
+    decode_json,
+    validate_chunk_table,
+    validate_file_record,
+)
 from torchrl_dcp.placement import key_prefix
 
 SHARD_FORMAT = "torchrl_dcp.shard"
@@ -134,6 +140,7 @@ def check_shard(raw: Any, root: Mapping[str, Any], rank: int, source: Any) -> di
     chunks = raw.get("chunks")
     if not isinstance(chunks, dict) or not all(k in own for k in chunks):
         raise bad("chunks may only name this rank's tensors")
+    validate_chunk_table(chunks, files, bad)  # in the root's files or its own (never another rank's own files)
     return raw
 
 

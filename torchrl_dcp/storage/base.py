@@ -421,7 +421,8 @@ class Location(abc.ABC):
         return self.container().manifest()
 
     def root(self) -> dict[str, Any]:
-        """The validated root manifest of the checkpoint here (step, metadata, sequence, files: no shard read)."""
+        """The validated root manifest of the checkpoint here (step, metadata, sequence; no shard read, so its
+        ``files`` lacks each rank's own files: :meth:`manifest` has every file)."""
         return self.container().root()
 
     # ------------------------------------------------------------------ saving
