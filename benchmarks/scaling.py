@@ -164,17 +164,20 @@ def raw_write(files: dict[str, int], directory: Path) -> float:
 
 def sizes_of(path: Path) -> dict[str, Any]:
     """Manifest, ``.metadata`` and per-component manifest bytes, file counts (rank 0, after a save)."""
+    import torchrl_dcp as tdcp
+
     manifest_bytes = (path / "manifest.json").read_bytes()
     manifest = json.loads(manifest_bytes)
     comp = {n: len(json.dumps(c, separators=(",", ":"), sort_keys=True)) for n, c in manifest["components"].items()}
-    files = manifest["files"]
+    root_files = manifest["files"]
+    files = tdcp.read_manifest(path)["files"]  # every file: each rank's own are listed in its shard (format 7)
     return {
         "manifest_bytes": len(manifest_bytes),
         "metadata_bytes": files[".metadata"]["size"],
         "shard_bytes": files.get("manifest-0.json", {}).get("size", 0),  # rank 0's manifest shard (format 5)
         "component_bytes": comp,
         "chunk_table_bytes": len(json.dumps(manifest.get("chunks", {}), separators=(",", ":"))),
-        "files_table_bytes": len(json.dumps(files, separators=(",", ":"))),
+        "files_table_bytes": len(json.dumps(root_files, separators=(",", ":"))),
         "files": len(files) + 1,  # + manifest.json
         "data_files": sum(1 for n in files if n.endswith(".distcp")),
         "total_bytes": sum(r["size"] for r in files.values()) + len(manifest_bytes),
