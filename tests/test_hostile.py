@@ -241,7 +241,7 @@ def test_tensor_shape_in_skeleton_disagrees_with_data(tmp_path: Path) -> None:
     def grow(components: dict[str, Any]) -> None:
         state = json.dumps(components["stats"]["state"]).replace("[6]", "[7]")
         components["stats"]["state"] = json.loads(state)
-        from torchrl_dcp.format.manifest import component_inventory
+        from torchrl_dcp.format.migrations import component_inventory
 
         components["stats"]["inventory"] = component_inventory("stats", components["stats"])
 

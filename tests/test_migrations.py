@@ -17,8 +17,10 @@ import torchrl_dcp as tdcp
 import torchrl_dcp.chunking as chunking
 from tests import forging
 from torchrl_dcp.format import manifest as mf
+from torchrl_dcp.format import migrations as mg
 from torchrl_dcp.format.layout import shard_name
-from torchrl_dcp.format.manifest import make_skeleton_dict, register_adapter_migration, seal, skeleton_dict
+from torchrl_dcp.format.manifest import seal
+from torchrl_dcp.format.migrations import make_skeleton_dict, register_adapter_migration, skeleton_dict
 from torchrl_dcp.storage.filesystem import safe_load_metadata
 
 FIXTURE = Path(__file__).parent / "fixtures" / "v1_checkpoint"
@@ -27,8 +29,8 @@ FIXTURE = Path(__file__).parent / "fixtures" / "v1_checkpoint"
 @pytest.fixture(autouse=True)
 def _isolated_registries(monkeypatch: pytest.MonkeyPatch) -> None:
     """Migrations registered by a test vanish after it."""
-    monkeypatch.setattr(mf, "_MIGRATIONS", dict(mf._MIGRATIONS))
-    monkeypatch.setattr(mf, "_ADAPTER_MIGRATIONS", dict(mf._ADAPTER_MIGRATIONS))
+    monkeypatch.setattr(mg, "MIGRATIONS", dict(mg.MIGRATIONS))
+    monkeypatch.setattr(mg, "ADAPTER_MIGRATIONS", dict(mg.ADAPTER_MIGRATIONS))
 
 
 class Counter:
@@ -152,7 +154,7 @@ def test_missing_payload_migration_makes_the_component_incompatible() -> None:
 
 def test_format_migrations_run_step_by_step(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[int] = []
-    real = dict(mf._MIGRATIONS)
+    real = dict(mg.MIGRATIONS)
 
     def recording(version: int) -> Any:
         def step(m: dict[str, Any]) -> dict[str, Any]:
@@ -168,8 +170,8 @@ def test_format_migrations_run_step_by_step(monkeypatch: pytest.MonkeyPatch) -> 
         return m
 
     for version in (1, 2, 3, 4, 5, 6):
-        monkeypatch.setitem(mf._MIGRATIONS, version, recording(version))
-    monkeypatch.setitem(mf._MIGRATIONS, 7, record_7)
+        monkeypatch.setitem(mg.MIGRATIONS, version, recording(version))
+    monkeypatch.setitem(mg.MIGRATIONS, 7, record_7)
     monkeypatch.setattr(mf, "FORMAT_VERSION", 8)
     m = tdcp.read_manifest(FIXTURE)
     assert seen == [1, 2, 3, 4, 5, 6, 7] and m["format_version"] == 8 and m["metadata"]["upgraded_to_8"] is True
@@ -264,10 +266,10 @@ def test_newer_format_is_refused_with_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_missing_or_broken_format_migration_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delitem(mf._MIGRATIONS, 1)
+    monkeypatch.delitem(mg.MIGRATIONS, 1)
     with pytest.raises(tdcp.CheckpointVersionError, match="no migration from it is registered"):
         tdcp.read_manifest(FIXTURE)
-    monkeypatch.setitem(mf._MIGRATIONS, 1, lambda m: m)  # forgets to bump the version
+    monkeypatch.setitem(mg.MIGRATIONS, 1, lambda m: m)  # forgets to bump the version
     with pytest.raises(tdcp.CheckpointVersionError, match="did not upgrade it"):
         tdcp.read_manifest(FIXTURE)
 
@@ -374,7 +376,7 @@ def test_version_skew_is_reported_and_logged_not_fatal(tmp_path: Path, caplog: p
 
 def test_registration_arguments_are_checked() -> None:
     with pytest.raises(ValueError):
-        mf.register_migration(0)
+        mg.register_migration(0)
     with pytest.raises(ValueError):
         register_adapter_migration("", 1)
     with pytest.raises(tdcp.CheckpointFormatError, match="expected a dict skeleton"):

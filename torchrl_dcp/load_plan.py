@@ -44,7 +44,7 @@ from torchrl_dcp.format.codec import (
     xref_key,
 )
 from torchrl_dcp.format.dcp_metadata import record_index
-from torchrl_dcp.format.manifest import migrate_component
+from torchrl_dcp.format.migrations import migrate_component
 from torchrl_dcp.placement import Placement, key_prefix
 
 

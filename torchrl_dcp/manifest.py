@@ -1,7 +1,7 @@
 """The public face of format migrations: register upgrades of older checkpoints (docs/migrations.md).
 
-The manifest schema, its validation and the migration registry live in
-:mod:`torchrl_dcp.format.manifest`; this module exposes what users call.
+The manifest schema and its validation live in :mod:`torchrl_dcp.format.manifest`, the migration registry in
+:mod:`torchrl_dcp.format.migrations`; this module exposes what users call.
 
 Example:
     >>> from torchrl_dcp.manifest import register_adapter_migration
@@ -12,7 +12,7 @@ Example:
 
 from __future__ import annotations
 
-from torchrl_dcp.format.manifest import (
+from torchrl_dcp.format.migrations import (
     make_skeleton_dict,
     register_adapter_migration,
     register_migration,
