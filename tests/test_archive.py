@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 import shutil
 import struct
@@ -390,3 +391,24 @@ def test_many_central_entries_cost_a_small_multiple_of_the_archive_to_index(tmp_
         miscounted = body + directory + end_records(n + 1, len(body), len(directory))
         (tmp_path / "miscounted.zip").write_bytes(bytes(miscounted))
         read_index(tmp_path / "miscounted.zip")
+
+
+def test_a_member_added_among_a_rank_s_own_files_is_refused_when_the_archive_is_opened(tmp_path: Path) -> None:
+    """Format 7: a rank's own files are listed in its shard, not the root; the archive's other members are counted
+    against the root's ``rank_files`` as soon as the archive is opened (before any shard is read): one more member
+    named like a file of rank 0 is refused by every reader."""
+    path, _ = make(tmp_path)
+    root = json.loads((path / "manifest.json").read_text())
+    assert "__0_0.distcp" not in root["files"] and root["rank_files"] == [[1, (path / "__0_0.distcp").stat().st_size]]
+    archive = tdcp.to_archive(path, tmp_path / "c.zip")
+    assert fresh()[0].load(archive).step == 12  # its own file is a member, found through rank 0's shard
+    bad = _rewrite(archive, tmp_path / "extra.zip", extra={"__0_9.distcp": b"x"})
+    for action in (
+        lambda: fresh()[0].load(bad),
+        lambda: tdcp.verify(bad),
+        lambda: tdcp.read_manifest(bad),
+        lambda: tdcp.to_directory(bad, tmp_path / "o"),
+    ):
+        with pytest.raises(tdcp.CheckpointIntegrityError, match=r"rank 0's own data and chunk files here \(__0_0"):
+            action()
+    assert not (tmp_path / "o").exists()
