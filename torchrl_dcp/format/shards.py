@@ -44,6 +44,7 @@ Example:
 from __future__ import annotations
 
 import copy
+from collections import ChainMap
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -135,7 +136,7 @@ def check_shard(raw: Any, root: Mapping[str, Any], rank: int, source: Any) -> di
     entries = raw.get("entries")
     if (entries is None) != (root.get("index") is None):
         raise bad("entries must be a list exactly when the manifest has an index")
-    files = root["files"] if listed is None else {**root["files"], **_own_files(raw, root, rank, source, bad)}
+    files = root["files"] if listed is None else ChainMap(_own_files(raw, root, rank, source, bad), root["files"])
     check_entries(entries or [], files, own, bad)
     chunks = raw.get("chunks")
     if not isinstance(chunks, dict) or not all(k in own for k in chunks):
@@ -157,10 +158,11 @@ def _own_files(
         if own_file_rank(name) != rank or name in root["files"]:
             raise bad(f"files may only list this rank's own data and chunk files (__{rank}_<n>.distcp), not {name!r}")
     count, nbytes = root["rank_files"][rank]
-    if len(files) != count or sum(r["size"] for r in files.values()) != nbytes:
+    total = sum(r["size"] for r in files.values())
+    if (len(files), total) != (count, nbytes):
         raise CheckpointIntegrityError(
-            f"manifest shard lists {len(files)} files of {sum(r['size'] for r in files.values())} bytes, the manifest "
-            f"says {count} of {nbytes}: damaged or altered",
+            f"manifest shard lists {len(files)} files of {total} bytes, the manifest says {count} of {nbytes}: "
+            "damaged or altered",
             path=source,
         )
     return files

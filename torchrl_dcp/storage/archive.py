@@ -234,7 +234,7 @@ class ArchiveContainer(ManifestParts):
             self._manifest = manifest
             try:  # every member accounted for (those of ranks' own files by their shards' counts, format 7)
                 check_listing(
-                    ((n, m.size) for n, m in self.members.items() if n != MANIFEST and n not in manifest["files"]),
+                    ((n, m.size) for n, m in self.members.items()),
                     self,
                     lambda name: f"{self.path}::{name}",
                     "member",

@@ -186,8 +186,8 @@ class ManifestParts:
 def check_listing(
     listing: Iterable[tuple[str, int | None]], parts: ManifestParts, where: Callable[[str], Any], what: str = "file"
 ) -> None:
-    """Everything in a checkpoint is accounted for: ``listing`` (``(name, size)`` of everything in it but the
-    manifest; size ``None``: not a regular file) holds only files :meth:`ManifestParts.listed` lists (their sizes
+    """Everything in a checkpoint is accounted for: ``listing`` (``(name, size)`` of what is in it; size ``None``: not
+    a regular file) holds besides the manifest only files :meth:`ManifestParts.listed` lists (their sizes
     are compared by the caller) and, for each rank whose shard was not read (format 7), exactly as many of its own
     data and chunk files, of as many bytes, as the root's ``rank_files`` says. ``where(name)`` names a file in
     errors; ``what``: what the container holds ("file", "member", "object").
@@ -196,14 +196,14 @@ def check_listing(
         CheckpointIntegrityError: an unlisted file, or a rank's own files added, missing or resized.
     """
     from torchrl_dcp.errors import CheckpointIntegrityError
-    from torchrl_dcp.format.layout import own_file_rank, shard_name
+    from torchrl_dcp.format.layout import MANIFEST, own_file_rank, shard_name
 
     root, listed, read = parts.root(), parts.listed(), parts.shards_read()
     counted = root.get("rank_files")
     found: dict[int, list[int]] = {}
     names: dict[int, list[str]] = {}
     for name, size in listing:
-        if name in listed:
+        if name == MANIFEST or name in listed:
             continue
         r = own_file_rank(name)
         if counted is None or r is None or r >= len(counted) or r in read:

@@ -138,10 +138,10 @@ class DirectoryContainer(ManifestParts):
         check_listing(self._listing(files), self, lambda name: self.path / name)
 
     def _listing(self, files: Mapping[str, Any]) -> Iterator[tuple[str, int | None]]:
-        """``(name, size)`` of what is here besides the manifest and the listed files (sized already); the size is
-        ``None`` for anything but a regular file."""
+        """``(name, size)`` of what is here but the listed files (sized already); the size is ``None`` for anything but
+        a regular file."""
         for entry in os.scandir(self.path):
-            if entry.name != MANIFEST and entry.name not in files:
+            if entry.name not in files:
                 regular = entry.is_file(follow_symlinks=False)
                 yield entry.name, entry.stat(follow_symlinks=False).st_size if regular else None
 

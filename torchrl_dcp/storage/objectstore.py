@@ -367,11 +367,7 @@ class ObjectStoreContainer(ManifestParts):
                     )
             if only is None:
                 check_listing(
-                    (
-                        (n, int(i.get("size") or 0) if i.get("type") == "file" else None)
-                        for n, i in found.items()
-                        if n != MANIFEST and n not in files
-                    ),
+                    ((n, int(i.get("size") or 0) if i.get("type") == "file" else None) for n, i in found.items()),
                     self,
                     lambda name: self.path / name,
                     "object",
