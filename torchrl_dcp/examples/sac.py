@@ -182,8 +182,10 @@ class Job:
             total_frames=-1,
             auto_register_policy_transforms=False,
         )
+        # the replay shard stays in host memory (torchrl's PyPI wheels build the sum trees for the CPU only:
+        # a prioritized buffer on CUDA needs a CUDA build of torchrl); each sampled batch goes to `device`
         self.buffer = TensorDictPrioritizedReplayBuffer(
-            alpha=0.7, beta=0.5, storage=LazyTensorStorage(args.buffer_size, device=device), batch_size=args.batch_size
+            alpha=0.7, beta=0.5, storage=LazyTensorStorage(args.buffer_size, device="cpu"), batch_size=args.batch_size
         )
         self.counters = {"iteration": 0, "frames": 0, "updates": 0}
         self.config = training_config(args, world)  # replicated: what a resume must not change silently
@@ -223,7 +225,7 @@ class Job:
         return loss_value
 
     def update(self) -> float:
-        sample = self.buffer.sample()
+        sample = self.buffer.sample().to(self.device)  # the priorities go back to the host trees below
         losses = self.loss(sample)
         total = losses["loss_actor"] + losses["loss_qvalue"] + losses["loss_alpha"]
         self.optimizer.zero_grad()
