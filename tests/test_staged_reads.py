@@ -88,7 +88,7 @@ class Spy:
 
         monkeypatch.setattr(objectstore_read, "copy_into", into)
         monkeypatch.setattr(reader_mod, "read_staged", read)
-        monkeypatch.setattr(reader_mod, "copy_record", copy)
+        monkeypatch.setattr(staging, "copy_record", copy)
         monkeypatch.setattr(staging, "host_window", window)
         monkeypatch.setattr(InPlaceFileSystemReader, "fallback", fallback)
 
@@ -205,10 +205,48 @@ def test_object_store_loads_are_staged_too(
     assert max(spy.windows, default=0) <= PIECE
 
 
+@pytest.mark.parametrize("kind", ["dict", "module"])
+def test_small_records_of_a_batch_are_copied_to_the_device_together(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Many small tensors (a many-parameter model): one batch read, its records copied from one staged copy of the
+    batch (``copy_batch``), each at its own offset, bit for bit; mixed dtypes and sizes, an empty tensor among them."""
+    g = torch.Generator().manual_seed(5)
+    saved = {f"p{i}": _tensor(DTYPES[i % len(DTYPES)], 40 + 37 * i, i) for i in range(60)}
+    saved["empty"] = torch.zeros(0)
+    obj: Any = {k: v.clone() for k, v in saved.items()}
+    if kind == "module":
+        obj = torch.nn.Module()
+        for k, v in saved.items():
+            obj.register_buffer(k, v.clone())
+    path = tdcp.DistributedCheckpoint(state=obj).save(tmp_path / "ck")
+    live: Any = {k: torch.randint(0, 9, v.shape, generator=g).to(v.dtype) for k, v in saved.items()}
+    if kind == "module":
+        module = torch.nn.Module()
+        for k, v in live.items():
+            module.register_buffer(k, v)
+        live = module
+    spy = Spy(monkeypatch)
+    batches: list[int] = []
+    real_batch = staging.copy_batch
+
+    def batch(copies: Any, *a: Any, **k: Any) -> Any:
+        batches.append(len(copies))
+        return real_batch(copies, *a, **k)
+
+    monkeypatch.setattr(reader_mod, "copy_batch", batch)
+    tdcp.DistributedCheckpoint(state=live).load(path)
+    got = dict(live.named_buffers()) if kind == "module" else live
+    for k, v in saved.items():
+        assert _bits(got[k]) == _bits(v), k
+    assert spy.fallbacks == [] and sum(batches) == spy.small == 60 and max(batches) > 1
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_destinations_are_read_through_page_locked_windows(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(0)
     saved = {"big": torch.randn(3 << 20, generator=g), "small": torch.randn(7, generator=g)}
+    saved.update({f"p{i}": torch.randn(1 + i, generator=g).to(DTYPES[i % 4]) for i in range(300)})  # one batch
     module = torch.nn.Module()
     for k, v in saved.items():
         module.register_buffer(k, v.clone())

@@ -80,7 +80,7 @@ from torchrl_dcp.storage.readitems import (  # noqa: F401 - RangeFile and the co
     whole_record_device,
     whole_record_view,
 )
-from torchrl_dcp.storage.staging import copy_record, read_staged
+from torchrl_dcp.storage.staging import copy_batch, host_window, read_staged
 
 
 class InPlaceFileSystemReader(SafeFileSystemReader):
@@ -357,6 +357,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
             pieces.append((start, end - start, crc32(view)))
         base = ctypes.addressof(ctypes.c_char.from_buffer(view)) if len(view) else 0
         copied = 0
+        to_device: list[tuple[torch.Tensor, int, RecordRead]] = []  # (destination's bytes, offset in the batch, item)
         for item in items[i:j]:
             rel = item.offset - start
             small = item.small
@@ -364,11 +365,34 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
                 ctypes.memmove(item.target.data_ptr(), base + rel + small.data_at, small.nbytes)  # type: ignore[union-attr]
                 copied += 1
                 continue
-            self._place_small(item, view[rel : rel + item.length], planner, base + rel)
+            self._place_small(item, view[rel : rel + item.length], planner, base + rel, to_device, rel)
+        if to_device:
+            copy_batch([(dest, at) for dest, at, _ in to_device], view, self._device_window)
+            for _, _, item in to_device:  # DCP's planner takes a tensor once its bytes are there
+                if not item.planned:
+                    planner.commit_tensor(item.req, item.target)
         self._count("in_place", copied)
         return end, j
 
-    def _place_small(self, item: RecordRead, record: memoryview, planner: LoadPlanner, address: int) -> None:
+    def _device_window(self, size: int, device: torch.device) -> torch.Tensor:
+        """This thread's page-locked buffer for a batch bound for ``device`` (kept for the whole load, as the scratch)."""
+        held = getattr(self._local, "device_window", None)
+        if held is None or held.numel() < size:
+            held = self._local.device_window = host_window(max(size, GAP_PIECE), device)
+        return held
+
+    def _place_small(
+        self,
+        item: RecordRead,
+        record: memoryview,
+        planner: LoadPlanner,
+        address: int,
+        to_device: list[tuple[torch.Tensor, int, RecordRead]],
+        rel: int,
+    ) -> None:
+        """Place one small record of a batch (``record``, at ``rel`` in it); a copy to a device is queued on
+        ``to_device`` (made by :func:`~torchrl_dcp.storage.staging.copy_batch` once the batch is placed, then
+        committed)."""
         if item.small is not None and item.target is not None:  # direct reads, another layout: copy by address
             shape, dtype = tuple(item.target.shape), item.target.dtype
             at = record_data_offset(lambda o, n: record[o : o + n], record, item.length, dtype, shape)
@@ -380,12 +404,12 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
             shape, dtype = tuple(item.target.shape), item.target.dtype
             at = record_data_offset(lambda o, n: record[o : o + n], record, item.length, dtype, shape)
             if at is not None:
-                if item.view is not None:
-                    item.view[:] = record[at : at + len(item.view)]
-                else:
-                    copy_record(cast(torch.Tensor, item.device), record, at)
-                    self._count("staged")
                 self._count("in_place")
+                if item.view is None:
+                    to_device.append((cast(torch.Tensor, item.device), rel + at, item))
+                    self._count("staged")
+                    return
+                item.view[:] = record[at : at + len(item.view)]
                 if not item.planned:
                     planner.commit_tensor(item.req, item.target)
                 return

@@ -9,8 +9,11 @@ on CUDA, so the copy runs at the bus's speed), checksummed, and copied into the
 destination's bytes (a flat ``uint8`` view of it) before the window is reused: host
 memory stays at one window per thread whatever the tensor's size. Copies are
 synchronous, so a window is never overwritten while a copy reads it. Small records
-(batched reads) are copied to the device from the batch buffer directly; an object
-store's responses through a window (:func:`copy_into`).
+(batched reads) bound for CUDA are copied together (:func:`copy_batch`): the batch once
+into a page-locked buffer, one asynchronous copy per record, one wait for the stream
+before the buffer is reused (a copy from pageable memory waits for itself: on an H200,
+5,000 records of 1 KiB took 70 µs each that way). An object store's responses go
+through a window (:func:`copy_into`).
 
 Example:
     >>> import torch
@@ -76,9 +79,39 @@ def read_staged(
     return [p for r in results for p in r]
 
 
-def copy_record(dest: torch.Tensor, record: Any, at: int) -> None:
-    """Copy ``dest.numel()`` bytes at ``at`` of ``record`` (a writable bytes-like batch buffer) into ``dest``."""
-    dest.copy_(torch.frombuffer(record, dtype=torch.uint8, count=dest.numel(), offset=at))
+def copy_record(dest: torch.Tensor, record: Any, at: int, non_blocking: bool = False) -> None:
+    """Copy ``dest.numel()`` bytes at ``at`` of ``record`` (a writable bytes-like batch buffer, or a flat ``uint8``
+    tensor) into ``dest``; ``non_blocking`` only from page-locked memory the caller waits for."""
+    if isinstance(record, torch.Tensor):
+        dest.copy_(record[at : at + dest.numel()], non_blocking=non_blocking)
+    else:
+        dest.copy_(torch.frombuffer(record, dtype=torch.uint8, count=dest.numel(), offset=at))
+
+
+def copy_batch(
+    copies: list[tuple[torch.Tensor, int]], batch: memoryview, window: Callable[[int, torch.device], torch.Tensor]
+) -> None:
+    """Copy the small records of one batch read (``(dest, offset in batch)``, ``dest`` flat ``uint8``) into their
+    device tensors, all copied when it returns.
+
+    ``batch`` is copied once into ``window(size, device)`` (the caller's buffer, page-locked for CUDA) and each record
+    from there; with every destination on CUDA and the window page-locked, those copies are asynchronous and the
+    streams are waited for once, before the window can be reused.
+    """
+    if len(copies) == 1:
+        dest, at = copies[0]
+        copy_record(dest, batch, at)
+        return
+    devices = {dest.device for dest, _ in copies}
+    cuda = all(d.type == "cuda" for d in devices)
+    staged = window(len(batch), next(iter(devices)) if cuda else torch.device("cpu"))
+    staged[: len(batch)].copy_(torch.frombuffer(batch, dtype=torch.uint8))
+    asynchronous = cuda and staged.is_pinned()
+    for dest, at in copies:
+        copy_record(dest, staged, at, non_blocking=asynchronous)
+    if asynchronous:
+        for device in devices:
+            torch.cuda.current_stream(device).synchronize()  # the window is reused for the next batch
 
 
 def copy_into(dest: torch.Tensor, data: Any) -> None:
