@@ -37,12 +37,13 @@ import torch
 
 from torchrl_dcp.errors import EncodingError
 from torchrl_dcp.format.checksums import crc32
-from torchrl_dcp.format.record import byte_view
+from torchrl_dcp.format.record import byte_view, host_bytes
 
 ReplicaCheck = Literal["sample", "full", "off"]
 REPLICA_CHECKS: tuple[str, ...] = get_args(ReplicaCheck)
 SLICE = 1 << 10
 SLICES = 64
+WHOLE_ON_HOST = 1 << 20  # "full": device tensors below this are copied to the host together
 
 
 def check_mode(mode: str) -> ReplicaCheck:
@@ -61,14 +62,15 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
     return byte_view(t)
 
 
-def fingerprint(t: torch.Tensor, mode: ReplicaCheck) -> str:
-    """A short fingerprint of a tensor's dtype, shape and bytes (all of them, or evenly spaced slices)."""
+def fingerprint(t: torch.Tensor, mode: ReplicaCheck, data: Any = None) -> str:
+    """A short fingerprint of a tensor's dtype, shape and bytes (all of them, or evenly spaced slices); ``data``:
+    its bytes in host memory when the caller has them (:func:`~torchrl_dcp.format.record.host_bytes`)."""
     head = f"{t.dtype}:{tuple(t.shape)}:"
     n = t.numel() * t.element_size()
     if n == 0:
         return head
     if mode == "full" or n <= SLICES * SLICE:
-        return head + f"{crc32(_host_bytes(t)):08x}"
+        return head + f"{crc32(_host_bytes(t) if data is None else data):08x}"
     flat = _byte_view(t)
     step = (n - SLICE) // (SLICES - 1)
     data = torch.cat([flat[i * step : i * step + SLICE] for i in range(SLICES)])
@@ -104,7 +106,14 @@ def digest(
         if rec.placement != "replicated" or mode == "off":
             continue
         state = json.dumps(_without_devices(rec.state), sort_keys=True, separators=(",", ":")).encode()
-        out[name] = (f"{crc32(state):08x}", {key: fingerprint(flat[key], mode) for key in rec.inventory})
+        keys = list(rec.inventory)
+        tensors = [flat[key] for key in keys]
+        # the bytes hashed whole, of small tensors on a device, copied to the host together (not one copy each)
+        on_host = host_bytes(tensors, SLICES * SLICE + 1 if mode == "sample" else WHOLE_ON_HOST)
+        out[name] = (
+            f"{crc32(state):08x}",
+            {key: fingerprint(t, mode, on_host.get(i)) for i, (key, t) in enumerate(zip(keys, tensors))},
+        )
     return out
 
 

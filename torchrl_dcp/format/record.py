@@ -29,6 +29,7 @@ import pickle
 import struct
 import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -201,19 +202,57 @@ def is_plain_tensor(obj: Any) -> bool:
     )
 
 
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The bytes of ``tensor`` as a flat memoryview, without a copy when it is contiguous on CPU."""
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a plain, contiguous tensor with its conjugate and negative bits resolved, where it is."""
     t = tensor.detach()
     if isinstance(t, torch.nn.Parameter) or type(t) is not torch.Tensor:
         t = t.as_subclass(torch.Tensor)
+    t = t.resolve_conj().resolve_neg()
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of ``tensor`` as a flat memoryview, without a copy when it is contiguous on CPU."""
+    t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.resolve_conj().resolve_neg()
-    if not t.is_contiguous():
-        t = t.contiguous()
+    t = _plain(t)
     if t.numel() == 0:
         return memoryview(b"")
     return memoryview(byte_view(t).numpy())
+
+
+def on_device(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s bytes must be copied to host memory to be written (CUDA and other devices)."""
+    return tensor.device.type not in ("cpu", "meta")
+
+
+def host_bytes(tensors: Sequence[torch.Tensor], small: int) -> dict[int, memoryview]:
+    """The bytes of the device tensors of ``tensors`` smaller than ``small`` bytes, copied to host memory together.
+
+    A device→host copy of each waits for itself (tens of µs each: a 5,000-tensor model spends a third of a second);
+    here the small tensors of each device are gathered on it (one ``torch.cat`` of their bytes) and copied once.
+    Returns ``{position in tensors: bytes}`` (devices with one small tensor are left to :func:`tensor_bytes`).
+
+    Example:
+        >>> host_bytes([torch.ones(2)], 1 << 20)  # on the CPU: nothing to copy
+        {}
+    """
+    groups: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if on_device(t) and 0 < t.numel() * t.element_size() < small:
+            groups.setdefault(t.device, []).append(i)
+    out: dict[int, memoryview] = {}
+    for positions in groups.values():
+        if len(positions) < 2:
+            continue
+        parts = [byte_view(_plain(tensors[i])) for i in positions]
+        flat = memoryview(torch.cat(parts).cpu().numpy())
+        at = 0
+        for i, part in zip(positions, parts):
+            out[i] = flat[at : at + part.numel()]
+            at += part.numel()
+    return out
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:

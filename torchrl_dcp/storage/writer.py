@@ -55,7 +55,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from torchrl_dcp.format.checksums import crc32, crc32_combine, format_crc
 from torchrl_dcp.format.layout import DCP_METADATA, data_file_name, identity_trailer
-from torchrl_dcp.format.record import Template, template, tensor_bytes
+from torchrl_dcp.format.record import Template, host_bytes, template, tensor_bytes
 from torchrl_dcp.storage.base import ChunkEntry, WriteOutcome
 from torchrl_dcp.storage.copying import default_threads, pwrite_all, run_split
 from torchrl_dcp.storage.files import DirHandle
@@ -96,8 +96,11 @@ def plan_layout(tensors: list[tuple[str, torch.Tensor]], trailer: bytes) -> File
             pending = bytearray()
         pending_at = out.size
 
-    for key, tensor in tensors:
-        data = tensor_bytes(tensor)
+    on_host = host_bytes([t for _, t in tensors], SMALL)  # small device tensors: one copy to the host for all
+    for i, (key, tensor) in enumerate(tensors):
+        data = on_host.get(i)
+        if data is None:
+            data = tensor_bytes(tensor)
         tpl = template(tensor.dtype, tuple(tensor.shape))
         out.entries.append((key, out.size, tpl.length))
         if tpl.nbytes < SMALL:  # packed with its neighbours into ~1 MiB writes

@@ -1,0 +1,112 @@
+"""Writes of tensors off the CPU: the small ones of a device are brought to host memory together.
+
+No GPU here: the device path is forced for CPU tensors (``record.on_device`` patched to say yes), which runs every
+line of it (the gather of their bytes, one copy, the split). Each save must load back bit for bit, through our
+loader and through a plain ``dcp.load`` of the files, with every small tensor taken from the gathered copy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import torchrl_dcp as tdcp
+from torchrl_dcp import replicas
+from torchrl_dcp.format import record
+from torchrl_dcp.storage import writer
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    flat = t.resolve_conj().resolve_neg().reshape(-1).clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    out: dict[str, torch.Tensor] = {}
+    for i, dtype in enumerate([torch.float32, torch.bfloat16, torch.int8, torch.bool, torch.float64, torch.int64]):
+        out[f"t{i}"] = torch.randint(0, 100, (7 + i, 3), generator=g).to(dtype)
+    out["transposed"] = torch.randn(5, 4, generator=g).t()  # not contiguous
+    out["conj"] = torch.randn(6, dtype=torch.complex64, generator=g).conj()  # a conjugate bit to resolve
+    out["scalar"] = torch.tensor(2.5)
+    out["expanded"] = torch.tensor(3.0).expand(1)  # stride 0
+    out["empty"] = torch.zeros(0, 4)
+    out["large"] = torch.randn((2 << 20) // 4, generator=g)  # 2 MiB: written on its own
+    return out
+
+
+@pytest.mark.parametrize("kind", ["dict", "module"])
+def test_small_device_tensors_are_copied_to_the_host_together(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    saved = _state()
+    obj: Any = {k: v.clone() for k, v in saved.items()}
+    if kind == "module":
+        obj = torch.nn.Module()
+        for k, v in saved.items():
+            obj.register_buffer(k, v.clone())
+    gathered: list[int] = []
+    real = record.host_bytes
+
+    def spy(tensors: Any, small: int) -> Any:
+        out = real(tensors, small)
+        gathered.append(len(out))
+        return out
+
+    monkeypatch.setattr(record, "on_device", lambda t: True)
+    monkeypatch.setattr(writer, "host_bytes", spy)
+    path = tdcp.DistributedCheckpoint(state=obj).save(tmp_path / "ck")
+    monkeypatch.undo()
+    assert sum(gathered) == len(saved) - 2  # every tensor but the empty one and the large one
+
+    live: Any = {k: torch.zeros_like(v) for k, v in saved.items()}
+    if kind == "module":
+        live = torch.nn.Module()
+        for k, v in saved.items():
+            live.register_buffer(k, torch.zeros_like(v))
+    tdcp.DistributedCheckpoint(state=live).load(path)
+    got = dict(live.named_buffers()) if kind == "module" else live
+    prefix = "replicated/state/"
+    plain = {f"{prefix}{k}": torch.zeros_like(v) for k, v in saved.items()}
+    dcp.load(plain, checkpoint_id=path, no_dist=True)
+    for k, v in saved.items():
+        assert _bits(got[k]) == _bits(v), k
+        assert _bits(plain[f"{prefix}{k}"]) == _bits(v), k
+
+
+def test_one_small_tensor_of_a_device_is_copied_on_its_own() -> None:
+    assert record.host_bytes([torch.ones(3)], 1 << 20) == {}  # on the CPU: written from where it is
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(record, "on_device", lambda t: True)
+        assert record.host_bytes([torch.ones(3), torch.ones(1 << 20)], 1 << 20) == {}  # one small, one large
+        both = record.host_bytes([torch.ones(3), torch.arange(2, dtype=torch.int8)], 1 << 20)
+    assert [bytes(both[0]), bytes(both[1])] == [_bits(torch.ones(3)), b"\x00\x01"]
+
+
+@pytest.mark.parametrize("mode", ["sample", "full"])
+def test_replica_digests_of_small_device_tensors_are_the_same_gathered(
+    monkeypatch: pytest.MonkeyPatch, mode: replicas.ReplicaCheck
+) -> None:
+    """Every rank fingerprints its replicated tensors; small ones on a device are copied to the host together,
+    with the same fingerprints as one copy each (ranks on other devices must agree)."""
+    flat = {f"replicated/state/{k}": v for k, v in _state().items()}
+    flat["replicated/state/mid"] = torch.arange(50_000, dtype=torch.int32)  # sampled in "sample", whole in "full"
+    rec = SimpleNamespace(placement="replicated", state={"t": "dict"}, inventory=dict.fromkeys(flat))
+    alone = replicas.digest({"state": rec}, flat, {"state": mode})
+    gathered: list[int] = []
+    real = replicas.host_bytes
+
+    def spy(tensors: Any, small: int) -> Any:
+        out = real(tensors, small)
+        gathered.append(len(out))
+        return out
+
+    monkeypatch.setattr(record, "on_device", lambda t: True)
+    monkeypatch.setattr(replicas, "host_bytes", spy)
+    assert replicas.digest({"state": rec}, flat, {"state": mode}) == alone
+    assert gathered == [len(flat) - 2 - (mode == "sample")]  # not the empty one, the large one, "mid" when sampled
