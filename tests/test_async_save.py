@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import io
+import os
+import sys
 import threading
 import zipfile
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -229,6 +232,37 @@ def test_the_background_write_leaves_the_training_threads_their_cpus(
     finally:
         torch.set_num_threads(threads)
     assert used == [4, 2, 1, 4, 3]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own niceness is Linux's")
+def test_the_background_write_runs_at_the_niceness_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``TDCP_ASYNC_NICE``: the background thread and the write threads it starts run that nice; the caller (the
+    training loop) keeps its priority; 0 (the default) changes nothing; a value out of range fails the call."""
+    seen: list[tuple[int, bool]] = []
+    original = W.write_file
+
+    def spy(*a: Any, **k: Any) -> Any:
+        def record(part: Any) -> None:  # a write thread of the file, started by the background thread
+            seen.append((os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), True))
+
+        seen.append((os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), False))
+        W.run_split([0, 1], [1, 1], 2, record)
+        return original(*a, **k)
+
+    monkeypatch.setattr(W, "write_file", spy)
+    caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    ckpt = tdcp.DistributedCheckpoint(model=torch.nn.Linear(4, 4))
+    ckpt.async_save(tmp_path / "default").wait()
+    assert {nice for nice, _ in seen} == {caller}
+    seen.clear()
+    monkeypatch.setenv("TDCP_ASYNC_NICE", str(min(19, caller + 7)))
+    ckpt.async_save(tmp_path / "nice").wait()
+    assert {nice for nice, _ in seen} == {min(19, caller + 7)} and any(worker for _, worker in seen)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller
+    monkeypatch.setenv("TDCP_ASYNC_NICE", "20")
+    with pytest.raises(ValueError, match="TDCP_ASYNC_NICE=20 is out of range"):
+        ckpt.async_save(tmp_path / "bad")
+    ckpt.close()
 
 
 def test_staging_buffers_are_reused_across_saves(tmp_path: Path) -> None:

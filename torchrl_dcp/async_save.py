@@ -10,7 +10,7 @@ same order on every rank. One save is in flight at a time: the next ``save``,
 raised (as a :class:`CheckpointError`, on every rank) by ``handle.wait()`` or by that
 next call, never swallowed. The background thread writes with the CPUs the training loop
 leaves free: this rank's share of the node's CPUs less torch's intra-op threads, at least
-one (``TDCP_WRITE_THREADS`` overrides it).
+one (``TDCP_WRITE_THREADS`` overrides it); ``TDCP_ASYNC_NICE`` lowers its priority.
 
 Tensors backed by a memory-mapped file (``LazyMemmapStorage`` replay buffers) are
 written from the file in place, without a staging copy, unless
@@ -39,7 +39,8 @@ import torch
 
 from torchrl_dcp.errors import CheckpointError
 from torchrl_dcp.format.record import can_write_fast
-from torchrl_dcp.storage.copying import leaving_cpus
+from torchrl_dcp.settings import setting
+from torchrl_dcp.storage.copying import leaving_cpus, yield_cpus
 
 
 class SaveHandle:
@@ -177,8 +178,10 @@ class AsyncSaver:
             self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tdcp-async-save")
 
         training_threads = torch.get_num_threads()  # the loop's intra-op threads keep their CPUs (storage/copying.py)
+        nice = setting("TDCP_ASYNC_NICE")  # read here: a bad value fails the call, not the background save
 
         def task() -> Path:
+            yield_cpus(nice)
             if event is not None:
                 event.synchronize()
             with leaving_cpus(training_threads):

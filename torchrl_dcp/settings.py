@@ -60,6 +60,9 @@ SETTINGS: dict[str, Setting] = {
         Setting("TDCP_WRITE_THREADS", "int", None, "write/copy threads per rank (default: up to 4, this rank's share "
                 "of the node's CPUs; an async save's background writes leave torch's intra-op threads their CPUs)",
                 minimum=1),
+        Setting("TDCP_ASYNC_NICE", "int", 0, "niceness of an async save's background writes (Linux, per thread; "
+                "10: a loop training on every CPU barely slowed, the save several times longer)", minimum=0,
+                maximum=19),
         Setting("TDCP_READ_THREADS", "int", None, "reader threads per rank (default: this rank's share of the "
                 "node's CPUs, at most 2, plus one)", minimum=1),
         Setting("TDCP_READ_AHEAD", "int", 32 * MIB, "bytes of the next data files announced to the kernel ahead "

@@ -22,7 +22,9 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -33,6 +35,7 @@ from torchrl_dcp.format.checksums import crc32, crc32_combine
 from torchrl_dcp.settings import setting
 from torchrl_dcp.storage.writeback import Writeback
 
+logger = logging.getLogger(__name__)
 BUFFER = 4 << 20
 T = TypeVar("T")
 MIN_PIECE = 1 << 20
@@ -76,6 +79,26 @@ def leaving_cpus(n: int) -> Iterator[None]:
         yield
     finally:
         _LEFT_FREE.n = before
+
+
+def yield_cpus(nice: int) -> None:
+    """Raise the calling thread's niceness to ``nice`` (and of the threads it starts later): an async save's
+    background thread, so that a training loop on every CPU is slowed less while the save takes longer.
+
+    Linux only (there a thread's priority is its own; elsewhere it would be the whole process's): nothing elsewhere,
+    for ``nice`` 0, or when the thread is already that nice (lowering it back needs privileges: kept).
+
+    Example:
+        >>> yield_cpus(0)  # the default: unchanged
+    """
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except OSError as err:  # a sandbox that refuses it: the save runs at the normal priority
+        logger.warning("could not lower the async save's priority to nice %d: %s", nice, err)
 
 
 def _threads(variable: str, cap: int) -> int:
