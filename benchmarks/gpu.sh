@@ -15,7 +15,7 @@ if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)
 nvidia-smi --query-gpu=name,memory.total --format=csv 2>/dev/null | tee "$OUT_DIR/gpu.txt" || true
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ "$DEVICE" = cuda ]; then  # loads into CUDA tensors (page-locked host windows) checked before they are timed
-  timeout 120 python -m pytest -q -p no:cacheprovider tests/test_staged_reads.py -k cuda 2>&1 | tee "$OUT_DIR/cuda-tests.txt" || true
+  timeout 120 python -m pytest -q -p no:cacheprovider tests/test_staged_reads.py tests/test_staged_writes.py -k cuda 2>&1 | tee "$OUT_DIR/cuda-tests.txt" || true
 fi
 [ "${BENCH:-1}" = 1 ] && timeout "${RUN_TIMEOUT:-330}" python -m benchmarks.run --device "$DEVICE" --ranks "${RANKS:-1,2}" \
   --only "${ONLY:-large,medium,small,rb_mujoco}" --reps "${REPS:-2}" --out "$OUT_DIR" --timeout "$(( ${RUN_TIMEOUT:-330} - 30 ))" \

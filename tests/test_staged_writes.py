@@ -1,4 +1,5 @@
-"""Writes of tensors off the CPU: the small ones of a device are brought to host memory together.
+"""Writes of tensors off the CPU: the small ones of a device are brought to host memory together (writes, replica
+fingerprints, async staging).
 
 No GPU here: the device path is forced for CPU tensors (``record.on_device`` patched to say yes), which runs every
 line of it (the gather of their bytes, one copy, the split). Each save must load back bit for bit, through our
@@ -16,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import torchrl_dcp as tdcp
-from torchrl_dcp import replicas
+from torchrl_dcp import async_save, replicas
 from torchrl_dcp.format import record
 from torchrl_dcp.storage import writer
 
@@ -110,3 +111,78 @@ def test_replica_digests_of_small_device_tensors_are_the_same_gathered(
     monkeypatch.setattr(replicas, "host_bytes", spy)
     assert replicas.digest({"state": rec}, flat, {"state": mode}) == alone
     assert gathered == [len(flat) - 2 - (mode == "sample")]  # not the empty one, the large one, "mid" when sampled
+
+
+def test_async_staging_gathers_small_device_tensors_into_one_buffer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An async save stages the small tensors of a device together (one gather, one copy into a reused host buffer,
+    a view each at an aligned offset); forced for CPU tensors here. The checkpoint holds the state at the call,
+    bit for bit, as a sync save does; the buffer is reused by the next save."""
+    saved = {k: v for k, v in _state().items() if k != "large"}
+    obj = torch.nn.Module()
+    for k, v in saved.items():
+        obj.register_buffer(k, v.clone())
+
+    def forced(t: torch.Tensor) -> bool:
+        return 0 < t.numel() * t.element_size() < (1 << 16) and record.can_write_fast(t)
+
+    monkeypatch.setattr(async_save, "staged_together", forced)
+    gathered: list[dict[str, torch.Tensor]] = []
+    real = async_save.AsyncSaver._stage_together
+
+    def spy(self: Any, tensors: Any, stream: Any) -> Any:
+        out = real(self, tensors, stream)
+        gathered.append(out)
+        return out
+
+    monkeypatch.setattr(async_save.AsyncSaver, "_stage_together", spy)
+    ckpt = tdcp.DistributedCheckpoint(state=obj)
+    handle = ckpt.async_save(tmp_path / "a")
+    for v in obj.buffers():
+        v.zero_() if v.dtype != torch.bool else v.fill_(False)  # after the call: not in the checkpoint
+    handle.wait()
+    ckpt.async_save(tmp_path / "b").wait()
+    ckpt.close()
+    assert len(gathered) == 2 and len(gathered[0]) == len(saved) - 1  # every tensor but the empty one
+    first = gathered[0]
+    storages = {t.untyped_storage().data_ptr() for t in first.values()}
+    assert len(storages) == 1 and all(
+        t.storage_offset() * t.element_size() % async_save.ALIGN == 0 for t in first.values()
+    )
+    assert {t.untyped_storage().data_ptr() for t in gathered[1].values()} == storages  # reused
+    for k, t in first.items():
+        assert t.dtype == saved[k.split("/")[-1]].dtype and t.shape == saved[k.split("/")[-1]].shape, k
+    live = torch.nn.Module()
+    for k, v in saved.items():
+        live.register_buffer(k, torch.ones_like(v))
+    tdcp.DistributedCheckpoint(state=live).load(tmp_path / "a")
+    for k, v in saved.items():
+        assert _bits(getattr(live, k)) == _bits(v), k
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_saved_sync_and_async_load_bit_exact(tmp_path: Path) -> None:
+    """On a GPU (``benchmarks/gpu.sh`` runs it): many small CUDA tensors and a large one, saved, async-saved (the
+    live tensors changed right after the call, on the current stream) and replica-fingerprinted, load bit for bit."""
+    g = torch.Generator().manual_seed(2)
+    dtypes = [torch.float32, torch.bfloat16, torch.int8, torch.bool, torch.complex64]
+    saved = {f"p{i}": torch.randint(0, 2, (1 + i % 17, 3), generator=g).to(dtypes[i % 5]) for i in range(300)}
+    saved["large"] = torch.randn(1 << 20, generator=g)
+    module = torch.nn.Module()
+    for k, v in saved.items():
+        module.register_buffer(k, v.cuda())
+    ckpt = tdcp.DistributedCheckpoint(policy=module)
+    ckpt.save(tmp_path / "sync")
+    handle = ckpt.async_save(tmp_path / "async")
+    for v in module.buffers():
+        v.bitwise_not_() if v.dtype in (torch.bool, torch.int8) else v.mul_(2)
+    handle.wait()
+    ckpt.close()
+    for name in ("sync", "async"):
+        live = torch.nn.Module()
+        for k, v in saved.items():
+            live.register_buffer(k, torch.zeros_like(v))
+        tdcp.DistributedCheckpoint(policy=live).load(tmp_path / name)
+        for k, v in saved.items():
+            assert _bits(getattr(live, k)) == _bits(v), (name, k)

@@ -30,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 
 from torchrl_dcp.errors import CheckpointError
-from torchrl_dcp.format.record import can_write_fast
+from torchrl_dcp.format.record import byte_view, can_write_fast, plain_tensor
 from torchrl_dcp.settings import setting
 from torchrl_dcp.storage.copying import leaving_cpus, yield_cpus
 
@@ -94,6 +95,19 @@ def is_file_backed(tensor: torch.Tensor) -> bool:
         return False
 
 
+ALIGN = 16  # offset of each tensor staged together: a multiple of every element size
+TOGETHER_BELOW = 1 << 16  # device tensors smaller than this (bytes) are staged together
+
+
+def staged_together(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is staged with the other small ones of its device (:meth:`AsyncSaver._stage_together`)."""
+    return (
+        tensor.device.type == "cuda"
+        and 0 < tensor.numel() * tensor.element_size() < TOGETHER_BELOW
+        and can_write_fast(tensor)
+    )
+
+
 class AsyncSaver:
     """Staging buffers, the side CUDA stream and the one background writer of a checkpoint.
 
@@ -103,6 +117,7 @@ class AsyncSaver:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._together: torch.Tensor | None = None  # small device tensors' staged bytes (_stage_together)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: SaveHandle | None = None
         self._stream: Any = None
@@ -144,7 +159,17 @@ class AsyncSaver:
                 self._stream = torch.cuda.Stream()
             stream = self._stream
             stream.wait_stream(torch.cuda.current_stream())
+        device = stream.device if stream is not None else torch.device("cpu")  # the side stream's (one device)
+        together = {
+            k: t for k, t in flat.items() if isinstance(t, torch.Tensor) and staged_together(t) and t.device == device
+        }
+        if len(together) > 1:
+            staged.update(self._stage_together(together, stream))
+        else:
+            together = {}
         for key, tensor in flat.items():
+            if key in together:
+                continue
             if not isinstance(tensor, torch.Tensor) or not can_write_fast(tensor):
                 staged[key] = tensor.detach().clone() if isinstance(tensor, torch.Tensor) else tensor
                 continue
@@ -172,6 +197,37 @@ class AsyncSaver:
             torch.cuda.current_stream().wait_stream(stream)
         return staged, event
 
+    def _stage_together(self, tensors: Mapping[str, torch.Tensor], stream: Any) -> dict[str, torch.Tensor]:
+        """Stage small device tensors together: their bytes gathered on the device (one ``torch.cat``, each at an
+        offset aligned to ``ALIGN``) and copied once into a reused host buffer, of which each staged tensor is a view.
+
+        A copy of each to the host costs tens of µs of launch and synchronisation (5,000 CUDA tensors blocked an
+        async save 0.29 s on an H200). On ``stream`` (after the current stream, as every staging copy), without a
+        stream synchronously (the CPU, in tests).
+        """
+        first = next(iter(tensors.values()))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            pad = torch.zeros(ALIGN, dtype=torch.uint8, device=first.device)
+            parts: list[torch.Tensor] = []
+            layout: list[tuple[str, int, torch.Tensor]] = []
+            at = 0
+            for key, tensor in tensors.items():
+                data = byte_view(plain_tensor(tensor))  # a contiguous copy, if one is needed, made on the stream
+                if at % ALIGN:
+                    parts.append(pad[: ALIGN - at % ALIGN])
+                    at += ALIGN - at % ALIGN
+                layout.append((key, at, tensor))
+                parts.append(data)
+                at += data.numel()
+            if self._together is None or self._together.numel() < at:
+                self._together = torch.empty(at, dtype=torch.uint8, pin_memory=stream is not None)
+            self._together[:at].copy_(torch.cat(parts), non_blocking=stream is not None)
+        if stream is not None:
+            for tensor in tensors.values():
+                tensor.record_stream(stream)
+        host = self._together
+        return {key: host[a : a + t.numel() * t.element_size()].view(t.dtype).reshape(t.shape) for key, a, t in layout}
+
     def submit(self, path: Path, step: int | None, run: Callable[[], Path], event: Any = None) -> SaveHandle:
         """Run ``run`` (write + commit) in the background thread after ``event``; one at a time."""
         if self._executor is None:
@@ -196,7 +252,7 @@ class AsyncSaver:
         try:
             self.wait_pending()
         finally:
-            self._buffers = {}
+            self._buffers, self._together = {}, None
 
     def shutdown(self) -> None:
         """Wait for the save in flight, then stop the background thread and drop the buffers (a later save restarts

@@ -202,7 +202,7 @@ def is_plain_tensor(obj: Any) -> bool:
     )
 
 
-def _plain(tensor: torch.Tensor) -> torch.Tensor:
+def plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` as a plain, contiguous tensor with its conjugate and negative bits resolved, where it is."""
     t = tensor.detach()
     if isinstance(t, torch.nn.Parameter) or type(t) is not torch.Tensor:
@@ -216,7 +216,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = _plain(t)
+    t = plain_tensor(t)
     if t.numel() == 0:
         return memoryview(b"")
     return memoryview(byte_view(t).numpy())
@@ -246,7 +246,7 @@ def host_bytes(tensors: Sequence[torch.Tensor], small: int) -> dict[int, memoryv
     for positions in groups.values():
         if len(positions) < 2:
             continue
-        parts = [byte_view(_plain(tensors[i])) for i in positions]
+        parts = [byte_view(plain_tensor(tensors[i])) for i in positions]
         flat = memoryview(torch.cat(parts).cpu().numpy())
         at = 0
         for i, part in zip(positions, parts):
