@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Benchmark suite on a CUDA machine, sized to finish in about 5 minutes on one GPU.
+# First the CUDA tests (loads into CUDA tensors, sync and async saves of many small ones); then
 # CUDA tensors (device->host staging included) for the model-like workloads; 1 rank (NCCL)
 # and 2 ranks sharing the GPU (gloo); replay buffers stay on the host as in training.
 # Writes benchmarks.md + <tag>.json under $OUT (or benchmarks/gpu-results/ without $OUT).
-# Then the main job (README) on CUDA/NCCL, one rank per GPU: train, checkpoint, resume. BENCH=0 / MAIN=0 skip
-# the benchmarks / the main job.
+# Then the main job (README) on CUDA/NCCL, one rank per GPU: trained, stopped, resumed, and compared with a run
+# that never stopped. BENCH=0 / MAIN=0 skip the benchmarks / the main job.
 # Falls back to CPU + gloo when no GPU is visible.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +15,7 @@ DEVICE=cpu
 if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then DEVICE=cuda; fi
 nvidia-smi --query-gpu=name,memory.total --format=csv 2>/dev/null | tee "$OUT_DIR/gpu.txt" || true
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if [ "$DEVICE" = cuda ]; then  # loads into CUDA tensors (page-locked host windows) checked before they are timed
+if [ "$DEVICE" = cuda ]; then  # CUDA loads and saves checked bit for bit before they are timed
   timeout 120 python -m pytest -q -p no:cacheprovider tests/test_staged_reads.py tests/test_staged_writes.py -k cuda 2>&1 | tee "$OUT_DIR/cuda-tests.txt" || true
 fi
 [ "${BENCH:-1}" = 1 ] && timeout "${RUN_TIMEOUT:-330}" python -m benchmarks.run --device "$DEVICE" --ranks "${RANKS:-1,2}" \
