@@ -433,13 +433,14 @@ def report(say: Any, job: Job, curve: LearningCurve, batch: TensorDictBase, loss
 def setup(argv: list[str] | None) -> tuple[argparse.Namespace, Job, LearningCurve, Any]:
     """Parse the options, join the process group, build the job and resume it when asked."""
     args = parse_args(argv)
-    if "RANK" in os.environ and not dist.is_initialized():
-        tdcp.init_process_group("nccl" if torch.cuda.is_available() else "gloo")  # restart-safe under torchrun
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if "RANK" in os.environ and not dist.is_initialized():  # NCCL needs a GPU of its own per rank: else gloo
+        tdcp.init_process_group("nccl" if 0 < local_ranks <= gpus else "gloo")  # restart-safe under torchrun
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    device = (
-        torch.device(f"cuda:{rank % torch.cuda.device_count()}") if torch.cuda.is_available() else torch.device("cpu")
-    )
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local_rank % gpus}") if gpus else torch.device("cpu")  # ranks may share a GPU
     if device.type == "cuda":
         torch.cuda.set_device(device)
     say = print if rank == 0 else (lambda *a, **k: None)
