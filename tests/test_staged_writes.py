@@ -41,9 +41,10 @@ def _state() -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("gather", [None, 256], ids=["one-gather", "gathers-of-256-bytes"])
 @pytest.mark.parametrize("kind", ["dict", "module"])
 def test_small_device_tensors_are_copied_to_the_host_together(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, gather: int | None
 ) -> None:
     saved = _state()
     obj: Any = {k: v.clone() for k, v in saved.items()}
@@ -61,9 +62,14 @@ def test_small_device_tensors_are_copied_to_the_host_together(
 
     monkeypatch.setattr(record, "on_device", lambda t: True)
     monkeypatch.setattr(writer, "host_bytes", spy)
+    if gather is not None:  # the device memory of one gather bounded: several gathers
+        monkeypatch.setattr(record, "GATHER_BYTES", gather)
     path = tdcp.DistributedCheckpoint(state=obj).save(tmp_path / "ck")
     monkeypatch.undo()
-    assert sum(gathered) == len(saved) - 2  # every tensor but the empty one and the large one
+    if gather is None:
+        assert sum(gathered) == len(saved) - 2  # every tensor but the empty one and the large one
+    else:  # in several gathers; a tensor alone in its gather (or over the bound) is copied on its own
+        assert 2 <= sum(gathered) < len(saved) - 2
 
     live: Any = {k: torch.zeros_like(v) for k, v in saved.items()}
     if kind == "module":
@@ -113,8 +119,9 @@ def test_replica_digests_of_small_device_tensors_are_the_same_gathered(
     assert gathered == [len(flat) - 2 - (mode == "sample")]  # not the empty one, the large one, "mid" when sampled
 
 
+@pytest.mark.parametrize("gather", [None, 64], ids=["one-gather", "gathers-of-64-bytes"])
 def test_async_staging_gathers_small_device_tensors_into_one_buffer(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gather: int | None
 ) -> None:
     """An async save stages the small tensors of a device together (one gather, one copy into a reused host buffer,
     a view each at an aligned offset); forced for CPU tensors here. The checkpoint holds the state at the call,
@@ -137,6 +144,8 @@ def test_async_staging_gathers_small_device_tensors_into_one_buffer(
         return out
 
     monkeypatch.setattr(async_save.AsyncSaver, "_stage_together", spy)
+    if gather is not None:
+        monkeypatch.setattr(async_save, "GATHER_BYTES", gather)
     ckpt = tdcp.DistributedCheckpoint(state=obj)
     handle = ckpt.async_save(tmp_path / "a")
     for v in obj.buffers():

@@ -222,6 +222,10 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(byte_view(t).numpy())
 
 
+#: most bytes of small device tensors gathered on their device at once (:func:`host_bytes`)
+GATHER_BYTES = 64 << 20
+
+
 def on_device(tensor: torch.Tensor) -> bool:
     """Whether ``tensor``'s bytes must be copied to host memory to be written (CUDA and other devices)."""
     return tensor.device.type not in ("cpu", "meta")
@@ -238,14 +242,18 @@ def host_bytes(tensors: Sequence[torch.Tensor], small: int) -> dict[int, memoryv
         >>> host_bytes([torch.ones(2)], 1 << 20)  # on the CPU: nothing to copy
         {}
     """
-    groups: dict[torch.device, list[int]] = {}
+    groups: dict[torch.device, list[list[int]]] = {}
+    sizes: dict[torch.device, int] = {}
     for i, t in enumerate(tensors):
-        if on_device(t) and 0 < t.numel() * t.element_size() < small:
-            groups.setdefault(t.device, []).append(i)
+        n = t.numel() * t.element_size()
+        if on_device(t) and 0 < n < small:
+            if t.device not in groups or sizes[t.device] + n > GATHER_BYTES:  # the gather's device memory, bounded
+                groups.setdefault(t.device, []).append([])
+                sizes[t.device] = 0
+            groups[t.device][-1].append(i)
+            sizes[t.device] += n
     out: dict[int, memoryview] = {}
-    for positions in groups.values():
-        if len(positions) < 2:
-            continue
+    for positions in (p for runs in groups.values() for p in runs if len(p) > 1):
         parts = [byte_view(plain_tensor(tensors[i])) for i in positions]
         flat = memoryview(torch.cat(parts).cpu().numpy())
         at = 0
