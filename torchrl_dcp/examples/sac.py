@@ -435,8 +435,10 @@ def setup(argv: list[str] | None) -> tuple[argparse.Namespace, Job, LearningCurv
     args = parse_args(argv)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if "RANK" in os.environ and not dist.is_initialized():  # NCCL needs a GPU of its own per rank: else gloo
-        tdcp.init_process_group("nccl" if 0 < local_ranks <= gpus else "gloo")  # restart-safe under torchrun
+    if "RANK" in os.environ and not dist.is_initialized():  # restart-safe under torchrun
+        # NCCL for CUDA tensors when every local rank has a GPU of its own (else gloo for all); gloo for the CPU
+        # tensors of the progress lines either way (NCCL alone refuses them)
+        tdcp.init_process_group("cpu:gloo,cuda:nccl" if 0 < local_ranks <= gpus else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
