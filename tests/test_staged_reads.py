@@ -159,6 +159,38 @@ def test_a_damaged_file_read_through_host_windows_is_refused_and_changes_nothing
     assert torch.equal(now, before)
 
 
+@pytest.mark.parametrize("kind", ["dict", "module"])
+def test_a_damaged_batch_of_small_records_bound_for_a_device_is_refused_and_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Small records copied to the device per batch (``copy_batch``): a flipped byte in the data of one of them is
+    refused (the file's checksum), naming the file, and the live tensors keep their values."""
+    saved = {f"p{i}": torch.randn(30 + i) for i in range(40)}
+    obj: Any = {k: v.clone() for k, v in saved.items()}
+    if kind == "module":
+        obj = torch.nn.Module()
+        for k, v in saved.items():
+            obj.register_buffer(k, v.clone())
+    path = tdcp.DistributedCheckpoint(state=obj).save(tmp_path / "ck")
+    data = max(path.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    needle = saved["p20"].numpy().tobytes()[:16]
+    raw[raw.index(needle) + 5] ^= 0x01  # inside p20's bytes, not a header a parser would trip on
+    data.write_bytes(bytes(raw))
+    before = {k: torch.full_like(v, 7.0) for k, v in saved.items()}
+    live: Any = {k: v.clone() for k, v in before.items()}
+    if kind == "module":
+        live = torch.nn.Module()
+        for k, v in before.items():
+            live.register_buffer(k, v.clone())
+    Spy(monkeypatch)
+    with pytest.raises(tdcp.CheckpointIntegrityError, match=data.name):
+        tdcp.DistributedCheckpoint(state=live).load(path)
+    now = dict(live.named_buffers()) if kind == "module" else live
+    for k, v in before.items():
+        assert torch.equal(now[k], v), k
+
+
 def test_dcp_planned_reads_are_staged_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Through ``dcp.load`` (DCP's planner resolves the destinations), as for DTensors and unusual chunkings."""
     state = {str(d)[6:]: _tensor(d, s, i) for i, (d, s) in enumerate(itertools.product(DTYPES, SIZES.values()))}
