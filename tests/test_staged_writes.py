@@ -1,9 +1,11 @@
 """Writes of tensors off the CPU: the small ones of a device are brought to host memory together (writes, replica
 fingerprints, async staging).
 
-No GPU here: the device path is forced for CPU tensors (``record.on_device`` patched to say yes), which runs every
-line of it (the gather of their bytes, one copy, the split). Each save must load back bit for bit, through our
-loader and through a plain ``dcp.load`` of the files, with every small tensor taken from the gathered copy.
+No GPU here: the device path is forced for CPU tensors (``record.on_device`` / ``async_save.staged_together``
+patched to say yes), which runs every line of it but the CUDA stream (the gather of their bytes, in one piece or
+several, one copy each, the split). Each save must load back bit for bit, through our loader and through a plain
+``dcp.load`` of the files, with every small tensor taken from the gathered copy. On a machine with CUDA the last test
+does the same for real.
 """
 
 from __future__ import annotations
