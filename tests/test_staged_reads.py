@@ -46,6 +46,16 @@ def _bits(t: torch.Tensor) -> bytes:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
+def _holding(kind: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """``tensors`` as a dict of clones, or as the buffers of a module (``kind``)."""
+    if kind != "module":
+        return {k: v.clone() for k, v in tensors.items()}
+    module = torch.nn.Module()
+    for k, v in tensors.items():
+        module.register_buffer(k, v.clone())
+    return module
+
+
 class Spy:
     """Counts staged reads, fallbacks and window sizes while the staged path is forced for CPU destinations."""
 
@@ -166,23 +176,14 @@ def test_a_damaged_batch_of_small_records_bound_for_a_device_is_refused_and_chan
     """Small records copied to the device per batch (``copy_batch``): a flipped byte in the data of one of them is
     refused (the file's checksum), naming the file, and the live tensors keep their values."""
     saved = {f"p{i}": torch.randn(30 + i) for i in range(40)}
-    obj: Any = {k: v.clone() for k, v in saved.items()}
-    if kind == "module":
-        obj = torch.nn.Module()
-        for k, v in saved.items():
-            obj.register_buffer(k, v.clone())
-    path = tdcp.DistributedCheckpoint(state=obj).save(tmp_path / "ck")
+    path = tdcp.DistributedCheckpoint(state=_holding(kind, saved)).save(tmp_path / "ck")
     data = max(path.glob("*.distcp"), key=lambda p: p.stat().st_size)
     raw = bytearray(data.read_bytes())
     needle = saved["p20"].numpy().tobytes()[:16]
     raw[raw.index(needle) + 5] ^= 0x01  # inside p20's bytes, not a header a parser would trip on
     data.write_bytes(bytes(raw))
     before = {k: torch.full_like(v, 7.0) for k, v in saved.items()}
-    live: Any = {k: v.clone() for k, v in before.items()}
-    if kind == "module":
-        live = torch.nn.Module()
-        for k, v in before.items():
-            live.register_buffer(k, v.clone())
+    live = _holding(kind, before)
     Spy(monkeypatch)
     with pytest.raises(tdcp.CheckpointIntegrityError, match=data.name):
         tdcp.DistributedCheckpoint(state=live).load(path)
@@ -246,18 +247,8 @@ def test_small_records_of_a_batch_are_copied_to_the_device_together(
     g = torch.Generator().manual_seed(5)
     saved = {f"p{i}": _tensor(DTYPES[i % len(DTYPES)], 40 + 37 * i, i) for i in range(60)}
     saved["empty"] = torch.zeros(0)
-    obj: Any = {k: v.clone() for k, v in saved.items()}
-    if kind == "module":
-        obj = torch.nn.Module()
-        for k, v in saved.items():
-            obj.register_buffer(k, v.clone())
-    path = tdcp.DistributedCheckpoint(state=obj).save(tmp_path / "ck")
-    live: Any = {k: torch.randint(0, 9, v.shape, generator=g).to(v.dtype) for k, v in saved.items()}
-    if kind == "module":
-        module = torch.nn.Module()
-        for k, v in live.items():
-            module.register_buffer(k, v)
-        live = module
+    path = tdcp.DistributedCheckpoint(state=_holding(kind, saved)).save(tmp_path / "ck")
+    live = _holding(kind, {k: torch.randint(0, 9, v.shape, generator=g).to(v.dtype) for k, v in saved.items()})
     spy = Spy(monkeypatch)
     batches: list[int] = []
     real_batch = staging.copy_batch

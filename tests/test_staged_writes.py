@@ -43,6 +43,21 @@ def _state() -> dict[str, torch.Tensor]:
     return out
 
 
+def _forced_gathers(monkeypatch: pytest.MonkeyPatch, user: Any) -> list[int]:
+    """Force the device path for CPU tensors and count, per call, the tensors ``user``'s ``host_bytes`` gathered."""
+    gathered: list[int] = []
+    real = record.host_bytes
+
+    def spy(tensors: Any, small: int) -> Any:
+        out = real(tensors, small)
+        gathered.append(len(out))
+        return out
+
+    monkeypatch.setattr(record, "on_device", lambda t: True)
+    monkeypatch.setattr(user, "host_bytes", spy)
+    return gathered
+
+
 @pytest.mark.parametrize("gather", [None, 256], ids=["one-gather", "gathers-of-256-bytes"])
 @pytest.mark.parametrize("kind", ["dict", "module"])
 def test_small_device_tensors_are_copied_to_the_host_together(
@@ -54,16 +69,7 @@ def test_small_device_tensors_are_copied_to_the_host_together(
         obj = torch.nn.Module()
         for k, v in saved.items():
             obj.register_buffer(k, v.clone())
-    gathered: list[int] = []
-    real = record.host_bytes
-
-    def spy(tensors: Any, small: int) -> Any:
-        out = real(tensors, small)
-        gathered.append(len(out))
-        return out
-
-    monkeypatch.setattr(record, "on_device", lambda t: True)
-    monkeypatch.setattr(writer, "host_bytes", spy)
+    gathered = _forced_gathers(monkeypatch, writer)
     if gather is not None:  # the device memory of one gather bounded: several gathers
         monkeypatch.setattr(record, "GATHER_BYTES", gather)
     path = tdcp.DistributedCheckpoint(state=obj).save(tmp_path / "ck")
@@ -107,16 +113,7 @@ def test_replica_digests_of_small_device_tensors_are_the_same_gathered(
     flat["replicated/state/mid"] = torch.arange(50_000, dtype=torch.int32)  # sampled in "sample", whole in "full"
     rec = SimpleNamespace(placement="replicated", state={"t": "dict"}, inventory=dict.fromkeys(flat))
     alone = replicas.digest({"state": rec}, flat, {"state": mode})
-    gathered: list[int] = []
-    real = replicas.host_bytes
-
-    def spy(tensors: Any, small: int) -> Any:
-        out = real(tensors, small)
-        gathered.append(len(out))
-        return out
-
-    monkeypatch.setattr(record, "on_device", lambda t: True)
-    monkeypatch.setattr(replicas, "host_bytes", spy)
+    gathered = _forced_gathers(monkeypatch, replicas)
     assert replicas.digest({"state": rec}, flat, {"state": mode}) == alone
     assert gathered == [len(flat) - 2 - (mode == "sample")]  # not the empty one, the large one, "mid" when sampled
 

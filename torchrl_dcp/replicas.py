@@ -37,7 +37,7 @@ import torch
 
 from torchrl_dcp.errors import EncodingError
 from torchrl_dcp.format.checksums import crc32
-from torchrl_dcp.format.record import byte_view, host_bytes
+from torchrl_dcp.format.record import byte_view, host_bytes, plain_tensor
 
 ReplicaCheck = Literal["sample", "full", "off"]
 REPLICA_CHECKS: tuple[str, ...] = get_args(ReplicaCheck)
@@ -53,13 +53,7 @@ def check_mode(mode: str) -> ReplicaCheck:
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if type(t) is not torch.Tensor:
-        t = t.as_subclass(torch.Tensor)
-    t = t.resolve_conj().resolve_neg()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return byte_view(t)
+    return byte_view(plain_tensor(t))
 
 
 def fingerprint(t: torch.Tensor, mode: ReplicaCheck, data: Any = None) -> str:

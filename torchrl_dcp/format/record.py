@@ -228,7 +228,7 @@ GATHER_BYTES = 64 << 20
 
 def on_device(tensor: torch.Tensor) -> bool:
     """Whether ``tensor``'s bytes must be copied to host memory to be written (CUDA and other devices)."""
-    return tensor.device.type not in ("cpu", "meta")
+    return not tensor.is_cpu and tensor.device.type != "meta"  # ``is_cpu`` first: every tensor of a save asks
 
 
 def host_bytes(tensors: Sequence[torch.Tensor], small: int) -> dict[int, memoryview]:
