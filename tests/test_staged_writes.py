@@ -10,10 +10,13 @@ does the same for real.
 
 from __future__ import annotations
 
+import uuid
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -92,6 +95,67 @@ def test_small_device_tensors_are_copied_to_the_host_together(
     for k, v in saved.items():
         assert _bits(got[k]) == _bits(v), k
         assert _bits(plain[f"{prefix}{k}"]) == _bits(v), k
+
+
+@pytest.mark.parametrize("where", ["directory", "object store"])
+def test_large_device_tensors_reach_host_memory_a_window_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A sync save copies each large device tensor of a data file to the host one window at a time, as it writes it,
+    not all of them before writing: at most one window per writer is in host memory. Forced for CPU tensors, each
+    window a fresh copy whose lifetime is tracked; the checkpoint loads bit for bit (ours, and plain ``dcp.load``)."""
+    g = torch.Generator().manual_seed(5)
+    saved = {f"w{i}": torch.randn(3 + i, (1 << 20) // 4, generator=g)[:1].clone() for i in range(4)}  # 1 row each
+    saved["odd"] = torch.randint(0, 9, ((5 << 20) // 4 + 3,), generator=g, dtype=torch.int32)  # not a multiple
+    saved["transposed"] = torch.randn(512, 600, generator=g).t()  # not contiguous: copied whole
+    saved["small"] = torch.arange(10.0)
+    live, peak, windows = [0], [0], []
+
+    def spy(self: Any, start: int, length: int) -> memoryview:
+        copy = np.array(real(self, start, length))  # a fresh host buffer, as a device's copy would be
+        live[0] += 1
+        peak[0] = max(peak[0], live[0])
+        weakref.finalize(copy, lambda: live.__setitem__(0, live[0] - 1))
+        windows.append(length)
+        return memoryview(copy)
+
+    real = record.DeviceBytes.window
+    monkeypatch.setattr(record, "on_device", lambda t: True)
+    monkeypatch.setattr(record.DeviceBytes, "window", spy)
+    monkeypatch.setattr(writer, "DEVICE_WINDOW", 1 << 20)
+    target: Any = tmp_path / "ck" if where == "directory" else f"memory://tdcp-staged/{uuid.uuid4().hex}/ck"
+    path = tdcp.DistributedCheckpoint(state={k: v.clone() for k, v in saved.items()}).save(target)
+    monkeypatch.undo()
+    big = sum(v.numel() * v.element_size() for k, v in saved.items() if k not in ("transposed", "small"))
+    assert sum(windows) == big * (1 if where == "directory" else 2)  # an upload reads a window for its CRC, then again
+    assert max(windows) == 1 << 20 and len(windows) > 8
+    assert 1 <= peak[0] <= 2  # a window per writer (two write threads at most), never the file's tensors at once
+    got = {k: torch.zeros_like(v) for k, v in saved.items()}
+    tdcp.DistributedCheckpoint(state=got).load(path)
+    for k, v in saved.items():
+        assert _bits(got[k]) == _bits(v), k
+    if where == "directory":
+        plain = {f"replicated/state/{k}": torch.zeros_like(v) for k, v in saved.items()}
+        dcp.load(plain, checkpoint_id=path, no_dist=True)
+        for k, v in saved.items():
+            assert _bits(plain[f"replicated/state/{k}"]) == _bits(v), k
+
+
+def test_device_bytes_copy_on_the_stream_current_where_they_were_made() -> None:
+    """The windows of a tensor are its bytes, any range (on the CPU: views of it)."""
+    t = torch.arange(1000, dtype=torch.int16)
+    source = record.DeviceBytes(t)
+    assert bytes(source.window(0, 2000)) == _bits(t)
+    assert bytes(source.window(1998, 2)) == _bits(t[-1:])
+    assert source.stream is None
+    assert not record.streamed(t)  # on the CPU: written from where it is
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(record, "on_device", lambda t: True)
+        assert (
+            record.streamed(t)
+            and not record.streamed(t.view(10, 100).t())
+            and not record.streamed(torch.randn(4, dtype=torch.complex64).conj())
+        )
 
 
 def test_one_small_tensor_of_a_device_is_copied_on_its_own() -> None:

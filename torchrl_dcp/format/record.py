@@ -263,6 +263,43 @@ def host_bytes(tensors: Sequence[torch.Tensor], small: int) -> dict[int, memoryv
     return out
 
 
+#: a large device tensor reaches host memory this many bytes at a time, as they are written (:class:`DeviceBytes`)
+DEVICE_WINDOW = 8 << 20
+
+
+def streamed(tensor: torch.Tensor) -> bool:
+    """Whether a large ``tensor`` is copied to host memory window by window as it is written (:class:`DeviceBytes`):
+    a contiguous device tensor without conjugate or negative bits, whose bytes are a view where it is. Any other
+    device tensor is copied whole (its plain copy would otherwise be made again for every window)."""
+    return on_device(tensor) and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
+
+
+class DeviceBytes:
+    """The bytes of a :func:`streamed` device tensor, copied to host memory one window at a time when asked, on the
+    stream that was current where it was made (so after the work queued before the save, from any thread).
+
+    A sync save writes a data file's large device tensors through it: its host memory holds a window per write
+    thread, not every large tensor of the file at once.
+
+    Example:
+        >>> b = DeviceBytes(torch.arange(4, dtype=torch.int8))  # any device; on the CPU, a view
+        >>> bytes(b.window(1, 2))
+        b'\\x01\\x02'
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.flat = byte_view(plain_tensor(tensor))
+        self.stream = torch.cuda.current_stream(tensor.device) if tensor.device.type == "cuda" else None
+
+    def window(self, start: int, length: int) -> memoryview:
+        """Bytes ``[start, start + length)``, in host memory (a fresh copy, not kept here)."""
+        part = self.flat[start : start + length]
+        if self.stream is None:
+            return memoryview(part.cpu().numpy())
+        with torch.cuda.stream(self.stream):
+            return memoryview(part.cpu().numpy())
+
+
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """The bytes of a contiguous ``tensor`` as a flat uint8 tensor sharing its memory (no copy).
 

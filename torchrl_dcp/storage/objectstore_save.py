@@ -239,9 +239,9 @@ def file_pieces(tensors: list[tuple[str, torch.Tensor]], trailer: bytes) -> tupl
     layout = plan_layout(tensors, trailer)
     for tpl, head, data_units, tail in layout.large:  # large records: their headers hold the CRC of their bytes
         value = 0
-        for u in data_units:
-            u.crc = crc32(u.data)
-            value = crc32_combine(value, u.crc, len(u.data))
+        for u in data_units:  # (a device window is copied here for its CRC and again when uploaded)
+            u.crc = crc32(u.bytes())
+            value = crc32_combine(value, u.crc, u.length)
         head.data, tail.data = tpl.parts(value)
     return layout, layout.units
 
@@ -255,14 +255,15 @@ def write_data_file(
 
     def stream() -> Any:
         for u in units:
+            data = u.bytes()
             if id(u) not in large:
-                u.crc = crc32(u.data)
-            yield u.data
+                u.crc = crc32(data)
+            yield data
 
     upload_pieces(destination / name, stream(), layout.size)
     value = 0
     for u in units:
-        value = crc32_combine(value, u.crc, len(u.data))
+        value = crc32_combine(value, u.crc, u.length)
     return layout.entries, {"size": layout.size, "checksum": format_crc(value)}
 
 

@@ -34,10 +34,11 @@ Example (one process):
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,15 @@ from torch.distributed.checkpoint.metadata import (
 
 from torchrl_dcp.format.checksums import crc32, crc32_combine, format_crc
 from torchrl_dcp.format.layout import DCP_METADATA, data_file_name, identity_trailer
-from torchrl_dcp.format.record import Template, host_bytes, template, tensor_bytes
+from torchrl_dcp.format.record import (
+    DEVICE_WINDOW,
+    DeviceBytes,
+    Template,
+    host_bytes,
+    streamed,
+    template,
+    tensor_bytes,
+)
 from torchrl_dcp.storage.base import ChunkEntry, WriteOutcome
 from torchrl_dcp.storage.copying import default_threads, pwrite_all, run_split
 from torchrl_dcp.storage.files import DirHandle
@@ -68,10 +77,26 @@ DCP_VERSION = "1.0.0"
 
 # ---------------------------------------------------------------------- writing one file
 class _Unit:
-    __slots__ = ("offset", "data", "crc", "deferred")
+    """A piece of a data file: bytes held (``data``), written later (``deferred``: a large record's head or tail,
+    which holds the CRC of its data), or copied from a device when written (``fetch``)."""
 
-    def __init__(self, offset: int, data: Any, deferred: Any = None) -> None:
-        self.offset, self.data, self.crc, self.deferred = offset, data, 0, deferred
+    __slots__ = ("offset", "data", "crc", "deferred", "length", "fetch")
+
+    def __init__(
+        self,
+        offset: int,
+        data: Any,
+        deferred: Any = None,
+        *,
+        length: int | None = None,
+        fetch: Callable[[], memoryview] | None = None,
+    ) -> None:
+        self.offset, self.data, self.crc, self.deferred, self.fetch = offset, data, 0, deferred, fetch
+        self.length = len(data) if length is None else length
+
+    def bytes(self) -> Any:
+        """The unit's bytes: those it holds, or a fresh host copy of its device window (not kept: one per writer)."""
+        return self.data if self.fetch is None else self.fetch()
 
 
 @dataclass
@@ -98,12 +123,12 @@ def plan_layout(tensors: list[tuple[str, torch.Tensor]], trailer: bytes) -> File
 
     on_host = host_bytes([t for _, t in tensors], SMALL)  # small device tensors: one copy to the host for all
     for i, (key, tensor) in enumerate(tensors):
-        data = on_host.get(i)
-        if data is None:
-            data = tensor_bytes(tensor)
         tpl = template(tensor.dtype, tuple(tensor.shape))
         out.entries.append((key, out.size, tpl.length))
         if tpl.nbytes < SMALL:  # packed with its neighbours into ~1 MiB writes
+            data = on_host.get(i)
+            if data is None:
+                data = tensor_bytes(tensor)
             head, tail = tpl.parts(crc32(data))
             pending += head
             pending += data
@@ -113,11 +138,11 @@ def plan_layout(tensors: list[tuple[str, torch.Tensor]], trailer: bytes) -> File
                 flush()
             continue
         flush()
-        head_unit = _Unit(out.size, None, deferred="head")
+        head_unit = _Unit(out.size, None, deferred="head", length=len(tpl.head))
         at = out.size + len(tpl.head)
-        data_units = [_Unit(at + s, data[s : s + WRITE_PIECE]) for s in range(0, len(data), WRITE_PIECE)]
+        data_units = _large_units(tensor, at, tpl.nbytes)
         out.size += len(tpl.head) + tpl.nbytes
-        tail_unit = _Unit(out.size, None, deferred="tail")
+        tail_unit = _Unit(out.size, None, deferred="tail", length=len(tpl.tail))
         out.size += len(tpl.tail)
         out.units += [head_unit, *data_units, tail_unit]
         out.large.append((tpl, head_unit, data_units, tail_unit))
@@ -126,6 +151,31 @@ def plan_layout(tensors: list[tuple[str, torch.Tensor]], trailer: bytes) -> File
     out.size += len(trailer)
     flush()
     return out
+
+
+def _large_units(tensor: torch.Tensor, at: int, nbytes: int) -> list[_Unit]:
+    """The data pieces of a large record at file offset ``at``: 1 MiB views of a host tensor's bytes; a device
+    tensor's windows (:data:`~torchrl_dcp.format.record.DEVICE_WINDOW`), each copied to the host when written,
+    so that a file's large device tensors are never in host memory all at once."""
+    if not streamed(tensor):
+        data = tensor_bytes(tensor)
+        return [_Unit(at + s, data[s : s + WRITE_PIECE]) for s in range(0, nbytes, WRITE_PIECE)]
+    source = DeviceBytes(tensor)
+    return [
+        _Unit(at + s, None, length=n, fetch=functools.partial(source.window, s, n))
+        for s in range(0, nbytes, DEVICE_WINDOW)
+        for n in (min(DEVICE_WINDOW, nbytes - s),)
+    ]
+
+
+def _write_unit(fd: int, u: _Unit, writeback: Writeback | None) -> None:
+    """Write one unit at its offset in 1 MiB pieces and set its CRC (a device window is dropped on return)."""
+    data = u.bytes()
+    for s in range(0, u.length, WRITE_PIECE):  # (a held unit is one piece; a device window several)
+        pwrite_all(fd, data[s : s + WRITE_PIECE], u.offset + s)
+        if writeback is not None:
+            writeback.written(u.offset + s, min(WRITE_PIECE, u.length - s))
+    u.crc = crc32(data)
 
 
 def write_file(
@@ -147,23 +197,20 @@ def write_file(
     fd = directory.create(name)
     try:
         work = [u for u in layout.units if u.deferred is None]
-        total = sum(len(u.data) for u in work)
+        total = sum(u.length for u in work)
 
         def run(part: list[_Unit]) -> None:
             writeback = Writeback(fd) if fsync else None
             for u in part:
-                pwrite_all(fd, u.data, u.offset)
-                if writeback is not None:
-                    writeback.written(u.offset, len(u.data))
-                u.crc = crc32(u.data)
+                _write_unit(fd, u, writeback)
             if writeback is not None:
                 writeback.flush()
 
-        run_split(work, [len(u.data) for u in work], max(1, min(threads, total // (8 * WRITE_PIECE) or 1)), run)
+        run_split(work, [u.length for u in work], max(1, min(threads, total // (8 * WRITE_PIECE) or 1)), run)
         for tpl, head_unit, data_units, tail_unit in layout.large:  # headers hold the CRC of the data written
             crc = 0
             for u in data_units:
-                crc = crc32_combine(crc, u.crc, len(u.data))
+                crc = crc32_combine(crc, u.crc, u.length)
             head_unit.data, tail_unit.data = tpl.parts(crc)
             for u in (head_unit, tail_unit):
                 pwrite_all(fd, u.data, u.offset)
@@ -174,7 +221,7 @@ def write_file(
         os.close(fd)
     crc = 0
     for u in layout.units:
-        crc = crc32_combine(crc, u.crc, len(u.data))
+        crc = crc32_combine(crc, u.crc, u.length)
     return layout.entries, {"size": layout.size, "checksum": format_crc(crc)}
 
 
