@@ -390,3 +390,31 @@ def test_bool_tensors_of_unset_memory_save_as_loadable_bools(tmp_path: Path, lay
     restored.load(path)
     assert fresh.mask.view(torch.uint8).tolist() == [0, 1, 1, 1, 0, 1]
     tdcp.verify(path)
+
+
+@pytest.mark.parametrize("step", [200.0, True, "7", torch.tensor(1.5)], ids=["float", "bool", "str", "float-tensor"])
+def test_a_step_that_is_no_integer_is_refused_before_anything_is_written(tmp_path: Path, step: object) -> None:
+    """The manifest records an integer step: anything else is refused at the call, the checkpoint already at the
+    path untouched (it once committed a manifest no load could read, in place of the good one)."""
+    ckpt = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(2, 2))
+    path = ckpt.save(tmp_path / "latest", step=100)
+    listing = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(TypeError, match="step must be an integer"):
+        ckpt.save(path, step=step)
+    assert ckpt.load(path).step == 100 and sorted(p.name for p in tmp_path.iterdir()) == listing
+
+
+def test_integer_steps_of_numpy_and_torch_are_recorded_as_integers(tmp_path: Path) -> None:
+    import numpy as np
+
+    ckpt = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(2, 2))
+    assert ckpt.load(ckpt.save(tmp_path / "a", step=np.int64(3))).step == 3
+    assert ckpt.load(ckpt.save(tmp_path / "b", step=torch.tensor(4))).step == 4
+    assert ckpt.load(ckpt.save(tmp_path / "c", metadata={"step": 5})).step == 5
+
+
+def test_a_metadata_value_json_refuses_is_named_by_its_path(tmp_path: Path) -> None:
+    ckpt = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(2, 2))
+    with pytest.raises(tdcp.EncodingError, match=r"metadata\['cfg'\]\['deep'\]\[1\] must be JSON-safe"):
+        ckpt.save(tmp_path / "a", metadata={"cfg": {"ok": 1, "deep": [2, object()]}})
+    assert not (tmp_path / "a").exists()

@@ -180,3 +180,64 @@ def test_dreamer_v3_optimizer_keeps_float32_moments_of_bf16_parameters(tmp_path:
         step(model2, optim2, i)
     for a, b in zip(model.parameters(), model2.parameters()):
         assert torch.equal(a, b)
+
+
+KINDS = (
+    {  # one optimizer of each class of OPTIMIZERS
+        kind: make for kind, make in OPTIMIZERS.items() if kind in {"adam", "adamw", "adagrad", "adadelta", "adamax"}
+    }
+    | {k: OPTIMIZERS[k] for k in ("asgd", "nadam_decoupled", "radam", "rmsprop_centered", "rprop", "sgd_momentum")}
+    | {k: OPTIMIZERS[k] for k in ("adafactor", "lbfgs")}
+)
+PAIRS = [(a, b) for a in KINDS for b in KINDS if a != b]
+
+
+def _snapshot(optimizer: torch.optim.Optimizer) -> str:
+    return repr(optimizer.state_dict())
+
+
+@pytest.mark.parametrize("saved, live", PAIRS, ids=[f"{a}-into-{b}" for a, b in PAIRS])
+def test_another_kind_of_optimizer_is_refused_or_steps(tmp_path: Path, saved: str, live: str) -> None:
+    """A checkpoint of one kind of optimizer loaded into another (every ordered pair of torch's classes): refused
+    before anything changes (IncompatibleComponentError), or loaded into an optimizer that can still step. None
+    may load into one that fails at its next ``step`` (an Adam checkpoint gave an SGD no ``momentum``)."""
+    model, optimizer, scheduler, _ = build(saved)
+    train(model, optimizer, scheduler, 0, 2)
+    path = tdcp.DistributedCheckpoint(optimizer=optimizer).save(tmp_path / "c")
+    torch.manual_seed(0)
+    other = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    target = KINDS[live](other.parameters())
+    before = _snapshot(target)
+    try:
+        tdcp.DistributedCheckpoint(optimizer=target).load(path)
+    except tdcp.IncompatibleComponentError as err:
+        assert "another kind of optimizer" in str(err)
+        assert _snapshot(target) == before
+        return
+    train(other, target, torch.optim.lr_scheduler.StepLR(target, step_size=2), 2, 2)  # must not raise
+
+
+@pytest.mark.parametrize("kind", ["adam", "sgd_momentum", "rmsprop_centered", "asgd", "adagrad"])
+@pytest.mark.parametrize("live_state", ["fresh", "stepped"])
+def test_optimizer_state_of_another_model_is_refused_and_changes_nothing(
+    tmp_path: Path, kind: str, live_state: str
+) -> None:
+    """An optimizer saved over one model loaded into the same optimizer over a model of other shapes: refused while
+    planning, naming the state and both shapes, the optimizer unchanged; with ``strict='warn'`` (the model skipped
+    as incompatible) the optimizer is skipped too, not loaded with state its parameters cannot use."""
+    model, optimizer, scheduler, _ = build(kind)
+    train(model, optimizer, scheduler, 0, 2)
+    path = tdcp.DistributedCheckpoint(model=model, optimizer=optimizer).save(tmp_path / "c")
+    torch.manual_seed(0)
+    other = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    target = OPTIMIZERS[kind](other.parameters())
+    if live_state == "stepped":
+        train(other, target, torch.optim.lr_scheduler.StepLR(target, step_size=2), 0, 1)
+    before = _snapshot(target)
+    with pytest.raises(tdcp.IncompatibleComponentError, match="saved for another model"):
+        tdcp.DistributedCheckpoint(optimizer=target).load(path)
+    assert _snapshot(target) == before
+    with pytest.warns(UserWarning):
+        result = tdcp.DistributedCheckpoint(model=other, optimizer=target).load(path, strict="warn")
+    assert set(result.incompatible) == {"model", "optimizer"} and not result.loaded
+    assert _snapshot(target) == before

@@ -248,3 +248,24 @@ def test_a_memmap_scratch_dir_left_by_an_earlier_buffer_says_what_to_do(tmp_path
     fresh = ReplayBuffer(storage=LazyMemmapStorage(16, scratch_dir=tmp_path / "scratch2"))
     tdcp.DistributedCheckpoint(rb=fresh).load(path)
     assert len(fresh) == 4 and torch.equal(fresh[:4]["obs"], torch.arange(12.0).reshape(4, 3))
+
+
+@pytest.mark.parametrize("live_keys", [["obs", "stale"], ["act"]], ids=["an-extra-entry", "other-entries"])
+def test_a_filled_storage_with_entries_the_checkpoint_lacks_is_refused_and_unchanged(
+    tmp_path: Path, live_keys: list[str]
+) -> None:
+    """A buffer whose initialised storage holds entries the checkpoint does not would keep them in the restored rows
+    (samples carrying values no save wrote): refused while planning, the buffer unchanged."""
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(8), batch_size=2)
+    rb.extend(TensorDict({"obs": torch.arange(4.0)}, [4]))
+    path = tdcp.DistributedCheckpoint(rb=rb).save(tmp_path / "c")
+    live = TensorDictReplayBuffer(storage=LazyTensorStorage(8), batch_size=2)
+    live.extend(TensorDict({k: torch.full((3,), 7.0) for k in live_keys}, [3]))
+    before = live[:3].clone()
+    with pytest.raises(tdcp.IncompatibleComponentError, match="entries the checkpoint does not"):
+        tdcp.DistributedCheckpoint(rb=live).load(path)
+    assert len(live) == 3 and (live[:3] == before).all()
+    assert set(live.storage._storage.keys()) == set(before.keys())
+    fresh = TensorDictReplayBuffer(storage=LazyTensorStorage(8), batch_size=2)
+    tdcp.DistributedCheckpoint(rb=fresh).load(path)  # a freshly built buffer loads it
+    assert torch.equal(fresh[:4]["obs"], rb[:4]["obs"])

@@ -57,3 +57,30 @@ def test_another_number_of_stacked_tensordicts_changes_nothing(tmp_path: Path) -
         tdcp.DistributedCheckpoint(model=other, episodes=live).load(path)
     assert _same(live, _ragged([1, 1, 1]))
     assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    "live",
+    [
+        {"a": torch.zeros(3, dtype=torch.float64), "stale": torch.zeros(3)},  # a key more, one less
+        {"a": torch.zeros(3), "n": {"b": torch.zeros(3)}},  # another dtype (update_ would cast)
+        {"a": torch.zeros(3, dtype=torch.float64), "n": {"b": torch.zeros(3), "c": torch.zeros(3)}},  # nested key
+    ],
+    ids=["keys", "dtype", "nested-keys"],
+)
+def test_a_locked_tensordict_of_another_structure_is_refused_and_unchanged(tmp_path: Path, live: dict) -> None:
+    """A locked TensorDict is restored in place with ``update_``, which skips the keys it lacks and casts dtypes:
+    one of another structure is refused while planning, unchanged; unlocked, it is rebuilt as saved."""
+    saved = TensorDict({"a": torch.tensor([0.1, 0.2, 0.3], dtype=torch.float64), "n": {"b": torch.ones(3)}}, [3])
+    path = tdcp.DistributedCheckpoint(td=saved).save(tmp_path / "c")
+    target = TensorDict(live, [3]).lock_()
+    before = target.clone()
+    with pytest.raises(tdcp.IncompatibleComponentError, match="locked TensorDict"):
+        tdcp.DistributedCheckpoint(td=target).load(path)
+    assert set(target.keys(True, True)) == set(before.keys(True, True)) and (target == before).all()
+    unlocked = TensorDict(live, [3])
+    tdcp.DistributedCheckpoint(td=unlocked).load(path)
+    assert (unlocked == saved).all() and unlocked["a"].dtype == torch.float64
+    same = saved.clone().zero_().lock_()  # the saved structure: restored in place
+    tdcp.DistributedCheckpoint(td=same).load(path)
+    assert (same == saved).all()

@@ -439,8 +439,9 @@ class DistributedCheckpoint:
         unknown = sorted(set(options) - set(names))
         if unknown:
             raise KeyError(f"options given for components that are not saved: {unknown}")
+        step = _check_step(step)  # before anything is written: the manifest records an integer (or null)
         metadata = plain_scalars(dict(metadata or {}))  # (numpy and 0-d tensor scalars as numbers)
-        if step is None and isinstance(metadata.get("step"), int):
+        if step is None and type(metadata.get("step")) is int:
             step = metadata["step"]
         group = self._group()
         rank, world = _dist.group_rank(group), _dist.group_size(group)
@@ -602,8 +603,36 @@ def _check_strict(strict: str) -> None:
         raise ValueError(f"strict must be 'error', 'warn' or 'ignore', got {strict!r}")
 
 
+def _check_step(step: Any) -> int | None:
+    """``step`` as an ``int`` (a NumPy integer or 0-d integer tensor converted), or ``None``; anything else is refused
+    before a save starts, as the manifest records an integer or null."""
+    value = plain_scalars(step)
+    if value is not None and (type(value) is bool or not isinstance(value, int)):
+        raise TypeError(
+            f"step must be an integer or None, got {type(step).__name__} {step!r}: pass int(step) (a frame count "
+            "divided by frames per batch is a float)"
+        )
+    return None if value is None else int(value)
+
+
 def _check_json(value: Any, where: str) -> None:
     try:
         json.dumps(value, allow_nan=False)
     except (TypeError, ValueError) as err:
-        raise EncodingError(f"{where} must be JSON-safe: {err}") from None
+        raise EncodingError(f"{where}{_json_culprit(value)} must be JSON-safe: {err}") from None
+
+
+def _json_culprit(value: Any, at: str = "") -> str:
+    """Where in ``value`` the first value JSON refuses is (``["cfg"]["deep"]``), or ``""`` when it is ``value``."""
+    if isinstance(value, Mapping):
+        items: Any = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return at
+    for k, v in items:
+        try:
+            json.dumps({k: v} if isinstance(value, Mapping) else [v], allow_nan=False)
+        except (TypeError, ValueError):
+            return _json_culprit(v, f"{at}[{k!r}]")
+    return at

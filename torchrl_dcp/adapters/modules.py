@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -254,6 +255,8 @@ class OptimizerAdapter(Adapter):
         (the snapshot keeps those by reference)."""
         for state in saved.values():
             _check_param_groups(obj, state, ctx.name)
+            _check_same_kind(obj, state, ctx.name)
+            _check_state_shapes(obj, state, ctx.name)
             ctx.plan["in_place"] = {id(t) for t in _live_state_destinations(obj, state).values()}
 
     def snapshot(self, obj: torch.optim.Optimizer, ctx: AdapterContext) -> Any:
@@ -312,6 +315,103 @@ def _check_param_groups(optimizer: torch.optim.Optimizer, saved: Any, name: str)
                 f"component {name!r}: parameter group {i} holds {len(saved_group['params'])} parameters in the "
                 f"checkpoint, {len(group['params'])} in the optimizer: build it with the parameters it was saved with"
             )
+
+
+def _builtin_options() -> frozenset[str]:
+    """The options (``defaults`` keys) of torch's own optimizers, in the installed torch."""
+    found: set[str] = set()
+    for name in dir(torch.optim):
+        cls = getattr(torch.optim, name)
+        if inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer:
+            try:
+                found.update(cls([torch.nn.Parameter(torch.zeros(1))], lr=0.1).defaults)
+            except Exception:  # noqa: BLE001 - one that needs other arguments says nothing here
+                continue
+    return frozenset(found)
+
+
+_OPTIONS: list[frozenset[str]] = []
+
+
+def _check_same_kind(optimizer: torch.optim.Optimizer, saved: Any, name: str) -> None:
+    """The checkpoint's parameter groups hold no option of torch's optimizers that this optimizer neither has nor
+    defaults: an Adam checkpoint (``betas``, ``amsgrad``) is not loaded into an SGD (whose ``momentum`` it lacks,
+    which ``step`` then needs). Options a newer torch added, or a scheduler's keys (``initial_lr``), never refuse."""
+    if not _OPTIONS:
+        _OPTIONS.append(_builtin_options())
+    own = set(optimizer.defaults)
+    for group in optimizer.param_groups:
+        own.update(group)
+    foreign = sorted({k for g in saved["param_groups"] for k in g if k in _OPTIONS[0] and k not in own})
+    if foreign:
+        raise IncompatibleComponentError(
+            f"component {name!r}: the checkpoint's optimizer has options {foreign}, which this "
+            f"{type(optimizer).__name__} does not: it was saved by another kind of optimizer; build the one it was "
+            "saved with (or load without this component: components=[...])"
+        )
+
+
+#: torch optimizers whose state tensors are each a scalar or of their parameter's shape
+_PER_PARAMETER = frozenset(
+    ["ASGD", "Adadelta", "Adagrad", "Adam", "AdamW", "Adamax", "Muon", "NAdam", "RAdam", "RMSprop", "Rprop", "SGD"]
+    + ["SparseAdam"]
+)
+
+
+def _state_keys(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -> set[str] | None:
+    """The state keys this kind of optimizer keeps for a parameter of ``group`` (with its options) after a step:
+    found by stepping a new one over a scalar parameter; ``None`` when that fails (nothing to compare)."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    try:
+        accepts = inspect.signature(type(optimizer)).parameters  # (AdamW sets decoupled_weight_decay itself)
+        probe = type(optimizer)([param], **{k: v for k, v in group.items() if k != "params" and k in accepts})
+        param.grad = torch.ones(1)
+        probe.step()
+    except Exception:  # noqa: BLE001 - an optimizer this cannot build or step: not compared
+        return None
+    return set(probe.state[param]) if param in probe.state else set()
+
+
+def _check_state_shapes(optimizer: torch.optim.Optimizer, saved: Any, name: str) -> None:
+    """For torch's per-parameter optimizers: every saved state tensor is a scalar or has its parameter's shape (a
+    checkpoint of another model's optimizer is refused before anything changes, not at the next ``step``), and
+    each parameter's saved state holds the keys this optimizer keeps (none it does not: Adamax's ``exp_inf`` in an
+    Adam; none missing, which its ``step`` would look up: NAdam's ``mu_product``; SGD reads its buffer with
+    ``get``)."""
+    from torchrl_dcp.format.codec import TensorSpec
+
+    kind = type(optimizer).__name__
+    if kind not in _PER_PARAMETER or not type(optimizer).__module__.startswith("torch.optim"):
+        return
+    states = saved.get("state")
+    if not isinstance(states, Mapping):
+        return
+    ids = [i for g in saved["param_groups"] for i in g["params"]]
+    params = [(p, g) for g in optimizer.param_groups for p in g["params"]]
+    keys_of: dict[int, set[str] | None] = {}
+    for pid, (param, group) in zip(ids, params):
+        entries = states.get(pid)
+        if isinstance(entries, Mapping) and entries:
+            expected = keys_of.get(id(group), ...)
+            if expected is ...:
+                expected = keys_of[id(group)] = _state_keys(optimizer, group)
+            other, missing = set(entries) - (expected or set(entries)), (expected or set()) - set(entries)
+            if expected and (other or (missing and kind != "SGD")):
+                raise IncompatibleComponentError(
+                    f"component {name!r}: the checkpoint's state of parameter {pid} holds {sorted(entries)}, this "
+                    f"{kind} keeps {sorted(expected)}: it was saved by another kind of optimizer, or with other "
+                    "options (amsgrad, momentum, centered); build the one it was saved with (or load without this "
+                    "component: components=[...])"
+                )
+        if torch.nn.parameter.is_lazy(param):  # (a lazy module gets its shapes from the same load)
+            continue
+        for key, spec in entries.items() if isinstance(entries, Mapping) else ():
+            if isinstance(spec, TensorSpec) and spec.shape and spec.shape != tuple(param.shape):
+                raise IncompatibleComponentError(
+                    f"component {name!r}: the checkpoint's {key!r} of parameter {pid} has shape {list(spec.shape)}, "
+                    f"the parameter {list(param.shape)}: the optimizer was saved for another model; build the model "
+                    "it was saved with (or load without this component: components=[...])"
+                )
 
 
 def _check_param_ids(saved: Any) -> None:

@@ -151,6 +151,8 @@ def storage_destinations(storage: TensorStorage, saved: Mapping[str, Any], name:
     flat = flatten(saved["data"])
     if not storage.initialized:
         allocate(storage, flat, saved["is_tensordict"], ndim)
+    else:
+        _check_no_other_entries(storage, flat, name)
     live = storage._storage
     capacity = int(live.shape[0])
     if rows > capacity:
@@ -171,6 +173,21 @@ def storage_destinations(storage: TensorStorage, saved: Mapping[str, Any], name:
             )
         out[spec.key] = leaf[:rows]
     return out
+
+
+def _check_no_other_entries(storage: TensorStorage, saved: Mapping[tuple[str, ...], Any], name: str) -> None:
+    """An initialised storage holds no entry the checkpoint lacks: its rows would keep values no save wrote (a
+    sample would carry them). Entries the checkpoint has and the storage lacks are added by the load."""
+    live = storage._storage
+    if not is_tensor_collection(live):
+        return
+    keys = {k if isinstance(k, tuple) else (k,) for k in live.keys(include_nested=True, leaves_only=True)}
+    other = sorted(".".join(k) for k in keys - set(saved))
+    if other:
+        raise IncompatibleComponentError(
+            f"component {name!r}: the buffer's storage holds entries the checkpoint does not ({other[:5]}): load "
+            "into a freshly built buffer, or one whose storage holds the saved entries"
+        )
 
 
 def restore_storage(storage: TensorStorage, saved: Mapping[str, Any]) -> None:

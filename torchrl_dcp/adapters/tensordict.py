@@ -90,9 +90,59 @@ class TensorDictAdapter(Adapter):
             return copy.deepcopy(self.state(obj, ctx))
         return tensordict_state(obj)
 
+    def validate(self, obj: TensorDictBase, saved: dict[int, Any], ctx: AdapterContext) -> None:
+        """A locked TensorDict is restored in place (``update_``, which skips keys it lacks and casts dtypes): it
+        must hold exactly the saved keys, each tensor of the saved dtype and shape (checked before anything
+        changes); an unlocked one is rebuilt as saved."""
+        for state in saved.values():
+            _check_locked(obj, state, ctx.name, "")
+
     def restore(self, obj: TensorDictBase, state: Any, ctx: AdapterContext) -> Any:
         _restore_into(obj, tensordict_from_state(state, ctx), ctx.name)
         return None
+
+
+def _check_locked(obj: Any, state: Any, name: str, at: str) -> None:
+    """Where ``obj`` (or a stacked or nested TensorDict of it) is locked, ``state`` (a saved state, tensors as
+    :class:`~torchrl_dcp.format.codec.TensorSpec`) has exactly its keys, and each tensor its dtype and shape."""
+    if not isinstance(state, dict):
+        return  # (a malformed state is refused by the restore)
+    if isinstance(obj, LazyStackedTensorDict):
+        parts = state.get("tensordicts")
+        if isinstance(parts, list) and len(parts) == len(obj.tensordicts):  # (else refused by the restore)
+            for i, (live, part) in enumerate(zip(obj.tensordicts, parts)):
+                _check_locked(live, part, name, f"{at}[{i}]")
+        return
+    entries = state.get("entries")
+    if not isinstance(obj, TensorDictBase) or not isinstance(entries, dict):
+        return
+    if not obj.is_locked:  # rebuilt from the saved state, whatever it held
+        return
+
+    def refuse(why: str) -> IncompatibleComponentError:
+        return IncompatibleComponentError(
+            f"component {name!r}: the locked TensorDict{' at ' + at if at else ''} {why}; it is restored in place, "
+            "so it must hold the saved keys, dtypes and shapes: unlock it (or build it as saved) before loading"
+        )
+
+    live_keys, saved_keys = set(obj.keys()), set(entries)
+    if live_keys != saved_keys:
+        raise refuse(
+            f"holds keys {sorted(live_keys - saved_keys)[:5]} the checkpoint lacks and lacks "
+            f"{sorted(saved_keys - live_keys)[:5]}"
+        )
+    for key, entry in entries.items():
+        value = obj.get(key)
+        if isinstance(entry, dict) and "td" in entry:
+            _check_locked(value, entry["td"], name, f"{at}.{key}" if at else key)
+            continue
+        spec = entry.get("tensor") if isinstance(entry, dict) else None
+        if spec is not None and isinstance(value, torch.Tensor) and not _is_non_tensor(value):
+            if value.dtype != spec.dtype or tuple(value.shape) != tuple(spec.shape):
+                raise refuse(
+                    f"holds {key!r} as {value.dtype} {list(value.shape)}, the checkpoint as {spec.dtype} "
+                    f"{list(spec.shape)}"
+                )
 
 
 def _restore_into(obj: TensorDictBase, new: TensorDictBase, name: str) -> None:
@@ -110,11 +160,26 @@ def _restore_into(obj: TensorDictBase, new: TensorDictBase, name: str) -> None:
     if obj.is_locked:
         obj.update_(new)
         return
-    for key in list(obj.keys()):
-        if key not in new.keys():
-            del obj[key]
+    _drop_unsaved(obj, new)
     if obj.batch_size != new.batch_size:
         for key in list(obj.keys()):
             del obj[key]
         obj.batch_size = new.batch_size
     obj.update(new)
+
+
+def _drop_unsaved(obj: TensorDictBase, new: TensorDictBase) -> None:
+    """Remove from an unlocked ``obj`` the keys ``new`` lacks, at every level ``update`` merges (nested
+    TensorDicts), so that the update leaves exactly the saved keys."""
+    for key in list(obj.keys()):
+        if key not in new.keys():
+            del obj[key]
+            continue
+        current, saved = obj.get(key), new.get(key)
+        if (
+            type(current) is TensorDict
+            and type(saved) is TensorDict
+            and not current.is_locked
+            and current.batch_size == saved.batch_size
+        ):
+            _drop_unsaved(current, saved)
