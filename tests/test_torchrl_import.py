@@ -456,3 +456,76 @@ def test_a_schema_dense_in_json_values_or_nested_too_deep_is_refused_naming_it(t
     schema.write_bytes(b"[" * 100_000 + b"]" * 100_000)
     with pytest.raises(tdcp.CheckpointFormatError, match="state.json: not valid JSON"):
         tdcp.DistributedCheckpoint(policy=_module()).load(path)
+
+
+def _rezip(path: Path, compression: int, patch=lambda b: b) -> None:
+    """Rewrite the ZIP at ``path`` with its members compressed as given, then ``patch`` its bytes."""
+    with zipfile.ZipFile(path) as z:
+        members = [(i.filename, z.read(i)) for i in z.infolist()]
+    tmp = path.with_suffix(".tmp")
+    with zipfile.ZipFile(tmp, "w", compression=compression) as z:
+        for name, data in members:
+            z.writestr(name, data)
+    path.write_bytes(patch(tmp.read_bytes()))
+    tmp.unlink()
+
+
+def _flip_after(marker: bytes, skip: int = 40, n: int = 8):
+    def patch(data: bytes) -> bytes:
+        at = data.index(marker) + len(marker) + skip
+        return data[:at] + bytes(b ^ 0x5A for b in data[at : at + n]) + data[at + n :]
+
+    return patch
+
+
+def _set_flag(data: bytes) -> bytes:  # the "encrypted" bit of every entry, local and central
+    out = bytearray(data)
+    for sig, at in ((b"PK\x03\x04", 6), (b"PK\x01\x02", 8)):
+        i = 0
+        while (i := out.find(sig, i)) >= 0:
+            out[i + at] |= 1
+            i += 4
+    return bytes(out)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["tdz-deflate-stream", "tdz-encrypted", "archive-bit-flip", "schema-too-deep"],
+)
+def test_damage_a_zip_or_a_schema_holds_is_refused_naming_the_file(
+    tmp_path: Path, damage: str, capsys: pytest.CaptureFixture
+) -> None:
+    """Whatever way a member's bytes fail to come out of a ZIP (torchrl's ``state.tdz``, a ``.torchrl`` archive: a
+    CRC that does not match, a damaged deflate stream, encryption) or a schema is nested past what is decoded, ``load``,
+    ``verify`` and the command line refuse it with a CheckpointError naming the file, nothing restored."""
+    if damage.startswith("tdz"):
+        ckpt = Checkpoint()
+        ckpt.register("policy", _trained()["policy"], adapter=StateDictCheckpointAdapter("archive"))
+        path = ckpt.save(tmp_path / "ckpt")
+        tdz = next((path / "components").glob("*/state.tdz"))
+        patch = _flip_after(b"meta.json", 2) if damage == "tdz-deflate-stream" else _set_flag
+        _rezip(tdz, zipfile.ZIP_DEFLATED, patch)
+        named = "state.tdz"
+    elif damage == "archive-bit-flip":
+        path = Checkpoint(policy=_trained()["policy"]).save(tmp_path / "run.torchrl", format="archive")
+        path.write_bytes(_flip_after(b"tensor_00000000.memmap")(path.read_bytes()))
+        named = "tensor_00000000.memmap"
+    else:
+        path = _policy_ckpt(tmp_path)
+        member = next((path / "components").glob("*/state.json"))
+        deep = '{"kind":"list","items":[' * 300 + '{"kind":"value","value":1}' + "]}" * 300
+        original = json.loads(member.read_text())  # wrapped with a list nested 300 deep
+        member.write_text(json.dumps({"kind": "list", "items": [original, json.loads(deep)]}))
+        named = "state.json"
+    live = _module()
+    before = {k: v.clone() for k, v in live.state_dict().items()}
+    with pytest.raises(tdcp.CheckpointError, match=named):
+        tdcp.DistributedCheckpoint(policy=live).load(path)
+    assert all(torch.equal(v, before[k]) for k, v in live.state_dict().items())
+    with pytest.raises(tdcp.CheckpointError, match=named):
+        tdcp.verify(path)
+    from torchrl_dcp.cli import main
+
+    assert main(["verify", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert named in err and "please report" not in err

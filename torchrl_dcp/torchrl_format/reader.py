@@ -38,6 +38,7 @@ import math
 import os
 import stat
 import zipfile
+import zlib
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
@@ -48,6 +49,7 @@ import torch
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError
 from torchrl_dcp.format.manifest import check_parse_cost
+from torchrl_dcp.format.manifest_depth import check_depth
 from torchrl_dcp.torchrl_format.detect import FORMAT_NAME, JSON_LIMIT, MANIFEST, is_torchrl_checkpoint
 
 __all__ = ["FORMAT_NAME", "TorchrlContainer", "is_torchrl_checkpoint"]  # (detection: .detect, torch-free)
@@ -138,8 +140,7 @@ class TorchrlContainer:
             )
         safe = _safe_name(name, self.path)
         if self._zip is not None:
-            with self._zip.open(self._members[safe]) as f:
-                data = f.read(size + 1)
+            data = zip_member(self._zip, self._members[safe], size + 1, self.where(name))
         else:
             flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)  # swapped for a FIFO
             fd = os.open(self.path / safe, flags)
@@ -237,8 +238,10 @@ class TorchrlContainer:
             )
         tensors = self._state_tensors(name)
         schema = self.read_json(self.need(name, "state.json"))
+        where = self.where(f"{rec['path']}/state.json")
+        check_depth(schema, where)  # decoded recursively: a deeper schema is refused first
         used: set[str] = set()
-        state = decode_schema(schema, tensors, used, self.where(f"{rec['path']}/state.json"), device)
+        state = decode_schema(schema, tensors, used, where, device)
         unused = set(tensors) - used
         if unused:
             raise CheckpointFormatError(
@@ -341,6 +344,21 @@ def read_memmap_folder(box: TorchrlContainer, folder: str, *, flat: bool = False
     return out
 
 
+def zip_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, limit: int, where: str) -> bytes:
+    """At most ``limit`` bytes of an archive's member: every way its bytes can fail to come out (a CRC that does not
+    match, a damaged deflate stream, a compression method or encryption this Python cannot read, a truncated
+    archive) is a :class:`CheckpointIntegrityError` naming it."""
+    try:
+        with archive.open(info) as f:
+            return f.read(limit)
+    except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, RuntimeError, OSError) as err:
+        raise CheckpointIntegrityError(
+            f"cannot be read from its archive ({type(err).__name__}: {str(err)[:200]}): the checkpoint is damaged, or "
+            "written by a tool this reader does not follow",
+            path=where,
+        ) from None
+
+
 def read_tensordict_archive(box: TorchrlContainer, member: str) -> dict[str, torch.Tensor]:
     """A TensorDict archive (``state.tdz``: a ZIP of a flat memory-map folder, stored uncompressed)."""
     import io
@@ -356,9 +374,9 @@ def read_tensordict_archive(box: TorchrlContainer, member: str) -> dict[str, tor
         if "meta.json" not in infos or infos["meta.json"].file_size > JSON_LIMIT:
             raise CheckpointFormatError("a TensorDict archive without a readable meta.json", path=where)
         try:
-            meta = json.loads(inner.read("meta.json"))
-        except ValueError as err:
-            raise CheckpointFormatError(f"its meta.json is not valid JSON: {err}", path=where) from None
+            meta = json.loads(zip_member(inner, infos["meta.json"], JSON_LIMIT, f"{where}::meta.json"))
+        except (ValueError, RecursionError) as err:
+            raise CheckpointFormatError(f"its meta.json is not valid JSON: {str(err)[:200]}", path=where) from None
         if not isinstance(meta, dict) or meta.get("_type", PLAIN_TENSORDICT) != PLAIN_TENSORDICT:
             raise CheckpointFormatError("only plain TensorDict archives are read", path=where)
         out = {}
@@ -372,7 +390,8 @@ def read_tensordict_archive(box: TorchrlContainer, member: str) -> dict[str, tor
             expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
             if info.file_size != expected:
                 raise CheckpointIntegrityError(f"{key}.memmap holds {info.file_size} bytes, not {expected}", path=where)
-            out[key] = tensor_from_bytes(inner.read(info), dtype, shape, f"{where}::{key}.memmap")
+            member = f"{where}::{key}.memmap"
+            out[key] = tensor_from_bytes(zip_member(inner, info, expected, member), dtype, shape, member)
     return out
 
 
