@@ -360,3 +360,20 @@ def test_a_printed_resume_reads_in_one_line(tmp_path: Path) -> None:
     assert len(text) < 200 and "format_version" not in text
     result = repr(info.result)
     assert result.startswith("LoadResult(path=") and "step=3" in result and "format_version" not in result
+
+
+def test_an_entry_whose_metric_is_an_integer_past_a_float_is_never_ranked(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """A committed entry whose metric is valid JSON but no float (``10**400``, left by a plain save) is not ranked:
+    ``best()``, the next rotation save and ``ls --metric`` go on; a rotation save given one refuses it, named."""
+    from torchrl_dcp.cli import main
+
+    ckpt = ckpt_for(1)[0]
+    rotation = tdcp.CheckpointRotation(tmp_path, keep_last=3, keep_best=("reward", "max"))
+    rotation.save(ckpt, step=1, metadata={"reward": 1.0})
+    ckpt.save(tmp_path / "step-000000000002", step=2, metadata={"reward": 10**400})
+    assert rotation.best().name == "step-000000000001"
+    rotation.save(ckpt, step=3, metadata={"reward": 3.0})
+    assert rotation.best().name == "step-000000000003"
+    assert main(["ls", str(tmp_path), "--metric", "reward"]) == 0
+    with pytest.raises(ValueError, match=r"keep_best needs a finite number in metadata\['reward'\], got 1000.*\.\.\.$"):
+        rotation.save(ckpt, step=4, metadata={"reward": 10**400})

@@ -144,8 +144,14 @@ def _timestamp(created_at: str | None) -> float:
 
 def metric_value(value: Any, key: str | None, required: bool = False) -> float | None:
     """A metadata value as the finite float retention ranks by; ``None`` (or, ``required``, an error) otherwise."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an integer past a float's range (valid JSON): no rank to give it
+            number = math.inf
+        if math.isfinite(number):
+            return number
     if required:
-        raise ValueError(f"keep_best needs a finite number in metadata[{key!r}], got {value!r}")
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise ValueError(f"keep_best needs a finite number in metadata[{key!r}], got {shown}")
     return None
