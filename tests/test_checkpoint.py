@@ -418,3 +418,30 @@ def test_a_metadata_value_json_refuses_is_named_by_its_path(tmp_path: Path) -> N
     with pytest.raises(tdcp.EncodingError, match=r"metadata\['cfg'\]\['deep'\]\[1\] must be JSON-safe"):
         ckpt.save(tmp_path / "a", metadata={"cfg": {"ok": 1, "deep": [2, object()]}})
     assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize(
+    "saved, live", [({"a": 1}, [1, 2]), ([1, 2], {"x": 1})], ids=["dict-into-list", "list-into-dict"]
+)
+def test_a_value_of_another_container_kind_is_refused_not_reported_restored(
+    tmp_path: Path, saved: object, live: object
+) -> None:
+    """A registered dict or list is updated in place; a checkpoint holding the other kind for it is refused (it was
+    reported loaded while the object stayed as it was)."""
+    path = tdcp.DistributedCheckpoint(stats=saved).save(tmp_path / "c")
+    before = repr(live)
+    with pytest.raises(tdcp.IncompatibleComponentError, match="updated in place by a load"):
+        tdcp.DistributedCheckpoint(stats=live).load(path)
+    assert repr(live) == before
+
+
+def test_component_options_are_checked_at_the_call(tmp_path: Path) -> None:
+    ckpt = tdcp.DistributedCheckpoint(model=torch.nn.Linear(2, 2))
+    path = ckpt.save(tmp_path / "c")
+    for call in (ckpt.save, ckpt.load):
+        target = tmp_path / "d" if call is ckpt.save else path
+        with pytest.raises(TypeError, match="pass CheckpointOptions"):
+            call(target, component_options={"model": {"save_args": {}}})
+        with pytest.raises(KeyError, match="not (saved|loaded): \\['other'\\]"):
+            call(target, component_options={"other": tdcp.CheckpointOptions()})
+    assert not (tmp_path / "d").exists()

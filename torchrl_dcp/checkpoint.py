@@ -435,10 +435,7 @@ class DistributedCheckpoint:
         """
         location = save_location(path, self.storage_options)  # a URL: an object-store prefix (docs/objectstores.md)
         names = self._select(components, self.save_components)
-        options = dict(component_options or {})
-        unknown = sorted(set(options) - set(names))
-        if unknown:
-            raise KeyError(f"options given for components that are not saved: {unknown}")
+        options = _check_options(component_options, names, "saved")
         step = _check_step(step)  # before anything is written: the manifest records an integer (or null)
         metadata = plain_scalars(dict(metadata or {}))  # (numpy and 0-d tensor scalars as numbers)
         if step is None and type(metadata.get("step")) is int:
@@ -523,7 +520,7 @@ class DistributedCheckpoint:
             raise ValueError(f"world_size_change must be 'error' or 'reshard', got {world_size_change!r}")
         sync_trainer(self)
         requested = self._select(components, None)
-        options = dict(component_options or {})
+        options = _check_options(component_options, requested, "loaded")
         request = load_engine.LoadRequest(
             path=resolve_path(path, self.storage_options),
             requested=requested,
@@ -601,6 +598,24 @@ def _check_timeout(timeout: Any) -> datetime.timedelta | None:
 def _check_strict(strict: str) -> None:
     if strict not in ("error", "warn", "ignore"):
         raise ValueError(f"strict must be 'error', 'warn' or 'ignore', got {strict!r}")
+
+
+def _check_options(
+    given: Mapping[str, CheckpointOptions] | None, names: Collection[str], done: str
+) -> dict[str, CheckpointOptions]:
+    """``component_options`` checked at the call: each a :class:`CheckpointOptions`, for a component ``names``
+    holds (the ones this save or load handles)."""
+    options = dict(given or {})
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+        raise KeyError(f"options given for components that are not {done}: {unknown}")
+    wrong = sorted(n for n, o in options.items() if not isinstance(o, CheckpointOptions))
+    if wrong:
+        raise TypeError(
+            f"component_options must map component names to tdcp.CheckpointOptions; {wrong} "
+            f"{'is' if len(wrong) == 1 else 'are'} {type(options[wrong[0]]).__name__}: pass CheckpointOptions(...)"
+        )
+    return options
 
 
 def _check_step(step: Any) -> int | None:

@@ -20,6 +20,7 @@ from collections.abc import Mapping, MutableMapping, MutableSequence
 from typing import Any
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
+from torchrl_dcp.errors import IncompatibleComponentError
 
 _SCALARS = (type(None), bool, int, float, str)
 
@@ -63,6 +64,17 @@ class JSONAdapter(Adapter):
     def snapshot(self, obj: Any, ctx: AdapterContext) -> Any:
         """A shallow copy: restoring replaces the container's items and never writes into the old ones."""
         return copy.copy(obj)
+
+    def validate(self, obj: Any, saved: dict[int, Any], ctx: AdapterContext) -> None:
+        """A registered dict (or list) is updated in place: the checkpoint must hold a mapping (a list) for it,
+        or the load would report it restored and leave it as it was."""
+        for state in saved.values():
+            mapping, sequence = isinstance(obj, MutableMapping), _is_sequence(obj)
+            if (mapping and not isinstance(state, Mapping)) or (sequence and not isinstance(state, list)):
+                raise IncompatibleComponentError(
+                    f"component {ctx.name!r} is a {type(obj).__name__}, updated in place by a load; the checkpoint "
+                    f"holds a {type(state).__name__} for it: register an object of the saved kind"
+                )
 
     def restore(self, obj: Any, state: Any, ctx: AdapterContext) -> Any:
         if isinstance(obj, MutableMapping) and isinstance(state, Mapping):
