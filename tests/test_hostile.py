@@ -312,6 +312,46 @@ def test_save_never_writes_through_a_symlinked_destination(tmp_path: Path) -> No
     assert (victim / "keep.txt").read_text() == "precious" and link.is_symlink()
 
 
+@pytest.mark.parametrize("planted", ["notes.txt", "sub/x", "link", "__0_0.distcp.bak"])
+@pytest.mark.parametrize("where", ["directory", "memory"])
+def test_a_checkpoint_holding_entries_no_save_writes_is_not_replaced(tmp_path: Path, planted: str, where: str) -> None:
+    """Saving over a committed checkpoint that holds something no save writes there (a user's notes, a folder, a
+    link): refused on every backend alike, naming it, the checkpoint and the entry kept (it was deleted with the
+    checkpoint on a local disk, refused on an object store)."""
+    import uuid
+
+    import fsspec
+
+    path: Any = tmp_path / "c" if where == "directory" else f"memory://tdcp-hostile/{uuid.uuid4().hex}/c"
+    checkpoint(make_objects(1)).save(path)
+    name = planted.split("/")[0]
+    if where == "directory":
+        if planted == "link":
+            (path / planted).symlink_to(tmp_path)
+        else:
+            (path / planted).parent.mkdir(exist_ok=True)
+            (path / planted).write_text("mine")
+    else:
+        if planted == "link":
+            pytest.skip("an object store has no links")
+        fsspec.filesystem("memory").pipe_file(f"{path.removeprefix('memory://')}/{planted}", b"mine")
+    with pytest.raises(
+        tdcp.CheckpointError,
+        match=rf"(holds entries a checkpoint never holds|holds objects a checkpoint never holds).*{name}",
+    ):
+        checkpoint(make_objects(2)).save(path)
+    if where == "directory":
+        assert (path / planted).is_symlink() if planted == "link" else (path / planted).read_text() == "mine"
+        (path / planted).unlink()
+        if "/" in planted:
+            (path / name).rmdir()
+    else:
+        fsspec.filesystem("memory").rm(f"{path.removeprefix('memory://')}/{planted}")
+    objs = make_objects(2)  # the checkpoint, as it was saved (a load refuses unlisted entries: they are gone)
+    checkpoint(objs).load(path)
+    assert same(snapshot(objs), snapshot(make_objects(1)))
+
+
 # ---------------------------------------------------------------------- planted pickles
 def test_pickle_in_metadata_never_runs(tmp_path: Path) -> None:
     """A resealed ``.metadata`` that is a payload: ``verify`` refuses to unpickle it, naming it; a load never reads

@@ -34,7 +34,7 @@ from torchrl_dcp._log import get_logger
 from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError
 from torchrl_dcp.format import manifest as schema
 from torchrl_dcp.format.checksums import checksum_mismatch
-from torchrl_dcp.format.layout import DCP_METADATA, MANIFEST, MAX_MANIFEST_BYTES, identity_trailer
+from torchrl_dcp.format.layout import DCP_METADATA, MANIFEST, MAX_MANIFEST_BYTES, identity_trailer, is_library_file
 from torchrl_dcp.storage.archive import ArchiveLocation
 from torchrl_dcp.storage.base import (
     ByteRange,
@@ -159,16 +159,38 @@ class DirectoryContainer(ManifestParts):
 
 
 def is_replaceable(destination: Path) -> bool:
-    """Whether ``destination`` may be replaced by a save: an empty directory or a committed checkpoint."""
+    """Whether ``destination`` may be replaced by a save: an empty directory or a committed checkpoint holding
+    nothing a save does not write (a file of the user's inside it is not deleted with it)."""
     if not destination.is_dir() or destination.is_symlink():
         return False
     if not any(destination.iterdir()):
         return True
     try:
         DirectoryContainer(destination).manifest()
-        return True
     except CheckpointError:
         return False
+    return not foreign_entries(destination)
+
+
+def _not_replaced(destination: Path) -> str:
+    """Why a save refuses to replace ``destination`` (:func:`is_replaceable` said no)."""
+    if _kind(destination) == "checkpoint" and any(destination.iterdir()):
+        try:
+            DirectoryContainer(destination).manifest()
+        except CheckpointError:
+            pass
+        else:
+            return (
+                f"holds entries a checkpoint never holds ({foreign_entries(destination)[:5]}); refusing to replace "
+                "it: move them, or save elsewhere"
+            )
+    return "exists and is not a torchrl_dcp checkpoint; refusing to replace it (choose another path)"
+
+
+def foreign_entries(destination: Path) -> list[str]:
+    """What a committed checkpoint directory holds that no save writes there: other names, links, folders (the
+    rule object stores apply to a prefix, :func:`~torchrl_dcp.storage.objectstore_save.foreign_objects`)."""
+    return sorted(n for n in os.listdir(destination) if not is_library_file(n) or _kind(destination / n) != "archive")
 
 
 def _kind(path: Path) -> EntryKind | None:
@@ -320,10 +342,7 @@ class DirectoryLocation(Location):
         lock = DestinationLock(destination).acquire()
         try:
             if (destination.exists() or destination.is_symlink()) and not is_replaceable(destination):
-                raise CheckpointError(
-                    "exists and is not a torchrl_dcp checkpoint; refusing to replace it (choose another path)",
-                    path=destination,
-                )
+                raise CheckpointError(_not_replaced(destination), path=destination)
             for stale in stale_entries(destination):
                 remove_tree(stale)
             staging = staging_path(destination)
