@@ -351,3 +351,13 @@ def test_inspect_and_ls_count_the_same_bytes(tmp_path: Path, capsys: pytest.Capt
     for target in (path, archive):
         _, info = run_json(capsys, "inspect", str(target))
         assert info["bytes"] == sizes[target.name] and 0 < info["data_bytes"] <= info["bytes"]
+
+
+@pytest.mark.parametrize("atol", ["-1", "nan", "inf", "x"])
+def test_diff_refuses_a_tolerance_that_would_hide_or_invent_differences(
+    tmp_path: Path, capsys: pytest.CaptureFixture, atol: str
+) -> None:
+    a = tdcp.DistributedCheckpoint(m={"w": torch.zeros(2)}).save(tmp_path / "a")
+    with pytest.raises(SystemExit) as exit_:
+        main(["diff", str(a), str(a), "--atol", atol])
+    assert exit_.value.code == 2 and "--atol" in capsys.readouterr().err

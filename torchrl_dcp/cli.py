@@ -240,6 +240,19 @@ def _print_ls(info: dict[str, Any], metric: str | None) -> None:
         )
 
 
+def _tolerance(text: str) -> float:
+    """``--atol``: a finite number ≥ 0 (a negative or NaN tolerance would hide or invent differences)."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
 def _diff(a: str, b: str, atol: float, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """How checkpoints ``a`` and ``b`` differ; ``progress(done, total)``: bytes of tensors read (both sides)."""
     from torchrl_dcp.extract import as_source
@@ -475,7 +488,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("diff", help="which components and tensors differ, with the max abs difference")
     p.add_argument("a")
     p.add_argument("b")
-    p.add_argument("--atol", type=float, default=0.0, help="ignore tensor differences up to this (default 0)")
+    p.add_argument("--atol", type=_tolerance, default=0.0, help="ignore tensor differences up to this (default 0)")
     return parser
 
 
