@@ -126,3 +126,18 @@ def test_random_skeletons_never_crash_otherwise(skeleton) -> None:
         list(tensor_specs(skeleton))
     except CheckpointFormatError:
         pass
+
+
+def test_an_integer_json_cannot_hold_is_refused_at_encoding_naming_its_path(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Python writes at most 4,300 decimal digits of an integer to JSON: a larger one is refused when the state is
+    encoded (named by its path), not when the manifest is committed; one just below the bound round-trips."""
+    import torchrl_dcp as tdcp
+
+    with pytest.raises(tdcp.EncodingError, match=r"stats/deep/1 \(an integer of more than 14000 bits"):
+        tdcp.DistributedCheckpoint(stats={"deep": [1, 10**5000]}).save(tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+    big = -(1 << 13_999)
+    path = tdcp.DistributedCheckpoint(stats={"n": big}).save(tmp_path / "b")
+    live: dict = {}
+    tdcp.DistributedCheckpoint(stats=live).load(path)
+    assert live == {"n": big}

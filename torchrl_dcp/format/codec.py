@@ -159,6 +159,8 @@ class _Encoder:
 
     def encode(self, value: Any, path: str, depth: int = 0) -> Any:
         if isinstance(value, _SCALAR_KINDS):
+            if type(value) is int and value.bit_length() > MAX_INT_BITS:  # JSON would refuse it at commit
+                raise self.fail(path, value, f" (an integer of more than {MAX_INT_BITS} bits: store it as a string)")
             return value
         if isinstance(value, float):
             return value if math.isfinite(value) else {"t": "float", "v": repr(value)}
@@ -454,6 +456,8 @@ def decode(skeleton: Any, tensors: Mapping[str, Any]) -> Any:
 
 
 _SCALARS = frozenset({type(None), bool, int, str, float})
+#: the largest integer a state may hold: below the 4,300 decimal digits Python writes to (and reads from) JSON
+MAX_INT_BITS = 14_000
 
 
 def _decode(node: Any, tensors: Mapping[str, Any], depth: int) -> Any:
