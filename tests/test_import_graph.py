@@ -139,3 +139,18 @@ def test_paths_are_tested_for_their_kind_only_in_the_dispatch() -> None:
                 found.append(f"{path.relative_to(PACKAGE.parent)}:{number}: {line.strip()}")
     assert found == []
     assert PATH_KIND.search("if isinstance(p, StorePath):") and PATH_KIND.search("is_store(path)")
+
+
+def test_subpackages_are_attributes_of_the_package_in_a_fresh_interpreter() -> None:
+    """The docs call ``tdcp.adapters.register_exact_transform(cls)`` after ``import torchrl_dcp as tdcp``: a
+    subpackage is imported on first use (importing the package alone still imports no torch)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import torchrl_dcp as tdcp; assert 'torch' not in sys.modules; "
+        "print(callable(tdcp.adapters.register_exact_transform)); "
+        "print(hasattr(tdcp, 'no_such_module'))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0 and proc.stdout.split() == ["True", "False"], proc.stderr[-2000:]

@@ -9,6 +9,7 @@ Example:
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from torchrl_dcp._version import __version__
@@ -48,6 +49,8 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
+        if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            return importlib.import_module(f"{__name__}.{name}")  # a subpackage: ``tdcp.adapters.register_...``
         raise AttributeError(f"module 'torchrl_dcp' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
