@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -207,6 +208,43 @@ def test_a_traj_counter_inside_a_compose_continues_its_ids_after_a_restore(tmp_p
             assert torch.equal(a[key], b[key]), key
 
 
+@pytest.mark.parametrize("wrapped", [False, True], ids=["serial", "transformed-serial"])
+def test_traj_counters_inside_a_serial_envs_sub_envs_continue_their_ids(tmp_path: Path, wrapped: bool) -> None:
+    """The same torchrl gap inside each sub-env of a ``SerialEnv`` (whose ``state_dict`` is its sub-envs'): the
+    counts were lost there, silently; the next batches, trajectory counts included, equal an uninterrupted run's."""
+    from torchrl.collectors import Collector
+    from torchrl.envs import Compose, PendulumEnv, SerialEnv, StepCounter, TrajCounter
+
+    def build(seed: int) -> Collector:
+        torch.manual_seed(seed)
+        env = SerialEnv(2, lambda: TransformedEnv(PendulumEnv(), Compose(StepCounter(max_steps=4), TrajCounter())))
+        if wrapped:
+            env = TransformedEnv(env, RewardSum())
+        env.set_seed(seed)
+        return Collector(env, None, frames_per_batch=8, total_frames=-1)
+
+    collector = build(0)
+    it = iter(collector)
+    for _ in range(3):
+        next(it)
+    ckpt = tdcp.DistributedCheckpoint(collector=collector, rng=tdcp.RNGState())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tdcp.InexactResumeWarning)
+        path = ckpt.save(tmp_path / "ckpt")
+    expected = [next(it) for _ in range(2)]
+    collector.shutdown()
+    assert int(expected[-1]["next", "traj_count"].max()) >= 4
+    collector2 = build(1)
+    next(iter(collector2))  # its counters moved on: the load must put them back
+    tdcp.DistributedCheckpoint(collector=collector2, rng=tdcp.RNGState()).load(path)
+    it2 = iter(collector2)
+    got = [next(it2) for _ in range(2)]
+    collector2.shutdown()
+    for a, b in zip(expected, got):
+        for key in a.keys(True, True):
+            assert torch.equal(a[key], b[key]), key
+
+
 def test_a_shut_down_collector_is_refused_saying_why(tmp_path: Path) -> None:
     """``Trainer.train()`` shuts its collector down when it ends: a save after that said only "no attribute env"."""
     from torchrl.collectors import Collector
@@ -218,3 +256,28 @@ def test_a_shut_down_collector_is_refused_saying_why(tmp_path: Path) -> None:
     with pytest.raises(tdcp.CheckpointError, match=r"the collector was shut down .*save before the shutdown"):
         tdcp.DistributedCheckpoint(collector=collector).save(tmp_path / "c")
     assert not (tmp_path / "c").exists()
+
+
+def test_a_collector_load_refused_while_restoring_leaves_its_carrier_as_it_was(tmp_path: Path) -> None:
+    """A collector over an env built otherwise (nested ``TransformedEnv``s, no ``StepCounter``) is refused while
+    restoring (no generator at the saved path) after the carrier was updated: the rollback must also remove the
+    carrier entries the update added (``step_count``, ``truncated``); the state audit finds no difference."""
+    from torchrl._utils import set_auto_unwrap_transformed_env
+    from torchrl.envs import PendulumEnv
+
+    env = TransformedEnv(PendulumEnv(), Compose(StepCounter(max_steps=10)))
+    env.set_seed(0)
+    collector = Collector(env, None, frames_per_batch=8, total_frames=-1)
+    next(iter(collector))
+    path = tdcp.DistributedCheckpoint(collector=collector).save(tmp_path / "ckpt")
+    with set_auto_unwrap_transformed_env(False):
+        other = TransformedEnv(TransformedEnv(PendulumEnv(), RewardSum()), Compose())
+    other.set_seed(1)
+    live = Collector(other, None, frames_per_batch=8, total_frames=-1)
+    next(iter(live))
+    before = tdcp.state_snapshot(live, "collector")
+    keys = set(live._carrier.keys(True, True))
+    with pytest.raises(tdcp.IncompatibleComponentError):
+        tdcp.DistributedCheckpoint(collector=live).load(path)
+    assert set(live._carrier.keys(True, True)) == keys
+    assert not tdcp.state_differences(before, tdcp.state_snapshot(live, "collector"))

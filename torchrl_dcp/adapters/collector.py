@@ -39,7 +39,7 @@ from torchrl_dcp.adapters.env_transforms import (
     warn_unverified_transforms,
 )
 from torchrl_dcp.adapters.rng import same_rank_source
-from torchrl_dcp.adapters.tensordict import tensordict_from_state, tensordict_state
+from torchrl_dcp.adapters.tensordict import drop_unsaved, tensordict_from_state, tensordict_state
 from torchrl_dcp.errors import EncodingError, IncompatibleComponentError, InexactResumeWarning
 
 
@@ -235,6 +235,7 @@ class CollectorAdapter(Adapter):
                     f"holds {tuple(saved.batch_size)}"
                 )
             _replace_expanded(carrier, saved)
+            drop_unsaved(carrier, saved)  # entries the saved carrier lacks (an env built otherwise; a rollback's)
             carrier.update(saved, inplace=True)  # existing entries in place (others may hold them), new ones set
         pool = state["state_dict"].get("traj_pool")
         if pool is not None:  # load_state_dict allocated a new trajectory id: undo it, the carrier is restored
@@ -296,7 +297,8 @@ def transformed_serial_envs(env: Any) -> dict[str, Any]:
 
 
 def composed_custom_state(env: Any) -> dict[str, Any]:
-    """``{path: transform}`` of the transforms inside a ``Compose`` that define their own ``state_dict``.
+    """``{path: transform}`` of the transforms inside a ``Compose`` that define their own ``state_dict`` (also in the
+    sub-envs of a ``SerialEnv``: ``base_env._envs.0.transform.1``).
 
     ``Compose.state_dict()`` is ``nn.Module``'s: it gathers its children's parameters and buffers, never their own
     ``state_dict`` overrides, so e.g. ``TrajCounter``'s trajectory count (a shared counter, not a buffer) was lost
@@ -307,7 +309,7 @@ def composed_custom_state(env: Any) -> dict[str, Any]:
         >>> sorted(composed_custom_state(TransformedEnv(PendulumEnv(), Compose(StepCounter(), TrajCounter()))))
         ['transform.1']
     """
-    from torchrl.envs import TransformedEnv
+    from torchrl.envs import SerialEnv, TransformedEnv
 
     out: dict[str, Any] = {}
     stack: list[tuple[Any, str]] = [(env, "")]
@@ -316,6 +318,8 @@ def composed_custom_state(env: Any) -> dict[str, Any]:
         if isinstance(obj, TransformedEnv):
             stack.append((obj.transform, f"{path}transform"))
             stack.append((obj.base_env, f"{path}base_env."))
+        elif isinstance(obj, SerialEnv):  # its sub-envs' transforms (``SerialEnv.state_dict`` is theirs: the same loss)
+            stack.extend((e, f"{path}_envs.{i}.") for i, e in enumerate(obj.__dict__.get("_envs") or ()))
         children = getattr(obj, "transforms", None) if type(obj).__name__ == "Compose" else None
         for i, child in enumerate(children or ()):
             where = f"{path}.{i}"

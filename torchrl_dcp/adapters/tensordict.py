@@ -160,7 +160,7 @@ def _restore_into(obj: TensorDictBase, new: TensorDictBase, name: str) -> None:
     if obj.is_locked:
         obj.update_(new)
         return
-    _drop_unsaved(obj, new)
+    drop_unsaved(obj, new)
     if obj.batch_size != new.batch_size:
         for key in list(obj.keys()):
             del obj[key]
@@ -168,9 +168,11 @@ def _restore_into(obj: TensorDictBase, new: TensorDictBase, name: str) -> None:
     obj.update(new)
 
 
-def _drop_unsaved(obj: TensorDictBase, new: TensorDictBase) -> None:
+def drop_unsaved(obj: TensorDictBase, new: TensorDictBase) -> None:
     """Remove from an unlocked ``obj`` the keys ``new`` lacks, at every level ``update`` merges (nested
     TensorDicts), so that the update leaves exactly the saved keys."""
+    if obj.is_locked:  # (a locked one keeps its keys: the TensorDict adapter checks them while planning)
+        return
     for key in list(obj.keys()):
         if key not in new.keys():
             del obj[key]
@@ -182,4 +184,4 @@ def _drop_unsaved(obj: TensorDictBase, new: TensorDictBase) -> None:
             and not current.is_locked
             and current.batch_size == saved.batch_size
         ):
-            _drop_unsaved(current, saved)
+            drop_unsaved(current, saved)
