@@ -10,6 +10,7 @@ from tensordict import TensorDict
 from torchrl.data import (
     LazyMemmapStorage,
     LazyTensorStorage,
+    PrioritizedSampler,
     RandomSampler,
     ReplayBuffer,
     RoundRobinWriter,
@@ -269,3 +270,27 @@ def test_a_filled_storage_with_entries_the_checkpoint_lacks_is_refused_and_uncha
     fresh = TensorDictReplayBuffer(storage=LazyTensorStorage(8), batch_size=2)
     tdcp.DistributedCheckpoint(rb=fresh).load(path)  # a freshly built buffer loads it
     assert torch.equal(fresh[:4]["obs"], rb[:4]["obs"])
+
+
+@pytest.mark.parametrize("differs", ["sampler", "writer"])
+def test_a_buffer_of_another_sampler_or_writer_is_refused_before_anything_is_read(tmp_path: Path, differs: str) -> None:
+    """A sampler or writer of another class was refused only while restoring, after other components' tensors (a
+    policy's weights) had been read in place; now while planning: nothing changes."""
+    policy = torch.nn.Linear(3, 2)
+    rb = TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.5, storage=LazyTensorStorage(CAPACITY), batch_size=4)
+    rb.extend(data(8))
+    path = tdcp.DistributedCheckpoint(policy=policy, rb=rb).save(tmp_path / "c")
+    live_policy = torch.nn.Linear(3, 2)
+    weights = live_policy.weight.detach().clone()
+    if differs == "sampler":
+        live = TensorDictReplayBuffer(storage=LazyTensorStorage(CAPACITY), sampler=RandomSampler(), batch_size=4)
+    else:
+        live = TensorDictReplayBuffer(
+            storage=LazyTensorStorage(CAPACITY),
+            sampler=PrioritizedSampler(CAPACITY, alpha=0.7, beta=0.5),
+            writer=TensorDictMaxValueWriter(rank_key="obs"),
+            batch_size=4,
+        )
+    with pytest.raises(tdcp.IncompatibleComponentError, match=f"{differs} was"):
+        tdcp.DistributedCheckpoint(policy=live_policy, rb=live).load(path)
+    assert torch.equal(live_policy.weight, weights) and len(live) == 0

@@ -307,6 +307,32 @@ def restore_writer(writer: Any, saved: Mapping[str, Any], name: str) -> None:
     writer.load_state_dict(saved["state"])
 
 
+def _check_kinds(rb: ReplayBuffer, state: Any, name: str) -> None:
+    """The buffer's sampler and writer are of the saved classes (what :func:`restore_sampler` and
+    :func:`restore_writer` refuse), checked while planning: before other components' tensors are read in place."""
+    if not isinstance(state, Mapping):
+        return
+    sampler, writer = state.get("sampler"), state.get("writer")
+    if isinstance(sampler, Mapping) and "type" in sampler and type(rb._sampler).__name__ != sampler["type"]:
+        raise IncompatibleComponentError(
+            f"component {name!r}: sampler was {sampler['type']}, the buffer has {type(rb._sampler).__name__}: build "
+            "the buffer with the sampler it was saved with"
+        )
+    if not isinstance(writer, Mapping):
+        return
+    if writer.get("kind") == "max_value":
+        expected = "TensorDictMaxValueWriter"
+        ok = isinstance(rb._writer, TensorDictMaxValueWriter)
+    else:
+        expected = writer.get("type")
+        ok = expected is None or type(rb._writer).__name__ == expected
+    if not ok:
+        raise IncompatibleComponentError(
+            f"component {name!r}: writer was {expected}, the buffer has {type(rb._writer).__name__}: build the buffer "
+            "with the writer it was saved with"
+        )
+
+
 # --------------------------------------------------------------------------- adapter
 class ReplayBufferAdapter(Adapter):
     """A torchrl replay buffer and everything it needs to sample the same batches after a restore."""
@@ -397,6 +423,8 @@ class ReplayBufferAdapter(Adapter):
         world-size change, this rank's buffer must hold the transitions it receives."""
         lengths = ctx.plan.get("lengths")
         sampler = initialized_buffer(rb)._sampler
+        for state in saved.values():  # the restore's checks of kinds, made before anything is read
+            _check_kinds(initialized_buffer(rb), state, ctx.name)
         for state in saved.values() if lengths is None else ():  # (resharding rebuilds the sampler's trees)
             saved_sampler = state.get("sampler") if isinstance(state, Mapping) else None
             if isinstance(saved_sampler, Mapping) and saved_sampler.get("kind") == "prioritized":
