@@ -145,3 +145,35 @@ def raise_on_one_rank(path: str, seed: int) -> dict[str, Any]:
     except tdcp.CheckpointError as err:
         return {"error": type(err).__name__, "message": str(err)}
     return {"error": None}
+
+
+def save_unlike(path: str, case: str) -> dict[str, Any]:
+    """A good checkpoint at ``path``, then a save the ranks describe differently (``case``): every rank must get the
+    same CheckpointError before anything is written, the good checkpoint kept."""
+    objs = _objects(0)
+    ckpt = _checkpoint(objs)
+    ckpt.save(path, step=1)
+    rank = dist.get_rank()
+    target, step, components = path, 2, None
+    if rank == 1:
+        if case == "extra_component":
+            ckpt.register("extra", {"n": 1}, placement="per_rank")
+        elif case == "placement":
+            ckpt = tdcp.DistributedCheckpoint(model=objs["model"])
+            ckpt.register("stats", objs["stats"], placement="replicated")
+            ckpt.register("rng", tdcp.RNGState())
+        elif case == "kind":
+            ckpt = tdcp.DistributedCheckpoint(model=objs["model"])
+            ckpt.register("stats", torch.zeros(2), placement="per_rank")
+            ckpt.register("rng", tdcp.RNGState())
+        elif case == "path":
+            target = path + "-elsewhere"
+        elif case == "step":
+            step = 3
+        elif case == "components":
+            components = ["model"]
+    try:
+        ckpt.save(target, step=step, components=components)
+    except tdcp.CheckpointError as err:
+        return {"error": type(err).__name__, "message": str(err)}
+    return {"error": None}

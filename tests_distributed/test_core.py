@@ -81,3 +81,31 @@ def test_failure_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
     assert results[0].value["error"] == "CollectiveError"
     assert "rank 1" in results[0].value["message"] and "stats/bad" in results[0].value["message"]
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("case", ["extra_component", "placement", "kind", "path", "step", "components"])
+def test_a_save_the_ranks_describe_differently_raises_on_every_rank_and_keeps_the_checkpoint(
+    tmp_path: Path, case: str
+) -> None:
+    """The manifest is rank 0's description of the save: a rank that registered another component, placement or
+    kind of object, or called save with another path, step or components, committed a checkpoint no load read (in
+    place of the good one) or silently lost its state. Now every rank raises the same error naming the difference,
+    before anything is written; the previous checkpoint still loads."""
+    path = str(tmp_path / "ckpt")
+    results = launch(f"{S}:save_unlike", 2, path, case)
+    messages = {r.value["message"] for r in results}
+    assert [r.value["error"] for r in results] == ["CheckpointError"] * 2 and len(messages) == 1, results
+    message = messages.pop()
+    assert "the ranks do not save alike" in message and "nothing was written" in message
+    expected = {
+        "extra_component": "components only on rank 1: ['extra']",
+        "placement": "component 'stats' is per_rank",
+        "kind": "component 'stats' is per_rank (torchrl_dcp.json v1) on rank 0, per_rank (torchrl_dcp.tensor v1)",
+        "path": "ckpt-elsewhere",
+        "step": "'step': 3",
+        "components": "components only on rank 0:",
+    }[case]
+    assert expected in message, message
+    assert tdcp.read_manifest(path)["step"] == 1 and not (tmp_path / "ckpt-elsewhere").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    tdcp.verify(path)

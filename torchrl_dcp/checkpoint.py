@@ -458,7 +458,8 @@ class DistributedCheckpoint:
             return save_engine.encode(items, rank)
 
         checks = {n: self._components[n].replica_check or self.replica_check for n in names}
-        encoded, write_plan = save_engine.plan(group, encode_step, checks)
+        call = {"path": str(location.path), "step": step}  # what every rank passes alike (layouts compared)
+        encoded, write_plan = save_engine.plan(group, encode_step, checks, call)
         job = save_engine.SaveJob(location.path, location, step, metadata, encoded, write_plan, group, rank, world)
         try:
             base = _incremental_base(incremental_from, location, self.storage_options)

@@ -50,7 +50,7 @@ from torchrl_dcp._log import get_logger
 from torchrl_dcp.adapters import Adapter, AdapterContext
 from torchrl_dcp.collective import broadcast_step, error_status, raise_if_failed, run_step
 from torchrl_dcp.commit_records import RankPart, metadata_bytes, root_manifest, write_rank_part
-from torchrl_dcp.errors import CollectiveError, EncodingError
+from torchrl_dcp.errors import CheckpointError, CollectiveError, EncodingError
 from torchrl_dcp.format.codec import dtype_name, escape_key, is_dtensor, repeated_tensors, tensor_identity
 from torchrl_dcp.format.codec import encode as encode_value
 from torchrl_dcp.format.layout import DCP_METADATA
@@ -217,7 +217,7 @@ def _encode_item(item: EncodeItem, rank: int, out: Encoded, shared: dict[tuple[A
 
 # ---------------------------------------------------------------------- step 2: plan
 def plan(
-    group: Any, encode_step: Any, replica_checks: Mapping[str, ReplicaCheck] | None = None
+    group: Any, encode_step: Any, replica_checks: Mapping[str, ReplicaCheck] | None = None, call: Any = None
 ) -> tuple[Encoded, WritePlan]:
     """Encode on every rank (``encode_step()``), agree, plan the writes (collective).
 
@@ -228,7 +228,8 @@ def plan(
     the ranks gather what each holds, to raise the same error everywhere naming the rank, the
     component or the key (:func:`_plan_gathered`). Any rank's encoding failure raises on every
     rank before anything is written; so does replicated state that differs between ranks
-    (:mod:`torchrl_dcp.replicas`).
+    (:mod:`torchrl_dcp.replicas`), and a save the ranks do not describe alike (:func:`save_layout`: the
+    components, their placements and adapters, and ``call``, the arguments every rank passes alike).
     """
     mine: list[Encoded] = []
     several = _dist.group_size(group) > 1
@@ -237,17 +238,17 @@ def plan(
     try:
         mine.append(encode_step())
         replicas = replica_digest(mine[0].records, mine[0].flat, replica_checks or {}) if several else {}
-        held.append((tensor_infos(mine[0].flat), replicas))
+        held.append((tensor_infos(mine[0].flat), replicas, save_layout(mine[0], call)))
     except BaseException as err:  # reported to every rank (below), then re-raised here
         error = err
     try:
         if not several:
             raise_if_failed([], "encoding the state", error)
             return mine[0], plan_local(held[0][0], 0, 1)
-        infos, replicas = held[0] if held else (None, {})
+        infos, replicas, layout = held[0] if held else (None, {}, None)
         (failed, needs_dcp), same = _dist.agree(
             [error is not None, bool(held) and infos is None],
-            shared_digest(infos, replicas),
+            shared_digest(infos, {"replicas": replicas, "layout": layout}),
             group,
             "encoding the state",
         )
@@ -271,8 +272,42 @@ def _plan_gathered(group: Any, held: list[Any], error: BaseException | None) -> 
         return held[0]
 
     gathered = run_step(group, "encoding the state", local, monitored=False)
-    compare_replicas([replicas for _, replicas in gathered])
-    return plan_writes([infos for infos, _ in gathered])
+    compare_layouts([layout for _, _, layout in gathered])
+    compare_replicas([replicas for _, replicas, _ in gathered])
+    return plan_writes([infos for infos, _, _ in gathered])
+
+
+def save_layout(encoded: Encoded, call: Any) -> dict[str, Any]:
+    """What every rank of a save must describe alike (JSON-safe): ``call`` (the save's destination and step) and
+    each component's placement and adapter. The manifest is rank 0's description of them: a rank that registered
+    another component, placement or adapter would commit a checkpoint no load reads."""
+    components = {n: [r.placement, r.adapter, r.adapter_version] for n, r in sorted(encoded.records.items())}
+    return {"call": call, "components": components}
+
+
+def compare_layouts(layouts: list[dict[str, Any]]) -> None:
+    """Raise the same :class:`CheckpointError` on every rank when the ranks' :func:`save_layout` differ, naming the
+    first rank that differs from rank 0 and what."""
+    first = layouts[0]
+    for rank, layout in enumerate(layouts):
+        if layout == first:
+            continue
+        why = []
+        if layout["call"] != first["call"]:
+            why.append(f"rank 0 saves {first['call']}, rank {rank} {layout['call']}")
+        a, b = first["components"], layout["components"]
+        for r, x, y in ((0, a, b), (rank, b, a)):
+            if set(x) - set(y):
+                why.append(f"components only on rank {r}: {sorted(set(x) - set(y))}")
+        why += [
+            f"component {n!r} is {a[n][0]} ({a[n][1]} v{a[n][2]}) on rank 0, {b[n][0]} ({b[n][1]} v{b[n][2]}) on rank {rank}"
+            for n in sorted(set(a) & set(b))
+            if a[n] != b[n]
+        ]
+        raise CheckpointError(
+            f"the ranks do not save alike ({'; '.join(why)}): every rank must call save with the same path and step "
+            "and register the same components, with the same placements and kinds of objects; nothing was written"
+        )
 
 
 def plan_chunks(job: SaveJob, base: Any, staged: bool = False) -> None:
