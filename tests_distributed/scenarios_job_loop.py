@@ -50,7 +50,7 @@ def subgroup_saves_and_loads(directory: str) -> dict[str, Any]:
         work = torch.zeros(()).add_(sum(range(1000)))  # its own work
         store.wait(["learners-done"], datetime.timedelta(seconds=60))
         dist.barrier()
-        return {"rank": 0, "work": float(work)}
+        return {"rank": 0, "work": float(work), "later_groups": _groups_after_a_subgroup(directory)}
     model, buffer = _learner_and_buffer(7)  # the learner: the same on both ranks
     _, buffer = _learner_and_buffer(100 + rank)  # its own buffer
     ckpt = tdcp.DistributedCheckpoint(process_group=learners, timeout=30, model=model)
@@ -69,7 +69,17 @@ def subgroup_saves_and_loads(directory: str) -> dict[str, Any]:
         store.set("learners-done", "1")
     dist.barrier()
     return {"rank": rank, "group_rank": group_rank, "world": ckpt.world_size, "saved": saved, "loaded": loaded,
-            "step": info.step}  # fmt: skip
+            "step": info.step, "later_groups": _groups_after_a_subgroup(directory)}  # fmt: skip
+
+
+def _groups_after_a_subgroup(directory: str) -> bool:
+    """Groups every rank creates after the subgroup's checkpoints: the user's own, and a world-wide checkpoint's
+    (the subgroup's gloo group, made by its members only, once moved torch's group counter on them alone: the next
+    group got other names on other ranks, a deadlock)."""
+    timeout = datetime.timedelta(seconds=20)
+    dist.barrier(group=dist.new_group([0, 1, 2], timeout=timeout))
+    tdcp.DistributedCheckpoint(timeout=20, stats={"n": 1}).save(f"{directory}/world", step=1)
+    return True
 
 
 def decisions_are_agreed(directory: str) -> dict[str, Any]:

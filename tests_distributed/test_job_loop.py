@@ -83,6 +83,8 @@ def test_a_subgroup_saves_and_loads_while_another_rank_works_alone(tmp_path: Pat
     assert learners[0]["saved"] != learners[1]["saved"]  # each rank's own buffer came back to it
     manifest = tdcp.read_manifest(tmp_path / "step-000000000005")
     assert manifest["world_size"] == 2
+    assert all(r.value["later_groups"] for r in results)  # groups made by every rank afterwards: no deadlock
+    assert tdcp.read_manifest(tmp_path / "world")["world_size"] == 3
 
 
 def test_a_no_dist_load_on_one_rank_returns_while_the_other_waits(tmp_path: Path) -> None:

@@ -27,10 +27,12 @@ from __future__ import annotations
 import atexit
 import datetime
 import gc
+import hashlib
 import re
 from typing import Any
 
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from torchrl_dcp.errors import CollectiveError
 from torchrl_dcp.settings import setting
@@ -133,11 +135,34 @@ def checkpoint_group(
             ranks = dist.get_process_group_ranks(process_group)
             kwargs.update(ranks=ranks, use_local_synchronization=True)
             members = ",".join(map(str, sorted(ranks)))  # the same on every member (an id() is not)
-        group = dist.new_group(**kwargs)
+            group = _members_only_group(kwargs, f"{seconds}-{members}-{purpose}")
+        else:
+            group = dist.new_group(**kwargs)
         _GROUPS[(world, seconds, scope, purpose)] = group
         _TIMEOUTS[id(group)] = timeout or DEFAULT_TIMEOUT
         _NAMES[id(group)] = f"{seconds}-{members}-{purpose}"  # store keys of silent-rank reports: one per group
     return group
+
+
+def _members_only_group(kwargs: dict[str, Any], name: str) -> Any:
+    """``dist.new_group(**kwargs)`` called by a group's members only, without moving the job's group counter.
+
+    torch 2.14 counts group creations in ``_world.group_count`` on every rank that calls ``new_group`` and salts
+    the names of later groups with it: created by some ranks only, the counters part, and the next group any code
+    creates on every rank gets other names on other ranks (a deadlock until the store times out). So the counter
+    is set, for this creation, to a salt of its own (from ``name``: the same on every member, never a count the
+    job reaches) and put back after.
+    """
+    world = getattr(c10d, "_world", None)
+    count = getattr(world, "group_count", None)
+    if not isinstance(count, int):  # another torch: nothing to keep in step
+        return dist.new_group(**kwargs)
+    salt = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=6).digest(), "little")
+    world.group_count = (1 << 62) + salt
+    try:
+        return dist.new_group(**kwargs)
+    finally:
+        world.group_count = count
 
 
 def group_timeout(group: Any) -> datetime.timedelta:
