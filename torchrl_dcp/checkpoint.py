@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import datetime
-import json
 import os
 import re
 from collections.abc import Collection, Mapping
@@ -30,9 +29,15 @@ from torchrl_dcp._gc import gc_paused
 from torchrl_dcp._log import get_logger
 from torchrl_dcp.adapters import Adapter, AdapterContext, CheckpointOptions, RNGState, resolve_adapter
 from torchrl_dcp.adapters.trainer import trainer_placement
+from torchrl_dcp.arguments import (
+    check_component_options,
+    check_json,
+    check_step,
+    check_strict,
+    check_timeout,
+)
 from torchrl_dcp.async_save import AsyncSaver, SaveHandle
 from torchrl_dcp.collective import run_agreed
-from torchrl_dcp.errors import EncodingError
 from torchrl_dcp.incremental import share_base
 from torchrl_dcp.json_values import plain_scalars
 from torchrl_dcp.load_engine import LoadResult, Strictness
@@ -103,11 +108,11 @@ class DistributedCheckpoint:
         no_dist: bool = False,
         **components: Any,
     ) -> None:
-        _check_strict(strict)
+        check_strict(strict)
         self.strict = strict
         self.replica_check = check_replica_mode(replica_check)
         self.save_components = None if save_components is None else frozenset(save_components)
-        self.timeout = _check_timeout(timeout)
+        self.timeout = check_timeout(timeout)
         if storage_options is not None and not isinstance(storage_options, Mapping):
             raise TypeError(
                 f"storage_options must be a mapping of fsspec options, got {type(storage_options).__name__}"
@@ -435,8 +440,8 @@ class DistributedCheckpoint:
         """
         location = save_location(path, self.storage_options)  # a URL: an object-store prefix (docs/objectstores.md)
         names = self._select(components, self.save_components)
-        options = _check_options(component_options, names, "saved")
-        step = _check_step(step)  # before anything is written: the manifest records an integer (or null)
+        options = check_component_options(component_options, names, "saved")
+        step = check_step(step)  # before anything is written: the manifest records an integer (or null)
         metadata = plain_scalars(dict(metadata or {}))  # (numpy and 0-d tensor scalars as numbers)
         if step is None and type(metadata.get("step")) is int:
             step = metadata["step"]
@@ -444,7 +449,7 @@ class DistributedCheckpoint:
         rank, world = _dist.group_rank(group), _dist.group_size(group)
 
         def encode_step() -> save_engine.Encoded:
-            _check_json(metadata, "metadata")
+            check_json(metadata, "metadata")
             items = [
                 save_engine.EncodeItem(
                     n,
@@ -516,12 +521,12 @@ class DistributedCheckpoint:
         """
         self._async.wait_pending()  # never interleave with a background save's collectives
         strict = self.strict if strict is None else strict
-        _check_strict(strict)
+        check_strict(strict)
         if world_size_change not in ("error", "reshard"):
             raise ValueError(f"world_size_change must be 'error' or 'reshard', got {world_size_change!r}")
         sync_trainer(self)
         requested = self._select(components, None)
-        options = _check_options(component_options, requested, "loaded")
+        options = check_component_options(component_options, requested, "loaded")
         request = load_engine.LoadRequest(
             path=resolve_path(path, self.storage_options),
             requested=requested,
@@ -581,74 +586,3 @@ def _stage_share(job: save_engine.SaveJob, stage: Any) -> None:
     staged, job.stage_event = stage(todo)
     encoded.flat = {k: staged.get(k, t) for k, t in encoded.flat.items()}  # the others are never read
     job.chunk_rows = {f: None if rows is None else staged[f"chunk:{f}"] for f, rows in job.chunk_rows.items()}
-
-
-def _check_timeout(timeout: Any) -> datetime.timedelta | None:
-    """``timeout`` as a positive ``timedelta`` (seconds accepted), checked when the checkpoint is built."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        timeout = datetime.timedelta(seconds=timeout)
-    if not isinstance(timeout, datetime.timedelta):
-        raise TypeError(f"timeout must be a datetime.timedelta or a number of seconds, got {timeout!r}")
-    if timeout.total_seconds() <= 0:
-        raise ValueError(f"timeout must be positive, got {timeout}")
-    return timeout
-
-
-def _check_strict(strict: str) -> None:
-    if strict not in ("error", "warn", "ignore"):
-        raise ValueError(f"strict must be 'error', 'warn' or 'ignore', got {strict!r}")
-
-
-def _check_options(
-    given: Mapping[str, CheckpointOptions] | None, names: Collection[str], done: str
-) -> dict[str, CheckpointOptions]:
-    """``component_options`` checked at the call: each a :class:`CheckpointOptions`, for a component ``names``
-    holds (the ones this save or load handles)."""
-    options = dict(given or {})
-    unknown = sorted(set(options) - set(names))
-    if unknown:
-        raise KeyError(f"options given for components that are not {done}: {unknown}")
-    wrong = sorted(n for n, o in options.items() if not isinstance(o, CheckpointOptions))
-    if wrong:
-        raise TypeError(
-            f"component_options must map component names to tdcp.CheckpointOptions; {wrong} "
-            f"{'is' if len(wrong) == 1 else 'are'} {type(options[wrong[0]]).__name__}: pass CheckpointOptions(...)"
-        )
-    return options
-
-
-def _check_step(step: Any) -> int | None:
-    """``step`` as an ``int`` (a NumPy integer or 0-d integer tensor converted), or ``None``; anything else is refused
-    before a save starts, as the manifest records an integer or null."""
-    value = plain_scalars(step)
-    if value is not None and (type(value) is bool or not isinstance(value, int)):
-        raise TypeError(
-            f"step must be an integer or None, got {type(step).__name__} {step!r}: pass int(step) (a frame count "
-            "divided by frames per batch is a float)"
-        )
-    return None if value is None else int(value)
-
-
-def _check_json(value: Any, where: str) -> None:
-    try:
-        json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError) as err:
-        raise EncodingError(f"{where}{_json_culprit(value)} must be JSON-safe: {err}") from None
-
-
-def _json_culprit(value: Any, at: str = "") -> str:
-    """Where in ``value`` the first value JSON refuses is (``["cfg"]["deep"]``), or ``""`` when it is ``value``."""
-    if isinstance(value, Mapping):
-        items: Any = value.items()
-    elif isinstance(value, (list, tuple)):
-        items = enumerate(value)
-    else:
-        return at
-    for k, v in items:
-        try:
-            json.dumps({k: v} if isinstance(value, Mapping) else [v], allow_nan=False)
-        except (TypeError, ValueError):
-            return _json_culprit(v, f"{at}[{k!r}]")
-    return at

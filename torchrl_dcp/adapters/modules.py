@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from collections.abc import Mapping
 from typing import Any
@@ -317,6 +318,7 @@ def _check_param_groups(optimizer: torch.optim.Optimizer, saved: Any, name: str)
             )
 
 
+@functools.cache
 def _builtin_options() -> frozenset[str]:
     """The options (``defaults`` keys) of torch's own optimizers, in the installed torch."""
     found: set[str] = set()
@@ -330,19 +332,15 @@ def _builtin_options() -> frozenset[str]:
     return frozenset(found)
 
 
-_OPTIONS: list[frozenset[str]] = []
-
-
 def _check_same_kind(optimizer: torch.optim.Optimizer, saved: Any, name: str) -> None:
     """The checkpoint's parameter groups hold no option of torch's optimizers that this optimizer neither has nor
     defaults: an Adam checkpoint (``betas``, ``amsgrad``) is not loaded into an SGD (whose ``momentum`` it lacks,
     which ``step`` then needs). Options a newer torch added, or a scheduler's keys (``initial_lr``), never refuse."""
-    if not _OPTIONS:
-        _OPTIONS.append(_builtin_options())
+    options = _builtin_options()
     own = set(optimizer.defaults)
     for group in optimizer.param_groups:
         own.update(group)
-    foreign = sorted({k for g in saved["param_groups"] for k in g if k in _OPTIONS[0] and k not in own})
+    foreign = sorted({k for g in saved["param_groups"] for k in g if k in options and k not in own})
     if foreign:
         raise IncompatibleComponentError(
             f"component {name!r}: the checkpoint's optimizer has options {foreign}, which this "
@@ -353,8 +351,8 @@ def _check_same_kind(optimizer: torch.optim.Optimizer, saved: Any, name: str) ->
 
 #: torch optimizers whose state tensors are each a scalar or of their parameter's shape
 _PER_PARAMETER = frozenset(
-    ["ASGD", "Adadelta", "Adagrad", "Adam", "AdamW", "Adamax", "Muon", "NAdam", "RAdam", "RMSprop", "Rprop", "SGD"]
-    + ["SparseAdam"]
+    {"ASGD", "Adadelta", "Adagrad", "Adam", "AdamW", "Adamax", "Muon", "NAdam", "RAdam", "RMSprop", "Rprop", "SGD"}
+    | {"SparseAdam"}
 )
 
 

@@ -1,0 +1,93 @@
+"""What the public calls accept, checked at the call, before anything is read or written.
+
+``DistributedCheckpoint``'s arguments (``strict``, ``timeout``, ``step``, ``metadata``, ``component_options``): a
+value the manifest could not record, or one a later phase would refuse after files were written, raises here with
+what to pass instead.
+
+Example:
+    >>> from torchrl_dcp.arguments import check_step
+    >>> check_step(3), check_step(None)
+    (3, None)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from torchrl_dcp.adapters import CheckpointOptions
+from torchrl_dcp.errors import EncodingError
+from torchrl_dcp.json_values import plain_scalars
+
+
+def check_timeout(timeout: Any) -> datetime.timedelta | None:
+    """``timeout`` as a positive ``timedelta`` (seconds accepted), checked when the checkpoint is built."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        timeout = datetime.timedelta(seconds=timeout)
+    if not isinstance(timeout, datetime.timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta or a number of seconds, got {timeout!r}")
+    if timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    return timeout
+
+
+def check_strict(strict: str) -> None:
+    if strict not in ("error", "warn", "ignore"):
+        raise ValueError(f"strict must be 'error', 'warn' or 'ignore', got {strict!r}")
+
+
+def check_component_options(
+    given: Mapping[str, CheckpointOptions] | None, names: Collection[str], done: str
+) -> dict[str, CheckpointOptions]:
+    """``component_options`` checked at the call: each a :class:`CheckpointOptions`, for a component ``names``
+    holds (the ones this save or load handles)."""
+    options = dict(given or {})
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+        raise KeyError(f"options given for components that are not {done}: {unknown}")
+    wrong = sorted(n for n, o in options.items() if not isinstance(o, CheckpointOptions))
+    if wrong:
+        raise TypeError(
+            f"component_options must map component names to tdcp.CheckpointOptions; {wrong} "
+            f"{'is' if len(wrong) == 1 else 'are'} {type(options[wrong[0]]).__name__}: pass CheckpointOptions(...)"
+        )
+    return options
+
+
+def check_step(step: Any) -> int | None:
+    """``step`` as an ``int`` (a NumPy integer or 0-d integer tensor converted), or ``None``; anything else is refused
+    before a save starts, as the manifest records an integer or null."""
+    value = plain_scalars(step)
+    if value is not None and (type(value) is bool or not isinstance(value, int)):
+        raise TypeError(
+            f"step must be an integer or None, got {type(step).__name__} {step!r}: pass int(step) (a frame count "
+            "divided by frames per batch is a float)"
+        )
+    return None if value is None else int(value)
+
+
+def check_json(value: Any, where: str) -> None:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise EncodingError(f"{where}{json_culprit(value)} must be JSON-safe: {err}") from None
+
+
+def json_culprit(value: Any, at: str = "") -> str:
+    """Where in ``value`` the first value JSON refuses is (``["cfg"]["deep"]``), or ``""`` when it is ``value``."""
+    if isinstance(value, Mapping):
+        items: Any = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return at
+    for k, v in items:
+        try:
+            json.dumps({k: v} if isinstance(value, Mapping) else [v], allow_nan=False)
+        except (TypeError, ValueError):
+            return json_culprit(v, f"{at}[{k!r}]")
+    return at
