@@ -351,8 +351,21 @@ def _check_same_kind(optimizer: torch.optim.Optimizer, saved: Any, name: str) ->
 
 #: torch optimizers whose state tensors are each a scalar or of their parameter's shape
 _PER_PARAMETER = frozenset(
-    {"ASGD", "Adadelta", "Adagrad", "Adam", "AdamW", "Adamax", "Muon", "NAdam", "RAdam", "RMSprop", "Rprop", "SGD"}
-    | {"SparseAdam"}
+    {
+        "ASGD",
+        "Adadelta",
+        "Adagrad",
+        "Adam",
+        "AdamW",
+        "Adamax",
+        "Muon",
+        "NAdam",
+        "RAdam",
+        "RMSprop",
+        "Rprop",
+        "SGD",
+        "SparseAdam",
+    }
 )
 
 
