@@ -377,3 +377,20 @@ def test_an_entry_whose_metric_is_an_integer_past_a_float_is_never_ranked(tmp_pa
     assert main(["ls", str(tmp_path), "--metric", "reward"]) == 0
     with pytest.raises(ValueError, match=r"keep_best needs a finite number in metadata\['reward'\], got 1000.*\.\.\.$"):
         rotation.save(ckpt, step=4, metadata={"reward": 10**400})
+
+
+@pytest.mark.parametrize("async_saves", [False, True], ids=["sync", "async"])
+def test_a_save_that_fails_leaves_its_step_due(tmp_path: Path, async_saves: bool) -> None:
+    """``every_steps`` counts from the previous *save*: a due save that raised (a refused metric) is not one, so
+    the retry of that step, and the next steps, still save (the failed call moved the count on: nothing was saved
+    for a whole interval)."""
+    ckpt = ckpt_for(0)[0]
+    rotation = tdcp.CheckpointRotation(tmp_path, every_steps=5, keep_best=("reward", "max"), async_saves=async_saves)
+    with pytest.raises(ValueError, match="keep_best needs a finite number"):
+        rotation.maybe_save(ckpt, 5, {"reward": float("nan")})
+    assert rotation.maybe_save(ckpt, 5, {"reward": 1.0}) is not None
+    rotation.wait()
+    assert [rotation.maybe_save(ckpt, s, {"reward": 1.0}) for s in range(6, 10)] == [None] * 4
+    assert rotation.maybe_save(ckpt, 10, {"reward": 2.0}) is not None
+    rotation.close()
+    assert [e.step for e in rotation.entries()] == [5, 10]

@@ -125,3 +125,24 @@ def lone_load_while_the_other_rank_waits(directory: str) -> dict[str, Any]:
     same = all(torch.equal(a, b) for a, b in zip(evaluation.state_dict().values(), model.state_dict().values()))
     dist.barrier()
     return {"rank": 0, "loaded": sorted(result.loaded), "same": same, "world": lone.world_size}
+
+
+def metric_on_one_rank(directory: str, bad_rank: int) -> dict[str, Any]:
+    """Each rank passes its own ``keep_best`` metric; one rank's is NaN (no episode finished yet). The manifest
+    records rank 0's metadata: rank 0's refused metric raises the same ValueError on every rank at once (it raised
+    on rank 0 alone, the other waiting in the save's collective until the timeout); another rank's NaN is refused
+    by the save's metadata check, on every rank."""
+    rank = dist.get_rank()
+    model, _ = _learner_and_buffer(3)
+    ckpt = tdcp.DistributedCheckpoint(model=model, timeout=60)
+    rotation = tdcp.CheckpointRotation(directory, every_steps=1, keep_best=("reward", "max"))
+    rotation.maybe_save(ckpt, 1, {"reward": 1.0})
+    try:
+        rotation.maybe_save(ckpt, 2, {"reward": float("nan") if rank == bad_rank else 2.0})
+    except Exception as err:  # noqa: BLE001 - what each rank got is the result
+        outcome = {"error": type(err).__name__, "message": str(err)[:300]}
+    else:
+        outcome = {"error": None}
+    saved = rotation.maybe_save(ckpt, 3, {"reward": 3.0})  # the job goes on: the next step saves
+    rotation.close()
+    return {"rank": rank, **outcome, "next": None if saved is None else Path(saved).name}

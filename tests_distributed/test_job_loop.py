@@ -10,6 +10,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 import torchrl_dcp as tdcp
 from tests_distributed.launch import ROOT, launch, torchrun_command
 
@@ -98,3 +100,17 @@ def test_preemption_of_one_rank_and_rank_0s_clock_decide_for_every_rank(tmp_path
     results = launch("tests_distributed.scenarios_job_loop:decisions_are_agreed", 2, str(tmp_path), timeout=120)
     want = [None, None, "step-000000000003", "step-000000000004"]
     assert [r.value for r in results] == [{"rank": r, "saved": want, "preempted": True} for r in range(2)]
+
+
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_refused_keep_best_metric_on_one_rank_raises_on_every_rank_at_once(tmp_path: Path, bad_rank: int) -> None:
+    results = launch("tests_distributed.scenarios_job_loop:metric_on_one_rank", 2, str(tmp_path), bad_rank, timeout=120)
+    errors = [r.value["error"] for r in results]
+    if bad_rank == 0:  # the recorded metric: the same ValueError everywhere
+        assert errors == ["ValueError", "ValueError"], results
+        assert all("keep_best needs a finite number" in r.value["message"] for r in results)
+    else:  # rank 1's NaN metadata: refused by the save on rank 1, named on rank 0 (not "stuck or dead")
+        assert errors == ["CollectiveError", "EncodingError"], results
+        assert "rank 1" in results[0].value["message"] and "stuck" not in results[0].value["message"]
+    assert [r.value["next"] for r in results] == ["step-000000000003"] * 2
+    assert [e.step for e in tdcp.CheckpointRotation(tmp_path).entries()] == [1, 3]

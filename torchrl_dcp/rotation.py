@@ -326,10 +326,10 @@ class CheckpointRotation:
             self._save_local(ckpt, decision.step, metadata)
         if not (force or decision.due or decision.preempted):
             return None
-        step = decision.step
-        self._last_step, self._last_time = step, time.monotonic()
+        step, started = decision.step, time.monotonic()
         if decision.preempted or sync or not self.async_saves:
             path = self.save(ckpt, step=step, metadata=metadata, components=components, **save_kwargs)
+            self._last_step, self._last_time = step, started  # (a failed save leaves the step due)
             if decision.preempted:
                 self.preempted = True
                 logger.warning(
@@ -349,6 +349,7 @@ class CheckpointRotation:
             then=lambda committed: self._rotate(ckpt, committed, step),
         )  # fmt: skip
         self._in_flight = ckpt
+        self._last_step, self._last_time = step, started
         return handle
 
     def _save_local(self, ckpt: Any, step: int, metadata: Mapping[str, Any] | None) -> Path:
@@ -388,10 +389,8 @@ class CheckpointRotation:
         """Check the step and the metric, wait for a save in flight, choose the commit counter and the base."""
         _check_step(step)
         metadata = plain_scalars(dict(metadata or {}))  # a metric may be a numpy or 0-d tensor scalar
-        if self.keep_best is not None:
-            metric_value(metadata.get(self.keep_best[0]), self.keep_best[0], required=True)
         _wait(ckpt)  # a save in flight prunes in its thread: never interleave with its collectives
-        base, sequence = self._next_commit(ckpt)
+        base, sequence = self._next_commit(ckpt, metadata)
         save_kwargs = dict(save_kwargs)
         save_kwargs.setdefault("commit_sequence", sequence)
         if (
@@ -431,22 +430,31 @@ class CheckpointRotation:
             raise
         return target
 
-    def _next_commit(self, ckpt: Any) -> tuple[Path | None, int]:
+    def _next_commit(self, ckpt: Any, metadata: Mapping[str, Any]) -> tuple[Path | None, int]:
         """The base of the next incremental save (the newest committed directory entry) and its commit counter.
 
         Rank 0 chooses and every rank receives its choice, so all ranks agree even when
         another process commits or prunes meanwhile. The counter is one more than the
-        largest in the directory.
+        largest in the directory. Rank 0 also checks the ``keep_best`` metric of ``metadata`` (its metadata is the
+        one the manifest records): a refused metric raises on every rank at once, never on one rank alone.
         """
         from torchrl_dcp.collective import broadcast_step
 
-        def choose() -> tuple[str | None, int]:
+        def choose() -> tuple[str | None, int, str | None]:
+            refused = None
+            if self.keep_best is not None:
+                try:
+                    metric_value(metadata.get(self.keep_best[0]), self.keep_best[0], required=True)
+                except ValueError as err:
+                    refused = str(err)
             entries = self.entries()
             newest = latest_entry(e for e in entries if not e.archive)
             counter = 1 + max((e.sequence or 0 for e in entries), default=0)
-            return (None if newest is None else str(newest.path)), counter
+            return (None if newest is None else str(newest.path)), counter, refused
 
-        chosen, counter = broadcast_step(_group(ckpt), "choosing the incremental base", choose)
+        chosen, counter, refused = broadcast_step(_group(ckpt), "choosing the incremental base", choose)
+        if refused is not None:  # the same ValueError on every rank, before anything is written
+            raise ValueError(refused)
         return (None if chosen is None else self.directory / Path(chosen).name), counter  # a Path, or a StorePath
 
     def prune(self, *, protect: Path | None = None) -> list[Path]:
