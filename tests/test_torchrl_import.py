@@ -172,6 +172,32 @@ def test_every_tensordict_payload_format_loads(tmp_path: Path, payload: str) -> 
     assert all(torch.equal(a, b) for a, b in zip(saved.state_dict().values(), target.state_dict().values()))
 
 
+@pytest.mark.parametrize("payload", ["directory", "archive", "consolidated"])
+def test_tensors_of_any_size_load_from_every_payload_format(tmp_path: Path, payload: str) -> None:
+    """An optimizer (its 0-d ``step``: 4 bytes, padded to 8 in a consolidated file), a bool buffer of 3 bytes and a
+    buffer without elements (no file written for it): each loads as torchrl loads it (they were refused as
+    damaged)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    model.register_buffer("empty", torch.empty(0, 3))
+    model.register_buffer("flags", torch.tensor([True, False, True]))
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 3)).sum().backward()
+    optim.step()
+    ckpt = Checkpoint()
+    ckpt.register("model", model, adapter=StateDictCheckpointAdapter(payload))
+    ckpt.register("optim", optim, adapter=StateDictCheckpointAdapter(payload))
+    path = ckpt.save(tmp_path / "ckpt")
+    target = torch.nn.Linear(3, 2)
+    target.register_buffer("empty", torch.ones(0, 3))
+    target.register_buffer("flags", torch.zeros(3, dtype=torch.bool))
+    target_optim = torch.optim.Adam(target.parameters())
+    tdcp.DistributedCheckpoint(model=target, optim=target_optim).load(path)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), target.state_dict().values()))
+    assert repr(target_optim.state_dict()) == repr(optim.state_dict())
+    tdcp.verify(path)
+
+
 def test_a_torch_pickle_payload_is_refused_unread(tmp_path: Path) -> None:
     ckpt = Checkpoint()
     ckpt.register("policy", _trained()["policy"], adapter=StateDictCheckpointAdapter("torch"))

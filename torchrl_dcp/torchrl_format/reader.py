@@ -339,6 +339,9 @@ def read_memmap_folder(box: TorchrlContainer, folder: str, *, flat: bool = False
             out[key] = read_memmap_folder(box, f"{folder}/{key}")
             continue
         dtype, shape = _leaf_spec(entry, box.where(meta_name))
+        if math.prod(shape) == 0:  # tensordict writes no file for a tensor without elements
+            out[key] = torch.empty(shape, dtype=dtype)
+            continue
         member = f"{folder}/{key}.memmap"
         out[key] = tensor_from_bytes(box.read(member), dtype, shape, box.where(member))
     return out
@@ -385,6 +388,9 @@ def read_tensordict_archive(box: TorchrlContainer, member: str) -> dict[str, tor
                 continue
             dtype, shape = _leaf_spec(entry, where)
             info = infos.get(f"{key}.memmap")
+            if info is None and math.prod(shape) == 0:  # no file for a tensor without elements
+                out[key] = torch.empty(shape, dtype=dtype)
+                continue
             if info is None:
                 raise CheckpointIntegrityError(f"the archive lacks {key}.memmap", path=where)
             expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -420,9 +426,10 @@ def read_consolidated(box: TorchrlContainer, member: str) -> dict[str, torch.Ten
             raise CheckpointFormatError(f"leaf {key!r} is malformed", path=where)
         dtype, shape = _leaf_spec({"dtype": leaf[0], "shape": leaf[1]}, where)
         start, stop = leaf[2], leaf[3]
-        if not start <= stop <= end:
+        pad = leaf[4] if len(leaf) > 4 else 0  # bytes after the tensor's, aligning the next leaf (tensordict 0.14)
+        if not _is_count(pad) or not start <= stop - pad <= stop <= end:
             raise CheckpointIntegrityError(f"leaf {key!r} lies outside the data", path=where)
-        out[key] = tensor_from_bytes(raw[start:stop], dtype, shape, f"{where}::{key}")
+        out[key] = tensor_from_bytes(raw[start : stop - pad], dtype, shape, f"{where}::{key}")
     return out
 
 
