@@ -151,14 +151,18 @@ def test_replay_buffers_load_as_torchrl_loads_them(tmp_path: Path, container: st
         assert (a == b).all()
 
 
-def test_global_rng_state_is_restored(tmp_path: Path) -> None:
+@pytest.mark.parametrize("into", ["GlobalRNGState", "RNGState"])
+def test_global_rng_state_is_restored(tmp_path: Path, into: str) -> None:
+    """torchrl's ``GlobalRNGState`` loads into one, and into our ``RNGState`` (what a bound torchrl ``Trainer``
+    registers: it failed with a TypeError, its layout is torchrl's); the streams continue either way."""
     random.seed(3), np.random.seed(3), torch.manual_seed(3)
+    random.gauss(0, 1)  # Python's cached Gaussian is part of the state
     path = Checkpoint(rng=GlobalRNGState()).save(tmp_path / "ckpt")
-    expected = (random.random(), np.random.rand(), torch.rand(2))
+    expected = (random.random(), np.random.rand(), torch.rand(2), random.gauss(0, 1))
     random.seed(9), np.random.seed(9), torch.manual_seed(9)
-    tdcp.DistributedCheckpoint(rng=GlobalRNGState()).load(path)
-    got = (random.random(), np.random.rand(), torch.rand(2))
-    assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
+    tdcp.DistributedCheckpoint(rng=GlobalRNGState() if into == "GlobalRNGState" else tdcp.RNGState()).load(path)
+    got = (random.random(), np.random.rand(), torch.rand(2), random.gauss(0, 1))
+    assert got[:2] == expected[:2] and torch.equal(got[2], expected[2]) and got[3] == expected[3]
 
 
 @pytest.mark.parametrize("payload", ["directory", "archive", "consolidated"])

@@ -299,6 +299,7 @@ def export_torchrl(
     """
     from torchrl.checkpoint import Checkpoint as TorchRLCheckpoint
 
+    from torchrl_dcp.adapters.rng import torchrl_rng_layout
     from torchrl_dcp.extract import as_source, read_component
 
     if _any_remote(dst):  # the source is read in place (any URL); the export is written locally, then uploaded
@@ -321,7 +322,7 @@ def export_torchrl(
             raise ValueError(f"component {name!r} is per_rank: pass rank=... to choose whose state to export")
         state = read_component(source, name, rank=0 if is_rng and rank is None else rank)
         if is_rng and isinstance(state, Mapping):
-            values[name] = _StateDict(_torchrl_rng_state(state))
+            values[name] = _StateDict(torchrl_rng_layout(state))
         elif rec["adapter"] in _STATE_DICT_ADAPTERS and isinstance(state, Mapping):
             values[name] = _StateDict(state)
         elif rec["adapter"] == "torchrl_dcp.json":
@@ -342,31 +343,6 @@ def export_torchrl(
 
 
 _RNG_ADAPTER = "torchrl_dcp.rng"
-
-
-def _torchrl_rng_state(state: Mapping[str, Any]) -> dict[str, Any]:
-    """Our :class:`RNGState` payload in ``torchrl.checkpoint.GlobalRNGState.state_dict()``'s layout.
-
-    Example:
-        >>> from torchrl_dcp import RNGState
-        >>> sorted(_torchrl_rng_state(RNGState().state_dict()))
-        ['numpy', 'python', 'torch_cpu']
-    """
-    py, npst = state["python"], state["numpy"]
-    out: dict[str, Any] = {
-        "python": (int(py["version"]), tuple(int(v) for v in py["state"].tolist()), py["gauss"]),
-        "torch_cpu": state["torch"].cpu(),
-        "numpy": (
-            npst["kind"],
-            npst["keys"].cpu().long(),
-            int(npst["pos"]),
-            int(npst["has_gauss"]),
-            float(npst["gauss"]),
-        ),
-    }
-    if "cuda" in state:
-        out["torch_cuda"] = [s.cpu() for s in state["cuda"]]
-    return out
 
 
 def _destination_for_torchrl(dst: str | os.PathLike, overwrite: bool) -> Path:

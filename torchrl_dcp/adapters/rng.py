@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import random
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,10 @@ class RNGState:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the streams from :meth:`state_dict`'s layout, or ``torchrl.checkpoint.GlobalRNGState``'s (a torchrl
+        checkpoint's RNG loads into an ``RNGState``: what a bound torchrl ``Trainer`` registers)."""
+        if "torch_cpu" in state:
+            state = rng_state_from_torchrl(state)
         py = state["python"]
         random.setstate((py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss"]))
         npst = state["numpy"]
@@ -138,6 +143,61 @@ def _feed(digest: Any, value: Any) -> None:
 def same_rank_source(ctx: AdapterContext) -> list[int]:
     """After a world-size change, new rank ``r`` takes the state of saved rank ``r % saved``."""
     return [ctx.rank % (ctx.saved_world_size or 1)]
+
+
+def torchrl_rng_layout(state: Mapping[str, Any]) -> dict[str, Any]:
+    """An :class:`RNGState` state in ``torchrl.checkpoint.GlobalRNGState.state_dict()``'s layout
+    (:func:`rng_state_from_torchrl` is the inverse).
+
+    Example:
+        >>> sorted(torchrl_rng_layout(RNGState().state_dict()))
+        ['numpy', 'python', 'torch_cpu']
+    """
+    py, npst = state["python"], state["numpy"]
+    out: dict[str, Any] = {
+        "python": (int(py["version"]), tuple(int(v) for v in py["state"].tolist()), py["gauss"]),
+        "torch_cpu": state["torch"].cpu(),
+        "numpy": (
+            npst["kind"],
+            npst["keys"].cpu().long(),
+            int(npst["pos"]),
+            int(npst["has_gauss"]),
+            float(npst["gauss"]),
+        ),
+    }
+    if "cuda" in state:
+        out["torch_cuda"] = [s.cpu() for s in state["cuda"]]
+    return out
+
+
+def rng_state_from_torchrl(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``torchrl.checkpoint.GlobalRNGState``'s state in :meth:`RNGState.state_dict`'s layout.
+
+    Example:
+        >>> s = RNGState().state_dict()
+        >>> back = rng_state_from_torchrl(torchrl_rng_layout(s))
+        >>> torch.equal(back["torch"], s["torch"]) and back["python"]["gauss"] == s["python"]["gauss"]
+        True
+    """
+    try:
+        version, internal, gauss = state["python"]
+        kind, keys, pos, has_gauss, np_gauss = state["numpy"]
+        out: dict[str, Any] = {
+            "python": {"version": version, "state": torch.as_tensor(list(internal), dtype=torch.int64), "gauss": gauss},
+            "numpy": {
+                "kind": kind,
+                "keys": torch.as_tensor(keys).to(torch.int64),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "gauss": float(np_gauss),
+            },
+            "torch": state["torch_cpu"],
+        }
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"not torchrl's GlobalRNGState layout ({type(err).__name__}: {err})") from None
+    if "torch_cuda" in state:
+        out["cuda"] = list(state["torch_cuda"])
+    return out
 
 
 class RNGStateAdapter(Adapter):
