@@ -559,3 +559,22 @@ def test_damage_a_zip_or_a_schema_holds_is_refused_naming_the_file(
     assert main(["verify", str(path)]) == 1
     err = capsys.readouterr().err
     assert named in err and "please report" not in err
+
+
+@pytest.mark.parametrize(
+    "buffer, damaged",
+    [
+        ("prioritized", "storage/obs.memmap"),
+        ("prioritized", "sampler/sumtree.memmap"),
+        ("memmap_nested", "storage/next/x.memmap"),
+    ],
+)
+def test_verify_checks_the_sizes_of_a_dumped_buffers_files(tmp_path: Path, buffer: str, damaged: str) -> None:
+    """A dumped replay buffer has no live buffer to be read into during ``verify``: its tensor files are still
+    checked against their descriptions (a truncated storage or tree passed ``verify``, only a load refused it)."""
+    path = Checkpoint(rb=_buffers(fill=True)[buffer]).save(tmp_path / "ckpt")
+    tdcp.verify(path)  # intact: passes
+    target = next((path / "components").glob(f"*-rb/{damaged}"))
+    target.write_bytes(target.read_bytes()[:8])
+    with pytest.raises(tdcp.CheckpointIntegrityError, match=f"{damaged.split('/')[-1]}: holds 8 bytes"):
+        tdcp.verify(path)

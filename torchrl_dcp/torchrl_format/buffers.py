@@ -37,6 +37,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import pickletools
 from dataclasses import dataclass
 from typing import Any
@@ -47,8 +48,15 @@ from torchrl.data.replay_buffers.samplers import PrioritizedSampler, RandomSampl
 from torchrl.data.replay_buffers.storages import TensorStorage
 from torchrl.data.replay_buffers.writers import RoundRobinWriter
 
-from torchrl_dcp.errors import CheckpointFormatError, IncompatibleComponentError
-from torchrl_dcp.torchrl_format.reader import DTYPES, TorchrlContainer, read_memmap_folder, tensor_from_bytes
+from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, IncompatibleComponentError
+from torchrl_dcp.torchrl_format.reader import (
+    DTYPES,
+    META_KEYS,
+    TorchrlContainer,
+    leaf_spec,
+    read_memmap_folder,
+    tensor_from_bytes,
+)
 
 __all__ = [
     "SavedBuffer",
@@ -110,6 +118,34 @@ def read_buffer(box: TorchrlContainer, name: str, rb: Any) -> SavedBuffer:
         },
         rows=rows,
     )
+
+
+def check_dumped_sizes(box: TorchrlContainer, name: str) -> None:
+    """What ``verify`` checks of a dumped replay buffer without a live buffer to read it into: every tensor file of
+    its memory-map folders (``meta.json``) and a prioritized sampler's trees (``sampler_metadata.json``) holds the
+    bytes its description says (a truncated file was refused only by a load)."""
+    listed = box.component_files(name)
+    expected: dict[str, int] = {}
+    for member in listed:
+        folder = member.rsplit("/", 1)[0]
+        if member.endswith("/meta.json"):
+            meta = box.read_json(member)
+            for key, entry in meta.items() if isinstance(meta, dict) else ():
+                if key not in META_KEYS and isinstance(entry, dict) and "dtype" in entry:  # (nested: own meta.json)
+                    dtype, shape = leaf_spec(entry, box.where(member))
+                    expected[f"{folder}/{key}.memmap"] = math.prod(shape) * dtype.itemsize
+        elif member.endswith("/sampler_metadata.json"):
+            capacity = box.read_json(member).get("_max_capacity")
+            if isinstance(capacity, (int, float)) and float(capacity).is_integer() and 0 <= capacity < 1 << 48:
+                expected.update({f"{folder}/{t}tree.memmap": int(capacity) * 8 for t in ("sum", "min")})
+    for member, nbytes in sorted(expected.items()):
+        if nbytes == 0 and member not in listed:
+            continue  # tensordict writes no file for a tensor without elements
+        size = box.size(member)
+        if size != nbytes:
+            raise CheckpointIntegrityError(
+                f"holds {size} bytes, its description needs {nbytes}", path=box.where(member)
+            )
 
 
 def box_need(box: TorchrlContainer, name: str, relative: str) -> str:

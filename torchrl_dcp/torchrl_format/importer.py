@@ -45,6 +45,7 @@ from torchrl_dcp.torchrl_format.buffers import (
     SavedBuffer,
     apply_buffer,
     check_buffer,
+    check_dumped_sizes,
     put_rows_back,
     read_buffer,
     rows_to_overwrite,
@@ -250,6 +251,7 @@ def verify_torchrl(path: Any) -> dict[str, Any]:
                 for member in box.component_files(name):
                     if member.endswith(".json"):
                         box.read_json(member)
+                check_dumped_sizes(box, name)
             else:
                 raise CheckpointFormatError(f"component {name!r} has unknown adapter {rec['adapter']!r}", path=path)
         return {

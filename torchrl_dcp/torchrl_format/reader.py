@@ -295,7 +295,7 @@ def tensor_from_bytes(data: bytes | memoryview, dtype: torch.dtype, shape: list[
     return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
 
 
-def _leaf_spec(entry: Any, where: str) -> tuple[torch.dtype, list[int]]:
+def leaf_spec(entry: Any, where: str) -> tuple[torch.dtype, list[int]]:
     if not isinstance(entry, dict) or entry.get("is_nested", False):
         raise CheckpointFormatError("a tensor description is malformed (or a nested tensor)", path=where)
     dtype = DTYPES.get(entry.get("dtype"))
@@ -338,7 +338,7 @@ def read_memmap_folder(box: TorchrlContainer, folder: str, *, flat: bool = False
                 raise CheckpointFormatError(f"unexpected nested entry {key!r}", path=box.where(meta_name))
             out[key] = read_memmap_folder(box, f"{folder}/{key}")
             continue
-        dtype, shape = _leaf_spec(entry, box.where(meta_name))
+        dtype, shape = leaf_spec(entry, box.where(meta_name))
         if math.prod(shape) == 0:  # tensordict writes no file for a tensor without elements
             out[key] = torch.empty(shape, dtype=dtype)
             continue
@@ -386,7 +386,7 @@ def read_tensordict_archive(box: TorchrlContainer, member: str) -> dict[str, tor
         for key, entry in meta.items():
             if key in META_KEYS:
                 continue
-            dtype, shape = _leaf_spec(entry, where)
+            dtype, shape = leaf_spec(entry, where)
             info = infos.get(f"{key}.memmap")
             if info is None and math.prod(shape) == 0:  # no file for a tensor without elements
                 out[key] = torch.empty(shape, dtype=dtype)
@@ -424,7 +424,7 @@ def read_consolidated(box: TorchrlContainer, member: str) -> dict[str, torch.Ten
     for key, leaf in leaves.items():
         if not (isinstance(leaf, list) and len(leaf) >= 4 and _is_count(leaf[2]) and _is_count(leaf[3])):
             raise CheckpointFormatError(f"leaf {key!r} is malformed", path=where)
-        dtype, shape = _leaf_spec({"dtype": leaf[0], "shape": leaf[1]}, where)
+        dtype, shape = leaf_spec({"dtype": leaf[0], "shape": leaf[1]}, where)
         start, stop = leaf[2], leaf[3]
         pad = leaf[4] if len(leaf) > 4 else 0  # bytes after the tensor's, aligning the next leaf (tensordict 0.14)
         if not _is_count(pad) or not start <= stop - pad <= stop <= end:
