@@ -24,6 +24,7 @@ from torchrl.data import (
     LazyMemmapStorage,
     LazyTensorStorage,
     PrioritizedSampler,
+    RandomSampler,
     ReplayBuffer,
     SamplerWithoutReplacement,
     TensorDictReplayBuffer,
@@ -578,3 +579,25 @@ def test_verify_checks_the_sizes_of_a_dumped_buffers_files(tmp_path: Path, buffe
     target.write_bytes(target.read_bytes()[:8])
     with pytest.raises(tdcp.CheckpointIntegrityError, match=f"{damaged.split('/')[-1]}: holds 8 bytes"):
         tdcp.verify(path)
+
+
+@pytest.mark.parametrize(
+    "saved, live",
+    [("prioritized", SamplerWithoutReplacement), ("plain_tensor", PrioritizedSampler), ("prioritized", RandomSampler)],
+)
+def test_a_dumped_buffer_into_one_of_another_sampler_is_incompatible_not_foreign(
+    tmp_path: Path, saved: str, live: type
+) -> None:
+    """The sampler a dumped buffer had is known from the files its dump wrote: another one in the live buffer is an
+    IncompatibleComponentError naming both (``strict='warn'`` skips it), not a foreign checkpoint (nor, for a
+    ``RandomSampler``, a load that silently drops the priorities)."""
+    buffer = _buffers(fill=True)[saved]
+    path = Checkpoint(rb=buffer).save(tmp_path / "ckpt")
+    rows = buffer.storage.max_size
+    sampler = live(rows, 0.7, 0.5) if live is PrioritizedSampler else live()
+    target = type(buffer)(storage=LazyTensorStorage(rows), sampler=sampler, batch_size=4)
+    with pytest.raises(tdcp.IncompatibleComponentError, match=f"sampler was .*, the buffer has {live.__name__}"):
+        tdcp.DistributedCheckpoint(rb=target).load(path)
+    with pytest.warns(tdcp.PartialLoadWarning):
+        result = tdcp.DistributedCheckpoint(rb=target).load(path, strict="warn")
+    assert "rb" in result.incompatible and len(target) == 0

@@ -245,8 +245,24 @@ def _head(data: Any, n: int) -> Any:
 
 
 # ---------------------------------------------------------------------- sampler, writer, generator
+def _saved_sampler(box: TorchrlContainer, name: str) -> str:
+    """The kind of sampler a dumped buffer had, from the files its dump wrote."""
+    files = set(box.record(name)["files"])
+    if "sampler/sampler_metadata.json" in files:
+        return "PrioritizedSampler"
+    if "sampler/meta.json" in files:
+        return "SamplerWithoutReplacement"
+    return "RandomSampler"  # (its dump writes nothing)
+
+
 def _read_sampler(box: TorchrlContainer, name: str, sampler: Any, batch_size: int | None) -> dict[str, Any]:
     kind = type(sampler)
+    saved = _saved_sampler(box, name)
+    if kind in (RandomSampler, SamplerWithoutReplacement, PrioritizedSampler) and kind.__name__ != saved:
+        raise IncompatibleComponentError(
+            f"component {name!r}: sampler was {saved}, the buffer has {kind.__name__}: build the buffer with the "
+            "sampler it was saved with"
+        )
     if kind is RandomSampler:
         return {"kind": "state_dict", "type": kind.__name__, "state": {}}
     if kind is SamplerWithoutReplacement:
