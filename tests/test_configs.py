@@ -293,6 +293,33 @@ def test_the_example_config_builds_a_trainer_bound_to_our_rotation(tmp_path: Pat
         trainer.collector.shutdown()
 
 
+def test_mapping_options_are_set_from_the_command_line(tmp_path: Path) -> None:
+    """``local`` and ``storage_options`` (mappings, ``None`` by default) take a Hydra override as they take YAML (the
+    override failed inside OmegaConf: a mapping merged into an ``Optional[Dict]`` that is ``None``); a mapping that
+    is not LocalTier's options is still refused when instantiated."""
+    from torchrl_dcp.examples.sac_trainer_config import compose
+
+    local = tmp_path / "local"
+    cfg = compose(
+        overrides=[
+            f"trainer.checkpoint_rotation.directory={tmp_path / 'run'}",
+            f"trainer.checkpoint_rotation.local={{path:{local},every_steps:10}}",
+            "trainer.checkpoint.storage_options={anon:true}",
+        ]
+    )
+    rotation = instantiate(cfg.trainer.checkpoint_rotation)
+    try:
+        assert isinstance(rotation.local, tdcp.LocalTier) and rotation.local.every_steps == 10
+    finally:
+        rotation.close()
+    assert instantiate(cfg.trainer.checkpoint).storage_options == {"anon": True}
+    bad = compose(
+        overrides=[f"trainer.checkpoint_rotation.directory={tmp_path}", "trainer.checkpoint_rotation.local={x:1}"]
+    )
+    with pytest.raises(Exception, match="local"):
+        instantiate(bad.trainer.checkpoint_rotation)
+
+
 def test_the_example_config_refuses_bad_overrides(tmp_path: Path) -> None:
     """Our nodes are typed by the dataclasses: a wrong type or an unknown key is refused when the config is
     composed, a bad value when it is instantiated (before the Trainer is built)."""

@@ -91,7 +91,7 @@ class DistributedCheckpointConfig(_Options):
     save_components: list[str] | None = None
     timeout: float | None = None
     replica_check: str = "sample"
-    storage_options: dict[str, Any] | None = None
+    storage_options: Any = None  # fsspec options, or None (Any: as `local` of CheckpointRotationConfig says)
     no_dist: bool = False
     _target_: str = "torchrl_dcp.configs.distributed_checkpoint"
 
@@ -155,8 +155,9 @@ class CheckpointRotationConfig(_Options):
     preemption_signals: list[str] = field(default_factory=list)
     archive: bool = False
     incremental: bool = True
-    storage_options: dict[str, Any] | None = None
-    local: dict[str, Any] | None = None
+    storage_options: Any = None  # fsspec options, or None (Any: as `local` of CheckpointRotationConfig says)
+    local: Any = None  # LocalTier's options, or None. Any: OmegaConf 2.3 fails to merge a command-line
+    # mapping into an Optional[Dict] field that is None ('NoneType' object has no attribute 'get'); checked below
     _target_: str = "torchrl_dcp.configs.checkpoint_rotation"
 
     def __post_init__(self) -> None:
