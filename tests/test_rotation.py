@@ -394,3 +394,18 @@ def test_a_save_that_fails_leaves_its_step_due(tmp_path: Path, async_saves: bool
     assert rotation.maybe_save(ckpt, 10, {"reward": 2.0}) is not None
     rotation.close()
     assert [e.step for e in rotation.entries()] == [5, 10]
+
+
+def test_resume_over_torchrls_rotation_says_it_starts_fresh(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A run moving from torchrl's ``CheckpointRotation`` to ours, resumed in the same directory: nothing of ours to
+    resume from, so it starts fresh, but says so as a warning naming torchrl's entries (it was an INFO line: a job
+    could retrain from scratch unnoticed)."""
+    import logging
+
+    from torchrl.checkpoint import Checkpoint
+    from torchrl.checkpoint import CheckpointRotation as TorchrlRotation
+
+    TorchrlRotation(tmp_path, keep_last=2).save(Checkpoint(policy=torch.nn.Linear(2, 2)), step=3)
+    with caplog.at_level(logging.WARNING, logger="torchrl_dcp"):
+        assert tdcp.resume(ckpt_for(0)[0], tmp_path) is None
+    assert "checkpoint-000000000003" in caplog.text and "ckpt.load(path)" in caplog.text

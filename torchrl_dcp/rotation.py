@@ -537,6 +537,14 @@ class CheckpointRotation:
             self.local.forget_after(ckpt, None if info is None else info.step)
         return info
 
+    def _torchrl_entries(self) -> list[str]:
+        """Names of the ``torchrl.checkpoint`` checkpoints in a local rotation directory, sorted."""
+        from torchrl_dcp.torchrl_format.detect import is_torchrl_checkpoint
+
+        if not isinstance(self.directory, Path) or not self.directory.is_dir():
+            return []
+        return sorted(p.name for p in self.directory.iterdir() if is_torchrl_checkpoint(p))
+
     def _resume_shared(
         self, ckpt: Any, candidates: list[tuple[int, str]], fallback: bool, load_kwargs: dict[str, Any]
     ) -> ResumeInfo | None:
@@ -560,7 +568,17 @@ class CheckpointRotation:
             logger.info("resumed from step %d (%s)", step, path)
             self._last_step, self._last_time = step, time.monotonic()  # every_steps counts from the resumed step
             return ResumeInfo(step, path, result)
-        logger.info("no committed checkpoint in %s: starting fresh", self.directory)
+        foreign = self._torchrl_entries()
+        if foreign:  # a run moving from torchrl's rotation: starting fresh silently would retrain from scratch
+            logger.warning(
+                "no committed torchrl_dcp checkpoint in %s, but torchrl.checkpoint entries (%s): this rotation does "
+                "not resume from them; load the newest with ckpt.load(path) (read-only), then save with this "
+                "rotation. Starting fresh",
+                self.directory,
+                ", ".join(foreign[-3:]),
+            )
+        else:
+            logger.info("no committed checkpoint in %s: starting fresh", self.directory)
         return None
 
 
