@@ -335,3 +335,71 @@ def test_a_forged_inventory_shape_is_refused_by_the_tools_before_anything_is_all
     with pytest.raises(tdcp.CheckpointError, match=r"claims \d+ bytes but its records hold \d+") as err:
         list(iter_inventory(path, "stats"))
     assert str(path) in str(err.value)
+
+
+# ---------------------------------------------------------------------- the tools read as verify does
+def _cli(*args: str) -> tuple[int, str]:
+    import contextlib
+
+    from torchrl_dcp.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(list(args))
+    return code, err.getvalue()
+
+
+@pytest.mark.parametrize("kind", ["directory", "archive", "memory"])
+@pytest.mark.parametrize(
+    "forgery", ["another-saves-file", "state-dtype", "unused-file-without-identity", "flipped-byte"]
+)
+def test_diff_and_verify_refuse_what_a_load_refuses(tmp_path: Path, kind: str, forgery: str) -> None:
+    """``diff`` read tensors through a path of its own, which skipped the save identity and the state checks a load
+    and ``verify`` run: a data file copied in from another save (resealed) was "identical" to that save, a forged
+    state merely "different", a damaged object printed DCP's traceback; ``verify`` passed a listed data file without
+    identity. Now ``diff`` checks what ``verify`` checks before reading (exit 2, one line naming the file) and
+    ``verify`` every listed data file."""
+    a = tdcp.DistributedCheckpoint(**objects(0)).save(tmp_path / "a")
+    b = tdcp.DistributedCheckpoint(**objects(1)).save(tmp_path / "b")
+    forged = tmp_path / "forged"
+    import shutil
+
+    shutil.copytree(a, forged)
+    if forgery == "another-saves-file":
+        shutil.copy(b / "__0_shared.distcp", forged / "__0_shared.distcp")
+        forging.reseal(forged, "__0_shared.distcp")
+        named = "__0_shared.distcp"
+    elif forgery == "state-dtype":  # the state says float64 where the inventory (and the file) say float32
+        forging.edit(forged, lambda m: _tensor_node(m["components"]["policy"]["state"], "bias").update(dtype="float64"))
+        named = "manifest.json"
+    elif forgery == "flipped-byte":  # damage, not resealed: diff on an object store printed DCP's traceback
+        if kind == "archive":
+            pytest.skip("to_archive packs only files that pass their checksums")
+        data = bytearray((forged / "__0_shared.distcp").read_bytes())
+        data[200] ^= 0xFF
+        (forged / "__0_shared.distcp").write_bytes(bytes(data))
+        named = "__0_shared.distcp"
+    else:
+        (forged / "__0_7.distcp").write_bytes(b"x" * 100)
+        forging.reseal(forged, "__0_7.distcp")
+        named = "__0_7.distcp"
+    where = _at(kind, forged, tmp_path)
+    if forgery != "unused-file-without-identity":
+        code, err = _cli("diff", where, str(b))
+        assert code == 2 and named in err and len(err.strip().splitlines()) == 1, err
+    with pytest.raises(tdcp.CheckpointError, match=named if forgery != "state-dtype" else "inventory disagrees"):
+        tdcp.verify(where)
+
+
+def _tensor_node(node: Any, key: str) -> dict[str, Any]:
+    """The tensor node of a state skeleton whose key is ``key`` (depth-first)."""
+    stack = [node]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            if x.get("t") == "tensor" and x.get("key") == key:
+                return x
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    raise KeyError(key)

@@ -256,9 +256,12 @@ def _tolerance(text: str) -> float:
 def _diff(a: str, b: str, atol: float, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """How checkpoints ``a`` and ``b`` differ; ``progress(done, total)``: bytes of tensors read (both sides)."""
     from torchrl_dcp.extract import as_source
+    from torchrl_dcp.verification import check_structure
 
     sa, sb = as_source(a), as_source(b)
     ma, mb = sa.manifest(), sb.manifest()
+    for src in (sa, sb):  # what verify checks before reading: another save's files, forged states (no checksums yet)
+        check_structure(src)
     ca, cb = ma["components"], mb["components"]
     advance = None
     if progress is not None:

@@ -27,6 +27,7 @@ from torchrl_dcp.format.codec import TensorSpec, decode, dtype_from_name, tensor
 from torchrl_dcp.load_plan import check_backed
 from torchrl_dcp.placement import key_prefix
 from torchrl_dcp.planner import SafeLoadPlanner
+from torchrl_dcp.save_support import failure_inside, summarize
 from torchrl_dcp.storage.backends import open_source
 from torchrl_dcp.storage.direct import read_direct
 from torchrl_dcp.storage.source import CheckpointSource
@@ -62,11 +63,11 @@ def read_tensors(
         flat = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in specs.items()}
     except RuntimeError as err:  # e.g. out of memory
         raise CheckpointError(f"cannot allocate the tensors to read ({err})", path=src.path) from None
-    files: set[str] = set()
-    if verify:
-        keys = set(flat)
-        files = {info.relative_path for index, info in metadata.storage_data.items() if index.fqn in keys}
+    keys = set(flat)
+    holding = {info.relative_path for index, info in metadata.storage_data.items() if index.fqn in keys}
+    files = holding if verify else set()
     src.check(False)  # sizes of every listed file, nothing unlisted
+    src.check_identity(holding)  # as a load does: a file copied in from another save is refused, resealed or not
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         try:
@@ -76,7 +77,9 @@ def read_tensors(
         except BaseException as err:  # DCP's CheckpointException is a BaseException
             if isinstance(err, (CheckpointError, KeyboardInterrupt)):
                 raise
-            raise CheckpointError(f"reading tensors failed: {err}", path=src.path) from None
+            raise failure_inside(err) or CheckpointError(
+                f"reading tensors failed: {summarize(err)}", path=src.path
+            ) from None
     return flat
 
 

@@ -65,7 +65,7 @@ from torchrl_dcp.format.dcp_metadata import record_index
 from torchrl_dcp.format.manifest import library_versions
 from torchrl_dcp.load_plan import ComponentPlan, LoadPlan, Registered, decode_states, plan_components, rollback_one
 from torchrl_dcp.planner import SafeLoadPlanner
-from torchrl_dcp.save_support import quiet_single_process, summarize
+from torchrl_dcp.save_support import failure_inside, quiet_single_process, summarize
 from torchrl_dcp.storage.backends import open_source
 from torchrl_dcp.storage.direct import read_direct
 from torchrl_dcp.storage.source import CheckpointSource
@@ -287,10 +287,9 @@ def read(
                 no_dist=request.group is None,
             )
     except CheckpointException as err:
-        for failure in (getattr(err, "failures", None) or {}).values():  # a file failed its checksum: say so
-            exc = failure[0] if isinstance(failure, tuple) else failure
-            if isinstance(exc, CheckpointIntegrityError):
-                raise CheckpointIntegrityError(exc.message, path=exc.path, result=result) from None
+        exc = failure_inside(err)  # a file failed its checksum: say so
+        if isinstance(exc, CheckpointIntegrityError):
+            raise CheckpointIntegrityError(exc.message, path=exc.path, result=result) from None
         raise CollectiveError(f"DCP load failed: {summarize(err)}", path=request.path, result=result) from None
 
 

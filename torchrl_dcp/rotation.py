@@ -541,9 +541,9 @@ class CheckpointRotation:
         """Names of the ``torchrl.checkpoint`` checkpoints in a local rotation directory, sorted."""
         from torchrl_dcp.torchrl_format.detect import is_torchrl_checkpoint
 
-        if not isinstance(self.directory, Path) or not self.directory.is_dir():
+        if not self.location.is_local:
             return []
-        return sorted(p.name for p in self.directory.iterdir() if is_torchrl_checkpoint(p))
+        return sorted(e.name for e in self.location.children() if is_torchrl_checkpoint(e.location.path))
 
     def _resume_shared(
         self, ckpt: Any, candidates: list[tuple[int, str]], fallback: bool, load_kwargs: dict[str, Any]

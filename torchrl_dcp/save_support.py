@@ -40,6 +40,16 @@ def quiet_single_process() -> Iterator[None]:
         yield
 
 
+def failure_inside(err: BaseException) -> CheckpointError | None:
+    """The first :class:`CheckpointError` among the failures DCP's ``CheckpointException`` gathered (a record our
+    reader refused, naming its file), or ``None``: what a load or a tool raises instead of DCP's wrapper."""
+    for failure in (getattr(err, "failures", None) or {}).values():
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(exc, CheckpointError):
+            return exc
+    return None
+
+
 def summarize(err: CheckpointException) -> str:
     """DCP's collective exception as one line per failed rank."""
     failures = getattr(err, "failures", {}) or {}

@@ -15,7 +15,7 @@ from typing import Any
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
 from torchrl_dcp.format.dcp_metadata import metadata_difference
-from torchrl_dcp.format.layout import MANIFEST
+from torchrl_dcp.format.layout import MANIFEST, is_data_file
 from torchrl_dcp.format.manifest import unchecked
 from torchrl_dcp.format.record import stored_record
 from torchrl_dcp.load_plan import check_states
@@ -104,6 +104,25 @@ def _heads(src: CheckpointSource, rel: str, items: list[tuple[int, str]]) -> Ite
     yield from ((o, k, h) for (o, k), h in zip(items, src.read_many(rel, [(o, 4) for o, _ in items])))
 
 
+def check_structure(src: Any) -> dict[str, Any]:
+    """What ``verify`` checks of a checkpoint's structure, without reading its tensors, for every tool that reads
+    one (``verify``, ``diff``): every listed data file carries this save's identity (a file copied in from another
+    save with its record resealed is refused, tensors or not), and every component passes the checks a load runs
+    (:func:`~torchrl_dcp.load_plan.check_states`: inventory, decodable states, dtypes and shapes backed by records,
+    the saving adapter's own checks) and refers only to tensors of replicated components. Returns the checked states
+    by component (``{}`` for a checkpoint without tensors)."""
+    manifest = src.manifest()
+    metadata = src.dcp_metadata()
+    if metadata is None:
+        return {}
+    where = src.path / MANIFEST
+    listed = [n for n in manifest["files"] if is_data_file(n)]
+    src.check_identity([*listed, *(info.relative_path for info in metadata.storage_data.values())])
+    states = {name: check_states(name, rec, metadata, where) for name, rec in manifest["components"].items()}
+    _check_references(states, manifest["components"], where)
+    return states
+
+
 def verify(
     path: str | os.PathLike,
     *,
@@ -147,12 +166,8 @@ def verify(
                 path=root,
             )
     if metadata is not None:
-        src.check_identity(info.relative_path for info in metadata.storage_data.values())
-        states = {
-            name: check_states(name, rec, metadata, root / MANIFEST) for name, rec in manifest["components"].items()
-        }
+        states = check_structure(src)
         tensors += sum(len(s.specs) for by_rank in states.values() for s in by_rank.values())
-        _check_references(states, manifest["components"], root / MANIFEST)
         _check_blob_headers(src, metadata)
         _check_records_stored(src, metadata)
         src.check_records(metadata)
