@@ -141,3 +141,56 @@ def test_an_integer_json_cannot_hold_is_refused_at_encoding_naming_its_path(tmp_
     live: dict = {}
     tdcp.DistributedCheckpoint(stats=live).load(path)
     assert live == {"n": big}
+
+
+def _same(a: object, b: object) -> bool:
+    """Equal with the same types all the way down (NaN equal to NaN)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)  # type: ignore[index]
+    if isinstance(a, np.ndarray):
+        return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)  # type: ignore[union-attr]
+    if isinstance(a, (float, np.floating)) and math.isnan(a):
+        return math.isnan(b)  # type: ignore[arg-type]
+    return bool(a == b)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [np.float64("nan"), np.float64("-inf"), np.float64(0.25), np.array(3.5), np.array(7, dtype=np.int16)],
+    ids=["f64-nan", "f64-inf", "f64", "0d-f64-array", "0d-i16-array"],
+)
+def test_numpy_float64_scalars_and_0d_arrays_come_back_as_saved(tmp_path: Path, value: object) -> None:
+    """NumPy's float64 is a float: a NaN one was written as ``np.float64(nan)``, which no load read (a committed
+    checkpoint, unloadable); a finite one came back a Python float; a 0-d array came back of shape (1,)."""
+    import torchrl_dcp as tdcp
+
+    path = tdcp.DistributedCheckpoint(stats={"x": value}).save(tmp_path / "c")
+    tdcp.verify(path)
+    live: dict = {}
+    tdcp.DistributedCheckpoint(stats=live).load(path)
+    assert _same(live, {"x": value}), (live, value)
+
+
+@pytest.mark.parametrize(
+    "make, why",
+    [
+        (lambda: np.ma.masked_array([1.0, 2.0], mask=[False, True]), "numpy array subclass"),
+        (lambda: np.matrix([[1, 2]]), "numpy array subclass"),
+        (lambda: np.zeros(2, dtype=np.longdouble), "has no torch dtype"),
+        (lambda: np.longdouble(1.5), "no exact Python value"),
+        (lambda: torch.zeros(4, dtype=torch.uint8).view(torch.quint8), "does not save"),
+        (lambda: torch.zeros(2, dtype=torch.uint8).view(torch.bits8), "does not save"),
+        (lambda: range(0, 1 << 15000), "more than 14000 bits"),
+    ],
+    ids=["masked-array", "matrix", "longdouble-array", "longdouble-scalar", "quint8-view", "bits8", "huge-range"],
+)
+def test_values_a_load_would_not_give_back_are_refused_at_save_naming_them(tmp_path: Path, make, why: str) -> None:  # type: ignore[no-untyped-def]
+    """What a load could not give back as saved is refused when the state is encoded, naming its path (a masked
+    array lost its mask, a matrix its kind; the others failed at commit or while reading, naming nothing)."""
+    import torchrl_dcp as tdcp
+
+    with pytest.raises(tdcp.EncodingError, match=rf"stats/deep/x \(.*{why}"):
+        tdcp.DistributedCheckpoint(stats={"deep": {"x": make()}}).save(tmp_path / "c")
+    assert not (tmp_path / "c").exists()

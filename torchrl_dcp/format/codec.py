@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import functools
 import math
+import re
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from pathlib import Path, PurePath
@@ -110,6 +111,13 @@ def escape_key(key: Any) -> str:
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+#: tensor dtypes no save writes (no torch.save storage, DCP's writer fails on them): the sub-byte integers, the bit
+#: dtypes, and the quantized ones (a view of bytes as a quantized dtype is not ``is_quantized``)
+_REFUSED_DTYPES = frozenset(
+    d
+    for name, d in vars(torch).items()
+    if isinstance(d, torch.dtype) and re.fullmatch(r"u?int[1-7]|bits.*|q(u)?int.*", name)
+)
 
 
 @functools.lru_cache(maxsize=1)
@@ -159,10 +167,10 @@ class _Encoder:
 
     def encode(self, value: Any, path: str, depth: int = 0) -> Any:
         if isinstance(value, _SCALAR_KINDS):
-            if type(value) is int and value.bit_length() > MAX_INT_BITS:  # JSON would refuse it at commit
+            if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:  # JSON would refuse it at commit
                 raise self.fail(path, value, f" (an integer of more than {MAX_INT_BITS} bits: store it as a string)")
             return value
-        if isinstance(value, float):
+        if type(value) is float:  # (NumPy's float64 is a float too: its own node below keeps its type)
             return value if math.isfinite(value) else {"t": "float", "v": repr(value)}
         if isinstance(value, torch.Tensor):
             return self._tensor(value, path)
@@ -180,10 +188,16 @@ class _Encoder:
         return self._other(value, path, depth)
 
     def _array(self, value: np.ndarray, path: str) -> dict[str, Any]:
+        if type(value) is not np.ndarray:  # a masked array's mask, a matrix's kind would be lost
+            raise self.fail(path, value, " (a numpy array subclass: convert it with np.asarray, or save its parts)")
         if value.dtype.kind not in "biufc":
             raise self.fail(path, value, f" (numpy dtype {value.dtype})")
         native = value.astype(value.dtype.newbyteorder("="), copy=False)  # torch takes native byte order only
-        node = self._tensor(torch.from_numpy(np.ascontiguousarray(native)), path)
+        try:  # (ascontiguousarray makes a 0-d array 1-d: the shape is put back)
+            tensor = torch.from_numpy(np.ascontiguousarray(native).reshape(value.shape))
+        except TypeError:
+            raise self.fail(path, value, f" (numpy dtype {value.dtype} has no torch dtype)") from None
+        node = self._tensor(tensor, path)
         return {"t": "ndarray", "np_dtype": value.dtype.str, "tensor": node}
 
     def _mapping(self, value: Mapping[Any, Any], path: str, depth: int) -> dict[str, Any]:
@@ -226,6 +240,8 @@ class _Encoder:
             if value.dtype.kind not in "biufc":
                 raise self.fail(path, value)
             item = value.item()
+            if type(item) not in (bool, int, float, complex):  # (longdouble: no exact Python value)
+                raise self.fail(path, value, f" (numpy scalar of dtype {value.dtype}: no exact Python value)")
             if isinstance(item, complex):
                 item = [item.real, item.imag]
             return {"t": "np", "dtype": value.dtype.str, "v": self.encode(item, path, depth)}
@@ -236,7 +252,7 @@ class _Encoder:
         if isinstance(value, slice):
             return {"t": "slice", "v": [self.encode(v, path, depth) for v in (value.start, value.stop, value.step)]}
         if isinstance(value, range):
-            return {"t": "range", "v": [value.start, value.stop, value.step]}
+            return {"t": "range", "v": [self.encode(v, path, depth) for v in (value.start, value.stop, value.step)]}
         if isinstance(value, PurePath):
             return {"t": "path", "v": str(value)}
         if value is Ellipsis:
@@ -260,6 +276,8 @@ class _Encoder:
             raise self.fail(path, value, " (on the meta device: it holds no data; initialise it before saving)")
         if value.is_quantized or value.is_nested:
             raise self.fail(path, value, " (quantized or nested tensor)")
+        if value.dtype in _REFUSED_DTYPES:
+            raise self.fail(path, value, f" (dtype {value.dtype}, which torchrl_dcp does not save)")
         ident = tensor_identity(value)
         alias = self._seen.get(ident) if ident is not None else None
         if alias is not None:
