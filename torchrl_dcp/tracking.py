@@ -168,7 +168,9 @@ def _versions(storage: Any, leaves: list[torch.Tensor]) -> Any:
         revision = None
     if isinstance(revision, torch.Tensor):
         revision = int(revision.item())
-    return tuple((id(t), t._version) for t in leaves), revision
+    # an inference tensor (a storage filled under ``torch.inference_mode()``) keeps no version counter: a marker that
+    # never compares equal, so its rows are always unknown (compared by content), never a failed save
+    return tuple((id(t), object() if t.is_inference() else t._version) for t in leaves), revision
 
 
 def _shared(t: torch.Tensor) -> bool:
