@@ -357,8 +357,8 @@ def test_diff_and_verify_refuse_what_a_load_refuses(tmp_path: Path, kind: str, f
     """``diff`` read tensors through a path of its own, which skipped the save identity and the state checks a load
     and ``verify`` run: a data file copied in from another save (resealed) was "identical" to that save, a forged
     state merely "different", a damaged object printed DCP's traceback; ``verify`` passed a listed data file without
-    identity. Now ``diff`` checks what ``verify`` checks before reading (exit 2, one line naming the file) and
-    ``verify`` every listed data file."""
+    identity. Now ``diff`` checks what ``verify`` checks before reading (exit 2, one line naming the file),
+    ``verify`` every listed data file, and ``to_archive`` packs no file of another save."""
     a = tdcp.DistributedCheckpoint(**objects(0)).save(tmp_path / "a")
     b = tdcp.DistributedCheckpoint(**objects(1)).save(tmp_path / "b")
     forged = tmp_path / "forged"
@@ -383,6 +383,11 @@ def test_diff_and_verify_refuse_what_a_load_refuses(tmp_path: Path, kind: str, f
         (forged / "__0_7.distcp").write_bytes(b"x" * 100)
         forging.reseal(forged, "__0_7.distcp")
         named = "__0_7.distcp"
+    if kind == "archive" and forgery in ("another-saves-file", "unused-file-without-identity"):
+        with pytest.raises(tdcp.CheckpointIntegrityError, match=f"{named}: data file carries"):
+            tdcp.to_archive(forged, tmp_path / "forged.zip")  # a conversion checks identities too: packs nothing
+        assert not (tmp_path / "forged.zip").exists()
+        return
     where = _at(kind, forged, tmp_path)
     if forgery != "unused-file-without-identity":
         code, err = _cli("diff", where, str(b))

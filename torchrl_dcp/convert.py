@@ -27,10 +27,11 @@ from typing import Any
 
 from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError, from_os_error
 from torchrl_dcp.format.checksums import checksum_mismatch, format_crc
-from torchrl_dcp.format.layout import DCP_METADATA, MANIFEST, MAX_MANIFEST_BYTES
+from torchrl_dcp.format.layout import DCP_METADATA, MANIFEST, MAX_MANIFEST_BYTES, is_data_file
 from torchrl_dcp.format.manifest import loads_manifest
 from torchrl_dcp.storage.archive import BUFFER, ArchiveContainer, Progress, byte_counter, write_archive
 from torchrl_dcp.storage.backends import is_remote, location_for, read_manifest
+from torchrl_dcp.storage.base import check_identities
 from torchrl_dcp.storage.commit import (
     DestinationLock,
     publish,
@@ -160,8 +161,10 @@ def to_archive(
     try:
         _, manifest_bytes = _read_manifest_bytes(src)  # the archive keeps the original bytes
         container = DirectoryContainer(src)
-        listed = container.manifest()["files"]  # the root's files and those the shards list (format 7)
+        manifest = container.manifest()
+        listed = manifest["files"]  # the root's files and those the shards list (format 7)
         container.check(False)
+        _check_identities(container, manifest)
     except CheckpointError:
         raise
     except OSError as err:
@@ -203,6 +206,7 @@ def to_directory(
         source = ArchiveContainer(path)
         manifest = source.manifest()
         source.check(False)  # sizes and ZIP CRCs against the manifest
+        _check_identities(source, manifest)
     except CheckpointError:
         raise
     except OSError as err:
@@ -343,6 +347,14 @@ def export_torchrl(
 
 
 _RNG_ADAPTER = "torchrl_dcp.rng"
+
+
+def _check_identities(container: Any, manifest: Mapping[str, Any]) -> None:
+    """Every listed data file carries this save's identity (what a load and ``verify`` check): a conversion never
+    packs or unpacks a file copied in from another save."""
+    if manifest.get("save_id") is not None:
+        names = [n for n in manifest["files"] if is_data_file(n)]
+        check_identities(container, names, manifest["files"], manifest["save_id"])
 
 
 def _destination_for_torchrl(dst: str | os.PathLike, overwrite: bool) -> Path:

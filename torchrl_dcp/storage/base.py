@@ -34,14 +34,16 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import os
 from collections import ChainMap
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from torchrl_dcp.errors import CheckpointError, CheckpointFormatError
-from torchrl_dcp.format.layout import data_file_name, shared_file_name
+from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, CheckpointIntegrityError
+from torchrl_dcp.format.layout import TRAILER_SIZE, data_file_name, read_identity, shared_file_name
+from torchrl_dcp.storage.files import open_regular
 
 if TYPE_CHECKING:  # annotations only: the location layer imports no torch (torch-free tools list and inspect)
     import torch
@@ -494,3 +496,54 @@ class Location(abc.ABC):
 
     def receive(self, local: Path, kind: str) -> None:  # noqa: B027 - a local output is written in place
         """Publish the conversion output ``local`` here (a local location: it was written in place)."""
+
+
+def check_identities(container: Container, names: Iterable[str], files: Mapping[str, Any], save_id: str) -> None:
+    """Every data file in ``names`` of ``container`` ends with the identity trailer of save ``save_id`` (format 3 and
+    later), or of the save its record names as its ``origin`` (a chunk file an incremental save kept).
+
+    Refuses a data file copied in from another checkpoint together with its record (size and checksum match, the
+    save does not): what loads, ``verify``, the tools and conversions check, through one function.
+    """
+    ordered = sorted(set(names))
+    for at in range(0, len(ordered), _TRAILERS_AT_ONCE):
+        opened: list[tuple[str, ByteRange, int]] = []
+        try:
+            for name in ordered[at : at + _TRAILERS_AT_ONCE]:  # every trailer asked for before the first read
+                span = container.byte_range(name)
+                opened.append((name, span, open_regular(span.path, span.where)))
+                if span.size >= TRAILER_SIZE:  # cold: the reads then run at once (7 -> 4.5 ms, 128 files)
+                    _will_need(opened[-1][2], span.base + span.size - TRAILER_SIZE, TRAILER_SIZE)
+            for name, span, fd in opened:
+                tail = (
+                    os.pread(fd, TRAILER_SIZE, span.base + span.size - TRAILER_SIZE)
+                    if span.size >= TRAILER_SIZE
+                    else b""
+                )
+                check_trailer(tail, files.get(name, {}).get("origin", save_id), span.where)
+        finally:
+            for _, _, fd in opened:
+                os.close(fd)
+
+
+_TRAILERS_AT_ONCE = 64  # files open at once while their identities are read
+
+
+def _will_need(fd: int, offset: int, size: int) -> None:
+    """A trailer's read-ahead hint (not :func:`copying.will_need`: that one announces the data reads)."""
+    try:
+        os.posix_fadvise(fd, offset, size, os.POSIX_FADV_WILLNEED)
+    except (AttributeError, OSError):  # pragma: no cover - not on every platform: the reads just wait in turn
+        pass
+
+
+def check_trailer(tail: bytes, save_id: str, where: Any, kind: str = "a file") -> None:
+    """``tail`` (a data file's last bytes) carries the identity of save ``save_id``; ``kind`` names what it is."""
+    found = read_identity(bytes(tail))
+    if found is None or found[0] != save_id:
+        who = "no save identity" if found is None else f"the identity of save {found[0]!r}"
+        raise CheckpointIntegrityError(
+            f"data file carries {who}, the manifest is save {save_id!r}: {kind} from another checkpoint "
+            "(or a damaged one); refused",
+            path=where,
+        )

@@ -36,7 +36,7 @@ from torchrl_dcp.format.dcp_metadata import (
     chunk_specs,
     parse_metadata,
 )
-from torchrl_dcp.format.layout import DCP_METADATA, MAX_MANIFEST_BYTES, TRAILER_SIZE, is_data_file, read_identity
+from torchrl_dcp.format.layout import DCP_METADATA, MAX_MANIFEST_BYTES, is_data_file
 from torchrl_dcp.format.record import (
     STORAGE_NAMES,
     check_bool_bytes,
@@ -44,7 +44,7 @@ from torchrl_dcp.format.record import (
     record_data_offset,
     template_tail_size,
 )
-from torchrl_dcp.storage.base import ByteRange, Container
+from torchrl_dcp.storage.base import Container, check_identities
 from torchrl_dcp.storage.files import open_regular
 from torchrl_dcp.storage.reader import InPlaceFileSystemReader
 from torchrl_dcp.storage.readitems import BATCH, SMALL, small_record
@@ -248,37 +248,11 @@ class CheckpointSource:
             os.close(fd)
 
     def check_identity(self, names: Iterable[str]) -> None:
-        """Every data file in ``names`` ends with this save's identity trailer (format 3 and later).
-
-        Refuses a data file copied in from another checkpoint together with its manifest
-        entry (size and checksum match, the save does not). A chunk file an incremental
-        save kept from an earlier checkpoint carries that save's identity, which the
-        manifest records as the file's ``origin``.
-        """
+        """Every data file in ``names`` ends with this save's identity trailer (format 3 and later;
+        :func:`~torchrl_dcp.storage.base.check_identities`)."""
         manifest = self.manifest()
-        if manifest.get("save_id") is None:
-            return  # older formats carry no identity (verify says so)
-        files = manifest["files"]
-        ordered = sorted(set(names))
-        for at in range(0, len(ordered), _TRAILERS_AT_ONCE):
-            opened: list[tuple[str, ByteRange, int]] = []
-            try:
-                for name in ordered[at : at + _TRAILERS_AT_ONCE]:  # every trailer asked for before the first read
-                    span = self.container.byte_range(name)
-                    opened.append((name, span, open_regular(span.path, span.where)))
-                    if span.size >= TRAILER_SIZE:  # cold: the reads then run at once (7 -> 4.5 ms, 128 files)
-                        _will_need(opened[-1][2], span.base + span.size - TRAILER_SIZE, TRAILER_SIZE)
-                for name, span, fd in opened:
-                    tail = (
-                        os.pread(fd, TRAILER_SIZE, span.base + span.size - TRAILER_SIZE)
-                        if span.size >= TRAILER_SIZE
-                        else b""
-                    )
-                    save_id = files.get(name, {}).get("origin", manifest["save_id"])
-                    check_trailer(tail, save_id, span.where)
-            finally:
-                for _, _, fd in opened:
-                    os.close(fd)
+        if manifest.get("save_id") is not None:  # older formats carry no identity (verify says so)
+            check_identities(self.container, names, manifest["files"], manifest["save_id"])
 
     def storage_reader(self, verify: Collection[str] = (), mismatch_note: str | None = None) -> InPlaceFileSystemReader:
         """A DCP reader that opens only files the manifest lists, reading tensors in place.
@@ -300,29 +274,6 @@ class CheckpointSource:
         if mismatch_note is not None:
             reader.mismatch_note = mismatch_note
         return reader
-
-
-_TRAILERS_AT_ONCE = 64  # files open at once while their identities are read
-
-
-def _will_need(fd: int, offset: int, size: int) -> None:
-    """A trailer's read-ahead hint (not :func:`copying.will_need`: that one announces the data reads)."""
-    try:
-        os.posix_fadvise(fd, offset, size, os.POSIX_FADV_WILLNEED)
-    except (AttributeError, OSError):  # pragma: no cover - not on every platform: the reads just wait in turn
-        pass
-
-
-def check_trailer(tail: bytes, save_id: str, where: Any, kind: str = "a file") -> None:
-    """``tail`` (a data file's last bytes) carries the identity of save ``save_id``; ``kind`` names what it is."""
-    found = read_identity(bytes(tail))
-    if found is None or found[0] != save_id:
-        who = "no save identity" if found is None else f"the identity of save {found[0]!r}"
-        raise CheckpointIntegrityError(
-            f"data file carries {who}, the manifest is save {save_id!r}: {kind} from another checkpoint "
-            "(or a damaged one); refused",
-            path=where,
-        )
 
 
 def _check_checksum(data: bytes, record: dict[str, Any], where: str) -> None:
