@@ -150,3 +150,17 @@ def write_metadata(path: Path, md: Any) -> bool:
 def places(m: dict[str, Any]) -> Any:
     entries = sorted(map(tuple, (m.get("index") or {}).get("entries", [])))
     return entries, json.dumps(m.get("chunks"), sort_keys=True)
+
+
+def tensor_node(node: Any, key: str) -> dict[str, Any]:
+    """The tensor node of a state skeleton whose key is ``key`` (depth-first), to forge it in place."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, dict):
+            if n.get("t") == "tensor" and n.get("key") == key:
+                return n
+            stack.extend(n.values())
+        elif isinstance(n, list):
+            stack.extend(n)
+    raise KeyError(key)

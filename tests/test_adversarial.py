@@ -322,19 +322,6 @@ def _items_slot(node: Any, step: Any) -> tuple[list[Any], int]:
     return node["items"], step
 
 
-def _tensor_node(node: Any, key: str) -> dict[str, Any]:
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if isinstance(n, dict):
-            if n.get("t") == "tensor" and n.get("key") == key:
-                return n
-            stack.extend(n.values())
-        elif isinstance(n, list):
-            stack.extend(n)
-    raise KeyError(key)
-
-
 def _payload_span(record: bytes, member: str = r"/data/\d+$") -> tuple[int, int]:
     """``(start, size)`` of a member's data inside a ``torch.save`` record (STORED members)."""
     zf = zipfile.ZipFile(io.BytesIO(record))
@@ -514,7 +501,7 @@ def _inventory(f: Forger, m: dict[str, Any]) -> dict[str, Any]:
 
 
 def _node(f: Forger, m: dict[str, Any]) -> dict[str, Any]:
-    return _tensor_node(f.state(m), f.key.split(f"{f.component}/", 1)[1])
+    return forging.tensor_node(f.state(m), f.key.split(f"{f.component}/", 1)[1])
 
 
 def _other_dtype(name: str, table: dict[torch.dtype, torch.dtype]) -> str:

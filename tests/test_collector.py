@@ -55,6 +55,13 @@ def make_collector(norm, seed):
     return policy, collector
 
 
+def assert_same_batches(expected: list, got: list) -> None:
+    """Every entry of every expected batch equals the other run's, bit for bit."""
+    for a, b in zip(expected, got):
+        for key in a.keys(True, True):
+            assert torch.equal(a[key], b[key]), key
+
+
 def checkpoint(policy, collector) -> tdcp.DistributedCheckpoint:
     ckpt = tdcp.DistributedCheckpoint(policy=policy)
     ckpt.register("collector", collector)
@@ -203,9 +210,7 @@ def test_a_traj_counter_inside_a_compose_continues_its_ids_after_a_restore(tmp_p
     it2 = iter(collector2)
     got = [next(it2) for _ in range(4)]
     collector2.shutdown()
-    for a, b in zip(expected, got):
-        for key in a.keys(True, True):
-            assert torch.equal(a[key], b[key]), key
+    assert_same_batches(expected, got)
 
 
 @pytest.mark.parametrize("wrapped", [False, True], ids=["serial", "transformed-serial"])
@@ -240,9 +245,7 @@ def test_traj_counters_inside_a_serial_envs_sub_envs_continue_their_ids(tmp_path
     it2 = iter(collector2)
     got = [next(it2) for _ in range(2)]
     collector2.shutdown()
-    for a, b in zip(expected, got):
-        for key in a.keys(True, True):
-            assert torch.equal(a[key], b[key]), key
+    assert_same_batches(expected, got)
 
 
 def test_a_shut_down_collector_is_refused_saying_why(tmp_path: Path) -> None:

@@ -370,7 +370,9 @@ def test_diff_and_verify_refuse_what_a_load_refuses(tmp_path: Path, kind: str, f
         forging.reseal(forged, "__0_shared.distcp")
         named = "__0_shared.distcp"
     elif forgery == "state-dtype":  # the state says float64 where the inventory (and the file) say float32
-        forging.edit(forged, lambda m: _tensor_node(m["components"]["policy"]["state"], "bias").update(dtype="float64"))
+        forging.edit(
+            forged, lambda m: forging.tensor_node(m["components"]["policy"]["state"], "bias").update(dtype="float64")
+        )
         named = "manifest.json"
     elif forgery == "flipped-byte":  # damage, not resealed: diff on an object store printed DCP's traceback
         if kind == "archive":
@@ -394,17 +396,3 @@ def test_diff_and_verify_refuse_what_a_load_refuses(tmp_path: Path, kind: str, f
         assert code == 2 and named in err and len(err.strip().splitlines()) == 1, err
     with pytest.raises(tdcp.CheckpointError, match=named if forgery != "state-dtype" else "inventory disagrees"):
         tdcp.verify(where)
-
-
-def _tensor_node(node: Any, key: str) -> dict[str, Any]:
-    """The tensor node of a state skeleton whose key is ``key`` (depth-first)."""
-    stack = [node]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, dict):
-            if x.get("t") == "tensor" and x.get("key") == key:
-                return x
-            stack.extend(x.values())
-        elif isinstance(x, list):
-            stack.extend(x)
-    raise KeyError(key)

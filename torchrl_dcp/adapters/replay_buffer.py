@@ -422,9 +422,10 @@ class ReplayBufferAdapter(Adapter):
         """The sampler's capacity must be the buffer's (checked while planning, before any row is read); after a
         world-size change, this rank's buffer must hold the transitions it receives."""
         lengths = ctx.plan.get("lengths")
-        sampler = initialized_buffer(rb)._sampler
+        live = initialized_buffer(rb)
+        sampler = live._sampler
         for state in saved.values():  # the restore's checks of kinds, made before anything is read
-            _check_kinds(initialized_buffer(rb), state, ctx.name)
+            _check_kinds(live, state, ctx.name)
         for state in saved.values() if lengths is None else ():  # (resharding rebuilds the sampler's trees)
             saved_sampler = state.get("sampler") if isinstance(state, Mapping) else None
             if isinstance(saved_sampler, Mapping) and saved_sampler.get("kind") == "prioritized":
