@@ -409,3 +409,19 @@ def test_resume_over_torchrls_rotation_says_it_starts_fresh(tmp_path: Path, capl
     with caplog.at_level(logging.WARNING, logger="torchrl_dcp"):
         assert tdcp.resume(ckpt_for(0)[0], tmp_path) is None
     assert "checkpoint-000000000003" in caplog.text and "ckpt.load(path)" in caplog.text
+
+
+def test_steps_as_numpy_integers_or_0d_tensors_are_accepted_as_save_takes_them(tmp_path: Path) -> None:
+    """A step counted in NumPy (``np.int64``) or a 0-d integer tensor is a step for the rotation as for
+    ``DistributedCheckpoint.save``; it was refused as "not a non-negative integer". Floats, bools and negatives
+    stay refused."""
+    import numpy as np
+
+    ckpt = ckpt_for(0)[0]
+    rotation = tdcp.CheckpointRotation(tmp_path, every_steps=1, keep_last=5)
+    assert rotation.maybe_save(ckpt, np.int64(3)).name == "step-000000000003"
+    assert rotation.save(ckpt, step=torch.tensor(4)).name == "step-000000000004"
+    for bad in (-1, 2.0, True, np.float64(5.0)):
+        with pytest.raises(ValueError, match="non-negative integer"):
+            rotation.maybe_save(ckpt, bad)
+    assert [e.step for e in rotation.entries()] == [3, 4]

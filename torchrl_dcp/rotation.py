@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from torchrl_dcp._log import get_logger
+from torchrl_dcp.arguments import check_step
 from torchrl_dcp.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -260,6 +261,7 @@ class CheckpointRotation:
         The new checkpoint is committed (and, with ``archive=True``, converted and
         published) before any older entry is removed. Returns the entry's path.
         """
+        step = _check_step(step)
         directory_path, metadata, save_kwargs = self._prepare(ckpt, step, metadata, save_kwargs)
         path = ckpt.save(directory_path, step=step, metadata=metadata, components=components, **save_kwargs)
         return self._rotate(ckpt, path, step)
@@ -298,7 +300,7 @@ class CheckpointRotation:
         """Whether ``step`` is due or a rank was preempted, the same on every rank (collective; see :meth:`maybe_save`)."""
         from torchrl_dcp import _dist
 
-        _check_step(step)
+        step = _check_step(step)
         signalled = self._watcher.signalled if self._watcher is not None and not self.preempted else None
         due = self.schedule.due_by_steps(step, self._last_step)
         by_time = self.schedule.due_by_time(time.monotonic(), self._last_time)
@@ -629,6 +631,13 @@ def _wait(ckpt: Any) -> None:
         wait()
 
 
-def _check_step(step: Any) -> None:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+def _check_step(step: Any) -> int:
+    """``step`` as an ``int`` (a NumPy integer or 0-d integer tensor converted, as ``save`` does); negative and
+    non-integer steps are refused."""
+    try:
+        value = check_step(step)
+    except TypeError:
+        value = None
+    if value is None or value < 0:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
+    return value
