@@ -146,6 +146,19 @@ def test_console_script_runs_without_torch_for_inspect(tmp_path: Path) -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=False)
     assert proc.returncode == 0 and "model" in proc.stdout, proc.stderr[-2000:]
+    # the package itself and its torch-free tools, as the docs use them (a module-level import of the adapters
+    # anywhere on this path brought torch in: ~0.5 GB of RSS for a conversion)
+    code = (
+        "import sys; import torchrl_dcp as tdcp; from torchrl_dcp.cli import main; src, out = sys.argv[1:3]; "
+        "tdcp.to_archive(src, out + '/c.zip'); tdcp.to_directory(out + '/c.zip', out + '/back'); "
+        "tdcp.read_manifest(out + '/back'); tdcp.CheckpointRotation(out).entries(); assert main(['ls', out]) == 0; "
+        "assert 'torch' not in sys.modules, 'the torch-free tools imported torch'"
+    )
+    (tmp_path / "tools").mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(path), str(tmp_path / "tools")], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 # ---------------------------------------------------------------------- hostile inputs: one error line, exit 1 (diff: 2)

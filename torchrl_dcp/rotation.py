@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 from torchrl_dcp._log import get_logger
-from torchrl_dcp.arguments import check_step
 from torchrl_dcp.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -634,6 +633,8 @@ def _wait(ckpt: Any) -> None:
 def _check_step(step: Any) -> int:
     """``step`` as an ``int`` (a NumPy integer or 0-d integer tensor converted, as ``save`` does); negative and
     non-integer steps are refused."""
+    from torchrl_dcp.arguments import check_step  # (imports torch: the rotation's listing tools must not)
+
     try:
         value = check_step(step)
     except TypeError:
