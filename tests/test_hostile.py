@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import pickle
 import zipfile
 from collections.abc import Callable
@@ -381,6 +382,46 @@ def test_pickle_nested_inside_valid_metadata_never_runs(tmp_path: Path) -> None:
     with pytest.raises(tdcp.UnsafeCheckpointError, match=r"\.metadata"):
         verify(path)
     assert not marker.exists()
+
+
+def _build_on(target: bytes, state: bytes) -> bytes:
+    """Protocol-2 opcodes that push ``target`` (opcodes), then ``state`` (opcodes), and ``BUILD`` it: no class of the
+    payload's own, only allowed globals."""
+    return target + state + b"b"
+
+
+def _text(value: str) -> bytes:
+    raw = value.encode()
+    return b"X" + len(raw).to_bytes(4, "little") + raw  # BINUNICODE
+
+
+# BUILD onto what the allow-list admits: an allowed class itself (slot state: setattr on the class), an allowed
+# function (dict state: its __dict__), a process-wide enum member an allowed callable returns (its __dict__)
+_PATCHES = {
+    "class": _build_on(b"cpathlib\nPosixPath\n", b"N}" + _text("tdcp_probe") + b"K\x01s\x86"),
+    "function": _build_on(b"ctorch.serialization\n_get_layout\n", b"}" + _text("tdcp_probe") + b"K\x01s"),
+    "enum member": _build_on(
+        b"ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\nK\x00\x85R",
+        b"}" + _text("tdcp_probe") + b"K\x01s",
+    ),
+}
+
+
+@pytest.mark.parametrize("target", sorted(_PATCHES))
+def test_metadata_cannot_patch_the_classes_and_objects_the_allow_list_admits(tmp_path: Path, target: str) -> None:
+    """``find_class`` alone let a planted ``.metadata`` ``BUILD`` onto an allowed class, function or shared enum
+    member: ``verify`` refused the file afterwards, but the process was already patched (``PosixPath.__fspath__``
+    redirected every later write of the user's). ``BUILD`` now applies only to objects the metadata created."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+    from torch.serialization import _get_layout
+
+    patched = {"class": pathlib.PosixPath, "function": _get_layout, "enum member": _MEM_FORMAT_ENCODING(0)}[target]
+    path = saved(tmp_path)
+    (path / ".metadata").write_bytes(b"\x80\x02" + _PATCHES[target] + b"0N.")
+    reseal(path, ".metadata")
+    with pytest.raises(tdcp.UnsafeCheckpointError, match=r"\.metadata.*did not create") as info:
+        verify(path)
+    assert "tdcp_probe" not in vars(patched), str(info.value)
 
 
 def test_pickle_in_data_file_never_runs(tmp_path: Path) -> None:
