@@ -191,6 +191,14 @@ def test_json_values_and_tensordict(tmp_path: Path) -> None:
     assert td2.get_non_tensor("tag") == "hello"
 
 
+def test_a_json_none_is_a_value_of_the_load_result(tmp_path: Path) -> None:
+    """A component holding ``None`` (a best score not set yet) is loaded and its value is in ``result.values`` like
+    any JSON value (it was listed as loaded but missing from ``values``: ``KeyError``)."""
+    path = tdcp.DistributedCheckpoint(best=None, count=5).save(tmp_path / "c")
+    result = tdcp.DistributedCheckpoint(best=1.5, count=0).load(path)
+    assert result.loaded == {"best", "count"} and result.values == {"best": None, "count": 5}
+
+
 def test_save_components_and_options(tmp_path: Path) -> None:
     calls = []
 

@@ -355,7 +355,7 @@ def _restore_all(
             continue
         done.append(comp)
         result.loaded.add(comp.name)
-        if value is not None:
+        if value is not None or comp.adapter.returns_values:
             result.values[comp.name] = value
     return None
 

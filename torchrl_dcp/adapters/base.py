@@ -106,6 +106,9 @@ class Adapter(abc.ABC):
     #: state is refused, and so is a saved state that does (an ``alias`` or ``xref``: a forgery), by ``load`` and
     #: ``verify`` alike: e.g. an optimizer whose ``exp_avg_sq`` would be its ``exp_avg``.
     shares_tensors: bool = True
+    #: ``True``: what :meth:`restore` returns is the component's value, ``None`` included, and goes to
+    #: ``LoadResult.values`` as it is (a JSON ``None`` is a value); otherwise only a return other than ``None`` does.
+    returns_values: bool = False
 
     @abc.abstractmethod
     def state(self, obj: Any, ctx: AdapterContext) -> Any:

@@ -57,6 +57,7 @@ class JSONAdapter(Adapter):
 
     adapter_id = "torchrl_dcp.json"
     version = 1
+    returns_values = True
 
     def state(self, obj: Any, ctx: AdapterContext) -> Any:
         return _plain(obj)
