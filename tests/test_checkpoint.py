@@ -428,6 +428,22 @@ def test_a_metadata_value_json_refuses_is_named_by_its_path(tmp_path: Path) -> N
     assert not (tmp_path / "a").exists()
 
 
+def test_metadata_that_holds_itself_or_is_no_mapping_is_refused_clearly(tmp_path: Path) -> None:
+    """A metadata dict that holds itself failed with a bare ``RecursionError``, and ``metadata=[1, 2]`` with
+    "cannot convert dictionary update sequence element": now an ``EncodingError`` and a ``TypeError`` saying what
+    is expected, for saves and the rotation's saves alike; nothing is written."""
+    ckpt = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(2, 2))
+    looped: dict = {"cfg": {}}
+    looped["cfg"]["self"] = looped
+    rotation = tdcp.CheckpointRotation(tmp_path / "run")
+    for save in (lambda m: ckpt.save(tmp_path / "a", metadata=m), lambda m: rotation.save(ckpt, step=1, metadata=m)):
+        with pytest.raises(tdcp.EncodingError, match="metadata must be JSON-safe: it holds itself"):
+            save(looped)
+        with pytest.raises(TypeError, match="metadata must be a mapping of JSON values .* got list"):
+            save([1, 2])
+    assert not (tmp_path / "a").exists() and rotation.entries() == []
+
+
 @pytest.mark.parametrize(
     "saved, live", [({"a": 1}, [1, 2]), ([1, 2], {"x": 1})], ids=["dict-into-list", "list-into-dict"]
 )

@@ -39,7 +39,7 @@ from torchrl_dcp.arguments import (
 from torchrl_dcp.async_save import AsyncSaver, SaveHandle
 from torchrl_dcp.collective import run_agreed
 from torchrl_dcp.incremental import share_base
-from torchrl_dcp.json_values import plain_scalars
+from torchrl_dcp.json_values import metadata_values
 from torchrl_dcp.load_engine import LoadResult, Strictness
 from torchrl_dcp.load_plan import Registered
 from torchrl_dcp.placement import Placement, check_placement
@@ -442,7 +442,7 @@ class DistributedCheckpoint:
         names = self._select(components, self.save_components)
         options = check_component_options(component_options, names, "saved")
         step = check_step(step)  # before anything is written: the manifest records an integer (or null)
-        metadata = plain_scalars(dict(metadata or {}))  # (numpy and 0-d tensor scalars as numbers)
+        metadata = metadata_values(metadata)  # (numpy and 0-d tensor scalars as numbers)
         if step is None and type(metadata.get("step")) is int:
             step = metadata["step"]
         group = self._group()

@@ -16,7 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["plain_scalars"]
+from torchrl_dcp.errors import EncodingError
+
+__all__ = ["metadata_values", "plain_scalars"]
 
 
 def _scalar(value: Any) -> Any:
@@ -29,10 +31,37 @@ def _scalar(value: Any) -> Any:
     return value
 
 
-def plain_scalars(value: Any) -> Any:
-    """``value`` with every NumPy scalar and 0-d tensor replaced by its Python number (see the module docstring)."""
-    if isinstance(value, Mapping):
-        return {k: plain_scalars(v) for k, v in value.items()}
-    if type(value) in (list, tuple):
-        return type(value)(plain_scalars(v) for v in value)
+def plain_scalars(value: Any, _path: tuple[int, ...] = ()) -> Any:
+    """``value`` with every NumPy scalar and 0-d tensor replaced by its Python number (see the module docstring).
+
+    Raises ``ValueError`` when a container holds itself (JSON has no references)."""
+    if isinstance(value, Mapping) or type(value) in (list, tuple):
+        if id(value) in _path:
+            raise ValueError("it holds itself (a reference cycle; JSON has no references)")
+        inner = (*_path, id(value))
+        if isinstance(value, Mapping):
+            return {k: plain_scalars(v, inner) for k, v in value.items()}
+        return type(value)(plain_scalars(v, inner) for v in value)
     return _scalar(value)
+
+
+def metadata_values(metadata: Any) -> dict[str, Any]:
+    """The ``metadata=`` of a save as a plain dict (scalars converted): ``None`` is ``{}``; anything but a mapping is
+    a ``TypeError``, a mapping that holds itself an :class:`~torchrl_dcp.errors.EncodingError`.
+
+    Example:
+        >>> metadata_values(None), metadata_values({"reward": 1.5})
+        ({}, {'reward': 1.5})
+    """
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise TypeError(
+            f"metadata must be a mapping of JSON values (a dict) or None, got {type(metadata).__name__}: "
+            "pass metadata={'name': value}"
+        )
+    try:
+        return plain_scalars(dict(metadata))
+    except (ValueError, RecursionError) as err:
+        why = str(err) if isinstance(err, ValueError) else "it is nested too deeply"
+        raise EncodingError(f"metadata must be JSON-safe: {why}") from None

@@ -49,7 +49,7 @@ from torchrl_dcp.errors import (
     StaleCheckpointWarning,
 )
 from torchrl_dcp.format.layout import is_data_file
-from torchrl_dcp.json_values import plain_scalars
+from torchrl_dcp.json_values import metadata_values
 from torchrl_dcp.preemption import PreemptionWatcher
 from torchrl_dcp.rotation_entries import RotationEntry, by_commit, latest_entry, list_entries, metric_value
 from torchrl_dcp.save_policy import MetricMode, Retention, SaveSchedule, parse_keep_best
@@ -357,7 +357,7 @@ class CheckpointRotation:
         from torchrl_dcp.local_tier import tier_identity
 
         _check_step(step)
-        return self.local.save(ckpt, step, plain_scalars(dict(metadata or {})), tier_identity(ckpt, self.directory))
+        return self.local.save(ckpt, step, metadata_values(metadata), tier_identity(ckpt, self.directory))
 
     def wait(self) -> Path | None:
         """Block until the async save in flight (if any) is committed and pruned; its path, or ``None``."""
@@ -389,7 +389,7 @@ class CheckpointRotation:
     ) -> tuple[Path, dict[str, Any], dict[str, Any]]:
         """Check the step and the metric, wait for a save in flight, choose the commit counter and the base."""
         _check_step(step)
-        metadata = plain_scalars(dict(metadata or {}))  # a metric may be a numpy or 0-d tensor scalar
+        metadata = metadata_values(metadata)  # a metric may be a numpy or 0-d tensor scalar
         _wait(ckpt)  # a save in flight prunes in its thread: never interleave with its collectives
         base, sequence = self._next_commit(ckpt, metadata)
         save_kwargs = dict(save_kwargs)
