@@ -34,6 +34,7 @@ from torchrl.collectors import BaseCollector, Collector
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
 from torchrl_dcp.adapters.env_transforms import (
+    env_transforms,
     restore_transform_attributes,
     transform_attributes,
     warn_unverified_transforms,
@@ -200,6 +201,7 @@ class CollectorAdapter(Adapter):
             "transforms": {path: dict(t.state_dict()) for path, t in composed_custom_state(collector.env).items()},
             "sub_envs": {path: dict(e.state_dict()) for path, e in transformed_serial_envs(collector.env).items()},
             **({"transform_attributes": attrs} if (attrs := transform_attributes(collector.env)) else {}),
+            **({"parents": parents} if (parents := _parent_states(collector.env)) else {}),
         }
 
     def restore(self, collector: Collector, state: Any, ctx: AdapterContext) -> Any:
@@ -226,6 +228,7 @@ class CollectorAdapter(Adapter):
                 )
             live[path].load_state_dict(saved)
         restore_transform_attributes(collector.env, state.get("transform_attributes") or {}, ctx.name)
+        _restore_parents(collector.env, state.get("parents") or {}, ctx.name)  # (after the transforms they clone)
         if state["carrier"] is not None:
             saved = tensordict_from_state(state["carrier"], ctx)
             carrier = collector._carrier
@@ -327,6 +330,62 @@ def composed_custom_state(env: Any) -> dict[str, Any]:
                 out[where] = child
             stack.append((child, where))
     return out
+
+
+def _transform_states(env: Any) -> dict[str, Any]:
+    """What the adapter saves of an env's transforms: ``state_dict``, custom states, attributes (the transforms
+    of ``env`` itself; its base env is saved where it is the collector's)."""
+    return {
+        "state_dict": dict(env.transform.state_dict()),
+        "transforms": {
+            p: dict(t.state_dict()) for p, t in composed_custom_state(env).items() if p.startswith("transform")
+        },
+        "transform_attributes": {p: v for p, v in transform_attributes(env).items() if p.startswith("transform")},
+    }
+
+
+def _parent_states(env: Any) -> dict[str, Any]:
+    """``{transform path: state}`` of the parent envs torchrl built and cached for the transforms of ``env``
+    (``Transform.parent``: the base env with *clones* of the transforms before that one).
+
+    ``FrameSkipTransform`` steps through its parent: the clones there (a ``VecNormV2``'s statistics) update on their
+    own, apart from the env's transforms, so a restore that skipped them continued from other statistics (and one
+    into a live collector left the clones at the rolled-back-from state)."""
+    from torchrl.envs import TransformedEnv
+
+    return {
+        path: _transform_states(parent)
+        for path, transform in env_transforms(env)
+        if isinstance(parent := transform.__dict__.get("_parent"), TransformedEnv)
+    }
+
+
+def _restore_parents(env: Any, saved: Mapping[str, Any], name: str) -> None:
+    """Put the saved parents' transform states back (building each parent as torchrl does); a live parent the save
+    had not built yet is dropped, so that it is built again on use from the restored transforms, as it was."""
+    live = dict(env_transforms(env))
+    unknown = sorted(set(saved) - set(live))
+    if unknown:
+        raise IncompatibleComponentError(
+            f"component {name!r}: the checkpoint holds the parent env of transforms at {unknown[:3]}, which this "
+            "collector's env does not have: build the env with the transforms it was saved with"
+        )
+    for path, transform in live.items():
+        if path not in saved:
+            if transform.__dict__.get("_parent") is not None:
+                transform.__dict__["_parent"] = None  # torchrl's own reset_parent, without touching the container
+            continue
+        parent, state = transform.parent, saved[path]
+        parent.transform.load_state_dict(state["state_dict"])
+        custom = composed_custom_state(parent)
+        for at, transform_state in state["transforms"].items():
+            if at not in custom:
+                raise IncompatibleComponentError(
+                    f"component {name!r}: the checkpoint holds the state of {at} in the parent env of {path}, which "
+                    "this collector's env does not have: build the env with the transforms it was saved with"
+                )
+            custom[at].load_state_dict(transform_state)
+        restore_transform_attributes(parent, state["transform_attributes"], name)
 
 
 def load_collector_state(collector: Any, state_dict: Mapping[str, Any]) -> None:

@@ -195,4 +195,20 @@ def restore_transform_attributes(env: Any, saved: Mapping[str, Mapping[str, Any]
             )
         for attr, value in values.items():
             if attr in allowed:
-                setattr(transform, attr, value.clone() if isinstance(value, torch.Tensor) else value)
+                _set_attribute(transform, attr, value)
+
+
+def _set_attribute(transform: Any, attr: str, value: Any) -> None:
+    """A tensor attribute of the live transform's shape, dtype and device is overwritten in place: torchrl's cached
+    parent envs (``FrameSkipTransform`` steps through a copy of the transforms before it) share that tensor, and a
+    new one would leave their copy at the old values. Otherwise the attribute is replaced (tensors copied, so the
+    checkpoint's are not shared)."""
+    live = transform.__dict__.get(attr)
+    if (
+        isinstance(value, torch.Tensor)
+        and isinstance(live, torch.Tensor)
+        and (live.shape, live.dtype, live.device) == (value.shape, value.dtype, value.device)
+    ):
+        live.copy_(value)
+    else:
+        setattr(transform, attr, value.clone() if isinstance(value, torch.Tensor) else value)
