@@ -12,8 +12,9 @@ records of the parts it holds: a step without them does not exist for a resume.
 the newest step whose parts are **all** held somewhere (and not older than the shared tier's
 newest) is restored: a rank loads its part from its own node (``ResumeInfo.tier == "local"``), or
 receives it from a rank that holds its replica (``"peer"``). A tier of another job (run id, shared
-directory) or world size is ignored with a log line; a part that fails to load on any
-rank sends every rank to the shared tier. Components of placement ``sharded`` are not saved
+directory) or world size is ignored with a log line. Nothing is restored on any rank before
+every rank's part is verified and read; a part that fails to load on any rank sends every
+rank to the shared tier, every rank as it was. Components of placement ``sharded`` are not saved
 by the tier (DCP shards them over the whole group).
 
 Layout under ``path`` (one directory per node, shared by the node's ranks)::
@@ -44,18 +45,23 @@ import socket
 import stat
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from torchrl_dcp import _dist
+from torchrl_dcp import _dist, load_engine
+from torchrl_dcp._gc import gc_paused
 from torchrl_dcp._log import get_logger
+from torchrl_dcp.arguments import check_component_options, check_strict
 from torchrl_dcp.collective import run_step
 from torchrl_dcp.errors import CheckpointError, from_os_error
+from torchrl_dcp.load_plan import LoadPlan
 from torchrl_dcp.peer_copy import exchange_entries
 from torchrl_dcp.save_policy import SaveSchedule
 from torchrl_dcp.storage.commit import remove_entry, write_file_durably
 from torchrl_dcp.storage.files import DirHandle, read_whole
+from torchrl_dcp.storage.urls import resolve_path
+from torchrl_dcp.trainer_binding import sync_trainer
 
 logger = get_logger(__name__)
 
@@ -181,6 +187,8 @@ class LocalTier:
         def write() -> str:
             failure: Exception | None = None
             try:
+                if layout.leader(rank):  # every rank is in this save: none can be writing a newer step now
+                    self._drop_newer(step)
                 _make_dir(step_dir)
                 for r in (rank, *sources):  # a step saved again: its old records go before its parts change
                     (step_dir / _record_name(r)).unlink(missing_ok=True)
@@ -209,7 +217,7 @@ class LocalTier:
                     "local tier %s: the commit record of rank %d at step %d failed: %s", step_dir, r, step, err
                 )
         self.last_step = step
-        if layout.leader(rank):
+        if layout.leader(rank):  # the node's other ranks may already be writing the next step: older ones only
             self._prune(keep_from=step)
         logger.info("local tier %s: step %d committed (replicas on ranks %s)", self.path, step, targets or "none")
         return own
@@ -230,11 +238,24 @@ class LocalTier:
         return self._layouts[key]
 
     def _prune(self, keep_from: int) -> None:
-        """Remove the node's steps older than the ``keep_last`` newest up to ``keep_from``, and any newer one."""
-        steps = self.steps_on_disk()
-        kept = [s for s in steps if s <= keep_from][-self.keep_last :]
-        for s in steps:
-            if s not in kept:
+        """Remove the node's steps older than the ``keep_last`` newest up to ``keep_from`` (that step included).
+
+        Never a newer one: once a save has committed ``keep_from``, the node's other ranks (and the ranks
+        that send it replicas) may already be writing the next step. Newer leftovers (an abandoned future,
+        a failed save) are removed where no rank can be writing them: :meth:`_drop_newer`.
+        """
+        older = [s for s in self.steps_on_disk() if s <= keep_from]
+        for s in older[: max(len(older) - self.keep_last, 0)]:
+            self._remove_step(s)
+
+    def _drop_newer(self, step: int | None) -> None:
+        """Remove the node's steps newer than ``step`` (``None``: every step).
+
+        Only while every rank of the job is inside the same collective call (a save of ``step`` before its
+        agreement, a resume): no rank can be writing a newer step then.
+        """
+        for s in self.steps_on_disk():
+            if step is None or s > step:
                 self._remove_step(s)
 
     def steps_on_disk(self) -> list[int]:
@@ -271,9 +292,7 @@ class LocalTier:
 
         def drop() -> None:
             if layout.leader(_dist.group_rank(group)):
-                for s in self.steps_on_disk():
-                    if step is None or s > step:
-                        self._remove_step(s)
+                self._drop_newer(step)
 
         run_step(group, f"dropping local steps after step {step}", drop)
 
@@ -300,8 +319,10 @@ class LocalTier:
         receives = [(own, source[rank])] if source[rank] != rank else []
         tier: Tier = "local" if not receives else "peer"
         layout = self._layout(group)
+        solo = ckpt._solo()
+        loading: dict[str, Any] = {}
 
-        def load() -> Any:
+        def prepare() -> None:  # every rank's part received, opened, planned, verified and read: nothing changed
             if receives:  # a replaced node's tier is empty: the step's directory comes first
                 try:
                     _make_dir(step_dir)
@@ -309,22 +330,46 @@ class LocalTier:
                     pass  # the receive fails on it (after draining what the peer sends) and says why
             exchange_entries(sends, receives, group)
             if layout.leader(rank):  # steps newer than the one restored belong to an abandoned future
-                for s in self.steps_on_disk():
-                    if s > step:
-                        self._remove_step(s)
+                self._drop_newer(step)
             if receives:
                 _write_record(step_dir, rank, step, save_id, identity)
-            return ckpt._solo().load(own, **load_kwargs)
+            request = _part_request(solo, own, **load_kwargs)
+            result = load_engine.LoadResult(path=request.path)
+            src, plan = load_engine.prepare(request, result)  # a failure here undoes its own plan
+            loading.update(src=src, request=request, plan=plan, result=result)
+            load_engine.read(src, request, plan.fresh, plan.verify_inline, result)
 
+        def restore(in_place: bool) -> None:
+            # the load engine's restore in its two halves, with the ranks' agreement between them as in a load of
+            # the whole group: the components read into fresh buffers first (a failure there leaves every object
+            # as it was, on every rank), then the tensors read in place and their components (RNG-like ones again)
+            plan: LoadPlan = loading["plan"]
+            if in_place:
+                comps = {n: c for n, c in plan.components.items() if c.in_place or c.restore_last}
+                part = replace(plan, components=comps)
+                if not (plan.live or any(c.in_place for c in comps.values())):
+                    return
+            else:
+                comps = {n: c for n, c in plan.components.items() if not c.in_place}
+                part = replace(plan, components=comps, fresh={**plan.fresh, **plan.live}, live={})
+            load_engine.restore(loading["src"], loading["request"], part, loading["result"])
+
+        where = f"step {step} from the local tier {self.path}"
         try:
-            result = run_step(group, f"loading step {step} from the local tier {self.path}", load)[rank]
+            with gc_paused():
+                run_step(group, f"loading {where}", prepare)
+                run_step(group, f"restoring {where}", lambda: restore(False), monitored=False)
+                run_step(group, f"reading in place {where}", lambda: restore(True), monitored=False)
         except CheckpointError as err:
-            logger.warning("local tier %s: step %d could not be restored on every rank (%s): the shared tier is next",
-                           self.path, step, err)  # fmt: skip
+            # every rank undoes what it restored (restoring a snapshot twice is harmless): the shared tier is next
+            problems = load_engine.rollback(list(loading["plan"].components.values())) if "plan" in loading else []
+            note = f"; could not roll back {', '.join(problems)}" if problems else ""
+            logger.warning("local tier %s: step %d could not be restored on every rank (%s%s): the shared tier is next",
+                           self.path, step, err, note)  # fmt: skip
             return None
         self.last_step = step
         logger.info("local tier %s: resumed step %d (%s)", self.path, step, tier)
-        return step, own, result, tier
+        return step, own, loading["result"], tier
 
     def _held(self, identity: Mapping[str, Any] | None) -> list[HeldPart]:
         """The committed parts this node holds whose record matches ``identity`` (``None``: any)."""
@@ -356,6 +401,44 @@ def _group(ckpt: Any) -> Any:
     if getattr(ckpt, "no_dist", False):
         return None
     return _dist.checkpoint_group(getattr(ckpt, "timeout", None), getattr(ckpt, "process_group", None), "local")
+
+
+def _part_request(
+    solo: Any,
+    path: Path,
+    *,
+    components: Any = None,
+    strict: Any = None,
+    map_location: Any = None,
+    component_options: Mapping[str, Any] | None = None,
+    world_size_change: str = "error",
+    verify: bool = True,
+) -> load_engine.LoadRequest:
+    """What ``solo.load(path, ...)`` asks of the load engine (:meth:`DistributedCheckpoint.load`, same arguments).
+
+    A local resume runs the engine's phases itself, each rank on its own part (a world of one), with an agreement
+    of every rank between them: nothing is restored on any rank before every rank's part is verified and read.
+    """
+    strict = solo.strict if strict is None else strict
+    check_strict(strict)
+    if world_size_change not in ("error", "reshard"):
+        raise ValueError(f"world_size_change must be 'error' or 'reshard', got {world_size_change!r}")
+    sync_trainer(solo)
+    requested = solo._select(components, None)
+    options = check_component_options(component_options, requested, "loaded")
+    group = solo._group()
+    return load_engine.LoadRequest(
+        path=resolve_path(path, solo.storage_options),
+        requested=requested,
+        registered={name: solo._registered(name, options.get(name), map_location) for name in requested},
+        strict=strict,
+        reshard=world_size_change == "reshard",
+        verify=verify,
+        group=group,
+        rank=_dist.group_rank(group),
+        world_size=_dist.group_size(group),
+        chosen=components is not None,
+    )
 
 
 def _unsharded(ckpt: Any) -> list[str]:

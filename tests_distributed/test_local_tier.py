@@ -1,0 +1,191 @@
+"""The node-local tier on real ranks of one node: a save never loses a step to the node leader's prune, and a local
+resume is all or nothing across ranks.
+
+Each test runs its per-rank program (the functions below, started by :func:`tests_distributed.launch.launch`) on two
+gloo ranks of one "node" (rank 0 is its leader, which prunes the node's tier). Interleavings are forced with
+signal files, not with timing.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torchrl_dcp as tdcp
+from tests_distributed.launch import launch
+from torchrl_dcp import local_tier
+
+S = "tests_distributed.test_local_tier"
+
+
+def test_the_leaders_prune_never_deletes_the_step_another_rank_of_its_node_is_writing(tmp_path: Path) -> None:
+    zero, one = (r.value for r in launch(f"{S}:prune_while_the_next_step_is_written", 2, str(tmp_path)))
+    assert zero["error"] is None and one["error"] is None
+    both = ["rank-00000", "rank-00000.commit.json", "rank-00001", "rank-00001.commit.json"]
+    assert zero["step_2"] == both  # rank 1's part, written while the leader pruned after step 1, is still there
+    assert zero["steps"] == [1, 2]  # keep_last=2: the step before the newest stays
+    assert zero["resumed"] == one["resumed"] == [2, "local"]
+
+
+@pytest.mark.parametrize("case", ["part_damaged_on_rank_1", "restore_fails_on_rank_1"])
+def test_a_local_resume_that_fails_on_one_rank_changes_nothing_on_any_rank(tmp_path: Path, case: str) -> None:
+    zero, one = (r.value for r in launch(f"{S}:resume_fails_on_one_rank", 2, str(tmp_path), case))
+    assert zero["resumed"] is None and one["resumed"] is None  # the shared tier is next: it holds nothing yet
+    assert zero["unchanged"] and one["unchanged"]  # not rank 0 restored and rank 1 fresh: both as they were
+
+
+def test_a_local_resume_that_succeeds_on_every_rank_restores_every_rank(tmp_path: Path) -> None:
+    zero, one = (r.value for r in launch(f"{S}:resume_fails_on_one_rank", 2, str(tmp_path), "none"))
+    assert zero["resumed"] == one["resumed"] == [3, "local"]
+    assert zero["restored"] and one["restored"]
+
+
+# ---------------------------------------------------------------------- per-rank programs
+def _rotation(root: str, **kw: Any) -> tdcp.CheckpointRotation:
+    local = tdcp.LocalTier(Path(root) / "local", every_steps=1, **kw)
+    return tdcp.CheckpointRotation(Path(root) / "shared", every_steps=100, local=local)  # no shared save here
+
+
+def _wait_for(signal: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not signal.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{signal.name} never came")
+        time.sleep(0.01)
+
+
+class _Fragile:
+    """Per-rank state whose ``load_state_dict`` of a value other than its own fails when told to."""
+
+    def __init__(self, value: float, fail: bool = False) -> None:
+        self.value = torch.tensor([value])
+        self.fail = fail
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value.clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.fail and not torch.equal(state["value"], self.value):  # (a rollback to its own value succeeds)
+            raise RuntimeError(f"injected failure on rank {dist.get_rank()}")
+        self.value.copy_(state["value"])
+
+
+def _objects(seed: int, fail: bool = False) -> tuple[dict[str, Any], tdcp.DistributedCheckpoint]:
+    rank = dist.get_rank()
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    objs = {"model": model, "optimizer": optimizer, "shard": {"seen": 100 * rank + seed}}
+    objs["fragile"] = _Fragile(float(10 * rank + seed), fail)
+    ckpt = tdcp.DistributedCheckpoint(model=model, optimizer=optimizer)
+    ckpt.register("shard", objs["shard"], placement="per_rank")
+    ckpt.register("fragile", objs["fragile"], placement="per_rank")
+    ckpt.register("rng", tdcp.RNGState())
+    return objs, ckpt
+
+
+def _train_step(objs: dict[str, Any]) -> None:
+    objs["model"](torch.randn(2, 4)).sum().backward()
+    objs["optimizer"].step()
+    objs["shard"]["seen"] += 1
+    objs["fragile"].value += 1
+
+
+def _fingerprint(objs: dict[str, Any]) -> list[Any]:
+    return [
+        [v.tolist() for v in objs["model"].state_dict().values()],
+        [
+            [t.tolist() if isinstance(t, torch.Tensor) else t for t in s.values()]
+            for s in objs["optimizer"].state.values()
+        ],
+        dict(objs["shard"]),
+        objs["fragile"].value.tolist(),
+        torch.get_rng_state().tolist(),
+    ]
+
+
+def prune_while_the_next_step_is_written(root: str) -> dict[str, Any]:
+    """Rank 0 (the node's leader) prunes after step 1 only once rank 1 has written its part of step 2, and rank 1
+    goes on with step 2 only once that prune is done."""
+    rank, signals = dist.get_rank(), Path(root) / "signals"
+    signals.mkdir(parents=True, exist_ok=True)
+    written, pruned = signals / "rank-1-wrote-its-part-of-step-2", signals / "rank-0-pruned-after-step-1"
+    if rank == 0:
+        real_prune = local_tier.LocalTier._prune
+
+        def prune(self: local_tier.LocalTier, keep_from: int) -> None:
+            if keep_from == 1:
+                _wait_for(written)
+            real_prune(self, keep_from)
+            if keep_from == 1:
+                pruned.touch()
+
+        local_tier.LocalTier._prune = prune  # type: ignore[method-assign]
+    else:
+        real_save = tdcp.DistributedCheckpoint.save
+
+        def save(self: tdcp.DistributedCheckpoint, path: Any, **kw: Any) -> Path:
+            out = real_save(self, path, **kw)
+            if self.no_dist and kw.get("step") == 2:  # the local tier's part of step 2 is published
+                written.touch()
+                _wait_for(pruned)
+            return out
+
+        tdcp.DistributedCheckpoint.save = save  # type: ignore[method-assign]
+    objs, ckpt = _objects(1)
+    rotation = _rotation(root)
+    error = None
+    try:
+        for step in (1, 2):
+            _train_step(objs)
+            rotation.maybe_save(ckpt, step)
+    except Exception as err:  # noqa: BLE001 - what each rank saw is the result
+        error = f"{type(err).__name__}: {err}"
+    rotation.close()
+    dist.barrier()
+    step_2 = Path(root) / "local" / "step-000000000002"
+    listed = sorted(p.name for p in step_2.iterdir()) if step_2.is_dir() else None
+    dist.barrier()
+    info = _rotation(root).resume(_objects(2)[1])
+    return {
+        "error": error,
+        "step_2": listed,
+        "steps": rotation.local.steps(),
+        "resumed": None if info is None else [info.step, info.tier],
+    }
+
+
+def resume_fails_on_one_rank(root: str, case: str) -> dict[str, Any]:
+    """Three local steps, no shared one; then rank 1's part of step 3 is damaged (``part_damaged_on_rank_1``: it
+    fails its verification) or its restore raises (``restore_fails_on_rank_1``), and fresh objects resume."""
+    rank = dist.get_rank()
+    objs, ckpt = _objects(1)
+    rotation = _rotation(root)
+    for step in (1, 2, 3):
+        _train_step(objs)
+        rotation.maybe_save(ckpt, step)
+        dist.barrier()  # the leader's prune is done before the next save (its race: the test above)
+    rotation.close()
+    saved = _fingerprint(objs)
+    dist.barrier()
+    if case == "part_damaged_on_rank_1" and rank == 1:
+        part = Path(root) / "local" / "step-000000000003" / "rank-00001"
+        data = max((p for p in part.iterdir() if p.name != "manifest.json"), key=lambda p: p.stat().st_size)
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    dist.barrier()
+    fresh, fresh_ckpt = _objects(2, fail=case == "restore_fails_on_rank_1" and rank == 1)
+    before = _fingerprint(fresh)
+    info = _rotation(root).resume(fresh_ckpt)
+    after = _fingerprint(fresh)
+    return {
+        "resumed": None if info is None else [info.step, info.tier],
+        "unchanged": after == before,
+        "restored": after[:4] == saved[:4],
+    }
