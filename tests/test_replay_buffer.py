@@ -294,3 +294,60 @@ def test_a_buffer_of_another_sampler_or_writer_is_refused_before_anything_is_rea
     with pytest.raises(tdcp.IncompatibleComponentError, match=f"{differs} was"):
         tdcp.DistributedCheckpoint(policy=live_policy, rb=live).load(path)
     assert torch.equal(live_policy.weight, weights) and len(live) == 0
+
+
+def _ids(n: int, start: int = 0) -> TensorDict:
+    return TensorDict({"id": torch.arange(start, start + n)}, [n])
+
+
+@pytest.mark.parametrize("written", [13, 10])  # wrapped around (cursor 3); exactly full (cursor back at 0)
+def test_a_buffer_that_overwrote_or_refilled_its_capacity_loads_only_into_that_capacity(
+    tmp_path: Path, written: int
+) -> None:
+    """Loaded into a larger buffer, a wrapped writer's cursor pointed into the saved rows: the next extend overwrote
+    the oldest transitions and counted rows no one wrote. Exact only where nothing was overwritten; else refused."""
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(10), batch_size=4)
+    rb.extend(_ids(written))
+    path = tdcp.DistributedCheckpoint(buffer=rb).save(tmp_path / "c")
+    big = TensorDictReplayBuffer(storage=LazyTensorStorage(20), batch_size=4)
+    if written > 10:
+        with pytest.raises(tdcp.IncompatibleComponentError, match="build the buffer with capacity 10"):
+            tdcp.DistributedCheckpoint(buffer=big).load(path)
+        assert len(big) == 0
+        return
+    tdcp.DistributedCheckpoint(buffer=big).load(path)  # nothing overwritten: continues as a capacity-20 buffer would
+    reference = TensorDictReplayBuffer(storage=LazyTensorStorage(20), batch_size=4)
+    reference.extend(_ids(written))
+    for buf in (big, reference):
+        buf.extend(_ids(2, 100))
+    assert len(big) == 12 and big._writer._cursor == reference._writer._cursor == 12
+    assert big[:12]["id"].tolist() == reference[:12]["id"].tolist() == [*range(10), 100, 101]
+
+
+@pytest.mark.parametrize(
+    "forge, why",
+    [
+        (("writer", "_cursor", 25), "cursor is 25"),
+        (("writer", "_cursor", -1), "cursor is -1"),
+        (("writer", "_cursor", True), "cursor is True"),
+        (("writer", "_cursor", 10**30), "cursor is 1000000000000000000000000000000"),
+        (("writer", "_write_count", -4), "write count is -4"),
+        (("storage", "len", 3), "len 3, rows 7"),
+        (("storage", "initialized", False), "initialized False"),
+    ],
+)
+def test_buffer_states_no_save_writes_are_refused(forge: tuple, why: str) -> None:
+    """A writer cursor outside the storage (the next extend writes past the rows), a negative write count, a length
+    other than the saved rows, an uninitialised storage holding rows: refused by ``check_saved`` (load and verify)."""
+    from torchrl_dcp.adapters.base import AdapterContext
+    from torchrl_dcp.adapters.replay_buffer import ReplayBufferAdapter
+
+    rb = ReplayBuffer(storage=LazyTensorStorage(20))
+    rb.extend(TensorDict({"obs": torch.arange(7.0)}, [7]))
+    adapter = ReplayBufferAdapter()
+    state = adapter.state(rb, AdapterContext("buffer"))
+    adapter.check_saved(state)  # as saved: accepted
+    part, key, value = forge
+    (state["writer"]["state"] if part == "writer" else state["storage"])[key] = value
+    with pytest.raises(ValueError, match=why):
+        adapter.check_saved(state)

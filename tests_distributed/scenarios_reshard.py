@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
-from torchrl.data import LazyTensorStorage, TensorDictPrioritizedReplayBuffer, TensorStorage
+from torchrl.data import LazyTensorStorage, PrioritizedSampler, TensorDictPrioritizedReplayBuffer, TensorStorage
 
 import torchrl_dcp as tdcp
 
@@ -152,3 +152,76 @@ def load_list_resharded(path: str) -> dict[str, Any]:
     items = rb._storage._storage
     ok = all(torch.equal(t[1], torch.full((2,), float(int(t[0]) % 1000))) for t in items)
     return {"ids": [int(t[0]) for t in items], "values_ok": ok, "sample": len(rb.sample()[0]) if len(rb) else 0}
+
+
+# ---------------------------------------------------------------- what a reshard refuses, or restores, exactly
+def _kind_buffer(kind: str, capacity: int = 20):
+    from torchrl.data import SliceSampler, TensorDictReplayBuffer
+    from torchrl.envs.transforms import MultiStepTransform
+
+    if kind == "prioritized":
+        return TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.4, storage=LazyTensorStorage(capacity), batch_size=4)
+    if kind == "slice":
+        sampler = SliceSampler(num_slices=2, end_key="done", strict_length=True)
+        return TensorDictReplayBuffer(storage=LazyTensorStorage(capacity), sampler=sampler, batch_size=4)
+    if kind == "nstep":
+        transform = MultiStepTransform(n_steps=3, gamma=0.9)
+        return TensorDictReplayBuffer(storage=LazyTensorStorage(capacity), batch_size=4, transform=transform)
+    return TensorDictReplayBuffer(storage=LazyTensorStorage(capacity), batch_size=4)
+
+
+def _kind_data(kind: str, rank: int) -> TensorDict:
+    n = 6
+    ids = torch.arange(n) + 100 * rank
+    if kind == "slice":
+        return TensorDict({"id": ids, "done": (ids % 3 == 2).unsqueeze(-1)}, [n])
+    if kind == "nstep":
+        z = torch.zeros(n, 1, dtype=torch.bool)
+        nxt = {"reward": torch.ones(n, 1), "done": z, "terminated": z, "truncated": z, "obs": torch.randn(n, 3)}
+        return TensorDict({"id": ids, "obs": torch.randn(n, 3), "next": TensorDict(nxt, [n])}, [n])
+    return TensorDict({"id": ids, "obs": torch.full((n, 3), 1.0001)}, [n])
+
+
+def save_kind_shards(path: str, kind: str) -> dict[str, Any]:
+    """Every rank a buffer of ``kind`` with 6 transitions (ids ``100 * rank + i``)."""
+    rank = dist.get_rank()
+    rb = _kind_buffer(kind)
+    rb.extend(_kind_data(kind, rank))
+    if kind == "prioritized":
+        rb.update_priority(torch.arange(6), torch.arange(6).float() + 1)
+        rb._sampler._beta = 0.9  # annealed during training
+    tdcp.DistributedCheckpoint(buffer=rb).save(path)
+    return {}
+
+
+def load_kind_resharded(path: str, kind: str, live: str) -> dict[str, Any]:
+    """Reshard into a buffer of ``kind``; ``live``: what the buffer is or holds before the load."""
+    from torchrl.data import ListStorage, TensorDictReplayBuffer
+
+    rb = _kind_buffer(kind)
+    if live == "list":
+        rb = TensorDictReplayBuffer(storage=ListStorage(20), batch_size=4)
+    elif live == "extra":
+        rb.extend(TensorDict({"id": torch.arange(2), "obs": torch.zeros(2, 3), "extra": torch.full((2,), 7.0)}, [2]))
+    elif live == "float16":
+        rb.extend(TensorDict({"id": torch.arange(2), "obs": torch.zeros(2, 3, dtype=torch.float16)}, [2]))
+    elif live == "prioritized":
+        rb = TensorDictPrioritizedReplayBuffer(alpha=0.2, beta=0.4, storage=LazyTensorStorage(20), batch_size=4)
+    before = len(rb)
+    try:
+        tdcp.DistributedCheckpoint(buffer=rb).load(path, world_size_change="reshard")
+    except tdcp.CheckpointError as err:
+        return {"error": str(err), "len_unchanged": len(rb) == before}
+    out: dict[str, Any] = {"error": None, "len": len(rb)}
+    if isinstance(rb._sampler, PrioritizedSampler):
+        out["alpha_beta_eps"] = [rb._sampler._alpha, rb._sampler._beta, rb._sampler._eps]
+    if kind == "slice" and len(rb):
+        torch.manual_seed(0)
+        joins = set()
+        for _ in range(50):
+            sample = rb.sample()["id"]
+            for row in sample.split(sample.numel() // 2):
+                r = row.tolist()
+                joins |= {(a, b) for a, b in zip(r, r[1:]) if b != a + 1}
+        out["joins"] = sorted(joins)
+    return out

@@ -76,3 +76,51 @@ def test_list_storage_buffers_are_redistributed(tmp_path: Path, saved: int, resu
     sizes = [len(r.value["ids"]) for r in after]
     assert max(sizes) - min(sizes) <= 1 and all(r.value["values_ok"] for r in after)
     assert all(r.value["sample"] == 2 for r in after)
+
+
+@pytest.mark.parametrize(
+    "live, expected",
+    [
+        ("list", "not a tensor storage"),  # tensor shards into a ListStorage: never their key names as transitions
+        ("extra", "entries the checkpoint does not (['extra'])"),  # rows would keep values no save wrote
+        ("float16", "float32, the buffer holds ((3,), torch.float16)"),  # never a silent lossy cast
+    ],
+)
+def test_a_reshard_into_a_storage_unlike_the_saved_one_is_refused_before_anything_changes(
+    tmp_path: Path, live: str, expected: str
+) -> None:
+    """What the same-world load refuses, a reshard refuses too, while planning: the buffer keeps what it held."""
+    path = str(tmp_path / "ckpt")
+    launch(f"{S}:save_kind_shards", 2, path, "plain")
+    (r,) = launch(f"{S}:load_kind_resharded", 1, path, "plain", live)
+    assert r.value["error"] is not None and expected in r.value["error"], r.value
+    assert r.value["len_unchanged"], r.value
+
+
+def test_a_reshard_keeps_the_saved_prioritized_sampler_settings(tmp_path: Path) -> None:
+    """alpha, beta (annealed) and eps are the saved ones, not the new buffer's constructor arguments."""
+    path = str(tmp_path / "ckpt")
+    launch(f"{S}:save_kind_shards", 2, path, "prioritized")
+    (r,) = launch(f"{S}:load_kind_resharded", 1, path, "prioritized", "prioritized")
+    assert r.value["error"] is None and r.value["len"] == 12, r.value
+    assert r.value["alpha_beta_eps"][:2] == [0.7, 0.9], r.value
+
+
+def test_a_slice_sampler_never_samples_across_two_saved_shards(tmp_path: Path) -> None:
+    """Two shards joined on one rank would give slices spanning unrelated episodes: refused; one shard per new rank
+    (2 -> 2 ranks by their own shards is the same-world load, so 2 -> 4: each new rank takes half a shard) samples
+    only slices of consecutive transitions."""
+    path = str(tmp_path / "ckpt")
+    launch(f"{S}:save_kind_shards", 2, path, "slice")
+    (r,) = launch(f"{S}:load_kind_resharded", 1, path, "slice", "fresh")
+    assert r.value["error"] is not None and "SliceSampler" in r.value["error"], r.value
+    for r in launch(f"{S}:load_kind_resharded", 4, path, "slice", "fresh"):
+        assert r.value["error"] is None and r.value["len"] == 3 and r.value["joins"] == [], r.value
+
+
+def test_transitions_held_back_by_an_n_step_transform_refuse_a_reshard(tmp_path: Path) -> None:
+    """A MultiStepTransform's held-back transitions continue their saved rank's env stream: never dropped silently."""
+    path = str(tmp_path / "ckpt")
+    launch(f"{S}:save_kind_shards", 2, path, "nstep")
+    (r,) = launch(f"{S}:load_kind_resharded", 1, path, "nstep", "fresh")
+    assert r.value["error"] is not None and "MultiStepTransform holds transitions back" in r.value["error"], r.value

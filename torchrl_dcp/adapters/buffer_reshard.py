@@ -18,18 +18,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from tensordict import is_tensor_collection
 from torchrl.data.replay_buffers import ReplayBuffer
-from torchrl.data.replay_buffers.samplers import PrioritizedSampler
+from torchrl.data.replay_buffers.samplers import PrioritizedSampler, SliceSampler
+from torchrl.data.replay_buffers.storages import TensorStorage
 from torchrl.data.replay_buffers.writers import TensorDictMaxValueWriter
 
 from torchrl_dcp.adapters.base import AdapterContext
 from torchrl_dcp.adapters.buffer_state import (
     allocate,
+    check_no_other_entries,
     flatten,
     initialized_buffer,
     live_leaf,
     restore_buffer_settings,
 )
+from torchrl_dcp.adapters.buffer_transforms import check_transform_layout, held_back_counts, restore_transform_states
 from torchrl_dcp.adapters.list_storage import LIST_KIND, is_list_storage, list_items, restore_list_storage
 from torchrl_dcp.errors import IncompatibleComponentError
 
@@ -72,16 +76,130 @@ def _cat_trees(trees: list[Any]) -> Any:
 
 
 def reshard_sources(saved: dict[int, Any], ctx: AdapterContext) -> list[int]:
-    """Saved shards new rank ``ctx.rank`` takes transitions from (see :func:`reshard_buffer`)."""
+    """Saved shards new rank ``ctx.rank`` takes transitions from (see :func:`reshard_buffer`).
+
+    Refused here, while planning: storages with ``ndim > 1``, and transitions a ``MultiStepTransform`` of any saved
+    rank holds back (they continue that rank's env stream, which no new rank resumes: no place for them is exact).
+    """
     for r, state in saved.items():
         if state["storage"]["initialized"] and state["storage"].get("ndim", 1) != 1:
             raise IncompatibleComponentError(
                 f"component {ctx.name!r}: storages with ndim > 1 cannot be resharded (saved rank {r})"
             )
+    for r, state in saved.items():
+        held = held_back_counts(state.get("transforms") or {})
+        if held:
+            where = ", ".join(f"{n} at transform {w}" for w, n in held.items())
+            raise IncompatibleComponentError(
+                f"component {ctx.name!r}: saved rank {r}'s MultiStepTransform holds transitions back ({where}) until "
+                "its env stream's next steps complete their n-step returns; after a world-size change no rank "
+                "continues that stream, so they cannot be placed exactly: resume with the saved number of ranks"
+            )
     lengths = [saved[r]["storage"]["len"] for r in range(len(saved))]
     ctx.plan["lengths"] = lengths
     sources = [src for src, _, _ in split(lengths, ctx.rank, ctx.world_size)]
     return sources or [ctx.rank % len(saved)]  # nothing to receive: still take transforms/config from one
+
+
+def check_reshard(rb: ReplayBuffer, saved: dict[int, Any], ctx: AdapterContext) -> None:
+    """While planning: the live buffer can take this rank's part exactly (else ``IncompatibleComponentError``).
+
+    The storage kind is the saved one (a list storage for list shards, a tensor storage of one batch dimension for
+    tensor shards); the shards this rank reads hold the same entries, and an initialised storage holds these
+    entries with the saved item shapes and dtypes and no other; a slice sampler receives a single saved shard's
+    transitions (the joins of two shards carry no end of trajectory); prioritized shards have the same ``alpha``,
+    ``beta`` and ``eps``.
+    """
+    rb = initialized_buffer(rb)
+    storage, name = rb._storage, ctx.name
+    pieces = split(ctx.plan["lengths"], ctx.rank, ctx.world_size)
+    if isinstance(rb._sampler, SliceSampler) and len(pieces) > 1:
+        raise IncompatibleComponentError(
+            f"component {name!r}: rank {ctx.rank} would receive the transitions of saved ranks "
+            f"{[src for src, _, _ in pieces]} after resharding, and its {type(rb._sampler).__name__} would sample "
+            "slices across the join of two ranks' unrelated trajectories (nothing in the stored data ends a "
+            "trajectory there): reshard only onto a number of ranks whose every part falls inside one saved shard "
+            "(docs/components/resharding.md), or resume with the saved number of ranks"
+        )
+    _check_prioritized_settings(saved, name)
+    lists = sorted(r for r, s in saved.items() if s["storage"].get("kind") == LIST_KIND)
+    tensors = sorted(
+        r for r, s in saved.items() if s["storage"].get("kind") != LIST_KIND and s["storage"]["initialized"]
+    )
+    if lists and tensors:
+        raise IncompatibleComponentError(
+            f"component {name!r}: saved ranks {lists} hold list storages, saved ranks {tensors} tensor storages: "
+            "their transitions cannot be joined into one buffer"
+        )
+    if lists and not is_list_storage(storage):
+        raise IncompatibleComponentError(
+            f"component {name!r}: the checkpoint holds list storages (one object per transition), the buffer's "
+            f"storage is a {type(storage).__name__}; build the buffer with a ListStorage"
+        )
+    if not tensors:
+        return
+    if not isinstance(storage, TensorStorage):
+        raise IncompatibleComponentError(
+            f"component {name!r}: the checkpoint holds tensor storages, the buffer's storage "
+            f"{type(storage).__name__} is not a tensor storage; build it with a LazyTensorStorage or LazyMemmapStorage"
+        )
+    if int(storage.ndim) != 1:
+        raise IncompatibleComponentError(
+            f"component {name!r}: storages with ndim > 1 cannot be resharded (the buffer's has ndim {storage.ndim})"
+        )
+    entries = {r: _entries(saved[r]["storage"]) for r in tensors}
+    first = entries[tensors[0]]
+    for r in tensors[1:]:
+        if entries[r] != first:
+            raise IncompatibleComponentError(
+                f"component {name!r}: saved ranks {tensors[0]} and {r} hold different storage entries (keys, item "
+                "shapes or dtypes): their transitions cannot be joined into one buffer"
+            )
+    if not storage.initialized:
+        return
+    flat = flatten(saved[tensors[0]]["storage"]["data"])
+    live = storage._storage
+    if is_tensor_collection(live) != bool(saved[tensors[0]]["storage"].get("is_tensordict")):
+        raise IncompatibleComponentError(
+            f"component {name!r}: the checkpoint's storage holds "
+            f"{'a TensorDict' if saved[tensors[0]]['storage'].get('is_tensordict') else 'a tensor'}, the buffer's "
+            f"holds {'a TensorDict' if is_tensor_collection(live) else 'a tensor'}"
+        )
+    check_no_other_entries(storage, flat, name)
+    for key, spec in flat.items():
+        leaf = live if not key else live.get(key, None)
+        if leaf is None:
+            continue  # added at the fill, as torchrl's first write does
+        tail, dtype = tuple(spec.shape[1:]), spec.dtype
+        if not isinstance(leaf, torch.Tensor) or tuple(leaf.shape[1:]) != tail or leaf.dtype != dtype:
+            found = (tuple(leaf.shape[1:]), leaf.dtype) if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+            raise IncompatibleComponentError(
+                f"component {name!r}: storage entry {'.'.join(key) or '<tensor>'} was saved as {tail} {dtype}, the "
+                f"buffer holds {found}"
+            )
+
+
+def _entries(saved_storage: Mapping[str, Any]) -> tuple[Any, ...]:
+    flat = flatten(saved_storage["data"])
+    return (
+        bool(saved_storage.get("is_tensordict")),
+        tuple(sorted((k, tuple(v.shape[1:]), str(v.dtype)) for k, v in flat.items())),
+    )
+
+
+def _check_prioritized_settings(saved: dict[int, Any], name: str) -> None:
+    """The saved prioritized shards agree on ``alpha``, ``beta`` and ``eps`` (the tree leaves are
+    ``priority ** alpha``: leaves of other exponents cannot be mixed, nor one ``beta`` chosen over another)."""
+    found = {
+        r: tuple(s["sampler"].get(k) for k in ("alpha", "beta", "eps"))
+        for r, s in saved.items()
+        if isinstance(s.get("sampler"), Mapping) and s["sampler"].get("kind") == "prioritized"
+    }
+    if len(set(found.values())) > 1:
+        raise IncompatibleComponentError(
+            f"component {name!r}: the saved prioritized samplers differ in (alpha, beta, eps): {found}; their "
+            "priorities cannot be joined into one buffer exactly"
+        )
 
 
 def reshard_buffer(rb: ReplayBuffer, states: dict[int, Any], ctx: AdapterContext) -> None:
@@ -95,11 +213,15 @@ def reshard_buffer(rb: ReplayBuffer, states: dict[int, Any], ctx: AdapterContext
     saved one and the new rank.
     """
     rb = initialized_buffer(rb)
+    first = states[min(states)]
+    check_transform_layout(rb, first.get("transforms") or {}, ctx)
     part = _received(states, split(ctx.plan["lengths"], ctx.rank, ctx.world_size), ctx)
     _fill_storage(rb._storage, part, ctx)
     _reset_writer(rb._writer, part, int(rb._storage.max_size))
     _reset_sampler(rb._sampler, part, states)
-    restore_buffer_settings(rb, states[min(states)], reseed_for=(ctx.rank, ctx.world_size))
+    restore_buffer_settings(rb, first, reseed_for=(ctx.rank, ctx.world_size))
+    if first.get("transforms"):  # nothing held back (reshard_sources refuses otherwise): the transforms hold nothing
+        restore_transform_states(rb, first["transforms"], ctx)
 
 
 @dataclass
@@ -137,6 +259,12 @@ def _received(states: dict[int, Any], pieces: list[tuple[int, int, int]], ctx: A
 
 def _fill_storage(storage: Any, part: _Received, ctx: AdapterContext) -> None:
     n = part.n
+    received_lists = any(isinstance(items, list) for items in part.datas)
+    if received_lists != is_list_storage(storage) and n:  # (checked while planning: check_reshard)
+        raise IncompatibleComponentError(
+            f"component {ctx.name!r}: the checkpoint holds {'list' if received_lists else 'tensor'} storages, the "
+            f"buffer's storage is a {type(storage).__name__}"
+        )
     if is_list_storage(storage):
         if n > int(storage.max_size):
             raise IncompatibleComponentError(
@@ -159,7 +287,11 @@ def _fill_storage(storage: Any, part: _Received, ctx: AdapterContext) -> None:
             )
         for key, tensor in flat_specs.items():
             leaf = live_leaf(storage, key, tuple(tensor.shape[1:]), tensor.dtype)
-            if not isinstance(leaf, torch.Tensor) or tuple(leaf.shape[1:]) != tuple(tensor.shape[1:]):
+            if (
+                not isinstance(leaf, torch.Tensor)
+                or tuple(leaf.shape[1:]) != tuple(tensor.shape[1:])
+                or leaf.dtype != tensor.dtype
+            ):
                 raise IncompatibleComponentError(
                     f"component {ctx.name!r}: storage entry {'.'.join(key) or '<tensor>'} was saved as "
                     f"{tuple(tensor.shape[1:])} {tensor.dtype}, the buffer holds "
@@ -168,11 +300,22 @@ def _fill_storage(storage: Any, part: _Received, ctx: AdapterContext) -> None:
             leaf[:n].copy_(tensor)
         storage._len = n
         storage.initialized = True
+        _set_last_cursor(storage, torch.arange(n))  # as an extend of the n rows into an empty storage leaves it
     elif storage.initialized:
         storage._len = 0
+        _set_last_cursor(storage, None)
     bump = getattr(storage, "_bump_mutation_revision", None)
     if bump is not None:
         bump()
+
+
+def _set_last_cursor(storage: Any, cursor: Any) -> None:
+    """The storage's last cursor (a full storage's slice sampler ends a trajectory there) and its shared index."""
+    set_cursor = getattr(storage, "_set_last_cursor", None)
+    if callable(set_cursor):
+        set_cursor(cursor)
+    else:
+        storage._last_cursor = cursor
 
 
 def _reset_writer(writer: Any, part: _Received, capacity: int) -> None:
@@ -189,6 +332,9 @@ def _reset_sampler(sampler: Any, part: _Received, states: dict[int, Any]) -> Non
         if hasattr(sampler, "_empty"):
             sampler._empty()
         return
+    saved = [s["sampler"] for s in states.values() if s["sampler"]["kind"] == "prioritized"]
+    if saved:  # (the same in every shard: check_reshard)
+        sampler._alpha, sampler._beta, sampler._eps = saved[0]["alpha"], saved[0]["beta"], saved[0]["eps"]
     sampler._empty()
     if part.n and part.sums:
         index = torch.arange(part.n)

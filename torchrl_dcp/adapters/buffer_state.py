@@ -29,8 +29,16 @@ from torchrl.data.replay_buffers import ReplayBuffer
 from torchrl.data.replay_buffers.storages import TensorStorage
 
 from torchrl_dcp.adapters.rng import derived_seed
+from torchrl_dcp.errors import IncompatibleComponentError
 
-__all__ = ["allocate", "buffer_settings", "flatten", "initialized_buffer", "restore_buffer_settings"]
+__all__ = [
+    "allocate",
+    "buffer_settings",
+    "check_no_other_entries",
+    "flatten",
+    "initialized_buffer",
+    "restore_buffer_settings",
+]
 
 
 def initialized_buffer(rb: ReplayBuffer) -> ReplayBuffer:
@@ -121,3 +129,18 @@ def restore_buffer_settings(
         rb._rng.set_state(generator["state"].cpu())
     else:
         rb._rng.manual_seed(derived_seed(generator["state"], *reseed_for))
+
+
+def check_no_other_entries(storage: TensorStorage, saved: Mapping[tuple[str, ...], Any], name: str) -> None:
+    """An initialised storage holds no entry the checkpoint lacks: its rows would keep values no save wrote (a
+    sample would carry them). Entries the checkpoint has and the storage lacks are added by the load."""
+    live = storage._storage
+    if not is_tensor_collection(live):
+        return
+    keys = {k if isinstance(k, tuple) else (k,) for k in live.keys(include_nested=True, leaves_only=True)}
+    other = sorted(".".join(k) for k in keys - set(saved))
+    if other:
+        raise IncompatibleComponentError(
+            f"component {name!r}: the buffer's storage holds entries the checkpoint does not ({other[:5]}): load "
+            "into a freshly built buffer, or one whose storage holds the saved entries"
+        )

@@ -84,6 +84,27 @@ def transform_states(rb: Any) -> dict[str, Any]:
     }
 
 
+def held_back_counts(saved: Mapping[str, Any]) -> dict[str, int]:
+    """``{position: number of transitions}`` that saved :func:`transform_states` hold back (none: empty)."""
+    out: dict[str, int] = {}
+    for where, state in saved.items():
+        held = state.get("held") if isinstance(state, Mapping) else None
+        if held is not None:
+            size = held.get("batch_size") if isinstance(held, Mapping) else None
+            out[where] = int(size[0]) if isinstance(size, (list, tuple)) and size else -1
+    return {w: n for w, n in out.items() if n != 0}
+
+
+def check_transform_layout(rb: Any, saved: Mapping[str, Any], ctx: AdapterContext) -> None:
+    """The buffer's data-holding transforms sit where the checkpoint's did (else ``IncompatibleComponentError``)."""
+    live = _held_transforms(rb)
+    if set(saved) != set(live):
+        raise IncompatibleComponentError(
+            f"component {ctx.name!r}: the checkpoint holds the state of the buffer's n-step transforms at "
+            f"{sorted(saved)}, the buffer has them at {sorted(live)}: build it with the transforms it was saved with"
+        )
+
+
 def restore_transform_states(rb: Any, saved: Mapping[str, Any], ctx: AdapterContext) -> None:
     """Put back what :func:`transform_states` saved (checkpoints saved before hold nothing to put back)."""
     live = _held_transforms(rb)

@@ -44,6 +44,7 @@ from torchrl_dcp.adapters.base import Adapter, AdapterContext
 from torchrl_dcp.adapters.buffer_state import (
     allocate,
     buffer_settings,
+    check_no_other_entries,
     flatten,
     initialized_buffer,
     live_leaf,
@@ -152,7 +153,7 @@ def storage_destinations(storage: TensorStorage, saved: Mapping[str, Any], name:
     if not storage.initialized:
         allocate(storage, flat, saved["is_tensordict"], ndim)
     else:
-        _check_no_other_entries(storage, flat, name)
+        check_no_other_entries(storage, flat, name)
     live = storage._storage
     capacity = int(live.shape[0])
     if rows > capacity:
@@ -173,21 +174,6 @@ def storage_destinations(storage: TensorStorage, saved: Mapping[str, Any], name:
             )
         out[spec.key] = leaf[:rows]
     return out
-
-
-def _check_no_other_entries(storage: TensorStorage, saved: Mapping[tuple[str, ...], Any], name: str) -> None:
-    """An initialised storage holds no entry the checkpoint lacks: its rows would keep values no save wrote (a
-    sample would carry them). Entries the checkpoint has and the storage lacks are added by the load."""
-    live = storage._storage
-    if not is_tensor_collection(live):
-        return
-    keys = {k if isinstance(k, tuple) else (k,) for k in live.keys(include_nested=True, leaves_only=True)}
-    other = sorted(".".join(k) for k in keys - set(saved))
-    if other:
-        raise IncompatibleComponentError(
-            f"component {name!r}: the buffer's storage holds entries the checkpoint does not ({other[:5]}): load "
-            "into a freshly built buffer, or one whose storage holds the saved entries"
-        )
 
 
 def restore_storage(storage: TensorStorage, saved: Mapping[str, Any]) -> None:
@@ -333,6 +319,45 @@ def _check_kinds(rb: ReplayBuffer, state: Any, name: str) -> None:
         )
 
 
+def _writer_counts(writer: Any) -> tuple[Any, Any] | None:
+    """``(cursor, write count)`` of a saved round-robin or max-value writer (``None``: a writer without them)."""
+    if not isinstance(writer, Mapping):
+        return None
+    if writer.get("kind") == "max_value":
+        return writer.get("cursor"), writer.get("write_count")
+    state = writer.get("state")
+    if isinstance(state, Mapping) and "_cursor" in state:
+        return state.get("_cursor"), state.get("_write_count")
+    return None
+
+
+def _check_other_capacity(rb: ReplayBuffer, state: Mapping[str, Any], name: str) -> None:
+    """Same world size, a buffer of another capacity than saved: exact only while no saved transition was
+    overwritten (the buffer then continues as one of the new capacity would after the same writes); a buffer that
+    wrapped around lost its oldest transitions to its capacity, which a larger (or smaller) one would have kept."""
+    saved_storage = state.get("storage")
+    counts = _writer_counts(state.get("writer"))
+    if not isinstance(saved_storage, Mapping) or counts is None or saved_storage.get("ndim", 1) != 1:
+        return
+    capacity, saved_capacity, n = int(rb._storage.max_size), saved_storage.get("max_size"), saved_storage.get("len")
+    if capacity == saved_capacity or counts[1] == n:
+        return
+    raise IncompatibleComponentError(
+        f"component {name!r}: the checkpoint's buffer of capacity {saved_capacity} wrote {counts[1]} transitions and "
+        f"kept the last {n} (its writer wrapped around), the buffer's capacity is {capacity}: a buffer of another "
+        f"capacity cannot continue it exactly; build the buffer with capacity {saved_capacity}"
+    )
+
+
+def _continue_in_other_capacity(rb: ReplayBuffer, state: Mapping[str, Any]) -> None:
+    """After :func:`_check_other_capacity` accepted another capacity: the writer's cursor after the saved rows."""
+    storage = rb._storage
+    counts = _writer_counts(state["writer"])
+    if counts is None or int(storage.max_size) == state["storage"]["max_size"] or state["storage"].get("ndim", 1) != 1:
+        return
+    rb._writer._cursor = state["storage"]["len"] % int(storage.max_size)
+
+
 # --------------------------------------------------------------------------- adapter
 class ReplayBufferAdapter(Adapter):
     """A torchrl replay buffer and everything it needs to sample the same batches after a restore."""
@@ -390,25 +415,33 @@ class ReplayBufferAdapter(Adapter):
             restore_list_storage(rb._storage, items)
         else:
             restore_storage(rb._storage, state["storage"])
+        _continue_in_other_capacity(rb, state)
         restore_buffer_settings(rb, state)
         if state.get("transforms") or transform_states(rb):
             restore_transform_states(rb, state.get("transforms") or {}, ctx)
         return None
 
     def check_saved(self, saved: Any) -> None:
-        """A tensor storage of one batch dimension holds ``len <= rows <= max_size`` transitions, ``rows`` in each
-        tensor; a prioritized sampler's trees have ``capacity`` leaves."""
+        """What every save writes: a tensor storage of one batch dimension holds ``len == rows <= max_size``
+        transitions, ``rows`` in each tensor, an uninitialised one none; a round-robin or max-value writer's cursor
+        lies in ``[0, max_size)``, its write count is ``>= 0``; a prioritized sampler's trees have ``capacity``
+        leaves."""
         storage, sampler = saved["storage"], saved["sampler"]
         if not isinstance(storage, Mapping):
             raise ValueError("its storage state is not a mapping")
         counts = [storage.get(k) for k in ("len", "rows", "max_size")]
+        initialized = storage.get("initialized")
+        if storage.get("kind") != LIST_KIND and initialized is not True:  # (uninitialised: saved without rows)
+            if initialized is not False or storage.get("len") != 0 or "data" in storage or "rows" in storage:
+                raise ValueError(f"its storage says initialized {initialized!r}, len {storage.get('len')!r}")
         if storage.get("ndim") == 1 and all(type(c) is int for c in counts):  # (ndim > 1: len counts elements)
             n, rows, max_size = counts
-            if not 0 <= n <= rows <= max_size:
+            if not 0 <= n == rows <= max_size:  # (a save writes the filled rows: rows == len)
                 raise ValueError(f"its storage says len {n}, rows {rows}, max_size {max_size}")
             for spec in _specs(storage.get("data")):
                 if not spec.shape or spec.shape[0] != rows:
                     raise ValueError(f"its storage says {rows} rows, a tensor holds {list(spec.shape)}")
+        _check_saved_writer(saved.get("writer"), storage.get("max_size"))
         if isinstance(sampler, Mapping) and sampler.get("kind") == "prioritized":
             capacity = sampler.get("capacity")
             for tree in ("sum", "min"):
@@ -435,8 +468,12 @@ class ReplayBufferAdapter(Adapter):
                         f"component {ctx.name!r}: prioritized sampler capacity was {capacity}, the buffer's is "
                         f"{sampler._max_capacity}: build the buffer with the capacity it was saved with"
                     )
-        if lengths is None:
-            return  # same world size: the destinations check the capacity
+        if lengths is None:  # same world size: the destinations check the capacity
+            for state in saved.values():
+                if isinstance(state, Mapping):
+                    _check_other_capacity(live, state, ctx.name)
+            return
+        buffer_reshard.check_reshard(live, saved, ctx)
         n = sum(hi - lo for _, lo, hi in buffer_reshard.split(lengths, ctx.rank, ctx.world_size))
         capacity = int(initialized_buffer(rb)._storage.max_size)
         if n > capacity:
@@ -475,6 +512,19 @@ class ReplayBufferAdapter(Adapter):
 
 
 _STORAGE_ATTRS = ("_storage", "initialized", "_len", "_last_cursor")
+
+
+def _check_saved_writer(writer: Any, max_size: Any) -> None:
+    """A saved round-robin or max-value writer's cursor is an int in ``[0, max_size)`` and its write count an int
+    ``>= 0``: what every save writes (a cursor outside the storage would write past its rows)."""
+    counts = _writer_counts(writer)
+    if counts is None:
+        return
+    cursor, write_count = counts
+    if type(cursor) is not int or (type(max_size) is int and not 0 <= cursor < max(max_size, 1)) or cursor < 0:
+        raise ValueError(f"its writer's cursor is {cursor!r}, its storage's max_size {max_size!r}")
+    if type(write_count) is not int or write_count < 0:
+        raise ValueError(f"its writer's write count is {write_count!r}")
 
 
 def _specs(node: Any) -> list[Any]:
