@@ -188,6 +188,18 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], str, str]] = {
         "manifest.json",
         "not a plain file name",
     ),
+    "file listed with a lone surrogate": (  # os.open raised a bare UnicodeEncodeError naming nothing
+        lambda p: edit_manifest(
+            p, lambda m: m["files"].__setitem__("\ud800.distcp", {"size": 1, "checksum": "crc32:0"})
+        ),
+        "manifest.json",
+        "not a plain file name",
+    ),
+    "file listed with a newline": (
+        lambda p: edit_manifest(p, lambda m: m["files"].__setitem__("x\n.distcp", {"size": 1, "checksum": "crc32:0"})),
+        "manifest.json",
+        "not a plain file name",
+    ),
     "placement unknown": (
         _component(lambda c: c["model"].__setitem__("placement", "everywhere")),
         "manifest.json",

@@ -94,8 +94,21 @@ def is_chunk_file(name: str) -> bool:
 
 
 def is_plain_name(name: str) -> bool:
-    """A file name that stays inside its checkpoint: no separator, no ``..``, no NUL."""
-    return bool(name) and "/" not in name and "\\" not in name and name not in (".", "..") and "\0" not in name
+    """A file name that stays inside its checkpoint and that every file system and object store can name: no
+    separator, no ``..``, no control character (NUL, newline), no lone surrogate (not encodable: ``os.open`` failed
+    with a bare ``UnicodeEncodeError`` naming no file).
+
+    Example:
+        >>> is_plain_name("__0_0.distcp"), is_plain_name("../x"), is_plain_name("\\ud800.distcp")
+        (True, False, False)
+    """
+    return (
+        bool(name)
+        and "/" not in name
+        and "\\" not in name
+        and name not in (".", "..")
+        and not any(ord(c) < 32 or ord(c) == 127 or 0xD800 <= ord(c) <= 0xDFFF for c in name)
+    )
 
 
 # ---------------------------------------------------------------------- save identity
