@@ -425,3 +425,21 @@ def test_steps_as_numpy_integers_or_0d_tensors_are_accepted_as_save_takes_them(t
         with pytest.raises(ValueError, match="non-negative integer"):
             rotation.maybe_save(ckpt, bad)
     assert [e.step for e in rotation.entries()] == [3, 4]
+
+
+def test_an_entry_whose_manifest_records_another_step_is_not_resumed_as_its_name_says(tmp_path: Path) -> None:
+    """``step-000000000100`` renamed ``step-000000000900`` (no byte changed) resumed with ``ResumeInfo.step == 900``
+    while it holds step 100: a job doing ``start = info.step + 1`` skipped 800 steps. An entry is committed only
+    when its manifest records the step of its name (or none); others are listed with the reason, not resumed."""
+    ckpt = ckpt_for(0)[0]
+    rotation = tdcp.CheckpointRotation(tmp_path, keep_last=5)
+    rotation.save(ckpt, step=50)
+    path = rotation.save(ckpt, step=100)
+    path.rename(tmp_path / "step-000000000900")
+    assert [e.step for e in rotation.entries()] == [50]
+    (bad,) = [e for e in rotation.entries(include_uncommitted=True) if not e.committed]
+    assert bad.step == 900 and "records step 100" in bad.error
+    info = rotation.resume(ckpt_for(1)[0])
+    assert info is not None and info.step == 50 and info.result.step == 50
+    rotation.save(ckpt, step=60)  # pruning never deletes it (not an entry of this rotation)
+    assert (tmp_path / "step-000000000900").is_dir()

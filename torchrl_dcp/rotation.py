@@ -578,6 +578,12 @@ class CheckpointRotation:
                 self.directory,
                 ", ".join(foreign[-3:]),
             )
+        elif unusable := [e for e in self.entries(include_uncommitted=True) if not e.committed]:
+            logger.warning(  # a checkpoint is there but no load would be what it claims: say so, never silently
+                "no usable checkpoint in %s: %s; starting fresh",
+                self.directory,
+                "; ".join(f"{e.path.name} ({e.error})" for e in unusable[-3:]),
+            )
         else:
             logger.info("no committed checkpoint in %s: starting fresh", self.directory)
         return None

@@ -77,7 +77,8 @@ def latest_entry(entries: Iterable[RotationEntry]) -> RotationEntry | None:
 def list_entries(
     directory: Location | str | os.PathLike, metric: str | None = None, include_uncommitted: bool = False
 ) -> list[RotationEntry]:
-    """Step-named entries of ``directory`` sorted by step; committed means a manifest that reads and validates.
+    """Step-named entries of ``directory`` sorted by step; committed means a manifest that reads and validates and
+    records the step of the entry's name (or none).
 
     Each manifest is read once. Entries of the wrong kind (a ``step-N`` that is not a
     checkpoint directory or prefix, a ``step-N.zip`` that is not a regular file, any
@@ -97,6 +98,10 @@ def list_entries(
             manifest = child.location.root()  # (its shards are checked when it is loaded: a damaged one falls back)
         except Exception as err:  # noqa: BLE001 - one damaged entry must never break a listing
             manifest, error = {}, f"{type(err).__name__}: {err}"
+        recorded = manifest.get("step")
+        if error is None and recorded is not None and recorded != int(m.group(1)):
+            # renamed (or another run's): its name would make resume report, and keep_last rank, another step
+            error = f"its manifest records step {recorded}, not {int(m.group(1))}: renamed, not this rotation's entry"
         if error is not None and not include_uncommitted:
             continue
         size = child.location.size()
