@@ -193,6 +193,8 @@ KINDS: dict[str, Kind] = {
             ("numpy pos out of range", ("numpy", "pos"), 700),
             ("numpy kind", ("numpy", "kind"), "PCG64"),
             ("python version", ("python", "version"), 9),
+            ("python gauss a string", ("python", "gauss"), "x"),  # random.setstate takes it; gauss() then fails
+            ("numpy gauss a string", ("numpy", "gauss"), "x"),
         ),
     ),
     "generator": Kind(

@@ -222,6 +222,9 @@ class RNGStateAdapter(Adapter):
             raise ValueError(f"NumPy RNG state of kind {npst['kind']!r} at position {npst['pos']!r}")
         if npst["has_gauss"] not in (0, 1):
             raise ValueError(f"NumPy RNG has_gauss {npst['has_gauss']!r}")
+        gauss = py.get("gauss")  # random.getstate()'s: a float, or None when no gauss() value is pending
+        if gauss is not None and type(gauss) is not float or type(npst.get("gauss")) is not float:
+            raise ValueError(f"RNG gauss values {gauss!r}, {npst.get('gauss')!r} (floats, or None for Python's)")
 
     def restore(self, obj: RNGState, state: Any, ctx: AdapterContext) -> Any:
         obj.load_state_dict(state)
