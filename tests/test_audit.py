@@ -61,6 +61,17 @@ def test_skips_by_name_and_by_class() -> None:
     assert all("." in entry and reason for entry, reason in NOT_STATE.items())
 
 
+def test_skip_names_a_modules_parameters_by_class_and_takes_one_name_as_a_string() -> None:
+    """``skip="weight"`` skipped nothing (iterated as letters) and ``"Linear.weight"`` missed the parameter (it is
+    a key of the module's ``_parameters`` dict, not an attribute)."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    weight = "obj._modules['0']._parameters['weight']"
+    assert weight in state_snapshot(model)
+    assert weight not in state_snapshot(model, skip="weight")
+    assert weight not in state_snapshot(model, skip=["Linear.weight"])
+    assert weight in state_snapshot(model, skip=["Conv2d.weight"])
+
+
 def test_a_storage_is_audited_by_its_written_rows() -> None:
     def buffer(fill: float) -> ReplayBuffer:
         rb = ReplayBuffer(storage=LazyTensorStorage(8))

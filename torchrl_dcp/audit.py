@@ -124,7 +124,7 @@ def state_snapshot(obj: Any, name: str = "obj", *, skip: Iterable[str] = ()) -> 
         >>> snap["hparams['betas'][1]"]
         'float 0.99'
     """
-    walker = _Walker([*NOT_STATE, *skip])
+    walker = _Walker([*NOT_STATE, *([skip] if isinstance(skip, str) else skip)])  # one name: not its letters
     walker.walk(obj, name, 0)
     return walker.out
 
@@ -156,7 +156,9 @@ class _Walker:
         self.seen: dict[int, str] = {}
         self.keep: list[Any] = []  # objects walked stay alive: their ids are not reused during the walk
 
-    def walk(self, obj: Any, path: str, depth: int) -> None:
+    def walk(self, obj: Any, path: str, depth: int, owner: frozenset[str] = frozenset()) -> None:
+        """Walk ``obj``; ``owner``: class names its keys also belong to (a module's ``_parameters``, ``_buffers``
+        and ``_modules`` dicts hold the module's attributes, so ``Linear.weight`` skips them there)."""
         leaf = _leaf(obj)
         if leaf is not None:
             self.out[path] = leaf
@@ -172,11 +174,13 @@ class _Walker:
         if not isinstance(obj, tuple):  # a tuple's identity is no state (load_state_dict rebuilds them)
             self.seen[id(obj)] = path
         self.keep.append(obj)
-        owner = {k.__name__ for k in type(obj).__mro__}
+        classes = frozenset(k.__name__ for k in type(obj).__mro__)
+        owners = classes | owner
         for key, sub, value in _children(obj, path):
-            if isinstance(key, str) and (key in self.anywhere or owner & self.on_class.get(key, set())):
+            if isinstance(key, str) and (key in self.anywhere or owners & self.on_class.get(key, set())):
                 continue
-            self.walk(value, sub, depth + 1)
+            inner = classes if key in ("_parameters", "_buffers", "_modules") and "Module" in classes else frozenset()
+            self.walk(value, sub, depth + 1, inner)
 
 
 def _opaque(obj: Any) -> bool:
