@@ -469,3 +469,13 @@ def test_component_options_are_checked_at_the_call(tmp_path: Path) -> None:
         with pytest.raises(KeyError, match="not (saved|loaded): \\['other'\\]"):
             call(target, component_options={"other": tdcp.CheckpointOptions()})
     assert not (tmp_path / "d").exists()
+
+
+def test_a_sharded_component_without_a_dtensor_is_refused_at_save(tmp_path: Path) -> None:
+    """``placement='sharded'`` on plain tensors saved as if sharded: DCP writes a plain tensor that every rank holds
+    under one key once, so the other ranks' values were lost silently. Refused, saying which placement to use."""
+    ckpt = tdcp.DistributedCheckpoint()
+    ckpt.register("weights", {"w": torch.ones(2)}, placement="sharded")
+    with pytest.raises(tdcp.EncodingError, match="registered as sharded but holds no DTensor.*'per_rank'"):
+        ckpt.save(tmp_path / "c")
+    assert not (tmp_path / "c").exists()

@@ -210,6 +210,12 @@ def _encode_item(item: EncodeItem, rank: int, out: Encoded, shared: dict[tuple[A
                 shared.setdefault(ident, (item.name, key))
         out.flat[f"{prefix}/{key}"] = tensor
         inventory[f"{prefix}/{key}"] = {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)}
+    if item.placement == "sharded" and tensors and not any(is_dtensor(t) for t in tensors.values()):
+        raise EncodingError(  # DCP writes a plain tensor of every rank under one key once: other ranks' are lost
+            f"component {item.name!r} is registered as sharded but holds no DTensor (sharded placement is for FSDP2 "
+            "or tensor-parallel state): register it with placement='replicated' (the same on every rank) or "
+            "'per_rank' (each rank's own)"
+        )
     out.records[item.name] = ComponentRecord(
         item.adapter.adapter_id, item.adapter.version, item.placement, skeleton, inventory
     )
