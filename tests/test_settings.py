@@ -53,3 +53,25 @@ def test_defaults_and_values(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_docs_table_is_the_declared_one() -> None:
     assert markdown_table() in DOCS.read_text(), "update docs/api.md's table from settings.markdown_table()"
+
+
+@pytest.mark.parametrize("name, value", [("TDCP_READ_HUGEPAGES", "2"), ("TDCP_LOG_ALL_RANKS", "true")])
+def test_a_bad_value_fails_a_save_or_load_before_it_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    """A variable read only on some paths (large loads' huge pages, the log filter once INFO is on) was accepted by
+    the saves and loads that never read it, and failed others midway (an async save "failed" for a logging
+    switch): every save and load checks every variable set, first."""
+    import torch
+
+    path = tdcp.DistributedCheckpoint(x=torch.ones(2)).save(tmp_path / "good")
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        tdcp.DistributedCheckpoint(x=torch.ones(2)).save(tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(ValueError, match=name):
+        tdcp.DistributedCheckpoint(x=torch.zeros(2)).load(path)
+    monkeypatch.setenv(name, "1")
+    dest = torch.zeros(2)
+    tdcp.DistributedCheckpoint(x=dest).load(path)
+    assert dest.tolist() == [1.0, 1.0]

@@ -45,6 +45,7 @@ from torchrl_dcp.load_plan import Registered
 from torchrl_dcp.placement import Placement, check_placement
 from torchrl_dcp.replicas import ReplicaCheck
 from torchrl_dcp.replicas import check_mode as check_replica_mode
+from torchrl_dcp.settings import check_environment
 from torchrl_dcp.storage.backends import location_for, save_location
 from torchrl_dcp.storage.base import Location
 from torchrl_dcp.storage.urls import resolve_path
@@ -438,6 +439,7 @@ class DistributedCheckpoint:
         Collective. With ``stage`` (async saves), each rank stages only the tensors and
         chunk rows it will write.
         """
+        check_environment()  # a bad TDCP_* value fails here, whichever step would read it
         location = save_location(path, self.storage_options)  # a URL: an object-store prefix (docs/objectstores.md)
         names = self._select(components, self.save_components)
         options = check_component_options(component_options, names, "saved")
@@ -522,6 +524,7 @@ class DistributedCheckpoint:
         self._async.wait_pending()  # never interleave with a background save's collectives
         strict = self.strict if strict is None else strict
         check_strict(strict)
+        check_environment()
         if world_size_change not in ("error", "reshard"):
             raise ValueError(f"world_size_change must be 'error' or 'reshard', got {world_size_change!r}")
         sync_trainer(self)

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SETTINGS", "Setting", "setting"]
+__all__ = ["SETTINGS", "Setting", "check_environment", "setting"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,26 @@ def setting(name: str) -> Any:
     spec = SETTINGS[name]
     text = os.environ.get(name, "")
     return spec.default if text == "" else spec.parse(text)
+
+
+_CHECKED: set[tuple[tuple[str, str], ...]] = set()
+
+
+def check_environment() -> None:
+    """Parse every ``TDCP_*`` variable that is set, once per distinct environment: a save or load calls this first,
+    so a bad value fails before anything starts, naming the variable, whatever code path would read it later (one
+    read only by large loads, or by the log filter, failed deep inside a save or load that had already begun).
+    Other ``TDCP_*`` names (the benchmarks' and examples' own) are left alone.
+
+    Example:
+        >>> check_environment()  # (nothing set here)
+    """
+    present = tuple(sorted((k, v) for k, v in os.environ.items() if k in SETTINGS and v != ""))
+    if present in _CHECKED:
+        return
+    for name, text in present:
+        SETTINGS[name].parse(text)
+    _CHECKED.add(present)
 
 
 def markdown_table() -> str:
