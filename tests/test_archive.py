@@ -253,6 +253,49 @@ def test_planted_pickle_in_archived_metadata_is_never_run(tmp_path: Path) -> Non
     assert not marker.exists()
 
 
+def test_conversions_resolve_file_urls_as_saves_and_loads_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path, saved = make(tmp_path)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)  # a file:// URL read as a relative path would land in here
+    a = tdcp.to_archive(f"file://{path}", f"file://{tmp_path}/a.zip")
+    assert a == tmp_path / "a.zip" and a.is_file()
+    b = tdcp.to_directory(f"file://localhost{a}", f"file://localhost{tmp_path}/b")  # RFC 8089's spelling
+    assert b == tmp_path / "b" and all((b / f.name).read_bytes() == f.read_bytes() for f in path.iterdir())
+    assert tdcp.to_archive(f"file://{b}", f"file://{a}", overwrite=True) == a
+    out = tdcp.export_torchrl(f"file://{a}", f"file://{tmp_path}/p.torchrl", "policy")  # one name, as load takes it
+    assert out == tmp_path / "p.torchrl" and out.exists()
+    assert tdcp.read_manifest(f"file://localhost{b}")["step"] == 12
+    for bad in (f"file://otherhost{path}", "file://relative/c"):  # a host other than localhost: refused, named
+        with pytest.raises(tdcp.CheckpointError, match="not host"):
+            tdcp.to_archive(path, bad)
+        with pytest.raises(tdcp.CheckpointError, match="not host"):
+            tdcp.to_directory(bad, tmp_path / "never")
+    assert list(cwd.iterdir()) == [] and not (tmp_path / "never").exists()
+
+
+def test_overwrite_never_replaces_a_checkpoint_directory_holding_user_files(tmp_path: Path) -> None:
+    path, _ = make(tmp_path)
+    archive = tdcp.to_archive(path, tmp_path / "c.zip")
+    (path / "eval_results.txt").write_text("precious")
+    (path / "videos").mkdir()
+    (path / "videos" / "ep1.mp4").write_text("precious too")
+    refused = r"never holds \(\['eval_results.txt', 'videos'\]\)"
+    with pytest.raises(tdcp.CheckpointError, match=refused):
+        tdcp.DistributedCheckpoint(policy=torch.nn.Linear(64, 32)).save(path)  # what a save says
+    other = tdcp.to_directory(archive, tmp_path / "other")
+    with pytest.raises(tdcp.CheckpointError, match=refused):
+        tdcp.to_directory(archive, path, overwrite=True)
+    with pytest.raises(tdcp.CheckpointError, match=refused):  # nor by an archive
+        tdcp.to_archive(other, path, overwrite=True)
+    assert (path / "eval_results.txt").read_text() == "precious"
+    assert (path / "videos" / "ep1.mp4").read_text() == "precious too"
+    (path / "eval_results.txt").unlink()
+    shutil.rmtree(path / "videos")
+    assert tdcp.verify(path)["files"] > 0  # the checkpoint was left untouched too
+    assert tdcp.to_directory(archive, path, overwrite=True) == path  # a plain checkpoint is still replaced
+
+
 def test_conversion_refuses_damage_and_existing_destinations(tmp_path: Path) -> None:
     path, _ = make(tmp_path)
     other = tdcp.to_archive(path, tmp_path / "c.zip")

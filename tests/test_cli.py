@@ -88,6 +88,25 @@ def test_convert_both_ways(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     assert main(["convert", str(path), str(tmp_path / "c.zip"), "--overwrite"]) == 0
 
 
+def test_convert_takes_file_urls_and_keeps_user_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = save(tmp_path / "c")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    code, info = run_json(capsys, "convert", f"file://{path}", f"file://localhost{tmp_path}/c.zip")
+    assert code == 0 and info["destination"] == str(tmp_path / "c.zip") and (tmp_path / "c.zip").is_file()
+    assert main(["convert", f"file://{tmp_path}/c.zip", f"file://{tmp_path}/back"]) == 0
+    assert (tmp_path / "back" / "manifest.json").read_bytes() == (path / "manifest.json").read_bytes()
+    assert list(cwd.iterdir()) == []  # nothing under ./file:/...
+    (path / "eval_results.txt").write_text("mine")
+    assert main(["convert", str(tmp_path / "c.zip"), str(path), "--overwrite"]) == 1
+    assert "eval_results.txt" in capsys.readouterr().err and (path / "eval_results.txt").read_text() == "mine"
+    assert main(["convert", str(path), f"file://elsewhere{tmp_path}/d.zip"]) == 1
+    assert "not host 'elsewhere'" in capsys.readouterr().err and list(cwd.iterdir()) == []
+
+
 def test_ls_rotation_directory(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     rotation = tdcp.CheckpointRotation(tmp_path, keep_last=3)
     for step, reward in ((1, 5.0), (2, 1.0)):

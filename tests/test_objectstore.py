@@ -324,6 +324,26 @@ def test_paths_and_urls(tmp_path: Path) -> None:
         copy_object(fs, "/tdcp-tests/copy/missing", "/tdcp-tests/copy/c")
 
 
+def test_file_urls_follow_rfc_8089(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    for url in (f"file://{tmp_path}/c", f"file://localhost{tmp_path}/c", f"FILE://LocalHost{tmp_path}/c"):
+        assert resolve_path(url) == tmp_path / "c", url
+    path = tdcp.DistributedCheckpoint(w={"x": torch.ones(1)}).save(f"file://localhost{tmp_path}/c", step=3)
+    assert path == tmp_path / "c"
+    assert tdcp.DistributedCheckpoint(w={"x": torch.zeros(1)}).load(f"file://localhost{tmp_path}/c").step == 3
+    for bad, match in [
+        (f"file://server{tmp_path}/c", "not host 'server'"),  # another machine's path: never ./server/...
+        ("file://c", "not host 'c'"),
+        ("file://", "needs a path"),
+        ("file:///", "needs a path"),
+    ]:
+        with pytest.raises(tdcp.CheckpointError, match=match):
+            resolve_path(bad)
+        with pytest.raises(tdcp.CheckpointError, match=match):
+            tdcp.DistributedCheckpoint(w={"x": torch.ones(1)}).save(bad)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+
+
 # ---------------------------------------------------------------------- loads: chunk files, requests, identity
 @pytest.fixture
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:

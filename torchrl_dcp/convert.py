@@ -41,8 +41,9 @@ from torchrl_dcp.storage.commit import (
     write_file_durably,
 )
 from torchrl_dcp.storage.copying import CopyRange, copy_ranges
-from torchrl_dcp.storage.directory import DirectoryContainer
+from torchrl_dcp.storage.directory import DirectoryContainer, foreign_entries
 from torchrl_dcp.storage.files import DirHandle, open_regular, read_whole
+from torchrl_dcp.storage.urls import resolve_path
 
 __all__ = ["export_torchrl", "to_archive", "to_directory"]
 
@@ -76,8 +77,17 @@ def convert_via_local(
         return target.path
 
 
+def _local(path: str | os.PathLike) -> Path:
+    """A local path argument (the remote ends went through :func:`convert_via_local`) resolved as saves and loads
+    resolve it: ``~``, ``file://`` URLs (:func:`~torchrl_dcp.storage.urls.resolve_path`)."""
+    resolved: Path = resolve_path(path)
+    return resolved
+
+
 def _check_replaceable(destination: Path, overwrite: bool) -> None:
-    """Refuse to replace anything but a torchrl_dcp checkpoint (and only with ``overwrite``); never a link."""
+    """Refuse to replace anything but a torchrl_dcp checkpoint (and only with ``overwrite``); never a link, nor a
+    checkpoint directory holding entries no save writes there (a file of the user's: the rule saves apply,
+    :func:`~torchrl_dcp.storage.directory.foreign_entries`)."""
     if not (destination.exists() or destination.is_symlink()):
         return
     if not overwrite:
@@ -93,6 +103,13 @@ def _check_replaceable(destination: Path, overwrite: bool) -> None:
         raise CheckpointError(
             "exists and is not a torchrl_dcp checkpoint; refusing to replace it", path=destination
         ) from None
+    foreign = foreign_entries(destination) if destination.is_dir() else []
+    if foreign:
+        raise CheckpointError(
+            f"holds entries a checkpoint never holds ({foreign[:5]}); refusing to replace it: move them, or convert "
+            "elsewhere",
+            path=destination,
+        )
 
 
 @contextlib.contextmanager
@@ -103,7 +120,7 @@ def _converting(what: str, dst: str | os.PathLike, overwrite: bool) -> Iterator[
     to one destination apart, so every staging/temporary entry named after the
     destination found while holding it is a dead writer's and is removed.
     """
-    destination = Path(dst).expanduser().absolute()
+    destination = _local(dst)
     try:
         destination.parent.mkdir(parents=True, exist_ok=True)
         with DestinationLock(destination):
@@ -153,7 +170,7 @@ def to_archive(
     """
     if _any_remote(src_dir, dst_file):
         return convert_via_local(to_archive, src_dir, dst_file, "checkpoint", "file", overwrite, buffer_size=buffer_size, progress=progress)  # fmt: skip
-    src = Path(src_dir).expanduser().absolute()
+    src = _local(src_dir)
     if not src.exists():
         raise CheckpointNotFoundError("no checkpoint here: the path does not exist", path=src)
     if not src.is_dir():
@@ -195,7 +212,7 @@ def to_directory(
     """
     if _any_remote(src_file, dst_dir):
         return convert_via_local(to_directory, src_file, dst_dir, "file", "checkpoint", overwrite, buffer_size=buffer_size, progress=progress)  # fmt: skip
-    path = Path(src_file).expanduser().absolute()
+    path = _local(src_file)
     if not path.exists():
         raise CheckpointNotFoundError("no checkpoint here: the path does not exist", path=path)
     if path.is_dir():
@@ -292,7 +309,7 @@ def export_torchrl(
     ``Checkpoint(rng=GlobalRNGState()).load(dst)`` restores that rank's streams.
 
     Args:
-        components: names to export (default: every replicated component).
+        components: names to export, or one name (default: every replicated component).
         rank: which rank's state to export for per_rank components (RNG streams: rank 0's by default).
         format: ``"archive"`` (one ZIP file) or ``"directory"``.
         metadata: manifest metadata of the export (default: the source's, plus its step).
@@ -315,6 +332,8 @@ def export_torchrl(
     saved = manifest["components"]
     if components is None:
         components = [n for n, r in saved.items() if r["placement"] == "replicated"]
+    elif isinstance(components, str):  # one name, as load(components="policy") takes it
+        components = [components]
     unknown = sorted(set(components) - set(saved))
     if unknown:
         raise KeyError(f"not in the checkpoint: {unknown}; it holds {sorted(saved)}")
@@ -358,7 +377,7 @@ def _check_identities(container: Any, manifest: Mapping[str, Any]) -> None:
 
 
 def _destination_for_torchrl(dst: str | os.PathLike, overwrite: bool) -> Path:
-    destination = Path(dst).expanduser().absolute()
+    destination = _local(dst)
     if (destination.exists() or destination.is_symlink()) and not overwrite:
         raise CheckpointError("already exists; pass overwrite=True to replace it", path=destination)
     return destination  # torchrl.checkpoint replaces an existing one atomically

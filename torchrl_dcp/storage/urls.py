@@ -167,16 +167,36 @@ def _filesystem(protocol: str, options: Mapping[str, Any], url: str) -> Any:
 def resolve_path(path: str | os.PathLike | StorePath, storage_options: Mapping[str, Any] | None = None) -> Any:
     """A local path as an absolute :class:`~pathlib.Path`, a URL as a :class:`StorePath`.
 
-    ``file://`` URLs map to the local path. A :class:`StorePath` is returned as is
-    (its own ``storage_options`` win over ``storage_options``).
+    ``file://`` URLs map to the local path (``file:///x`` and ``file://localhost/x`` are ``/x``; a URL naming
+    another host is refused). A :class:`StorePath` is returned as is (its own ``storage_options`` win over
+    ``storage_options``).
     """
     if isinstance(path, StorePath):
         return path
     if isinstance(path, str) and is_url(path):
-        if path.startswith("file://"):
-            return Path(path[len("file://") :]).expanduser().absolute()
+        if path[: len("file://")].lower() == "file://":
+            return _file_url_path(path)
         return StorePath(path, storage_options)
     return Path(path).expanduser().absolute()
+
+
+def _file_url_path(url: str) -> Path:
+    """The local path of a ``file://`` URL (RFC 8089): ``file:///x`` and ``file://localhost/x`` are ``/x``.
+
+    Another host (``file://server/x``, or ``file://run/x`` meant as a relative path) is refused: it names no
+    path of this machine, and reading it as ``./server/x`` would write where nobody asked.
+    """
+    rest = url[len("file://") :]
+    host, slash, tail = rest.partition("/")
+    if host.lower() not in ("", "localhost"):
+        raise CheckpointError(
+            f"a file:// URL names a path on this machine: file:///absolute/path or file://localhost/absolute/path, "
+            f"not host {host!r} (for a relative path, drop the file:// prefix)",
+            path=url,
+        )
+    if not tail.strip("/"):
+        raise CheckpointError("a file:// URL needs a path (e.g. file:///runs/step-1)", path=url)
+    return Path(slash + tail).absolute()
 
 
 def copy_object(fs: Any, src: str, dst: str, *, if_match: str | None = None) -> str | None:
