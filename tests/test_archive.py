@@ -366,6 +366,21 @@ def test_export_policy_for_torchrl_checkpoint_without_distributed(tmp_path: Path
         tdcp.export_torchrl(path, tmp_path / "x.torchrl", ["nope"])
     with pytest.raises(tdcp.CheckpointError, match="already exists"):
         tdcp.export_torchrl(path, out, ["policy"])
+    assert tdcp.export_torchrl(path, out, ["policy"], overwrite=True) == out  # a torchrl checkpoint is replaced
+
+
+def test_export_overwrite_never_deletes_what_is_not_a_torchrl_checkpoint(tmp_path: Path) -> None:
+    """``export_torchrl(..., overwrite=True)`` handed the destination to torchrl, which replaces whatever is there:
+    a directory of the user's was deleted. Only a torchrl checkpoint is replaced now."""
+    path, _ = make(tmp_path)
+    mine = tmp_path / "results"
+    mine.mkdir()
+    (mine / "eval.txt").write_text("mine")
+    (tmp_path / "notes.txt").write_text("mine")
+    for dst in (mine, tmp_path / "notes.txt"):
+        with pytest.raises(tdcp.CheckpointError, match="is not a torchrl.checkpoint checkpoint"):
+            tdcp.export_torchrl(path, dst, ["policy"], overwrite=True)
+    assert (mine / "eval.txt").read_text() == "mine" and (tmp_path / "notes.txt").read_text() == "mine"
 
 
 RSS_SCRIPT = """

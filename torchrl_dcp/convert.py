@@ -377,7 +377,16 @@ def _check_identities(container: Any, manifest: Mapping[str, Any]) -> None:
 
 
 def _destination_for_torchrl(dst: str | os.PathLike, overwrite: bool) -> Path:
+    from torchrl_dcp.torchrl_format.detect import is_torchrl_checkpoint
+
     destination = _local(dst)
-    if (destination.exists() or destination.is_symlink()) and not overwrite:
-        raise CheckpointError("already exists; pass overwrite=True to replace it", path=destination)
+    if destination.exists() or destination.is_symlink():
+        if not overwrite:
+            raise CheckpointError("already exists; pass overwrite=True to replace it", path=destination)
+        if destination.is_symlink() or not is_torchrl_checkpoint(destination):  # torchrl would replace anything
+            raise CheckpointError(
+                "is not a torchrl.checkpoint checkpoint: overwrite=True replaces only one (a directory or file of "
+                "yours is never deleted); export elsewhere, or remove it yourself",
+                path=destination,
+            )
     return destination  # torchrl.checkpoint replaces an existing one atomically
