@@ -393,3 +393,15 @@ def test_diff_refuses_a_tolerance_that_would_hide_or_invent_differences(
     with pytest.raises(SystemExit) as exit_:
         main(["diff", str(a), str(a), "--atol", atol])
     assert exit_.value.code == 2 and "--atol" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_a_command_given_a_rotation_directory_says_to_use_ls(
+    tmp_path: Path, capsys: pytest.CaptureFixture, command: str
+) -> None:
+    """``ls`` on a checkpoint says to use ``inspect``; ``inspect``/``verify`` on a rotation directory only said "no
+    manifest.json"."""
+    tdcp.CheckpointRotation(tmp_path).save(tdcp.DistributedCheckpoint(x=torch.ones(1)), step=3)
+    assert main([command, str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"torchrl-dcp ls {tmp_path}" in err and "step-000000000003" in err, err

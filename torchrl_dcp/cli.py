@@ -570,9 +570,26 @@ def _run(args: argparse.Namespace) -> int:
     except BrokenPipeError:
         raise
     except Exception as err:  # noqa: BLE001 - a command-line tool reports every failure as one line, never a traceback
-        code = _report(err, args.json)
+        code = _report(_with_rotation_hint(err), args.json)
         return 2 if args.command == "diff" else code
     return 0
+
+
+def _with_rotation_hint(err: Exception) -> Exception:
+    """A path with no manifest that is a rotation directory (``step-N`` entries): say to list it with ``ls``, as
+    ``ls`` on a checkpoint says to use ``inspect``."""
+    from torchrl_dcp.rotation_entries import list_entries
+
+    if not isinstance(err, CheckpointError) or err.path is None or "no manifest.json" not in err.message:
+        return err
+    try:
+        entries = list_entries(str(err.path))
+    except Exception:  # noqa: BLE001 - only a hint: the original error stands
+        return err
+    if not entries:
+        return err
+    hint = f"it is a rotation directory of checkpoints: `torchrl-dcp ls {err.path}` lists them"
+    return type(err)(f"{err.message}; {hint} (highest step: {entries[-1].path.name})", path=err.path)
 
 
 def _report(err: Exception, as_json: bool) -> int:
