@@ -247,6 +247,15 @@ def _destinations(comp: ComponentPlan, views: dict[int, Any], plan: LoadPlan, me
 
 
 def _check_destination(name: str, spec: TensorSpec, dest: torch.Tensor) -> None:
+    """Every tensor an adapter offers to be read in place (a module's weights, a bare tensor, an optimizer's or a
+    buffer's own state) passes here: the saved dtype and shape, and memory to read into."""
+    if dest.is_meta:  # DCP "reads" into it without a byte moving: the load would claim success, restoring nothing
+        what = "its tensor" if spec.key == "_" else f"tensor {spec.key!r}"  # "_": the component is the tensor
+        raise IncompatibleComponentError(
+            f"component {name!r}: {what} is on the meta device (it has no memory to load into): "
+            "materialise the object before loading, e.g. module.to_empty(device=...) for a module built under "
+            "torch.device('meta'), or build it on a real device"
+        )
     if dest.dtype != spec.dtype or tuple(dest.shape) != spec.shape:
         raise IncompatibleComponentError(
             f"component {name!r}: tensor {spec.key!r} was saved as {spec.dtype} {spec.shape}, its destination is "

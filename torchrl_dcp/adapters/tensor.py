@@ -1,7 +1,8 @@
 """Adapter for a bare tensor registered as a component (a running statistic, a step counter tensor).
 
 The tensor is saved as itself and loaded into the registered tensor in place (same shape and dtype), so every
-reference to it sees the restored values.
+reference to it sees the restored values: a plain dense tensor receives the saved bytes where it is (no second copy),
+any other is copied into. A tensor on the meta device (no memory) is refused while the load is planned.
 
 Example:
     >>> import torch
@@ -18,6 +19,7 @@ import torch
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
 from torchrl_dcp.errors import IncompatibleComponentError
+from torchrl_dcp.format.codec import TensorSpec
 
 __all__ = ["TensorAdapter"]
 
@@ -40,7 +42,27 @@ class TensorAdapter(Adapter):
                     f"registered one is {obj.dtype} {list(obj.shape)}: register a tensor of the saved shape and dtype"
                 )
 
+    def destinations(self, obj: torch.Tensor, saved: Any, ctx: AdapterContext) -> dict[str, torch.Tensor] | None:
+        """The tensor itself, read in place (no second copy), when it is a plain dense one; a tensor on the meta
+        device is offered too, so that the load's destination check refuses it (it has no memory to load into)."""
+        if type(saved) is not TensorSpec or saved.dtensor:
+            return None  # (no tensor of its own, or a sharded one: read fresh, restored by copy)
+        if obj.is_meta or (
+            type(obj) in (torch.Tensor, torch.nn.Parameter)
+            and obj.layout == torch.strided
+            and obj.is_contiguous()
+            and obj.grad_fn is None
+            and not obj.is_inference()
+            and not obj.is_conj()
+            and not obj.is_neg()
+            and obj.numel()
+        ):
+            return {saved.key: obj}
+        return None
+
     def restore(self, obj: torch.Tensor, state: Any, ctx: AdapterContext) -> Any:
+        if state is obj:  # read in place
+            return None
         with torch.no_grad():
             obj.copy_(state)
         return None

@@ -93,13 +93,45 @@ class TensorDictAdapter(Adapter):
     def validate(self, obj: TensorDictBase, saved: dict[int, Any], ctx: AdapterContext) -> None:
         """A locked TensorDict is restored in place (``update_``, which skips keys it lacks and casts dtypes): it
         must hold exactly the saved keys, each tensor of the saved dtype and shape (checked before anything
-        changes); an unlocked one is rebuilt as saved."""
+        changes); an unlocked one is rebuilt as saved. A TensorDict on the meta device, or a locked one holding meta
+        tensors, would keep no loaded byte (the restore moves the saved tensors onto its device, or writes into tensors
+        with no memory): refused."""
+        _check_materialised(obj, ctx.name, "")
         for state in saved.values():
             _check_locked(obj, state, ctx.name, "")
 
     def restore(self, obj: TensorDictBase, state: Any, ctx: AdapterContext) -> Any:
         _restore_into(obj, tensordict_from_state(state, ctx), ctx.name)
         return None
+
+
+def _check_materialised(obj: Any, name: str, at: str) -> None:
+    """Refuse a TensorDict (at any level) whose restore would leave meta tensors: one whose ``device`` is meta (the
+    saved tensors would be moved there), or a locked one holding a meta tensor (``update_`` writes into it). An
+    unlocked TensorDict without a device replaces its meta tensors by the loaded ones: accepted."""
+    if isinstance(obj, LazyStackedTensorDict):
+        for i, part in enumerate(obj.tensordicts):
+            _check_materialised(part, name, f"{at}[{i}]")
+        return
+    if not isinstance(obj, TensorDictBase):
+        return
+    where = f" at {at}" if at else ""
+    if obj.device is not None and obj.device.type == "meta":
+        raise IncompatibleComponentError(
+            f"component {name!r}: the TensorDict{where} is on the meta device (its tensors have no memory; the load "
+            "would move the saved tensors there, keeping nothing): build it on a real device before loading (an "
+            "unlocked TensorDict with device=None is rebuilt as saved)"
+        )
+    for key in obj.keys():
+        value = obj.get(key)
+        path = f"{at}.{key}" if at else str(key)
+        if isinstance(value, TensorDictBase) and not _is_non_tensor(value):
+            _check_materialised(value, name, path)
+        elif obj.is_locked and isinstance(value, torch.Tensor) and value.is_meta:
+            raise IncompatibleComponentError(
+                f"component {name!r}: the locked TensorDict holds {path!r} on the meta device (no memory to load "
+                "into): build it on a real device, or unlock it, before loading"
+            )
 
 
 def _check_locked(obj: Any, state: Any, name: str, at: str) -> None:
