@@ -271,6 +271,27 @@ def test_rotation_keeps_last_and_resumes(store: tuple[str, dict[str, Any]]) -> N
     assert info is not None and info.step == 30 and _same(objs, again)
 
 
+def test_glob_characters_in_keys_never_reach_other_objects(store: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
+    """``*``, ``?`` and ``[`` are legal in keys, and fsspec's ``rm``/``copy`` expand them: pruning a rotation of
+    ``run*`` deleted ``run-A``'s objects (its checkpoint then refused as damaged), and an export replacing
+    ``export*`` deleted ``export-other``'s. Every deletion of store objects goes through ``delete_objects``."""
+    url, options = store
+    objs = _objects(20)
+    other = _ckpt(objs, options).save(f"{url}/run-A/step-000000000001", step=1)
+    rotation = tdcp.CheckpointRotation(f"{url}/run*", keep_last=1, storage_options=options)
+    ckpt = _ckpt(objs, options)
+    for step in (1, 2, 3):
+        rotation.save(ckpt, step=step)
+    assert [e.step for e in rotation.entries()] == [3]
+    tdcp.verify(other)  # another run's checkpoint, untouched
+    fs = _store_fs(url, options)
+    precious = resolve_path(f"{url}/export-other/precious.bin", options)
+    fs.pipe_file(precious.key, b"mine")
+    for _ in range(2):  # the second replaces the first (overwrite=True)
+        tdcp.export_torchrl(other, resolve_path(f"{url}/export*", options), ["policy"], overwrite=True)
+    assert fs.cat_file(precious.key) == b"mine"
+
+
 def test_convert_and_export_through_urls(store: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
     url, options = store
     objs = _objects(18)

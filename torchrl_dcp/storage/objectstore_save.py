@@ -62,7 +62,7 @@ from torchrl_dcp.storage.objectstore import (
     upload_pieces,
 )
 from torchrl_dcp.storage.proven import ChunkIdentity
-from torchrl_dcp.storage.urls import StorePath, copy_object
+from torchrl_dcp.storage.urls import StorePath, copy_object, delete_objects
 from torchrl_dcp.storage.writer import plan_layout
 
 logger = get_logger(__name__)
@@ -87,11 +87,7 @@ def remove_prefix(path: StorePath, manifest_first: bool = True) -> None:
         for n, info in names.items()
         if is_library_file(n) and info.get("type") == "file" and (n != MANIFEST or not manifest_first)
     ]
-    try:
-        if keys:
-            fs.rm(keys)
-    except FileNotFoundError:
-        pass
+    delete_objects(fs, keys)
     fs.invalidate_cache(path.key)
 
 

@@ -26,7 +26,7 @@ from torchrl_dcp.format.layout import MANIFEST
 from torchrl_dcp.storage.directory import DirectoryContainer
 from torchrl_dcp.storage.objectstore import ObjectStoreContainer, download, list_objects, read_range, upload_pieces
 from torchrl_dcp.storage.objectstore_save import publish_directory
-from torchrl_dcp.storage.urls import StorePath
+from torchrl_dcp.storage.urls import StorePath, delete_objects
 
 
 def download_checkpoint(src: StorePath, local: Path) -> Path:
@@ -65,7 +65,7 @@ def upload_result(local: Path, dst: StorePath, kind: str) -> None:
         publish_directory(local, dst, manifest, (local / MANIFEST).read_bytes())
     elif local.is_dir():  # a torchrl.checkpoint directory: its files, then nothing else to commit
         if list_objects(dst):  # the export replaced (overwrite=True): its own tree, whatever it holds
-            dst.fs.rm(dst.key, recursive=True)
+            delete_objects(dst.fs, sorted(dst.fs.find(dst.key)))
         for f in sorted(p for p in local.rglob("*") if p.is_file()):
             upload_file(f, StorePath(f"{dst.url}/{f.relative_to(local).as_posix()}", dst.storage_options, dst.fs))
     else:

@@ -222,12 +222,44 @@ def copy_object(fs: Any, src: str, dst: str, *, if_match: str | None = None) -> 
             except (ValueError, OSError) as err:  # e.g. over CopyObject's 5 GB: fsspec's managed copy below
                 if isinstance(err, FileNotFoundError) or if_match is not None:
                     raise
-        fs.copy(src, dst)
+        fs.cp_file(src, dst)  # (never fs.copy: it expands '*', '?' and '[' in a key into other objects)
         return None
     except FileNotFoundError:
         raise CheckpointError(f"cannot copy {src}: the object does not exist", path=dst) from None
     except OSError as err:
         raise CheckpointError(f"copying {src} failed ({type(err).__name__}: {err})", path=dst) from None
+
+
+_GLOB = re.compile(r"[*?\[]")
+
+
+def delete_objects(fs: Any, keys: list[str]) -> None:
+    """Delete exactly the objects ``keys`` (absent ones skipped): every deletion of a store object goes here.
+
+    fsspec's ``rm`` expands ``*``, ``?`` and ``[`` in a key as a glob, and such characters are legal in keys (a
+    rotation of ``s3://b/run*``): ``rm("b/run*/step-1/x")`` also deleted ``b/run-A/step-1/x``, another run's
+    object. Keys without those characters go to ``rm`` in one call (S3: batched deletes); any other key is
+    deleted on its own with ``rm_file``, which never expands.
+
+    Example:
+        >>> import fsspec
+        >>> fs = fsspec.filesystem("memory")
+        >>> for k in ("/dx/r*/x", "/dx/r-A/x"): fs.pipe_file(k, b"1")
+        >>> delete_objects(fs, ["/dx/r*/x"]); sorted(fs.find("/dx"))
+        ['/dx/r-A/x']
+    """
+    literal = [k for k in keys if not _GLOB.search(k)]
+    try:
+        if literal:
+            fs.rm(literal)
+    except FileNotFoundError:
+        pass
+    for key in keys:
+        if _GLOB.search(key):
+            try:
+                fs.rm_file(key)
+            except FileNotFoundError:
+                pass
 
 
 def _s3_copy(fs: Any, sync: Any, src: str, dst: str, if_match: str | None) -> str | None:
