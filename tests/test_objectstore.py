@@ -483,3 +483,33 @@ def test_cut_tiles_the_range_without_splitting_a_record() -> None:
         assert placed == list(range(len(records)))  # every record whole in exactly one span (or on its own)
         for s, e, idx in spans:
             assert all(s <= records[k][0] and sum(records[k]) <= e for k in idx)
+
+
+def test_a_manifest_that_cannot_be_read_now_is_not_skipped_as_damaged(store: tuple[str, dict[str, Any]]) -> None:
+    """A store's 503 or a reset connection on the newest entry's manifest made it "uncommitted": resume silently
+    took the previous step (``fallback=False`` too), or started fresh, and the restarted job replaced the newest
+    checkpoint. A read that fails is raised; only an absent or damaged manifest leaves an entry out."""
+    from unittest import mock
+
+    url, options = store
+    objs = _objects(21)
+    rotation = tdcp.CheckpointRotation(f"{url}/run", storage_options=options)
+    ckpt = _ckpt(objs, options)
+    rotation.save(ckpt, step=5)
+    rotation.save(ckpt, step=10)
+    fs = _store_fs(url, options)  # (fsspec caches file systems: the one the rotation reads through)
+    real = fs.cat_file
+
+    def flaky(path: str, *args: Any, **kwargs: Any) -> Any:
+        if "step-000000000010/manifest.json" in str(path):
+            raise ConnectionError("connection reset by peer")
+        return real(path, *args, **kwargs)
+
+    with mock.patch.object(fs, "cat_file", flaky):  # (s3fs binds its sync methods to the instance)
+        with pytest.raises(tdcp.CheckpointError, match="connection reset"):
+            rotation.resume(_ckpt(_objects(22), options), fallback=False)
+        with pytest.raises(tdcp.CheckpointError, match="connection reset"):
+            rotation.latest()
+        listed = rotation.entries(include_uncommitted=True)  # a listing for display shows it
+        assert [(e.step, e.committed) for e in listed] == [(5, True), (10, False)]
+    assert [e.step for e in rotation.entries()] == [5, 10]

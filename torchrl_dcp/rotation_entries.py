@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError
 from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.storage.base import Location
 
@@ -96,8 +97,12 @@ def list_entries(
         error = None
         try:
             manifest = child.location.root()  # (its shards are checked when it is loaded: a damaged one falls back)
-        except Exception as err:  # noqa: BLE001 - one damaged entry must never break a listing
-            manifest, error = {}, f"{type(err).__name__}: {err}"
+        except (CheckpointNotFoundError, CheckpointFormatError, CheckpointIntegrityError) as err:
+            manifest, error = {}, f"{type(err).__name__}: {err}"  # absent, damaged: never committed (or broken)
+        except Exception as err:  # noqa: BLE001 - reading failed (a store's 503, EIO): not a judgement on the entry
+            if not include_uncommitted:  # resume, latest, prune: an entry not read is not skipped as damaged
+                raise
+            manifest, error = {}, f"{type(err).__name__}: {err}"  # (a listing for display shows it)
         recorded = manifest.get("step")
         if error is None and recorded is not None and recorded != int(m.group(1)):
             # renamed (or another run's): its name would make resume report, and keep_last rank, another step
