@@ -351,3 +351,23 @@ def test_buffer_states_no_save_writes_are_refused(forge: tuple, why: str) -> Non
     (state["writer"]["state"] if part == "writer" else state["storage"])[key] = value
     with pytest.raises(ValueError, match=why):
         adapter.check_saved(state)
+
+
+def test_a_part_filled_memmap_buffer_without_a_scratch_dir_saves_and_saves_again(tmp_path: Path) -> None:
+    """``LazyMemmapStorage()`` (no ``scratch_dir``: memmaps without a file) holding fewer rows than its capacity
+    failed at save ("The MemoryMappedTensor has no file associated", naming nothing): tensordict raises
+    ``RuntimeError`` from ``.filename`` there. A restored one could not be saved again either."""
+
+    def make() -> TensorDictReplayBuffer:
+        return TensorDictReplayBuffer(storage=LazyMemmapStorage(16))
+
+    rb = make()
+    rb.extend(TensorDict({"obs": torch.arange(10.0).view(5, 2)}, batch_size=[5]))
+    path = tdcp.DistributedCheckpoint(rb=rb).save(tmp_path / "a")
+    fresh = make()
+    tdcp.DistributedCheckpoint(rb=fresh).load(path)
+    assert len(fresh) == 5 and torch.equal(fresh[:5]["obs"], rb[:5]["obs"])
+    again = tdcp.DistributedCheckpoint(rb=fresh).save(tmp_path / "b")
+    other = make()
+    tdcp.DistributedCheckpoint(rb=other).load(again)
+    assert torch.equal(other[:5]["obs"], rb[:5]["obs"])

@@ -71,7 +71,10 @@ def _leading_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     """The first ``rows`` rows, without copying: memmap rows are re-mapped from their file."""
     if rows == tensor.shape[0]:
         return tensor
-    filename = getattr(tensor, "filename", None)
+    try:
+        filename = getattr(tensor, "filename", None)
+    except RuntimeError:  # tensordict: "The MemoryMappedTensor has no file associated" (scratch_dir=None)
+        filename = None
     if isinstance(tensor, MemoryMappedTensor) and filename and tensor.is_contiguous() and tensor.storage_offset() == 0:
         return MemoryMappedTensor.from_filename(filename=filename, dtype=tensor.dtype, shape=(rows, *tensor.shape[1:]))
     return tensor[:rows]
