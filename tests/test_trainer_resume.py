@@ -175,6 +175,18 @@ def test_resume_of_a_trainer_counts_its_save_policy_from_the_resumed_step(tmp_pa
     assert [e.step for e in tdcp.CheckpointRotation(tmp_path / "run").entries()] == [32, 64, 96, 128]
 
 
+def test_load_from_file_counts_the_save_policy_from_the_loaded_step(tmp_path: Path) -> None:
+    """``trainer.load_from_file(step 64)`` instead of ``tdcp.resume``: the rotation's ``every_steps=48`` counted
+    from 0 and saved again at 80 (not a new multiple of 48); it counts from the loaded step, as after a resume."""
+    first, _, _ = build("iql", tmp_path / "run", every_steps=32)
+    first.train()
+    again, _, _ = build("iql", tmp_path / "next", every_steps=48)
+    again.load_from_file(tmp_path / "run" / "step-000000000064")
+    again.total_frames = 112
+    again.train()
+    assert [e.step for e in tdcp.CheckpointRotation(tmp_path / "next").entries()] == [96, 112]  # (112: the last)
+
+
 def test_a_trainer_saves_to_the_local_tier_on_its_schedule_and_resumes_from_it(tmp_path: Path) -> None:
     """A rotation's LocalTier saves at its own schedule inside ``Trainer.train()`` (every 16 frames here, the shared
     tier every 32), and the Trainer's resume takes the local tier's newest step when the shared tier is gone."""

@@ -538,6 +538,11 @@ class CheckpointRotation:
             self.local.forget_after(ckpt, None if info is None else info.step)
         return info
 
+    def _resumed_from(self, step: int) -> None:
+        """A load of ``step`` done outside :meth:`resume` (a bound Trainer's ``load_from_file``): the save policy
+        counts from it, as after a resume."""
+        self._last_step, self._last_time = step, time.monotonic()
+
     def _torchrl_entries(self) -> list[str]:
         """Names of the ``torchrl.checkpoint`` checkpoints in a local rotation directory, sorted."""
         from torchrl_dcp.torchrl_format.detect import is_torchrl_checkpoint

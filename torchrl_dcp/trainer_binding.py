@@ -74,6 +74,9 @@ def bind_trainer_load(trainer: Any, ckpt: Any) -> None:
         update = getattr(getattr(trainer, "collector", None), "update_policy_weights_", None)
         if "policy" in result.loaded and callable(update):
             update()  # local copies and workers see the restored learner, as after torchrl's own load
+        resumed = getattr(getattr(trainer, "checkpoint_rotation", None), "_resumed_from", None)
+        if callable(resumed) and result.step is not None:  # our rotation's every_steps counts from the loaded step,
+            resumed(result.step)  # as after its own resume (it saved again at the next iteration)
         return trainer
 
     load_from_file._tdcp_bound = True  # type: ignore[attr-defined]
