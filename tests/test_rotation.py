@@ -396,19 +396,17 @@ def test_a_save_that_fails_leaves_its_step_due(tmp_path: Path, async_saves: bool
     assert [e.step for e in rotation.entries()] == [5, 10]
 
 
-def test_resume_over_torchrls_rotation_says_it_starts_fresh(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_resume_over_torchrls_rotation_says_it_starts_fresh(tmp_path: Path) -> None:
     """A run moving from torchrl's ``CheckpointRotation`` to ours, resumed in the same directory: nothing of ours to
     resume from, so it starts fresh, but says so as a warning naming torchrl's entries (it was an INFO line: a job
     could retrain from scratch unnoticed)."""
-    import logging
 
     from torchrl.checkpoint import Checkpoint
     from torchrl.checkpoint import CheckpointRotation as TorchrlRotation
 
     TorchrlRotation(tmp_path, keep_last=2).save(Checkpoint(policy=torch.nn.Linear(2, 2)), step=3)
-    with caplog.at_level(logging.WARNING, logger="torchrl_dcp"):
-        assert tdcp.resume(ckpt_for(0)[0], tmp_path) is None
-    assert "checkpoint-000000000003" in caplog.text and "ckpt.load(path)" in caplog.text
+    with pytest.warns(tdcp.TorchrlDcpWarning, match=r"checkpoint-000000000003.*ckpt\.load\(path\)"):
+        assert tdcp.resume(ckpt_for(0)[0], tmp_path) is None  # (a warning: a log line shows only with logging set)
 
 
 def test_steps_as_numpy_integers_or_0d_tensors_are_accepted_as_save_takes_them(tmp_path: Path) -> None:
@@ -443,3 +441,7 @@ def test_an_entry_whose_manifest_records_another_step_is_not_resumed_as_its_name
     assert info is not None and info.step == 50 and info.result.step == 50
     rotation.save(ckpt, step=60)  # pruning never deletes it (not an entry of this rotation)
     assert (tmp_path / "step-000000000900").is_dir()
+    (tmp_path / "alone").mkdir()
+    (tmp_path / "step-000000000900").rename(tmp_path / "alone" / "step-000000000900")
+    with pytest.warns(tdcp.TorchrlDcpWarning, match="no usable checkpoint.*step-000000000900.*records step 100"):
+        assert tdcp.resume(ckpt_for(2)[0], tmp_path / "alone") is None  # starts fresh, but never silently

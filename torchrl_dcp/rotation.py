@@ -47,6 +47,7 @@ from torchrl_dcp.errors import (
     CheckpointVersionError,
     CollectiveError,
     StaleCheckpointWarning,
+    TorchrlDcpWarning,
 )
 from torchrl_dcp.format.layout import is_data_file
 from torchrl_dcp.json_values import metadata_values
@@ -575,19 +576,23 @@ class CheckpointRotation:
             self._last_step, self._last_time = step, time.monotonic()  # every_steps counts from the resumed step
             return ResumeInfo(step, path, result)
         foreign = self._torchrl_entries()
-        if foreign:  # a run moving from torchrl's rotation: starting fresh silently would retrain from scratch
-            logger.warning(
-                "no committed torchrl_dcp checkpoint in %s, but torchrl.checkpoint entries (%s): this rotation does "
-                "not resume from them; load the newest with ckpt.load(path) (read-only), then save with this "
-                "rotation. Starting fresh",
-                self.directory,
-                ", ".join(foreign[-3:]),
+        # starting fresh while checkpoints are there retrains from scratch: a warning (not a log line, which a job
+        # without logging configured never shows)
+        if foreign:  # a run moving from torchrl's rotation
+            warnings.warn(
+                f"no committed torchrl_dcp checkpoint in {self.directory}, but torchrl.checkpoint entries "
+                f"({', '.join(foreign[-3:])}): this rotation does not resume from them; load the newest with "
+                "ckpt.load(path) (read-only), then save with this rotation. Starting fresh",
+                TorchrlDcpWarning,
+                stacklevel=4,
             )
         elif unusable := [e for e in self.entries(include_uncommitted=True) if not e.committed]:
-            logger.warning(  # a checkpoint is there but no load would be what it claims: say so, never silently
-                "no usable checkpoint in %s: %s; starting fresh",
-                self.directory,
-                "; ".join(f"{e.path.name} ({e.error})" for e in unusable[-3:]),
+            warnings.warn(  # a checkpoint is there but no load would be what it claims
+                f"no usable checkpoint in {self.directory}: "
+                + "; ".join(f"{e.path.name} ({e.error})" for e in unusable[-3:])
+                + "; starting fresh",
+                TorchrlDcpWarning,
+                stacklevel=4,
             )
         else:
             logger.info("no committed checkpoint in %s: starting fresh", self.directory)
