@@ -513,3 +513,18 @@ def test_a_manifest_that_cannot_be_read_now_is_not_skipped_as_damaged(store: tup
         listed = rotation.entries(include_uncommitted=True)  # a listing for display shows it
         assert [(e.step, e.committed) for e in listed] == [(5, True), (10, False)]
     assert [e.step for e in rotation.entries()] == [5, 10]
+
+
+def test_a_stray_object_named_dot_dot_under_a_rotation_is_not_an_entry(store: tuple[str, dict[str, Any]]) -> None:
+    """A foreign object ``run/..`` (a legal S3 key) made every listing, save and resume of the rotation raise "a
+    checkpoint URL needs ... without '..' parts" (a URL the user never passed); it is no child of the prefix."""
+    url, options = store
+    fs = _store_fs(url, options)
+    fs.pipe_file(resolve_path(f"{url}/run", options).key + "/..", b"stray")
+    if ".." not in fs.ls(resolve_path(f"{url}/run", options).key, detail=False)[0]:
+        pytest.skip("this store normalises the key away")
+    rotation = tdcp.CheckpointRotation(f"{url}/run", storage_options=options)
+    ckpt = _ckpt(_objects(23), options)
+    rotation.save(ckpt, step=1)
+    assert [e.step for e in rotation.entries()] == [1]
+    assert rotation.resume(_ckpt(_objects(24), options)).step == 1

@@ -25,6 +25,7 @@ from typing import Any
 from torchrl_dcp._log import get_logger
 from torchrl_dcp.errors import CheckpointError
 from torchrl_dcp.format.checksums import crc32, format_crc
+from torchrl_dcp.format.layout import is_plain_name
 from torchrl_dcp.storage import objectstore_save
 from torchrl_dcp.storage.base import Entry, EntryKind, Location, SaveTarget, ShareWrite, WriteOutcome
 from torchrl_dcp.storage.chunk_writer import KeptChunk
@@ -106,6 +107,8 @@ class ObjectStoreLocation(Location):
     def children(self) -> list[Entry]:
         out = []
         for name, info in sorted(list_objects(self.path).items()):
+            if not is_plain_name(name):  # a stray key ".." (legal in S3) names no child: never an entry of ours
+                continue
             kind: EntryKind = "checkpoint" if info.get("type") == "directory" else "other"  # archives: never in stores
             out.append(Entry(name, kind, self.child(name)))
         return out
