@@ -571,6 +571,11 @@ def _incremental_base(incremental_from: Any, destination: Location, storage_opti
     if incremental_from is None:
         return None
     base = location_for(incremental_from, storage_options)
+    if not destination.is_local and str(base.path).rstrip("/") == str(destination.path).rstrip("/"):
+        # a store's save retires the destination's objects before it copies kept chunks: an async save, whose kept
+        # rows are not staged, then had nothing to write them from (the checkpoint was lost); saved in full
+        logger.info("%s is its own incremental base on an object store: saving it in full", destination.path)
+        return None
     if destination.can_keep_from(base):
         return base
     logger.info(
