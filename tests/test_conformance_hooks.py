@@ -92,7 +92,7 @@ NOT_AUDITED = (
     "_trainer",  # the Trainer a hook is attached to (tests_distributed/test_trainer_conformance.py audits it)
     "trainer",
     "UpdateWeights.collector",  # the Trainer's collector (tests/test_conformance_collectors.py audits collectors)
-    "LogValidationReward.environment",  # the evaluation env, built by the job; its episodes do not feed training
+    "LogValidationReward.environment",  # lazily built caches differ until it runs; its generators: _env_streams
 )
 
 
@@ -125,9 +125,26 @@ def test_hook_is_restored_exactly(tmp_path: Path, name: str) -> None:
     trainer, hook = _trainer(tmp_path / "ckpts", name)
     trainer.train()  # two batches (the hook runs where it registered), then the scheduled save at frame 32
     saved = state_snapshot(hook, "hook", skip=NOT_AUDITED)
+    streams = _env_streams(hook)
     trainer.checkpoint_rotation.close()
     fresh, fresh_hook = _trainer(tmp_path / "ckpts", name)
     info = tdcp.resume(fresh.checkpoint, tmp_path / "ckpts")
     assert info is not None and info.step == 32
     differences = state_differences(saved, state_snapshot(fresh_hook, "hook", skip=NOT_AUDITED))
     assert not differences, f"{name}: the restored hook differs:\n" + "\n".join(map(str, differences[:20]))
+    # the envs a hook runs (a validation env): their generators continue (they started again from the seed: other
+    # validation rewards were logged after a resume)
+    assert _env_streams(fresh_hook) == streams, name
+
+
+def _env_streams(hook: Any) -> dict[str, str]:
+    from torchrl.envs import EnvBase
+
+    from torchrl_dcp.adapters.collector import env_generators
+
+    envs = {k: v for k, v in vars(hook).items() if isinstance(v, EnvBase)}
+    return {
+        f"{attr}.{path}": state_snapshot(gen.get_state() if hasattr(gen, "get_state") else gen, "g")["g"]
+        for attr, env in envs.items()
+        for path, gen in env_generators(env).items()
+    }

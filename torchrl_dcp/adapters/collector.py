@@ -68,7 +68,7 @@ def env_generators(env: Any) -> dict[str, Any]:
     return found
 
 
-def _generator_state(gen: Any) -> Any:
+def generator_state(gen: Any) -> Any:
     if isinstance(gen, torch.Generator):
         return {"kind": "torch", "state": gen.get_state()}
     if isinstance(gen, np.random.Generator):
@@ -87,7 +87,7 @@ def _legacy_state(gen: np.random.RandomState) -> dict[str, Any]:
     }
 
 
-def _set_generator_state(gen: Any, saved: dict[str, Any]) -> None:
+def set_generator_state(gen: Any, saved: dict[str, Any]) -> None:
     if saved["kind"] == "torch":
         gen.set_state(saved["state"].cpu())
     elif saved["kind"] == "numpy":
@@ -197,7 +197,7 @@ class CollectorAdapter(Adapter):
         return {
             "state_dict": collector.state_dict(),
             "carrier": None if carrier is None else tensordict_state(carrier),
-            "env_rngs": {name: _generator_state(g) for name, g in env_generators(collector.env).items()},
+            "env_rngs": {name: generator_state(g) for name, g in env_generators(collector.env).items()},
             "transforms": {path: dict(t.state_dict()) for path, t in composed_custom_state(collector.env).items()},
             "sub_envs": {path: dict(e.state_dict()) for path, e in transformed_serial_envs(collector.env).items()},
             **({"transform_attributes": attrs} if (attrs := transform_attributes(collector.env)) else {}),
@@ -249,7 +249,7 @@ class CollectorAdapter(Adapter):
                 raise IncompatibleComponentError(
                     f"component {ctx.name!r}: the env has no generator {name!r} to restore"
                 )
-            _set_generator_state(gens[name], saved_gen)
+            set_generator_state(gens[name], saved_gen)
         return None
 
     can_reshard = True

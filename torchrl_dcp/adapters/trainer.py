@@ -29,8 +29,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchrl_dcp.adapters.base import AdapterContext
+from torchrl_dcp.adapters.collector import env_generators, generator_state, set_generator_state
 from torchrl_dcp.adapters.registry import register_adapter
 from torchrl_dcp.adapters.state_dict import StateDictAdapter
+from torchrl_dcp.errors import IncompatibleComponentError
 from torchrl_dcp.placement import Placement
 
 __all__ = [
@@ -146,12 +148,19 @@ class TrainerHookAdapter(StateDictAdapter):
     can_reshard = True
 
     def state(self, obj: Any, ctx: AdapterContext) -> Any:
-        return _with_attributes(super().state(obj, ctx), obj, _attributes_of(obj, LAZY_HOOK_ATTRIBUTES))
+        state = _with_attributes(super().state(obj, ctx), obj, _attributes_of(obj, LAZY_HOOK_ATTRIBUTES))
+        generators = _env_generator_states(obj)
+        return {**state, ENV_RNG_KEY: generators} if generators and isinstance(state, Mapping) else state
 
     def restore(self, obj: Any, state: Any, ctx: AdapterContext) -> Any:
+        generators = state.get(ENV_RNG_KEY) if isinstance(state, Mapping) else None
+        if generators is not None:
+            state = {k: v for k, v in state.items() if k != ENV_RNG_KEY}
         state, extra = _split_attributes(state)
         out = super().restore(obj, state, ctx)
         _set_attributes(obj, extra, _attributes_of(obj, LAZY_HOOK_ATTRIBUTES))
+        if generators is not None:
+            _restore_env_generators(obj, generators, ctx.name)
         return out
 
     def reshard_sources(self, saved: dict[int, Any], ctx: AdapterContext) -> list[int]:
@@ -160,6 +169,41 @@ class TrainerHookAdapter(StateDictAdapter):
     def reshard(self, obj: Any, states: dict[int, Any], ctx: AdapterContext) -> Any:
         (state,) = states.values()
         return self.restore(obj, state, ctx)
+
+
+ENV_RNG_KEY = "_tdcp_env_generators"  # where a hook's state holds the generators of the envs it runs
+
+
+def _hook_envs(obj: Any) -> dict[str, Any]:
+    """The envs a hook holds as attributes (``LogValidationReward.environment``)."""
+    from torchrl.envs import EnvBase
+
+    return {name: value for name, value in vars(obj).items() if isinstance(value, EnvBase)}
+
+
+def _env_generator_states(obj: Any) -> dict[str, dict[str, Any]]:
+    """``{attribute: {generator path: state}}`` of the hook's envs: their ``state_dict`` holds transforms only, so
+    a validation env's ``PendulumEnv.rng`` started again from its seed after a restore (other rewards logged)."""
+    out = {}
+    for name, env in _hook_envs(obj).items():
+        found = {path: generator_state(g) for path, g in env_generators(env).items()}
+        if found:
+            out[name] = found
+    return out
+
+
+def _restore_env_generators(obj: Any, saved: Mapping[str, Mapping[str, Any]], name: str) -> None:
+    envs = _hook_envs(obj)
+    for attr, states in saved.items():
+        live = env_generators(envs[attr]) if attr in envs else {}
+        missing = sorted(set(states) - set(live))
+        if missing:
+            raise IncompatibleComponentError(
+                f"component {name!r}: the checkpoint holds the state of generators {missing[:3]} of its env "
+                f"{attr!r}, which this hook's env lacks: build the hook's env as it was saved"
+            )
+        for path, state in states.items():
+            set_generator_state(live[path], state)
 
 
 def register_trainer_adapters() -> None:
