@@ -528,3 +528,21 @@ def test_a_stray_object_named_dot_dot_under_a_rotation_is_not_an_entry(store: tu
     rotation.save(ckpt, step=1)
     assert [e.step for e in rotation.entries()] == [1]
     assert rotation.resume(_ckpt(_objects(24), options)).step == 1
+
+
+def test_a_store_that_ignores_ranged_reads_is_named_as_such(store: tuple[str, dict[str, Any]]) -> None:
+    """A store (or proxy) that answers a ranged GET with the whole object was reported as "object ended -1201293
+    bytes early ...: truncated": damage that is not there."""
+    from unittest import mock
+
+    url, options = store
+    objs = _objects(25)
+    path = _ckpt(objs, options).save(f"{url}/c")
+    fs = _store_fs(url, options)
+    real = fs.cat_file
+
+    def whole(key: str, start: Any = None, end: Any = None, **kwargs: Any) -> Any:
+        return real(key, **kwargs)  # the Range ignored
+
+    with mock.patch.object(fs, "cat_file", whole), pytest.raises(tdcp.CheckpointError, match="ignores ranged reads"):
+        _ckpt(_objects(26), options).load(path)

@@ -108,6 +108,12 @@ def read_range(path: StorePath, start: int, size: int, expected_total: int | Non
         data = path.fs.cat_file(path.key, start=start, end=start + size)
     except Exception as err:
         raise store_error(err, f"reading bytes {start}..{start + size}", path) from None
+    if len(data) > size:  # a store (or a proxy) that ignores the Range header: not a truncated object
+        raise CheckpointError(
+            f"asked for bytes {start}..{start + size} and the store returned {len(data)} bytes: it ignores ranged "
+            "reads (Range headers); use a store or endpoint that serves them",
+            path=path,
+        )
     if len(data) != size:
         total = "" if expected_total is None else f" of the {expected_total} the manifest records"
         raise CheckpointIntegrityError(
