@@ -522,6 +522,35 @@ class DistributedCheckpoint:
             the live objects only after every read succeeded.
         """
         self._async.wait_pending()  # never interleave with a background save's collectives
+        request = self._load_request(
+            path,
+            components=components,
+            strict=strict,
+            map_location=map_location,
+            component_options=component_options,
+            world_size_change=world_size_change,
+            verify=verify,
+        )
+        with gc_paused():
+            if is_torchrl_checkpoint(request.path):  # (a URL never is: torchrl writes local paths)
+                from torchrl_dcp.torchrl_format.importer import import_load
+
+                return import_load(request)  # torchrl.checkpoint's own format, read-only (docs/api.md)
+            return load_engine.load(request)
+
+    def _load_request(
+        self,
+        path: str | os.PathLike,
+        *,
+        components: Collection[str] | None = None,
+        strict: Strictness | None = None,
+        map_location: Any = None,
+        component_options: Mapping[str, CheckpointOptions] | None = None,
+        world_size_change: WorldSizeChange = "error",
+        verify: bool = True,
+    ) -> load_engine.LoadRequest:
+        """What :meth:`load` asks of the load engine, its arguments checked (the local tier's resume runs the
+        engine's phases itself on the same request)."""
         strict = self.strict if strict is None else strict
         check_strict(strict)
         check_environment()
@@ -530,24 +559,19 @@ class DistributedCheckpoint:
         sync_trainer(self)
         requested = self._select(components, None)
         options = check_component_options(component_options, requested, "loaded")
-        request = load_engine.LoadRequest(
+        group = self._group()
+        return load_engine.LoadRequest(
             path=resolve_path(path, self.storage_options),
             requested=requested,
             registered={name: self._registered(name, options.get(name), map_location) for name in requested},
             strict=strict,
             reshard=world_size_change == "reshard",
             verify=verify,
-            group=(group := self._group()),
+            group=group,
             rank=_dist.group_rank(group),
             world_size=_dist.group_size(group),
             chosen=components is not None,
         )
-        with gc_paused():
-            if is_torchrl_checkpoint(request.path):  # (a URL never is: torchrl writes local paths)
-                from torchrl_dcp.torchrl_format.importer import import_load
-
-                return import_load(request)  # torchrl.checkpoint's own format, read-only (docs/api.md)
-            return load_engine.load(request)
 
     def _registered(self, name: str, options: CheckpointOptions | None, map_location: Any) -> Registered:
         reg = self._components[name]

@@ -52,7 +52,6 @@ from typing import Any, Literal
 from torchrl_dcp import _dist, load_engine
 from torchrl_dcp._gc import gc_paused
 from torchrl_dcp._log import get_logger
-from torchrl_dcp.arguments import check_component_options, check_strict
 from torchrl_dcp.collective import run_step
 from torchrl_dcp.errors import CheckpointError, from_os_error
 from torchrl_dcp.load_plan import LoadPlan
@@ -60,8 +59,6 @@ from torchrl_dcp.peer_copy import exchange_entries
 from torchrl_dcp.save_policy import SaveSchedule
 from torchrl_dcp.storage.commit import remove_entry, write_file_durably
 from torchrl_dcp.storage.files import DirHandle, read_whole
-from torchrl_dcp.storage.urls import resolve_path
-from torchrl_dcp.trainer_binding import sync_trainer
 
 logger = get_logger(__name__)
 
@@ -333,7 +330,7 @@ class LocalTier:
                 self._drop_newer(step)
             if receives:
                 _write_record(step_dir, rank, step, save_id, identity)
-            request = _part_request(solo, own, **load_kwargs)
+            request = solo._load_request(own, **load_kwargs)  # (what solo.load(own, ...) would ask)
             result = load_engine.LoadResult(path=request.path)
             src, plan = load_engine.prepare(request, result)  # a failure here undoes its own plan
             loading.update(src=src, request=request, plan=plan, result=result)
@@ -401,44 +398,6 @@ def _group(ckpt: Any) -> Any:
     if getattr(ckpt, "no_dist", False):
         return None
     return _dist.checkpoint_group(getattr(ckpt, "timeout", None), getattr(ckpt, "process_group", None), "local")
-
-
-def _part_request(
-    solo: Any,
-    path: Path,
-    *,
-    components: Any = None,
-    strict: Any = None,
-    map_location: Any = None,
-    component_options: Mapping[str, Any] | None = None,
-    world_size_change: str = "error",
-    verify: bool = True,
-) -> load_engine.LoadRequest:
-    """What ``solo.load(path, ...)`` asks of the load engine (:meth:`DistributedCheckpoint.load`, same arguments).
-
-    A local resume runs the engine's phases itself, each rank on its own part (a world of one), with an agreement
-    of every rank between them: nothing is restored on any rank before every rank's part is verified and read.
-    """
-    strict = solo.strict if strict is None else strict
-    check_strict(strict)
-    if world_size_change not in ("error", "reshard"):
-        raise ValueError(f"world_size_change must be 'error' or 'reshard', got {world_size_change!r}")
-    sync_trainer(solo)
-    requested = solo._select(components, None)
-    options = check_component_options(component_options, requested, "loaded")
-    group = solo._group()
-    return load_engine.LoadRequest(
-        path=resolve_path(path, solo.storage_options),
-        requested=requested,
-        registered={name: solo._registered(name, options.get(name), map_location) for name in requested},
-        strict=strict,
-        reshard=world_size_change == "reshard",
-        verify=verify,
-        group=group,
-        rank=_dist.group_rank(group),
-        world_size=_dist.group_size(group),
-        chosen=components is not None,
-    )
 
 
 def _unsharded(ckpt: Any) -> list[str]:
