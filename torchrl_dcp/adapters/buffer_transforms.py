@@ -107,12 +107,8 @@ def check_transform_layout(rb: Any, saved: Mapping[str, Any], ctx: AdapterContex
 
 def restore_transform_states(rb: Any, saved: Mapping[str, Any], ctx: AdapterContext) -> None:
     """Put back what :func:`transform_states` saved (checkpoints saved before hold nothing to put back)."""
+    check_transform_layout(rb, saved, ctx)
     live = _held_transforms(rb)
-    if set(saved) != set(live):
-        raise IncompatibleComponentError(
-            f"component {ctx.name!r}: the checkpoint holds the state of the buffer's n-step transforms at "
-            f"{sorted(saved)}, the buffer has them at {sorted(live)}: build it with the transforms it was saved with"
-        )
     for where, state in saved.items():
         held = state.get("held") if isinstance(state, Mapping) else None
         live[where]._buffer = None if held is None else tensordict_from_state(held, ctx)
