@@ -177,3 +177,25 @@ def save_unlike(path: str, case: str) -> dict[str, Any]:
     except tdcp.CheckpointError as err:
         return {"error": type(err).__name__, "message": str(err)}
     return {"error": None}
+
+
+def load_unlike(path: str, case: str) -> dict[str, Any]:
+    """Two checkpoints; rank 1 loads the other one (``path``) or fewer components (``components``): every rank
+    must get the same CheckpointError and keep its objects (replicated state loaded silently differed by rank)."""
+    ckpt = _checkpoint(_objects(0))
+    ckpt.save(path + "-a", step=1)
+    ckpt.save(path + "-b", step=2)
+    objs = _objects(7)
+    before = [t.clone() for t in objs["model"].state_dict().values()]
+    target, components = path + "-a", None
+    if dist.get_rank() == 1:
+        if case == "path":
+            target = path + "-b"
+        else:
+            components = ["optimizer", "shard", "stats", "rng", "big"]
+    try:
+        _checkpoint(objs).load(target, components=components)
+    except tdcp.CheckpointError as err:
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, objs["model"].state_dict().values()))
+        return {"error": type(err).__name__, "message": str(err), "unchanged": unchanged}
+    return {"error": None}

@@ -83,6 +83,17 @@ def test_failure_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
     assert not (tmp_path / "ckpt").exists()
 
 
+@pytest.mark.parametrize("case", ["path", "components"])
+def test_a_load_the_ranks_ask_differently_raises_on_every_rank_unchanged(tmp_path: Path, case: str) -> None:
+    """Rank 1 loading another checkpoint, or fewer components, succeeded: the replicated model then differed by
+    rank, silently. The ranks' loads are compared in the agreement they already make (the save loaded and the
+    components): every rank raises the same error, nothing restored."""
+    results = launch(f"{S}:load_unlike", 2, str(tmp_path / "ckpt"), case)
+    messages = {r.value["message"] for r in results}
+    assert [r.value["error"] for r in results] == ["CheckpointError"] * 2 and len(messages) == 1, results
+    assert "the ranks do not agree" in messages.pop() and all(r.value["unchanged"] for r in results)
+
+
 @pytest.mark.parametrize("case", ["extra_component", "placement", "kind", "path", "step", "components"])
 def test_a_save_the_ranks_describe_differently_raises_on_every_rank_and_keeps_the_checkpoint(
     tmp_path: Path, case: str

@@ -16,6 +16,8 @@ Example (one process: a world of one):
 
 from __future__ import annotations
 
+import json
+import zlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -75,12 +77,16 @@ def run_agreed(
     *,
     flag: Callable[[T], bool] | None = None,
     monitored: bool = True,
+    alike: Callable[[T], Any] | None = None,
 ) -> tuple[T, bool]:
     """Like :func:`run_step`, but every rank learns only whether any rank failed (and the OR of ``flag(result)``).
 
     Returns this rank's result and that OR. The exchange is one fixed-size ``all_reduce``
     (:func:`torchrl_dcp._dist.agree`), whatever the world size; only when a rank failed are the
-    statuses gathered, so that every rank raises naming it, as :func:`run_step` does.
+    statuses gathered, so that every rank raises naming it, as :func:`run_step` does. ``alike(result)``: a
+    JSON-safe description every rank must share (what a load reads and restores), compared by its digest in the same
+    exchange; when they differ, they are gathered and every rank raises the same :class:`CheckpointError` naming
+    the first rank that differs from rank 0.
 
     Example (one process):
         >>> run_agreed(None, "counting", lambda: 3, flag=lambda n: n > 2)
@@ -93,9 +99,18 @@ def run_agreed(
     except BaseException as err:  # reported to every rank below, then re-raised here
         error = err
     mine = error is None and flag is not None and bool(flag(value))
-    (failed, any_flag), _ = _dist.agree([error is not None, mine], 0, group, phase, monitored=monitored)
+    description = alike(value) if alike is not None and error is None else None
+    digest = zlib.crc32(json.dumps(description, sort_keys=True).encode())
+    (failed, any_flag), same = _dist.agree([error is not None, mine], digest, group, phase, monitored=monitored)
     if failed:
         raise_failure(group, phase, error)
+    if not same:
+        described = _dist.all_gather(description, group, phase, monitored=False)
+        rank = next(r for r, d in enumerate(described) if d != described[0])
+        raise CheckpointError(
+            f"{phase}: the ranks do not agree (rank 0: {described[0]}; rank {rank}: {described[rank]}): every rank "
+            "must call it with the same checkpoint and the same components; nothing was changed"
+        )
     return value, any_flag
 
 

@@ -139,7 +139,7 @@ def prepare(request: LoadRequest, result: LoadResult) -> tuple[CheckpointSource,
     """Open, read the manifest, plan every component, verify the bytes (collective; nothing changes)."""
     found: dict[str, Any] = {}
 
-    def local() -> None:
+    def local() -> dict[str, Any]:
         src = found["src"] = open_source(request.path, whole=request.rank == 0)  # 1. open
         if src.container.root()["world_size"] == request.world_size:  # this rank's shard (a reshard reads all)
             src.restrict([request.rank])
@@ -163,9 +163,11 @@ def prepare(request: LoadRequest, result: LoadResult) -> tuple[CheckpointSource,
         )
         report_issues(result, request.strict, request.path)
         verify_bytes(src, found["plan"], request.verify, metadata, whole=request.rank == 0)  # 4. verify
+        # what every rank must share: the checkpoint (its save, wherever each rank mounts it) and what it restores
+        return {"save": manifest["save_id"], "components": sorted(request.requested), "reshard": request.reshard}
 
     try:
-        run_agreed(request.group, "validating the checkpoint", local)
+        run_agreed(request.group, "validating the checkpoint", local, alike=lambda described: described)
     except BaseException:
         if "plan" in found:  # this rank planned (and may have allocated lazily built storages): undo it
             rollback(list(found["plan"].components.values()))
