@@ -199,3 +199,18 @@ def load_unlike(path: str, case: str) -> dict[str, Any]:
         unchanged = all(torch.equal(a, b) for a, b in zip(before, objs["model"].state_dict().values()))
         return {"error": type(err).__name__, "message": str(err), "unchanged": unchanged}
     return {"error": None}
+
+
+def first_call_late(path: str) -> dict[str, Any]:
+    """Rank 1 reaches the process's first checkpoint call (a resume right after a restart) past the timeout: the
+    creation of the checkpoint group failed with torch's store errors naming no rank; a CollectiveError now."""
+    import time
+
+    ckpt = tdcp.DistributedCheckpoint(timeout=3, model=torch.nn.Linear(2, 2))
+    if dist.get_rank() == 1:
+        time.sleep(6)
+    try:
+        tdcp.resume(ckpt, path)
+    except Exception as err:  # noqa: BLE001 - what the user sees, whatever it is
+        return {"error": type(err).__name__, "message": str(err)}
+    return {"error": None}

@@ -83,6 +83,14 @@ def test_failure_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
     assert not (tmp_path / "ckpt").exists()
 
 
+def test_a_rank_late_for_the_first_checkpoint_call_is_a_collective_error_everywhere(tmp_path: Path) -> None:
+    """The first checkpoint call of a process creates the checkpoint group: a rank late past the timeout there
+    gave raw ``DistStoreError``/``DistNetworkError`` (not a ``CheckpointError``) on every rank."""
+    results = launch(f"{S}:first_call_late", 2, str(tmp_path / "run"))
+    assert [r.value["error"] for r in results] == ["CollectiveError"] * 2, results
+    assert all("did not all reach their first checkpoint call" in r.value["message"] for r in results)
+
+
 @pytest.mark.parametrize("case", ["path", "components"])
 def test_a_load_the_ranks_ask_differently_raises_on_every_rank_unchanged(tmp_path: Path, case: str) -> None:
     """Rank 1 loading another checkpoint, or fewer components, succeeded: the replicated model then differed by

@@ -135,9 +135,19 @@ def checkpoint_group(
             ranks = dist.get_process_group_ranks(process_group)
             kwargs.update(ranks=ranks, use_local_synchronization=True)
             members = ",".join(map(str, sorted(ranks)))  # the same on every member (an id() is not)
-            group = _members_only_group(kwargs, f"{seconds}-{members}-{purpose}")
-        else:
-            group = dist.new_group(**kwargs)
+        try:
+            if scope is not None:
+                group = _members_only_group(kwargs, f"{seconds}-{members}-{purpose}")
+            else:
+                group = dist.new_group(**kwargs)
+        except dist.DistError as err:  # the rendezvous of its creation: torch's store errors name no rank
+            wait = (timeout or DEFAULT_TIMEOUT).total_seconds()
+            raise CollectiveError(
+                f"the ranks ({members}) did not all reach their first checkpoint call within {wait:.0f} s (creating "
+                f"the checkpoint process group failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}): a "
+                "rank is stuck or dead, called no checkpoint operation, or failed before it (its own error says "
+                "which); every rank must call save, load and resume alike"
+            ) from err
         _GROUPS[(world, seconds, scope, purpose)] = group
         _TIMEOUTS[id(group)] = timeout or DEFAULT_TIMEOUT
         _NAMES[id(group)] = f"{seconds}-{members}-{purpose}"  # store keys of silent-rank reports: one per group
