@@ -416,6 +416,11 @@ _PATCHES = {
         b"ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\nK\x00\x85R",
         b"}" + _text("tdcp_probe") + b"K\x01s",
     ),
+    # NEWOBJ of an enum: its __new__ returns the shared member, which BUILD then took for an object the file made
+    "enum member by NEWOBJ": _build_on(
+        b"ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\nK\x00\x85\x81",
+        b"}" + _text("tdcp_probe") + b"K\x01s",
+    ),
 }
 
 
@@ -427,11 +432,16 @@ def test_metadata_cannot_patch_the_classes_and_objects_the_allow_list_admits(tmp
     from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
     from torch.serialization import _get_layout
 
-    patched = {"class": pathlib.PosixPath, "function": _get_layout, "enum member": _MEM_FORMAT_ENCODING(0)}[target]
+    patched = {
+        "class": pathlib.PosixPath,
+        "function": _get_layout,
+        "enum member": _MEM_FORMAT_ENCODING(0),
+        "enum member by NEWOBJ": _MEM_FORMAT_ENCODING(0),
+    }[target]
     path = saved(tmp_path)
     (path / ".metadata").write_bytes(b"\x80\x02" + _PATCHES[target] + b"0N.")
     reseal(path, ".metadata")
-    with pytest.raises(tdcp.UnsafeCheckpointError, match=r"\.metadata.*did not create") as info:
+    with pytest.raises(tdcp.UnsafeCheckpointError, match=r"\.metadata.*(did not create|with NEWOBJ)") as info:
         verify(path)
     assert "tdcp_probe" not in vars(patched), str(info.value)
 

@@ -78,7 +78,15 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # Py
             path=self.source,
         )
 
-    def _new_object(self, load: Any) -> None:
+    def _new_object(self, load: Any, at: int) -> None:
+        cls = self.stack[at]
+        if not isinstance(cls, type) or cls.__new__ is not object.__new__:
+            raise UnsafeCheckpointError(  # an enum's __new__ returns its shared member: BUILD would then patch it
+                f"refused to unpickle: the metadata creates a {getattr(cls, '__name__', cls)!r:.60} with NEWOBJ, "
+                "which DCP uses only for its metadata dataclasses (new objects); the file was damaged or planted, "
+                "do not load it",
+                path=self.source,
+            )
         load(self)
         made = self.stack[-1]
         self._created[id(made)] = made
@@ -94,8 +102,9 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # Py
             )
         pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
 
-    dispatch[pickle.NEWOBJ[0]] = lambda self: self._new_object(pickle._Unpickler.load_newobj)  # type: ignore[attr-defined]
-    dispatch[pickle.NEWOBJ_EX[0]] = lambda self: self._new_object(pickle._Unpickler.load_newobj_ex)  # type: ignore[attr-defined]
+    # (the class is below its arguments: one tuple for NEWOBJ, a tuple and a dict for NEWOBJ_EX)
+    dispatch[pickle.NEWOBJ[0]] = lambda self: self._new_object(pickle._Unpickler.load_newobj, -2)  # type: ignore[attr-defined]
+    dispatch[pickle.NEWOBJ_EX[0]] = lambda self: self._new_object(pickle._Unpickler.load_newobj_ex, -3)  # type: ignore[attr-defined]
     dispatch[pickle.BUILD[0]] = _build
 
 
