@@ -200,6 +200,11 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], str, str]] = {
         "manifest.json",
         "not a plain file name",
     ),
+    "mapping item not a pair": (  # a 2-key dict unpacked as its keys: stats = {"a": "b"}, values lost silently
+        _component(lambda c: c["stats"].__setitem__("state", {"t": "dict", "items": [{"a": 1, "b": 2}]})),
+        "component 'stats'",
+        "[key, value] pair",
+    ),
     "placement unknown": (
         _component(lambda c: c["model"].__setitem__("placement", "everywhere")),
         "manifest.json",

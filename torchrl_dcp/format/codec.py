@@ -514,7 +514,10 @@ def _decode_ndarray(node: dict[str, Any], tensors: Mapping[str, Any], depth: int
 
 def _decode_mapping(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
     out: dict[Any, Any] = OrderedDict() if node["t"] == "odict" else {}
-    for k, v in node["items"]:  # string keys and scalar values (the common case) without a call
+    for item in node["items"]:
+        if type(item) is not list or len(item) != 2:  # (a 2-key dict unpacked as its keys: values lost silently)
+            raise ValueError(f"a mapping item must be a [key, value] pair, got {type(item).__name__}")
+        k, v = item  # string keys and scalar values (the common case) without a call
         out[k if type(k) is str else _decode(k, tensors, depth)] = (
             v if type(v) in _SCALARS else _decode(v, tensors, depth)
         )

@@ -512,6 +512,13 @@ def check_identities(container: Container, names: Iterable[str], files: Mapping[
             for name in ordered[at : at + _TRAILERS_AT_ONCE]:  # every trailer asked for before the first read
                 span = container.byte_range(name)
                 opened.append((name, span, open_regular(span.path, span.where)))
+                end = os.fstat(opened[-1][2]).st_size
+                if span.base + span.size > end:  # (a forged size past any file: no read, no hint at it)
+                    raise CheckpointIntegrityError(
+                        f"the manifest records {span.size} bytes, which end past the {end - span.base} there are: "
+                        "truncated, or a forged size",
+                        path=span.where,
+                    )
                 if span.size >= TRAILER_SIZE:  # cold: the reads then run at once (7 -> 4.5 ms, 128 files)
                     _will_need(opened[-1][2], span.base + span.size - TRAILER_SIZE, TRAILER_SIZE)
             for name, span, fd in opened:
@@ -533,8 +540,8 @@ def _will_need(fd: int, offset: int, size: int) -> None:
     """A trailer's read-ahead hint (not :func:`copying.will_need`: that one announces the data reads)."""
     try:
         os.posix_fadvise(fd, offset, size, os.POSIX_FADV_WILLNEED)
-    except (AttributeError, OSError):  # pragma: no cover - not on every platform: the reads just wait in turn
-        pass
+    except (AttributeError, OSError, OverflowError):  # not on every platform (the reads wait in turn); a forged size
+        pass  # past a C long (the reads then find the file shorter, and say so)
 
 
 def check_trailer(tail: bytes, save_id: str, where: Any, kind: str = "a file") -> None:
