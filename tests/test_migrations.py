@@ -476,3 +476,19 @@ def test_the_committed_format_6_checkpoint_loads_exactly(tmp_path: Path) -> None
     (path / "__0_9.distcp").write_bytes(b"x")  # nothing is counted by rank: every file must be listed
     with pytest.raises(tdcp.CheckpointIntegrityError, match=r"__0_9\.distcp: file not listed"):
         tdcp.verify(path)
+
+
+def test_a_v1_tensor_shape_past_any_size_is_refused_by_the_migration(tmp_path: Path) -> None:
+    """A format-1 manifest (no checksum to forge) with a shape of 10**4000: the v1 -> v2 migration multiplied it
+    into an 8,000-digit ``nbytes``, and ``inspect`` failed printing it ("Exceeds the limit (4300 digits)"), naming
+    no file. The migration refuses sizes past 2**63."""
+    from torchrl_dcp.cli import main
+
+    dst = tmp_path / "v1"
+    shutil.copytree(FIXTURE, dst)
+    raw = json.loads((dst / "manifest.json").read_text())
+    raw["components"]["counter"]["state"]["items"][0][1]["shape"] = [10**4000]
+    (dst / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(tdcp.CheckpointFormatError, match="not sizes below 2\\*\\*63"):
+        tdcp.read_manifest(dst)
+    assert main(["inspect", str(dst)]) == 1

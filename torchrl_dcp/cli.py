@@ -89,12 +89,11 @@ def _shared_tensors(rec: dict[str, Any]) -> dict[str, str]:
         if isinstance(node, list):
             stack.extend((v, where) for v in node)
         elif isinstance(node, dict):
-            if node.get("t") == "xref":
-                found[where or node.get("key", "")] = f"replicated/{node.get('component')}/{node.get('key')}"
+            if node.get("t") == "xref":  # (``inspect`` shows what the manifest says, unvalidated: never crash on it)
+                found[where or str(node.get("key", ""))] = f"replicated/{node.get('component')}/{node.get('key')}"
             elif node.get("t") in ("dict", "odict") and isinstance(node.get("items"), list):
-                stack.extend(
-                    (v, f"{where}/{k}" if where else str(k)) for k, v in (i for i in node["items"] if len(i) == 2)
-                )
+                pairs = (i for i in node["items"] if isinstance(i, list) and len(i) == 2)
+                stack.extend((v, f"{where}/{k}" if where else str(k)) for k, v in pairs)
             else:
                 stack.extend((v, where) for k, v in node.items() if k != "t")
     return dict(sorted(found.items()))

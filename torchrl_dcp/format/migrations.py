@@ -160,6 +160,10 @@ def _with_inventory(name: str, record: dict[str, Any]) -> dict[str, Any]:
     from torchrl_dcp.format.codec import dtype_from_name
 
     record["inventory"] = component_inventory(name, record)
+    for key, entry in record["inventory"].items():  # (a shape's product is computed below: a 4,000-digit one is
+        shape = entry.get("shape") if isinstance(entry, dict) else None  # no tensor, and breaks every printer)
+        if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**63 for d in shape):
+            raise ValueError(f"tensor {key!r} has shape {str(shape)[:80]}, not sizes below 2**63")
     record["num_tensors"] = len(record["inventory"])
     record["nbytes"] = sum(
         math.prod(t["shape"]) * dtype_from_name(t["dtype"]).itemsize for t in record["inventory"].values()
