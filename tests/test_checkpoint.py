@@ -479,3 +479,16 @@ def test_a_sharded_component_without_a_dtensor_is_refused_at_save(tmp_path: Path
     with pytest.raises(tdcp.EncodingError, match="registered as sharded but holds no DTensor.*'per_rank'"):
         ckpt.save(tmp_path / "c")
     assert not (tmp_path / "c").exists()
+
+
+def test_a_component_named_like_a_misspelt_option_is_warned_about() -> None:
+    """``DistributedCheckpoint(stric="warn")`` registered a component ``stric`` and left ``strict`` at its default,
+    without a word; it still registers it (a name is the user's), with a warning naming the option."""
+    with pytest.warns(tdcp.TorchrlDcpWarning, match="'stric'.*the option 'strict'"):
+        ckpt = tdcp.DistributedCheckpoint(stric="warn", model=torch.nn.Linear(2, 2))
+    assert "stric" in ckpt.components and ckpt.strict == "error"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tdcp.TorchrlDcpWarning)
+        tdcp.DistributedCheckpoint(stats={"n": 1}, state={"x": 1}, policy=torch.nn.Linear(2, 2))  # no near miss

@@ -19,6 +19,7 @@ import copy
 import datetime
 import os
 import re
+import warnings
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ from torchrl_dcp.arguments import (
 )
 from torchrl_dcp.async_save import AsyncSaver, SaveHandle
 from torchrl_dcp.collective import run_agreed
+from torchrl_dcp.errors import TorchrlDcpWarning
 from torchrl_dcp.incremental import share_base
 from torchrl_dcp.json_values import metadata_values
 from torchrl_dcp.load_engine import LoadResult, Strictness
@@ -129,6 +131,7 @@ class DistributedCheckpoint:
         self._local_adapters: dict[type, Adapter] = {}
         self._async = AsyncSaver()
         for name, value in components.items():
+            _warn_if_option_typo(name, value)
             self.register(name, value)
 
     # ------------------------------------------------------------------ scope and lifetime
@@ -587,6 +590,24 @@ class DistributedCheckpoint:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+_OPTIONS = ("strict", "save_components", "timeout", "replica_check", "storage_options", "process_group", "no_dist")
+
+
+def _warn_if_option_typo(name: str, value: Any) -> None:
+    """A component whose name is a near-miss of an option and whose value looks like one (``stric="warn"``) is
+    registered as asked, with a warning: the option was otherwise lost without a word."""
+    import difflib
+
+    close = difflib.get_close_matches(name, _OPTIONS, n=1, cutoff=0.8)
+    if close and (value is None or isinstance(value, (str, bool, int, float, Mapping))):
+        warnings.warn(
+            f"component {name!r} ({type(value).__name__} {value!r:.40}) looks like the option {close[0]!r} "
+            f"misspelt: it is registered as a component; pass {close[0]}=... if that was meant",
+            TorchrlDcpWarning,
+            stacklevel=3,
+        )
 
 
 def _incremental_base(incremental_from: Any, destination: Location, storage_options: Any) -> Location | None:
