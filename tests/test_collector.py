@@ -284,3 +284,84 @@ def test_a_collector_load_refused_while_restoring_leaves_its_carrier_as_it_was(t
         tdcp.DistributedCheckpoint(collector=live).load(path)
     assert set(live._carrier.keys(True, True)) == keys
     assert not tdcp.state_differences(before, tdcp.state_snapshot(live, "collector"))
+
+
+def _trajectory_collector(seed: int, **kwargs):
+    env = make_env(None, seed)
+    env.append_transform(StepCounter(max_steps=7))  # episodes of 7 steps, polled by 5 frames: steps are held back
+    policy = make_policy(seed)
+    kwargs.setdefault("trajs_per_batch", 2)
+    collector = Collector(
+        env, policy, frames_per_batch=5, total_frames=-1, auto_register_policy_transforms=False, **kwargs
+    )
+    return policy, collector
+
+
+@pytest.mark.parametrize("traj_format", ["padded", "cat"])
+@pytest.mark.parametrize("into", ["fresh", "running"])
+def test_a_collector_assembling_trajectories_resumes_with_the_steps_it_held(tmp_path: Path, traj_format, into) -> None:
+    """``trajs_per_batch``: the steps of in-flight episodes (and complete ones not yet yielded) are state; a fresh
+    collector gets them before its first batch, a running one has its generator's held steps replaced."""
+    policy, collector = _trajectory_collector(0, traj_format=traj_format)
+    it = iter(collector)
+    next(it)
+    path = checkpoint(policy, collector).save(tmp_path / "ckpt")
+    assert collector._traj_assembly[0], "the test needs steps held back"
+    expected = [next(it) for _ in range(3)]
+    if into == "running":  # the same collector, three batches later: its generator's held steps are replaced
+        checkpoint(policy, collector).load(path)
+        got = [next(it) for _ in range(3)]
+    else:
+        policy2, collector2 = _trajectory_collector(123, traj_format=traj_format)
+        checkpoint(policy2, collector2).load(path)
+        it2 = iter(collector2)
+        got = [next(it2) for _ in range(3)]
+        collector2.shutdown()
+    collector.shutdown()
+    for a, b in zip(expected, got):
+        assert a.batch_size == b.batch_size
+        assert set(a.keys(True, True)) == set(b.keys(True, True))
+    assert_same_batches(expected, got)
+
+
+def test_a_collector_writing_trajectories_into_a_buffer_resumes_with_the_steps_it_held(tmp_path: Path) -> None:
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    def build(seed):
+        rb = ReplayBuffer(storage=LazyTensorStorage(200))
+        policy, collector = _trajectory_collector(seed, replay_buffer=rb, trajs_per_write=1)
+        ckpt = checkpoint(policy, collector)
+        ckpt.register("rb", rb)
+        return rb, collector, ckpt
+
+    rb, collector, ckpt = build(0)
+    it = iter(collector)
+    for _ in range(2):
+        next(it)
+    path = ckpt.save(tmp_path / "ckpt")
+    assert collector._traj_assembly[0]
+    for _ in range(3):
+        next(it)
+    rb2, collector2, ckpt2 = build(5)
+    ckpt2.load(path)
+    it2 = iter(collector2)
+    for _ in range(3):
+        next(it2)
+    collector.shutdown()
+    collector2.shutdown()
+    assert len(rb) == len(rb2)
+    expected, got = rb[: len(rb)], rb2[: len(rb2)]
+    for key in expected.keys(True, True):
+        assert torch.equal(expected[key], got[key]), key
+
+
+def test_held_trajectory_steps_are_refused_by_a_collector_that_assembles_none(tmp_path: Path) -> None:
+    policy, collector = _trajectory_collector(0, traj_format="cat")
+    it = iter(collector)
+    next(it)
+    path = checkpoint(policy, collector).save(tmp_path / "ckpt")
+    collector.shutdown()
+    policy2, collector2 = _trajectory_collector(1, trajs_per_batch=None)
+    with pytest.raises(tdcp.IncompatibleComponentError, match="trajs_per_batch"):
+        checkpoint(policy2, collector2).load(path)
+    collector2.shutdown()

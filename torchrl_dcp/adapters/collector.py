@@ -41,7 +41,12 @@ from torchrl_dcp.adapters.env_transforms import (
 )
 from torchrl_dcp.adapters.rng import same_rank_source
 from torchrl_dcp.adapters.tensordict import drop_unsaved, tensordict_from_state, tensordict_state
-from torchrl_dcp.errors import EncodingError, IncompatibleComponentError, InexactResumeWarning
+from torchrl_dcp.errors import (
+    CheckpointFormatError,
+    EncodingError,
+    IncompatibleComponentError,
+    InexactResumeWarning,
+)
 
 
 def env_generators(env: Any) -> dict[str, Any]:
@@ -202,6 +207,7 @@ class CollectorAdapter(Adapter):
             "sub_envs": {path: dict(e.state_dict()) for path, e in transformed_serial_envs(collector.env).items()},
             **({"transform_attributes": attrs} if (attrs := transform_attributes(collector.env)) else {}),
             **({"parents": parents} if (parents := _parent_states(collector.env)) else {}),
+            "traj_assembly": _assembly_state(collector),
         }
 
     def restore(self, collector: Collector, state: Any, ctx: AdapterContext) -> Any:
@@ -243,6 +249,8 @@ class CollectorAdapter(Adapter):
         pool = state["state_dict"].get("traj_pool")
         if pool is not None:  # load_state_dict allocated a new trajectory id: undo it, the carrier is restored
             collector._traj_pool.load_state_dict(pool)
+        if "traj_assembly" in state:  # (absent from checkpoints saved before: what the collector holds is kept)
+            _restore_assembly(collector, state["traj_assembly"], ctx)
         gens = env_generators(collector.env)
         for name, saved_gen in state["env_rngs"].items():
             if name not in gens:
@@ -264,6 +272,67 @@ class CollectorAdapter(Adapter):
         (state,) = states.values()
         load_collector_state(collector, state["state_dict"])
         return None
+
+
+def _assembly_state(collector: Collector) -> dict[str, Any] | None:
+    """The steps a collector with ``trajs_per_batch`` holds between batches: the chunks of in-flight episodes
+    (``{trajectory id: [chunks]}``) and the complete trajectories not yet yielded (torchrl keeps both in
+    ``_traj_assembly``, which its iterator's generator fills; ``None`` before the first batch)."""
+    assembly = getattr(collector, "_traj_assembly", None)
+    if assembly is None:
+        return None
+    partial, complete = assembly
+    return {
+        "partial": [[int(tid), [tensordict_state(c) for c in chunks]] for tid, chunks in partial.items()],
+        "complete": [tensordict_state(t) for t in complete],
+    }
+
+
+class _PrimedIterator:
+    """``collector.iterator`` until the collector's first batch after a restore. The restored steps are the
+    collector's ``_traj_assembly`` meanwhile (what a save or torchrl's ``reset()`` then sees); torchrl's
+    generator replaces it with empty containers of its own, then calls ``self.iterator()``: this moves the held
+    steps into those, then steps aside for the collector's own ``iterator``."""
+
+    def __init__(self, collector: Collector, held: tuple[dict[int, list[Any]], list[Any]]) -> None:
+        self.collector, self.held = collector, held
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        vars(self.collector).pop("iterator", None)
+        assembly = getattr(self.collector, "_traj_assembly", None)
+        if assembly is not None and assembly is not self.held:
+            assembly[0].update(self.held[0])
+            assembly[1].extend(self.held[1])
+        return self.collector.iterator(*args, **kwargs)
+
+
+def _restore_assembly(collector: Collector, saved: Any, ctx: AdapterContext) -> None:
+    """Put back the held steps (:func:`_assembly_state`): into the assembly of a running iterator, or, before the
+    collector's first batch, into the one its generator is about to create."""
+    partial: dict[int, list[Any]] = {}
+    complete: list[Any] = []
+    if saved is not None:
+        if not isinstance(saved, dict) or not isinstance(saved.get("partial"), list):
+            raise CheckpointFormatError(f"component {ctx.name!r}: malformed trajectory assembly")
+        for item in saved["partial"]:
+            if not (isinstance(item, list) and len(item) == 2 and type(item[0]) is int and isinstance(item[1], list)):
+                raise CheckpointFormatError(f"component {ctx.name!r}: malformed trajectory assembly")
+            partial[item[0]] = [tensordict_from_state(c, ctx) for c in item[1]]
+        complete = [tensordict_from_state(t, ctx) for t in saved.get("complete") or []]
+    if (partial or complete) and getattr(collector, "trajs_per_batch", None) is None:
+        raise IncompatibleComponentError(
+            f"component {ctx.name!r}: the checkpoint holds steps of trajectories the saved collector assembled "
+            "(trajs_per_batch), this collector assembles none: build it with the same trajs_per_batch"
+        )
+    assembly = getattr(collector, "_traj_assembly", None)
+    if assembly is not None:  # the containers of the iterator it ran (or of a restore before its first batch)
+        assembly[0].clear()
+        assembly[0].update(partial)
+        assembly[1].clear()
+        assembly[1].extend(complete)
+    elif partial or complete:
+        collector._traj_assembly = (partial, complete)
+        collector.iterator = _PrimedIterator(collector, collector._traj_assembly)  # type: ignore[method-assign]
 
 
 def _replace_expanded(carrier: Any, saved: Any) -> None:
