@@ -143,6 +143,33 @@ def test_a_preemption_signal_saves_at_the_next_call_and_chains_the_previous_hand
         signal.signal(signal.SIGUSR1, previous)
 
 
+@pytest.mark.parametrize("order", ["built", "reverse"])
+def test_watching_rotations_closed_in_any_order_leave_the_handler_they_found(tmp_path: Path, order) -> None:
+    """Two rotations watching one signal (a subgroup's and a world-wide one): once both are closed, whatever the
+    order, the handler installed before them is back (closed first, the older one used to stay installed and
+    swallow the signal for good), and a closed watcher still passes signals on while a newer one chains to it."""
+    seen = []
+
+    def user_handler(signum, frame):
+        seen.append(signum)
+
+    previous = signal.signal(signal.SIGUSR1, user_handler)
+    try:
+        a = tdcp.CheckpointRotation(tmp_path / "a", preemption_signals=("SIGUSR1",))
+        b = tdcp.CheckpointRotation(tmp_path / "b", preemption_signals=("SIGUSR1",))
+        first, second = (a, b) if order == "built" else (b, a)
+        first.close()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1]  # through the open watcher, and the closed one, to the user's handler
+        assert second._watcher.signalled == "SIGUSR1" and first._watcher.signalled is None
+        second.close()
+        assert signal.getsignal(signal.SIGUSR1) is user_handler
+        first.close()  # idempotent: changes nothing
+        assert signal.getsignal(signal.SIGUSR1) is user_handler
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
 def test_a_preemption_save_is_synchronous_and_waits_for_the_async_save_in_flight(tmp_path: Path) -> None:
     rotation = tdcp.CheckpointRotation(
         tmp_path, every_steps=2, keep_last=1, async_saves=True, preemption_signals=(signal.SIGUSR2,)

@@ -54,23 +54,43 @@ class PreemptionWatcher:
         self.signals = check_signals(signals)
         self.signalled: str | None = None  # the name of the first signal received
         self._previous: dict[signal.Signals, Any] = {}
+        self._closed = False
         if self.signals and threading.current_thread() is not threading.main_thread():
             raise ValueError("preemption_signals can only be installed from the main thread: build the rotation there")
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if self._closed:  # still called by a handler installed after ours, which chains to us: pass it on
+            self._chain(signum, frame)
+            return
         name = signal.Signals(signum).name
         if self.signalled is None:
             self.signalled = name
             logger.warning("%s received: the next maybe_save saves, and the job can then exit", name)
+        self._chain(signum, frame)
+
+    def _chain(self, signum: int, frame: Any) -> None:
         previous = self._previous.get(signal.Signals(signum))
         if callable(previous) and previous not in _DEFAULTS:
             previous(signum, frame)
 
     def restore(self) -> None:
-        """Put the handlers installed before back (idempotent; only from the main thread)."""
-        previous, self._previous = self._previous, {}
-        for sig, handler in previous.items():
+        """Put the handlers installed before back (idempotent; only from the main thread). Where another handler
+        was installed since, it is left in place and this watcher only passes signals on; a watcher restoring
+        this one's handler later puts back what was installed before this one (closed in any order, watchers
+        leave the handlers they found)."""
+        if self._closed:
+            return
+        self._closed = True
+        for sig, handler in self._previous.items():
             if signal.getsignal(sig) == self._handle:  # someone installed another since: leave theirs
+                handler = _unwrapped(sig, handler)
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def _unwrapped(sig: signal.Signals, handler: Any) -> Any:
+    """``handler``, or for the handler of a closed watcher, what that watcher found installed (recursively)."""
+    while isinstance(owner := getattr(handler, "__self__", None), PreemptionWatcher) and owner._closed:
+        handler = owner._previous.get(sig)
+    return handler
