@@ -87,7 +87,7 @@ def test_resume_starts_fresh_then_resumes_and_skips_a_damaged_latest(
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 1
     data.write_bytes(raw)
-    with caplog.at_level(logging.INFO, logger="torchrl_dcp"):
+    with caplog.at_level(logging.INFO, logger="torchrl_dcp"), pytest.warns(tdcp.TorchrlDcpWarning, match="damaged"):
         info = tdcp.resume(ckpt, tmp_path)
     assert info is not None and info.step == 1 and info.path.name == "step-000000000001"
     assert torch.equal(model.weight, ckpt_for(1)[1].weight)
@@ -98,6 +98,23 @@ def test_resume_starts_fresh_then_resumes_and_skips_a_damaged_latest(
     wrong = tdcp.DistributedCheckpoint(model=torch.nn.Linear(3, 3), counters={})
     with pytest.raises(tdcp.IncompatibleComponentError):
         tdcp.resume(wrong, tmp_path)
+
+
+def test_resume_warns_when_it_starts_fresh_because_every_committed_entry_is_damaged(tmp_path: Path) -> None:
+    """A job whose every checkpoint is damaged retrains from scratch (and its next saves prune them): that is a
+    warning naming them, not a log line no job without logging shows."""
+    rotation = tdcp.CheckpointRotation(tmp_path, keep_last=3)
+    for step in (1, 2):
+        rotation.save(ckpt_for(step)[0], step=step)
+        data = tmp_path / f"step-{step:012d}" / "__0_shared.distcp"
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 1
+        data.write_bytes(raw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert tdcp.resume(ckpt_for(0)[0], tmp_path) is None
+    texts = [str(w.message) for w in caught if issubclass(w.category, tdcp.TorchrlDcpWarning)]
+    assert any("every committed one is damaged" in t and "step-000000000002" in t for t in texts), texts
 
 
 # ---------------------------------------------------------------------- commit order, not step order

@@ -558,6 +558,7 @@ class CheckpointRotation:
         from torchrl_dcp import _dist
 
         group = _group(ckpt)
+        skipped: list[str] = []
         for step, listed in candidates:
             path = self.directory / listed.rsplit("/", 1)[-1]  # the rotation's own path (and storage options)
             try:
@@ -570,7 +571,11 @@ class CheckpointRotation:
                 votes = _dist.all_gather(own, group)
                 if not fallback or any(v is False for v in votes) or not any(votes):
                     raise
+                skipped.append(f"{path.name} ({err})")
                 logger.warning("checkpoint %s is damaged (%s); trying the previous one", path, err)
+                warnings.warn(  # (a log line alone is never shown by a job without logging configured)
+                    f"checkpoint {path} is damaged ({err}); trying the previous one", TorchrlDcpWarning, stacklevel=4
+                )
                 continue
             logger.info("resumed from step %d (%s)", step, path)
             self._last_step, self._last_time = step, time.monotonic()  # every_steps counts from the resumed step
@@ -578,7 +583,16 @@ class CheckpointRotation:
         foreign = self._torchrl_entries()
         # starting fresh while checkpoints are there retrains from scratch: a warning (not a log line, which a job
         # without logging configured never shows)
-        if foreign:  # a run moving from torchrl's rotation
+        if skipped:  # every committed checkpoint was tried and refused
+            warnings.warn(
+                f"no usable checkpoint in {self.directory}: every committed one is damaged ("
+                + "; ".join(skipped[:3])
+                + (f"; and {len(skipped) - 3} more" if len(skipped) > 3 else "")
+                + "): starting fresh; the next saves replace them as the retention policy prunes",
+                TorchrlDcpWarning,
+                stacklevel=4,
+            )
+        elif foreign:  # a run moving from torchrl's rotation
             warnings.warn(
                 f"no committed torchrl_dcp checkpoint in {self.directory}, but torchrl.checkpoint entries "
                 f"({', '.join(foreign[-3:])}): this rotation does not resume from them; load the newest with "
