@@ -130,8 +130,9 @@ def lone_load_while_the_other_rank_waits(directory: str) -> dict[str, Any]:
 def metric_on_one_rank(directory: str, bad_rank: int) -> dict[str, Any]:
     """Each rank passes its own ``keep_best`` metric; one rank's is NaN (no episode finished yet). The manifest
     records rank 0's metadata: rank 0's refused metric raises the same ValueError on every rank at once (it raised
-    on rank 0 alone, the other waiting in the save's collective until the timeout); another rank's NaN is refused
-    by the save's metadata check, on every rank."""
+    on rank 0 alone, the other waiting in the save's collective until the timeout); another rank's NaN is neither
+    recorded nor checked: the save commits (it was refused on every rank, so a rank whose episodes had not
+    finished stopped the job's checkpoints)."""
     rank = dist.get_rank()
     model, _ = _learner_and_buffer(3)
     ckpt = tdcp.DistributedCheckpoint(model=model, timeout=60)

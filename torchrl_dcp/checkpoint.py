@@ -338,7 +338,7 @@ class DistributedCheckpoint:
 
         Args:
             step: training step recorded in the manifest (default: ``metadata["step"]``).
-            metadata: JSON-safe user metadata stored in the manifest.
+            metadata: JSON-safe user metadata stored in the manifest (rank 0's; other ranks' is ignored).
             components: names to save (default: ``save_components`` or all).
             component_options: per-component :class:`CheckpointOptions` overrides.
             incremental_from: a committed checkpoint directory of this job: chunk files
@@ -454,7 +454,8 @@ class DistributedCheckpoint:
         rank, world = _dist.group_rank(group), _dist.group_size(group)
 
         def encode_step() -> save_engine.Encoded:
-            check_json(metadata, "metadata")
+            if rank == 0:  # rank 0's metadata is the one recorded (another rank's mean over no episode may be NaN)
+                check_json(metadata, "metadata")
             items = [
                 save_engine.EncodeItem(
                     n,
