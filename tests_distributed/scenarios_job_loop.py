@@ -147,3 +147,28 @@ def metric_on_one_rank(directory: str, bad_rank: int) -> dict[str, Any]:
     saved = rotation.maybe_save(ckpt, 3, {"reward": 3.0})  # the job goes on: the next step saves
     rotation.close()
     return {"rank": rank, **outcome, "next": None if saved is None else Path(saved).name}
+
+
+def failure_waited_for_on_one_rank(directory: str, how: str) -> dict[str, Any]:
+    """An async save fails in the background (a file of the user's where its entry goes); rank 0 alone waits for
+    it (``rotation.wait()``, or the handle's ``wait()``: to evaluate the newest entry) and sees the failure. The
+    next save raises it on every rank alike (rank 0 again), so the ranks stay in step: the saves after it commit.
+    Rank 1 used to raise it alone, before any collective, and stay a call ahead of rank 0 for good."""
+    rank = dist.get_rank()
+    model, _ = _learner_and_buffer(3)
+    ckpt = tdcp.DistributedCheckpoint(model=model, timeout=60)
+    rotation = tdcp.CheckpointRotation(directory, every_steps=2, async_saves=True)
+    if rank == 0:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        (Path(directory) / "step-000000000004").write_text("a file of the user's")
+    dist.barrier()
+    log = []
+    for step in range(1, 11):
+        try:
+            handle = rotation.maybe_save(ckpt, step)
+            if rank == 0 and step == 4:
+                rotation.wait() if how == "rotation" else handle.wait()
+        except tdcp.CheckpointError as err:  # a failed checkpoint does not stop training
+            log.append([step, type(err).__name__])
+    rotation.close()
+    return {"rank": rank, "errors": log, "entries": [e.step for e in rotation.entries()]}

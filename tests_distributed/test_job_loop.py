@@ -116,3 +116,14 @@ def test_a_refused_keep_best_metric_on_one_rank_raises_on_every_rank_at_once(tmp
     assert steps == ([1, 3] if bad_rank == 0 else [1, 2, 3])
     if bad_rank == 1:
         assert tdcp.read_manifest(tmp_path / "step-000000000002")["metadata"] == {"reward": 2.0}
+
+
+@pytest.mark.parametrize("how", ["rotation", "handle"])
+def test_a_background_failure_waited_for_on_one_rank_keeps_the_ranks_in_step(tmp_path: Path, how: str) -> None:
+    results = launch(
+        "tests_distributed.scenarios_job_loop:failure_waited_for_on_one_rank", 2, str(tmp_path), how, timeout=180
+    )
+    by_rank = {r.value["rank"]: r.value for r in results}
+    assert [s for s, _ in by_rank[0]["errors"]] == [4, 6], by_rank  # its wait, then the next call, with rank 1
+    assert [s for s, _ in by_rank[1]["errors"]] == [6], by_rank
+    assert by_rank[0]["entries"] == by_rank[1]["entries"] == [2, 7, 8, 10], by_rank  # (a failed step stays due)

@@ -130,8 +130,9 @@ class AsyncSaver:
 
     def wait_pending(self) -> Path | None:
         """Wait for the save in flight and return its path; raise its failure as a :class:`CheckpointError` unless
-        ``wait()`` did (then ``None``, as when no save was in flight)."""
-        handle, self._pending = self._pending, None
+        ``wait()`` did (then ``None``, as when no save was in flight). Local: the handle stays pending until the
+        next collective call settles it on every rank (:meth:`settle_pending`)."""
+        handle = self._pending
         if handle is None:
             return None
         try:
@@ -140,6 +141,32 @@ class AsyncSaver:
             if not handle.reported_before_now:
                 raise
             return None
+
+    def settle_pending(self, any_rank: Callable[[bool], bool]) -> Path | None:
+        """At the start of a collective call: wait for the save in flight and settle it alike on every rank.
+
+        Its failure is raised on every rank unless every rank has raised it already (a ``wait()`` on some ranks
+        only, e.g. rank 0 checking the entry it evaluates): a rank raising it alone would skip the call the others
+        make, and the ranks would stay a call apart. ``any_rank(flag)``: whether any rank passed ``True`` (one
+        small exchange, on every rank that saved: all of them, an async save being collective).
+        """
+        handle, self._pending = self._pending, None
+        if handle is None:
+            return None
+        failure: CheckpointError | None = None
+        try:
+            path: Path | None = handle.wait()
+        except CheckpointError as err:
+            failure, path = err, None
+        if not any_rank(failure is not None and not handle.reported_before_now):
+            return path
+        if failure is None:  # this rank's part committed; another rank's failed, unreported there
+            raise CheckpointError(
+                "the background save failed on another rank (which raises why); this rank raises too, so that "
+                "every rank skips this call alike: save again",
+                path=handle.path,
+            )
+        raise failure
 
     def stage(self, flat: Mapping[str, torch.Tensor], *, stage_memmap: bool = False) -> tuple[dict[str, Any], Any]:
         """Copies of ``flat`` in reused host buffers; returns ``(staged, cuda_event_or_None)``.

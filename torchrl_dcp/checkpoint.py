@@ -180,6 +180,16 @@ class DistributedCheckpoint:
         """
         return self._async.wait_pending()
 
+    def _settle_async(self) -> None:
+        """Before a collective call: the background save settled alike on every rank
+        (:meth:`~torchrl_dcp.async_save.AsyncSaver.settle_pending`)."""
+        if self._async.pending is None:
+            return
+        group = self._group()
+        self._async.settle_pending(
+            lambda flag: _dist.any_rank([flag], group, "agreeing whether the background save failed")[0]
+        )
+
     def close(self) -> None:
         """Flush the async save in flight (:meth:`wait`) and stop the background writer; idempotent.
 
@@ -351,7 +361,7 @@ class DistributedCheckpoint:
         Returns:
             The absolute checkpoint path.
         """
-        self._async.wait_pending()
+        self._settle_async()
         with gc_paused():
             job = self._prepare_save(path, step, metadata, components, component_options, incremental_from)
             job.sequence = commit_sequence
@@ -412,7 +422,7 @@ class DistributedCheckpoint:
     ) -> SaveHandle:
         """:meth:`async_save`; ``then(committed_path) -> path`` runs in the background thread after the commit
         (a rotation's conversion and pruning: its collectives follow the save's, in the same thread on every rank)."""
-        self._async.wait_pending()
+        self._settle_async()
         with gc_paused():
             job = self._prepare_save(
                 path, step, metadata, components, component_options, incremental_from,
@@ -525,7 +535,7 @@ class DistributedCheckpoint:
             A :class:`LoadResult`. Tensors are read into fresh buffers and copied into
             the live objects only after every read succeeded.
         """
-        self._async.wait_pending()  # never interleave with a background save's collectives
+        self._settle_async()  # never interleave with a background save's collectives
         request = self._load_request(
             path,
             components=components,

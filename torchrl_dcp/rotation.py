@@ -391,7 +391,7 @@ class CheckpointRotation:
         """Check the step and the metric, wait for a save in flight, choose the commit counter and the base."""
         _check_step(step)
         metadata = metadata_values(metadata)  # a metric may be a numpy or 0-d tensor scalar
-        _wait(ckpt)  # a save in flight prunes in its thread: never interleave with its collectives
+        _settle(ckpt)  # a save in flight prunes in its thread: never interleave with its collectives
         base, sequence = self._next_commit(ckpt, metadata)
         save_kwargs = dict(save_kwargs)
         save_kwargs.setdefault("commit_sequence", sequence)
@@ -520,7 +520,7 @@ class CheckpointRotation:
     def _resume(self, ckpt: Any, fallback: bool, load_kwargs: dict[str, Any]) -> ResumeInfo | None:
         from torchrl_dcp.collective import broadcast_step
 
-        _wait(ckpt)
+        _settle(ckpt)
         group = _group(ckpt)
         candidates = broadcast_step(  # rank 0 lists, newest commit first; every rank loads the same entries
             group, "listing checkpoints", lambda: [(e.step, str(e.path)) for e in reversed(by_commit(self.entries()))]
@@ -658,6 +658,16 @@ def _wait(ckpt: Any) -> None:
     wait = getattr(ckpt, "wait", None)
     if callable(wait):
         wait()
+
+
+def _settle(ckpt: Any) -> None:
+    """At a collective call: the save in flight settled alike on every rank (its failure raised on every rank
+    unless every rank raised it already), so that no rank skips a call the others make."""
+    settle = getattr(ckpt, "_settle_async", None)
+    if callable(settle):
+        settle()
+    else:
+        _wait(ckpt)
 
 
 def _check_step(step: Any) -> int:
