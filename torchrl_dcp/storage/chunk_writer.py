@@ -10,7 +10,10 @@ outcome counts it. A file is kept only if it provably holds the rows being saved
 process wrote it (or compared it byte for byte with the live rows) and a ``fstat`` shows it
 unchanged since (:mod:`torchrl_dcp.storage.proven`); a file this process knows nothing of is
 read once and compared with the rows (:func:`prove_kept`). The manifest's checksums are never
-taken on trust: a forger can reseal them. Otherwise the chunk is written anew.
+taken on trust: a forger can reseal them. Otherwise the chunk is written anew. A file proved by
+reading is linked only if no one else controls its inode (owned by this process's effective uid,
+writable by no one else, every name of it in our checkpoints: :func:`_only_ours`); otherwise it
+is copied, since a hard link would let its owner rewrite the new checkpoint from outside it.
 
 Example:
     >>> import tempfile, torch
@@ -34,6 +37,7 @@ from typing import Any
 
 import torch
 
+from torchrl_dcp._log import get_logger
 from torchrl_dcp.format.checksums import content_fingerprint, crc32, crc32_combine, format_crc
 from torchrl_dcp.format.layout import TRAILER_SIZE, identity_trailer, read_identity
 from torchrl_dcp.format.record import template, tensor_bytes
@@ -42,6 +46,8 @@ from torchrl_dcp.storage.copying import pwrite_all, run_split
 from torchrl_dcp.storage.files import DirHandle
 from torchrl_dcp.storage.proven import ChunkIdentity
 from torchrl_dcp.storage.writeback import Writeback
+
+logger = get_logger(__name__)
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _OPEN_KEPT = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0)  # a FIFO planted in the base must not block
@@ -57,7 +63,8 @@ class ChunkFile:
     length: int  # of the record (at offset 0); the identity trailer follows
     fingerprint: str  # of the chunk's data (crc32 + adler32)
     origin: str | None = None  # the save that wrote it, when it was kept from an earlier one
-    copied: bool = False  # kept by copying (no hard link possible)
+    copied: bool = False  # kept by copying (no hard link possible, or the base's inode is not ours alone)
+    foreign: bool = False  # copied because someone else controls the base's inode (:func:`_only_ours`)
 
 
 @dataclass(frozen=True)
@@ -163,10 +170,52 @@ def prove_kept(kept: KeptChunk, rows: torch.Tensor) -> bool:
         after = os.fstat(fd)
         if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) != (st.st_size, st.st_mtime_ns, st.st_ctime_ns):
             return False  # changed while it was read
-        proven.record(after, kept.identity())
+        proven.record(after, kept.identity(), linkable=_only_ours(after, Path(kept.source)))
         return True
     finally:
         os.close(fd)
+
+
+def _owned(st: os.stat_result) -> bool:
+    """Whether only this user can write the file of ``st``: owned by this process's effective uid, no write
+    permission for group or others (nor, through the ACL mask in the group bits, for anyone an ACL names)."""
+    geteuid = getattr(os, "geteuid", None)
+    return (geteuid is None or st.st_uid == geteuid()) and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def _only_ours(st: os.stat_result, source: Path) -> bool:
+    """Whether the inode of ``st`` (the base's file ``source``, proved by reading) may be hard-linked into a new
+    checkpoint: :func:`_owned`, and every one of its ``st_nlink`` names is ``source`` or the file of the same name
+    in a sibling checkpoint (the entries of a rotation share unchanged chunk files). A name elsewhere (a file
+    another user linked into the base, a copy by ``cp -l``) is a way to rewrite the new checkpoint from outside
+    it, so the file is copied instead. Names that cannot be accounted for count against it."""
+    if not _owned(st):
+        return False
+    if st.st_nlink <= 1:
+        return True
+    inode = (st.st_dev, st.st_ino)
+    try:
+        own = os.lstat(source)
+    except OSError:
+        return False
+    if (own.st_dev, own.st_ino) != inode:
+        return False
+    base, found = source.parent, 1
+    try:
+        with os.scandir(base.parent) as entries:
+            for entry in entries:
+                if found >= st.st_nlink:
+                    break
+                if entry.name == base.name or not entry.is_dir(follow_symlinks=False):
+                    continue
+                try:
+                    other = os.lstat(os.path.join(entry.path, source.name))
+                except OSError:
+                    continue
+                found += (other.st_dev, other.st_ino) == inode
+    except OSError:
+        return False
+    return found >= st.st_nlink
 
 
 def _same_bytes(fd: int, kept: KeptChunk, rows: torch.Tensor) -> bool:
@@ -200,14 +249,15 @@ def keep_chunk_file(kept: KeptChunk, directory: DirHandle, name: str) -> ChunkFi
         st = _checked(fd, kept)
         if st is None or not proven.vouches(st, kept.identity()):
             return None
-        copied = not _link_same(kept.source, directory, name, st)
+        foreign = not (proven.linkable(st) and _owned(st))  # a link would let someone else rewrite the new one
+        copied = foreign or not _link_same(kept.source, directory, name, st)
         if copied:
             _copy_fd(fd, directory, name, st.st_size, kept.identity())
         else:
             proven.linked(st, os.fstat(fd))
     finally:
         os.close(fd)
-    return ChunkFile(kept.size, kept.checksum, kept.size - TRAILER_SIZE, kept.fingerprint, kept.origin, copied)
+    return ChunkFile(kept.size, kept.checksum, kept.size - TRAILER_SIZE, kept.fingerprint, kept.origin, copied, foreign)
 
 
 def _link_same(source: Path, directory: DirHandle, name: str, st: os.stat_result) -> bool:
@@ -265,6 +315,15 @@ def write_chunks(jobs: list[ChunkJob], directory: DirHandle, save_id: str, rank:
         return
     sizes = [64 if j.keep is not None else _nbytes(j.tensor) for j in jobs]
     run_split(jobs, sizes, max(1, min(threads, len(jobs))), work)
+    foreign = [j for j in jobs if j.result is not None and j.result.foreign]
+    if foreign:
+        logger.warning(
+            "copied %d kept chunk files (e.g. %s) instead of hard-linking them: their inode is not this user's "
+            "alone (another owner, writable by others, or a name outside the checkpoints), and a link would let "
+            "it rewrite the new checkpoint from outside",
+            len(foreign),
+            foreign[0].keep.source if foreign[0].keep is not None else foreign[0].file,
+        )
 
 
 def _nbytes(tensor: Any) -> int:

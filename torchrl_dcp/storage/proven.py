@@ -14,6 +14,12 @@ same chunk, checksum and fingerprint. Otherwise the file is proved by reading it
 This process's own links and unlinks move ``ctime`` too: :func:`linked` and
 :func:`unlink_keeping_proof` carry the record over to the new ``ctime``.
 
+A record also says whether the file may be hard-linked into a new checkpoint
+(:func:`linkable`): a file proved by reading whose inode someone else controls (another
+owner, writable by others, a name outside our checkpoints) holds the rows, but is copied,
+never linked: its other names could rewrite the new checkpoint from outside it. A file this
+process created is linkable; no one else can take control of it without moving ``ctime``.
+
 Objects in a store are immutable; an overwrite is a new object with a new version (S3's
 ETag, GCS's generation, a memory store's creation time). :func:`record_object` remembers
 the version this process uploaded or copied and the chunk it holds; :func:`vouches_object`
@@ -23,7 +29,7 @@ is uploaded again rather than copied.
 Example:
     >>> import os, tempfile
     >>> fd, name = tempfile.mkstemp()
-    >>> chunk = ChunkIdentity("replicated/t", 0, 4, 100, "crc32:00000000", "crc32:0/adler32:1")
+    >>> chunk = ChunkIdentity("replicated/t", 0, 4, 0, "crc32:00000000", "crc32:0/adler32:1")  # an empty file
     >>> record(os.fstat(fd), chunk)
     >>> vouches(os.fstat(fd), chunk)
     True
@@ -45,6 +51,7 @@ from typing import Any
 __all__ = [
     "ChunkIdentity",
     "forget_all",
+    "linkable",
     "linked",
     "object_version",
     "object_version_of",
@@ -74,6 +81,7 @@ class _Seen:
     mtime_ns: int
     ctime_ns: int
     chunk: ChunkIdentity
+    linkable: bool = True  # may be hard-linked into a new checkpoint (else: copied)
 
 
 _seen: dict[tuple[int, int], _Seen] = {}
@@ -81,11 +89,12 @@ _objects: dict[str, tuple[str, ChunkIdentity]] = {}  # {object URL: (version, ch
 _lock = threading.Lock()
 
 
-def record(st: os.stat_result, chunk: ChunkIdentity) -> None:
-    """Remember that the file of ``st`` (a ``fstat`` of a file this process wrote or proved) holds ``chunk``."""
+def record(st: os.stat_result, chunk: ChunkIdentity, *, linkable: bool = True) -> None:
+    """Remember that the file of ``st`` (a ``fstat`` of a file this process wrote or proved) holds ``chunk``;
+    ``linkable=False``: someone else controls the inode, so it is to be copied rather than linked."""
     if stat.S_ISREG(st.st_mode) and st.st_size == chunk.size:
         with _lock:
-            _seen[(st.st_dev, st.st_ino)] = _Seen(st.st_size, st.st_mtime_ns, st.st_ctime_ns, chunk)
+            _seen[(st.st_dev, st.st_ino)] = _Seen(st.st_size, st.st_mtime_ns, st.st_ctime_ns, chunk, linkable)
 
 
 def vouches(st: os.stat_result, chunk: ChunkIdentity) -> bool:
@@ -97,6 +106,18 @@ def vouches(st: os.stat_result, chunk: ChunkIdentity) -> bool:
         and stat.S_ISREG(st.st_mode)
         and (seen.size, seen.mtime_ns, seen.ctime_ns) == (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         and seen.chunk == chunk
+    )
+
+
+def linkable(st: os.stat_result) -> bool:
+    """Whether the file of ``st``, unchanged since recorded, may be hard-linked into a new checkpoint (``False``
+    also when no record vouches for it)."""
+    with _lock:
+        seen = _seen.get((st.st_dev, st.st_ino))
+    return (
+        seen is not None
+        and seen.linkable
+        and (seen.size, seen.mtime_ns, seen.ctime_ns) == (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     )
 
 
@@ -189,4 +210,6 @@ def _carry(before: os.stat_result, after: os.stat_result) -> None:
             before.st_size,
             before.st_mtime_ns,
         ):
-            _seen[(after.st_dev, after.st_ino)] = _Seen(after.st_size, after.st_mtime_ns, after.st_ctime_ns, seen.chunk)
+            _seen[(after.st_dev, after.st_ino)] = _Seen(
+                after.st_size, after.st_mtime_ns, after.st_ctime_ns, seen.chunk, seen.linkable
+            )
