@@ -499,7 +499,8 @@ def run(job: SaveJob) -> Any:
     if outcome.copied:
         logger.warning(
             "incremental save %s copied %d of %d kept chunk files (hard links were impossible, e.g. across "
-            "file systems): it is complete, but wrote those bytes again",
+            "file systems, or the base's files are not this user's alone): it is complete, but wrote those bytes "
+            "again",
             path,
             outcome.copied,
             outcome.kept,
