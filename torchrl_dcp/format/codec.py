@@ -23,7 +23,7 @@ import base64
 import functools
 import math
 import re
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterator, Mapping
 from pathlib import Path, PurePath
 from typing import Any
@@ -512,15 +512,54 @@ def _decode_ndarray(node: dict[str, Any], tensors: Mapping[str, Any], depth: int
     return array.astype(dtype, copy=False)
 
 
+#: containers of more keys than this have the hashes of their non-str keys counted (smaller ones cost at most
+#: ~HASHES_CHECKED_FROM / 2 key comparisons per key, whatever their hashes)
+HASHES_CHECKED_FROM = 256
+#: keys of one container that may share one hash: more is refused (ints ``k + i * (2**61 - 1)`` all share one, and
+#: a dict or set of n such keys takes n**2 / 2 comparisons to build: 40,000 took 26 s)
+MAX_EQUAL_HASHES = 8
+_HASH_MODULUS = (1 << 61) - 1  # ints of smaller magnitude are their own hash (but -1, whose hash is -2's)
+
+
+def _count_hash(counts: dict[int, int], key: Any, size: int) -> None:
+    """Count ``key``'s hash (a key of a mapping of ``size`` keys), refusing a hash met too often."""
+    h = hash(key)
+    n = counts[h] = counts.get(h, 0) + 1
+    if n > MAX_EQUAL_HASHES:
+        raise _colliding(size, key)
+
+
+def _check_hashes(items: list[Any]) -> None:
+    """Refuse a set or frozenset whose items share one hash more than :data:`MAX_EQUAL_HASHES` times."""
+    counts = Counter(map(hash, items))  # (str items too: counting them costs less than leaving them out)
+    h, n = counts.most_common(1)[0]
+    if n > MAX_EQUAL_HASHES:
+        raise _colliding(len(items), next(x for x in items if hash(x) == h))
+
+
+def _colliding(size: int, key: Any) -> CheckpointFormatError:
+    return CheckpointFormatError(
+        f"malformed state skeleton: a container of {size} keys holds more than {MAX_EQUAL_HASHES} distinct "
+        f"{type(key).__name__} keys of one hash (such as {repr(key)[:40]}): no saved state has those, and building "
+        "it would take quadratic time; the manifest is damaged or forged (refused)"
+    )
+
+
 def _decode_mapping(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
     out: dict[Any, Any] = OrderedDict() if node["t"] == "odict" else {}
-    for item in node["items"]:
+    items = node["items"]
+    counts: dict[int, int] | None = {} if len(items) > HASHES_CHECKED_FROM else None
+    for item in items:
         if type(item) is not list or len(item) != 2:  # (a 2-key dict unpacked as its keys: values lost silently)
             raise ValueError(f"a mapping item must be a [key, value] pair, got {type(item).__name__}")
         k, v = item  # string keys and scalar values (the common case) without a call
-        out[k if type(k) is str else _decode(k, tensors, depth)] = (
-            v if type(v) in _SCALARS else _decode(v, tensors, depth)
-        )
+        # (str hashes are randomized: no forger makes them collide; an int below 2**61 is its own hash and its own
+        # decoding: the common other key, an index, skips both)
+        if type(k) is not str and (type(k) is not int or not -_HASH_MODULUS < k < _HASH_MODULUS):
+            k = _decode(k, tensors, depth)
+            if counts is not None:
+                _count_hash(counts, k, len(items))
+        out[k] = v if type(v) in _SCALARS else _decode(v, tensors, depth)
     if "metadata" in node:
         out._metadata = _decode(node["metadata"], tensors, depth)  # type: ignore[attr-defined]
     return out
@@ -528,7 +567,10 @@ def _decode_mapping(node: dict[str, Any], tensors: Mapping[str, Any], depth: int
 
 def _decode_sequence(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
     items = [_decode(v, tensors, depth) for v in node["items"]]
-    return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[node["t"]](items)
+    kind = node["t"]
+    if len(items) > HASHES_CHECKED_FROM and kind in ("set", "frozenset"):
+        _check_hashes(items)
+    return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[kind](items)
 
 
 def _decode_device(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
