@@ -470,3 +470,31 @@ def test_a_member_added_among_a_rank_s_own_files_is_refused_when_the_archive_is_
         with pytest.raises(tdcp.CheckpointIntegrityError, match=r"rank 0's own data and chunk files here \(__0_0"):
             action()
     assert not (tmp_path / "o").exists()
+
+
+def test_nothing_is_written_into_or_over_a_checkpoint_by_a_conversion_or_a_save(tmp_path: Path) -> None:
+    """A conversion (or a save) into a checkpoint directory wrote a file its manifest does not list: the checkpoint
+    was refused by every later load ("file not listed in the manifest: the checkpoint was altered"). Conversions
+    over their own source are refused too; nothing is created anywhere."""
+    path, _ = make(tmp_path)
+    archive = tdcp.to_archive(path, tmp_path / "a.zip")
+    listing = sorted(p.name for p in path.iterdir())
+    attempts = {
+        "archive inside its source": lambda: tdcp.to_archive(path, path / "x.zip"),
+        "archive over its source": lambda: tdcp.to_archive(path, path, overwrite=True),
+        "unpack over its archive": lambda: tdcp.to_directory(archive, archive, overwrite=True),
+        "unpack into another checkpoint": lambda: tdcp.to_directory(archive, path / "sub" / "ckpt"),
+        "export inside": lambda: tdcp.export_torchrl(path, path / "policy.torchrl", ["policy"]),
+        "save inside": lambda: tdcp.DistributedCheckpoint(policy=torch.nn.Linear(2, 2)).save(path / "inner"),
+        "rotation inside": lambda: tdcp.CheckpointRotation(path / "runs").save(
+            tdcp.DistributedCheckpoint(policy=torch.nn.Linear(2, 2)), step=1
+        ),
+    }
+    for what, attempt in attempts.items():
+        with pytest.raises(tdcp.CheckpointError, match="inside the checkpoint|is the checkpoint being converted"):
+            attempt()
+        assert sorted(p.name for p in path.iterdir()) == listing, what
+    assert archive.is_file()
+    ckpt, objs = fresh()
+    assert ckpt.load(path).loaded == {"policy", "big", "stats", "rng"}
+    tdcp.verify(archive)

@@ -41,7 +41,7 @@ from torchrl_dcp.storage.commit import (
     write_file_durably,
 )
 from torchrl_dcp.storage.copying import CopyRange, copy_ranges
-from torchrl_dcp.storage.directory import DirectoryContainer, foreign_entries
+from torchrl_dcp.storage.directory import DirectoryContainer, foreign_entries, refuse_inside_checkpoint
 from torchrl_dcp.storage.files import DirHandle, open_regular, read_whole
 from torchrl_dcp.storage.urls import resolve_path
 
@@ -84,6 +84,19 @@ def _local(path: str | os.PathLike) -> Path:
     return resolved
 
 
+def _check_apart(source: Path, destination: Path) -> None:
+    """A conversion never replaces the checkpoint it reads (inside it, :func:`refuse_inside_checkpoint` refuses)."""
+    try:
+        same = source.resolve() == destination.resolve()
+    except (OSError, RuntimeError):  # (a link loop: left to the checks that open it)
+        return
+    if same:
+        raise CheckpointError(
+            "is the checkpoint being converted: a conversion never replaces what it reads; choose another destination",
+            path=destination,
+        )
+
+
 def _check_replaceable(destination: Path, overwrite: bool) -> None:
     """Refuse to replace anything but a torchrl_dcp checkpoint (and only with ``overwrite``); never a link, nor a
     checkpoint directory holding entries no save writes there (a file of the user's: the rule saves apply,
@@ -121,6 +134,7 @@ def _converting(what: str, dst: str | os.PathLike, overwrite: bool) -> Iterator[
     destination found while holding it is a dead writer's and is removed.
     """
     destination = _local(dst)
+    refuse_inside_checkpoint(destination)  # (the source's, or another's) before the lock beside it is made
     try:
         destination.parent.mkdir(parents=True, exist_ok=True)
         with DestinationLock(destination):
@@ -188,6 +202,7 @@ def to_archive(
         raise from_os_error(err, "reading the checkpoint to pack", src) from None
     names = sorted(listed, key=lambda n: (n != DCP_METADATA, n))
     files = [(n, src / n, listed[n]["size"], listed[n]["checksum"]) for n in names]
+    _check_apart(src, _local(dst_file))
     with _converting(f"packing {src.name} into an archive", dst_file, overwrite) as destination:
         write_archive(files, manifest_bytes, destination, buffer_size=buffer_size, progress=progress)
     return destination
@@ -228,6 +243,7 @@ def to_directory(
         raise
     except OSError as err:
         raise from_os_error(err, "reading the archive to unpack", path) from None
+    _check_apart(path, _local(dst_dir))
     with _converting(f"unpacking {path.name}", dst_dir, overwrite) as destination:
         _unpack(source, manifest["files"], destination, buffer_size, progress)
     return destination
@@ -357,6 +373,9 @@ def export_torchrl(
                 path=source.path,
             )
     destination = _destination_for_torchrl(dst, overwrite)
+    if isinstance(source.path, Path):  # (a store's source is read in place: a local destination is never in it)
+        _check_apart(source.path, destination)
+    refuse_inside_checkpoint(destination)
     meta = dict(manifest["metadata"] if metadata is None else metadata)
     if metadata is None:
         meta.setdefault("step", manifest.get("step"))

@@ -158,6 +158,28 @@ class DirectoryContainer(ManifestParts):
         return ByteRange(str(self.path / name), 0, rec["size"], str(self.path / name))
 
 
+def refuse_inside_checkpoint(destination: Path) -> None:
+    """Refuse a destination inside a checkpoint directory: whatever a save or conversion writes there (its lock and
+    staging entries first) is an entry the checkpoint's manifest does not list, and that checkpoint would no longer
+    load. Only the ancestors holding a ``manifest.json`` are read (none, usually)."""
+    try:
+        parents = destination.resolve().parents
+    except (OSError, RuntimeError):  # (a link loop: left to the checks that open it)
+        return
+    for parent in parents:
+        if not (parent / MANIFEST).is_file():
+            continue
+        try:
+            DirectoryContainer(parent).manifest()
+        except CheckpointError:
+            continue  # a manifest.json that is not a checkpoint's: nothing of ours to damage
+        raise CheckpointError(
+            f"is inside the checkpoint {parent}: anything written there is an entry its manifest does not list, "
+            "and it would no longer load; choose a path outside it",
+            path=destination,
+        )
+
+
 def is_replaceable(destination: Path) -> bool:
     """Whether ``destination`` may be replaced by a save: an empty directory or a committed checkpoint holding
     nothing a save does not write (a file of the user's inside it is not deleted with it)."""
@@ -338,6 +360,7 @@ class DirectoryLocation(Location):
     # ------------------------------------------------------------------ saving
     def prepare_save(self, save_id: str) -> SaveTarget:
         destination = self.path
+        refuse_inside_checkpoint(destination)  # before the lock and staging entries beside it are made
         destination.parent.mkdir(parents=True, exist_ok=True)
         lock = DestinationLock(destination).acquire()
         try:
