@@ -140,7 +140,7 @@ def test_hook_is_restored_exactly(tmp_path: Path, name: str) -> None:
 def _env_streams(hook: Any) -> dict[str, str]:
     from torchrl.envs import EnvBase
 
-    from torchrl_dcp.adapters.collector import env_generators
+    from torchrl_dcp.adapters.env import env_generators
 
     envs = {k: v for k, v in vars(hook).items() if isinstance(v, EnvBase)}
     return {

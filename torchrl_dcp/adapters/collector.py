@@ -4,15 +4,17 @@ For a single-process ``Collector`` the state is ``collector.state_dict()`` (poli
 weights, env transform state such as ``VecNormV2`` statistics, frame and iteration
 counters, the trajectory-id pool) **plus** what ``state_dict()`` leaves out and
 an exact continuation needs: the in-flight *carrier* (current observation, step
-counters, episode rewards, last policy outputs, trajectory ids) and the state of
-every ``torch.Generator`` / NumPy ``Generator`` the environment owns (e.g.
-``PendulumEnv.rng``). Restoring writes the carrier back in place after the
+counters, episode rewards, last policy outputs, trajectory ids) and what the env's
+own ``state_dict()`` leaves out, saved as :mod:`~torchrl_dcp.adapters.env` saves an
+env registered alone (every ``torch.Generator`` / NumPy ``Generator`` the
+environment owns, e.g. ``PendulumEnv.rng``; custom transform states; cached parent
+envs). Restoring writes the carrier back in place after the
 trajectory-id pool, so the next batch is the one an uninterrupted run collects.
 
 Multi-process collectors keep carriers, environments and their RNGs inside worker
 processes: only ``state_dict()`` is reachable (per-worker weights, transforms,
 counters). Their next batch after a restore is therefore not the uninterrupted
-one; see docs/components.md.
+one; see docs/components/collectors.md.
 
 Example:
     >>> import torchrl_dcp as tdcp
@@ -28,17 +30,25 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 from torchrl.collectors import BaseCollector, Collector
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
-from torchrl_dcp.adapters.env_transforms import (
-    env_transforms,
-    restore_transform_attributes,
-    transform_attributes,
-    warn_unverified_transforms,
+from torchrl_dcp.adapters.env import (  # (also imported from here by older code: one implementation, in env.py)
+    composed_custom_state,
+    env_extras,
+    env_generators,
+    generator_state,
+    restore_env_extras,
+    restore_env_generators,
+    set_generator_state,
+    simulator_envs,
+    transformed_serial_envs,
+    warn_unreachable,
+    warn_worker_state,
+    worker_envs,
 )
+from torchrl_dcp.adapters.env_transforms import warn_unverified_transforms
 from torchrl_dcp.adapters.rng import same_rank_source
 from torchrl_dcp.adapters.tensordict import drop_unsaved, tensordict_from_state, tensordict_state
 from torchrl_dcp.errors import (
@@ -48,129 +58,20 @@ from torchrl_dcp.errors import (
     InexactResumeWarning,
 )
 
-
-def env_generators(env: Any) -> dict[str, Any]:
-    """Every ``torch.Generator`` and NumPy generator reachable from an env (through wrappers and transforms)."""
-    found: dict[str, Any] = {}
-    seen: set[int] = set()
-
-    def walk(obj: Any, path: str, depth: int) -> None:
-        if id(obj) in seen or depth > 6:
-            return
-        seen.add(id(obj))
-        attrs = dict(getattr(obj, "__dict__", {}))
-        attrs.update(getattr(obj, "_modules", None) or {})
-        for name, value in attrs.items():
-            if isinstance(value, (torch.Generator, np.random.Generator, np.random.RandomState)):
-                found[f"{path}{name}"] = value
-            elif isinstance(value, torch.nn.Module) and name != "policy":
-                walk(value, f"{path}{name}.", depth + 1)  # wrapped envs, transforms (envs are modules)
-            elif isinstance(value, (list, tuple)) and name in ("envs", "_envs"):
-                for i, child in enumerate(value):
-                    walk(child, f"{path}{name}.{i}.", depth + 1)
-
-    walk(env, "", 0)
-    return found
-
-
-def generator_state(gen: Any) -> Any:
-    if isinstance(gen, torch.Generator):
-        return {"kind": "torch", "state": gen.get_state()}
-    if isinstance(gen, np.random.Generator):
-        return {"kind": "numpy", "state": gen.bit_generator.state}
-    return {"kind": "numpy_legacy", "state": _legacy_state(gen)}
-
-
-def _legacy_state(gen: np.random.RandomState) -> dict[str, Any]:
-    kind, keys, pos, has_gauss, gauss = gen.get_state(legacy=True)
-    return {
-        "kind": kind,
-        "keys": torch.from_numpy(keys.astype(np.int64)),
-        "pos": int(pos),
-        "has_gauss": int(has_gauss),
-        "gauss": float(gauss),
-    }
-
-
-def set_generator_state(gen: Any, saved: dict[str, Any]) -> None:
-    if saved["kind"] == "torch":
-        gen.set_state(saved["state"].cpu())
-    elif saved["kind"] == "numpy":
-        gen.bit_generator.state = saved["state"]
-    else:
-        s = saved["state"]
-        gen.set_state((s["kind"], s["keys"].numpy().astype(np.uint32), s["pos"], s["has_gauss"], s["gauss"]))
-
-
-def worker_envs(env: Any) -> list[str]:
-    """Batched envs in ``env`` (through wrappers) whose sub-envs run in worker processes (``ParallelEnv``)."""
-    return _unreachable(env)[0]
-
-
-def simulator_envs(env: Any) -> list[str]:
-    """Envs in ``env`` (through wrappers and ``SerialEnv``) that wrap an external simulator (torchrl's
-    ``_EnvWrapper``: ``GymEnv``, ``DMControlEnv``, ``BraxEnv``, ...), whose state lives outside the TensorDict."""
-    return _unreachable(env)[1]
-
-
-def _unreachable(env: Any) -> tuple[list[str], list[str]]:
-    from torchrl.envs import ParallelEnv
-    from torchrl.envs.common import _EnvWrapper
-
-    workers: list[str] = []
-    simulators: list[str] = []
-    seen: set[int] = set()
-    stack = [(env, "env")]
-    while stack:
-        obj, path = stack.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, ParallelEnv):
-            workers.append(f"{path} ({type(obj).__name__} of {obj.num_workers} workers)")
-            continue
-        if isinstance(obj, _EnvWrapper):
-            simulators.append(f"{path} ({type(obj).__name__})")
-            continue
-        for attr in ("base_env", "env", "_env"):
-            child = obj.__dict__.get(attr) or (getattr(obj, "_modules", None) or {}).get(attr)
-            if child is not None:
-                stack.append((child, f"{path}.{attr}"))
-        for i, child in enumerate(obj.__dict__.get("_envs") or ()):  # SerialEnv's sub-envs
-            stack.append((child, f"{path}._envs.{i}"))
-    return workers, simulators
-
-
-def warn_worker_state(name: str, where: list[str], action: str) -> None:
-    """Say what will differ after a restore when env state lives in worker processes."""
-    warnings.warn(
-        f"component {name!r} ({action}): {', '.join(where)} keeps its sub-envs, their generators and the workers' "
-        "RNG streams in worker processes, out of reach of torchrl's API: they are not checkpointed, so after a "
-        "restore the next batches equal an uninterrupted run's only until a sub-env resets (then its initial state "
-        "differs). Use SerialEnv (exact) or accept the difference; see docs/components/collectors.md",
-        InexactResumeWarning,
-        stacklevel=3,
-    )
-
-
-def warn_simulator_state(name: str, where: list[str], action: str) -> None:
-    """Say what will differ after a restore when env state lives in an external simulator."""
-    warnings.warn(
-        f"component {name!r} ({action}): {', '.join(where)} wraps an external simulator whose own state (physics, "
-        "its random generator) is not checkpointed: after a restore the episodes in flight do not continue as they "
-        "would have, and new episodes start from other initial states. The collector's counters, carrier and "
-        "transforms are restored; see docs/components/collectors.md",
-        InexactResumeWarning,
-        stacklevel=3,
-    )
-
-
-def _warn_unreachable(name: str, env: Any, action: str) -> None:
-    workers, simulators = _unreachable(env)
-    if workers:
-        warn_worker_state(name, workers, action)
-    if simulators:
-        warn_simulator_state(name, simulators, action)
+__all__ = [
+    "CollectorAdapter",
+    "MultiCollectorAdapter",
+    "composed_custom_state",
+    "env_generators",
+    "generator_state",
+    "load_collector_state",
+    "resume_async_workers",
+    "set_generator_state",
+    "simulator_envs",
+    "transformed_serial_envs",
+    "warn_worker_state",
+    "worker_envs",
+]
 
 
 class CollectorAdapter(Adapter):
@@ -187,7 +88,7 @@ class CollectorAdapter(Adapter):
                 "calls when it ends), its env is gone: save before the shutdown (a Trainer's scheduled and final "
                 "saves happen inside train())"
             )
-        _warn_unreachable(ctx.name, collector.env, "saving")
+        warn_unreachable(ctx.name, collector.env, "saving")
         warn_unverified_transforms(ctx.name, collector.env, "saving")
         return self._state(collector)
 
@@ -202,39 +103,18 @@ class CollectorAdapter(Adapter):
         return {
             "state_dict": collector.state_dict(),
             "carrier": None if carrier is None else tensordict_state(carrier),
-            "env_rngs": {name: generator_state(g) for name, g in env_generators(collector.env).items()},
-            "transforms": {path: dict(t.state_dict()) for path, t in composed_custom_state(collector.env).items()},
-            "sub_envs": {path: dict(e.state_dict()) for path, e in transformed_serial_envs(collector.env).items()},
-            **({"transform_attributes": attrs} if (attrs := transform_attributes(collector.env)) else {}),
-            **({"parents": parents} if (parents := _parent_states(collector.env)) else {}),
+            **env_extras(collector.env),  # env_rngs, transforms, sub_envs, transform_attributes, parents
             "traj_assembly": _assembly_state(collector),
         }
 
     def restore(self, collector: Collector, state: Any, ctx: AdapterContext) -> Any:
-        _warn_unreachable(ctx.name, collector.env, "loading")
+        warn_unreachable(ctx.name, collector.env, "loading")
         warn_unverified_transforms(ctx.name, collector.env, "loading")
         return self._restore(collector, state, ctx)
 
     def _restore(self, collector: Collector, state: Any, ctx: AdapterContext) -> Any:
         load_collector_state(collector, state["state_dict"])
-        for path, saved in (state.get("sub_envs") or {}).items():  # (absent from checkpoints saved before)
-            serial = transformed_serial_envs(collector.env).get(path)
-            if serial is None:
-                raise IncompatibleComponentError(
-                    f"component {ctx.name!r}: the checkpoint holds the sub-envs' state of a SerialEnv at {path}, which "
-                    "this collector's env does not have: build the env as it was saved"
-                )
-            serial.load_state_dict(saved)
-        live = composed_custom_state(collector.env)
-        for path, saved in (state.get("transforms") or {}).items():  # (absent from checkpoints saved before)
-            if path not in live:
-                raise IncompatibleComponentError(
-                    f"component {ctx.name!r}: the checkpoint holds the state of transform {path}, which this "
-                    "collector's env does not have at that place: build the env with the transforms it was saved with"
-                )
-            live[path].load_state_dict(saved)
-        restore_transform_attributes(collector.env, state.get("transform_attributes") or {}, ctx.name)
-        _restore_parents(collector.env, state.get("parents") or {}, ctx.name)  # (after the transforms they clone)
+        restore_env_extras(collector.env, state, ctx.name)  # what the env's state_dict leaves out (adapters/env.py)
         if state["carrier"] is not None:
             saved = tensordict_from_state(state["carrier"], ctx)
             carrier = collector._carrier
@@ -251,13 +131,7 @@ class CollectorAdapter(Adapter):
             collector._traj_pool.load_state_dict(pool)
         if "traj_assembly" in state:  # (absent from checkpoints saved before: what the collector holds is kept)
             _restore_assembly(collector, state["traj_assembly"], ctx)
-        gens = env_generators(collector.env)
-        for name, saved_gen in state["env_rngs"].items():
-            if name not in gens:
-                raise IncompatibleComponentError(
-                    f"component {ctx.name!r}: the env has no generator {name!r} to restore"
-                )
-            set_generator_state(gens[name], saved_gen)
+        restore_env_generators(collector.env, state["env_rngs"], ctx.name)
         return None
 
     can_reshard = True
@@ -345,116 +219,6 @@ def _replace_expanded(carrier: Any, saved: Any) -> None:
 
 
 WORKER_TRAJ_IDS = "_tdcp_worker_traj_ids"  # added to the multi-collector state dict (older checkpoints lack it)
-
-
-def transformed_serial_envs(env: Any) -> dict[str, Any]:
-    """``{path: SerialEnv}`` of a ``SerialEnv`` under the collector's ``TransformedEnv`` (however deep).
-
-    ``Collector.state_dict()`` saves a ``TransformedEnv``'s own transforms only (``env.transform.state_dict()``),
-    never what its base env holds, so the transforms inside a ``SerialEnv``'s sub-envs (their ``VecNormV2``
-    statistics) were lost (torchrl 0.14); the adapter saves the ``SerialEnv``'s ``state_dict()`` (every sub-env's)
-    itself. A ``ParallelEnv``'s sub-envs live in worker processes (see :func:`warn_worker_state`).
-
-    Example:
-        >>> from torchrl.envs import PendulumEnv, SerialEnv, TransformedEnv, StepCounter
-        >>> list(transformed_serial_envs(TransformedEnv(SerialEnv(2, PendulumEnv), StepCounter())))
-        ['base_env']
-    """
-    from torchrl.envs import SerialEnv, TransformedEnv
-
-    path = ""
-    while isinstance(env, TransformedEnv):  # (a batched env forwards unknown attributes such as base_env to workers)
-        env, path = env.base_env, f"{path}.base_env" if path else "base_env"
-    return {path: env} if path and isinstance(env, SerialEnv) else {}
-
-
-def composed_custom_state(env: Any) -> dict[str, Any]:
-    """``{path: transform}`` of the transforms inside a ``Compose`` that define their own ``state_dict`` (also in the
-    sub-envs of a ``SerialEnv``: ``base_env._envs.0.transform.1``).
-
-    ``Compose.state_dict()`` is ``nn.Module``'s: it gathers its children's parameters and buffers, never their own
-    ``state_dict`` overrides, so e.g. ``TrajCounter``'s trajectory count (a shared counter, not a buffer) was lost
-    and trajectory ids restarted after a restore (torchrl 0.14). The adapter saves those states itself.
-
-    Example:
-        >>> from torchrl.envs import Compose, PendulumEnv, StepCounter, TrajCounter, TransformedEnv
-        >>> sorted(composed_custom_state(TransformedEnv(PendulumEnv(), Compose(StepCounter(), TrajCounter()))))
-        ['transform.1']
-    """
-    from torchrl.envs import SerialEnv, TransformedEnv
-
-    out: dict[str, Any] = {}
-    stack: list[tuple[Any, str]] = [(env, "")]
-    while stack:
-        obj, path = stack.pop()
-        if isinstance(obj, TransformedEnv):
-            stack.append((obj.transform, f"{path}transform"))
-            stack.append((obj.base_env, f"{path}base_env."))
-        elif isinstance(obj, SerialEnv):  # its sub-envs' transforms (``SerialEnv.state_dict`` is theirs: the same loss)
-            stack.extend((e, f"{path}_envs.{i}.") for i, e in enumerate(obj.__dict__.get("_envs") or ()))
-        children = getattr(obj, "transforms", None) if type(obj).__name__ == "Compose" else None
-        for i, child in enumerate(children or ()):
-            where = f"{path}.{i}"
-            if type(child).state_dict is not torch.nn.Module.state_dict:
-                out[where] = child
-            stack.append((child, where))
-    return out
-
-
-def _transform_states(env: Any) -> dict[str, Any]:
-    """What the adapter saves of an env's transforms: ``state_dict``, custom states, attributes (the transforms
-    of ``env`` itself; its base env is saved where it is the collector's)."""
-    return {
-        "state_dict": dict(env.transform.state_dict()),
-        "transforms": {
-            p: dict(t.state_dict()) for p, t in composed_custom_state(env).items() if p.startswith("transform")
-        },
-        "transform_attributes": {p: v for p, v in transform_attributes(env).items() if p.startswith("transform")},
-    }
-
-
-def _parent_states(env: Any) -> dict[str, Any]:
-    """``{transform path: state}`` of the parent envs torchrl built and cached for the transforms of ``env``
-    (``Transform.parent``: the base env with *clones* of the transforms before that one).
-
-    ``FrameSkipTransform`` steps through its parent: the clones there (a ``VecNormV2``'s statistics) update on their
-    own, apart from the env's transforms, so a restore that skipped them continued from other statistics (and one
-    into a live collector left the clones at the rolled-back-from state)."""
-    from torchrl.envs import TransformedEnv
-
-    return {
-        path: _transform_states(parent)
-        for path, transform in env_transforms(env)
-        if isinstance(parent := transform.__dict__.get("_parent"), TransformedEnv)
-    }
-
-
-def _restore_parents(env: Any, saved: Mapping[str, Any], name: str) -> None:
-    """Put the saved parents' transform states back (building each parent as torchrl does); a live parent the save
-    had not built yet is dropped, so that it is built again on use from the restored transforms, as it was."""
-    live = dict(env_transforms(env))
-    unknown = sorted(set(saved) - set(live))
-    if unknown:
-        raise IncompatibleComponentError(
-            f"component {name!r}: the checkpoint holds the parent env of transforms at {unknown[:3]}, which this "
-            "collector's env does not have: build the env with the transforms it was saved with"
-        )
-    for path, transform in live.items():
-        if path not in saved:
-            if transform.__dict__.get("_parent") is not None:
-                transform.__dict__["_parent"] = None  # torchrl's own reset_parent, without touching the container
-            continue
-        parent, state = transform.parent, saved[path]
-        parent.transform.load_state_dict(state["state_dict"])
-        custom = composed_custom_state(parent)
-        for at, transform_state in state["transforms"].items():
-            if at not in custom:
-                raise IncompatibleComponentError(
-                    f"component {name!r}: the checkpoint holds the state of {at} in the parent env of {path}, which "
-                    "this collector's env does not have: build the env with the transforms it was saved with"
-                )
-            custom[at].load_state_dict(transform_state)
-        restore_transform_attributes(parent, state["transform_attributes"], name)
 
 
 def load_collector_state(collector: Any, state_dict: Mapping[str, Any]) -> None:

@@ -1,7 +1,7 @@
 """The adapters this package ships, registered by type when :mod:`torchrl_dcp.adapters` is imported.
 
 Modules, optimizers, TensorDicts, RNG streams (torch, Python, NumPy), torchrl replay
-buffers, collectors and Trainer hooks / loggers. Registering again is harmless: a
+buffers, envs, collectors and Trainer hooks / loggers. Registering again is harmless: a
 type maps to one adapter (:func:`~torchrl_dcp.adapters.registry.register_adapter`).
 
 Example:
@@ -22,8 +22,10 @@ import torch
 from tensordict import TensorDictBase
 from torchrl.collectors import BaseCollector, Collector
 from torchrl.data.replay_buffers import ReplayBuffer
+from torchrl.envs import EnvBase
 
 from torchrl_dcp.adapters.collector import CollectorAdapter, MultiCollectorAdapter
+from torchrl_dcp.adapters.env import EnvAdapter
 from torchrl_dcp.adapters.generators import NumpyGeneratorAdapter, NumpyRandomStateAdapter, PythonRandomAdapter
 from torchrl_dcp.adapters.modules import ModuleAdapter, OptimizerAdapter
 from torchrl_dcp.adapters.registry import register_adapter
@@ -39,6 +41,7 @@ __all__ = ["register_default_adapters"]
 def register_default_adapters() -> None:
     """Register every adapter this package ships for the types it serves."""
     register_adapter(torch.nn.Module, ModuleAdapter())
+    register_adapter(EnvBase, EnvAdapter())  # an env is a module: matched first along its MRO (adapters/env.py)
     register_adapter(torch.optim.Optimizer, OptimizerAdapter())
     register_adapter(TensorDictBase, TensorDictAdapter())
     register_adapter(torch.Tensor, TensorAdapter())

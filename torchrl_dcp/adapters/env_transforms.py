@@ -104,7 +104,7 @@ def env_transforms(env: Any) -> Iterator[tuple[str, Any]]:
     """``(path, transform)`` of every transform of ``env``: nested ``TransformedEnv`` and ``Compose``, and the
     sub-envs of a ``SerialEnv`` (a ``ParallelEnv``'s live in worker processes, out of reach).
 
-    Paths are those of :func:`~torchrl_dcp.adapters.collector.composed_custom_state` (``transform.1``,
+    Paths are those of :func:`~torchrl_dcp.adapters.env.composed_custom_state` (``transform.1``,
     ``base_env.transform``, ``base_env._envs.0.transform``).
     """
     from torchrl.envs import SerialEnv, TransformedEnv

@@ -1,0 +1,444 @@
+"""Environments: a torchrl ``EnvBase`` saved with what its ``state_dict()`` leaves out, exactly.
+
+An env is an ``nn.Module``, but its ``state_dict()`` holds few of the things that decide what it does next: the
+transforms' buffers (``VecNormV2`` statistics) when it is a ``TransformedEnv``, its sub-envs' when it is a
+``SerialEnv``, nothing else. This module finds and saves the rest (one implementation, used by the env adapter and
+by the collector adapter for its env):
+
+- every ``torch.Generator`` / NumPy generator the env owns, through wrappers, transforms and a ``SerialEnv``'s
+  sub-envs (:func:`env_generators`; e.g. ``PendulumEnv.rng``, which draws each reset's initial state);
+- the state of transforms inside a ``Compose`` that define their own ``state_dict`` (``TrajCounter``), which
+  ``Compose.state_dict()`` drops (:func:`composed_custom_state`);
+- the sub-envs' state of a ``SerialEnv`` under a ``TransformedEnv`` (:func:`transformed_serial_envs`);
+- transform attributes kept outside ``state_dict`` (:func:`~torchrl_dcp.adapters.env_transforms.transform_attributes`)
+  and the transform states of the parent envs torchrl caches (:func:`parent_states`).
+
+State that lives out of reach (a ``ParallelEnv``'s workers, an external simulator) is warned about with an
+:class:`~torchrl_dcp.errors.InexactResumeWarning` at save and at load (:func:`warn_unreachable`).
+
+Example:
+    >>> import torchrl_dcp as tdcp
+    >>> from torchrl.envs import PendulumEnv
+    >>> from torchrl_dcp.adapters import resolve_adapter
+    >>> adapter = resolve_adapter(PendulumEnv())
+    >>> adapter.adapter_id, adapter.default_placement
+    ('torchrl_dcp.env', 'per_rank')
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from torchrl_dcp.adapters.base import Adapter, AdapterContext
+from torchrl_dcp.adapters.env_transforms import (
+    env_transforms,
+    restore_transform_attributes,
+    transform_attributes,
+    warn_unverified_transforms,
+)
+from torchrl_dcp.adapters.rng import same_rank_source
+from torchrl_dcp.errors import CheckpointError, EncodingError, IncompatibleComponentError, InexactResumeWarning
+
+__all__ = [
+    "EnvAdapter",
+    "composed_custom_state",
+    "env_extras",
+    "env_generators",
+    "generator_state",
+    "parent_states",
+    "restore_env_extras",
+    "restore_env_generators",
+    "restore_parents",
+    "set_generator_state",
+    "simulator_envs",
+    "transformed_serial_envs",
+    "warn_unreachable",
+    "worker_envs",
+]
+
+
+# ---------------------------------------------------------------------- generators
+def env_generators(env: Any) -> dict[str, Any]:
+    """Every ``torch.Generator`` and NumPy generator reachable from an env (through wrappers and transforms).
+
+    Example:
+        >>> from torchrl.envs import PendulumEnv
+        >>> list(env_generators(PendulumEnv()))
+        ['rng']
+    """
+    found: dict[str, Any] = {}
+    seen: set[int] = set()
+
+    def walk(obj: Any, path: str, depth: int) -> None:
+        if id(obj) in seen or depth > 6:
+            return
+        seen.add(id(obj))
+        attrs = dict(getattr(obj, "__dict__", {}))
+        attrs.update(getattr(obj, "_modules", None) or {})
+        for name, value in attrs.items():
+            if isinstance(value, (torch.Generator, np.random.Generator, np.random.RandomState)):
+                found[f"{path}{name}"] = value
+            elif isinstance(value, torch.nn.Module) and name != "policy":
+                walk(value, f"{path}{name}.", depth + 1)  # wrapped envs, transforms (envs are modules)
+            elif isinstance(value, (list, tuple)) and name in ("envs", "_envs"):
+                for i, child in enumerate(value):
+                    walk(child, f"{path}{name}.{i}.", depth + 1)
+
+    walk(env, "", 0)
+    return found
+
+
+def generator_state(gen: Any) -> Any:
+    """The state of a torch, NumPy or legacy NumPy generator, as codec-safe values (:func:`set_generator_state`)."""
+    if isinstance(gen, torch.Generator):
+        return {"kind": "torch", "state": gen.get_state()}
+    if isinstance(gen, np.random.Generator):
+        return {"kind": "numpy", "state": gen.bit_generator.state}
+    return {"kind": "numpy_legacy", "state": _legacy_state(gen)}
+
+
+def _legacy_state(gen: np.random.RandomState) -> dict[str, Any]:
+    kind, keys, pos, has_gauss, gauss = gen.get_state(legacy=True)
+    return {
+        "kind": kind,
+        "keys": torch.from_numpy(keys.astype(np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "gauss": float(gauss),
+    }
+
+
+def set_generator_state(gen: Any, saved: dict[str, Any]) -> None:
+    """Put back what :func:`generator_state` returned."""
+    if saved["kind"] == "torch":
+        gen.set_state(saved["state"].cpu())
+    elif saved["kind"] == "numpy":
+        gen.bit_generator.state = saved["state"]
+    else:
+        s = saved["state"]
+        gen.set_state((s["kind"], s["keys"].numpy().astype(np.uint32), s["pos"], s["has_gauss"], s["gauss"]))
+
+
+def restore_env_generators(env: Any, saved: Mapping[str, Any], name: str) -> None:
+    """Put back the generators :func:`env_extras` saved (``saved``: its ``env_rngs``)."""
+    gens = env_generators(env)
+    for path, saved_gen in saved.items():
+        if path not in gens:
+            raise IncompatibleComponentError(f"component {name!r}: the env has no generator {path!r} to restore")
+        set_generator_state(gens[path], saved_gen)
+
+
+# ---------------------------------------------------------------------- state out of reach
+def worker_envs(env: Any) -> list[str]:
+    """Batched envs in ``env`` (through wrappers) whose sub-envs run in worker processes (``ParallelEnv``)."""
+    return _unreachable(env)[0]
+
+
+def simulator_envs(env: Any) -> list[str]:
+    """Envs in ``env`` (through wrappers and ``SerialEnv``) that wrap an external simulator (torchrl's
+    ``_EnvWrapper``: ``GymEnv``, ``DMControlEnv``, ``BraxEnv``, ...), whose state lives outside the TensorDict."""
+    return _unreachable(env)[1]
+
+
+def _unreachable(env: Any) -> tuple[list[str], list[str]]:
+    from torchrl.envs import ParallelEnv
+    from torchrl.envs.common import _EnvWrapper
+
+    workers: list[str] = []
+    simulators: list[str] = []
+    seen: set[int] = set()
+    stack = [(env, "env")]
+    while stack:
+        obj, path = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, ParallelEnv):
+            workers.append(f"{path} ({type(obj).__name__} of {obj.num_workers} workers)")
+            continue
+        if isinstance(obj, _EnvWrapper):
+            simulators.append(f"{path} ({type(obj).__name__})")
+            continue
+        for attr in ("base_env", "env", "_env"):
+            child = obj.__dict__.get(attr) or (getattr(obj, "_modules", None) or {}).get(attr)
+            if child is not None:
+                stack.append((child, f"{path}.{attr}"))
+        for i, child in enumerate(obj.__dict__.get("_envs") or ()):  # SerialEnv's sub-envs
+            stack.append((child, f"{path}._envs.{i}"))
+    return workers, simulators
+
+
+def warn_worker_state(name: str, where: list[str], action: str) -> None:
+    """Say what will differ after a restore when env state lives in worker processes."""
+    warnings.warn(
+        f"component {name!r} ({action}): {', '.join(where)} keeps its sub-envs, their generators and the workers' "
+        "RNG streams in worker processes, out of reach of torchrl's API: they are not checkpointed, so after a "
+        "restore the next steps equal an uninterrupted run's only until a sub-env resets (then its initial state "
+        "differs). Use SerialEnv (exact) or accept the difference; see docs/components/collectors.md",
+        InexactResumeWarning,
+        stacklevel=3,
+    )
+
+
+def warn_simulator_state(name: str, where: list[str], action: str) -> None:
+    """Say what will differ after a restore when env state lives in an external simulator."""
+    warnings.warn(
+        f"component {name!r} ({action}): {', '.join(where)} wraps an external simulator whose own state (physics, "
+        "its random generator) is not checkpointed: after a restore the episodes in flight do not continue as they "
+        "would have, and new episodes start from other initial states. The counters, in-flight data and "
+        "transforms are restored; see docs/components/collectors.md",
+        InexactResumeWarning,
+        stacklevel=3,
+    )
+
+
+def warn_unreachable(name: str, env: Any, action: str) -> None:
+    """An :class:`~torchrl_dcp.errors.InexactResumeWarning` for each kind of state of ``env`` out of reach."""
+    workers, simulators = _unreachable(env)
+    if workers:
+        warn_worker_state(name, workers, action)
+    if simulators:
+        warn_simulator_state(name, simulators, action)
+
+
+# ---------------------------------------------------------------------- transforms
+def transformed_serial_envs(env: Any) -> dict[str, Any]:
+    """``{path: SerialEnv}`` of a ``SerialEnv`` under the env's ``TransformedEnv`` (however deep).
+
+    A ``TransformedEnv``'s ``state_dict()`` (and so ``Collector.state_dict()``) holds its own transforms only, never
+    what its base env holds, so the transforms inside a ``SerialEnv``'s sub-envs (their ``VecNormV2`` statistics)
+    were lost (torchrl 0.14); the adapters save the ``SerialEnv``'s ``state_dict()`` (every sub-env's) themselves. A
+    ``ParallelEnv``'s sub-envs live in worker processes (see :func:`warn_worker_state`).
+
+    Example:
+        >>> from torchrl.envs import PendulumEnv, SerialEnv, TransformedEnv, StepCounter
+        >>> list(transformed_serial_envs(TransformedEnv(SerialEnv(2, PendulumEnv), StepCounter())))
+        ['base_env']
+    """
+    from torchrl.envs import SerialEnv, TransformedEnv
+
+    path = ""
+    while isinstance(env, TransformedEnv):  # (a batched env forwards unknown attributes such as base_env to workers)
+        env, path = env.base_env, f"{path}.base_env" if path else "base_env"
+    return {path: env} if path and isinstance(env, SerialEnv) else {}
+
+
+def composed_custom_state(env: Any) -> dict[str, Any]:
+    """``{path: transform}`` of the transforms inside a ``Compose`` that define their own ``state_dict`` (also in the
+    sub-envs of a ``SerialEnv``: ``base_env._envs.0.transform.1``).
+
+    ``Compose.state_dict()`` is ``nn.Module``'s: it gathers its children's parameters and buffers, never their own
+    ``state_dict`` overrides, so e.g. ``TrajCounter``'s trajectory count (a shared counter, not a buffer) was lost
+    and trajectory ids restarted after a restore (torchrl 0.14). The adapters save those states themselves.
+
+    Example:
+        >>> from torchrl.envs import Compose, PendulumEnv, StepCounter, TrajCounter, TransformedEnv
+        >>> sorted(composed_custom_state(TransformedEnv(PendulumEnv(), Compose(StepCounter(), TrajCounter()))))
+        ['transform.1']
+    """
+    from torchrl.envs import SerialEnv, TransformedEnv
+
+    out: dict[str, Any] = {}
+    stack: list[tuple[Any, str]] = [(env, "")]
+    while stack:
+        obj, path = stack.pop()
+        if isinstance(obj, TransformedEnv):
+            stack.append((obj.transform, f"{path}transform"))
+            stack.append((obj.base_env, f"{path}base_env."))
+        elif isinstance(obj, SerialEnv):  # its sub-envs' transforms (``SerialEnv.state_dict`` is theirs: the same loss)
+            stack.extend((e, f"{path}_envs.{i}.") for i, e in enumerate(obj.__dict__.get("_envs") or ()))
+        children = getattr(obj, "transforms", None) if type(obj).__name__ == "Compose" else None
+        for i, child in enumerate(children or ()):
+            where = f"{path}.{i}"
+            if type(child).state_dict is not torch.nn.Module.state_dict:
+                out[where] = child
+            stack.append((child, where))
+    return out
+
+
+def _transform_states(env: Any) -> dict[str, Any]:
+    """What the adapters save of an env's transforms: ``state_dict``, custom states, attributes (the transforms
+    of ``env`` itself; its base env is saved where it is the component's)."""
+    return {
+        "state_dict": dict(env.transform.state_dict()),
+        "transforms": {
+            p: dict(t.state_dict()) for p, t in composed_custom_state(env).items() if p.startswith("transform")
+        },
+        "transform_attributes": {p: v for p, v in transform_attributes(env).items() if p.startswith("transform")},
+    }
+
+
+def parent_states(env: Any) -> dict[str, Any]:
+    """``{transform path: state}`` of the parent envs torchrl built and cached for the transforms of ``env``
+    (``Transform.parent``: the base env with *clones* of the transforms before that one).
+
+    ``FrameSkipTransform`` steps through its parent: the clones there (a ``VecNormV2``'s statistics) update on their
+    own, apart from the env's transforms, so a restore that skipped them continued from other statistics (and one
+    into a live collector left the clones at the rolled-back-from state)."""
+    from torchrl.envs import TransformedEnv
+
+    return {
+        path: _transform_states(parent)
+        for path, transform in env_transforms(env)
+        if isinstance(parent := transform.__dict__.get("_parent"), TransformedEnv)
+    }
+
+
+def restore_parents(env: Any, saved: Mapping[str, Any], name: str) -> None:
+    """Put the saved parents' transform states back (building each parent as torchrl does); a live parent the save
+    had not built yet is dropped, so that it is built again on use from the restored transforms, as it was."""
+    live = dict(env_transforms(env))
+    unknown = sorted(set(saved) - set(live))
+    if unknown:
+        raise IncompatibleComponentError(
+            f"component {name!r}: the checkpoint holds the parent env of transforms at {unknown[:3]}, which this "
+            "env does not have: build the env with the transforms it was saved with"
+        )
+    for path, transform in live.items():
+        if path not in saved:
+            if transform.__dict__.get("_parent") is not None:
+                transform.__dict__["_parent"] = None  # torchrl's own reset_parent, without touching the container
+            continue
+        parent, state = transform.parent, saved[path]
+        parent.transform.load_state_dict(state["state_dict"])
+        custom = composed_custom_state(parent)
+        for at, transform_state in state["transforms"].items():
+            if at not in custom:
+                raise IncompatibleComponentError(
+                    f"component {name!r}: the checkpoint holds the state of {at} in the parent env of {path}, which "
+                    "this env does not have: build the env with the transforms it was saved with"
+                )
+            custom[at].load_state_dict(transform_state)
+        restore_transform_attributes(parent, state["transform_attributes"], name)
+
+
+# ---------------------------------------------------------------------- what state_dict() leaves out
+def env_extras(env: Any) -> dict[str, Any]:
+    """What an exact continuation of ``env`` needs beside its ``state_dict()``: ``env_rngs``, ``transforms``,
+    ``sub_envs``, and ``transform_attributes`` / ``parents`` where there are any (:func:`restore_env_extras`)."""
+    return {
+        "env_rngs": {path: generator_state(g) for path, g in env_generators(env).items()},
+        "transforms": {path: dict(t.state_dict()) for path, t in composed_custom_state(env).items()},
+        "sub_envs": {path: dict(e.state_dict()) for path, e in transformed_serial_envs(env).items()},
+        **({"transform_attributes": attrs} if (attrs := transform_attributes(env)) else {}),
+        **({"parents": parents} if (parents := parent_states(env)) else {}),
+    }
+
+
+def restore_env_extras(env: Any, state: Mapping[str, Any], name: str) -> None:
+    """Put back what :func:`env_extras` saved, the generators excepted (:func:`restore_env_generators`), after the
+    env's ``load_state_dict``: sub-envs, custom transform states, transform attributes, then the cached parents
+    (which clone the transforms). Keys absent (from checkpoints saved before they were) are skipped."""
+    for path, saved in (state.get("sub_envs") or {}).items():
+        serial = transformed_serial_envs(env).get(path)
+        if serial is None:
+            raise IncompatibleComponentError(
+                f"component {name!r}: the checkpoint holds the sub-envs' state of a SerialEnv at {path}, which "
+                "this env does not have: build the env as it was saved"
+            )
+        serial.load_state_dict(saved)
+    live = composed_custom_state(env)
+    for path, saved in (state.get("transforms") or {}).items():
+        if path not in live:
+            raise IncompatibleComponentError(
+                f"component {name!r}: the checkpoint holds the state of transform {path}, which this env does not "
+                "have at that place: build the env with the transforms it was saved with"
+            )
+        live[path].load_state_dict(saved)
+    restore_transform_attributes(env, state.get("transform_attributes") or {}, name)
+    restore_parents(env, state.get("parents") or {}, name)  # (after the transforms they clone)
+
+
+# ---------------------------------------------------------------------- the adapter
+class EnvAdapter(Adapter):
+    """A torchrl ``EnvBase`` (``TransformedEnv``, ``SerialEnv``, ``ParallelEnv``, ...) registered on its own.
+
+    Saved as the collector adapter saves its env: ``env.state_dict()`` (transform buffers, a batched env's sub-envs')
+    plus :func:`env_extras`. Per rank by default (each rank steps its own env, seeded apart). What the env holds out
+    of reach (``ParallelEnv`` workers, simulators) and transforms not verified exact are warned about
+    (:class:`~torchrl_dcp.errors.InexactResumeWarning`) at save and at load. The in-flight TensorDict (what
+    ``rollout``/``step`` take and return) is the caller's: register it too to resume mid-episode.
+
+    Example:
+        >>> from torchrl.envs import PendulumEnv
+        >>> sorted(EnvAdapter().state(PendulumEnv(), AdapterContext("env")))
+        ['env_rngs', 'state_dict', 'sub_envs', 'transforms']
+    """
+
+    adapter_id = "torchrl_dcp.env"
+    version = 1
+    default_placement = "per_rank"
+
+    def state(self, env: Any, ctx: AdapterContext) -> Any:
+        warn_unreachable(ctx.name, env, "saving")
+        warn_unverified_transforms(ctx.name, env, "saving")
+        return self._state(env, ctx.name)
+
+    def snapshot(self, env: Any, ctx: AdapterContext) -> Any:
+        return copy.deepcopy(self._state(env, ctx.name))  # what a failed load rolls back to (no warning: not a save)
+
+    def rollback(self, env: Any, snapshot: Any, ctx: AdapterContext) -> None:
+        self._restore(env, snapshot, ctx.name)
+
+    def restore(self, env: Any, state: Any, ctx: AdapterContext) -> Any:
+        warn_unreachable(ctx.name, env, "loading")
+        warn_unverified_transforms(ctx.name, env, "loading")
+        self._restore(env, state, ctx.name)
+        return None
+
+    @staticmethod
+    def _state(env: Any, name: str) -> dict[str, Any]:
+        # state_dict first: it starts a batched env's sub-envs, whose generators and transforms the extras hold
+        return {"state_dict": env_state_dict(env, name), **env_extras(env)}
+
+    @staticmethod
+    def _restore(env: Any, state: Any, name: str) -> None:
+        load_env_state_dict(env, state["state_dict"], name)
+        restore_env_extras(env, state, name)
+        restore_env_generators(env, state["env_rngs"], name)
+
+    can_reshard = True
+
+    def reshard_sources(self, saved: dict[int, Any], ctx: AdapterContext) -> list[int]:
+        return same_rank_source(ctx)
+
+    def reshard(self, env: Any, states: dict[int, Any], ctx: AdapterContext) -> Any:
+        """After a world-size change: the ``state_dict()`` (transform statistics) of saved rank
+        ``rank % saved_world_size``, as a collector's env; the generators are not taken over, so the env goes on
+        with its own seed."""
+        (state,) = states.values()
+        load_env_state_dict(env, state["state_dict"], ctx.name)
+        return None
+
+
+def env_state_dict(env: Any, name: str) -> dict[str, Any]:
+    """``env.state_dict()`` (no arguments: a batched env's takes none), or an error naming the component."""
+    try:
+        return dict(env.state_dict())
+    except CheckpointError:
+        raise
+    except Exception as err:
+        raise EncodingError(
+            f"component {name!r}: {type(env).__name__}.state_dict() failed ({type(err).__name__}: {err}), so the "
+            "env cannot be saved: register the parts whose state matters (its transforms, a generator) as "
+            "components of their own, or pass adapter= an Adapter for this env kind"
+        ) from err
+
+
+def load_env_state_dict(env: Any, state_dict: Mapping[str, Any], name: str) -> None:
+    """``env.load_state_dict(state_dict)``, or an :class:`IncompatibleComponentError` naming the component."""
+    try:
+        env.load_state_dict(state_dict)
+    except CheckpointError:
+        raise
+    except (RuntimeError, KeyError, ValueError, TypeError) as err:
+        raise IncompatibleComponentError(
+            f"component {name!r}: the saved state does not fit this {type(env).__name__} ({type(err).__name__}: "
+            f"{err}): build the env as it was saved (the same transforms, the same number of sub-envs)"
+        ) from err
