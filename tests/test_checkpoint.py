@@ -492,3 +492,19 @@ def test_a_component_named_like_a_misspelt_option_is_warned_about() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", tdcp.TorchrlDcpWarning)
         tdcp.DistributedCheckpoint(stats={"n": 1}, state={"x": 1}, policy=torch.nn.Linear(2, 2))  # no near miss
+
+
+def test_an_object_whose_state_fails_is_refused_naming_the_component_and_what_to_do(tmp_path: Path) -> None:
+    """A component's own code failing while the save asks for its state (a ``state_dict`` that raises) said only
+    "encoding the state failed: TypeError: boom", naming no component; nothing is written."""
+
+    class Broken:
+        def state_dict(self):
+            raise TypeError("boom")
+
+        def load_state_dict(self, state):
+            pass
+
+    with pytest.raises(tdcp.EncodingError, match=r"component 'thing' \(Broken, adapter .*TypeError: boom.*adapter="):
+        tdcp.DistributedCheckpoint(policy=torch.nn.Linear(2, 2), thing=Broken()).save(tmp_path / "c")
+    assert not (tmp_path / "c").exists()

@@ -185,12 +185,22 @@ def encode(items: list[EncodeItem], rank: int) -> Encoded:
 def _encode_item(item: EncodeItem, rank: int, out: Encoded, shared: dict[tuple[Any, ...], tuple[str, str]]) -> None:
     """One component: its tracked row changes (first), then its state as skeleton + tensors under DCP keys."""
     prefix = key_prefix(item.placement, item.name, rank)
-    changes = item.adapter.row_changes(item.value, item.ctx) or {}
-    for path, snap in changes.items():
-        out.changes[f"{prefix}/" + "/".join(escape_key(p) for p in path)] = snap
-        if not any(s is snap for s in out.snapshots):
-            out.snapshots.append(snap)
-    skeleton, tensors = encode_value(item.adapter.state(item.value, item.ctx), where=item.name, shared=shared)
+    try:
+        changes = item.adapter.row_changes(item.value, item.ctx) or {}
+        for path, snap in changes.items():
+            out.changes[f"{prefix}/" + "/".join(escape_key(p) for p in path)] = snap
+            if not any(s is snap for s in out.snapshots):
+                out.snapshots.append(snap)
+        state = item.adapter.state(item.value, item.ctx)
+    except (CheckpointError, Warning):  # (a warning turned into an error is the caller's choice: raised as is)
+        raise
+    except Exception as err:  # the object's own code (its state_dict, ...) failed: say whose, and what to do
+        raise EncodingError(
+            f"component {item.name!r} ({type(item.value).__name__}, adapter {item.adapter.adapter_id}) could not "
+            f"give its state: {type(err).__name__}: {err}; fix the object, or register it with an adapter that "
+            "can save it (register(name, obj, adapter=...))"
+        ) from err
+    skeleton, tensors = encode_value(state, where=item.name, shared=shared)
     if not item.adapter.shares_tensors and (repeated := repeated_tensors(skeleton)):
         raise EncodingError(
             f"component {item.name!r} holds one tensor twice (or another component's tensor) at {repeated[:3]}: "
