@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import random
 import warnings
@@ -492,6 +493,38 @@ def test_a_component_named_like_a_misspelt_option_is_warned_about() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", tdcp.TorchrlDcpWarning)
         tdcp.DistributedCheckpoint(stats={"n": 1}, state={"x": 1}, policy=torch.nn.Linear(2, 2))  # no near miss
+
+
+@pytest.mark.parametrize(
+    "name, value, option",
+    [
+        ("save_componnets", ["policy"], "save_components"),
+        ("save_component", ("policy",), "save_components"),
+        ("timout", datetime.timedelta(seconds=30), "timeout"),
+    ],
+)
+def test_misspelt_options_holding_lists_or_timedeltas_are_warned_about(name, value, option) -> None:
+    """What ``save_components`` and ``timeout`` take (a list or tuple of names, a ``timedelta``) counted as no option
+    value: the misspelt option was registered as a component without a word, and the saves took everything."""
+    with pytest.warns(tdcp.TorchrlDcpWarning, match=f"'{name}'.*the option '{option}'"):
+        tdcp.DistributedCheckpoint(policy=torch.nn.Linear(2, 2), **{name: value})
+
+
+def test_save_components_given_one_name_saves_that_component(tmp_path: Path) -> None:
+    """``save_components="policy"`` was split into letters (``save()`` then failed: "not registered: ['c', 'i',
+    ...]"), where ``save(components="policy")`` takes one name."""
+    ckpt = tdcp.DistributedCheckpoint(save_components="policy", policy=torch.nn.Linear(2, 2), other={"a": 1})
+    assert ckpt.save_components == {"policy"}
+    assert set(tdcp.read_manifest(ckpt.save(tmp_path / "c"))["components"]) == {"policy"}
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), 1e30, -1, 0, np.float64("nan")])
+def test_a_timeout_out_of_range_is_refused_naming_the_option(timeout) -> None:
+    """A NaN, infinite or huge timeout raised Python's own conversion errors ("cannot convert float NaN to integer",
+    "Python int too large to convert to C int"), naming no option."""
+    with pytest.raises(ValueError, match="timeout must be"):
+        tdcp.DistributedCheckpoint(timeout=timeout)
+    assert tdcp.DistributedCheckpoint(timeout=np.int64(30)).timeout == datetime.timedelta(seconds=30)
 
 
 def test_an_object_whose_state_fails_is_refused_naming_the_component_and_what_to_do(tmp_path: Path) -> None:

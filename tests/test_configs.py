@@ -141,8 +141,9 @@ def test_a_yaml_rotation_with_a_local_tier_saves_to_it_and_resumes_from_it(tmp_p
 BAD_CHECKPOINTS = [
     ({"strict": "loud"}, ValueError, "strict must be 'error', 'warn' or 'ignore'"),
     ({"replica_check": "all"}, ValueError, "replica_check must be one of"),
-    ({"timeout": 0}, ValueError, "timeout must be a positive number of seconds, got 0"),
-    ({"timeout": float("inf")}, ValueError, "timeout must be a positive number of seconds"),
+    ({"timeout": 0}, ValueError, "timeout must be a positive, finite number of seconds of at most 1e+08"),
+    ({"timeout": float("inf")}, ValueError, "timeout must be a positive, finite number of seconds"),
+    ({"timeout": 1e30}, ValueError, "timeout must be a positive, finite number of seconds"),
     ({"timeout": "long"}, TypeError, "timeout must be a number of seconds or None"),
     ({"save_components": "policy"}, TypeError, "save_components must be a list of component names"),
     ({"storage_options": ["anon"]}, TypeError, "storage_options must be a mapping"),

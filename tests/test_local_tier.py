@@ -66,6 +66,17 @@ def test_bad_arguments_are_refused(tmp_path: Path, kwargs: dict) -> None:
         tdcp.LocalTier(tmp_path, **kwargs)
 
 
+@pytest.mark.parametrize("where", ["same", "inside", "around"])
+def test_a_local_tier_overlapping_the_rotation_directory_is_refused_when_built(tmp_path: Path, where: str) -> None:
+    """Both tiers name entries step-N: sharing a directory failed the first shared save with "exists and is not a
+    torchrl_dcp checkpoint", pointing at nothing, and resume warned about entries without a manifest."""
+    shared = tmp_path / "run"
+    local = {"same": shared, "inside": shared / "local", "around": tmp_path}[where]
+    with pytest.raises(ValueError, match="overlap"):
+        tdcp.CheckpointRotation(shared, local=tdcp.LocalTier(local, every_steps=2))
+    tdcp.CheckpointRotation(shared, local=tdcp.LocalTier(tmp_path / "node", every_steps=2))  # apart: fine
+
+
 def test_an_object_store_url_is_not_a_local_tier() -> None:
     with pytest.raises(ValueError, match="node's own storage"):
         tdcp.LocalTier("s3://bucket/run", every_steps=2)

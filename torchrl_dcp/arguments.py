@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -21,17 +22,29 @@ from torchrl_dcp.adapters import CheckpointOptions
 from torchrl_dcp.errors import EncodingError
 from torchrl_dcp.json_values import plain_scalars
 
+#: the longest timeout taken (seconds, ~3 years): what ``timedelta`` and torch's millisecond timeouts both hold
+MAX_TIMEOUT_S = 10**8
+
 
 def check_timeout(timeout: Any) -> datetime.timedelta | None:
-    """``timeout`` as a positive ``timedelta`` (seconds accepted), checked when the checkpoint is built."""
+    """``timeout`` as a positive ``timedelta`` (seconds accepted, NumPy and 0-d tensor numbers too), checked when the
+    checkpoint is built: finite, positive, at most :data:`MAX_TIMEOUT_S` seconds."""
     if timeout is None:
         return None
+    timeout = plain_scalars(timeout)
     if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        if not (math.isfinite(timeout) and 0 < timeout <= MAX_TIMEOUT_S):
+            raise ValueError(
+                f"timeout must be a positive, finite number of seconds of at most {MAX_TIMEOUT_S:.0e} (about 3 "
+                f"years), got {timeout!r}"
+            )
         timeout = datetime.timedelta(seconds=timeout)
     if not isinstance(timeout, datetime.timedelta):
         raise TypeError(f"timeout must be a datetime.timedelta or a number of seconds, got {timeout!r}")
-    if timeout.total_seconds() <= 0:
-        raise ValueError(f"timeout must be positive, got {timeout}")
+    if not 0 < timeout.total_seconds() <= MAX_TIMEOUT_S:
+        raise ValueError(
+            f"timeout must be positive and at most {MAX_TIMEOUT_S:.0e} seconds, got {timeout.total_seconds()} seconds"
+        )
     return timeout
 
 

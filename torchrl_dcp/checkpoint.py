@@ -114,6 +114,8 @@ class DistributedCheckpoint:
         check_strict(strict)
         self.strict = strict
         self.replica_check = check_replica_mode(replica_check)
+        if isinstance(save_components, str):  # one name, as save(components="policy") takes it (not its letters)
+            save_components = [save_components]
         self.save_components = None if save_components is None else frozenset(save_components)
         self.timeout = check_timeout(timeout)
         if storage_options is not None and not isinstance(storage_options, Mapping):
@@ -612,7 +614,8 @@ def _warn_if_option_typo(name: str, value: Any) -> None:
     import difflib
 
     close = difflib.get_close_matches(name, _OPTIONS, n=1, cutoff=0.8)
-    if close and (value is None or isinstance(value, (str, bool, int, float, Mapping))):
+    option_like = (str, bool, int, float, Mapping, list, tuple, set, frozenset, datetime.timedelta)
+    if close and (value is None or isinstance(value, option_like)):
         warnings.warn(
             f"component {name!r} ({type(value).__name__} {value!r:.40}) looks like the option {close[0]!r} "
             f"misspelt: it is registered as a component; pass {close[0]}=... if that was meant",

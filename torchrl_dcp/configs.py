@@ -33,7 +33,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
 from typing import Any, get_args
 
@@ -106,8 +105,10 @@ class DistributedCheckpointConfig(_Options):
         timeout = self.timeout
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))):
             raise TypeError(f"{name}: timeout must be a number of seconds or None, got {timeout!r}")
-        if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
-            raise ValueError(f"{name}: timeout must be a positive number of seconds, got {timeout!r}")
+        if timeout is not None:
+            from torchrl_dcp.arguments import check_timeout
+
+            self._check(check_timeout, timeout)  # (the constructor's own check: finite, positive, in range)
         if isinstance(self.save_components, (tuple, set, frozenset)):
             self.save_components = sorted(self.save_components)  # (what YAML gives back)
         components = _plain(self.save_components)

@@ -184,6 +184,14 @@ class CheckpointRotation:
             raise TypeError(f"async_saves must be True or False, got {async_saves!r}")
         self.location: Location = location_for(directory, storage_options)
         self.directory = self.location.path
+        if local is not None and self.location.is_local:
+            shared, tier = Path(self.directory).resolve(), local.path.resolve()
+            if shared == tier or shared in tier.parents or tier in shared.parents:
+                raise ValueError(
+                    f"local=LocalTier({str(local.path)!r}) and the rotation's directory {str(self.directory)!r} "
+                    "overlap: each tier needs a directory of its own (their entries are both step-N): give the "
+                    "local tier a path on the node's own storage, e.g. /dev/shm/<job>"
+                )
         if archive and not self.location.holds_archives:
             raise ValueError(
                 f"archive=True is for local directories: an {self.location.kind} entry is already one prefix"

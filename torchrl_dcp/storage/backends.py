@@ -66,11 +66,11 @@ def open_container(path: PathLike, storage_options: Mapping[str, Any] | None = N
     return location_for(path, storage_options).container()
 
 
-def read_manifest(root: PathLike, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Read, validate and migrate the manifest of the checkpoint (directory, archive or prefix) at ``root``.
+def read_manifest(path: PathLike, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Read, validate and migrate the manifest of the checkpoint (directory, archive or prefix) at ``path``.
 
     Raises:
-        CheckpointNotFoundError: ``root`` does not exist.
+        CheckpointNotFoundError: ``path`` does not exist.
         CheckpointFormatError: no manifest (a foreign or unfinished directory), or a malformed one.
         CheckpointVersionError: written by a newer torchrl_dcp.
 
@@ -80,4 +80,4 @@ def read_manifest(root: PathLike, storage_options: Mapping[str, Any] | None = No
         >>> tdcp.read_manifest(path)["step"]
         4
     """
-    return location_for(root, storage_options).manifest()
+    return location_for(path, storage_options).manifest()
