@@ -343,15 +343,17 @@ def check_entries(
     """Storage entries ``[key, file, offset, length]``: of ``keys`` only, in listed files, non-negative."""
     if not isinstance(entries, list):
         raise bad("entries must be a list")
-    for e in entries:
-        ok = (
-            isinstance(e, list)
-            and len(e) == 4
-            and isinstance(e[0], str)
-            and isinstance(e[1], str)
-            and all(_is_int(v) and v >= 0 for v in e[2:])
-        )
-        if not ok:
+    for e in entries:  # (types compared exactly: JSON gives plain ints and strs; a bool is no offset)
+        if (
+            type(e) is not list
+            or len(e) != 4
+            or type(e[0]) is not str
+            or type(e[1]) is not str
+            or type(e[2]) is not int
+            or type(e[3]) is not int
+            or e[2] < 0
+            or e[3] < 0
+        ):
             raise bad("entries must be [key, file, offset, length]")
         if e[0] not in keys:
             raise bad(f"entry for {e[0]!r}, a tensor this part of the manifest does not hold")
@@ -444,11 +446,12 @@ def _validate_component(
 
 
 def _is_tensor_entry(key: Any, t: Any) -> bool:
-    return (
-        isinstance(key, str)
-        and isinstance(t, dict)
-        and len(t) == 2  # exactly {dtype, shape}: nothing unchecked rides along
-        and isinstance(t.get("dtype"), str)
-        and isinstance(t.get("shape"), list)
-        and all(_is_int(d) and d >= 0 for d in t["shape"])
-    )
+    if type(key) is not str or type(t) is not dict or len(t) != 2:  # exactly {dtype, shape}: nothing rides along
+        return False
+    shape = t.get("shape")
+    if type(t.get("dtype")) is not str or type(shape) is not list:
+        return False
+    for d in shape:  # (exact types, as JSON gives them: a bool is no size)
+        if type(d) is not int or d < 0:
+            return False
+    return True
