@@ -208,3 +208,72 @@ def test_a_trainer_saves_to_the_local_tier_on_its_schedule_and_resumes_from_it(t
     for (name, a), (_, b) in zip(loss.state_dict().items(), fresh_loss.state_dict().items()):
         assert torch.equal(a, b), name
     assert again.collected_frames == first.collected_frames
+
+
+# ---------------------------------------------------------------------- what torchrl's hooks keep outside components
+def _sac_trainer(ckpt_dir: Path, frames: int, hooks: Any = None) -> Any:
+    from tests_distributed.trainer_zoo import build_trainer
+
+    trainer = build_trainer("SACTrainer", 0, ckpt_dir, total_frames=frames, save_every=32)
+    return trainer, (hooks(trainer) if hooks is not None else None)
+
+
+def test_a_hook_only_register_op_reaches_is_saved_and_resumed(tmp_path: Path) -> None:
+    """A ``RewardNormalizer`` registered as torchrl's docstring shows (two ``register_op`` calls, no
+    ``register_module``) was in no component: its statistics restarted at a resume, silently."""
+    from torchrl.trainers import RewardNormalizer
+
+    def normalizer(trainer):
+        hook = RewardNormalizer(decay=0.9)
+        trainer.register_op("batch_process", hook.update_reward_stats)
+        trainer.register_op("process_optim_batch", hook.normalize_reward)
+        return hook
+
+    trainer, saved = _sac_trainer(tmp_path, 32, normalizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    trainer.checkpoint_rotation.close()
+    assert "trainer_op.RewardNormalizer" in trainer.checkpoint.components
+    assert "trainer_op.ReplayBufferTrainer" not in trainer.checkpoint.components  # its buffer is a component
+    trainer2, restored = _sac_trainer(tmp_path, 64, normalizer)
+    info = tdcp.resume(trainer2.checkpoint, tmp_path)
+    assert info is not None and "trainer_op.RewardNormalizer" in info.result.loaded
+    assert set(restored._reward_stats) == set(saved._reward_stats)
+    for key, value in saved._reward_stats.items():
+        assert torch.equal(torch.as_tensor(restored._reward_stats[key]), torch.as_tensor(value)), key
+
+
+def test_early_stopping_resumes_with_the_last_value_of_its_metric(tmp_path: Path) -> None:
+    """``EarlyStopping`` reads the last value logged under its metric (``Trainer._log_dict``, each rank's own
+    history, not saved); validation logs it every few iterations only, so a resume in between found none and
+    ``train()`` stopped with torchrl's error. The hook's state carries that value."""
+    from torchrl.trainers import EarlyStopping
+
+    def stopper(trainer):
+        hook = EarlyStopping(monitor="r_evaluation", patience=10**9, wait_for=0)
+        hook.register(trainer)
+        return hook
+
+    trainer, _ = _sac_trainer(tmp_path, 32, stopper)
+    trainer._log(r_evaluation=torch.tensor(-3.5), loss=1.0)
+    trainer._log(r_evaluation=torch.tensor(-2.5))
+    trainer.checkpoint.save(tmp_path / "c", step=1)
+    trainer2, _ = _sac_trainer(tmp_path / "other", 32, stopper)
+    trainer2.checkpoint.load(tmp_path / "c")
+    assert list(trainer2._log_dict) == ["r_evaluation"]
+    assert torch.equal(trainer2._log_dict["r_evaluation"][-1], torch.tensor(-2.5))
+
+
+def test_a_logger_of_another_run_is_said_to_keep_its_run(tmp_path: Path) -> None:
+    from torchrl.record.loggers import CSVLogger
+
+    saved = CSVLogger(exp_name="run_a", log_dir=str(tmp_path / "logs"))
+    tdcp.DistributedCheckpoint(logger=saved).save(tmp_path / "c")
+    other = CSVLogger(exp_name="run_b", log_dir=str(tmp_path / "logs2"))
+    with pytest.warns(tdcp.TorchrlDcpWarning, match="'run_a'.*'run_b'.*exp_name and log_dir"):
+        tdcp.DistributedCheckpoint(logger=other).load(tmp_path / "c")
+    same = CSVLogger(exp_name="run_a", log_dir=str(tmp_path / "logs"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tdcp.TorchrlDcpWarning)
+        tdcp.DistributedCheckpoint(logger=same).load(tmp_path / "c")

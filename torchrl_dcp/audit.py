@@ -76,7 +76,7 @@ NOT_STATE: dict[str, str] = {
     "TransformedEnv._input_spec": "a transformed env's cache of its transformed specs, rebuilt on use",
     "TransformedEnv._output_spec": "a transformed env's cache of its transformed specs, rebuilt on use",
     "EnvBase._cache": "torchrl's cache of an env's key lists, recomputed on use",
-    "Trainer._log_dict": "values waiting for the logger",
+    "Trainer._log_dict": "the history of logged values (an EarlyStopping hook saves the last one of its metric)",
     "Trainer._pbar": "the progress bar",
     "Trainer._pbar_str": "the progress bar's text",
     "Trainer.checkpoint": "the checkpoint object, not what it saves",

@@ -52,7 +52,7 @@ from torchrl_dcp.storage.backends import location_for, save_location
 from torchrl_dcp.storage.base import Location
 from torchrl_dcp.storage.urls import resolve_path
 from torchrl_dcp.torchrl_format import is_torchrl_checkpoint
-from torchrl_dcp.trainer_binding import TRAINER_MARKER, bind_trainer_load, sync_trainer
+from torchrl_dcp.trainer_binding import TRAINER_MARKER, bind_trainer_load, register_op_hooks, sync_trainer
 
 __all__ = ["DistributedCheckpoint", "LoadResult"]
 
@@ -70,6 +70,7 @@ class _Registration:
     options: CheckpointOptions
     resolved: Adapter | None = None
     replica_check: ReplicaCheck | None = None  # None: the checkpoint's default
+    optional: bool = False  # registered by the library itself: a checkpoint without it loads, with a warning
 
 
 class DistributedCheckpoint:
@@ -455,6 +456,7 @@ class DistributedCheckpoint:
         chunk rows it will write.
         """
         check_environment()  # a bad TDCP_* value fails here, whichever step would read it
+        register_op_hooks(getattr(self, "_solo_of", self))  # a bound Trainer's hooks that only register_op reaches
         location = save_location(path, self.storage_options)  # a URL: an object-store prefix (docs/objectstores.md)
         names = self._select(components, self.save_components)
         options = check_component_options(component_options, names, "saved")
@@ -599,7 +601,7 @@ class DistributedCheckpoint:
         def make_ctx(**kw: Any) -> AdapterContext:
             return self._ctx(name, options, map_location=map_location, **kw)
 
-        return Registered(reg.value, adapter, reg.placement, make_ctx, error)
+        return Registered(reg.value, adapter, reg.placement, make_ctx, error, reg.optional)
 
 
 # ---------------------------------------------------------------------- helpers

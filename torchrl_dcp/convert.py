@@ -373,8 +373,8 @@ def export_torchrl(
                 path=source.path,
             )
     destination = _destination_for_torchrl(dst, overwrite)
-    if isinstance(source.path, Path):  # (a store's source is read in place: a local destination is never in it)
-        _check_apart(source.path, destination)
+    if not _any_remote(src):  # (a store's source is read in place: a local destination is never it)
+        _check_apart(_local(src), destination)
     refuse_inside_checkpoint(destination)
     meta = dict(manifest["metadata"] if metadata is None else metadata)
     if metadata is None:

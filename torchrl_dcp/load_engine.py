@@ -58,6 +58,7 @@ from torchrl_dcp.errors import (
     CheckpointIntegrityError,
     CollectiveError,
     IncompatibleComponentError,
+    InexactResumeWarning,
     PartialLoadWarning,
     UnrestoredComponentWarning,
 )
@@ -183,6 +184,18 @@ def compare_components(
     the caller chose the components."""
     result.missing = {n for n in request.requested if n not in saved}
     result.unrequested = set(saved) - set(request.requested)
+    optional = {n for n in result.missing if getattr(request.registered.get(n), "optional", False)}
+    if optional:  # what the library registered itself, absent from a checkpoint saved before it did: not an error
+        result.missing -= optional
+        if request.rank == 0:
+            warnings.warn(
+                InexactResumeWarning(
+                    f"{request.path}: the checkpoint holds no state for {sorted(optional)} (hooks the Trainer runs "
+                    "only through register_op, saved since torchrl_dcp registers them; this checkpoint was saved "
+                    "before, or by torchrl): they keep their current state"
+                ),
+                stacklevel=stacklevel,
+            )
     if result.unrequested and not request.chosen and request.rank == 0:
         warnings.warn(
             UnrestoredComponentWarning(

@@ -103,6 +103,7 @@ class Registered:
     placement: Placement
     make_ctx: Callable[..., AdapterContext]
     adapter_error: str = ""
+    optional: bool = False  # registered by the library itself (a Trainer's register_op hooks): may be absent
 
 
 def plan_components(

@@ -5,7 +5,9 @@ checkpoint that a Trainer binds it). Two of its entry points need help to work w
 
 - :func:`sync_trainer`: trainers that register components after ``Trainer.__init__`` (IQL, CQL) are registered before
   a load, so a fresh process resumes them too;
-- :func:`bind_trainer_load`: ``trainer.load_from_file(path)`` reads our checkpoints, and torchrl's.
+- :func:`bind_trainer_load`: ``trainer.load_from_file(path)`` reads our checkpoints, and torchrl's;
+- :func:`register_op_hooks`: a stateful hook reached only through ``trainer.register_op`` (as torchrl's own
+  docstrings register ``RewardNormalizer``) is a component too (``trainer_op.<Class>``), saved and loaded.
 
 Example:
     >>> TRAINER_MARKER
@@ -17,13 +19,73 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from torchrl_dcp.adapters.trainer import OP_HOOK_PREFIX
 from torchrl_dcp.errors import CheckpointError
 from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.torchrl_format.detect import is_torchrl_checkpoint, read_torchrl_manifest
 
-__all__ = ["TRAINER_MARKER", "bind_trainer_load", "sync_trainer"]
+__all__ = ["OP_HOOK_PREFIX", "TRAINER_MARKER", "bind_trainer_load", "register_op_hooks", "sync_trainer"]
 
 TRAINER_MARKER = "trainer_state"  # what torchrl's Trainer registers when it binds a checkpoint
+#: hooks whose state is an object they wrap (by class name: the attribute holding it); when that object is a
+#: component already, the hook is not registered again (its state would be saved twice, and restored twice by two
+#: adapters: torchrl's ``load_state_dict`` after ours)
+DELEGATING_HOOKS = {"ReplayBufferTrainer": "replay_buffer", "OptimizerHook": "optimizer"}
+
+
+def bound_trainer(ckpt: Any) -> Any:
+    """The torchrl ``Trainer`` bound to ``ckpt`` (it registered ``trainer_state``), or ``None``."""
+    marker = ckpt._components.get(TRAINER_MARKER)
+    return getattr(getattr(marker, "value", None), "trainer", None)
+
+
+def register_op_hooks(ckpt: Any) -> None:
+    """Register the stateful hooks the bound Trainer runs that no component holds: one reached only through
+    ``trainer.register_op(...)`` (torchrl's docstrings register ``RewardNormalizer`` and ``ClearCudaCache`` so) was
+    never saved, and its state (a normaliser's statistics) restarted at a resume, silently.
+
+    A hook is an op's bound object (through torchrl's timing wrapper), a ``TrainerHookBase`` with a non-empty state, found in the Trainer's op lists in a fixed order and named ``trainer_op.<Class>``
+    (``trainer_op.<Class>.2`` for a second one): the same names in every process that builds the same Trainer.
+    """
+    trainer = bound_trainer(ckpt)
+    if trainer is None or getattr(trainer, "checkpoint", None) is not getattr(ckpt, "_solo_of", ckpt):
+        return
+    held = {id(r.value) for r in ckpt._components.values()}
+    found: list[Any] = []
+    for attr in sorted(a for a in vars(trainer) if a.startswith("_") and a.endswith("_ops")):
+        ops = getattr(trainer, attr)
+        if not isinstance(ops, list):
+            continue
+        for entry in ops:
+            op = entry[0] if isinstance(entry, tuple) and entry else entry
+            op = getattr(op, "__wrapped__", op)
+            hook = getattr(op, "__self__", op)
+            if id(hook) in held or any(h is hook for h in found) or not _stateful(hook):
+                continue
+            wrapped = DELEGATING_HOOKS.get(type(hook).__name__)
+            if wrapped is not None and id(getattr(hook, wrapped, None)) in held:
+                continue
+            found.append(hook)
+    counts: dict[str, int] = {}
+    for hook in found:
+        kind = type(hook).__name__
+        counts[kind] = counts.get(kind, 0) + 1
+        name = f"{OP_HOOK_PREFIX}{kind}" + (f".{counts[kind]}" if counts[kind] > 1 else "")
+        if name not in ckpt:
+            ckpt.register(name, hook)
+            ckpt._components[name].optional = True  # checkpoints saved before this hook was found lack it
+
+
+def _stateful(hook: Any) -> bool:
+    """A torchrl ``TrainerHookBase`` with a non-empty state (not the Trainer itself, whose own methods are ops)."""
+    from torchrl.trainers.trainers import TrainerHookBase  # (a Trainer is bound: torchrl's trainers are imported)
+
+    if not isinstance(hook, TrainerHookBase):
+        return False
+    try:
+        return bool(hook.state_dict())
+    except Exception:  # a hook whose state_dict fails is left out here; a save of it would say why
+        return False
 
 
 def sync_trainer(ckpt: Any) -> None:
@@ -34,12 +96,12 @@ def sync_trainer(ckpt: Any) -> None:
     at the first save, so a resume in a fresh process would skip them. The Trainer's own sync (a private method:
     skipped when a torchrl version lacks it) runs first, registering only names not yet registered.
     """
-    marker = ckpt._components.get(TRAINER_MARKER)
-    trainer = getattr(getattr(marker, "value", None), "trainer", None)
+    trainer = bound_trainer(ckpt)
     sync = getattr(trainer, "_sync_checkpoint_components", None)
     bound = getattr(ckpt, "_solo_of", ckpt)  # a local tier's world-of-one copy shares the Trainer's registrations
     if callable(sync) and getattr(trainer, "checkpoint", None) is bound:
         sync(bound)
+    register_op_hooks(bound)
 
 
 def bind_trainer_load(trainer: Any, ckpt: Any) -> None:
@@ -66,10 +128,12 @@ def bind_trainer_load(trainer: Any, ckpt: Any) -> None:
         options: dict[str, Any] = {"map_location": kwargs.pop("map_location", None)}
         if strict is not None:
             options["strict"] = "error" if strict else "warn"
-        if theirs:  # read-only import; the RNG streams we add to a Trainer's checkpoint are not in torchrl's
+        if theirs:  # read-only import; the RNG streams we add to a Trainer's checkpoint are not in torchrl's,
             saved = set(read_torchrl_manifest(file)["components"])
             sync_trainer(ckpt)  # the Trainer's lazy registrations first (ckpt.load would run them after the choice)
-            options["components"] = [n for n in ckpt.components if n in saved or n != "rng"]
+            options["components"] = [  # (nor the hooks we register ourselves: torchrl saves none of them)
+                n for n in ckpt.components if n in saved or (n != "rng" and not ckpt._components[n].optional)
+            ]
         result = ckpt.load(file, **options)
         update = getattr(getattr(trainer, "collector", None), "update_policy_weights_", None)
         if "policy" in result.loaded and callable(update):

@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,7 +33,7 @@ from torchrl_dcp.adapters.base import AdapterContext
 from torchrl_dcp.adapters.env import env_generators, generator_state, set_generator_state
 from torchrl_dcp.adapters.registry import register_adapter
 from torchrl_dcp.adapters.state_dict import StateDictAdapter
-from torchrl_dcp.errors import IncompatibleComponentError
+from torchrl_dcp.errors import IncompatibleComponentError, TorchrlDcpWarning
 from torchrl_dcp.placement import Placement
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
 
 #: the names ``Trainer._sync_checkpoint_components`` registers hooks and the logger under
 HOOK_PREFIX = "trainer_module."
+OP_HOOK_PREFIX = "trainer_op."  # a hook only trainer.register_op reaches (trainer_binding.register_op_hooks)
 LOGGER = "logger"
 
 
@@ -58,7 +60,8 @@ def replicated_hook_types() -> tuple[type, ...]:
 def trainer_placement(name: str, component: Any = None) -> Placement | None:
     """Placement of what a ``Trainer`` registers as ``name`` (``None``: decide by the component's type).
 
-    ``trainer_module.<hook>`` and ``logger`` are ``per_rank`` unless ``component`` is a hook
+    ``trainer_module.<hook>``, ``trainer_op.<Class>`` (a hook only ``register_op`` reaches) and ``logger`` are
+    ``per_rank`` unless ``component`` is a hook
     holding the replicated learner's state (:func:`replicated_hook_types`), which is
     ``replicated``. Without ``component`` the answer is ``per_rank`` (always safe at the same
     world size; resharded by :class:`TrainerHookAdapter`).
@@ -70,9 +73,10 @@ def trainer_placement(name: str, component: Any = None) -> Placement | None:
         >>> trainer_placement("trainer_module.lr_scheduler", LRSchedulerHook(torch.optim.lr_scheduler.StepLR(opt, 5)))
         'replicated'
     """
-    if not (name.startswith(HOOK_PREFIX) or name == LOGGER):
+    hook = name.startswith((HOOK_PREFIX, OP_HOOK_PREFIX))
+    if not (hook or name == LOGGER):
         return None
-    if component is not None and name.startswith(HOOK_PREFIX) and isinstance(component, replicated_hook_types()):
+    if component is not None and hook and isinstance(component, replicated_hook_types()):
         return "replicated"
     return "per_rank"
 
@@ -86,6 +90,10 @@ LAZY_HOOK_ATTRIBUTES: dict[str, tuple[str, ...]] = {"OfflineToOnlineReplayBuffer
 #: it, the first iteration after a restore anneals epsilon by every frame collected so far, a second time).
 TRAINER_ATTRIBUTES: dict[str, tuple[str, ...]] = {"DQNTrainer": ("_greedy_last_frames",)}
 LAZY_KEY = "_tdcp_lazy_attributes"  # where the state dict carries them
+#: where an ``EarlyStopping`` hook's state holds the last value logged under its metric: ``Trainer._log_dict`` keeps
+#: every value logged (a history that grows with training, each rank's own: not saved), and the hook reads the last
+#: one, which a resume between validation iterations left absent (``train()`` then stopped with torchrl's error)
+MONITORED_KEY = "_tdcp_monitored_last"
 
 
 def _attributes_of(obj: Any, table: Mapping[str, tuple[str, ...]]) -> tuple[str, ...]:
@@ -110,6 +118,33 @@ def _set_attributes(obj: Any, values: Mapping[str, Any], allowed: tuple[str, ...
     for attr, value in values.items():
         if attr in allowed:  # only what the table names is ever set from a checkpoint
             setattr(obj, attr, value)
+
+
+def _monitored_last(hook: Any) -> dict[str, Any] | None:
+    """``{"monitor", "value"}``: the last value logged under an ``EarlyStopping`` hook's metric (a number or a
+    one-element tensor, what it reads), or ``None``."""
+    import torch
+
+    monitor, trainer = getattr(hook, "monitor", None), getattr(hook, "_trainer", None)
+    logged = getattr(trainer, "_log_dict", None)
+    if type(hook).__name__ != "EarlyStopping" or not isinstance(monitor, str) or not isinstance(logged, Mapping):
+        return None
+    values = logged.get(monitor)
+    if not values:
+        return None
+    value = values[-1]
+    if isinstance(value, torch.Tensor) and value.numel() != 1 or not isinstance(value, (torch.Tensor, int, float)):
+        return None
+    return {"monitor": monitor, "value": value}
+
+
+def _restore_monitored_last(hook: Any, saved: Any, name: str) -> None:
+    trainer = getattr(hook, "_trainer", None)
+    logged = getattr(trainer, "_log_dict", None)
+    if not (isinstance(saved, Mapping) and isinstance(saved.get("monitor"), str) and "value" in saved):
+        raise IncompatibleComponentError(f"component {name!r}: malformed last monitored value")
+    if isinstance(logged, dict):  # (a hook not registered on a Trainer yet has none to fill)
+        logged[saved["monitor"]] = [saved["value"]]
 
 
 class TrainerStateAdapter(StateDictAdapter):
@@ -150,17 +185,28 @@ class TrainerHookAdapter(StateDictAdapter):
     def state(self, obj: Any, ctx: AdapterContext) -> Any:
         state = _with_attributes(super().state(obj, ctx), obj, _attributes_of(obj, LAZY_HOOK_ATTRIBUTES))
         generators = _env_generator_states(obj)
-        return {**state, ENV_RNG_KEY: generators} if generators and isinstance(state, Mapping) else state
+        if generators and isinstance(state, Mapping):
+            state = {**state, ENV_RNG_KEY: generators}
+        monitored = _monitored_last(obj)
+        if monitored is not None and isinstance(state, Mapping):
+            state = {**state, MONITORED_KEY: monitored}
+        return state
 
     def restore(self, obj: Any, state: Any, ctx: AdapterContext) -> Any:
+        _warn_other_run(obj, state, ctx.name)
         generators = state.get(ENV_RNG_KEY) if isinstance(state, Mapping) else None
         if generators is not None:
             state = {k: v for k, v in state.items() if k != ENV_RNG_KEY}
+        monitored = state.get(MONITORED_KEY) if isinstance(state, Mapping) else None
+        if monitored is not None:
+            state = {k: v for k, v in state.items() if k != MONITORED_KEY}
         state, extra = _split_attributes(state)
         out = super().restore(obj, state, ctx)
         _set_attributes(obj, extra, _attributes_of(obj, LAZY_HOOK_ATTRIBUTES))
         if generators is not None:
             _restore_env_generators(obj, generators, ctx.name)
+        if monitored is not None:
+            _restore_monitored_last(obj, monitored, ctx.name)
         return out
 
     def reshard_sources(self, saved: dict[int, Any], ctx: AdapterContext) -> list[int]:
@@ -172,6 +218,27 @@ class TrainerHookAdapter(StateDictAdapter):
 
 
 ENV_RNG_KEY = "_tdcp_env_generators"  # where a hook's state holds the generators of the envs it runs
+
+
+def _warn_other_run(logger: Any, state: Any, name: str) -> None:
+    """A torchrl ``Logger`` restores its counters, not its run: ``load_state_dict`` leaves ``exp_name`` and
+    ``log_dir`` as built (its writer already opened there), so a resumed job logs to another run unless it is built
+    with the saved ones. Said, naming both."""
+    if not (isinstance(state, Mapping) and "exp_name" in state and hasattr(logger, "exp_name")):
+        return
+    import os
+
+    live_dir = getattr(logger, "log_dir", None)
+    live = (logger.exp_name, None if live_dir is None else os.path.abspath(live_dir))
+    saved = (state.get("exp_name"), state.get("log_dir"))
+    if live != saved:
+        warnings.warn(
+            f"component {name!r}: the checkpoint's run was {saved[0]!r} in {saved[1]!r}, this logger writes "
+            f"{live[0]!r} in {live[1]!r}: its counters are restored, its run is not (torchrl's loggers keep the "
+            "run they were built with); build the logger with exp_name and log_dir as saved to continue that run",
+            TorchrlDcpWarning,
+            stacklevel=2,
+        )
 
 
 def _hook_envs(obj: Any) -> dict[str, Any]:
