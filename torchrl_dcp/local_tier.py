@@ -68,6 +68,7 @@ RECORD_VERSION = 1
 _STEP = re.compile(r"^step-(\d{12})$")
 _RECORD = re.compile(r"^rank-(\d{5})\.commit\.json$")
 _RECORD_LIMIT = 64 << 10
+_MANIFEST_LIMIT = 64 << 20  # a part's manifest larger than this is not digested (its record never matches)
 
 
 def node_identity() -> str:
@@ -330,6 +331,7 @@ class LocalTier:
                 self._drop_newer(step)
             if receives:
                 _write_record(step_dir, rank, step, save_id, identity)
+            _check_part(own)  # (listed as held while it was a real directory: a link since planted is refused)
             request = solo._load_request(own, **load_kwargs)  # (what solo.load(own, ...) would ask)
             result = load_engine.LoadResult(path=request.path)
             src, plan = load_engine.prepare(request, result)  # a failure here undoes its own plan
@@ -440,8 +442,38 @@ def _record_name(rank: int) -> str:
     return f"rank-{rank:05d}.commit.json"
 
 
+def _check_part(part: Path) -> None:
+    """A part directory must be a real directory, as the tier's and its step directories: a link planted in its
+    place (to a directory outside the tier) is refused, never followed."""
+    if not _is_real_dir(part):
+        raise CheckpointError("is not a directory (a link or a file was put in its place): refused", path=part)
+
+
 def _manifest_digest(part: Path) -> str:
-    return hashlib.sha256(read_whole(part / "manifest.json", 64 << 20, part)).hexdigest()
+    """The SHA-256 of the part's manifest, read through the part's directory opened without following a link
+    (``DirHandle``: a link planted in place of the part, or swapped in after a check, is refused)."""
+    try:
+        handle = DirHandle.open(part)
+        try:
+            fd = handle.open_file("manifest.json")
+        finally:
+            handle.close()
+    except OSError as err:  # (a link or a file in the part's place: CheckpointError, from DirHandle)
+        raise from_os_error(err, "reading the part's manifest", part / "manifest.json") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size > _MANIFEST_LIMIT:
+            raise CheckpointError(f"is implausibly large ({size} bytes)", path=part / "manifest.json")
+        digest, done = hashlib.sha256(), 0
+        while done < size:
+            chunk = os.pread(fd, min(size - done, 1 << 20), done)
+            if not chunk:
+                break
+            digest.update(chunk)
+            done += len(chunk)
+        return digest.hexdigest()
+    finally:
+        os.close(fd)
 
 
 def _write_record(step_dir: Path, rank: int, step: int, save_id: str, identity: Mapping[str, Any]) -> None:

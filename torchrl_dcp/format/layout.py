@@ -87,6 +87,19 @@ def own_file_rank(name: str) -> int | None:
     return None if m is None or not m.group(2).isdigit() else int(m.group(1))
 
 
+def data_file_rank(name: str) -> int | None:
+    """The rank a data, shared or chunk file's name says wrote it (``__<rank>_<n>.distcp``,
+    ``__<rank>_shared.distcp``): what its identity trailer names, unless an incremental save kept it from an
+    earlier save (written there by whichever rank wrote that chunk); ``None`` for any other name.
+
+    Example:
+        >>> data_file_rank("__3_0.distcp"), data_file_rank("__3_shared.distcp"), data_file_rank(".metadata")
+        (3, 3, None)
+    """
+    m = _DATA_FILE.match(name)
+    return None if m is None else int(m.group(1))
+
+
 def is_chunk_file(name: str) -> bool:
     """A chunk file (``__<rank>_<n>.distcp``, ``n >= 1``): one an incremental save may have kept from another save."""
     m = _DATA_FILE.match(name)

@@ -113,33 +113,41 @@ def central_directory_span(read: Callable[[int, int], bytes], size: int) -> tupl
     """
     if size < _END.size:
         raise ZipError("too short for a ZIP end record")
-    sig, _, _, _, entries, cd_size, cd_offset, comment = _END.unpack(read(size - _END.size, _END.size))
+    sig, disk, cd_disk, here, entries, cd_size, cd_offset, comment = _END.unpack(read(size - _END.size, _END.size))
     if sig != 0x06054B50 or comment:
         raise ZipError("no ZIP end record at the end of the file")
     end = size - _END.size
-    if entries == 0xFFFF or cd_size == U32 or cd_offset == U32:
+    zip64 = entries == 0xFFFF or cd_size == U32 or cd_offset == U32
+    # one disk: this disk and the central directory's are disk 0 (0xFFFF: see the ZIP64 end record), every entry on it
+    if not ((disk, cd_disk) == (0, 0) or (zip64 and (disk, cd_disk) == (0xFFFF, 0xFFFF))) or here != entries:
+        raise ZipError(_multi_disk(disk, cd_disk, here, entries))
+    if zip64:
         if end < _Z64_LOCATOR.size:
             raise ZipError("ZIP64 locator missing")
-        lsig, _, z64_at, _ = _Z64_LOCATOR.unpack(read(end - _Z64_LOCATOR.size, _Z64_LOCATOR.size))
+        lsig, z64_disk, z64_at, disks = _Z64_LOCATOR.unpack(read(end - _Z64_LOCATOR.size, _Z64_LOCATOR.size))
         if lsig != 0x07064B50 or z64_at + _Z64_END.size > end - _Z64_LOCATOR.size:
             raise ZipError("ZIP64 locator damaged")
-        zsig, _, _, _, _, _, _, entries, cd_size, cd_offset = _Z64_END.unpack(read(z64_at, _Z64_END.size))
+        if z64_disk != 0 or disks > 1:
+            raise ZipError(f"the ZIP64 locator counts {disks} disks, its end record on disk {z64_disk}: " + _SPLIT)
+        zsig, _, _, _, disk, cd_disk, here, entries, cd_size, cd_offset = _Z64_END.unpack(read(z64_at, _Z64_END.size))
         if zsig != 0x06064B50:
             raise ZipError("ZIP64 end record damaged")
+        if (disk, cd_disk) != (0, 0) or here != entries:
+            raise ZipError(_multi_disk(disk, cd_disk, here, entries))
         end = z64_at
     if cd_offset + cd_size > end or entries * _CENTRAL.size > cd_size:
         raise ZipError(f"central directory of {entries} entries at {cd_offset}+{cd_size} does not fit the file")
     return cd_offset, cd_size, entries
 
 
-def central_entries(directory: bytes | memoryview) -> Iterator[tuple[str, int, int, int, int, int, int]]:
-    """Every entry of a central directory as ``(name, flags, method, crc, compressed_size, size, header_offset)``,
-    ZIP64 sizes and offsets resolved; one tuple at a time, no per-entry objects kept (a million entries cost what
-    the caller keeps of them).
+def central_entries(directory: bytes | memoryview) -> Iterator[tuple[str, int, int, int, int, int, int, int]]:
+    """Every entry of a central directory as ``(name, flags, method, crc, compressed_size, size, header_offset,
+    disk)`` (``disk``: the disk its local header starts on, 0 in a one-disk archive), ZIP64 sizes and offsets
+    resolved; one tuple at a time, no per-entry objects kept (a million entries cost what the caller keeps of them).
 
     Example:
         >>> list(central_entries(central_entry(b"a.txt", 7, 5, 0)))
-        [('a.txt', 0, 0, 7, 5, 5, 0)]
+        [('a.txt', 0, 0, 7, 5, 5, 0, 0)]
     """
     view = memoryview(directory)
     at, total = 0, len(view)
@@ -147,7 +155,7 @@ def central_entries(directory: bytes | memoryview) -> Iterator[tuple[str, int, i
         if at + _CENTRAL.size > total:
             raise ZipError("central directory entry truncated")
         fields = _CENTRAL.unpack_from(view, at)
-        sig, _, _, flags, method, _, _, crc, csize, usize, n_name, n_extra, n_comment, _, _, _, offset = fields
+        sig, _, _, flags, method, _, _, crc, csize, usize, n_name, n_extra, n_comment, disk, _, _, offset = fields
         if sig != 0x02014B50:
             raise ZipError(f"no central directory entry at byte {at}")
         stop = at + _CENTRAL.size + n_name + n_extra + n_comment
@@ -159,8 +167,31 @@ def central_entries(directory: bytes | memoryview) -> Iterator[tuple[str, int, i
             usize, csize, offset = _zip64_fields(
                 view[at + _CENTRAL.size + n_name : stop - n_comment], usize, csize, offset
             )
-        yield name, flags, method, crc, csize, usize, offset
+        yield name, flags, method, crc, csize, usize, offset, disk
         at = stop
+
+
+def local_sizes(extra: bytes | memoryview, usize: int, csize: int) -> tuple[int, int]:
+    """``(size, compressed_size)`` of a local header whose fields are ``usize`` and ``csize``, ZIP64 ones (``U32``)
+    resolved from its extra field ``extra``.
+
+    Example:
+        >>> head = local_header(b"a", 0, ZIP64_LIMIT, 0)
+        >>> local_sizes(head[31:], U32, U32) == (ZIP64_LIMIT, ZIP64_LIMIT)
+        True
+    """
+    usize, csize, _ = _zip64_fields(memoryview(extra), usize, csize, 0) if U32 in (usize, csize) else (usize, csize, 0)
+    return usize, csize
+
+
+_SPLIT = "a split (multi-disk) archive; torchrl_dcp archives are one file"
+
+
+def _multi_disk(disk: int, cd_disk: int, here: int, entries: int) -> str:
+    return (
+        f"the end record puts this file on disk {disk}, the central directory on disk {cd_disk}, {here} of its "
+        f"{entries} entries here: " + _SPLIT
+    )
 
 
 def _zip64_fields(extra: memoryview, usize: int, csize: int, offset: int) -> tuple[int, int, int]:

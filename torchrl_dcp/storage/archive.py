@@ -35,6 +35,7 @@ from torchrl_dcp.format import manifest as schema
 from torchrl_dcp.format.checksums import checksum_mismatch, crc32, format_crc
 from torchrl_dcp.format.layout import MANIFEST, MAX_MANIFEST_BYTES
 from torchrl_dcp.format.zipformat import (
+    U32,
     ZIPALIGN_PAD,
     ZipError,
     central_directory_span,
@@ -42,6 +43,7 @@ from torchrl_dcp.format.zipformat import (
     central_entry,
     end_records,
     local_header,
+    local_sizes,
 )
 from torchrl_dcp.storage.base import ByteRange, EntryKind, Location, ManifestParts, check_listing, files_to_check
 from torchrl_dcp.storage.commit import TMP_TAG, remove_entry
@@ -112,10 +114,12 @@ def _read_index(path: Path, f: Any) -> dict[str, Member]:
             path=path,
         ) from None
     members: dict[str, Member] = {}
+    contradiction: CheckpointFormatError | None = None  # the first local header that contradicts the directory
     # the same open file throughout: whatever is swapped in at its path later is never read
     try:
         for entry in central_entries(directory):
-            m = _member(fd, path, entry, cd_offset)
+            m, local = _member(fd, path, entry, cd_offset)
+            contradiction = contradiction or local
             if m.name in members:
                 raise CheckpointFormatError("the archive holds this member twice", path=f"{path}::{m.name}")
             members[m.name] = m
@@ -129,14 +133,26 @@ def _read_index(path: Path, f: Any) -> dict[str, Member]:
     for a, b in itertools.pairwise(spans):
         if a.data_offset + a.size > b.header_offset:
             raise CheckpointFormatError(f"member overlaps member {a.name!r}", path=f"{path}::{b.name}")
+    if contradiction is not None:  # (after the layout's checks: a member's bounds are named first)
+        raise contradiction
     return members
 
 
-def _member(fd: int, path: Path, entry: tuple[str, int, int, int, int, int, int], cd_offset: int) -> Member:
-    """One central directory entry checked (name, STORED, unencrypted, in bounds) against its local header."""
-    name, flags, method, crc, csize, file_size, header_offset = entry
+def _member(
+    fd: int, path: Path, entry: tuple[str, int, int, int, int, int, int, int], cd_offset: int
+) -> tuple[Member, CheckpointFormatError | None]:
+    """One central directory entry checked (name, STORED, unencrypted, in bounds, on the one disk) against its local
+    header (signature, method, name); with the refusal of a local header whose flags, CRC-32 or sizes contradict
+    the entry (:func:`_local_contradiction`), raised once the archive's layout is checked."""
+    name, flags, method, crc, csize, file_size, header_offset, disk = entry
     where = f"{path}::{name}"
     _check_name(name, where)
+    if disk != 0:
+        raise CheckpointFormatError(
+            f"central directory puts the member's local header on disk {disk}: a split (multi-disk) archive; "
+            "torchrl_dcp archives are one file",
+            path=where,
+        )
     if flags & 0x1:
         raise CheckpointFormatError("member is encrypted; torchrl_dcp archives never are", path=where)
     if method != zipfile.ZIP_STORED or csize != file_size:
@@ -155,7 +171,9 @@ def _member(fd: int, path: Path, entry: tuple[str, int, int, int, int, int, int]
     header = os.pread(fd, _LOCAL_HEADER.size + len(encoded), header_offset)
     if len(header) < _LOCAL_HEADER.size:
         raise CheckpointFormatError("local header lies beyond the end of the archive", path=where)
-    sig, _, _, method, _, _, _, _, _, name_len, extra_len = _LOCAL_HEADER.unpack_from(header)
+    sig, _, local_flags, method, _, _, local_crc, local_csize, local_size, name_len, extra_len = (
+        _LOCAL_HEADER.unpack_from(header)
+    )
     if sig != _LOCAL_SIG or method != zipfile.ZIP_STORED:
         raise CheckpointFormatError("local header is damaged (central directory points elsewhere)", path=where)
     if name_len != len(encoded) or header[_LOCAL_HEADER.size :] != encoded:
@@ -163,7 +181,42 @@ def _member(fd: int, path: Path, entry: tuple[str, int, int, int, int, int, int]
     data_offset = header_offset + _LOCAL_HEADER.size + name_len + extra_len
     if data_offset + file_size > cd_offset:
         raise CheckpointFormatError("member data extends beyond the end of the archive", path=where)
-    return Member(name, header_offset, data_offset, file_size, crc)
+    local = (local_flags, local_crc, local_csize, local_size)
+    contradiction = _local_contradiction(
+        fd, where, local, (crc, csize, file_size), (data_offset - extra_len, extra_len)
+    )
+    return Member(name, header_offset, data_offset, file_size, crc), contradiction
+
+
+def _local_contradiction(
+    fd: int, where: str, local: tuple[int, int, int, int], central: tuple[int, int, int], extra: tuple[int, int]
+) -> CheckpointFormatError | None:
+    """The refusal (``None``: none) of a local header whose flags, CRC-32 or sizes (``local``: flags, crc, compressed
+    size, size; ``extra``: where its extra field is, offset and length) do not say what the central directory's
+    (``central``: crc, compressed size, size) say: a reader that streams the archive from its local headers would
+    see another member. With a data descriptor (general-purpose flag bit 3) the local fields may be zero (APPNOTE
+    4.4.4), else they are equal."""
+    flags, crc, csize, size = local
+    if flags & 0x1:
+        message = "local header says the member is encrypted; torchrl_dcp archives never are"
+        return CheckpointFormatError(message, path=where)
+    if U32 in (csize, size):  # ZIP64: the sizes are in the local header's extra field
+        extra_at, extra_len = extra
+        raw = os.pread(fd, extra_len, extra_at)
+        try:
+            size, csize = local_sizes(raw if len(raw) == extra_len else b"", size, csize)
+        except ZipError as err:
+            return CheckpointFormatError(f"local header is damaged ({err})", path=where)
+    found = (crc, csize, size)
+    described = bool(flags & 0x8)
+    if any(f != c and not (described and f == 0) for f, c in zip(found, central)):
+        return CheckpointFormatError(
+            f"local header says CRC-32 {crc:08x}, {csize} bytes stored, {size} bytes; the central directory says "
+            f"{central[0]:08x}, {central[1]}, {central[2]}: a reader of the local headers would see another member "
+            "(damaged, or forged)",
+            path=where,
+        )
+    return None
 
 
 def _check_name(name: str, where: str) -> None:

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, CheckpointIntegrityError
-from torchrl_dcp.format.layout import TRAILER_SIZE, data_file_name, read_identity, shared_file_name
+from torchrl_dcp.format.layout import TRAILER_SIZE, data_file_name, data_file_rank, read_identity, shared_file_name
 from torchrl_dcp.storage.files import open_regular
 
 if TYPE_CHECKING:  # annotations only: the location layer imports no torch (torch-free tools list and inspect)
@@ -500,10 +500,12 @@ class Location(abc.ABC):
 
 def check_identities(container: Container, names: Iterable[str], files: Mapping[str, Any], save_id: str) -> None:
     """Every data file in ``names`` of ``container`` ends with the identity trailer of save ``save_id`` (format 3 and
-    later), or of the save its record names as its ``origin`` (a chunk file an incremental save kept).
+    later), or of the save its record names as its ``origin`` (a chunk file an incremental save kept), naming the
+    rank its name says (:func:`trailer_rank`).
 
     Refuses a data file copied in from another checkpoint together with its record (size and checksum match, the
-    save does not): what loads, ``verify``, the tools and conversions check, through one function.
+    save does not), and one of another rank of the same save under this rank's name (two ranks' files swapped, their
+    records resealed): what loads, ``verify``, the tools and conversions check, through one function.
     """
     ordered = sorted(set(names))
     for at in range(0, len(ordered), _TRAILERS_AT_ONCE):
@@ -527,7 +529,8 @@ def check_identities(container: Container, names: Iterable[str], files: Mapping[
                     if span.size >= TRAILER_SIZE
                     else b""
                 )
-                check_trailer(tail, files.get(name, {}).get("origin", save_id), span.where)
+                record = files.get(name, {})
+                check_trailer(tail, record.get("origin", save_id), span.where, rank=trailer_rank(name, record))
         finally:
             for _, _, fd in opened:
                 os.close(fd)
@@ -544,13 +547,28 @@ def _will_need(fd: int, offset: int, size: int) -> None:
         pass  # past a C long (the reads then find the file shorter, and say so)
 
 
-def check_trailer(tail: bytes, save_id: str, where: Any, kind: str = "a file") -> None:
-    """``tail`` (a data file's last bytes) carries the identity of save ``save_id``; ``kind`` names what it is."""
+def trailer_rank(name: str, record: Mapping[str, Any]) -> int | None:
+    """The rank the identity trailer of data file ``name`` (manifest record ``record``) must name: the rank its name
+    says (``__<rank>_<n>.distcp``, ``__<rank>_shared.distcp``: every save writes its files under the writing rank),
+    or ``None`` (nothing to compare) for a file kept from an earlier save (``origin``: written there by whichever
+    rank wrote that chunk) and for a name that says no rank."""
+    return None if "origin" in record else data_file_rank(name)
+
+
+def check_trailer(tail: bytes, save_id: str, where: Any, kind: str = "a file", rank: int | None = None) -> None:
+    """``tail`` (a data file's last bytes) carries the identity of save ``save_id`` and, unless ``rank`` is
+    ``None``, of rank ``rank`` (:func:`trailer_rank`); ``kind`` names what it is."""
     found = read_identity(bytes(tail))
     if found is None or found[0] != save_id:
         who = "no save identity" if found is None else f"the identity of save {found[0]!r}"
         raise CheckpointIntegrityError(
             f"data file carries {who}, the manifest is save {save_id!r}: {kind} from another checkpoint "
             "(or a damaged one); refused",
+            path=where,
+        )
+    if rank is not None and found[1] != rank:
+        raise CheckpointIntegrityError(
+            f"data file's identity trailer names rank {found[1]}, its name says rank {rank}: {kind} of another rank "
+            "under this rank's name (ranks' files swapped or renamed, their records resealed); refused",
             path=where,
         )

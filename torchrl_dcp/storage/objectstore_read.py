@@ -39,8 +39,9 @@ from torch.futures import Future
 
 from torchrl_dcp.errors import CheckpointError, CheckpointIntegrityError
 from torchrl_dcp.format.checksums import checksum_mismatch, combined_crc, crc32, format_crc
-from torchrl_dcp.format.layout import TRAILER_SIZE, read_identity
+from torchrl_dcp.format.layout import TRAILER_SIZE
 from torchrl_dcp.format.record import check_bool_bytes, record_data_offset
+from torchrl_dcp.storage.base import check_trailer
 from torchrl_dcp.storage.objectstore import object_checksums, store_error
 from torchrl_dcp.storage.reader import InPlaceFileSystemReader
 from torchrl_dcp.storage.readitems import HUGEPAGE_MIN, populate
@@ -121,6 +122,7 @@ class _File:
     verify: str | None  # the manifest's checksum, when checked while read
     identity: str | None  # the save id its trailer must carry, when not checked yet
     pieces: list[tuple[int, int, int]] = field(default_factory=list)  # (offset, length, crc) fetched
+    rank: int | None = None  # the rank its trailer must name (``storage.base.trailer_rank``), when checked
 
 
 class StoreReader(InPlaceFileSystemReader):
@@ -128,7 +130,7 @@ class StoreReader(InPlaceFileSystemReader):
 
     store_fs: Any
     store_root: Any  # the checkpoint's StorePath
-    identity_pending: dict[str, str]  # {file: save id} whose trailer is checked while reading
+    identity_pending: dict[str, tuple[str, int | None]]  # {file: (save id, rank)} whose trailer is checked while read
     fetch_limit: int
     fetch_threads: int
     hugepages = False  # destinations are mapped before the transfers (4 KiB pages: no compaction stall)
@@ -153,8 +155,10 @@ class StoreReader(InPlaceFileSystemReader):
     # -- planning
     def _file(self, name: str) -> _File:
         span = self.read_source(name)
-        identity = self.identity_pending.pop(name, None)
-        return _File(name, span.size, span.where, span.path, self.store_root / name, self.verify.get(name), identity)
+        identity, rank = self.identity_pending.pop(name, (None, None))
+        return _File(
+            name, span.size, span.where, span.path, self.store_root / name, self.verify.get(name), identity, rank=rank
+        )
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         self._planner = planner
@@ -186,9 +190,9 @@ class StoreReader(InPlaceFileSystemReader):
             daemon=True,
         )
         mapper.start()
-        for name, save_id in sorted(self.identity_pending.items()):  # asked for, but nothing of it read here
+        for name, (save_id, rank) in sorted(self.identity_pending.items()):  # asked for, but nothing of it read here
             f = self._file(name)
-            f.identity = save_id
+            f.identity, f.rank = save_id, rank
             files.append(f)
             jobs.append(lambda f=f: self._trailer(f))
         try:
@@ -237,14 +241,8 @@ class StoreReader(InPlaceFileSystemReader):
 
     # -- the jobs (each returns follow-up jobs)
     def _check_identity(self, f: _File, tail: bytes) -> None:
-        found = read_identity(bytes(tail))
-        if found is None or found[0] != f.identity:
-            who = "no save identity" if found is None else f"the identity of save {found[0]!r}"
-            raise CheckpointIntegrityError(
-                f"data file carries {who}, the manifest says save {f.identity!r}: an object from another checkpoint "
-                "(or a damaged one); refused",
-                path=f.where,
-            )
+        assert f.identity is not None
+        check_trailer(tail, f.identity, f.where, kind="an object", rank=f.rank)
 
     def _trailer(self, f: _File) -> list[Any]:
         if f.size < TRAILER_SIZE:

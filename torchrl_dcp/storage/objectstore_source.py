@@ -17,7 +17,7 @@ from typing import Any, BinaryIO
 
 from torchrl_dcp.errors import CheckpointError, CheckpointIntegrityError
 from torchrl_dcp.format.layout import TRAILER_SIZE
-from torchrl_dcp.storage.base import check_trailer
+from torchrl_dcp.storage.base import check_trailer, trailer_rank
 from torchrl_dcp.storage.objectstore import ObjectStoreContainer, concurrency, map_pieces, range_size, read_range
 from torchrl_dcp.storage.objectstore_read import MERGE_GAP, StoreReader
 from torchrl_dcp.storage.readitems import RangeFile
@@ -48,7 +48,11 @@ class ObjectStoreReader(StoreReader):
     reads_files = False  # storage.direct leaves every tensor to this reader (through dcp.load)
 
     def __init__(
-        self, container: ObjectStoreContainer, *args: Any, identity: dict[str, str] | None = None, **kwargs: Any
+        self,
+        container: ObjectStoreContainer,
+        *args: Any,
+        identity: dict[str, tuple[str, int | None]] | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(_AsSeenByDCP(container), *args, **kwargs)  # type: ignore[arg-type]
         self.store_fs, self.store_root = container.path.fs, container.path
@@ -78,7 +82,7 @@ class ObjectStoreSource(CheckpointSource):
         super().__init__(container)
         self.path = _Prefix(container.path.url, container.path.storage_options, container.path.fs)  # type: ignore[assignment]
         self._defer = False
-        self._identity: dict[str, str] = {}  # {file: save id} left to the next storage reader
+        self._identity: dict[str, tuple[str, int | None]] = {}  # {file: (save id, rank)} left to the next reader
 
     def read_at(self, name: str, offset: int, size: int) -> bytes:
         """``size`` bytes at ``offset`` of the listed data file ``name`` (bounded by its recorded size)."""
@@ -137,11 +141,12 @@ class ObjectStoreSource(CheckpointSource):
         later: list[str] = []
         for name in sorted(set(names)):
             save_id = files.get(name, {}).get("origin", manifest["save_id"])
+            rank = trailer_rank(name, files.get(name, {}))
             tail = tails.get(str(self.path / name))
             if tail is not None:
-                check_trailer(tail, save_id, self.path / name, kind="an object")
+                check_trailer(tail, save_id, self.path / name, kind="an object", rank=rank)
             elif self._defer:
-                self._identity[name] = save_id
+                self._identity[name] = (save_id, rank)
             else:
                 later.append(name)
         spans = []
@@ -150,8 +155,13 @@ class ObjectStoreSource(CheckpointSource):
             spans.append((self.path / name, max(0, size - TRAILER_SIZE), min(size, TRAILER_SIZE)))
         found = map_pieces(spans, lambda i, data: data, concurrency())
         for name, tail in zip(later, found):
+            record = files.get(name, {})
             check_trailer(
-                tail, files.get(name, {}).get("origin", manifest["save_id"]), self.path / name, kind="an object"
+                tail,
+                record.get("origin", manifest["save_id"]),
+                self.path / name,
+                kind="an object",
+                rank=trailer_rank(name, record),
             )
 
     def storage_reader(self, verify: Collection[str] = (), mismatch_note: str | None = None) -> ObjectStoreReader:

@@ -1,0 +1,48 @@
+"""Two ranks' own data files swapped, every record the format documents resealed (2 real ranks, gloo): each file's
+identity trailer names the rank that wrote it, which its new name contradicts; every rank refuses the checkpoint
+(naming the file and both ranks) and restores nothing, ``verify`` refuses it. An honest 2-rank checkpoint loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import torchrl_dcp as tdcp
+from tests import forging
+from tests_distributed.launch import launch
+
+S = "tests_distributed.scenarios_forged_rank_files"
+
+
+def _swap(path: Path, a: str, b: str) -> None:
+    data_a, data_b = (path / a).read_bytes(), (path / b).read_bytes()
+    assert len(data_a) == len(data_b)  # a forger who needs the sizes to match picks files that do
+    (path / a).write_bytes(data_b)
+    (path / b).write_bytes(data_a)
+    forging.reseal(path, a, b)  # the shards' records (format 7: a rank's own files) and the root, resealed
+
+
+def test_each_rank_restores_its_own_state_from_an_honest_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    launch(f"{S}:save", 2, str(path))
+    tdcp.verify(path)
+    for r in launch(f"{S}:load", 2, str(path)):
+        rank = r.value["rank"]
+        assert r.value["error"] is None, r.value["error"]
+        assert r.value["rows"] == 20 and r.value["first"] == [float(rank)] * 4 and r.value["steps"] == [10 + rank]
+
+
+def test_two_ranks_swapped_data_files_are_refused_on_every_rank(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    launch(f"{S}:save", 2, str(path))
+    _swap(path, "__0_0.distcp", "__1_0.distcp")
+    with pytest.raises(tdcp.CheckpointIntegrityError, match="identity trailer names rank 1, its name says rank 0"):
+        tdcp.verify(path)
+    for r in launch(f"{S}:load", 2, str(path)):
+        rank = r.value["rank"]
+        error = r.value["error"]
+        assert r.value["kind"] == "CheckpointIntegrityError", error
+        assert f"__{rank}_0.distcp" in error  # a rank reads (and checks) its own file only
+        assert f"identity trailer names rank {1 - rank}, its name says rank {rank}" in error
+        assert r.value["rows"] == 0 and r.value["steps"] == [-1] and r.value["policy_zero"]  # nothing restored
