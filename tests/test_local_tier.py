@@ -177,3 +177,20 @@ def test_a_link_planted_as_a_step_directory_is_neither_a_step_nor_written_throug
         _train(ckpt, model, optimizer, rotation, 0, 2)
     assert list(victim.iterdir()) == []
     assert rotation.local.steps_on_disk() == []
+
+
+def test_a_link_in_place_of_the_tier_directory_is_refused_and_nothing_is_written_through_it(tmp_path: Path) -> None:
+    """recovery.md: the tier's directory must be a real directory. A link planted there was followed: steps were
+    saved into (and resumed from, and pruned in) the directory it points to."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "step-000000000009").mkdir()  # what a prune through the link would have deleted
+    (tmp_path / "tier").symlink_to(elsewhere)
+    ckpt = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(2, 1))
+    rotation = tdcp.CheckpointRotation(
+        tmp_path / "shared", every_steps=100, local=tdcp.LocalTier(tmp_path / "tier", every_steps=1)
+    )
+    with pytest.raises(tdcp.CheckpointError, match="link or a file was put in its place"):
+        rotation.maybe_save(ckpt, 1)
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["step-000000000009"]
+    assert rotation.local.steps() == [] and rotation.resume(ckpt) is None

@@ -9,6 +9,7 @@ signal files, not with timing.
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -189,3 +190,43 @@ def resume_fails_on_one_rank(root: str, case: str) -> dict[str, Any]:
         "unchanged": after == before,
         "restored": after[:4] == saved[:4],
     }
+
+
+def damaged_newest_shared_entry(root: str) -> dict[str, Any]:
+    """Local steps every 2 (keep_last=2), shared every 3, up to step 7: the local tier holds 4 and 6, the shared
+    tier 3 and 6. Shared 6's data is damaged and local 6 lost on every node: the resume must take local 4 (newer than
+    shared 3, which is all the shared tier still offers), never shared 3."""
+    rank = dist.get_rank()
+    objs, ckpt = _objects(1)
+    local = tdcp.LocalTier(Path(root) / "local", every_steps=2)
+    rotation = tdcp.CheckpointRotation(Path(root) / "shared", every_steps=3, local=local)
+    for step in range(1, 8):
+        _train_step(objs)
+        rotation.maybe_save(ckpt, step)
+        dist.barrier()
+    rotation.close()
+    dist.barrier()
+    if rank == 0:  # bit rot in the shared tier's newest entry, and the local step 6 lost on every node
+        for f in (Path(root) / "shared" / "step-000000000006").iterdir():
+            if f.name.endswith(".distcp"):
+                raw = bytearray(f.read_bytes())
+                raw[len(raw) // 2] ^= 0xFF
+                f.write_bytes(bytes(raw))
+        import shutil
+
+        shutil.rmtree(Path(root) / "local" / "step-000000000006")
+    dist.barrier()
+    fresh, fresh_ckpt = _objects(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the damaged entry is warned about)
+        info = tdcp.CheckpointRotation(Path(root) / "shared", every_steps=3, local=local).resume(fresh_ckpt)
+    return {"resumed": None if info is None else [info.step, info.tier], "local_steps": local.steps()}
+
+
+def test_a_damaged_newest_shared_entry_resumes_the_newer_local_step_not_an_older_shared_one(tmp_path: Path) -> None:
+    """The local step 4 was passed over for the shared tier's newest (6), which then proved damaged: the shared
+    fallback (3) restored an older step and deleted local 4 as "newer than the one restored", where resume promises
+    the newest step every rank can obtain from any tier."""
+    zero, one = (r.value for r in launch(f"{S}:damaged_newest_shared_entry", 2, str(tmp_path)))
+    assert zero["resumed"] == one["resumed"] == [4, "local"], (zero, one)
+    assert zero["local_steps"] == one["local_steps"] == [4]

@@ -50,8 +50,9 @@ def init_process_group(backend: str | None = None, **kwargs: Any) -> None:
     With ``torchrun``'s agent store (``TORCHELASTIC_USE_AGENT_STORE=True``) and no ``store`` or
     ``init_method`` given, the process group meets in a namespace of the agent's store that only
     this start of the workers uses (see the module docstring). A worker that dies before it calls
-    this leaves its rank's count behind: the next start then fails at the store's timeout (the
-    group's ``timeout``, 30 minutes by default) instead of joining stale peers.
+    this leaves its rank's count behind for the rest of the job: every later start then fails to form the
+    group (at the store's timeout, the group's ``timeout``, 30 minutes by default, or refused at once) instead of
+    joining stale peers. Call it first thing in the worker, before anything that can fail.
     """
     env = os.environ
     if (

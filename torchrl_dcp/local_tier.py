@@ -187,6 +187,7 @@ class LocalTier:
             try:
                 if layout.leader(rank):  # every rank is in this save: none can be writing a newer step now
                     self._drop_newer(step)
+                _make_dir(self.path)  # the tier's own directory too: never a link to somewhere else
                 _make_dir(step_dir)
                 for r in (rank, *sources):  # a step saved again: its old records go before its parts change
                     (step_dir / _record_name(r)).unlink(missing_ok=True)
@@ -258,6 +259,8 @@ class LocalTier:
 
     def steps_on_disk(self) -> list[int]:
         """The steps of the ``step-<N>`` directories under ``path`` (a link or file planted there is no step)."""
+        if not _is_real_dir(self.path):  # absent, or a link or file planted in its place: nothing of the tier's
+            return []
         try:
             names = os.listdir(self.path)
         except (FileNotFoundError, NotADirectoryError):
@@ -323,6 +326,7 @@ class LocalTier:
         def prepare() -> None:  # every rank's part received, opened, planned, verified and read: nothing changed
             if receives:  # a replaced node's tier is empty: the step's directory comes first
                 try:
+                    _make_dir(self.path)
                     _make_dir(step_dir)
                 except (OSError, CheckpointError):
                     pass  # the receive fails on it (after draining what the peer sends) and says why

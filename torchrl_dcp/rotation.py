@@ -34,7 +34,7 @@ import os
 import re
 import time
 import warnings
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -533,18 +533,27 @@ class CheckpointRotation:
         candidates = broadcast_step(  # rank 0 lists, newest commit first; every rank loads the same entries
             group, "listing checkpoints", lambda: [(e.step, str(e.path)) for e in reversed(by_commit(self.entries()))]
         )
+        local_resume: Callable[[int | None], ResumeInfo | None] | None = None
         if self.local is not None:
             from torchrl_dcp.local_tier import tier_identity
 
             identity = tier_identity(ckpt, self.directory)
-            found = self.local.resume(ckpt, candidates[0][0] if candidates else None, identity, load_kwargs)
-            if found is not None:
+
+            def local_resume(shared_step: int | None) -> ResumeInfo | None:
+                """The local tier's newest complete step, if not older than ``shared_step`` (collective)."""
+                found = self.local.resume(ckpt, shared_step, identity, load_kwargs)
+                if found is None:
+                    return None
                 step, path, result, tier = found
                 self._last_step, self._last_time = step, time.monotonic()
                 return ResumeInfo(step, path, result, tier)
-        info = self._resume_shared(ckpt, candidates, fallback, load_kwargs)
-        if self.local is not None:  # local steps newer than the one restored belong to an abandoned future
-            self.local.forget_after(ckpt, None if info is None else info.step)
+
+            info = local_resume(candidates[0][0] if candidates else None)
+            if info is not None:
+                return info
+        info = self._resume_shared(ckpt, candidates, fallback, load_kwargs, local_resume)
+        if self.local is not None and (info is None or info.tier == "shared"):
+            self.local.forget_after(ckpt, None if info is None else info.step)  # newer local steps: an abandoned future
         return info
 
     def _resumed_from(self, step: int) -> None:
@@ -561,13 +570,25 @@ class CheckpointRotation:
         return sorted(e.name for e in self.location.children() if is_torchrl_checkpoint(e.location.path))
 
     def _resume_shared(
-        self, ckpt: Any, candidates: list[tuple[int, str]], fallback: bool, load_kwargs: dict[str, Any]
+        self,
+        ckpt: Any,
+        candidates: list[tuple[int, str]],
+        fallback: bool,
+        load_kwargs: dict[str, Any],
+        local_resume: Callable[[int | None], ResumeInfo | None] | None = None,
     ) -> ResumeInfo | None:
+        """The newest loadable shared entry; once a newer one proved damaged, the local tier is asked again before
+        each older one (``local_resume``): a local step between them is the newest step every rank can obtain (it
+        was passed over for the damaged entry, then deleted as newer than the one restored)."""
         from torchrl_dcp import _dist
 
         group = _group(ckpt)
         skipped: list[str] = []
         for step, listed in candidates:
+            if skipped and local_resume is not None:
+                info = local_resume(step)
+                if info is not None:
+                    return info
             path = self.directory / listed.rsplit("/", 1)[-1]  # the rotation's own path (and storage options)
             try:
                 result = ckpt.load(path, **load_kwargs)
@@ -588,6 +609,10 @@ class CheckpointRotation:
             logger.info("resumed from step %d (%s)", step, path)
             self._last_step, self._last_time = step, time.monotonic()  # every_steps counts from the resumed step
             return ResumeInfo(step, path, result)
+        if skipped and local_resume is not None:  # every shared entry damaged: any complete local step
+            info = local_resume(None)
+            if info is not None:
+                return info
         foreign = self._torchrl_entries()
         # starting fresh while checkpoints are there retrains from scratch: a warning (not a log line, which a job
         # without logging configured never shows)
