@@ -375,6 +375,7 @@ def test_a_printed_resume_reads_in_one_line(tmp_path: Path) -> None:
     text = repr(info)
     assert text.startswith("ResumeInfo(step=3, path=") and "loaded=['model']" in text and "\n" not in text
     assert len(text) < 200 and "format_version" not in text
+    assert info.loaded == {"model"}  # what the repr shows is an attribute too (it raised AttributeError)
     result = repr(info.result)
     assert result.startswith("LoadResult(path=") and "step=3" in result and "format_version" not in result
 

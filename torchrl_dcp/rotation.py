@@ -95,6 +95,11 @@ class ResumeInfo:
     result: Any
     tier: str = "shared"
 
+    @property
+    def loaded(self) -> set[str]:
+        """The components restored (``result.loaded``), as the repr shows them."""
+        return set(self.result.loaded)
+
     def __repr__(self) -> str:  # (the result's manifest stays out: printing a resume reads in one line)
         return (
             f"ResumeInfo(step={self.step}, path={str(self.path)!r}, tier={self.tier!r}, "
