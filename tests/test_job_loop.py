@@ -247,8 +247,10 @@ def test_checkpoint_arguments_are_checked_when_it_is_built() -> None:
     assert tdcp.DistributedCheckpoint(timeout=60).timeout == datetime.timedelta(seconds=60)
     with pytest.raises(TypeError, match="timeout must be a datetime.timedelta or a number of seconds"):
         tdcp.DistributedCheckpoint(timeout="60")
-    with pytest.raises(ValueError, match="timeout must be positive"):
+    with pytest.raises(ValueError, match="timeout must be a positive"):
         tdcp.DistributedCheckpoint(timeout=0)
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        tdcp.DistributedCheckpoint(timeout=datetime.timedelta(0))
     with pytest.raises(TypeError, match="storage_options"):
         tdcp.DistributedCheckpoint(storage_options="key=x")
     with pytest.raises(ValueError, match="process_group"):
