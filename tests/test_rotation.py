@@ -115,6 +115,8 @@ def test_resume_warns_when_it_starts_fresh_because_every_committed_entry_is_dama
         assert tdcp.resume(ckpt_for(0)[0], tmp_path) is None
     texts = [str(w.message) for w in caught if issubclass(w.category, tdcp.TorchrlDcpWarning)]
     assert any("every committed one is damaged" in t and "step-000000000002" in t for t in texts), texts
+    ours = [w.filename for w in caught if issubclass(w.category, tdcp.TorchrlDcpWarning)]
+    assert ours and all(f == __file__ for f in ours), ours  # the user's call, not a line of the library
 
 
 # ---------------------------------------------------------------------- commit order, not step order

@@ -19,7 +19,7 @@ import sys
 
 from torchrl_dcp.settings import setting
 
-__all__ = ["get_logger"]
+__all__ = ["get_logger", "user_stacklevel"]
 
 logging.getLogger("torchrl_dcp").addHandler(logging.NullHandler())
 
@@ -50,3 +50,21 @@ def get_logger(name: str) -> logging.Logger:
     if _FILTER not in logger.filters:
         logger.addFilter(_FILTER)
     return logger
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a ``warnings.warn`` in the function calling this name the first frame outside
+    torchrl_dcp: the user's call, however many of the library's own calls lie between (``tdcp.resume`` and
+    ``rotation.resume`` reach one warning through different depths).
+
+    Example:
+        >>> user_stacklevel() >= 1
+        True
+    """
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchrl_dcp._log import get_logger
+from torchrl_dcp._log import get_logger, user_stacklevel
 from torchrl_dcp.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -608,7 +608,9 @@ class CheckpointRotation:
                 skipped.append(f"{path.name} ({err})")
                 logger.warning("checkpoint %s is damaged (%s); trying the previous one", path, err)
                 warnings.warn(  # (a log line alone is never shown by a job without logging configured)
-                    f"checkpoint {path} is damaged ({err}); trying the previous one", TorchrlDcpWarning, stacklevel=4
+                    f"checkpoint {path} is damaged ({err}); trying the previous one",
+                    TorchrlDcpWarning,
+                    stacklevel=user_stacklevel(),
                 )
                 continue
             logger.info("resumed from step %d (%s)", step, path)
@@ -628,7 +630,7 @@ class CheckpointRotation:
                 + (f"; and {len(skipped) - 3} more" if len(skipped) > 3 else "")
                 + "): starting fresh; the next saves replace them as the retention policy prunes",
                 TorchrlDcpWarning,
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
         elif foreign:  # a run moving from torchrl's rotation
             warnings.warn(
@@ -636,7 +638,7 @@ class CheckpointRotation:
                 f"({', '.join(foreign[-3:])}): this rotation does not resume from them; load the newest with "
                 "ckpt.load(path) (read-only), then save with this rotation. Starting fresh",
                 TorchrlDcpWarning,
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
         elif unusable := [e for e in self.entries(include_uncommitted=True) if not e.committed]:
             warnings.warn(  # a checkpoint is there but no load would be what it claims
@@ -644,7 +646,7 @@ class CheckpointRotation:
                 + "; ".join(f"{e.path.name} ({e.error})" for e in unusable[-3:])
                 + "; starting fresh",
                 TorchrlDcpWarning,
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
         else:
             logger.info("no committed checkpoint in %s: starting fresh", self.directory)
