@@ -365,3 +365,19 @@ def test_held_trajectory_steps_are_refused_by_a_collector_that_assembles_none(tm
     with pytest.raises(tdcp.IncompatibleComponentError, match="trajs_per_batch"):
         checkpoint(policy2, collector2).load(path)
     collector2.shutdown()
+
+
+def test_a_policy_less_collector_built_with_other_transforms_is_refused(tmp_path: Path) -> None:
+    """``Collector(env, None)`` loads non-strict (torchrl demands policy state otherwise), which skipped the env's
+    keys too: saved VecNormV2 statistics were dropped into an env built with ObservationNorm, without a word."""
+    saved = Collector(make_env("vecnorm"), None, frames_per_batch=10, total_frames=-1)
+    next(iter(saved))
+    path = tdcp.DistributedCheckpoint(collector=saved).save(tmp_path / "c")
+    saved.shutdown()
+    other = Collector(make_env("obsnorm"), None, frames_per_batch=10, total_frames=-1)
+    with pytest.raises(tdcp.IncompatibleComponentError, match="other transform state"):
+        tdcp.DistributedCheckpoint(collector=other).load(path)
+    other.shutdown()
+    same = Collector(make_env("vecnorm", 3), None, frames_per_batch=10, total_frames=-1)
+    assert tdcp.DistributedCheckpoint(collector=same).load(path).loaded == {"collector"}
+    same.shutdown()

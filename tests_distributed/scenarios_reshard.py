@@ -225,3 +225,65 @@ def load_kind_resharded(path: str, kind: str, live: str) -> dict[str, Any]:
                 joins |= {(a, b) for a, b in zip(r, r[1:]) if b != a + 1}
         out["joins"] = sorted(joins)
     return out
+
+
+def _counted_env(seed: int):
+    """A SerialEnv whose sub-envs normalise (VecNormV2 in each: their state is the SerialEnv's sub-envs'), under a
+    Compose holding a TrajCounter (state Compose.state_dict() drops)."""
+    from torchrl.envs import (
+        CatTensors,
+        Compose,
+        PendulumEnv,
+        SerialEnv,
+        StepCounter,
+        TrajCounter,
+        TransformedEnv,
+        UnsqueezeTransform,
+        VecNormV2,
+    )
+
+    def sub():
+        base = TransformedEnv(
+            PendulumEnv(),
+            Compose(
+                UnsqueezeTransform(-1, in_keys=["th", "thdot"], in_keys_inv=["th", "thdot"]),
+                CatTensors(["th", "thdot"], "observation", del_keys=False),
+                VecNormV2(in_keys=["observation"], decay=0.9),
+            ),
+        )
+        return base
+
+    env = TransformedEnv(SerialEnv(2, sub), Compose(StepCounter(max_steps=5), TrajCounter()))
+    env.set_seed(seed)
+    return env
+
+
+def _vecnorm_counts(env) -> list[float]:
+    """Each sub-env's VecNormV2 count of observations."""
+    return [
+        float(worker["transforms.2._extra_state"]["count.-|-.observation"])
+        for worker in env.base_env.state_dict().values()
+    ]
+
+
+def save_counted_collector(path: str) -> dict[str, Any]:
+    from torchrl.collectors import Collector
+
+    collector = Collector(_counted_env(dist.get_rank()), None, frames_per_batch=12, total_frames=-1)
+    it = iter(collector)
+    for _ in range(2):
+        batch = next(it)
+    tdcp.DistributedCheckpoint(collector=collector, timeout=60).save(path, step=1)
+    out = {"max_count": int(batch["traj_count"].max()), "vecnorm": _vecnorm_counts(collector.env)}
+    collector.shutdown()
+    return out
+
+
+def load_counted_collector(path: str) -> dict[str, Any]:
+    from torchrl.collectors import Collector
+
+    collector = Collector(_counted_env(100 + dist.get_rank()), None, frames_per_batch=12, total_frames=-1)
+    tdcp.DistributedCheckpoint(collector=collector, timeout=60).load(path, world_size_change="reshard")
+    out = {"vecnorm": _vecnorm_counts(collector.env), "next_min_count": int(next(iter(collector))["traj_count"].min())}
+    collector.shutdown()
+    return out

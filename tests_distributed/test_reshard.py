@@ -124,3 +124,16 @@ def test_transitions_held_back_by_an_n_step_transform_refuse_a_reshard(tmp_path:
     launch(f"{S}:save_kind_shards", 2, path, "nstep")
     (r,) = launch(f"{S}:load_kind_resharded", 1, path, "nstep", "fresh")
     assert r.value["error"] is not None and "MultiStepTransform holds transitions back" in r.value["error"], r.value
+
+
+def test_a_resharded_collector_takes_the_sub_envs_statistics_and_the_trajectory_counter(tmp_path: Path) -> None:
+    """A reshard restored a collector's ``state_dict()`` only: a SerialEnv's sub-envs' VecNormV2 statistics stayed
+    fresh and a Compose'd TrajCounter restarted at 0 (handing out counts saved rank 0 had used), where the docs
+    promise the transform statistics and counters of saved rank ``r % W``."""
+    path = str(tmp_path / "ckpt")
+    saved = launch(f"{S}:save_counted_collector", 2, path)
+    (resumed,) = (r.value for r in launch(f"{S}:load_counted_collector", 1, path))
+    # saved rank 0's statistics, updated by the reset that starts the fresh trajectory (one observation each)
+    assert all(n >= s for n, s in zip(resumed["vecnorm"], saved[0].value["vecnorm"])), (resumed, saved[0].value)
+    assert resumed["vecnorm"] and min(saved[0].value["vecnorm"]) > 2
+    assert resumed["next_min_count"] > saved[0].value["max_count"]  # counts go on from saved rank 0's

@@ -140,12 +140,22 @@ class CollectorAdapter(Adapter):
         return same_rank_source(ctx)
 
     def reshard(self, collector: Collector, states: dict[int, Any], ctx: AdapterContext) -> Any:
-        """After a world-size change: weights, env transforms (e.g. normalisation statistics) and
-        counters of saved rank ``rank % saved_world_size``; the in-flight episode and the env's own
-        generator are not taken over, so the collector starts fresh trajectories with its own seed."""
+        """After a world-size change: weights, env transforms (e.g. normalisation statistics, also of sub-envs and
+        ``Compose``'d ones such as ``TrajCounter``) and counters of saved rank ``rank % saved_world_size``; the
+        in-flight episode and the env's own generator are not taken over: the collector is reset, so it starts a
+        fresh trajectory, under the restored counters, with its own seed."""
         (state,) = states.values()
         load_collector_state(collector, state["state_dict"])
+        restore_env_extras(collector.env, _statistics_only(state), ctx.name)  # sub-envs' and Compose'd transforms'
+        collector.reset()  # the fresh trajectory starts under the restored counters (a TrajCounter's next count)
         return None
+
+
+def _statistics_only(state: Mapping[str, Any]) -> dict[str, Any]:
+    """What a world-size change takes over of a saved env's extras: transform states (statistics, counters) of
+    sub-envs, ``Compose``'d transforms and cached parents; not the transform attributes of the saved rank's in-flight
+    episode (a ``RandomTruncationTransform``'s horizons), which starts afresh."""
+    return {**state, "transform_attributes": {}}
 
 
 def _assembly_state(collector: Collector) -> dict[str, Any] | None:
@@ -231,6 +241,15 @@ def load_collector_state(collector: Any, state_dict: Mapping[str, Any]) -> None:
     trajectory ids load as saved; the adapter restores the carrier and generators itself).
     """
     if "policy_state_dict" not in state_dict and not hasattr(collector, "_policy_w_state_dict"):
+        # non-strict skips the env's keys too: compared here, as the strict load compares them (an env built with
+        # other transforms dropped the saved statistics without a word)
+        saved, live = state_dict.get("env_state_dict"), collector.state_dict().get("env_state_dict")
+        if saved is not None and live is not None and set(saved) != set(live):
+            differ = sorted(set(saved) ^ set(live))
+            raise IncompatibleComponentError(
+                f"the collector's env holds other transform state than the checkpoint's (keys {differ[:4]} are in "
+                "one only): build the env with the transforms it was saved with"
+            )
         collector.load_state_dict(state_dict, strict=False)
     else:
         collector.load_state_dict(state_dict)

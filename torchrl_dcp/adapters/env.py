@@ -409,11 +409,13 @@ class EnvAdapter(Adapter):
         return same_rank_source(ctx)
 
     def reshard(self, env: Any, states: dict[int, Any], ctx: AdapterContext) -> Any:
-        """After a world-size change: the ``state_dict()`` (transform statistics) of saved rank
-        ``rank % saved_world_size``, as a collector's env; the generators are not taken over, so the env goes on
-        with its own seed."""
+        """After a world-size change: the ``state_dict()`` and the transform states (statistics, counters: sub-envs',
+        ``Compose``'d transforms', cached parents') of saved rank ``rank % saved_world_size``, as a collector's env;
+        the generators and the in-flight episode's transform attributes are not taken over, so the env goes on with
+        its own seed."""
         (state,) = states.values()
         load_env_state_dict(env, state["state_dict"], ctx.name)
+        restore_env_extras(env, {**state, "transform_attributes": {}}, ctx.name)
         return None
 
 
