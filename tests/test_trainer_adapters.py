@@ -80,3 +80,23 @@ def test_the_offline_to_online_hook_keeps_its_offline_keys_so_a_resume_draws_not
     fresh.extend(batch())
     assert torch.equal(torch.get_rng_state(), before), "extend drew from the RNG after a restore"
     assert len(fresh.replay_buffer.online_buffer) == 4
+
+
+def test_a_resharded_hook_keeps_its_own_env_generators() -> None:
+    """After a world-size change a hook takes saved rank ``r % W``'s state but, as a collector, not the generators
+    of the env it runs: two new ranks taking one saved rank's drew the same validation streams."""
+    from torchrl.envs import PendulumEnv
+    from torchrl.trainers.trainers import LogValidationReward
+
+    env = PendulumEnv()
+    env.set_seed(0)
+    hook = LogValidationReward(record_interval=1, record_frames=4, policy_exploration=None, environment=env)
+    adapter = TrainerHookAdapter()
+    ctx = AdapterContext("trainer_module.recorder", rank=2, world_size=3, saved_world_size=2, source_rank=0)
+    state = adapter.state(hook, ctx)
+    drawn = torch.rand(3, generator=env.rng).tolist()  # the env's stream moves on
+    moved = env.rng.get_state().clone()
+    adapter.reshard(hook, {0: state}, ctx)
+    assert torch.equal(env.rng.get_state(), moved)  # not put back to the saved rank's stream
+    adapter.restore(hook, state, AdapterContext("trainer_module.recorder"))  # the same world size: put back
+    assert torch.rand(3, generator=env.rng).tolist() == drawn

@@ -213,7 +213,11 @@ class TrainerHookAdapter(StateDictAdapter):
         return [ctx.rank % (ctx.saved_world_size or len(saved) or 1)]
 
     def reshard(self, obj: Any, states: dict[int, Any], ctx: AdapterContext) -> Any:
+        """Saved rank ``rank % saved_world_size``'s state, but not the generators of the envs a hook runs (as a
+        collector's): two new ranks taking one saved rank's would draw the same streams."""
         (state,) = states.values()
+        if isinstance(state, Mapping) and ENV_RNG_KEY in state:
+            state = {k: v for k, v in state.items() if k != ENV_RNG_KEY}
         return self.restore(obj, state, ctx)
 
 
