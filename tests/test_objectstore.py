@@ -546,3 +546,38 @@ def test_a_store_that_ignores_ranged_reads_is_named_as_such(store: tuple[str, di
 
     with mock.patch.object(fs, "cat_file", whole), pytest.raises(tdcp.CheckpointError, match="ignores ranged reads"):
         _ckpt(_objects(26), options).load(path)
+
+
+def test_store_destinations_are_checked_as_local_ones(store: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
+    """A save, rotation or conversion under a committed checkpoint's prefix wrote an object its manifest does not
+    list (the checkpoint then refused as altered), and ``overwrite=True`` to a store replaced a user's object or a
+    checkpoint's prefix: local destinations refused both. Nothing is written; what was there stays."""
+    url, options = store
+    objs = _objects(21)
+    ckpt = _ckpt(objs, options)
+    inside = ckpt.save(f"{url}/run/step-1", step=1)
+    archive = tdcp.to_archive(inside, tmp_path / "a.zip")
+    fs = _store_fs(url, options)
+    listing = sorted(fs.find(resolve_path(f"{url}/run", options).key))
+    attempts = {
+        "save": lambda: ckpt.save(f"{url}/run/step-1/inner"),
+        "rotation": lambda: tdcp.CheckpointRotation(f"{url}/run/step-1", storage_options=options).save(ckpt, step=2),
+        "to_archive": lambda: tdcp.to_archive(inside, resolve_path(f"{url}/run/step-1/a.zip", options)),
+        "to_directory": lambda: tdcp.to_directory(archive, resolve_path(f"{url}/run/step-1/u", options)),
+        "archive over a checkpoint prefix": lambda: tdcp.to_archive(
+            inside, resolve_path(f"{url}/run/step-1", options), overwrite=True
+        ),
+    }
+    for what, attempt in attempts.items():
+        with pytest.raises(tdcp.CheckpointError, match="inside the checkpoint|is a prefix holding objects|source"):
+            attempt()
+        assert sorted(fs.find(resolve_path(f"{url}/run", options).key)) == listing, what
+    tdcp.verify(inside)
+    notes = resolve_path(f"{url}/notes.zip", options)
+    fs.pipe_file(notes.key, b"a user's notes")
+    with pytest.raises(tdcp.CheckpointError, match="not an archive of a checkpoint"):
+        tdcp.to_archive(inside, notes, overwrite=True)
+    assert fs.cat_file(notes.key) == b"a user's notes"
+    theirs = resolve_path(f"{url}/ours.zip", options)
+    for _ in range(2):  # an archive of ours is replaced
+        tdcp.to_archive(inside, theirs, overwrite=True)

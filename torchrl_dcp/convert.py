@@ -63,8 +63,8 @@ def convert_via_local(
     through this machine's disk (never held in memory), the result published last.
     """
     source, target = location_for(src), location_for(dst)
-    if not target.is_local and not overwrite and target.occupied():
-        raise CheckpointError("already exists; pass overwrite=True (CLI: --overwrite) to replace it", path=target.path)
+    if not target.is_local:  # (a local one is checked by the conversion as it writes)
+        target.check_destination(dst_kind, overwrite)
     with tempfile.TemporaryDirectory(prefix="tdcp-convert-") as tmp_dir:
         tmp = Path(tmp_dir)
         with contextlib.ExitStack() as stack:

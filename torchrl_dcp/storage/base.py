@@ -497,6 +497,10 @@ class Location(abc.ABC):
     def receive(self, local: Path, kind: str) -> None:  # noqa: B027 - a local output is written in place
         """Publish the conversion output ``local`` here (a local location: it was written in place)."""
 
+    def check_destination(self, kind: str, overwrite: bool) -> None:  # noqa: B027 - local: checked as written
+        """Before a conversion publishes a ``kind`` here: never inside a checkpoint, and with ``overwrite`` never in
+        place of anything but what it writes (a local destination is checked by the conversion itself)."""
+
 
 def check_identities(container: Container, names: Iterable[str], files: Mapping[str, Any], save_id: str) -> None:
     """Every data file in ``names`` of ``container`` ends with the identity trailer of save ``save_id`` (format 3 and

@@ -152,6 +152,17 @@ class ObjectStoreLocation(Location):
     def occupied(self) -> bool:
         return self.path.is_file() or bool(list_objects(self.path))
 
+    def check_destination(self, kind: str, overwrite: bool) -> None:
+        from torchrl_dcp.storage.objectstore_tools import check_replaceable
+
+        objectstore_save.refuse_inside_checkpoint(self.path)
+        if self.occupied():
+            if not overwrite:
+                raise CheckpointError(
+                    "already exists; pass overwrite=True (CLI: --overwrite) to replace it", path=self.path
+                )
+            check_replaceable(self.path, kind)
+
     def receive(self, local: Path, kind: str) -> None:
         from torchrl_dcp.storage.objectstore_tools import upload_result
 

@@ -161,8 +161,29 @@ def sweep(parent: StorePath) -> list[str]:
     return cleaned
 
 
+def refuse_inside_checkpoint(destination: StorePath) -> None:
+    """Refuse a destination under a committed checkpoint's prefix (what a save or conversion writes there is an object
+    that checkpoint's manifest does not list: it would no longer load), as local paths are refused
+    (:func:`~torchrl_dcp.storage.directory.refuse_inside_checkpoint`). One ``isfile`` per level of the key."""
+    current = destination
+    while (parent := current.parent) != current:
+        if (parent / MANIFEST).is_file():
+            try:
+                ObjectStoreContainer(parent).manifest()
+            except CheckpointError:
+                pass  # a manifest.json that is not a checkpoint's: nothing of ours to damage
+            else:
+                raise CheckpointError(
+                    f"is inside the checkpoint {parent}: anything written there is an object its manifest does not "
+                    "list, and it would no longer load; choose a prefix outside it",
+                    path=destination,
+                )
+        current = parent
+
+
 def begin(destination: StorePath, save_id: str) -> None:
     """Step 1 (one process): sweep, refuse foreign objects, write the marker, retire a committed checkpoint."""
+    refuse_inside_checkpoint(destination)
     sweep(destination.parent)
     found = list_objects(destination)
     if found:

@@ -70,3 +70,39 @@ def upload_result(local: Path, dst: StorePath, kind: str) -> None:
             upload_file(f, StorePath(f"{dst.url}/{f.relative_to(local).as_posix()}", dst.storage_options, dst.fs))
     else:
         upload_file(local, dst)
+
+
+#: what the first member's name of an archive begins with: torchrl_dcp's (``to_archive``), torchrl.checkpoint's
+_ARCHIVE_FIRST_MEMBERS = {"file": (b".metadata", b"manifest.json"), "torchrl": (b"components/", b"manifest.json")}
+
+
+def check_replaceable(dst: StorePath, kind: str) -> None:
+    """Before a conversion with ``overwrite=True`` replaces what is at ``dst``: only what it would write itself, as
+    local destinations are checked. ``kind`` ``"checkpoint"``: a committed checkpoint holding nothing else (the
+    publish refuses the rest); ``"file"`` (an archive) and ``"torchrl"`` (an export): an archive object (a ZIP whose
+    first member is a manifest or DCP's metadata), or, for an export, a ``torchrl.checkpoint`` prefix. A user's
+    object or prefix is never replaced."""
+    if kind == "checkpoint":
+        return
+    if dst.is_file():
+        head = read_range(dst, 0, 64) if dst.fs.size(dst.key) >= 64 else b""
+        n = int.from_bytes(head[26:28], "little") if len(head) >= 30 else 0
+        if head[:4] == b"PK\x03\x04" and head[30 : 30 + n].startswith(_ARCHIVE_FIRST_MEMBERS[kind]):
+            return
+        raise CheckpointError(
+            "is not an archive of a checkpoint; refusing to replace it with overwrite=True (a user's object is never "
+            "replaced): choose another destination, or delete it yourself",
+            path=dst,
+        )
+    if list_objects(dst):
+        manifest = dst / MANIFEST
+        theirs = (
+            kind == "torchrl" and manifest.is_file() and b"torchrl.checkpoint" in manifest.fs.cat_file(manifest.key)
+        )
+        if not theirs:
+            raise CheckpointError(
+                "is a prefix holding objects (a checkpoint, or a user's), not "
+                + ("an export of torchrl.checkpoint" if kind == "torchrl" else "an archive object")
+                + ": refusing to replace it with overwrite=True; choose another destination",
+                path=dst,
+            )
