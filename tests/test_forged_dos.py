@@ -234,3 +234,23 @@ def test_verify_and_load_refuse_a_forged_state_of_colliding_keys(tmp_path: Path)
         tdcp.DistributedCheckpoint(no_dist=True, stats=live).load(path)
     assert str(path) in str(err.value)
     assert torch.equal(live["table"], torch.zeros(4)) and live["n"] == 0 and "lut" not in live
+
+
+@pytest.mark.parametrize("container", ["dict", "set", "frozenset", "odict"])
+def test_metadata_holding_keys_of_one_hash_is_refused_before_the_container_is_built(container: str) -> None:
+    """``.metadata`` (parsed by ``verify``) holding a container of int keys sharing one hash was unpickled in quadratic
+    time (60,000 keys: 14 s, then accepted); the codec's refusal did not reach the unpickler."""
+    from collections import OrderedDict
+
+    from torchrl_dcp.format.dcp_metadata import parse_metadata
+
+    keys = [k * ((1 << 61) - 1) for k in range(1, 2001)]
+    held = {"dict": dict.fromkeys(keys), "set": set(keys), "frozenset": frozenset(keys)}.get(container)
+    if held is None:
+        held = OrderedDict.fromkeys(keys)
+    metadata = Metadata(state_dict_metadata={})
+    metadata.planner_data = held
+    with pytest.raises(tdcp.CheckpointIntegrityError, match="share one hash"):
+        parse_metadata(pickle.dumps(metadata), "x/.metadata")
+    metadata.planner_data = {k: None for k in range(2000)}  # many int keys, each its own hash: parsed
+    assert len(parse_metadata(pickle.dumps(metadata), "x/.metadata").planner_data) == 2000

@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import io
 import math
 import pickle
@@ -27,6 +28,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, UnsafeCheckpointError
+from torchrl_dcp.format.codec import MAX_EQUAL_HASHES
 from torchrl_dcp.format.layout import is_plain_name
 
 _ALLOWED: dict[str, frozenset[str]] = {
@@ -111,6 +113,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # Py
         self.size = size
         self.budget = METADATA_PARSE_RATIO * size + METADATA_PARSE_FLOOR
         self._created: dict[int, Any] = {}  # id -> object (held: an id is never reused meanwhile)
+        self._hashes: dict[int, tuple[Any, dict[int, int]]] = {}  # id of a dict or set -> (it, {hash: keys})
 
     def load(self) -> Any:
         """``pickle._Unpickler.load`` (as in Python 3.10 to 3.13), each opcode charged its :data:`_OPCODE_COST` before it
@@ -193,6 +196,73 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # Py
                 path=self.source,
             )
         pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
+
+    def _count_hashes(self, container: Any, keys: Any) -> None:
+        """Count the hashes of the non-str ``keys`` going into ``container`` (``None``: one built from them alone);
+        refuse more than :data:`~torchrl_dcp.format.codec.MAX_EQUAL_HASHES` of one hash: a dict or set of n keys
+        sharing one (ints ``k + i * (2**61 - 1)``) takes n**2 / 2 comparisons to build (60,000 took 14 s)."""
+        others = [k for k in keys if type(k) is not str]  # str hashes are randomized: no forger makes them collide
+        if not others:
+            return  # (the common case: an object's attributes; its container is never tracked)
+        if container is None:
+            counts: dict[int, int] = {}
+        else:
+            held = self._hashes.get(id(container))
+            if held is None:
+                held = self._hashes[id(container)] = (container, {})  # (held: its id is never reused meanwhile)
+            counts = held[1]
+        for key in others:
+            try:
+                h = hash(key)
+            except TypeError:
+                continue  # unhashable: the opcode itself refuses it
+            n = counts[h] = counts.get(h, 0) + 1
+            if n > MAX_EQUAL_HASHES:
+                raise self._refused(
+                    f"more than {MAX_EQUAL_HASHES} of its keys share one hash ({type(key).__name__} {key!r:.40}): "
+                    "building that container takes quadratic time, and no save writes one"
+                )
+
+    # dicts and sets grow key by key: their keys' hashes are counted on the way (a fresh one: its items at once);
+    # a malformed stack is left to the opcode itself, which says so
+    def _setitem(self) -> None:
+        if len(self.stack) >= 3:
+            self._count_hashes(self.stack[-3], (self.stack[-2],))
+        pickle._Unpickler.load_setitem(self)  # type: ignore[attr-defined]
+
+    def _setitems(self) -> None:
+        if self.metastack and self.metastack[-1]:
+            self._count_hashes(self.metastack[-1][-1], self.stack[0::2])
+        pickle._Unpickler.load_setitems(self)  # type: ignore[attr-defined]
+
+    def _additems(self) -> None:
+        if self.metastack and self.metastack[-1]:
+            self._count_hashes(self.metastack[-1][-1], self.stack)
+        pickle._Unpickler.load_additems(self)  # type: ignore[attr-defined]
+
+    def _frozenset(self) -> None:
+        self._count_hashes(None, self.stack)
+        pickle._Unpickler.load_frozenset(self)  # type: ignore[attr-defined]
+
+    def _dict(self) -> None:
+        self._count_hashes(None, self.stack[0::2])
+        pickle._Unpickler.load_dict(self)  # type: ignore[attr-defined]
+
+    def _reduce(self) -> None:
+        func, args = (self.stack[-2], self.stack[-1]) if len(self.stack) >= 2 else (None, None)
+        items = args[0] if isinstance(args, tuple) and args and isinstance(args[0], (list, tuple)) else ()
+        if func in (set, frozenset):
+            self._count_hashes(None, items)
+        elif func is collections.OrderedDict:
+            self._count_hashes(None, [p[0] for p in items if isinstance(p, (list, tuple)) and p])
+        pickle._Unpickler.load_reduce(self)  # type: ignore[attr-defined]
+
+    dispatch[pickle.SETITEM[0]] = _setitem
+    dispatch[pickle.SETITEMS[0]] = _setitems
+    dispatch[pickle.ADDITEMS[0]] = _additems
+    dispatch[pickle.FROZENSET[0]] = _frozenset
+    dispatch[pickle.DICT[0]] = _dict
+    dispatch[pickle.REDUCE[0]] = _reduce
 
     # (the class is below its arguments: one tuple for NEWOBJ, a tuple and a dict for NEWOBJ_EX)
     dispatch[pickle.NEWOBJ[0]] = lambda self: self._new_object(pickle._Unpickler.load_newobj, -2)  # type: ignore[attr-defined]
