@@ -277,3 +277,37 @@ def test_a_logger_of_another_run_is_said_to_keep_its_run(tmp_path: Path) -> None
     with warnings.catch_warnings():
         warnings.simplefilter("error", tdcp.TorchrlDcpWarning)
         tdcp.DistributedCheckpoint(logger=same).load(tmp_path / "c")
+
+
+@pytest.mark.parametrize("value", ["abc", "7.5", True, None, [1.0], "tensor1000", "other-metric"])
+def test_a_forged_monitored_value_is_refused_at_load(tmp_path: Path, value: Any) -> None:
+    """The saved last value of ``EarlyStopping``'s metric went into the Trainer's log unchecked: a string, a 1,000-
+    element tensor or another metric's name failed later inside ``train()`` with torchrl's errors, naming nothing."""
+    from torchrl.trainers import EarlyStopping
+
+    from torchrl_dcp.adapters import AdapterContext
+    from torchrl_dcp.adapters.trainer import MONITORED_KEY, TrainerHookAdapter
+
+    trainer, _ = _sac_trainer(tmp_path, 32)
+    hook = EarlyStopping(monitor="r_evaluation", patience=10**9, wait_for=0)
+    hook.register(trainer)
+    trainer._log(r_evaluation=torch.tensor(-2.5))
+    adapter, ctx = TrainerHookAdapter(), AdapterContext("trainer_module.early_stopping")
+    state = dict(adapter.state(hook, ctx))
+    saved = {"monitor": "r_evaluation", "value": torch.zeros(1000) if value == "tensor1000" else value}
+    if value == "other-metric":
+        saved = {"monitor": "other", "value": 1.0}
+    state[MONITORED_KEY] = saved
+    with pytest.raises(tdcp.IncompatibleComponentError, match="monitored metric"):
+        adapter.restore(hook, state, ctx)
+
+
+def test_an_env_generator_the_checkpoint_lacks_is_warned_about() -> None:
+    """A checkpoint without one of the env's generators (damaged, or an env built with more) left it drawing on from
+    where it was, silently, where the other direction (a saved generator the env lacks) is refused."""
+    from torchrl.envs import PendulumEnv
+
+    from torchrl_dcp.adapters.env import restore_env_generators
+
+    with pytest.warns(tdcp.InexactResumeWarning, match="generator"):
+        restore_env_generators(PendulumEnv(), {}, "env")

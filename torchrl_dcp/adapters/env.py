@@ -132,6 +132,16 @@ def restore_env_generators(env: Any, saved: Mapping[str, Any], name: str) -> Non
         if path not in gens:
             raise IncompatibleComponentError(f"component {name!r}: the env has no generator {path!r} to restore")
         set_generator_state(gens[path], saved_gen)
+    unsaved = sorted(set(gens) - set(saved))
+    if unsaved:  # (no save of this env leaves one out: a damaged checkpoint, or an env built with more)
+        warnings.warn(
+            InexactResumeWarning(
+                f"component {name!r}: the checkpoint holds no state for the env's generator(s) {unsaved[:3]}, which "
+                "keep their current state: the env will not draw what the saved one would (build the env as it was "
+                "saved)"
+            ),
+            stacklevel=2,
+        )
 
 
 # ---------------------------------------------------------------------- state out of reach

@@ -135,16 +135,30 @@ def _monitored_last(hook: Any) -> dict[str, Any] | None:
     value = values[-1]
     if isinstance(value, torch.Tensor) and value.numel() != 1 or not isinstance(value, (torch.Tensor, int, float)):
         return None
+    if isinstance(value, bool):
+        value = int(value)
     return {"monitor": monitor, "value": value}
 
 
 def _restore_monitored_last(hook: Any, saved: Any, name: str) -> None:
+    """Put the saved last value of the hook's metric back into its Trainer's log: a number or a one-element tensor
+    (what :func:`_monitored_last` saves) under the metric the hook monitors, else refused."""
+    import torch
+
+    value = saved.get("value") if isinstance(saved, Mapping) else None
+    scalar = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (scalar or isinstance(value, torch.Tensor) and value.numel() == 1) or saved.get("monitor") != getattr(
+        hook, "monitor", None
+    ):
+        raise IncompatibleComponentError(
+            f"component {name!r}: the saved last value of the monitored metric is not a number of metric "
+            f"{getattr(hook, 'monitor', None)!r}, which no save writes: the checkpoint is damaged or forged, or the "
+            "hook monitors another metric than when it was saved (build it as it was)"
+        )
     trainer = getattr(hook, "_trainer", None)
     logged = getattr(trainer, "_log_dict", None)
-    if not (isinstance(saved, Mapping) and isinstance(saved.get("monitor"), str) and "value" in saved):
-        raise IncompatibleComponentError(f"component {name!r}: malformed last monitored value")
     if isinstance(logged, dict):  # (a hook not registered on a Trainer yet has none to fill)
-        logged[saved["monitor"]] = [saved["value"]]
+        logged[saved["monitor"]] = [value]
 
 
 class TrainerStateAdapter(StateDictAdapter):
