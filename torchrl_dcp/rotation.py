@@ -34,25 +34,22 @@ import os
 import re
 import time
 import warnings
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchrl_dcp._log import get_logger, user_stacklevel
+from torchrl_dcp._log import get_logger
 from torchrl_dcp.errors import (
     CheckpointError,
-    CheckpointFormatError,
     CheckpointIntegrityError,
-    CheckpointVersionError,
-    CollectiveError,
     StaleCheckpointWarning,
-    TorchrlDcpWarning,
 )
 from torchrl_dcp.format.layout import is_data_file
 from torchrl_dcp.json_values import metadata_values
 from torchrl_dcp.preemption import PreemptionWatcher
 from torchrl_dcp.rotation_entries import RotationEntry, by_commit, latest_entry, list_entries, metric_value
+from torchrl_dcp.rotation_resume import ResumeInfo, group_of, resume_rotation, settle_pending
 from torchrl_dcp.save_policy import MetricMode, Retention, SaveSchedule, parse_keep_best
 from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.storage.base import Location
@@ -79,32 +76,6 @@ def _check_committed(location: Location) -> None:
             "save again, or resume from the previous one",
             path=err.path or location.path,
         ) from None
-
-
-@dataclass(frozen=True)
-class ResumeInfo:
-    """Where a resume came from: the step, the checkpoint path, the :class:`LoadResult` and the tier.
-
-    ``tier`` is ``"shared"`` (the rotation's directory), ``"local"`` (this rank's part in its node's
-    :class:`~torchrl_dcp.LocalTier`) or ``"peer"`` (its part received from a rank of another node holding
-    its replica); ``path`` is the entry (or, for a local tier, this rank's part) that was loaded.
-    """
-
-    step: int
-    path: Path
-    result: Any
-    tier: str = "shared"
-
-    @property
-    def loaded(self) -> set[str]:
-        """The components restored (``result.loaded``), as the repr shows them."""
-        return set(self.result.loaded)
-
-    def __repr__(self) -> str:  # (the result's manifest stays out: printing a resume reads in one line)
-        return (
-            f"ResumeInfo(step={self.step}, path={str(self.path)!r}, tier={self.tier!r}, "
-            f"loaded={sorted(self.result.loaded)!r})"
-        )
 
 
 @dataclass(frozen=True)
@@ -404,7 +375,7 @@ class CheckpointRotation:
         """Check the step and the metric, wait for a save in flight, choose the commit counter and the base."""
         _check_step(step)
         metadata = metadata_values(metadata)  # a metric may be a numpy or 0-d tensor scalar
-        _settle(ckpt)  # a save in flight prunes in its thread: never interleave with its collectives
+        settle_pending(ckpt)  # a save in flight prunes in its thread: never interleave with its collectives
         base, sequence = self._next_commit(ckpt, metadata)
         save_kwargs = dict(save_kwargs)
         save_kwargs.setdefault("commit_sequence", sequence)
@@ -437,7 +408,9 @@ class CheckpointRotation:
             self.prune(protect=target)
 
         try:
-            run_on_coordinator(_group(ckpt), "rotating checkpoints", rotate, monitored=False)  # (right after the save)
+            run_on_coordinator(
+                group_of(ckpt), "rotating checkpoints", rotate, monitored=False
+            )  # (right after the save)
         except CheckpointError as err:
             if err.path is None:
                 err.path = str(target)
@@ -467,7 +440,7 @@ class CheckpointRotation:
             counter = 1 + max((e.sequence or 0 for e in entries), default=0)
             return (None if newest is None else str(newest.path)), counter, refused
 
-        chosen, counter, refused = broadcast_step(_group(ckpt), "choosing the incremental base", choose)
+        chosen, counter, refused = broadcast_step(group_of(ckpt), "choosing the incremental base", choose)
         if refused is not None:  # the same ValueError on every rank, before anything is written
             raise ValueError(refused)
         return (None if chosen is None else self.directory / Path(chosen).name), counter  # a Path, or a StorePath
@@ -531,126 +504,12 @@ class CheckpointRotation:
         return self._resume(ckpt, fallback, load_kwargs)
 
     def _resume(self, ckpt: Any, fallback: bool, load_kwargs: dict[str, Any]) -> ResumeInfo | None:
-        from torchrl_dcp.collective import broadcast_step
-
-        _settle(ckpt)
-        group = _group(ckpt)
-        candidates = broadcast_step(  # rank 0 lists, newest commit first; every rank loads the same entries
-            group, "listing checkpoints", lambda: [(e.step, str(e.path)) for e in reversed(by_commit(self.entries()))]
-        )
-        local_resume: Callable[[int | None], ResumeInfo | None] | None = None
-        if self.local is not None:
-            from torchrl_dcp.local_tier import tier_identity
-
-            identity = tier_identity(ckpt, self.directory)
-
-            def local_resume(shared_step: int | None) -> ResumeInfo | None:
-                """The local tier's newest complete step, if not older than ``shared_step`` (collective)."""
-                found = self.local.resume(ckpt, shared_step, identity, load_kwargs)
-                if found is None:
-                    return None
-                step, path, result, tier = found
-                self._last_step, self._last_time = step, time.monotonic()
-                return ResumeInfo(step, path, result, tier)
-
-            info = local_resume(candidates[0][0] if candidates else None)
-            if info is not None:
-                return info
-        info = self._resume_shared(ckpt, candidates, fallback, load_kwargs, local_resume)
-        if self.local is not None and (info is None or info.tier == "shared"):
-            self.local.forget_after(ckpt, None if info is None else info.step)  # newer local steps: an abandoned future
-        return info
+        return resume_rotation(self, ckpt, fallback, load_kwargs)
 
     def _resumed_from(self, step: int) -> None:
         """A load of ``step`` done outside :meth:`resume` (a bound Trainer's ``load_from_file``): the save policy
         counts from it, as after a resume."""
         self._last_step, self._last_time = step, time.monotonic()
-
-    def _torchrl_entries(self) -> list[str]:
-        """Names of the ``torchrl.checkpoint`` checkpoints in a local rotation directory, sorted."""
-        from torchrl_dcp.torchrl_format.detect import is_torchrl_checkpoint
-
-        if not self.location.is_local:
-            return []
-        return sorted(e.name for e in self.location.children() if is_torchrl_checkpoint(e.location.path))
-
-    def _resume_shared(
-        self,
-        ckpt: Any,
-        candidates: list[tuple[int, str]],
-        fallback: bool,
-        load_kwargs: dict[str, Any],
-        local_resume: Callable[[int | None], ResumeInfo | None] | None = None,
-    ) -> ResumeInfo | None:
-        """The newest loadable shared entry; once a newer one proved damaged, the local tier is asked again before
-        each older one (``local_resume``): a local step between them is the newest step every rank can obtain (it
-        was passed over for the damaged entry, then deleted as newer than the one restored)."""
-        from torchrl_dcp import _dist
-
-        group = _group(ckpt)
-        skipped: list[str] = []
-        for step, listed in candidates:
-            if skipped and local_resume is not None:
-                info = local_resume(step)
-                if info is not None:
-                    return info
-            path = self.directory / listed.rsplit("/", 1)[-1]  # the rotation's own path (and storage options)
-            try:
-                result = ckpt.load(path, **load_kwargs)
-            except CheckpointError as err:
-                damaged = isinstance(err, (CheckpointIntegrityError, CheckpointFormatError)) and not isinstance(
-                    err, CheckpointVersionError
-                )
-                own = None if isinstance(err, CollectiveError) else damaged
-                votes = _dist.all_gather(own, group)
-                if not fallback or any(v is False for v in votes) or not any(votes):
-                    raise
-                skipped.append(f"{path.name} ({err})")
-                logger.warning("checkpoint %s is damaged (%s); trying the previous one", path, err)
-                warnings.warn(  # (a log line alone is never shown by a job without logging configured)
-                    f"checkpoint {path} is damaged ({err}); trying the previous one",
-                    TorchrlDcpWarning,
-                    stacklevel=user_stacklevel(),
-                )
-                continue
-            logger.info("resumed from step %d (%s)", step, path)
-            self._last_step, self._last_time = step, time.monotonic()  # every_steps counts from the resumed step
-            return ResumeInfo(step, path, result)
-        if skipped and local_resume is not None:  # every shared entry damaged: any complete local step
-            info = local_resume(None)
-            if info is not None:
-                return info
-        foreign = self._torchrl_entries()
-        # starting fresh while checkpoints are there retrains from scratch: a warning (not a log line, which a job
-        # without logging configured never shows)
-        if skipped:  # every committed checkpoint was tried and refused
-            warnings.warn(
-                f"no usable checkpoint in {self.directory}: every committed one is damaged ("
-                + "; ".join(skipped[:3])
-                + (f"; and {len(skipped) - 3} more" if len(skipped) > 3 else "")
-                + "): starting fresh; the next saves replace them as the retention policy prunes",
-                TorchrlDcpWarning,
-                stacklevel=user_stacklevel(),
-            )
-        elif foreign:  # a run moving from torchrl's rotation
-            warnings.warn(
-                f"no committed torchrl_dcp checkpoint in {self.directory}, but torchrl.checkpoint entries "
-                f"({', '.join(foreign[-3:])}): this rotation does not resume from them; load the newest with "
-                "ckpt.load(path) (read-only), then save with this rotation. Starting fresh",
-                TorchrlDcpWarning,
-                stacklevel=user_stacklevel(),
-            )
-        elif unusable := [e for e in self.entries(include_uncommitted=True) if not e.committed]:
-            warnings.warn(  # a checkpoint is there but no load would be what it claims
-                f"no usable checkpoint in {self.directory}: "
-                + "; ".join(f"{e.path.name} ({e.error})" for e in unusable[-3:])
-                + "; starting fresh",
-                TorchrlDcpWarning,
-                stacklevel=user_stacklevel(),
-            )
-        else:
-            logger.info("no committed checkpoint in %s: starting fresh", self.directory)
-        return None
 
 
 def resume(ckpt: Any, directory: str | os.PathLike, **load_kwargs: Any) -> ResumeInfo | None:
@@ -683,31 +542,6 @@ def _trainer_rotation(ckpt: Any) -> CheckpointRotation | None:
     return (
         rotation if isinstance(rotation, CheckpointRotation) and getattr(trainer, "checkpoint", None) is ckpt else None
     )
-
-
-def _group(ckpt: Any) -> Any:
-    """The checkpoint's own group (its ``process_group``'s ranks, ``None`` with ``no_dist``)."""
-    if hasattr(ckpt, "_group"):
-        return ckpt._group()
-    from torchrl_dcp import _dist
-
-    return _dist.checkpoint_group(getattr(ckpt, "timeout", None))
-
-
-def _wait(ckpt: Any) -> None:
-    wait = getattr(ckpt, "wait", None)
-    if callable(wait):
-        wait()
-
-
-def _settle(ckpt: Any) -> None:
-    """At a collective call: the save in flight settled alike on every rank (its failure raised on every rank
-    unless every rank raised it already), so that no rank skips a call the others make."""
-    settle = getattr(ckpt, "_settle_async", None)
-    if callable(settle):
-        settle()
-    else:
-        _wait(ckpt)
 
 
 def _check_step(step: Any) -> int:

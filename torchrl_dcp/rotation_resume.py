@@ -1,0 +1,206 @@
+"""How a :class:`~torchrl_dcp.CheckpointRotation` resumes: which tier and entry, the fallbacks, what is said.
+
+The newest step every rank can obtain from any tier: the node-local tier's newest complete step when it is not older
+than the shared tier's newest entry (:class:`~torchrl_dcp.LocalTier`), else the newest shared entry that loads. An
+entry that proves damaged is skipped with a :class:`~torchrl_dcp.TorchrlDcpWarning` (``fallback=False`` raises
+instead), and the local tier is asked again before each older one; starting fresh while entries are there (damaged,
+uncommitted, or ``torchrl.checkpoint``'s) is a warning naming them. Every rank loads the same entries: rank 0 lists
+them and broadcasts the list.
+
+Example:
+    >>> import tempfile, torch, torchrl_dcp as tdcp
+    >>> rotation = tdcp.CheckpointRotation(tempfile.mkdtemp())
+    >>> ckpt = tdcp.DistributedCheckpoint(w={"x": torch.zeros(2)})
+    >>> _ = rotation.save(ckpt, step=3)
+    >>> resume_rotation(rotation, ckpt, True, {}).step
+    3
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torchrl_dcp._log import get_logger, user_stacklevel
+from torchrl_dcp.errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointIntegrityError,
+    CheckpointVersionError,
+    CollectiveError,
+    TorchrlDcpWarning,
+)
+from torchrl_dcp.rotation_entries import by_commit
+
+logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class ResumeInfo:
+    """Where a resume came from: the step, the checkpoint path, the :class:`LoadResult` and the tier.
+
+    ``tier`` is ``"shared"`` (the rotation's directory), ``"local"`` (this rank's part in its node's
+    :class:`~torchrl_dcp.LocalTier`) or ``"peer"`` (its part received from a rank of another node holding
+    its replica); ``path`` is the entry (or, for a local tier, this rank's part) that was loaded.
+    """
+
+    step: int
+    path: Path
+    result: Any
+    tier: str = "shared"
+
+    @property
+    def loaded(self) -> set[str]:
+        """The components restored (``result.loaded``), as the repr shows them."""
+        return set(self.result.loaded)
+
+    def __repr__(self) -> str:  # (the result's manifest stays out: printing a resume reads in one line)
+        return (
+            f"ResumeInfo(step={self.step}, path={str(self.path)!r}, tier={self.tier!r}, "
+            f"loaded={sorted(self.result.loaded)!r})"
+        )
+
+
+def resume_rotation(rotation: Any, ckpt: Any, fallback: bool, load_kwargs: dict[str, Any]) -> ResumeInfo | None:
+    """What ``rotation.resume(ckpt)`` does (collective): the local tier's newest complete step when it is not older
+    than the shared tier's newest entry, else the newest loadable shared entry (asking the local tier again before each
+    older one once a newer proved damaged); newer local steps are then forgotten. Starting fresh while entries are
+    there is warned about, naming them."""
+    from torchrl_dcp.collective import broadcast_step
+
+    settle_pending(ckpt)
+    group = group_of(ckpt)
+    candidates = broadcast_step(  # rank 0 lists, newest commit first; every rank loads the same entries
+        group, "listing checkpoints", lambda: [(e.step, str(e.path)) for e in reversed(by_commit(rotation.entries()))]
+    )
+    local_resume: Callable[[int | None], ResumeInfo | None] | None = None
+    if rotation.local is not None:
+        from torchrl_dcp.local_tier import tier_identity
+
+        identity = tier_identity(ckpt, rotation.directory)
+
+        def local_resume(shared_step: int | None) -> ResumeInfo | None:
+            """The local tier's newest complete step, if not older than ``shared_step`` (collective)."""
+            found = rotation.local.resume(ckpt, shared_step, identity, load_kwargs)
+            if found is None:
+                return None
+            step, path, result, tier = found
+            rotation._last_step, rotation._last_time = step, time.monotonic()
+            return ResumeInfo(step, path, result, tier)
+
+        info = local_resume(candidates[0][0] if candidates else None)
+        if info is not None:
+            return info
+    info = _resume_shared(rotation, ckpt, candidates, fallback, load_kwargs, local_resume)
+    if rotation.local is not None and (info is None or info.tier == "shared"):
+        rotation.local.forget_after(ckpt, None if info is None else info.step)  # newer local steps: an abandoned future
+    return info
+
+
+def _torchrl_entries(rotation: Any) -> list[str]:
+    """Names of the ``torchrl.checkpoint`` checkpoints in a local rotation directory, sorted."""
+    from torchrl_dcp.torchrl_format.detect import is_torchrl_checkpoint
+
+    if not rotation.location.is_local:
+        return []
+    return sorted(e.name for e in rotation.location.children() if is_torchrl_checkpoint(e.location.path))
+
+
+def _resume_shared(
+    rotation: Any,
+    ckpt: Any,
+    candidates: list[tuple[int, str]],
+    fallback: bool,
+    load_kwargs: dict[str, Any],
+    local_resume: Callable[[int | None], ResumeInfo | None] | None = None,
+) -> ResumeInfo | None:
+    """The newest loadable shared entry; once a newer one proved damaged, the local tier is asked again before
+    each older one (``local_resume``): a local step between them is the newest step every rank can obtain (it
+    was passed over for the damaged entry, then deleted as newer than the one restored)."""
+    from torchrl_dcp import _dist
+
+    group = group_of(ckpt)
+    skipped: list[str] = []
+    for step, listed in candidates:
+        if skipped and local_resume is not None:
+            info = local_resume(step)
+            if info is not None:
+                return info
+        path = rotation.directory / listed.rsplit("/", 1)[-1]  # the rotation's own path (and storage options)
+        try:
+            result = ckpt.load(path, **load_kwargs)
+        except CheckpointError as err:
+            damaged = isinstance(err, (CheckpointIntegrityError, CheckpointFormatError)) and not isinstance(
+                err, CheckpointVersionError
+            )
+            own = None if isinstance(err, CollectiveError) else damaged
+            votes = _dist.all_gather(own, group)
+            if not fallback or any(v is False for v in votes) or not any(votes):
+                raise
+            skipped.append(f"{path.name} ({err})")
+            logger.warning("checkpoint %s is damaged (%s); trying the previous one", path, err)
+            warnings.warn(  # (a log line alone is never shown by a job without logging configured)
+                f"checkpoint {path} is damaged ({err}); trying the previous one",
+                TorchrlDcpWarning,
+                stacklevel=user_stacklevel(),
+            )
+            continue
+        logger.info("resumed from step %d (%s)", step, path)
+        rotation._last_step, rotation._last_time = step, time.monotonic()  # every_steps counts from the resumed step
+        return ResumeInfo(step, path, result)
+    if skipped and local_resume is not None:  # every shared entry damaged: any complete local step
+        info = local_resume(None)
+        if info is not None:
+            return info
+    foreign = _torchrl_entries(rotation)
+    # starting fresh while checkpoints are there retrains from scratch: a warning (not a log line, which a job
+    # without logging configured never shows)
+    if skipped:  # every committed checkpoint was tried and refused
+        warnings.warn(
+            f"no usable checkpoint in {rotation.directory}: every committed one is damaged ("
+            + "; ".join(skipped[:3])
+            + (f"; and {len(skipped) - 3} more" if len(skipped) > 3 else "")
+            + "): starting fresh; the next saves replace them as the retention policy prunes",
+            TorchrlDcpWarning,
+            stacklevel=user_stacklevel(),
+        )
+    elif foreign:  # a run moving from torchrl's rotation
+        warnings.warn(
+            f"no committed torchrl_dcp checkpoint in {rotation.directory}, but torchrl.checkpoint entries "
+            f"({', '.join(foreign[-3:])}): this rotation does not resume from them; load the newest with "
+            "ckpt.load(path) (read-only), then save with this rotation. Starting fresh",
+            TorchrlDcpWarning,
+            stacklevel=user_stacklevel(),
+        )
+    elif unusable := [e for e in rotation.entries(include_uncommitted=True) if not e.committed]:
+        warnings.warn(  # a checkpoint is there but no load would be what it claims
+            f"no usable checkpoint in {rotation.directory}: "
+            + "; ".join(f"{e.path.name} ({e.error})" for e in unusable[-3:])
+            + "; starting fresh",
+            TorchrlDcpWarning,
+            stacklevel=user_stacklevel(),
+        )
+    else:
+        logger.info("no committed checkpoint in %s: starting fresh", rotation.directory)
+    return None
+
+
+def group_of(ckpt: Any) -> Any:
+    """The checkpoint's own group (its ``process_group``'s ranks, ``None`` with ``no_dist``)."""
+    if hasattr(ckpt, "_group"):
+        return ckpt._group()
+    from torchrl_dcp import _dist
+
+    return _dist.checkpoint_group(getattr(ckpt, "timeout", None))
+
+
+def settle_pending(ckpt: Any) -> None:
+    """At a collective call: the save in flight settled alike on every rank (its failure raised on every rank
+    unless every rank raised it already), so that no rank skips a call the others make."""
+    settle = getattr(ckpt, "_settle_async", None) or getattr(ckpt, "wait", None)  # (a checkpoint of another kind)
+    if callable(settle):
+        settle()
