@@ -43,7 +43,7 @@ from torchrl_dcp.format.codec import (
     repeated_tensors,
     xref_key,
 )
-from torchrl_dcp.format.dcp_metadata import record_index
+from torchrl_dcp.format.dcp_metadata import WholeTensor, record_index, whole_tensor
 from torchrl_dcp.format.migrations import migrate_component
 from torchrl_dcp.placement import Placement, key_prefix
 
@@ -298,18 +298,18 @@ def check_backed(metadata: Any, key: str, spec: TensorSpec, source: Any) -> None
         )
 
 
-def _backed_whole(saved: Any, records: Any, key: str, spec: TensorSpec) -> bool:
+def _backed_whole(saved: Any, records: Any, key: str, spec: TensorSpec, wholes: dict[int, WholeTensor | None]) -> bool:
     """What :func:`check_backed` checks, for a tensor of one chunk at the origin with its record there (5,000
-    tensors: 6 ms less a load); ``False`` for anything else (then checked, and explained, by it)."""
+    tensors: 6 ms less a load); ``False`` for anything else (then checked, and explained, by it). ``wholes``:
+    :func:`whole_tensor` of each metadata object met (tensors of one dtype and shape share theirs)."""
     md = None if saved is None or spec.dtensor else saved.get(key)
-    props = getattr(md, "properties", None)
-    if props is None or props.dtype != spec.dtype or md.size != spec.shape:  # torch.Size == tuple: as tuples
+    whole = wholes.get(id(md), False)
+    if whole is False:
+        whole = wholes[id(md)] = whole_tensor(md)
+    if whole is None or whole.dtype != spec.dtype or whole.shape != spec.shape:
         return False
-    chunks = md.chunks
-    if len(chunks) != 1:
-        return False
-    info = (records.get(key) or {}).get(tuple(chunks[0].offsets))
-    return info is not None and info.length >= math.prod(spec.shape) * spec.dtype.itemsize
+    info = (records.get(key) or {}).get(whole.offsets)
+    return info is not None and info.length >= whole.nbytes
 
 
 def check_states(name: str, rec: dict[str, Any], metadata: Any, source: Any) -> dict[int, SavedState]:
@@ -327,6 +327,7 @@ def check_states(name: str, rec: dict[str, Any], metadata: Any, source: Any) -> 
     saved = None if metadata is None else metadata.state_dict_metadata
     records = None if metadata is None else record_index(metadata)
     names: dict[torch.dtype, str] = {}
+    wholes: dict[int, WholeTensor | None] = {}
     for r, skeleton in states:
         try:
             view, specs, refs = plan_view(skeleton)  # every value decodes (numeric dtypes, bounded nesting)
@@ -340,7 +341,9 @@ def check_states(name: str, rec: dict[str, Any], metadata: Any, source: Any) -> 
             if entry is None or entry["dtype"] != dtype or tuple(entry["shape"]) != spec.shape:
                 _inventory_error(name, [key], source)
             seen.add(key)
-            if not _backed_whole(saved, records, key, spec):  # the common case in a few lookups, else every check
+            if not _backed_whole(
+                saved, records, key, spec, wholes
+            ):  # the common case in a few lookups, else every check
                 check_backed(metadata, key, spec, source)
         _check_saved(rec, skeleton, view, name, source)
         out[r] = SavedState(skeleton, prefix, specs, view, refs)

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import ReadItem
 
 from torchrl_dcp.errors import CheckpointIntegrityError, IncompatibleComponentError, UnsafeCheckpointError
-from torchrl_dcp.format.dcp_metadata import record_index
+from torchrl_dcp.format.dcp_metadata import WholeTensor, record_index, whole_tensor
 from torchrl_dcp.format.record import is_plain_tensor
 from torchrl_dcp.storage.reader import InPlaceFileSystemReader
 from torchrl_dcp.storage.readitems import RecordRead, destination_bytes, plan_in_place
@@ -112,6 +112,7 @@ def read_direct(
     rest: dict[str, torch.Tensor] = {}
     per_file: dict[str, list[RecordRead]] = {}
     saved_get, records_get = saved.get, records.get
+    wholes: dict[int, WholeTensor | None] = {}
     for key, dest in tensors.items():
         md = saved_get(key)
         if not checked or md is None:
@@ -121,13 +122,14 @@ def read_direct(
             continue
         if not dest.numel():
             continue  # nothing to read (as DCP: no read item for an empty tensor)
-        chunks = md.chunks
-        if len(chunks) == 1 and chunks[0].sizes == md.size and not any(chunks[0].offsets):
-            offsets = chunks[0].offsets
-            info = (records_get(key) or {}).get(tuple(offsets))
+        whole = wholes.get(id(md), False)
+        if whole is False:  # tensors of one dtype and shape share their metadata: asked once
+            whole = wholes[id(md)] = whole_tensor(md)
+        if whole is not None:
+            info = (records_get(key) or {}).get(whole.offsets)
             if info is None:
                 raise CheckpointIntegrityError(f"DCP metadata lists no record for tensor {key!r} at the origin")
-            item = RecordRead((key, offsets, dest.shape), info.offset, info.length, dest, True)
+            item = RecordRead((key, whole.offsets, dest.shape), info.offset, info.length, dest, True)
             plan_in_place(item, info)
             files = per_file.get(info.relative_path)
             if files is None:
