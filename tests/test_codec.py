@@ -194,3 +194,35 @@ def test_values_a_load_would_not_give_back_are_refused_at_save_naming_them(tmp_p
     with pytest.raises(tdcp.EncodingError, match=rf"stats/deep/x \(.*{why}"):
         tdcp.DistributedCheckpoint(stats={"deep": {"x": make()}}).save(tmp_path / "c")
     assert not (tmp_path / "c").exists()
+
+
+def _bits(x: float) -> bytes:
+    import struct
+
+    return struct.pack(">d", x)
+
+
+@pytest.mark.parametrize("bits", ["fff8000000000000", "7ff8000000000123", "7ff0000000000001", "7ff8000000000000"])
+def test_a_nan_keeps_its_sign_and_payload(bits: str) -> None:
+    import struct
+
+    nan = struct.unpack(">d", bytes.fromhex(bits))[0]
+    (out, _) = roundtrip({"x": nan, "l": [nan]})
+    assert _bits(out["x"]).hex() == bits and _bits(out["l"][0]).hex() == bits
+
+
+@pytest.mark.parametrize("bits", ["zz", "3ff0000000000000", 7, "7ff8"])
+def test_forged_nan_bits_are_a_format_error(bits) -> None:
+    with pytest.raises(CheckpointFormatError, match="NaN bits"):
+        decode({"t": "float", "v": "nan", "bits": bits}, {})
+
+
+def test_pure_paths_keep_their_flavour() -> None:
+    from pathlib import PurePosixPath, PureWindowsPath
+
+    value = {"w": PureWindowsPath(r"C:\data\run1"), "p": PurePosixPath("/data/run1"), "c": Path("/data/x")}
+    out, _ = roundtrip(value)
+    assert out == value and [type(out[k]) for k in value] == [type(v) for v in value.values()]
+    assert out["w"].parts == ("C:\\", "data", "run1")
+    with pytest.raises(CheckpointFormatError, match="path kind"):
+        decode({"t": "path", "v": "x", "kind": "os.system"}, {})

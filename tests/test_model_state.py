@@ -203,3 +203,24 @@ def test_td3_loss_with_one_element_stride_0_buffers_saves_and_loads_exactly(tmp_
     tdcp.DistributedCheckpoint(loss=fresh).load(where)
     for (k, a), (_, b) in zip(saved.state_dict().items(), fresh.state_dict().items()):
         assert a.dtype == b.dtype and torch.equal(a, b), k
+
+
+class _Expanded(torch.nn.Module):
+    def __init__(self, expanded: bool) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 3)
+        self.register_buffer("grid", torch.randn(3).expand(4, 3) if expanded else torch.randn(4, 3))
+
+
+def test_an_expanded_buffer_is_refused_at_save_and_at_load_naming_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import torchrl_dcp as tdcp
+
+    with pytest.raises(tdcp.EncodingError, match="'grid' is an expanded view"):
+        tdcp.DistributedCheckpoint(no_dist=True, policy=_Expanded(True)).save(tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+    path = tdcp.DistributedCheckpoint(no_dist=True, policy=_Expanded(False)).save(tmp_path / "b")
+    live = _Expanded(True)
+    before = {k: v.clone() for k, v in live.state_dict().items()}
+    with pytest.raises(tdcp.IncompatibleComponentError, match="'grid' is an expanded view"):
+        tdcp.DistributedCheckpoint(no_dist=True, policy=live).load(path)
+    assert all(torch.equal(before[k], v) for k, v in live.state_dict().items())  # nothing copied

@@ -84,3 +84,21 @@ def test_a_locked_tensordict_of_another_structure_is_refused_and_unchanged(tmp_p
     same = saved.clone().zero_().lock_()  # the saved structure: restored in place
     tdcp.DistributedCheckpoint(td=same).load(path)
     assert (same == saved).all()
+
+
+def test_a_non_tensor_stack_and_dimension_names_round_trip(tmp_path: Path) -> None:
+    from tensordict import NonTensorData, NonTensorStack
+
+    td = TensorDict({"obs": torch.zeros(2, 3)}, batch_size=[2, 3], names=["env", "time"])
+    row = NonTensorStack(NonTensorData(["x"]), NonTensorData(3), NonTensorData("z"))  # a list value: no batch dim
+    td.set("s", NonTensorStack(NonTensorStack("a", "b", "c"), row))
+    path = tdcp.DistributedCheckpoint(no_dist=True, td=td).save(tmp_path / "c")
+    fresh = TensorDict()
+    tdcp.DistributedCheckpoint(no_dist=True, td=fresh).load(path)
+    assert fresh.names == ["env", "time"]
+    assert type(fresh.get("s")) is NonTensorStack
+    assert fresh.get("s").tolist() == [["a", "b", "c"], [["x"], 3, "z"]]
+    assert fresh[1, 0]["s"] == ["x"] and fresh[0, 2]["s"] == "c"
+    named = TensorDict({"obs": torch.zeros(2, 3)}, batch_size=[2, 3], names=["a", "b"])
+    tdcp.DistributedCheckpoint(no_dist=True, td=named).load(path)  # names as saved
+    assert named.names == ["env", "time"]

@@ -53,6 +53,9 @@ class ModuleAdapter(Adapter):
                 "forward pass, or give the module its input sizes, before saving. Loading into such a module works: "
                 "the load gives it the saved shapes"
             )
+        for key, t in state.items():
+            if type(t) in _PLAIN and 0 in t.stride() and _expanded(t):
+                raise EncodingError(_expanded_message(ctx.name, key, t, "a load could never write into it"))
         return state
 
     def validate(self, obj: torch.nn.Module, saved: dict[int, Any], ctx: AdapterContext) -> None:
@@ -110,6 +113,21 @@ def model_state(obj: torch.nn.Module, keep_vars: bool = False) -> dict[str, Any]
     if any(is_dtensor(v) for v in state.values()):
         return get_model_state_dict(obj)
     return state
+
+
+def _expanded(t: torch.Tensor) -> bool:
+    """Whether elements of ``t`` share memory (an ``expand``-ed tensor: a stride of 0 along a dimension of more than
+    one element): ``load_state_dict`` cannot copy into it (torch refuses the write)."""
+    return any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape))
+
+
+def _expanded_message(name: str, key: str, t: torch.Tensor, why: str) -> str:
+    return (
+        f"component {name!r}: {key!r} is an expanded view (shape {list(t.shape)}, stride {list(t.stride())}: several "
+        f"of its elements are one memory location), so {why} (torch's load_state_dict refuses to write into it); "
+        "give it its own memory (e.g. register_buffer(name, value.expand(...).clone())), or register it with "
+        "persistent=False if it is derived from other state"
+    )
 
 
 def _current(obj: torch.nn.Module, ctx: AdapterContext) -> dict[str, Any]:
@@ -215,6 +233,8 @@ def _check_values(current: Mapping[str, Any], state: Any, name: str) -> set[str]
                 f"a load restores exactly, it does not cast; load into a module of the saved dtype "
                 f"(built as saved, or module.to({value.dtype})), then cast it (module.to({target.dtype}))"
             )
+        if 0 in target.stride() and _expanded(target):  # (before anything is copied: it would fail half-way)
+            raise IncompatibleComponentError(_expanded_message(name, key, target, "nothing can be loaded into it"))
         if spec and _in_place(target):
             in_place.add(key)
     return in_place

@@ -36,14 +36,64 @@ def tensordict_state(td: TensorDictBase) -> dict[str, Any]:
         if isinstance(value, TensorDictBase) and not _is_non_tensor(value):
             entries[key] = {"td": tensordict_state(value)}
         elif _is_non_tensor(value):
-            entries[key] = {"value": td.get_non_tensor(key)}
+            if _is_stack(value):  # one value per element (``get_non_tensor`` gives the list of them)
+                entries[key] = {"stack": _stack_state(value)}
+            else:
+                entries[key] = {"value": td.get_non_tensor(key)}
         else:
             entries[key] = {"tensor": value}
-    return {
+    out = {
         "batch_size": list(td.batch_size),
         "device": None if td.device is None else str(td.device),
         "entries": entries,
     }
+    names = td._maybe_names() if hasattr(td, "_maybe_names") else None
+    if names is not None and any(n is not None for n in names):
+        out["names"] = list(names)  # dimension names (only when some are set: older states have none)
+    return out
+
+
+def _is_stack(value: Any) -> bool:
+    from tensordict import NonTensorStack
+
+    return isinstance(value, NonTensorStack)
+
+
+def _stack_state(value: Any) -> dict[str, Any]:
+    """A ``NonTensorStack`` as the states of what it stacks (values, or stacks of them), with each value's batch
+    size: ``tolist()`` would not tell a stack's rows from values that are lists."""
+    parts = []
+    for part in value.tensordicts:
+        if _is_stack(part):
+            parts.append({"stack": _stack_state(part)})
+        else:
+            parts.append({"value": part.data, "batch_size": list(part.batch_size)})
+    return {"stack_dim": int(value.stack_dim), "parts": parts}
+
+
+def _stack_from_state(state: Any, depth: int = 0) -> Any:
+    from tensordict import NonTensorData, NonTensorStack
+
+    if (
+        not isinstance(state, dict)
+        or type(state.get("stack_dim")) is not int
+        or not isinstance(state.get("parts"), list)
+        or not state["parts"]
+        or depth > 64
+    ):
+        raise CheckpointFormatError("malformed non-tensor stack in a TensorDict state")
+    parts = []
+    for part in state["parts"]:
+        if isinstance(part, dict) and "stack" in part:
+            parts.append(_stack_from_state(part["stack"], depth + 1))
+        elif isinstance(part, dict) and "value" in part and isinstance(part.get("batch_size"), list):
+            parts.append(NonTensorData(part["value"], batch_size=torch.Size(part["batch_size"])))
+        else:
+            raise CheckpointFormatError("malformed non-tensor stack in a TensorDict state")
+    try:
+        return NonTensorStack(*parts, stack_dim=state["stack_dim"])
+    except (RuntimeError, ValueError, TypeError, IndexError) as err:
+        raise CheckpointFormatError(f"malformed non-tensor stack in a TensorDict state ({err})") from None
 
 
 def tensordict_from_state(state: dict[str, Any], ctx: AdapterContext | None = None) -> TensorDict:
@@ -64,8 +114,18 @@ def tensordict_from_state(state: dict[str, Any], ctx: AdapterContext | None = No
             out.set(key, tensordict_from_state(entry["td"], ctx))
         elif "value" in entry:
             out.set_non_tensor(key, entry["value"])
+        elif "stack" in entry:
+            out.set(key, _stack_from_state(entry["stack"]))
         else:
             out.set(key, entry["tensor"])
+    names = state.get("names")
+    if names is not None:
+        if not isinstance(names, list) or not all(n is None or isinstance(n, str) for n in names):
+            raise CheckpointFormatError("malformed TensorDict dimension names")
+        try:
+            out.names = names
+        except (RuntimeError, ValueError, TypeError, IndexError) as err:
+            raise CheckpointFormatError(f"malformed TensorDict dimension names ({err})") from None
     return out
 
 
@@ -189,15 +249,20 @@ def _restore_into(obj: TensorDictBase, new: TensorDictBase, name: str) -> None:
         for live, saved in zip(obj.tensordicts, parts):
             _restore_into(live, saved, name)
         return
+    names = new._maybe_names()
+    if obj._maybe_names() != names:  # dimension names as saved (none saved: none); others are cleared first (an
+        obj.names = [None] * obj.batch_dims  # update, or setting names, over other names refines them: refused)
     if obj.is_locked:
         obj.update_(new)
-        return
-    drop_unsaved(obj, new)
-    if obj.batch_size != new.batch_size:
-        for key in list(obj.keys()):
-            del obj[key]
-        obj.batch_size = new.batch_size
-    obj.update(new)
+    else:
+        drop_unsaved(obj, new)
+        if obj.batch_size != new.batch_size:
+            for key in list(obj.keys()):
+                del obj[key]
+            obj.batch_size = new.batch_size
+        obj.update(new)
+    if names is not None and obj._maybe_names() != names:
+        obj.names = names
 
 
 def drop_unsaved(obj: TensorDictBase, new: TensorDictBase) -> None:

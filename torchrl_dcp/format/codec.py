@@ -23,9 +23,10 @@ import base64
 import functools
 import math
 import re
+import struct
 from collections import Counter, OrderedDict
 from collections.abc import Iterator, Mapping
-from pathlib import Path, PurePath
+from pathlib import Path, PurePath, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import numpy as np
@@ -171,7 +172,7 @@ class _Encoder:
                 raise self.fail(path, value, f" (an integer of more than {MAX_INT_BITS} bits: store it as a string)")
             return value
         if type(value) is float:  # (NumPy's float64 is a float too: its own node below keeps its type)
-            return value if math.isfinite(value) else {"t": "float", "v": repr(value)}
+            return value if math.isfinite(value) else _non_finite(value)
         if isinstance(value, torch.Tensor):
             return self._tensor(value, path)
         if isinstance(value, np.ndarray):
@@ -253,8 +254,9 @@ class _Encoder:
             return {"t": "slice", "v": [self.encode(v, path, depth) for v in (value.start, value.stop, value.step)]}
         if isinstance(value, range):
             return {"t": "range", "v": [self.encode(v, path, depth) for v in (value.start, value.stop, value.step)]}
-        if isinstance(value, PurePath):
-            return {"t": "path", "v": str(value)}
+        if isinstance(value, PurePath):  # a pure path keeps its flavour (Windows: other separators, drives)
+            kind = type(value).__name__ if type(value) in (PurePosixPath, PureWindowsPath) else None
+            return {"t": "path", "v": str(value)} if kind is None else {"t": "path", "v": str(value), "kind": kind}
         if value is Ellipsis:
             return {"t": "ellipsis"}
         raise self.fail(path, value)
@@ -433,10 +435,43 @@ def _check_device(device: Any, key: str) -> None:
         _DEVICES_SEEN.add(device)
 
 
-def _decode_scalar_float(v: Any) -> float:
+_NAN_BITS = struct.pack(">d", math.nan)
+
+
+def _non_finite(value: float) -> dict[str, Any]:
+    """A non-finite float's node; a NaN other than Python's own keeps its bits (sign and payload)."""
+    bits = struct.pack(">d", value)
+    if value != value and bits != _NAN_BITS:
+        return {"t": "float", "v": "nan", "bits": bits.hex()}
+    return {"t": "float", "v": repr(value)}
+
+
+def _decode_scalar_float(node: dict[str, Any]) -> float:
+    v = node["v"]
     if v not in ("nan", "inf", "-inf"):
         raise CheckpointFormatError(f"malformed float {v!r}")
-    return float(v)
+    bits = node.get("bits")
+    if bits is None:
+        return float(v)
+    try:
+        value = struct.unpack(">d", bytes.fromhex(bits))[0] if isinstance(bits, str) and len(bits) == 16 else 0.0
+    except ValueError:
+        value = 0.0
+    if v != "nan" or value == value:
+        raise CheckpointFormatError(f"malformed NaN bits {bits!r}")
+    return value
+
+
+def _decode_path(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> PurePath:
+    kind = node.get("kind")
+    if kind is None:
+        return Path(node["v"])
+    if kind not in _PURE_PATHS:
+        raise CheckpointFormatError(f"malformed path kind {kind!r}")
+    return _PURE_PATHS[kind](node["v"])
+
+
+_PURE_PATHS = {"PurePosixPath": PurePosixPath, "PureWindowsPath": PureWindowsPath}
 
 
 def np_dtype_from_name(name: Any) -> np.dtype:
@@ -620,7 +655,7 @@ _DECODERS: dict[str, Any] = {
     "tuple": _decode_sequence,
     "set": _decode_sequence,
     "frozenset": _decode_sequence,
-    "float": lambda node, tensors, depth: _decode_scalar_float(node["v"]),
+    "float": lambda node, tensors, depth: _decode_scalar_float(node),
     "size": lambda node, tensors, depth: torch.Size([int(v) for v in node["v"]]),
     "dtype": lambda node, tensors, depth: dtype_from_name(node["v"]),
     "device": _decode_device,
@@ -630,6 +665,6 @@ _DECODERS: dict[str, Any] = {
     "bytearray": _decode_bytes,
     "slice": lambda node, tensors, depth: slice(*(_decode(v, tensors, depth) for v in node["v"])),
     "range": lambda node, tensors, depth: range(*(int(v) for v in node["v"])),
-    "path": lambda node, tensors, depth: Path(node["v"]),
+    "path": _decode_path,
     "ellipsis": lambda node, tensors, depth: Ellipsis,
 }
