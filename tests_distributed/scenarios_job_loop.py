@@ -6,6 +6,7 @@ import datetime
 import hashlib
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -172,3 +173,30 @@ def failure_waited_for_on_one_rank(directory: str, how: str) -> dict[str, Any]:
             log.append([step, type(err).__name__])
     rotation.close()
     return {"rank": rank, "errors": log, "entries": [e.step for e in rotation.entries()]}
+
+
+def two_groups_of_the_same_ranks_and_a_timed_out_save(directory: str) -> dict[str, Any]:
+    """Two user groups of the same two ranks each checkpoint (their gloo groups once got one name: torch's
+    ValueError); then a save that times out (rank 1 late) and saves on time after it (the timed-out gloo group was
+    kept and every later save failed)."""
+    rank = dist.get_rank()
+    first, second = dist.new_group([0, 1]), dist.new_group([0, 1])
+    model = torch.nn.Linear(3, 2)
+    a = tdcp.DistributedCheckpoint(process_group=first, timeout=3, model=model)
+    b = tdcp.DistributedCheckpoint(process_group=second, timeout=3, model=model)
+    a.save(f"{directory}/a")
+    b.save(f"{directory}/b")
+    if rank == 1:
+        time.sleep(6)  # past the 3 s timeout: both ranks must raise
+    try:
+        a.save(f"{directory}/late")
+        late = "saved"
+    except tdcp.CollectiveError as err:
+        late = f"CollectiveError: {err}"
+    dist.barrier()
+    after = []
+    for step in range(2):
+        after.append(str(a.save(f"{directory}/after-{step}")))
+    fresh = torch.nn.Linear(3, 2)
+    tdcp.DistributedCheckpoint(process_group=second, timeout=3, model=fresh).load(f"{directory}/after-1")
+    return {"late": late, "after": after, "exact": torch.equal(fresh.weight, model.weight)}

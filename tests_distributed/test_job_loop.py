@@ -127,3 +127,18 @@ def test_a_background_failure_waited_for_on_one_rank_keeps_the_ranks_in_step(tmp
     assert [s for s, _ in by_rank[0]["errors"]] == [4, 6], by_rank  # its wait, then the next call, with rank 1
     assert [s for s, _ in by_rank[1]["errors"]] == [6], by_rank
     assert by_rank[0]["entries"] == by_rank[1]["entries"] == [2, 7, 8, 10], by_rank  # (a failed step stays due)
+
+
+def test_groups_of_the_same_ranks_checkpoint_and_a_timed_out_save_does_not_end_checkpointing(tmp_path: Path) -> None:
+    results = launch(
+        "tests_distributed.scenarios_job_loop:two_groups_of_the_same_ranks_and_a_timed_out_save",
+        2,
+        str(tmp_path),
+        timeout=120,
+    )
+    for r in results:
+        assert r.value["late"].startswith("CollectiveError"), r.value["late"]
+        assert r.value["after"] == [str(tmp_path / "after-0"), str(tmp_path / "after-1")]
+        assert r.value["exact"]
+    assert not (tmp_path / "late").exists()
+    assert tdcp.read_manifest(tmp_path / "b")["world_size"] == 2

@@ -43,6 +43,7 @@ _GROUPS: dict[tuple[int, float | None, int | None, str], Any] = {}
 _TIMEOUTS: dict[int, datetime.timedelta] = {}
 _NAMES: dict[int, str] = {}  # from what the group is (timeout, members, purpose): the same on every member
 _SEQ: dict[int, int] = {}
+_CREATED: dict[str, int] = {}  # groups created per name (timeout, members, purpose): the next one's number
 _SILENT = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 
 
@@ -52,6 +53,7 @@ def forget_groups() -> None:
     _TIMEOUTS.clear()
     _NAMES.clear()
     _SEQ.clear()
+    _CREATED.clear()
 
 
 def _release_at_exit() -> None:
@@ -135,12 +137,16 @@ def checkpoint_group(
             ranks = dist.get_process_group_ranks(process_group)
             kwargs.update(ranks=ranks, use_local_synchronization=True)
             members = ",".join(map(str, sorted(ranks)))  # the same on every member (an id() is not)
+        # numbered: two user groups of the same ranks, or a group made again after a failed collective broke the
+        # last one, get names of their own (every member creates its groups in the same order: calls are collective)
+        base = f"{seconds}-{members}-{purpose}"
+        name = f"{base}-{_CREATED.get(base, 0)}"
         try:
             if scope is not None:
-                group = _members_only_group(kwargs, f"{seconds}-{members}-{purpose}")
+                group = _members_only_group(kwargs, name)
             else:
                 group = dist.new_group(**kwargs)
-        except dist.DistError as err:  # the rendezvous of its creation: torch's store errors name no rank
+        except RuntimeError as err:  # the rendezvous of its creation (DistError; gloo's connectFullMesh: RuntimeError)
             wait = (timeout or DEFAULT_TIMEOUT).total_seconds()
             raise CollectiveError(
                 f"the ranks ({members}) did not all reach their first checkpoint call within {wait:.0f} s (creating "
@@ -148,10 +154,29 @@ def checkpoint_group(
                 "rank is stuck or dead, called no checkpoint operation, or failed before it (its own error says "
                 "which); every rank must call save, load and resume alike"
             ) from err
+        _CREATED[base] = _CREATED.get(base, 0) + 1
         _GROUPS[(world, seconds, scope, purpose)] = group
         _TIMEOUTS[id(group)] = timeout or DEFAULT_TIMEOUT
-        _NAMES[id(group)] = f"{seconds}-{members}-{purpose}"  # store keys of silent-rank reports: one per group
+        _NAMES[id(group)] = name  # store keys of silent-rank reports: one per group
     return group
+
+
+def _discard(group: Any) -> None:
+    """Stop using ``group`` after one of its collectives failed: a gloo timeout or a lost peer closes its
+    connections for good, so the next checkpoint call creates a new group (on every member: each raised)."""
+    for key, cached in list(_GROUPS.items()):
+        if cached is group:
+            del _GROUPS[key]
+
+
+def _ranks_named(group: Any, ranks: str) -> str:
+    """``ranks`` (group ranks, "1, 2") with their global ranks, when ``group`` is a subgroup."""
+    try:
+        if dist.get_world_size(group) == dist.get_world_size():
+            return ranks
+        return ", ".join(f"{r} (global rank {dist.get_global_rank(group, int(r))})" for r in ranks.split(","))
+    except (ValueError, RuntimeError):
+        return ranks
 
 
 def _members_only_group(kwargs: dict[str, Any], name: str) -> Any:
@@ -199,6 +224,7 @@ def sync(group: Any, phase: str) -> None:
         return
     except RuntimeError as err:
         text = str(err)
+    _discard(group)
     key = f"torchrl_dcp/silent/{_NAMES.get(id(group), 'g')}/{seq}"
     store = _store()
     silent = None
@@ -218,7 +244,7 @@ def sync(group: Any, phase: str) -> None:
             silent = None
     seconds = f"{timeout.total_seconds():g} s"
     if silent is not None:
-        who = f"rank{'s' if ',' in silent else ''} {silent}"
+        who = f"rank{'s' if ',' in silent else ''} {_ranks_named(group, silent)}"
         raise CollectiveError(
             f"{who} did not reach the checkpoint collective ({phase}) within {seconds}: stuck or dead. "
             "Nothing was committed; the previous checkpoint is intact. Check that rank's log; raise "
@@ -228,6 +254,12 @@ def sync(group: Any, phase: str) -> None:
         raise CollectiveError(
             f"a rank died during the checkpoint collective ({phase}) (gloo: {_last_line(text)}). Nothing was "
             "committed; the previous checkpoint is intact. Check the logs of the other ranks"
+        ) from None
+    if me == 0:
+        raise CollectiveError(
+            f"the checkpoint collective ({phase}) failed on the coordinator (rank 0) within {seconds}: a rank is "
+            f"stuck, dead or unreachable. Nothing was committed; the previous checkpoint is intact (gloo: "
+            f"{_last_line(text)})"
         ) from None
     raise CollectiveError(
         f"rank 0 (the coordinator) did not answer within {seconds} at the checkpoint collective ({phase}): it is "
@@ -248,10 +280,12 @@ def _last_line(text: str) -> str:
     return lines[-1][:300] if lines else "no details"
 
 
-def _collective(fn: Any, phase: str) -> Any:
+def _collective(fn: Any, phase: str, group: Any = None) -> Any:
     try:
         return fn()
     except RuntimeError as err:
+        if group is not None:
+            _discard(group)
         raise CollectiveError(
             f"checkpoint collective ({phase}) failed: a rank died, the connection broke or a rank did not answer "
             f"within the timeout (gloo: {_last_line(str(err))}). Nothing was committed; the previous checkpoint is "
@@ -265,7 +299,7 @@ def all_gather(obj: Any, group: Any, phase: str = "exchanging status", *, monito
         return [obj]
     _barrier_unless_inside(monitored, group, phase)
     out: list[Any] = [None] * dist.get_world_size(group)
-    _collective(lambda: dist.all_gather_object(out, obj, group=group), phase)
+    _collective(lambda: dist.all_gather_object(out, obj, group=group), phase, group)
     return out
 
 
@@ -276,7 +310,7 @@ def gather_to_0(
         return [obj]
     _barrier_unless_inside(monitored, group, phase)
     out: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
-    _collective(lambda: dist.gather_object(obj, out, group=group, group_dst=0), phase)
+    _collective(lambda: dist.gather_object(obj, out, group=group, group_dst=0), phase, group)
     return out
 
 
@@ -291,7 +325,7 @@ def any_rank(flags: list[bool], group: Any, phase: str = "agreeing") -> list[boo
     import torch
 
     values = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int64)
-    _collective(lambda: dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group), phase)
+    _collective(lambda: dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group), phase, group)
     return [bool(v) for v in values.tolist()]
 
 
@@ -307,6 +341,7 @@ def scatter_from_0(
     _collective(
         lambda: dist.scatter_object_list(box, objs if dist.get_rank(group) == 0 else None, group=group, group_src=0),
         phase,
+        group,
     )
     return box[0]
 
@@ -329,7 +364,7 @@ def agree(flags: list[bool], digest: int, group: Any, phase: str, *, monitored: 
     _barrier_unless_inside(monitored, group, phase)
     folded = digest & ((1 << 62) - 1)  # non-negative and negatable in int64: max(d) == -max(-d) iff all equal
     values = torch.tensor([1 if f else 0 for f in flags] + [folded, -folded], dtype=torch.int64)
-    _collective(lambda: dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group), phase)
+    _collective(lambda: dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group), phase, group)
     out = values.tolist()
     return [bool(v) for v in out[: len(flags)]], out[-2] == -out[-1]
 
@@ -339,5 +374,5 @@ def broadcast_from_0(obj: Any, group: Any, phase: str = "broadcast from rank 0",
         return obj
     _barrier_unless_inside(monitored, group, phase)
     box = [obj]
-    _collective(lambda: dist.broadcast_object_list(box, group=group, group_src=0), phase)
+    _collective(lambda: dist.broadcast_object_list(box, group=group, group_src=0), phase, group)
     return box[0]

@@ -59,7 +59,7 @@ __all__ = ["DistributedCheckpoint", "LoadResult"]
 logger = get_logger(__name__)
 
 WorldSizeChange = Literal["error", "reshard"]
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*\Z")
 
 
 @dataclass
@@ -252,7 +252,7 @@ class DistributedCheckpoint:
             replica_check: for a replicated component, how saves check that every rank holds the
                 same state (``"sample"``, ``"full"``, ``"off"``; default: the checkpoint's).
         """
-        if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+        if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
             raise ValueError(f"component name {name!r} must match {_NAME.pattern} (no '/' and no '..')")
         if name in self._components:
             raise KeyError(f"component {name!r} is already registered")

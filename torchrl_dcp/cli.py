@@ -505,6 +505,9 @@ def _sub_parser(common: argparse.ArgumentParser) -> type:
 def main(argv: list[str] | None = None) -> int:
     """Run the command; 0 on success, 1 on a refused or damaged checkpoint (``diff``: 0 identical, 1 different, 2
     an error); quiet, exit 141, when stdout is a closed pipe."""
+    for stream in (sys.stdout, sys.stderr):  # a path the terminal's encoding cannot show is escaped, not an error
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     args = _parser().parse_args(argv)
     args.json = getattr(args, "json", False)
     args.quiet = getattr(args, "quiet", False)

@@ -65,8 +65,8 @@ logger = get_logger(__name__)
 Tier = Literal["local", "peer", "shared"]
 RECORD_FORMAT = "torchrl_dcp.local_tier"
 RECORD_VERSION = 1
-_STEP = re.compile(r"^step-(\d{12})$")
-_RECORD = re.compile(r"^rank-(\d{5})\.commit\.json$")
+_STEP = re.compile(r"step-([0-9]{12})")  # (fullmatch: "$" would take a name ending in a newline)
+_RECORD = re.compile(r"rank-([0-9]{5})\.commit\.json")
 _RECORD_LIMIT = 64 << 10
 _MANIFEST_LIMIT = 64 << 20  # a part's manifest larger than this is not digested (its record never matches)
 
@@ -265,7 +265,7 @@ class LocalTier:
             names = os.listdir(self.path)
         except (FileNotFoundError, NotADirectoryError):
             return []
-        found = (m for m in map(_STEP.match, names) if m)
+        found = (m for m in map(_STEP.fullmatch, names) if m)
         return sorted(int(m.group(1)) for m in found if _is_real_dir(self.path / m.group(0)))
 
     def _remove_step(self, step: int) -> None:
@@ -275,10 +275,10 @@ class LocalTier:
         except (FileNotFoundError, NotADirectoryError):
             return
         for name in names:  # records first: a step half removed is never taken for a committed one
-            if _RECORD.match(name):
+            if _RECORD.fullmatch(name):
                 (step_dir / name).unlink(missing_ok=True)
         for name in names:
-            if re.match(r"^rank-\d{5}$", name) or ".tdcp-" in name:
+            if re.fullmatch(r"rank-[0-9]{5}", name) or ".tdcp-" in name:
                 remove_entry(step_dir / name)
         try:
             step_dir.rmdir()
@@ -384,7 +384,7 @@ class LocalTier:
             except (FileNotFoundError, NotADirectoryError):
                 continue
             for name in names:
-                m = _RECORD.match(name)
+                m = _RECORD.fullmatch(name)
                 if not m:
                     continue
                 part = _read_record(step_dir, int(m.group(1)), step, identity)

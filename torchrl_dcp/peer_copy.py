@@ -38,7 +38,7 @@ from torchrl_dcp.storage.files import DirHandle
 
 PIECE = 16 << 20  # bytes per message: bounds the memory of a copy (two buffers each way)
 _HEADER_LIMIT = 1 << 20  # a part lists a handful of files: a larger header is not ours
-_NAME = re.compile(r"^(?!\.\.?$)[A-Za-z0-9_.\-]{1,200}$")
+_NAME = re.compile(r"^(?!\.\.?\Z)[A-Za-z0-9_.\-]{1,200}\Z")
 
 
 def entry_files(path: Path) -> list[tuple[str, int]]:

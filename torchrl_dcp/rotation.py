@@ -31,7 +31,6 @@ Example:
 from __future__ import annotations
 
 import os
-import re
 import time
 import warnings
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -48,15 +47,20 @@ from torchrl_dcp.errors import (
 from torchrl_dcp.format.layout import is_data_file
 from torchrl_dcp.json_values import metadata_values
 from torchrl_dcp.preemption import PreemptionWatcher
-from torchrl_dcp.rotation_entries import RotationEntry, by_commit, latest_entry, list_entries, metric_value
+from torchrl_dcp.rotation_entries import (
+    RotationEntry,
+    by_commit,
+    entry_name_step,
+    latest_entry,
+    list_entries,
+    metric_value,
+)
 from torchrl_dcp.rotation_resume import ResumeInfo, group_of, resume_rotation, settle_pending
 from torchrl_dcp.save_policy import MetricMode, Retention, SaveSchedule, parse_keep_best
 from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.storage.base import Location
 
 logger = get_logger(__name__)
-
-_OWNER = re.compile(r"^step-(\d+)(\.zip)?$")  # the entry a leftover of a killed save or conversion was for
 
 
 def _check_committed(location: Location) -> None:
@@ -464,9 +468,9 @@ class CheckpointRotation:
             if e.path not in keep and self.location.child(e.path.name).remove():
                 removed.append(e.path)
         for left in self.location.leftovers():
-            m = _OWNER.match(left.owner)
+            owner = entry_name_step(left.owner)  # the entry a leftover of a killed save or conversion was for
             if (
-                m and int(m.group(1)) < newest and self.location.remove_leftover(left)
+                owner is not None and owner[0] < newest and self.location.remove_leftover(left)
             ):  # an older step's, never committed
                 removed.append(self.directory / left.name)
         if removed:

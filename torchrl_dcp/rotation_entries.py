@@ -28,7 +28,22 @@ from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, 
 from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.storage.base import Location
 
-_ENTRY = re.compile(r"^step-(\d+)(\.zip)?$")
+_ENTRY = re.compile(r"step-([0-9]{12,})(\.zip)?")
+
+
+def entry_name_step(name: str) -> tuple[int, bool] | None:
+    """``(step, is_archive)`` of a name a rotation gives its entries (``step-<12 digits>``, ``.zip`` for an archive;
+    more digits only for steps that need them), else ``None``: another name (``step-5``, ``step-0…06`` with a
+    newline, other digits) is never taken for an entry, so never pruned.
+
+    Example:
+        >>> entry_name_step("step-000000000042.zip"), entry_name_step("step-42")
+        ((42, True), None)
+    """
+    m = _ENTRY.fullmatch(name)
+    if m is None or f"{int(m.group(1)):012d}" != m.group(1):
+        return None
+    return int(m.group(1)), m.group(2) is not None
 
 
 @dataclass(frozen=True)
@@ -88,10 +103,10 @@ def list_entries(
     location = directory if isinstance(directory, Location) else location_for(directory)
     found: dict[int, RotationEntry] = {}
     for child in location.children():
-        m = _ENTRY.match(child.name)
-        if not m:
+        parsed = entry_name_step(child.name)
+        if parsed is None:
             continue
-        is_archive = m.group(2) is not None
+        step, is_archive = parsed
         if child.kind != ("archive" if is_archive else "checkpoint"):
             continue  # a symlink, a FIFO, a directory named .zip, an object named step-N: never ours
         error = None
@@ -104,9 +119,9 @@ def list_entries(
                 raise
             manifest, error = {}, f"{type(err).__name__}: {err}"  # (a listing for display shows it)
         recorded = manifest.get("step")
-        if error is None and recorded is not None and recorded != int(m.group(1)):
+        if error is None and recorded is not None and recorded != step:
             # renamed (or another run's): its name would make resume report, and keep_last rank, another step
-            error = f"its manifest records step {recorded}, not {int(m.group(1))}: renamed, not this rotation's entry"
+            error = f"its manifest records step {recorded}, not {step}: renamed, not this rotation's entry"
         if error is not None and not include_uncommitted:
             continue
         size = child.location.size()
@@ -114,7 +129,7 @@ def list_entries(
             continue  # removed while listed
         created_at = manifest.get("created_at")
         entry = RotationEntry(
-            step=int(m.group(1)),
+            step=step,
             path=child.location.path,
             committed=error is None,
             archive=is_archive,

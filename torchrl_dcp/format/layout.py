@@ -33,8 +33,8 @@ def shared_file_name(rank: int) -> str:
     return f"__{rank}_shared.distcp"
 
 
-_DATA_FILE = re.compile(r"^__(\d{1,9})_(\d{1,12}|shared)\.distcp$")
-_SHARD = re.compile(r"^manifest-(0|[1-9]\d{0,8})\.json$")
+_DATA_FILE = re.compile(r"^__([0-9]{1,9})_([0-9]{1,12}|shared)\.distcp\Z")  # (\Z: "$" takes a final newline)
+_SHARD = re.compile(r"^manifest-(0|[1-9][0-9]{0,8})\.json\Z")
 
 
 def shard_name(rank: int) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -188,6 +189,7 @@ def _file_url_path(url: str) -> Path:
     """
     rest = url[len("file://") :]
     host, slash, tail = rest.partition("/")
+    tail = urllib.parse.unquote(tail)  # percent-encoded, as Path.as_uri() writes it ("my%20run" is "my run")
     if host.lower() not in ("", "localhost"):
         raise CheckpointError(
             f"a file:// URL names a path on this machine: file:///absolute/path or file://localhost/absolute/path, "
@@ -196,6 +198,10 @@ def _file_url_path(url: str) -> Path:
         )
     if not tail.strip("/"):
         raise CheckpointError("a file:// URL needs a path (e.g. file:///runs/step-1)", path=url)
+    if "\x00" in tail:
+        raise CheckpointError(
+            "a file:// URL decodes to a path holding a NUL byte (%00): no file has that name", path=url
+        )
     return Path(slash + tail).absolute()
 
 

@@ -275,7 +275,7 @@ class TorchrlContainer:
 
 def _safe_name(name: str, where: Any) -> str:
     p = PurePosixPath(name.replace("\\", "/"))
-    if not name or p.is_absolute() or ".." in p.parts or any(":" in part for part in p.parts[:1]):
+    if not name or "\x00" in name or p.is_absolute() or ".." in p.parts or any(":" in part for part in p.parts[:1]):
         raise CheckpointFormatError(f"unsafe member name {name!r}", path=where)
     return str(p)
 
