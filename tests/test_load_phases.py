@@ -231,7 +231,7 @@ ADAPTERS = {
 }
 
 
-IN_PLACE = {"policy", "optim", "buffer"}  # read straight into the live tensors after verification
+IN_PLACE = {"policy", "optim", "buffer", "td"}  # read straight into the live tensors after verification
 
 
 @pytest.mark.parametrize("failing", sorted(ADAPTERS))
@@ -308,7 +308,7 @@ def test_a_failing_buffer_restore_rolls_back_its_settings(saved: Path, monkeypat
         checkpoint(job).load(saved)
     after = fingerprint(job)
     before["buffer"].pop("rows"), after["buffer"].pop("rows")  # read in place (documented)
-    for name in ("policy", "optim"):  # read in place too, before the buffer's restore failed (documented)
+    for name in ("policy", "optim", "td"):  # read in place too, before the buffer's restore failed (documented)
         before.pop(name), after.pop(name)
     assert [k for k in before if not same(before[k], after[k])] == []  # the buffer's length, trees, cursor too
 

@@ -209,7 +209,7 @@ def test_which_tensors_are_destinations() -> None:
     live = {"w": torch.zeros(3), "v": torch.zeros(3), "n": 1, "sub": {"u": torch.zeros(2)}}
     spec = {k: TensorSpec(k, (3,), torch.float32, "cpu") for k in ("w", "v")}
     saved = {**spec, "n": 4, "sub": {"u": TensorSpec("sub/u", (2,), torch.float32, "cpu")}}
-    from torchrl_dcp.adapters.state_dict import in_place_tensors
+    from torchrl_dcp.adapters.in_place import in_place_tensors
 
     assert set(in_place_tensors(live, saved, ctx)) == {"w", "v", "sub/u"}
     assert in_place_tensors({**live, "extra": 1}, saved, ctx) == {}  # other keys: load_state_dict may refuse them
@@ -323,7 +323,7 @@ def test_torchrl_global_rng_state_is_not_read_in_place() -> None:
 
 
 def test_overlapping_tensors_are_all_left_out() -> None:
-    from torchrl_dcp.adapters.state_dict import _without_overlaps
+    from torchrl_dcp.adapters.in_place import _without_overlaps
 
     flat, other = torch.zeros(10), torch.zeros(3)
     found = _without_overlaps({"a": flat[0:10], "b": flat[2:4], "c": flat[6:8], "d": other})

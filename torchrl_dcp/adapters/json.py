@@ -2,7 +2,8 @@
 
 Loading returns the saved value in ``LoadResult.values[name]`` and, when the
 registered object is a mutable mapping (``dict``, ``OrderedDict``, Hydra's ``DictConfig``) or a mutable sequence
-(``list``, Hydra's ``ListConfig``), also updates it in place. A mapping of another type is stored as a plain ``dict``
+(``list``, Hydra's ``ListConfig``), also updates it in place: its tensors receive the saved bytes where they are
+(as ``dcp.load`` fills a state dict: :mod:`~torchrl_dcp.adapters.in_place` says when), its other items are replaced. A mapping of another type is stored as a plain ``dict``
 of its items, a mutable sequence as a ``list`` (nested ones too: a ``DictConfig`` is stored as its container form,
 interpolations resolved).
 
@@ -19,7 +20,10 @@ from collections import OrderedDict
 from collections.abc import Mapping, MutableMapping, MutableSequence
 from typing import Any
 
+import torch
+
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
+from torchrl_dcp.adapters.in_place import in_place_tensors
 from torchrl_dcp.errors import IncompatibleComponentError
 
 _SCALARS = (type(None), bool, int, float, str)
@@ -52,6 +56,15 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _in_place(obj: Any, saved: dict[int, Any], ctx: AdapterContext) -> dict[str, torch.Tensor]:
+    """``{saved key: live tensor}`` of the tensors a load reads where they are (:mod:`~torchrl_dcp.adapters.in_place`):
+    one saved state of the live value's shape, not resharded."""
+    if len(saved) != 1 or (ctx.saved_world_size is not None and ctx.saved_world_size != ctx.world_size):
+        return {}
+    (view,) = saved.values()
+    return in_place_tensors(obj, view, ctx)
+
+
 class JSONAdapter(Adapter):
     """Stores the value itself; restores dicts and lists in place."""
 
@@ -63,7 +76,8 @@ class JSONAdapter(Adapter):
         return _plain(obj)
 
     def snapshot(self, obj: Any, ctx: AdapterContext) -> Any:
-        """A shallow copy: restoring replaces the container's items and never writes into the old ones."""
+        """A shallow copy: restoring replaces the container's items (tensors read in place aside: kept by reference,
+        they hold loaded values once the final in-place read started)."""
         return copy.copy(obj)
 
     def validate(self, obj: Any, saved: dict[int, Any], ctx: AdapterContext) -> None:
@@ -76,6 +90,12 @@ class JSONAdapter(Adapter):
                     f"component {ctx.name!r} is a {type(obj).__name__}, updated in place by a load; the checkpoint "
                     f"holds a {type(state).__name__} for it: register an object of the saved kind"
                 )
+        ctx.plan["in_place"] = _in_place(obj, saved, ctx)
+
+    def destinations(self, obj: Any, saved: Any, ctx: AdapterContext) -> dict[str, torch.Tensor] | None:
+        """The registered value's own tensors, read in place where they match the saved ones (as ``dcp.load``
+        fills a state dict's tensors: ``{"model": model.state_dict()}`` restores the model's weights)."""
+        return ctx.plan.get("in_place") or None
 
     def restore(self, obj: Any, state: Any, ctx: AdapterContext) -> Any:
         if isinstance(obj, MutableMapping) and isinstance(state, Mapping):

@@ -38,17 +38,13 @@ Example:
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
+from torchrl_dcp.adapters.in_place import copy_except, in_place_tensors, pair_tensors, same_memory
 from torchrl_dcp.format.codec import TensorSpec
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-_IMMUTABLE = (type(None), bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)
 
 
 class StateDictAdapter(Adapter):
@@ -85,9 +81,9 @@ class StateDictAdapter(Adapter):
         ctx.plan["copies"] = set()
         if found:  # only the object's own tensors: copies gain nothing, and keep its restore before the in-place read
             again: dict[str, list[tuple[TensorSpec, Any]]] = {}
-            if not _pair(self.state(obj, ctx), view, again, 0):
+            if not pair_tensors(self.state(obj, ctx), view, again):
                 again.clear()
-            own = {k: t for k, t in found.items() if _same_memory(again.get(k), t)}
+            own = {k: t for k, t in found.items() if same_memory(again.get(k), t)}
             ctx.plan["copies"] = {id(t) for k, t in found.items() if k not in own}
             found = own
         ctx.plan["in_place"] = found
@@ -101,146 +97,4 @@ class StateDictAdapter(Adapter):
         if current is None:
             return super().snapshot(obj, ctx)
         keep = {id(t) for t in ctx.plan["in_place"].values()} | ctx.plan["copies"]  # copies: a copy already
-        return _copy_except(current, keep)
-
-
-def _copy_except(value: Any, keep: set[int]) -> Any:
-    """A deep copy of ``value`` in which the tensors whose ids are in ``keep`` are the same objects."""
-    if isinstance(value, _IMMUTABLE):
-        return value
-    if isinstance(value, torch.Tensor) and id(value) in keep:
-        return value
-    if type(value) is dict:  # state dicts: a plain dict, often of thousands of tensors
-        return {k: v if id(v) in keep else _copy_except(v, keep) for k, v in value.items()}
-    if type(value) in (list, tuple):
-        return type(value)(_copy_except(v, keep) for v in value)
-    return _deepcopy_keeping(value, keep)
-
-
-def _deepcopy_keeping(value: Any, keep: set[int]) -> Any:
-    """``copy.deepcopy`` of any other value, the kept tensors it reaches shared rather than copied."""
-    memo: dict[int, Any] = {}
-    _remember(value, keep, memo, 0)
-    return copy.deepcopy(value, memo)
-
-
-def _remember(value: Any, keep: set[int], memo: dict[int, Any], depth: int) -> None:
-    if depth > 64:
-        return
-    if isinstance(value, torch.Tensor):
-        if id(value) in keep:
-            memo[id(value)] = value
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            _remember(v, keep, memo, depth + 1)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _remember(v, keep, memo, depth + 1)
-
-
-def in_place_tensors(live: Any, saved: Any, ctx: AdapterContext) -> dict[str, torch.Tensor]:
-    """``{saved tensor key: live tensor}`` for every saved tensor that can be read where the live one is.
-
-    ``live`` is the object's state now, ``saved`` the saved state with :class:`TensorSpec` leaves. Empty when the
-    two differ in shape (keys, lengths); see the module's docstring for what each tensor must be.
-
-    Example:
-        >>> import torch
-        >>> live = {"w": torch.zeros(3), "n": 1}
-        >>> saved = {"w": TensorSpec("w", (3,), torch.float32, "cpu"), "n": 5}
-        >>> list(in_place_tensors(live, saved, AdapterContext("x")))
-        ['w']
-    """
-    found: dict[str, list[tuple[TensorSpec, Any]]] = {}
-    if not _pair(live, saved, found, 0):
-        return {}
-    devices: dict[str, torch.device] = {}
-    out: dict[str, torch.Tensor] = {}
-    for key, pairs in found.items():
-        spec, t = pairs[0]
-        if len(pairs) > 1 and not _one_tensor(pairs):
-            continue  # one saved tensor, several live ones (or one key for two saved tensors): fresh
-        device = devices.get(spec.device)
-        if device is None:
-            device = devices[spec.device] = ctx.device_for(spec.device)
-        if (
-            type(t) in _PLAIN
-            and t.dtype == spec.dtype
-            and t.shape == spec.shape
-            and t.device == device
-            and t.layout == torch.strided
-            and t.is_contiguous()
-            and t.grad_fn is None
-            and not t.is_inference()
-            and not t.is_conj()
-            and not t.is_neg()
-            and t.numel()
-        ):
-            out[key] = t
-    return _without_overlaps(out)
-
-
-def _pair(live: Any, saved: Any, found: dict[str, list[tuple[TensorSpec, Any]]], depth: int) -> bool:
-    """Collect ``(spec, live value)`` by saved key; ``False`` where the states differ in keys or lengths."""
-    if type(saved) is TensorSpec:
-        found.setdefault(saved.key, []).append((saved, live))
-        return True
-    if isinstance(saved, Mapping):
-        if not isinstance(live, Mapping) or len(live) != len(saved) or depth > 64:
-            return False
-        for k, v in saved.items():
-            if k not in live:
-                return False
-            if type(v) is TensorSpec:  # the common leaf, without a call (5,000 tensors: 2 ms a walk)
-                pairs = found.get(v.key)
-                if pairs is None:
-                    found[v.key] = [(v, live[k])]
-                else:
-                    pairs.append((v, live[k]))
-            elif not _pair(live[k], v, found, depth + 1):
-                return False
-        return True
-    if isinstance(saved, (list, tuple)):
-        if not isinstance(live, (list, tuple)) or len(live) != len(saved) or depth > 64:
-            return False
-        return all(_pair(lv, sv, found, depth + 1) for lv, sv in zip(live, saved))
-    return True  # a value (or a set): load_state_dict takes it as saved
-
-
-def _same_memory(pairs: list[tuple[TensorSpec, Any]] | None, t: torch.Tensor) -> bool:
-    """Whether a second ``state_dict()`` gave, for the same saved tensor, a tensor at ``t``'s memory."""
-    u = pairs[0][1] if pairs else None
-    return isinstance(u, torch.Tensor) and u.data_ptr() == t.data_ptr()
-
-
-def _one_tensor(pairs: list[tuple[TensorSpec, Any]]) -> bool:
-    """One saved tensor (an alias: the same spec) and one live tensor (the same view of the same memory)."""
-    spec, t = pairs[0]
-    if not isinstance(t, torch.Tensor):
-        return False
-    ident = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
-    return all(
-        s is spec and isinstance(u, torch.Tensor) and (u.data_ptr(), u.shape, u.stride(), u.dtype, u.device) == ident
-        for s, u in pairs[1:]
-    )
-
-
-def _without_overlaps(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``tensors`` less every pair whose memory overlaps (two saved tensors would be read into the same bytes)."""
-    by_device: dict[torch.device, list[tuple[int, int, str]]] = {}
-    for k, t in tensors.items():
-        start = t.data_ptr()
-        spans = by_device.get(t.device)
-        if spans is None:
-            spans = by_device[t.device] = []
-        spans.append((start, start + t.nbytes, k))
-    bad: set[str] = set()
-    for spans in by_device.values():
-        spans.sort()
-        end, last = -1, ""
-        for start, stop, key in spans:
-            if start < end:
-                bad.update((key, last))
-            if stop > end:
-                end, last = stop, key
-    return {k: t for k, t in tensors.items() if k not in bad} if bad else tensors
+        return copy_except(current, keep)

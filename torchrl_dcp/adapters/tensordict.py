@@ -1,8 +1,10 @@
 """Adapter for ``TensorDict`` (and nested TensorDicts, non-tensor entries).
 
 The state keeps what ``TensorDict.state_dict()`` hides in an attribute that JSON
-would lose: nesting, every level's ``batch_size`` and ``device``. Loading
-restores into the registered TensorDict (in place when it is locked).
+would lose: nesting, every level's ``batch_size``, ``device`` and dimension names. Loading
+restores into the registered TensorDict: its tensors receive the saved bytes where they
+are when they match (:mod:`~torchrl_dcp.adapters.in_place`), the other entries are
+replaced (written into, when it is locked).
 
 Example:
     >>> import torch
@@ -15,13 +17,13 @@ Example:
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
+from torchrl_dcp.adapters.in_place import copy_except, in_place_tensors
 from torchrl_dcp.errors import CheckpointFormatError, IncompatibleComponentError
 
 
@@ -145,10 +147,12 @@ class TensorDictAdapter(Adapter):
         return tensordict_state(obj)
 
     def snapshot(self, obj: TensorDictBase, ctx: AdapterContext) -> Any:
-        """An unlocked TensorDict's entries are replaced by a restore, never written into: keep them by reference."""
-        if obj.is_locked:  # restored in place (update_): copy
-            return copy.deepcopy(self.state(obj, ctx))
-        return tensordict_state(obj)
+        """Tensors read in place are kept by reference; a locked TensorDict's others are copied (``update_`` writes
+        into them), an unlocked one's kept too (its entries are replaced by a restore, never written into)."""
+        state = tensordict_state(obj)
+        if obj.is_locked:
+            return copy_except(state, {id(t) for t in (ctx.plan.get("in_place") or {}).values()})
+        return state
 
     def validate(self, obj: TensorDictBase, saved: dict[int, Any], ctx: AdapterContext) -> None:
         """A locked TensorDict is restored in place (``update_``, which skips keys it lacks and casts dtypes): it
@@ -159,6 +163,16 @@ class TensorDictAdapter(Adapter):
         _check_materialised(obj, ctx.name, "")
         for state in saved.values():
             _check_locked(obj, state, ctx.name, "")
+        ctx.plan["in_place"] = {}
+        if len(saved) == 1 and (ctx.saved_world_size is None or ctx.saved_world_size == ctx.world_size):
+            (view,) = saved.values()
+            ctx.plan["in_place"] = in_place_tensors(tensordict_state(obj), view, ctx)
+
+    def destinations(self, obj: TensorDictBase, saved: Any, ctx: AdapterContext) -> dict[str, torch.Tensor] | None:
+        """The TensorDict's own tensors, read in place where they match the saved ones
+        (:mod:`~torchrl_dcp.adapters.in_place`): a ``TensorDict.from_module(policy)`` restores the policy's
+        parameters, which stay its entries."""
+        return ctx.plan.get("in_place") or None
 
     def restore(self, obj: TensorDictBase, state: Any, ctx: AdapterContext) -> Any:
         _restore_into(obj, tensordict_from_state(state, ctx), ctx.name)

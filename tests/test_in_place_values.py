@@ -1,0 +1,86 @@
+"""A registered dict, list or TensorDict receives the saved bytes in its own tensors, as ``dcp.load`` fills a state
+dict: ``{"model": model.state_dict(), "optim": optim.state_dict()}`` restores the model and the optimizer,
+``TensorDict.from_module(policy)`` the policy, and parameters stay parameters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import torchrl_dcp as tdcp
+
+
+def _train(model: torch.nn.Module, optim: torch.optim.Optimizer, steps: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(8, 4, generator=g)
+        optim.zero_grad()
+        model(x).pow(2).mean().backward()
+        optim.step()
+
+
+def _weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_dict_of_state_dicts_restores_the_model_and_the_optimizer_exactly(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    _train(model, optim, 3, seed=0)
+    state = {"model": model.state_dict(), "optim": optim.state_dict(), "epoch": 3}
+    ck = tdcp.DistributedCheckpoint(no_dist=True, app=state)
+    path = ck.save(tmp_path / "c")
+    _train(model, optim, 2, seed=1)
+    reference = _weights(model)  # training that never stopped
+    _train(model, optim, 4, seed=2)  # training goes on, then the job resumes
+    state["epoch"] = 9
+    ck.load(path)
+    assert state["epoch"] == 3
+    _train(model, optim, 2, seed=1)
+    assert all(torch.equal(a, b) for a, b in zip(reference, _weights(model)))
+
+
+def test_parameters_in_a_dict_stay_the_same_parameters(tmp_path: Path) -> None:
+    p = torch.nn.Parameter(torch.randn(3))
+    state = {"p": p, "nested": [p.detach().clone()], "grown": torch.zeros(2)}
+    path = tdcp.DistributedCheckpoint(no_dist=True, app=state).save(tmp_path / "c")
+    saved = p.detach().clone()
+    with torch.no_grad():
+        p.add_(1)
+    state["grown"] = torch.zeros(5)  # another shape: a fresh tensor of the saved one takes its place
+    tdcp.DistributedCheckpoint(no_dist=True, app=state).load(path)
+    assert state["p"] is p and type(p) is torch.nn.Parameter and p.requires_grad
+    assert torch.equal(p.detach(), saved) and torch.equal(state["nested"][0], saved)
+    assert state["grown"].shape == (2,)
+
+
+def test_a_tensordict_from_module_restores_the_module(tmp_path: Path) -> None:
+    model = torch.nn.Linear(3, 2)
+    params = TensorDict.from_module(model)
+    path = tdcp.DistributedCheckpoint(no_dist=True, params=params).save(tmp_path / "c")
+    saved = _weights(model)
+    with torch.no_grad():
+        model.weight.add_(1)
+    tdcp.DistributedCheckpoint(no_dist=True, params=params).load(path)
+    assert all(torch.equal(a, b) for a, b in zip(saved, _weights(model)))
+    assert type(params["weight"]) is torch.nn.Parameter and params["weight"] is model.weight
+
+
+@pytest.mark.parametrize("locked", [False, True])
+def test_a_damaged_file_leaves_the_registered_tensors_as_they_were(tmp_path: Path, locked: bool) -> None:
+    td = TensorDict({"obs": torch.randn(4, 3)}, [4])
+    state = {"w": torch.randn(5)}
+    path = tdcp.DistributedCheckpoint(no_dist=True, td=td, app=state).save(tmp_path / "c")
+    data = next(p for p in Path(path).iterdir() if p.suffix == ".distcp")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    if locked:
+        td.lock_()
+    obs, w = td["obs"].clone(), state["w"].clone()
+    with pytest.raises(tdcp.CheckpointIntegrityError):
+        tdcp.DistributedCheckpoint(no_dist=True, td=td, app=state).load(path)
+    assert torch.equal(td["obs"], obs) and torch.equal(state["w"], w)
