@@ -2,9 +2,10 @@
 
 Two states: ``large`` (one float32 tensor of ``--mib`` MiB, 1 GiB by default) and
 ``small`` (``--small`` tensors of 1 KiB). torchrl_dcp loads them verified (the default)
-as a dict component (read into fresh buffers, checksummed while read), as an
-``nn.Module`` and as a generic object with ``state_dict``/``load_state_dict`` (DCP's
-``Stateful``; both read in place into the live tensors after the files were checksummed).
+as a dict component registered empty (read into fresh buffers, checksummed while read,
+as ``torch.load`` returns new tensors), as a dict holding tensors of the saved shapes, an
+``nn.Module`` and a generic object with ``state_dict``/``load_state_dict`` (DCP's
+``Stateful``; these three read in place into the live tensors after the files were checksummed).
 Cold = after ``echo 3 > /proc/sys/vm/drop_caches`` (rows skipped without root). Each
 figure is the median of ``--reps`` runs (``--small-reps`` for the small state). Writes ``benchmarks/results/loads-<tag>.json``
 and, with matplotlib installed, the chart (``benchmarks/chart.py``).
@@ -86,10 +87,13 @@ def measure(name: str, state: dict[str, torch.Tensor], root: Path, reps: int, co
         "torch.load": lambda: torch.load(root / "t.pt", weights_only=True),
         "dcp.load": lambda: dcp.load(dest, checkpoint_id=str(root / "dcp"), no_dist=True),
         "torchrl.checkpoint load": lambda: Checkpoint(state=holder).load(root / "trl"),
-        "torchrl_dcp load (dict)": lambda: tdcp.DistributedCheckpoint(state=dict(dest)).load(ours_dict),
+        # a dict without the tensors: read into fresh buffers, checksummed while read (what torch.load returns)
+        "torchrl_dcp load (dict)": lambda: tdcp.DistributedCheckpoint(state={}).load(ours_dict),
+        # a dict holding tensors of the saved shapes: read into them, as dcp.load fills a state dict
+        "torchrl_dcp load (dict, in place)": lambda: tdcp.DistributedCheckpoint(state=dict(dest)).load(ours_dict),
         "torchrl_dcp load (module)": lambda: tdcp.DistributedCheckpoint(state=module).load(ours_mod),
         "torchrl_dcp load (stateful)": lambda: tdcp.DistributedCheckpoint(state=stateful).load(ours_obj),
-        "torchrl_dcp load (dict, verify=False)": lambda: tdcp.DistributedCheckpoint(state=dict(dest)).load(
+        "torchrl_dcp load (dict, verify=False)": lambda: tdcp.DistributedCheckpoint(state={}).load(
             ours_dict, verify=False
         ),
     }
@@ -121,6 +125,7 @@ def ratios(results: dict[str, Any]) -> dict[str, float | None]:
 
     return {
         "large: verified cold load (dict) / raw readinto": speedup("large", "raw readinto cold", "torchrl_dcp load (dict) cold"),
+        "large: verified cold load (dict, in place) / raw readinto": speedup("large", "raw readinto cold", "torchrl_dcp load (dict, in place) cold"),
         "large: verified cold load (module) / raw readinto": speedup("large", "raw readinto cold", "torchrl_dcp load (module) cold"),
         "large: verified cold load (stateful) / raw readinto": speedup("large", "raw readinto cold", "torchrl_dcp load (stateful) cold"),
         "large: verified warm load (dict), GB/s": gbps("torchrl_dcp load (dict) warm"),
@@ -130,6 +135,7 @@ def ratios(results: dict[str, Any]) -> dict[str, float | None]:
         "large: cold load vs dcp.load": speedup("large", "dcp.load cold", "torchrl_dcp load (dict) cold"),
         "large: cold load vs torchrl.checkpoint": speedup("large", "torchrl.checkpoint load cold", "torchrl_dcp load (dict) cold"),
         "small: load (dict) vs torch.load": speedup("small", "torch.load warm", "torchrl_dcp load (dict) warm"),
+        "small: load (dict, in place) vs torch.load": speedup("small", "torch.load warm", "torchrl_dcp load (dict, in place) warm"),
         "small: load (module) vs torch.load": speedup("small", "torch.load warm", "torchrl_dcp load (module) warm"),
         "small: load (stateful) vs torch.load": speedup("small", "torch.load warm", "torchrl_dcp load (stateful) warm"),
         "small: load (dict) vs dcp.load": speedup("small", "dcp.load warm", "torchrl_dcp load (dict) warm"),

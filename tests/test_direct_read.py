@@ -146,7 +146,8 @@ def test_a_file_changed_after_verification_is_caught_by_the_final_read(
     state = {"a": torch.arange(6.0)}
     model = torch.nn.Linear(4, 3)
     path = tdcp.DistributedCheckpoint(w=state, m=model).save(tmp_path / "c")
-    source = tdcp.DistributedCheckpoint(w={"a": torch.zeros(6)}, m=torch.nn.Linear(4, 3))
+    # "a" of another shape: read into a fresh tensor, restored before the final in-place read
+    source = tdcp.DistributedCheckpoint(w={"a": torch.zeros(5)}, m=torch.nn.Linear(4, 3))
     keep = {"a": source._components["w"].value["a"]}
     original = load_engine._restore_all
     calls = []

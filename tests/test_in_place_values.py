@@ -84,3 +84,35 @@ def test_a_damaged_file_leaves_the_registered_tensors_as_they_were(tmp_path: Pat
     with pytest.raises(tdcp.CheckpointIntegrityError):
         tdcp.DistributedCheckpoint(no_dist=True, td=td, app=state).load(path)
     assert torch.equal(td["obs"], obs) and torch.equal(state["w"], w)
+
+
+def test_two_components_sharing_memory_saved_apart_are_refused_before_anything_changes(tmp_path: Path) -> None:
+    big = torch.arange(8.0)
+    path = tdcp.DistributedCheckpoint(no_dist=True, a={"x": big[0:4].clone()}, b={"y": big[2:6].clone() + 10}).save(
+        tmp_path / "c"
+    )
+    live = torch.zeros(8)
+    a, b = {"x": live[0:4]}, {"y": live[2:6]}  # now overlapping views of one tensor
+    with pytest.raises(tdcp.IncompatibleComponentError, match="components 'a' and 'b' share memory now"):
+        tdcp.DistributedCheckpoint(no_dist=True, a=a, b=b).load(path)
+    assert torch.equal(live, torch.zeros(8))
+    model = torch.nn.Linear(2, 2)  # a TensorDict of a module's parameters beside the module: saved apart, refused
+    path = tdcp.DistributedCheckpoint(
+        no_dist=True, policy=model, td=TensorDict.from_module(torch.nn.Linear(2, 2))
+    ).save(tmp_path / "d")
+    with pytest.raises(tdcp.IncompatibleComponentError, match="share memory now"):
+        tdcp.DistributedCheckpoint(no_dist=True, policy=model, td=TensorDict.from_module(model)).load(path)
+    shared = {"w": model.weight}  # saved sharing (stored once): loads, and keeps sharing
+    path = tdcp.DistributedCheckpoint(no_dist=True, policy=model, d=shared).save(tmp_path / "e")
+    tdcp.DistributedCheckpoint(no_dist=True, policy=model, d=shared).load(path)
+    assert shared["w"] is model.weight
+
+
+def test_a_tensor_read_in_place_is_seen_modified_by_autograd(tmp_path: Path) -> None:
+    w = torch.nn.Parameter(torch.ones(3))
+    state = {"w": w}
+    path = tdcp.DistributedCheckpoint(no_dist=True, app=state).save(tmp_path / "c")
+    loss = (w * w).sum()  # the graph saved w for backward
+    tdcp.DistributedCheckpoint(no_dist=True, app=state).load(path)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

@@ -78,3 +78,16 @@ def test_the_cli_prints_a_path_its_terminal_cannot_encode(tmp_path: Path) -> Non
     r = subprocess.run([sys.executable, "-m", "torchrl_dcp", "verify", str(path)], capture_output=True, env=env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(b"OK ") and b"\\u65e5" in r.stdout
+
+
+def test_a_store_url_the_store_reads_as_another_object_is_refused() -> None:
+    pytest.importorskip("s3fs")
+    from torchrl_dcp.storage.urls import StorePath
+
+    with pytest.raises(tdcp.CheckpointError, match="versionId"):
+        StorePath("s3://bkt/data/run?versionId=1/step-1", {"anon": True}).fs  # noqa: B018 - resolving refuses
+    with pytest.raises(tdcp.CheckpointError, match="versionId"):
+        tdcp.DistributedCheckpoint(no_dist=True, storage_options={"anon": True}, w={"x": torch.ones(1)}).save(
+            "s3://bkt/data/run?versionId=1/step-1"
+        )
+    assert StorePath("s3://bkt/data/run?v=1/step-1", {"anon": True}).fs is not None  # a '?' alone is a key's

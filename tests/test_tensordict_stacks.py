@@ -102,3 +102,62 @@ def test_a_non_tensor_stack_and_dimension_names_round_trip(tmp_path: Path) -> No
     named = TensorDict({"obs": torch.zeros(2, 3)}, batch_size=[2, 3], names=["a", "b"])
     tdcp.DistributedCheckpoint(no_dist=True, td=named).load(path)  # names as saved
     assert named.names == ["env", "time"]
+
+
+def test_a_locked_tensordict_restores_its_non_tensor_entries(tmp_path: Path) -> None:
+    from tensordict import NonTensorStack
+
+    saved = TensorDict({"obs": torch.ones(2), "s": NonTensorStack("a", "b"), "n": TensorDict({}, [2])}, [2])
+    saved["n"].set_non_tensor("tag", "run-1")
+    path = tdcp.DistributedCheckpoint(no_dist=True, td=saved).save(tmp_path / "c")
+    live = TensorDict({"obs": torch.zeros(2), "s": NonTensorStack("x", "y"), "n": TensorDict({}, [2])}, [2])
+    live["n"].set_non_tensor("tag", "other")
+    live.lock_()
+    tdcp.DistributedCheckpoint(no_dist=True, td=live).load(path)
+    assert live.is_locked and live.get("s").tolist() == ["a", "b"] and live["n"].get_non_tensor("tag") == "run-1"
+    assert torch.equal(live["obs"], torch.ones(2))
+
+
+def test_one_tensordict_at_two_places_is_refused(tmp_path: Path) -> None:
+    sub = TensorDict({"r": torch.ones(2)}, [2])
+    td = TensorDict({"a": sub, "b": sub.clone()}, [2])
+    stack = lazy_stack([sub.clone(), sub.clone()])
+    path = tdcp.DistributedCheckpoint(no_dist=True, td=td, lz=stack).save(tmp_path / "c")
+    with pytest.raises(tdcp.IncompatibleComponentError, match="holds one TensorDict at a and at b"):
+        tdcp.DistributedCheckpoint(no_dist=True, td=TensorDict({"a": sub, "b": sub}, [2])).load(path, components=["td"])
+    with pytest.raises(tdcp.IncompatibleComponentError, match=r"at \[0\] and at \[1\]"):
+        tdcp.DistributedCheckpoint(no_dist=True, lz=lazy_stack([sub, sub])).load(path, components=["lz"])
+
+
+@pytest.mark.parametrize(
+    "forge",
+    ["names", "deep_stack", "stack_dim"],
+)
+def test_a_forged_tensordict_state_is_refused_before_its_tensors_are_read(tmp_path: Path, forge: str) -> None:
+    from tensordict import NonTensorStack
+
+    from tests.forging import edit
+
+    td = TensorDict({"obs": torch.ones(3), "s": NonTensorStack("a", "b", "c")}, [3], names=["t"])
+    path = tdcp.DistributedCheckpoint(no_dist=True, td=td).save(tmp_path / "c")
+
+    def change(m: dict) -> None:
+        state = m["components"]["td"]["state"]["items"]
+        entries = dict(state)["entries"]["items"]
+        s = dict(dict(entries)["s"]["items"])["stack"]
+        if forge == "names":
+            dict(state)["names"]["items"][0] = 3
+        elif forge == "stack_dim":
+            s["items"][1][1] = 1 << 40  # ["stack_dim", n] (a dict node's items)
+        else:
+            node = s
+            for _ in range(30):  # one part per level, far deeper than any batch
+                node = {"t": "dict", "items": [["stack_dim", 0], ["parts", {"t": "list", "items": [
+                    {"t": "dict", "items": [["stack", node]]}]}]]}  # fmt: skip
+            dict(entries)["s"]["items"][0][1] = node
+
+    edit(path, change)
+    live = TensorDict({"obs": torch.full((3,), 7.0), "s": NonTensorStack("x", "y", "z")}, [3], names=["u"])
+    with pytest.raises(tdcp.CheckpointError):
+        tdcp.DistributedCheckpoint(no_dist=True, td=live).load(path)
+    assert torch.equal(live["obs"], torch.full((3,), 7.0))  # refused before the in-place read

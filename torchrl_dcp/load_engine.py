@@ -49,6 +49,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.autograd.graph import increment_version
 from torch.distributed.checkpoint.api import CheckpointException
 
 from torchrl_dcp._log import get_logger
@@ -331,6 +332,8 @@ def restore(src: CheckpointSource, request: LoadRequest, load_plan: LoadPlan, re
             read(src, request, load_plan.live, load_plan.verify_live, result, LIVE_MISMATCH)
         except BaseException as err:
             _rollback_and_raise(done, err, in_place, result)
+        finally:  # written by address: autograd is told, as copy_ would (a graph that saved one refuses backward)
+            increment_version([t for t in load_plan.live.values() if not t.is_inference()])
     last = [c for c in done if c.restore_last] if in_place else []
     failure = _restore_all(in_place, load_plan, request, result, done)
     if failure is None and last:

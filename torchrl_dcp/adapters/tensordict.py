@@ -73,6 +73,11 @@ def _stack_state(value: Any) -> dict[str, Any]:
     return {"stack_dim": int(value.stack_dim), "parts": parts}
 
 
+#: nested non-tensor stacks (one per batch dimension a stack spans): tensordict builds each level again for every
+#: level above it (22 levels: 4 s), so a forged nesting is refused first
+MAX_STACK_DEPTH = 12
+
+
 def _stack_from_state(state: Any, depth: int = 0) -> Any:
     from tensordict import NonTensorData, NonTensorStack
 
@@ -81,7 +86,7 @@ def _stack_from_state(state: Any, depth: int = 0) -> Any:
         or type(state.get("stack_dim")) is not int
         or not isinstance(state.get("parts"), list)
         or not state["parts"]
-        or depth > 64
+        or depth >= MAX_STACK_DEPTH
     ):
         raise CheckpointFormatError("malformed non-tensor stack in a TensorDict state")
     parts = []
@@ -163,6 +168,9 @@ class TensorDictAdapter(Adapter):
         _check_materialised(obj, ctx.name, "")
         for state in saved.values():
             _check_locked(obj, state, ctx.name, "")
+        _refuse_repeated(obj, ctx.name)
+        for state in saved.values():  # the restore's own construction, on meta tensors: refused before any read
+            _check_restorable(obj, state, ctx.name)
         ctx.plan["in_place"] = {}
         if len(saved) == 1 and (ctx.saved_world_size is None or ctx.saved_world_size == ctx.world_size):
             (view,) = saved.values()
@@ -177,6 +185,79 @@ class TensorDictAdapter(Adapter):
     def restore(self, obj: TensorDictBase, state: Any, ctx: AdapterContext) -> Any:
         _restore_into(obj, tensordict_from_state(state, ctx), ctx.name)
         return None
+
+
+def _on_meta(state: Any) -> Any:
+    """A saved state (tensors as :class:`~torchrl_dcp.format.codec.TensorSpec`) with meta tensors for its tensors
+    and no device: what :func:`tensordict_from_state` builds from it, without memory."""
+    from torchrl_dcp.format.codec import TensorSpec
+
+    if type(state) is TensorSpec:
+        return torch.empty(state.shape, dtype=state.dtype, device="meta")
+    if isinstance(state, dict):
+        return {k: (None if k == "device" else _on_meta(v)) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_on_meta(v) for v in state]
+    return state
+
+
+def _check_restorable(obj: Any, state: Any, name: str) -> None:
+    """Build what the restore builds from ``state`` (on meta tensors) and compare it with ``obj`` as the restore
+    does: a malformed or forged state (names, stacks, batch sizes, nesting) is refused while the load is planned,
+    before any of the TensorDict's tensors is read in place."""
+    try:
+        new = tensordict_from_state(_on_meta(state))
+        _check_stacks(obj, new, name)
+    except CheckpointFormatError:
+        raise
+    except IncompatibleComponentError:
+        raise
+    except (RuntimeError, ValueError, TypeError, IndexError, KeyError, OverflowError) as err:
+        raise CheckpointFormatError(
+            f"component {name!r}: its saved TensorDict state cannot be rebuilt ({type(err).__name__}: "
+            f"{str(err).splitlines()[0][:200] if str(err) else ''}): damaged or forged"
+        ) from None
+
+
+def _check_stacks(obj: Any, new: Any, name: str) -> None:
+    """What :func:`_restore_into` refuses of lazy stacks, checked without changing anything."""
+    if isinstance(obj, LazyStackedTensorDict):
+        parts = new.tensordicts if isinstance(new, LazyStackedTensorDict) else None
+        if parts is None or len(parts) != len(obj.tensordicts) or new.stack_dim != obj.stack_dim:
+            found = f"{len(parts)} along dim {new.stack_dim}" if parts is not None else "a TensorDict that is no stack"
+            raise IncompatibleComponentError(
+                f"component {name!r} holds {len(obj.tensordicts)} stacked TensorDicts along dim {obj.stack_dim}, "
+                f"the checkpoint {found}"
+            )
+        for live, saved in zip(obj.tensordicts, parts):
+            _check_stacks(live, saved, name)
+
+
+def _refuse_repeated(obj: Any, name: str) -> None:
+    """Refuse a TensorDict holding one TensorDict at two places (two keys, or twice in a lazy stack): each place is
+    restored where it is, so the second would overwrite the first."""
+    seen: dict[int, str] = {}
+
+    def walk(td: Any, at: str, depth: int) -> None:
+        if depth > 64 or not isinstance(td, TensorDictBase) or _is_non_tensor(td):
+            return
+        where = at or "<root>"
+        if id(td) in seen:
+            raise IncompatibleComponentError(
+                f"component {name!r} holds one TensorDict at {seen[id(td)]} and at {where}: a load restores each "
+                "place where it is, the second over the first; build it from distinct TensorDicts"
+            )
+        seen[id(td)] = where
+        if isinstance(td, LazyStackedTensorDict):
+            for i, part in enumerate(td.tensordicts):
+                walk(part, f"{at}[{i}]", depth + 1)
+            return
+        for key in td.keys():
+            value = td.get(key)
+            if isinstance(value, TensorDictBase):
+                walk(value, f"{at}.{key}" if at else str(key), depth + 1)
+
+    walk(obj, "", 0)
 
 
 def _check_materialised(obj: Any, name: str, at: str) -> None:
@@ -268,6 +349,7 @@ def _restore_into(obj: TensorDictBase, new: TensorDictBase, name: str) -> None:
         obj.names = [None] * obj.batch_dims  # update, or setting names, over other names refines them: refused)
     if obj.is_locked:
         obj.update_(new)
+        _restore_non_tensors(obj, new)
     else:
         drop_unsaved(obj, new)
         if obj.batch_size != new.batch_size:
@@ -277,6 +359,26 @@ def _restore_into(obj: TensorDictBase, new: TensorDictBase, name: str) -> None:
         obj.update(new)
     if names is not None and obj._maybe_names() != names:
         obj.names = names
+
+
+def _restore_non_tensors(obj: TensorDictBase, new: TensorDictBase) -> None:
+    """Set a locked TensorDict's non-tensor entries as saved (``update_`` writes tensors only), at every level
+    ``update_`` reaches (nested TensorDicts; lazy stacks are restored part by part)."""
+    found: list[tuple[tuple[str, ...], Any]] = []
+
+    def walk(td: Any, prefix: tuple[str, ...]) -> None:
+        for key in td.keys():
+            value = td.get(key)
+            if _is_non_tensor(value):
+                found.append(((*prefix, key), value))
+            elif isinstance(value, TensorDict):
+                walk(value, (*prefix, key))
+
+    walk(new, ())
+    if found:
+        with obj.unlock_():
+            for key, value in found:
+                obj.set(key, value)
 
 
 def drop_unsaved(obj: TensorDictBase, new: TensorDictBase) -> None:

@@ -38,6 +38,31 @@ def is_url(path: Any) -> bool:
     return isinstance(path, str) and _URL.match(path) is not None
 
 
+def _check_resolved(fs: Any, url: str) -> None:
+    """Refuse a URL the store resolves to another object than its path says: s3fs reads ``?versionId=`` in a key as
+    an object version (``s3://b/run?versionId=1/step-1/x`` is the object ``run``, outside the prefix), gcsfs ``#``
+    as a generation. Every object of such a checkpoint would land on (and its cleanup delete) another key."""
+    split = getattr(fs, "split_path", None)
+    if split is None:
+        return
+    try:
+        parts = split(url)
+    except Exception:  # noqa: BLE001 - a store that cannot split it: its own calls say why
+        return
+    if not isinstance(parts, tuple) or len(parts) < 2:
+        return
+    resolved = "/".join(str(p) for p in parts[:2] if p).rstrip("/")
+    version = parts[2] if len(parts) > 2 else None
+    if version is not None or resolved != fs._strip_protocol(url).strip("/"):
+        raise CheckpointError(
+            f"the store reads this URL as object {resolved!r}"
+            + (f" at version {version!r}" if version else "")
+            + ", not the key its path names (s3fs takes '?versionId=' for an object version, gcsfs '#' for a "
+            "generation): choose a prefix without it",
+            path=url,
+        )
+
+
 class StorePath:
     """An object-store location: its URL, its fsspec file system and the key prefix inside it.
 
@@ -66,6 +91,8 @@ class StorePath:
         self.url = f"{m.group(1)}://{rest}"
         self.storage_options = dict(storage_options or {})
         self._fs = fs
+        if fs is not None:
+            _check_resolved(fs, self.url)
 
     @property
     def protocol(self) -> str:
@@ -75,7 +102,9 @@ class StorePath:
     def fs(self) -> Any:
         """The fsspec file system (created on first use; fsspec caches instances by their arguments)."""
         if self._fs is None:
-            self._fs = _filesystem(self.protocol, self.storage_options, self.url)
+            fs = _filesystem(self.protocol, self.storage_options, self.url)
+            _check_resolved(fs, self.url)
+            self._fs = fs
         return self._fs
 
     @property
