@@ -38,9 +38,31 @@ def test_a_dict_of_state_dicts_restores_the_model_and_the_optimizer_exactly(tmp_
     _train(model, optim, 4, seed=2)  # training goes on, then the job resumes
     state["epoch"] = 9
     ck.load(path)
+    optim.load_state_dict(state["optim"])  # param groups are a copy (as after dcp.load)
     assert state["epoch"] == 3
     _train(model, optim, 2, seed=1)
     assert all(torch.equal(a, b) for a, b in zip(reference, _weights(model)))
+
+
+def test_a_fresh_process_restores_the_model_in_place_whatever_else_differs(tmp_path: Path) -> None:
+    """Another dict shape elsewhere (a fresh optimizer has no state yet; a key added) leaves the model's tensors
+    paired: they are filled where they are, the rest replaced."""
+    model = torch.nn.Linear(4, 2)
+    optim = torch.optim.Adam(model.parameters())
+    _train(model, optim, 2, seed=0)
+    path = tdcp.DistributedCheckpoint(
+        no_dist=True, app={"model": model.state_dict(), "optim": optim.state_dict()}
+    ).save(tmp_path / "c")
+    fresh = torch.nn.Linear(4, 2)
+    fresh_optim = torch.optim.Adam(fresh.parameters())
+    state = {"model": fresh.state_dict(), "optim": fresh_optim.state_dict(), "new": 1}
+    tdcp.DistributedCheckpoint(no_dist=True, app=state).load(path)
+    fresh_optim.load_state_dict(state["optim"])
+    assert all(torch.equal(a, b) for a, b in zip(_weights(model), _weights(fresh)))
+    assert state["model"]["weight"].data_ptr() == fresh.weight.data_ptr() and "new" not in state
+    _train(model, optim, 1, seed=3)
+    _train(fresh, fresh_optim, 1, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(_weights(model), _weights(fresh)))
 
 
 def test_parameters_in_a_dict_stay_the_same_parameters(tmp_path: Path) -> None:
@@ -57,16 +79,22 @@ def test_parameters_in_a_dict_stay_the_same_parameters(tmp_path: Path) -> None:
     assert state["grown"].shape == (2,)
 
 
-def test_a_tensordict_from_module_restores_the_module(tmp_path: Path) -> None:
+@pytest.mark.parametrize("locked", [False, True])
+def test_a_tensordict_from_module_restores_the_module(tmp_path: Path, locked: bool) -> None:
     model = torch.nn.Linear(3, 2)
     params = TensorDict.from_module(model)
+    params["frames"] = torch.tensor(100)  # an entry the live one lacks: the others still filled where they are
     path = tdcp.DistributedCheckpoint(no_dist=True, params=params).save(tmp_path / "c")
     saved = _weights(model)
-    with torch.no_grad():
-        model.weight.add_(1)
-    tdcp.DistributedCheckpoint(no_dist=True, params=params).load(path)
-    assert all(torch.equal(a, b) for a, b in zip(saved, _weights(model)))
-    assert type(params["weight"]) is torch.nn.Parameter and params["weight"] is model.weight
+    fresh = torch.nn.Linear(3, 2)
+    live = TensorDict.from_module(fresh)
+    if locked:
+        live["frames"] = torch.tensor(0)
+        live.lock_()
+    tdcp.DistributedCheckpoint(no_dist=True, params=live).load(path)
+    assert all(torch.equal(a, b) for a, b in zip(saved, _weights(fresh)))
+    assert type(live["weight"]) is torch.nn.Parameter and live["weight"] is fresh.weight
+    assert live["frames"].item() == 100
 
 
 @pytest.mark.parametrize("locked", [False, True])

@@ -5,7 +5,8 @@ registered dict or list, a TensorDict): the saved state, its tensors as :class:`
 is paired with the live state position by position, and a live tensor receives the bytes of the saved tensor at its
 position when
 
-- the two states have the same shape: the same keys in every mapping, the same lengths of every list and tuple;
+- the two states have the same shape: the same keys in every mapping, the same lengths of every list and tuple (a
+  registered dict or TensorDict, whose restore replaces what differs: the same key path, lists of the same length);
 - it is a plain dense contiguous tensor (``torch.Tensor`` or ``nn.Parameter``, not an inference tensor nor the
   result of an autograd op, not conjugated or negated) with the saved dtype and shape, on the device the saved one
   maps to, holding at least one element;
@@ -78,11 +79,13 @@ def _remember(value: Any, keep: set[int], memo: dict[int, Any], depth: int) -> N
             _remember(v, keep, memo, depth + 1)
 
 
-def in_place_tensors(live: Any, saved: Any, ctx: AdapterContext) -> dict[str, torch.Tensor]:
+def in_place_tensors(live: Any, saved: Any, ctx: AdapterContext, *, partial: bool = False) -> dict[str, torch.Tensor]:
     """``{saved tensor key: live tensor}`` for every saved tensor that can be read where the live one is.
 
     ``live`` is the object's state now, ``saved`` the saved state with :class:`TensorSpec` leaves. Empty when the
-    two differ in shape (keys, lengths); see the module's docstring for what each tensor must be.
+    two differ in shape (keys, lengths), for an object's ``load_state_dict`` may refuse such a state; ``partial``
+    (a restore that replaces what differs: a dict's items, a TensorDict's entries): the tensors at the positions both
+    hold. See the module's docstring for what each tensor must be.
 
     Example:
         >>> import torch
@@ -92,7 +95,7 @@ def in_place_tensors(live: Any, saved: Any, ctx: AdapterContext) -> dict[str, to
         ['w']
     """
     found: dict[str, list[tuple[TensorSpec, Any]]] = {}
-    if not _pair(live, saved, found, 0):
+    if not _pair(live, saved, found, 0, partial):
         return {}
     devices: dict[str, torch.device] = {}
     out: dict[str, torch.Tensor] = {}
@@ -120,16 +123,21 @@ def in_place_tensors(live: Any, saved: Any, ctx: AdapterContext) -> dict[str, to
     return _without_overlaps(out)
 
 
-def _pair(live: Any, saved: Any, found: dict[str, list[tuple[TensorSpec, Any]]], depth: int) -> bool:
-    """Collect ``(spec, live value)`` by saved key; ``False`` where the states differ in keys or lengths."""
+def _pair(
+    live: Any, saved: Any, found: dict[str, list[tuple[TensorSpec, Any]]], depth: int, partial: bool = False
+) -> bool:
+    """Collect ``(spec, live value)`` by saved key; ``False`` where the states differ in keys or lengths (``partial``:
+    such a difference only leaves that mapping's other keys, or that list, unpaired)."""
     if type(saved) is TensorSpec:
         found.setdefault(saved.key, []).append((saved, live))
         return True
     if isinstance(saved, Mapping):
-        if not isinstance(live, Mapping) or len(live) != len(saved) or depth > 64:
-            return False
+        if not isinstance(live, Mapping) or depth > 64 or (len(live) != len(saved) and not partial):
+            return partial
         for k, v in saved.items():
             if k not in live:
+                if partial:
+                    continue
                 return False
             if type(v) is TensorSpec:  # the common leaf, without a call (5,000 tensors: 2 ms a walk)
                 pairs = found.get(v.key)
@@ -137,13 +145,13 @@ def _pair(live: Any, saved: Any, found: dict[str, list[tuple[TensorSpec, Any]]],
                     found[v.key] = [(v, live[k])]
                 else:
                     pairs.append((v, live[k]))
-            elif not _pair(live[k], v, found, depth + 1):
+            elif not _pair(live[k], v, found, depth + 1, partial):
                 return False
         return True
     if isinstance(saved, (list, tuple)):
         if not isinstance(live, (list, tuple)) or len(live) != len(saved) or depth > 64:
-            return False
-        return all(_pair(lv, sv, found, depth + 1) for lv, sv in zip(live, saved))
+            return partial
+        return all(_pair(lv, sv, found, depth + 1, partial) for lv, sv in zip(live, saved))
     return True  # a value (or a set): load_state_dict takes it as saved
 
 

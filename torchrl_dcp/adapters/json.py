@@ -62,7 +62,7 @@ def _in_place(obj: Any, saved: dict[int, Any], ctx: AdapterContext) -> dict[str,
     if len(saved) != 1 or (ctx.saved_world_size is not None and ctx.saved_world_size != ctx.world_size):
         return {}
     (view,) = saved.values()
-    return in_place_tensors(obj, view, ctx)
+    return in_place_tensors(obj, view, ctx, partial=True)
 
 
 class JSONAdapter(Adapter):

@@ -174,7 +174,7 @@ class TensorDictAdapter(Adapter):
         ctx.plan["in_place"] = {}
         if len(saved) == 1 and (ctx.saved_world_size is None or ctx.saved_world_size == ctx.world_size):
             (view,) = saved.values()
-            ctx.plan["in_place"] = in_place_tensors(tensordict_state(obj), view, ctx)
+            ctx.plan["in_place"] = in_place_tensors(tensordict_state(obj), view, ctx, partial=True)
 
     def destinations(self, obj: TensorDictBase, saved: Any, ctx: AdapterContext) -> dict[str, torch.Tensor] | None:
         """The TensorDict's own tensors, read in place where they match the saved ones
@@ -348,7 +348,8 @@ def _restore_into(obj: TensorDictBase, new: TensorDictBase, name: str) -> None:
     if obj._maybe_names() != names:  # dimension names as saved (none saved: none); others are cleared first (an
         obj.names = [None] * obj.batch_dims  # update, or setting names, over other names refines them: refused)
     if obj.is_locked:
-        obj.update_(new)
+        with torch.no_grad():  # (parameters: a leaf that requires grad takes no in-place copy under autograd)
+            obj.update_(new)
         _restore_non_tensors(obj, new)
     else:
         drop_unsaved(obj, new)
