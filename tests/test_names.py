@@ -53,6 +53,8 @@ def test_a_percent_encoded_file_url_names_the_decoded_path(tmp_path: Path) -> No
     path = tdcp.DistributedCheckpoint(no_dist=True, w={"x": torch.ones(2)}).save(url)
     assert Path(path) == target and target.is_dir()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["my run #1"]
+    with pytest.raises(tdcp.CheckpointError, match="two slashes"):
+        tdcp.DistributedCheckpoint(no_dist=True, w={"x": torch.ones(2)}).save(f"file:{tmp_path}/b")
     with pytest.raises(tdcp.CheckpointError, match="NUL"):
         tdcp.DistributedCheckpoint(no_dist=True, w={"x": torch.ones(2)}).save(f"file://{tmp_path}/a%00b")
 

@@ -207,6 +207,10 @@ def resolve_path(path: str | os.PathLike | StorePath, storage_options: Mapping[s
         if path[: len("file://")].lower() == "file://":
             return _file_url_path(path)
         return StorePath(path, storage_options)
+    if isinstance(path, str) and path[:5].lower() == "file:":  # file:/x (one slash): a URL meant, not ./file:/x
+        raise CheckpointError(
+            "a file: URL takes two slashes before its host: file:///absolute/path (or a plain path)", path=path
+        )
     return Path(path).expanduser().absolute()
 
 
