@@ -68,7 +68,13 @@ def content_fingerprint(data: Any) -> tuple[str, int]:
         'crc32:352441c2/adler32:024d0127'
     """
     crc = crc32(data)
-    return f"crc32:{crc:08x}/adler32:{adler32(data):08x}", crc
+    return fingerprint_of(crc, adler32(data)), crc
+
+
+def fingerprint_of(crc: int, adler: int) -> str:
+    """A chunk's fingerprint from its two sums (computed piece by piece: ``crc32(piece, crc)``,
+    ``adler32(piece, adler)`` from 0 and 1), as :func:`content_fingerprint` spells it."""
+    return f"crc32:{crc:08x}/adler32:{adler:08x}"
 
 
 def format_crc(crc: int) -> str:

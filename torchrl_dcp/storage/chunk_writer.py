@@ -38,11 +38,11 @@ from typing import Any
 import torch
 
 from torchrl_dcp._log import get_logger
-from torchrl_dcp.format.checksums import content_fingerprint, crc32, crc32_combine, format_crc
+from torchrl_dcp.format.checksums import adler32, content_fingerprint, crc32, crc32_combine, fingerprint_of, format_crc
 from torchrl_dcp.format.layout import TRAILER_SIZE, identity_trailer, read_identity
 from torchrl_dcp.format.record import template, tensor_bytes
 from torchrl_dcp.storage import proven
-from torchrl_dcp.storage.copying import pwrite_all, run_split
+from torchrl_dcp.storage.copying import pwrite_all, run_split, stable_copy
 from torchrl_dcp.storage.files import DirHandle
 from torchrl_dcp.storage.proven import ChunkIdentity
 from torchrl_dcp.storage.writeback import Writeback
@@ -97,9 +97,17 @@ class ChunkJob:
     result: ChunkFile | None = field(default=None, repr=False)
 
 
-def chunk_file_parts(rows: torch.Tensor, save_id: str, rank: int) -> tuple[list[Any], ChunkFile]:
-    """The bytes of a chunk file in order (record head, the rows' bytes, record tail + trailer) and its record."""
+CHUNK_PIECE = 1 << 20  # rows copied, checksummed and written 1 MiB at a time (a copy stays in cache)
+
+
+def chunk_file_parts(
+    rows: torch.Tensor, save_id: str, rank: int, *, stable: bool = False
+) -> tuple[list[Any], ChunkFile]:
+    """The bytes of a chunk file in order (record head, the rows' bytes, record tail + trailer) and its record
+    (``stable``: the rows' bytes copied first, for a writer that uploads them later)."""
     data = tensor_bytes(rows)
+    if stable:  # (uploaded after this returns: a copy, as the live rows may change meanwhile)
+        data = memoryview(bytes(data))
     fingerprint, data_crc = content_fingerprint(data)
     head, tail = template(rows.dtype, tuple(rows.shape)).parts(data_crc)
     end = tail + identity_trailer(save_id, rank)
@@ -120,16 +128,34 @@ def write_chunk_file(
 ) -> ChunkFile:
     """Write ``rows`` as one record followed by the identity trailer into the new file ``name`` of ``directory``;
     ``chunk`` (key, first row) records it as proven (:mod:`torchrl_dcp.storage.proven`) for later keeps."""
-    parts, record = chunk_file_parts(rows, save_id, rank)
+    data = tensor_bytes(rows)
+    tpl = template(rows.dtype, tuple(rows.shape))
     fd = directory.create(name)
     try:
         writeback = Writeback(fd) if fsync else None
-        at = 0
-        for part in parts:
+
+        def put(part: Any, at: int) -> None:
             pwrite_all(fd, part, at)
             if writeback is not None:
                 writeback.written(at, len(part))
-            at += len(part)
+
+        # the rows copied piece by piece, each copy checksummed and written: rows changed meanwhile (a collector's
+        # thread, an async save of a memory-mapped buffer) may or may not be in the file, its checksums and
+        # fingerprint are those of the bytes it holds; the head (which holds the data's CRC) is written last
+        data_crc, data_adler, at = 0, 1, len(tpl.head)
+        for lo in range(0, len(data), CHUNK_PIECE):
+            piece = stable_copy(data[lo : lo + CHUNK_PIECE])
+            data_crc, data_adler = crc32(piece, data_crc), adler32(piece, data_adler)
+            put(piece, at + lo)
+        head, tail = tpl.parts(data_crc)
+        end = tail + identity_trailer(save_id, rank)
+        put(head, 0)
+        put(end, at + len(data))
+        crc = crc32_combine(crc32_combine(crc32(head), data_crc, len(data)), crc32(end), len(end))
+        size = len(head) + len(data) + len(end)
+        record = ChunkFile(
+            size, format_crc(crc), len(head) + len(data) + len(tail), fingerprint_of(data_crc, data_adler)
+        )
         if writeback is not None:
             writeback.flush()
             os.fsync(fd)

@@ -313,7 +313,7 @@ def put_chunk(destination: StorePath, job: ChunkJob, share: ShareWrite) -> Chunk
                 path=destination,
             )
     assert job.tensor is not None
-    parts, record = chunk_file_parts(job.tensor, share.save_id, share.rank)
+    parts, record = chunk_file_parts(job.tensor, share.save_id, share.rank, stable=True)
     target = destination / job.file
     etag = upload_pieces(target, iter(parts), record.size)
     chunk = ChunkIdentity(job.key, job.start, job.rows, record.size, record.checksum, record.fingerprint)

@@ -66,7 +66,7 @@ from torchrl_dcp.format.record import (
     tensor_bytes,
 )
 from torchrl_dcp.storage.base import ChunkEntry, WriteOutcome
-from torchrl_dcp.storage.copying import default_threads, pwrite_all, run_split
+from torchrl_dcp.storage.copying import default_threads, pwrite_all, run_split, stable_copy
 from torchrl_dcp.storage.files import DirHandle
 from torchrl_dcp.storage.writeback import Writeback
 
@@ -129,9 +129,12 @@ def plan_layout(tensors: list[tuple[str, torch.Tensor]], trailer: bytes) -> File
             data = on_host.get(i)
             if data is None:
                 data = tensor_bytes(tensor)
-            head, tail = tpl.parts(crc32(data))
-            pending += head
+            at = len(pending)
+            pending += tpl.head  # (its CRC set below: of the bytes copied, which live rows may change after)
             pending += data
+            with memoryview(pending) as whole, whole[at + len(tpl.head) :] as copied:
+                head, tail = tpl.parts(crc32(copied))
+            pending[at : at + len(head)] = head
             pending += tail
             out.size += tpl.length
             if len(pending) >= WRITE_PIECE:
@@ -169,13 +172,22 @@ def _large_units(tensor: torch.Tensor, at: int, nbytes: int) -> list[_Unit]:
 
 
 def _write_unit(fd: int, u: _Unit, writeback: Writeback | None) -> None:
-    """Write one unit at its offset in 1 MiB pieces and set its CRC (a device window is dropped on return)."""
+    """Write one unit at its offset in 1 MiB pieces and set its CRC (a device window is dropped on return). A view
+    of live memory is copied piece by piece first, and the copy checksummed and written: rows changed meanwhile
+    (a collector's thread, an async save of a memory-mapped buffer) may or may not be in the file, but its
+    checksums are those of the bytes it holds."""
     data = u.bytes()
+    live = u.fetch is None and isinstance(data, memoryview)
+    crc = 0
     for s in range(0, u.length, WRITE_PIECE):  # (a held unit is one piece; a device window several)
-        pwrite_all(fd, data[s : s + WRITE_PIECE], u.offset + s)
+        piece = data[s : s + WRITE_PIECE]
+        if live:
+            piece = stable_copy(piece)
+        crc = crc32(piece, crc)
+        pwrite_all(fd, piece, u.offset + s)
         if writeback is not None:
             writeback.written(u.offset + s, min(WRITE_PIECE, u.length - s))
-    u.crc = crc32(data)
+    u.crc = crc
 
 
 def write_file(
