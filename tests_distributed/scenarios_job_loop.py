@@ -200,3 +200,22 @@ def two_groups_of_the_same_ranks_and_a_timed_out_save(directory: str) -> dict[st
     fresh = torch.nn.Linear(3, 2)
     tdcp.DistributedCheckpoint(process_group=second, timeout=3, model=fresh).load(f"{directory}/after-1")
     return {"late": late, "after": after, "exact": torch.equal(fresh.weight, model.weight)}
+
+
+def two_checkpoints_one_saving_in_the_background(directory: str) -> dict[str, Any]:
+    """One checkpoint's async save in flight while another checkpoint object (one timeout: one gloo group) loads
+    and saves: its collectives waited for the background ones (they interleaved: both stalled to the timeout)."""
+    model = torch.nn.Linear(64, 64)
+    a = tdcp.DistributedCheckpoint(timeout=20, model=model)
+    b = tdcp.DistributedCheckpoint(timeout=20, model=model)
+    b.save(f"{directory}/b0")
+    saved = model.weight.detach().clone()
+    for _ in range(3):
+        handle = a.async_save(f"{directory}/a{_}")
+        with torch.no_grad():
+            model.weight.add_(1)
+        b.load(f"{directory}/b0")  # while a's save is (or may be) in flight
+        b.save(f"{directory}/b{_ + 1}")
+        handle.wait()
+    a.close()
+    return {"exact": torch.equal(model.weight, saved), "verified": [str(tdcp.verify(f"{directory}/a2")["path"])]}

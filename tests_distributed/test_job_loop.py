@@ -142,3 +142,13 @@ def test_groups_of_the_same_ranks_checkpoint_and_a_timed_out_save_does_not_end_c
         assert r.value["exact"]
     assert not (tmp_path / "late").exists()
     assert tdcp.read_manifest(tmp_path / "b")["world_size"] == 2
+
+
+def test_another_checkpoint_loads_and_saves_while_one_saves_in_the_background(tmp_path: Path) -> None:
+    results = launch(
+        "tests_distributed.scenarios_job_loop:two_checkpoints_one_saving_in_the_background",
+        2,
+        str(tmp_path),
+        timeout=120,
+    )
+    assert all(r.value["exact"] for r in results)

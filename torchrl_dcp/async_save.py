@@ -32,6 +32,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,9 @@ def staged_together(tensor: torch.Tensor) -> bool:
         and 0 < tensor.numel() * tensor.element_size() < TOGETHER_BELOW
         and can_write_fast(tensor)
     )
+
+
+_IN_FLIGHT: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()  # savers that submitted a save (pending or not)
 
 
 class AsyncSaver:
@@ -275,7 +279,17 @@ class AsyncSaver:
 
         handle = SaveHandle(path, step, self._executor.submit(task))
         self._pending = handle
+        _IN_FLIGHT.add(self)
         return handle
+
+    def wait_for_others(self) -> None:
+        """Wait until the background saves of this process's other checkpoints are done (their outcome left to their
+        own next call): checkpoints of one timeout share one gloo group, and a collective started while another
+        thread runs one on that group would interleave with it (both stall until the timeout)."""
+        for other in list(_IN_FLIGHT):
+            handle = other._pending
+            if other is not self and handle is not None:
+                concurrent.futures.wait([handle._future])
 
     def release(self) -> None:
         """Drop the staging buffers (after waiting for the save in flight)."""

@@ -185,7 +185,9 @@ class DistributedCheckpoint:
 
     def _settle_async(self) -> None:
         """Before a collective call: the background save settled alike on every rank
-        (:meth:`~torchrl_dcp.async_save.AsyncSaver.settle_pending`)."""
+        (:meth:`~torchrl_dcp.async_save.AsyncSaver.settle_pending`), after the other checkpoints' background saves
+        (:meth:`~torchrl_dcp.async_save.AsyncSaver.wait_for_others`)."""
+        self._async.wait_for_others()
         if self._async.pending is None:
             return
         group = self._group()
