@@ -6,6 +6,7 @@ import io
 import os
 import sys
 import threading
+import time
 import zipfile
 import zlib
 from pathlib import Path
@@ -357,3 +358,27 @@ def test_one_save_in_flight_the_next_waits(tmp_path: Path, monkeypatch: pytest.M
     release.set()
     ckpt.load(tmp_path / "b")  # a load waits for the save in flight too
     assert (tmp_path / "c" / "manifest.json").exists()
+
+
+def test_a_checkpoint_waits_only_for_background_saves_on_its_own_group() -> None:
+    """Another checkpoint's background save is waited for before a collective call on the same group, never by a
+    checkpoint without one (a local tier's single-process saves) or on another group."""
+    import threading
+
+    from torchrl_dcp.async_save import AsyncSaver
+
+    release = threading.Event()
+    other, mine, group = AsyncSaver(), AsyncSaver(), object()
+    other.group = group
+    other.submit(Path("x"), None, lambda: (release.wait(5), Path("x"))[1])
+    try:
+        started = time.monotonic()
+        mine.wait_for_others(None)
+        mine.wait_for_others(object())
+        assert time.monotonic() - started < 1 and not other.pending.done()
+        threading.Timer(0.2, release.set).start()
+        mine.wait_for_others(group)
+        assert other.pending.done()
+    finally:
+        release.set()
+        other.shutdown()

@@ -194,3 +194,22 @@ def test_a_link_in_place_of_the_tier_directory_is_refused_and_nothing_is_written
         rotation.maybe_save(ckpt, 1)
     assert sorted(p.name for p in elsewhere.iterdir()) == ["step-000000000009"]
     assert rotation.local.steps() == [] and rotation.resume(ckpt) is None
+
+
+def test_steps_of_more_than_12_digits_are_listed_resumed_and_pruned(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 2)
+    ckpt = tdcp.DistributedCheckpoint(no_dist=True, policy=model)
+    local = tdcp.LocalTier(tmp_path / "local", every_steps=1, keep_last=1)
+    rotation = tdcp.CheckpointRotation(tmp_path / "shared", every_steps=10**15, keep_last=1, local=local)
+    big = 10**12
+    for step in range(big - 1, big + 2):
+        torch.nn.init.constant_(model.weight, float(step % 100))
+        rotation.maybe_save(ckpt, step)
+    rotation.close()
+    assert sorted(p.name for p in (tmp_path / "local").iterdir()) == [f"step-{big + 1}"]
+    fresh = torch.nn.Linear(2, 2)
+    again = tdcp.CheckpointRotation(
+        tmp_path / "shared", every_steps=10**15, keep_last=1, local=tdcp.LocalTier(tmp_path / "local", every_steps=1)
+    )
+    info = again.resume(tdcp.DistributedCheckpoint(no_dist=True, policy=fresh))
+    assert info is not None and info.step == big + 1 and torch.equal(fresh.weight, model.weight)

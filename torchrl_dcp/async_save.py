@@ -124,6 +124,7 @@ class AsyncSaver:
         self._together: torch.Tensor | None = None  # small device tensors' staged bytes (_stage_together)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: SaveHandle | None = None
+        self.group: Any = None  # the gloo group its background saves run their collectives on (set per save)
         self._stream: Any = None
         self._lock = threading.Lock()
 
@@ -282,13 +283,16 @@ class AsyncSaver:
         _IN_FLIGHT.add(self)
         return handle
 
-    def wait_for_others(self) -> None:
-        """Wait until the background saves of this process's other checkpoints are done (their outcome left to their
-        own next call): checkpoints of one timeout share one gloo group, and a collective started while another
-        thread runs one on that group would interleave with it (both stall until the timeout)."""
+    def wait_for_others(self, group: Any) -> None:
+        """Wait until the background saves of this process's other checkpoints on ``group`` (this checkpoint's gloo
+        group) are done, their outcome left to their own next call: checkpoints of one timeout share one group, and a
+        collective started while another thread runs one on it would interleave with it (both stall until the
+        timeout). Checkpoints without a group (a local tier's single-process saves) wait for nobody."""
+        if group is None:
+            return
         for other in list(_IN_FLIGHT):
             handle = other._pending
-            if other is not self and handle is not None:
+            if other is not self and handle is not None and other.group is group:
                 concurrent.futures.wait([handle._future])
 
     def release(self) -> None:

@@ -187,10 +187,10 @@ class DistributedCheckpoint:
         """Before a collective call: the background save settled alike on every rank
         (:meth:`~torchrl_dcp.async_save.AsyncSaver.settle_pending`), after the other checkpoints' background saves
         (:meth:`~torchrl_dcp.async_save.AsyncSaver.wait_for_others`)."""
-        self._async.wait_for_others()
+        group = self._group()
+        self._async.wait_for_others(group)
         if self._async.pending is None:
             return
-        group = self._group()
         self._async.settle_pending(
             lambda flag: _dist.any_rank([flag], group, "agreeing whether the background save failed")[0]
         )
@@ -440,6 +440,7 @@ class DistributedCheckpoint:
             committed = save_engine.run(job)
             return committed if then is None else then(committed)
 
+        self._async.group = self._group()
         return self._async.submit(job.destination, job.step, run, event)
 
     def _prepare_save(

@@ -65,7 +65,7 @@ logger = get_logger(__name__)
 Tier = Literal["local", "peer", "shared"]
 RECORD_FORMAT = "torchrl_dcp.local_tier"
 RECORD_VERSION = 1
-_STEP = re.compile(r"step-([0-9]{12})")  # (fullmatch: "$" would take a name ending in a newline)
+_STEP = re.compile(r"step-([0-9]{12,})")  # (fullmatch: "$" would take a name ending in a newline)
 _RECORD = re.compile(r"rank-([0-9]{5})\.commit\.json")
 _RECORD_LIMIT = 64 << 10
 _MANIFEST_LIMIT = 64 << 20  # a part's manifest larger than this is not digested (its record never matches)
@@ -265,8 +265,8 @@ class LocalTier:
             names = os.listdir(self.path)
         except (FileNotFoundError, NotADirectoryError):
             return []
-        found = (m for m in map(_STEP.fullmatch, names) if m)
-        return sorted(int(m.group(1)) for m in found if _is_real_dir(self.path / m.group(0)))
+        found = (m for m in map(_STEP.fullmatch, names) if m and f"{int(m.group(1)):012d}" == m.group(1))
+        return sorted(int(m.group(1)) for m in found if _is_real_dir(self.path / m.group(0)))  # (names it writes)
 
     def _remove_step(self, step: int) -> None:
         step_dir = self.path / f"step-{step:012d}"
