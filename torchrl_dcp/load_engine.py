@@ -65,7 +65,16 @@ from torchrl_dcp.errors import (
 )
 from torchrl_dcp.format.dcp_metadata import record_index
 from torchrl_dcp.format.manifest import library_versions
-from torchrl_dcp.load_plan import ComponentPlan, LoadPlan, Registered, decode_states, plan_components, rollback_one
+from torchrl_dcp.format.record import template
+from torchrl_dcp.load_plan import (
+    ComponentPlan,
+    LoadPlan,
+    Registered,
+    decode_states,
+    plan_components,
+    refuse_conflicting_live,
+    rollback_one,
+)
 from torchrl_dcp.planner import SafeLoadPlanner
 from torchrl_dcp.save_support import failure_inside, quiet_single_process, summarize
 from torchrl_dcp.storage.backends import open_source
@@ -163,6 +172,7 @@ def prepare(request: LoadRequest, result: LoadResult) -> tuple[CheckpointSource,
             incompatible=result.incompatible,
             source=request.path,
         )
+        refuse_conflicting_live(found["plan"], lambda key: saved_crcs(src, metadata, key), request.path)
         report_issues(result, request.strict, request.path)
         verify_bytes(src, found["plan"], request.verify, metadata, whole=request.rank == 0)  # 4. verify
         # what every rank must share: the checkpoint (its save, wherever each rank mounts it) and what it restores
@@ -242,6 +252,27 @@ def verify_bytes(
     if verify:
         load_plan.verify_inline = (needed_fresh - needed_live) | by_fresh_read
         load_plan.verify_live = needed_live  # checked again during the final read: a file changed since is caught
+
+
+def saved_crcs(src: CheckpointSource, metadata: Any, key: str) -> tuple[int, ...] | None:
+    """The data CRCs recorded in the heads of ``key``'s records (our writer's layout), in chunk order; ``None``
+    where they cannot be read (another layout, a damaged file: the verification says more)."""
+    md = None if metadata is None else metadata.state_dict_metadata.get(key)
+    records = record_index(metadata).get(key) if md is not None else None
+    if not records or not hasattr(md, "chunks"):
+        return None
+    sizes = {tuple(c.offsets): tuple(c.sizes) for c in md.chunks}
+    out = []
+    try:
+        for offsets, info in sorted(records.items()):
+            tpl = template(md.properties.dtype, sizes[offsets])
+            (raw,) = src.read_many(info.relative_path, [(info.offset + tpl.head_crc_at, 4)])
+            if len(raw) != 4 or info.length != tpl.length:
+                return None
+            out.append(int.from_bytes(raw, "little"))
+    except (CheckpointError, OSError, KeyError, ValueError, TypeError):
+        return None
+    return tuple(out)
 
 
 def files_for(metadata: Any, flat: Mapping[str, torch.Tensor]) -> set[str]:

@@ -164,39 +164,41 @@ def plan_components(
             continue
         _references(comp, saved, load_plan, rank, metadata, source)
         load_plan.components[name] = comp
-    _refuse_shared_live(load_plan, source)
     return load_plan
 
 
-def _refuse_shared_live(plan: LoadPlan, source: Any) -> None:
-    """Refuse two components whose tensors read in place share memory (a dict and a module holding one tensor,
-    ``TensorDict.from_module(policy)`` registered beside the policy) where the checkpoint holds them as two tensors:
-    a save of objects sharing memory stores it once, so they were saved apart; both reads would land on the same
-    bytes, the last one read winning (another on each rank). Checked before anything changes."""
+def refuse_conflicting_live(plan: LoadPlan, saved_crcs: Callable[[str], Any], source: Any) -> None:
+    """Refuse two components whose tensors read in place are the same memory (a dict and a module holding one
+    tensor, ``TensorDict.from_module(policy)`` beside a policy) where the checkpoint holds two different tensors for
+    it (saved from objects that did not share it): both reads would land on the same bytes, the last one read
+    winning. ``saved_crcs(key)``: the CRCs recorded in a tensor's records (``None``: unknown). A save of shared
+    memory holds it once (an ``xref``) or twice with the same bytes (per-rank components, two views of one tensor):
+    those load. Checked before anything changes; named alike on every rank."""
     owners = [c for c in plan.components.values() if c.in_place]
     if len(owners) < 2:
         return
-    spans: list[tuple[Any, int, int, str, str]] = []
+    spans: dict[tuple[Any, int, int], list[tuple[str, str]]] = {}  # one memory extent: (component, key) reading it
     for comp in owners:
         prefixes = tuple(f"{s.prefix}/" for s in comp.sources.values())
         for key, t in plan.live.items():
             if key.startswith(prefixes) and t.numel():
                 extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
-                spans.append((t.device, t.data_ptr(), t.data_ptr() + extent * t.element_size(), key, comp.name))
-    spans.sort(key=lambda s: (str(s[0]), s[1]))
-    shared: list[tuple[str, str, str, str]] = []
-    end, last = None, None
-    for span in spans:
-        if last is not None and span[0] == last[0] and span[1] < end and span[4] != last[4]:
-            shared.append(min((last[4], last[3], span[4], span[3]), (span[4], span[3], last[4], last[3])))
-        if last is None or span[0] != last[0] or span[2] > end:
-            end, last = span[2], span
-    if shared:  # named alike on every rank (memory addresses differ)
-        a, key_a, b, key_b = min(shared)
+                start = t.data_ptr()
+                spans.setdefault((str(t.device), start, start + extent * t.element_size()), []).append((comp.name, key))
+    conflicts = []
+    for readers in spans.values():
+        if len({name for name, _ in readers}) < 2:
+            continue
+        readers.sort()
+        crcs = [saved_crcs(key) for _, key in readers]
+        if any(c is None for c in crcs) or len(set(crcs)) > 1:
+            conflicts.append(readers)
+    if conflicts:
+        (a, key_a), (b, key_b) = min(conflicts)[:2]
         raise IncompatibleComponentError(
             f"components {a!r} and {b!r} share memory now ({key_a!r} and {key_b!r}), which the checkpoint holds as "
-            "two tensors (saved from objects that did not share it): one restore would overwrite the other. Load "
-            "them into objects that do not share memory, or one of them (components=[...])",
+            "two different tensors (saved from objects that did not share it): one restore would overwrite the "
+            "other. Load them into objects that do not share memory, or one of them (components=[...])",
             path=source,
         )
 
