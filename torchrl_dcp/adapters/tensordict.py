@@ -334,14 +334,8 @@ def _check_locked(obj: Any, state: Any, name: str, at: str) -> None:
 
 def _restore_into(obj: TensorDictBase, new: TensorDictBase, name: str) -> None:
     if isinstance(obj, LazyStackedTensorDict):  # each stacked TensorDict in turn, where it is
-        parts = new.tensordicts if isinstance(new, LazyStackedTensorDict) else None
-        if parts is None or len(parts) != len(obj.tensordicts) or new.stack_dim != obj.stack_dim:
-            found = f"{len(parts)} along dim {new.stack_dim}" if parts is not None else "a TensorDict that is no stack"
-            raise IncompatibleComponentError(
-                f"component {name!r} holds {len(obj.tensordicts)} stacked TensorDicts along dim {obj.stack_dim}, "
-                f"the checkpoint {found}"
-            )
-        for live, saved in zip(obj.tensordicts, parts):
+        _check_stacks(obj, new, name)  # (checked while planning too: a rollback's snapshot comes here unchecked)
+        for live, saved in zip(obj.tensordicts, new.tensordicts):
             _restore_into(live, saved, name)
         return
     names = new._maybe_names()
