@@ -178,10 +178,13 @@ def refuse_conflicting_live(plan: LoadPlan, saved_crcs: Callable[[str], Any], so
     if len(owners) < 2:
         return
     spans: dict[tuple[Any, int, int], list[tuple[str, str]]] = {}  # one memory extent: (component, key) reading it
-    for comp in owners:
-        prefixes = tuple(f"{s.prefix}/" for s in comp.sources.values())
-        for key, t in plan.live.items():
-            if key.startswith(prefixes) and t.numel():
+    for comp in owners:  # each component's own keys (one pass over its tensors, not over every live key)
+        for state in comp.sources.values():
+            for spec in state.specs:
+                key = f"{state.prefix}/{spec.key}"
+                t = plan.live.get(key)
+                if t is None or not t.numel():
+                    continue
                 extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
                 start = t.data_ptr()
                 spans.setdefault((str(t.device), start, start + extent * t.element_size()), []).append((comp.name, key))
