@@ -15,21 +15,15 @@ Example:
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
-from torchrl_dcp.errors import CheckpointError, CheckpointFormatError
-from torchrl_dcp.format.codec import TensorSpec, decode, dtype_from_name, tensor_specs, xref_key, xrefs
-from torchrl_dcp.load_plan import check_backed
+from torchrl_dcp.format.codec import decode, dtype_from_name, tensor_specs, xref_key, xrefs
+from torchrl_dcp.load_engine import read_fresh
 from torchrl_dcp.placement import key_prefix
-from torchrl_dcp.planner import SafeLoadPlanner
-from torchrl_dcp.save_support import failure_inside, summarize
 from torchrl_dcp.storage.backends import open_source
-from torchrl_dcp.storage.direct import read_direct
 from torchrl_dcp.storage.source import CheckpointSource
 
 BATCH_BYTES = 256 << 20
@@ -51,36 +45,7 @@ def read_tensors(
     Args:
         verify: checksum the data files that hold them (while reading them: the tensors are fresh).
     """
-    src = as_source(source)
-    if not specs:
-        return {}
-    metadata = src.dcp_metadata()
-    if metadata is None:
-        raise CheckpointFormatError("the checkpoint holds no tensors", path=src.path)
-    for key, (shape, dtype) in specs.items():  # before anything is allocated: no more than the files hold
-        check_backed(metadata, key, TensorSpec(key, tuple(shape), dtype, "cpu"), src.path)
-    try:
-        flat = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in specs.items()}
-    except RuntimeError as err:  # e.g. out of memory
-        raise CheckpointError(f"cannot allocate the tensors to read ({err})", path=src.path) from None
-    keys = set(flat)
-    holding = {info.relative_path for index, info in metadata.storage_data.items() if index.fqn in keys}
-    files = holding if verify else set()
-    src.check(False)  # sizes of every listed file, nothing unlisted
-    src.check_identity(holding)  # as a load does: a file copied in from another save is refused, resealed or not
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        try:
-            rest = read_direct(src.storage_reader(files), metadata, flat) if src.reads_files else flat
-            if rest:  # e.g. chunks not split along dim 0: DCP's own planning
-                dcp.load(rest, storage_reader=src.storage_reader(files), planner=SafeLoadPlanner(), no_dist=True)
-        except BaseException as err:  # DCP's CheckpointException is a BaseException
-            if isinstance(err, (CheckpointError, KeyboardInterrupt)):
-                raise
-            raise failure_inside(err) or CheckpointError(
-                f"reading tensors failed: {summarize(err)}", path=src.path
-            ) from None
-    return flat
+    return read_fresh(as_source(source), specs, verify=verify)
 
 
 def component_states(manifest: Mapping[str, Any], name: str) -> list[tuple[int, Any]]:

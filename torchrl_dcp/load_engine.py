@@ -53,9 +53,11 @@ from torch.autograd.graph import increment_version
 from torch.distributed.checkpoint.api import CheckpointException
 
 from torchrl_dcp._log import get_logger
+from torchrl_dcp.adapters.base import Adapter
 from torchrl_dcp.collective import failures, raise_if_failed, run_agreed
 from torchrl_dcp.errors import (
     CheckpointError,
+    CheckpointFormatError,
     CheckpointIntegrityError,
     CollectiveError,
     IncompatibleComponentError,
@@ -63,6 +65,7 @@ from torchrl_dcp.errors import (
     PartialLoadWarning,
     UnrestoredComponentWarning,
 )
+from torchrl_dcp.format.codec import TensorSpec
 from torchrl_dcp.format.dcp_metadata import record_index
 from torchrl_dcp.format.manifest import library_versions
 from torchrl_dcp.format.record import template
@@ -70,6 +73,8 @@ from torchrl_dcp.load_plan import (
     ComponentPlan,
     LoadPlan,
     Registered,
+    SavedState,
+    check_backed,
     decode_states,
     plan_components,
     refuse_conflicting_live,
@@ -340,6 +345,44 @@ def read(
         raise CollectiveError(f"DCP load failed: {summarize(err)}", path=request.path, result=result) from None
 
 
+def read_fresh(
+    src: CheckpointSource, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], *, verify: bool = True
+) -> dict[str, torch.Tensor]:
+    """Read the tensors ``{dcp_key: (shape, dtype)}`` of ``src`` into fresh CPU tensors, in this process alone (no
+    process group): each checked against DCP's metadata before anything is allocated, every file that holds them
+    sized, of this save, and (``verify``) checksummed while read. What the tools read through
+    (:func:`~torchrl_dcp.extract.read_tensors`, ``verify``'s value checks)."""
+    if not specs:
+        return {}
+    metadata = src.dcp_metadata()
+    if metadata is None:
+        raise CheckpointFormatError("the checkpoint holds no tensors", path=src.path)
+    for key, (shape, dtype) in specs.items():  # before anything is allocated: no more than the files hold
+        check_backed(metadata, key, TensorSpec(key, tuple(shape), dtype, "cpu"), src.path)
+    try:
+        flat = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in specs.items()}
+    except RuntimeError as err:  # e.g. out of memory
+        raise CheckpointError(f"cannot allocate the tensors to read ({err})", path=src.path) from None
+    keys = set(flat)
+    holding = {info.relative_path for index, info in metadata.storage_data.items() if index.fqn in keys}
+    files = holding if verify else set()
+    src.check(False)  # sizes of every listed file, nothing unlisted
+    src.check_identity(holding)  # as a load does: a file copied in from another save is refused, resealed or not
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        try:
+            rest = read_direct(src.storage_reader(files), metadata, flat) if src.reads_files else flat
+            if rest:  # e.g. chunks not split along dim 0: DCP's own planning
+                dcp.load(rest, storage_reader=src.storage_reader(files), planner=SafeLoadPlanner(), no_dist=True)
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            if isinstance(err, (CheckpointError, KeyboardInterrupt)):
+                raise
+            raise failure_inside(err) or CheckpointError(
+                f"reading tensors failed: {summarize(err)}", path=src.path
+            ) from None
+    return flat
+
+
 # ---------------------------------------------------------------------- phase 6: restore
 def restore(src: CheckpointSource, request: LoadRequest, load_plan: LoadPlan, result: LoadResult) -> None:
     """Restore every component; on any rank's failure (strict='error') every rank rolls back and raises.
@@ -354,7 +397,7 @@ def restore(src: CheckpointSource, request: LoadRequest, load_plan: LoadPlan, re
     in_place = [c for c in load_plan.components.values() if c.in_place]
     done: list[ComponentPlan] = []
 
-    failure = _restore_all(first, load_plan, request, result, done)
+    failure = check_values(load_plan, request.path) or _restore_all(first, load_plan, request, result, done)
     statuses = failures(failure, request.group, "restoring components")
     if statuses is not None:
         _fail(done, statuses, failure, "restoring components", result)
@@ -372,6 +415,30 @@ def restore(src: CheckpointSource, request: LoadRequest, load_plan: LoadPlan, re
     statuses = failures(failure, request.group, "restoring components")
     if statuses is not None:
         _fail(done, statuses, failure, "restoring components", result, partial=in_place)
+
+
+def check_values(load_plan: LoadPlan, path: Any) -> BaseException | None:
+    """The adapters' checks of the values read (:meth:`~torchrl_dcp.adapters.base.Adapter.check_values`), on every
+    state to restore, after the fresh reads and before anything is restored; returns the first failure."""
+    for comp in load_plan.components.values():
+        if type(comp.adapter).check_values is Adapter.check_values:
+            continue
+        for state in comp.sources.values():
+
+            def read(spec: TensorSpec, state: SavedState = state) -> torch.Tensor:
+                key = f"{state.prefix}/{spec.key}"
+                if key in load_plan.live:  # (not read yet: the live object's own values)
+                    raise RuntimeError(f"internal: {key!r} is read in place, after the values are checked")
+                return load_plan.destination(key)
+
+            try:
+                comp.adapter.check_values(state.view, read)
+            except (ValueError, TypeError, KeyError) as err:
+                return CheckpointIntegrityError(
+                    f"component {comp.name!r}: {err}: no save writes that state; the checkpoint is damaged or forged",
+                    path=path,
+                )
+    return None
 
 
 def _restore_all(

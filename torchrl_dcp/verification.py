@@ -123,6 +123,33 @@ def check_structure(src: Any) -> dict[str, Any]:
     return states
 
 
+def _check_values(src: CheckpointSource, states: dict[str, Any], components: dict[str, Any], where: Any) -> None:
+    """The saving adapters' checks of tensor values (:meth:`~torchrl_dcp.adapters.base.Adapter.check_values`), as a
+    load runs them: each reads only the tensors it asks for (checksummed already)."""
+    from torchrl_dcp.adapters import Adapter, adapter_by_id
+    from torchrl_dcp.load_engine import read_fresh
+
+    for name, by_rank in states.items():
+        adapter = adapter_by_id(components[name]["adapter"])
+        if adapter is None or components[name].get("adapter_version") != adapter.version:
+            continue
+        if type(adapter).check_values is Adapter.check_values:
+            continue
+        for state in by_rank.values():
+
+            def read(spec: Any, prefix: str = state.prefix) -> Any:
+                key = f"{prefix}/{spec.key}"
+                return read_fresh(src, {key: (spec.shape, spec.dtype)}, verify=False)[key]
+
+            try:
+                adapter.check_values(state.view, read)
+            except (ValueError, TypeError, KeyError) as err:
+                raise CheckpointIntegrityError(
+                    f"component {name!r}: {err}: no save writes that state; the checkpoint is damaged or forged",
+                    path=where,
+                ) from None
+
+
 def verify(
     path: str | os.PathLike,
     *,
@@ -171,6 +198,7 @@ def verify(
         _check_blob_headers(src, metadata)
         _check_records_stored(src, metadata)
         src.check_records(metadata)
+        _check_values(src, states, manifest["components"], root / MANIFEST)
     elif any(rec.get("num_tensors") or rec.get("inventory") for rec in manifest["components"].values()):
         raise CheckpointFormatError("manifest lists tensors but no data files", path=root)
     return {

@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import abc
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torchrl_dcp.placement import Placement
+
+if TYPE_CHECKING:
+    from torchrl_dcp.format.codec import TensorSpec
 
 __all__ = ["Adapter", "AdapterContext", "CheckpointOptions"]
 
@@ -145,6 +148,17 @@ class Adapter(abc.ABC):
         saved state (tensors as :class:`~torchrl_dcp.format.codec.TensorSpec`, JSON values
         real): JSON values that contradict the tensors they describe, impossible counts, a
         value no ``state_dict`` produces. The default accepts everything.
+        """
+        return None
+
+    def check_values(self, saved: Any, read: Callable[[TensorSpec], torch.Tensor]) -> None:
+        """Raise ``ValueError`` (saying what is wrong) if the values of ``saved``'s tensors make it a state no save of
+        this adapter writes (an index past the end of a storage), where :meth:`check_saved` sees only their specs.
+
+        ``saved`` as for :meth:`check_saved`; ``read(spec)`` returns one tensor's saved value. A load calls it on
+        every state it restores once the tensors bound for fresh buffers are read, before anything is restored
+        (``read`` gives only those: not the tensors an adapter receives in place, which still hold the live
+        object's values then); ``verify`` reads the tensors asked for. The default checks nothing.
         """
         return None
 

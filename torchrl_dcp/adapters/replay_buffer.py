@@ -64,6 +64,7 @@ from torchrl_dcp.adapters.list_storage import (
     restore_list_storage,
 )
 from torchrl_dcp.errors import EncodingError, IncompatibleComponentError
+from torchrl_dcp.format.codec import TensorSpec
 
 
 # --------------------------------------------------------------------------- storage
@@ -196,6 +197,49 @@ def restore_storage(storage: TensorStorage, saved: Mapping[str, Any]) -> None:
         bump()
 
 
+def _indices_within(index: Any, size: int) -> bool:
+    """Whether ``index`` (an int, or a tensor of integers) indexes a dimension of ``size`` (negative ones from the
+    end, as Python's)."""
+    if isinstance(index, torch.Tensor) and not index.dtype.is_floating_point and not index.dtype.is_complex:
+        values = index.reshape(-1).tolist()
+    else:
+        values = [index]
+    return all(type(v) is int and -size <= v < size for v in values)
+
+
+def check_buffer_values(saved: Mapping[str, Any], read: Any) -> None:
+    """Indices a saved buffer holds as tensors point inside it, as every write leaves them: the storage's last
+    cursor within its ``max_size`` (a mask aside), a prioritized sampler's max-priority index within its capacity
+    (the sampler would write there). ``read(spec)``: a tensor's value."""
+    storage, sampler = saved.get("storage"), saved.get("sampler")
+    if isinstance(storage, Mapping) and storage.get("initialized") is True and type(storage.get("max_size")) is int:
+        last = _read(storage.get("last_cursor"), read)
+        if last is not None and not (isinstance(last, torch.Tensor) and last.dtype == torch.bool):
+            if not _indices_within(last, max(storage["max_size"], 1)):
+                raise ValueError(f"its storage's last cursor is {last!r}, outside its max_size {storage['max_size']}")
+    if not (isinstance(sampler, Mapping) and sampler.get("kind") == "prioritized"):
+        return
+    max_priority, capacity = sampler.get("max_priority"), sampler.get("capacity")
+    if max_priority is None or type(capacity) is not int:
+        return
+    if not isinstance(max_priority, (tuple, list)) or len(max_priority) != 2:
+        raise ValueError(f"its prioritized sampler's max_priority is a {type(max_priority).__name__}, not a pair")
+    index = max_priority[1]
+    parts = list(index) if isinstance(index, (tuple, list)) else [index]
+    if parts == [None]:
+        return
+    for part in parts:
+        if not _indices_within(_read(part, read), capacity):
+            raise ValueError(
+                f"its prioritized sampler's max_priority index is {_read(part, read)!r}, outside its capacity of "
+                f"{capacity}"
+            )
+
+
+def _read(value: Any, read: Any) -> Any:
+    return read(value) if isinstance(value, TensorSpec) else value
+
+
 # --------------------------------------------------------------------------- sampler
 def sampler_state(sampler: Any) -> dict[str, Any]:
     if isinstance(sampler, PrioritizedSampler):
@@ -245,12 +289,12 @@ def restore_sampler(sampler: Any, saved: Mapping[str, Any], name: str) -> None:
             raise IncompatibleComponentError(
                 f"component {name!r}: prioritized sampler capacity was {capacity}, the buffer's is {sampler._max_capacity}"
             )
+        max_priority = saved["max_priority"]  # (its index checked with the values read: check_values)
         sampler._alpha, sampler._beta, sampler._eps = saved["alpha"], saved["beta"], saved["eps"]
         sampler._empty()
         index = torch.arange(capacity)
         sampler._sum_tree[index] = saved["sum"]
         sampler._min_tree[index] = saved["min"]
-        max_priority = saved["max_priority"]
         sampler._max_priority = tuple(max_priority) if isinstance(max_priority, list) else max_priority
         if "slice" in saved:
             from torchrl.data.replay_buffers.samplers import SliceSampler
@@ -437,6 +481,9 @@ class ReplayBufferAdapter(Adapter):
         if storage.get("kind") != LIST_KIND and initialized is not True:  # (uninitialised: saved without rows)
             if initialized is not False or storage.get("len") != 0 or "data" in storage or "rows" in storage:
                 raise ValueError(f"its storage says initialized {initialized!r}, len {storage.get('len')!r}")
+        for key in ("len", "rows", "max_size", "ndim"):  # what every save writes as an int (a float here disarms the
+            if key in storage and type(storage[key]) is not int:  # checks below)
+                raise ValueError(f"its storage's {key} is {storage[key]!r}, not an integer")
         if storage.get("ndim") == 1 and all(type(c) is int for c in counts):  # (ndim > 1: len counts elements)
             n, rows, max_size = counts
             if not 0 <= n == rows <= max_size:  # (a save writes the filled rows: rows == len)
@@ -444,7 +491,7 @@ class ReplayBufferAdapter(Adapter):
             for spec in _specs(storage.get("data")):
                 if not spec.shape or spec.shape[0] != rows:
                     raise ValueError(f"its storage says {rows} rows, a tensor holds {list(spec.shape)}")
-        _check_saved_writer(saved.get("writer"), storage.get("max_size"))
+        _check_saved_writer(saved.get("writer"), storage)
         if isinstance(sampler, Mapping) and sampler.get("kind") == "prioritized":
             capacity = sampler.get("capacity")
             for tree in ("sum", "min"):
@@ -453,6 +500,10 @@ class ReplayBufferAdapter(Adapter):
                     raise ValueError(
                         f"its prioritized sampler says capacity {capacity!r}, its {tree} tree {list(shape)}"
                     )
+
+    def check_values(self, saved: Any, read: Any) -> None:
+        """Indices held as tensors point inside the buffer (:func:`check_buffer_values`)."""
+        check_buffer_values(saved, read)
 
     def validate(self, rb: ReplayBuffer, saved: dict[int, Any], ctx: AdapterContext) -> None:
         """The sampler's capacity must be the buffer's (checked while planning, before any row is read); after a
@@ -517,15 +568,23 @@ class ReplayBufferAdapter(Adapter):
 _STORAGE_ATTRS = ("_storage", "initialized", "_len", "_last_cursor")
 
 
-def _check_saved_writer(writer: Any, max_size: Any) -> None:
-    """A saved round-robin or max-value writer's cursor is an int in ``[0, max_size)`` and its write count an int
-    ``>= 0``: what every save writes (a cursor outside the storage would write past its rows)."""
+def _check_saved_writer(writer: Any, storage: Mapping[str, Any]) -> None:
+    """A saved round-robin or max-value writer's cursor is an int in ``[0, max_size)``, at most the storage's length
+    while the storage was never full, and its write count an int ``>= 0``: what every save writes (a cursor outside
+    the storage would write past its rows; one past the length would make unwritten rows part of the buffer at the
+    next write)."""
     counts = _writer_counts(writer)
     if counts is None:
         return
     cursor, write_count = counts
+    max_size, n = storage.get("max_size"), storage.get("len")
     if type(cursor) is not int or (type(max_size) is int and not 0 <= cursor < max(max_size, 1)) or cursor < 0:
         raise ValueError(f"its writer's cursor is {cursor!r}, its storage's max_size {max_size!r}")
+    one_dim = storage.get("ndim") == 1 and storage.get("kind") != LIST_KIND
+    if one_dim and type(n) is int and type(max_size) is int and n < max_size and cursor > n:
+        raise ValueError(
+            f"its writer's cursor is {cursor}, past the {n} rows of a storage that was never full (max_size {max_size})"
+        )
     if type(write_count) is not int or write_count < 0:
         raise ValueError(f"its writer's write count is {write_count!r}")
 

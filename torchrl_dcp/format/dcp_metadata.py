@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, UnsafeCheckpointError
 from torchrl_dcp.format.codec import MAX_EQUAL_HASHES
-from torchrl_dcp.format.layout import is_plain_name
+from torchrl_dcp.format.layout import is_data_file, is_plain_name
 
 _ALLOWED: dict[str, frozenset[str]] = {
     "torch.distributed.checkpoint.metadata": frozenset(
@@ -361,24 +361,32 @@ def check_storage_files(metadata: Metadata, source: str, allowed: Collection[str
             raise CheckpointIntegrityError(f"DCP metadata names {rel!r}, which the manifest does not list", path=source)
 
 
-def check_storage_bounds(metadata: Metadata, source: str, files: Mapping[str, Mapping[str, Any]]) -> None:
+def check_storage_bounds(
+    metadata: Metadata, source: str, files: Mapping[str, Mapping[str, Any]], *, trailer: int = 0
+) -> None:
     """Every data file DCP would open is a plain file name the manifest lists (``files``), and every byte range
-    DCP would read lies inside it (sizes as the manifest records them)."""
+    DCP would read lies inside it (sizes as the manifest records them), before the ``trailer`` bytes that end
+    every data file (its save identity, format 3 and later: never a record's)."""
     checked: set[str] = set()
+    ends: dict[str, int] = {}
     for index, info in (metadata.storage_data or {}).items():
         rel = getattr(info, "relative_path", None)
         if type(rel) is not str or rel not in checked:
             if type(rel) is not str or rel not in files or not is_plain_name(rel):
                 check_storage_files(metadata, source, files)  # says which, and why
             checked.add(rel)
-        rec = files[rel]
+        end = ends.get(rel)
+        if end is None:
+            end = ends[rel] = files[rel]["size"] - (trailer if is_data_file(rel) else 0)
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not isinstance(offset, int) or not isinstance(length, int):
             raise CheckpointIntegrityError(f"DCP metadata entry for {index.fqn!r} is malformed", path=source)
-        if offset < 0 or length < 0 or offset + length > rec["size"]:
+        if offset < 0 or length < 0 or offset + length > end:
+            ahead = f" ({trailer} of them its save identity)" if end != files[rel]["size"] else ""
             raise CheckpointIntegrityError(
                 f"DCP metadata puts tensor {index.fqn!r} at bytes {offset}..{offset + length} of "
-                f"{info.relative_path}, which has {rec['size']} bytes: the checkpoint is inconsistent or forged",
+                f"{info.relative_path}, which has {files[rel]['size']} bytes{ahead}: the checkpoint is inconsistent "
+                "or forged",
                 path=source,
             )
 

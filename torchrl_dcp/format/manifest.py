@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import datetime
 import json
+import math
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
@@ -140,7 +141,7 @@ def decode_json(data: bytes, source: Any, what: str) -> Any:
     (no NaN or Infinity)."""
     check_parse_cost(data, source)
     try:
-        raw = json.loads(data, parse_constant=_refuse_constant)
+        raw = json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float)
     except (ValueError, UnicodeDecodeError, RecursionError) as err:
         raise CheckpointFormatError(f"{what} is not valid JSON ({str(err)[:200]})", path=source) from None
     check_depth(structure(raw), source)
@@ -182,6 +183,15 @@ def check_parse_cost(data: bytes, source: Any) -> None:
 
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _finite_float(text: str) -> float:
+    """A JSON number with a fraction or exponent; one beyond the float range (``1e400``, which Python reads as
+    infinity) is refused: our writer stores infinities as tagged values, never as numbers."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of the float range")
+    return value
 
 
 def body_checksum(manifest: dict[str, Any]) -> str:

@@ -36,7 +36,7 @@ from torchrl_dcp.format.dcp_metadata import (
     chunk_specs,
     parse_metadata,
 )
-from torchrl_dcp.format.layout import DCP_METADATA, MAX_MANIFEST_BYTES, is_data_file
+from torchrl_dcp.format.layout import DCP_METADATA, MAX_MANIFEST_BYTES, TRAILER_SIZE, is_data_file
 from torchrl_dcp.format.record import (
     STORAGE_NAMES,
     check_bool_bytes,
@@ -107,7 +107,7 @@ class CheckpointSource:
             else:
                 where = f"{self.path} (the manifest's storage entries)"
                 metadata = metadata_from_index(manifest, str(self.path), where)
-                check_storage_bounds(metadata, where, manifest["files"])
+                check_storage_bounds(metadata, where, manifest["files"], trailer=_trailer(manifest))
                 check_coverage(metadata, where)
                 check_inventoried(metadata, where, manifest["components"])
             self._metadata = metadata
@@ -143,7 +143,7 @@ class CheckpointSource:
                 "checkpoint was copied in; refused",
                 path=where,
             )
-        check_storage_bounds(metadata, where, files)  # file names and byte ranges, one pass
+        check_storage_bounds(metadata, where, files, trailer=_trailer(manifest))  # file names and byte ranges
         check_coverage(metadata, where)  # every tensor tiled by its chunks, no bytes read twice
         check_inventoried(metadata, where, manifest["components"])  # no record left unreferred
         return metadata
@@ -274,6 +274,12 @@ class CheckpointSource:
         if mismatch_note is not None:
             reader.mismatch_note = mismatch_note
         return reader
+
+
+def _trailer(manifest: dict[str, Any]) -> int:
+    """Bytes that end every data file of ``manifest``'s checkpoint after its records: its save identity (format 3
+    and later, where the manifest names the save)."""
+    return TRAILER_SIZE if manifest.get("save_id") is not None else 0
 
 
 def _check_checksum(data: bytes, record: dict[str, Any], where: str) -> None:
