@@ -498,3 +498,35 @@ def test_nothing_is_written_into_or_over_a_checkpoint_by_a_conversion_or_a_save(
     ckpt, objs = fresh()
     assert ckpt.load(path).loaded == {"policy", "big", "stats", "rng"}
     tdcp.verify(archive)
+
+
+def test_a_link_to_an_archive_loads_as_the_archive(tmp_path: Path) -> None:
+    """Users point at checkpoints with links (``latest.zip -> step-5.zip``), archives as directories."""
+    src = tdcp.DistributedCheckpoint(w={"x": torch.arange(3.0)}).save(tmp_path / "c", step=5)
+    archive = tdcp.to_archive(src, tmp_path / "step-5.zip")
+    (tmp_path / "latest.zip").symlink_to(archive.name)
+    got: dict = {}
+    tdcp.DistributedCheckpoint(w=got).load(tmp_path / "latest.zip")
+    assert torch.equal(got["x"], torch.arange(3.0))
+    assert tdcp.verify(tmp_path / "latest.zip")["files"] >= 2
+    assert tdcp.read_manifest(tmp_path / "latest.zip")["step"] == 5
+    with pytest.raises(tdcp.CheckpointError, match="symbolic link"):  # never replaced through the link
+        tdcp.to_archive(src, tmp_path / "latest.zip", overwrite=True)
+    assert (tmp_path / "latest.zip").is_symlink() and tdcp.verify(archive)
+
+
+def test_an_archive_replaces_a_checkpoint_directory_with_overwrite(tmp_path: Path) -> None:
+    src = tdcp.DistributedCheckpoint(w={"x": torch.arange(3.0)}).save(tmp_path / "c", step=1)
+    old = tdcp.DistributedCheckpoint(w={"x": torch.zeros(2)}).save(tmp_path / "old", step=0)
+    out = tdcp.to_archive(src, old, overwrite=True)
+    assert out == old and old.is_file() and tdcp.read_manifest(old)["step"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "old"]  # no staging, trash or lock left
+
+
+def test_export_of_values_torchrl_cannot_store_names_the_component(tmp_path: Path) -> None:
+    from pathlib import PurePosixPath
+
+    path = tdcp.DistributedCheckpoint(cfg={"ids": {1, 2}, "root": PurePosixPath("/data")}).save(tmp_path / "c")
+    with pytest.raises(tdcp.CheckpointFormatError, match=r"component 'cfg' cannot be exported: cfg\['ids'\] is a set"):
+        tdcp.export_torchrl(path, tmp_path / "cfg.torchrl", "cfg")
+    assert not (tmp_path / "cfg.torchrl").exists()

@@ -30,7 +30,7 @@ from torchrl_dcp.format.checksums import checksum_mismatch, format_crc
 from torchrl_dcp.format.layout import DCP_METADATA, MANIFEST, MAX_MANIFEST_BYTES, is_data_file
 from torchrl_dcp.format.manifest import loads_manifest
 from torchrl_dcp.storage.archive import BUFFER, ArchiveContainer, Progress, byte_counter, write_archive
-from torchrl_dcp.storage.backends import is_remote, location_for, read_manifest
+from torchrl_dcp.storage.backends import is_remote, location_for, read_manifest, save_location
 from torchrl_dcp.storage.base import check_identities
 from torchrl_dcp.storage.commit import (
     DestinationLock,
@@ -62,7 +62,7 @@ def convert_via_local(
     (``export_torchrl``) is a file or a directory tree. The remote ends are copied
     through this machine's disk (never held in memory), the result published last.
     """
-    source, target = location_for(src), location_for(dst)
+    source, target = location_for(src), save_location(dst)  # (a local destination is a path: a link is not followed)
     if not target.is_local:  # (a local one is checked by the conversion as it writes)
         target.check_destination(dst_kind, overwrite)
     with tempfile.TemporaryDirectory(prefix="tdcp-convert-") as tmp_dir:
@@ -365,6 +365,13 @@ def export_torchrl(
         elif rec["adapter"] in _STATE_DICT_ADAPTERS and isinstance(state, Mapping):
             values[name] = _StateDict(state)
         elif rec["adapter"] == "torchrl_dcp.json":
+            problem = _not_torchrl_json(state, name)
+            if problem is not None:
+                raise CheckpointFormatError(
+                    f"component {name!r} cannot be exported: {problem}, which torchrl.checkpoint cannot store as "
+                    "JSON; load it with torchrl_dcp (or export the other components)",
+                    path=source.path,
+                )
             values[name] = state
         else:
             raise CheckpointFormatError(
@@ -382,6 +389,25 @@ def export_torchrl(
         meta["exported_from"] = str(source.path)
     TorchRLCheckpoint(format=format, **values).save(destination, metadata=meta)  # type: ignore[arg-type]
     return destination
+
+
+def _not_torchrl_json(value: Any, where: str) -> str | None:
+    """Where ``value`` holds something ``torchrl.checkpoint`` does not store as a JSON value (it takes tensors and
+    NumPy values as numbers and lists, paths as strings, mappings, lists, tuples and scalars), else ``None``."""
+    import numpy as np
+    import torch
+
+    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor, np.ndarray, np.generic)):
+        return None
+    if issubclass(type(value), Path):  # a value, not a location: torchrl writes a concrete path as its string
+        return None
+    if isinstance(value, Mapping):
+        found = (_not_torchrl_json(v, f"{where}[{k!r}]") for k, v in value.items())
+    elif isinstance(value, (list, tuple)):
+        found = (_not_torchrl_json(v, f"{where}[{i}]") for i, v in enumerate(value))
+    else:
+        return f"{where} is a {type(value).__name__}"
+    return next((f for f in found if f is not None), None)
 
 
 _RNG_ADAPTER = "torchrl_dcp.rng"

@@ -46,7 +46,7 @@ from torchrl_dcp.format.zipformat import (
     local_sizes,
 )
 from torchrl_dcp.storage.base import ByteRange, EntryKind, Location, ManifestParts, check_listing, files_to_check
-from torchrl_dcp.storage.commit import TMP_TAG, remove_entry
+from torchrl_dcp.storage.commit import TMP_TAG, publish, remove_entry
 from torchrl_dcp.storage.files import open_regular
 from torchrl_dcp.storage.filesums import fds_checksums
 
@@ -452,8 +452,11 @@ def write_archive(
             os.fsync(out)
         finally:
             os.close(out)
-        os.replace(tmp, destination)
-        fsync_path(destination.parent, follow=True)
+        if destination.is_dir() and not destination.is_symlink():  # a checkpoint directory replaced by its archive
+            publish(tmp, destination)  # (exchanged in one step, or renamed aside first: the old one removed after)
+        else:
+            os.replace(tmp, destination)
+            fsync_path(destination.parent, follow=True)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -42,8 +42,8 @@ def location_for(path: PathLike, storage_options: Mapping[str, Any] | None = Non
         from torchrl_dcp.storage.objectstore_location import ObjectStoreLocation  # fsspec, on first use
 
         return ObjectStoreLocation(resolved)
-    if resolved.is_file() and not resolved.is_symlink():
-        return ArchiveLocation(resolved)
+    if resolved.is_file():  # (a link to an archive is read as the archive it names: its reads never follow one)
+        return ArchiveLocation(resolved.resolve() if resolved.is_symlink() else resolved)
     return DirectoryLocation(resolved)
 
 
