@@ -213,3 +213,27 @@ def test_steps_of_more_than_12_digits_are_listed_resumed_and_pruned(tmp_path: Pa
     )
     info = again.resume(tdcp.DistributedCheckpoint(no_dist=True, policy=fresh))
     assert info is not None and info.step == big + 1 and torch.equal(fresh.weight, model.weight)
+
+
+def test_directories_it_did_not_write_are_never_removed(tmp_path: Path) -> None:
+    """A ``step-<N>/rank-<R>`` directory holding the user's files (no manifest: not a part) is left where it is,
+    newer or older than the steps saved, as the shared tier leaves a directory that is not a checkpoint; the tier's
+    own parts of those steps go, and a lock beside a part is not taken for a leftover."""
+    tier = tmp_path / "tier"
+    for step in (8, 1):
+        user = tier / f"step-{step:012d}" / "rank-00000"
+        user.mkdir(parents=True)
+        (user / "notes.txt").write_text("the user's")
+    (tier / f"step-{1:012d}" / ".rank-00001.tdcp-lock").write_text("")
+    ckpt, model, optimizer = _job()
+    rotation = tdcp.CheckpointRotation(
+        tmp_path / "shared", every_steps=100, local=tdcp.LocalTier(tier, every_steps=2, keep_last=1)
+    )
+    for step in range(2, 8):  # (a save of step 8 would refuse to replace the user's directory, as the shared tier)
+        rotation.maybe_save(ckpt, step)
+    rotation.close()
+    for step in (8, 1):
+        assert (tier / f"step-{step:012d}" / "rank-00000" / "notes.txt").read_text() == "the user's"
+    assert (tier / f"step-{1:012d}" / ".rank-00001.tdcp-lock").exists()
+    assert not (tier / f"step-{2:012d}").exists() and not (tier / f"step-{4:012d}").exists()  # its own: pruned
+    assert (tier / f"step-{6:012d}" / "rank-00000" / "manifest.json").exists()

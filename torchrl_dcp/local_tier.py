@@ -58,6 +58,7 @@ from torchrl_dcp.load_plan import LoadPlan
 from torchrl_dcp.peer_copy import exchange_entries
 from torchrl_dcp.save_policy import SaveSchedule
 from torchrl_dcp.storage.commit import remove_entry, write_file_durably
+from torchrl_dcp.storage.directory import DirectoryLocation, is_replaceable
 from torchrl_dcp.storage.files import DirHandle, read_whole
 
 logger = get_logger(__name__)
@@ -67,6 +68,7 @@ RECORD_FORMAT = "torchrl_dcp.local_tier"
 RECORD_VERSION = 1
 _STEP = re.compile(r"step-([0-9]{12,})")  # (fullmatch: "$" would take a name ending in a newline)
 _RECORD = re.compile(r"rank-([0-9]{5})\.commit\.json")
+_PART = re.compile(r"rank-[0-9]{5}")
 _RECORD_LIMIT = 64 << 10
 _MANIFEST_LIMIT = 64 << 20  # a part's manifest larger than this is not digested (its record never matches)
 
@@ -277,9 +279,14 @@ class LocalTier:
         for name in names:  # records first: a step half removed is never taken for a committed one
             if _RECORD.fullmatch(name):
                 (step_dir / name).unlink(missing_ok=True)
-        for name in names:
-            if re.fullmatch(r"rank-[0-9]{5}", name) or ".tdcp-" in name:
-                remove_entry(step_dir / name)
+        for name in names:  # parts it wrote (committed checkpoints), never a directory of the user's of that name;
+            part = step_dir / name  # a link planted in a part's place goes (itself: never what it points to)
+            if _PART.fullmatch(name) and (part.is_symlink() or is_replaceable(part)):
+                remove_entry(part)
+        where = DirectoryLocation(step_dir)
+        for left in where.leftovers():  # a killed save's staging and trash, unless that save is running
+            if _PART.fullmatch(left.owner):
+                where.remove_leftover(left)
         try:
             step_dir.rmdir()
         except OSError:
