@@ -381,3 +381,34 @@ def test_a_policy_less_collector_built_with_other_transforms_is_refused(tmp_path
     same = Collector(make_env("vecnorm", 3), None, frames_per_batch=10, total_frames=-1)
     assert tdcp.DistributedCheckpoint(collector=same).load(path).loaded == {"collector"}
     same.shutdown()
+
+
+def test_multi_sync_collector_with_a_stateless_policy_loads_what_it_saved(tmp_path: Path) -> None:
+    """``policy=None`` (torchrl's RandomPolicy): the workers hold no policy state, and torchrl's strict worker load
+    refused their own state (the worker died, the load raised a bare ``EOFError`` and could not roll back)."""
+
+    def make() -> MultiSyncCollector:
+        return MultiSyncCollector(
+            [lambda: make_env("vecnorm", 0)], None, frames_per_batch=10, total_frames=-1, env_device="cpu"
+        )
+
+    collector = make()
+    it = iter(collector)
+    next(it)
+    next(it)
+    sd = collector.state_dict()
+    with pytest.warns(tdcp.InexactResumeWarning):
+        path = tdcp.DistributedCheckpoint(collector=collector).save(tmp_path / "ckpt")
+    collector.shutdown()
+    collector2 = make()
+    try:
+        with pytest.warns(tdcp.InexactResumeWarning):
+            tdcp.DistributedCheckpoint(collector=collector2).load(path)
+        sd2 = collector2.state_dict()
+        assert all(p.is_alive() for p in collector2.procs)
+        next(iter(collector2))  # the workers go on collecting
+    finally:
+        collector2.shutdown()
+    assert "policy_state_dict" not in sd["worker0"]
+    assert (sd2["worker0"]["frames"], sd2["worker0"]["iter"]) == (sd["worker0"]["frames"], sd["worker0"]["iter"])
+    assert_same(sd["worker0"]["env_state_dict"], sd2["worker0"]["env_state_dict"])

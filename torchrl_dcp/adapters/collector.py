@@ -286,7 +286,7 @@ class MultiCollectorAdapter(Adapter):
         state = dict(state)
         ids = state.pop(WORKER_TRAJ_IDS, None)
         try:
-            collector.load_state_dict(state)
+            load_worker_states(collector, state)
             if ids is not None and len(ids) == getattr(collector, "num_workers", -1):
                 key = ("collector", "traj_ids")
                 collector.map_fn("_carrier.set_", list_of_args=[(key, t.clone()) for t in ids])
@@ -296,6 +296,43 @@ class MultiCollectorAdapter(Adapter):
         if pool is not None:  # each worker's load_state_dict allocated an id: undo it
             collector._traj_pool.load_state_dict(pool)
         return None
+
+
+def load_worker_states(collector: Any, state_dict: Mapping[str, Any]) -> None:
+    """``collector.load_state_dict(state_dict)`` for a multi-process collector, with each worker's error raised here.
+
+    torchrl 0.14's ``load_state_dict`` sends each worker its state as a control message the worker does not
+    survive failing (its pipe closes: an ``EOFError`` here, and nothing left to roll back); its workers also load
+    strictly, so workers whose policy holds no state (``policy=None``: a ``RandomPolicy``) never loaded what they
+    saved. The states go through ``map_fn`` instead (a worker's error comes back as the exception), non-strict
+    exactly where neither the saved nor the live workers hold policy state (as :func:`load_collector_state`), then
+    the collector's own counters as ``load_state_dict`` sets them.
+    """
+    n = collector.num_workers
+    workers = [state_dict[f"worker{i}"] for i in range(n)]
+    strict = True
+    if not any("policy_state_dict" in w for w in workers):
+        live = collector.state_dict()
+        lives = [live.get(f"worker{i}") or {} for i in range(n)]
+        if not any("policy_state_dict" in w for w in lives):
+            for i, (saved, now) in enumerate(zip(workers, lives)):
+                env_saved, env_live = saved.get("env_state_dict"), now.get("env_state_dict")
+                if env_saved is not None and env_live is not None and set(env_saved) != set(env_live):
+                    differ = sorted(set(env_saved) ^ set(env_live))
+                    raise IncompatibleComponentError(
+                        f"the collector's worker {i} env holds other transform state than the checkpoint's (keys "
+                        f"{differ[:4]} are in one only): build the envs with the transforms they were saved with"
+                    )
+            strict = False
+    pool = state_dict.get("traj_pool")
+    if pool is not None:
+        collector._traj_pool.load_state_dict(pool)
+    collector.map_fn("load_state_dict", list_of_args=[(w,) for w in workers], list_of_kwargs=[{"strict": strict}] * n)
+    collector._frames = state_dict["frames"]
+    collector._iter = state_dict["iter"]
+    version = state_dict.get("policy_version")
+    if version is not None and getattr(collector, "policy_version_tracker", None) is not None:
+        collector.policy_version_tracker.version = version
 
 
 def resume_async_workers(collector: BaseCollector) -> None:
