@@ -11,6 +11,7 @@ infinity), a storage entry stretched over a data file's save identity.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -207,3 +208,76 @@ def test_an_honest_infinity_still_round_trips(tmp_path: Path) -> None:
     got: dict[str, Any] = {}
     tdcp.DistributedCheckpoint(cfg=got).load(tmp_path / "c")
     assert got == values
+
+
+def _set(*path: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    def edit(m: dict[str, Any]) -> None:
+        _value(_state(m), *path)[1] = value
+
+    return edit
+
+
+def _last_cursor_as_rows(m: dict[str, Any]) -> None:
+    """The last cursor's node made to name a storage row tensor of its dtype and shape (its own entries dropped):
+    one tensor at two places, the cursor's value then the rows' (read in place after the values are checked)."""
+    node = _value(_state(m), "storage", "last_cursor")[1]
+    rows = _value(_state(m), "storage", "data")[1]
+    index = _value(rows, "index")[1] if "items" in rows else None
+    assert index is not None and index["dtype"] == node["dtype"] == "int64" and index["shape"] == node["shape"]
+    own = f"rank/0/rb/{node['key']}"
+    m["components"]["rb"]["inventory"].pop(own)
+    m["index"]["entries"] = [e for e in m["index"]["entries"] if e[0] != own]
+    node["key"] = index["key"]
+
+
+SETTINGS = {
+    "batch size -1": _set("batch_size", value=-1),
+    "batch size a string": _set("batch_size", value="4"),
+    "alpha a string": _set("sampler", "alpha", value="0.7"),
+    "beta negative": _set("sampler", "beta", value=-0.5),
+    "writer kind unknown": _set("writer", "kind", value="other"),
+    "last cursor names the storage's rows": _last_cursor_as_rows,
+}
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_a_forged_buffer_setting_is_refused_by_verify_and_load(saved: Path, tmp_path: Path, name: str) -> None:
+    path = tmp_path / "forged"
+    shutil.copytree(saved, path)
+    m = forging.read_parts(path)
+    SETTINGS[name](m)
+    forging.mirror_into_metadata(path, m)
+    forging.write_parts(path, m)
+    with pytest.raises(tdcp.CheckpointError, match="forged"):
+        tdcp.verify(path)
+    live = _buffer(5, 7)
+    before = _snapshot(live)
+    with pytest.raises(tdcp.CheckpointError, match="forged"):
+        tdcp.DistributedCheckpoint(rb=live).load(path)
+    assert _same(_snapshot(live), before)
+
+
+def _two_dim_buffer() -> Any:
+    from torchrl.data import ReplayBuffer, SliceSampler
+
+    rb = ReplayBuffer(storage=LazyTensorStorage(20, ndim=2), sampler=SliceSampler(num_slices=2), batch_size=4)
+    steps = torch.arange(20).reshape(2, 10)  # 2 envs x 10 steps: a storage of 10 rows of 2
+    data = TensorDict(
+        {"obs": steps.float(), "episode": torch.zeros(2, 10, dtype=torch.long) + torch.arange(2)[:, None]},
+        batch_size=[2, 10],
+    )
+    rb.extend(data)
+    assert tuple(rb._storage._storage.shape) == (10, 2)
+    return rb
+
+
+def test_a_cursor_past_the_rows_of_a_two_dimensional_storage_is_refused(tmp_path: Path) -> None:
+    """``max_size`` counts elements (20 = 10 rows x 2 envs): cursors index rows, so 15 is past them."""
+    path = tdcp.DistributedCheckpoint(rb=_two_dim_buffer()).save(tmp_path / "c")
+    assert tdcp.verify(path)
+    forging.edit(path, lambda m: _value(_state(m), "writer", "state", "_cursor").__setitem__(1, 15))
+    with pytest.raises(tdcp.CheckpointIntegrityError, match="its writer's cursor is 15, its storage's rows 10"):
+        tdcp.verify(path)
+    live = _two_dim_buffer()
+    with pytest.raises(tdcp.CheckpointIntegrityError, match="rows 10"):
+        tdcp.DistributedCheckpoint(rb=live).load(path)

@@ -187,7 +187,7 @@ def prepare(request: LoadRequest, result: LoadResult) -> tuple[CheckpointSource,
         run_agreed(request.group, "validating the checkpoint", local, alike=lambda described: described)
     except BaseException:
         if "plan" in found:  # this rank planned (and may have allocated lazily built storages): undo it
-            rollback(list(found["plan"].components.values()))
+            rollback(planned_changes(found["plan"]))
         raise
     return found["src"], found["plan"]
 
@@ -397,7 +397,7 @@ def restore(src: CheckpointSource, request: LoadRequest, load_plan: LoadPlan, re
     in_place = [c for c in load_plan.components.values() if c.in_place]
     done: list[ComponentPlan] = []
 
-    failure = check_values(load_plan, request.path) or _restore_all(first, load_plan, request, result, done)
+    failure = check_values(load_plan, src, request.path) or _restore_all(first, load_plan, request, result, done)
     statuses = failures(failure, request.group, "restoring components")
     if statuses is not None:
         _fail(done, statuses, failure, "restoring components", result)
@@ -417,9 +417,10 @@ def restore(src: CheckpointSource, request: LoadRequest, load_plan: LoadPlan, re
         _fail(done, statuses, failure, "restoring components", result, partial=in_place)
 
 
-def check_values(load_plan: LoadPlan, path: Any) -> BaseException | None:
+def check_values(load_plan: LoadPlan, src: CheckpointSource, path: Any) -> BaseException | None:
     """The adapters' checks of the values read (:meth:`~torchrl_dcp.adapters.base.Adapter.check_values`), on every
-    state to restore, after the fresh reads and before anything is restored; returns the first failure."""
+    state to restore, after the fresh reads and before anything is restored (a tensor read in place later is read
+    from ``src`` for the check alone); returns the first failure."""
     for comp in load_plan.components.values():
         if type(comp.adapter).check_values is Adapter.check_values:
             continue
@@ -427,13 +428,13 @@ def check_values(load_plan: LoadPlan, path: Any) -> BaseException | None:
 
             def read(spec: TensorSpec, state: SavedState = state) -> torch.Tensor:
                 key = f"{state.prefix}/{spec.key}"
-                if key in load_plan.live:  # (not read yet: the live object's own values)
-                    raise RuntimeError(f"internal: {key!r} is read in place, after the values are checked")
+                if key in load_plan.live:  # not read yet (it holds the live object's values): its saved ones
+                    return read_fresh(src, {key: (spec.shape, spec.dtype)}, verify=False)[key]
                 return load_plan.destination(key)
 
             try:
                 comp.adapter.check_values(state.view, read)
-            except (ValueError, TypeError, KeyError) as err:
+            except Exception as err:  # (an adapter's own error too: every rank hears of it, nothing restored)
                 return CheckpointIntegrityError(
                     f"component {comp.name!r}: {err}: no save writes that state; the checkpoint is damaged or forged",
                     path=path,
@@ -497,6 +498,12 @@ def _restore_again(
             error.__cause__ = err
             return error
     return None
+
+
+def planned_changes(load_plan: LoadPlan) -> list[ComponentPlan]:
+    """The components whose planning may have changed them (:attr:`Adapter.allocates_when_planned`): what a load
+    refused before it restores anything rolls back, and nothing else."""
+    return [c for c in load_plan.components.values() if c.adapter.allocates_when_planned]
 
 
 def rollback(comps: list[ComponentPlan]) -> list[str]:
@@ -589,7 +596,7 @@ def load(request: LoadRequest) -> LoadResult:
     try:
         read(src, request, load_plan.fresh, load_plan.verify_inline, result)  # 5. read
     except BaseException:
-        rollback(list(load_plan.components.values()))
+        rollback(planned_changes(load_plan))
         raise
     restore(src, request, load_plan, result)  # 6. restore
     return result

@@ -134,7 +134,7 @@ def plan_components(
         if rec is None:
             continue
         assert reg.adapter is not None
-        checked = check_states(name, rec, metadata, source)
+        checked = check_states(name, rec, metadata, source, adapter=reg.adapter)
         reshard = rec["placement"] == "per_rank" and manifest["world_size"] != world_size
         if reshard and not (reshard_allowed and reg.adapter.can_reshard):
             why = (
@@ -159,7 +159,8 @@ def plan_components(
         except CheckpointFormatError:
             raise
         except Exception as err:
-            rollback_one(comp)
+            if comp.adapter.allocates_when_planned:  # (the others: nothing changed them)
+                rollback_one(comp)
             incompatible[name] = f"cannot be loaded: {_text(err)}"
             continue
         _references(comp, saved, load_plan, rank, metadata, source)
@@ -351,10 +352,14 @@ def _backed_whole(saved: Any, records: Any, key: str, spec: TensorSpec, wholes: 
     return info is not None and info.length >= whole.nbytes
 
 
-def check_states(name: str, rec: dict[str, Any], metadata: Any, source: Any) -> dict[int, SavedState]:
+def check_states(
+    name: str, rec: dict[str, Any], metadata: Any, source: Any, *, adapter: Adapter | None = None
+) -> dict[int, SavedState]:
     """The same checks for ``load`` and ``verify``, on every saved state of a component: its inventory agrees with
     its states, every state decodes (bounded), and every tensor is in DCP's metadata with its dtype and shape,
-    backed by enough bytes. Returns ``{saved rank: SavedState}`` (rank 0 for replicated and sharded components)."""
+    backed by enough bytes, and the saving adapter's own checks pass (``adapter``: the one the load restores with,
+    registered on the checkpoint or for all; otherwise the one registered for all under the saved id, as
+    ``verify`` knows it). Returns ``{saved rank: SavedState}`` (rank 0 for replicated and sharded components)."""
     placement = rec["placement"]
     if placement == "per_rank":
         states = [(int(r), s["state"]) for r, s in rec["ranks"].items()]
@@ -384,17 +389,21 @@ def check_states(name: str, rec: dict[str, Any], metadata: Any, source: Any) -> 
                 saved, records, key, spec, wholes
             ):  # the common case in a few lookups, else every check
                 check_backed(metadata, key, spec, source)
-        _check_saved(rec, skeleton, view, name, source)
+        _check_saved(rec, skeleton, view, name, source, adapter)
         out[r] = SavedState(skeleton, prefix, specs, view, refs)
     if len(seen) != len(recorded):  # every tensor matched its entry: the others have no tensor
         _inventory_error(name, sorted(set(recorded) - seen), source)
     return out
 
 
-def _check_saved(rec: dict[str, Any], skeleton: Any, view: Any, name: str, source: Any) -> None:
+def _check_saved(
+    rec: dict[str, Any], skeleton: Any, view: Any, name: str, source: Any, adapter: Adapter | None = None
+) -> None:
     """The saving adapter's own checks of a state (:meth:`Adapter.check_saved`, and no repeated tensor where its
-    states never share one: :attr:`Adapter.shares_tensors`), when this process knows the adapter."""
-    adapter = adapter_by_id(rec["adapter"])
+    states never share one: :attr:`Adapter.shares_tensors`), when this process knows the adapter: ``adapter`` when
+    it is the saving one (its id), else the one registered for all under the saved id."""
+    if adapter is None or adapter.adapter_id != rec["adapter"]:
+        adapter = adapter_by_id(rec["adapter"])
     if adapter is None or rec.get("adapter_version") != adapter.version:
         return  # an unknown adapter: refused where the component is planned (or left to the tools)
     try:

@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
+from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, CheckpointIntegrityError
 from torchrl_dcp.format.dcp_metadata import metadata_difference
 from torchrl_dcp.format.layout import MANIFEST, is_data_file
 from torchrl_dcp.format.manifest import unchecked
@@ -143,7 +143,9 @@ def _check_values(src: CheckpointSource, states: dict[str, Any], components: dic
 
             try:
                 adapter.check_values(state.view, read)
-            except (ValueError, TypeError, KeyError) as err:
+            except CheckpointError:
+                raise
+            except Exception as err:
                 raise CheckpointIntegrityError(
                     f"component {name!r}: {err}: no save writes that state; the checkpoint is damaged or forged",
                     path=where,

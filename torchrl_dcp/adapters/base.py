@@ -112,6 +112,10 @@ class Adapter(abc.ABC):
     #: ``True``: what :meth:`restore` returns is the component's value, ``None`` included, and goes to
     #: ``LoadResult.values`` as it is (a JSON ``None`` is a value); otherwise only a return other than ``None`` does.
     returns_values: bool = False
+    #: ``True``: :meth:`destinations` may change the object before anything is read (a lazily built storage
+    #: allocated from the saved shapes), so a load refused before it restores anything rolls it back; the others
+    #: are left untouched then (nothing changed them: their :meth:`rollback` is not called).
+    allocates_when_planned: bool = False
 
     @abc.abstractmethod
     def state(self, obj: Any, ctx: AdapterContext) -> Any:
@@ -157,8 +161,8 @@ class Adapter(abc.ABC):
 
         ``saved`` as for :meth:`check_saved`; ``read(spec)`` returns one tensor's saved value. A load calls it on
         every state it restores once the tensors bound for fresh buffers are read, before anything is restored
-        (``read`` gives only those: not the tensors an adapter receives in place, which still hold the live
-        object's values then); ``verify`` reads the tensors asked for. The default checks nothing.
+        (one it reads in place later is read for the check alone: ask for small tensors); ``verify`` reads the
+        tensors asked for. The default checks nothing.
         """
         return None
 

@@ -325,6 +325,8 @@ class OfflineToOnlineHookAdapter(TrainerHookAdapter):
         'torchrl_dcp.state_dict'
     """
 
+    allocates_when_planned = True  # its online buffer's storage, as the replay buffer's
+
     def __init__(self) -> None:
         from torchrl_dcp.adapters.replay_buffer import ReplayBufferAdapter
 

@@ -1,0 +1,114 @@
+"""A user's own adapter, registered on one checkpoint as api.md documents: its checks run at load as a global
+registration's do, a refused load leaves its object untouched (no ``restore`` called), and ``check_values`` reads
+the saved value of a tensor the load receives in place."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import torchrl_dcp as tdcp
+from tests import forging
+
+
+class Box:
+    def __init__(self, n: int, t: torch.Tensor) -> None:
+        self.n, self.t = n, t
+
+
+class BoxAdapter(tdcp.Adapter):
+    """``n`` counts the used entries of ``t`` (read in place): a state with ``n`` past them is none a save writes,
+    and neither is a ``t`` holding a negative entry (its values)."""
+
+    adapter_id = "tests.box"
+    version = 1
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def state(self, obj: Box, ctx: tdcp.AdapterContext) -> Any:
+        return {"n": obj.n, "t": obj.t}
+
+    def restore(self, obj: Box, state: Any, ctx: tdcp.AdapterContext) -> Any:
+        self.calls.append("restore")
+        obj.n = state["n"]
+        if state["t"] is not obj.t:
+            obj.t = state["t"]
+        return None
+
+    def destinations(self, obj: Box, saved: Any, ctx: tdcp.AdapterContext) -> dict[str, torch.Tensor] | None:
+        return {saved["t"].key: obj.t} if tuple(obj.t.shape) == saved["t"].shape else None
+
+    def check_saved(self, saved: Any) -> None:
+        self.calls.append("check_saved")
+        if not 0 <= saved["n"] <= saved["t"].shape[0]:
+            raise ValueError(f"n={saved['n']} outside 0..{saved['t'].shape[0]}")
+
+    def check_values(self, saved: Any, read: Any) -> None:
+        self.calls.append("check_values")
+        if (read(saved["t"]) < 0).any():
+            raise ValueError("a negative entry")
+
+
+def _saved(tmp_path: Path) -> Path:
+    ckpt = tdcp.DistributedCheckpoint()
+    ckpt.register("box", Box(2, torch.arange(4.0)), adapter=BoxAdapter())
+    return ckpt.save(tmp_path / "c")
+
+
+def test_checks_of_an_adapter_registered_on_one_checkpoint_run_at_load(tmp_path: Path) -> None:
+    path = _saved(tmp_path)
+    forging.edit(path, lambda m: m["components"]["box"]["state"]["items"][0].__setitem__(1, 99))
+    adapter, box = BoxAdapter(), Box(1, torch.full((4,), 7.0))
+    ckpt = tdcp.DistributedCheckpoint()
+    ckpt.register("box", box, adapter=adapter)
+    with pytest.raises(tdcp.CheckpointIntegrityError, match="n=99 outside 0..4"):
+        ckpt.load(path)
+    assert "check_saved" in adapter.calls and "restore" not in adapter.calls
+    assert box.n == 1 and torch.equal(box.t, torch.full((4,), 7.0))
+
+
+def test_a_load_refused_while_planning_never_restores_the_other_components(tmp_path: Path) -> None:
+    adapter, box = BoxAdapter(), Box(1, torch.full((4,), 7.0))
+    saved = tdcp.DistributedCheckpoint()
+    saved.register("box", Box(2, torch.arange(4.0)), adapter=BoxAdapter())
+    saved.register("model", torch.nn.Linear(2, 3))
+    path = saved.save(tmp_path / "c")
+    ckpt = tdcp.DistributedCheckpoint(model=torch.nn.Linear(2, 5))  # another shape: refused while planning
+    ckpt.register("box", box, adapter=adapter)
+    held = box.t
+    with pytest.raises(tdcp.CheckpointError):
+        ckpt.load(path)
+    assert "restore" not in adapter.calls  # nothing changed it: nothing to roll back
+    assert box.t is held and torch.equal(box.t, torch.full((4,), 7.0))
+
+
+def test_check_values_reads_the_saved_value_of_a_tensor_read_in_place(tmp_path: Path) -> None:
+    path = _saved(tmp_path)
+    adapter, box = BoxAdapter(), Box(1, torch.full((4,), -1.0))  # its live values would fail the check
+    ckpt = tdcp.DistributedCheckpoint()
+    ckpt.register("box", box, adapter=adapter)
+    held = box.t
+    ckpt.load(path)
+    assert adapter.calls.index("check_values") < adapter.calls.index("restore")
+    assert box.t is held and torch.equal(box.t, torch.arange(4.0)) and box.n == 2
+
+    forged = tmp_path / "forged"
+    shutil.copytree(path, forged)
+    m = forging.read_parts(forged)
+    (entry,) = m["index"]["entries"]
+    data = bytearray((forged / entry[1]).read_bytes())
+    at = entry[2] + bytes(data[entry[2] : entry[2] + entry[3]]).index(torch.arange(4.0).numpy().tobytes())
+    data[at : at + 4] = torch.tensor([-5.0]).numpy().tobytes()
+    (forged / entry[1]).write_bytes(bytes(data))
+    forging.reseal(forged, entry[1])
+    box2 = Box(1, torch.full((4,), 7.0))
+    ckpt2 = tdcp.DistributedCheckpoint()
+    ckpt2.register("box", box2, adapter=BoxAdapter())
+    with pytest.raises(tdcp.CheckpointIntegrityError, match="a negative entry"):
+        ckpt2.load(forged)
+    assert torch.equal(box2.t, torch.full((4,), 7.0)) and box2.n == 1  # refused before the in-place read
