@@ -510,6 +510,8 @@ def test_a_link_to_an_archive_loads_as_the_archive(tmp_path: Path) -> None:
     assert torch.equal(got["x"], torch.arange(3.0))
     assert tdcp.verify(tmp_path / "latest.zip")["files"] >= 2
     assert tdcp.read_manifest(tmp_path / "latest.zip")["step"] == 5
+    unpacked = tdcp.to_directory(tmp_path / "latest.zip", tmp_path / "unpacked")  # a source link is only read
+    assert tdcp.read_manifest(unpacked)["step"] == 5
     with pytest.raises(tdcp.CheckpointError, match="symbolic link"):  # never replaced through the link
         tdcp.to_archive(src, tmp_path / "latest.zip", overwrite=True)
     assert (tmp_path / "latest.zip").is_symlink() and tdcp.verify(archive)

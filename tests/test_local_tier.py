@@ -225,6 +225,7 @@ def test_directories_it_did_not_write_are_never_removed(tmp_path: Path) -> None:
         user.mkdir(parents=True)
         (user / "notes.txt").write_text("the user's")
     (tier / f"step-{1:012d}" / ".rank-00001.tdcp-lock").write_text("")
+    (tier / f"step-{1:012d}" / "rank-00009.commit.json").mkdir()  # a directory named as a record: not one
     ckpt, model, optimizer = _job()
     rotation = tdcp.CheckpointRotation(
         tmp_path / "shared", every_steps=100, local=tdcp.LocalTier(tier, every_steps=2, keep_last=1)
@@ -235,5 +236,6 @@ def test_directories_it_did_not_write_are_never_removed(tmp_path: Path) -> None:
     for step in (8, 1):
         assert (tier / f"step-{step:012d}" / "rank-00000" / "notes.txt").read_text() == "the user's"
     assert (tier / f"step-{1:012d}" / ".rank-00001.tdcp-lock").exists()
+    assert (tier / f"step-{1:012d}" / "rank-00009.commit.json").is_dir()
     assert not (tier / f"step-{2:012d}").exists() and not (tier / f"step-{4:012d}").exists()  # its own: pruned
     assert (tier / f"step-{6:012d}" / "rank-00000" / "manifest.json").exists()

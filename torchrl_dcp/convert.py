@@ -232,6 +232,7 @@ def to_directory(
         raise CheckpointNotFoundError("no checkpoint here: the path does not exist", path=path)
     if path.is_dir():
         raise CheckpointFormatError("is a directory, not an archive (use to_archive)", path=path)
+    path = location_for(path).path  # a link to an archive is read as the archive it names, as loads read it
     if not path.is_file():
         raise CheckpointFormatError("not a regular file (a FIFO or device?), so not an archive", path=path)
     try:

@@ -219,7 +219,10 @@ class LocalTier:
                 )
         self.last_step = step
         if layout.leader(rank):  # the node's other ranks may already be writing the next step: older ones only
-            self._prune(keep_from=step)
+            try:
+                self._prune(keep_from=step)
+            except (OSError, CheckpointError) as err:  # the step is committed: a failed prune is the next one's to do
+                logger.warning("local tier %s: removing steps older than %d failed: %s", self.path, step, err)
         logger.info("local tier %s: step %d committed (replicas on ranks %s)", self.path, step, targets or "none")
         return own
 
@@ -277,7 +280,7 @@ class LocalTier:
         except (FileNotFoundError, NotADirectoryError):
             return
         for name in names:  # records first: a step half removed is never taken for a committed one
-            if _RECORD.fullmatch(name):
+            if _RECORD.fullmatch(name) and not _is_real_dir(step_dir / name):  # (a directory of that name: not ours)
                 (step_dir / name).unlink(missing_ok=True)
         for name in names:  # parts it wrote (committed checkpoints), never a directory of the user's of that name;
             part = step_dir / name  # a link planted in a part's place goes (itself: never what it points to)
