@@ -311,3 +311,58 @@ def test_an_env_generator_the_checkpoint_lacks_is_warned_about() -> None:
 
     with pytest.warns(tdcp.InexactResumeWarning, match="generator"):
         restore_env_generators(PendulumEnv(), {}, "env")
+
+
+def _op_buffer_trainer(ckpt_dir: Path, frames: int) -> tuple[Any, Any]:
+    """A Trainer whose prioritized buffer is reached only through ``register_op`` (torchrl's docstring's three
+    calls): its ``ReplayBufferTrainer`` is the hook component."""
+    from torchrl.collectors import Collector
+    from torchrl.data import LazyTensorStorage, TensorDictPrioritizedReplayBuffer
+    from torchrl.trainers import ReplayBufferTrainer, Trainer
+
+    from torchrl_dcp.examples.sac import make_env, make_learner
+
+    torch.manual_seed(0)
+    env = make_env(1000, torch.device("cpu"), max_steps=30)
+    actor, loss = make_learner(env, torch.device("cpu"), 16)
+    optimizer = torch.optim.Adam(loss.parameters(), lr=3e-3)
+    collector = Collector(env, actor, frames_per_batch=32, total_frames=-1, auto_register_policy_transforms=False)
+    buffer = TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.5, storage=LazyTensorStorage(256), batch_size=16)
+    trainer = Trainer(
+        collector=collector,
+        total_frames=frames,
+        frame_skip=1,
+        optim_steps_per_batch=1,
+        loss_module=loss,
+        optimizer=optimizer,
+        progress_bar=False,
+        checkpoint=tdcp.DistributedCheckpoint(),
+        checkpoint_rotation=tdcp.CheckpointRotation(ckpt_dir, every_steps=32),
+    )
+    rbt = ReplayBufferTrainer(buffer, batch_size=None, flatten_tensordicts=True)
+    trainer.register_op("batch_process", rbt.extend)
+    trainer.register_op("process_optim_batch", rbt.sample)
+    trainer.register_op("post_loss", rbt.update_priority)
+    return trainer, buffer
+
+
+def test_a_prioritized_buffer_only_register_op_reaches_is_saved_and_resumed(tmp_path: Path) -> None:
+    """torchrl's ``state_dict`` of the hook holds the sampler's C++ sum trees, which are never pickled: every save
+    failed. The hook's buffer now goes through the replay-buffer adapter (trees as tensors)."""
+    trainer, buffer = _op_buffer_trainer(tmp_path, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    trainer.checkpoint_rotation.close()
+    assert "trainer_op.ReplayBufferTrainer" in trainer.checkpoint.components
+    trainer2, restored = _op_buffer_trainer(tmp_path, 64)
+    info = tdcp.resume(trainer2.checkpoint, tmp_path)
+    assert info is not None and "trainer_op.ReplayBufferTrainer" in info.result.loaded
+    assert len(restored) == len(buffer) == 64
+    capacity = torch.arange(256)
+    assert torch.equal(restored._sampler._sum_tree[capacity], buffer._sampler._sum_tree[capacity])
+    assert torch.equal(restored._storage._storage[:64]["observation"], buffer._storage._storage[:64]["observation"])
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    buffer.set_rng(g1)
+    restored.set_rng(g2)
+    assert torch.equal(buffer.sample()["index"], restored.sample()["index"])

@@ -37,7 +37,9 @@ from torchrl_dcp.errors import IncompatibleComponentError, TorchrlDcpWarning
 from torchrl_dcp.placement import Placement
 
 __all__ = [
+    "BufferHookAdapter",
     "OfflineToOnlineHookAdapter",
+    "ReplayBufferTrainerHookAdapter",
     "TrainerHookAdapter",
     "TrainerStateAdapter",
     "replicated_hook_types",
@@ -306,100 +308,135 @@ def register_trainer_adapters() -> None:
     from torchrl.trainers.algorithms.offline_to_online import OfflineToOnlineReplayBufferHook
 
     register_adapter(OfflineToOnlineReplayBufferHook, OfflineToOnlineHookAdapter())
+    register_adapter(trainers.ReplayBufferTrainer, ReplayBufferTrainerHookAdapter())
 
 
 ONLINE_KEY = "_tdcp_online_buffer"  # where an OfflineToOnlineReplayBufferHook's state holds its online buffer's
+BUFFER_KEY = "_tdcp_buffer"  # where a ReplayBufferTrainer's state holds its buffer's
 
 
-class OfflineToOnlineHookAdapter(TrainerHookAdapter):
-    """``OfflineToOnlineReplayBufferHook``: its online buffer through the replay-buffer adapter, the rest as torchrl.
+class BufferHookAdapter(TrainerHookAdapter):
+    """A Trainer hook holding a replay buffer: the buffer through the replay-buffer adapter (written rows read in
+    place, prioritized trees, sampler, writer, last cursor; resharded like any buffer) under :attr:`key`, beside the
+    hook's own values (:meth:`extra`). Same id and version as the generic adapter: states saved by torchrl's
+    ``state_dict`` load as before. Subclasses name the buffer (:meth:`buffer_of`) and the values."""
 
-    torchrl's ``state_dict`` of the hook holds the online buffer's whole storage (rows never written included:
-    unset memory) and leaves out the storage's last cursor; here the buffer's state is the replay-buffer adapter's
-    (written rows read in place, sampler, writer, last cursor; resharded like any buffer), beside the offline
-    fractions and the lazily found keys. The offline dataset is not saved: torchrl treats it as immutable and the
-    job builds it again. Same id and version as the generic adapter: states saved by torchrl's ``state_dict`` load.
-
-    Example:
-        >>> OfflineToOnlineHookAdapter().adapter_id
-        'torchrl_dcp.state_dict'
-    """
-
-    allocates_when_planned = True  # its online buffer's storage, as the replay buffer's
+    key = BUFFER_KEY
+    allocates_when_planned = True  # the buffer's storage, as the replay buffer's
 
     def __init__(self) -> None:
         from torchrl_dcp.adapters.replay_buffer import ReplayBufferAdapter
 
         self.buffer = ReplayBufferAdapter()
 
-    @staticmethod
-    def _ours(state: Any) -> bool:
-        return isinstance(state, Mapping) and ONLINE_KEY in state
+    def buffer_of(self, obj: Any) -> Any:  # pragma: no cover - every subclass defines it
+        raise NotImplementedError
+
+    def extra(self, obj: Any) -> dict[str, Any]:
+        """The hook's values beside its buffer (none by default)."""
+        return {}
+
+    def restore_extra(self, obj: Any, state: Mapping[str, Any]) -> None:
+        return None
+
+    def _ours(self, state: Any) -> bool:
+        return isinstance(state, Mapping) and self.key in state
 
     def state(self, obj: Any, ctx: AdapterContext) -> Any:
-        rb = obj.replay_buffer
-        return {
-            ONLINE_KEY: self.buffer.state(rb.online_buffer, ctx),
-            "offline_fraction": rb._offline_fraction,
-            "base_offline_fraction": rb._base_offline_fraction,
-            LAZY_KEY: {a: getattr(obj, a) for a in _attributes_of(obj, LAZY_HOOK_ATTRIBUTES) if hasattr(obj, a)},
-        }
+        return {self.key: self.buffer.state(self.buffer_of(obj), ctx), **self.extra(obj)}
 
     def restore(self, obj: Any, state: Any, ctx: AdapterContext) -> Any:
+        ctx.plan["restored"] = True  # (the buffer's rollback puts its settings back from here on)
         if not self._ours(state):
             return super().restore(obj, state, ctx)  # torchrl's own state_dict
-        rb = obj.replay_buffer
-        self.buffer.restore(rb.online_buffer, state[ONLINE_KEY], ctx)
-        rb._offline_fraction = float(state["offline_fraction"])
-        rb._base_offline_fraction = float(state["base_offline_fraction"])
-        _set_attributes(obj, state.get(LAZY_KEY, {}), _attributes_of(obj, LAZY_HOOK_ATTRIBUTES))
+        self.buffer.restore(self.buffer_of(obj), state[self.key], ctx)
+        self.restore_extra(obj, state)
         return None
 
     def destinations(self, obj: Any, saved: Any, ctx: AdapterContext) -> dict[str, Any] | None:
         if not self._ours(saved):
             return None
-        return self.buffer.destinations(obj.replay_buffer.online_buffer, saved[ONLINE_KEY], ctx)
+        return self.buffer.destinations(self.buffer_of(obj), saved[self.key], ctx)
 
     def row_changes(self, obj: Any, ctx: AdapterContext) -> dict[tuple[str, ...], Any] | None:
-        inner = self.buffer.row_changes(obj.replay_buffer.online_buffer, ctx)
-        return None if inner is None else {(ONLINE_KEY, *path): snap for path, snap in inner.items()}
+        inner = self.buffer.row_changes(self.buffer_of(obj), ctx)
+        return None if inner is None else {(self.key, *path): snap for path, snap in inner.items()}
 
     def check_saved(self, saved: Any) -> None:
         if self._ours(saved):
-            self.buffer.check_saved(saved[ONLINE_KEY])
+            self.buffer.check_saved(saved[self.key])
+
+    def check_values(self, saved: Any, read: Any) -> None:
+        if self._ours(saved):
+            self.buffer.check_values(saved[self.key], read)
 
     def validate(self, obj: Any, saved: dict[int, Any], ctx: AdapterContext) -> None:
-        inner = {r: s[ONLINE_KEY] for r, s in saved.items() if self._ours(s)}
+        inner = {r: s[self.key] for r, s in saved.items() if self._ours(s)}
         if inner:
-            self.buffer.validate(obj.replay_buffer.online_buffer, inner, ctx)
+            self.buffer.validate(self.buffer_of(obj), inner, ctx)
 
     def snapshot(self, obj: Any, ctx: AdapterContext) -> Any:
-        rb = obj.replay_buffer
-        return {
-            "online": self.buffer.snapshot(rb.online_buffer, ctx),
-            "fractions": (rb._offline_fraction, rb._base_offline_fraction),
-            "lazy": {a: getattr(obj, a) for a in _attributes_of(obj, LAZY_HOOK_ATTRIBUTES) if hasattr(obj, a)},
-        }
+        return {"buffer": self.buffer.snapshot(self.buffer_of(obj), ctx), "extra": self.extra(obj)}
 
     def rollback(self, obj: Any, snapshot: Any, ctx: AdapterContext) -> None:
-        rb = obj.replay_buffer
-        self.buffer.rollback(rb.online_buffer, snapshot["online"], ctx)
-        rb._offline_fraction, rb._base_offline_fraction = snapshot["fractions"]
-        for attr, value in snapshot["lazy"].items():
-            setattr(obj, attr, value)
+        self.buffer.rollback(self.buffer_of(obj), snapshot["buffer"], ctx)
+        self.restore_extra(obj, snapshot["extra"])
 
     def reshard_sources(self, saved: dict[int, Any], ctx: AdapterContext) -> list[int]:
         if not all(self._ours(s) for s in saved.values()):
             return super().reshard_sources(saved, ctx)
-        return self.buffer.reshard_sources({r: s[ONLINE_KEY] for r, s in saved.items()}, ctx)
+        return self.buffer.reshard_sources({r: s[self.key] for r, s in saved.items()}, ctx)
 
     def reshard(self, obj: Any, states: dict[int, Any], ctx: AdapterContext) -> Any:
+        ctx.plan["restored"] = True
         if not all(self._ours(s) for s in states.values()):
             return super().reshard(obj, states, ctx)
-        rb = obj.replay_buffer
-        self.buffer.reshard(rb.online_buffer, {r: s[ONLINE_KEY] for r, s in states.items()}, ctx)
-        first = states[min(states)]  # the fractions follow the schedule: the same on every rank
-        rb._offline_fraction = float(first["offline_fraction"])
-        rb._base_offline_fraction = float(first["base_offline_fraction"])
-        _set_attributes(obj, first.get(LAZY_KEY, {}), _attributes_of(obj, LAZY_HOOK_ATTRIBUTES))
+        self.buffer.reshard(self.buffer_of(obj), {r: s[self.key] for r, s in states.items()}, ctx)
+        self.restore_extra(obj, states[min(states)])  # (the hook's values follow the schedule: alike on every rank)
         return None
+
+
+class ReplayBufferTrainerHookAdapter(BufferHookAdapter):
+    """``ReplayBufferTrainer`` reached only through ``trainer.register_op`` (its buffer no component): the buffer
+    as a replay buffer (torchrl's ``state_dict`` of a prioritized one holds C++ sum trees, which are never pickled).
+
+    Example:
+        >>> ReplayBufferTrainerHookAdapter().adapter_id
+        'torchrl_dcp.state_dict'
+    """
+
+    def buffer_of(self, obj: Any) -> Any:
+        return obj.replay_buffer
+
+
+class OfflineToOnlineHookAdapter(BufferHookAdapter):
+    """``OfflineToOnlineReplayBufferHook``: its online buffer through the replay-buffer adapter, the rest as torchrl.
+
+    torchrl's ``state_dict`` of the hook holds the online buffer's whole storage (rows never written included:
+    unset memory) and leaves out the storage's last cursor; here the buffer's state is the replay-buffer adapter's,
+    beside the offline fractions and the lazily found keys. The offline dataset is not saved: torchrl treats it as
+    immutable and the job builds it again.
+
+    Example:
+        >>> OfflineToOnlineHookAdapter().adapter_id
+        'torchrl_dcp.state_dict'
+    """
+
+    key = ONLINE_KEY
+
+    def buffer_of(self, obj: Any) -> Any:
+        return obj.replay_buffer.online_buffer
+
+    def extra(self, obj: Any) -> dict[str, Any]:
+        rb = obj.replay_buffer
+        return {
+            "offline_fraction": rb._offline_fraction,
+            "base_offline_fraction": rb._base_offline_fraction,
+            LAZY_KEY: {a: getattr(obj, a) for a in _attributes_of(obj, LAZY_HOOK_ATTRIBUTES) if hasattr(obj, a)},
+        }
+
+    def restore_extra(self, obj: Any, state: Mapping[str, Any]) -> None:
+        rb = obj.replay_buffer
+        rb._offline_fraction = float(state["offline_fraction"])
+        rb._base_offline_fraction = float(state["base_offline_fraction"])
+        _set_attributes(obj, state.get(LAZY_KEY, {}), _attributes_of(obj, LAZY_HOOK_ATTRIBUTES))
