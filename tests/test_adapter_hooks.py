@@ -112,3 +112,41 @@ def test_check_values_reads_the_saved_value_of_a_tensor_read_in_place(tmp_path: 
     with pytest.raises(tdcp.CheckpointIntegrityError, match="a negative entry"):
         ckpt2.load(forged)
     assert torch.equal(box2.t, torch.full((4,), 7.0)) and box2.n == 1  # refused before the in-place read
+
+
+class Refuses:
+    """An object whose ``load_state_dict`` raises: the load fails while restoring."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"x": torch.ones(2)}
+
+    def load_state_dict(self, state: Any) -> None:
+        raise RuntimeError("refusing this state")
+
+
+def test_a_load_failing_while_restoring_rolls_back_a_storage_allocated_while_planning(tmp_path: Path) -> None:
+    """A lazy buffer's storage is allocated from the saved shapes while the load is planned: a restore failure
+    of another component (before the buffer's turn) put it back uninitialised, and the sampler's trees stayed the
+    same objects on a load refused earlier."""
+    from tensordict import TensorDict
+    from torchrl.data import LazyTensorStorage, TensorDictPrioritizedReplayBuffer
+
+    def buffer() -> TensorDictPrioritizedReplayBuffer:
+        return TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.5, storage=LazyTensorStorage(16), batch_size=2)
+
+    rb = buffer()
+    rb.extend(TensorDict({"obs": torch.arange(8.0).reshape(4, 2)}, [4]))
+    path = tdcp.DistributedCheckpoint(rb=rb, other=Refuses()).save(tmp_path / "c")
+    live = buffer()
+    trees = (live._sampler._sum_tree, live._sampler._min_tree)
+    with pytest.raises(tdcp.CheckpointError, match="refusing this state"):
+        tdcp.DistributedCheckpoint(rb=live, other=Refuses()).load(path)
+    assert not live._storage.initialized and len(live) == 0
+    assert (live._sampler._sum_tree, live._sampler._min_tree) == trees  # (the same objects)
+
+    wrong = torch.nn.Linear(2, 5)  # refused while planning (another shape): the trees stay the same objects
+    tdcp.DistributedCheckpoint(rb=rb, m=torch.nn.Linear(2, 3)).save(tmp_path / "d")
+    with pytest.raises(tdcp.CheckpointError):
+        tdcp.DistributedCheckpoint(rb=live, m=wrong).load(tmp_path / "d")
+    assert not live._storage.initialized
+    assert live._sampler._sum_tree is trees[0] and live._sampler._min_tree is trees[1]

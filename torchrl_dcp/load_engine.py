@@ -400,7 +400,7 @@ def restore(src: CheckpointSource, request: LoadRequest, load_plan: LoadPlan, re
     failure = check_values(load_plan, src, request.path) or _restore_all(first, load_plan, request, result, done)
     statuses = failures(failure, request.group, "restoring components")
     if statuses is not None:
-        _fail(done, statuses, failure, "restoring components", result)
+        _fail(_with_planned(done, load_plan), statuses, failure, "restoring components", result)
     if load_plan.live or request.group is not None:
         try:
             read(src, request, load_plan.live, load_plan.verify_live, result, LIVE_MISMATCH)
@@ -414,7 +414,7 @@ def restore(src: CheckpointSource, request: LoadRequest, load_plan: LoadPlan, re
         failure = _restore_again(last, load_plan, request, result)
     statuses = failures(failure, request.group, "restoring components")
     if statuses is not None:
-        _fail(done, statuses, failure, "restoring components", result, partial=in_place)
+        _fail(_with_planned(done, load_plan), statuses, failure, "restoring components", result, partial=in_place)
 
 
 def check_values(load_plan: LoadPlan, src: CheckpointSource, path: Any) -> BaseException | None:
@@ -504,6 +504,13 @@ def planned_changes(load_plan: LoadPlan) -> list[ComponentPlan]:
     """The components whose planning may have changed them (:attr:`Adapter.allocates_when_planned`): what a load
     refused before it restores anything rolls back, and nothing else."""
     return [c for c in load_plan.components.values() if c.adapter.allocates_when_planned]
+
+
+def _with_planned(done: list[ComponentPlan], load_plan: LoadPlan) -> list[ComponentPlan]:
+    """``done`` and, after them, the components planning changed that were not restored (a storage allocated
+    while planning, for a buffer a failure stopped before its turn): what a failed restore rolls back."""
+    restored = {id(c) for c in done}
+    return done + [c for c in planned_changes(load_plan) if id(c) not in restored]
 
 
 def rollback(comps: list[ComponentPlan]) -> list[str]:
