@@ -412,3 +412,23 @@ def test_multi_sync_collector_with_a_stateless_policy_loads_what_it_saved(tmp_pa
     assert "policy_state_dict" not in sd["worker0"]
     assert (sd2["worker0"]["frames"], sd2["worker0"]["iter"]) == (sd["worker0"]["frames"], sd["worker0"]["iter"])
     assert_same(sd["worker0"]["env_state_dict"], sd2["worker0"]["env_state_dict"])
+
+
+def test_an_env_with_another_transform_is_refused_while_planning(tmp_path: Path) -> None:
+    """A transform without state (a second ``StepCounter``) adds no key to the env's state dict, but its entry to
+    every step: the restored carrier lacked it and the next collection failed inside torchrl."""
+    policy, collector = make_collector(None, 0)
+    next(iter(collector))
+    path = checkpoint(policy, collector).save(tmp_path / "ckpt")
+    collector.shutdown()
+    policy2 = make_policy(1)
+    env = make_env(None, 1)
+    env.append_transform(StepCounter(step_count_key="sc2"))
+    collector2 = Collector(env, policy2, frames_per_batch=10, total_frames=-1, auto_register_policy_transforms=False)
+    held = collector2._carrier
+    before = held.clone()
+    with pytest.raises(tdcp.IncompatibleComponentError, match=r"declares entries the checkpoint's carrier lacks"):
+        checkpoint(policy2, collector2).load(path)
+    assert collector2._carrier is held and (collector2._carrier == before).all()
+    next(iter(collector2))  # it still collects
+    collector2.shutdown()

@@ -50,7 +50,7 @@ from torchrl_dcp.adapters.env import (  # (also imported from here by older code
 )
 from torchrl_dcp.adapters.env_transforms import warn_unverified_transforms
 from torchrl_dcp.adapters.rng import same_rank_source
-from torchrl_dcp.adapters.tensordict import drop_unsaved, tensordict_from_state, tensordict_state
+from torchrl_dcp.adapters.tensordict import drop_unsaved, saved_keys, tensordict_from_state, tensordict_state
 from torchrl_dcp.errors import (
     CheckpointFormatError,
     EncodingError,
@@ -91,6 +91,28 @@ class CollectorAdapter(Adapter):
         warn_unreachable(ctx.name, collector.env, "saving")
         warn_unverified_transforms(ctx.name, collector.env, "saving")
         return self._state(collector)
+
+    def validate(self, collector: Collector, saved: dict[int, Any], ctx: AdapterContext) -> None:
+        """The saved carrier (what the next step starts from) holds every entry the live env's specs declare
+        (observations, done flags, state): an env built otherwise (another transform, even one without state, such
+        as a second ``StepCounter``) would get a carrier without its entries and fail at its next step. Refused
+        while planning."""
+        if getattr(collector, "_carrier", None) is None:
+            return
+        needed = _env_keys(collector.env)
+        for state in saved.values():
+            if not isinstance(state, dict) or state.get("carrier") is None or needed is None:
+                continue
+            try:
+                keys = saved_keys(state["carrier"])
+            except Exception:  # (a malformed carrier: the restore says what it is)
+                continue
+            lacking = sorted(map(str, needed - keys))
+            if lacking:
+                raise IncompatibleComponentError(
+                    f"component {ctx.name!r}: the collector's env declares entries the checkpoint's carrier lacks "
+                    f"({lacking[:4]}): build the env (its transforms) as it was saved"
+                )
 
     def snapshot(self, collector: Collector, ctx: AdapterContext) -> Any:
         return copy.deepcopy(self._state(collector))  # what a failed load rolls back to (no warning: not a save)
@@ -229,6 +251,18 @@ def _replace_expanded(carrier: Any, saved: Any) -> None:
 
 
 WORKER_TRAJ_IDS = "_tdcp_worker_traj_ids"  # added to the multi-collector state dict (older checkpoints lack it)
+
+
+def _env_keys(env: Any) -> set[Any] | None:
+    """The leaf keys an env's specs declare for what a step carries over (observations, done flags, state);
+    ``None`` when its specs cannot be read."""
+    try:
+        keys: set[Any] = set()
+        for spec in (env.full_observation_spec, env.full_done_spec, env.full_state_spec):
+            keys.update(spec.keys(include_nested=True, leaves_only=True))
+        return keys
+    except Exception:
+        return None
 
 
 def load_collector_state(collector: Any, state_dict: Mapping[str, Any]) -> None:

@@ -201,6 +201,12 @@ def _on_meta(state: Any) -> Any:
     return state
 
 
+def saved_keys(state: Any) -> set[Any]:
+    """The leaf keys (nested ones as tuples) of the TensorDict a saved state (tensors as
+    :class:`~torchrl_dcp.format.codec.TensorSpec`) restores, built on meta tensors (no memory)."""
+    return set(tensordict_from_state(_on_meta(state)).keys(include_nested=True, leaves_only=True))
+
+
 def _check_restorable(obj: Any, state: Any, name: str) -> None:
     """Build what the restore builds from ``state`` (on meta tensors) and compare it with ``obj`` as the restore
     does: a malformed or forged state (names, stacks, batch sizes, nesting) is refused while the load is planned,
