@@ -371,3 +371,39 @@ def test_a_part_filled_memmap_buffer_without_a_scratch_dir_saves_and_saves_again
     other = make()
     tdcp.DistributedCheckpoint(rb=other).load(again)
     assert torch.equal(other[:5]["obs"], rb[:5]["obs"])
+
+
+def test_honest_buffers_the_checks_once_refused_load_exactly(tmp_path: Path) -> None:
+    """A pre-allocated two-dimensional storage whose rows do not divide by its envs (torchrl rounds its rows up:
+    5 elements over 4 envs are 2 rows), a tensor batch size, and a max-value writer ranking by integers past 2**53
+    (timestamps, which float64 ranks rounded: the restored writer kept other transitions)."""
+    from torchrl.data import TensorDictReplayBuffer, TensorStorage
+    from torchrl.data.replay_buffers import TensorDictMaxValueWriter
+
+    def two_dim() -> TensorDictReplayBuffer:
+        rows = TensorDict({"obs": torch.zeros(5, 4, 2)}, [5, 4])
+        return TensorDictReplayBuffer(storage=TensorStorage(rows, ndim=2), batch_size=torch.tensor(4))
+
+    def by_time() -> TensorDictReplayBuffer:
+        return TensorDictReplayBuffer(
+            storage=LazyTensorStorage(2), writer=TensorDictMaxValueWriter(rank_key="t_ns"), batch_size=1
+        )
+
+    def item(t: int, v: float) -> TensorDict:
+        return TensorDict({"t_ns": torch.tensor([t]), "obs": torch.tensor([v])}, [1])
+
+    grid, timed = two_dim(), by_time()
+    grid.extend(TensorDict({"obs": torch.randn(4, 3, 2)}, [4, 3]))  # 4 envs x 3 steps: the writer at row 1
+    t0 = 1_733_400_000_000_000_000
+    timed.extend(item(t0 + 100, 1.0))
+    timed.extend(item(t0 + 300, 2.0))
+    path = tdcp.DistributedCheckpoint(grid=grid, timed=timed).save(tmp_path / "c")
+    tdcp.verify(path)
+    grid2, timed2 = two_dim(), by_time()
+    tdcp.DistributedCheckpoint(grid=grid2, timed=timed2).load(path)
+    assert grid2._writer._cursor == grid._writer._cursor == 1
+    assert torch.equal(grid2._storage._storage["obs"], grid._storage._storage["obs"])
+    assert timed2._writer._current_top_values == timed._writer._current_top_values
+    for rb in (timed, timed2):
+        rb.extend(item(t0 + 50, 3.0))  # older than both kept ones: dropped
+    assert sorted(timed2[:]["obs"].tolist()) == sorted(timed[:]["obs"].tolist()) == [1.0, 2.0]

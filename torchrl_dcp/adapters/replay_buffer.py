@@ -86,6 +86,11 @@ def _leading_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
 def _tensor_tree(data: Any, rows: int, where: str) -> Any:
     if isinstance(data, torch.Tensor):
         return _leading_rows(data, rows)
+    if not is_tensor_collection(data):
+        raise EncodingError(
+            f"replay buffer storage {where} holds {type(data).__name__}s of tensors (a pytree), which cannot be "
+            "saved: extend the buffer with TensorDicts (TensorDict(data, batch_size=[n])) or bare tensors"
+        )
     out: dict[str, Any] = {}
     for key in data.keys():  # noqa: SIM118 (iterating a TensorDict walks its first dim, not its keys)
         value = data.get(key)
@@ -220,7 +225,7 @@ def row_capacity(storage: Mapping[str, Any]) -> int | None:
     if type(ndim) is not int or ndim <= 1 or not specs or len(specs[0].shape) < ndim:
         return max(max_size, 1)
     inner = math.prod(specs[0].shape[1:ndim])
-    return max(max_size // inner, 1) if inner else max(max_size, 1)
+    return max(-(-max_size // inner), 1) if inner else max(max_size, 1)  # (rounded up, as torchrl's rows)
 
 
 def check_buffer_values(saved: Mapping[str, Any], read: Any) -> None:
@@ -337,10 +342,19 @@ def writer_state(writer: Any) -> dict[str, Any]:
             "kind": "max_value",
             "cursor": int(writer._cursor),
             "write_count": int(writer._write_count),
-            "heap_rank": torch.tensor([float(r) for r, _ in heap], dtype=torch.float64),
+            "heap_rank": _ranks(heap),
             "heap_index": torch.tensor([int(i) for _, i in heap], dtype=torch.int64),
         }
     return {"kind": "state_dict", "type": type(writer).__name__, "state": writer.state_dict()}
+
+
+def _ranks(heap: list[tuple[Any, int]]) -> torch.Tensor:
+    """A max-value writer's ranks, exactly: int64 when every rank is an integer (a rank key of integers, e.g.
+    timestamps past 2**53, which float64 would round), float64 otherwise."""
+    ranks = [r.item() if isinstance(r, torch.Tensor) else r for r, _ in heap]
+    if ranks and all(isinstance(r, int) and not isinstance(r, bool) and -(2**63) <= r < 2**63 for r in ranks):
+        return torch.tensor(ranks, dtype=torch.int64)
+    return torch.tensor([float(r) for r in ranks], dtype=torch.float64)
 
 
 def restore_writer(writer: Any, saved: Mapping[str, Any], name: str) -> None:
@@ -441,6 +455,7 @@ class ReplayBufferAdapter(Adapter):
         return buffer_reshard.reshard_sources(saved, ctx)
 
     def reshard(self, rb: ReplayBuffer, states: dict[int, Any], ctx: AdapterContext) -> Any:
+        ctx.plan["restored"] = True  # (what rollback puts back from here on: the settings too)
         buffer_reshard.reshard_buffer(rb, states, ctx)
         return None
 
@@ -469,6 +484,8 @@ class ReplayBufferAdapter(Adapter):
             return {}
         if isinstance(data, torch.Tensor):
             return {("storage", "data"): snap}
+        if not is_tensor_collection(data):  # (a pytree of tensors: its state says it cannot be saved)
+            return None
         keys = data.keys(include_nested=True, leaves_only=True)
         return {("storage", "data", *((k,) if isinstance(k, str) else k)): snap for k in keys}
 
@@ -476,6 +493,7 @@ class ReplayBufferAdapter(Adapter):
         return storage_destinations(initialized_buffer(rb)._storage, saved["storage"], ctx.name)
 
     def restore(self, rb: ReplayBuffer, state: Any, ctx: AdapterContext) -> Any:
+        ctx.plan["restored"] = True  # (what rollback puts back from here on: the settings too)
         rb = initialized_buffer(rb)
         warn_unsaved_transforms(rb, ctx.name, "loading")
         items = list_items(state["storage"], ctx) if state["storage"].get("kind") == LIST_KIND else None
@@ -560,7 +578,8 @@ class ReplayBufferAdapter(Adapter):
         }
 
     def rollback(self, rb: ReplayBuffer, snapshot: Any, ctx: AdapterContext) -> None:
-        """Put back the storage's attributes (a storage allocated by the load is dropped) and the settings.
+        """Put back the storage's attributes (a storage allocated by the load is dropped) and, once the restore ran,
+        the settings (before it, nothing changed them: the sampler's trees stay the same objects).
 
         Rows already read in place keep what was read (docs/reliability.md)."""
         rb = initialized_buffer(rb)
@@ -570,6 +589,8 @@ class ReplayBufferAdapter(Adapter):
         if isinstance(rb._storage, TensorStorage) and not snapshot["storage"]["initialized"]:
             rb._storage._storage = snapshot["storage"]["_storage"]
             rb._storage.initialized = False
+        if not ctx.plan.get("restored"):
+            return
         settings = snapshot["settings"]
         restore_sampler(rb._sampler, settings["sampler"], ctx.name)
         restore_writer(rb._writer, settings["writer"], ctx.name)
@@ -589,7 +610,7 @@ def _check_saved_writer(writer: Any, storage: Mapping[str, Any]) -> None:
     if counts is None:
         return
     cursor, write_count = counts
-    rows = row_capacity(storage) if storage.get("kind") != LIST_KIND else None
+    rows = row_capacity(storage)  # (a list storage: its max_size)
     max_size, n = storage.get("max_size"), storage.get("len")
     if type(cursor) is not int or cursor < 0 or (rows is not None and cursor >= rows):
         raise ValueError(f"its writer's cursor is {cursor!r}, its storage's rows {rows!r} (max_size {max_size!r})")
@@ -661,7 +682,10 @@ def _check_settings(saved: Mapping[str, Any]) -> None:
     """The buffer's batch size (``None`` or an int >= 1), a prioritized sampler's ``alpha``, ``beta`` and ``eps``
     (finite numbers >= 0, as torchrl's setters demand) and the writer's kind: what every save writes."""
     batch = saved.get("batch_size")
-    if batch is not None and (not isinstance(batch, numbers.Integral) or isinstance(batch, bool) or batch < 1):
+    if isinstance(batch, TensorSpec):  # (a tensor batch size, torchrl samples with it: its value unknown here)
+        if batch.shape or batch.dtype.is_floating_point or batch.dtype.is_complex:
+            raise ValueError(f"its batch size is a {batch.dtype} tensor of shape {list(batch.shape)}")
+    elif batch is not None and (not isinstance(batch, numbers.Integral) or isinstance(batch, bool) or batch < 1):
         raise ValueError(f"its batch size is {batch!r}")
     sampler, writer = saved.get("sampler"), saved.get("writer")
     if isinstance(sampler, Mapping) and sampler.get("kind") == "prioritized":
