@@ -207,3 +207,32 @@ def test_an_inventory_that_is_not_an_object_is_a_format_error(saved: Path, tmp_p
     with pytest.raises(tdcp.CheckpointFormatError, match="inventory"):
         tdcp.DistributedCheckpoint(**objs).load(path)
     assert objs["stats"] == before
+
+
+def test_honest_manifests_dense_in_small_values_load(tmp_path: Path) -> None:
+    """800,000 zeros in a JSON component and a list buffer of 150,000 ints: manifests a save writes, ~4x their size
+    once decoded, which the parse bound (then 100 bytes a value) refused as denser than 16x."""
+    from torchrl.data import ListStorage, ReplayBuffer
+
+    lengths = {"episode_lengths": [0] * 800_000}
+    rb = ReplayBuffer(storage=ListStorage(150_000))
+    rb.extend(list(range(150_000)))
+    path = tdcp.DistributedCheckpoint(stats=lengths, rb=rb).save(tmp_path / "c")
+    tdcp.verify(path)
+    got: dict = {}
+    rb2 = ReplayBuffer(storage=ListStorage(150_000))
+    tdcp.DistributedCheckpoint(stats=got, rb=rb2).load(path)
+    assert got == lengths and len(rb2) == 150_000 and rb2[149_999] == 149_999
+
+
+def test_a_save_never_writes_a_manifest_every_load_refuses() -> None:
+    from torchrl_dcp.commit_records import parseable
+    from torchrl_dcp.format.manifest import check_parse_cost
+
+    dense = b"[" + b"{}," * (8 << 20) + b"{}]"  # 24 MiB of empty objects: ~18x once decoded
+    with pytest.raises(tdcp.CheckpointFormatError, match="more than 16x"):
+        check_parse_cost(dense, "m")
+    with pytest.raises(tdcp.EncodingError, match="would be refused by every load"):
+        parseable(dense, "the root manifest")
+    fine = json.dumps([0] * 100_000, separators=(",", ":")).encode()
+    assert parseable(fine, "the root manifest") is fine

@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 
+from torchrl_dcp.errors import CheckpointFormatError, EncodingError
 from torchrl_dcp.format.codec import dtype_from_name
 from torchrl_dcp.format.dcp_metadata import metadata_fragments, spliced_metadata
 from torchrl_dcp.format.layout import own_file_rank, shard_name
-from torchrl_dcp.format.manifest import dumps, new_manifest
+from torchrl_dcp.format.manifest import check_parse_cost, dumps, new_manifest
 from torchrl_dcp.format.shards import shard_body
 from torchrl_dcp.planner import is_own_key
 from torchrl_dcp.storage.base import ChunkEntry, SaveTarget, WriteOutcome
@@ -97,7 +98,7 @@ def write_rank_part(
             entries=[list(e) for e in own_entries] if indexed else None,
             files={n: files[n] for n in own_files},
         )
-        files[shard_name(rank)] = target.write_member(shard_name(rank), dumps(body))
+        files[shard_name(rank)] = target.write_member(shard_name(rank), parseable(dumps(body), f"rank {rank}'s shard"))
     fragments = None
     if indexed:
         own = {
@@ -167,20 +168,41 @@ def root_manifest(
     entries = [list(e) for p in parts for e in p.shared_entries]
     sharded = any(rec.placement == "per_rank" for rec in records.values())
     own = {n for p in parts for n in p.own_files}
-    return dumps(
-        new_manifest(
-            world_size=world_size,
-            components=components,
-            files={n: r for n, r in files.items() if n not in own},
-            metadata=metadata,
-            step=step,
-            save_id=save_id,
-            chunks=chunk_table([c for p in parts for c in p.shared_chunks]),
-            sequence=sequence,
-            sharded=sharded,
-            index={"entries": entries} if indexed else None,
-            rank_files=[[len(p.own_files), sum(files[n]["size"] for n in p.own_files)] for p in parts]
-            if sharded
-            else None,
-        )
+    return parseable(
+        dumps(
+            new_manifest(
+                world_size=world_size,
+                components=components,
+                files={n: r for n, r in files.items() if n not in own},
+                metadata=metadata,
+                step=step,
+                save_id=save_id,
+                chunks=chunk_table([c for p in parts for c in p.shared_chunks]),
+                sequence=sequence,
+                sharded=sharded,
+                index={"entries": entries} if indexed else None,
+                rank_files=[[len(p.own_files), sum(files[n]["size"] for n in p.own_files)] for p in parts]
+                if sharded
+                else None,
+            )
+        ),
+        "the root manifest",
     )
+
+
+def parseable(data: bytes, what: str) -> bytes:
+    """``data`` (a manifest's bytes about to be written), if a load will parse it: a save never writes what every
+    load refuses (:func:`~torchrl_dcp.format.manifest.check_parse_cost`).
+
+    Raises:
+        EncodingError: a state holds so many tiny JSON containers that decoding the manifest could take more than
+            its parse bound (say which to store as a tensor).
+    """
+    try:
+        check_parse_cost(data, what)
+    except CheckpointFormatError as err:
+        raise EncodingError(
+            f"{what} would be refused by every load: {err.message}; a component holds a long list of tiny JSON "
+            "values or containers: store them as a tensor (torch.tensor(values))"
+        ) from None
+    return data
