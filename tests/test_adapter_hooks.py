@@ -150,3 +150,23 @@ def test_a_load_failing_while_restoring_rolls_back_a_storage_allocated_while_pla
         tdcp.DistributedCheckpoint(rb=live, m=wrong).load(tmp_path / "d")
     assert not live._storage.initialized
     assert live._sampler._sum_tree is trees[0] and live._sampler._min_tree is trees[1]
+
+
+def test_a_load_refused_part_way_through_planning_rolls_back_what_was_allocated(tmp_path: Path) -> None:
+    """A component refused while planning (here a forged inventory) after a lazy buffer was planned: the buffer's
+    storage, allocated from the saved shapes, stayed allocated (the plan was never returned to be rolled back)."""
+    from tensordict import TensorDict
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    rb = ReplayBuffer(storage=LazyTensorStorage(8), batch_size=2)
+    rb.extend(TensorDict({"obs": torch.arange(6.0).reshape(3, 2)}, [3]))
+    path = tdcp.DistributedCheckpoint(a_rb=rb, z={"w": torch.ones(3)}).save(tmp_path / "c")
+
+    def forge(m: dict[str, Any]) -> None:
+        m["components"]["z"]["inventory"]["replicated/z/w"]["dtype"] = "float64"
+
+    forging.edit(path, forge)
+    live = ReplayBuffer(storage=LazyTensorStorage(8), batch_size=2)
+    with pytest.raises(tdcp.CheckpointError, match="forged|inconsistent"):
+        tdcp.DistributedCheckpoint(a_rb=live, z={"w": torch.zeros(3)}).load(path)
+    assert not live._storage.initialized

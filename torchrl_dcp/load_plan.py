@@ -125,6 +125,34 @@ def plan_components(
         CheckpointFormatError: the manifest contradicts itself or DCP's metadata.
     """
     load_plan = LoadPlan()
+    planning: list[ComponentPlan] = []  # the component being planned, if any (before it joins the plan)
+    try:
+        _plan_each(manifest, requested, registered, load_plan, planning, rank=rank, world_size=world_size,
+                   reshard_allowed=reshard_allowed, metadata=metadata, incompatible=incompatible, source=source)  # fmt: skip
+    except BaseException:  # a refusal part-way: what planning allocated so far is undone before it propagates
+        for comp in reversed([*load_plan.components.values(), *planning]):
+            if comp.adapter.allocates_when_planned and comp.has_snapshot:
+                rollback_one(comp)
+        raise
+    return load_plan
+
+
+def _plan_each(
+    manifest: Mapping[str, Any],
+    requested: list[str],
+    registered: Mapping[str, Registered],
+    load_plan: LoadPlan,
+    planning: list[ComponentPlan],
+    *,
+    rank: int,
+    world_size: int,
+    reshard_allowed: bool,
+    metadata: Any,
+    incompatible: dict[str, str],
+    source: Any,
+) -> None:
+    """The loop of :func:`plan_components`: each requested component planned into ``load_plan`` (``planning``
+    holds the one being planned until it joins)."""
     saved = manifest["components"]
     for name in requested:
         if name not in saved:
@@ -150,6 +178,7 @@ def plan_components(
             )
         ctx = reg.make_ctx(saved_world_size=manifest["world_size"])
         comp = ComponentPlan(name, reg.value, reg.adapter, ctx, {}, reshard)
+        planning[:] = [comp]
         try:
             comp.sources = _sources(comp, rec, rank, checked)
             views = {r: s.view for r, s in comp.sources.items()}
@@ -161,11 +190,12 @@ def plan_components(
         except Exception as err:
             if comp.adapter.allocates_when_planned:  # (the others: nothing changed them)
                 rollback_one(comp)
+            planning.clear()
             incompatible[name] = f"cannot be loaded: {_text(err)}"
             continue
         _references(comp, saved, load_plan, rank, metadata, source)
         load_plan.components[name] = comp
-    return load_plan
+        planning.clear()
 
 
 def refuse_conflicting_live(plan: LoadPlan, saved_crcs: Callable[[str], Any], source: Any) -> None:

@@ -152,7 +152,10 @@ def decode_json(data: bytes, source: Any, what: str) -> Any:
 #: value, an object per mapping and per list on top, and the scalars' own objects (a number or a short string costs
 #: at most ~12x its text, a long one ~1x): ``8 * values + 200 * mappings + 64 * lists + 2 * bytes``. It follows the
 #: real cost within a factor of ~3 either way: ``[{},...]`` 18x real (56x estimated), ``[[1],...]`` 19x (22x),
-#: ``[0,...]`` 4x (6x), ``["ab",...]`` 12x (4x), our writer's manifests ~7x (6x).
+#: ``[0,...]`` 4x (6x), ``["ab",...]`` 12x (4x), our writer's manifests ~7x (6x). One shape escapes it: a mapping of
+#: many distinct one-character non-Latin-1 keys (``{"😀":0,...}``: each key a string object of ~80 bytes, and the
+#: parser's key cache beside the mapping) decodes to ~25x for ~3x estimated, so a forged manifest above the 64 MiB
+#: floor can take ~1.5x the bound; charging every key for it would put honest manifests near the bound.
 PARSE_BYTES_PER_VALUE = 8
 PARSE_BYTES_PER_MAPPING = 200
 PARSE_BYTES_PER_LIST = 64
