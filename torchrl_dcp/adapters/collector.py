@@ -94,12 +94,18 @@ class CollectorAdapter(Adapter):
 
     def validate(self, collector: Collector, saved: dict[int, Any], ctx: AdapterContext) -> None:
         """The saved carrier (what the next step starts from) holds every entry the live env's specs declare
-        (observations, done flags, state): an env built otherwise (another transform, even one without state, such
+        (observations, done flags, state) that the live carrier holds: an env built otherwise (another transform, even one without state, such
         as a second ``StepCounter``) would get a carrier without its entries and fail at its next step. Refused
         while planning."""
-        if getattr(collector, "_carrier", None) is None:
+        carrier = getattr(collector, "_carrier", None)
+        if carrier is None:
             return
         needed = _env_keys(collector.env)
+        if needed is not None:  # (what torchrl's carrier holds of them: never non-tensor entries, for one)
+            try:
+                needed &= set(carrier.keys(include_nested=True, leaves_only=True))
+            except Exception:
+                needed = None
         for state in saved.values():
             if not isinstance(state, dict) or state.get("carrier") is None or needed is None:
                 continue
@@ -245,7 +251,10 @@ def _replace_expanded(carrier: Any, saved: Any) -> None:
     """Entries of ``carrier`` that are expanded views (a stride 0 along a dimension of size > 1, e.g. what
     ``ExpandAs`` writes) cannot be written in place: they are replaced by the saved values instead."""
     for key in saved.keys(include_nested=True, leaves_only=True):
-        live = carrier.get(key, None)
+        try:
+            live = carrier.get(key, None)
+        except RuntimeError:  # (an entry of a lazy stack of other shapes per env: no one tensor, none expanded)
+            continue
         if isinstance(live, torch.Tensor) and any(st == 0 and n > 1 for st, n in zip(live.stride(), live.shape)):
             carrier.set(key, saved.get(key).clone())
 
