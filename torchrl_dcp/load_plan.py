@@ -127,75 +127,55 @@ def plan_components(
     load_plan = LoadPlan()
     planning: list[ComponentPlan] = []  # the component being planned, if any (before it joins the plan)
     try:
-        _plan_each(manifest, requested, registered, load_plan, planning, rank=rank, world_size=world_size,
-                   reshard_allowed=reshard_allowed, metadata=metadata, incompatible=incompatible, source=source)  # fmt: skip
+        saved = manifest["components"]
+        for name in requested:
+            if name not in saved:
+                continue
+            reg = registered[name]
+            rec = _compatible_record(name, saved[name], reg, incompatible, source)
+            if rec is None:
+                continue
+            assert reg.adapter is not None
+            checked = check_states(name, rec, metadata, source, adapter=reg.adapter)
+            reshard = rec["placement"] == "per_rank" and manifest["world_size"] != world_size
+            if reshard and not (reshard_allowed and reg.adapter.can_reshard):
+                why = (
+                    "pass world_size_change='reshard' to redistribute it"
+                    if reg.adapter.can_reshard
+                    else f"its adapter {reg.adapter.adapter_id!r} cannot be resharded"
+                )
+                raise WorldSizeMismatchError(
+                    f"component {name!r} is per_rank and was saved by {manifest['world_size']} ranks, this job has "
+                    f"{world_size}: {why}; or load only replicated components (components=...), or resume with "
+                    f"{manifest['world_size']} ranks",
+                    path=source,
+                )
+            ctx = reg.make_ctx(saved_world_size=manifest["world_size"])
+            comp = ComponentPlan(name, reg.value, reg.adapter, ctx, {}, reshard)
+            planning[:] = [comp]
+            try:
+                comp.sources = _sources(comp, rec, rank, checked)
+                views = {r: s.view for r, s in comp.sources.items()}
+                reg.adapter.validate(reg.value, views, ctx)
+                _take_snapshot(comp)
+                _destinations(comp, views, load_plan, metadata, source)
+            except CheckpointFormatError:
+                raise
+            except Exception as err:
+                if comp.adapter.allocates_when_planned:  # (the others: nothing changed them)
+                    rollback_one(comp)
+                planning.clear()
+                incompatible[name] = f"cannot be loaded: {_text(err)}"
+                continue
+            _references(comp, saved, load_plan, rank, metadata, source)
+            load_plan.components[name] = comp
+            planning.clear()
     except BaseException:  # a refusal part-way: what planning allocated so far is undone before it propagates
         for comp in reversed([*load_plan.components.values(), *planning]):
             if comp.adapter.allocates_when_planned and comp.has_snapshot:
                 rollback_one(comp)
         raise
     return load_plan
-
-
-def _plan_each(
-    manifest: Mapping[str, Any],
-    requested: list[str],
-    registered: Mapping[str, Registered],
-    load_plan: LoadPlan,
-    planning: list[ComponentPlan],
-    *,
-    rank: int,
-    world_size: int,
-    reshard_allowed: bool,
-    metadata: Any,
-    incompatible: dict[str, str],
-    source: Any,
-) -> None:
-    """The loop of :func:`plan_components`: each requested component planned into ``load_plan`` (``planning``
-    holds the one being planned until it joins)."""
-    saved = manifest["components"]
-    for name in requested:
-        if name not in saved:
-            continue
-        reg = registered[name]
-        rec = _compatible_record(name, saved[name], reg, incompatible, source)
-        if rec is None:
-            continue
-        assert reg.adapter is not None
-        checked = check_states(name, rec, metadata, source, adapter=reg.adapter)
-        reshard = rec["placement"] == "per_rank" and manifest["world_size"] != world_size
-        if reshard and not (reshard_allowed and reg.adapter.can_reshard):
-            why = (
-                "pass world_size_change='reshard' to redistribute it"
-                if reg.adapter.can_reshard
-                else f"its adapter {reg.adapter.adapter_id!r} cannot be resharded"
-            )
-            raise WorldSizeMismatchError(
-                f"component {name!r} is per_rank and was saved by {manifest['world_size']} ranks, this job has "
-                f"{world_size}: {why}; or load only replicated components (components=...), or resume with "
-                f"{manifest['world_size']} ranks",
-                path=source,
-            )
-        ctx = reg.make_ctx(saved_world_size=manifest["world_size"])
-        comp = ComponentPlan(name, reg.value, reg.adapter, ctx, {}, reshard)
-        planning[:] = [comp]
-        try:
-            comp.sources = _sources(comp, rec, rank, checked)
-            views = {r: s.view for r, s in comp.sources.items()}
-            reg.adapter.validate(reg.value, views, ctx)
-            _take_snapshot(comp)
-            _destinations(comp, views, load_plan, metadata, source)
-        except CheckpointFormatError:
-            raise
-        except Exception as err:
-            if comp.adapter.allocates_when_planned:  # (the others: nothing changed them)
-                rollback_one(comp)
-            planning.clear()
-            incompatible[name] = f"cannot be loaded: {_text(err)}"
-            continue
-        _references(comp, saved, load_plan, rank, metadata, source)
-        load_plan.components[name] = comp
-        planning.clear()
 
 
 def refuse_conflicting_live(plan: LoadPlan, saved_crcs: Callable[[str], Any], source: Any) -> None:
