@@ -1,0 +1,222 @@
+"""What every save of a replay buffer writes, checked on a saved state: counts, cursors, settings, the tensors its
+sampler and writer own, and (on the values read) the indices it holds as tensors.
+
+:func:`check_saved_buffer` runs on a state with :class:`~torchrl_dcp.format.codec.TensorSpec` leaves (a load while
+planning, ``verify``); :func:`check_buffer_values` on the values of the few tensors it asks for, before anything is
+restored. Both raise ``ValueError`` saying what no save writes.
+
+Example:
+    >>> row_capacity({"max_size": 20, "ndim": 1})
+    20
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from torchrl_dcp.adapters.list_storage import LIST_KIND
+from torchrl_dcp.format.codec import TensorSpec
+
+
+def check_saved_buffer(saved: Any) -> None:
+    """What every save writes: a tensor storage of one batch dimension holds ``len == rows <= max_size``
+    transitions, ``rows`` in each tensor, an uninitialised one none; a round-robin or max-value writer's cursor
+    lies in its rows, its write count is ``>= 0``; the settings are of their kinds; the sampler's and writer's
+    tensors are their own; a prioritized sampler's trees have ``capacity`` leaves."""
+    storage, sampler = saved["storage"], saved["sampler"]
+    if not isinstance(storage, Mapping):
+        raise ValueError("its storage state is not a mapping")
+    _check_saved_storage(storage)
+    _check_saved_writer(saved.get("writer"), storage)
+    _check_settings(saved)
+    _check_own_tensors(saved, storage)
+    if isinstance(sampler, Mapping) and sampler.get("kind") == "prioritized":
+        capacity = sampler.get("capacity")
+        for tree in ("sum", "min"):
+            shape = getattr(sampler.get(tree), "shape", None)
+            if shape is not None and tuple(shape) != (capacity,):
+                raise ValueError(f"its prioritized sampler says capacity {capacity!r}, its {tree} tree {list(shape)}")
+
+
+def _check_saved_storage(storage: Mapping[str, Any]) -> None:
+    """Counts of a saved storage: integers; ``len == rows <= max_size`` for one batch dimension, each tensor
+    holding ``rows``; an uninitialised tensor storage saved without rows."""
+    counts = [storage.get(k) for k in ("len", "rows", "max_size")]
+    initialized = storage.get("initialized")
+    if storage.get("kind") != LIST_KIND and initialized is not True:  # (uninitialised: saved without rows)
+        if initialized is not False or storage.get("len") != 0 or "data" in storage or "rows" in storage:
+            raise ValueError(f"its storage says initialized {initialized!r}, len {storage.get('len')!r}")
+    for key in ("len", "rows", "max_size", "ndim"):  # what every save writes as an int (a float here disarms the
+        if key in storage and type(storage[key]) is not int:  # checks below)
+            raise ValueError(f"its storage's {key} is {storage[key]!r}, not an integer")
+    if storage.get("ndim") == 1 and all(type(c) is int for c in counts):  # (ndim > 1: len counts elements)
+        n, rows, max_size = counts
+        if not 0 <= n == rows <= max_size:  # (a save writes the filled rows: rows == len)
+            raise ValueError(f"its storage says len {n}, rows {rows}, max_size {max_size}")
+        for spec in _specs(storage.get("data")):
+            if not spec.shape or spec.shape[0] != rows:
+                raise ValueError(f"its storage says {rows} rows, a tensor holds {list(spec.shape)}")
+
+
+def _check_saved_writer(writer: Any, storage: Mapping[str, Any]) -> None:
+    """A saved round-robin or max-value writer's cursor is an int in ``[0, rows)`` (the storage's rows:
+    :func:`row_capacity`), at most the storage's length while the storage was never full, and its write count an int
+    ``>= 0``; a max-value writer's heap holds as many ranks as rows: what every save writes (a cursor outside the
+    storage would write past its rows; one past the length would make unwritten rows part of the buffer at the next
+    write)."""
+    counts = writer_counts(writer)
+    if counts is None:
+        return
+    cursor, write_count = counts
+    rows = row_capacity(storage)  # (a list storage: its max_size)
+    max_size, n = storage.get("max_size"), storage.get("len")
+    if type(cursor) is not int or cursor < 0 or (rows is not None and cursor >= rows):
+        raise ValueError(f"its writer's cursor is {cursor!r}, its storage's rows {rows!r} (max_size {max_size!r})")
+    one_dim = storage.get("ndim") == 1 and storage.get("kind") != LIST_KIND
+    if one_dim and type(n) is int and type(max_size) is int and n < max_size and cursor > n:
+        raise ValueError(
+            f"its writer's cursor is {cursor}, past the {n} rows of a storage that was never full (max_size {max_size})"
+        )
+    if type(write_count) is not int or write_count < 0:
+        raise ValueError(f"its writer's write count is {write_count!r}")
+    if writer.get("kind") == "max_value":
+        shapes = [tuple(getattr(writer.get(k), "shape", ())) for k in ("heap_rank", "heap_index")]
+        if len(shapes[0]) != 1 or shapes[0] != shapes[1]:
+            raise ValueError(f"its max-value writer's heap holds ranks of shape {shapes[0]}, rows of {shapes[1]}")
+
+
+def _check_settings(saved: Mapping[str, Any]) -> None:
+    """The buffer's batch size (``None`` or an int >= 1), a prioritized sampler's ``alpha``, ``beta`` and ``eps``
+    (finite numbers >= 0, as torchrl's setters demand) and the writer's kind: what every save writes."""
+    batch = saved.get("batch_size")
+    if isinstance(batch, TensorSpec):  # (a tensor batch size, torchrl samples with it: its value unknown here)
+        if batch.shape or batch.dtype.is_floating_point or batch.dtype.is_complex:
+            raise ValueError(f"its batch size is a {batch.dtype} tensor of shape {list(batch.shape)}")
+    elif batch is not None and (not isinstance(batch, numbers.Integral) or isinstance(batch, bool) or batch < 1):
+        raise ValueError(f"its batch size is {batch!r}")
+    sampler, writer = saved.get("sampler"), saved.get("writer")
+    if isinstance(sampler, Mapping) and sampler.get("kind") == "prioritized":
+        for key in ("alpha", "beta", "eps"):
+            value = sampler.get(key)
+            if not _number(value) or (not isinstance(value, TensorSpec) and value < 0):
+                raise ValueError(f"its prioritized sampler's {key} is {sampler.get(key)!r}")
+    if isinstance(writer, Mapping) and writer.get("kind") not in ("max_value", "state_dict"):
+        raise ValueError(f"its writer's kind is {writer.get('kind')!r}")
+
+
+def _check_own_tensors(saved: Mapping[str, Any], storage: Mapping[str, Any]) -> None:
+    """The sampler's, the writer's and the last cursor's tensors are their own, never one of the storage's rows
+    (read in place after the values are checked)."""
+    rows_keys = {spec.key for spec in _specs(storage.get("data")) if isinstance(spec, TensorSpec)}
+    for what in ("sampler", "writer"):
+        shared = sorted(rows_keys & {spec.key for spec in _all_specs(saved.get(what))})
+        if shared:
+            raise ValueError(f"its {what} holds the storage's tensor {shared[0]!r}")
+    last = storage.get("last_cursor")
+    if isinstance(last, TensorSpec) and last.key in rows_keys:
+        raise ValueError(f"its storage's last cursor is the storage's tensor {last.key!r}")
+
+
+def row_capacity(storage: Mapping[str, Any]) -> int | None:
+    """How many rows (along dim 0) a saved tensor storage holds at most: ``max_size`` counts every element, so a
+    storage of ``ndim`` 2 holds ``max_size`` over the size of its second dimension (``None``: no integer
+    ``max_size``). What its cursors index."""
+    max_size, ndim = storage.get("max_size"), storage.get("ndim", 1)
+    if type(max_size) is not int:
+        return None
+    specs = _specs(storage.get("data"))
+    if type(ndim) is not int or ndim <= 1 or not specs or len(specs[0].shape) < ndim:
+        return max(max_size, 1)
+    inner = math.prod(specs[0].shape[1:ndim])
+    return max(-(-max_size // inner), 1) if inner else max(max_size, 1)  # (rounded up, as torchrl's rows)
+
+
+def check_buffer_values(saved: Mapping[str, Any], read: Any) -> None:
+    """Indices a saved buffer holds as tensors point inside it, as every write leaves them: the storage's last
+    cursor within its rows (a mask aside), a max-value writer's heap within them, a prioritized sampler's
+    max-priority index within its capacity (the sampler, writer and storage would write there).
+    ``read(spec)``: a tensor's value."""
+    storage, sampler, writer = saved.get("storage"), saved.get("sampler"), saved.get("writer")
+    rows = row_capacity(storage) if isinstance(storage, Mapping) and storage.get("kind") != LIST_KIND else None
+    if rows is not None and storage.get("initialized") is True:
+        last = _read(storage.get("last_cursor"), read)
+        if last is not None and not (isinstance(last, torch.Tensor) and last.dtype == torch.bool):
+            if not _indices_within(last, rows):
+                raise ValueError(f"its storage's last cursor is {last!r}, outside its {rows} rows")
+    if rows is not None and isinstance(writer, Mapping) and writer.get("kind") == "max_value":
+        heap = _read(writer.get("heap_index"), read)
+        if isinstance(heap, torch.Tensor) and heap.numel() and not _indices_within(heap, rows):
+            raise ValueError(f"its max-value writer's heap holds row {heap.max().item()}, past its {rows} rows")
+    if not (isinstance(sampler, Mapping) and sampler.get("kind") == "prioritized"):
+        return
+    max_priority, capacity = sampler.get("max_priority"), sampler.get("capacity")
+    if max_priority is None or type(capacity) is not int:
+        return
+    if not isinstance(max_priority, (tuple, list)) or len(max_priority) != 2:
+        raise ValueError(f"its prioritized sampler's max_priority is a {type(max_priority).__name__}, not a pair")
+    index = max_priority[1]
+    parts = list(index) if isinstance(index, (tuple, list)) else [index]
+    if parts == [None]:
+        return
+    for part in parts:
+        if not _indices_within(_read(part, read), capacity):
+            raise ValueError(
+                f"its prioritized sampler's max_priority index is {_read(part, read)!r}, outside its capacity of "
+                f"{capacity}"
+            )
+
+
+def writer_counts(writer: Any) -> tuple[Any, Any] | None:
+    """``(cursor, write count)`` of a saved round-robin or max-value writer (``None``: a writer without them)."""
+    if not isinstance(writer, Mapping):
+        return None
+    if writer.get("kind") == "max_value":
+        return writer.get("cursor"), writer.get("write_count")
+    state = writer.get("state")
+    if isinstance(state, Mapping) and "_cursor" in state:
+        return state.get("_cursor"), state.get("_write_count")
+    return None
+
+
+def _indices_within(index: Any, size: int) -> bool:
+    """Whether ``index`` (an int, or a tensor of integers) indexes a dimension of ``size`` (negative ones from the
+    end, as Python's)."""
+    if isinstance(index, torch.Tensor) and not index.dtype.is_floating_point and not index.dtype.is_complex:
+        values = index.reshape(-1).tolist()
+    else:
+        values = [index]
+    return all(type(v) is int and -size <= v < size for v in values)
+
+
+def _read(value: Any, read: Any) -> Any:
+    return read(value) if isinstance(value, TensorSpec) else value
+
+
+def _all_specs(node: Any) -> list[TensorSpec]:
+    """Every tensor spec in a saved value (mappings, lists and tuples walked)."""
+    if isinstance(node, TensorSpec):
+        return [node]
+    if isinstance(node, Mapping):
+        return [s for v in node.values() for s in _all_specs(v)]
+    if isinstance(node, (list, tuple)):
+        return [s for v in node for s in _all_specs(v)]
+    return []
+
+
+def _specs(node: Any) -> list[Any]:
+    """The tensor specs in a storage's saved ``data`` (a spec, or nested mappings of them)."""
+    if isinstance(node, Mapping):
+        return [s for v in node.values() for s in _specs(v)]
+    return [node] if hasattr(node, "shape") else []
+
+
+def _number(value: Any) -> bool:
+    """A finite real number (NumPy's too), or a tensor (its value unknown while planning)."""
+    if isinstance(value, TensorSpec):
+        return True
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
