@@ -170,3 +170,24 @@ def test_a_load_refused_part_way_through_planning_rolls_back_what_was_allocated(
     with pytest.raises(tdcp.CheckpointError, match="forged|inconsistent"):
         tdcp.DistributedCheckpoint(a_rb=live, z={"w": torch.zeros(3)}).load(path)
     assert not live._storage.initialized
+
+
+def test_a_refused_load_removes_the_memmap_files_its_planning_made(tmp_path: Path) -> None:
+    """A lazy memmap storage with a ``scratch_dir`` is allocated from the saved shapes while planning: a refused load
+    left its files there, and torchrl never writes over them, so every later load into that buffer was refused."""
+    from tensordict import TensorDict
+    from torchrl.data import LazyMemmapStorage, ReplayBuffer
+
+    rb = ReplayBuffer(storage=LazyMemmapStorage(8, scratch_dir=tmp_path / "src"), batch_size=2)
+    rb.extend(TensorDict({"obs": torch.arange(6.0).reshape(3, 2)}, [3]))
+    path = tdcp.DistributedCheckpoint(rb=rb, extra={"x": 1}).save(tmp_path / "c")
+    scratch = tmp_path / "dst"
+    scratch.mkdir()
+    (scratch / "notes.txt").write_text("the user's")
+    live = ReplayBuffer(storage=LazyMemmapStorage(8, scratch_dir=scratch), batch_size=2)
+    with pytest.raises(tdcp.CheckpointError, match="missing"):
+        tdcp.DistributedCheckpoint(rb=live, extra={}, missing=torch.nn.Linear(1, 1)).load(path)
+    assert not live._storage.initialized
+    assert sorted(p.name for p in scratch.iterdir()) == ["notes.txt"]  # what was there stays
+    tdcp.DistributedCheckpoint(rb=live, extra={}).load(path)  # a retry loads
+    assert torch.equal(live[:]["obs"], rb[:]["obs"])

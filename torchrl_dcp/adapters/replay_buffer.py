@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import heapq
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -364,6 +365,28 @@ def _continue_in_other_capacity(rb: ReplayBuffer, state: Mapping[str, Any]) -> N
     rb._writer._cursor = state["storage"]["len"] % int(storage.max_size)
 
 
+def _entries(directory: str) -> set[str]:
+    """The paths under ``directory`` (none when it does not exist), links not followed."""
+    found: set[str] = set()
+    for root, dirs, files in os.walk(directory):
+        found.update(os.path.join(root, n) for n in dirs + files)
+    return found
+
+
+def _remove_new_entries(directory: str, before: set[str]) -> None:
+    """Remove what a lazy memmap storage's allocation created under ``directory`` (its entries not in ``before``),
+    files first, then the directories it made (only those, and only empty ones)."""
+    made = sorted(_entries(directory) - before, key=len, reverse=True)
+    for path in made:
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                os.rmdir(path)
+            else:
+                os.unlink(path)
+        except OSError:
+            pass  # (something else is there now: left alone)
+
+
 # --------------------------------------------------------------------------- adapter
 class ReplayBufferAdapter(Adapter):
     """A torchrl replay buffer and everything it needs to sample the same batches after a restore."""
@@ -413,7 +436,11 @@ class ReplayBufferAdapter(Adapter):
         return {("storage", "data", *((k,) if isinstance(k, str) else k)): snap for k in keys}
 
     def destinations(self, rb: ReplayBuffer, saved: Any, ctx: AdapterContext) -> dict[str, torch.Tensor] | None:
-        return storage_destinations(initialized_buffer(rb)._storage, saved["storage"], ctx.name)
+        storage = initialized_buffer(rb)._storage
+        scratch = getattr(storage, "scratch_dir", None) if not getattr(storage, "initialized", True) else None
+        if scratch:  # an allocation writes memmap files there: what a rollback removes is what was not there before
+            ctx.plan["scratch"] = (str(scratch), _entries(str(scratch)))
+        return storage_destinations(storage, saved["storage"], ctx.name)
 
     def restore(self, rb: ReplayBuffer, state: Any, ctx: AdapterContext) -> Any:
         ctx.plan["restored"] = True  # (what rollback puts back from here on: the settings too)
@@ -495,6 +522,8 @@ class ReplayBufferAdapter(Adapter):
         if isinstance(rb._storage, TensorStorage) and not snapshot["storage"]["initialized"]:
             rb._storage._storage = snapshot["storage"]["_storage"]
             rb._storage.initialized = False
+            if "scratch" in ctx.plan:  # the memmap files the allocation made (torchrl never writes over them)
+                _remove_new_entries(*ctx.plan.pop("scratch"))
         if not ctx.plan.get("restored"):
             return
         settings = snapshot["settings"]
