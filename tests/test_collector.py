@@ -438,9 +438,9 @@ def test_an_env_with_another_transform_is_refused_while_planning(tmp_path: Path)
 def test_collectors_over_torchrls_unusual_envs_load_their_own_checkpoints(tmp_path: Path, env_name: str) -> None:
     """Non-tensor observations (declared by the env's specs, never held by torchrl's carrier: the carrier check
     refused them) and a lazily stacked env of other shapes per env (the restore failed reading an entry no single
-    tensor holds, and so did its rollback): each loads what it saved and collects on. ``EnvWithMetadata``'s next
-    batch is an uninterrupted run's; the counting envs keep their counter in a buffer of the base env, which a
-    collector's state leaves out (docs/components/collectors.md: register such state as a component)."""
+    tensor holds, and so did its rollback): each loads what it saved, and its next batch is an uninterrupted run's
+    (the counting envs keep their counter in a buffer of the base env, which a collector's state leaves out: it
+    restarted from 0)."""
     from torchrl.testing import mocking_classes
 
     def make() -> Collector:
@@ -460,8 +460,101 @@ def test_collectors_over_torchrls_unusual_envs_load_their_own_checkpoints(tmp_pa
     got = next(iter(collector2))
     collector2.shutdown()
     assert got.batch_size == expected.batch_size
-    if env_name == "EnvWithMetadata":
-        for key in expected.keys(include_nested=True, leaves_only=True):
-            a, b = expected.get(key), got.get(key)
-            if isinstance(a, torch.Tensor):
-                assert torch.equal(a, b), key
+    _assert_equal_leaves(expected, got)
+
+
+def _assert_equal_leaves(expected, got) -> None:
+    """Every tensor leaf equal; entries of other shapes per element (a lazy stack's) compared element by element."""
+    for key in expected.keys(include_nested=True, leaves_only=True):
+        try:
+            a, b = [expected.get(key)], [got.get(key)]
+        except RuntimeError:  # (no one tensor holds it: each stacked TensorDict's)
+            key = key if isinstance(key, tuple) else (key,)
+            a, b = ([t.get(key[-1]) for t in td.get(key[:-1]).tensordicts] for td in (expected, got))
+        for x, y in zip(a, b, strict=True):
+            if isinstance(x, torch.Tensor):
+                assert torch.equal(x, y), key
+
+
+def _counting_env(kind: str):
+    """torchrl's ``CountingEnv`` (its step count in a buffer of the base env) alone, wrapped, and in a
+    ``SerialEnv`` of wrapped sub-envs."""
+    from torchrl.envs import SerialEnv
+    from torchrl.testing.mocking_classes import CountingEnv
+
+    if kind == "plain":
+        return CountingEnv(max_steps=50)
+    if kind == "transformed":
+        return TransformedEnv(CountingEnv(max_steps=50), StepCounter())
+    sub = lambda: TransformedEnv(CountingEnv(max_steps=50), StepCounter())  # noqa: E731
+    return TransformedEnv(SerialEnv(2, sub), StepCounter(step_count_key="outer"))
+
+
+@pytest.mark.parametrize("kind", ["plain", "transformed", "serial"])
+def test_a_collector_resumes_the_state_its_base_env_keeps_in_buffers(tmp_path: Path, kind: str) -> None:
+    """``Collector.state_dict()`` holds nothing of a plain env and only the transforms of a ``TransformedEnv``: a
+    base env's own buffers (``CountingEnv``'s step count) were lost and the resumed run counted from 0 without a
+    warning. Saved beside it, the next batch is an uninterrupted run's."""
+
+    def make() -> Collector:
+        torch.manual_seed(0)
+        env = _counting_env(kind)
+        env.set_seed(0)
+        return Collector(env, None, frames_per_batch=4, total_frames=-1)
+
+    collector = make()
+    it = iter(collector)
+    next(it)
+    path = tdcp.DistributedCheckpoint(collector=collector, rng=tdcp.RNGState()).save(tmp_path / "c")
+    expected = [next(it), next(it)]
+    collector.shutdown()
+    collector2 = make()
+    tdcp.DistributedCheckpoint(collector=collector2, rng=tdcp.RNGState()).load(path)
+    it2 = iter(collector2)
+    got = [next(it2), next(it2)]
+    collector2.shutdown()
+    assert_same_batches(expected, got)
+
+
+@pytest.mark.parametrize("kind", ["transformed", "serial"])
+def test_an_env_registered_alone_resumes_its_base_envs_buffers(tmp_path: Path, kind: str) -> None:
+    """A ``TransformedEnv``'s ``state_dict()`` holds its transforms only: its base env's buffers (a step count) are
+    saved beside it, and the next step after a restore is the one the env would have taken."""
+
+    def step(env, td):
+        td = td.clone()
+        td["action"] = torch.ones_like(td["action"])
+        return env.step(td)
+
+    env = _counting_env(kind)
+    td = env.rand_action(env.reset())
+    for _ in range(3):
+        td = env.rand_action(step(env, td)["next"].clone())
+    path = tdcp.DistributedCheckpoint(env=env).save(tmp_path / "e")
+    expected = step(env, td)["next", "observation"]
+    env2 = _counting_env(kind)
+    env2.reset()
+    tdcp.DistributedCheckpoint(env=env2).load(path)
+    assert torch.equal(step(env2, td)["next", "observation"], expected)
+    assert int(expected.min()) == 4
+
+
+def test_a_base_env_built_otherwise_is_refused_and_left_as_it_was(tmp_path: Path) -> None:
+    """A saved base env's buffers that the live env does not hold (another base env) are refused naming the
+    component, and the collector is left as it was."""
+    from torchrl.testing.mocking_classes import CountingEnv
+
+    collector = Collector(TransformedEnv(CountingEnv(max_steps=50), StepCounter()), None, frames_per_batch=4,
+                          total_frames=-1)  # fmt: skip
+    next(iter(collector))
+    path = tdcp.DistributedCheckpoint(collector=collector).save(tmp_path / "c")
+    collector.shutdown()
+    other = CountingEnv(max_steps=50)
+    other.register_buffer("extra", torch.zeros(2))
+    collector2 = Collector(TransformedEnv(other, StepCounter()), None, frames_per_batch=4, total_frames=-1)
+    next(iter(collector2))
+    before = other.count.clone()
+    with pytest.raises(tdcp.IncompatibleComponentError, match=r"base env at base_env .*keys \['extra'\]"):
+        tdcp.DistributedCheckpoint(collector=collector2).load(path)
+    assert torch.equal(other.count, before)
+    collector2.shutdown()

@@ -131,7 +131,8 @@ class CollectorAdapter(Adapter):
         return {
             "state_dict": collector.state_dict(),
             "carrier": None if carrier is None else tensordict_state(carrier),
-            **env_extras(collector.env),  # env_rngs, transforms, sub_envs, transform_attributes, parents
+            # env_rngs, transforms, sub_envs, transform_attributes, parents, base_envs (the plain env's own too)
+            **env_extras(collector.env, covered=False),
             "traj_assembly": _assembly_state(collector),
         }
 

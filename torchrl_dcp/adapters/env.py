@@ -47,11 +47,13 @@ from torchrl_dcp.errors import CheckpointError, EncodingError, IncompatibleCompo
 
 __all__ = [
     "EnvAdapter",
+    "base_env_states",
     "composed_custom_state",
     "env_extras",
     "env_generators",
     "generator_state",
     "parent_states",
+    "restore_base_envs",
     "restore_env_extras",
     "restore_env_generators",
     "restore_parents",
@@ -239,6 +241,94 @@ def transformed_serial_envs(env: Any) -> dict[str, Any]:
     return {path: env} if path and isinstance(env, SerialEnv) else {}
 
 
+def base_env_states(env: Any, covered: bool = True) -> dict[str, dict[str, Any]]:
+    """``{path: buffers}`` of the base envs whose own state nothing else saves: the ``state_dict()`` (parameters left
+    out) of each env under a ``TransformedEnv`` (whose ``state_dict()`` holds its transforms only), however deep,
+    also in a ``SerialEnv``'s sub-envs; with ``covered=False`` also of ``env`` itself (a collector's ``state_dict()``
+    holds nothing of a plain env). E.g. torchrl's ``CountingEnv`` counts its steps in a buffer, which a resumed run
+    restarted from 0. Parameters (a model-based env's world model) are the model's: register that module as a
+    component (docs/components/collectors.md). Restored by :func:`restore_base_envs`.
+
+    Example:
+        >>> import torch
+        >>> from torchrl.envs import StepCounter, TransformedEnv
+        >>> from torchrl.testing.mocking_classes import CountingEnv
+        >>> env = TransformedEnv(CountingEnv(), StepCounter())
+        >>> _ = env.base_env.count.fill_(3)
+        >>> base_env_states(env)["base_env"]["count"].tolist()
+        [3]
+    """
+    found: dict[str, dict[str, Any]] = {}
+    seen: set[int] = set()
+
+    def walk(env: Any, path: str, covered: bool) -> None:
+        from torchrl.envs import ParallelEnv, SerialEnv, TransformedEnv
+
+        if id(env) in seen or not isinstance(env, torch.nn.Module):
+            return
+        seen.add(id(env))
+        if isinstance(env, TransformedEnv):  # (a batched env forwards unknown attributes such as base_env to workers)
+            walk(env.base_env, f"{path}base_env.", False)
+        elif isinstance(env, SerialEnv):  # its state_dict() holds each sub-env's (started by env_state_dict first)
+            for i, sub in enumerate(vars(env).get("_envs") or ()):
+                walk(sub, f"{path}_envs.{i}.", True)
+        elif not isinstance(env, ParallelEnv) and not covered:  # (a ParallelEnv's sub-envs: warn_unreachable)
+            state = _own_buffers(env)
+            if state:
+                found[path.rstrip(".")] = state
+
+    walk(env, "", covered)
+    return found
+
+
+def _own_buffers(env: Any) -> dict[str, Any]:
+    params = {name for name, _ in env.named_parameters()}
+    return {k: v for k, v in env.state_dict().items() if k not in params}
+
+
+def _base_env_at(env: Any, path: str) -> Any:
+    obj = env
+    for part in path.split(".") if path else ():
+        obj = obj[int(part)] if isinstance(obj, (list, tuple)) else (getattr(obj, part, None) or vars(obj).get(part))
+        if obj is None:
+            return None
+    return obj
+
+
+def restore_base_envs(env: Any, saved: Mapping[str, Any], name: str) -> None:
+    """Put back what :func:`base_env_states` saved (in place, by ``load_state_dict``), after checking that every
+    saved base env is there with the same buffers (keys, shapes, dtypes)."""
+    checked = []
+    for path, state in saved.items():
+        base = _base_env_at(env, path)
+        live = _own_buffers(base) if isinstance(base, torch.nn.Module) else None
+        where = f"the base env at {path or 'the top'}"
+        if live is None:
+            raise IncompatibleComponentError(
+                f"component {name!r}: the checkpoint holds the state of {where}, which this env does not have: "
+                "build the env as it was saved"
+            )
+        if not isinstance(state, Mapping) or set(state) != set(live):
+            keys = sorted(set(state) ^ set(live)) if isinstance(state, Mapping) else []
+            raise IncompatibleComponentError(
+                f"component {name!r}: {where} ({type(base).__name__}) holds other buffers than the checkpoint's "
+                f"(keys {keys[:4]} are in one only): build the env as it was saved"
+            )
+        for key, value in state.items():
+            have = live[key]
+            if isinstance(have, torch.Tensor) and (
+                not isinstance(value, torch.Tensor) or value.shape != have.shape or value.dtype != have.dtype
+            ):
+                got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+                raise IncompatibleComponentError(
+                    f"component {name!r}: {where}'s {key!r} is {got} in the checkpoint, {have.dtype} "
+                    f"{tuple(have.shape)} in this env: build the env as it was saved"
+                )
+        checked.append((base, state))
+    for base, state in checked:
+        base.load_state_dict(state, strict=False)
+
+
 def composed_custom_state(env: Any) -> dict[str, Any]:
     """``{path: transform}`` of the transforms inside a ``Compose`` that define their own ``state_dict`` (also in the
     sub-envs of a ``SerialEnv``: ``base_env._envs.0.transform.1``).
@@ -329,15 +419,18 @@ def restore_parents(env: Any, saved: Mapping[str, Any], name: str) -> None:
 
 
 # ---------------------------------------------------------------------- what state_dict() leaves out
-def env_extras(env: Any) -> dict[str, Any]:
+def env_extras(env: Any, covered: bool = True) -> dict[str, Any]:
     """What an exact continuation of ``env`` needs beside its ``state_dict()``: ``env_rngs``, ``transforms``,
-    ``sub_envs``, and ``transform_attributes`` / ``parents`` where there are any (:func:`restore_env_extras`)."""
+    ``sub_envs``, and ``transform_attributes`` / ``parents`` / ``base_envs`` where there are any
+    (:func:`restore_env_extras`). ``covered=False``: what is saved beside it holds nothing of ``env``'s own buffers
+    (a collector's ``state_dict()`` of a plain env): :func:`base_env_states` saves them."""
     return {
         "env_rngs": {path: generator_state(g) for path, g in env_generators(env).items()},
         "transforms": {path: dict(t.state_dict()) for path, t in composed_custom_state(env).items()},
         "sub_envs": {path: dict(e.state_dict()) for path, e in transformed_serial_envs(env).items()},
         **({"transform_attributes": attrs} if (attrs := transform_attributes(env)) else {}),
         **({"parents": parents} if (parents := parent_states(env)) else {}),
+        **({"base_envs": bases} if (bases := base_env_states(env, covered)) else {}),
     }
 
 
@@ -361,6 +454,7 @@ def restore_env_extras(env: Any, state: Mapping[str, Any], name: str) -> None:
                 "have at that place: build the env with the transforms it was saved with"
             )
         live[path].load_state_dict(saved)
+    restore_base_envs(env, state.get("base_envs") or {}, name)
     restore_transform_attributes(env, state.get("transform_attributes") or {}, name)
     restore_parents(env, state.get("parents") or {}, name)  # (after the transforms they clone)
 
