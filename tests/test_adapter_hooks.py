@@ -191,3 +191,37 @@ def test_a_refused_load_removes_the_memmap_files_its_planning_made(tmp_path: Pat
     assert sorted(p.name for p in scratch.iterdir()) == ["notes.txt"]  # what was there stays
     tdcp.DistributedCheckpoint(rb=live, extra={}).load(path)  # a retry loads
     assert torch.equal(live[:]["obs"], rb[:]["obs"])
+
+
+class AllocatingBoxAdapter(BoxAdapter):
+    """Planning changes its object (``allocates_when_planned``, as a lazily built storage's) and its rollback fails."""
+
+    allocates_when_planned = True
+
+    def __init__(self, refuse_in: str) -> None:
+        super().__init__()
+        self.refuse_in = refuse_in
+
+    def destinations(self, obj: Box, saved: Any, ctx: tdcp.AdapterContext) -> dict[str, torch.Tensor] | None:
+        obj.n = -1  # what planning changed (after the snapshot)
+        if self.refuse_in == "destinations":
+            raise tdcp.IncompatibleComponentError("refused while planning")
+        return super().destinations(obj, saved, ctx)
+
+    def check_values(self, saved: Any, read: Any) -> None:
+        if self.refuse_in == "check_values":
+            raise ValueError("refused after planning")
+
+    def rollback(self, obj: Box, snapshot: Any, ctx: tdcp.AdapterContext) -> None:
+        raise OSError("the rollback failed too")
+
+
+@pytest.mark.parametrize("refuse_in", ["destinations", "check_values"])
+def test_a_rollback_that_fails_after_a_refused_plan_is_reported(tmp_path: Path, refuse_in: str) -> None:
+    """A load refused while planning (or checking values read into fresh buffers) rolls back what planning changed;
+    a rollback that itself fails is named in the error, as the restore's failures are, never passed over."""
+    path = _saved(tmp_path)
+    ckpt = tdcp.DistributedCheckpoint()
+    ckpt.register("box", Box(1, torch.full((4,), 7.0)), adapter=AllocatingBoxAdapter(refuse_in))
+    with pytest.raises(tdcp.CheckpointError, match=r"could not roll back 'box' \(OSError: the rollback failed too\)"):
+        ckpt.load(path)

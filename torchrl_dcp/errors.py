@@ -45,6 +45,11 @@ class CheckpointError(_CheckpointErrorBase):
         self.result = result
         self.message = message
 
+    def extend(self, note: str) -> None:
+        """Append ``note`` (``"; "``-separated) to the message, e.g. what a failed rollback left behind."""
+        self.message += f"; {note}"
+        self.args = (f"{self.path}: {self.message}" if self.path else self.message,)
+
     def __reduce__(self):  # keep the keyword arguments when sent between ranks
         return (_rebuild, (type(self), self.message, self.path))
 

@@ -185,9 +185,9 @@ def prepare(request: LoadRequest, result: LoadResult) -> tuple[CheckpointSource,
 
     try:
         run_agreed(request.group, "validating the checkpoint", local, alike=lambda described: described)
-    except BaseException:
+    except BaseException as err:
         if "plan" in found:  # this rank planned (and may have allocated lazily built storages): undo it
-            rollback(planned_changes(found["plan"]))
+            rollback_refused(planned_changes(found["plan"]), err)
         raise
     return found["src"], found["plan"]
 
@@ -518,6 +518,19 @@ def rollback(comps: list[ComponentPlan]) -> list[str]:
     return [p for p in (rollback_one(c) for c in reversed(comps)) if p]
 
 
+def rollback_refused(comps: list[ComponentPlan], err: BaseException) -> None:
+    """Roll ``comps`` back after ``err`` refused the load; what could not be rolled back is added to ``err``'s
+    message (a :class:`CheckpointError`; other errors are logged with it)."""
+    problems = rollback(comps)
+    if not problems:
+        return
+    note = f"could not roll back {', '.join(problems)}"
+    if isinstance(err, CheckpointError):
+        err.extend(note)
+    else:
+        logger.error("after %s: %s", type(err).__name__, note)
+
+
 def _fail(
     done: list[ComponentPlan],
     statuses: list[Any],
@@ -539,8 +552,7 @@ def _fail(
         if partial:
             notes.append(f"rows read in place into {sorted(c.name for c in partial)} keep the loaded values")
         if notes:
-            err.message += "; " + "; ".join(notes)
-            err.args = (f"{err.path}: {err.message}" if err.path else err.message,)
+            err.extend("; ".join(notes))
         raise
 
 
@@ -550,12 +562,11 @@ def _rollback_and_raise(
     problems = rollback(done + partial)
     result.loaded.clear()
     result.values.clear()
-    note = f"; the components restored before it were rolled back; tensors of {sorted(c.name for c in partial)} may hold partly loaded values"
+    note = f"the components restored before it were rolled back; tensors of {sorted(c.name for c in partial)} may hold partly loaded values"
     if problems:
         note += f"; could not roll back {', '.join(problems)}"
     if isinstance(err, CheckpointError):
-        err.message += note
-        err.args = (f"{err.path}: {err.message}" if err.path else err.message,)
+        err.extend(note)
         err.result = result
     raise err
 
@@ -602,8 +613,8 @@ def load(request: LoadRequest) -> LoadResult:
     src, load_plan = prepare(request, result)
     try:
         read(src, request, load_plan.fresh, load_plan.verify_inline, result)  # 5. read
-    except BaseException:
-        rollback(planned_changes(load_plan))
+    except BaseException as err:
+        rollback_refused(planned_changes(load_plan), err)
         raise
     restore(src, request, load_plan, result)  # 6. restore
     return result

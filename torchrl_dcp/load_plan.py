@@ -73,6 +73,7 @@ class ComponentPlan:
     in_place: bool = False  # tensors read straight into the live object (adapter destinations)
     snapshot: Any = None
     has_snapshot: bool = False
+    planned: bool = False  # its snapshot was taken (or tried): planning may have changed the object since
 
     @property
     def restore_last(self) -> bool:
@@ -162,18 +163,24 @@ def plan_components(
             except CheckpointFormatError:
                 raise
             except Exception as err:
-                if comp.adapter.allocates_when_planned:  # (the others: nothing changed them)
-                    rollback_one(comp)
+                # (the others: nothing changed them)
+                problem = rollback_one(comp) if comp.adapter.allocates_when_planned and comp.planned else None
                 planning.clear()
                 incompatible[name] = f"cannot be loaded: {_text(err)}"
+                if problem:
+                    incompatible[name] += f"; could not roll back {problem}"
                 continue
             _references(comp, saved, load_plan, rank, metadata, source)
             load_plan.components[name] = comp
             planning.clear()
-    except BaseException:  # a refusal part-way: what planning allocated so far is undone before it propagates
-        for comp in reversed([*load_plan.components.values(), *planning]):
-            if comp.adapter.allocates_when_planned and comp.has_snapshot:
-                rollback_one(comp)
+    except BaseException as err:  # a refusal part-way: what planning allocated so far is undone before it propagates
+        problems = [
+            problem
+            for comp in reversed([*load_plan.components.values(), *planning])
+            if comp.adapter.allocates_when_planned and comp.planned and (problem := rollback_one(comp))
+        ]
+        if problems and isinstance(err, CheckpointError):
+            err.extend(f"could not roll back {', '.join(problems)}")
         raise
     return load_plan
 
@@ -521,6 +528,7 @@ def decode_states(comp: ComponentPlan, plan: LoadPlan, rank: int) -> dict[int, A
 
 # ---------------------------------------------------------------------- snapshots
 def _take_snapshot(comp: ComponentPlan) -> None:
+    comp.planned = True
     try:
         comp.snapshot = comp.adapter.snapshot(comp.value, comp.ctx)
         comp.has_snapshot = True
