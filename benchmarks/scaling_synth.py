@@ -62,9 +62,10 @@ def _simulate(world: int, reps: int) -> dict[str, Any]:
     from benchmarks.scaling import build_state, checkpoint_for
     from torchrl_dcp import load_engine, save_engine
     from torchrl_dcp.commit_records import metadata_bytes, root_manifest, write_rank_part
-    from torchrl_dcp.format.dcp_metadata import check_coverage, check_inventoried, check_storage_bounds, parse_metadata
+    from torchrl_dcp.format.dcp_metadata import parse_metadata
     from torchrl_dcp.format.layout import shard_name
     from torchrl_dcp.format.manifest import loads_manifest, validate_assembled
+    from torchrl_dcp.format.metadata_checks import check_coverage, check_inventoried, check_storage_bounds
     from torchrl_dcp.format.shards import assemble, parse_shard
     from torchrl_dcp.planner import is_own_key, plan_local, plan_writes, tensor_infos
     from torchrl_dcp.storage.base import WriteOutcome

@@ -66,8 +66,8 @@ from torchrl_dcp.errors import (
     UnrestoredComponentWarning,
 )
 from torchrl_dcp.format.codec import TensorSpec
-from torchrl_dcp.format.dcp_metadata import record_index
 from torchrl_dcp.format.manifest import library_versions
+from torchrl_dcp.format.metadata_checks import record_index
 from torchrl_dcp.format.record import template
 from torchrl_dcp.load_plan import (
     ComponentPlan,

@@ -43,7 +43,7 @@ from torchrl_dcp.format.codec import (
     repeated_tensors,
     xref_key,
 )
-from torchrl_dcp.format.dcp_metadata import WholeTensor, record_index, whole_tensor
+from torchrl_dcp.format.metadata_checks import WholeTensor, record_index, whole_tensor
 from torchrl_dcp.format.migrations import migrate_component
 from torchrl_dcp.placement import Placement, key_prefix
 

@@ -6,5 +6,6 @@
 - :mod:`~torchrl_dcp.format.checksums`: CRC-32 arithmetic and content fingerprints;
 - :mod:`~torchrl_dcp.format.codec`: JSON skeletons of component state and tensor specs;
 - :mod:`~torchrl_dcp.format.manifest` (+ ``manifest_depth``): the manifest schema, its seal, migrations;
-- :mod:`~torchrl_dcp.format.dcp_metadata`: DCP's ``.metadata`` parsed without running code, bounds checks.
+- :mod:`~torchrl_dcp.format.dcp_metadata`: DCP's ``.metadata`` parsed without running code, and spliced from ranks' parts;
+- :mod:`~torchrl_dcp.format.metadata_checks`: what parsed metadata must satisfy (bounds, coverage, inventory).
 """

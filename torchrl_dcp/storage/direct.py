@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import ReadItem
 
 from torchrl_dcp.errors import CheckpointIntegrityError, IncompatibleComponentError, UnsafeCheckpointError
-from torchrl_dcp.format.dcp_metadata import WholeTensor, record_index, whole_tensor
+from torchrl_dcp.format.metadata_checks import WholeTensor, record_index, whole_tensor
 from torchrl_dcp.format.record import is_plain_tensor
 from torchrl_dcp.storage.reader import InPlaceFileSystemReader
 from torchrl_dcp.storage.readitems import RecordRead, destination_bytes, plan_in_place

@@ -25,8 +25,9 @@ from typing import Any
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from torchrl_dcp.format.dcp_metadata import check_storage_files, parse_metadata
+from torchrl_dcp.format.dcp_metadata import parse_metadata
 from torchrl_dcp.format.layout import DCP_METADATA, MAX_MANIFEST_BYTES
+from torchrl_dcp.format.metadata_checks import check_storage_files
 from torchrl_dcp.storage.files import read_whole
 
 

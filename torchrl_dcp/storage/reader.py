@@ -55,8 +55,8 @@ from torch.futures import Future
 
 from torchrl_dcp.errors import CheckpointIntegrityError
 from torchrl_dcp.format.checksums import combined_crc, crc32, format_crc
-from torchrl_dcp.format.dcp_metadata import chunk_specs
 from torchrl_dcp.format.layout import is_plain_name
+from torchrl_dcp.format.metadata_checks import chunk_specs
 from torchrl_dcp.format.record import decode_record, is_memmap_tensor, record_data_offset
 from torchrl_dcp.settings import setting
 from torchrl_dcp.storage.base import ByteRange, Container

@@ -29,14 +29,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
 from torchrl_dcp.format.checksums import checksum_mismatch, crc32, format_crc
-from torchrl_dcp.format.dcp_metadata import (
-    check_coverage,
-    check_inventoried,
-    check_storage_bounds,
-    chunk_specs,
-    parse_metadata,
-)
+from torchrl_dcp.format.dcp_metadata import parse_metadata
 from torchrl_dcp.format.layout import DCP_METADATA, MAX_MANIFEST_BYTES, TRAILER_SIZE, is_data_file
+from torchrl_dcp.format.metadata_checks import check_coverage, check_inventoried, check_storage_bounds, chunk_specs
 from torchrl_dcp.format.record import (
     STORAGE_NAMES,
     check_bool_bytes,
