@@ -460,7 +460,9 @@ def _restore_all(
                 message = f"component {comp.name!r} could not be restored ({why})"
                 if problem:
                     message += f"; could not roll back {problem}"
-                error = IncompatibleComponentError(message, path=request.path, result=result)
+                # (damaged or forged stays what it is: a restore's own check found it)
+                kind = type(err) if isinstance(err, (CheckpointIntegrityError, CheckpointFormatError)) else None
+                error = (kind or IncompatibleComponentError)(message, path=request.path, result=result)
                 error.__cause__ = err
                 return error
             if request.strict == "warn":

@@ -160,7 +160,7 @@ def plan_components(
                 reg.adapter.validate(reg.value, views, ctx)
                 _take_snapshot(comp)
                 _destinations(comp, views, load_plan, metadata, source)
-            except CheckpointFormatError:
+            except (CheckpointFormatError, CheckpointIntegrityError):  # damaged or forged: never skipped (strict)
                 raise
             except Exception as err:
                 # (the others: nothing changed them)

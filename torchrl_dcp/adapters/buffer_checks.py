@@ -35,6 +35,7 @@ def check_saved_buffer(saved: Any) -> None:
     _check_saved_writer(saved.get("writer"), storage)
     _check_settings(saved)
     _check_own_tensors(saved, storage)
+    _check_sample_list(sampler, storage)
     if isinstance(sampler, Mapping) and sampler.get("kind") == "prioritized":
         capacity = sampler.get("capacity")
         for tree in ("sum", "min"):
@@ -90,11 +91,63 @@ def _check_saved_writer(writer: Any, storage: Mapping[str, Any]) -> None:
             raise ValueError(f"its max-value writer's heap holds ranks of shape {shapes[0]}, rows of {shapes[1]}")
 
 
+def _epoch(sampler: Any) -> Mapping[str, Any] | None:
+    """The saved state of a sampler without replacement (``SamplerWithoutReplacement`` and the slice one): its epoch's
+    remaining permutation ``_sample_list`` and the length it was drawn for ``len_storage``; ``None`` for others."""
+    if not isinstance(sampler, Mapping) or sampler.get("kind") != "state_dict":
+        return None
+    state = sampler.get("state")
+    return state if isinstance(state, Mapping) and "_sample_list" in state else None
+
+
+def _check_sample_list(sampler: Any, storage: Mapping[str, Any]) -> None:
+    """A sampler without replacement draws a permutation of ``len_storage`` indices (an int ``>= 0``, at most the
+    storage's length: a storage never shrinks) and hands it out from the front: what is left is ``None`` or a
+    one-dimensional integer tensor of at most ``len_storage`` indices; its flags are booleans."""
+    state = _epoch(sampler)
+    if state is None:
+        return
+    n, left = state.get("len_storage"), state.get("_sample_list")
+    stored = storage.get("len")
+    if type(n) is not int or n < 0 or (type(stored) is int and storage.get("ndim") == 1 and n > stored):
+        raise ValueError(f"its sampler drew its epoch for len_storage {n!r}, its storage holds {stored!r}")
+    if left is not None:
+        tensor = isinstance(left, (TensorSpec, torch.Tensor))  # (a spec while planning; the tensor once restored)
+        if not tensor or len(left.shape) != 1 or not _integral(left.dtype):
+            what = f"a {left.dtype} tensor of shape {list(left.shape)}" if tensor else repr(left)
+            raise ValueError(f"its sampler's remaining epoch is {what}, not a list of indices")
+        if left.shape[0] > n:
+            raise ValueError(f"its sampler's remaining epoch holds {left.shape[0]} indices of {n}")
+    for flag in ("drop_last", "_ran_out"):
+        if flag in state and type(state[flag]) is not bool:
+            raise ValueError(f"its sampler's {flag} is {state[flag]!r}")
+
+
+def _check_sample_list_values(sampler: Any, read: Any) -> None:
+    """A sampler without replacement's remaining epoch: distinct indices in ``0..len_storage - 1``."""
+    epoch = _epoch(sampler)
+    if epoch is None or epoch.get("_sample_list") is None:
+        return
+    left, n = _read(epoch["_sample_list"], read), epoch.get("len_storage")
+    if not isinstance(left, torch.Tensor):
+        return
+    values = left.reshape(-1)
+    outside = values[(values < 0) | (values >= n)]
+    if outside.numel():
+        raise ValueError(f"its sampler's remaining epoch holds index {outside[0].item()}, outside 0..{n - 1}")
+    if values.unique().numel() != values.numel():
+        raise ValueError("its sampler's remaining epoch holds an index twice (a permutation never does)")
+
+
+def _integral(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
 def _check_settings(saved: Mapping[str, Any]) -> None:
     """The buffer's batch size (``None`` or an int >= 1), a prioritized sampler's ``alpha``, ``beta`` and ``eps``
     (finite numbers >= 0, as torchrl's setters demand) and the writer's kind: what every save writes."""
     batch = saved.get("batch_size")
-    if isinstance(batch, TensorSpec):  # (a tensor batch size, torchrl samples with it: its value unknown here)
+    if isinstance(batch, (TensorSpec, torch.Tensor)):  # (a tensor batch size, torchrl samples with it)
         if batch.shape or batch.dtype.is_floating_point or batch.dtype.is_complex:
             raise ValueError(f"its batch size is a {batch.dtype} tensor of shape {list(batch.shape)}")
     elif batch is not None and (not isinstance(batch, numbers.Integral) or isinstance(batch, bool) or batch < 1):
@@ -139,7 +192,8 @@ def row_capacity(storage: Mapping[str, Any]) -> int | None:
 def check_buffer_values(saved: Mapping[str, Any], read: Any) -> None:
     """Indices a saved buffer holds as tensors point inside it, as every write leaves them: the storage's last
     cursor within its rows (a mask aside), a max-value writer's heap within them, a prioritized sampler's
-    max-priority index within its capacity (the sampler, writer and storage would write there).
+    max-priority index within its capacity (the sampler, writer and storage would write there), a sampler without
+    replacement's remaining epoch distinct indices below its ``len_storage``.
     ``read(spec)``: a tensor's value."""
     storage, sampler, writer = saved.get("storage"), saved.get("sampler"), saved.get("writer")
     rows = row_capacity(storage) if isinstance(storage, Mapping) and storage.get("kind") != LIST_KIND else None
@@ -152,6 +206,7 @@ def check_buffer_values(saved: Mapping[str, Any], read: Any) -> None:
         heap = _read(writer.get("heap_index"), read)
         if isinstance(heap, torch.Tensor) and heap.numel() and not _indices_within(heap, rows):
             raise ValueError(f"its max-value writer's heap holds row {heap.max().item()}, past its {rows} rows")
+    _check_sample_list_values(sampler, read)
     if not (isinstance(sampler, Mapping) and sampler.get("kind") == "prioritized"):
         return
     max_priority, capacity = sampler.get("max_priority"), sampler.get("capacity")

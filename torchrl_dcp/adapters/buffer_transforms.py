@@ -8,7 +8,8 @@ such transform's held-back data by its place in the buffer's ``Compose``, and pu
 Example:
     >>> import torch
     >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
-    >>> from torchrl.envs.transforms import MultiStepTransform
+    >>> import torch
+from torchrl.envs.transforms import MultiStepTransform
     >>> rb = ReplayBuffer(storage=LazyTensorStorage(8), transform=MultiStepTransform(n_steps=3, gamma=0.9))
     >>> transform_states(rb)  # nothing held back yet
     {'0': {'kind': 'multi_step', 'held': None}}
@@ -20,12 +21,13 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torchrl.envs.transforms import MultiStepTransform
 
 from torchrl_dcp.adapters.base import AdapterContext
 from torchrl_dcp.adapters.env_transforms import STATELESS_TRANSFORMS
 from torchrl_dcp.adapters.tensordict import tensordict_from_state, tensordict_state
-from torchrl_dcp.errors import IncompatibleComponentError, InexactResumeWarning
+from torchrl_dcp.errors import CheckpointIntegrityError, IncompatibleComponentError, InexactResumeWarning
 
 
 def _held_transforms(rb: Any) -> dict[str, MultiStepTransform]:
@@ -105,10 +107,73 @@ def check_transform_layout(rb: Any, saved: Mapping[str, Any], ctx: AdapterContex
         )
 
 
-def restore_transform_states(rb: Any, saved: Mapping[str, Any], ctx: AdapterContext) -> None:
-    """Put back what :func:`transform_states` saved (checkpoints saved before hold nothing to put back)."""
-    check_transform_layout(rb, saved, ctx)
+def check_held_states(rb: Any, saved: Mapping[str, Any], storage: Any, name: str) -> None:
+    """While a load is planned (tensors as :class:`~torchrl_dcp.format.codec.TensorSpec`): what each n-step transform
+    holds back fits it and the saved ``storage`` state's rows (:func:`_check_held`), before any row is read."""
+    from torchrl_dcp.adapters.buffer_state import flatten
+    from torchrl_dcp.adapters.tensordict import _on_meta
+
     live = _held_transforms(rb)
+    rows = None
+    if isinstance(storage, Mapping) and storage.get("initialized") is True and type(storage.get("ndim")) is int:
+        ndim = storage["ndim"]
+        rows = {
+            key: (spec.dtype, tuple(spec.shape[ndim:]))
+            for key, spec in flatten(storage.get("data")).items()
+            if hasattr(spec, "dtype") and hasattr(spec, "shape")
+        }
     for where, state in saved.items():
         held = state.get("held") if isinstance(state, Mapping) else None
-        live[where]._buffer = None if held is None else tensordict_from_state(held, ctx)
+        if held is not None and where in live:
+            where_text = f"component {name!r}: its n-step transform {where}"
+            _check_held(live[where], tensordict_from_state(_on_meta(held)), rows, where_text)
+
+
+def restore_transform_states(rb: Any, saved: Mapping[str, Any], ctx: AdapterContext) -> None:
+    """Put back what :func:`transform_states` saved (checkpoints saved before hold nothing to put back), each held
+    TensorDict checked as the transform's next ``extend`` will use it (:func:`_check_held`) before any is set."""
+    check_transform_layout(rb, saved, ctx)
+    live = _held_transforms(rb)
+    restored = {}
+    for where, state in saved.items():
+        held = state.get("held") if isinstance(state, Mapping) else None
+        restored[where] = None if held is None else tensordict_from_state(held, ctx)
+        if restored[where] is not None:
+            _check_held(live[where], restored[where], None, f"component {ctx.name!r}: its n-step transform {where}")
+    for where, held in restored.items():
+        live[where]._buffer = held
+
+
+def _check_held(transform: MultiStepTransform, held: Any, rows: Mapping[Any, Any] | None, where: str) -> None:
+    """What a ``MultiStepTransform`` holds back is at most ``n_steps`` transitions along its last batch dimension
+    (``data[..., -n_steps:]``), with the entries, dtypes and shapes of what the live transform holds (when it holds
+    something), else of the buffer's saved rows (``rows``: ``{key path: (dtype, shape of one item)}``, the entries
+    both have): the next ``extend`` concatenates it with new data and writes it into the buffer."""
+    if not held.batch_dims or held.batch_size[-1] > transform.n_steps:
+        raise CheckpointIntegrityError(
+            f"{where} holds back transitions of batch size {list(held.batch_size)}, more than its n_steps="
+            f"{transform.n_steps} along the time dimension: no save writes that; damaged or forged"
+        )
+    live = transform._buffer
+    if live is not None:
+        keys = set(held.keys(True, True)) ^ set(live.keys(True, True))
+        if keys:
+            raise IncompatibleComponentError(
+                f"{where} held back entries {sorted(map(str, keys))[:4]} the live transform's do not have (or "
+                "lack them): build the buffer's data as it was saved"
+            )
+        rows = {
+            (k,) if isinstance(k, str) else k: (v.dtype, tuple(v.shape[live.batch_dims :]))
+            for k in live.keys(True, True)
+            if isinstance(v := live.get(k), torch.Tensor)
+        }
+    for key in held.keys(True, True):
+        value, expected = held.get(key), (rows or {}).get((key,) if isinstance(key, str) else key)
+        if expected is None or not isinstance(value, torch.Tensor):
+            continue
+        found = (value.dtype, tuple(value.shape[held.batch_dims :]))
+        if found != expected:
+            raise CheckpointIntegrityError(
+                f"{where} holds back {key!r} as {found[0]} {list(found[1])} per transition, the buffer holds "
+                f"{expected[0]} {list(expected[1])}: damaged or forged"
+            )

@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -48,7 +49,7 @@ from torchrl_dcp.adapters.env import (  # (also imported from here by older code
     warn_worker_state,
     worker_envs,
 )
-from torchrl_dcp.adapters.env_transforms import warn_unverified_transforms
+from torchrl_dcp.adapters.env_transforms import check_transform_attributes, warn_unverified_transforms
 from torchrl_dcp.adapters.rng import same_rank_source
 from torchrl_dcp.adapters.tensordict import drop_unsaved, saved_keys, tensordict_from_state, tensordict_state
 from torchrl_dcp.errors import (
@@ -57,6 +58,7 @@ from torchrl_dcp.errors import (
     IncompatibleComponentError,
     InexactResumeWarning,
 )
+from torchrl_dcp.format.codec import TensorSpec
 
 __all__ = [
     "CollectorAdapter",
@@ -119,6 +121,20 @@ class CollectorAdapter(Adapter):
                     f"component {ctx.name!r}: the collector's env declares entries the checkpoint's carrier lacks "
                     f"({lacking[:4]}): build the env (its transforms) as it was saved"
                 )
+
+    def check_saved(self, saved: Any) -> None:
+        """The counters torchrl's ``state_dict`` holds, as every collector keeps them: ``frames`` an int ``>= 0``,
+        ``iter`` an int ``>= -1`` (before the first batch), the trajectory-id pool's next id one integer; and the
+        transform attributes the adapter saves (:func:`~torchrl_dcp.adapters.env_transforms.check_transform_attributes`)."""
+        if not isinstance(saved, Mapping):
+            raise ValueError(f"its state is a {type(saved).__name__}, not a mapping")
+        check_collector_counters(saved.get("state_dict"))
+        check_transform_attributes(saved.get("transform_attributes") or {})
+
+    def check_values(self, saved: Any, read: Any) -> None:
+        """The trajectory-id pool's next id is past every id in flight (the carrier's ``("collector", "traj_ids")``):
+        ids are handed out in increasing order from 0, so a smaller one would be handed out again."""
+        check_next_traj_id(saved.get("state_dict"), read, _carrier_traj_ids(saved.get("carrier")))
 
     def snapshot(self, collector: Collector, ctx: AdapterContext) -> Any:
         return copy.deepcopy(self._state(collector))  # what a failed load rolls back to (no warning: not a save)
@@ -275,6 +291,64 @@ def _env_keys(env: Any) -> set[Any] | None:
         return None
 
 
+def check_collector_counters(state_dict: Any) -> None:
+    """``frames`` (an int ``>= 0``) and ``iter`` (an int ``>= -1``) of a collector's saved ``state_dict()``, and its
+    trajectory-id pool's next id: one integer (a tensor of no dimension). Raises ``ValueError``."""
+    if not isinstance(state_dict, Mapping):
+        raise ValueError(f"its collector state_dict is a {type(state_dict).__name__}, not a mapping")
+    for key, least in _COUNTERS:
+        value = state_dict.get(key, least)
+        if isinstance(value, TensorSpec):  # (a worker's, shared with the parent: one integer, checked once read)
+            if value.shape != () or not _integral(value.dtype):
+                raise ValueError(f"its collector's {key} is a {value.dtype} tensor of shape {list(value.shape)}")
+        elif type(value) is not int or value < least:
+            raise ValueError(f"its collector's {key} is {value!r}, not an integer >= {least}")
+    pool = state_dict.get("traj_pool")
+    if pool is not None:
+        next_id = pool.get("traj_id") if isinstance(pool, Mapping) else None
+        if not (isinstance(next_id, TensorSpec) and next_id.shape == () and _integral(next_id.dtype)):
+            raise ValueError(f"its trajectory-id pool's next id is {next_id!r}, not one integer")
+
+
+_COUNTERS = (("frames", 0), ("iter", -1))
+
+
+def check_next_traj_id(state_dict: Any, read: Any, in_flight: Any = None) -> None:
+    """Counters held as tensors (a worker's) are at least their least value; the pool's next trajectory id is
+    ``>= 0`` and past every id in ``in_flight`` (a spec of the ids the carrier holds), which are ``>= 0``: torchrl
+    hands ids out in increasing order from 0. Raises ``ValueError``."""
+    for key, least in _COUNTERS if isinstance(state_dict, Mapping) else ():
+        value = state_dict.get(key)
+        if isinstance(value, TensorSpec) and int(read(value)) < least:
+            raise ValueError(f"its collector's {key} is {int(read(value))}, not an integer >= {least}")
+    pool = state_dict.get("traj_pool") if isinstance(state_dict, Mapping) else None
+    spec = pool.get("traj_id") if isinstance(pool, Mapping) else None
+    if not isinstance(spec, TensorSpec):
+        return
+    next_id = int(read(spec))
+    if next_id < 0:
+        raise ValueError(f"its trajectory-id pool's next id is {next_id}")
+    if isinstance(in_flight, TensorSpec) and _integral(in_flight.dtype) and math.prod(in_flight.shape):
+        ids = read(in_flight)
+        if int(ids.min()) < 0 or int(ids.max()) >= next_id:
+            raise ValueError(
+                f"its carrier holds trajectory ids {int(ids.min())}..{int(ids.max())}, its pool's next id is "
+                f"{next_id}: ids would be handed out twice"
+            )
+
+
+def _integral(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def _carrier_traj_ids(carrier: Any) -> Any:
+    """The spec of ``("collector", "traj_ids")`` in a saved carrier state (``None``: none there)."""
+    try:
+        return carrier["entries"]["collector"]["td"]["entries"]["traj_ids"]["tensor"]
+    except (KeyError, TypeError):
+        return None
+
+
 def load_collector_state(collector: Any, state_dict: Mapping[str, Any]) -> None:
     """``collector.load_state_dict(state_dict)``, also for a collector without a policy holding state.
 
@@ -324,6 +398,19 @@ class MultiCollectorAdapter(Adapter):
         if ids is not None:
             state[WORKER_TRAJ_IDS] = ids
         return state
+
+    def check_saved(self, saved: Any) -> None:
+        """The counters of the collector and of each worker (:func:`check_collector_counters`)."""
+        check_collector_counters(saved)
+        for key, worker in saved.items():
+            if isinstance(key, str) and key.startswith("worker") and key[6:].isdigit():
+                check_collector_counters(worker)
+
+    def check_values(self, saved: Any, read: Any) -> None:
+        check_next_traj_id(saved, read)
+        for key, worker in saved.items():
+            if isinstance(key, str) and key.startswith("worker") and key[6:].isdigit():
+                check_next_traj_id(worker, read)
 
     def restore(self, collector: BaseCollector, state: Any, ctx: AdapterContext) -> Any:
         _warn_multi_worker_state(ctx.name, collector, "loading")

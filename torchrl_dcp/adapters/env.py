@@ -37,6 +37,7 @@ import torch
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
 from torchrl_dcp.adapters.env_transforms import (
+    check_transform_attributes,
     env_transforms,
     restore_transform_attributes,
     transform_attributes,
@@ -483,6 +484,13 @@ class EnvAdapter(Adapter):
         warn_unreachable(ctx.name, env, "saving")
         warn_unverified_transforms(ctx.name, env, "saving")
         return self._state(env, ctx.name)
+
+    def check_saved(self, saved: Any) -> None:
+        """The transform attributes the adapter saves, as every save writes them
+        (:func:`~torchrl_dcp.adapters.env_transforms.check_transform_attributes`)."""
+        if not isinstance(saved, Mapping):
+            raise ValueError(f"its state is a {type(saved).__name__}, not a mapping")
+        check_transform_attributes(saved.get("transform_attributes") or {})
 
     def snapshot(self, env: Any, ctx: AdapterContext) -> Any:
         return copy.deepcopy(self._state(env, ctx.name))  # what a failed load rolls back to (no warning: not a save)

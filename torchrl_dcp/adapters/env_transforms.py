@@ -29,13 +29,14 @@ from typing import Any
 
 import torch
 
-from torchrl_dcp.errors import IncompatibleComponentError, InexactResumeWarning
+from torchrl_dcp.errors import CheckpointIntegrityError, IncompatibleComponentError, InexactResumeWarning
 
 __all__ = [
     "EXACT_TRANSFORMS",
     "INEXACT_TRANSFORMS",
     "STATELESS_TRANSFORMS",
     "TRANSFORM_ATTRIBUTES",
+    "check_transform_attributes",
     "env_transforms",
     "register_exact_transform",
     "restore_transform_attributes",
@@ -182,9 +183,46 @@ def transform_attributes(env: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
+def check_transform_attributes(saved: Any) -> None:
+    """What :func:`transform_attributes` writes, checked on a saved state (tensors as
+    :class:`~torchrl_dcp.format.codec.TensorSpec`): a ``RandomTruncationTransform`` is either not initialised
+    (``_initialized`` False, no horizons) or holds int64 horizons and a bool first-episode mask of one shape.
+    Raises ``ValueError``."""
+    from torchrl_dcp.format.codec import TensorSpec
+
+    if not isinstance(saved, Mapping):
+        raise ValueError("its transform attributes are not a mapping")
+    for path, values in saved.items():
+        if not isinstance(values, Mapping) or set(values) != {"_horizons", "_first_episode", "_initialized"}:
+            continue  # (another transform's, or one the restore refuses naming it)
+        horizons, first, initialized = values["_horizons"], values["_first_episode"], values["_initialized"]
+        if initialized is False and horizons is None and first is None:
+            continue
+        shapes = [v.shape if isinstance(v, TensorSpec) else None for v in (horizons, first)]
+        dtypes = [v.dtype if isinstance(v, TensorSpec) else None for v in (horizons, first)]
+        if (
+            initialized is not True
+            or shapes[0] is None
+            or shapes[0] != shapes[1]
+            or dtypes != [torch.int64, torch.bool]
+        ):
+            raise ValueError(
+                f"its transform at {path} (RandomTruncationTransform) holds _initialized {initialized!r}, horizons "
+                f"{_described(horizons)} and first-episode flags {_described(first)}"
+            )
+
+
+def _described(value: Any) -> str:
+    shape = getattr(value, "shape", None)
+    return f"{value.dtype} {list(shape)}" if shape is not None and hasattr(value, "dtype") else repr(value)
+
+
 def restore_transform_attributes(env: Any, saved: Mapping[str, Mapping[str, Any]], name: str) -> None:
-    """Put back what :func:`transform_attributes` saved (tensors copied, so the checkpoint's are not shared)."""
+    """Put back what :func:`transform_attributes` saved (tensors copied, so the checkpoint's are not shared), after
+    checking every value against the live transform's (a tensor attribute keeps its shape: the env's batch; a
+    horizon lies in ``1..max_horizon``)."""
     live = dict(env_transforms(env))
+    changes = []
     for path, values in saved.items():
         transform = live.get(path)
         allowed = TRANSFORM_ATTRIBUTES.get(type(transform).__name__, ()) if transform is not None else ()
@@ -195,7 +233,32 @@ def restore_transform_attributes(env: Any, saved: Mapping[str, Mapping[str, Any]
             )
         for attr, value in values.items():
             if attr in allowed:
-                _set_attribute(transform, attr, value)
+                _check_attribute(transform, attr, value, f"component {name!r}: transform {path}'s {attr}")
+                changes.append((transform, attr, value))
+    for transform, attr, value in changes:
+        _set_attribute(transform, attr, value)
+
+
+def _check_attribute(transform: Any, attr: str, value: Any, where: str) -> None:
+    """A saved tensor attribute has the live one's shape and dtype (when the live transform holds one), and
+    horizons lie in ``1..max_horizon``; a flag is a bool."""
+    live = transform.__dict__.get(attr)
+    if isinstance(live, torch.Tensor) and isinstance(value, torch.Tensor):
+        if (live.shape, live.dtype) != (value.shape, value.dtype):
+            raise IncompatibleComponentError(
+                f"{where} is {value.dtype} {list(value.shape)} in the checkpoint, {live.dtype} {list(live.shape)} "
+                "in this env: build the env (its number of envs) as it was saved"
+            )
+    elif isinstance(live, torch.Tensor) != isinstance(value, torch.Tensor) and live is not None and value is not None:
+        raise IncompatibleComponentError(f"{where} is a {type(value).__name__} in the checkpoint, a tensor here")
+    if attr == "_horizons" and isinstance(value, torch.Tensor) and value.numel():
+        top = getattr(transform, "max_horizon", None)
+        if int(value.min()) < 1 or (isinstance(top, int) and int(value.max()) > top):
+            raise CheckpointIntegrityError(
+                f"{where} holds {int(value.min())}..{int(value.max())}, outside 1..{top}: damaged or forged"
+            )
+    if attr == "_initialized" and type(value) is not bool:
+        raise CheckpointIntegrityError(f"{where} is {value!r}, not a bool: damaged or forged")
 
 
 def _set_attribute(transform: Any, attr: str, value: Any) -> None:

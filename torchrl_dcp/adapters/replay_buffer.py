@@ -53,6 +53,7 @@ from torchrl_dcp.adapters.buffer_state import (
     restore_buffer_settings,
 )
 from torchrl_dcp.adapters.buffer_transforms import (
+    check_held_states,
     restore_transform_states,
     transform_states,
     warn_unsaved_transforms,
@@ -475,6 +476,8 @@ class ReplayBufferAdapter(Adapter):
         sampler = live._sampler
         for state in saved.values():  # the restore's checks of kinds, made before anything is read
             _check_kinds(live, state, ctx.name)
+            if isinstance(state, Mapping) and state.get("transforms"):
+                check_held_states(live, state["transforms"], state.get("storage"), ctx.name)
         for state in saved.values() if lengths is None else ():  # (resharding rebuilds the sampler's trees)
             saved_sampler = state.get("sampler") if isinstance(state, Mapping) else None
             if isinstance(saved_sampler, Mapping) and saved_sampler.get("kind") == "prioritized":

@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -33,7 +34,7 @@ from torchrl_dcp.adapters.base import AdapterContext
 from torchrl_dcp.adapters.env import env_generators, generator_state, set_generator_state
 from torchrl_dcp.adapters.registry import register_adapter
 from torchrl_dcp.adapters.state_dict import StateDictAdapter
-from torchrl_dcp.errors import IncompatibleComponentError, TorchrlDcpWarning
+from torchrl_dcp.errors import CheckpointIntegrityError, IncompatibleComponentError, TorchrlDcpWarning
 from torchrl_dcp.placement import Placement
 
 __all__ = [
@@ -348,9 +349,33 @@ class BufferHookAdapter(TrainerHookAdapter):
     def restore(self, obj: Any, state: Any, ctx: AdapterContext) -> Any:
         ctx.plan["restored"] = True  # (the buffer's rollback puts its settings back from here on)
         if not self._ours(state):
-            return super().restore(obj, state, ctx)  # torchrl's own state_dict
+            super().restore(obj, state, ctx)  # torchrl's own state_dict (saved before this adapter)
+            self._check_restored(obj, ctx)
+            return None
         self.buffer.restore(self.buffer_of(obj), state[self.key], ctx)
         self.restore_extra(obj, state)
+        return None
+
+    def _check_restored(self, obj: Any, ctx: AdapterContext) -> None:
+        """A hook restored from torchrl's own ``state_dict`` (its layout says nothing the checks could read before):
+        its buffer as restored, and its values, pass the checks of a state this adapter saves
+        (:meth:`check_saved`, :meth:`check_values`); else the restore fails and is rolled back."""
+        from torchrl_dcp.adapters.buffer_checks import check_buffer_values, check_saved_buffer
+
+        try:
+            live = self.buffer.state(self.buffer_of(obj), ctx)
+            check_saved_buffer(live)
+            check_buffer_values(live, lambda t: t)
+            self.check_extra(self.extra(obj))
+        except ValueError as err:
+            raise CheckpointIntegrityError(
+                f"component {ctx.name!r}: the restored {type(obj).__name__} is a state no save writes ({err}): the "
+                "checkpoint is damaged or forged"
+            ) from None
+
+    def check_extra(self, extra: Mapping[str, Any]) -> None:
+        """Raise ``ValueError`` if the hook's values (:meth:`extra`) are none a save writes (none checked by
+        default)."""
         return None
 
     def destinations(self, obj: Any, saved: Any, ctx: AdapterContext) -> dict[str, Any] | None:
@@ -365,6 +390,7 @@ class BufferHookAdapter(TrainerHookAdapter):
     def check_saved(self, saved: Any) -> None:
         if self._ours(saved):
             self.buffer.check_saved(saved[self.key])
+            self.check_extra(saved)
 
     def check_values(self, saved: Any, read: Any) -> None:
         if self._ours(saved):
@@ -435,8 +461,24 @@ class OfflineToOnlineHookAdapter(BufferHookAdapter):
             LAZY_KEY: {a: getattr(obj, a) for a in _attributes_of(obj, LAZY_HOOK_ATTRIBUTES) if hasattr(obj, a)},
         }
 
+    def check_extra(self, extra: Mapping[str, Any]) -> None:
+        """torchrl's range of the fractions: ``0 < base_offline_fraction < 1``, annealed towards 0:
+        ``0 <= offline_fraction <= base_offline_fraction``."""
+        base, now = extra.get("base_offline_fraction"), extra.get("offline_fraction")
+        if not (_real(base) and _real(now) and 0 < base < 1 and 0 <= now <= base):
+            raise ValueError(f"its offline fraction is {now!r} of a base {base!r}: torchrl keeps 0 <= it <= base < 1")
+
     def restore_extra(self, obj: Any, state: Mapping[str, Any]) -> None:
+        try:
+            self.check_extra(state)
+        except ValueError as err:
+            raise CheckpointIntegrityError(f"{type(obj).__name__}: {err}: damaged or forged") from None
         rb = obj.replay_buffer
         rb._offline_fraction = float(state["offline_fraction"])
         rb._base_offline_fraction = float(state["base_offline_fraction"])
         _set_attributes(obj, state.get(LAZY_KEY, {}), _attributes_of(obj, LAZY_HOOK_ATTRIBUTES))
+
+
+def _real(value: Any) -> bool:
+    """A finite real number (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
