@@ -370,6 +370,58 @@ def test_a_checkpoint_holding_entries_no_save_writes_is_not_replaced(tmp_path: P
     assert same(snapshot(objs), snapshot(make_objects(1)))
 
 
+@pytest.mark.parametrize("appears", ["a file in the old checkpoint", "a directory where there was none"])
+def test_what_appears_at_the_path_while_a_save_runs_is_never_deleted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, appears: str
+) -> None:
+    """A save checked the destination when it started; a user's file put into the old checkpoint meanwhile, or a
+    directory of theirs made where there was none, was swapped out at the commit and deleted. What is there is
+    checked again once it is out of the way: put back, and the save refused (nothing committed)."""
+    from torchrl_dcp.storage import directory
+
+    path = tmp_path / "c"
+    if appears == "a file in the old checkpoint":
+        checkpoint(make_objects(1)).save(path)
+    real = directory.publish
+
+    def late(staging: Path, destination: Path, **kwargs: Any) -> None:
+        if appears == "a file in the old checkpoint":
+            (destination / "eval.txt").write_text("mine")
+        else:
+            destination.mkdir()
+            (destination / "data.csv").write_text("mine")
+        real(staging, destination, **kwargs)
+
+    monkeypatch.setattr(directory, "publish", late)
+    with pytest.raises(tdcp.CheckpointError, match="changed while the save ran.*nothing was committed"):
+        checkpoint(make_objects(2)).save(path)
+    monkeypatch.setattr(directory, "publish", real)
+    kept = path / ("eval.txt" if appears == "a file in the old checkpoint" else "data.csv")
+    assert kept.read_text() == "mine"
+    assert [p.name for p in tmp_path.iterdir() if "staging" in p.name] == []
+    if appears == "a file in the old checkpoint":
+        kept.unlink()
+        objs = make_objects(2)
+        checkpoint(objs).load(path)  # the old checkpoint, as it was
+        assert same(snapshot(objs), snapshot(make_objects(1)))
+
+
+def test_pruning_keeps_what_a_user_put_into_an_old_checkpoint(tmp_path: Path) -> None:
+    """A rotation pruning a step whose directory holds a user's files (put there after its save) removes the
+    checkpoint's own files and keeps theirs (the directory stays, no longer a checkpoint), as an object store's
+    pruning does; it removed the whole directory."""
+    run = tmp_path / "run"
+    rotation = tdcp.rotation.CheckpointRotation(run, keep_last=1)
+    first = rotation.save(checkpoint(make_objects(1)), step=1)
+    (first / "eval.txt").write_text("mine")
+    (first / "videos").mkdir()
+    (first / "videos" / "ep.mp4").write_text("mine too")
+    rotation.save(checkpoint(make_objects(2)), step=2)
+    assert sorted(p.name for p in first.iterdir()) == ["eval.txt", "videos"]
+    assert (first / "videos" / "ep.mp4").read_text() == "mine too"
+    assert [e.step for e in rotation.entries()] == [2]
+
+
 # ---------------------------------------------------------------------- planted pickles
 def test_pickle_in_metadata_never_runs(tmp_path: Path) -> None:
     """A resealed ``.metadata`` that is a payload: ``verify`` refuses to unpickle it, naming it; a load never reads

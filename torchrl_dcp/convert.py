@@ -41,7 +41,7 @@ from torchrl_dcp.storage.commit import (
     write_file_durably,
 )
 from torchrl_dcp.storage.copying import CopyRange, copy_ranges
-from torchrl_dcp.storage.directory import DirectoryContainer, foreign_entries, refuse_inside_checkpoint
+from torchrl_dcp.storage.directory import DirectoryContainer, foreign_entries, is_replaceable, refuse_inside_checkpoint
 from torchrl_dcp.storage.files import DirHandle, open_regular, read_whole
 from torchrl_dcp.storage.urls import resolve_path
 
@@ -281,7 +281,8 @@ def _unpack(
         write_file_durably(staging / MANIFEST, manifest, within=within)
         within.check_tree({**{n: rec["size"] for n, rec in files.items()}, MANIFEST: len(manifest)})
         within.fsync()
-        publish(staging, destination, expect=within.inode())  # a staging path swapped meanwhile is refused
+        # a staging path swapped meanwhile is refused, and what is at the destination checked again once aside
+        publish(staging, destination, expect=within.inode(), replaceable=is_replaceable)
     except BaseException:
         remove_tree(staging)
         raise

@@ -28,11 +28,13 @@ import socket
 import stat
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from torchrl_dcp._log import get_logger
 from torchrl_dcp.errors import CheckpointError, from_os_error
+from torchrl_dcp.format.layout import MANIFEST
 from torchrl_dcp.storage import proven
 from torchrl_dcp.storage.files import DirHandle
 from torchrl_dcp.storage.libc import libc
@@ -310,10 +312,12 @@ def _unlink_proven_files(path: Path) -> None:
         os.close(fd)
 
 
-def remove_entry(path: Path) -> bool:
+def remove_entry(path: Path, foreign: Callable[[Path], list[str]] | None = None) -> bool:
     """Delete an entry: renamed aside first, so a crash never leaves a half-deleted committed entry.
 
-    False when it was already gone (another process pruned it).
+    ``foreign(directory)``: the names in a directory entry that no save writes there (a user's files, put there after
+    the save): those are kept, the rest removed, and the directory renamed back holding only them (no longer a
+    checkpoint). False when the entry was already gone (another process pruned it).
     """
     if path.name.startswith("."):
         remove_tree(path)
@@ -323,8 +327,22 @@ def remove_entry(path: Path) -> bool:
         os.rename(path, trash)
     except FileNotFoundError:
         return False
-    remove_tree(trash)
+    kept = foreign(trash) if foreign is not None and _is_directory(trash) else []
+    if not kept:
+        remove_tree(trash)
+        return True
+    for name in sorted(set(os.listdir(trash)) - set(kept), key=lambda n: n != MANIFEST):  # (the manifest first)
+        remove_tree(trash / name)
+    os.rename(trash, path)
+    logger.warning("%s: kept %s, which no save writes there (the checkpoint's own files were removed)", path, kept[:5])
     return True
+
+
+def _is_directory(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
 
 
 def fsync_path(path: Path, *, follow: bool = False) -> None:
@@ -409,7 +427,12 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def publish(staging: Path, destination: Path, expect: tuple[int, int] | None = None) -> None:
+def publish(
+    staging: Path,
+    destination: Path,
+    expect: tuple[int, int] | None = None,
+    replaceable: Callable[[Path], bool] | None = None,
+) -> None:
     """Move a complete staging directory to ``destination``, replacing what is there atomically.
 
     With no checkpoint at ``destination`` this is one ``rename``. Over an existing
@@ -418,6 +441,9 @@ def publish(staging: Path, destination: Path, expect: tuple[int, int] | None = N
     crash leaves either the old or the new checkpoint, plus a trash directory that
     the next save removes. ``expect``: ``(st_dev, st_ino)`` of the staging directory the
     save wrote through; a staging path that names anything else now is refused.
+    ``replaceable(old)``: whether what was at ``destination`` may be removed, asked once it is out of the way
+    (what the caller checked before may have changed while it wrote: a user's file put into the old checkpoint,
+    a directory made where there was none); if not, it is put back and nothing is committed.
     """
     if expect is not None:
         st = os.lstat(staging)
@@ -430,14 +456,29 @@ def publish(staging: Path, destination: Path, expect: tuple[int, int] | None = N
     fsync_path(staging)
     if destination.exists() or destination.is_symlink():
         if _exchange(staging, destination):
+            if replaceable is not None and not replaceable(staging):  # (staging now holds what was there)
+                _exchange(staging, destination)
+                raise _appeared(destination)
             fsync_path(destination.parent, follow=True)
             remove_tree(staging)  # now holds the old checkpoint
             return
         trash = trash_path(destination)
         os.rename(destination, trash)
+        if replaceable is not None and not replaceable(trash):
+            os.rename(trash, destination)
+            raise _appeared(destination)
         os.rename(staging, destination)
         fsync_path(destination.parent, follow=True)
         remove_tree(trash)
         return
     os.rename(staging, destination)
     fsync_path(destination.parent, follow=True)
+
+
+def _appeared(destination: Path) -> CheckpointError:
+    return CheckpointError(
+        "what is at this path changed while the save ran (a file put into the checkpoint, a directory made where "
+        "there was none) and is not a checkpoint a save replaces: it was left as it is and nothing was committed; "
+        "move it, or save elsewhere",
+        path=destination,
+    )

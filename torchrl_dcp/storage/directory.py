@@ -326,7 +326,7 @@ class DirectorySaveTarget(SaveTarget):
     def commit(self, manifest: bytes, files: Mapping[str, Mapping[str, Any]]) -> None:
         write_file_durably(self.staging / MANIFEST, manifest, within=self.dir)
         self.dir.check_tree({**{n: int(r["size"]) for n, r in files.items()}, MANIFEST: len(manifest)})
-        publish(self.staging, self.destination, expect=self.dir.inode())
+        publish(self.staging, self.destination, expect=self.dir.inode(), replaceable=is_replaceable)
 
     def abandon(self) -> None:
         remove_tree(self.staging)
@@ -411,7 +411,7 @@ class DirectoryLocation(Location):
         return tree_size(self.path)
 
     def remove(self) -> bool:
-        return remove_entry(self.path)
+        return remove_entry(self.path, foreign=foreign_entries)  # (a user's files put into it are kept)
 
     def leftovers(self) -> list[Leftover]:
         try:
