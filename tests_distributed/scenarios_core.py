@@ -201,6 +201,26 @@ def load_unlike(path: str, case: str) -> dict[str, Any]:
     return {"error": None}
 
 
+def save_while_loading(path: str) -> dict[str, Any]:
+    """Rank 0 saves while rank 1 loads (after a save both made): their exchanges met, the load's description of
+    what it loads against the save's gathered plan; rank 0 raised a bare ``ValueError`` (unpacking what it gathered).
+    Every rank now raises a ``CheckpointError`` naming the other's exchange, and the checkpoint stays as it was."""
+    ckpt = _checkpoint(_objects(0))
+    ckpt.save(path, step=1)
+    try:
+        if dist.get_rank() == 0:
+            ckpt.save(path + "-b", step=2)
+        else:
+            ckpt.load(path)
+    except Exception as err:  # noqa: BLE001 - what the user sees, whatever it is
+        return {
+            "error": type(err).__name__,
+            "checkpoint_error": isinstance(err, tdcp.CheckpointError),
+            "message": str(err),
+        }
+    return {"error": None}
+
+
 def first_call_late(path: str) -> dict[str, Any]:
     """Rank 1 reaches the process's first checkpoint call (a resume right after a restart) past the timeout: the
     creation of the checkpoint group failed with torch's store errors naming no rank; a CollectiveError now."""

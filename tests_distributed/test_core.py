@@ -102,6 +102,14 @@ def test_a_load_the_ranks_ask_differently_raises_on_every_rank_unchanged(tmp_pat
     assert "the ranks do not agree" in messages.pop() and all(r.value["unchanged"] for r in results)
 
 
+def test_a_rank_saving_while_another_loads_raises_a_checkpoint_error_on_every_rank(tmp_path: Path) -> None:
+    results = launch(f"{S}:save_while_loading", 2, str(tmp_path / "ckpt"))
+    assert all(r.value["checkpoint_error"] for r in results), results
+    assert any("was at another checkpoint exchange" in r.value["message"] for r in results), results
+    assert not (tmp_path / "ckpt-b").exists()
+    tdcp.verify(tmp_path / "ckpt")
+
+
 @pytest.mark.parametrize("case", ["extra_component", "placement", "kind", "path", "step", "components"])
 def test_a_save_the_ranks_describe_differently_raises_on_every_rank_and_keeps_the_checkpoint(
     tmp_path: Path, case: str

@@ -293,25 +293,53 @@ def _collective(fn: Any, phase: str, group: Any = None) -> Any:
         ) from None
 
 
-def all_gather(obj: Any, group: Any, phase: str = "exchanging status", *, monitored: bool = True) -> list[Any]:
-    """Every rank's ``obj`` (live, trusted values between our own ranks; never checkpoint content)."""
+_TAG = "torchrl_dcp"
+
+
+def _sealed(obj: Any, kind: str, phase: str) -> tuple[str, str, str, Any]:
+    """``obj`` as it travels: tagged with the kind of exchange it belongs to (and the phase, for messages)."""
+    return (_TAG, kind, phase, obj)
+
+
+def _opened(items: list[Any], kind: str, phase: str, ranks: list[int] | None = None) -> list[Any]:
+    """The objects of ``items`` (from ranks ``ranks``, default 0, 1, ...), each checked to belong to an exchange of
+    ``kind``: a rank at another checkpoint exchange (one rank saving while another loads, one retrying what another
+    gave up) sent something else, which would be read as garbage; every rank raises naming it instead."""
+    out = []
+    for i, item in enumerate(items):
+        rank = i if ranks is None else ranks[i]
+        if not (isinstance(item, tuple) and len(item) == 4 and item[0] == _TAG and item[1] == kind):
+            other = item[2] if isinstance(item, tuple) and len(item) == 4 and item[0] == _TAG else "another exchange"
+            raise CollectiveError(
+                f"rank {rank} was at another checkpoint exchange ({other}) than this rank ({phase}): every rank must "
+                "call save, load, resume and the rotation's calls alike and in the same order; nothing was committed"
+            )
+        out.append(item[3])
+    return out
+
+
+def all_gather(
+    obj: Any, group: Any, phase: str = "exchanging status", *, monitored: bool = True, kind: str = "all_gather"
+) -> list[Any]:
+    """Every rank's ``obj`` (live, trusted values between our own ranks; never checkpoint content), each checked to
+    come from an exchange of the same ``kind`` (:func:`_opened`)."""
     if group is None:
         return [obj]
     _barrier_unless_inside(monitored, group, phase)
     out: list[Any] = [None] * dist.get_world_size(group)
-    _collective(lambda: dist.all_gather_object(out, obj, group=group), phase, group)
-    return out
+    _collective(lambda: dist.all_gather_object(out, _sealed(obj, kind, phase), group=group), phase, group)
+    return _opened(out, kind, phase)
 
 
 def gather_to_0(
-    obj: Any, group: Any, phase: str = "gathering to rank 0", *, monitored: bool = True
+    obj: Any, group: Any, phase: str = "gathering to rank 0", *, monitored: bool = True, kind: str = "gather_to_0"
 ) -> list[Any] | None:
     if group is None:
         return [obj]
     _barrier_unless_inside(monitored, group, phase)
     out: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
-    _collective(lambda: dist.gather_object(obj, out, group=group, group_dst=0), phase, group)
-    return out
+    _collective(lambda: dist.gather_object(_sealed(obj, kind, phase), out, group=group, group_dst=0), phase, group)
+    return None if out is None else _opened(out, kind, phase)
 
 
 def any_rank(flags: list[bool], group: Any, phase: str = "agreeing") -> list[bool]:
@@ -330,7 +358,12 @@ def any_rank(flags: list[bool], group: Any, phase: str = "agreeing") -> list[boo
 
 
 def scatter_from_0(
-    objs: list[Any] | None, group: Any, phase: str = "scatter from rank 0", *, monitored: bool = True
+    objs: list[Any] | None,
+    group: Any,
+    phase: str = "scatter from rank 0",
+    *,
+    monitored: bool = True,
+    kind: str = "scatter_from_0",
 ) -> Any:
     """Rank 0 hands ``objs[r]`` to each rank ``r`` (others pass ``None``): each rank receives its own part only."""
     if group is None:
@@ -338,12 +371,9 @@ def scatter_from_0(
         return objs[0]
     _barrier_unless_inside(monitored, group, phase)
     box: list[Any] = [None]
-    _collective(
-        lambda: dist.scatter_object_list(box, objs if dist.get_rank(group) == 0 else None, group=group, group_src=0),
-        phase,
-        group,
-    )
-    return box[0]
+    sent = [_sealed(o, kind, phase) for o in objs] if dist.get_rank(group) == 0 and objs is not None else None
+    _collective(lambda: dist.scatter_object_list(box, sent, group=group, group_src=0), phase, group)
+    return _opened(box, kind, phase, [0])[0]
 
 
 def agree(flags: list[bool], digest: int, group: Any, phase: str, *, monitored: bool = True) -> tuple[list[bool], bool]:
@@ -369,10 +399,12 @@ def agree(flags: list[bool], digest: int, group: Any, phase: str, *, monitored: 
     return [bool(v) for v in out[: len(flags)]], out[-2] == -out[-1]
 
 
-def broadcast_from_0(obj: Any, group: Any, phase: str = "broadcast from rank 0", *, monitored: bool = True) -> Any:
+def broadcast_from_0(
+    obj: Any, group: Any, phase: str = "broadcast from rank 0", *, monitored: bool = True, kind: str = "broadcast"
+) -> Any:
     if group is None:
         return obj
     _barrier_unless_inside(monitored, group, phase)
-    box = [obj]
+    box = [_sealed(obj, kind, phase)]
     _collective(lambda: dist.broadcast_object_list(box, group=group, group_src=0), phase, group)
-    return box[0]
+    return _opened(box, kind, phase, [0])[0]

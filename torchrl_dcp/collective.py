@@ -65,7 +65,7 @@ def run_step(group: Any, phase: str, fn: Callable[[], T], *, fallback: Any = Non
         value: Any = fn()
     except BaseException as err:  # reported to every rank below, then re-raised here
         value, error = fallback, err
-    gathered = _dist.all_gather((error_status(error), value), group, phase, monitored=monitored)
+    gathered = _dist.all_gather((error_status(error), value), group, phase, monitored=monitored, kind="step")
     raise_if_failed([status for status, _ in gathered], phase, error)
     return [v for _, v in gathered]
 
@@ -105,7 +105,7 @@ def run_agreed(
     if failed:
         raise_failure(group, phase, error)
     if not same:
-        described = _dist.all_gather(description, group, phase, monitored=False)
+        described = _dist.all_gather(description, group, phase, monitored=False, kind="described")
         rank = next(r for r, d in enumerate(described) if d != described[0])
         raise CheckpointError(
             f"{phase}: the ranks do not agree (rank 0: {described[0]}; rank {rank}: {described[rank]}): every rank "
@@ -130,7 +130,7 @@ def scatter_step(group: Any, phase: str, fn: Callable[[], list[T]], *, rank: int
 
     values, error = _on_rank_0(group, rank, split)
     parts = None if values is None and error is None else [(error_status(error), v) for v in values or [None] * size]
-    status, value = _dist.scatter_from_0(parts, group, phase, monitored=False)
+    status, value = _dist.scatter_from_0(parts, group, phase, monitored=False, kind="scattered step")
     raise_if_failed([status], phase, error)
     return value
 
@@ -149,12 +149,12 @@ def failures(failure: BaseException | None, group: Any, phase: str) -> list[Stat
     """Every rank's status when any rank failed (gathered only then), else ``None``: one fixed-size exchange, no
     barrier (for a step inside a checkpoint call, whose caller decides how to undo and raise)."""
     (failed,), _ = _dist.agree([failure is not None], 0, group, phase, monitored=False)
-    return _dist.all_gather(error_status(failure), group, phase, monitored=False) if failed else None
+    return _dist.all_gather(error_status(failure), group, phase, monitored=False, kind="statuses") if failed else None
 
 
 def raise_failure(group: Any, phase: str, error: BaseException | None) -> None:
     """Some rank failed at ``phase`` (every rank knows it): gather the statuses, raise on every rank naming it."""
-    statuses = _dist.all_gather(error_status(error), group, phase, monitored=False)
+    statuses = _dist.all_gather(error_status(error), group, phase, monitored=False, kind="statuses")
     raise_if_failed(statuses, phase, error)
     raise CollectiveError(f"a rank failed while {phase}")  # (not reached: a rank reported its failure)
 
@@ -166,7 +166,7 @@ def run_on_coordinator(
 
     Only rank 0's status travels (a broadcast): the others have nothing to report."""
     value, error = _on_rank_0(group, rank, fn)
-    status = _dist.broadcast_from_0(error_status(error), group, phase, monitored=monitored)
+    status = _dist.broadcast_from_0(error_status(error), group, phase, monitored=monitored, kind="coordinator status")
     raise_if_failed([status], phase, error)
     return value
 
@@ -179,6 +179,8 @@ def broadcast_step(
     ``monitored=False`` skips the monitored barrier (``_dist``): for a step between two exchanges
     of the same checkpoint call, where no rank can be elsewhere."""
     value, error = _on_rank_0(group, rank, fn)
-    status, value = _dist.broadcast_from_0((error_status(error), value), group, phase, monitored=monitored)
+    status, value = _dist.broadcast_from_0(
+        (error_status(error), value), group, phase, monitored=monitored, kind="broadcast step"
+    )
     raise_if_failed([status], phase, error)
     return value
