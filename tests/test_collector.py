@@ -298,18 +298,22 @@ def _trajectory_collector(seed: int, **kwargs):
 
 
 @pytest.mark.parametrize("traj_format", ["padded", "cat"])
-@pytest.mark.parametrize("into", ["fresh", "running"])
+@pytest.mark.parametrize("into", ["fresh", "running", "running, then a new iterator"])
 def test_a_collector_assembling_trajectories_resumes_with_the_steps_it_held(tmp_path: Path, traj_format, into) -> None:
     """``trajs_per_batch``: the steps of in-flight episodes (and complete ones not yet yielded) are state; a fresh
-    collector gets them before its first batch, a running one has its generator's held steps replaced."""
+    collector gets them before its first batch, a running one has its generator's held steps replaced, and a new
+    iterator of it (a loop started again after the load) takes them on (they were lost: a new generator starts
+    with empty containers)."""
     policy, collector = _trajectory_collector(0, traj_format=traj_format)
     it = iter(collector)
     next(it)
     path = checkpoint(policy, collector).save(tmp_path / "ckpt")
     assert collector._traj_assembly[0], "the test needs steps held back"
     expected = [next(it) for _ in range(3)]
-    if into == "running":  # the same collector, three batches later: its generator's held steps are replaced
+    if into.startswith("running"):  # the same collector, three batches later: its generator's held steps replaced
         checkpoint(policy, collector).load(path)
+        if into != "running":
+            it = iter(collector)
         got = [next(it) for _ in range(3)]
     else:
         policy2, collector2 = _trajectory_collector(123, traj_format=traj_format)
@@ -557,4 +561,67 @@ def test_a_base_env_built_otherwise_is_refused_and_left_as_it_was(tmp_path: Path
     with pytest.raises(tdcp.IncompatibleComponentError, match=r"base env at base_env .*keys \['extra'\]"):
         tdcp.DistributedCheckpoint(collector=collector2).load(path)
     assert torch.equal(other.count, before)
+    collector2.shutdown()
+
+
+@pytest.mark.parametrize("other", ["transform", "buffer"])
+def test_a_policy_less_collector_over_sub_envs_built_otherwise_is_refused(tmp_path: Path, other: str) -> None:
+    """Without policy state the collector loads non-strict; its env's keys were compared at the top level only,
+    which for a ``SerialEnv`` are ``worker0``, ``worker1``...: sub-envs with other transforms (their statistics
+    dropped) or another base env's buffers loaded silently. Compared key by key, nested ones too."""
+    from torchrl.envs import SerialEnv
+    from torchrl.testing.mocking_classes import CountingEnv
+
+    class Counting2(CountingEnv):
+        def __init__(self, **kwargs) -> None:
+            super().__init__(**kwargs)
+            self.register_buffer("extra", torch.zeros(1))
+
+    def make(variant: bool) -> Collector:
+        if other == "transform":
+            sub = lambda: TransformedEnv(PendulumEnv(), VecNormV2(in_keys=["th"]) if variant else StepCounter())  # noqa: E731
+        else:
+            sub = Counting2 if variant else CountingEnv  # noqa: E731
+        return Collector(SerialEnv(2, sub), None, frames_per_batch=4, total_frames=-1)
+
+    collector = make(False)
+    next(iter(collector))
+    path = tdcp.DistributedCheckpoint(collector=collector).save(tmp_path / "c")
+    collector.shutdown()
+    collector2 = make(True)
+    next(iter(collector2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(tdcp.IncompatibleComponentError, match=r"other transform state than the checkpoint's"):
+            tdcp.DistributedCheckpoint(collector=collector2).load(path)
+    collector2.shutdown()
+
+
+def test_the_generators_of_a_deeply_nested_env_are_saved(tmp_path: Path) -> None:
+    """``PendulumEnv.rng`` under three ``TransformedEnv(SerialEnv(...))`` wrappers (seven modules deep): the walk for
+    generators stopped at six and the resumed batches differed, without a warning."""
+    from torchrl.envs import SerialEnv
+
+    def wrap(inner, i: int):
+        return lambda: TransformedEnv(SerialEnv(1, inner), StepCounter(step_count_key=f"s{i}"))
+
+    def build(seed: int) -> Collector:
+        make = lambda: TransformedEnv(PendulumEnv(), StepCounter(max_steps=4))  # noqa: E731
+        for i in range(3):
+            make = wrap(make, i)
+        env = make()
+        env.set_seed(seed)
+        return Collector(env, None, frames_per_batch=6, total_frames=-1)
+
+    torch.manual_seed(0)
+    collector = build(0)
+    it = iter(collector)
+    next(it)
+    path = tdcp.DistributedCheckpoint(collector=collector, rng=tdcp.RNGState()).save(tmp_path / "c")
+    expected = [next(it) for _ in range(2)]
+    collector.shutdown()
+    collector2 = build(1)
+    tdcp.DistributedCheckpoint(collector=collector2, rng=tdcp.RNGState()).load(path)
+    it2 = iter(collector2)
+    assert_same_batches(expected, [next(it2) for _ in range(2)])
     collector2.shutdown()

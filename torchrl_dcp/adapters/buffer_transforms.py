@@ -18,7 +18,7 @@ from torchrl.envs.transforms import MultiStepTransform
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -31,10 +31,19 @@ from torchrl_dcp.errors import CheckpointIntegrityError, IncompatibleComponentEr
 
 
 def _held_transforms(rb: Any) -> dict[str, MultiStepTransform]:
-    """``{position in the buffer's Compose: transform}`` of the transforms that hold data back."""
+    """``{position: transform}`` of the transforms that hold data back, in the buffer's ``Compose`` however nested
+    (``"1"``: its second child; ``"0.1"``: the second child of its first, a ``Compose``; a bare transform: ``"0"``)."""
     transform = getattr(rb, "_transform", None)
     children = list(getattr(transform, "transforms", None) or ([] if transform is None else [transform]))
-    return {str(i): t for i, t in enumerate(children) if isinstance(t, MultiStepTransform)}
+    found: dict[str, MultiStepTransform] = {}
+    stack = [(str(i), t) for i, t in enumerate(children)]
+    while stack:
+        where, t = stack.pop(0)
+        if isinstance(t, MultiStepTransform):
+            found[where] = t
+        elif type(t).__name__ == "Compose" and isinstance(getattr(t, "transforms", None), Iterable):
+            stack.extend((f"{where}.{i}", c) for i, c in enumerate(t.transforms))
+    return found
 
 
 def unsaved_transforms(rb: Any) -> list[str]:

@@ -218,21 +218,29 @@ def _assembly_state(collector: Collector) -> dict[str, Any] | None:
 
 
 class _PrimedIterator:
-    """``collector.iterator`` until the collector's first batch after a restore. The restored steps are the
-    collector's ``_traj_assembly`` meanwhile (what a save or torchrl's ``reset()`` then sees); torchrl's
-    generator replaces it with empty containers of its own, then calls ``self.iterator()``: this moves the held
-    steps into those, then steps aside for the collector's own ``iterator``."""
+    """``collector.iterator`` until the collector's next new iterator after a restore. The restored steps are the
+    collector's ``_traj_assembly`` meanwhile (what a save, torchrl's ``reset()`` or an iterator that was running
+    sees); a new iterator's generator replaces it with empty containers of its own, then calls
+    ``self.iterator()``: this moves the held steps into those (unless the running iterator took them on meanwhile:
+    torchrl's own new iterator then starts empty), then steps aside for the collector's own ``iterator``."""
 
     def __init__(self, collector: Collector, held: tuple[dict[int, list[Any]], list[Any]]) -> None:
         self.collector, self.held = collector, held
+        self.restored = _held_signature(held)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         vars(self.collector).pop("iterator", None)
         assembly = getattr(self.collector, "_traj_assembly", None)
-        if assembly is not None and assembly is not self.held:
+        if assembly is not None and assembly is not self.held and _held_signature(self.held) == self.restored:
             assembly[0].update(self.held[0])
             assembly[1].extend(self.held[1])
         return self.collector.iterator(*args, **kwargs)
+
+
+def _held_signature(held: tuple[dict[int, list[Any]], list[Any]]) -> tuple[Any, ...]:
+    """What identifies the held steps (the chunk objects, by identity): unchanged until an iterator takes them on."""
+    partial, complete = held
+    return (tuple((tid, tuple(map(id, chunks))) for tid, chunks in partial.items()), tuple(map(id, complete)))
 
 
 def _restore_assembly(collector: Collector, saved: Any, ctx: AdapterContext) -> None:
@@ -260,8 +268,11 @@ def _restore_assembly(collector: Collector, saved: Any, ctx: AdapterContext) -> 
         assembly[1].clear()
         assembly[1].extend(complete)
     elif partial or complete:
-        collector._traj_assembly = (partial, complete)
-        collector.iterator = _PrimedIterator(collector, collector._traj_assembly)  # type: ignore[method-assign]
+        assembly = collector._traj_assembly = (partial, complete)
+    if partial or complete:  # a new iterator (a loop started again after the load) takes them on too
+        collector.iterator = _PrimedIterator(collector, assembly)  # type: ignore[method-assign]
+    else:
+        vars(collector).pop("iterator", None)  # (a restore's hand-over left from an earlier load: nothing to hand)
 
 
 def _replace_expanded(carrier: Any, saved: Any) -> None:
@@ -362,8 +373,9 @@ def load_collector_state(collector: Any, state_dict: Mapping[str, Any]) -> None:
         # non-strict skips the env's keys too: compared here, as the strict load compares them (an env built with
         # other transforms dropped the saved statistics without a word)
         saved, live = state_dict.get("env_state_dict"), collector.state_dict().get("env_state_dict")
-        if saved is not None and live is not None and set(saved) != set(live):
-            differ = sorted(set(saved) ^ set(live))
+        saved, live = _key_paths(saved), _key_paths(live)  # (a SerialEnv's: each sub-env's keys, under worker<i>)
+        if saved is not None and live is not None and saved != live:
+            differ = sorted(saved ^ live)
             raise IncompatibleComponentError(
                 f"the collector's env holds other transform state than the checkpoint's (keys {differ[:4]} are in "
                 "one only): build the env with the transforms it was saved with"
@@ -371,6 +383,17 @@ def load_collector_state(collector: Any, state_dict: Mapping[str, Any]) -> None:
         collector.load_state_dict(state_dict, strict=False)
     else:
         collector.load_state_dict(state_dict)
+
+
+def _key_paths(state: Any, prefix: str = "") -> set[str] | None:
+    """The keys of a (nested) state dict, nested ones as dotted paths; ``None`` for no state dict."""
+    if not isinstance(state, Mapping):
+        return None
+    out: set[str] = set()
+    for key, value in state.items():
+        inner = _key_paths(value, f"{prefix}{key}.")
+        out.update(inner if inner else {f"{prefix}{key}"})
+    return out
 
 
 class MultiCollectorAdapter(Adapter):

@@ -78,8 +78,8 @@ def env_generators(env: Any) -> dict[str, Any]:
     found: dict[str, Any] = {}
     seen: set[int] = set()
 
-    def walk(obj: Any, path: str, depth: int) -> None:
-        if id(obj) in seen or depth > 6:
+    def walk(obj: Any, path: str, depth: int) -> None:  # (no depth bound: envs nest as deep as users wrap them)
+        if id(obj) in seen:
             return
         seen.add(id(obj))
         attrs = dict(getattr(obj, "__dict__", {}))
