@@ -424,3 +424,21 @@ def test_diff_of_a_checkpoint_with_a_forged_file_size_names_the_file(
     assert main(["diff", str(a), str(b)]) == 2
     err = capsys.readouterr().err
     assert data in err and "forged size" in err and "please report" not in err, err
+
+
+def test_the_tools_read_through_links_as_the_library_does(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``ckpts -> real`` (a rotation directory) and ``latest -> real/step-...`` (a checkpoint): the library reads
+    through both; ``ls`` said "not a directory", ``convert`` "is a directory, not an archive" and ``inspect`` counted
+    the link's own length as the checkpoint's bytes."""
+    real = tmp_path / "real"
+    entry = tdcp.CheckpointRotation(real).save(tdcp.DistributedCheckpoint(w={"x": torch.ones(64)}), step=1)
+    (tmp_path / "ckpts").symlink_to(real)
+    (tmp_path / "latest").symlink_to(entry)
+    code, listed = run_json(capsys, "ls", str(tmp_path / "ckpts"))
+    assert code == 0 and [r["step"] for r in listed["entries"]] == [1]
+    code, through_link = run_json(capsys, "inspect", str(tmp_path / "latest"))
+    assert code == 0
+    assert through_link["bytes"] == run_json(capsys, "inspect", str(entry))[1]["bytes"] > 256
+    code, converted = run_json(capsys, "convert", str(tmp_path / "latest"), str(tmp_path / "x.zip"))
+    assert code == 0 and converted["container"] == "archive"
+    tdcp.verify(tmp_path / "x.zip")

@@ -35,12 +35,20 @@ from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.torchrl_format.detect import is_torchrl_checkpoint
 
 
+def _followed(path: str) -> str:
+    """``path``, or the path a local link there names: what the library reads through it (``latest -> step-9``,
+    ``ckpts -> /scratch/ckpts``), so the tools describe, list and convert that, not the link itself."""
+    if "://" not in path and os.path.islink(path):
+        return os.path.realpath(path)
+    return path
+
+
 def _inspect(path: str) -> dict[str, Any]:
     if is_torchrl_checkpoint(path):  # torchrl.checkpoint's own format (read-only; imports torch)
         from torchrl_dcp.torchrl_format.importer import inspect_torchrl
 
         return inspect_torchrl(path)
-    where = location_for(path)
+    where = location_for(_followed(path))
     m = where.manifest()
     comps = {}
     for name, rec in m["components"].items():
@@ -148,7 +156,7 @@ def _convert(src: str, dst: str, overwrite: bool, args: argparse.Namespace) -> d
     from torchrl_dcp.convert import to_archive, to_directory
 
     start = time.monotonic()
-    source = location_for(src)
+    source = location_for(_followed(src))
     if source.entry_kind() in ("archive", "other"):  # one file (or object): an archive to unpack
         with _progress("unpacking", args) as show:
             out = to_directory(src, dst, overwrite=overwrite, progress=show)
@@ -172,7 +180,7 @@ def _ls(directory: str, metric: str | None, mode: str) -> dict[str, Any]:
     from torchrl_dcp.rotation import CheckpointRotation
     from torchrl_dcp.rotation_entries import latest_entry
 
-    where = location_for(directory)
+    where = location_for(_followed(directory))
     d = where.path
     if where.entry_kind() != "checkpoint":
         raise CheckpointError("not a directory", path=d)
