@@ -582,3 +582,17 @@ def test_store_destinations_are_checked_as_local_ones(store: tuple[str, dict[str
     theirs = resolve_path(f"{url}/ours.zip", options)
     for _ in range(2):  # an archive of ours is replaced
         tdcp.to_archive(inside, theirs, overwrite=True)
+
+
+def test_a_bucket_or_a_missing_bucket_is_refused_saying_so(s3: Any) -> None:
+    """A bucket root as the checkpoint (the save's marker went inside the destination: "appeared under the prefix
+    while the save ran") and a bucket that does not exist ("deleted meanwhile?", an integrity error) each say what
+    is wrong; nothing is written."""
+    ckpt = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(4, 2), storage_options=s3.storage_options)
+    with pytest.raises(tdcp.CheckpointError, match="is a bucket, not a checkpoint prefix"):
+        ckpt.save(f"s3://{s3.bucket}")
+    with pytest.raises(tdcp.CheckpointError, match="is a bucket, not a checkpoint prefix"):
+        ckpt.save("memory://tdcp-bucket-root")
+    with pytest.raises(tdcp.CheckpointError, match="its bucket does not exist") as err:
+        ckpt.save(f"s3://{s3.bucket}-missing/run/c")
+    assert not isinstance(err.value, tdcp.CheckpointIntegrityError)

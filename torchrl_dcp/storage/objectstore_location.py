@@ -83,8 +83,19 @@ class ObjectStoreLocation(Location):
 
     # ------------------------------------------------------------------ saving
     def prepare_save(self, save_id: str) -> SaveTarget:
+        if "/" not in self.path.key.strip("/"):  # (its marker and lock live beside it: in the bucket's parent)
+            raise CheckpointError(
+                "is a bucket, not a checkpoint prefix inside one: save to a key in it (e.g. s3://bucket/run/step-1)",
+                path=self.path,
+            )
         try:
             objectstore_save.begin(self.path, save_id)
+        except FileNotFoundError:
+            raise CheckpointError(
+                "preparing the destination prefix: its bucket does not exist (or is not visible with these "
+                "credentials); create it, or check the URL and storage_options",
+                path=self.path,
+            ) from None
         except Exception as err:
             raise store_error(err, "preparing the destination prefix", self.path) from None
         return ObjectStoreSaveTarget(self.path)
