@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
@@ -327,6 +328,40 @@ def test_a_buffer_that_overwrote_or_refilled_its_capacity_loads_only_into_that_c
         buf.extend(_ids(2, 100))
     assert len(big) == 12 and big._writer._cursor == reference._writer._cursor == 12
     assert big[:12]["id"].tolist() == reference[:12]["id"].tolist() == [*range(10), 100, 101]
+
+
+@pytest.mark.parametrize("capacity", [24, 8])
+def test_a_prioritized_buffer_that_never_wrapped_loads_into_another_capacity(tmp_path: Path, capacity: int) -> None:
+    """As a plain buffer does (replay-buffers.md): 6 transitions of a capacity-12 prioritized buffer continue in a
+    buffer of capacity 24 or 8 as one of that capacity would after the same writes and priority updates (the load was
+    refused: the sampler's trees are sized by the capacity); its priorities are the first 6 leaves."""
+    from torchrl.data import TensorDictPrioritizedReplayBuffer
+
+    def make(size: int) -> TensorDictPrioritizedReplayBuffer:
+        rb = TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.5, storage=LazyTensorStorage(size), batch_size=4)
+        return rb
+
+    def fill(rb: TensorDictPrioritizedReplayBuffer) -> None:
+        rb.extend(_ids(6))
+        rb.update_priority(torch.arange(6), torch.arange(1.0, 7.0))
+
+    saved = make(12)
+    fill(saved)
+    path = tdcp.DistributedCheckpoint(buffer=saved).save(tmp_path / "c")
+    loaded, reference = make(capacity), make(capacity)
+    tdcp.DistributedCheckpoint(buffer=loaded).load(path)
+    fill(reference)
+    for buf in (loaded, reference):
+        buf.extend(_ids(1, 100))
+    leaves = torch.arange(capacity)
+    assert torch.equal(loaded._sampler._sum_tree[leaves], reference._sampler._sum_tree[leaves])
+    assert loaded._sampler._max_priority == reference._sampler._max_priority
+    torch.manual_seed(0)
+    np.random.seed(0)
+    a = loaded.sample()["id"]
+    torch.manual_seed(0)
+    np.random.seed(0)
+    assert torch.equal(a, reference.sample()["id"])
 
 
 @pytest.mark.parametrize(

@@ -242,23 +242,30 @@ def _slice_state(sampler: Any) -> Any:
     return SliceSampler.state_dict(sampler) if isinstance(sampler, SliceSampler) else None
 
 
-def restore_sampler(sampler: Any, saved: Mapping[str, Any], name: str) -> None:
+def restore_sampler(sampler: Any, saved: Mapping[str, Any], name: str, rows: int | None = None) -> None:
+    """Put a saved sampler state back. ``rows``: a prioritized sampler of another capacity than saved takes the
+    priorities of the first ``rows`` transitions (a buffer that never wrapped around, loaded into another capacity:
+    :func:`_check_other_capacity`); the others are refused."""
     if type(sampler).__name__ != saved["type"]:
         raise IncompatibleComponentError(
             f"component {name!r}: sampler was {saved['type']}, the buffer has {type(sampler).__name__}"
         )
     if saved["kind"] == "prioritized":
         capacity = saved["capacity"]
+        leaves = capacity
         if int(sampler._max_capacity) != capacity:
-            raise IncompatibleComponentError(
-                f"component {name!r}: prioritized sampler capacity was {capacity}, the buffer's is {sampler._max_capacity}"
-            )
+            if rows is None or rows > int(sampler._max_capacity):
+                raise IncompatibleComponentError(
+                    f"component {name!r}: prioritized sampler capacity was {capacity}, the buffer's is "
+                    f"{sampler._max_capacity}"
+                )
+            leaves = rows  # (the saved trees' other leaves hold no transition)
         max_priority = saved["max_priority"]  # (its index checked with the values read: check_values)
         sampler._alpha, sampler._beta, sampler._eps = saved["alpha"], saved["beta"], saved["eps"]
         sampler._empty()
-        index = torch.arange(capacity)
-        sampler._sum_tree[index] = saved["sum"]
-        sampler._min_tree[index] = saved["min"]
+        index = torch.arange(leaves)
+        sampler._sum_tree[index] = saved["sum"][:leaves]
+        sampler._min_tree[index] = saved["min"][:leaves]
         sampler._max_priority = tuple(max_priority) if isinstance(max_priority, list) else max_priority
         if "slice" in saved:
             from torchrl.data.replay_buffers.samplers import SliceSampler
@@ -357,6 +364,17 @@ def _check_other_capacity(rb: ReplayBuffer, state: Mapping[str, Any], name: str)
     )
 
 
+def _other_capacity_rows(rb: ReplayBuffer, state: Mapping[str, Any]) -> int | None:
+    """The saved transitions of a one-dimensional buffer loaded into another capacity (accepted by
+    :func:`_check_other_capacity`: it never wrapped around), else ``None``."""
+    storage = state.get("storage")
+    if not isinstance(storage, Mapping) or storage.get("ndim", 1) != 1 or writer_counts(state.get("writer")) is None:
+        return None
+    if int(rb._storage.max_size) == storage.get("max_size"):
+        return None
+    return storage.get("len") if type(storage.get("len")) is int else None
+
+
 def _continue_in_other_capacity(rb: ReplayBuffer, state: Mapping[str, Any]) -> None:
     """After :func:`_check_other_capacity` accepted another capacity: the writer's cursor after the saved rows."""
     storage = rb._storage
@@ -448,7 +466,8 @@ class ReplayBufferAdapter(Adapter):
         rb = initialized_buffer(rb)
         warn_unsaved_transforms(rb, ctx.name, "loading")
         items = list_items(state["storage"], ctx) if state["storage"].get("kind") == LIST_KIND else None
-        restore_sampler(rb._sampler, state["sampler"], ctx.name)
+        other = _other_capacity_rows(rb, state)
+        restore_sampler(rb._sampler, state["sampler"], ctx.name, rows=other)
         restore_writer(rb._writer, state["writer"], ctx.name)
         if items is not None:
             restore_list_storage(rb._storage, items)
@@ -482,6 +501,8 @@ class ReplayBufferAdapter(Adapter):
             saved_sampler = state.get("sampler") if isinstance(state, Mapping) else None
             if isinstance(saved_sampler, Mapping) and saved_sampler.get("kind") == "prioritized":
                 capacity = saved_sampler.get("capacity")
+                if _other_capacity_rows(live, state) is not None:
+                    continue  # (another capacity, accepted below while nothing was overwritten)
                 if hasattr(sampler, "_max_capacity") and int(sampler._max_capacity) != capacity:
                     raise IncompatibleComponentError(
                         f"component {ctx.name!r}: prioritized sampler capacity was {capacity}, the buffer's is "
