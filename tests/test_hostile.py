@@ -393,7 +393,7 @@ def test_what_appears_at_the_path_while_a_save_runs_is_never_deleted(
         real(staging, destination, **kwargs)
 
     monkeypatch.setattr(directory, "publish", late)
-    with pytest.raises(tdcp.CheckpointError, match="changed while the save ran.*nothing was committed"):
+    with pytest.raises(tdcp.CheckpointError, match="changed while the save or conversion ran.*nothing was committed"):
         checkpoint(make_objects(2)).save(path)
     monkeypatch.setattr(directory, "publish", real)
     kept = path / ("eval.txt" if appears == "a file in the old checkpoint" else "data.csv")
@@ -404,6 +404,26 @@ def test_what_appears_at_the_path_while_a_save_runs_is_never_deleted(
         objs = make_objects(2)
         checkpoint(objs).load(path)  # the old checkpoint, as it was
         assert same(snapshot(objs), snapshot(make_objects(1)))
+
+
+def test_an_archive_replacing_a_directory_keeps_a_file_put_into_it_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``to_archive(src, dst, overwrite=True)`` over a checkpoint directory: a user's file put into ``dst`` while the
+    archive was written is put back with it, and the conversion refused."""
+    from torchrl_dcp.storage import archive
+
+    src, dst = checkpoint(make_objects(1)).save(tmp_path / "src"), checkpoint(make_objects(2)).save(tmp_path / "dst")
+    real = archive.publish
+
+    def late(staging: Path, destination: Path, **kwargs: Any) -> None:
+        (destination / "eval.txt").write_text("mine")
+        real(staging, destination, **kwargs)
+
+    monkeypatch.setattr(archive, "publish", late)
+    with pytest.raises(tdcp.CheckpointError, match="changed while the save or conversion ran"):
+        tdcp.to_archive(src, dst, overwrite=True)
+    assert (dst / "eval.txt").read_text() == "mine" and (dst / "manifest.json").is_file()
 
 
 def test_pruning_keeps_what_a_user_put_into_an_old_checkpoint(tmp_path: Path) -> None:

@@ -204,7 +204,9 @@ def to_archive(
     files = [(n, src / n, listed[n]["size"], listed[n]["checksum"]) for n in names]
     _check_apart(src, _local(dst_file))
     with _converting(f"packing {src.name} into an archive", dst_file, overwrite) as destination:
-        write_archive(files, manifest_bytes, destination, buffer_size=buffer_size, progress=progress)
+        write_archive(
+            files, manifest_bytes, destination, buffer_size=buffer_size, progress=progress, replaceable=is_replaceable
+        )
     return destination
 
 

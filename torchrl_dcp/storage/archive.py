@@ -396,8 +396,12 @@ def write_archive(
     buffer_size: int = BUFFER,
     progress: Progress | None = None,
     threads: int | None = None,
+    replaceable: Callable[[Path], bool] | None = None,
 ) -> Path:
     """Copy ``files`` (``(name, path, size, checksum)``) and the manifest into one archive, atomically.
+
+    ``replaceable``: asked of a checkpoint directory at ``destination`` once the archive has moved it aside
+    (:func:`~torchrl_dcp.storage.commit.publish`).
 
     The layout is computed first (a local header's size does not depend on the CRC),
     then several threads copy the files to their offsets, computing each file's CRC32
@@ -453,7 +457,8 @@ def write_archive(
         finally:
             os.close(out)
         if destination.is_dir() and not destination.is_symlink():  # a checkpoint directory replaced by its archive
-            publish(tmp, destination)  # (exchanged in one step, or renamed aside first: the old one removed after)
+            # (exchanged in one step, or renamed aside first: the old one removed after, if still replaceable)
+            publish(tmp, destination, replaceable=replaceable)
         else:
             os.replace(tmp, destination)
             fsync_path(destination.parent, follow=True)

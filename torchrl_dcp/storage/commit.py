@@ -477,8 +477,8 @@ def publish(
 
 def _appeared(destination: Path) -> CheckpointError:
     return CheckpointError(
-        "what is at this path changed while the save ran (a file put into the checkpoint, a directory made where "
-        "there was none) and is not a checkpoint a save replaces: it was left as it is and nothing was committed; "
-        "move it, or save elsewhere",
+        "what is at this path changed while the save or conversion ran (a file put into the checkpoint, a directory "
+        "made where there was none) and is not a checkpoint a save replaces: it was left as it is and nothing was "
+        "committed; move it, or save elsewhere",
         path=destination,
     )
