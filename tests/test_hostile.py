@@ -426,6 +426,67 @@ def test_an_archive_replacing_a_directory_keeps_a_file_put_into_it_meanwhile(
     assert (dst / "eval.txt").read_text() == "mine" and (dst / "manifest.json").is_file()
 
 
+def test_removal_deletes_only_what_the_library_writes(tmp_path: Path) -> None:
+    """Every removal (staging, trash, leftovers of killed saves and prunes, old checkpoints) goes through
+    ``remove_tree``: it unlinks the files a save writes and the directories left empty, never a user's file, in
+    whatever directory it sits (a file made in a checkpoint while it is pruned was deleted with it)."""
+    from torchrl_dcp.storage.commit import remove_tree
+
+    path = checkpoint(make_objects(1)).save(tmp_path / "c")
+    (path / f".manifest.json.tmp-{'a' * 32}").write_text("a killed write's temporary file")
+    (path / "notes.txt").write_text("mine")
+    (path / "videos").mkdir()
+    (path / "videos" / "ep.mp4").write_text("mine too")
+    (path / "empty").mkdir()
+    assert sorted(remove_tree(path)) == ["notes.txt", "videos/ep.mp4"]
+    assert sorted(str(p.relative_to(path)) for p in path.rglob("*")) == ["notes.txt", "videos", "videos/ep.mp4"]
+    assert remove_tree(tmp_path / "gone") == []
+
+
+def test_a_killed_prunes_trash_keeps_the_users_files_when_swept(tmp_path: Path) -> None:
+    """A prune killed after renaming an entry holding a user's file to its trash name: the next save sweeps the
+    leftover and keeps the file (the whole trash directory was removed)."""
+    from torchrl_dcp.storage.commit import trash_path
+
+    run = tmp_path / "run"
+    rotation = tdcp.rotation.CheckpointRotation(run, keep_last=1)
+    first = rotation.save(checkpoint(make_objects(1)), step=1)
+    (first / "eval.txt").write_text("mine")
+    trash = trash_path(first)
+    first.rename(trash)  # (what the killed prune left)
+    rotation.save(checkpoint(make_objects(2)), step=2)
+    assert (trash / "eval.txt").read_text() == "mine" and not (trash / "manifest.json").exists()
+
+
+def test_to_directory_replaces_an_archive_with_overwrite(tmp_path: Path) -> None:
+    """``to_directory(src, dst, overwrite=True)`` where ``dst`` is a checkpoint archive: replaced (archive.md)."""
+    src = checkpoint(make_objects(1)).save(tmp_path / "c")
+    archive_path = tdcp.to_archive(src, tmp_path / "b.zip")
+    out = tdcp.to_directory(tdcp.to_archive(src, tmp_path / "a.zip"), archive_path, overwrite=True)
+    assert out.is_dir() and (out / "manifest.json").is_file()
+
+
+def test_an_archive_to_a_free_path_never_replaces_a_file_made_there_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``to_archive`` to a free path: a user's file (or directory) made there while the archive was written was
+    overwritten (deleted); it is now kept and the conversion refused."""
+    from torchrl_dcp.storage import archive
+
+    src = checkpoint(make_objects(1)).save(tmp_path / "src")
+    real = archive.publish
+
+    def late(staging: Path, destination: Path, **kwargs: Any) -> None:
+        destination.write_text("mine")
+        real(staging, destination, **kwargs)
+
+    monkeypatch.setattr(archive, "publish", late)
+    with pytest.raises(tdcp.CheckpointError, match="changed while the save or conversion ran"):
+        tdcp.to_archive(src, tmp_path / "out.zip")
+    assert (tmp_path / "out.zip").read_text() == "mine"
+    assert [p.name for p in tmp_path.iterdir() if "tdcp-tmp" in p.name] == []
+
+
 def test_pruning_keeps_what_a_user_put_into_an_old_checkpoint(tmp_path: Path) -> None:
     """A rotation pruning a step whose directory holds a user's files (put there after its save) removes the
     checkpoint's own files and keeps theirs (the directory stays, no longer a checkpoint), as an object store's

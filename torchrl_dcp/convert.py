@@ -125,6 +125,20 @@ def _check_replaceable(destination: Path, overwrite: bool) -> None:
         )
 
 
+def _still_replaceable(path: Path) -> bool:
+    """What :func:`_check_replaceable` accepted, asked again of what was at the destination once the commit moved
+    it aside: a checkpoint directory holding nothing of a user's, or a checkpoint archive (never a link)."""
+    if path.is_symlink():
+        return False
+    if path.is_dir():
+        return is_replaceable(path)
+    try:
+        read_manifest(path)
+    except CheckpointError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def _converting(what: str, dst: str | os.PathLike, overwrite: bool) -> Iterator[Path]:
     """Hold the destination's lock, remove what killed saves/conversions to it left, report OSErrors clearly.
@@ -205,7 +219,12 @@ def to_archive(
     _check_apart(src, _local(dst_file))
     with _converting(f"packing {src.name} into an archive", dst_file, overwrite) as destination:
         write_archive(
-            files, manifest_bytes, destination, buffer_size=buffer_size, progress=progress, replaceable=is_replaceable
+            files,
+            manifest_bytes,
+            destination,
+            buffer_size=buffer_size,
+            progress=progress,
+            replaceable=_still_replaceable,
         )
     return destination
 
@@ -284,7 +303,7 @@ def _unpack(
         within.check_tree({**{n: rec["size"] for n, rec in files.items()}, MANIFEST: len(manifest)})
         within.fsync()
         # a staging path swapped meanwhile is refused, and what is at the destination checked again once aside
-        publish(staging, destination, expect=within.inode(), replaceable=is_replaceable)
+        publish(staging, destination, expect=within.inode(), replaceable=_still_replaceable)
     except BaseException:
         remove_tree(staging)
         raise

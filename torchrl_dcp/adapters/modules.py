@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -278,6 +279,18 @@ class OptimizerAdapter(Adapter):
         """A parameter listed twice, or state for a parameter no group lists: no ``state_dict()`` writes that."""
         _check_param_ids(saved)
 
+    def check_values(self, saved: Any, read: Any) -> None:
+        """Each parameter's ``step`` held as a tensor (a scalar) is a finite count ``>= 0``: torch's optimizers
+        divide by functions of it (``-1``: a division by zero at the next step; NaN: NaN weights)."""
+        from torchrl_dcp.format.codec import TensorSpec
+
+        for pid, entries in (saved.get("state") or {}).items() if isinstance(saved, Mapping) else ():
+            step = entries.get("step") if isinstance(entries, Mapping) else None
+            if isinstance(step, TensorSpec) and step.shape == () and step.dtype.is_floating_point:
+                value = float(read(step))
+                if not (math.isfinite(value) and value >= 0):
+                    raise ValueError(f"parameter {pid}'s step is {value}: no optimizer step leaves that")
+
     def validate(self, obj: torch.optim.Optimizer, saved: dict[int, Any], ctx: AdapterContext) -> None:
         """Refuses, while planning, what ``load_state_dict`` would refuse after other components were read (other
         parameter groups, other numbers of parameters per group); notes which state tensors will be read in place
@@ -292,6 +305,7 @@ class OptimizerAdapter(Adapter):
         for state in saved.values():
             _check_param_groups(obj, state, ctx.name)
             _check_same_kind(obj, state, ctx.name)
+            _check_group_values(obj, state, ctx.name)
             _check_state_shapes(obj, state, ctx.name)
             ctx.plan["in_place"] = {id(t) for t in _live_state_destinations(obj, state).values()}
 
@@ -384,6 +398,32 @@ def _check_same_kind(optimizer: torch.optim.Optimizer, saved: Any, name: str) ->
         )
 
 
+def _check_group_values(optimizer: torch.optim.Optimizer, saved: Any, name: str) -> None:
+    """Each saved parameter group's options are of the kinds the live group's are (a string for ``lr`` loaded, the
+    next ``step`` raised: :func:`~torchrl_dcp.adapters.state_kinds.check_kinds`), and torch's own options in the
+    range torch's constructors accept (``lr``, ``eps``, ``weight_decay`` finite and ``>= 0``, ``betas`` in
+    ``[0, 1)``): what no optimizer torch builds (nor any schedule of it) holds."""
+    from torchrl_dcp.adapters.state_kinds import check_kinds
+
+    for i, (group, live) in enumerate(zip(saved["param_groups"], optimizer.param_groups)):
+        where = f"component {name!r}: parameter group {i}"
+        check_kinds({k: v for k, v in group.items() if k != "params"}, {k: v for k, v in live.items() if k != "params"},
+                    where)  # fmt: skip
+        for key in ("lr", "eps", "weight_decay"):
+            value = group.get(key)
+            if (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and not (math.isfinite(value) and value >= 0)
+            ):
+                raise IncompatibleComponentError(f"{where}: {key} is {value!r}, which torch's optimizers refuse")
+        betas = group.get("betas")
+        if isinstance(betas, (list, tuple)) and not all(
+            isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas
+        ):
+            raise IncompatibleComponentError(f"{where}: betas are {betas!r}, which torch's optimizers refuse")
+
+
 #: torch optimizers whose state tensors are each a scalar or of their parameter's shape
 _PER_PARAMETER = frozenset(
     {
@@ -404,9 +444,10 @@ _PER_PARAMETER = frozenset(
 )
 
 
-def _state_keys(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -> set[str] | None:
-    """The state keys this kind of optimizer keeps for a parameter of ``group`` (with its options) after a step:
-    found by stepping a new one over a scalar parameter; ``None`` when that fails (nothing to compare)."""
+def _state_keys(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The state this kind of optimizer keeps for a parameter of ``group`` (with its options) after a step, by key:
+    found by stepping a new one over a one-element parameter (a scalar state tensor is then told from one of the
+    parameter's shape); ``None`` when that fails (nothing to compare)."""
     param = torch.nn.Parameter(torch.zeros(1))
     try:
         accepts = inspect.signature(type(optimizer)).parameters  # (AdamW sets decoupled_weight_decay itself)
@@ -415,7 +456,34 @@ def _state_keys(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -> s
         probe.step()
     except Exception:  # noqa: BLE001 - an optimizer this cannot build or step: not compared
         return None
-    return set(probe.state[param]) if param in probe.state else set()
+    return dict(probe.state[param]) if param in probe.state else {}
+
+
+def _check_state_entry(key: str, saved: Any, probe: Any, where: str) -> None:
+    """A saved per-parameter state value is of the kind the optimizer keeps there (``probe``: what a new one holds
+    after a step): a tensor where it keeps one, a scalar one (``step``) where it keeps a scalar, of that dtype; a
+    number where it keeps a number, finite and (a ``step``) not negative."""
+    from torchrl_dcp.format.codec import TensorSpec
+
+    if probe is None or saved is None:  # (SGD's momentum buffer: None until its first step with momentum)
+        return
+    tensor = isinstance(saved, (torch.Tensor, TensorSpec))
+    if isinstance(probe, torch.Tensor) != tensor:
+        what = "a tensor" if tensor else f"a {type(saved).__name__}"
+        raise IncompatibleComponentError(f"{where}: {key!r} is {what} in the checkpoint; this optimizer keeps a "
+                                         f"{'tensor' if isinstance(probe, torch.Tensor) else 'number'} there")  # fmt: skip
+    if tensor and probe.dim() == 0 and (len(saved.shape) != 0 or saved.dtype != probe.dtype):
+        raise IncompatibleComponentError(
+            f"{where}: {key!r} is a {saved.dtype} tensor of shape {list(saved.shape)} in the checkpoint; this "
+            f"optimizer keeps a {probe.dtype} scalar there"
+        )
+    if tensor and probe.dim() != 0 and len(saved.shape) == 0:
+        raise IncompatibleComponentError(
+            f"{where}: {key!r} is a scalar tensor in the checkpoint; this optimizer keeps one of the parameter's shape"
+        )
+    if not tensor and (not isinstance(saved, (int, float)) or isinstance(saved, bool) or not math.isfinite(saved)
+                       or (key == "step" and saved < 0)):  # fmt: skip
+        raise IncompatibleComponentError(f"{where}: {key!r} is {saved!r} in the checkpoint: no step leaves that")
 
 
 def _check_state_shapes(optimizer: torch.optim.Optimizer, saved: Any, name: str) -> None:
@@ -441,7 +509,7 @@ def _check_state_shapes(optimizer: torch.optim.Optimizer, saved: Any, name: str)
             expected = keys_of.get(id(group), ...)
             if expected is ...:
                 expected = keys_of[id(group)] = _state_keys(optimizer, group)
-            other, missing = set(entries) - (expected or set(entries)), (expected or set()) - set(entries)
+            other, missing = set(entries) - set(expected or entries), set(expected or ()) - set(entries)
             if expected and (other or (missing and kind != "SGD")):
                 raise IncompatibleComponentError(
                     f"component {name!r}: the checkpoint's state of parameter {pid} holds {sorted(entries)}, this "
@@ -451,7 +519,10 @@ def _check_state_shapes(optimizer: torch.optim.Optimizer, saved: Any, name: str)
                 )
         if torch.nn.parameter.is_lazy(param):  # (a lazy module gets its shapes from the same load)
             continue
+        template = keys_of.get(id(group)) if isinstance(keys_of.get(id(group)), dict) else None
         for key, spec in entries.items() if isinstance(entries, Mapping) else ():
+            if template is not None:
+                _check_state_entry(key, spec, template.get(key), f"component {name!r}: parameter {pid}'s state")
             if isinstance(spec, TensorSpec) and spec.shape and spec.shape != tuple(param.shape):
                 raise IncompatibleComponentError(
                     f"component {name!r}: the checkpoint's {key!r} of parameter {pid} has shape {list(spec.shape)}, "

@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import warnings
 from collections.abc import Mapping
@@ -226,6 +227,13 @@ class RNGStateAdapter(Adapter):
         if gauss is not None and type(gauss) is not float or type(npst.get("gauss")) is not float:
             raise ValueError(f"RNG gauss values {gauss!r}, {npst.get('gauss')!r} (floats, or None for Python's)")
 
+    def check_values(self, saved: Any, read: Any) -> None:
+        """Each saved stream is one its generator takes and can have reached: set on a scratch generator of its kind
+        (a short or malformed torch state, a Python position past its words, refused there: ``verify`` refused none
+        of them, every load did), words of 32 bits (wider ones were cut silently), not all zero (a Mersenne twister
+        of zeros draws 0.0 for ever: no seeding leaves it), pending Gaussians finite."""
+        check_stream_values(saved, read)
+
     def restore(self, obj: RNGState, state: Any, ctx: AdapterContext) -> Any:
         obj.load_state_dict(state)
         return None
@@ -237,6 +245,38 @@ class RNGStateAdapter(Adapter):
         (state,) = states.values()
         reseed_global_streams(state["torch"], ctx)
         return None
+
+
+def check_stream_values(saved: Any, read: Any) -> None:
+    """What :meth:`RNGStateAdapter.check_values` checks (raises ``ValueError``)."""
+    py, npst = saved["python"], saved["numpy"]
+    words = read(py["state"]) if not isinstance(py["state"], torch.Tensor) else py["state"]
+    _mt_words("Python", words[:-1] if words.numel() == 625 else words)
+    try:
+        random.Random().setstate((py["version"], tuple(int(v) for v in words.tolist()), py["gauss"]))
+    except (ValueError, TypeError, OverflowError) as err:
+        raise ValueError(f"its Python RNG state is refused by random.setstate ({err})") from None
+    if py["gauss"] is not None and not math.isfinite(py["gauss"]):
+        raise ValueError(f"its Python RNG holds a pending Gaussian of {py['gauss']}")
+    keys = read(npst["keys"]) if not isinstance(npst["keys"], torch.Tensor) else npst["keys"]
+    _mt_words("NumPy", keys)
+    if npst["has_gauss"] and not math.isfinite(npst["gauss"]):
+        raise ValueError(f"its NumPy RNG holds a pending Gaussian of {npst['gauss']}")
+    cpu = saved.get("torch")
+    cpu = read(cpu) if cpu is not None and not isinstance(cpu, torch.Tensor) else cpu
+    if cpu is not None:
+        try:
+            torch.Generator().set_state(cpu.cpu())
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(f"its torch RNG state is refused by torch ({str(err).splitlines()[0][:160]})") from None
+
+
+def _mt_words(which: str, words: torch.Tensor) -> None:
+    """A Mersenne twister's words: 32-bit, not all zero."""
+    if words.numel() and (int(words.min()) < 0 or int(words.max()) >= 1 << 32):
+        raise ValueError(f"its {which} RNG state holds words outside 32 bits ({int(words.min())}..{int(words.max())})")
+    if words.numel() and not bool(words.any()):
+        raise ValueError(f"its {which} RNG state is all zeros: no seeding leaves a Mersenne twister there")
 
 
 class TorchrlGlobalRNGAdapter(StateDictAdapter):

@@ -44,6 +44,7 @@ import torch
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
 from torchrl_dcp.adapters.in_place import copy_except, in_place_tensors, pair_tensors, same_memory
+from torchrl_dcp.adapters.state_kinds import check_kinds, check_no_shadowing
 from torchrl_dcp.format.codec import TensorSpec
 
 
@@ -68,13 +69,22 @@ class StateDictAdapter(Adapter):
         return None
 
     def validate(self, obj: Any, saved: dict[int, Any], ctx: AdapterContext) -> None:
-        """Notes (once, before the snapshot) the live tensors that will receive the saved bytes in place."""
+        """Every saved state holds the kinds of value the live object's does, and no key naming one of its methods
+        (:mod:`~torchrl_dcp.adapters.state_kinds`); notes (once, before the snapshot) the live tensors that will
+        receive the saved bytes in place."""
         ctx.plan.pop("in_place", None)
-        if not self.in_place or getattr(self, "restore_last", False) or len(saved) != 1:
+        try:
+            live = self.state(obj, ctx)
+        except Exception:  # (an object whose state() fails before its first use: its load_state_dict decides)
+            live = None
+        for view in saved.values():
+            check_kinds(view, live, f"component {ctx.name!r}")
+            check_no_shadowing(view, live, obj, f"component {ctx.name!r}")
+        if not self.in_place or getattr(self, "restore_last", False) or len(saved) != 1 or live is None:
             return  # RNG-like state is restored with the streams; several saved states: resharded, fresh
         if ctx.saved_world_size is not None and ctx.saved_world_size != ctx.world_size:
             return  # possibly resharded (the plan then reads into fresh tensors): the snapshot must copy
-        current = self.state(obj, ctx)
+        current = live
         (view,) = saved.values()
         ctx.plan["current"] = current
         found = in_place_tensors(current, view, ctx)

@@ -400,8 +400,8 @@ def write_archive(
 ) -> Path:
     """Copy ``files`` (``(name, path, size, checksum)``) and the manifest into one archive, atomically.
 
-    ``replaceable``: asked of a checkpoint directory at ``destination`` once the archive has moved it aside
-    (:func:`~torchrl_dcp.storage.commit.publish`).
+    ``replaceable``: asked of what is at ``destination`` (an archive, a checkpoint directory) once the archive has
+    moved it aside (:func:`~torchrl_dcp.storage.commit.publish`).
 
     The layout is computed first (a local header's size does not depend on the CRC),
     then several threads copy the files to their offsets, computing each file's CRC32
@@ -414,7 +414,7 @@ def write_archive(
     (``convert.py``, under the destination's lock). Source files are opened without
     following links and must be regular files.
     """
-    from torchrl_dcp.storage.commit import create_exclusive, fsync_path
+    from torchrl_dcp.storage.commit import create_exclusive
     from torchrl_dcp.storage.copying import CopyRange, copy_ranges, pwrite_all
 
     entries: list[tuple[str, Path | None, int, str | None]] = [(MANIFEST, None, len(manifest_bytes), None)]
@@ -456,12 +456,9 @@ def write_archive(
             os.fsync(out)
         finally:
             os.close(out)
-        if destination.is_dir() and not destination.is_symlink():  # a checkpoint directory replaced by its archive
-            # (exchanged in one step, or renamed aside first: the old one removed after, if still replaceable)
-            publish(tmp, destination, replaceable=replaceable)
-        else:
-            os.replace(tmp, destination)
-            fsync_path(destination.parent, follow=True)
+        # a free path taken only while still free; what is there (an archive, or a checkpoint directory replaced
+        # by its archive) exchanged in one step, or renamed aside first, and removed only if still replaceable
+        publish(tmp, destination, replaceable=replaceable)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

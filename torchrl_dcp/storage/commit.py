@@ -23,7 +23,7 @@ import ctypes
 import errno
 import fcntl
 import os
-import shutil
+import re
 import socket
 import stat
 import time
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from torchrl_dcp._log import get_logger
 from torchrl_dcp.errors import CheckpointError, from_os_error
-from torchrl_dcp.format.layout import MANIFEST
+from torchrl_dcp.format.layout import MANIFEST, is_library_file
 from torchrl_dcp.storage import proven
 from torchrl_dcp.storage.files import DirHandle
 from torchrl_dcp.storage.libc import libc
@@ -57,6 +57,7 @@ _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 _LOCK_ATTEMPTS = 100  # a lock file that vanished between creation and open this often is not a race
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
+_RENAME_NOREPLACE = 1
 
 
 def staging_path(destination: Path, token: str | None = None) -> Path:
@@ -275,21 +276,73 @@ def _read_holder(fd: int) -> str:
         return "another process"
 
 
-def remove_tree(path: Path) -> None:
-    """Remove a file, link or directory tree at ``path``; a link is removed itself, never followed.
-
-    ``shutil.rmtree`` works on directory file descriptors (``O_NOFOLLOW``) on Linux:
-    a link inside the tree, or swapped in while it runs, is unlinked, not descended.
-    """
+def remove_tree(path: Path) -> list[str]:
+    """Remove what this library wrote at ``path``: a file or link (itself, never what it points to), or a directory
+    with the files a save or conversion writes there (:func:`is_ours`, the manifest first), in its subdirectories
+    too, and each directory left empty. Anything else (a user's file, put into a checkpoint, its staging or its
+    trash at any moment, or left there by a killed prune) is kept, with the directories holding it: returns their
+    paths relative to ``path`` (``[]``: all removed), and logs them. Links are never followed (directory file
+    descriptors opened ``O_NOFOLLOW``)."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        return
-    if stat.S_ISDIR(st.st_mode):
-        _unlink_proven_files(path)
-        shutil.rmtree(path, ignore_errors=True)
-    else:
+        return []
+    if not stat.S_ISDIR(st.st_mode):
         path.unlink(missing_ok=True)
+        return []
+    _unlink_proven_files(path)
+    kept = _remove_ours(path, "")
+    if kept:
+        logger.warning("%s: kept %s, which this library never writes (everything of its own was removed)", path,
+                       kept[:5])  # fmt: skip
+    return kept
+
+
+def is_ours(name: str) -> bool:
+    """Whether ``name`` is a file a save or conversion writes into a checkpoint or its staging area: data, chunk,
+    metadata, manifest and shard files (:func:`~torchrl_dcp.format.layout.is_library_file`) and their temporary
+    files (``.manifest.json.tmp-<hex>``, DCP's ``.metadata.tmp``), or a leftover of ours inside one."""
+    if is_library_file(name):
+        return True
+    m = _TEMPORARY.match(name)
+    if m is not None and is_library_file(m.group(1)):
+        return True
+    return name.startswith(".") and any(tag in name for tag in (STAGING_TAG, TRASH_TAG, TMP_TAG))
+
+
+_TEMPORARY = re.compile(r"^\.?(.+?)\.tmp(?:-[0-9a-f]{32})?$")
+
+
+def _remove_ours(path: Path, prefix: str) -> list[str]:
+    """:func:`remove_tree` of the directory ``path`` (``prefix``: its path in the tree, for the report)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC)
+    except OSError:
+        return [prefix or "."]
+    kept: list[str] = []
+    try:
+        with os.scandir(fd) as it:
+            entries = sorted(it, key=lambda e: e.name != MANIFEST)  # (the manifest first: no longer a checkpoint)
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    kept += _remove_ours(path / entry.name, f"{prefix}{entry.name}/")
+                elif is_ours(entry.name) or entry.is_symlink():  # (a link planted here: itself, never its target)
+                    os.unlink(entry.name, dir_fd=fd)
+                else:
+                    kept.append(f"{prefix}{entry.name}")
+            except FileNotFoundError:
+                continue
+    finally:
+        os.close(fd)
+    if not kept:
+        try:
+            os.rmdir(path)
+        except FileNotFoundError:
+            pass
+        except OSError:  # (something made there meanwhile: kept, as it is)
+            kept.append(prefix or ".")
+    return kept
 
 
 def _unlink_proven_files(path: Path) -> None:
@@ -312,13 +365,11 @@ def _unlink_proven_files(path: Path) -> None:
         os.close(fd)
 
 
-def remove_entry(path: Path, foreign: Callable[[Path], list[str]] | None = None) -> bool:
-    """Delete an entry: renamed aside first, so a crash never leaves a half-deleted committed entry.
-
-    ``foreign(directory)``: the names in a directory entry that no save writes there (a user's files, put there after
-    the save): those are kept, the rest removed, and the directory renamed back holding only them (no longer a
-    checkpoint). False when the entry was already gone (another process pruned it).
-    """
+def remove_entry(path: Path) -> bool:
+    """Delete an entry: renamed aside first, so a crash never leaves a half-deleted committed entry, then what this
+    library wrote there removed (:func:`remove_tree`). A user's files in it are kept: the directory is renamed back
+    holding only them (no longer a checkpoint), or, when its name was taken meanwhile, left where it is, named in
+    the log. False when the entry was already gone (another process pruned it)."""
     if path.name.startswith("."):
         remove_tree(path)
         return True
@@ -327,22 +378,12 @@ def remove_entry(path: Path, foreign: Callable[[Path], list[str]] | None = None)
         os.rename(path, trash)
     except FileNotFoundError:
         return False
-    kept = foreign(trash) if foreign is not None and _is_directory(trash) else []
-    if not kept:
-        remove_tree(trash)
-        return True
-    for name in sorted(set(os.listdir(trash)) - set(kept), key=lambda n: n != MANIFEST):  # (the manifest first)
-        remove_tree(trash / name)
-    os.rename(trash, path)
-    logger.warning("%s: kept %s, which no save writes there (the checkpoint's own files were removed)", path, kept[:5])
+    if remove_tree(trash):
+        try:
+            os.rename(trash, path)
+        except OSError:
+            logger.warning("%s: what a user put there was kept at %s (the name was taken meanwhile)", path, trash)
     return True
-
-
-def _is_directory(path: Path) -> bool:
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except FileNotFoundError:
-        return False
 
 
 def fsync_path(path: Path, *, follow: bool = False) -> None:
@@ -413,6 +454,24 @@ def write_file_durably(path: Path, data: bytes, within: DirHandle | None = None)
         raise
 
 
+def _rename_new(a: Path, b: Path) -> bool:
+    """Rename ``a`` to ``b`` where nothing is at ``b`` (``RENAME_NOREPLACE``); False when something is there now
+    (made since it was looked at: the caller replaces it as it replaces what was there, checking it first). Where
+    the file system cannot refuse to replace, a plain rename (which never replaces a non-empty directory)."""
+    renameat2 = getattr(libc(), "renameat2", None)
+    if renameat2 is not None:
+        res = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_NOREPLACE)
+        if res == 0:
+            return True
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            return False
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise OSError(err, os.strerror(err), str(b))
+    os.rename(a, b)
+    return True
+
+
 def _exchange(a: Path, b: Path) -> bool:
     """Atomically swap two paths; False when the platform or file system cannot."""
     renameat2 = getattr(libc(), "renameat2", None)
@@ -454,25 +513,37 @@ def publish(
                 path=staging,
             )
     fsync_path(staging)
-    if destination.exists() or destination.is_symlink():
-        if _exchange(staging, destination):
-            if replaceable is not None and not replaceable(staging):  # (staging now holds what was there)
-                _exchange(staging, destination)
-                raise _appeared(destination)
-            fsync_path(destination.parent, follow=True)
-            remove_tree(staging)  # now holds the old checkpoint
-            return
-        trash = trash_path(destination)
-        os.rename(destination, trash)
-        if replaceable is not None and not replaceable(trash):
-            os.rename(trash, destination)
-            raise _appeared(destination)
-        os.rename(staging, destination)
+    if not (destination.exists() or destination.is_symlink()) and _rename_new(staging, destination):
         fsync_path(destination.parent, follow=True)
-        remove_tree(trash)
         return
-    os.rename(staging, destination)
+    if _exchange(staging, destination):
+        if replaceable is not None and not replaceable(staging):  # (staging now holds what was there)
+            _exchange(staging, destination)
+            raise _appeared(destination)
+        fsync_path(destination.parent, follow=True)
+        remove_tree(staging)  # now holds the old checkpoint (a user's file put there meanwhile: kept)
+        return
+    trash = trash_path(destination)
+    os.rename(destination, trash)
+    if replaceable is not None and not replaceable(trash):
+        os.rename(trash, destination)
+        raise _appeared(destination)
+    try:
+        os.rename(staging, destination)
+    except OSError as err:  # (something made at the path meanwhile): the previous checkpoint goes back
+        try:
+            os.rename(trash, destination)
+        except OSError:
+            kept = destination.with_name(f"{destination.name}.previous-{uuid.uuid4().hex[:8]}")  # (never swept)
+            os.rename(trash, kept)
+            raise CheckpointError(
+                f"committing failed ({err.strerror}: something was made at this path while the save ran) and the "
+                f"previous checkpoint could not be put back: it is at {kept}; move it back by hand",
+                path=destination,
+            ) from None
+        raise _appeared(destination) from None
     fsync_path(destination.parent, follow=True)
+    remove_tree(trash)
 
 
 def _appeared(destination: Path) -> CheckpointError:

@@ -411,7 +411,7 @@ class DirectoryLocation(Location):
         return tree_size(self.path)
 
     def remove(self) -> bool:
-        return remove_entry(self.path, foreign=foreign_entries)  # (a user's files put into it are kept)
+        return remove_entry(self.path)  # (a user's files put into it are kept: remove_tree)
 
     def leftovers(self) -> list[Leftover]:
         try:

@@ -1,0 +1,89 @@
+"""A saved state against the live object's own: the same kind of value wherever both hold one.
+
+An object restored through its ``load_state_dict`` takes whatever the checkpoint holds: torch's LR schedulers
+``__dict__.update`` it (a key ``"step"`` replaced the method), torchrl's hooks ``setattr`` each key, an optimizer's
+``param_groups`` take a string for ``lr``. The live object's ``state_dict()`` says what a save of it writes:
+:func:`check_kinds` refuses a saved value of another kind than the live one's at the same place (a string for a
+number, a tensor for a list, a number for a tensor, another tensor dtype, a scalar tensor for a non-scalar one), and
+:func:`check_no_shadowing` a saved key the live state does not hold that names one of the object's methods.
+``None`` on either side is not compared (an attribute set on first use); ints and floats are one kind (a learning
+rate set to ``1`` and scheduled to ``0.5``); lists of other lengths are not compared element by element.
+
+Example:
+    >>> check_kinds({"lr": 0.1, "steps": [1, 2]}, {"lr": 1, "steps": [3]}, "opt")  # the same kinds
+    >>> check_kinds({"lr": "0.1"}, {"lr": 0.1}, "opt")
+    Traceback (most recent call last):
+    ...
+    torchrl_dcp.errors.IncompatibleComponentError: opt: 'lr' is a str in the checkpoint, a number in the live object
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from torchrl_dcp.errors import IncompatibleComponentError
+from torchrl_dcp.format.codec import TensorSpec
+
+__all__ = ["check_kinds", "check_no_shadowing", "kind_of"]
+
+
+def kind_of(value: Any) -> str | None:
+    """The kind a value is compared by (``None`` for ``None``)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, numbers.Real):
+        return "number"
+    if isinstance(value, str):
+        return "str"
+    if isinstance(value, (torch.Tensor, TensorSpec)):
+        return "tensor"
+    if isinstance(value, Mapping):
+        return "mapping"
+    if isinstance(value, Sequence):
+        return "sequence"
+    return type(value).__name__
+
+
+def check_kinds(saved: Any, live: Any, where: str, path: str = "") -> None:
+    """Raise :class:`IncompatibleComponentError` where ``saved`` holds another kind of value than ``live`` (the
+    object's current state): mappings compared key by key (the keys both hold), sequences of one length element by
+    element, tensors by dtype and by whether they are scalars."""
+    a, b = kind_of(saved), kind_of(live)
+    if a is None or b is None:
+        return
+    at = repr(path) if path else "its state"
+    if a != b:
+        raise IncompatibleComponentError(f"{where}: {at} is a {a} in the checkpoint, a {b} in the live object")
+    if a == "tensor":
+        if saved.dtype != live.dtype or (len(saved.shape) == 0) != (len(live.shape) == 0):
+            raise IncompatibleComponentError(
+                f"{where}: {at} is a {saved.dtype} tensor of shape {list(saved.shape)} in the checkpoint, "
+                f"{live.dtype} {list(live.shape)} in the live object"
+            )
+    elif a == "mapping":
+        for key in saved.keys() & live.keys():
+            check_kinds(saved[key], live[key], where, f"{path}.{key}" if path else str(key))
+    elif a == "sequence" and len(saved) == len(live):
+        for i, (x, y) in enumerate(zip(saved, live)):
+            check_kinds(x, y, where, f"{path}[{i}]")
+
+
+def check_no_shadowing(saved: Any, live: Any, obj: Any, where: str) -> None:
+    """Refuse a saved key the live state does not hold that names a method or property of ``obj``'s class: a
+    ``load_state_dict`` that sets attributes from its keys (``__dict__.update``, ``setattr``) would replace it."""
+    if not isinstance(saved, Mapping) or not isinstance(live, Mapping):
+        return
+    for key in saved.keys() - live.keys():
+        if isinstance(key, str) and (
+            callable(getattr(type(obj), key, None)) or isinstance(getattr(type(obj), key, None), property)
+        ):
+            raise IncompatibleComponentError(
+                f"{where}: the checkpoint's state holds {key!r}, which is no part of this {type(obj).__name__}'s "
+                "state but one of its methods (loading it would replace the method): damaged or forged"
+            )
