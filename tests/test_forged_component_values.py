@@ -196,3 +196,132 @@ def test_a_buffer_hook_in_torchrls_own_layout_is_checked_once_restored(tmp_path:
     with pytest.raises(tdcp.CheckpointIntegrityError, match=r"writer's cursor is 57"):
         tdcp.DistributedCheckpoint(hook=hook).load(path)
     assert len(online) == 4 and online._writer._cursor == 4
+
+
+# ---------------------------------------------------------------------- optimizers, schedulers, hooks, RNG streams
+def _adam() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    return {"model": model, "optimizer": optimizer}
+
+
+def _scheduled() -> dict[str, Any]:
+    objs = _adam()
+    objs["sched"] = torch.optim.lr_scheduler.StepLR(objs["optimizer"], step_size=2, gamma=0.5)
+    return objs
+
+
+class _ExtraKeyStepLR(torch.optim.lr_scheduler.StepLR):  # (a resealed manifest whose state holds one more key)
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "step": 5}
+
+
+def _first_state(objs: dict[str, Any]) -> dict[str, Any]:
+    return next(iter(objs["optimizer"].state.values()))
+
+
+def _state_entry(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    def forge(objs: dict[str, Any]) -> None:
+        _first_state(objs)[key] = value
+
+    return forge
+
+
+def _group_option(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    def forge(objs: dict[str, Any]) -> None:
+        objs["optimizer"].param_groups[0][key] = value
+
+    return forge
+
+
+def _rng_words(which: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    def forge(objs: dict[str, Any]) -> None:
+        real = objs["rng"].state_dict
+
+        def forged() -> dict[str, Any]:
+            state = real()
+            if which == "python":
+                state["python"]["state"] = value(state["python"]["state"])
+            elif which == "numpy":
+                state["numpy"]["keys"] = value(state["numpy"]["keys"])
+            elif which == "python gauss":
+                state["python"]["gauss"] = value
+            else:
+                state["torch"] = value
+            return state
+
+        objs["rng"].state_dict = forged
+
+    return forge
+
+
+def _rng() -> dict[str, Any]:
+    return {"rng": tdcp.RNGState()}
+
+
+def _zeros_but_position(words: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(words)
+    out[-1] = words[-1]
+    return out
+
+
+#: (build the objects, tamper with them, what the refusal says, whether ``verify`` tells)
+STATE_FORGERIES: dict[str, tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None], str, bool]] = {
+    "Adam step of the parameter's shape": (_adam, _state_entry("step", torch.ones(2, 3)), r"'step' is a", False),
+    "Adam step a bool tensor": (_adam, _state_entry("step", torch.tensor(True)), r"'step' is a torch.bool", False),
+    "Adam exp_avg a scalar": (_adam, _state_entry("exp_avg", torch.tensor(0.0)), r"'exp_avg' is a scalar", False),
+    "Adam exp_avg a number": (_adam, _state_entry("exp_avg", 0.5), r"'exp_avg' is a float", False),
+    "Adam step negative": (_adam, _state_entry("step", torch.tensor(-1.0)), r"step is -1.0", True),
+    "lr a string": (_adam, _group_option("lr", "0.1"), r"'lr' is a str", False),
+    "lr NaN": (_adam, _group_option("lr", float("nan")), r"lr is nan", False),
+    "betas at 1": (_adam, _group_option("betas", (1.0, 0.999)), r"betas are", False),
+    "eps negative": (_adam, _group_option("eps", -1.0), r"eps is -1.0", False),
+    "scheduler key shadowing its step()": (
+        _scheduled,
+        lambda objs: setattr(objs["sched"], "__class__", _ExtraKeyStepLR),
+        r"one of its methods",
+        False,
+    ),
+    "scheduler last_epoch a string": (
+        _scheduled,
+        lambda objs: setattr(objs["sched"], "last_epoch", "x"),
+        r"'last_epoch' is a str",
+        False,
+    ),
+    "Python stream of zeros": (_rng, _rng_words("python", _zeros_but_position), r"all zeros", True),
+    "NumPy key past 32 bits": (_rng, _rng_words("numpy", lambda k: k + (1 << 32)), r"outside 32 bits", True),
+    "Python pending Gaussian infinite": (_rng, _rng_words("python gauss", float("inf")), r"Gaussian of inf", True),
+    "torch state of 100 bytes": (
+        _rng,
+        _rng_words("torch", torch.zeros(100, dtype=torch.uint8)),
+        r"refused by torch",
+        True,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", STATE_FORGERIES)
+def test_a_state_no_save_writes_is_refused_leaving_the_objects(tmp_path: Path, name: str) -> None:
+    build, forge, says, by_verify = STATE_FORGERIES[name]
+    forged = build()
+    forge(forged)
+    path = tdcp.DistributedCheckpoint(**forged).save(tmp_path / "c")
+    if by_verify:
+        with pytest.raises(tdcp.CheckpointError, match=says):
+            tdcp.verify(path)
+    live = build()
+    if name.startswith(("Python", "NumPy", "torch state")):
+        import random
+
+        before = (random.getstate(), torch.get_rng_state())
+    else:
+        before = {k: tdcp.state_snapshot(v) for k, v in live.items()}
+    with pytest.raises(tdcp.CheckpointError, match=says):
+        tdcp.DistributedCheckpoint(**live).load(path)
+    if name.startswith(("Python", "NumPy", "torch state")):
+        assert random.getstate() == before[0] and torch.equal(torch.get_rng_state(), before[1])
+    else:
+        assert all(not tdcp.state_differences(before[k], tdcp.state_snapshot(v)) for k, v in live.items())

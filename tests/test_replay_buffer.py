@@ -447,3 +447,25 @@ def test_honest_buffers_the_checks_once_refused_load_exactly(tmp_path: Path) -> 
     for rb in (timed, timed2):
         rb.extend(item(t0 + 50, 3.0))  # older than both kept ones: dropped
     assert sorted(timed2[:]["obs"].tolist()) == sorted(timed[:]["obs"].tolist()) == [1.0, 2.0]
+
+
+def test_a_checkpoint_of_a_never_written_buffer_loads_into_a_used_one_as_it_was(tmp_path: Path) -> None:
+    """Rolling a loop back to a save made before the first ``extend``: the storage kept the later rows' entries and
+    cursor (only ``len`` was 0), so an ``extend`` of other entries carried the rolled-back rows' values; it is now as
+    saved, never written (a sampler's epoch counter back to its default too)."""
+    from torchrl.data.replay_buffers import SamplerWithoutReplacement
+
+    def make() -> TensorDictReplayBuffer:
+        return TensorDictReplayBuffer(storage=LazyTensorStorage(100), sampler=SamplerWithoutReplacement(), batch_size=4)
+
+    rb = make()
+    before = tdcp.state_snapshot(rb)
+    path = tdcp.DistributedCheckpoint(rb=rb).save(tmp_path / "c")
+    rb.extend(TensorDict({"x": torch.arange(10.0)}, [10]))
+    rb.sample()
+    tdcp.DistributedCheckpoint(rb=rb).load(path)
+    assert not tdcp.state_differences(before, tdcp.state_snapshot(rb))
+    fresh = make()
+    for buf in (rb, fresh):
+        buf.extend(TensorDict({"y": torch.zeros(3, 2)}, [3]))
+    assert sorted(rb[:].keys()) == sorted(fresh[:].keys()) and "x" not in rb[:].keys()

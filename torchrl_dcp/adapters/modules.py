@@ -459,7 +459,7 @@ def _state_keys(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -> d
     return dict(probe.state[param]) if param in probe.state else {}
 
 
-def _check_state_entry(key: str, saved: Any, probe: Any, where: str) -> None:
+def _check_state_entry(key: str, saved: Any, probe: Any, param_shape: tuple[int, ...], where: str) -> None:
     """A saved per-parameter state value is of the kind the optimizer keeps there (``probe``: what a new one holds
     after a step): a tensor where it keeps one, a scalar one (``step``) where it keeps a scalar, of that dtype; a
     number where it keeps a number, finite and (a ``step``) not negative."""
@@ -477,7 +477,7 @@ def _check_state_entry(key: str, saved: Any, probe: Any, where: str) -> None:
             f"{where}: {key!r} is a {saved.dtype} tensor of shape {list(saved.shape)} in the checkpoint; this "
             f"optimizer keeps a {probe.dtype} scalar there"
         )
-    if tensor and probe.dim() != 0 and len(saved.shape) == 0:
+    if tensor and probe.dim() != 0 and len(saved.shape) == 0 and param_shape:
         raise IncompatibleComponentError(
             f"{where}: {key!r} is a scalar tensor in the checkpoint; this optimizer keeps one of the parameter's shape"
         )
@@ -522,7 +522,8 @@ def _check_state_shapes(optimizer: torch.optim.Optimizer, saved: Any, name: str)
         template = keys_of.get(id(group)) if isinstance(keys_of.get(id(group)), dict) else None
         for key, spec in entries.items() if isinstance(entries, Mapping) else ():
             if template is not None:
-                _check_state_entry(key, spec, template.get(key), f"component {name!r}: parameter {pid}'s state")
+                where = f"component {name!r}: parameter {pid}'s state"
+                _check_state_entry(key, spec, template.get(key), tuple(param.shape), where)
             if isinstance(spec, TensorSpec) and spec.shape and spec.shape != tuple(param.shape):
                 raise IncompatibleComponentError(
                     f"component {name!r}: the checkpoint's {key!r} of parameter {pid} has shape {list(spec.shape)}, "

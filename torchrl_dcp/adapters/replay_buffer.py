@@ -199,9 +199,26 @@ def restore_storage(storage: TensorStorage, saved: Mapping[str, Any]) -> None:
                 storage._last_cursor = saved["last_cursor"]
     elif storage.initialized:
         storage._len = 0
+        if _lazy_without_files(storage):  # as saved: never written (its next extend sets its entries again)
+            storage._storage, storage.initialized = None, False
+            set_cursor = getattr(storage, "_set_last_cursor", None)  # (torchrl 0.14: also its shared index, -1)
+            if callable(set_cursor):
+                set_cursor(None)
+            storage._last_cursor = None
     bump = getattr(storage, "_bump_mutation_revision", None)
     if bump is not None:
         bump()
+
+
+def _lazy_without_files(storage: Any) -> bool:
+    """A lazily allocated tensor storage that can be allocated again (a memmap storage with a ``scratch_dir``
+    cannot: torchrl never writes over the memmap files it made there, so it stays allocated and empty, as torchrl's
+    own ``empty()`` leaves a storage)."""
+    from torchrl.data import LazyMemmapStorage, LazyTensorStorage
+
+    if isinstance(storage, LazyMemmapStorage):
+        return not getattr(storage, "scratch_dir", None)
+    return isinstance(storage, LazyTensorStorage)
 
 
 # --------------------------------------------------------------------------- sampler
@@ -273,9 +290,12 @@ def restore_sampler(sampler: Any, saved: Mapping[str, Any], name: str, rows: int
             SliceSampler.load_state_dict(sampler, saved["slice"])
         return
     sampler.load_state_dict(saved["state"])
-    for attr, value in saved.get("extra", {}).items():
-        if attr in SAMPLER_EXTRA_ATTRIBUTES:
-            setattr(sampler, attr, value)
+    extra = saved.get("extra", {})
+    for attr in SAMPLER_EXTRA_ATTRIBUTES:
+        if attr in extra:
+            setattr(sampler, attr, extra[attr])
+        else:
+            vars(sampler).pop(attr, None)  # (saved before it was set: the class default, as then)
 
 
 # --------------------------------------------------------------------------- writer
@@ -543,6 +563,9 @@ class ReplayBufferAdapter(Adapter):
         for attr, value in snapshot["storage"].items():
             if hasattr(rb._storage, attr) and value is not None:
                 setattr(rb._storage, attr, value)
+        set_cursor = getattr(rb._storage, "_set_last_cursor", None)  # (torchrl 0.14: its shared index too)
+        if callable(set_cursor) and "_last_cursor" in snapshot["storage"]:
+            set_cursor(snapshot["storage"]["_last_cursor"])
         if isinstance(rb._storage, TensorStorage) and not snapshot["storage"]["initialized"]:
             rb._storage._storage = snapshot["storage"]["_storage"]
             rb._storage.initialized = False
