@@ -287,3 +287,35 @@ def load_counted_collector(path: str) -> dict[str, Any]:
     out = {"vecnorm": _vecnorm_counts(collector.env), "next_min_count": int(next(iter(collector))["traj_count"].min())}
     collector.shutdown()
     return out
+
+
+def _assembling_collector(seed: int):
+    from torchrl.collectors import Collector
+    from torchrl.envs import PendulumEnv, StepCounter, TransformedEnv
+
+    env = TransformedEnv(PendulumEnv(), StepCounter(max_steps=3))
+    env.set_seed(seed)
+    return Collector(env, None, frames_per_batch=20, total_frames=-1, trajs_per_batch=2)
+
+
+def save_assembling_collector(path: str) -> dict[str, Any]:
+    """A collector with ``trajs_per_batch`` holding complete trajectories it has not yielded yet."""
+    collector = _assembling_collector(dist.get_rank())
+    next(iter(collector))
+    held = len(collector._traj_assembly[1])
+    tdcp.DistributedCheckpoint(collector=collector, timeout=60).save(path, step=1)
+    collector.shutdown()
+    return {"held": held}
+
+
+def load_assembling_collector_resharded(path: str) -> dict[str, Any]:
+    collector = _assembling_collector(50 + dist.get_rank())
+    before = tdcp.state_snapshot(collector)
+    try:
+        tdcp.DistributedCheckpoint(collector=collector, timeout=60).load(path, world_size_change="reshard")
+    except tdcp.CheckpointError as err:
+        unchanged = not tdcp.state_differences(before, tdcp.state_snapshot(collector))
+        collector.shutdown()
+        return {"error": type(err).__name__, "message": str(err), "unchanged": unchanged}
+    collector.shutdown()
+    return {"error": None}

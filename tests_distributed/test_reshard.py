@@ -137,3 +137,14 @@ def test_a_resharded_collector_takes_the_sub_envs_statistics_and_the_trajectory_
     assert all(n >= s for n, s in zip(resumed["vecnorm"], saved[0].value["vecnorm"])), (resumed, saved[0].value)
     assert resumed["vecnorm"] and min(saved[0].value["vecnorm"]) > 2
     assert resumed["next_min_count"] > saved[0].value["max_count"]  # counts go on from saved rank 0's
+
+
+def test_a_collector_holding_complete_trajectories_is_not_resharded(tmp_path: Path) -> None:
+    """``trajs_per_batch``: complete trajectories a collector has collected and not yielded are transitions; a
+    world-size change dropped them without a word (the collector is reset). Refused on every rank, nothing changed."""
+    path = str(tmp_path / "ckpt")
+    (saved,) = launch(f"{S}:save_assembling_collector", 1, path)
+    assert saved.value["held"] > 0
+    results = launch(f"{S}:load_assembling_collector_resharded", 2, path)
+    assert all(r.value["error"] is not None and r.value["unchanged"] for r in results), results
+    assert any("complete trajectories it had not yielded" in r.value["message"] for r in results)

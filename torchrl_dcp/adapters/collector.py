@@ -182,6 +182,18 @@ class CollectorAdapter(Adapter):
     can_reshard = True
 
     def reshard_sources(self, saved: dict[int, Any], ctx: AdapterContext) -> list[int]:
+        """Saved rank ``rank % saved_world_size``; refused while a saved collector holds complete trajectories it
+        had not yielded (``trajs_per_batch``): collected transitions, which a new world would drop (or, taken by
+        several ranks, repeat). The in-flight episodes' steps are not taken over (the collector is reset)."""
+        for rank, state in saved.items():
+            assembly = state.get("traj_assembly") if isinstance(state, Mapping) else None
+            complete = assembly.get("complete") if isinstance(assembly, Mapping) else None
+            if complete:
+                raise IncompatibleComponentError(
+                    f"component {ctx.name!r}: saved rank {rank}'s collector holds {len(complete)} complete "
+                    "trajectories it had not yielded (trajs_per_batch): another number of ranks would drop them; "
+                    "load with the saved number of ranks, or save right after a batch"
+                )
         return same_rank_source(ctx)
 
     def reshard(self, collector: Collector, states: dict[int, Any], ctx: AdapterContext) -> Any:
