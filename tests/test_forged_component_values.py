@@ -268,6 +268,32 @@ def _zeros_but_position(words: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _counting_env() -> dict[str, Any]:
+    from torchrl.envs import TrajCounter
+
+    env = TransformedEnv(PendulumEnv(), Compose(StepCounter(max_steps=4), TrajCounter()))
+    env.set_seed(0)
+    env.rollout(3)
+    return {"env": env}
+
+
+def _frames_hook() -> dict[str, Any]:
+    from torchrl.trainers import CountFramesLog
+
+    return {"hook": CountFramesLog(frame_skip=1)}
+
+
+def _carrier_dtype(objs: dict[str, Any]) -> None:
+    carrier = objs["collector"]._carrier
+    carrier.set("step_count", torch.full_like(carrier["step_count"], 10.75, dtype=torch.float64))
+
+
+def _collector() -> dict[str, Any]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {"collector": _truncating_collector()}
+
+
 #: (build the objects, tamper with them, what the refusal says, whether ``verify`` tells)
 STATE_FORGERIES: dict[str, tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None], str, bool]] = {
     "Adam step of the parameter's shape": (_adam, _state_entry("step", torch.ones(2, 3)), r"'step' is a", False),
@@ -300,6 +326,19 @@ STATE_FORGERIES: dict[str, tuple[Callable[[], dict[str, Any]], Callable[[dict[st
         r"refused by torch",
         True,
     ),
+    "TrajCounter count negative": (
+        _counting_env,
+        lambda objs: setattr(objs["env"].transform[1]._traj_count, "value", -7),
+        r"holds count -7",
+        False,
+    ),
+    "frame count negative": (
+        _frames_hook,
+        lambda objs: setattr(objs["hook"], "frame_count", -1000),
+        r"not a count",
+        False,
+    ),
+    "carrier entry of another dtype": (_collector, _carrier_dtype, r"a load never casts", False),
 }
 
 
@@ -308,7 +347,9 @@ def test_a_state_no_save_writes_is_refused_leaving_the_objects(tmp_path: Path, n
     build, forge, says, by_verify = STATE_FORGERIES[name]
     forged = build()
     forge(forged)
-    path = tdcp.DistributedCheckpoint(**forged).save(tmp_path / "c")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (RandomTruncationTransform: an InexactResumeWarning)
+        path = tdcp.DistributedCheckpoint(**forged).save(tmp_path / "c")
     if by_verify:
         with pytest.raises(tdcp.CheckpointError, match=says):
             tdcp.verify(path)
@@ -319,7 +360,8 @@ def test_a_state_no_save_writes_is_refused_leaving_the_objects(tmp_path: Path, n
         before = (random.getstate(), torch.get_rng_state())
     else:
         before = {k: tdcp.state_snapshot(v) for k, v in live.items()}
-    with pytest.raises(tdcp.CheckpointError, match=says):
+    with pytest.raises(tdcp.CheckpointError, match=says), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         tdcp.DistributedCheckpoint(**live).load(path)
     if name.startswith(("Python", "NumPy", "torch state")):
         assert random.getstate() == before[0] and torch.equal(torch.get_rng_state(), before[1])

@@ -69,6 +69,9 @@ _OPAQUE_NAMES = frozenset(
 NOT_STATE: dict[str, str] = {
     "BaseCollector._final_rollout": "the collector's output buffer: every batch rewrites all of it",
     "BaseCollector._iteration_started": "whether the collector's iterator started: a new process starts it again",
+    "BaseCollector._policy_output_keys": "the policy's output keys, found from its specs: a set, listed in an order "
+    "that depends on the process's hash seed",
+    "MultiStepTransform._validated": "a one-time check of the buffer's keys, made again on first use",
     "BatchedEnvBase.shared_tensordict_parent": "a batched env's output buffer: every step rewrites it",
     "BatchedEnvBase._shared_tensordict_parent_next": "a batched env's output buffer: every step rewrites it",
     "BatchedEnvBase._shared_tensordict_parent_root": "a batched env's output buffer: every step rewrites it",

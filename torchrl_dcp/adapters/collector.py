@@ -121,6 +121,7 @@ class CollectorAdapter(Adapter):
                     f"component {ctx.name!r}: the collector's env declares entries the checkpoint's carrier lacks "
                     f"({lacking[:4]}): build the env (its transforms) as it was saved"
                 )
+            _check_carrier_dtypes(carrier, state["carrier"], ctx.name)
 
     def check_saved(self, saved: Any) -> None:
         """The counters torchrl's ``state_dict`` holds, as every collector keeps them: ``frames`` an int ``>= 0``,
@@ -213,6 +214,30 @@ def _statistics_only(state: Mapping[str, Any]) -> dict[str, Any]:
     sub-envs, ``Compose``'d transforms and cached parents; not the transform attributes of the saved rank's in-flight
     episode (a ``RandomTruncationTransform``'s horizons), which starts afresh."""
     return {**state, "transform_attributes": {}}
+
+
+def _check_carrier_dtypes(carrier: Any, saved: Any, name: str) -> None:
+    """Each saved carrier entry the live carrier holds has its dtype: the restore writes them in place, which would
+    cast (a float64 step count truncated into the int64 one: no save writes another dtype than the carrier's)."""
+    from torchrl_dcp.adapters.tensordict import _on_meta, tensordict_from_state
+
+    try:
+        rebuilt = tensordict_from_state(_on_meta(saved))
+        keys = set(rebuilt.keys(include_nested=True, leaves_only=True)) & set(
+            carrier.keys(include_nested=True, leaves_only=True)
+        )
+    except Exception:  # (a malformed or lazily stacked carrier: the restore says what it is)
+        return
+    for key in keys:
+        try:
+            a, b = rebuilt.get(key), carrier.get(key)
+        except RuntimeError:  # (an entry of other shapes per env: no one tensor)
+            continue
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype != b.dtype:
+            raise IncompatibleComponentError(
+                f"component {name!r}: the checkpoint's carrier holds {key!r} as {a.dtype}, the collector's as "
+                f"{b.dtype}: a load never casts; build the env as it was saved"
+            )
 
 
 def _assembly_state(collector: Collector) -> dict[str, Any] | None:

@@ -44,7 +44,13 @@ from torchrl_dcp.adapters.env_transforms import (
     warn_unverified_transforms,
 )
 from torchrl_dcp.adapters.rng import same_rank_source
-from torchrl_dcp.errors import CheckpointError, EncodingError, IncompatibleComponentError, InexactResumeWarning
+from torchrl_dcp.errors import (
+    CheckpointError,
+    CheckpointIntegrityError,
+    EncodingError,
+    IncompatibleComponentError,
+    InexactResumeWarning,
+)
 
 __all__ = [
     "EnvAdapter",
@@ -453,6 +459,12 @@ def restore_env_extras(env: Any, state: Mapping[str, Any], name: str) -> None:
             raise IncompatibleComponentError(
                 f"component {name!r}: the checkpoint holds the state of transform {path}, which this env does not "
                 "have at that place: build the env with the transforms it was saved with"
+            )
+        count = saved.get("traj_count") if type(live[path]).__name__ == "TrajCounter" else None
+        if count is not None and not (type(count) is int and count >= 0):  # (ids handed out from 0 up)
+            raise CheckpointIntegrityError(
+                f"component {name!r}: transform {path} (TrajCounter) holds count {count!r}, not a count: damaged or "
+                "forged"
             )
         live[path].load_state_dict(saved)
     restore_base_envs(env, state.get("base_envs") or {}, name)

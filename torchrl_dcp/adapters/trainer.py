@@ -92,11 +92,24 @@ LAZY_HOOK_ATTRIBUTES: dict[str, tuple[str, ...]] = {"OfflineToOnlineReplayBuffer
 #: out, by Trainer class name: ``DQNTrainer._greedy_last_frames`` is where epsilon annealing continues from (without
 #: it, the first iteration after a restore anneals epsilon by every frame collected so far, a second time).
 TRAINER_ATTRIBUTES: dict[str, tuple[str, ...]] = {"DQNTrainer": ("_greedy_last_frames",)}
+#: counters of torchrl's Trainer state and hooks (by class name for hooks): ints ``>= 0`` in every run
+TRAINER_COUNTERS = ("collected_frames", "_last_log", "_last_save", "_optim_count", "_greedy_last_frames")
+HOOK_COUNTERS: dict[str, tuple[str, ...]] = {"CountFramesLog": ("frame_count",), "ClearCudaCache": ("count",)}
 LAZY_KEY = "_tdcp_lazy_attributes"  # where the state dict carries them
 #: where an ``EarlyStopping`` hook's state holds the last value logged under its metric: ``Trainer._log_dict`` keeps
 #: every value logged (a history that grows with training, each rank's own: not saved), and the hook reads the last
 #: one, which a resume between validation iterations left absent (``train()`` then stopped with torchrl's error)
 MONITORED_KEY = "_tdcp_monitored_last"
+
+
+def _check_counts(state: Any, keys: tuple[str, ...], name: str) -> None:
+    """Each of ``keys`` that ``state`` holds is an int ``>= 0`` (a count), else :class:`IncompatibleComponentError`."""
+    for key in keys if isinstance(state, Mapping) else ():
+        value = state.get(key)
+        if value is not None and (type(value) is not int or value < 0):
+            raise IncompatibleComponentError(
+                f"component {name!r}: its {key!r} is {value!r}, not a count: no run leaves that; damaged or forged"
+            )
 
 
 def _attributes_of(obj: Any, table: Mapping[str, tuple[str, ...]]) -> tuple[str, ...]:
@@ -179,6 +192,14 @@ class TrainerStateAdapter(StateDictAdapter):
         trainer = getattr(obj, "trainer", None)
         return _with_attributes(super().state(obj, ctx), trainer, _attributes_of(trainer, TRAINER_ATTRIBUTES))
 
+    def validate(self, obj: Any, saved: dict[int, Any], ctx: AdapterContext) -> None:
+        """Also: the Trainer's counters are counts (ints ``>= 0``), as every run leaves them."""
+        super().validate(obj, saved, ctx)
+        for state in saved.values():
+            state, extra = _split_attributes(state)
+            _check_counts(state, TRAINER_COUNTERS, ctx.name)
+            _check_counts(extra, TRAINER_COUNTERS, ctx.name)
+
     def restore(self, obj: Any, state: Any, ctx: AdapterContext) -> Any:
         state, extra = _split_attributes(state)
         out = super().restore(obj, state, ctx)
@@ -208,6 +229,13 @@ class TrainerHookAdapter(StateDictAdapter):
         if monitored is not None and isinstance(state, Mapping):
             state = {**state, MONITORED_KEY: monitored}
         return state
+
+    def validate(self, obj: Any, saved: dict[int, Any], ctx: AdapterContext) -> None:
+        """Also: a torchrl hook's counters (:data:`HOOK_COUNTERS`) are counts."""
+        super().validate(obj, saved, ctx)
+        counters = _attributes_of(obj, HOOK_COUNTERS)
+        for state in saved.values():
+            _check_counts(state, counters, ctx.name)
 
     def restore(self, obj: Any, state: Any, ctx: AdapterContext) -> Any:
         _warn_other_run(obj, state, ctx.name)
