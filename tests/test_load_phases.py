@@ -26,7 +26,8 @@ from torchrl.data import LazyTensorStorage, PrioritizedSampler, TensorDictReplay
 import torchrl_dcp as tdcp
 from torchrl_dcp.adapters import base as adapter_base
 from torchrl_dcp.adapters.json import JSONAdapter
-from torchrl_dcp.adapters.modules import ModuleAdapter, OptimizerAdapter
+from torchrl_dcp.adapters.modules import ModuleAdapter
+from torchrl_dcp.adapters.optimizer import OptimizerAdapter
 from torchrl_dcp.adapters.replay_buffer import ReplayBufferAdapter
 from torchrl_dcp.adapters.rng import GeneratorAdapter, RNGStateAdapter
 from torchrl_dcp.adapters.state_dict import StateDictAdapter

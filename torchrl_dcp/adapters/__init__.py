@@ -18,7 +18,8 @@ from torchrl_dcp.adapters.defaults import register_default_adapters
 from torchrl_dcp.adapters.env_transforms import register_exact_transform
 from torchrl_dcp.adapters.generators import NumpyGeneratorAdapter, NumpyRandomStateAdapter, PythonRandomAdapter
 from torchrl_dcp.adapters.json import JSONAdapter
-from torchrl_dcp.adapters.modules import ModuleAdapter, OptimizerAdapter
+from torchrl_dcp.adapters.modules import ModuleAdapter
+from torchrl_dcp.adapters.optimizer import OptimizerAdapter
 from torchrl_dcp.adapters.registry import adapter_by_id, register_adapter, resolve_adapter
 from torchrl_dcp.adapters.rng import GeneratorAdapter, RNGState, RNGStateAdapter
 from torchrl_dcp.adapters.state_dict import StateDictAdapter

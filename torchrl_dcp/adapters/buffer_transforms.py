@@ -120,7 +120,7 @@ def check_held_states(rb: Any, saved: Mapping[str, Any], storage: Any, name: str
     """While a load is planned (tensors as :class:`~torchrl_dcp.format.codec.TensorSpec`): what each n-step transform
     holds back fits it and the saved ``storage`` state's rows (:func:`_check_held`), before any row is read."""
     from torchrl_dcp.adapters.buffer_state import flatten
-    from torchrl_dcp.adapters.tensordict import _on_meta
+    from torchrl_dcp.adapters.tensordict import meta_tensordict
 
     live = _held_transforms(rb)
     rows = None
@@ -135,7 +135,7 @@ def check_held_states(rb: Any, saved: Mapping[str, Any], storage: Any, name: str
         held = state.get("held") if isinstance(state, Mapping) else None
         if held is not None and where in live:
             where_text = f"component {name!r}: its n-step transform {where}"
-            _check_held(live[where], tensordict_from_state(_on_meta(held)), rows, where_text)
+            _check_held(live[where], meta_tensordict(held), rows, where_text)
 
 
 def restore_transform_states(rb: Any, saved: Mapping[str, Any], ctx: AdapterContext) -> None:

@@ -219,10 +219,10 @@ def _statistics_only(state: Mapping[str, Any]) -> dict[str, Any]:
 def _check_carrier_dtypes(carrier: Any, saved: Any, name: str) -> None:
     """Each saved carrier entry the live carrier holds has its dtype: the restore writes them in place, which would
     cast (a float64 step count truncated into the int64 one: no save writes another dtype than the carrier's)."""
-    from torchrl_dcp.adapters.tensordict import _on_meta, tensordict_from_state
+    from torchrl_dcp.adapters.tensordict import meta_tensordict
 
     try:
-        rebuilt = tensordict_from_state(_on_meta(saved))
+        rebuilt = meta_tensordict(saved)
         keys = set(rebuilt.keys(include_nested=True, leaves_only=True)) & set(
             carrier.keys(include_nested=True, leaves_only=True)
         )

@@ -27,7 +27,8 @@ from torchrl.envs import EnvBase
 from torchrl_dcp.adapters.collector import CollectorAdapter, MultiCollectorAdapter
 from torchrl_dcp.adapters.env import EnvAdapter
 from torchrl_dcp.adapters.generators import NumpyGeneratorAdapter, NumpyRandomStateAdapter, PythonRandomAdapter
-from torchrl_dcp.adapters.modules import ModuleAdapter, OptimizerAdapter
+from torchrl_dcp.adapters.modules import ModuleAdapter
+from torchrl_dcp.adapters.optimizer import OptimizerAdapter
 from torchrl_dcp.adapters.registry import register_adapter
 from torchrl_dcp.adapters.replay_buffer import ReplayBufferAdapter
 from torchrl_dcp.adapters.rng import GeneratorAdapter, RNGState, RNGStateAdapter, TorchrlGlobalRNGAdapter

@@ -1,11 +1,8 @@
-"""Adapters for ``nn.Module`` and ``torch.optim.Optimizer``.
+"""Adapter for ``nn.Module`` (optimizers: :mod:`torchrl_dcp.adapters.optimizer`).
 
 Modules go through :func:`torch.distributed.checkpoint.state_dict.get_model_state_dict`,
 so DDP-wrapped models save without the ``module.`` prefix and FSDP2 models as
-DTensors that DCP reshards. Optimizers use ``Optimizer.state_dict()``: the DCP
-helper ``get_optimizer_state_dict`` was measured to *initialise* the state of an
-optimizer that has not stepped yet (it writes ``step``, ``exp_avg``, ... into it), so
-merely saving would change what training does next.
+DTensors that DCP reshards.
 
 Example:
     >>> import torch
@@ -17,9 +14,6 @@ Example:
 from __future__ import annotations
 
 import copy
-import functools
-import inspect
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -152,7 +146,7 @@ def _in_place_keys(current: Mapping[str, Any], saved: Any) -> set[str]:
         live = current.get(key)
         if (
             type(spec) is TensorSpec
-            and _in_place(live)
+            and plain_strided(live)
             and live.shape == spec.shape  # torch.Size and tuple compare as tuples
             and live.dtype == spec.dtype
         ):
@@ -160,7 +154,7 @@ def _in_place_keys(current: Mapping[str, Any], saved: Any) -> set[str]:
     return keys
 
 
-def _in_place(t: Any) -> bool:
+def plain_strided(t: Any) -> bool:
     """A plain strided tensor (no DTensor, quantized or sparse): DCP can fill it where it is."""
     return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and not t.is_quantized
 
@@ -168,8 +162,8 @@ def _in_place(t: Any) -> bool:
 def _same_tensor(a: Any, b: Any) -> bool:
     """Whether ``b`` is ``a`` itself (read in place). Only plain tensors: a DTensor's ``data_ptr`` says nothing."""
     return (
-        _in_place(a)
-        and _in_place(b)
+        plain_strided(a)
+        and plain_strided(b)
         and a.numel() > 0
         and a.data_ptr() == b.data_ptr()
         and a.shape == b.shape
@@ -236,7 +230,7 @@ def _check_values(current: Mapping[str, Any], state: Any, name: str) -> set[str]
             )
         if 0 in target.stride() and _expanded(target):  # (before anything is copied: it would fail half-way)
             raise IncompatibleComponentError(_expanded_message(name, key, target, "nothing can be loaded into it"))
-        if spec and _in_place(target):
+        if spec and plain_strided(target):
             in_place.add(key)
     return in_place
 
@@ -249,350 +243,3 @@ def _taken_by_module(key: str, target: Any) -> bool:
     """Entries the module's own ``load_state_dict`` takes as they are: its extra state (``set_extra_state``, any
     value) and not yet initialised lazy parameters (``LazyLinear`` before its first forward: shaped by the load)."""
     return key.endswith(_EXTRA_STATE) or torch.nn.parameter.is_lazy(target)
-
-
-class OptimizerAdapter(Adapter):
-    """``Optimizer.state_dict()`` / ``load_state_dict()`` (state allocated from the checkpoint)."""
-
-    adapter_id = "torchrl_dcp.optimizer"
-    version = 1
-    shares_tensors = False
-
-    def state(self, obj: torch.optim.Optimizer, ctx: AdapterContext) -> Any:
-        return obj.state_dict()
-
-    def destinations(
-        self, obj: torch.optim.Optimizer, saved: Any, ctx: AdapterContext
-    ) -> dict[str, torch.Tensor] | None:
-        """DTensor destinations for state of DTensor (FSDP2) parameters, built from the parameters themselves.
-
-        State the optimizer already holds (it has stepped) is read in place, into its own
-        tensors. A freshly built optimizer has no state yet, so no live DTensor to read into: each
-        saved per-parameter tensor with its parameter's shape is read into
-        ``torch.empty_like(param)`` (the parameter's mesh and placements), which DCP fills
-        with this rank's shard, at any world size. Scalars (``step``) and plain
-        parameters are left to the checkpoint to allocate.
-        """
-        return {**_live_state_destinations(obj, saved), **optimizer_destinations(obj, saved)}
-
-    def check_saved(self, saved: Any) -> None:
-        """A parameter listed twice, or state for a parameter no group lists: no ``state_dict()`` writes that."""
-        _check_param_ids(saved)
-
-    def check_values(self, saved: Any, read: Any) -> None:
-        """Each parameter's ``step`` held as a tensor (a scalar) is a finite count ``>= 0``: torch's optimizers
-        divide by functions of it (``-1``: a division by zero at the next step; NaN: NaN weights)."""
-        from torchrl_dcp.format.codec import TensorSpec
-
-        for pid, entries in (saved.get("state") or {}).items() if isinstance(saved, Mapping) else ():
-            step = entries.get("step") if isinstance(entries, Mapping) else None
-            if isinstance(step, TensorSpec) and step.shape == () and step.dtype.is_floating_point:
-                value = float(read(step))
-                if not (math.isfinite(value) and value >= 0):
-                    raise ValueError(f"parameter {pid}'s step is {value}: no optimizer step leaves that")
-
-    def validate(self, obj: torch.optim.Optimizer, saved: dict[int, Any], ctx: AdapterContext) -> None:
-        """Refuses, while planning, what ``load_state_dict`` would refuse after other components were read (other
-        parameter groups, other numbers of parameters per group); notes which state tensors will be read in place
-        (the snapshot keeps those by reference)."""
-        meta = [i for i, p in enumerate(p for g in obj.param_groups for p in g["params"]) if p.is_meta]
-        if meta:  # load_state_dict moves the saved state onto the parameters' device: nothing would be kept
-            raise IncompatibleComponentError(
-                f"component {ctx.name!r}: parameters {meta[:5]} of the optimizer are on the meta device (no memory; "
-                "its state would be loaded onto them and lost): materialise the model first (module.to_empty("
-                "device=...)), then build the optimizer over its parameters, then load"
-            )
-        for state in saved.values():
-            _check_param_groups(obj, state, ctx.name)
-            _check_same_kind(obj, state, ctx.name)
-            _check_group_values(obj, state, ctx.name)
-            _check_state_shapes(obj, state, ctx.name)
-            ctx.plan["in_place"] = {id(t) for t in _live_state_destinations(obj, state).values()}
-
-    def snapshot(self, obj: torch.optim.Optimizer, ctx: AdapterContext) -> Any:
-        """A copy of the state dict in which the state tensors that will be read in place are kept by reference."""
-        live = obj.state_dict()
-        keep = ctx.plan.get("in_place", set())
-        memo = {id(t): t for entries in live["state"].values() for t in entries.values() if id(t) in keep}
-        return copy.deepcopy(live, memo)
-
-    def restore(self, obj: torch.optim.Optimizer, state: Any, ctx: AdapterContext) -> Any:
-        try:
-            obj.load_state_dict(state)
-        except (ValueError, KeyError) as err:
-            raise IncompatibleComponentError(f"component {ctx.name!r}: {err}") from err
-        if not type(obj).__module__.startswith("torch.optim"):
-            _keep_saved_state_dtypes(obj, state)
-        return None
-
-
-def _keep_saved_state_dtypes(optimizer: torch.optim.Optimizer, saved: Any) -> None:
-    """Give back each state tensor the dtype it was saved with, where ``load_state_dict`` cast it to its
-    parameter's.
-
-    ``Optimizer.load_state_dict`` casts every floating-point state tensor but ``step`` to its parameter's dtype:
-    right for torch's own optimizers (their state has the parameter's dtype, so a cast only follows a model whose
-    dtype changed), lossy for optimizers that keep their moments in another precision on purpose (torchrl's
-    ``DreamerV3Optimizer``: float32 moments for bf16 parameters came back as bf16). For optimizers outside
-    ``torch.optim`` the saved tensors are used as saved (on the parameter's device).
-    """
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    ids = [i for g in saved.get("param_groups", ()) for i in g.get("params", ())]
-    for pid, param in zip(ids, params):
-        saved_state, live_state = saved.get("state", {}).get(pid), optimizer.state.get(param)
-        if not isinstance(saved_state, Mapping) or not isinstance(live_state, dict):
-            continue
-        for key, value in saved_state.items():
-            live = live_state.get(key)
-            if isinstance(value, torch.Tensor) and isinstance(live, torch.Tensor) and live.dtype != value.dtype:
-                live_state[key] = value.to(device=live.device)
-
-
-def _check_param_groups(optimizer: torch.optim.Optimizer, saved: Any, name: str) -> None:
-    groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
-    if not isinstance(groups, list) or not all(
-        isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups
-    ):
-        raise IncompatibleComponentError(f"component {name!r}: the saved optimizer state has no valid param_groups")
-    if len(groups) != len(optimizer.param_groups):
-        raise IncompatibleComponentError(
-            f"component {name!r}: the checkpoint has {len(groups)} parameter groups, the optimizer "
-            f"{len(optimizer.param_groups)}: build the optimizer with the parameter groups it was saved with"
-        )
-    for i, (saved_group, group) in enumerate(zip(groups, optimizer.param_groups)):
-        if len(saved_group["params"]) != len(group["params"]):
-            raise IncompatibleComponentError(
-                f"component {name!r}: parameter group {i} holds {len(saved_group['params'])} parameters in the "
-                f"checkpoint, {len(group['params'])} in the optimizer: build it with the parameters it was saved with"
-            )
-
-
-@functools.cache
-def _builtin_options() -> frozenset[str]:
-    """The options (``defaults`` keys) of torch's own optimizers, in the installed torch."""
-    found: set[str] = set()
-    for name in dir(torch.optim):
-        cls = getattr(torch.optim, name)
-        if inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer:
-            try:
-                found.update(cls([torch.nn.Parameter(torch.zeros(1))], lr=0.1).defaults)
-            except Exception:  # noqa: BLE001 - one that needs other arguments says nothing here
-                continue
-    return frozenset(found)
-
-
-def _check_same_kind(optimizer: torch.optim.Optimizer, saved: Any, name: str) -> None:
-    """The checkpoint's parameter groups hold no option of torch's optimizers that this optimizer neither has nor
-    defaults: an Adam checkpoint (``betas``, ``amsgrad``) is not loaded into an SGD (whose ``momentum`` it lacks,
-    which ``step`` then needs). Options a newer torch added, or a scheduler's keys (``initial_lr``), never refuse."""
-    options = _builtin_options()
-    own = set(optimizer.defaults)
-    for group in optimizer.param_groups:
-        own.update(group)
-    foreign = sorted({k for g in saved["param_groups"] for k in g if k in options and k not in own})
-    if foreign:
-        raise IncompatibleComponentError(
-            f"component {name!r}: the checkpoint's optimizer has options {foreign}, which this "
-            f"{type(optimizer).__name__} does not: it was saved by another kind of optimizer; build the one it was "
-            "saved with (or load without this component: components=[...])"
-        )
-
-
-def _check_group_values(optimizer: torch.optim.Optimizer, saved: Any, name: str) -> None:
-    """Each saved parameter group's options are of the kinds the live group's are (a string for ``lr`` loaded, the
-    next ``step`` raised: :func:`~torchrl_dcp.adapters.state_kinds.check_kinds`), and torch's own options in the
-    range torch's constructors accept (``lr``, ``eps``, ``weight_decay`` finite and ``>= 0``, ``betas`` in
-    ``[0, 1)``): what no optimizer torch builds (nor any schedule of it) holds."""
-    from torchrl_dcp.adapters.state_kinds import check_kinds
-
-    for i, (group, live) in enumerate(zip(saved["param_groups"], optimizer.param_groups)):
-        where = f"component {name!r}: parameter group {i}"
-        check_kinds({k: v for k, v in group.items() if k != "params"}, {k: v for k, v in live.items() if k != "params"},
-                    where)  # fmt: skip
-        for key in ("lr", "eps", "weight_decay"):
-            value = group.get(key)
-            if (
-                isinstance(value, (int, float))
-                and not isinstance(value, bool)
-                and not (math.isfinite(value) and value >= 0)
-            ):
-                raise IncompatibleComponentError(f"{where}: {key} is {value!r}, which torch's optimizers refuse")
-        betas = group.get("betas")
-        if isinstance(betas, (list, tuple)) and not all(
-            isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas
-        ):
-            raise IncompatibleComponentError(f"{where}: betas are {betas!r}, which torch's optimizers refuse")
-
-
-#: torch optimizers whose state tensors are each a scalar or of their parameter's shape
-_PER_PARAMETER = frozenset(
-    {
-        "ASGD",
-        "Adadelta",
-        "Adagrad",
-        "Adam",
-        "AdamW",
-        "Adamax",
-        "Muon",
-        "NAdam",
-        "RAdam",
-        "RMSprop",
-        "Rprop",
-        "SGD",
-        "SparseAdam",
-    }
-)
-
-
-def _state_keys(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The state this kind of optimizer keeps for a parameter of ``group`` (with its options) after a step, by key:
-    found by stepping a new one over a one-element parameter (a scalar state tensor is then told from one of the
-    parameter's shape); ``None`` when that fails (nothing to compare)."""
-    param = torch.nn.Parameter(torch.zeros(1))
-    try:
-        accepts = inspect.signature(type(optimizer)).parameters  # (AdamW sets decoupled_weight_decay itself)
-        probe = type(optimizer)([param], **{k: v for k, v in group.items() if k != "params" and k in accepts})
-        param.grad = torch.ones(1)
-        probe.step()
-    except Exception:  # noqa: BLE001 - an optimizer this cannot build or step: not compared
-        return None
-    return dict(probe.state[param]) if param in probe.state else {}
-
-
-def _check_state_entry(key: str, saved: Any, probe: Any, param_shape: tuple[int, ...], where: str) -> None:
-    """A saved per-parameter state value is of the kind the optimizer keeps there (``probe``: what a new one holds
-    after a step): a tensor where it keeps one, a scalar one (``step``) where it keeps a scalar, of that dtype; a
-    number where it keeps a number, finite and (a ``step``) not negative."""
-    from torchrl_dcp.format.codec import TensorSpec
-
-    if probe is None or saved is None:  # (SGD's momentum buffer: None until its first step with momentum)
-        return
-    tensor = isinstance(saved, (torch.Tensor, TensorSpec))
-    if isinstance(probe, torch.Tensor) != tensor:
-        what = "a tensor" if tensor else f"a {type(saved).__name__}"
-        raise IncompatibleComponentError(f"{where}: {key!r} is {what} in the checkpoint; this optimizer keeps a "
-                                         f"{'tensor' if isinstance(probe, torch.Tensor) else 'number'} there")  # fmt: skip
-    if tensor and probe.dim() == 0 and (len(saved.shape) != 0 or saved.dtype != probe.dtype):
-        raise IncompatibleComponentError(
-            f"{where}: {key!r} is a {saved.dtype} tensor of shape {list(saved.shape)} in the checkpoint; this "
-            f"optimizer keeps a {probe.dtype} scalar there"
-        )
-    if tensor and probe.dim() != 0 and len(saved.shape) == 0 and param_shape:
-        raise IncompatibleComponentError(
-            f"{where}: {key!r} is a scalar tensor in the checkpoint; this optimizer keeps one of the parameter's shape"
-        )
-    if not tensor and (not isinstance(saved, (int, float)) or isinstance(saved, bool) or not math.isfinite(saved)
-                       or (key == "step" and saved < 0)):  # fmt: skip
-        raise IncompatibleComponentError(f"{where}: {key!r} is {saved!r} in the checkpoint: no step leaves that")
-
-
-def _check_state_shapes(optimizer: torch.optim.Optimizer, saved: Any, name: str) -> None:
-    """For torch's per-parameter optimizers: every saved state tensor is a scalar or has its parameter's shape (a
-    checkpoint of another model's optimizer is refused before anything changes, not at the next ``step``), and
-    each parameter's saved state holds the keys this optimizer keeps (none it does not: Adamax's ``exp_inf`` in an
-    Adam; none missing, which its ``step`` would look up: NAdam's ``mu_product``; SGD reads its buffer with
-    ``get``)."""
-    from torchrl_dcp.format.codec import TensorSpec
-
-    kind = type(optimizer).__name__
-    if kind not in _PER_PARAMETER or not type(optimizer).__module__.startswith("torch.optim"):
-        return
-    states = saved.get("state")
-    if not isinstance(states, Mapping):
-        return
-    ids = [i for g in saved["param_groups"] for i in g["params"]]
-    params = [(p, g) for g in optimizer.param_groups for p in g["params"]]
-    keys_of: dict[int, set[str] | None] = {}
-    for pid, (param, group) in zip(ids, params):
-        entries = states.get(pid)
-        if isinstance(entries, Mapping) and entries:
-            expected = keys_of.get(id(group), ...)
-            if expected is ...:
-                expected = keys_of[id(group)] = _state_keys(optimizer, group)
-            other, missing = set(entries) - set(expected or entries), set(expected or ()) - set(entries)
-            if expected and (other or (missing and kind != "SGD")):
-                raise IncompatibleComponentError(
-                    f"component {name!r}: the checkpoint's state of parameter {pid} holds {sorted(entries)}, this "
-                    f"{kind} keeps {sorted(expected)}: it was saved by another kind of optimizer, or with other "
-                    "options (amsgrad, momentum, centered); build the one it was saved with (or load without this "
-                    "component: components=[...])"
-                )
-        if torch.nn.parameter.is_lazy(param):  # (a lazy module gets its shapes from the same load)
-            continue
-        template = keys_of.get(id(group)) if isinstance(keys_of.get(id(group)), dict) else None
-        for key, spec in entries.items() if isinstance(entries, Mapping) else ():
-            if template is not None:
-                where = f"component {name!r}: parameter {pid}'s state"
-                _check_state_entry(key, spec, template.get(key), tuple(param.shape), where)
-            if isinstance(spec, TensorSpec) and spec.shape and spec.shape != tuple(param.shape):
-                raise IncompatibleComponentError(
-                    f"component {name!r}: the checkpoint's {key!r} of parameter {pid} has shape {list(spec.shape)}, "
-                    f"the parameter {list(param.shape)}: the optimizer was saved for another model; build the model "
-                    "it was saved with (or load without this component: components=[...])"
-                )
-
-
-def _check_param_ids(saved: Any) -> None:
-    """``Optimizer.state_dict()`` numbers each parameter once, and has state only for listed parameters."""
-    groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
-    if not isinstance(groups, list) or not all(
-        isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups
-    ):
-        raise ValueError("the saved optimizer state has no valid param_groups")
-    ids = [p for g in groups for p in g["params"]]
-    if not all(type(p) is int for p in ids) or len(set(ids)) != len(ids):
-        raise ValueError("its param_groups list a parameter twice (or not by number)")
-    state = saved.get("state")
-    extra = set(state) - set(ids) if isinstance(state, Mapping) else set()
-    if extra:
-        raise ValueError(f"its state names parameters {sorted(map(str, extra))} that no parameter group lists")
-
-
-def optimizer_destinations(optimizer: torch.optim.Optimizer, saved: Any) -> dict[str, torch.Tensor]:
-    """``{tensor key: empty DTensor like the parameter}`` for saved state of DTensor parameters.
-
-    ``saved`` is the saved ``state_dict()`` with :class:`~torchrl_dcp.format.codec.TensorSpec` leaves;
-    parameters are numbered as ``Optimizer.state_dict()`` numbers them (groups in order).
-
-    Example:
-        >>> import torch
-        >>> opt = torch.optim.Adam(torch.nn.Linear(2, 1).parameters())
-        >>> optimizer_destinations(opt, {"state": {}, "param_groups": []})
-        {}
-    """
-    from torchrl_dcp.format.codec import TensorSpec, is_dtensor
-
-    if not isinstance(saved, Mapping) or not isinstance(saved.get("state"), Mapping):
-        return {}
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    out: dict[str, torch.Tensor] = {}
-    for index, entries in saved["state"].items():
-        try:
-            param = params[int(index)]
-        except (ValueError, IndexError):
-            continue  # load_state_dict reports the mismatch
-        if not is_dtensor(param) or not isinstance(entries, Mapping):
-            continue
-        for spec in entries.values():
-            if isinstance(spec, TensorSpec) and tuple(spec.shape) == tuple(param.shape):
-                out[spec.key] = torch.empty_like(param.detach(), dtype=spec.dtype)
-    return out
-
-
-def _live_state_destinations(optimizer: torch.optim.Optimizer, saved: Any) -> dict[str, torch.Tensor]:
-    """``{tensor key: the optimizer's own state tensor}`` where it already holds one of the saved shape and dtype."""
-    from torchrl_dcp.format.codec import TensorSpec
-
-    if not isinstance(saved, Mapping) or not isinstance(saved.get("state"), Mapping):
-        return {}
-    live = optimizer.state_dict()["state"]  # the live tensors, numbered as when saving
-    out: dict[str, torch.Tensor] = {}
-    for index, entries in saved["state"].items():
-        current = live.get(index) if isinstance(index, int) else None
-        if not isinstance(entries, Mapping) or not isinstance(current, Mapping):
-            continue
-        for name, spec in entries.items():
-            t = current.get(name)
-            if isinstance(spec, TensorSpec) and _in_place(t) and (tuple(t.shape), t.dtype) == (spec.shape, spec.dtype):
-                out[spec.key] = t
-    return out

@@ -201,10 +201,16 @@ def _on_meta(state: Any) -> Any:
     return state
 
 
+def meta_tensordict(state: Any) -> TensorDict:
+    """The TensorDict a saved state (tensors as :class:`~torchrl_dcp.format.codec.TensorSpec`) restores, built on
+    meta tensors (no memory): its keys, batch size, dtypes and shapes, to check before anything is read."""
+    return tensordict_from_state(_on_meta(state))
+
+
 def saved_keys(state: Any) -> set[Any]:
     """The leaf keys (nested ones as tuples) of the TensorDict a saved state (tensors as
     :class:`~torchrl_dcp.format.codec.TensorSpec`) restores, built on meta tensors (no memory)."""
-    return set(tensordict_from_state(_on_meta(state)).keys(include_nested=True, leaves_only=True))
+    return set(meta_tensordict(state).keys(include_nested=True, leaves_only=True))
 
 
 def _check_restorable(obj: Any, state: Any, name: str) -> None:

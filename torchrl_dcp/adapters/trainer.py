@@ -93,7 +93,7 @@ LAZY_HOOK_ATTRIBUTES: dict[str, tuple[str, ...]] = {"OfflineToOnlineReplayBuffer
 #: it, the first iteration after a restore anneals epsilon by every frame collected so far, a second time).
 TRAINER_ATTRIBUTES: dict[str, tuple[str, ...]] = {"DQNTrainer": ("_greedy_last_frames",)}
 #: counters of torchrl's Trainer state and hooks (by class name for hooks): ints ``>= 0`` in every run
-TRAINER_COUNTERS = ("collected_frames", "_last_log", "_last_save", "_optim_count", "_greedy_last_frames")
+TRAINER_COUNTERS = ("collected_frames", "_last_save", "_optim_count", "_greedy_last_frames")
 HOOK_COUNTERS: dict[str, tuple[str, ...]] = {"CountFramesLog": ("frame_count",), "ClearCudaCache": ("count",)}
 LAZY_KEY = "_tdcp_lazy_attributes"  # where the state dict carries them
 #: where an ``EarlyStopping`` hook's state holds the last value logged under its metric: ``Trainer._log_dict`` keeps
