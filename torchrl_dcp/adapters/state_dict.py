@@ -78,7 +78,7 @@ class StateDictAdapter(Adapter):
         except Exception:  # (an object whose state() fails before its first use: its load_state_dict decides)
             live = None
         for view in saved.values():
-            check_kinds(view, live, f"component {ctx.name!r}")
+            check_kinds(view, live, f"component {ctx.name!r}", tensors=False)  # (its load_state_dict may cast)
             check_no_shadowing(view, live, obj, f"component {ctx.name!r}")
         if not self.in_place or getattr(self, "restore_last", False) or len(saved) != 1 or live is None:
             return  # RNG-like state is restored with the streams; several saved states: resharded, fresh

@@ -50,17 +50,18 @@ def kind_of(value: Any) -> str | None:
     return type(value).__name__
 
 
-def check_kinds(saved: Any, live: Any, where: str, path: str = "") -> None:
+def check_kinds(saved: Any, live: Any, where: str, path: str = "", *, tensors: bool = True) -> None:
     """Raise :class:`IncompatibleComponentError` where ``saved`` holds another kind of value than ``live`` (the
     object's current state): mappings compared key by key (the keys both hold), sequences of one length element by
-    element, tensors by dtype and by whether they are scalars."""
+    element, tensors (with ``tensors``) by dtype and by whether they are scalars; without it, a tensor is any tensor
+    (an object's own ``load_state_dict`` may take another dtype, as a module's casts)."""
     a, b = kind_of(saved), kind_of(live)
     if a is None or b is None:
         return
     at = repr(path) if path else "its state"
     if a != b:
         raise IncompatibleComponentError(f"{where}: {at} is a {a} in the checkpoint, a {b} in the live object")
-    if a == "tensor":
+    if a == "tensor" and tensors:
         if saved.dtype != live.dtype or (len(saved.shape) == 0) != (len(live.shape) == 0):
             raise IncompatibleComponentError(
                 f"{where}: {at} is a {saved.dtype} tensor of shape {list(saved.shape)} in the checkpoint, "
@@ -68,10 +69,10 @@ def check_kinds(saved: Any, live: Any, where: str, path: str = "") -> None:
             )
     elif a == "mapping":
         for key in saved.keys() & live.keys():
-            check_kinds(saved[key], live[key], where, f"{path}.{key}" if path else str(key))
+            check_kinds(saved[key], live[key], where, f"{path}.{key}" if path else str(key), tensors=tensors)
     elif a == "sequence" and len(saved) == len(live):
         for i, (x, y) in enumerate(zip(saved, live)):
-            check_kinds(x, y, where, f"{path}[{i}]")
+            check_kinds(x, y, where, f"{path}[{i}]", tensors=tensors)
 
 
 def check_no_shadowing(saved: Any, live: Any, obj: Any, where: str) -> None:
