@@ -453,18 +453,26 @@ def test_collectors_over_torchrls_unusual_envs_load_their_own_checkpoints(tmp_pa
         env.set_seed(0)
         return Collector(env, None, frames_per_batch=4, total_frames=-1)
 
+    ((expected,), (got,)) = _batches_around_a_resume(make, tmp_path, 1)
+    assert got.batch_size == expected.batch_size
+    _assert_equal_leaves(expected, got)
+
+
+def _batches_around_a_resume(make, tmp_path: Path, n: int) -> tuple[list, list]:
+    """The ``n`` batches after a save (with the RNG) of a collector that went on, and those of a new one loaded from
+    it."""
     collector = make()
     it = iter(collector)
     next(it)
     path = tdcp.DistributedCheckpoint(collector=collector, rng=tdcp.RNGState()).save(tmp_path / "c")
-    expected = next(it)
+    expected = [next(it) for _ in range(n)]
     collector.shutdown()
     collector2 = make()
     tdcp.DistributedCheckpoint(collector=collector2, rng=tdcp.RNGState()).load(path)
-    got = next(iter(collector2))
+    it2 = iter(collector2)
+    got = [next(it2) for _ in range(n)]
     collector2.shutdown()
-    assert got.batch_size == expected.batch_size
-    _assert_equal_leaves(expected, got)
+    return expected, got
 
 
 def _assert_equal_leaves(expected, got) -> None:
@@ -506,18 +514,7 @@ def test_a_collector_resumes_the_state_its_base_env_keeps_in_buffers(tmp_path: P
         env.set_seed(0)
         return Collector(env, None, frames_per_batch=4, total_frames=-1)
 
-    collector = make()
-    it = iter(collector)
-    next(it)
-    path = tdcp.DistributedCheckpoint(collector=collector, rng=tdcp.RNGState()).save(tmp_path / "c")
-    expected = [next(it), next(it)]
-    collector.shutdown()
-    collector2 = make()
-    tdcp.DistributedCheckpoint(collector=collector2, rng=tdcp.RNGState()).load(path)
-    it2 = iter(collector2)
-    got = [next(it2), next(it2)]
-    collector2.shutdown()
-    assert_same_batches(expected, got)
+    assert_same_batches(*_batches_around_a_resume(make, tmp_path, 2))
 
 
 @pytest.mark.parametrize("kind", ["transformed", "serial"])
