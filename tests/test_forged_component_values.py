@@ -283,17 +283,6 @@ def _frames_hook() -> dict[str, Any]:
     return {"hook": CountFramesLog(frame_skip=1)}
 
 
-def _carrier_dtype(objs: dict[str, Any]) -> None:
-    carrier = objs["collector"]._carrier
-    carrier.set("step_count", torch.full_like(carrier["step_count"], 10.75, dtype=torch.float64))
-
-
-def _collector() -> dict[str, Any]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return {"collector": _truncating_collector()}
-
-
 #: (build the objects, tamper with them, what the refusal says, whether ``verify`` tells)
 STATE_FORGERIES: dict[str, tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None], str, bool]] = {
     "Adam step of the parameter's shape": (_adam, _state_entry("step", torch.ones(2, 3)), r"'step' is a", False),
@@ -338,7 +327,6 @@ STATE_FORGERIES: dict[str, tuple[Callable[[], dict[str, Any]], Callable[[dict[st
         r"not a count",
         False,
     ),
-    "carrier entry of another dtype": (_collector, _carrier_dtype, r"a load never casts", False),
 }
 
 

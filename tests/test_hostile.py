@@ -434,6 +434,8 @@ def test_removal_deletes_only_what_the_library_writes(tmp_path: Path) -> None:
 
     path = checkpoint(make_objects(1)).save(tmp_path / "c")
     (path / f".manifest.json.tmp-{'a' * 32}").write_text("a killed write's temporary file")
+    (path / f".metadata.tmp-{'b' * 32}").write_text("our writer's, for .metadata")
+    (path / ".metadata.tmp").write_text("DCP's")
     (path / "notes.txt").write_text("mine")
     (path / "videos").mkdir()
     (path / "videos" / "ep.mp4").write_text("mine too")

@@ -218,7 +218,7 @@ def test_steps_of_more_than_12_digits_are_listed_resumed_and_pruned(tmp_path: Pa
 def test_directories_it_did_not_write_are_never_removed(tmp_path: Path) -> None:
     """A ``step-<N>/rank-<R>`` directory holding the user's files (no manifest: not a part) is left where it is,
     newer or older than the steps saved, as the shared tier leaves a directory that is not a checkpoint; the tier's
-    own parts of those steps go, and a lock beside a part is not taken for a leftover."""
+    own parts of those steps go, and so does a stale lock of a part (a killed save's: its flock is free)."""
     tier = tmp_path / "tier"
     for step in (8, 1):
         user = tier / f"step-{step:012d}" / "rank-00000"
@@ -235,7 +235,26 @@ def test_directories_it_did_not_write_are_never_removed(tmp_path: Path) -> None:
     rotation.close()
     for step in (8, 1):
         assert (tier / f"step-{step:012d}" / "rank-00000" / "notes.txt").read_text() == "the user's"
-    assert (tier / f"step-{1:012d}" / ".rank-00001.tdcp-lock").exists()
+    assert not (tier / f"step-{1:012d}" / ".rank-00001.tdcp-lock").exists()
     assert (tier / f"step-{1:012d}" / "rank-00009.commit.json").is_dir()
     assert not (tier / f"step-{2:012d}").exists() and not (tier / f"step-{4:012d}").exists()  # its own: pruned
     assert (tier / f"step-{6:012d}" / "rank-00000" / "manifest.json").exists()
+
+
+def test_a_pruned_step_leaves_nothing_of_its_own_behind(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """What killed saves leave in a step directory (a commit record's temporary, a part's lock, DCP's metadata
+    temporary in a part) kept the step directory for good; a user's file put into a part kept the part's own files
+    too. Pruned now: everything of the tier's removed, the user's file kept and logged."""
+    ckpt, model, optimizer = _job()
+    rotation = _rotation(tmp_path, every=2, keep_last=1)
+    _train(ckpt, model, optimizer, rotation, 0, 2)
+    step = tmp_path / "local" / "step-000000000002"
+    (step / f".rank-00000.commit.json.tmp-{'a' * 32}").write_text("{")
+    (step / ".rank-00000.tdcp-lock").write_text("")
+    (step / "rank-00000" / ".metadata.tmp").write_bytes(b"\x80")
+    (step / "rank-00000" / "notes.txt").write_text("mine")
+    with caplog.at_level(logging.WARNING):
+        _train(ckpt, model, optimizer, rotation, 2, 4)
+    assert rotation.local.steps() == [4]
+    assert sorted(str(p.relative_to(step)) for p in step.rglob("*")) == ["rank-00000", "rank-00000/notes.txt"]
+    assert "notes.txt" in caplog.text

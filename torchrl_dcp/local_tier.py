@@ -57,8 +57,8 @@ from torchrl_dcp.errors import CheckpointError, from_os_error
 from torchrl_dcp.load_plan import LoadPlan
 from torchrl_dcp.peer_copy import exchange_entries
 from torchrl_dcp.save_policy import SaveSchedule
-from torchrl_dcp.storage.commit import remove_entry, write_file_durably
-from torchrl_dcp.storage.directory import DirectoryLocation, is_replaceable
+from torchrl_dcp.storage.commit import remove_entry, sweep_stale_locks, write_file_durably
+from torchrl_dcp.storage.directory import DirectoryContainer, DirectoryLocation, is_replaceable
 from torchrl_dcp.storage.files import DirHandle, read_whole
 
 logger = get_logger(__name__)
@@ -69,6 +69,7 @@ RECORD_VERSION = 1
 _STEP = re.compile(r"step-([0-9]{12,})")  # (fullmatch: "$" would take a name ending in a newline)
 _RECORD = re.compile(r"rank-([0-9]{5})\.commit\.json")
 _PART = re.compile(r"rank-[0-9]{5}")
+_RECORD_TMP = re.compile(r"\.rank-[0-9]{5}\.commit\.json\.tmp-[0-9a-f]{32}")
 _RECORD_LIMIT = 64 << 10
 _MANIFEST_LIMIT = 64 << 20  # a part's manifest larger than this is not digested (its record never matches)
 
@@ -282,18 +283,24 @@ class LocalTier:
         for name in names:  # records first: a step half removed is never taken for a committed one
             if _RECORD.fullmatch(name) and not _is_real_dir(step_dir / name):  # (a directory of that name: not ours)
                 (step_dir / name).unlink(missing_ok=True)
+        for name in names:  # a killed record write's temporary (``write_file_durably``)
+            if _RECORD_TMP.fullmatch(name) and not _is_real_dir(step_dir / name):
+                (step_dir / name).unlink(missing_ok=True)
         for name in names:  # parts it wrote (committed checkpoints), never a directory of the user's of that name;
             part = step_dir / name  # a link planted in a part's place goes (itself: never what it points to)
-            if _PART.fullmatch(name) and (part.is_symlink() or is_replaceable(part)):
-                remove_entry(part)
+            if _PART.fullmatch(name) and (part.is_symlink() or is_replaceable(part) or _holds_checkpoint(part)):
+                remove_entry(part)  # (a file a user put into a part of ours is kept: remove_tree)
         where = DirectoryLocation(step_dir)
         for left in where.leftovers():  # a killed save's staging and trash, unless that save is running
             if _PART.fullmatch(left.owner):
                 where.remove_leftover(left)
+        sweep_stale_locks(step_dir)  # parts' locks a killed save left (a live save's stay)
         try:
             step_dir.rmdir()
-        except OSError:
-            pass  # something we did not write is there: left alone
+        except FileNotFoundError:
+            pass
+        except OSError:  # something we did not write is there: left alone, and said
+            logger.warning("%s: kept %s, which the local tier never writes", step_dir, sorted(os.listdir(step_dir))[:5])
 
     def forget_after(self, ckpt: Any, step: int | None) -> None:
         """After a resume from ``step``: every node drops newer steps (an abandoned future; collective)."""
@@ -436,6 +443,18 @@ def tier_identity(ckpt: Any, shared: Any) -> dict[str, Any]:
         "world_size": _dist.group_size(_group(ckpt)),
         "shared": str(shared),
     }
+
+
+def _holds_checkpoint(part: Path) -> bool:
+    """Whether ``part`` is a directory holding a checkpoint (ours, with a user's file put into it: its own files are
+    removed, the user's kept); a directory of the user's named like a part holds none and stays."""
+    if not _is_real_dir(part):
+        return False
+    try:
+        DirectoryContainer(part).manifest()
+    except CheckpointError:
+        return False
+    return True
 
 
 def _is_real_dir(path: Path) -> bool:

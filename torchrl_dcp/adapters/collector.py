@@ -121,7 +121,6 @@ class CollectorAdapter(Adapter):
                     f"component {ctx.name!r}: the collector's env declares entries the checkpoint's carrier lacks "
                     f"({lacking[:4]}): build the env (its transforms) as it was saved"
                 )
-            _check_carrier_dtypes(carrier, state["carrier"], ctx.name)
 
     def check_saved(self, saved: Any) -> None:
         """The counters torchrl's ``state_dict`` holds, as every collector keeps them: ``frames`` an int ``>= 0``,
@@ -216,30 +215,6 @@ def _statistics_only(state: Mapping[str, Any]) -> dict[str, Any]:
     return {**state, "transform_attributes": {}}
 
 
-def _check_carrier_dtypes(carrier: Any, saved: Any, name: str) -> None:
-    """Each saved carrier entry the live carrier holds has its dtype: the restore writes them in place, which would
-    cast (a float64 step count truncated into the int64 one: no save writes another dtype than the carrier's)."""
-    from torchrl_dcp.adapters.tensordict import meta_tensordict
-
-    try:
-        rebuilt = meta_tensordict(saved)
-        keys = set(rebuilt.keys(include_nested=True, leaves_only=True)) & set(
-            carrier.keys(include_nested=True, leaves_only=True)
-        )
-    except Exception:  # (a malformed or lazily stacked carrier: the restore says what it is)
-        return
-    for key in keys:
-        try:
-            a, b = rebuilt.get(key), carrier.get(key)
-        except RuntimeError:  # (an entry of other shapes per env: no one tensor)
-            continue
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype != b.dtype:
-            raise IncompatibleComponentError(
-                f"component {name!r}: the checkpoint's carrier holds {key!r} as {a.dtype}, the collector's as "
-                f"{b.dtype}: a load never casts; build the env as it was saved"
-            )
-
-
 def _assembly_state(collector: Collector) -> dict[str, Any] | None:
     """The steps a collector with ``trajs_per_batch`` holds between batches: the chunks of in-flight episodes
     (``{trajectory id: [chunks]}``) and the complete trajectories not yet yielded (torchrl keeps both in
@@ -313,15 +288,21 @@ def _restore_assembly(collector: Collector, saved: Any, ctx: AdapterContext) -> 
 
 
 def _replace_expanded(carrier: Any, saved: Any) -> None:
-    """Entries of ``carrier`` that are expanded views (a stride 0 along a dimension of size > 1, e.g. what
-    ``ExpandAs`` writes) cannot be written in place: they are replaced by the saved values instead."""
+    """Entries of ``carrier`` that cannot take the saved values in place are replaced by them instead: expanded views
+    (a stride 0 along a dimension of size > 1, e.g. what ``ExpandAs`` writes) and entries of another dtype (a
+    float64 policy makes Pendulum's ``th`` float64 after the first step, where a new collector's reset holds float32:
+    written in place, the saved values were cast)."""
     for key in saved.keys(include_nested=True, leaves_only=True):
         try:
             live = carrier.get(key, None)
         except RuntimeError:  # (an entry of a lazy stack of other shapes per env: no one tensor, none expanded)
             continue
-        if isinstance(live, torch.Tensor) and any(st == 0 and n > 1 for st, n in zip(live.stride(), live.shape)):
-            carrier.set(key, saved.get(key).clone())
+        value = saved.get(key)
+        if isinstance(live, torch.Tensor) and (
+            any(st == 0 and n > 1 for st, n in zip(live.stride(), live.shape))
+            or (isinstance(value, torch.Tensor) and value.dtype != live.dtype)
+        ):
+            carrier.set(key, value.clone())
 
 
 WORKER_TRAJ_IDS = "_tdcp_worker_traj_ids"  # added to the multi-collector state dict (older checkpoints lack it)

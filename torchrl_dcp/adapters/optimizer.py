@@ -22,6 +22,7 @@ import copy
 import functools
 import inspect
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -211,12 +212,12 @@ def _check_option_values(saved: Any) -> None:
             for v in value if isinstance(value, (list, tuple)) else [value]:  # (Adafactor's eps: a pair, None in it)
                 if v is None or isinstance(v, TensorSpec):
                     continue
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0:
                     raise ValueError(f"its parameter group {i}'s {key} is {value!r}, which torch's optimizers refuse")
         betas = group.get("betas")
         if betas is not None and not (
             isinstance(betas, (list, tuple))
-            and all(isinstance(b, (int, float, TensorSpec)) and not isinstance(b, bool) for b in betas)
+            and all(isinstance(b, (numbers.Real, TensorSpec)) and not isinstance(b, bool) for b in betas)
             and all(isinstance(b, TensorSpec) or 0 <= b < 1 for b in betas)
         ):
             raise ValueError(f"its parameter group {i}'s betas are {betas!r}, which torch's optimizers refuse")
@@ -257,6 +258,20 @@ def _state_keys(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -> d
     return dict(probe.state[param]) if param in probe.state else {}
 
 
+def _family(dtype: torch.dtype) -> str:
+    """What a scalar state tensor's dtype must stay: torch's ``load_state_dict`` casts floating state (but ``step``) to
+    the parameter's dtype, so a float64 ``mu_product`` after a resume is honest; a bool never is."""
+    return (
+        "bool"
+        if dtype == torch.bool
+        else "float"
+        if dtype.is_floating_point
+        else "complex"
+        if dtype.is_complex
+        else "int"
+    )
+
+
 def _check_state_entry(key: str, saved: Any, probe: Any, param_shape: tuple[int, ...], where: str) -> None:
     """A saved per-parameter state value is of the kind the optimizer keeps there (``probe``: what a new one holds
     after a step): a tensor where it keeps one, a scalar one (``step``) where it keeps a scalar, of that dtype; a
@@ -270,7 +285,7 @@ def _check_state_entry(key: str, saved: Any, probe: Any, param_shape: tuple[int,
         what = "a tensor" if tensor else f"a {type(saved).__name__}"
         raise IncompatibleComponentError(f"{where}: {key!r} is {what} in the checkpoint; this optimizer keeps a "
                                          f"{'tensor' if isinstance(probe, torch.Tensor) else 'number'} there")  # fmt: skip
-    if tensor and probe.dim() == 0 and (len(saved.shape) != 0 or saved.dtype != probe.dtype):
+    if tensor and probe.dim() == 0 and (len(saved.shape) != 0 or _family(saved.dtype) != _family(probe.dtype)):
         raise IncompatibleComponentError(
             f"{where}: {key!r} is a {saved.dtype} tensor of shape {list(saved.shape)} in the checkpoint; this "
             f"optimizer keeps a {probe.dtype} scalar there"
@@ -279,7 +294,7 @@ def _check_state_entry(key: str, saved: Any, probe: Any, param_shape: tuple[int,
         raise IncompatibleComponentError(
             f"{where}: {key!r} is a scalar tensor in the checkpoint; this optimizer keeps one of the parameter's shape"
         )
-    if not tensor and (not isinstance(saved, (int, float)) or isinstance(saved, bool) or not math.isfinite(saved)
+    if not tensor and (not isinstance(saved, numbers.Real) or isinstance(saved, bool) or not math.isfinite(saved)
                        or (key == "step" and saved < 0)):  # fmt: skip
         raise IncompatibleComponentError(f"{where}: {key!r} is {saved!r} in the checkpoint: no step leaves that")
 

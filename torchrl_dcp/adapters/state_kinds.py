@@ -4,17 +4,19 @@ An object restored through its ``load_state_dict`` takes whatever the checkpoint
 ``__dict__.update`` it (a key ``"step"`` replaced the method), torchrl's hooks ``setattr`` each key, an optimizer's
 ``param_groups`` take a string for ``lr``. The live object's ``state_dict()`` says what a save of it writes:
 :func:`check_kinds` refuses a saved value of another kind than the live one's at the same place (a string for a
-number, a tensor for a list, a number for a tensor, another tensor dtype, a scalar tensor for a non-scalar one), and
+number, a number for a mapping; with ``tensors``, where both are tensors, another dtype or a scalar for a
+non-scalar), and
 :func:`check_no_shadowing` a saved key the live state does not hold that names one of the object's methods.
-``None`` on either side is not compared (an attribute set on first use); ints and floats are one kind (a learning
-rate set to ``1`` and scheduled to ``0.5``); lists of other lengths are not compared element by element.
+``None`` on either side is not compared (an attribute set on first use); numbers, bools, tensors, arrays and
+sequences are one kind (a learning rate set to ``1`` and scheduled to ``0.5``, a statistic that starts as ``0`` and
+becomes a tensor); lists of other lengths are not compared element by element.
 
 Example:
     >>> check_kinds({"lr": 0.1, "steps": [1, 2]}, {"lr": 1, "steps": [3]}, "opt")  # the same kinds
     >>> check_kinds({"lr": "0.1"}, {"lr": 0.1}, "opt")
     Traceback (most recent call last):
     ...
-    torchrl_dcp.errors.IncompatibleComponentError: opt: 'lr' is a str in the checkpoint, a number in the live object
+    torchrl_dcp.errors.IncompatibleComponentError: opt: 'lr' is a str in the checkpoint, a numeric in the live object
 """
 
 from __future__ import annotations
@@ -32,21 +34,18 @@ __all__ = ["check_kinds", "check_no_shadowing", "kind_of"]
 
 
 def kind_of(value: Any) -> str | None:
-    """The kind a value is compared by (``None`` for ``None``)."""
+    """The kind a value is compared by (``None`` for ``None``). Numbers, bools, tensors, NumPy arrays and sequences
+    are one kind, ``"numeric"``: honest runs turn one into another (a running statistic set to ``0`` becomes a
+    tensor, a flag ``False`` a count, a warm-up writes a tensor learning rate, a NumPy array is saved as a tensor).
+    Strings and mappings are kinds of their own; anything else is its type's name."""
     if value is None:
         return None
-    if isinstance(value, bool):
-        return "bool"
-    if isinstance(value, numbers.Real):
-        return "number"
     if isinstance(value, str):
         return "str"
-    if isinstance(value, (torch.Tensor, TensorSpec)):
-        return "tensor"
     if isinstance(value, Mapping):
         return "mapping"
-    if isinstance(value, Sequence):
-        return "sequence"
+    if isinstance(value, (bool, numbers.Number, torch.Tensor, TensorSpec, Sequence)) or hasattr(value, "__array__"):
+        return "numeric"
     return type(value).__name__
 
 
@@ -61,7 +60,8 @@ def check_kinds(saved: Any, live: Any, where: str, path: str = "", *, tensors: b
     at = repr(path) if path else "its state"
     if a != b:
         raise IncompatibleComponentError(f"{where}: {at} is a {a} in the checkpoint, a {b} in the live object")
-    if a == "tensor" and tensors:
+    both_tensors = all(isinstance(v, (torch.Tensor, TensorSpec)) for v in (saved, live))
+    if both_tensors and tensors:
         if saved.dtype != live.dtype or (len(saved.shape) == 0) != (len(live.shape) == 0):
             raise IncompatibleComponentError(
                 f"{where}: {at} is a {saved.dtype} tensor of shape {list(saved.shape)} in the checkpoint, "
@@ -70,7 +70,7 @@ def check_kinds(saved: Any, live: Any, where: str, path: str = "", *, tensors: b
     elif a == "mapping":
         for key in saved.keys() & live.keys():
             check_kinds(saved[key], live[key], where, f"{path}.{key}" if path else str(key), tensors=tensors)
-    elif a == "sequence" and len(saved) == len(live):
+    elif all(isinstance(v, Sequence) and not isinstance(v, str) for v in (saved, live)) and len(saved) == len(live):
         for i, (x, y) in enumerate(zip(saved, live)):
             check_kinds(x, y, where, f"{path}[{i}]", tensors=tensors)
 

@@ -305,12 +305,14 @@ def is_ours(name: str) -> bool:
     if is_library_file(name):
         return True
     m = _TEMPORARY.match(name)
-    if m is not None and is_library_file(m.group(1)):
-        return True
+    if m is not None:  # (``.metadata.tmp``: the dot is the name's; ``.manifest.json.tmp-<hex>``: a hidden temporary)
+        base = m.group(1)
+        if is_library_file(base) or (base.startswith(".") and is_library_file(base[1:])):
+            return True
     return name.startswith(".") and any(tag in name for tag in (STAGING_TAG, TRASH_TAG, TMP_TAG))
 
 
-_TEMPORARY = re.compile(r"^\.?(.+?)\.tmp(?:-[0-9a-f]{32})?$")
+_TEMPORARY = re.compile(r"^(.+?)\.tmp(?:-[0-9a-f]{32})?$")
 
 
 def _remove_ours(path: Path, prefix: str) -> list[str]:

@@ -1,0 +1,129 @@
+"""States honest runs produce that the checks of forged ones must not refuse (each was refused by a first version of
+those checks: ``adapters/state_kinds.py``, ``adapters/optimizer.py``, the collector's carrier): the load succeeds
+and the object continues as one that never stopped."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import torchrl_dcp as tdcp
+
+
+class Stats:
+    """A user object whose statistics change kind as it runs (a number that becomes a tensor, a NumPy array)."""
+
+    def __init__(self) -> None:
+        self.best: Any = float("-inf")
+        self.mean: Any = 0.0
+        self.window = np.zeros(3)
+
+    def update(self, x: torch.Tensor) -> None:
+        self.best = max(self.best, x.max())
+        self.mean = 0.9 * self.mean + 0.1 * x.mean()
+        self.window = self.window + 0.1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "mean": self.mean, "window": self.window}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.mean, self.window = state["best"], state["mean"], np.asarray(state["window"])
+
+
+def _stats(updated: bool) -> dict[str, Any]:
+    stats = Stats()
+    if updated:
+        stats.update(torch.arange(4.0))
+    return {"stats": stats}
+
+
+def _optimizer(kind: str, steps: int, dtype: torch.dtype = torch.float32, **options: Any) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2).to(dtype)
+    optimizer = getattr(torch.optim, kind)(model.parameters(), **options)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(torch.ones(1, 3, dtype=dtype)).sum().backward()
+        optimizer.step()
+    return {"model": model, "optimizer": optimizer}
+
+
+def _warm_up(steps: int) -> dict[str, Any]:
+    """A hand-written warm-up that writes a 0-d tensor learning rate (Adam on CPU takes it)."""
+    objs = _optimizer("Adam", 0)
+    for i in range(steps):
+        objs["optimizer"].param_groups[0]["lr"] = 1e-3 * torch.clamp(torch.tensor((i + 1) / 10), max=1.0)
+        objs["model"](torch.ones(1, 3)).sum().backward()
+        objs["optimizer"].step()
+    return objs
+
+
+def _resumed_twice(kind: str) -> Callable[[int], dict[str, Any]]:
+    """NAdam's ``mu_product`` / ASGD's ``eta`` (float32 scalars) are cast by torch's ``load_state_dict`` to a float64
+    parameter's dtype: the second resume holds a float64 scalar (it was refused)."""
+
+    def build(steps: int) -> dict[str, Any]:
+        objs = _optimizer(kind, steps, torch.float64)
+        if steps:
+            objs["optimizer"].load_state_dict(objs["optimizer"].state_dict())  # (what a first resume leaves)
+        return objs
+
+    return build
+
+
+CASES: dict[str, tuple[Callable[[int], dict[str, Any]], int]] = {
+    "a statistic that became a tensor, a NumPy array": (lambda steps: _stats(steps > 0), 1),
+    "NAdam over float64 parameters, resumed twice": (_resumed_twice("NAdam"), 2),
+    "ASGD over float64 parameters, resumed twice": (_resumed_twice("ASGD"), 2),
+    "a NumPy learning rate": (lambda steps: _optimizer("Adam", steps, lr=np.float32(3e-4)), 2),
+    "a NumPy integer learning rate and weight decay": (
+        lambda steps: _optimizer("SGD", steps, lr=np.int64(1), weight_decay=np.float32(0.01)),
+        2,
+    ),
+    "a warm-up writing a tensor learning rate": (_warm_up, 3),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_an_honest_state_loads_into_a_fresh_object(tmp_path: Path, name: str) -> None:
+    build, steps = CASES[name]
+    saved = build(steps)
+    path = tdcp.DistributedCheckpoint(**saved).save(tmp_path / "c")
+    tdcp.verify(path)
+    fresh = build(0)
+    tdcp.DistributedCheckpoint(**fresh).load(path)
+    for key, obj in saved.items():
+        assert not tdcp.state_differences(tdcp.state_snapshot(obj), tdcp.state_snapshot(fresh[key])), key
+
+
+def test_a_carrier_whose_dtypes_change_after_the_first_step_resumes_exactly(tmp_path: Path) -> None:
+    """A float64 policy makes Pendulum's ``th`` float64 after the first step, where a new collector's reset holds
+    float32: the saved carrier is taken as saved (it was refused, and before that cast to float32)."""
+    from tensordict.nn import TensorDictModule
+    from torchrl.collectors import Collector
+    from torchrl.envs import PendulumEnv
+
+    def make() -> Collector:
+        env = PendulumEnv()
+        env.set_seed(0)
+        torch.manual_seed(0)
+        policy = TensorDictModule(lambda th: torch.zeros_like(th, dtype=torch.float64), ["th"], ["action"])
+        return Collector(env, policy, frames_per_batch=4, total_frames=-1)
+
+    collector = make()
+    it = iter(collector)
+    next(it)
+    path = tdcp.DistributedCheckpoint(collector=collector).save(tmp_path / "c")
+    expected = next(it)
+    collector.shutdown()
+    other = make()
+    tdcp.DistributedCheckpoint(collector=other).load(path)
+    got = next(iter(other))
+    other.shutdown()
+    for key in expected.keys(True, True):
+        assert torch.equal(expected[key], got[key]) and expected[key].dtype == got[key].dtype, key
