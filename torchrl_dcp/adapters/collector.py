@@ -294,10 +294,9 @@ def _replace_expanded(carrier: Any, saved: Any) -> None:
     written in place, the saved values were cast)."""
     for key in saved.keys(include_nested=True, leaves_only=True):
         try:
-            live = carrier.get(key, None)
+            live, value = carrier.get(key, None), saved.get(key)
         except RuntimeError:  # (an entry of a lazy stack of other shapes per env: no one tensor, none expanded)
             continue
-        value = saved.get(key)
         if isinstance(live, torch.Tensor) and (
             any(st == 0 and n > 1 for st, n in zip(live.stride(), live.shape))
             or (isinstance(value, torch.Tensor) and value.dtype != live.dtype)
