@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from torchrl_dcp.adapters.list_storage import LIST_KIND
+from torchrl_dcp.adapters.state_kinds import integral_dtype
 from torchrl_dcp.format.codec import TensorSpec
 
 
@@ -113,7 +114,7 @@ def _check_sample_list(sampler: Any, storage: Mapping[str, Any]) -> None:
         raise ValueError(f"its sampler drew its epoch for len_storage {n!r}, its storage holds {stored!r}")
     if left is not None:
         tensor = isinstance(left, (TensorSpec, torch.Tensor))  # (a spec while planning; the tensor once restored)
-        if not tensor or len(left.shape) != 1 or not _integral(left.dtype):
+        if not tensor or len(left.shape) != 1 or not integral_dtype(left.dtype):
             what = f"a {left.dtype} tensor of shape {list(left.shape)}" if tensor else repr(left)
             raise ValueError(f"its sampler's remaining epoch is {what}, not a list of indices")
         if left.shape[0] > n:
@@ -137,10 +138,6 @@ def _check_sample_list_values(sampler: Any, read: Any) -> None:
         raise ValueError(f"its sampler's remaining epoch holds index {outside[0].item()}, outside 0..{n - 1}")
     if values.unique().numel() != values.numel():
         raise ValueError("its sampler's remaining epoch holds an index twice (a permutation never does)")
-
-
-def _integral(dtype: torch.dtype) -> bool:
-    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
 def _check_settings(saved: Mapping[str, Any]) -> None:

@@ -51,6 +51,7 @@ from torchrl_dcp.adapters.env import (  # (also imported from here by older code
 )
 from torchrl_dcp.adapters.env_transforms import check_transform_attributes, warn_unverified_transforms
 from torchrl_dcp.adapters.rng import same_rank_source
+from torchrl_dcp.adapters.state_kinds import integral_dtype
 from torchrl_dcp.adapters.tensordict import drop_unsaved, saved_keys, tensordict_from_state, tensordict_state
 from torchrl_dcp.errors import (
     CheckpointFormatError,
@@ -327,14 +328,14 @@ def check_collector_counters(state_dict: Any) -> None:
     for key, least in _COUNTERS:
         value = state_dict.get(key, least)
         if isinstance(value, TensorSpec):  # (a worker's, shared with the parent: one integer, checked once read)
-            if value.shape != () or not _integral(value.dtype):
+            if value.shape != () or not integral_dtype(value.dtype):
                 raise ValueError(f"its collector's {key} is a {value.dtype} tensor of shape {list(value.shape)}")
         elif type(value) is not int or value < least:
             raise ValueError(f"its collector's {key} is {value!r}, not an integer >= {least}")
     pool = state_dict.get("traj_pool")
     if pool is not None:
         next_id = pool.get("traj_id") if isinstance(pool, Mapping) else None
-        if not (isinstance(next_id, TensorSpec) and next_id.shape == () and _integral(next_id.dtype)):
+        if not (isinstance(next_id, TensorSpec) and next_id.shape == () and integral_dtype(next_id.dtype)):
             raise ValueError(f"its trajectory-id pool's next id is {next_id!r}, not one integer")
 
 
@@ -356,17 +357,13 @@ def check_next_traj_id(state_dict: Any, read: Any, in_flight: Any = None) -> Non
     next_id = int(read(spec))
     if next_id < 0:
         raise ValueError(f"its trajectory-id pool's next id is {next_id}")
-    if isinstance(in_flight, TensorSpec) and _integral(in_flight.dtype) and math.prod(in_flight.shape):
+    if isinstance(in_flight, TensorSpec) and integral_dtype(in_flight.dtype) and math.prod(in_flight.shape):
         ids = read(in_flight)
         if int(ids.min()) < 0 or int(ids.max()) >= next_id:
             raise ValueError(
                 f"its carrier holds trajectory ids {int(ids.min())}..{int(ids.max())}, its pool's next id is "
                 f"{next_id}: ids would be handed out twice"
             )
-
-
-def _integral(dtype: torch.dtype) -> bool:
-    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
 def _carrier_traj_ids(carrier: Any) -> Any:

@@ -30,7 +30,7 @@ import torch
 from torchrl_dcp.errors import IncompatibleComponentError
 from torchrl_dcp.format.codec import TensorSpec
 
-__all__ = ["check_kinds", "check_no_shadowing", "kind_of"]
+__all__ = ["check_kinds", "check_no_shadowing", "integral_dtype", "kind_of"]
 
 
 def kind_of(value: Any) -> str | None:
@@ -88,3 +88,8 @@ def check_no_shadowing(saved: Any, live: Any, obj: Any, where: str) -> None:
                 f"{where}: the checkpoint's state holds {key!r}, which is no part of this {type(obj).__name__}'s "
                 "state but one of its methods (loading it would replace the method): damaged or forged"
             )
+
+
+def integral_dtype(dtype: torch.dtype) -> bool:
+    """Whether tensors of ``dtype`` hold integers (not floating, complex or bool): what indices and counters are."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)

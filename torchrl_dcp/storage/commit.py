@@ -291,7 +291,11 @@ def remove_tree(path: Path) -> list[str]:
         path.unlink(missing_ok=True)
         return []
     _unlink_proven_files(path)
-    kept = _remove_ours(path, "")
+    parent = os.open(path.parent, os.O_RDONLY | _DIRECTORY | _CLOEXEC)  # (the caller's directory: may be a link)
+    try:
+        kept = _remove_ours(parent, path.name, "")
+    finally:
+        os.close(parent)
     if kept:
         logger.warning("%s: kept %s, which this library never writes (everything of its own was removed)", path,
                        kept[:5])  # fmt: skip
@@ -315,10 +319,11 @@ def is_ours(name: str) -> bool:
 _TEMPORARY = re.compile(r"^(.+?)\.tmp(?:-[0-9a-f]{32})?$")
 
 
-def _remove_ours(path: Path, prefix: str) -> list[str]:
-    """:func:`remove_tree` of the directory ``path`` (``prefix``: its path in the tree, for the report)."""
+def _remove_ours(parent_fd: int, name: str, prefix: str) -> list[str]:
+    """:func:`remove_tree` of the directory ``name`` in the directory ``parent_fd`` (``prefix``: its path in the tree,
+    for the report), every step through directory file descriptors (no path re-resolved, no link followed)."""
     try:
-        fd = os.open(path, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC)
+        fd = os.open(name, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=parent_fd)
     except OSError:
         return [prefix or "."]
     kept: list[str] = []
@@ -328,7 +333,7 @@ def _remove_ours(path: Path, prefix: str) -> list[str]:
         for entry in entries:
             try:
                 if entry.is_dir(follow_symlinks=False):
-                    kept += _remove_ours(path / entry.name, f"{prefix}{entry.name}/")
+                    kept += _remove_ours(fd, entry.name, f"{prefix}{entry.name}/")
                 elif is_ours(entry.name) or entry.is_symlink():  # (a link planted here: itself, never its target)
                     os.unlink(entry.name, dir_fd=fd)
                 else:
@@ -339,7 +344,7 @@ def _remove_ours(path: Path, prefix: str) -> list[str]:
         os.close(fd)
     if not kept:
         try:
-            os.rmdir(path)
+            os.rmdir(name, dir_fd=parent_fd)
         except FileNotFoundError:
             pass
         except OSError:  # (something made there meanwhile: kept, as it is)
@@ -456,36 +461,39 @@ def write_file_durably(path: Path, data: bytes, within: DirHandle | None = None)
         raise
 
 
+def _renameat2(a: Path, b: Path, flags: int) -> int | None:
+    """``renameat2(a, b, flags)``: 0, or the error number; ``None`` where the platform or file system has no such
+    rename (no ``renameat2``, or the flag refused)."""
+    renameat2 = getattr(libc(), "renameat2", None)
+    if renameat2 is None:
+        return None
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flags) == 0:
+        return 0
+    err = ctypes.get_errno()
+    return None if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP) else err
+
+
 def _rename_new(a: Path, b: Path) -> bool:
     """Rename ``a`` to ``b`` where nothing is at ``b`` (``RENAME_NOREPLACE``); False when something is there now
     (made since it was looked at: the caller replaces it as it replaces what was there, checking it first). Where
     the file system cannot refuse to replace, a plain rename (which never replaces a non-empty directory)."""
-    renameat2 = getattr(libc(), "renameat2", None)
-    if renameat2 is not None:
-        res = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_NOREPLACE)
-        if res == 0:
-            return True
-        err = ctypes.get_errno()
-        if err == errno.EEXIST:
-            return False
-        if err not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
-            raise OSError(err, os.strerror(err), str(b))
-    os.rename(a, b)
+    err = _renameat2(a, b, _RENAME_NOREPLACE)
+    if err is None:
+        os.rename(a, b)
+        return True
+    if err == errno.EEXIST:
+        return False
+    if err:
+        raise OSError(err, os.strerror(err), str(b))
     return True
 
 
 def _exchange(a: Path, b: Path) -> bool:
     """Atomically swap two paths; False when the platform or file system cannot."""
-    renameat2 = getattr(libc(), "renameat2", None)
-    if renameat2 is None:
-        return False
-    res = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
-    if res == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
+    err = _renameat2(a, b, _RENAME_EXCHANGE)
+    if err:
+        raise OSError(err, os.strerror(err), str(b))
+    return err == 0
 
 
 def publish(
