@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import numbers
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -38,6 +39,9 @@ def kind_of(value: Any) -> str | None:
     are one kind, ``"numeric"``: honest runs turn one into another (a running statistic set to ``0`` becomes a
     tensor, a flag ``False`` a count, a warm-up writes a tensor learning rate, a NumPy array is saved as a tensor).
     Strings and mappings are kinds of their own; anything else is its type's name."""
+    kind = _KINDS.get(type(value))  # the common types without the ABC checks (a state of 5,000 tensors: ~4 ms)
+    if kind is not None:
+        return kind
     if value is None:
         return None
     if isinstance(value, str):
@@ -47,6 +51,18 @@ def kind_of(value: Any) -> str | None:
     if isinstance(value, (bool, numbers.Number, torch.Tensor, TensorSpec, Sequence)) or hasattr(value, "__array__"):
         return "numeric"
     return type(value).__name__
+
+
+#: the kind of the values most states hold, by exact type (subclasses go through :func:`kind_of`'s checks)
+_KINDS: dict[type, str] = {
+    str: "str",
+    dict: "mapping",
+    OrderedDict: "mapping",
+    **dict.fromkeys((bool, int, float, complex, list, tuple, torch.Tensor, torch.nn.Parameter, TensorSpec), "numeric"),
+}
+#: values with nothing inside to compare (sequences are compared element by element)
+_LEAVES = frozenset((bool, int, float, complex, torch.Tensor, torch.nn.Parameter, TensorSpec))
+_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter, TensorSpec))
 
 
 def check_kinds(saved: Any, live: Any, where: str, path: str = "", *, tensors: bool = True) -> None:
@@ -69,7 +85,10 @@ def check_kinds(saved: Any, live: Any, where: str, path: str = "", *, tensors: b
             )
     elif a == "mapping":
         for key in saved.keys() & live.keys():
-            check_kinds(saved[key], live[key], where, f"{path}.{key}" if path else str(key), tensors=tensors)
+            x, y = saved[key], live[key]
+            if type(x) in _LEAVES and type(y) in _LEAVES and not (tensors and _TENSORS.issuperset((type(x), type(y)))):
+                continue  # two numbers, or (without ``tensors``) two tensors: one kind, nothing inside to compare
+            check_kinds(x, y, where, f"{path}.{key}" if path else str(key), tensors=tensors)
     elif all(isinstance(v, Sequence) and not isinstance(v, str) for v in (saved, live)) and len(saved) == len(live):
         for i, (x, y) in enumerate(zip(saved, live)):
             check_kinds(x, y, where, f"{path}[{i}]", tensors=tensors)
