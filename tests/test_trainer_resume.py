@@ -244,6 +244,37 @@ def test_a_hook_only_register_op_reaches_is_saved_and_resumed(tmp_path: Path) ->
         assert torch.equal(torch.as_tensor(restored._reward_stats[key]), torch.as_tensor(value)), key
 
 
+@pytest.mark.parametrize("wrapped", ["TargetNetUpdaterHook", "bound scheduler step"])
+def test_the_state_an_op_wraps_is_saved_and_resumed(tmp_path: Path, wrapped: str) -> None:
+    """What an op holds without a ``state_dict`` of the hook's own: torchrl's ``TargetNetUpdaterHook`` (registered as
+    its docstring shows) keeps its state in the target updater it wraps (``HardUpdate``'s counter), an LR scheduler's
+    bound ``step`` in the scheduler. Both restarted at a resume, silently: the targets were copied at other steps."""
+    from torchrl.objectives import HardUpdate
+    from torchrl.trainers import TargetNetUpdaterHook
+
+    def hooks(trainer):
+        if wrapped == "TargetNetUpdaterHook":
+            holder = HardUpdate(trainer.loss_module, value_network_update_interval=1000)  # (counts every step)
+            trainer.register_op("post_optim", TargetNetUpdaterHook(holder))
+            return holder, lambda h: h.counter
+        holder = torch.optim.lr_scheduler.StepLR(trainer.optimizer, step_size=5, gamma=0.5)
+        trainer.register_op("post_optim", holder.step)
+        return holder, lambda h: (h.last_epoch, h.get_last_lr())
+
+    trainer, (saved, position) = _sac_trainer(tmp_path, 32, hooks)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    trainer.checkpoint_rotation.close()
+    name = f"trainer_op.{type(saved).__name__}"
+    assert name in trainer.checkpoint.components
+    trainer2, (restored, _) = _sac_trainer(tmp_path, 64, hooks)
+    assert position(restored) != position(saved)  # (a fresh one: the resume has something to restore)
+    info = tdcp.resume(trainer2.checkpoint, tmp_path)
+    assert info is not None and name in info.result.loaded
+    assert position(restored) == position(saved)
+
+
 def test_early_stopping_resumes_with_the_last_value_of_its_metric(tmp_path: Path) -> None:
     """``EarlyStopping`` reads the last value logged under its metric (``Trainer._log_dict``, each rank's own
     history, not saved); validation logs it every few iterations only, so a resume in between found none and

@@ -31,6 +31,9 @@ TRAINER_MARKER = "trainer_state"  # what torchrl's Trainer registers when it bin
 #: component already, the hook is not registered again (its state would be saved twice, and restored twice by two
 #: adapters: torchrl's ``load_state_dict`` after ours)
 DELEGATING_HOOKS = {"ReplayBufferTrainer": "replay_buffer", "OptimizerHook": "optimizer"}
+#: hooks without a ``state_dict`` of their own whose state is an object they wrap (by class name: the attribute
+#: holding it), registered in their place
+WRAPPING_HOOKS = {"TargetNetUpdaterHook": "target_params_updater"}
 
 
 def bound_trainer(ckpt: Any) -> Any:
@@ -44,8 +47,9 @@ def register_op_hooks(ckpt: Any) -> None:
     ``trainer.register_op(...)`` (torchrl's docstrings register ``RewardNormalizer`` and ``ClearCudaCache`` so) was
     never saved, and its state (a normaliser's statistics) restarted at a resume, silently.
 
-    A hook is an op's bound object (through torchrl's timing wrapper), a ``TrainerHookBase`` with a non-empty state, found in the Trainer's op lists in a fixed order and named ``trainer_op.<Class>``
-    (``trainer_op.<Class>.2`` for a second one): the same names in every process that builds the same Trainer.
+    A hook is what holds the state of an op's bound object (through torchrl's timing wrapper, :func:`_state_holder`),
+    found in the Trainer's op lists in a fixed order and named ``trainer_op.<Class>`` (``trainer_op.<Class>.2`` for a
+    second one): the same names in every process that builds the same Trainer.
     """
     trainer = bound_trainer(ckpt)
     if trainer is None or getattr(trainer, "checkpoint", None) is not getattr(ckpt, "_solo_of", ckpt):
@@ -59,8 +63,8 @@ def register_op_hooks(ckpt: Any) -> None:
         for entry in ops:
             op = entry[0] if isinstance(entry, tuple) and entry else entry
             op = getattr(op, "__wrapped__", op)
-            hook = getattr(op, "__self__", op)
-            if id(hook) in held or any(h is hook for h in found) or not _stateful(hook):
+            hook = _state_holder(getattr(op, "__self__", op), trainer)
+            if hook is None or id(hook) in held or any(h is hook for h in found):
                 continue
             wrapped = DELEGATING_HOOKS.get(type(hook).__name__)
             if wrapped is not None and id(getattr(hook, wrapped, None)) in held:
@@ -76,16 +80,25 @@ def register_op_hooks(ckpt: Any) -> None:
             ckpt._components[name].optional = True  # checkpoints saved before this hook was found lack it
 
 
-def _stateful(hook: Any) -> bool:
-    """A torchrl ``TrainerHookBase`` with a non-empty state (not the Trainer itself, whose own methods are ops)."""
+def _state_holder(owner: Any, trainer: Any) -> Any:
+    """What holds the state of an op bound to ``owner`` (``None``: nothing to save): a torchrl ``TrainerHookBase``
+    with a non-empty state; the object a hook without a ``state_dict`` of its own wraps (``TargetNetUpdaterHook``: its
+    target updater's counter); an object whose bound method is the op (``register_op("post_optim", sched.step)``:
+    the LR scheduler's position). Never the Trainer itself, whose own methods are ops."""
     from torchrl.trainers.trainers import TrainerHookBase  # (a Trainer is bound: torchrl's trainers are imported)
 
-    if not isinstance(hook, TrainerHookBase):
-        return False
+    if owner is trainer:
+        return None
+    if not isinstance(owner, TrainerHookBase):
+        has_state = callable(getattr(owner, "state_dict", None)) and callable(getattr(owner, "load_state_dict", None))
+        return owner if has_state and not isinstance(owner, type) else None
     try:
-        return bool(hook.state_dict())
-    except Exception:  # a hook whose state_dict fails is left out here; a save of it would say why
-        return False
+        return owner if owner.state_dict() else None
+    except NotImplementedError:  # (torchrl's base class: a hook that keeps no state, or whose state is what it wraps)
+        attr = WRAPPING_HOOKS.get(type(owner).__name__)
+        return getattr(owner, attr, None) if attr is not None else None
+    except Exception:  # noqa: BLE001 - a hook whose state_dict fails: registered, so that a save says why
+        return owner
 
 
 def sync_trainer(ckpt: Any) -> None:
