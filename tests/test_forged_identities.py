@@ -70,6 +70,34 @@ def test_a_data_file_whose_trailer_names_another_rank_is_refused(tmp_path: Path,
     assert not (tmp_path / "c.zip").exists()
 
 
+@pytest.mark.parametrize("how", ["another save's shared file", "this save's own id"])
+def test_an_origin_on_anything_but_a_kept_chunk_file_is_refused(tmp_path: Path, how: str) -> None:
+    """``origin`` (a chunk file an incremental save kept) waived the identity comparisons for any file: another
+    save's shared file came in with its record resealed and ``origin`` set to that save (its weights loaded), and a
+    per-rank file under ``origin`` = this save's own id skipped the rank check (two ranks' files swapped)."""
+    saved = _objects(0)
+    path = _ckpt(saved).save(tmp_path / "c", step=1)
+    name = "__0_shared.distcp" if how == "another save's shared file" else "__0_0.distcp"
+    if how == "another save's shared file":
+        other = _ckpt(_objects(5)).save(tmp_path / "other", step=1)
+        (path / name).write_bytes((other / name).read_bytes())
+        origin = forging.read_parts(other)["save_id"]
+    else:
+        (path / name).write_bytes(_rewrite_trailer_rank((path / name).read_bytes(), 3))
+        origin = forging.read_parts(path)["save_id"]
+    forging.reseal(path, name)
+    forging.edit(path, lambda m: m["files"][name].update(origin=origin))
+    fresh = _objects(1)
+    before = fresh["policy"].weight.detach().clone()
+    match = rf"{name}: the manifest records this file as kept from save"
+    for verify in (True, False):
+        with pytest.raises(tdcp.CheckpointIntegrityError, match=match):
+            _ckpt(fresh).load(path, verify=verify)
+    assert torch.equal(fresh["policy"].weight, before)
+    with pytest.raises(tdcp.CheckpointIntegrityError, match=match):
+        tdcp.verify(path)
+
+
 def test_a_data_file_whose_trailer_names_another_rank_is_refused_in_an_object_store(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -42,7 +42,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, CheckpointIntegrityError
-from torchrl_dcp.format.layout import TRAILER_SIZE, data_file_name, data_file_rank, read_identity, shared_file_name
+from torchrl_dcp.format.layout import (
+    TRAILER_SIZE,
+    data_file_name,
+    data_file_rank,
+    is_chunk_file,
+    read_identity,
+    shared_file_name,
+)
 from torchrl_dcp.storage.files import open_regular
 
 if TYPE_CHECKING:  # annotations only: the location layer imports no torch (torch-free tools list and inspect)
@@ -505,7 +512,7 @@ class Location(abc.ABC):
 def check_identities(container: Container, names: Iterable[str], files: Mapping[str, Any], save_id: str) -> None:
     """Every data file in ``names`` of ``container`` ends with the identity trailer of save ``save_id`` (format 3 and
     later), or of the save its record names as its ``origin`` (a chunk file an incremental save kept), naming the
-    rank its name says (:func:`trailer_rank`).
+    rank its name says (:func:`trailer_identity`).
 
     Refuses a data file copied in from another checkpoint together with its record (size and checksum match, the
     save does not), and one of another rank of the same save under this rank's name (two ranks' files swapped, their
@@ -533,8 +540,8 @@ def check_identities(container: Container, names: Iterable[str], files: Mapping[
                     if span.size >= TRAILER_SIZE
                     else b""
                 )
-                record = files.get(name, {})
-                check_trailer(tail, record.get("origin", save_id), span.where, rank=trailer_rank(name, record))
+                expected, rank = trailer_identity(name, files.get(name, {}), save_id, span.where)
+                check_trailer(tail, expected, span.where, rank=rank)
         finally:
             for _, _, fd in opened:
                 os.close(fd)
@@ -551,17 +558,33 @@ def _will_need(fd: int, offset: int, size: int) -> None:
         pass  # past a C long (the reads then find the file shorter, and say so)
 
 
-def trailer_rank(name: str, record: Mapping[str, Any]) -> int | None:
-    """The rank the identity trailer of data file ``name`` (manifest record ``record``) must name: the rank its name
-    says (``__<rank>_<n>.distcp``, ``__<rank>_shared.distcp``: every save writes its files under the writing rank),
-    or ``None`` (nothing to compare) for a file kept from an earlier save (``origin``: written there by whichever
-    rank wrote that chunk) and for a name that says no rank."""
-    return None if "origin" in record else data_file_rank(name)
+def trailer_identity(name: str, record: Mapping[str, Any], save_id: str, where: Any = None) -> tuple[str, int | None]:
+    """``(save, rank)`` the identity trailer of data file ``name`` (manifest record ``record``) of save ``save_id``
+    must name: this save and the rank its name says (``__<rank>_<n>.distcp``, ``__<rank>_shared.distcp``: every save
+    writes its files under the writing rank; ``None``: a name that says no rank), or, for a chunk file an incremental
+    save kept from an earlier save (its ``origin``), that save (written there by whichever rank wrote that chunk:
+    no rank to compare).
+
+    Raises:
+        CheckpointIntegrityError: an ``origin`` on anything but a chunk file, or naming this very save: no save
+            writes one (it would waive the comparisons above: another save's shared file, two ranks' files swapped).
+    """
+    origin = record.get("origin")
+    if origin is None:
+        return save_id, data_file_rank(name)
+    if not is_chunk_file(name) or origin == save_id:
+        raise CheckpointIntegrityError(
+            f"the manifest records this file as kept from save {origin!r}, which "
+            + ("is this save itself" if origin == save_id else "only a chunk file an incremental save kept can be")
+            + ": no save writes that (forged, to take a file of another save or rank); refused",
+            path=name if where is None else where,
+        )
+    return origin, None
 
 
 def check_trailer(tail: bytes, save_id: str, where: Any, kind: str = "a file", rank: int | None = None) -> None:
     """``tail`` (a data file's last bytes) carries the identity of save ``save_id`` and, unless ``rank`` is
-    ``None``, of rank ``rank`` (:func:`trailer_rank`); ``kind`` names what it is."""
+    ``None``, of rank ``rank`` (:func:`trailer_identity`); ``kind`` names what it is."""
     found = read_identity(bytes(tail))
     if found is None or found[0] != save_id:
         who = "no save identity" if found is None else f"the identity of save {found[0]!r}"

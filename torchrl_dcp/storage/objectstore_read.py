@@ -122,7 +122,7 @@ class _File:
     verify: str | None  # the manifest's checksum, when checked while read
     identity: str | None  # the save id its trailer must carry, when not checked yet
     pieces: list[tuple[int, int, int]] = field(default_factory=list)  # (offset, length, crc) fetched
-    rank: int | None = None  # the rank its trailer must name (``storage.base.trailer_rank``), when checked
+    rank: int | None = None  # the rank its trailer must name (``storage.base.trailer_identity``), when checked
 
 
 class StoreReader(InPlaceFileSystemReader):

@@ -17,7 +17,7 @@ from typing import Any, BinaryIO
 
 from torchrl_dcp.errors import CheckpointError, CheckpointIntegrityError
 from torchrl_dcp.format.layout import TRAILER_SIZE
-from torchrl_dcp.storage.base import check_trailer, trailer_rank
+from torchrl_dcp.storage.base import check_trailer, trailer_identity
 from torchrl_dcp.storage.objectstore import ObjectStoreContainer, concurrency, map_pieces, range_size, read_range
 from torchrl_dcp.storage.objectstore_read import MERGE_GAP, StoreReader
 from torchrl_dcp.storage.readitems import RangeFile
@@ -140,8 +140,7 @@ class ObjectStoreSource(CheckpointSource):
         tails: dict[str, bytes] = self.container.tails  # type: ignore[attr-defined]
         later: list[str] = []
         for name in sorted(set(names)):
-            save_id = files.get(name, {}).get("origin", manifest["save_id"])
-            rank = trailer_rank(name, files.get(name, {}))
+            save_id, rank = trailer_identity(name, files.get(name, {}), manifest["save_id"], self.path / name)
             tail = tails.get(str(self.path / name))
             if tail is not None:
                 check_trailer(tail, save_id, self.path / name, kind="an object", rank=rank)
@@ -155,14 +154,8 @@ class ObjectStoreSource(CheckpointSource):
             spans.append((self.path / name, max(0, size - TRAILER_SIZE), min(size, TRAILER_SIZE)))
         found = map_pieces(spans, lambda i, data: data, concurrency())
         for name, tail in zip(later, found):
-            record = files.get(name, {})
-            check_trailer(
-                tail,
-                record.get("origin", manifest["save_id"]),
-                self.path / name,
-                kind="an object",
-                rank=trailer_rank(name, record),
-            )
+            save_id, rank = trailer_identity(name, files.get(name, {}), manifest["save_id"], self.path / name)
+            check_trailer(tail, save_id, self.path / name, kind="an object", rank=rank)
 
     def storage_reader(self, verify: Collection[str] = (), mismatch_note: str | None = None) -> ObjectStoreReader:
         files = self.manifest()["files"]
