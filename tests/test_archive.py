@@ -383,6 +383,33 @@ def test_export_overwrite_never_deletes_what_is_not_a_torchrl_checkpoint(tmp_pat
     assert (mine / "eval.txt").read_text() == "mine" and (tmp_path / "notes.txt").read_text() == "mine"
 
 
+def test_export_overwrite_keeps_a_users_files_put_into_an_old_export(tmp_path: Path) -> None:
+    """torchrl replaces the whole tree of an old export: a user's notes and videos put into it were deleted. An
+    export holding anything torchrl did not write is refused, nothing deleted."""
+    path, _ = make(tmp_path)
+    out = tdcp.export_torchrl(path, tmp_path / "export", ["policy"], format="directory")
+    (out / "notes.txt").write_text("mine")
+    (out / "videos").mkdir()
+    (out / "videos" / "eval.mp4").write_bytes(b"mine")
+    with pytest.raises(tdcp.CheckpointError, match=r"torchrl.checkpoint did not write \(\['notes.txt', 'videos/'\]\)"):
+        tdcp.export_torchrl(path, out, ["policy"], format="directory", overwrite=True)
+    assert (out / "notes.txt").read_text() == "mine" and (out / "videos" / "eval.mp4").read_bytes() == b"mine"
+    (out / "notes.txt").unlink()
+    shutil.rmtree(out / "videos")
+    assert tdcp.export_torchrl(path, out, ["policy"], format="directory", overwrite=True) == out  # its own: replaced
+
+
+def test_an_export_that_fails_on_the_file_system_is_a_checkpoint_error(tmp_path: Path) -> None:
+    """A name the file system refuses (too long) escaped ``export_torchrl`` as a bare ``OSError``."""
+    ckpt = tdcp.DistributedCheckpoint()
+    ckpt.register("p" * 300, {"w": torch.ones(2)})  # (a valid component name: too long for a torchrl file name)
+    path = ckpt.save(tmp_path / "ckpt")
+    for fmt in ("archive", "directory"):
+        with pytest.raises(tdcp.CheckpointError, match="exporting failed"):
+            tdcp.export_torchrl(path, tmp_path / f"out-{fmt}", ["p" * 300], format=fmt)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
 RSS_SCRIPT = """
 import sys, time
 import torchrl_dcp as tdcp

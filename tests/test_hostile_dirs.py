@@ -152,6 +152,49 @@ def test_remove_tree_unlinks_a_link_and_never_its_target(tmp_path: Path) -> None
     _outside_unchanged(target)
 
 
+def test_removal_keeps_a_users_subdirectory_whole_whatever_its_files_are_named(tmp_path: Path) -> None:
+    """A prune removed library-named files at any depth: a user's ``eval/manifest.json`` put into an old entry was
+    deleted (its ``notes.txt`` kept). A save never writes into a subdirectory: a user's one is kept whole."""
+    rotation = tdcp.CheckpointRotation(tmp_path, keep_last=1)
+    ckpt = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(3, 2))
+    old = rotation.save(ckpt, step=1)
+    (old / "eval").mkdir()
+    for name in ("manifest.json", "__0_0.distcp", ".metadata", "notes.txt"):
+        (old / "eval" / name).write_text("mine")
+    rotation.save(ckpt, step=2)
+    assert sorted(p.name for p in (old / "eval").iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "manifest.json",
+        "notes.txt",
+    ]
+    assert [e.step for e in rotation.entries()] == [2]
+
+
+def test_a_deep_tree_in_a_leftover_is_kept_and_every_save_commits(tmp_path: Path) -> None:
+    """A leftover staging directory holding a tree 1,100 levels deep made the removal recurse past Python's limit:
+    every save committed, pruned, then raised ``RecursionError`` as a failed rotation."""
+    rotation = tdcp.CheckpointRotation(tmp_path, keep_last=1)
+    ckpt = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(3, 2))
+    rotation.save(ckpt, step=1)
+    leftover = f".step-000000000000{commit.STAGING_TAG}0123"
+    fd = os.open(tmp_path, os.O_RDONLY)
+    os.mkdir(leftover, dir_fd=fd)
+    cur = os.open(leftover, os.O_RDONLY, dir_fd=fd)
+    for _ in range(1100):
+        os.mkdir("d", dir_fd=cur)
+        nxt = os.open("d", os.O_RDONLY, dir_fd=cur)
+        os.close(cur)
+        cur = nxt
+    os.close(cur)
+    os.close(fd)
+    for step in (2, 3):
+        rotation.save(ckpt, step=step)
+    assert [e.step for e in rotation.entries()] == [3]
+    assert (tmp_path / leftover / "d").is_dir()  # (a user's tree: kept, logged)
+    subprocess.run(["rm", "-rf", str(tmp_path / leftover)], check=True)  # (pytest's removal recurses: too deep)
+
+
 def test_temporary_file_of_a_durable_write_is_never_opened_through_a_link(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

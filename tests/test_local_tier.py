@@ -196,6 +196,22 @@ def test_a_link_in_place_of_the_tier_directory_is_refused_and_nothing_is_written
     assert rotation.local.steps() == [] and rotation.resume(ckpt) is None
 
 
+@pytest.mark.parametrize("inside", ["", "a9/t"])
+def test_a_tier_inside_a_checkpoint_is_refused_before_anything_is_made_there(tmp_path: Path, inside: str) -> None:
+    """A tier placed in a committed checkpoint was refused only after its step directory was made there: the
+    checkpoint then held an entry its manifest does not list, and no longer verified."""
+    ckpt = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(2, 1))
+    committed = ckpt.save(tmp_path / "ckpt")
+    before = sorted(p.name for p in committed.iterdir())
+    rotation = tdcp.CheckpointRotation(
+        tmp_path / "shared", every_steps=100, local=tdcp.LocalTier(committed / inside, every_steps=1)
+    )
+    with pytest.raises(tdcp.CheckpointError, match="is inside the checkpoint"):
+        rotation.maybe_save(ckpt, 1)
+    assert sorted(p.name for p in committed.iterdir()) == before
+    tdcp.verify(committed)
+
+
 def test_steps_of_more_than_12_digits_are_listed_resumed_and_pruned(tmp_path: Path) -> None:
     model = torch.nn.Linear(2, 2)
     ckpt = tdcp.DistributedCheckpoint(no_dist=True, policy=model)

@@ -292,6 +292,23 @@ def test_glob_characters_in_keys_never_reach_other_objects(store: tuple[str, dic
     assert fs.cat_file(precious.key) == b"mine"
 
 
+def test_export_overwrite_on_a_store_keeps_a_users_objects(store: tuple[str, dict[str, Any]]) -> None:
+    """A directory export replaced on a store deleted every object under its prefix: a user's notes put there too.
+    Only the files torchrl's manifest lists are replaced; anything else is refused, nothing deleted."""
+    url, options = store
+    src = _ckpt(_objects(21), options).save(f"{url}/c", step=1)
+    dst = resolve_path(f"{url}/export", options)
+    tdcp.export_torchrl(src, dst, ["policy"], format="directory")
+    fs = _store_fs(url, options)
+    notes = resolve_path(f"{url}/export/videos/eval.mp4", options)
+    fs.pipe_file(notes.key, b"mine")
+    with pytest.raises(tdcp.CheckpointError, match=r"did not write \(\['videos/eval.mp4'\]\)"):
+        tdcp.export_torchrl(src, dst, ["policy"], format="directory", overwrite=True)
+    assert fs.cat_file(notes.key) == b"mine"
+    fs.rm_file(notes.key)
+    tdcp.export_torchrl(src, dst, ["policy"], format="directory", overwrite=True)
+
+
 def test_convert_and_export_through_urls(store: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
     url, options = store
     objs = _objects(18)

@@ -100,6 +100,31 @@ def test_resume_starts_fresh_then_resumes_and_skips_a_damaged_latest(
         tdcp.resume(wrong, tmp_path)
 
 
+@pytest.mark.parametrize("damage", ["truncated", "emptied"])
+def test_a_newest_entry_whose_manifest_is_damaged_is_warned_about_and_saved_again(tmp_path: Path, damage: str) -> None:
+    """An entry whose manifest was truncated is no committed one: resume skipped it unseen (``fallback=False``
+    loaded the older one too), and the job died at that step's save, which refused to replace it. Now it is warned
+    about (raised without fallback), and the save of its step replaces it (it holds nothing but a save's files)."""
+    rotation = tdcp.CheckpointRotation(tmp_path, keep_last=3)
+    for step in (1, 2):
+        rotation.save(ckpt_for(step)[0], step=step)
+    manifest = tmp_path / "step-000000000002" / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:50] if damage == "truncated" else b"")
+    ckpt, model = ckpt_for(0)
+    with pytest.raises((tdcp.CheckpointFormatError, tdcp.CheckpointIntegrityError), match="step-000000000002"):
+        tdcp.resume(ckpt, tmp_path, fallback=False)
+    with pytest.warns(tdcp.TorchrlDcpWarning, match="step-000000000002 is damaged"):
+        info = tdcp.resume(ckpt, tmp_path)
+    assert info is not None and info.step == 1 and torch.equal(model.weight, ckpt_for(1)[1].weight)
+    rotation.save(ckpt_for(2)[0], step=2)  # the job goes on: its step is saved again
+    assert [e.step for e in rotation.entries()] == [1, 2]
+    (tmp_path / "step-000000000002" / "notes.txt").write_text("mine")
+    manifest.write_bytes(b"")
+    with pytest.raises(tdcp.CheckpointError, match="notes.txt"):  # a damaged one holding a user's file: kept
+        rotation.save(ckpt_for(2)[0], step=2)
+    assert (tmp_path / "step-000000000002" / "notes.txt").read_text() == "mine"
+
+
 def test_resume_warns_when_it_starts_fresh_because_every_committed_entry_is_damaged(tmp_path: Path) -> None:
     """A job whose every checkpoint is damaged retrains from scratch (and its next saves prune them): that is a
     warning naming them, not a log line no job without logging shows."""

@@ -410,7 +410,10 @@ def export_torchrl(
     if metadata is None:
         meta.setdefault("step", manifest.get("step"))
         meta["exported_from"] = str(source.path)
-    TorchRLCheckpoint(format=format, **values).save(destination, metadata=meta)  # type: ignore[arg-type]
+    try:
+        TorchRLCheckpoint(format=format, **values).save(destination, metadata=meta)  # type: ignore[arg-type]
+    except OSError as err:  # (torchrl stages beside the destination and removes its staging on failure)
+        raise from_os_error(err, "exporting", destination, after="; an existing export there is unchanged") from None
     return destination
 
 
@@ -445,16 +448,46 @@ def _check_identities(container: Any, manifest: Mapping[str, Any]) -> None:
 
 
 def _destination_for_torchrl(dst: str | os.PathLike, overwrite: bool) -> Path:
-    from torchrl_dcp.torchrl_format.detect import is_torchrl_checkpoint
+    from torchrl_dcp.torchrl_format.detect import read_torchrl_manifest, written_files
 
     destination = _local(dst)
     if destination.exists() or destination.is_symlink():
         if not overwrite:
             raise CheckpointError("already exists; pass overwrite=True to replace it", path=destination)
-        if destination.is_symlink() or not is_torchrl_checkpoint(destination):  # torchrl would replace anything
+        manifest = None if destination.is_symlink() else read_torchrl_manifest(destination)
+        if manifest is None:  # torchrl would replace anything
             raise CheckpointError(
                 "is not a torchrl.checkpoint checkpoint: overwrite=True replaces only one (a directory or file of "
                 "yours is never deleted); export elsewhere, or remove it yourself",
                 path=destination,
             )
+        if destination.is_dir():  # torchrl replaces the whole tree: only the files it wrote may be in it
+            foreign = _not_written(destination, written_files(manifest))
+            if foreign:
+                raise CheckpointError(
+                    f"holds entries torchrl.checkpoint did not write ({foreign[:5]}), which replacing it would "
+                    "delete: move them out first, or export elsewhere",
+                    path=destination,
+                )
     return destination  # torchrl.checkpoint replaces an existing one atomically
+
+
+def _not_written(directory: Path, written: set[str]) -> list[str]:
+    """The entries of the tree at ``directory`` (links not followed) that are not regular files in ``written``, nor
+    directories leading to them."""
+    parents = {p for name in written for p in _parents(name)}
+    foreign = []
+    for root, dirs, files in os.walk(directory):  # (os.walk never follows links to directories)
+        rel = Path(root).relative_to(directory).as_posix()
+        rel = "" if rel == "." else f"{rel}/"
+        for d in list(dirs):
+            if (directory / f"{rel}{d}").is_symlink() or f"{rel}{d}" not in parents:
+                foreign.append(f"{rel}{d}/")
+                dirs.remove(d)
+        foreign += [f"{rel}{f}" for f in files if f"{rel}{f}" not in written or (Path(root) / f).is_symlink()]
+    return sorted(foreign)
+
+
+def _parents(name: str) -> list[str]:
+    parts = name.split("/")
+    return ["/".join(parts[:i]) for i in range(1, len(parts))]

@@ -58,7 +58,12 @@ from torchrl_dcp.load_plan import LoadPlan
 from torchrl_dcp.peer_copy import exchange_entries
 from torchrl_dcp.save_policy import SaveSchedule
 from torchrl_dcp.storage.commit import remove_entry, sweep_stale_locks, write_file_durably
-from torchrl_dcp.storage.directory import DirectoryContainer, DirectoryLocation, is_replaceable
+from torchrl_dcp.storage.directory import (
+    DirectoryContainer,
+    DirectoryLocation,
+    is_replaceable,
+    refuse_inside_checkpoint,
+)
 from torchrl_dcp.storage.files import DirHandle, read_whole
 
 logger = get_logger(__name__)
@@ -465,7 +470,9 @@ def _is_real_dir(path: Path) -> bool:
 
 
 def _make_dir(path: Path) -> None:
-    """Create ``path`` (and its parents); what is there must be a directory itself, not a link to one."""
+    """Create ``path`` (and its parents); what is there must be a directory itself, not a link to one, and never
+    inside a checkpoint (refused before anything is made: an entry its manifest does not list would damage it)."""
+    refuse_inside_checkpoint(path)
     path.mkdir(parents=True, exist_ok=True)
     if not _is_real_dir(path):
         raise CheckpointError("is not a directory (a link or a file was put in its place): refused", path=path)

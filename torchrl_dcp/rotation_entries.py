@@ -24,7 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError
+from torchrl_dcp.errors import (
+    CheckpointFormatError,
+    CheckpointIntegrityError,
+    CheckpointNotFoundError,
+    manifest_damaged,
+)
 from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.storage.base import Location
 
@@ -57,10 +62,10 @@ class RotationEntry:
     size: int
     metric: float | None = None
     created_at: str | None = None
-    error: str | None = None
-    sequence: int | None = (
-        None  # the rotation's commit counter (format 4; absent in older entries)  # why an uncommitted entry is not committed (``include_uncommitted``)
-    )
+    error: str | None = None  # why an uncommitted entry is not committed (``include_uncommitted``)
+    sequence: int | None = None  # the rotation's commit counter (format 4; absent in older entries)
+    #: its manifest is there but damaged (truncated, altered): what a save never leaves (publishing is atomic)
+    damaged: bool = False
 
     @property
     def commit_key(self) -> tuple[int, float, int]:
@@ -91,10 +96,15 @@ def latest_entry(entries: Iterable[RotationEntry]) -> RotationEntry | None:
 
 
 def list_entries(
-    directory: Location | str | os.PathLike, metric: str | None = None, include_uncommitted: bool = False
+    directory: Location | str | os.PathLike,
+    metric: str | None = None,
+    include_uncommitted: bool = False,
+    *,
+    include_damaged: bool = False,
 ) -> list[RotationEntry]:
     """Step-named entries of ``directory`` sorted by step; committed means a manifest that reads and validates and
-    records the step of the entry's name (or none).
+    records the step of the entry's name (or none). ``include_damaged``: also the entries whose manifest is there
+    but damaged (``damaged``; what a resume tries and warns about).
 
     Each manifest is read once. Entries of the wrong kind (a ``step-N`` that is not a
     checkpoint directory or prefix, a ``step-N.zip`` that is not a regular file, any
@@ -109,11 +119,12 @@ def list_entries(
         step, is_archive = parsed
         if child.kind != ("archive" if is_archive else "checkpoint"):
             continue  # a symlink, a FIFO, a directory named .zip, an object named step-N: never ours
-        error = None
+        error, damaged = None, False
         try:
             manifest = child.location.root()  # (its shards are checked when it is loaded: a damaged one falls back)
         except (CheckpointNotFoundError, CheckpointFormatError, CheckpointIntegrityError) as err:
             manifest, error = {}, f"{type(err).__name__}: {err}"  # absent, damaged: never committed (or broken)
+            damaged = manifest_damaged(err)
         except Exception as err:  # noqa: BLE001 - reading failed (a store's 503, EIO): not a judgement on the entry
             if not include_uncommitted:  # resume, latest, prune: an entry not read is not skipped as damaged
                 raise
@@ -122,7 +133,7 @@ def list_entries(
         if error is None and recorded is not None and recorded != step:
             # renamed (or another run's): its name would make resume report, and keep_last rank, another step
             error = f"its manifest records step {recorded}, not {step}: renamed, not this rotation's entry"
-        if error is not None and not include_uncommitted:
+        if error is not None and not include_uncommitted and not (include_damaged and damaged):
             continue
         size = child.location.size()
         if size is None:
@@ -138,6 +149,7 @@ def list_entries(
             created_at=created_at if isinstance(created_at, str) else None,
             error=error,
             sequence=entry_sequence(manifest),
+            damaged=damaged,
         )
         old = found.get(entry.step)
         if old is None or (entry.committed, not entry.archive) > (old.committed, not old.archive):

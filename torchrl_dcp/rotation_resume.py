@@ -34,7 +34,7 @@ from torchrl_dcp.errors import (
     CollectiveError,
     TorchrlDcpWarning,
 )
-from torchrl_dcp.rotation_entries import by_commit
+from torchrl_dcp.rotation_entries import by_commit, list_entries
 
 logger = get_logger(__name__)
 
@@ -75,7 +75,7 @@ def resume_rotation(rotation: Any, ckpt: Any, fallback: bool, load_kwargs: dict[
     settle_pending(ckpt)
     group = group_of(ckpt)
     candidates = broadcast_step(  # rank 0 lists, newest commit first; every rank loads the same entries
-        group, "listing checkpoints", lambda: [(e.step, str(e.path)) for e in reversed(by_commit(rotation.entries()))]
+        group, "listing checkpoints", lambda: _candidates(list_entries(rotation.location, include_damaged=True))
     )
     local_resume: Callable[[int | None], ResumeInfo | None] | None = None
     if rotation.local is not None:
@@ -99,6 +99,16 @@ def resume_rotation(rotation: Any, ckpt: Any, fallback: bool, load_kwargs: dict[
     if rotation.local is not None and (info is None or info.tier == "shared"):
         rotation.local.forget_after(ckpt, None if info is None else info.step)  # newer local steps: an abandoned future
     return info
+
+
+def _candidates(entries: list[Any]) -> list[tuple[int, str]]:
+    """``(step, path)`` of what a resume tries, in order: the committed entries, newest commit first, after the
+    damaged ones of a later step (a manifest truncated or altered: loading them fails, and the resume warns and
+    falls back, or raises with ``fallback=False``, rather than skip them unseen)."""
+    committed = [(e.step, str(e.path)) for e in reversed(by_commit(entries))]
+    newest = max((step for step, _ in committed), default=-1)
+    damaged = sorted(((e.step, str(e.path)) for e in entries if e.damaged and e.step > newest), reverse=True)
+    return damaged + committed
 
 
 def _torchrl_entries(rotation: Any) -> list[str]:

@@ -278,8 +278,9 @@ def _read_holder(fd: int) -> str:
 
 def remove_tree(path: Path) -> list[str]:
     """Remove what this library wrote at ``path``: a file or link (itself, never what it points to), or a directory
-    with the files a save or conversion writes there (:func:`is_ours`, the manifest first), in its subdirectories
-    too, and each directory left empty. Anything else (a user's file, put into a checkpoint, its staging or its
+    with the files a save or conversion writes there (:func:`is_ours`, the manifest first), in the staging and trash
+    directories of ours it holds too, and each directory left empty (a user's subdirectory is kept whole, whatever
+    its files are named). Anything else (a user's file, put into a checkpoint, its staging or its
     trash at any moment, or left there by a killed prune) is kept, with the directories holding it: returns their
     paths relative to ``path`` (``[]``: all removed), and logs them. Links are never followed (directory file
     descriptors opened ``O_NOFOLLOW``)."""
@@ -316,6 +317,8 @@ def is_ours(name: str) -> bool:
     return name.startswith(".") and any(tag in name for tag in (STAGING_TAG, TRASH_TAG, TMP_TAG))
 
 
+#: leftovers of ours nest no deeper than this (a staging directory inside a trash directory inside ...)
+_MAX_NESTED_LEFTOVERS = 4
 _TEMPORARY = re.compile(r"^(.+?)\.tmp(?:-[0-9a-f]{32})?$")
 
 
@@ -333,7 +336,13 @@ def _remove_ours(parent_fd: int, name: str, prefix: str) -> list[str]:
         for entry in entries:
             try:
                 if entry.is_dir(follow_symlinks=False):
-                    kept += _remove_ours(fd, entry.name, f"{prefix}{entry.name}/")
+                    # a directory is ours only as a leftover of ours (a staging or trash directory of a save that
+                    # replaced one inside this tree), never deeper than any save nests them: a user's directory is
+                    # kept whole, whatever its files are named (a save never writes into a subdirectory)
+                    if is_ours(entry.name) and prefix.count("/") < _MAX_NESTED_LEFTOVERS:
+                        kept += _remove_ours(fd, entry.name, f"{prefix}{entry.name}/")
+                    else:
+                        kept.append(f"{prefix}{entry.name}/")
                 elif is_ours(entry.name) or entry.is_symlink():  # (a link planted here: itself, never its target)
                     os.unlink(entry.name, dir_fd=fd)
                 else:

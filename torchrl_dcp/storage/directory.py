@@ -31,7 +31,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torchrl_dcp._log import get_logger
-from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError
+from torchrl_dcp.errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointIntegrityError,
+    CheckpointNotFoundError,
+    manifest_damaged,
+)
 from torchrl_dcp.format import manifest as schema
 from torchrl_dcp.format.checksums import checksum_mismatch
 from torchrl_dcp.format.layout import DCP_METADATA, MANIFEST, MAX_MANIFEST_BYTES, identity_trailer, is_library_file
@@ -182,15 +188,17 @@ def refuse_inside_checkpoint(destination: Path) -> None:
 
 def is_replaceable(destination: Path) -> bool:
     """Whether ``destination`` may be replaced by a save: an empty directory or a committed checkpoint holding
-    nothing a save does not write (a file of the user's inside it is not deleted with it)."""
+    nothing a save does not write (a file of the user's inside it is not deleted with it), or a damaged one
+    (:func:`~torchrl_dcp.errors.manifest_damaged`: a resume skipped it with a warning, and the job saves that step again)."""
     if not destination.is_dir() or destination.is_symlink():
         return False
     if not any(destination.iterdir()):
         return True
     try:
         DirectoryContainer(destination).manifest()
-    except CheckpointError:
-        return False
+    except CheckpointError as err:
+        if not manifest_damaged(err):
+            return False
     return not foreign_entries(destination)
 
 
@@ -199,8 +207,12 @@ def _not_replaced(destination: Path) -> str:
     if _kind(destination) == "checkpoint" and any(destination.iterdir()):
         try:
             DirectoryContainer(destination).manifest()
-        except CheckpointError:
-            pass
+        except CheckpointError as err:
+            if manifest_damaged(err):
+                return (
+                    f"is a damaged checkpoint ({err}) holding entries a checkpoint never holds "
+                    f"({foreign_entries(destination)[:5]}); refusing to replace it: move them, or save elsewhere"
+                )
         else:
             return (
                 f"holds entries a checkpoint never holds ({foreign_entries(destination)[:5]}); refusing to replace "

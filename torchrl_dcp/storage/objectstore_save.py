@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from torchrl_dcp._log import get_logger
-from torchrl_dcp.errors import CheckpointError
+from torchrl_dcp.errors import CheckpointError, manifest_damaged
 from torchrl_dcp.format.checksums import crc32, crc32_combine, format_crc
 from torchrl_dcp.format.layout import (
     DCP_METADATA,
@@ -189,12 +189,13 @@ def begin(destination: StorePath, save_id: str) -> None:
     if found:
         try:
             ObjectStoreContainer(destination).manifest()
-        except CheckpointError:
-            raise CheckpointError(
-                f"holds {len(found)} object(s) but no valid {MANIFEST}: not a torchrl_dcp checkpoint; refusing to "
-                "overwrite it (choose another path, or delete the objects)",
-                path=destination,
-            ) from None
+        except CheckpointError as err:
+            if not (MANIFEST in found and manifest_damaged(err)):  # (a damaged checkpoint of ours is replaced)
+                raise CheckpointError(
+                    f"holds {len(found)} object(s) but no valid {MANIFEST}: not a torchrl_dcp checkpoint; refusing to "
+                    "overwrite it (choose another path, or delete the objects)",
+                    path=destination,
+                ) from None
         foreign = foreign_objects(destination, found)
         if foreign:
             raise CheckpointError(

@@ -18,11 +18,13 @@ Example:
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 from torchrl_dcp.errors import CheckpointError
 from torchrl_dcp.format.layout import MANIFEST
+from torchrl_dcp.format.torchrl_listing import FORMAT_NAME, JSON_LIMIT, written_files
 from torchrl_dcp.storage.directory import DirectoryContainer
 from torchrl_dcp.storage.objectstore import ObjectStoreContainer, download, list_objects, read_range, upload_pieces
 from torchrl_dcp.storage.objectstore_save import publish_directory
@@ -64,8 +66,9 @@ def upload_result(local: Path, dst: StorePath, kind: str) -> None:
         manifest = DirectoryContainer(local).manifest()
         publish_directory(local, dst, manifest, (local / MANIFEST).read_bytes())
     elif local.is_dir():  # a torchrl.checkpoint directory: its files, then nothing else to commit
-        if list_objects(dst):  # the export replaced (overwrite=True): its own tree, whatever it holds
-            delete_objects(dst.fs, sorted(dst.fs.find(dst.key)))
+        if list_objects(dst):  # the export replaced (overwrite=True): the files it wrote (check_replaceable)
+            key = dst.key.rstrip("/")
+            delete_objects(dst.fs, sorted(f"{key}/{name}" for name in _export_files(dst)))
         for f in sorted(p for p in local.rglob("*") if p.is_file()):
             upload_file(f, StorePath(f"{dst.url}/{f.relative_to(local).as_posix()}", dst.storage_options, dst.fs))
     else:
@@ -74,6 +77,21 @@ def upload_result(local: Path, dst: StorePath, kind: str) -> None:
 
 #: what the first member's name of an archive begins with: torchrl_dcp's (``to_archive``), torchrl.checkpoint's
 _ARCHIVE_FIRST_MEMBERS = {"file": (b".metadata", b"manifest.json"), "torchrl": (b"components/", b"manifest.json")}
+
+
+def _export_files(dst: StorePath) -> set[str] | None:
+    """The names (relative to ``dst``) of the files of the ``torchrl.checkpoint`` directory export at the prefix
+    ``dst`` (its manifest's listing), or ``None`` when it holds none."""
+    manifest = dst / MANIFEST
+    if not manifest.is_file() or manifest.fs.size(manifest.key) > JSON_LIMIT:
+        return None
+    try:
+        parsed = json.loads(manifest.fs.cat_file(manifest.key))
+    except ValueError:
+        return None
+    if not isinstance(parsed, dict) or parsed.get("format") != FORMAT_NAME:
+        return None
+    return written_files(parsed)
 
 
 def check_replaceable(dst: StorePath, kind: str) -> None:
@@ -95,11 +113,18 @@ def check_replaceable(dst: StorePath, kind: str) -> None:
             path=dst,
         )
     if list_objects(dst):
-        manifest = dst / MANIFEST
-        theirs = (
-            kind == "torchrl" and manifest.is_file() and b"torchrl.checkpoint" in manifest.fs.cat_file(manifest.key)
-        )
-        if not theirs:
+        written = _export_files(dst) if kind == "torchrl" else None
+        if written is not None:  # only the files that export wrote may be under the prefix: they are what goes
+            key = dst.key.rstrip("/")
+            found = {str(k)[len(key) + 1 :] for k in dst.fs.find(key)}
+            foreign = sorted(found - written)
+            if foreign:
+                raise CheckpointError(
+                    f"holds objects torchrl.checkpoint did not write ({foreign[:5]}), which replacing it would "
+                    "delete: move them out first, or export elsewhere",
+                    path=dst,
+                )
+        else:
             raise CheckpointError(
                 "is a prefix holding objects (a checkpoint, or a user's), not "
                 + ("an export of torchrl.checkpoint" if kind == "torchrl" else "an archive object")

@@ -15,14 +15,10 @@ import zipfile
 from pathlib import Path
 from typing import BinaryIO
 
+from torchrl_dcp.format.torchrl_listing import FORMAT_NAME, JSON_LIMIT, MANIFEST, written_files
 from torchrl_dcp.storage.backends import is_remote
 
-__all__ = ["FORMAT_NAME", "JSON_LIMIT", "MANIFEST", "is_torchrl_checkpoint", "read_torchrl_manifest"]
-
-FORMAT_NAME = "torchrl.checkpoint"
-MANIFEST = "manifest.json"
-#: the most bytes one JSON file of a torchrl checkpoint may hold (a manifest, a schema, a buffer's metadata)
-JSON_LIMIT = 256 << 20
+__all__ = ["FORMAT_NAME", "JSON_LIMIT", "MANIFEST", "is_torchrl_checkpoint", "read_torchrl_manifest", "written_files"]
 
 
 _SIGNATURE = b'"torchrl.checkpoint"'
