@@ -31,9 +31,12 @@ def save(path: str) -> dict[str, Any]:
     return {"rank": dist.get_rank()}
 
 
-def load(path: str) -> dict[str, Any]:
-    """Load into emptied state; report the error, if any, and what the rank holds after it."""
+def load(path: str, own_copy: bool = False) -> dict[str, Any]:
+    """Load into emptied state; report the error, if any, and what the rank holds after it. ``own_copy``: each rank
+    loads its own copy of the checkpoint (``<path>-<rank>``), as ranks mounting one save at their own paths do."""
     ckpt, buffer, counter, policy = _job()
+    if own_copy:
+        path = f"{path}-{dist.get_rank()}"
     buffer.empty()
     counter["steps"] = torch.tensor([-1])
     with torch.no_grad():

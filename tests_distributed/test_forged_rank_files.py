@@ -46,3 +46,21 @@ def test_two_ranks_swapped_data_files_are_refused_on_every_rank(tmp_path: Path) 
         assert f"__{rank}_0.distcp" in error  # a rank reads (and checks) its own file only
         assert f"identity trailer names rank {1 - rank}, its name says rank {rank}" in error
         assert r.value["rows"] == 0 and r.value["steps"] == [-1] and r.value["policy_zero"]  # nothing restored
+
+
+def test_ranks_reading_two_roots_of_one_save_resealed_alike_are_refused(tmp_path: Path) -> None:
+    """Two copies of one save (one identity) whose roots differ, each resealed: each rank read its own and trusted
+    it, so replicas restored different states (an optimizer's learning rate in the probe; the metadata here). The
+    ranks compare a digest of the root's bytes: every rank refuses, nothing restored."""
+    import shutil
+
+    path = tmp_path / "ckpt"
+    launch(f"{S}:save", 2, str(path))
+    for rank in (0, 1):
+        shutil.copytree(path, f"{path}-{rank}")
+    forging.edit(Path(f"{path}-1"), lambda m: m["metadata"].update(note="another root"))
+    for r in launch(f"{S}:load", 2, str(path), True):
+        assert r.value["kind"] == "CheckpointError" and "do not agree" in r.value["error"], r.value["error"]
+        assert r.value["rows"] == 0 and r.value["steps"] == [-1] and r.value["policy_zero"]  # nothing restored
+    for r in launch(f"{S}:load", 2, str(path)):  # one copy: loads
+        assert r.value["error"] is None, r.value["error"]

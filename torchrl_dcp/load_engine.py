@@ -180,8 +180,15 @@ def prepare(request: LoadRequest, result: LoadResult) -> tuple[CheckpointSource,
         refuse_conflicting_live(found["plan"], lambda key: saved_crcs(src, metadata, key), request.path)
         report_issues(result, request.strict, request.path)
         verify_bytes(src, found["plan"], request.verify, metadata, whole=request.rank == 0)  # 4. verify
-        # what every rank must share: the checkpoint (its save, wherever each rank mounts it) and what it restores
-        return {"save": manifest["save_id"], "components": sorted(request.requested), "reshard": request.reshard}
+        # what every rank must share: the checkpoint (its save and its root's very bytes, wherever each rank mounts
+        # it) and what it restores
+        root = src.container.root_digest() if request.world_size > 1 else None
+        return {
+            "save": manifest["save_id"],
+            "root": root,
+            "components": sorted(request.requested),
+            "reshard": request.reshard,
+        }
 
     try:
         run_agreed(request.group, "validating the checkpoint", local, alike=lambda described: described)

@@ -281,10 +281,9 @@ class ArchiveContainer(ManifestParts):
                 raise CheckpointFormatError(
                     f"the archive holds no {MANIFEST}: not a torchrl_dcp checkpoint", path=self.path
                 )
-            manifest = schema.loads_manifest(
-                self.read_raw_member(MANIFEST, MAX_MANIFEST_BYTES), f"{self.path}::{MANIFEST}"
-            )
-            self._manifest = manifest
+            data = self.read_raw_member(MANIFEST, MAX_MANIFEST_BYTES)
+            manifest = schema.loads_manifest(data, f"{self.path}::{MANIFEST}")
+            self._manifest, self._root_bytes = manifest, data
             try:  # every member accounted for (those of ranks' own files by their shards' counts, format 7)
                 check_listing(
                     ((n, m.size) for n, m in self.members.items()),

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import hashlib
 import os
 from collections import ChainMap
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
@@ -96,6 +97,9 @@ class Container(Protocol):
     def root(self) -> dict[str, Any]:
         """The validated (and migrated) root manifest (``manifest.json``), parsed once."""
 
+    def root_digest(self) -> str:
+        """A digest of the root manifest's bytes as read (:meth:`ManifestParts.root_digest`)."""
+
     def manifest(self, ranks: Collection[int] | None = None) -> dict[str, Any]:
         """The manifest with the shards of ``ranks`` (``None``: every rank's), assembled once per set of ranks
         (:class:`ManifestParts`)."""
@@ -127,9 +131,17 @@ class ManifestParts:
     checked before it is parsed) and checked against the root."""
 
     path: Any
+    _root_bytes: bytes = b""  # the root manifest's bytes as read (each container's ``root`` keeps them)
 
     def root(self) -> dict[str, Any]:  # pragma: no cover - every container defines it
         raise NotImplementedError
+
+    def root_digest(self) -> str:
+        """A BLAKE2b digest of the root manifest's bytes as this process read them: the ranks of a load compare it,
+        so that no two restore different roots of one save (each rank reads its own copy, mounted anywhere; two
+        roots resealed alike, or one swapped while they read, would give replicas different states)."""
+        self.root()
+        return hashlib.blake2b(self._root_bytes, digest_size=16).hexdigest()
 
     def read_member(self, name: str, limit: int) -> bytes | None:  # pragma: no cover - every container defines it
         raise NotImplementedError

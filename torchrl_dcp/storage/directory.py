@@ -101,6 +101,7 @@ class DirectoryContainer(ManifestParts):
                     f"no {MANIFEST}: not a torchrl_dcp checkpoint, or a save that never committed{why}", path=self.path
                 ) from None
             self._manifest = schema.loads_manifest(data, file)
+            self._root_bytes = data
         return self._manifest
 
     def _listed(self, name: str) -> dict[str, Any] | None:

@@ -345,6 +345,7 @@ class ObjectStoreContainer(ManifestParts):
                     f"is implausibly large (over {MAX_MANIFEST_BYTES} bytes expected at most)", path=file
                 )
             self._manifest = schema.loads_manifest(data, file)
+            self._root_bytes = data
         return self._manifest
 
     def check(
