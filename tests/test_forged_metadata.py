@@ -187,6 +187,34 @@ def test_forged_chunk_lists_are_refused_and_nothing_changes(tmp_path: Path, case
         refused_by_verify_loaded_exactly(where, tdcp.CheckpointIntegrityError, r"\.metadata.*forged")
 
 
+def test_a_record_far_longer_than_its_tensor_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    """A record claiming far more bytes than its tensor (a data file grown by a sparse hole before its trailer, the
+    entries and every checksum resealed) was read whole into memory before it was found undecodable: a 1 GiB hole
+    for a 48-byte tensor took 1 GiB of memory. Records hold their tensor's bytes and at most ``RECORD_SLACK`` more."""
+    from torchrl_dcp.format.layout import TRAILER_SIZE
+    from torchrl_dcp.format.metadata_checks import RECORD_SLACK
+
+    path = tdcp.DistributedCheckpoint(**objects(1)).save(tmp_path / "c")
+    md = safe_load_metadata(path / ".metadata")
+    index, info = max(md.storage_data.items(), key=lambda item: item[1].offset)  # a file's last record: it grows
+    assert sum(v.relative_path == info.relative_path for v in md.storage_data.values()) == len(md.storage_data)
+    data = (path / info.relative_path).read_bytes()
+    grown = RECORD_SLACK + 4096
+    (path / info.relative_path).write_bytes(data[:-TRAILER_SIZE] + bytes(grown) + data[-TRAILER_SIZE:])
+
+    def longer(md: Any) -> None:
+        md.storage_data[index].length += grown
+
+    forging.forge_metadata(path, longer)
+    forging.reseal(path, info.relative_path)
+    refused_by_verify_and_load(
+        path,
+        tdcp.CheckpointIntegrityError,
+        r"more than any record of them",
+        r"more than any record of them",
+    )
+
+
 def _deflated_record(tensor: torch.Tensor) -> bytes:
     """``torch.save`` of ``tensor`` with every ZIP member DEFLATED (a record torch.save never writes)."""
     import io

@@ -137,6 +137,9 @@ def check_inventoried(metadata: Metadata, source: Any, components: Mapping[str, 
         )
 
 
+#: the most bytes a record holds beyond its tensor's (``torch.save``'s ZIP framing and pickle: ~1.5 KiB; our layout's
+#: head and tail: less): a record claiming more is forged, to make a load read (and hold) what no tensor needs
+RECORD_SLACK = 1 << 20
 MAX_CHUNKS_PER_TENSOR = 1 << 20  # chunk files of 8 MiB: 8 TiB in one tensor; a forged list is refused first
 
 
@@ -152,7 +155,7 @@ def _ints(values: Any, ndim: int) -> tuple[int, ...] | None:
 
 def check_coverage(metadata: Metadata, source: Any) -> None:
     """Every tensor's chunks tile it exactly (every element covered once, none outside it) and each chunk's record
-    holds at least its bytes; no two records of a file overlap; no byte items. Run by every load and ``verify``.
+    holds at least its bytes, and at most :data:`RECORD_SLACK` more; no two records of a file overlap; no byte items. Run by every load and ``verify``.
 
     A forger who recomputes every checksum can still hand DCP a chunk list that leaves
     part of a tensor unread (its destination would keep old or uninitialised memory) or
@@ -175,7 +178,7 @@ def check_coverage(metadata: Metadata, source: Any) -> None:
             whole = shapes[id(md)] = whole_tensor(md)
         if whole is not None and len(found) == 1:  # the common case: one lookup (5,000 tensors: 2 ms less a load)
             length = getattr(found.get(whole.offsets), "length", None)
-            if type(length) is int and length >= whole.nbytes:
+            if type(length) is int and whole.nbytes <= length <= whole.nbytes + RECORD_SLACK:
                 continue
         if not isinstance(md, TensorStorageMetadata):
             raise CheckpointIntegrityError(
@@ -217,10 +220,9 @@ def _check_tensor_chunks(key: str, md: TensorStorageMetadata, records: dict[tupl
         info = records.get(offsets)
         if info is None:
             raise bad(f"chunk at {list(offsets)} has no record")
-        if info.length < math.prod(sizes) * itemsize:
-            raise bad(
-                f"chunk at {list(offsets)} needs {math.prod(sizes) * itemsize} bytes, its record holds {info.length}"
-            )
+        problem = _record_length_problem(info.length, math.prod(sizes) * itemsize)
+        if problem:
+            raise bad(f"chunk at {list(offsets)} {problem}")
         boxes.append((offsets, sizes))
     filled = sum(1 for _, n in boxes if math.prod(n))  # a DTensor shard of an uneven split may be empty
     if filled > max(1, math.prod(size)):
@@ -231,6 +233,18 @@ def _check_tensor_chunks(key: str, md: TensorStorageMetadata, records: dict[tupl
         raise bad(f"{len(records)} records for {len(boxes)} chunks")
 
 
+def _record_length_problem(length: int, nbytes: int) -> str | None:
+    """What is wrong with a record of ``length`` bytes holding a chunk of ``nbytes`` (``None``: nothing)."""
+    if length < nbytes:
+        return f"needs {nbytes} bytes, its record holds {length}"
+    if length > nbytes + RECORD_SLACK:  # (read whole where it is decoded)
+        return (
+            f"holds {nbytes} bytes, its record {length}: more than any record of them (at most {RECORD_SLACK} bytes "
+            "of framing), which a load would read whole into memory"
+        )
+    return None
+
+
 def _whole_tensor_record(md: TensorStorageMetadata, records: dict[tuple[int, ...], Any]) -> bool:
     """One chunk, the whole tensor at the origin, with one record holding at least its bytes: every check of
     :func:`_check_tensor_chunks` passes."""
@@ -238,7 +252,7 @@ def _whole_tensor_record(md: TensorStorageMetadata, records: dict[tuple[int, ...
     if whole is None or len(records) != 1:
         return False
     length = getattr(records.get(whole.offsets), "length", None)
-    return type(length) is int and length >= whole.nbytes
+    return type(length) is int and whole.nbytes <= length <= whole.nbytes + RECORD_SLACK
 
 
 class WholeTensor(NamedTuple):
