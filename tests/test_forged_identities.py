@@ -98,6 +98,35 @@ def test_an_origin_on_anything_but_a_kept_chunk_file_is_refused(tmp_path: Path, 
         tdcp.verify(path)
 
 
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_data_file_replaced_after_its_identity_was_checked_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, verify: bool
+) -> None:
+    """A save over the checkpoint replaced its data file between the identity check and the reads (a real race:
+    one in ~45 s of back-to-back saves and loads): with ``verify=False`` the load returned the other save's values,
+    no error. Each handle the reads open is now the very file whose trailer was checked."""
+    from torchrl_dcp import load_engine
+
+    saved, other = _objects(0), _objects(7)
+    path = _ckpt(saved).save(tmp_path / "c", step=1)
+    theirs = _ckpt(other).save(tmp_path / "other", step=1)
+    checked = load_engine.verify_bytes
+
+    def then_replaced(*args: Any, **kwargs: Any) -> Any:
+        out = checked(*args, **kwargs)
+        for name in ("__0_shared.distcp", "__0_0.distcp"):  # renamed in, as a save's publish does
+            os.link(theirs / name, tmp_path / f"{name}.new")
+            os.rename(tmp_path / f"{name}.new", path / name)
+        return out
+
+    monkeypatch.setattr(load_engine, "verify_bytes", then_replaced)
+    fresh = _objects(1)
+    before = fresh["policy"].weight.detach().clone()
+    with pytest.raises(tdcp.CheckpointError, match="distcp"):
+        _ckpt(fresh).load(path, verify=verify)
+    assert torch.equal(fresh["policy"].weight, before)
+
+
 def test_a_data_file_whose_trailer_names_another_rank_is_refused_in_an_object_store(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -42,6 +42,7 @@ Example:
 from __future__ import annotations
 
 import ctypes
+import functools
 import io
 import os
 import threading
@@ -55,11 +56,11 @@ from torch.futures import Future
 
 from torchrl_dcp.errors import CheckpointIntegrityError
 from torchrl_dcp.format.checksums import combined_crc, crc32, format_crc
-from torchrl_dcp.format.layout import is_plain_name
+from torchrl_dcp.format.layout import TRAILER_SIZE, is_plain_name
 from torchrl_dcp.format.metadata_checks import chunk_specs
 from torchrl_dcp.format.record import decode_record, is_memmap_tensor, record_data_offset
 from torchrl_dcp.settings import setting
-from torchrl_dcp.storage.base import ByteRange, Container
+from torchrl_dcp.storage.base import ByteRange, Container, check_trailer
 from torchrl_dcp.storage.copying import ReadAhead, read_threads, run_split
 from torchrl_dcp.storage.files import open_regular
 from torchrl_dcp.storage.filesystem import SafeFileSystemReader
@@ -125,6 +126,10 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         self._lock = threading.RLock()  # stats and planner calls, from the threads reading records and files
         self._local = threading.local()  # each reading thread's scratch buffer
         self._specs: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]] = {}
+        #: ``{data file: (save, rank)}`` its identity trailer names (``storage.base.trailer_identity``): each handle
+        #: opened on it is checked to be that file (:meth:`_check_handle`)
+        self.identities: dict[str, tuple[str, int | None]] = {}
+        self._inodes: dict[str, tuple[int, int]] = {}
         if metadata is not None:
             self._keep_specs(metadata)
 
@@ -144,7 +149,10 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
     def read_source(self, relative_path: str) -> RangeFile:
         """Where a data file's bytes are: in the container, or the whole file of that name in ``path``."""
         if self.container is not None:
-            return RangeFile(self.container.byte_range(relative_path), self.on_read)
+            span = self.container.byte_range(relative_path)
+            identity = self.identities.get(relative_path)
+            check = None if identity is None else functools.partial(self._check_handle, relative_path, span, identity)
+            return RangeFile(span, self.on_read, check)
         path = os.path.join(str(self.path), relative_path)
         if not is_plain_name(relative_path):
             raise CheckpointIntegrityError(f"DCP metadata points outside the checkpoint ({relative_path!r})", path=path)
@@ -154,6 +162,30 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         finally:
             os.close(fd)
         return RangeFile(ByteRange(path, 0, size, path), self.on_read)
+
+    def _check_handle(self, name: str, span: ByteRange, identity: tuple[str, int | None], fd: int) -> None:
+        """Every handle a read opens on the data file ``name`` is the file whose identity trailer was checked: the
+        first one's trailer is read through it, the others must be that very file (a file replaced by another save
+        between the identity check and the reads, or between two reads, is refused rather than read; with
+        ``verify=False`` nothing else would see it)."""
+        st = os.fstat(fd)
+        inode = (st.st_dev, st.st_ino)
+        with self._lock:
+            known = self._inodes.get(name)
+            if known is None:
+                tail = (
+                    os.pread(fd, TRAILER_SIZE, span.base + span.size - TRAILER_SIZE)
+                    if span.size >= TRAILER_SIZE
+                    else b""
+                )
+                check_trailer(tail, identity[0], span.where, rank=identity[1])
+                self._inodes[name] = inode
+            elif known != inode:
+                raise CheckpointIntegrityError(
+                    "was replaced while the load read it (a save over this checkpoint?): nothing was restored; load "
+                    "again once the save is done",
+                    path=span.where,
+                )
 
     # -- the fallback: DCP's own path for one record
     def fallback(self, req: ReadItem, planner: LoadPlanner, data: bytes, target: torch.Tensor | None = None) -> None:

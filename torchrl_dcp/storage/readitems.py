@@ -58,7 +58,7 @@ class RangeFile:
     ``on_read(n)`` is told of every ``n`` bytes read.
     """
 
-    def __init__(self, byte_range: ByteRange, on_read: Any = None) -> None:
+    def __init__(self, byte_range: ByteRange, on_read: Any = None, check_handle: Any = None) -> None:
         self.path, self.base, self.size, self.where = (
             byte_range.path,
             byte_range.base,
@@ -66,10 +66,17 @@ class RangeFile:
             byte_range.where,
         )
         self.on_read = on_read
+        self.check_handle = check_handle  # called with each new handle's descriptor before it reads anything
 
     def open(self) -> BinaryIO:
         """A handle of its own (one per thread)."""
         f = os.fdopen(open_regular(self.path, self.where), "rb", buffering=0)
+        if self.check_handle is not None:
+            try:
+                self.check_handle(f.fileno())
+            except BaseException:
+                f.close()
+                raise
         try:
             os.posix_fadvise(f.fileno(), self.base, self.size, os.POSIX_FADV_SEQUENTIAL)
         except (AttributeError, OSError):  # pragma: no cover - not on every platform

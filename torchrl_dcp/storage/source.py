@@ -39,7 +39,7 @@ from torchrl_dcp.format.record import (
     record_data_offset,
     template_tail_size,
 )
-from torchrl_dcp.storage.base import Container, check_identities
+from torchrl_dcp.storage.base import Container, check_identities, trailer_identity
 from torchrl_dcp.storage.files import open_regular
 from torchrl_dcp.storage.reader import InPlaceFileSystemReader
 from torchrl_dcp.storage.readitems import BATCH, SMALL, small_record
@@ -268,6 +268,13 @@ class CheckpointSource:
         )
         if mismatch_note is not None:
             reader.mismatch_note = mismatch_note
+        save_id = self.manifest().get("save_id")
+        if save_id is not None:  # each handle the reads open is the file whose identity was checked
+            reader.identities = {
+                name: trailer_identity(name, rec, save_id, self.path / name)
+                for name, rec in files.items()
+                if is_data_file(name)
+            }
         return reader
 
 
