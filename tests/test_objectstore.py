@@ -309,6 +309,23 @@ def test_export_overwrite_on_a_store_keeps_a_users_objects(store: tuple[str, dic
     tdcp.export_torchrl(src, dst, ["policy"], format="directory", overwrite=True)
 
 
+def test_an_empty_manifest_object_is_a_damaged_entry_a_resume_falls_back_from(
+    store: tuple[str, dict[str, Any]],
+) -> None:
+    """A 0-byte ``manifest.json``: S3 answers the bounded GET's range with 416, which was taken for a failed read
+    (not a judgement on the entry), so resume raised instead of falling back as it does on every other backend."""
+    url, options = store
+    rotation = tdcp.CheckpointRotation(f"{url}/run", keep_last=3, storage_options=options)
+    for step in (1, 2):
+        rotation.save(_ckpt(_objects(step), options), step=step)
+    fs = _store_fs(url, options)
+    fs.pipe_file(resolve_path(f"{url}/run/step-000000000002/manifest.json", options).key, b"")
+    objs = _objects(0)
+    with pytest.warns(tdcp.TorchrlDcpWarning, match="step-000000000002 is damaged"):
+        info = rotation.resume(_ckpt(objs, options))
+    assert info is not None and info.step == 1
+
+
 def test_convert_and_export_through_urls(store: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
     url, options = store
     objs = _objects(18)
