@@ -326,6 +326,63 @@ def test_an_empty_manifest_object_is_a_damaged_entry_a_resume_falls_back_from(
     assert info is not None and info.step == 1
 
 
+def _fail_once_deleting(monkeypatch: pytest.MonkeyPatch, part: str) -> list[str]:
+    """The memory store's next deletion of a key containing ``part`` raises ``EIO`` (once); returns what failed."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    failed: list[str] = []
+    rm, rm_file = MemoryFileSystem.rm, MemoryFileSystem.rm_file
+
+    def check(keys: Any) -> None:
+        for key in [keys] if isinstance(keys, str) else keys:
+            if part in key and not failed:
+                failed.append(key)
+                raise OSError(5, "injected I/O error")
+
+    def failing_rm(self: Any, path: Any, *args: Any, **kwargs: Any) -> Any:
+        check(path)
+        return rm(self, path, *args, **kwargs)
+
+    def failing_rm_file(self: Any, path: Any) -> Any:
+        check(path)
+        return rm_file(self, path)
+
+    monkeypatch.setattr(MemoryFileSystem, "rm", failing_rm)
+    monkeypatch.setattr(MemoryFileSystem, "rm_file", failing_rm_file)
+    return failed
+
+
+def test_a_marker_left_by_a_failed_delete_after_the_commit_is_no_failed_save(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The manifest was PUT (the commit), then deleting the save's marker failed: the save raised "committing the
+    checkpoint failed" although the checkpoint is committed and loads. It is logged; the next sweep removes it."""
+    url = f"memory://tdcp-tests/{uuid.uuid4().hex[:12]}"
+    rotation = tdcp.CheckpointRotation(f"{url}/run", keep_last=3)
+    rotation.save(_ckpt(_objects(1), {}), step=1)
+    failed = _fail_once_deleting(monkeypatch, PENDING)
+    rotation.save(_ckpt(_objects(2), {}), step=2)
+    assert failed and rotation.latest() is not None and rotation.latest().name == "step-000000000002"
+    rotation.save(_ckpt(_objects(3), {}), step=3)  # swept: only the marker of the committed checkpoint goes
+    assert not any(PENDING in k for k in _store_fs(url, {}).find(url))
+    assert [e.step for e in rotation.entries()] == [1, 2, 3]
+
+
+def test_a_failed_retirement_of_a_replaced_checkpoint_is_swept_by_the_next_save(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A save over a checkpoint failed while deleting the old one's objects (its manifest already gone): the old
+    save's objects and the new save's marker were left, which no sweep could prove (another save's identity), and
+    every later save to that path was refused. The marker names the replaced save too."""
+    url = f"memory://tdcp-tests/{uuid.uuid4().hex[:12]}"
+    _ckpt(_objects(1), {}).save(f"{url}/b", step=1)
+    failed = _fail_once_deleting(monkeypatch, "__0_shared")
+    with pytest.raises(tdcp.CheckpointError):
+        _ckpt(_objects(2), {}).save(f"{url}/b", step=2)
+    assert failed
+    _ckpt(_objects(3), {}).save(f"{url}/b", step=3)  # the retry sweeps what the failed one left, then saves
+    objs = _objects(0)
+    assert _ckpt(objs, {}).load(f"{url}/b").step == 3
+
+
 def test_convert_and_export_through_urls(store: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
     url, options = store
     objs = _objects(18)

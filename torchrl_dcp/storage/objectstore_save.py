@@ -97,19 +97,26 @@ def foreign_objects(path: StorePath, found: dict[str, dict[str, Any]] | None = N
     return sorted(n for n, info in found.items() if not is_library_file(n) or info.get("type") != "file")
 
 
-def _marker_save_id(marker: StorePath) -> str | None:
-    """The save id a marker announces (``None``: not a marker this library wrote)."""
+def _is_save_id(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 32 and value.isalnum()
+
+
+def _marker_saves(marker: StorePath) -> set[str] | None:
+    """The saves a marker names (``None``: not a marker this library wrote): the save it announces, and the save of
+    the checkpoint it replaces (``replaces``), whose objects a killed or failed retirement leaves."""
     try:
         body = json.loads(marker.fs.cat_file(marker.key, start=0, end=4096))
     except (OSError, ValueError):
         return None
-    save_id = body.get("save_id") if isinstance(body, dict) else None
-    return save_id if isinstance(save_id, str) and len(save_id) == 32 and save_id.isalnum() else None
+    if not isinstance(body, dict) or not _is_save_id(body.get("save_id")):
+        return None
+    return {body["save_id"], *([body["replaces"]] if _is_save_id(body.get("replaces")) else [])}
 
 
-def _left_by(target: StorePath, found: dict[str, dict[str, Any]], save_id: str) -> bool:
-    """Whether every object under ``target`` is one save ``save_id`` writes: library names only, each data file
-    ending with that save's identity trailer (a chunk file: any save's, it may have been kept from its base)."""
+def _left_by(target: StorePath, found: dict[str, dict[str, Any]], saves: set[str]) -> bool:
+    """Whether every object under ``target`` is one the saves ``saves`` write: library names only, each data file
+    ending with one of those saves' identity trailer (a chunk file: any save's, it may have been kept from its
+    base)."""
     if foreign_objects(target, found):
         return False
     names = sorted(n for n in found if is_data_file(n))  # (the manifest, its shards and .metadata carry none)
@@ -118,7 +125,7 @@ def _left_by(target: StorePath, found: dict[str, dict[str, Any]], save_id: str) 
         return False
     spans = [(target / n, size - TRAILER_SIZE, TRAILER_SIZE) for n, size in zip(names, sizes)]
     tails = map_pieces(spans, lambda i, data: read_identity(bytes(data)), concurrency())
-    return all(t is not None and (t[0] == save_id or is_chunk_file(n)) for n, t in zip(names, tails))
+    return all(t is not None and (t[0] in saves or is_chunk_file(n)) for n, t in zip(names, tails))
 
 
 def sweep(parent: StorePath) -> list[str]:
@@ -136,20 +143,20 @@ def sweep(parent: StorePath) -> list[str]:
         if not (name.startswith(".") and name.endswith(PENDING)):
             continue
         entry, marker = name[1 : -len(PENDING)], parent / name
-        save_id = _marker_save_id(marker)
-        if not is_plain_name(entry) or entry.startswith(".") or save_id is None:
+        saves = _marker_saves(marker)
+        if not is_plain_name(entry) or entry.startswith(".") or saves is None:
             logger.warning("left %s alone: not a marker torchrl_dcp writes (remove it if it is not yours)", marker)
             continue
         target = parent / entry
         if not (target / MANIFEST).is_file():
             found = list_objects(target)
-            if found and not _left_by(target, found, save_id):
+            if found and not _left_by(target, found, saves):
                 logger.warning(
-                    "left %s alone: the marker %s announces save %s, but the prefix holds objects that save did not "
-                    "write (%s); remove what is not yours by hand",
+                    "left %s alone: the marker %s names saves %s, but the prefix holds objects they did not write "
+                    "(%s); remove what is not yours by hand",
                     target,
                     marker.name,
-                    save_id,
+                    sorted(saves),
                     foreign_objects(target, found) or "other saves' data files",
                 )
                 continue
@@ -186,9 +193,10 @@ def begin(destination: StorePath, save_id: str) -> None:
     refuse_inside_checkpoint(destination)
     sweep(destination.parent)
     found = list_objects(destination)
+    replaces = None
     if found:
         try:
-            ObjectStoreContainer(destination).manifest()
+            replaces = ObjectStoreContainer(destination).manifest().get("save_id")
         except CheckpointError as err:
             if not (MANIFEST in found and manifest_damaged(err)):  # (a damaged checkpoint of ours is replaced)
                 raise CheckpointError(
@@ -203,7 +211,9 @@ def begin(destination: StorePath, save_id: str) -> None:
                 "save elsewhere",
                 path=destination,
             )
-    body = json.dumps({"save_id": save_id, "started": time.time()}).encode()
+    # the marker names the replaced checkpoint's save too: a retirement that fails or is killed half-way leaves
+    # objects of that save, which the next sweep then proves and removes
+    body = json.dumps({"save_id": save_id, "started": time.time(), "replaces": replaces}).encode()
     marker_for(destination).fs.pipe_file(marker_for(destination).key, body)
     if found:  # replacing a committed checkpoint: it stops being one before any object changes
         remove_prefix(destination)
@@ -234,11 +244,21 @@ def check_uploaded(destination: StorePath, files: Mapping[str, Mapping[str, Any]
 
 
 def commit_manifest(destination: StorePath, manifest_bytes: bytes) -> None:
-    """``manifest.json`` (one PUT: it appears whole or not at all), then drop the marker."""
+    """``manifest.json`` (one PUT: it appears whole or not at all: the commit), then drop the marker (a failure to
+    drop it is logged: the save is committed, and the next sweep under the parent removes the marker alone)."""
     fs = destination.fs
     fs.pipe_file((destination / MANIFEST).key, manifest_bytes)
     fs.invalidate_cache(destination.key)
-    marker_for(destination).unlink(missing_ok=True)
+    try:
+        marker_for(destination).unlink(missing_ok=True)
+    except Exception as err:  # noqa: BLE001 - committed: a leftover marker is swept, never a reason to say it failed
+        logger.warning(
+            "%s: committed; its marker %s was left (%s), the next save under %s removes it",
+            destination,
+            marker_for(destination).name,
+            err,
+            destination.parent,
+        )
 
 
 def abandon(destination: StorePath) -> None:
