@@ -134,6 +134,29 @@ def save_and_die(path: str, seed: int, phase: str) -> None:
     ckpt.save(path, step=2)
 
 
+def rotate_and_die(path: str) -> dict[str, Any]:
+    """A rotation's save of step 2 whose coordinator (rank 0) is SIGKILLed in the prune, after the commit: rank 1
+    reports the error it gets."""
+    from torchrl_dcp import rotation as rotation_module
+
+    prune = rotation_module.CheckpointRotation.prune
+
+    def die_in_prune(self, **kwargs):  # type: ignore[no-untyped-def]
+        if dist.get_rank() == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return prune(self, **kwargs)
+
+    rotation_module.CheckpointRotation.prune = die_in_prune  # type: ignore[method-assign]
+    ckpt = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(2, 2), timeout=10)
+    rotation = tdcp.CheckpointRotation(path, every_steps=2)
+    try:
+        for step in (1, 2):
+            rotation.maybe_save(ckpt, step)
+    except tdcp.CheckpointError as err:
+        return {"error": str(err)}
+    return {"error": None}
+
+
 def raise_on_one_rank(path: str, seed: int) -> dict[str, Any]:
     """An unencodable value on rank 1 only: every rank gets a CheckpointError, nothing is written."""
     objs = _objects(seed)

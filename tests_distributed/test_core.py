@@ -73,6 +73,17 @@ def test_rank_killed_mid_save_keeps_previous_checkpoint(tmp_path: Path, phase: s
     assert tdcp.read_manifest(path)["metadata"] == {"seed": 9}
 
 
+def test_a_coordinator_killed_after_the_commit_is_not_said_to_have_committed_nothing(tmp_path: Path) -> None:
+    """Rank 0 died in the prune, after publishing step 2: rank 1 was told "Nothing was committed; the previous
+    checkpoint is intact", though step 2 is committed (it verifies, and a resume takes it)."""
+    path = tmp_path / "run"
+    results = launch(f"{S}:rotate_and_die", 2, str(path), expect_failure=True, timeout=90)
+    assert results[0].returncode == -9
+    error = results[1].value["error"]
+    assert error is not None and "Nothing was committed" not in error and "may be committed" in error, error
+    assert [e.step for e in tdcp.CheckpointRotation(path).entries()] == [2]
+
+
 def test_failure_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
     path = str(tmp_path / "ckpt")
     results = launch(f"{S}:raise_on_one_rank", 2, path, 1)

@@ -247,25 +247,38 @@ def sync(group: Any, phase: str) -> None:
         who = f"rank{'s' if ',' in silent else ''} {_ranks_named(group, silent)}"
         raise CollectiveError(
             f"{who} did not reach the checkpoint collective ({phase}) within {seconds}: stuck or dead. "
-            "Nothing was committed; the previous checkpoint is intact. Check that rank's log; raise "
-            "DistributedCheckpoint(timeout=...) if it is only slow"
+            f"{outcome(phase)} Check that rank's log; raise DistributedCheckpoint(timeout=...) if it is only slow"
         ) from None
     if "Connection closed by peer" in text or "Connection reset" in text:
         raise CollectiveError(
-            f"a rank died during the checkpoint collective ({phase}) (gloo: {_last_line(text)}). Nothing was "
-            "committed; the previous checkpoint is intact. Check the logs of the other ranks"
+            f"a rank died during the checkpoint collective ({phase}) (gloo: {_last_line(text)}). {outcome(phase)} "
+            "Check the logs of the other ranks"
         ) from None
     if me == 0:
         raise CollectiveError(
             f"the checkpoint collective ({phase}) failed on the coordinator (rank 0) within {seconds}: a rank is "
-            f"stuck, dead or unreachable. Nothing was committed; the previous checkpoint is intact (gloo: "
-            f"{_last_line(text)})"
+            f"stuck, dead or unreachable. {outcome(phase)} (gloo: {_last_line(text)})"
         ) from None
     raise CollectiveError(
         f"rank 0 (the coordinator) did not answer within {seconds} at the checkpoint collective ({phase}): it is "
-        f"stuck or dead, or waiting for another rank (its error names it). Nothing was committed; the previous "
-        f"checkpoint is intact (gloo: {_last_line(text)})"
+        f"stuck or dead, or waiting for another rank (its error names it). {outcome(phase)} (gloo: "
+        f"{_last_line(text)})"
     ) from None
+
+
+#: phases that run once the save is committed (its manifest published): a failure there leaves it committed, or
+#: not, depending on how far the coordinator got
+AFTER_COMMIT = frozenset({"confirming the commit", "rotating checkpoints"})
+
+
+def outcome(phase: str) -> str:
+    """What a collective failure in ``phase`` left: nothing committed, or, after the commit, a save that may be."""
+    if phase in AFTER_COMMIT:
+        return (
+            "The checkpoint may be committed (this phase runs after its commit): `latest()` or `verify` says; the "
+            "checkpoints committed before it are intact."
+        )
+    return "Nothing was committed; the previous checkpoint is intact."
 
 
 def _barrier_unless_inside(monitored: bool, group: Any, phase: str) -> None:
@@ -288,8 +301,7 @@ def _collective(fn: Any, phase: str, group: Any = None) -> Any:
             _discard(group)
         raise CollectiveError(
             f"checkpoint collective ({phase}) failed: a rank died, the connection broke or a rank did not answer "
-            f"within the timeout (gloo: {_last_line(str(err))}). Nothing was committed; the previous checkpoint is "
-            "intact"
+            f"within the timeout (gloo: {_last_line(str(err))}). {outcome(phase)}"
         ) from None
 
 
