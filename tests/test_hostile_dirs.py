@@ -152,6 +152,27 @@ def test_remove_tree_unlinks_a_link_and_never_its_target(tmp_path: Path) -> None
     _outside_unchanged(target)
 
 
+@pytest.mark.parametrize("size", [4 << 10, 64 << 20])  # a data file; a chunk file (its own writer)
+def test_a_save_failing_to_write_names_the_file_at_its_destination(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    """A write failing with ``EFBIG`` named the staging directory (removed by the time the error is read), never
+    the data file; an object store's named the object. It names the file as the checkpoint would hold it."""
+    from torchrl_dcp.storage import chunk_writer, writer
+
+    def full(fd: int, data: Any, offset: int) -> None:
+        raise OSError(errno.EFBIG, "File too large")
+
+    monkeypatch.setattr(writer, "pwrite_all", full)
+    monkeypatch.setattr(chunk_writer, "pwrite_all", full)
+    state = {"w": torch.zeros(size // 4)}
+    with pytest.raises(tdcp.CheckpointError) as info:
+        tdcp.DistributedCheckpoint(buffer=state).save(tmp_path / "ck")
+    assert str(info.value.path).startswith(str(tmp_path / "ck" / "__0_")), info.value.path
+    assert str(info.value.path).endswith(".distcp") and "File too large" in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # (the staging removed)
+
+
 def test_removal_keeps_a_users_subdirectory_whole_whatever_its_files_are_named(tmp_path: Path) -> None:
     """A prune removed library-named files at any depth: a user's ``eval/manifest.json`` put into an old entry was
     deleted (its ``notes.txt`` kept). A save never writes into a subdirectory: a user's one is kept whole."""

@@ -34,6 +34,7 @@ Example (one process):
 from __future__ import annotations
 
 import math
+import os
 import pickle
 import uuid
 from collections.abc import Mapping
@@ -413,7 +414,18 @@ def write(job: SaveJob, target: SaveTarget) -> tuple[WriteOutcome, BaseException
     except CollectiveError:
         raise
     except Exception as err:
-        return WriteOutcome(), save_failure(err, f"rank {job.rank} writing its data file", target.where)
+        return WriteOutcome(), save_failure(
+            err, f"rank {job.rank} writing its data file", _failed_file(err, job, target)
+        )
+
+
+def _failed_file(err: BaseException, job: SaveJob, target: SaveTarget) -> Any:
+    """What a failed write names: the file it was writing, as the destination will hold it (the staging directory is
+    removed by then), else the destination."""
+    name = getattr(err, "filename", None)
+    if isinstance(name, str) and os.path.dirname(name) == str(target.where):
+        return job.destination / os.path.basename(name)
+    return name if isinstance(name, str) and name else job.destination
 
 
 # ---------------------------------------------------------------------- step 4: commit

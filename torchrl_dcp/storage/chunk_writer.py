@@ -164,6 +164,10 @@ def write_chunk_file(
                 chunk[0], chunk[1], rows.shape[0], record.size, record.checksum, record.fingerprint
             )
             proven.record(os.fstat(fd), identity)
+    except OSError as err:  # (a pwrite names no file: the failure says which)
+        if err.filename is None:
+            err.filename = str(directory.path / name)
+        raise
     finally:
         os.close(fd)
     return record

@@ -17,9 +17,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
+from collections.abc import Iterator
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
@@ -196,3 +198,15 @@ class DirHandle:
                     "staging directory; nothing was committed",
                     path=self / name,
                 )
+
+
+@contextlib.contextmanager
+def naming(path: Any) -> Iterator[None]:
+    """An ``OSError`` raised inside names ``path`` when it names no file (a ``pwrite`` on a descriptor names none):
+    the error a save reports then says which file failed."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is None:
+            err.filename = str(path)
+        raise

@@ -67,7 +67,7 @@ from torchrl_dcp.format.record import (
 )
 from torchrl_dcp.storage.base import ChunkEntry, WriteOutcome
 from torchrl_dcp.storage.copying import default_threads, pwrite_all, run_split, stable_copy
-from torchrl_dcp.storage.files import DirHandle
+from torchrl_dcp.storage.files import DirHandle, naming
 from torchrl_dcp.storage.writeback import Writeback
 
 WRITE_PIECE = 1 << 20  # 1 MiB writes measured fastest here (perf.md)
@@ -338,9 +338,10 @@ def write_share(
         return out
     name = name or data_file_name(rank)
     trailer = b"" if save_id is None else identity_trailer(save_id, rank)
-    entries, record = write_file(
-        directory, name, [(k, flat[k]) for k in keys], threads=threads or default_threads(), trailer=trailer
-    )
+    with naming(directory.path / name):
+        entries, record = write_file(
+            directory, name, [(k, flat[k]) for k in keys], threads=threads or default_threads(), trailer=trailer
+        )
     out.add_data_file(name, entries, record)
     return out
 
