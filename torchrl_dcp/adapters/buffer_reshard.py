@@ -2,7 +2,8 @@
 
 The saved shards are concatenated in rank order, each oldest first, and cut into
 ``world_size`` contiguous, nearly equal parts (:func:`split`); new rank ``r`` takes part
-``r`` with the transitions' priorities (sum/min-tree leaves) and max-value heap ranks.
+``r`` with the transitions' priorities (sum/min-tree leaves), max-value heap ranks and, for a
+``ConsumingSampler``, how often each was sampled (consumed transitions stay consumed).
 
 Example:
     >>> from torchrl_dcp.adapters.buffer_reshard import split
@@ -20,7 +21,12 @@ from typing import Any
 import torch
 from tensordict import is_tensor_collection
 from torchrl.data.replay_buffers import ReplayBuffer
-from torchrl.data.replay_buffers.samplers import PrioritizedSampler, SliceSampler
+from torchrl.data.replay_buffers.samplers import (
+    ConsumingSampler,
+    PrioritizedSampler,
+    SliceSampler,
+    StalenessAwareSampler,
+)
 from torchrl.data.replay_buffers.storages import TensorStorage
 from torchrl.data.replay_buffers.writers import TensorDictMaxValueWriter
 
@@ -107,12 +113,14 @@ def check_reshard(rb: ReplayBuffer, saved: dict[int, Any], ctx: AdapterContext) 
     The storage kind is the saved one (a list storage for list shards, a tensor storage of one batch dimension for
     tensor shards); the shards this rank reads hold the same entries, and an initialised storage holds these
     entries with the saved item shapes and dtypes and no other; a slice sampler receives a single saved shard's
-    transitions (the joins of two shards carry no end of trajectory); prioritized shards have the same ``alpha``,
-    ``beta`` and ``eps``.
+    transitions (the joins of two shards carry no end of trajectory); a prioritized sampler has a leaf for every
+    transition received, and prioritized shards have the same ``alpha``, ``beta`` and ``eps``; consuming shards
+    the same ``max_sample_count``; staleness-aware shards the same ``consumer_version`` and ``max_staleness``.
     """
     rb = initialized_buffer(rb)
     storage, name = rb._storage, ctx.name
     pieces = split(ctx.plan["lengths"], ctx.rank, ctx.world_size)
+    check_sampler_room(rb._sampler, sum(hi - lo for _, lo, hi in pieces), ctx)
     if isinstance(rb._sampler, SliceSampler) and len(pieces) > 1:
         raise IncompatibleComponentError(
             f"component {name!r}: rank {ctx.rank} would receive the transitions of saved ranks "
@@ -122,6 +130,7 @@ def check_reshard(rb: ReplayBuffer, saved: dict[int, Any], ctx: AdapterContext) 
             "(docs/components/resharding.md), or resume with the saved number of ranks"
         )
     _check_prioritized_settings(saved, name)
+    _check_state_dict_settings(rb._sampler, saved, ctx)
     lists = sorted(r for r, s in saved.items() if s["storage"].get("kind") == LIST_KIND)
     tensors = sorted(
         r for r, s in saved.items() if s["storage"].get("kind") != LIST_KIND and s["storage"]["initialized"]
@@ -202,20 +211,72 @@ def _check_prioritized_settings(saved: dict[int, Any], name: str) -> None:
         )
 
 
+def check_sampler_room(sampler: Any, n: int, ctx: AdapterContext) -> None:
+    """A prioritized sampler has a sum/min-tree leaf for each of the ``n`` transitions this rank receives (its
+    ``max_capacity`` can be smaller than the storage's: the leaves of the rows past it would wrap around onto
+    others)."""
+    if isinstance(sampler, PrioritizedSampler) and n > int(sampler._max_capacity):
+        raise IncompatibleComponentError(
+            f"component {ctx.name!r}: rank {ctx.rank} receives {n} transitions after resharding, its "
+            f"{type(sampler).__name__} holds {int(sampler._max_capacity)} priorities (prioritized sampler capacity, "
+            f"max_capacity); build the samplers with a max_capacity of at least {n}"
+        )
+
+
+#: What the shards of a sampler saved by its ``state_dict`` must agree on to be joined on one rank: the settings a
+#: reshard carries over (one value per new rank).
+_SHARED_SETTINGS = {
+    ConsumingSampler: ("max_sample_count",),
+    StalenessAwareSampler: ("consumer_version", "max_staleness"),
+}
+
+
+def _shared_settings(sampler: Any) -> tuple[str, ...]:
+    return next((keys for cls, keys in _SHARED_SETTINGS.items() if isinstance(sampler, cls)), ())
+
+
+def _check_state_dict_settings(sampler: Any, saved: dict[int, Any], ctx: AdapterContext) -> None:
+    """The saved shards this rank reads agree on the sampler settings it carries over (:data:`_SHARED_SETTINGS`)."""
+    keys = _shared_settings(sampler)
+    found = {
+        r: tuple(_plain(s["sampler"]["state"].get(k)) for k in keys)
+        for r, s in saved.items()
+        if keys and isinstance(s.get("sampler"), Mapping) and isinstance(s["sampler"].get("state"), Mapping)
+    }
+    if len(set(found.values())) > 1:
+        raise IncompatibleComponentError(
+            f"component {ctx.name!r}: rank {ctx.rank} would receive the transitions of saved ranks {sorted(found)}, "
+            f"whose {type(sampler).__name__}s differ in ({', '.join(keys)}): {found}; its one sampler cannot keep "
+            f"each shard's value exactly: give every rank's sampler the same {' and '.join(keys)} before saving, or "
+            "resume with the saved number of ranks"
+        )
+
+
+def _plain(value: Any) -> Any:
+    """A setting as a comparable value (a one-element tensor as its number)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.device.type != "meta":
+        return value.item()
+    return value
+
+
 def reshard_buffer(rb: ReplayBuffer, states: dict[int, Any], ctx: AdapterContext) -> None:
     """Fill ``rb`` with this rank's part of the saved shards (their transitions, priorities, heap ranks).
 
     The saved shards are concatenated in rank order, each oldest-first, and cut into
     ``world_size`` contiguous, nearly equal parts: new rank ``r`` receives part ``r``.
     Every transition lands on exactly one rank with its priority (sum/min-tree
-    leaves) and, for a max-value writer, its rank in the heap. Samplers without
-    replacement start a new epoch; a buffer's own generator is re-seeded from the
-    saved one and the new rank.
+    leaves) and, for a max-value writer, its rank in the heap; a consuming sampler's
+    sample counts follow their transitions, and a staleness-aware sampler keeps the
+    saved ``consumer_version``. Samplers without replacement start a new epoch; a
+    buffer's own generator is re-seeded from the saved one and the new rank.
     """
     rb = initialized_buffer(rb)
     first = states[min(states)]
     check_transform_layout(rb, first.get("transforms") or {}, ctx)
-    part = _received(states, split(ctx.plan["lengths"], ctx.rank, ctx.world_size), ctx)
+    _check_state_dict_settings(rb._sampler, states, ctx)  # (again, with the values of settings saved as tensors)
+    consuming = isinstance(rb._sampler, ConsumingSampler)
+    part = _received(states, split(ctx.plan["lengths"], ctx.rank, ctx.world_size), ctx, consuming)
+    check_sampler_room(rb._sampler, part.n, ctx)  # (checked while planning: check_reshard)
     _fill_storage(rb._storage, part, ctx)
     _reset_writer(rb._writer, part, int(rb._storage.max_size))
     _reset_sampler(rb._sampler, part, states)
@@ -232,10 +293,15 @@ class _Received:
     sums: list[torch.Tensor] = field(default_factory=list)
     mins: list[torch.Tensor] = field(default_factory=list)
     heap: list[tuple[float, int]] = field(default_factory=list)
+    counts: list[torch.Tensor] = field(default_factory=list)  # a consuming sampler's: times each was sampled
+    live: list[torch.Tensor] = field(default_factory=list)  # ... and whether it can still be sampled
+    free: list[int] = field(default_factory=list)  # ... its consumed rows, in the order the writer reuses them
     n: int = 0
 
 
-def _received(states: dict[int, Any], pieces: list[tuple[int, int, int]], ctx: AdapterContext) -> _Received:
+def _received(
+    states: dict[int, Any], pieces: list[tuple[int, int, int]], ctx: AdapterContext, consuming: bool = False
+) -> _Received:
     out = _Received()
     for src, lo, hi in pieces:
         state = states[src]
@@ -253,8 +319,38 @@ def _received(states: dict[int, Any], pieces: list[tuple[int, int, int]], ctx: A
             for rank_value, index in zip(state["writer"]["heap_rank"].tolist(), state["writer"]["heap_index"].tolist()):
                 if index in new_pos:
                     out.heap.append((rank_value, new_pos[index]))
+        if consuming:  # (the saved sampler of the buffer's class: validate)
+            _receive_consumption(out, state["sampler"]["state"], positions)
         out.n += hi - lo
     return out
+
+
+def _receive_consumption(out: _Received, saved: Mapping[str, Any], positions: torch.Tensor) -> None:
+    """A consuming sampler's state of the received rows (``positions``, saved storage positions in age order), at
+    their new positions ``out.n + i``. Rows the saved sampler had not seen yet are live and never sampled (as its
+    next ``sample`` would have made them)."""
+    limit = int(saved["max_sample_count"])
+    counts = torch.zeros(len(positions), dtype=torch.long)
+    live = torch.ones(len(positions), dtype=torch.bool)
+    saved_counts, saved_live = saved.get("_sample_count"), saved.get("_live_mask")
+    if isinstance(saved_counts, torch.Tensor) and isinstance(saved_live, torch.Tensor):
+        known = min(int(saved["_known_storage_len"]), saved_counts.numel(), saved_live.numel())
+        seen = positions < known
+        counts[seen] = saved_counts.reshape(-1)[positions[seen]].to(torch.long).cpu()
+        live[seen] = saved_live.reshape(-1)[positions[seen]].to(torch.bool).cpu()
+    live &= counts < limit
+    new_pos = {int(p): out.n + i for i, p in enumerate(positions.tolist())}
+    consumed = {out.n + i for i in torch.nonzero(~live).flatten().tolist()}
+    freed = saved.get("_free_indices")
+    order = [new_pos.get(int(p)) for p in freed.reshape(-1).tolist()] if isinstance(freed, torch.Tensor) else []
+    order += sorted(consumed)  # (any the saved free list lacks: oldest first, as torchrl rebuilds it)
+    taken: set[int] = set()
+    for p in order:
+        if p in consumed and p not in taken:
+            taken.add(p)
+            out.free.append(p)
+    out.counts.append(counts)
+    out.live.append(live)
 
 
 def _fill_storage(storage: Any, part: _Received, ctx: AdapterContext) -> None:
@@ -328,6 +424,12 @@ def _reset_writer(writer: Any, part: _Received, capacity: int) -> None:
 
 
 def _reset_sampler(sampler: Any, part: _Received, states: dict[int, Any]) -> None:
+    if isinstance(sampler, ConsumingSampler):
+        _restore_consumption(sampler, part, states)
+        return
+    if isinstance(sampler, StalenessAwareSampler):  # (its settings the same in every shard read: check_reshard)
+        sampler.load_state_dict(states[min(states)]["sampler"]["state"])
+        return
     if not isinstance(sampler, PrioritizedSampler):
         if hasattr(sampler, "_empty"):
             sampler._empty()
@@ -346,3 +448,22 @@ def _reset_sampler(sampler: Any, part: _Received, states: dict[int, Any]) -> Non
         values = [s["sampler"]["max_priority"][0] for s in states.values() if s["sampler"]["kind"] == "prioritized"]
         values = [torch.as_tensor(v) for v in values if v is not None]
         sampler._max_priority = (torch.stack(values).max(), None) if values else (None, None)
+
+
+def _restore_consumption(sampler: ConsumingSampler, part: _Received, states: dict[int, Any]) -> None:
+    """The received rows' sample counts and live flags at their new positions; consumed rows are reused first by the
+    next writes, in their saved order (each saved shard's in turn)."""
+    saved = states[min(states)]["sampler"]["state"]  # (max_sample_count the same in every shard read: check_reshard)
+    counts = torch.cat(part.counts) if part.counts else torch.zeros(0, dtype=torch.long)
+    live = torch.cat(part.live) if part.live else torch.zeros(0, dtype=torch.bool)
+    sampler.load_state_dict(
+        {
+            "max_sample_count": int(saved["max_sample_count"]),
+            "_sample_count": counts,
+            "_live_mask": live,
+            "_known_storage_len": part.n,
+            "_free_indices": torch.tensor(part.free, dtype=torch.long) if part.free else None,
+            "_free_head": 0,
+            "_ran_out": bool(part.n) and not bool(live.any()),
+        }
+    )
