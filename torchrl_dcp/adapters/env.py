@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
+from torchrl_dcp.adapters.env_lazy import lazy_places, lazy_plan, materialize_lazy, set_aside
 from torchrl_dcp.adapters.env_transforms import (
     check_transform_attributes,
     env_transforms,
@@ -58,6 +59,7 @@ __all__ = [
     "composed_custom_state",
     "env_extras",
     "env_generators",
+    "env_state",
     "generator_state",
     "parent_states",
     "restore_base_envs",
@@ -495,7 +497,21 @@ class EnvAdapter(Adapter):
     def state(self, env: Any, ctx: AdapterContext) -> Any:
         warn_unreachable(ctx.name, env, "saving")
         warn_unverified_transforms(ctx.name, env, "saving")
-        return self._state(env, ctx.name)
+        try:
+            return self._state(env, ctx.name)
+        except EncodingError as err:
+            try:  # (the uninitialised tensors the state holds, if those made it fail)
+                lazy = [slot.where for slot, _ in lazy_places(env, ctx.name, env_state)]
+            except CheckpointError:
+                lazy = []
+            if not lazy:
+                raise err
+            raise EncodingError(
+                f"component {ctx.name!r}: the env holds tensors not initialised yet ({', '.join(lazy[:4])}: e.g. "
+                "ObservationNorm's loc/scale before init_stats, CatFrames' buffers before its first step), so its "
+                "state cannot be taken: initialise them before saving (init_stats, or a reset and a step). Loading "
+                "into such an env works: the load gives them the saved shapes"
+            ) from err
 
     def check_saved(self, saved: Any) -> None:
         """The transform attributes the adapter saves, as every save writes them
@@ -504,11 +520,27 @@ class EnvAdapter(Adapter):
             raise ValueError(f"its state is a {type(saved).__name__}, not a mapping")
         check_transform_attributes(saved.get("transform_attributes") or {})
 
+    def validate(self, env: Any, saved: dict[int, Any], ctx: AdapterContext) -> None:
+        """Every uninitialised tensor of the env (an ``ObservationNorm`` before ``init_stats``) has one saved tensor
+        to take its shape from (:func:`materialize_lazy`), refused otherwise before anything changes."""
+        for state in saved.values():
+            if isinstance(state, Mapping):
+                lazy_plan(env, state, ctx.name, env_state)
+
     def snapshot(self, env: Any, ctx: AdapterContext) -> Any:
-        return copy.deepcopy(self._state(env, ctx.name))  # what a failed load rolls back to (no warning: not a save)
+        """What a failed load rolls back to (no warning: not a save): the state, taken with the uninitialised tensors
+        the state holds set aside, and those tensors (a load materialises them: a rollback makes them uninitialised
+        again)."""
+        lazy = [slot for slot, _ in lazy_places(env, ctx.name, env_state)]
+        with set_aside(lazy):
+            state = copy.deepcopy(self._state(env, ctx.name))
+        return {"state": state, "lazy": lazy}
 
     def rollback(self, env: Any, snapshot: Any, ctx: AdapterContext) -> None:
-        self._restore(env, snapshot, ctx.name)
+        for slot in snapshot["lazy"]:
+            slot.unmaterialize()
+        with set_aside(snapshot["lazy"]):  # (the snapshot holds no value for them)
+            self._restore(env, snapshot["state"], ctx.name)
 
     def restore(self, env: Any, state: Any, ctx: AdapterContext) -> Any:
         warn_unreachable(ctx.name, env, "loading")
@@ -518,11 +550,11 @@ class EnvAdapter(Adapter):
 
     @staticmethod
     def _state(env: Any, name: str) -> dict[str, Any]:
-        # state_dict first: it starts a batched env's sub-envs, whose generators and transforms the extras hold
-        return {"state_dict": env_state_dict(env, name), **env_extras(env)}
+        return env_state(env, name)
 
     @staticmethod
     def _restore(env: Any, state: Any, name: str) -> None:
+        materialize_lazy(env, state, name, env_state)  # (first: torch's load_state_dict skips uninitialised tensors)
         load_env_state_dict(env, state["state_dict"], name)
         restore_env_extras(env, state, name)
         restore_env_generators(env, state["env_rngs"], name)
@@ -538,9 +570,16 @@ class EnvAdapter(Adapter):
         the generators and the in-flight episode's transform attributes are not taken over, so the env goes on with
         its own seed."""
         (state,) = states.values()
+        materialize_lazy(env, state, ctx.name, env_state)
         load_env_state_dict(env, state["state_dict"], ctx.name)
         restore_env_extras(env, {**state, "transform_attributes": {}}, ctx.name)
         return None
+
+
+def env_state(env: Any, name: str) -> dict[str, Any]:
+    """What :class:`EnvAdapter` saves of ``env``: ``state_dict`` (:func:`env_state_dict`) and :func:`env_extras`."""
+    # state_dict first: it starts a batched env's sub-envs, whose generators and transforms the extras hold
+    return {"state_dict": env_state_dict(env, name), **env_extras(env)}
 
 
 def env_state_dict(env: Any, name: str) -> dict[str, Any]:
