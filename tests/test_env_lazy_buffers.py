@@ -33,6 +33,7 @@ from torchrl.envs import (
 from torchrl.envs.transforms import ObservationNorm
 
 import torchrl_dcp as tdcp
+from tests.test_env_adapter import assert_same
 from torchrl_dcp.adapters.env import EnvAdapter
 from torchrl_dcp.audit import state_differences, state_snapshot
 
@@ -112,14 +113,6 @@ def steps(env: EnvBase, td: Any, n: int, seed: int) -> list[Any]:
         out.append(stepped.clone())
     out.append(env.reset().clone())
     return out
-
-
-def assert_same(expected: list[Any], got: list[Any]) -> None:
-    assert len(expected) == len(got)
-    for i, (a, b) in enumerate(zip(expected, got)):
-        assert set(a.keys(True, True)) == set(b.keys(True, True)), i
-        for key in a.keys(True, True):
-            assert torch.equal(a[key], b[key]), f"step {i}: {key} differs after the restore"
 
 
 def save(env: EnvBase, path: Path) -> Path:
