@@ -8,6 +8,7 @@ come back (they used to be skipped: training went on from an empty buffer).
 
 from __future__ import annotations
 
+import functools
 import shutil
 import warnings
 from pathlib import Path
@@ -244,7 +245,7 @@ def test_a_hook_only_register_op_reaches_is_saved_and_resumed(tmp_path: Path) ->
         assert torch.equal(torch.as_tensor(restored._reward_stats[key]), torch.as_tensor(value)), key
 
 
-@pytest.mark.parametrize("wrapped", ["TargetNetUpdaterHook", "bound scheduler step"])
+@pytest.mark.parametrize("wrapped", ["TargetNetUpdaterHook", "bound scheduler step", "partial of SWA's update"])
 def test_the_state_an_op_wraps_is_saved_and_resumed(tmp_path: Path, wrapped: str) -> None:
     """What an op holds without a ``state_dict`` of the hook's own: torchrl's ``TargetNetUpdaterHook`` (registered as
     its docstring shows) keeps its state in the target updater it wraps (``HardUpdate``'s counter), an LR scheduler's
@@ -257,6 +258,12 @@ def test_the_state_an_op_wraps_is_saved_and_resumed(tmp_path: Path, wrapped: str
             holder = HardUpdate(trainer.loss_module, value_network_update_interval=1000)  # (counts every step)
             trainer.register_op("post_optim", TargetNetUpdaterHook(holder))
             return holder, lambda h: h.counter
+        if wrapped == "partial of SWA's update":  # (the op takes no argument: the model's is bound)
+            holder = torch.optim.swa_utils.AveragedModel(trainer.loss_module.actor_network)
+            trainer.register_op(
+                "post_optim", functools.partial(holder.update_parameters, trainer.loss_module.actor_network)
+            )
+            return holder, lambda h: int(h.n_averaged)
         holder = torch.optim.lr_scheduler.StepLR(trainer.optimizer, step_size=5, gamma=0.5)
         trainer.register_op("post_optim", holder.step)
         return holder, lambda h: (h.last_epoch, h.get_last_lr())
@@ -273,6 +280,57 @@ def test_the_state_an_op_wraps_is_saved_and_resumed(tmp_path: Path, wrapped: str
     info = tdcp.resume(trainer2.checkpoint, tmp_path)
     assert info is not None and name in info.result.loaded
     assert position(restored) == position(saved)
+
+
+def test_an_op_added_between_two_saves_never_takes_another_ones_state(tmp_path: Path) -> None:
+    """A second scheduler's op added after the first save (its op list sorted before the first one's) took the
+    first's name at the next save, so it was never saved, and a fresh process registering both gave it the first
+    one's state. The names are those of every op found now, in every process alike."""
+    added: list[Any] = []
+
+    def first(trainer):
+        a = torch.optim.lr_scheduler.StepLR(trainer.optimizer, step_size=3)
+        trainer.register_op("post_steps", a.step)
+        return a
+
+    trainer, a = _sac_trainer(tmp_path, 64, first)
+
+    def add_second() -> None:  # (once the first save, at 32 frames, is behind)
+        if trainer.collected_frames > 32 and not added:
+            added.append(torch.optim.lr_scheduler.StepLR(trainer.optimizer, step_size=7))
+            trainer.register_op("post_optim", added[0].step)
+
+    trainer.register_op("post_steps", add_second)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    trainer.checkpoint_rotation.close()
+    (b,) = added
+    trainer2, a2 = _sac_trainer(tmp_path, 64, first)
+    b2 = torch.optim.lr_scheduler.StepLR(trainer2.optimizer, step_size=7)
+    trainer2.register_op("post_optim", b2.step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert tdcp.resume(trainer2.checkpoint, tmp_path).step == 64
+    assert (a2.last_epoch, b2.last_epoch) == (a.last_epoch, b.last_epoch) and a.last_epoch != b.last_epoch
+
+
+def test_a_loggers_op_is_no_component(tmp_path: Path) -> None:
+    """An op bound to a logger (registered on rank 0 alone, as jobs log) became a component of rank 0 only, and every
+    save of a 2-rank job was refused ("components only on rank 0"). Only the training's state is taken from ops."""
+    from torchrl.record.loggers import CSVLogger
+
+    def logged(trainer):
+        logger = CSVLogger("run", log_dir=str(tmp_path / "logs"))
+        trainer.register_op("post_steps", logger.log_hparams, cfg={"a": 1})
+        return logger
+
+    trainer, _ = _sac_trainer(tmp_path, 32, logged)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    trainer.checkpoint_rotation.close()
+    assert not [n for n in trainer.checkpoint.components if "Logger" in n]
 
 
 def test_early_stopping_resumes_with_the_last_value_of_its_metric(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -36,6 +37,17 @@ DELEGATING_HOOKS = {"ReplayBufferTrainer": "replay_buffer", "OptimizerHook": "op
 WRAPPING_HOOKS = {"TargetNetUpdaterHook": "target_params_updater"}
 
 
+def _op_owners() -> tuple[type, ...]:
+    """The objects whose bound methods, run as ops, are saved: LR schedulers, SWA's averaged models and target-network
+    updaters (state the job's training follows, alike on every rank; a logger registered on rank 0 alone is not). An
+    op given as a lambda or a closure hides its object: register that object as a component."""
+    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+    from torch.optim.swa_utils import AveragedModel
+    from torchrl.objectives.utils import TargetNetUpdater
+
+    return (LRScheduler, ReduceLROnPlateau, AveragedModel, TargetNetUpdater)
+
+
 def bound_trainer(ckpt: Any) -> Any:
     """The torchrl ``Trainer`` bound to ``ckpt`` (it registered ``trainer_state``), or ``None``."""
     marker = ckpt._components.get(TRAINER_MARKER)
@@ -54,7 +66,8 @@ def register_op_hooks(ckpt: Any) -> None:
     trainer = bound_trainer(ckpt)
     if trainer is None or getattr(trainer, "checkpoint", None) is not getattr(ckpt, "_solo_of", ckpt):
         return
-    held = {id(r.value) for r in ckpt._components.values()}
+    ours = {name: r.value for name, r in ckpt._components.items() if name.startswith(OP_HOOK_PREFIX)}
+    held = {id(r.value) for name, r in ckpt._components.items() if name not in ours}
     found: list[Any] = []
     for attr in sorted(a for a in vars(trainer) if a.startswith("_") and a.endswith("_ops")):
         ops = getattr(trainer, attr)
@@ -63,6 +76,8 @@ def register_op_hooks(ckpt: Any) -> None:
         for entry in ops:
             op = entry[0] if isinstance(entry, tuple) and entry else entry
             op = getattr(op, "__wrapped__", op)
+            while isinstance(op, functools.partial):  # (a method with its arguments bound: the op's object is its)
+                op = op.func
             hook = _state_holder(getattr(op, "__self__", op), trainer)
             if hook is None or id(hook) in held or any(h is hook for h in found):
                 continue
@@ -70,11 +85,18 @@ def register_op_hooks(ckpt: Any) -> None:
             if wrapped is not None and id(getattr(hook, wrapped, None)) in held:
                 continue
             found.append(hook)
+    # the names are those of every hook found now, in order (an op added between two saves renames the hooks of its
+    # class that come after it, in every process alike: never one hook's state given to another by when it came)
+    names: dict[str, Any] = {}
     counts: dict[str, int] = {}
     for hook in found:
         kind = type(hook).__name__
         counts[kind] = counts.get(kind, 0) + 1
-        name = f"{OP_HOOK_PREFIX}{kind}" + (f".{counts[kind]}" if counts[kind] > 1 else "")
+        names[f"{OP_HOOK_PREFIX}{kind}" + (f".{counts[kind]}" if counts[kind] > 1 else "")] = hook
+    for name, value in ours.items():
+        if names.get(name) is not value:
+            ckpt.unregister(name)
+    for name, hook in names.items():
         if name not in ckpt:
             ckpt.register(name, hook)
             ckpt._components[name].optional = True  # checkpoints saved before this hook was found lack it
@@ -84,14 +106,14 @@ def _state_holder(owner: Any, trainer: Any) -> Any:
     """What holds the state of an op bound to ``owner`` (``None``: nothing to save): a torchrl ``TrainerHookBase``
     with a non-empty state; the object a hook without a ``state_dict`` of its own wraps (``TargetNetUpdaterHook``: its
     target updater's counter); an object whose bound method is the op (``register_op("post_optim", sched.step)``:
-    the LR scheduler's position). Never the Trainer itself, whose own methods are ops."""
+    the LR scheduler's position: LR schedulers and target updaters, the same on every rank, not a rank's own logger).
+    Never the Trainer itself, whose own methods are ops."""
     from torchrl.trainers.trainers import TrainerHookBase  # (a Trainer is bound: torchrl's trainers are imported)
 
     if owner is trainer:
         return None
-    if not isinstance(owner, TrainerHookBase):
-        has_state = callable(getattr(owner, "state_dict", None)) and callable(getattr(owner, "load_state_dict", None))
-        return owner if has_state and not isinstance(owner, type) else None
+    if not isinstance(owner, TrainerHookBase):  # (an object of the job's state, the same on every rank)
+        return owner if isinstance(owner, _op_owners()) else None
     try:
         return owner if owner.state_dict() else None
     except NotImplementedError:  # (torchrl's base class: a hook that keeps no state, or whose state is what it wraps)
