@@ -212,6 +212,20 @@ def test_a_tier_inside_a_checkpoint_is_refused_before_anything_is_made_there(tmp
     tdcp.verify(committed)
 
 
+def test_a_users_rank_directory_of_plain_dcp_files_is_never_pruned(tmp_path: Path) -> None:
+    """recovery.md: a ``rank-<R>`` directory of the user's (no checkpoint in it) under a step name stays. One holding
+    a plain ``dcp.save`` checkpoint was taken for a damaged part of ours and deleted by the prune."""
+    import torch.distributed.checkpoint as dcp
+
+    ckpt, model, optimizer = _job()
+    rotation = _rotation(tmp_path, every=1, keep_last=1)
+    user = tmp_path / "local" / "step-000000000001" / "rank-00000"
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(user), no_dist=True)
+    names = sorted(p.name for p in user.iterdir())
+    _train(ckpt, model, optimizer, rotation, 1, 3)
+    assert sorted(p.name for p in user.iterdir()) == names
+
+
 def test_steps_of_more_than_12_digits_are_listed_resumed_and_pruned(tmp_path: Path) -> None:
     model = torch.nn.Linear(2, 2)
     ckpt = tdcp.DistributedCheckpoint(no_dist=True, policy=model)

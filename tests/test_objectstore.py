@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pickle
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -323,6 +324,36 @@ def test_an_empty_manifest_object_is_a_damaged_entry_a_resume_falls_back_from(
     objs = _objects(0)
     with pytest.warns(tdcp.TorchrlDcpWarning, match="step-000000000002 is damaged"):
         info = rotation.resume(_ckpt(objs, options))
+    assert info is not None and info.step == 1
+
+
+def test_a_users_objects_with_a_manifest_of_theirs_are_never_replaced(store: tuple[str, dict[str, Any]]) -> None:
+    """A prefix holding a user's DCP objects and a manifest of theirs (another tool's JSON, or one reading as a
+    damaged one of ours) was replaced by a save as a damaged checkpoint: its data objects carry no save identity."""
+    url, options = store
+    fs = _store_fs(url, options)
+    for manifest in (b'{"tool": "mine"}', b'{"format": "torchrl_dcp", "x'):
+        where = resolve_path(f"{url}/user", options)
+        fs.pipe_file((where / ".metadata").key, b"meta")
+        fs.pipe_file((where / "__0_0.distcp").key, b"x" * 100)
+        fs.pipe_file((where / "manifest.json").key, manifest)
+        with pytest.raises(tdcp.CheckpointError, match="refusing to overwrite"):
+            _ckpt(_objects(1), options).save(f"{url}/user", step=1)
+        assert fs.cat_file((where / "__0_0.distcp").key) == b"x" * 100
+
+
+def test_a_killed_saves_newer_prefix_is_no_damaged_entry(store: tuple[str, dict[str, Any]]) -> None:
+    """A killed save's prefix (its data, no manifest) newer than the committed step was warned about as damaged,
+    and ``fallback=False`` raised: objectstores.md says it is absent."""
+    url, options = store
+    rotation = tdcp.CheckpointRotation(f"{url}/run", keep_last=3, storage_options=options)
+    for step in (1, 2):
+        rotation.save(_ckpt(_objects(step), options), step=step)
+    fs = _store_fs(url, options)
+    fs.rm_file(resolve_path(f"{url}/run/step-000000000002/manifest.json", options).key)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tdcp.TorchrlDcpWarning)
+        info = rotation.resume(_ckpt(_objects(0), options), fallback=False)
     assert info is not None and info.step == 1
 
 

@@ -125,6 +125,67 @@ def test_a_newest_entry_whose_manifest_is_damaged_is_warned_about_and_saved_agai
     assert (tmp_path / "step-000000000002" / "notes.txt").read_text() == "mine"
 
 
+def _plain_dcp(path: Path, manifest: bytes | None = None) -> list[str]:
+    """A user's plain ``dcp.save`` checkpoint at ``path`` (no identity trailers), with a ``manifest.json`` of theirs
+    (``manifest``); returns its names."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(path), no_dist=True)
+    if manifest is not None:
+        (path / "manifest.json").write_bytes(manifest)
+    return sorted(p.name for p in path.iterdir())
+
+
+@pytest.mark.parametrize("manifest", [None, b'{"tool": "mine", "format": "other"}', b'{"format": "torchrl_dcp", "x'])
+def test_a_users_plain_dcp_checkpoint_is_never_replaced(tmp_path: Path, manifest: bytes | None) -> None:
+    """A damaged checkpoint of ours is replaced by the save of its step: a user's plain DCP checkpoint (no manifest,
+    another tool's, even one that reads as a damaged one of ours) was taken for one and deleted. Its data files carry
+    no save identity: never ours."""
+    names = _plain_dcp(tmp_path / "step-000000000003", manifest)
+    rotation = tdcp.CheckpointRotation(tmp_path, keep_last=3)
+    with pytest.raises(tdcp.CheckpointError, match="refusing to replace"):
+        rotation.save(ckpt_for(3)[0], step=3)
+    assert sorted(p.name for p in (tmp_path / "step-000000000003").iterdir()) == names
+    with pytest.raises(tdcp.CheckpointError, match="refusing to replace"):
+        tdcp.DistributedCheckpoint(model=torch.nn.Linear(2, 2)).save(tmp_path / "step-000000000003")
+
+
+def test_entries_without_a_manifest_are_no_damaged_ones_a_resume_tries(tmp_path: Path) -> None:
+    """A newer step directory without a manifest (a user's, a prune that kept a user's file: reliability.md) was
+    tried first and warned about as damaged, and ``fallback=False`` raised: it is no entry."""
+    rotation = tdcp.CheckpointRotation(tmp_path, keep_last=3)
+    rotation.save(ckpt_for(1)[0], step=1)
+    (tmp_path / "step-000000000010").mkdir()
+    (tmp_path / "step-000000000010" / "eval.txt").write_text("mine")
+    _plain_dcp(tmp_path / "step-000000000011", b'{"tool": "mine"}')
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tdcp.TorchrlDcpWarning)
+        info = tdcp.resume(ckpt_for(0)[0], tmp_path, fallback=False)
+    assert info is not None and info.step == 1
+
+
+def test_a_rotation_keeps_a_users_file_named_like_an_archive_entry(tmp_path: Path) -> None:
+    """A save of step 5 (directories) unlinked any regular file ``step-5.zip``, a user's text included."""
+    (tmp_path / "step-000000000005.zip").write_text("mine")
+    tdcp.CheckpointRotation(tmp_path, keep_last=3).save(ckpt_for(5)[0], step=5)
+    assert (tmp_path / "step-000000000005.zip").read_text() == "mine"
+
+
+def test_a_damaged_newest_archive_entry_is_replaced_by_the_save_of_its_step(tmp_path: Path) -> None:
+    """With archives, a truncated newest ``step-5.zip`` was warned about at resume, then every save of step 5 was
+    refused ("not a torchrl_dcp checkpoint"), leaving a committed directory beside it."""
+    rotation = tdcp.CheckpointRotation(tmp_path, keep_last=3, archive=True)
+    for step in (4, 5):
+        rotation.save(ckpt_for(step)[0], step=step)
+    damaged = tmp_path / "step-000000000005.zip"
+    damaged.write_bytes(damaged.read_bytes()[:-10])
+    with pytest.warns(tdcp.TorchrlDcpWarning, match="step-000000000005.zip is damaged"):
+        assert tdcp.resume(ckpt_for(0)[0], tmp_path).step == 4
+    rotation.save(ckpt_for(5)[0], step=5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000000004.zip", "step-000000000005.zip"]
+    tdcp.verify(damaged)
+
+
 def test_resume_warns_when_it_starts_fresh_because_every_committed_entry_is_damaged(tmp_path: Path) -> None:
     """A job whose every checkpoint is damaged retrains from scratch (and its next saves prune them): that is a
     warning naming them, not a log line no job without logging shows."""

@@ -188,12 +188,3 @@ def from_os_error(err: OSError, action: str, path: Any = None, *, after: str = "
     )
     wrapped.__cause__ = err
     return wrapped
-
-
-def manifest_damaged(err: CheckpointError) -> bool:
-    """Whether ``err`` (reading a checkpoint's manifest) says the manifest is there but damaged (truncated, altered,
-    invalid), rather than absent (a plain DCP checkpoint, a user's directory) or written by a newer version: such a
-    checkpoint holding only what saves write is replaced by a save of its step, as a committed one is."""
-    return isinstance(err, (CheckpointFormatError, CheckpointIntegrityError)) and not isinstance(
-        err, (CheckpointVersionError, CheckpointNotFoundError)
-    )

@@ -49,6 +49,7 @@ from torchrl_dcp.json_values import metadata_values
 from torchrl_dcp.preemption import PreemptionWatcher
 from torchrl_dcp.rotation_entries import (
     RotationEntry,
+    archive_of_ours,
     by_commit,
     entry_name_step,
     latest_entry,
@@ -61,6 +62,14 @@ from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.storage.base import Location
 
 logger = get_logger(__name__)
+
+
+def _committed(location: Any) -> bool:
+    try:
+        location.root()
+    except CheckpointError:
+        return False
+    return True
 
 
 def _check_committed(location: Location) -> None:
@@ -399,15 +408,18 @@ class CheckpointRotation:
         target = self.path_for(step)
 
         def rotate() -> None:
+            stale = self.location.child(f"step-{step:012d}.zip")  # this step saved as an archive before
+            if stale.entry_kind() == "archive":
+                if not archive_of_ours(stale):
+                    if not self.archive:  # (with archives, to_archive refuses it, naming it)
+                        logger.warning("%s: kept, no archive of ours (this step's save is a directory)", stale.path)
+                elif not self.archive or not _committed(stale):  # (a committed one is replaced by to_archive at once)
+                    stale.remove()  # (a damaged one: a resume warned about it)
             if self.archive:
                 from torchrl_dcp.convert import to_archive
 
                 to_archive(path, target, overwrite=True)
                 self.location.child(path.name).remove()
-            else:
-                stale = self.location.child(f"step-{step:012d}.zip")  # same step saved as an archive before
-                if stale.entry_kind() == "archive":
-                    stale.remove()
             _check_committed(self.location.child(target.name))  # what replaces the pruned entries must load
             self.prune(protect=target)
 

@@ -24,12 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchrl_dcp.errors import (
-    CheckpointFormatError,
-    CheckpointIntegrityError,
-    CheckpointNotFoundError,
-    manifest_damaged,
-)
+from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError
 from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.storage.base import Location
 
@@ -95,6 +90,41 @@ def latest_entry(entries: Iterable[RotationEntry]) -> RotationEntry | None:
     return ordered[-1] if ordered else None
 
 
+def damaged_entry(location: Location, container: Any, err: BaseException, is_archive: bool) -> bool:
+    """Whether the entry at ``location``, whose manifest failed with ``err``, is a checkpoint of ours damaged (its
+    manifest there and ours: :meth:`~torchrl_dcp.storage.base.ManifestParts.root_damaged`), or an archive of ours
+    that cannot be opened (:func:`_damaged_archive`); an absent manifest (a killed save's prefix, a user's
+    directory) or another tool's is not."""
+    if container is not None and container.root_damaged(err):
+        return True
+    return is_archive and location.is_local and _damaged_archive(location.path)
+
+
+def archive_of_ours(location: Location) -> bool:
+    """Whether the archive entry at ``location`` (a ``step-<N>.zip`` regular file) is one of ours, committed or
+    damaged: what a save of its step may replace (a user's file of that name is kept)."""
+    container = None
+    try:
+        container = location.container()
+        container.root()
+    except CheckpointError as err:
+        return damaged_entry(location, container, err, True)
+    return True
+
+
+def _damaged_archive(path: Any) -> bool:
+    """Whether ``path`` (an entry ``step-<N>.zip`` that could not be opened as an archive) is an archive of ours cut
+    short or damaged: a ZIP whose first member is what ``to_archive`` writes first (a user's file of that name is
+    not)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except (OSError, TypeError):
+        return False
+    n = int.from_bytes(head[26:28], "little") if len(head) >= 30 else 0
+    return head[:4] == b"PK\x03\x04" and head[30 : 30 + n] in (b".metadata", b"manifest.json")
+
+
 def list_entries(
     directory: Location | str | os.PathLike,
     metric: str | None = None,
@@ -119,12 +149,13 @@ def list_entries(
         step, is_archive = parsed
         if child.kind != ("archive" if is_archive else "checkpoint"):
             continue  # a symlink, a FIFO, a directory named .zip, an object named step-N: never ours
-        error, damaged = None, False
+        error, damaged, container = None, False, None
         try:
-            manifest = child.location.root()  # (its shards are checked when it is loaded: a damaged one falls back)
+            container = child.location.container()
+            manifest = container.root()  # (its shards are checked when it is loaded: a damaged one falls back)
         except (CheckpointNotFoundError, CheckpointFormatError, CheckpointIntegrityError) as err:
             manifest, error = {}, f"{type(err).__name__}: {err}"  # absent, damaged: never committed (or broken)
-            damaged = manifest_damaged(err)
+            damaged = damaged_entry(child.location, container, err, is_archive)
         except Exception as err:  # noqa: BLE001 - reading failed (a store's 503, EIO): not a judgement on the entry
             if not include_uncommitted:  # resume, latest, prune: an entry not read is not skipped as damaged
                 raise

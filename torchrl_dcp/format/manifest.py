@@ -33,6 +33,7 @@ import copy
 import datetime
 import json
 import math
+import re
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
@@ -134,6 +135,30 @@ def loads_manifest(data: bytes, source: Any) -> dict[str, Any]:
     if len(data) > MAX_MANIFEST_BYTES:
         raise CheckpointFormatError(f"manifest is implausibly large ({len(data)} bytes)", path=source)
     return parse_manifest(decode_json(data, source, "manifest"), source, text=data)
+
+
+def looks_like_ours(data: bytes) -> bool:
+    """Whether manifest bytes that did not load are a damaged manifest of ours rather than another tool's: JSON
+    naming torchrl_dcp's format (altered), or no JSON at all (truncated, emptied, bytes flipped). Another tool's
+    valid JSON is not, nor bytes too dense in values to parse within the bounds (:func:`check_parse_cost`).
+
+    Example:
+        >>> looks_like_ours(b'{"chunks":{},"comp'), looks_like_ours(b'{"tool": "mine"}'), looks_like_ours(b"")
+        (True, False, True)
+    """
+    if _OUR_FORMAT.search(data[:MAX_MANIFEST_BYTES]):
+        return True
+    try:
+        check_parse_cost(data, "manifest")
+        json.loads(data)
+    except CheckpointFormatError:
+        return False
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return True
+    return False
+
+
+_OUR_FORMAT = re.compile(rb'"format"\s*:\s*"torchrl_dcp"')
 
 
 def decode_json(data: bytes, source: Any, what: str) -> Any:

@@ -282,8 +282,9 @@ class ArchiveContainer(ManifestParts):
                     f"the archive holds no {MANIFEST}: not a torchrl_dcp checkpoint", path=self.path
                 )
             data = self.read_raw_member(MANIFEST, MAX_MANIFEST_BYTES)
+            self._root_bytes, self._root_read = data, True  # (kept before the parse: a damaged one is told apart)
             manifest = schema.loads_manifest(data, f"{self.path}::{MANIFEST}")
-            self._manifest, self._root_bytes = manifest, data
+            self._manifest = manifest
             try:  # every member accounted for (those of ranks' own files by their shards' counts, format 7)
                 check_listing(
                     ((n, m.size) for n, m in self.members.items()),

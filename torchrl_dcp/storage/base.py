@@ -100,6 +100,9 @@ class Container(Protocol):
     def root_digest(self) -> str:
         """A digest of the root manifest's bytes as read (:meth:`ManifestParts.root_digest`)."""
 
+    def root_damaged(self, err: BaseException) -> bool:
+        """Whether ``err`` of :meth:`root` is a damaged manifest of ours (:meth:`ManifestParts.root_damaged`)."""
+
     def manifest(self, ranks: Collection[int] | None = None) -> dict[str, Any]:
         """The manifest with the shards of ``ranks`` (``None``: every rank's), assembled once per set of ranks
         (:class:`ManifestParts`)."""
@@ -132,9 +135,22 @@ class ManifestParts:
 
     path: Any
     _root_bytes: bytes = b""  # the root manifest's bytes as read (each container's ``root`` keeps them)
+    _root_read = False  # whether they were read (the manifest is there), whether or not they parsed
 
     def root(self) -> dict[str, Any]:  # pragma: no cover - every container defines it
         raise NotImplementedError
+
+    def root_damaged(self, err: BaseException) -> bool:
+        """Whether ``err`` (raised by :meth:`root`) is a manifest of ours that is there but damaged: its bytes were
+        read and are no JSON (truncated, emptied) or name torchrl_dcp's format (altered, its seal or contents wrong),
+        and it is no newer version's. An absent manifest (a plain DCP checkpoint, a killed save's prefix, a user's
+        directory) and another tool's JSON are not."""
+        from torchrl_dcp.errors import CheckpointVersionError
+        from torchrl_dcp.format.manifest import looks_like_ours
+
+        if not self._root_read or isinstance(err, CheckpointVersionError) or not isinstance(err, CheckpointError):
+            return False
+        return looks_like_ours(self._root_bytes)
 
     def root_digest(self) -> str:
         """A BLAKE2b digest of the root manifest's bytes as this process read them: the ranks of a load compare it,

@@ -36,11 +36,19 @@ from torchrl_dcp.errors import (
     CheckpointFormatError,
     CheckpointIntegrityError,
     CheckpointNotFoundError,
-    manifest_damaged,
 )
 from torchrl_dcp.format import manifest as schema
 from torchrl_dcp.format.checksums import checksum_mismatch
-from torchrl_dcp.format.layout import DCP_METADATA, MANIFEST, MAX_MANIFEST_BYTES, identity_trailer, is_library_file
+from torchrl_dcp.format.layout import (
+    DCP_METADATA,
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    TRAILER_SIZE,
+    identity_trailer,
+    is_data_file,
+    is_library_file,
+    read_identity,
+)
 from torchrl_dcp.storage.archive import ArchiveLocation
 from torchrl_dcp.storage.base import (
     ByteRange,
@@ -100,8 +108,8 @@ class DirectoryContainer(ManifestParts):
                 raise CheckpointFormatError(
                     f"no {MANIFEST}: not a torchrl_dcp checkpoint, or a save that never committed{why}", path=self.path
                 ) from None
+            self._root_bytes, self._root_read = data, True  # (kept before the parse: a damaged one is told apart)
             self._manifest = schema.loads_manifest(data, file)
-            self._root_bytes = data
         return self._manifest
 
     def _listed(self, name: str) -> dict[str, Any] | None:
@@ -189,27 +197,51 @@ def refuse_inside_checkpoint(destination: Path) -> None:
 
 def is_replaceable(destination: Path) -> bool:
     """Whether ``destination`` may be replaced by a save: an empty directory or a committed checkpoint holding
-    nothing a save does not write (a file of the user's inside it is not deleted with it), or a damaged one
-    (:func:`~torchrl_dcp.errors.manifest_damaged`: a resume skipped it with a warning, and the job saves that step again)."""
+    nothing a save does not write (a file of the user's inside it is not deleted with it), or a damaged one of ours
+    (:func:`damaged_checkpoint`: a resume skipped it with a warning, and the job saves that step again)."""
     if not destination.is_dir() or destination.is_symlink():
         return False
     if not any(destination.iterdir()):
         return True
+    container = DirectoryContainer(destination)
     try:
-        DirectoryContainer(destination).manifest()
+        container.manifest()
     except CheckpointError as err:
-        if not manifest_damaged(err):
-            return False
+        return damaged_checkpoint(destination, container, err)
     return not foreign_entries(destination)
+
+
+def damaged_checkpoint(destination: Path, container: DirectoryContainer, err: CheckpointError) -> bool:
+    """Whether ``destination``, whose manifest failed with ``err``, is a checkpoint of ours that is damaged and holds
+    nothing else: its manifest is there and is ours (:meth:`~torchrl_dcp.storage.base.ManifestParts.root_damaged`),
+    every entry is a file a save writes, and every data file ends with a save identity trailer (a plain DCP
+    checkpoint's files carry none: never replaced)."""
+    if not container.root_damaged(err) or foreign_entries(destination):
+        return False
+    for name in os.listdir(destination):
+        if is_data_file(name):
+            try:
+                fd = open_regular(destination / name, destination / name)
+            except CheckpointError:
+                return False
+            try:
+                size = os.fstat(fd).st_size
+                tail = os.pread(fd, TRAILER_SIZE, size - TRAILER_SIZE) if size >= TRAILER_SIZE else b""
+            finally:
+                os.close(fd)
+            if read_identity(tail) is None:
+                return False
+    return True
 
 
 def _not_replaced(destination: Path) -> str:
     """Why a save refuses to replace ``destination`` (:func:`is_replaceable` said no)."""
     if _kind(destination) == "checkpoint" and any(destination.iterdir()):
+        container = DirectoryContainer(destination)
         try:
-            DirectoryContainer(destination).manifest()
+            container.manifest()
         except CheckpointError as err:
-            if manifest_damaged(err):
+            if container.root_damaged(err):
                 return (
                     f"is a damaged checkpoint ({err}) holding entries a checkpoint never holds "
                     f"({foreign_entries(destination)[:5]}); refusing to replace it: move them, or save elsewhere"

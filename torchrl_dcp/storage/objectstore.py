@@ -355,8 +355,8 @@ class ObjectStoreContainer(ManifestParts):
                 raise CheckpointFormatError(
                     f"is implausibly large (over {MAX_MANIFEST_BYTES} bytes expected at most)", path=file
                 )
+            self._root_bytes, self._root_read = data, True  # (kept before the parse: a damaged one is told apart)
             self._manifest = schema.loads_manifest(data, file)
-            self._root_bytes = data
         return self._manifest
 
     def check(

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from torchrl_dcp._log import get_logger
-from torchrl_dcp.errors import CheckpointError, manifest_damaged
+from torchrl_dcp.errors import CheckpointError
 from torchrl_dcp.format.checksums import crc32, crc32_combine, format_crc
 from torchrl_dcp.format.layout import (
     DCP_METADATA,
@@ -113,10 +113,10 @@ def _marker_saves(marker: StorePath) -> set[str] | None:
     return {body["save_id"], *([body["replaces"]] if _is_save_id(body.get("replaces")) else [])}
 
 
-def _left_by(target: StorePath, found: dict[str, dict[str, Any]], saves: set[str]) -> bool:
-    """Whether every object under ``target`` is one the saves ``saves`` write: library names only, each data file
-    ending with one of those saves' identity trailer (a chunk file: any save's, it may have been kept from its
-    base)."""
+def _left_by(target: StorePath, found: dict[str, dict[str, Any]], saves: set[str] | None) -> bool:
+    """Whether every object under ``target`` is one the saves ``saves`` write (``None``: any save): library names
+    only, each data file ending with one of those saves' identity trailer (a chunk file: any save's, it may have been
+    kept from its base)."""
     if foreign_objects(target, found):
         return False
     names = sorted(n for n in found if is_data_file(n))  # (the manifest, its shards and .metadata carry none)
@@ -125,7 +125,7 @@ def _left_by(target: StorePath, found: dict[str, dict[str, Any]], saves: set[str
         return False
     spans = [(target / n, size - TRAILER_SIZE, TRAILER_SIZE) for n, size in zip(names, sizes)]
     tails = map_pieces(spans, lambda i, data: read_identity(bytes(data)), concurrency())
-    return all(t is not None and (t[0] in saves or is_chunk_file(n)) for n, t in zip(names, tails))
+    return all(t is not None and (saves is None or t[0] in saves or is_chunk_file(n)) for n, t in zip(names, tails))
 
 
 def sweep(parent: StorePath) -> list[str]:
@@ -195,10 +195,12 @@ def begin(destination: StorePath, save_id: str) -> None:
     found = list_objects(destination)
     replaces = None
     if found:
+        container = ObjectStoreContainer(destination)
         try:
-            replaces = ObjectStoreContainer(destination).manifest().get("save_id")
+            replaces = container.manifest().get("save_id")
         except CheckpointError as err:
-            if not (MANIFEST in found and manifest_damaged(err)):  # (a damaged checkpoint of ours is replaced)
+            # a damaged checkpoint of ours (its manifest there and ours, every data object a save's) is replaced
+            if not (container.root_damaged(err) and _left_by(destination, found, None)):
                 raise CheckpointError(
                     f"holds {len(found)} object(s) but no valid {MANIFEST}: not a torchrl_dcp checkpoint; refusing to "
                     "overwrite it (choose another path, or delete the objects)",
