@@ -150,6 +150,31 @@ def test_a_users_plain_dcp_checkpoint_is_never_replaced(tmp_path: Path, manifest
         tdcp.DistributedCheckpoint(model=torch.nn.Linear(2, 2)).save(tmp_path / "step-000000000003")
 
 
+@pytest.mark.parametrize("where", ["directory", "store"])
+def test_a_users_own_manifest_and_metadata_without_data_files_are_never_replaced(tmp_path: Path, where: str) -> None:
+    """A user's ``manifest.json`` that is no JSON (YAML, JSON Lines) beside a ``.metadata`` of theirs read as a damaged
+    checkpoint of ours holding only a save's files: a save replaced both. With no data file there is no evidence."""
+    import fsspec
+
+    files = {"manifest.json": b"tool: mine\nruns: 3\n", ".metadata": b"my metadata"}
+    if where == "directory":
+        path: Any = tmp_path / "ckpt"
+        path.mkdir()
+        for name, data in files.items():
+            (path / name).write_bytes(data)
+        read = lambda name: (path / name).read_bytes()  # noqa: E731
+    else:
+        fs = fsspec.filesystem("memory")
+        prefix = f"/tdcp-tests/{tmp_path.name}/ckpt"
+        for name, data in files.items():
+            fs.pipe_file(f"{prefix}/{name}", data)
+        path = f"memory:/{prefix}"
+        read = lambda name: fs.cat_file(f"{prefix}/{name}")  # noqa: E731
+    with pytest.raises(tdcp.CheckpointError, match="refusing to"):
+        tdcp.DistributedCheckpoint(model=torch.nn.Linear(2, 2)).save(path)
+    assert all(read(name) == data for name, data in files.items())
+
+
 def test_entries_without_a_manifest_are_no_damaged_ones_a_resume_tries(tmp_path: Path) -> None:
     """A newer step directory without a manifest (a user's, a prune that kept a user's file: reliability.md) was
     tried first and warned about as damaged, and ``fallback=False`` raised: it is no entry."""

@@ -214,23 +214,25 @@ def is_replaceable(destination: Path) -> bool:
 def damaged_checkpoint(destination: Path, container: DirectoryContainer, err: CheckpointError) -> bool:
     """Whether ``destination``, whose manifest failed with ``err``, is a checkpoint of ours that is damaged and holds
     nothing else: its manifest is there and is ours (:meth:`~torchrl_dcp.storage.base.ManifestParts.root_damaged`),
-    every entry is a file a save writes, and every data file ends with a save identity trailer (a plain DCP
-    checkpoint's files carry none: never replaced)."""
+    every entry is a file a save writes, and it holds data files, each ending with a save identity trailer (a plain
+    DCP checkpoint's files carry none, a user's own ``manifest.json`` and ``.metadata`` are none: never replaced)."""
     if not container.root_damaged(err) or foreign_entries(destination):
         return False
-    for name in os.listdir(destination):
-        if is_data_file(name):
-            try:
-                fd = open_regular(destination / name, destination / name)
-            except CheckpointError:
-                return False
-            try:
-                size = os.fstat(fd).st_size
-                tail = os.pread(fd, TRAILER_SIZE, size - TRAILER_SIZE) if size >= TRAILER_SIZE else b""
-            finally:
-                os.close(fd)
-            if read_identity(tail) is None:
-                return False
+    names = [name for name in os.listdir(destination) if is_data_file(name)]
+    if not names:  # (no evidence a save wrote it: a user's own manifest.json and .metadata)
+        return False
+    for name in names:
+        try:
+            fd = open_regular(destination / name, destination / name)
+        except CheckpointError:
+            return False
+        try:
+            size = os.fstat(fd).st_size
+            tail = os.pread(fd, TRAILER_SIZE, size - TRAILER_SIZE) if size >= TRAILER_SIZE else b""
+        finally:
+            os.close(fd)
+        if read_identity(tail) is None:
+            return False
     return True
 
 

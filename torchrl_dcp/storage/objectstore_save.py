@@ -200,7 +200,9 @@ def begin(destination: StorePath, save_id: str) -> None:
             replaces = container.manifest().get("save_id")
         except CheckpointError as err:
             # a damaged checkpoint of ours (its manifest there and ours, every data object a save's) is replaced
-            if not (container.root_damaged(err) and _left_by(destination, found, None)):
+            # (and holds data objects: a user's own manifest.json and .metadata are no evidence a save wrote them)
+            ours = container.root_damaged(err) and any(is_data_file(n) for n in found)
+            if not (ours and _left_by(destination, found, None)):
                 raise CheckpointError(
                     f"holds {len(found)} object(s) but no valid {MANIFEST}: not a torchrl_dcp checkpoint; refusing to "
                     "overwrite it (choose another path, or delete the objects)",
