@@ -175,6 +175,40 @@ def test_a_users_own_manifest_and_metadata_without_data_files_are_never_replaced
     assert all(read(name) == data for name, data in files.items())
 
 
+@pytest.mark.parametrize("damage", ["truncated", "deleted"])
+def test_a_newest_entry_whose_shard_is_damaged_is_no_incremental_base(tmp_path: Path, damage: str) -> None:
+    """A resume warned about the newest entry (its manifest shard truncated by a copy) and fell back, then every later
+    save failed: the rotation took that entry as the base of its incremental save and read its shard."""
+    rotation = tdcp.CheckpointRotation(tmp_path, keep_last=3)
+
+    def job(step: int) -> tdcp.DistributedCheckpoint:
+        ckpt = ckpt_for(step)[0]
+        ckpt.register("rng", tdcp.RNGState())  # (per-rank state: a shard)
+        return ckpt
+
+    for step in (2, 4):
+        rotation.save(job(step), step=step)
+    shard = tmp_path / "step-000000000004" / "manifest-0.json"
+    shard.write_bytes(shard.read_bytes()[:40]) if damage == "truncated" else shard.unlink()
+    with pytest.warns(tdcp.TorchrlDcpWarning, match="step-000000000004 is damaged"):
+        assert tdcp.resume(job(0), tmp_path).step == 2
+    rotation.save(job(6), step=6)  # (its base: step 2, the newest whole entry)
+    assert tdcp.resume(job(0), tmp_path).step == 6
+
+
+def test_a_damaged_entry_that_cannot_be_replaced_names_the_file_that_stops_it(tmp_path: Path) -> None:
+    """Its manifest and a data file truncated (a copy cut short): the save of its step is refused (the data file
+    ends with no save identity), and the error named "entries a checkpoint never holds ([])", not that file."""
+    rotation = tdcp.CheckpointRotation(tmp_path, keep_last=3)
+    for step in (2, 4):
+        rotation.save(ckpt_for(step)[0], step=step)
+    entry = tmp_path / "step-000000000004"
+    for name in ("manifest.json", "__0_shared.distcp"):
+        (entry / name).write_bytes((entry / name).read_bytes()[:50])
+    with pytest.raises(tdcp.CheckpointError, match=r"__0_shared.distcp ends with no save identity"):
+        rotation.save(ckpt_for(4)[0], step=4)
+
+
 def test_entries_without_a_manifest_are_no_damaged_ones_a_resume_tries(tmp_path: Path) -> None:
     """A newer step directory without a manifest (a user's, a prune that kept a user's file: reliability.md) was
     tried first and warned about as damaged, and ``fallback=False`` raised: it is no entry."""

@@ -44,7 +44,7 @@ from torchrl_dcp.errors import (
     CheckpointIntegrityError,
     StaleCheckpointWarning,
 )
-from torchrl_dcp.format.layout import is_data_file
+from torchrl_dcp.format.layout import is_data_file, shard_rank
 from torchrl_dcp.json_values import metadata_values
 from torchrl_dcp.preemption import PreemptionWatcher
 from torchrl_dcp.rotation_entries import (
@@ -62,6 +62,20 @@ from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.storage.base import Location
 
 logger = get_logger(__name__)
+
+
+def _whole(rotation: Any, entry: RotationEntry) -> bool:
+    """Whether ``entry``'s manifest shards are there whole (their sizes and checksums, without parsing them): the
+    newest entry a resume found damaged (a shard truncated or deleted) is no base of an incremental save, which
+    would read its shards and fail at every save."""
+    container = rotation.location.child(entry.path.name).container()
+    try:
+        shards = [name for name in container.root()["files"] if shard_rank(name) is not None]
+        container.check(shards, only=shards)
+    except CheckpointError as err:
+        logger.warning("%s is damaged (%s): not the base of the next incremental save", entry.path, err)
+        return False
+    return True
 
 
 def _committed(location: Any) -> bool:
@@ -452,9 +466,9 @@ class CheckpointRotation:
                 except ValueError as err:
                     refused = str(err)
             entries = self.entries()
-            newest = latest_entry(e for e in entries if not e.archive)
+            base = next((e for e in reversed(by_commit(e for e in entries if not e.archive)) if _whole(self, e)), None)
             counter = 1 + max((e.sequence or 0 for e in entries), default=0)
-            return (None if newest is None else str(newest.path)), counter, refused
+            return (None if base is None else str(base.path)), counter, refused
 
         chosen, counter, refused = broadcast_step(group_of(ckpt), "choosing the incremental base", choose)
         if refused is not None:  # the same ValueError on every rank, before anything is written

@@ -216,24 +216,33 @@ def damaged_checkpoint(destination: Path, container: DirectoryContainer, err: Ch
     nothing else: its manifest is there and is ours (:meth:`~torchrl_dcp.storage.base.ManifestParts.root_damaged`),
     every entry is a file a save writes, and it holds data files, each ending with a save identity trailer (a plain
     DCP checkpoint's files carry none, a user's own ``manifest.json`` and ``.metadata`` are none: never replaced)."""
-    if not container.root_damaged(err) or foreign_entries(destination):
-        return False
-    names = [name for name in os.listdir(destination) if is_data_file(name)]
+    return container.root_damaged(err) and _not_ours_because(destination) is None
+
+
+def _not_ours_because(destination: Path) -> str | None:
+    """Why a directory whose manifest is a damaged one of ours is not replaced (``None``: it is)."""
+    foreign = foreign_entries(destination)
+    if foreign:
+        return f"it holds entries a checkpoint never holds ({foreign[:5]}): move them, or save elsewhere"
+    names = sorted(name for name in os.listdir(destination) if is_data_file(name))
     if not names:  # (no evidence a save wrote it: a user's own manifest.json and .metadata)
-        return False
+        return "it holds no data file a save wrote: remove it yourself if it is a checkpoint, or save elsewhere"
     for name in names:
         try:
             fd = open_regular(destination / name, destination / name)
         except CheckpointError:
-            return False
+            return f"{name} is not a regular file: remove the directory yourself, or save elsewhere"
         try:
             size = os.fstat(fd).st_size
             tail = os.pread(fd, TRAILER_SIZE, size - TRAILER_SIZE) if size >= TRAILER_SIZE else b""
         finally:
             os.close(fd)
         if read_identity(tail) is None:
-            return False
-    return True
+            return (
+                f"{name} ends with no save identity (truncated, or not written by a save): remove the directory "
+                "yourself if it is a damaged checkpoint, or save elsewhere"
+            )
+    return None
 
 
 def _not_replaced(destination: Path) -> str:
@@ -244,10 +253,7 @@ def _not_replaced(destination: Path) -> str:
             container.manifest()
         except CheckpointError as err:
             if container.root_damaged(err):
-                return (
-                    f"is a damaged checkpoint ({err}) holding entries a checkpoint never holds "
-                    f"({foreign_entries(destination)[:5]}); refusing to replace it: move them, or save elsewhere"
-                )
+                return f"is a damaged checkpoint ({err}); refusing to replace it: {_not_ours_because(destination)}"
         else:
             return (
                 f"holds entries a checkpoint never holds ({foreign_entries(destination)[:5]}); refusing to replace "
