@@ -33,7 +33,7 @@ from torchrl.envs import (
 from torchrl.envs.transforms import ObservationNorm
 
 import torchrl_dcp as tdcp
-from tests.test_env_adapter import assert_same
+from tests.test_env_adapter import advance, assert_same
 from torchrl_dcp.adapters.env import EnvAdapter
 from torchrl_dcp.audit import state_differences, state_snapshot
 
@@ -93,14 +93,6 @@ def initialised(kind: str, seed: int) -> EnvBase:
     elif kind == "observation-norm-around-serial":
         env.transform.init_stats(num_iter=7, reduce_dim=(0, 1), cat_dim=0)
     return env
-
-
-def advance(env: EnvBase, n: int, seed: int) -> Any:
-    torch.manual_seed(seed)
-    td = env.reset()
-    for _ in range(n):
-        _, td = env.step_and_maybe_reset(env.rand_action(td))
-    return td
 
 
 def steps(env: EnvBase, td: Any, n: int, seed: int) -> list[Any]:

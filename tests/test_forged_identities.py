@@ -48,6 +48,18 @@ def _rewrite_trailer_rank(data: bytes | bytearray, rank: int) -> bytes:
     return bytes(out)
 
 
+def _refused_unchanged(path: Path, match: str) -> None:
+    """Loads (verified or not) and ``verify`` refuse ``path`` with ``match``; the live objects keep their state."""
+    fresh = _objects(1)
+    before = fresh["policy"].weight.detach().clone()
+    for verify in (True, False):
+        with pytest.raises(tdcp.CheckpointIntegrityError, match=match):
+            _ckpt(fresh).load(path, verify=verify)
+    assert torch.equal(fresh["policy"].weight, before)
+    with pytest.raises(tdcp.CheckpointIntegrityError, match=match):
+        tdcp.verify(path)
+
+
 @pytest.mark.parametrize("name", ["__0_shared.distcp", "__0_0.distcp"])
 def test_a_data_file_whose_trailer_names_another_rank_is_refused(tmp_path: Path, name: str) -> None:
     """The trailer names rank 3, the name rank 0; the file's record resealed: every reader that checks identities
@@ -57,14 +69,7 @@ def test_a_data_file_whose_trailer_names_another_rank_is_refused(tmp_path: Path,
     (path / name).write_bytes(_rewrite_trailer_rank((path / name).read_bytes(), 3))
     forging.reseal(path, name)
     match = rf"{name}: data file's identity trailer names rank 3, its name says rank 0"
-    fresh = _objects(1)
-    before = fresh["policy"].weight.detach().clone()
-    for verify in (True, False):
-        with pytest.raises(tdcp.CheckpointIntegrityError, match=match):
-            _ckpt(fresh).load(path, verify=verify)
-    assert torch.equal(fresh["policy"].weight, before)
-    with pytest.raises(tdcp.CheckpointIntegrityError, match=match):
-        tdcp.verify(path)
+    _refused_unchanged(path, match)
     with pytest.raises(tdcp.CheckpointIntegrityError, match=match):
         tdcp.to_archive(path, tmp_path / "c.zip")
     assert not (tmp_path / "c.zip").exists()
@@ -87,15 +92,7 @@ def test_an_origin_on_anything_but_a_kept_chunk_file_is_refused(tmp_path: Path, 
         origin = forging.read_parts(path)["save_id"]
     forging.reseal(path, name)
     forging.edit(path, lambda m: m["files"][name].update(origin=origin))
-    fresh = _objects(1)
-    before = fresh["policy"].weight.detach().clone()
-    match = rf"{name}: the manifest records this file as kept from save"
-    for verify in (True, False):
-        with pytest.raises(tdcp.CheckpointIntegrityError, match=match):
-            _ckpt(fresh).load(path, verify=verify)
-    assert torch.equal(fresh["policy"].weight, before)
-    with pytest.raises(tdcp.CheckpointIntegrityError, match=match):
-        tdcp.verify(path)
+    _refused_unchanged(path, rf"{name}: the manifest records this file as kept from save")
 
 
 @pytest.mark.parametrize("verify", [False, True])
