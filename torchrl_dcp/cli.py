@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointError
+from torchrl_dcp.format.migrations import MAPPING_NODES
 from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.torchrl_format.detect import is_torchrl_checkpoint
 
@@ -99,7 +100,7 @@ def _shared_tensors(rec: dict[str, Any]) -> dict[str, str]:
         elif isinstance(node, dict):
             if node.get("t") == "xref":  # (``inspect`` shows what the manifest says, unvalidated: never crash on it)
                 found[where or str(node.get("key", ""))] = f"replicated/{node.get('component')}/{node.get('key')}"
-            elif node.get("t") in ("dict", "odict") and isinstance(node.get("items"), list):
+            elif node.get("t") in MAPPING_NODES and isinstance(node.get("items"), list):
                 pairs = (i for i in node["items"] if isinstance(i, list) and len(i) == 2)
                 stack.extend((v, f"{where}/{k}" if where else str(k)) for k, v in pairs)
             else:
@@ -390,7 +391,7 @@ def _value_differences(a: Any, b: Any, where: str = "", limit: int = 20) -> list
         if len(out) >= limit:
             return
         if isinstance(x, dict) and isinstance(y, dict):
-            if x.get("t") in ("dict", "odict") and y.get("t") == x.get("t") and "items" in x and "items" in y:
+            if x.get("t") in MAPPING_NODES and y.get("t") == x.get("t") and "items" in x and "items" in y:
                 xi = {json.dumps(i[0]): i[1] for i in x["items"] if len(i) == 2}
                 yi = {json.dumps(i[0]): i[1] for i in y["items"] if len(i) == 2}
                 for k in sorted(set(xi) | set(yi)):

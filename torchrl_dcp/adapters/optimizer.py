@@ -106,20 +106,21 @@ class OptimizerAdapter(Adapter):
             obj.load_state_dict(state)
         except (ValueError, KeyError) as err:
             raise IncompatibleComponentError(f"component {ctx.name!r}: {err}") from err
-        if not type(obj).__module__.startswith("torch.optim"):
-            _keep_saved_state_dtypes(obj, state)
+        _keep_saved_state_dtypes(obj, state, scalars_only=type(obj).__module__.startswith("torch.optim"))
         return None
 
 
-def _keep_saved_state_dtypes(optimizer: torch.optim.Optimizer, saved: Any) -> None:
+def _keep_saved_state_dtypes(optimizer: torch.optim.Optimizer, saved: Any, *, scalars_only: bool = False) -> None:
     """Give back each state tensor the dtype it was saved with, where ``load_state_dict`` cast it to its
-    parameter's.
+    parameter's (``scalars_only``: the 0-dim ones alone).
 
     ``Optimizer.load_state_dict`` casts every floating-point state tensor but ``step`` to its parameter's dtype:
-    right for torch's own optimizers (their state has the parameter's dtype, so a cast only follows a model whose
-    dtype changed), lossy for optimizers that keep their moments in another precision on purpose (torchrl's
-    ``DreamerV3Optimizer``: float32 moments for bf16 parameters came back as bf16). For optimizers outside
-    ``torch.optim`` the saved tensors are used as saved (on the parameter's device).
+    right for torch's own moments (they have the parameter's dtype, so a cast only follows a model whose dtype
+    changed), wrong for the scalars some of them keep in float32 whatever the parameter's dtype (NAdam's
+    ``mu_product``, ASGD's ``eta`` and ``mu``: a float64 model's NAdam resumed 5.9e-12 off after 27 steps), lossy for
+    optimizers that keep their moments in another precision on purpose (torchrl's ``DreamerV3Optimizer``: float32
+    moments for bf16 parameters came back as bf16). Torch's own optimizers get their scalars back as saved, others
+    every state tensor (on the parameter's device).
     """
     params = [p for g in optimizer.param_groups for p in g["params"]]
     ids = [i for g in saved.get("param_groups", ()) for i in g.get("params", ())]
@@ -130,7 +131,8 @@ def _keep_saved_state_dtypes(optimizer: torch.optim.Optimizer, saved: Any) -> No
         for key, value in saved_state.items():
             live = live_state.get(key)
             if isinstance(value, torch.Tensor) and isinstance(live, torch.Tensor) and live.dtype != value.dtype:
-                live_state[key] = value.to(device=live.device)
+                if not scalars_only or value.dim() == 0:
+                    live_state[key] = value.to(device=live.device)
 
 
 def _check_param_groups(optimizer: torch.optim.Optimizer, saved: Any, name: str) -> None:

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from torchrl_dcp.errors import CheckpointFormatError, EncodingError
+from torchrl_dcp.format.migrations import MAPPING_NODES
 
 __all__ = [
     "MAX_DEPTH",
@@ -52,7 +53,8 @@ _SCALAR_KINDS = (type(None), bool, int, str)
 MAX_DEPTH = 100  # nesting levels of a state (and of its skeleton): deeper is refused on save and on load
 _NP_KINDS = "biufc"  # numeric numpy kinds: bool, int, uint, float, complex
 _NP_MAX_ITEMSIZE = 32  # complex256, the widest numeric numpy scalar
-_CONTAINERS = frozenset({"dict", "odict", "list", "tuple", "set", "frozenset", "np", "complex", "slice"})
+_MAPPING_KINDS: dict[type, str] = {dict: "dict", OrderedDict: "odict", Counter: "counter"}
+_CONTAINERS = frozenset({*MAPPING_NODES, "list", "tuple", "set", "frozenset", "np", "complex", "slice"})
 
 
 class TensorSpec:
@@ -215,8 +217,8 @@ class _Encoder:
         metadata = getattr(value, "_metadata", None)
         if metadata is not None:
             node["metadata"] = self.encode(metadata, f"{path}/_metadata" if path else "_metadata", depth)
-        if type(value) not in (dict, OrderedDict) and not hasattr(value, "_metadata"):
-            node["t"] = "dict"  # other Mapping types (TensorDict, ...) come back as plain dicts
+        if not hasattr(value, "_metadata"):  # other Mapping types (TensorDict, defaultdict, ...) come back as dicts
+            node["t"] = _MAPPING_KINDS.get(type(value), "dict")
         return node
 
     def _sequence(self, value: Any, path: str, depth: int) -> dict[str, Any]:
@@ -582,7 +584,7 @@ def _colliding(size: int, key: Any) -> CheckpointFormatError:
 
 
 def _decode_mapping(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
-    out: dict[Any, Any] = OrderedDict() if node["t"] == "odict" else {}
+    out: dict[Any, Any] = OrderedDict() if node["t"] == "odict" else Counter() if node["t"] == "counter" else {}
     items = node["items"]
     counts: dict[int, int] | None = {} if len(items) > HASHES_CHECKED_FROM else None
     # a tensor value (the common non-scalar one) taken here, without the two calls of a decode (5,000 tensors:
@@ -651,6 +653,7 @@ _DECODERS: dict[str, Any] = {
     "ndarray": _decode_ndarray,
     "dict": _decode_mapping,
     "odict": _decode_mapping,
+    "counter": _decode_mapping,
     "list": _decode_sequence,
     "tuple": _decode_sequence,
     "set": _decode_sequence,

@@ -83,9 +83,14 @@ def register_adapter_migration(adapter_id: str, from_version: int) -> Callable[[
     return wrap
 
 
+#: the skeleton node kinds of mappings: a plain dict, an OrderedDict, a Counter (``MultiStepLR``'s milestones: its
+#: ``elements()`` is what a scheduler calls); any other mapping is saved as a plain dict
+MAPPING_NODES = frozenset({"dict", "odict", "counter"})
+
+
 def skeleton_dict(node: Any) -> dict[str, Any]:
     """A saved dict's skeleton (``{"t": "dict", "items": [[k, v], ...]}``) as a Python dict of skeletons."""
-    if isinstance(node, dict) and node.get("t") in ("dict", "odict") and isinstance(node.get("items"), list):
+    if isinstance(node, dict) and node.get("t") in MAPPING_NODES and isinstance(node.get("items"), list):
         return {k: v for k, v in node["items"]}
     raise CheckpointFormatError(f"expected a dict skeleton, found {str(node)[:80]!r}")
 
