@@ -357,6 +357,24 @@ def test_diff_exit_codes_json_bools_nan_and_named_values(tmp_path: Path, capsys:
     assert main(["diff", str(a), str(tmp_path / "absent")]) == 2  # an error is not a difference
 
 
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        ({"seed": torch.tensor([2**62])}, {"seed": torch.tensor([2**62 + 1])}),  # (equal once made float64)
+        ({"v": True}, {"v": 1}),  # (equal in Python, restored as different values)
+        ({"v": 1}, {"v": 1.0}),
+    ],
+)
+def test_diff_tells_apart_values_that_compare_equal_loosely(
+    tmp_path: Path, capsys: pytest.CaptureFixture, a, b
+) -> None:  # type: ignore[no-untyped-def]
+    """``diff`` said "identical" (exit 0) for int64 tensors past 2**53 that differ by 1 (compared as float64) and
+    for JSON values ``True``/``1``/``1.0`` (Python's ``==``), which loads restore as different values."""
+    left = tdcp.DistributedCheckpoint(app=a).save(tmp_path / "a")
+    right = tdcp.DistributedCheckpoint(app=b).save(tmp_path / "b")
+    assert main(["diff", str(left), str(right)]) == 1, capsys.readouterr().out
+
+
 def test_ls_refuses_a_checkpoint_and_an_unknown_metric_and_shows_leftovers(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

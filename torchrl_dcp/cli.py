@@ -376,6 +376,10 @@ def _tensor_difference(ta: Any, tb: Any, atol: float) -> dict[str, Any] | None:
     finite = diff[unequal & torch.isfinite(diff)]
     max_abs = float(finite.max()) if finite.numel() else None
     nonfinite = bool((unequal & ~torch.isfinite(diff)).any())
+    if not ta.is_floating_point() and not ta.is_complex() and max_abs is not None:
+        max_abs = max(
+            max_abs, 1.0
+        )  # (integers past 2**53 differ by less than float64 tells: unequal ones by 1 or more)
     if not nonfinite and max_abs is not None and max_abs <= atol:
         return None
     if not bool(unequal.any()):
@@ -411,7 +415,7 @@ def _value_differences(a: Any, b: Any, where: str = "", limit: int = 20) -> list
             for i, (u, v) in enumerate(zip(x, y)):
                 walk(u, v, f"{path}[{i}]")
             return
-        if x != y:
+        if type(x) is not type(y) or x != y:  # (True, 1 and 1.0 are equal in Python, restored as different values)
             out.append(f"{path or '/'}: {_short(x)} != {_short(y)}")
 
     walk(a, b, where)
