@@ -359,6 +359,8 @@ def test_a_prefetch_pickle_that_would_run_code_is_refused_unread(tmp_path: Path,
     fresh = _buffers(fill=False)["prioritized"]
     with pytest.raises(tdcp.CheckpointFormatError, match="prefetch.pkl holds a .*opcode"):
         tdcp.DistributedCheckpoint(rb=fresh).load(path)
+    with pytest.raises(tdcp.CheckpointFormatError, match="prefetch.pkl holds a .*opcode"):
+        tdcp.verify(path)  # (it said OK: it never read the file a load refuses)
     assert "must never run" not in capsys.readouterr().out
     assert len(fresh) == 0
 
@@ -375,6 +377,8 @@ def test_buffer_transforms_saved_as_a_pickle_are_refused(tmp_path: Path) -> None
     _forge_json(path, "manifest.json", lambda m: {**m, "components": {"rb": {**m["components"]["rb"], "files": m["components"]["rb"]["files"] + ["transform.t"]}}})  # fmt: skip
     with pytest.raises(tdcp.CheckpointFormatError, match="transforms were saved with torch.save"):
         tdcp.DistributedCheckpoint(rb=_buffers(fill=False)["prioritized"]).load(path)
+    with pytest.raises(tdcp.CheckpointFormatError, match="transforms were saved with torch.save"):
+        tdcp.verify(path)
 
 
 def test_a_newer_format_and_a_malformed_record_are_refused(tmp_path: Path) -> None:

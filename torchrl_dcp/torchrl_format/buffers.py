@@ -79,14 +79,12 @@ class SavedBuffer:
     rows: Any  # a dict of tensors (nested), or one tensor; ``len`` rows
 
 
-def read_buffer(box: TorchrlContainer, name: str, rb: Any) -> SavedBuffer:
-    """Read component ``name`` (a ``torchrl.dump_load`` replay buffer) for the live buffer ``rb``."""
-    from torchrl_dcp.adapters.buffer_state import initialized_buffer
-
-    rb = initialized_buffer(rb)
+def check_buffer_files(box: TorchrlContainer, name: str) -> None:
+    """Refuse what component ``name`` (a ``torchrl.dump_load`` replay buffer) holds that torchrl_dcp never loads:
+    transforms saved with ``torch.save`` (a pickle), a prefetch state other than an empty one (read without
+    unpickling), prefetched batches. What a load and ``verify`` both check."""
     rec = box.record(name)
-    base = rec["path"]
-    files = set(rec["files"])
+    base, files = rec["path"], set(rec["files"])
     if "transform.t" in files:
         raise CheckpointFormatError(
             f"component {name!r}: the buffer's transforms were saved with torch.save (a pickle), which torchrl_dcp "
@@ -102,6 +100,15 @@ def read_buffer(box: TorchrlContainer, name: str, rb: Any) -> SavedBuffer:
                 "read; save it again with torchrl.checkpoint after the prefetch queue is drained",
                 path=box.where(f"{base}/prefetch.pkl"),
             )
+
+
+def read_buffer(box: TorchrlContainer, name: str, rb: Any) -> SavedBuffer:
+    """Read component ``name`` (a ``torchrl.dump_load`` replay buffer) for the live buffer ``rb``."""
+    from torchrl_dcp.adapters.buffer_state import initialized_buffer
+
+    rb = initialized_buffer(rb)
+    base = box.record(name)["path"]
+    check_buffer_files(box, name)
     settings = box.read_json(box_need(box, name, "buffer_metadata.json"))
     if not isinstance(settings, dict) or not _batch_size_ok(settings.get("batch_size")):
         raise CheckpointFormatError("buffer_metadata.json is malformed", path=box.where(f"{base}/buffer_metadata.json"))

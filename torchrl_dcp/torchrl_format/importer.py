@@ -45,6 +45,7 @@ from torchrl_dcp.torchrl_format.buffers import (
     SavedBuffer,
     apply_buffer,
     check_buffer,
+    check_buffer_files,
     check_dumped_sizes,
     put_rows_back,
     read_buffer,
@@ -252,6 +253,7 @@ def verify_torchrl(path: Any) -> dict[str, Any]:
                     if member.endswith(".json"):
                         box.read_json(member)
                 check_dumped_sizes(box, name)
+                check_buffer_files(box, name)  # (what a load refuses: pickled transforms, prefetched batches)
             else:
                 raise CheckpointFormatError(f"component {name!r} has unknown adapter {rec['adapter']!r}", path=path)
         return {
