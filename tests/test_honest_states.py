@@ -180,3 +180,36 @@ def test_a_counter_comes_back_a_counter(tmp_path: Path) -> None:
     assert type(fresh["scheduler"]._schedulers[1].milestones) is type(saved["scheduler"]._schedulers[1].milestones)
     step(fresh, 6)
     assert fresh["optimizer"].param_groups[0]["lr"] == straight["optimizer"].param_groups[0]["lr"]
+
+
+def test_a_learning_rate_tensor_the_param_groups_share_resumes_shared(tmp_path: Path) -> None:
+    """torch gives every param group the constructor's ``lr`` tensor (one object): every save was refused ("holds
+    one tensor twice"). Groups may share a hyperparameter tensor (restored shared: a scheduler's ``fill_`` moves
+    them all), never a state tensor."""
+
+    def build() -> dict[str, Any]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+        optimizer = torch.optim.Adam(
+            [{"params": model[0].parameters()}, {"params": model[1].parameters()}], lr=torch.tensor(0.01)
+        )
+        return {"model": model, "optimizer": optimizer, "scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2)}
+
+    def train(objs: dict[str, Any], steps: int) -> None:
+        for _ in range(steps):
+            objs["optimizer"].zero_grad()
+            objs["model"](torch.ones(1, 3)).sum().backward()
+            objs["optimizer"].step()
+            objs["scheduler"].step()
+
+    straight, saved = build(), build()
+    train(straight, 7)
+    train(saved, 3)
+    path = tdcp.DistributedCheckpoint(**saved).save(tmp_path / "c")
+    fresh = build()
+    tdcp.DistributedCheckpoint(**fresh).load(path)
+    groups = fresh["optimizer"].param_groups
+    assert groups[0]["lr"] is groups[1]["lr"]
+    train(fresh, 4)
+    for a, b in zip(straight["model"].parameters(), fresh["model"].parameters()):
+        assert torch.equal(a, b)

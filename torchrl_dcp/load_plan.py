@@ -40,7 +40,6 @@ from torchrl_dcp.format.codec import (
     encode,
     is_dtensor,
     node_spec,
-    repeated_tensors,
     xref_key,
 )
 from torchrl_dcp.format.metadata_checks import WholeTensor, record_index, whole_tensor
@@ -424,7 +423,7 @@ def _check_saved(
     if adapter is None or rec.get("adapter_version") != adapter.version:
         return  # an unknown adapter: refused where the component is planned (or left to the tools)
     try:
-        if not adapter.shares_tensors and (repeated := repeated_tensors(skeleton)):
+        if repeated := adapter.refused_repeats(skeleton):
             raise ValueError(f"its state holds one tensor twice (or another component's) at {repeated[:3]}")
         adapter.check_saved(view)
     except (ValueError, TypeError, KeyError) as err:

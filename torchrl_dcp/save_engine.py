@@ -52,7 +52,7 @@ from torchrl_dcp.adapters import Adapter, AdapterContext
 from torchrl_dcp.collective import broadcast_step, error_status, raise_if_failed, run_step
 from torchrl_dcp.commit_records import RankPart, metadata_bytes, root_manifest, write_rank_part
 from torchrl_dcp.errors import CheckpointError, CollectiveError, EncodingError
-from torchrl_dcp.format.codec import dtype_name, escape_key, is_dtensor, repeated_tensors, tensor_identity
+from torchrl_dcp.format.codec import dtype_name, escape_key, is_dtensor, tensor_identity
 from torchrl_dcp.format.codec import encode as encode_value
 from torchrl_dcp.format.layout import DCP_METADATA
 from torchrl_dcp.placement import Placement, key_prefix
@@ -202,7 +202,7 @@ def _encode_item(item: EncodeItem, rank: int, out: Encoded, shared: dict[tuple[A
             "can save it (register(name, obj, adapter=...))"
         ) from err
     skeleton, tensors = encode_value(state, where=item.name, shared=shared)
-    if not item.adapter.shares_tensors and (repeated := repeated_tensors(skeleton)):
+    if repeated := item.adapter.refused_repeats(skeleton):
         raise EncodingError(
             f"component {item.name!r} holds one tensor twice (or another component's tensor) at {repeated[:3]}: "
             f"{item.adapter.adapter_id} states never share tensors, and a load would refuse it; clone the tensor "

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torchrl_dcp.format.codec import repeated_tensors
 from torchrl_dcp.placement import Placement
 
 if TYPE_CHECKING:
@@ -116,6 +117,11 @@ class Adapter(abc.ABC):
     #: allocated from the saved shapes), so a load refused before it restores anything rolls it back; the others
     #: are left untouched then (nothing changed them: their :meth:`rollback` is not called).
     allocates_when_planned: bool = False
+
+    def refused_repeats(self, skeleton: Any) -> list[str]:
+        """The keys of the repeated tensors (``alias``, ``xref``) a state of this adapter may not hold: every one
+        unless :attr:`shares_tensors`. What a save refuses to write and a load refuses to read."""
+        return [] if self.shares_tensors else repeated_tensors(skeleton)
 
     @abc.abstractmethod
     def state(self, obj: Any, ctx: AdapterContext) -> Any:

@@ -31,7 +31,8 @@ import torch
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
 from torchrl_dcp.adapters.modules import plain_strided
 from torchrl_dcp.errors import IncompatibleComponentError
-from torchrl_dcp.format.codec import is_dtensor
+from torchrl_dcp.format.codec import is_dtensor, walk_nodes
+from torchrl_dcp.format.migrations import MAPPING_NODES, skeleton_dict
 
 
 class OptimizerAdapter(Adapter):
@@ -57,6 +58,19 @@ class OptimizerAdapter(Adapter):
         parameters are left to the checkpoint to allocate.
         """
         return {**_live_state_destinations(obj, saved), **optimizer_destinations(obj, saved)}
+
+    def refused_repeats(self, skeleton: Any) -> list[str]:
+        """Every repeated tensor but one hyperparameter tensor shared by several param groups (torch gives each group
+        the constructor's ``lr`` tensor, one object: a scheduler's ``fill_`` then moves them all, so it is restored
+        shared); none in ``state`` (an ``exp_avg_sq`` that would be its ``exp_avg``), no other component's."""
+        refused = []
+        for node in walk_nodes(skeleton):
+            kind, key = node.get("t"), node.get("key")
+            if kind == "xref" or (kind == "alias" and not (isinstance(key, str) and key.startswith("param_groups/"))):
+                refused.append(key)
+        state = skeleton_dict(skeleton).get("state") if _is_mapping_node(skeleton) else None
+        refused += [node.get("key") for node in walk_nodes(state) if node.get("t") == "alias"]
+        return refused
 
     def check_saved(self, saved: Any) -> None:
         """A parameter listed twice, or state for a parameter no group lists, or an option torch's constructors
@@ -415,3 +429,7 @@ def _live_state_destinations(optimizer: torch.optim.Optimizer, saved: Any) -> di
             ):
                 out[spec.key] = t
     return out
+
+
+def _is_mapping_node(node: Any) -> bool:
+    return isinstance(node, dict) and node.get("t") in MAPPING_NODES and isinstance(node.get("items"), list)

@@ -47,6 +47,7 @@ __all__ = [
     "is_dtensor",
     "np_dtype_from_name",
     "tensor_specs",
+    "walk_nodes",
 ]
 
 _SCALAR_KINDS = (type(None), bool, int, str)
@@ -353,6 +354,16 @@ def xrefs(skeleton: Any) -> Iterator[tuple[str, TensorSpec]]:
             if not isinstance(node.get("component"), str):
                 raise CheckpointFormatError(f"malformed tensor reference {node!r}")
             yield node["component"], node_spec(node)
+
+
+def walk_nodes(skeleton: Any) -> Iterator[dict[str, Any]]:
+    """Every dict node of a skeleton, depth first, without recursion (a tensor's node is not entered).
+
+    Example:
+        >>> [n["t"] for n in walk_nodes({"t": "dict", "items": [["a", {"t": "list", "items": []}]]})]
+        ['dict', 'list']
+    """
+    return _nodes(skeleton)
 
 
 def repeated_tensors(skeleton: Any) -> list[str]:
