@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointError
-from torchrl_dcp.format.migrations import MAPPING_NODES
+from torchrl_dcp.format.manifest_depth import MAPPING_NODES
 from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.torchrl_format.detect import is_torchrl_checkpoint
 

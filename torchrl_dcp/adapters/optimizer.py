@@ -32,7 +32,8 @@ from torchrl_dcp.adapters.base import Adapter, AdapterContext
 from torchrl_dcp.adapters.modules import plain_strided
 from torchrl_dcp.errors import IncompatibleComponentError
 from torchrl_dcp.format.codec import is_dtensor, walk_nodes
-from torchrl_dcp.format.migrations import MAPPING_NODES, skeleton_dict
+from torchrl_dcp.format.manifest_depth import MAPPING_NODES
+from torchrl_dcp.format.migrations import skeleton_dict
 
 
 class OptimizerAdapter(Adapter):

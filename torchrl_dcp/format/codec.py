@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from torchrl_dcp.errors import CheckpointFormatError, EncodingError
-from torchrl_dcp.format.migrations import MAPPING_NODES
+from torchrl_dcp.format.manifest_depth import MAPPING_NODES
 
 __all__ = [
     "MAX_DEPTH",

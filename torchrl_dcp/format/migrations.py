@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointVersionError
-from torchrl_dcp.format.manifest_depth import check_depth
+from torchrl_dcp.format.manifest_depth import MAPPING_NODES, check_depth
 
 
 def _is_int(v: Any) -> bool:
@@ -81,11 +81,6 @@ def register_adapter_migration(adapter_id: str, from_version: int) -> Callable[[
         return fn
 
     return wrap
-
-
-#: the skeleton node kinds of mappings: a plain dict, an OrderedDict, a Counter (``MultiStepLR``'s milestones: its
-#: ``elements()`` is what a scheduler calls); any other mapping is saved as a plain dict
-MAPPING_NODES = frozenset({"dict", "odict", "counter"})
 
 
 def skeleton_dict(node: Any) -> dict[str, Any]:
