@@ -45,12 +45,19 @@ def _stats(updated: bool) -> dict[str, Any]:
 def _optimizer(kind: str, steps: int, dtype: torch.dtype = torch.float32, **options: Any) -> dict[str, Any]:
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2).to(dtype)
-    optimizer = getattr(torch.optim, kind)(model.parameters(), **options)
+    objs = {"model": model, "optimizer": getattr(torch.optim, kind)(model.parameters(), **options)}
+    _train(objs, steps, dtype)
+    return objs
+
+
+def _train(objs: dict[str, Any], steps: int, dtype: torch.dtype = torch.float32) -> None:
+    """``steps`` optimizer steps (and scheduler steps, when ``objs`` holds one) on a constant input."""
     for _ in range(steps):
-        optimizer.zero_grad()
-        model(torch.ones(1, 3, dtype=dtype)).sum().backward()
-        optimizer.step()
-    return {"model": model, "optimizer": optimizer}
+        objs["optimizer"].zero_grad()
+        objs["model"](torch.ones(1, 3, dtype=dtype)).sum().backward()
+        objs["optimizer"].step()
+        if "scheduler" in objs:
+            objs["scheduler"].step()
 
 
 def _warm_up(steps: int) -> dict[str, Any]:
@@ -137,12 +144,6 @@ def test_optimizer_scalars_torch_keeps_in_float32_resume_as_saved(
     """NAdam's ``mu_product`` and ASGD's ``eta``/``mu`` stay float32 whatever the parameters' dtype; torch's
     ``load_state_dict`` cast them to the parameters' (float64: NAdam's weights were 5.9e-12 off 27 steps later)."""
 
-    def train(objs: dict[str, Any], steps: int) -> None:
-        for _ in range(steps):
-            objs["optimizer"].zero_grad()
-            objs["model"](torch.ones(1, 3, dtype=dtype)).sum().backward()
-            objs["optimizer"].step()
-
     straight = _optimizer(kind, 30, dtype)
     saved = _optimizer(kind, 3, dtype)
     path = tdcp.DistributedCheckpoint(**saved).save(tmp_path / "c")
@@ -150,7 +151,7 @@ def test_optimizer_scalars_torch_keeps_in_float32_resume_as_saved(
     tdcp.DistributedCheckpoint(**fresh).load(path)
     dtypes = {k: v.dtype for k, v in next(iter(saved["optimizer"].state.values())).items()}
     assert {k: v.dtype for k, v in next(iter(fresh["optimizer"].state.values())).items()} == dtypes
-    train(fresh, 27)
+    _train(fresh, 27, dtype)
     for a, b in zip(straight["model"].parameters(), fresh["model"].parameters()):
         assert torch.equal(a, b)
 
@@ -195,21 +196,14 @@ def test_a_learning_rate_tensor_the_param_groups_share_resumes_shared(tmp_path: 
         )
         return {"model": model, "optimizer": optimizer, "scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2)}
 
-    def train(objs: dict[str, Any], steps: int) -> None:
-        for _ in range(steps):
-            objs["optimizer"].zero_grad()
-            objs["model"](torch.ones(1, 3)).sum().backward()
-            objs["optimizer"].step()
-            objs["scheduler"].step()
-
     straight, saved = build(), build()
-    train(straight, 7)
-    train(saved, 3)
+    _train(straight, 7)
+    _train(saved, 3)
     path = tdcp.DistributedCheckpoint(**saved).save(tmp_path / "c")
     fresh = build()
     tdcp.DistributedCheckpoint(**fresh).load(path)
     groups = fresh["optimizer"].param_groups
     assert groups[0]["lr"] is groups[1]["lr"]
-    train(fresh, 4)
+    _train(fresh, 4)
     for a, b in zip(straight["model"].parameters(), fresh["model"].parameters()):
         assert torch.equal(a, b)

@@ -27,6 +27,7 @@ from typing import Any
 from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError
 from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.storage.base import Location
+from torchrl_dcp.storage.files import open_regular
 
 _ENTRY = re.compile(r"step-([0-9]{12,})(\.zip)?")
 
@@ -116,11 +117,16 @@ def _damaged_archive(path: Any) -> bool:
     """Whether ``path`` (an entry ``step-<N>.zip`` that could not be opened as an archive) is an archive of ours cut
     short or damaged: a ZIP whose first member is what ``to_archive`` writes first (a user's file of that name is
     not)."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(64)
-    except (OSError, TypeError):
+    try:  # (never through a link, never blocking on a FIFO swapped in since it was listed)
+        fd = open_regular(path)
+    except (CheckpointError, TypeError):
         return False
+    try:
+        head = os.pread(fd, 64, 0)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
     n = int.from_bytes(head[26:28], "little") if len(head) >= 30 else 0
     return head[:4] == b"PK\x03\x04" and head[30 : 30 + n] in (b".metadata", b"manifest.json")
 
