@@ -308,6 +308,15 @@ def test_export_overwrite_on_a_store_keeps_a_users_objects(store: tuple[str, dic
     assert fs.cat_file(notes.key) == b"mine"
     fs.rm_file(notes.key)
     tdcp.export_torchrl(src, dst, ["policy"], format="directory", overwrite=True)
+    # a manifest listing a name outside its prefix: only what is under the prefix is replaced
+    sibling = resolve_path(f"{url}/sibling/x", options)
+    fs.pipe_file(sibling.key, b"theirs")
+    manifest = resolve_path(f"{url}/export/manifest.json", options)
+    forged = json.loads(fs.cat_file(manifest.key))
+    forged["components"]["evil"] = {"path": "..", "files": ["sibling/x"]}
+    fs.pipe_file(manifest.key, json.dumps(forged).encode())
+    tdcp.export_torchrl(src, dst, ["policy"], format="directory", overwrite=True)
+    assert fs.cat_file(sibling.key) == b"theirs"
 
 
 def test_an_empty_manifest_object_is_a_damaged_entry_a_resume_falls_back_from(

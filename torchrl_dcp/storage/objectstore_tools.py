@@ -67,8 +67,9 @@ def upload_result(local: Path, dst: StorePath, kind: str) -> None:
         publish_directory(local, dst, manifest, (local / MANIFEST).read_bytes())
     elif local.is_dir():  # a torchrl.checkpoint directory: its files, then nothing else to commit
         if list_objects(dst):  # the export replaced (overwrite=True): the files it wrote (check_replaceable)
-            key = dst.key.rstrip("/")
-            delete_objects(dst.fs, sorted(f"{key}/{name}" for name in _export_files(dst)))
+            key = dst.key.rstrip("/")  # (names its manifest lists that are there: never a key elsewhere it names)
+            written = (_export_files(dst) or set()) & _names_under(dst)
+            delete_objects(dst.fs, sorted(f"{key}/{name}" for name in written))
         for f in sorted(p for p in local.rglob("*") if p.is_file()):
             upload_file(f, StorePath(f"{dst.url}/{f.relative_to(local).as_posix()}", dst.storage_options, dst.fs))
     else:
@@ -77,6 +78,12 @@ def upload_result(local: Path, dst: StorePath, kind: str) -> None:
 
 #: what the first member's name of an archive begins with: torchrl_dcp's (``to_archive``), torchrl.checkpoint's
 _ARCHIVE_FIRST_MEMBERS = {"file": (b".metadata", b"manifest.json"), "torchrl": (b"components/", b"manifest.json")}
+
+
+def _names_under(dst: StorePath) -> set[str]:
+    """The names (relative to the prefix ``dst``) of every object under it, at any depth."""
+    key = dst.key.rstrip("/")
+    return {str(k)[len(key) + 1 :] for k in dst.fs.find(key)}
 
 
 def _export_files(dst: StorePath) -> set[str] | None:
@@ -115,9 +122,7 @@ def check_replaceable(dst: StorePath, kind: str) -> None:
     if list_objects(dst):
         written = _export_files(dst) if kind == "torchrl" else None
         if written is not None:  # only the files that export wrote may be under the prefix: they are what goes
-            key = dst.key.rstrip("/")
-            found = {str(k)[len(key) + 1 :] for k in dst.fs.find(key)}
-            foreign = sorted(found - written)
+            foreign = sorted(_names_under(dst) - written)
             if foreign:
                 raise CheckpointError(
                     f"holds objects torchrl.checkpoint did not write ({foreign[:5]}), which replacing it would "
