@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 import torchrl_dcp as tdcp
-from torchrl_dcp import load_engine
+from torchrl_dcp import load_engine, load_plan
 from torchrl_dcp.errors import CheckpointIntegrityError, IncompatibleComponentError, UnsafeCheckpointError
 from torchrl_dcp.format.checksums import crc32, format_crc
 from torchrl_dcp.storage.direct import read_direct
@@ -142,7 +142,8 @@ def test_a_file_changed_after_verification_is_caught_by_the_final_read(
 ) -> None:
     """Files read into live tensors are checksummed before the load changes anything and again while read in
     place: a file changed in between is refused; what was restored first is rolled back, the error names what
-    the final read may have left."""
+    the final read may have left (tensors large enough to be read from the file in place, not prefetched)."""
+    monkeypatch.setattr(load_plan, "PREFETCH_MAX", 0)
     state = {"a": torch.arange(6.0)}
     model = torch.nn.Linear(4, 3)
     path = tdcp.DistributedCheckpoint(w=state, m=model).save(tmp_path / "c")
@@ -168,6 +169,53 @@ def test_a_file_changed_after_verification_is_caught_by_the_final_read(
     assert "changed meanwhile" in info.value.message and "['m'] may hold partly loaded values" in info.value.message
     assert source._components["w"].value == keep  # the dict restored first was rolled back
     assert info.value.result is not None and not info.value.result.loaded
+
+
+def test_small_live_tensors_are_prefetched_and_copied_in_at_the_in_place_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A module's small tensors are read (and checked) with the fresh buffers, and copied into the live tensors at
+    the in-place read: the final read reads no file, a file changed after the first read changes nothing, the
+    parameters are the same objects with the saved values, and autograd hears of the write. Past the budget, the
+    rest is read in place from the file."""
+    torch.manual_seed(0)
+    saved = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    path = tdcp.DistributedCheckpoint(m=saved).save(tmp_path / "c")
+    reads: list[set[str]] = []
+    original_read, original_restore = load_engine.read, load_engine._restore_all
+
+    def recording_read(src: Any, request: Any, tensors: dict, *args: Any, **kwargs: Any) -> Any:
+        reads.append(set(tensors))
+        return original_read(src, request, tensors, *args, **kwargs)
+
+    def restore_then_change(*args: Any, **kwargs: Any) -> Any:
+        out = original_restore(*args, **kwargs)
+        if len(reads) == 1:  # before the in-place read: the file no longer matters
+            data = path / "__0_shared.distcp"
+            raw = bytearray(data.read_bytes())
+            raw[len(raw) // 2] ^= 0x01
+            data.write_bytes(bytes(raw))
+        return out
+
+    monkeypatch.setattr(load_engine, "read", recording_read)
+    monkeypatch.setattr(load_engine, "_restore_all", restore_then_change)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    params = list(model.parameters())
+    versions = [p._version for p in params]
+    tdcp.DistributedCheckpoint(m=model).load(path)
+    assert len(reads[0]) == 4 and reads[1] == set()  # every tensor read first, none from the file in place
+    assert all(a is b for a, b in zip(model.parameters(), params))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), saved.state_dict().values()))
+    assert all(p._version > v for p, v in zip(params, versions))
+
+    reads.clear()
+    monkeypatch.setattr(load_engine, "_restore_all", original_restore)
+    monkeypatch.setattr(load_plan, "PREFETCH_BUDGET", 3 * 4 * 4)  # the first weight only (48 bytes)
+    other = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    path = tdcp.DistributedCheckpoint(m=saved).save(tmp_path / "d")
+    tdcp.DistributedCheckpoint(m=other).load(path)
+    assert len(reads[0]) == 1 and len(reads[1]) == 3
+    assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), saved.state_dict().values()))
 
 
 @pytest.mark.parametrize("damage", [False, True])

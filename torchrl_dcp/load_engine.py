@@ -242,9 +242,10 @@ def verify_bytes(
     if metadata is None:
         src.check(False)
         return
-    live = load_plan.live
+    live = load_plan.live_reads()
+    fresh = load_plan.fresh_reads()
     needed_live = files_for(metadata, live)
-    needed_fresh = files_for(metadata, load_plan.fresh)
+    needed_fresh = files_for(metadata, fresh)
     # a file that also holds tensors read into fresh buffers is checksummed whole by that read (phase 5), which ends
     # before anything is restored: checksummed here too, it would be read three times (the file reader checksums whole
     # files; other sources go on checking here)
@@ -258,7 +259,7 @@ def verify_bytes(
     # records are checked here wherever they go: a file reader takes their bytes without looking at their values
     keys = set(live)
     if src.reads_files:
-        keys.update(k for k, t in load_plan.fresh.items() if t.dtype == torch.bool)
+        keys.update(k for k, t in fresh.items() if t.dtype == torch.bool)
     if keys:  # (none: nothing to check, and 5,000 records not walked for it)
         src.check_records(metadata, keys)
     if verify:
@@ -410,7 +411,8 @@ def restore(src: CheckpointSource, request: LoadRequest, load_plan: LoadPlan, re
         _fail(_with_planned(done, load_plan), statuses, failure, "restoring components", result)
     if load_plan.live or request.group is not None:
         try:
-            read(src, request, load_plan.live, load_plan.verify_live, result, LIVE_MISMATCH)
+            read(src, request, load_plan.live_reads(), load_plan.verify_live, result, LIVE_MISMATCH)
+            load_plan.copy_prefetched()
         except BaseException as err:
             _rollback_and_raise(done, err, in_place, result)
         finally:  # written by address: autograd is told, as copy_ would (a graph that saved one refuses backward)
@@ -435,6 +437,9 @@ def check_values(load_plan: LoadPlan, src: CheckpointSource, path: Any) -> BaseE
 
             def read(spec: TensorSpec, state: SavedState = state) -> torch.Tensor:
                 key = f"{state.prefix}/{spec.key}"
+                ahead = load_plan.prefetched.get(key)
+                if ahead is not None:  # read already, not yet copied into the live tensor
+                    return ahead
                 if key in load_plan.live:  # not read yet (it holds the live object's values): its saved ones
                     return read_fresh(src, {key: (spec.shape, spec.dtype)}, verify=False)[key]
                 return load_plan.destination(key)
@@ -621,7 +626,7 @@ def load(request: LoadRequest) -> LoadResult:
     result = LoadResult(path=request.path)
     src, load_plan = prepare(request, result)
     try:
-        read(src, request, load_plan.fresh, load_plan.verify_inline, result)  # 5. read
+        read(src, request, load_plan.fresh_reads(), load_plan.verify_inline, result)  # 5. read
     except BaseException as err:
         rollback_refused(planned_changes(load_plan), err)
         raise

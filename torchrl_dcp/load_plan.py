@@ -17,6 +17,7 @@ Example (one process):
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -88,10 +89,60 @@ class LoadPlan:
     live: dict[str, torch.Tensor] = field(default_factory=dict)  # live objects' tensors, read in the final phase
     verify_inline: set[str] = field(default_factory=set)  # files checksummed while read into fresh buffers
     verify_live: set[str] = field(default_factory=set)  # files checksummed before, and again while read in place
+    # small live tensors' saved values, read (and checked as they arrive) with the fresh buffers, copied into the
+    # live tensors at the in-place read (:func:`prefetch`): no record check or checksum pass before that read
+    prefetched: dict[str, torch.Tensor] = field(default_factory=dict)
+    prefetched_bytes: int = 0
 
     def destination(self, key: str) -> torch.Tensor:
         found = self.fresh.get(key)
         return self.live[key] if found is None else found
+
+    def fresh_reads(self) -> dict[str, torch.Tensor]:
+        """What the read before anything changes fills: the fresh buffers and the prefetched ones."""
+        return {**self.fresh, **self.prefetched} if self.prefetched else self.fresh
+
+    def live_reads(self) -> dict[str, torch.Tensor]:
+        """What the final read fills in place, from the files: the live tensors that are not prefetched."""
+        if not self.prefetched:
+            return self.live
+        return {k: t for k, t in self.live.items() if k not in self.prefetched}
+
+    def copy_prefetched(self) -> None:
+        """Copy each prefetched buffer into its live tensor (both CPU, contiguous, of one dtype and shape)."""
+        for key, buf in self.prefetched.items():
+            t = self.live.get(key)
+            if t is not None:
+                ctypes.memmove(t.data_ptr(), buf.data_ptr(), buf.nbytes)
+
+
+PREFETCH_MAX = 64 << 10  # live tensors below this many bytes are prefetched (per-tensor costs dominate their reads)
+PREFETCH_BUDGET = 16 << 20  # at most this many bytes prefetched per load (memory held until the in-place read)
+
+
+def prefetch(plan: LoadPlan, key: str, spec: TensorSpec, dest: torch.Tensor) -> None:
+    """Read ``dest`` (a live tensor for ``key``) ahead, into a buffer, when it is small, on the CPU and plain.
+
+    Its record is then checked as it arrives, with the fresh reads, instead of by a check of every record and a
+    checksum of its file before the final read (5,000 tensors of 1 KiB read into a module: about 20 % of the load).
+    What a load promises is unchanged: everything is read and checked before anything is restored, and the prefetched
+    bytes reach the live tensor at the in-place read, as they would from the file."""
+    nbytes = dest.nbytes
+    if (
+        0 < nbytes < PREFETCH_MAX
+        and plan.prefetched_bytes + nbytes <= PREFETCH_BUDGET
+        and not spec.dtensor
+        and type(dest) in _PLAIN
+        and dest.device.type == "cpu"
+        and dest.layout == torch.strided
+        and not dest.is_quantized
+        and dest.is_contiguous()
+    ):
+        plan.prefetched[key] = torch.empty(*spec.shape, dtype=spec.dtype) if spec.shape else spec.empty("cpu")
+        plan.prefetched_bytes += nbytes
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 @dataclass
@@ -286,6 +337,7 @@ def _destinations(comp: ComponentPlan, views: dict[int, Any], plan: LoadPlan, me
             if dest is not None:
                 _check_destination(comp.name, spec, dest)
                 plan.live[key] = dest
+                prefetch(plan, key, spec, dest)
                 comp.in_place = True
                 continue
             if spec.dtensor:

@@ -362,7 +362,7 @@ class LocalTier:
             result = load_engine.LoadResult(path=request.path)
             src, plan = load_engine.prepare(request, result)  # a failure here undoes its own plan
             loading.update(src=src, request=request, plan=plan, result=result)
-            load_engine.read(src, request, plan.fresh, plan.verify_inline, result)
+            load_engine.read(src, request, plan.fresh_reads(), plan.verify_inline, result)
 
         def restore(in_place: bool) -> None:
             # the load engine's restore in its two halves, with the ranks' agreement between them as in a load of
