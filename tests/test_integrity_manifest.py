@@ -209,6 +209,42 @@ def test_an_inventory_that_is_not_an_object_is_a_format_error(saved: Path, tmp_p
     assert objs["stats"] == before
 
 
+@pytest.mark.parametrize(
+    "totals", [{"num_tensors": -1}, {"nbytes": -(10**30)}, {"nbytes": True}, {"num_tensors": 1.0}]
+)
+def test_component_totals_that_are_not_counts_are_malformed(saved: Path, tmp_path: Path, totals: dict) -> None:
+    """A resealed manifest whose ``num_tensors``/``nbytes`` are not counts is refused by parse (``verify``, ``load``
+    and ``inspect`` read it), naming the field."""
+    path = tmp_path / "c"
+    shutil.copytree(saved, path)
+    raw = json.loads((path / "manifest.json").read_text())
+    raw["components"]["model"].update(totals)
+    raw.pop(CHECKSUM_FIELD)
+    (path / "manifest.json").write_text(json.dumps(seal(raw)))
+    (field,) = totals
+    with pytest.raises(tdcp.CheckpointFormatError, match=f"{field} must be a count") as err:
+        tdcp.verify(path)
+    assert "manifest.json" in str(err.value)
+    with pytest.raises(tdcp.CheckpointFormatError, match=field):
+        tdcp.DistributedCheckpoint(**_objects(2)).load(path)
+
+
+@pytest.mark.parametrize("component", ["model", "optim"])
+def test_component_totals_that_miscount_the_inventory_are_refused_by_verify(
+    saved: Path, tmp_path: Path, component: str
+) -> None:
+    """Counts that are counts but not the inventory's (what ``inspect`` shows) are refused by ``verify``, which reads
+    every rank's inventory."""
+    path = tmp_path / "c"
+    shutil.copytree(saved, path)
+    raw = json.loads((path / "manifest.json").read_text())
+    raw["components"][component]["nbytes"] += 4
+    raw.pop(CHECKSUM_FIELD)
+    (path / "manifest.json").write_text(json.dumps(seal(raw)))
+    with pytest.raises(tdcp.CheckpointIntegrityError, match=f"component '{component}' claims .* its inventory holds"):
+        tdcp.verify(path)
+
+
 def test_honest_manifests_dense_in_small_values_load(tmp_path: Path) -> None:
     """800,000 zeros in a JSON component and a list buffer of 150,000 ints: manifests a save writes, ~4x their size
     once decoded, which the parse bound (then 100 bytes a value) refused as denser than 16x."""

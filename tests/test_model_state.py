@@ -224,3 +224,95 @@ def test_an_expanded_buffer_is_refused_at_save_and_at_load_naming_it(tmp_path) -
     with pytest.raises(tdcp.IncompatibleComponentError, match="'grid' is an expanded view"):
         tdcp.DistributedCheckpoint(no_dist=True, policy=live).load(path)
     assert all(torch.equal(before[k], v) for k, v in live.state_dict().items())  # nothing copied
+
+
+class _LazyBuffers(torch.nn.Module):
+    """Buffers set at the first forward: one in a slot registered as ``None``, one a plain ``None`` attribute
+    replaced by a registered buffer (torchrl's ``REDQLoss.target_entropy_buffer``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.register_buffer("slot", None)
+        self.plain = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.slot is None:
+            self.slot = x.detach().mean(0)
+            del self.plain
+            self.register_buffer("plain", x.detach().sum())
+        return self.lin(x) + self.slot + self.plain
+
+
+def test_buffers_a_module_sets_at_its_first_forward_load_into_a_fresh_one_and_roll_back(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A module saved after its first forward loads into one built alike that has not run yet (the load registers
+    the buffers it sets lazily, with the saved values), and training goes on exactly; a load refused later leaves
+    the slots as they were. A parameter slot holding ``None`` is no such slot: still refused."""
+    import torchrl_dcp as tdcp
+
+    torch.manual_seed(0)
+    saved = _LazyBuffers()
+    saved(torch.randn(3, 2))
+    path = tdcp.DistributedCheckpoint(m=saved).save(tmp_path / "c")
+    fresh = _LazyBuffers()
+    tdcp.DistributedCheckpoint(m=fresh).load(path)
+    assert fresh.state_dict().keys() == saved.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), saved.state_dict().values()))
+    x = torch.randn(4, 2)
+    assert torch.equal(fresh(x), saved(x))
+
+    class Failing:  # restored after the module (both read in place), refuses its state
+        def __init__(self) -> None:
+            self.t = torch.zeros(2)
+
+        def state_dict(self) -> dict:
+            return {"t": self.t}
+
+        def load_state_dict(self, state: dict) -> None:
+            raise RuntimeError("refused on purpose")
+
+    path = tdcp.DistributedCheckpoint(m=saved, z=Failing()).save(tmp_path / "e")
+    other = _LazyBuffers()
+    with pytest.raises(tdcp.CheckpointError, match="refused on purpose"):
+        tdcp.DistributedCheckpoint(m=other, z=Failing()).load(path)
+    assert other.slot is None and other.plain is None and "plain" not in other._buffers
+    assert "slot" in other._buffers and other.state_dict().keys() == {"lin.weight", "lin.bias"}
+
+    no_bias = torch.nn.Linear(2, 2, bias=False)
+    path = tdcp.DistributedCheckpoint(m=torch.nn.Linear(2, 2)).save(tmp_path / "d")
+    with pytest.raises(tdcp.IncompatibleComponentError, match="bias"):
+        tdcp.DistributedCheckpoint(m=no_bias).load(path)
+
+
+def test_a_redq_loss_loads_into_one_that_has_not_run_yet(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """torchrl's ``REDQLoss`` registers ``target_entropy_buffer`` at its first forward: a loss saved after training
+    loads into a fresh one built alike, with that buffer."""
+    from tensordict.nn import NormalParamExtractor, TensorDictModule
+    from torchrl.data import Bounded
+    from torchrl.modules import MLP, ProbabilisticActor, TanhNormal, ValueOperator
+    from torchrl.objectives import REDQLoss
+
+    import torchrl_dcp as tdcp
+
+    def build() -> REDQLoss:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(MLP(in_features=3, out_features=2, num_cells=[8]), NormalParamExtractor())
+        actor = ProbabilisticActor(
+            TensorDictModule(net, ["observation"], ["loc", "scale"]),
+            in_keys=["loc", "scale"],
+            spec=Bounded(-2.0, 2.0, shape=(1,)),
+            distribution_class=TanhNormal,
+            return_log_prob=True,
+        )
+        q = ValueOperator(MLP(in_features=4, out_features=1, num_cells=[8]), in_keys=["observation", "action"])
+        return REDQLoss(actor, q, num_qvalue_nets=2, sub_sample_len=1)
+
+    loss = build()
+    _ = loss.target_entropy  # what its first forward does
+    loss.target_entropy_buffer.fill_(-3.0)
+    path = tdcp.DistributedCheckpoint(loss=loss).save(tmp_path / "c")
+    fresh = build()
+    assert "target_entropy_buffer" not in fresh.state_dict()
+    tdcp.DistributedCheckpoint(loss=fresh).load(path)
+    assert fresh.target_entropy.item() == -3.0
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), loss.state_dict().values()))

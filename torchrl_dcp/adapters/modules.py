@@ -61,7 +61,7 @@ class ModuleAdapter(Adapter):
         current = ctx.plan["current"] = model_state(obj, keep_vars=True)
         for state in saved.values():
             ctx.plan["in_place"] = _check_values(current, state, ctx.name)
-            _check_keys(current, state, ctx)
+            _check_keys(current, state, ctx, _unset_buffers(obj, current, state))
 
     def destinations(self, obj: torch.nn.Module, saved: Any, ctx: AdapterContext) -> dict[str, torch.Tensor] | None:
         """The module's own tensors, for every saved tensor of the same shape and dtype (read in place)."""
@@ -79,11 +79,34 @@ class ModuleAdapter(Adapter):
     def restore(self, obj: torch.nn.Module, state: Any, ctx: AdapterContext) -> Any:
         current = _current(obj, ctx)
         _check_values(current, state, ctx.name)  # load_state_dict would fail half-way, with some tensors copied
-        _check_keys(current, state, ctx)
-        rest = {k: v for k, v in state.items() if not _read_in_place(current.get(k), v)}
+        unset = _unset_buffers(obj, current, state)
+        _check_keys(current, state, ctx, unset)
+        for key, (owner, leaf) in unset.items():  # torch's load_state_dict skips a buffer slot holding None
+            value = state[key]
+            if not isinstance(value, torch.Tensor) or is_dtensor(value):
+                raise IncompatibleComponentError(
+                    f"component {ctx.name!r}: {key!r} is a {type(value).__name__} in the checkpoint, an unset buffer "
+                    "in the module"
+                )
+            plain = leaf not in owner._buffers  # a plain attribute holding None (REDQLoss's)
+            if plain:
+                delattr(owner, leaf)
+            owner.register_buffer(leaf, value.detach().clone())
+            ctx.plan.setdefault("filled", []).append((owner, leaf, plain))
+        rest = {k: v for k, v in state.items() if k not in unset and not _read_in_place(current.get(k), v)}
         if rest:
             set_model_state_dict(obj, rest, options=StateDictOptions(strict=False))
         return None
+
+    def rollback(self, obj: torch.nn.Module, snapshot: Any, ctx: AdapterContext) -> None:
+        """Restore the snapshot, and empty again the buffer slots the load filled."""
+        for owner, leaf, plain in ctx.plan.pop("filled", ()):
+            if plain:
+                del owner._buffers[leaf]
+                object.__setattr__(owner, leaf, None)
+            else:
+                owner._buffers[leaf] = None
+        self.restore(obj, snapshot, ctx)
 
 
 #: module classes that rename state-dict keys or shard them: their state goes through DCP's helper
@@ -173,11 +196,39 @@ def _same_tensor(a: Any, b: Any) -> bool:
     )
 
 
-def _check_keys(current: Mapping[str, Any], state: Any, ctx: AdapterContext) -> bool:
-    """Refuse differing key sets unless ``load_kwargs={"strict": False}``; returns whether loading is strict."""
+def _unset_buffers(
+    obj: torch.nn.Module, current: Mapping[str, Any], state: Any
+) -> dict[str, tuple[torch.nn.Module, str]]:
+    """The saved keys the module's state lacks whose slot in the module holds ``None`` (a persistent buffer, or a
+    plain attribute): a buffer the module registers lazily (torchrl's ``REDQLoss.target_entropy_buffer``, a plain
+    ``None`` until its first forward), which the load registers with the saved tensor. A parameter slot holding
+    ``None`` (``Linear(bias=False)``) is not one. ``{key: (owning module, its name)}``."""
+    if not isinstance(state, Mapping) or state.keys() == current.keys():
+        return {}
+    out = {}
+    for key in state.keys() - current.keys():
+        prefix, _, leaf = str(key).rpartition(".")
+        try:
+            owner = obj.get_submodule(prefix) if prefix else obj
+        except AttributeError:
+            continue
+        buffers = getattr(owner, "_buffers", {})
+        if leaf in buffers:
+            if buffers[leaf] is None and leaf not in owner._non_persistent_buffers_set:
+                out[key] = (owner, leaf)
+        elif leaf in vars(owner) and vars(owner)[leaf] is None and leaf not in owner._parameters:
+            out[key] = (owner, leaf)
+    return out
+
+
+def _check_keys(
+    current: Mapping[str, Any], state: Any, ctx: AdapterContext, unset: Mapping[str, Any] = {}
+) -> bool:
+    """Refuse differing key sets unless ``load_kwargs={"strict": False}`` (``unset``: saved keys of buffer slots
+    the module has not set yet, which the load sets); returns whether loading is strict."""
     strict = bool((ctx.options.load_kwargs or {}).get("strict", True))
     if strict and isinstance(state, Mapping) and state.keys() != current.keys():
-        expected = set(current)
+        expected = set(current) | set(unset)
         missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
         if missing or unexpected:
             lazy = [k for k in (*missing, *unexpected) if k.split(".")[0] == "_value_estimator"]
