@@ -209,9 +209,7 @@ def test_an_inventory_that_is_not_an_object_is_a_format_error(saved: Path, tmp_p
     assert objs["stats"] == before
 
 
-@pytest.mark.parametrize(
-    "totals", [{"num_tensors": -1}, {"nbytes": -(10**30)}, {"nbytes": True}, {"num_tensors": 1.0}]
-)
+@pytest.mark.parametrize("totals", [{"num_tensors": -1}, {"nbytes": -(10**30)}, {"nbytes": True}, {"num_tensors": 1.0}])
 def test_component_totals_that_are_not_counts_are_malformed(saved: Path, tmp_path: Path, totals: dict) -> None:
     """A resealed manifest whose ``num_tensors``/``nbytes`` are not counts is refused by parse (``verify``, ``load``
     and ``inspect`` read it), naming the field."""

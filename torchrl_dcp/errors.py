@@ -114,6 +114,8 @@ _OS_HINTS = {
     "temporary names): choose a shorter name",
     errno.ENOSPC: "the file system is full: free space or write elsewhere",
     errno.EDQUOT: "the disk quota is exceeded: free space or write elsewhere",
+    errno.EFBIG: "a file would pass the largest size allowed (this process's file size limit, `ulimit -f`, or the "
+    "file system's): raise the limit or write elsewhere",
     errno.EACCES: "permission denied: check the permissions of the path and its directory",
     errno.EPERM: "operation not permitted: check the permissions and the owner of the path",
     errno.EROFS: "the file system is read-only: write elsewhere",
@@ -162,8 +164,24 @@ class PartialLoadWarning(TorchrlDcpWarning):
     their adapter); ``LoadResult.missing`` / ``incompatible`` say which, and why."""
 
 
+class LocalTierWarning(TorchrlDcpWarning):
+    """A save to the local tier (:class:`~torchrl_dcp.LocalTier`) failed: the job goes on, the shared tier's saves
+    are made as scheduled, and a resume falls back to the newest step either tier holds."""
+
+
 class StaleCheckpointWarning(TorchrlDcpWarning):
     """A rotation directory holds higher steps committed before the checkpoint just saved."""
+
+
+def os_error_hint(err: OSError) -> str:
+    """What to do about ``err`` (a full disk, a permission, a file size limit...), or ``""``.
+
+    Example:
+        >>> import errno
+        >>> os_error_hint(OSError(errno.EROFS, "Read-only file system"))
+        'the file system is read-only: write elsewhere'
+    """
+    return _OS_HINTS.get(err.errno or 0, "")
 
 
 def from_os_error(err: OSError, action: str, path: Any = None, *, after: str = "") -> CheckpointError:
@@ -181,7 +199,7 @@ def from_os_error(err: OSError, action: str, path: Any = None, *, after: str = "
     where = err.filename if err.filename is not None else path
     code = errno.errorcode.get(err.errno or 0, str(err.errno))
     reason = err.strerror or str(err) or type(err).__name__
-    hint = _OS_HINTS.get(err.errno or 0, "")
+    hint = os_error_hint(err)
     message = f"{action} failed: {reason} [{code}]" + (f"; {hint}" if hint else "") + (f"; {after}" if after else "")
     wrapped = CheckpointError(
         message, path=os.fsdecode(where) if isinstance(where, (str, bytes, os.PathLike)) else where

@@ -195,6 +195,10 @@ class LocalTier:
             try:
                 if layout.leader(rank):  # every rank is in this save: none can be writing a newer step now
                     self._drop_newer(step)
+                    try:
+                        self._make_room(step)
+                    except (OSError, CheckpointError) as err:  # the save says whether the room was needed
+                        logger.warning("local tier %s: removing steps before %d failed: %s", self.path, step, err)
                 _make_dir(self.path)  # the tier's own directory too: never a link to somewhere else
                 _make_dir(step_dir)
                 for r in (rank, *sources):  # a step saved again: its old records go before its parts change
@@ -257,6 +261,18 @@ class LocalTier:
         older = [s for s in self.steps_on_disk() if s <= keep_from]
         for s in older[: max(len(older) - self.keep_last, 0)]:
             self._remove_step(s)
+
+    def _make_room(self, step: int) -> None:
+        """Before ``step`` is written: keep the ``keep_last - 1`` newest committed steps older than it and remove the
+        others (a failed save's leftovers too), so that the node never holds more than ``keep_last`` steps, the one
+        being written included (docs/recovery.md, Sizing). Every rank of the job is in this save: none is writing
+        or reading an older step."""
+        committed = set(self.steps())
+        older = [s for s in self.steps_on_disk() if s < step]
+        kept = set([s for s in older if s in committed][-(self.keep_last - 1) :]) if self.keep_last > 1 else set()
+        for s in older:
+            if s not in kept:
+                self._remove_step(s)
 
     def _drop_newer(self, step: int | None) -> None:
         """Remove the node's steps newer than ``step`` (``None``: every step).

@@ -42,6 +42,7 @@ from torchrl_dcp._log import get_logger
 from torchrl_dcp.errors import (
     CheckpointError,
     CheckpointIntegrityError,
+    LocalTierWarning,
     StaleCheckpointWarning,
 )
 from torchrl_dcp.format.layout import is_data_file, shard_rank
@@ -336,7 +337,16 @@ class CheckpointRotation:
     ) -> Any:
         """Act on a :meth:`decide` result: save (async when configured, unless ``sync`` or preempted), or nothing."""
         if self.local is not None and not decision.preempted and self.local.due(decision.step):
-            self._save_local(ckpt, decision.step, metadata)
+            try:
+                self._save_local(ckpt, decision.step, metadata)
+            except CheckpointError as err:  # (every rank hears of it): a fast-recovery copy, not the job's own
+                warnings.warn(
+                    LocalTierWarning(
+                        f"step {decision.step} was not saved to the local tier ({err}); the job goes on, and the "
+                        "shared tier's saves are made as scheduled"
+                    ),
+                    stacklevel=3,
+                )
         if not (force or decision.due or decision.preempted):
             return None
         step, started = decision.step, time.monotonic()

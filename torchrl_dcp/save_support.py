@@ -10,14 +10,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import errno
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from torchrl_dcp.errors import CheckpointError
+from torchrl_dcp.errors import CheckpointError, os_error_hint
 
 
 def save_failure(err: BaseException, phase: str, path: Any) -> BaseException:
@@ -25,8 +24,8 @@ def save_failure(err: BaseException, phase: str, path: Any) -> BaseException:
     if isinstance(err, CheckpointError) or not isinstance(err, Exception):
         return err
     hint = "nothing was committed; the previous checkpoint at this path, if any, is intact"
-    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-        hint = "the file system is full (or over quota): free space or save elsewhere; " + hint
+    if isinstance(err, OSError) and os_error_hint(err):  # a full disk, a file size limit...: what to do
+        hint = f"{os_error_hint(err)}; {hint}"
     wrapped = CheckpointError(f"{phase} failed: {type(err).__name__}: {err}; {hint}", path=path)
     wrapped.__cause__ = err
     return wrapped

@@ -221,9 +221,7 @@ def _unset_buffers(
     return out
 
 
-def _check_keys(
-    current: Mapping[str, Any], state: Any, ctx: AdapterContext, unset: Mapping[str, Any] = {}
-) -> bool:
+def _check_keys(current: Mapping[str, Any], state: Any, ctx: AdapterContext, unset: Mapping[str, Any] = {}) -> bool:
     """Refuse differing key sets unless ``load_kwargs={"strict": False}`` (``unset``: saved keys of buffer slots
     the module has not set yet, which the load sets); returns whether loading is strict."""
     strict = bool((ctx.options.load_kwargs or {}).get("strict", True))
