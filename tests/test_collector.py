@@ -387,6 +387,95 @@ def test_a_policy_less_collector_built_with_other_transforms_is_refused(tmp_path
     same.shutdown()
 
 
+class _Refusing:
+    """Restored after the components registered before it: refuses its state."""
+
+    def state_dict(self) -> dict:
+        return {"n": 1}
+
+    def load_state_dict(self, state: dict) -> None:
+        raise RuntimeError("refused on purpose")
+
+
+def _reward_vecnorm_env(seed: int) -> TransformedEnv:
+    from torchrl.envs import VecNorm
+
+    env = TransformedEnv(
+        PendulumEnv(),
+        Compose(
+            UnsqueezeTransform(-1, in_keys=["th", "thdot"], in_keys_inv=["th", "thdot"]),
+            CatTensors(["th", "thdot"], "observation", del_keys=False),
+            StepCounter(max_steps=7),
+            VecNorm(in_keys=["observation", "reward"], decay=0.99),
+        ),
+    )
+    env.set_seed(seed)
+    return env
+
+
+@pytest.mark.parametrize("with_policy", [True, False])
+def test_vecnorm_statistics_built_at_the_first_step_are_restored_into_a_fresh_collector(
+    tmp_path: Path, with_policy: bool
+) -> None:
+    """``VecNorm`` builds its reward statistics at the first step (the observation's at reset), and its
+    ``set_extra_state`` fills only the keys it holds: a fresh collector (reset, not stepped) silently dropped the
+    saved reward statistics (with a policy), or refused its own honest checkpoint (``policy=None``). A load
+    refused later rolls the statistics back to the keys they had."""
+    warnings.simplefilter("ignore")
+    saved = Collector(
+        _reward_vecnorm_env(0), make_policy(3) if with_policy else None, frames_per_batch=10, total_frames=-1
+    )
+    it = iter(saved)
+    next(it)
+    path = tdcp.DistributedCheckpoint(collector=saved, rng=tdcp.RNGState()).save(tmp_path / "c")
+    tdcp.DistributedCheckpoint(collector=saved, rng=tdcp.RNGState(), z=_Refusing()).save(tmp_path / "c2")
+    stats = saved.env.transform[3]._td.clone()
+    expected = [next(it).clone() for _ in range(2)]
+    saved.shutdown()
+    fresh = Collector(
+        _reward_vecnorm_env(1), make_policy(3) if with_policy else None, frames_per_batch=10, total_frames=-1
+    )
+    before = set(fresh.env.transform[3]._td.keys())
+    assert "reward_sum" not in before
+    with pytest.raises(tdcp.CheckpointError, match="refused on purpose"):  # restored after the collector, refused
+        tdcp.DistributedCheckpoint(collector=fresh, rng=tdcp.RNGState(), z=_Refusing()).load(tmp_path / "c2")
+    assert set(fresh.env.transform[3]._td.keys()) == before
+    tdcp.DistributedCheckpoint(collector=fresh, rng=tdcp.RNGState()).load(path)
+    restored = fresh.env.transform[3]._td
+    assert set(restored.keys()) == set(stats.keys()) and all(torch.equal(restored[k], stats[k]) for k in stats.keys())
+    it = iter(fresh)
+    assert_same_batches(expected, [next(it).clone() for _ in range(2)])
+    fresh.shutdown()
+
+
+def test_a_policy_less_collector_over_sub_envs_with_lazily_built_buffers_loads_its_checkpoint(tmp_path: Path) -> None:
+    """``ActionDiscretizer`` registers its buffers when its specs are first computed: a fresh ``SerialEnv``'s
+    sub-envs had not, and a policy-less collector refused its own checkpoint."""
+    from torchrl.envs import ActionDiscretizer, SerialEnv
+
+    def sub() -> TransformedEnv:
+        return TransformedEnv(PendulumEnv(), Compose(StepCounter(max_steps=7), ActionDiscretizer(5, categorical=False)))
+
+    def make(seed: int) -> SerialEnv:
+        env = SerialEnv(2, sub)
+        env.set_seed(seed)
+        return env
+
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    saved = Collector(make(0), None, frames_per_batch=10, total_frames=-1)
+    it = iter(saved)
+    next(it)
+    path = tdcp.DistributedCheckpoint(collector=saved, rng=tdcp.RNGState()).save(tmp_path / "c")
+    expected = [next(it).clone() for _ in range(2)]
+    saved.shutdown()
+    fresh = Collector(make(1), None, frames_per_batch=10, total_frames=-1)
+    tdcp.DistributedCheckpoint(collector=fresh, rng=tdcp.RNGState()).load(path)
+    it = iter(fresh)
+    assert_same_batches(expected, [next(it).clone() for _ in range(2)])
+    fresh.shutdown()
+
+
 def test_multi_sync_collector_with_a_stateless_policy_loads_what_it_saved(tmp_path: Path) -> None:
     """``policy=None`` (torchrl's RandomPolicy): the workers hold no policy state, and torchrl's strict worker load
     refused their own state (the worker died, the load raised a bare ``EOFError`` and could not roll back)."""

@@ -49,7 +49,11 @@ from torchrl_dcp.adapters.env import (  # (also imported from here by older code
     warn_worker_state,
     worker_envs,
 )
-from torchrl_dcp.adapters.env_transforms import check_transform_attributes, warn_unverified_transforms
+from torchrl_dcp.adapters.env_transforms import (
+    check_transform_attributes,
+    statistics_taken_whole,
+    warn_unverified_transforms,
+)
 from torchrl_dcp.adapters.rng import same_rank_source
 from torchrl_dcp.adapters.state_kinds import integral_dtype
 from torchrl_dcp.adapters.tensordict import drop_unsaved, saved_keys, tensordict_from_state, tensordict_state
@@ -383,29 +387,31 @@ def load_collector_state(collector: Any, state_dict: Mapping[str, Any]) -> None:
     state, the load runs non-strict: it then skips only the policy (the environment's state, counters and
     trajectory ids load as saved; the adapter restores the carrier and generators itself).
     """
-    if "policy_state_dict" not in state_dict and not hasattr(collector, "_policy_w_state_dict"):
-        # non-strict skips the env's keys too: compared here, as the strict load compares them (an env built with
-        # other transforms dropped the saved statistics without a word)
-        saved, live = state_dict.get("env_state_dict"), collector.state_dict().get("env_state_dict")
-        saved, live = _key_paths(saved), _key_paths(live)  # (a SerialEnv's: each sub-env's keys, under worker<i>)
-        if saved is not None and live is not None and saved != live:
-            differ = sorted(saved ^ live)
-            raise IncompatibleComponentError(
-                f"the collector's env holds other transform state than the checkpoint's (keys {differ[:4]} are in "
-                "one only): build the env with the transforms it was saved with"
-            )
-        collector.load_state_dict(state_dict, strict=False)
-    else:
-        collector.load_state_dict(state_dict)
+    with statistics_taken_whole(collector.env):  # (sub-envs started, specs computed: live keys as saved)
+        if "policy_state_dict" not in state_dict and not hasattr(collector, "_policy_w_state_dict"):
+            # non-strict skips the env's keys too: compared here, as the strict load compares them (an env built
+            # with other transforms dropped the saved statistics without a word)
+            saved, live = state_dict.get("env_state_dict"), collector.state_dict().get("env_state_dict")
+            saved, live = _key_paths(saved), _key_paths(live)  # (a SerialEnv's: each sub-env's keys, under worker<i>)
+            if saved is not None and live is not None and saved != live:
+                differ = sorted(saved ^ live)
+                raise IncompatibleComponentError(
+                    f"the collector's env holds other transform state than the checkpoint's (keys {differ[:4]} are "
+                    "in one only): build the env with the transforms it was saved with"
+                )
+            collector.load_state_dict(state_dict, strict=False)
+        else:
+            collector.load_state_dict(state_dict)
 
 
 def _key_paths(state: Any, prefix: str = "") -> set[str] | None:
-    """The keys of a (nested) state dict, nested ones as dotted paths; ``None`` for no state dict."""
+    """The keys of a (nested) state dict, nested ones as dotted paths, down to a module's extra state (its content is
+    the module's: a ``VecNorm``'s statistics, built lazily); ``None`` for no state dict."""
     if not isinstance(state, Mapping):
         return None
     out: set[str] = set()
     for key, value in state.items():
-        inner = _key_paths(value, f"{prefix}{key}.")
+        inner = None if str(key).endswith("_extra_state") else _key_paths(value, f"{prefix}{key}.")
         out.update(inner if inner else {f"{prefix}{key}"})
     return out
 

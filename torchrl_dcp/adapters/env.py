@@ -41,6 +41,7 @@ from torchrl_dcp.adapters.env_transforms import (
     check_transform_attributes,
     env_transforms,
     restore_transform_attributes,
+    statistics_taken_whole,
     transform_attributes,
     warn_unverified_transforms,
 )
@@ -599,7 +600,8 @@ def env_state_dict(env: Any, name: str) -> dict[str, Any]:
 def load_env_state_dict(env: Any, state_dict: Mapping[str, Any], name: str) -> None:
     """``env.load_state_dict(state_dict)``, or an :class:`IncompatibleComponentError` naming the component."""
     try:
-        env.load_state_dict(state_dict)
+        with statistics_taken_whole(env):
+            env.load_state_dict(state_dict)
     except CheckpointError:
         raise
     except (RuntimeError, KeyError, ValueError, TypeError) as err:

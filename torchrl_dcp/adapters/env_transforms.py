@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ __all__ = [
     "register_exact_transform",
     "restore_transform_attributes",
     "transform_attributes",
+    "statistics_taken_whole",
     "unverified_transforms",
     "warn_unverified_transforms",
 ]
@@ -275,3 +277,62 @@ def _set_attribute(transform: Any, attr: str, value: Any) -> None:
         live.copy_(value)
     else:
         setattr(transform, attr, value.clone() if isinstance(value, torch.Tensor) else value)
+
+
+@contextmanager
+def statistics_taken_whole(env: Any) -> Iterator[None]:
+    """While the block runs, every ``VecNorm`` of ``env`` (sub-envs of a ``SerialEnv`` included, started first as its
+    ``load_state_dict`` starts them, their specs computed as their first use does: ``ActionDiscretizer`` registers
+    its buffers then) takes the statistics a load gives it with their very keys.
+
+    ``VecNorm`` builds its statistics lazily (those of ``reward`` at the first step, after the observation's at
+    reset), and its ``set_extra_state`` fills only the keys it holds already: a fresh env, reset but not stepped,
+    silently dropped the saved reward statistics. Here the keys the saved statistics hold and the live ones lack are
+    added (then filled), and those they lack are removed (the env builds them again when it steps, as the saved one
+    would have), in the live table itself (in shared memory where it is shared).
+    """
+    from torchrl.envs import SerialEnv, TransformedEnv
+    from torchrl.envs.transforms import VecNorm
+
+    def start(obj: Any) -> None:
+        if isinstance(obj, SerialEnv) and obj.is_closed and getattr(obj, "_owns_workers", True):
+            obj.start()
+        for child in (obj.__dict__.get("_envs") or ()) if isinstance(obj, SerialEnv) else ():
+            start(child)
+        if isinstance(obj, TransformedEnv):
+            try:  # its transforms' specs, as its first use computes them: some register buffers then
+                obj.input_spec  # noqa: B018  (ActionDiscretizer's intervals)
+            except Exception:  # (the load says what does not fit)
+                pass
+            start(obj.base_env)
+
+    start(env)
+    patched = [t for _, t in env_transforms(env) if isinstance(t, VecNorm)]
+    for transform in patched:
+        transform.set_extra_state = _whole_setter(transform)
+    try:
+        yield
+    finally:
+        for transform in patched:
+            transform.__dict__.pop("set_extra_state", None)
+
+
+def _whole_setter(transform: Any) -> Any:
+    own = type(transform).set_extra_state
+
+    def set_extra_state(state: Any) -> None:
+        from tensordict import TensorDict
+
+        live = transform._td
+        if state is not None and live is not None:
+            saved = TensorDict(state).unflatten_keys(transform.SEP)
+            keys = set(saved.keys(True, True))
+            held = set(live.keys(True, True))
+            for key in held - keys:
+                live.del_(key)
+            for key in keys - held:
+                value = saved.get(key).clone()
+                live.set(key, value.share_memory_() if live.is_shared() else value)
+        own(transform, state)
+
+    return set_extra_state
