@@ -45,16 +45,14 @@ def list_storage_state(storage: ListStorage) -> dict[str, Any]:
     """The storage's transitions, each ``{"td": state}`` (a TensorDict) or ``{"value": value}`` (codec values)."""
     items = []
     for i, item in enumerate(storage._storage):
-        if isinstance(item, TensorDictBase) and not is_non_tensor(item):
-            items.append({"td": tensordict_state(item)})
-        elif _codec_value(item):
-            items.append({"value": item})
-        else:
+        entry = _entry(item)
+        if entry is None:
             raise EncodingError(
-                f"replay buffer storage entry {i} is a {type(item).__module__}.{type(item).__qualname__}, which "
-                "cannot be saved without pickle: store tensors, TensorDicts, arrays, numbers, strings (or lists, "
-                "tuples and dicts of them)"
+                f"replay buffer storage entry {i} is a {type(item).__module__}.{type(item).__qualname__}"
+                f"{_inner(item)}, which cannot be saved without pickle: store tensors, TensorDicts, arrays, numbers, "
+                "strings (or lists, tuples and dicts of them)"
             )
+        items.append(entry)
     return {
         "type": type(storage).__name__,
         "kind": LIST_KIND,
@@ -63,6 +61,39 @@ def list_storage_state(storage: ListStorage) -> dict[str, Any]:
         "max_size": int(storage.max_size),
         "items": items,
     }
+
+
+def _entry(item: Any, depth: int = 0) -> dict[str, Any] | None:
+    """One transition (or a part of one) as saved: ``{"td": state}`` for a TensorDict, ``{"value": value}`` for what
+    the JSON value codec stores, ``{"seq": {"tuple": bool, "items": [entries]}}`` / ``{"map": [[key, entry], ...]}``
+    for a list, tuple or dict holding TensorDicts (``(td, info)``); ``None`` for anything else."""
+    if isinstance(item, TensorDictBase) and not is_non_tensor(item):
+        return {"td": tensordict_state(item)}
+    if _codec_value(item):
+        return {"value": item}
+    if depth > MAX_NESTING:
+        return None
+    if type(item) in (list, tuple):
+        inner = [_entry(v, depth + 1) for v in item]
+        return None if None in inner else {"seq": {"tuple": type(item) is tuple, "items": inner}}
+    if type(item) is dict and all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in item):
+        pairs = [[k, _entry(v, depth + 1)] for k, v in item.items()]
+        return None if any(e is None for _, e in pairs) else {"map": pairs}
+    return None
+
+
+def _inner(item: Any, depth: int = 0) -> str:
+    """What inside a list, tuple or dict cannot be saved (`` holding a set``), or ``""``."""
+    if depth > MAX_NESTING or type(item) not in (list, tuple, dict):
+        return ""
+    values = item.values() if type(item) is dict else item
+    for v in values:
+        if _entry(v, depth + 1) is None:
+            return _inner(v, depth + 1) or f" holding a {type(v).__module__}.{type(v).__qualname__}"
+    return ""
+
+
+MAX_NESTING = 16  # lists, tuples and dicts holding TensorDicts, nested at most this deep
 
 
 def _codec_value(value: Any, depth: int = 0) -> bool:
@@ -100,12 +131,32 @@ def list_items(saved: dict[str, Any], ctx: AdapterContext | None = None) -> list
     items = saved.get("items")
     if not isinstance(items, list) or len(items) != saved.get("len"):
         raise CheckpointFormatError("malformed list storage state")
-    out = []
-    for entry in items:
-        if not isinstance(entry, dict) or len(entry) != 1 or not ({"td", "value"} >= set(entry)):
+    return [_item(entry, ctx, 0) for entry in items]
+
+
+def _item(entry: Any, ctx: AdapterContext | None, depth: int) -> Any:
+    """A saved entry (:func:`_entry`) rebuilt."""
+    if not isinstance(entry, dict) or len(entry) != 1 or not ({"td", "value", "seq", "map"} >= set(entry)):
+        raise CheckpointFormatError("malformed list storage entry")
+    if "td" in entry:
+        return tensordict_from_state(entry["td"], ctx)
+    if "value" in entry:
+        return entry["value"]
+    if depth > MAX_NESTING:
+        raise CheckpointFormatError(f"list storage entry nested more than {MAX_NESTING} deep")
+    if "seq" in entry:
+        seq = entry["seq"]
+        if not isinstance(seq, dict) or set(seq) != {"tuple", "items"} or not isinstance(seq["items"], list):
             raise CheckpointFormatError("malformed list storage entry")
-        out.append(tensordict_from_state(entry["td"], ctx) if "td" in entry else entry["value"])
-    return out
+        values = [_item(e, ctx, depth + 1) for e in seq["items"]]
+        return tuple(values) if seq["tuple"] is True else values
+    pairs = entry["map"]
+    ok = isinstance(pairs, list) and all(
+        isinstance(p, list) and len(p) == 2 and type(p[0]) in (str, int) for p in pairs
+    )
+    if not ok or len({p[0] for p in pairs}) != len(pairs):
+        raise CheckpointFormatError("malformed list storage entry")
+    return {k: _item(e, ctx, depth + 1) for k, e in pairs}
 
 
 def restore_list_storage(storage: ListStorage, items: list[Any]) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import heapq
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -66,7 +67,7 @@ from torchrl_dcp.adapters.list_storage import (
     list_storage_state,
     restore_list_storage,
 )
-from torchrl_dcp.errors import EncodingError, IncompatibleComponentError
+from torchrl_dcp.errors import EncodingError, IncompatibleComponentError, InexactResumeWarning
 
 
 # --------------------------------------------------------------------------- storage
@@ -447,6 +448,7 @@ class ReplayBufferAdapter(Adapter):
     def state(self, rb: ReplayBuffer, ctx: AdapterContext) -> Any:
         rb = initialized_buffer(rb)
         warn_unsaved_transforms(rb, ctx.name, "saving")
+        _warn_prefetch(rb, ctx.name, "saving")
         held = transform_states(rb)
         return {
             "type": type(rb).__name__,
@@ -485,6 +487,7 @@ class ReplayBufferAdapter(Adapter):
         ctx.plan["restored"] = True  # (what rollback puts back from here on: the settings too)
         rb = initialized_buffer(rb)
         warn_unsaved_transforms(rb, ctx.name, "loading")
+        _warn_prefetch(rb, ctx.name, "loading")
         items = list_items(state["storage"], ctx) if state["storage"].get("kind") == LIST_KIND else None
         other = _other_capacity_rows(rb, state)
         restore_sampler(rb._sampler, state["sampler"], ctx.name, rows=other)
@@ -580,3 +583,17 @@ class ReplayBufferAdapter(Adapter):
 
 
 _STORAGE_ATTRS = ("_storage", "initialized", "_len", "_last_cursor")
+
+
+def _warn_prefetch(rb: Any, name: str, action: str) -> None:
+    """An :class:`~torchrl_dcp.errors.InexactResumeWarning` for a buffer that prefetches (``prefetch=``): batches
+    drawn ahead in a thread, before the save, are not saved, and are drawn again after a restore."""
+    if getattr(rb, "_prefetch_cap", 0):
+        warnings.warn(
+            f"component {name!r} ({action}): the replay buffer prefetches ({rb._prefetch_cap} batches drawn ahead "
+            "in a thread): the batches drawn before a save are not saved and are drawn again after a restore, so "
+            "samples after a restore differ from an uninterrupted run's; build the buffer without prefetch= where "
+            "exact resume matters",
+            InexactResumeWarning,
+            stacklevel=3,
+        )
