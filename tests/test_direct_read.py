@@ -218,6 +218,33 @@ def test_small_live_tensors_are_prefetched_and_copied_in_at_the_in_place_read(
     assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), saved.state_dict().values()))
 
 
+@pytest.mark.parametrize("order", ["owner first", "reference first"])
+def test_a_prefetched_tensor_another_component_refers_to_is_read_once_for_both(tmp_path: Path, order: str) -> None:
+    """An exploration module registered beside the policy that holds it: its tensors are saved once, the second
+    component refers to them. Planned before the policy, the reference got a fresh buffer, and prefetching the
+    policy's tensor gave it a second one: the reference's was never read (garbage restored)."""
+    from tensordict.nn import TensorDictModule, TensorDictSequential
+    from torchrl.data import OneHot
+    from torchrl.modules import EGreedyModule
+
+    def build() -> tuple[Any, Any]:
+        torch.manual_seed(0)
+        greedy = EGreedyModule(OneHot(2), eps_init=1.0, eps_end=0.05, annealing_num_steps=200)
+        return TensorDictSequential(TensorDictModule(torch.nn.Linear(2, 2), ["obs"], ["action"]), greedy), greedy
+
+    policy, greedy = build()
+    greedy.step()
+    greedy.eps_init.fill_(0.7)
+    path = tdcp.DistributedCheckpoint(policy=policy, exploration=greedy).save(tmp_path / "c")
+    policy2, greedy2 = build()
+    components = {"policy": policy2, "exploration": greedy2}
+    if order == "reference first":
+        components = dict(reversed(components.items()))
+    tdcp.DistributedCheckpoint(**components).load(path)
+    assert all(torch.equal(a, b) for a, b in zip(greedy2.state_dict().values(), greedy.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(policy2.state_dict().values(), policy.state_dict().values()))
+
+
 @pytest.mark.parametrize("damage", [False, True])
 def test_large_records_are_read_by_threads_in_turn_and_checksummed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: bool

@@ -138,7 +138,12 @@ def prefetch(plan: LoadPlan, key: str, spec: TensorSpec, dest: torch.Tensor) -> 
         and not dest.is_quantized
         and dest.is_contiguous()
     ):
-        plan.prefetched[key] = torch.empty(*spec.shape, dtype=spec.dtype) if spec.shape else spec.empty("cpu")
+        held = plan.fresh.get(key)  # a fresh buffer of another component's reference to it: read once, into it
+        if held is None:
+            held = torch.empty(*spec.shape, dtype=spec.dtype) if spec.shape else spec.empty("cpu")
+        elif held.device.type != "cpu":
+            return
+        plan.prefetched[key] = held
         plan.prefetched_bytes += nbytes
 
 
