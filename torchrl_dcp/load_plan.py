@@ -110,10 +110,11 @@ class LoadPlan:
 
     def copy_prefetched(self) -> None:
         """Copy each prefetched buffer into its live tensor (both CPU, contiguous, of one dtype and shape)."""
+        live, move = self.live, ctypes.memmove
         for key, buf in self.prefetched.items():
-            t = self.live.get(key)
+            t = live.get(key)
             if t is not None:
-                ctypes.memmove(t.data_ptr(), buf.data_ptr(), buf.nbytes)
+                move(t.data_ptr(), buf.data_ptr(), buf.nbytes)
 
 
 PREFETCH_MAX = 64 << 10  # live tensors below this many bytes are prefetched (per-tensor costs dominate their reads)
@@ -131,10 +132,10 @@ def prefetch(plan: LoadPlan, key: str, spec: TensorSpec, dest: torch.Tensor) -> 
     if (
         0 < nbytes < PREFETCH_MAX
         and plan.prefetched_bytes + nbytes <= PREFETCH_BUDGET
-        and not spec.dtensor
         and type(dest) in _PLAIN
-        and dest.device.type == "cpu"
-        and dest.layout == torch.strided
+        and dest.is_cpu
+        and not spec.dtensor
+        and dest.layout is torch.strided
         and not dest.is_quantized
         and dest.is_contiguous()
     ):
