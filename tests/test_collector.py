@@ -495,8 +495,11 @@ def test_multi_sync_collector_with_a_stateless_policy_loads_what_it_saved(tmp_pa
     collector.shutdown()
     collector2 = make()
     try:
-        with pytest.warns(tdcp.InexactResumeWarning):
+        with pytest.warns(tdcp.InexactResumeWarning) as heard:
             tdcp.DistributedCheckpoint(collector=collector2).load(path)
+        # the load's rollback snapshot takes the state too: said once, as a load (it said "(saving)" first)
+        assert [str(w.message).split(":")[0] for w in heard] == ["component 'collector' (loading)"]
+        assert "a TrajCounter's count, is not" in str(heard[0].message)
         sd2 = collector2.state_dict()
         assert all(p.is_alive() for p in collector2.procs)
         next(iter(collector2))  # the workers go on collecting

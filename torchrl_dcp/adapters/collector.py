@@ -433,6 +433,13 @@ class MultiCollectorAdapter(Adapter):
 
     def state(self, collector: BaseCollector, ctx: AdapterContext) -> Any:
         _warn_multi_worker_state(ctx.name, collector, "saving")
+        return self._state(collector)
+
+    def snapshot(self, collector: BaseCollector, ctx: AdapterContext) -> Any:
+        return copy.deepcopy(self._state(collector))  # what a failed load rolls back to (no warning: not a save)
+
+    @staticmethod
+    def _state(collector: BaseCollector) -> Any:
         try:
             state = dict(collector.state_dict())
             ids = _worker_traj_ids(collector)
@@ -533,7 +540,9 @@ def _warn_multi_worker_state(name: str, collector: BaseCollector, action: str) -
     warnings.warn(
         f"component {name!r} ({action}): {type(collector).__name__} keeps its workers' environments, in-flight "
         "episodes (carriers) and generators in worker processes, out of reach of torchrl's API: weights, transform "
-        "statistics, counters and trajectory ids are restored, the next batches are not an uninterrupted run's. "
+        "statistics held in module buffers, the collectors' counters and trajectory ids are restored (state a "
+        "transform keeps elsewhere, such as a TrajCounter's count, is not), the next batches are not an "
+        "uninterrupted run's. "
         "Use a Collector (over a SerialEnv) per rank where exactness matters; see docs/components/collectors.md",
         InexactResumeWarning,
         stacklevel=4,
