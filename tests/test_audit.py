@@ -104,3 +104,33 @@ def test_an_exact_restore_audits_clean_and_an_inexact_one_does_not(tmp_path) -> 
     assert before  # (a fresh optimizer: no moments, other parameters)
     fresh.load(path)
     assert state_differences(state_snapshot(opt), state_snapshot(opt2)) == []
+
+
+def test_a_collector_holding_trajectory_steps_audits_clean_after_a_load(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With ``trajs_per_batch``, the load hands the held steps to the next iterator through an object of the
+    library's (set as ``collector.iterator``): the audit listed it as differing state."""
+    import warnings
+
+    from torchrl.collectors import Collector
+    from torchrl.envs import PendulumEnv, StepCounter, TransformedEnv
+
+    import torchrl_dcp as tdcp
+
+    def make(seed: int) -> TransformedEnv:
+        env = TransformedEnv(PendulumEnv(), StepCounter(max_steps=7))
+        env.set_seed(seed)
+        return env
+
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    saved = Collector(make(0), None, frames_per_batch=10, total_frames=-1, trajs_per_batch=3)
+    it = iter(saved)
+    next(it)
+    next(it)
+    before = tdcp.state_snapshot(saved, "c")
+    path = tdcp.DistributedCheckpoint(collector=saved).save(tmp_path / "c")
+    fresh = Collector(make(9), None, frames_per_batch=10, total_frames=-1, trajs_per_batch=3)
+    tdcp.DistributedCheckpoint(collector=fresh).load(path)
+    assert tdcp.state_differences(before, tdcp.state_snapshot(fresh, "c")) == []
+    saved.shutdown()
+    fresh.shutdown()

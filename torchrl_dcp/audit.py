@@ -69,6 +69,8 @@ _OPAQUE_NAMES = frozenset(
 NOT_STATE: dict[str, str] = {
     "BaseCollector._final_rollout": "the collector's output buffer: every batch rewrites all of it",
     "BaseCollector._iteration_started": "whether the collector's iterator started: a new process starts it again",
+    "BaseCollector.iterator": "the collector's running iterator (a generator; after a load, torchrl_dcp's hand-over "
+    "of the steps the saved collector held, which are compared as its trajectory assembly)",
     "BaseCollector._policy_output_keys": "the policy's output keys, found from its specs: a set, listed in an order "
     "that depends on the process's hash seed",
     "MultiStepTransform._validated": "a one-time check of the buffer's keys, made again on first use",
