@@ -226,3 +226,34 @@ def test_pure_paths_keep_their_flavour() -> None:
     assert out["w"].parts == ("C:\\", "data", "run1")
     with pytest.raises(CheckpointFormatError, match="path kind"):
         decode({"t": "path", "v": "x", "kind": "os.system"}, {})
+
+
+def test_a_tensor_autograd_tracked_comes_back_tracked(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A dict's ``Parameter``, a list storage's transition saved with ``requires_grad=True``: restored into fresh
+    tensors, they lost it (``torch.load`` keeps it), and samples of the buffer differed. A forged ``grad`` value is
+    refused."""
+    import json
+
+    from torchrl.data import ListStorage, ReplayBuffer
+
+    import torchrl_dcp as tdcp
+
+    rb = ReplayBuffer(storage=ListStorage(4), batch_size=2)
+    rb.extend([torch.ones(3, requires_grad=True), torch.zeros(3)])
+    state = {"alpha": torch.nn.Parameter(torch.ones(2)), "plain": torch.ones(2)}
+    path = tdcp.DistributedCheckpoint(x=state, buffer=rb).save(tmp_path / "c")
+    fresh, rb2 = {}, ReplayBuffer(storage=ListStorage(4), batch_size=2)
+    tdcp.DistributedCheckpoint(x=fresh, buffer=rb2).load(path)
+    assert fresh["alpha"].requires_grad and not fresh["plain"].requires_grad
+    assert [t.requires_grad for t in rb2._storage._storage] == [True, False]
+
+    raw = json.loads((path / "manifest.json").read_text())
+    text = json.dumps(raw).replace('"grad": true', '"grad": 1')
+    assert text != json.dumps(raw)
+    from torchrl_dcp.format.manifest import CHECKSUM_FIELD, seal
+
+    forged = json.loads(text)
+    forged.pop(CHECKSUM_FIELD)
+    (path / "manifest.json").write_text(json.dumps(seal(forged)))
+    with pytest.raises(tdcp.CheckpointFormatError, match="'grad' is true or absent"):
+        tdcp.DistributedCheckpoint(x={}).load(path, components=["x"])

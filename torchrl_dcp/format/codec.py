@@ -301,13 +301,16 @@ class _Encoder:
         if ident is not None:
             self._seen[ident] = key
         self.tensors[key] = canonical_bools(value.detach())
-        return {
+        node = {
             "t": "tensor",
             "key": key,
             "dtype": dtype_name(value.dtype),
             "shape": list(value.shape),
             "device": str(value.device),
         }
+        if value.requires_grad:  # a leaf that autograd tracks (a Parameter in a dict): it comes back tracked
+            node["grad"] = True
+        return node
 
 
 def canonical_bools(t: torch.Tensor) -> torch.Tensor:
@@ -542,12 +545,24 @@ def _decode(node: Any, tensors: Mapping[str, Any], depth: int) -> Any:
 
 
 def _decode_tensor(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
+    grad = node.get("grad", False)
+    if grad is not False and (grad is not True or node["t"] != "tensor"):
+        raise CheckpointFormatError(f"malformed tensor entry {node!r}: 'grad' is true or absent")
     if isinstance(tensors, TensorSink):
         return tensors.take(node)
     key = node["key"] if node["t"] != "xref" else xref_key(node["component"], node["key"])
     if key not in tensors:
         raise CheckpointFormatError(f"the state names tensor {key!r}, which was not loaded")
-    return tensors[key]
+    value = tensors[key]
+    if grad and isinstance(value, torch.Tensor) and not value.requires_grad:
+        _track(value)
+    return value
+
+
+def _track(value: torch.Tensor) -> None:
+    """Make ``value`` (a tensor saved while autograd tracked it) tracked again, where autograd can track it."""
+    if value.is_leaf and (value.is_floating_point() or value.is_complex()) and not value.is_inference():
+        value.requires_grad_(True)
 
 
 def _decode_ndarray(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
@@ -613,7 +628,7 @@ def _decode_mapping(node: dict[str, Any], tensors: Mapping[str, Any], depth: int
                 _count_hash(counts, k, len(items))
         if type(v) in _SCALARS:
             out[k] = v
-        elif type(v) is dict and v.get("t") == "tensor":
+        elif type(v) is dict and v.get("t") == "tensor" and "grad" not in v:
             if take is not None:
                 out[k] = take(v)
             else:
