@@ -201,3 +201,31 @@ def test_a_prefetching_buffer_is_warned_about_at_save_and_load(tmp_path: Path) -
         path = tdcp.DistributedCheckpoint(buffer=rb).save(tmp_path / "c")
     with pytest.warns(tdcp.InexactResumeWarning, match=r"\(loading\): the replay buffer prefetches"):
         tdcp.DistributedCheckpoint(buffer=ReplayBuffer(storage=ListStorage(10), batch_size=2, prefetch=2)).load(path)
+
+
+@pytest.mark.parametrize("flag", [1, "yes", None])
+def test_a_list_entry_whose_tuple_flag_is_not_a_bool_is_refused_by_load_and_verify(tmp_path: Path, flag: Any) -> None:
+    """``{"seq": {"tuple": ...}}`` took any value that is not ``true`` for a list: no save writes it."""
+    import json
+
+    from tests import forging
+    from torchrl_dcp.format.layout import shard_name
+
+    td = TensorDict({"obs": torch.zeros(2)}, [])
+    rb = ReplayBuffer(storage=ListStorage(4), batch_size=1)
+    rb.extend([(td, 1)])
+    path = tdcp.DistributedCheckpoint(buffer=rb).save(tmp_path / "c")
+    assert shard_name(0) in {p.name for p in path.iterdir()}
+
+    def forge(m: dict) -> None:
+        text = json.dumps(m)
+        m.clear()
+        forged = text.replace('["tuple", true]', f'["tuple", {json.dumps(flag)}]')  # (a codec dict's item)
+        assert forged != text
+        m.update(json.loads(forged))
+
+    forging.edit(path, forge)
+    with pytest.raises(tdcp.CheckpointError, match="malformed list storage entry"):
+        tdcp.verify(path)
+    with pytest.raises(tdcp.CheckpointError, match="malformed list storage entry"):
+        tdcp.DistributedCheckpoint(buffer=ReplayBuffer(storage=ListStorage(4), batch_size=1)).load(path)

@@ -316,3 +316,64 @@ def test_a_redq_loss_loads_into_one_that_has_not_run_yet(tmp_path) -> None:  # t
     tdcp.DistributedCheckpoint(loss=fresh).load(path)
     assert fresh.target_entropy.item() == -3.0
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), loss.state_dict().values()))
+
+
+@pytest.mark.parametrize("key", ["_is_full_backward_hook", ".lazy", "lin._is_full_backward_hook", "lin..x"])
+def test_forged_keys_naming_torch_internals_or_empty_parts_are_refused(tmp_path, key: str) -> None:  # type: ignore[no-untyped-def]
+    """A load registers a lazily set buffer where the module holds ``None``: a forged key naming one of torch's
+    own ``None`` attributes (``_is_full_backward_hook``), or with an empty part (``.lazy`` resolving to ``lazy``),
+    was registered over it. Refused, the module unchanged."""
+    import torchrl_dcp as tdcp
+    from tests import forging
+
+    torch.manual_seed(0)
+    path = tdcp.DistributedCheckpoint(m=_LazyBuffers()).save(tmp_path / "c")
+
+    def forge(m: dict) -> None:  # an extra key, an alias of a tensor the state holds
+        node = {"t": "alias", "key": "lin.bias", "device": "cpu", "dtype": "float32", "shape": [2]}
+        m["components"]["m"]["state"]["items"].append([key, node])
+
+    forging.edit(path, forge)
+    live = _LazyBuffers()
+    with pytest.raises(tdcp.IncompatibleComponentError, match="keys differ"):
+        tdcp.DistributedCheckpoint(m=live).load(path)
+    assert live._is_full_backward_hook is None and live.lin._is_full_backward_hook is None
+    assert live.state_dict().keys() == {"lin.weight", "lin.bias"} and live.plain is None
+
+
+def test_a_forged_grad_flag_never_touches_live_tensors(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``"grad": true`` forged on a module's buffer (read in place) or an optimizer's state: autograd was switched
+    on for the live tensors (a BatchNorm then failed its forward). Only fresh tensors read for a value are tracked."""
+    import torchrl_dcp as tdcp
+    from tests import forging
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Adam]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+        optim = torch.optim.Adam(model.parameters())
+        model(torch.randn(5, 3)).sum().backward()
+        optim.step()
+        return model, optim
+
+    model, optim = build()
+    path = tdcp.DistributedCheckpoint(policy=model, optim=optim).save(tmp_path / "c")
+
+    def forge(m: dict) -> None:
+        forging.tensor_node(m["components"]["policy"]["state"], "1.running_mean")["grad"] = True
+        for node in codec_nodes(m["components"]["optim"]["state"]):
+            if node.get("t") == "tensor":
+                node["grad"] = True
+
+    forging.edit(path, forge)
+    live, live_optim = build()
+    tdcp.DistributedCheckpoint(policy=live, optim=live_optim).load(path)
+    assert not live[1].running_mean.requires_grad
+    assert not any(t.requires_grad for s in live_optim.state.values() for t in s.values() if torch.is_tensor(t))
+    live.train()
+    live(torch.randn(5, 3)).sum().backward()  # trains on
+
+
+def codec_nodes(skeleton):  # type: ignore[no-untyped-def]
+    from torchrl_dcp.format.codec import walk_nodes
+
+    return list(walk_nodes(skeleton))

@@ -41,6 +41,7 @@ from torchrl_dcp.format.codec import (
     encode,
     is_dtensor,
     node_spec,
+    track,
     xref_key,
 )
 from torchrl_dcp.format.metadata_checks import WholeTensor, record_index, whole_tensor
@@ -575,6 +576,9 @@ def decode_states(comp: ComponentPlan, plan: LoadPlan, rank: int) -> dict[int, A
     states = {}
     for src_rank, state in comp.sources.items():
         tensors = {spec.key: plan.destination(f"{state.prefix}/{spec.key}") for spec in state.specs}
+        for spec in state.specs:  # saved while autograd tracked them: the fresh tensors read for them (not live ones)
+            if spec.grad and f"{state.prefix}/{spec.key}" not in plan.live:
+                track(tensors[spec.key])
         for ref_name, spec in state.refs:
             tensors[xref_key(ref_name, spec.key)] = plan.destination(
                 f"{key_prefix('replicated', ref_name, rank)}/{spec.key}"

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from torchrl_dcp.adapters.list_storage import LIST_KIND
+from torchrl_dcp.adapters.list_storage import LIST_KIND, check_list_entries
 from torchrl_dcp.adapters.state_kinds import integral_dtype
 from torchrl_dcp.format.codec import TensorSpec
 
@@ -33,6 +33,8 @@ def check_saved_buffer(saved: Any) -> None:
     if not isinstance(storage, Mapping):
         raise ValueError("its storage state is not a mapping")
     _check_saved_storage(storage)
+    if storage.get("kind") == LIST_KIND:
+        check_list_entries(storage)
     _check_saved_writer(saved.get("writer"), storage)
     _check_settings(saved)
     _check_own_tensors(saved, storage)

@@ -134,11 +134,26 @@ def list_items(saved: dict[str, Any], ctx: AdapterContext | None = None) -> list
     return [_item(entry, ctx, 0) for entry in items]
 
 
-def _item(entry: Any, ctx: AdapterContext | None, depth: int) -> Any:
-    """A saved entry (:func:`_entry`) rebuilt."""
+def check_list_entries(saved: dict[str, Any]) -> None:
+    """The saved transitions' structure (what :func:`list_items` rebuilds), checked without rebuilding them: what
+    ``verify`` and a load's planning check of every saved buffer."""
+    items = saved.get("items")
+    if not isinstance(items, list) or len(items) != saved.get("len"):
+        raise ValueError("its list storage state is malformed")
+    try:
+        for entry in items:
+            _item(entry, None, 0, build=False)
+    except CheckpointFormatError as err:  # (an adapter's check says ValueError: the load names the component)
+        raise ValueError(f"its list storage: {err.message}") from None
+
+
+def _item(entry: Any, ctx: AdapterContext | None, depth: int, build: bool = True) -> Any:
+    """A saved entry (:func:`_entry`) rebuilt (``build=False``: its structure checked, nothing built)."""
     if not isinstance(entry, dict) or len(entry) != 1 or not ({"td", "value", "seq", "map"} >= set(entry)):
         raise CheckpointFormatError("malformed list storage entry")
     if "td" in entry:
+        if not build:
+            return None
         return tensordict_from_state(entry["td"], ctx)
     if "value" in entry:
         return entry["value"]
@@ -146,9 +161,14 @@ def _item(entry: Any, ctx: AdapterContext | None, depth: int) -> Any:
         raise CheckpointFormatError(f"list storage entry nested more than {MAX_NESTING} deep")
     if "seq" in entry:
         seq = entry["seq"]
-        if not isinstance(seq, dict) or set(seq) != {"tuple", "items"} or not isinstance(seq["items"], list):
+        if (
+            not isinstance(seq, dict)
+            or set(seq) != {"tuple", "items"}
+            or type(seq["tuple"]) is not bool
+            or not isinstance(seq["items"], list)
+        ):
             raise CheckpointFormatError("malformed list storage entry")
-        values = [_item(e, ctx, depth + 1) for e in seq["items"]]
+        values = [_item(e, ctx, depth + 1, build) for e in seq["items"]]
         return tuple(values) if seq["tuple"] is True else values
     pairs = entry["map"]
     ok = isinstance(pairs, list) and all(
@@ -156,7 +176,7 @@ def _item(entry: Any, ctx: AdapterContext | None, depth: int) -> Any:
     )
     if not ok or len({p[0] for p in pairs}) != len(pairs):
         raise CheckpointFormatError("malformed list storage entry")
-    return {k: _item(e, ctx, depth + 1) for k, e in pairs}
+    return {k: _item(e, ctx, depth + 1, build) for k, e in pairs}
 
 
 def restore_list_storage(storage: ListStorage, items: list[Any]) -> None:

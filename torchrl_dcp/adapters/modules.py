@@ -207,6 +207,9 @@ def _unset_buffers(
         return {}
     out = {}
     for key in state.keys() - current.keys():
+        parts = str(key).split(".")
+        if not all(p.isidentifier() or p.isdigit() for p in parts) or parts[-1] in _MODULE_ATTRIBUTES:
+            continue  # ("a..b", ".x": no state key; torch's own attributes, e.g. _is_full_backward_hook: never state)
         prefix, _, leaf = str(key).rpartition(".")
         try:
             owner = obj.get_submodule(prefix) if prefix else obj
@@ -285,6 +288,8 @@ def _check_values(current: Mapping[str, Any], state: Any, name: str) -> set[str]
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+#: what every module has, by class or instance (torch's own attributes, some None): never a lazily set buffer
+_MODULE_ATTRIBUTES = frozenset(dir(torch.nn.Module())) | frozenset(vars(torch.nn.Module()))
 _EXTRA_STATE = "_extra_state"  # torch's key suffix for what ``get_extra_state()`` returns (any value)
 
 

@@ -68,14 +68,23 @@ class TensorSpec:
         (torch.Size([2, 3]), True)
     """
 
-    __slots__ = ("key", "shape", "dtype", "device", "dtensor")
+    __slots__ = ("key", "shape", "dtype", "device", "dtensor", "grad")
 
-    def __init__(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: str, dtensor: bool = False):
+    def __init__(
+        self,
+        key: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: str,
+        dtensor: bool = False,
+        grad: bool = False,
+    ):
         self.key = key
         self.shape = shape
         self.dtype = dtype
         self.device = device
         self.dtensor = dtensor  # saved from a DTensor (placement "sharded"): loaded into a DTensor destination
+        self.grad = grad  # saved while autograd tracked it: a fresh tensor read for it is tracked again
 
     def _astuple(self) -> tuple[Any, ...]:
         return (self.key, self.shape, self.dtype, self.device, self.dtensor)
@@ -431,7 +440,10 @@ def node_spec(node: dict[str, Any]) -> TensorSpec:
     dtype = _DTYPES.get(dtype_name_) if isinstance(dtype_name_, str) else None
     if dtype is None:
         dtype = dtype_from_name(dtype_name_)
-    return TensorSpec(key, tuple(shape), dtype, device, node.get("t") == "dtensor")
+    grad = node.get("grad", False)
+    if grad is not False and (grad is not True or node.get("t") != "tensor"):
+        raise CheckpointFormatError(f"malformed tensor entry {node!r}: 'grad' is true or absent")
+    return TensorSpec(key, tuple(shape), dtype, device, node.get("t") == "dtensor", grad)
 
 
 _DEVICES_SEEN: set[str] = set()  # device strings found valid (never "meta"); bounded below
@@ -553,16 +565,15 @@ def _decode_tensor(node: dict[str, Any], tensors: Mapping[str, Any], depth: int)
     key = node["key"] if node["t"] != "xref" else xref_key(node["component"], node["key"])
     if key not in tensors:
         raise CheckpointFormatError(f"the state names tensor {key!r}, which was not loaded")
-    value = tensors[key]
-    if grad and isinstance(value, torch.Tensor) and not value.requires_grad:
-        _track(value)
-    return value
+    return tensors[key]
 
 
-def _track(value: torch.Tensor) -> None:
-    """Make ``value`` (a tensor saved while autograd tracked it) tracked again, where autograd can track it."""
-    if value.is_leaf and (value.is_floating_point() or value.is_complex()) and not value.is_inference():
-        value.requires_grad_(True)
+def track(value: torch.Tensor) -> None:
+    """Make ``value``, a fresh tensor read for one saved while autograd tracked it (``grad`` in its node), tracked
+    again, where autograd can track it. Loads call it on the fresh tensors they read (never on live ones)."""
+    if not value.requires_grad and value.is_leaf and (value.is_floating_point() or value.is_complex()):
+        if not value.is_inference():
+            value.requires_grad_(True)
 
 
 def _decode_ndarray(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
