@@ -245,6 +245,29 @@ def test_a_prefetched_tensor_another_component_refers_to_is_read_once_for_both(t
     assert all(torch.equal(a, b) for a, b in zip(policy2.state_dict().values(), policy.state_dict().values()))
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("order", ["owner first", "reference first"])
+def test_a_reference_to_a_tensor_read_in_place_gets_the_saved_values(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefetch: bool, order: str
+) -> None:
+    """Two components that shared a module at save (the second stored as references to the first's tensors) load
+    into objects that do not share: the referring one was restored from the owner's live tensor before the final
+    in-place read filled it (its old values, silently)."""
+    if not prefetch:
+        monkeypatch.setattr(load_plan, "PREFETCH_MAX", 0)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 3)
+    path = tdcp.DistributedCheckpoint(a=lin, b=torch.nn.Sequential(lin)).save(tmp_path / "c")
+    torch.manual_seed(5)
+    lin2, other = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+    components = {"a": lin2, "b": torch.nn.Sequential(other)}
+    if order == "reference first":
+        components = dict(reversed(components.items()))
+    tdcp.DistributedCheckpoint(**components).load(path)
+    for module in (lin2, other):
+        assert torch.equal(module.weight, lin.weight) and torch.equal(module.bias, lin.bias)
+
+
 @pytest.mark.parametrize("damage", [False, True])
 def test_large_records_are_read_by_threads_in_turn_and_checksummed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: bool

@@ -92,6 +92,7 @@ def run_cases(root: str, cases: list[list[str]]) -> list[dict[str, Any]]:
             "problems": [],
             "must_refuse": mutation.must_refuse,
             "compatibility": mutation.compatibility,
+            "tools_only": mutation.tools_only,
             "unread": unread,  # only .metadata forged: loads do not read it, they restore the saved state
         }
         if error is not None:

@@ -59,7 +59,7 @@ def test_a_forged_two_rank_checkpoint_never_becomes_the_state_of_any_rank(tmp_pa
         else:
             if per_rank[0]["must_refuse"]:
                 problems.append(f"{case}: the load accepted a forgery the format promises to refuse")
-            if per_rank[0]["verify_error"] is not None:
+            if per_rank[0]["verify_error"] is not None and not per_rank[0]["tools_only"]:
                 problems.append(f"{case}: load accepted what verify refuses: {per_rank[0]['verify_error']}")
             problems += [f"{case}: rank {rank}: {p}" for rank, r in enumerate(per_rank) for p in r["problems"]]
     assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems[:40])

@@ -37,6 +37,7 @@ from torchrl_dcp.format.codec import (
     TensorSink,
     TensorSpec,
     decode,
+    dtype_from_name,
     dtype_name,
     encode,
     is_dtensor,
@@ -195,6 +196,8 @@ def plan_components(
                 continue
             assert reg.adapter is not None
             checked = check_states(name, rec, metadata, source, adapter=reg.adapter)
+            if rec["placement"] != "per_rank" or len(rec["ranks"]) == manifest["world_size"]:  # every rank's here
+                check_totals(name, rec, source)
             reshard = rec["placement"] == "per_rank" and manifest["world_size"] != world_size
             if reshard and not (reshard_allowed and reg.adapter.can_reshard):
                 why = (
@@ -427,6 +430,20 @@ def _backed_whole(saved: Any, records: Any, key: str, spec: TensorSpec, wholes: 
     return info is not None and info.length >= whole.nbytes
 
 
+def check_totals(name: str, rec: Mapping[str, Any], source: Any) -> None:
+    """A component's ``num_tensors`` and ``nbytes`` count its inventory (every rank's tensors: loads check it where
+    the manifest they read holds them all, ``verify`` always), as a save writes them (what ``inspect`` shows)."""
+    inventory = rec["inventory"]
+    nbytes = sum(math.prod(t["shape"]) * dtype_from_name(t["dtype"]).itemsize for t in inventory.values())
+    found = (rec.get("num_tensors"), rec.get("nbytes"))
+    if found != (len(inventory), nbytes):
+        raise CheckpointIntegrityError(
+            f"component {name!r} claims {found[0]} tensors of {found[1]} bytes, its inventory holds "
+            f"{len(inventory)} of {nbytes}: no save writes that; the manifest is damaged or forged",
+            path=source,
+        )
+
+
 def check_states(
     name: str, rec: dict[str, Any], metadata: Any, source: Any, *, adapter: Adapter | None = None
 ) -> dict[int, SavedState]:
@@ -561,6 +578,19 @@ def _references(
             if ref_key not in plan.fresh and ref_key not in plan.live:
                 check_backed(metadata, ref_key, spec, source)
                 plan.fresh[ref_key] = spec.empty(comp.ctx.device_for(spec.device))
+                continue
+            live = plan.live.get(ref_key)
+            if ref_key not in plan.fresh and live is not None:
+                # the component that stores it reads it in place, last: this one may be restored before that, so it
+                # gets the saved values read ahead (the prefetched buffer, or a fresh one), not the live tensor
+                if tuple(live.shape) != spec.shape or live.dtype != spec.dtype:
+                    raise CheckpointIntegrityError(
+                        f"component {comp.name!r} refers to {ref_key!r} as {spec.dtype} {list(spec.shape)}, which is "
+                        f"{live.dtype} {list(live.shape)}: the manifest is inconsistent or forged",
+                        path=source,
+                    )
+                ahead = plan.prefetched.get(ref_key)
+                plan.fresh[ref_key] = ahead if ahead is not None else spec.empty(comp.ctx.device_for(spec.device))
                 continue
             held = plan.destination(ref_key)  # planned by the component that stores it: the shapes must agree
             if tuple(held.shape) != spec.shape or held.dtype != spec.dtype:

@@ -9,18 +9,16 @@ Example:
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, CheckpointIntegrityError
-from torchrl_dcp.format.codec import dtype_from_name
 from torchrl_dcp.format.dcp_metadata import metadata_difference
 from torchrl_dcp.format.layout import MANIFEST, is_data_file
 from torchrl_dcp.format.manifest import unchecked
 from torchrl_dcp.format.record import stored_record
-from torchrl_dcp.load_plan import check_states
+from torchrl_dcp.load_plan import check_states, check_totals
 from torchrl_dcp.storage.archive import byte_counter
 from torchrl_dcp.storage.backends import open_source
 from torchrl_dcp.storage.source import CheckpointSource
@@ -122,23 +120,9 @@ def check_structure(src: Any) -> dict[str, Any]:
     src.check_identity([*listed, *(info.relative_path for info in metadata.storage_data.values())])
     states = {name: check_states(name, rec, metadata, where) for name, rec in manifest["components"].items()}
     for name, rec in manifest["components"].items():
-        _check_totals(name, rec, where)
+        check_totals(name, rec, where)
     _check_references(states, manifest["components"], where)
     return states
-
-
-def _check_totals(name: str, rec: dict[str, Any], where: Any) -> None:
-    """A component's ``num_tensors`` and ``nbytes`` count its inventory (every rank's tensors), as a save writes
-    them (what ``inspect`` shows)."""
-    inventory = rec["inventory"]
-    nbytes = sum(math.prod(t["shape"]) * dtype_from_name(t["dtype"]).itemsize for t in inventory.values())
-    found = (rec.get("num_tensors"), rec.get("nbytes"))
-    if found != (len(inventory), nbytes):
-        raise CheckpointIntegrityError(
-            f"component {name!r} claims {found[0]} tensors of {found[1]} bytes, its inventory holds "
-            f"{len(inventory)} of {nbytes}: no save writes that; the manifest is damaged or forged",
-            path=where,
-        )
 
 
 def _check_values(src: CheckpointSource, states: dict[str, Any], components: dict[str, Any], where: Any) -> None:
