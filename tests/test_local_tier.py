@@ -337,3 +337,29 @@ def test_a_pruned_step_leaves_nothing_of_its_own_behind(tmp_path: Path, caplog: 
     assert rotation.local.steps() == [4]
     assert sorted(str(p.relative_to(step)) for p in step.rglob("*")) == ["rank-00000", "rank-00000/notes.txt"]
     assert "notes.txt" in caplog.text
+
+
+def test_a_tier_that_keeps_failing_is_tried_on_its_schedule_only(tmp_path: Path) -> None:
+    """After a failed local save, the tier was tried (and warned about) at every following step: ``last_step`` moved
+    only when a save succeeded. A try counts: the next comes ``every_steps`` later."""
+    import warnings
+
+    ckpt, model, optimizer = _job()
+    (tmp_path / "local").write_text("a file where the tier should be")
+    rotation = _rotation(tmp_path, every=3, shared_every=100)
+    with warnings.catch_warnings(record=True) as heard:
+        warnings.simplefilter("always")
+        _train(ckpt, model, optimizer, rotation, 0, 7)
+    tried = [str(w.message).split(" was not saved")[0] for w in heard if w.category is tdcp.LocalTierWarning]
+    assert tried == ["step 3", "step 6"]
+
+
+def test_removing_a_tree_under_a_file_finds_nothing(tmp_path: Path) -> None:
+    """A file where a parent directory should be (a tier path planted as a file): ``remove_tree`` raised a bare
+    ``NotADirectoryError``, which stopped a rank from draining the replicas sent to it (its peers then waited for
+    the collective timeout)."""
+    from torchrl_dcp.storage.commit import remove_tree
+
+    (tmp_path / "f").write_text("x")
+    assert remove_tree(tmp_path / "f" / "staging") == []
+    assert (tmp_path / "f").read_text() == "x"

@@ -209,13 +209,17 @@ class LocalTier:
             except Exception as err:  # raised below, after the peers know
                 failure = err
             # the peers are told of a failure instead of waiting for a part that will not come
-            exchange_entries(
-                [(own, t) for t in targets],
-                [(step_dir / f"rank-{s:05d}", s) for s in sources],
-                group,
-                send_error=None if failure is None else f"its own save failed: {failure}",
-            )
-            if failure is not None:
+            try:
+                exchange_entries(
+                    [(own, t) for t in targets],
+                    [(step_dir / f"rank-{s:05d}", s) for s in sources],
+                    group,
+                    send_error=None if failure is None else f"its own save failed: {failure}",
+                )
+            except (OSError, CheckpointError):
+                if failure is None:
+                    raise
+            if failure is not None:  # (its own failure says more than what the exchange met after it)
                 raise failure
             return uuid.uuid4().hex
 

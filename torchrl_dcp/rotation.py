@@ -340,6 +340,7 @@ class CheckpointRotation:
             try:
                 self._save_local(ckpt, decision.step, metadata)
             except CheckpointError as err:  # (every rank hears of it): a fast-recovery copy, not the job's own
+                self.local.last_step = decision.step  # tried: the next try comes every_steps later, not each step
                 warnings.warn(
                     LocalTierWarning(
                         f"step {decision.step} was not saved to the local tier ({err}); the job goes on, and the "

@@ -286,7 +286,7 @@ def remove_tree(path: Path) -> list[str]:
     descriptors opened ``O_NOFOLLOW``)."""
     try:
         st = os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # (a file where a parent directory should be: nothing here)
         return []
     if not stat.S_ISDIR(st.st_mode):
         path.unlink(missing_ok=True)
