@@ -178,6 +178,7 @@ def test_a_module_value_that_is_no_tensor_is_refused_before_any_copy(tmp_path: P
     info = load_into_fresh(path)  # the inventory still names the bias tensor: refused while planning
     assert "replicated/model/bias" in str(info.value) and "inventory" in str(info.value)
     m["components"]["model"]["inventory"].pop("replicated/model/bias")
+    m["components"]["model"].update(num_tensors=1, nbytes=24)  # the totals recounted, as a forger would
     forging.write_parts(path, m)
     info = load_into_fresh(path)  # the manifest's storage entries still place the bias, which nothing holds now
     assert "replicated/model/bias" in str(info.value) and "does not hold" in str(info.value)

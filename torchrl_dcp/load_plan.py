@@ -579,19 +579,10 @@ def _references(
                 check_backed(metadata, ref_key, spec, source)
                 plan.fresh[ref_key] = spec.empty(comp.ctx.device_for(spec.device))
                 continue
-            live = plan.live.get(ref_key)
-            if ref_key not in plan.fresh and live is not None:
-                # the component that stores it reads it in place, last: this one may be restored before that, so it
-                # gets the saved values read ahead (the prefetched buffer, or a fresh one), not the live tensor
-                if tuple(live.shape) != spec.shape or live.dtype != spec.dtype:
-                    raise CheckpointIntegrityError(
-                        f"component {comp.name!r} refers to {ref_key!r} as {spec.dtype} {list(spec.shape)}, which is "
-                        f"{live.dtype} {list(live.shape)}: the manifest is inconsistent or forged",
-                        path=source,
-                    )
-                ahead = plan.prefetched.get(ref_key)
-                plan.fresh[ref_key] = ahead if ahead is not None else spec.empty(comp.ctx.device_for(spec.device))
-                continue
+            if ref_key not in plan.fresh and ref_key in plan.live:
+                # the component that stores it reads it in place, last: this one is restored after that read too
+                # (it takes the live tensor, filled then: shared as saved, or its values copied)
+                comp.in_place = True
             held = plan.destination(ref_key)  # planned by the component that stores it: the shapes must agree
             if tuple(held.shape) != spec.shape or held.dtype != spec.dtype:
                 raise CheckpointIntegrityError(
