@@ -440,10 +440,15 @@ def node_spec(node: dict[str, Any]) -> TensorSpec:
     dtype = _DTYPES.get(dtype_name_) if isinstance(dtype_name_, str) else None
     if dtype is None:
         dtype = dtype_from_name(dtype_name_)
+    return TensorSpec(key, tuple(shape), dtype, device, node.get("t") == "dtensor", _grad(node))
+
+
+def _grad(node: dict[str, Any]) -> bool:
+    """A tensor node's ``grad`` flag: ``true`` (on a ``tensor`` node) or absent."""
     grad = node.get("grad", False)
     if grad is not False and (grad is not True or node.get("t") != "tensor"):
         raise CheckpointFormatError(f"malformed tensor entry {node!r}: 'grad' is true or absent")
-    return TensorSpec(key, tuple(shape), dtype, device, node.get("t") == "dtensor", grad)
+    return grad
 
 
 _DEVICES_SEEN: set[str] = set()  # device strings found valid (never "meta"); bounded below
@@ -557,23 +562,13 @@ def _decode(node: Any, tensors: Mapping[str, Any], depth: int) -> Any:
 
 
 def _decode_tensor(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
-    grad = node.get("grad", False)
-    if grad is not False and (grad is not True or node["t"] != "tensor"):
-        raise CheckpointFormatError(f"malformed tensor entry {node!r}: 'grad' is true or absent")
+    _grad(node)
     if isinstance(tensors, TensorSink):
         return tensors.take(node)
     key = node["key"] if node["t"] != "xref" else xref_key(node["component"], node["key"])
     if key not in tensors:
         raise CheckpointFormatError(f"the state names tensor {key!r}, which was not loaded")
     return tensors[key]
-
-
-def track(value: torch.Tensor) -> None:
-    """Make ``value``, a fresh tensor read for one saved while autograd tracked it (``grad`` in its node), tracked
-    again, where autograd can track it. Loads call it on the fresh tensors they read (never on live ones)."""
-    if not value.requires_grad and value.is_leaf and (value.is_floating_point() or value.is_complex()):
-        if not value.is_inference():
-            value.requires_grad_(True)
 
 
 def _decode_ndarray(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
