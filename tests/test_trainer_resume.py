@@ -455,3 +455,56 @@ def test_a_prioritized_buffer_only_register_op_reaches_is_saved_and_resumed(tmp_
     buffer.set_rng(g1)
     restored.set_rng(g2)
     assert torch.equal(buffer.sample()["index"], restored.sample()["index"])
+
+
+class _SeenRewards:
+    """A user's hook whose state is empty until it has seen a batch (a dict it fills as it goes)."""
+
+    def __new__(cls, scale: float) -> Any:
+        from torchrl.trainers import TrainerHookBase
+
+        class SeenRewards(TrainerHookBase):
+            def __init__(self, scale: float) -> None:
+                self.scale = scale
+                self.seen: dict[str, float] = {}
+
+            def __call__(self, batch: Any) -> Any:
+                self.seen["sum"] = self.seen.get("sum", 0.0) + self.scale * float(batch["next", "reward"].sum())
+                return batch
+
+            def state_dict(self) -> dict[str, Any]:
+                return dict(self.seen)
+
+            def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+                self.seen = dict(state_dict)
+
+            def register(self, trainer: Any, name: str = "seen") -> None:
+                trainer.register_op("batch_process", self)
+
+        SeenRewards.__module__ = __name__  # (a user's module, not torchrl's)
+        SeenRewards.__qualname__ = "SeenRewards"
+        return SeenRewards(scale)
+
+
+def test_a_users_hook_whose_state_starts_empty_is_resumed_in_its_own_slot(tmp_path: Path) -> None:
+    """A user's hook with an empty state in a fresh process was not found at the resume: its saved state was
+    skipped (silently), and a second hook of its class took the first one's name and so its state. A hook outside
+    torchrl with a ``state_dict`` of its own is found whatever its state holds."""
+
+    def two_hooks(trainer):
+        hooks = [_SeenRewards(1.0), _SeenRewards(-2.0)]
+        for hook in hooks:
+            hook.register(trainer)
+        return hooks
+
+    trainer, saved = _sac_trainer(tmp_path, 32, two_hooks)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    trainer.checkpoint_rotation.close()
+    assert saved[0].seen and saved[1].seen and saved[0].seen != saved[1].seen
+    trainer2, restored = _sac_trainer(tmp_path, 64, two_hooks)
+    assert not restored[0].seen and not restored[1].seen
+    info = tdcp.resume(trainer2.checkpoint, tmp_path)
+    assert info is not None and {"trainer_op.SeenRewards", "trainer_op.SeenRewards.2"} <= set(info.result.loaded)
+    assert [h.seen for h in restored] == [h.seen for h in saved]

@@ -103,8 +103,8 @@ def register_op_hooks(ckpt: Any) -> None:
 
 
 def _state_holder(owner: Any, trainer: Any) -> Any:
-    """What holds the state of an op bound to ``owner`` (``None``: nothing to save): a torchrl ``TrainerHookBase``
-    with a non-empty state; the object a hook without a ``state_dict`` of its own wraps (``TargetNetUpdaterHook``: its
+    """What holds the state of an op bound to ``owner`` (``None``: nothing to save): a ``TrainerHookBase`` with a
+    ``state_dict`` of its own (torchrl's only when that state is non-empty: theirs that keep none return ``{}``); the object a hook without a ``state_dict`` of its own wraps (``TargetNetUpdaterHook``: its
     target updater's counter); an object whose bound method is the op (``register_op("post_optim", sched.step)``:
     the LR scheduler's position: LR schedulers and target updaters, the same on every rank, not a rank's own logger).
     Never the Trainer itself, whose own methods are ops."""
@@ -115,7 +115,10 @@ def _state_holder(owner: Any, trainer: Any) -> Any:
     if not isinstance(owner, TrainerHookBase):  # (an object of the job's state, the same on every rank)
         return owner if isinstance(owner, _op_owners()) else None
     try:
-        return owner if owner.state_dict() else None
+        state = owner.state_dict()
+        # torchrl's own hooks that keep nothing return an empty state always; a user's hook may hold none yet (a
+        # fresh process before its first batch): found all the same, so that it is restored, and named as at save
+        return owner if state or not type(owner).__module__.startswith("torchrl.") else None
     except NotImplementedError:  # (torchrl's base class: a hook that keeps no state, or whose state is what it wraps)
         attr = WRAPPING_HOOKS.get(type(owner).__name__)
         return getattr(owner, attr, None) if attr is not None else None
