@@ -46,5 +46,8 @@ def test_a_local_save_that_fails_on_one_rank_warns_every_rank_without_a_hang(tmp
     )
     assert zero["error"] is None and one["error"] is None  # the job goes on
     assert len(one["warned"]) == 1 and "this component cannot be saved" in one["warned"][0]
+    # said from the rank that failed (its part is saved as a world of one, whose errors said "rank 0"), with what to do
+    assert one["warned"][0].startswith("rank 1: step 2 was not saved") and "rank 0" not in one["warned"][0]
+    assert "keep_last=2" in one["warned"][0] and "tried again at step 3" in one["warned"][0]
     assert len(zero["warned"]) == 1 and "step 2 was not saved to the local tier" in zero["warned"][0]
     assert zero["steps"] == one["steps"] == [1]  # step 2 was never committed on either node

@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import os
+import re
 import time
 import warnings
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -341,13 +342,7 @@ class CheckpointRotation:
                 self._save_local(ckpt, decision.step, metadata)
             except CheckpointError as err:  # (every rank hears of it): a fast-recovery copy, not the job's own
                 self.local.last_step = decision.step  # tried: the next try comes every_steps later, not each step
-                warnings.warn(
-                    LocalTierWarning(
-                        f"step {decision.step} was not saved to the local tier ({err}); the job goes on, and the "
-                        "shared tier's saves are made as scheduled"
-                    ),
-                    stacklevel=3,
-                )
+                warnings.warn(LocalTierWarning(self._local_failure(ckpt, decision.step, err)), stacklevel=3)
         if not (force or decision.due or decision.preempted):
             return None
         step, started = decision.step, time.monotonic()
@@ -375,6 +370,20 @@ class CheckpointRotation:
         self._in_flight = ckpt
         self._last_step, self._last_time = step, started
         return handle
+
+    def _local_failure(self, ckpt: Any, step: int, err: CheckpointError) -> str:
+        """A failed local save, said from this rank: its part is saved as a world of one, whose errors say rank 0."""
+        from torchrl_dcp import _dist
+
+        rank = _dist.group_rank(ckpt._control_group())
+        text = re.sub(r"\brank 0\b", f"rank {rank}", str(err)) if rank else str(err)
+        tier = self.local
+        return (
+            f"rank {rank}: step {step} was not saved to the local tier {tier.path} ({text}); the job goes on, the "
+            f"shared tier's saves are made as scheduled, and the tier is tried again at step {step + tier.every_steps}."
+            f" The tier holds up to keep_last={tier.keep_last} steps of each rank's part and its replicas "
+            f"(replicas={tier.replicas}): give it that room (docs/recovery.md, Sizing) or lower keep_last or replicas"
+        )
 
     def _save_local(self, ckpt: Any, step: int, metadata: Mapping[str, Any] | None) -> Path:
         from torchrl_dcp.local_tier import tier_identity
