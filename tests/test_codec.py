@@ -257,3 +257,49 @@ def test_a_tensor_autograd_tracked_comes_back_tracked(tmp_path) -> None:  # type
     (path / "manifest.json").write_text(json.dumps(seal(forged)))
     with pytest.raises(tdcp.CheckpointFormatError, match="'grad' is true or absent"):
         tdcp.DistributedCheckpoint(x={}).load(path, components=["x"])
+
+
+def test_a_tensor_laid_out_densely_comes_back_in_its_layout(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A transposed or channels-last tensor, a Fortran-ordered array (in a dict, in a list storage) came back
+    row-major where ``torch.load`` keeps the layout (and an op on it may round differently). Fresh tensors are
+    allocated with the saved strides; a forged stride that is not a dense layout of the shape is refused."""
+    import json
+
+    import numpy as np
+    from torchrl.data import ListStorage, ReplayBuffer
+
+    import torchrl_dcp as tdcp
+    from torchrl_dcp.format.manifest import CHECKSUM_FIELD, seal
+
+    state = {
+        "t": torch.randn(300, 500).t(),  # (large: read through a view of its destination when contiguous)
+        "small": torch.randn(3, 4).t(),
+        "cl": torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last),
+        "f": np.asfortranarray(np.random.randn(3, 4)),
+        "reversed": np.arange(5.0)[::-1],  # (torch cannot view negative strides: saved row-major)
+        "part": torch.randn(6, 6)[:, :3],  # (a view of part of a larger tensor: saved row-major)
+    }
+    rb = ReplayBuffer(storage=ListStorage(4))
+    rb.extend([torch.randn(4, 3).t(), np.asfortranarray(np.ones((2, 3)))])
+    path = tdcp.DistributedCheckpoint(x=state, buffer=rb).save(tmp_path / "c")
+    fresh, rb2 = {}, ReplayBuffer(storage=ListStorage(4))
+    tdcp.DistributedCheckpoint(x=fresh, buffer=rb2).load(path)
+    for key in ("t", "small", "cl"):
+        assert fresh[key].stride() == state[key].stride() and torch.equal(fresh[key], state[key]), key
+    assert fresh["f"].strides == state["f"].strides and np.array_equal(fresh["f"], state["f"])
+    assert np.array_equal(fresh["reversed"], state["reversed"]) and fresh["reversed"].flags.c_contiguous
+    assert fresh["part"].is_contiguous() and torch.equal(fresh["part"], state["part"])
+    saved, loaded = rb._storage._storage, rb2._storage._storage
+    assert loaded[0].stride() == saved[0].stride() == (1, 3) and loaded[1].strides == saved[1].strides
+
+    raw = json.loads((path / "manifest.json").read_text())
+    for bad in ("[1, 1]", "[0, 500]", "[1]", '[1, "500"]', "[1, -500]", "[1, 501]"):
+        text = json.dumps(raw).replace('"stride": [1, 500]', f'"stride": {bad}')
+        assert text != json.dumps(raw)
+        forged = json.loads(text)
+        forged.pop(CHECKSUM_FIELD)
+        (path / "manifest.json").write_text(json.dumps(seal(forged)))
+        with pytest.raises(tdcp.CheckpointFormatError, match="'stride'"):
+            tdcp.DistributedCheckpoint(x={}).load(path, components=["x"])
+        with pytest.raises(tdcp.CheckpointFormatError, match="'stride'"):
+            tdcp.verify(path)

@@ -360,7 +360,10 @@ def _destinations(comp: ComponentPlan, views: dict[int, Any], plan: LoadPlan, me
                 if device is None:
                     device = devices[spec.device] = comp.ctx.device_for(spec.device)
                 # sizes as arguments: parsed 30 % faster than one tuple (0.75 µs a tensor; 5,000-tensor loads)
-                dest = torch.empty(*spec.shape, dtype=spec.dtype, device=device) if spec.shape else spec.empty(device)
+                if spec.shape and spec.stride is None:
+                    dest = torch.empty(*spec.shape, dtype=spec.dtype, device=device)
+                else:
+                    dest = spec.empty(device)
             plan.fresh[key] = dest
 
 
