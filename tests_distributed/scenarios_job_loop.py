@@ -219,3 +219,24 @@ def two_checkpoints_one_saving_in_the_background(directory: str) -> dict[str, An
         handle.wait()
     a.close()
     return {"exact": torch.equal(model.weight, saved), "verified": [str(tdcp.verify(f"{directory}/a2")["path"])]}
+
+
+def a_rank_absent_from_the_step_agreement(root: str, where: str) -> dict[str, Any]:
+    """Rank 1 never reaches the rotation's per-step agreement (``maybe_save``, no monitored barrier there) or a
+    resume's listing: the others' errors name it, and a resume's says nothing was saved."""
+    rank = dist.get_rank()
+    ckpt = tdcp.DistributedCheckpoint(model=torch.nn.Linear(2, 2), timeout=4)
+    rotation = tdcp.CheckpointRotation(root, every_steps=100, preemption_signals=("SIGUSR1",))
+    rotation.maybe_save(ckpt, 1)  # (the checkpoint groups exist: the next failure is the exchange's own)
+    rotation.save(ckpt, step=1)
+    if rank == 1:
+        time.sleep(20)
+        return {"message": None}
+    try:
+        if where == "agreement":
+            rotation.maybe_save(ckpt, 2)
+        else:
+            rotation.resume(ckpt)
+    except tdcp.CollectiveError as err:
+        return {"message": str(err)}
+    return {"message": "no error"}

@@ -25,10 +25,14 @@ Example:
 from __future__ import annotations
 
 import atexit
+import contextlib
+import contextvars
 import datetime
 import gc
 import hashlib
 import re
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -43,6 +47,7 @@ _GROUPS: dict[tuple[int, float | None, int | None, str], Any] = {}
 _TIMEOUTS: dict[int, datetime.timedelta] = {}
 _NAMES: dict[int, str] = {}  # from what the group is (timeout, members, purpose): the same on every member
 _SEQ: dict[int, int] = {}
+_CALLS: dict[int, int] = {}  # collectives run on each group, in the same order on every member (absent-rank keys)
 _CREATED: dict[str, int] = {}  # groups created per name (timeout, members, purpose): the next one's number
 _SILENT = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 
@@ -53,6 +58,7 @@ def forget_groups() -> None:
     _TIMEOUTS.clear()
     _NAMES.clear()
     _SEQ.clear()
+    _CALLS.clear()
     _CREATED.clear()
 
 
@@ -266,13 +272,29 @@ def sync(group: Any, phase: str) -> None:
     ) from None
 
 
+_READING: contextvars.ContextVar[bool] = contextvars.ContextVar("torchrl_dcp_reading", default=False)
+
+
+@contextlib.contextmanager
+def reading() -> Iterator[None]:
+    """Collectives inside run for a load or a resume: their failures say nothing was written (not "committed")."""
+    token = _READING.set(True)
+    try:
+        yield
+    finally:
+        _READING.reset(token)
+
+
 #: phases that run once the save is committed (its manifest published): a failure there leaves it committed, or
 #: not, depending on how far the coordinator got
 AFTER_COMMIT = frozenset({"confirming the commit", "rotating checkpoints"})
 
 
 def outcome(phase: str) -> str:
-    """What a collective failure in ``phase`` left: nothing committed, or, after the commit, a save that may be."""
+    """What a collective failure in ``phase`` left: nothing committed, or, after the commit, a save that may be (a
+    load's: nothing written)."""
+    if _READING.get():
+        return "Nothing was saved; the checkpoints being read are unchanged."
     if phase in AFTER_COMMIT:
         return (
             "The checkpoint may be committed (this phase runs after its commit): `latest()` or `verify` says; the "
@@ -294,15 +316,50 @@ def _last_line(text: str) -> str:
 
 
 def _collective(fn: Any, phase: str, group: Any = None) -> Any:
+    call = 0
+    if group is not None:
+        call = _CALLS[id(group)] = _CALLS.get(id(group), 0) + 1
     try:
         return fn()
     except RuntimeError as err:
         if group is not None:
             _discard(group)
+            absent = _absent_ranks(group, call)
+            if absent:
+                who = f"rank{'s' if len(absent) > 1 else ''} {_ranks_named(group, ', '.join(map(str, absent)))}"
+                raise CollectiveError(
+                    f"{who} did not reach the checkpoint collective ({phase}) within "
+                    f"{group_timeout(group).total_seconds():g} s: stuck or dead. {outcome(phase)} Check that rank's "
+                    f"log; raise DistributedCheckpoint(timeout=...) if it is only slow (gloo: {_last_line(str(err))})"
+                ) from None
         raise CollectiveError(
             f"checkpoint collective ({phase}) failed: a rank died, the connection broke or a rank did not answer "
             f"within the timeout (gloo: {_last_line(str(err))}). {outcome(phase)}"
         ) from None
+
+
+def _absent_ranks(group: Any, call: int) -> list[int]:
+    """After collective number ``call`` of ``group`` failed here: the members that never reached it (``[]`` when
+    every member did, or when the job's store cannot say). Each member whose collective failed publishes its arrival
+    in the store and waits a little for the others'; a rank stuck elsewhere (or dead) publishes nothing. Costs
+    nothing until a collective fails (collectives taken at every step run without a monitored barrier)."""
+    store = _store()
+    if store is None:
+        return []
+    try:
+        me, size = dist.get_rank(group), dist.get_world_size(group)
+        prefix = f"torchrl_dcp/arrived/{_NAMES.get(id(group), 'g')}/{call}/"
+        store.set(f"{prefix}{me}", b"1")
+        arrived = store.add(f"{prefix}count", 1)
+        deadline = time.monotonic() + min(10.0, group_timeout(group).total_seconds())
+        while arrived < size and time.monotonic() < deadline:
+            time.sleep(0.05)
+            arrived = store.add(f"{prefix}count", 0)
+        if arrived >= size:
+            return []
+        return [r for r in range(size) if not store.check([f"{prefix}{r}"])]
+    except Exception:  # noqa: BLE001 - the store is gone with the rank that hosted it: the plain error then
+        return []
 
 
 _TAG = "torchrl_dcp"

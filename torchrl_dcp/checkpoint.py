@@ -552,7 +552,7 @@ class DistributedCheckpoint:
             world_size_change=world_size_change,
             verify=verify,
         )
-        with gc_paused():
+        with gc_paused(), _dist.reading():  # (a collective's failure then says nothing was saved)
             if is_torchrl_checkpoint(request.path):  # (a URL never is: torchrl writes local paths)
                 from torchrl_dcp.torchrl_format.importer import import_load
 

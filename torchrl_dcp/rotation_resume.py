@@ -70,6 +70,13 @@ def resume_rotation(rotation: Any, ckpt: Any, fallback: bool, load_kwargs: dict[
     than the shared tier's newest entry, else the newest loadable shared entry (asking the local tier again before each
     older one once a newer proved damaged); newer local steps are then forgotten. Starting fresh while entries are
     there is warned about, naming them."""
+    from torchrl_dcp import _dist
+
+    with _dist.reading():  # (a collective's failure then says nothing was saved)
+        return _resume(rotation, ckpt, fallback, load_kwargs)
+
+
+def _resume(rotation: Any, ckpt: Any, fallback: bool, load_kwargs: dict[str, Any]) -> ResumeInfo | None:
     from torchrl_dcp.collective import broadcast_step
 
     settle_pending(ckpt)
