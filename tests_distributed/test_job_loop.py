@@ -160,7 +160,13 @@ def test_a_rank_absent_from_an_unmonitored_exchange_is_named(tmp_path: Path, whe
     that never came was reported as "a rank died ... or did not answer". The ranks whose exchange failed now say in
     the job's store that they came, and name the others; a load's or resume's failure no longer says "nothing was
     committed" (nothing was being saved)."""
-    results = launch("tests_distributed.scenarios_job_loop:a_rank_absent_from_the_step_agreement", 2, str(tmp_path / "run"), where, timeout=120)
+    results = launch(
+        "tests_distributed.scenarios_job_loop:a_rank_absent_from_the_step_agreement",
+        2,
+        str(tmp_path / "run"),
+        where,
+        timeout=120,
+    )
     message = results[0].value["message"]
     assert message.startswith("rank 1 did not reach the checkpoint collective"), message
     if where == "resume":
