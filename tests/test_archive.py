@@ -108,10 +108,13 @@ def _rewrite(
     rename: dict[str, str] | None = None,
     extra: dict[str, bytes] | None = None,
     compress: str | None = None,
+    drop: str | None = None,
 ) -> Path:
-    """A copy of ``archive`` with members renamed, added or compressed (built with stock zipfile)."""
+    """A copy of ``archive`` with members renamed, added, compressed or dropped (built with stock zipfile)."""
     with zipfile.ZipFile(archive) as src, zipfile.ZipFile(out, "w") as dst:
         for info in src.infolist():
+            if info.filename == drop:
+                continue
             data = src.read(info)
             name = (rename or {}).get(info.filename, info.filename)
             ctype = zipfile.ZIP_DEFLATED if info.filename == compress else zipfile.ZIP_STORED
@@ -487,15 +490,22 @@ def test_a_member_added_among_a_rank_s_own_files_is_refused_when_the_archive_is_
     assert "__0_0.distcp" not in root["files"] and root["rank_files"] == [[1, (path / "__0_0.distcp").stat().st_size]]
     archive = tdcp.to_archive(path, tmp_path / "c.zip")
     assert fresh()[0].load(archive).step == 12  # its own file is a member, found through rank 0's shard
-    bad = _rewrite(archive, tmp_path / "extra.zip", extra={"__0_9.distcp": b"x"})
-    for action in (
-        lambda: fresh()[0].load(bad),
-        lambda: tdcp.verify(bad),
-        lambda: tdcp.read_manifest(bad),
-        lambda: tdcp.to_directory(bad, tmp_path / "o"),
+    extra = _rewrite(archive, tmp_path / "extra.zip", extra={"__0_9.distcp": b"x"})
+    # (named as a directory names it: rank 0's shard, read then, lists its own files; an archive that lacks one
+    # named the shard and its counts instead of the missing member)
+    missing = _rewrite(archive, tmp_path / "missing.zip", drop="__0_0.distcp")
+    for bad, match in (
+        (extra, r"extra.zip::__0_9.distcp: member not listed in the manifest"),
+        (missing, r"missing.zip::__0_0.distcp: member listed in the manifest is missing"),
     ):
-        with pytest.raises(tdcp.CheckpointIntegrityError, match=r"rank 0's own data and chunk files here \(__0_0"):
-            action()
+        for action in (
+            lambda bad=bad: fresh()[0].load(bad),
+            lambda bad=bad: tdcp.verify(bad),
+            lambda bad=bad: tdcp.read_manifest(bad),
+            lambda bad=bad: tdcp.to_directory(bad, tmp_path / "o"),
+        ):
+            with pytest.raises(tdcp.CheckpointIntegrityError, match=match):
+                action()
     assert not (tmp_path / "o").exists()
 
 

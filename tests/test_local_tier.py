@@ -351,7 +351,7 @@ def test_a_tier_that_keeps_failing_is_tried_on_its_schedule_only(tmp_path: Path)
         warnings.simplefilter("always")
         _train(ckpt, model, optimizer, rotation, 0, 7)
     tried = [str(w.message).split(" was not saved")[0] for w in heard if w.category is tdcp.LocalTierWarning]
-    assert tried == ["step 3", "step 6"]
+    assert tried == ["rank 0: step 3", "rank 0: step 6"]
 
 
 def test_removing_a_tree_under_a_file_finds_nothing(tmp_path: Path) -> None:
@@ -363,3 +363,18 @@ def test_removing_a_tree_under_a_file_finds_nothing(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("x")
     assert remove_tree(tmp_path / "f" / "staging") == []
     assert (tmp_path / "f").read_text() == "x"
+
+
+def test_a_damaged_local_step_is_warned_about_before_the_shared_tier_resumes(tmp_path: Path) -> None:
+    """A local step that cannot be restored (one flipped byte) sent the resume to the shared tier with only a log
+    record, which the library's null handler hides: the newer local step was lost unseen, where a damaged shared
+    entry is warned about."""
+    ckpt, model, optimizer = _job()
+    _train(ckpt, model, optimizer, _rotation(tmp_path), 0, 12)  # local 12, shared 10
+    part = tmp_path / "local" / "step-000000000012" / "rank-00000" / "__0_shared.distcp"
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 1
+    part.write_bytes(bytes(data))
+    with pytest.warns(tdcp.LocalTierWarning, match=r"step 12 could not be restored .*__0_shared.distcp.*shared tier"):
+        info = _rotation(tmp_path).resume(_job(1)[0])
+    assert (info.step, info.tier) == (10, "shared")

@@ -179,6 +179,38 @@ def test_missing_prefix_is_not_found(store: tuple[str, dict[str, Any]]) -> None:
         _ckpt(_objects(11), options).load(f"{url}/nothing")
 
 
+def test_a_bucket_that_does_not_exist_is_said_never_taken_for_an_empty_prefix(s3: Any) -> None:
+    """A typo in the bucket's name: a resume returned None (start fresh, silently) and a load said "nothing under
+    this prefix"; the job learnt it only at its first save."""
+    options = s3.storage_options
+    url = "s3://no-such-bucket-tdcp/run"
+    ckpt = _ckpt(_objects(11), options)
+    for action in (
+        lambda: tdcp.CheckpointRotation(url, storage_options=options).resume(ckpt),
+        lambda: tdcp.CheckpointRotation(url, storage_options=options).latest(),
+        lambda: ckpt.load(f"{url}/step-1"),
+        lambda: tdcp.verify(f"{url}/step-1", storage_options=options),
+    ):
+        with pytest.raises(tdcp.CheckpointError, match=r"its bucket does not exist \('no-such-bucket-tdcp'") as err:
+            action()
+        assert not isinstance(err.value, tdcp.CheckpointNotFoundError)
+
+
+def test_a_missing_shard_object_is_said_as_the_other_backends_say_it(store: tuple[str, dict[str, Any]]) -> None:
+    url, options = store
+    _ckpt(_objects(12), options).save(f"{url}/c")
+    gone = resolve_path(f"{url}/c/{shard_name(0)}", options)
+    gone.fs.rm_file(gone.key)
+    for action in (
+        lambda: _ckpt(_objects(13), options).load(f"{url}/c"),
+        lambda: tdcp.verify(f"{url}/c", storage_options=options),
+    ):
+        with pytest.raises(
+            tdcp.CheckpointIntegrityError, match="manifest-0.json: object listed in the manifest is missing"
+        ):
+            action()
+
+
 # ---------------------------------------------------------------------- damaged and hostile objects
 def _damage(url: str, options: dict[str, Any], name: str, how: str) -> None:
     obj = resolve_path(f"{url}/c/{name}", options)

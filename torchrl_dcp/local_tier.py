@@ -44,6 +44,7 @@ import re
 import socket
 import stat
 import uuid
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -53,7 +54,7 @@ from torchrl_dcp import _dist, load_engine
 from torchrl_dcp._gc import gc_paused
 from torchrl_dcp._log import get_logger
 from torchrl_dcp.collective import run_step
-from torchrl_dcp.errors import CheckpointError, from_os_error
+from torchrl_dcp.errors import CheckpointError, LocalTierWarning, from_os_error
 from torchrl_dcp.load_plan import LoadPlan
 from torchrl_dcp.peer_copy import exchange_entries
 from torchrl_dcp.save_policy import SaveSchedule
@@ -409,8 +410,10 @@ class LocalTier:
             # every rank undoes what it restored (restoring a snapshot twice is harmless): the shared tier is next
             problems = load_engine.rollback(list(loading["plan"].components.values())) if "plan" in loading else []
             note = f"; could not roll back {', '.join(problems)}" if problems else ""
-            logger.warning("local tier %s: step %d could not be restored on every rank (%s%s): the shared tier is next",
-                           self.path, step, err, note)  # fmt: skip
+            text = f"local tier {self.path}: step {step} could not be restored on every rank ({err}{note})"
+            text += "; the shared tier is next"
+            logger.warning("%s", text)
+            warnings.warn(LocalTierWarning(text), stacklevel=4)  # (as a damaged shared entry is: never unseen)
             return None
         self.last_step = step
         logger.info("local tier %s: resumed step %d (%s)", self.path, step, tier)

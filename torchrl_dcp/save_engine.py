@@ -513,7 +513,10 @@ def run(job: SaveJob) -> Any:
     except BaseException:
         job.encoded.settle(None)
         if job.rank == 0:
-            target.abandon()
+            try:
+                target.abandon()
+            except OSError as err:  # (the save's own failure is the one to raise; this one is said)
+                logger.warning("%s: removing what the failed save left failed: %s", job.location.path, err)
         raise
     finally:
         target.release()

@@ -239,6 +239,7 @@ def check_listing(
     counted = root.get("rank_files")
     found: dict[int, list[int]] = {}
     names: dict[int, list[str]] = {}
+    sizes: dict[str, int] = {}
     for name, size in listing:
         if name == MANIFEST or name in listed:
             continue
@@ -252,8 +253,10 @@ def check_listing(
         seen = found.setdefault(r, [0, 0])
         seen[0], seen[1] = seen[0] + 1, seen[1] + size
         names.setdefault(r, []).append(name)
+        sizes[name] = size
     for r, expected in enumerate(counted or ()):
         if r not in read and found.get(r, [0, 0]) != expected:
+            _name_the_difference(parts, r, sizes, names.get(r, []), where, what)
             n, b = found.get(r, [0, 0])
             here = sorted(names.get(r, []))
             shown = ", ".join(here[:4]) + (f" and {len(here) - 4} more" if len(here) > 4 else "")
@@ -261,6 +264,35 @@ def check_listing(
                 f"rank {r}'s own data and chunk files here ({shown or 'none'}) are {n} of {b} bytes, its shard lists "
                 f"{expected[0]} of {expected[1]}: one was added, removed, truncated or altered",
                 path=where(shard_name(r)),
+            )
+
+
+def _name_the_difference(
+    parts: ManifestParts,
+    rank: int,
+    sizes: Mapping[str, int],
+    here: list[str],
+    where: Callable[[str], Any],
+    what: str,
+) -> None:
+    """Rank ``rank``'s own files differ from its shard's counts: read the shard (sized and checksummed like any listed
+    file) and name the file missing, added or resized, in the words a read of that file would use. Returns when the
+    shard names no single culprit (the counts' message then says what differs)."""
+    from torchrl_dcp.errors import CheckpointIntegrityError
+
+    listed = parts.shard(rank).get("files") or {}
+    for name in sorted(listed):
+        if name not in sizes:
+            raise CheckpointIntegrityError(f"{what} listed in the manifest is missing", path=where(name))
+    for name in sorted(here):
+        if name not in listed:
+            raise CheckpointIntegrityError(
+                f"{what} not listed in the manifest: the checkpoint was altered", path=where(name)
+            )
+        if sizes[name] != listed[name]["size"]:
+            raise CheckpointIntegrityError(
+                f"size is {sizes[name]} bytes, the manifest says {listed[name]['size']}: truncated or altered",
+                path=where(name),
             )
 
 

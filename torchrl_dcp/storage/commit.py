@@ -540,7 +540,7 @@ def publish(
             _exchange(staging, destination)
             raise _appeared(destination)
         fsync_path(destination.parent, follow=True)
-        remove_tree(staging)  # now holds the old checkpoint (a user's file put there meanwhile: kept)
+        _remove_replaced(staging, destination)  # now holds the old checkpoint (a user's file put there: kept)
         return
     trash = trash_path(destination)
     os.rename(destination, trash)
@@ -562,7 +562,27 @@ def publish(
             ) from None
         raise _appeared(destination) from None
     fsync_path(destination.parent, follow=True)
-    remove_tree(trash)
+    _remove_replaced(trash, destination)
+
+
+def _remove_replaced(old: Path, destination: Path) -> None:
+    """Remove the checkpoint a commit replaced (now at ``old``). The new one is committed already: a failure here
+    (a read-only old checkpoint, an I/O error) is a warning naming where the old one is, never the save's failure
+    (the save would be reported as failed, and retried, while it is committed)."""
+    try:
+        remove_tree(old)
+    except OSError as err:
+        import warnings
+
+        from torchrl_dcp.errors import TorchrlDcpWarning
+
+        warnings.warn(
+            f"{destination}: the save is committed, but the checkpoint it replaced could not be removed "
+            f"({type(err).__name__}: {err}); it is left at {old}: remove it by hand (check its permissions; the next "
+            "save to this directory tries again)",
+            TorchrlDcpWarning,
+            stacklevel=2,
+        )
 
 
 def _appeared(destination: Path) -> CheckpointError:

@@ -24,7 +24,7 @@ import stat
 from collections.abc import Iterator
 from typing import Any
 
-from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
+from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, from_os_error
 
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
@@ -40,6 +40,7 @@ def open_regular(path: str | os.PathLike, where: Any = None) -> int:
 
     Raises:
         CheckpointIntegrityError: missing, a symlink, or not a regular file (naming ``where``).
+        CheckpointError: it cannot be opened now (a permission, an I/O error), naming ``where`` and what to do.
     """
     where = path if where is None else where
     try:
@@ -51,7 +52,11 @@ def open_regular(path: str | os.PathLike, where: Any = None) -> int:
             raise CheckpointIntegrityError(
                 "is a symbolic link; checkpoints never hold links: refused", path=where
             ) from None
-        raise CheckpointIntegrityError(f"cannot be opened ({err.strerror})", path=where) from None
+        if err.errno == errno.ENOTDIR:  # (a file where a directory of the path should be: nothing is here)
+            raise CheckpointIntegrityError("file listed in the manifest is missing", path=where) from None
+        # not a judgement on the checkpoint (a permission, an I/O error): a read that failed now, said as such (a
+        # rotation then raises it instead of taking the entry for damaged and resuming an older one)
+        raise from_os_error(OSError(err.errno, err.strerror), "opening it for reading", where) from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)

@@ -89,6 +89,7 @@ def list_objects(path: StorePath) -> dict[str, dict[str, Any]]:
     try:
         entries = fs.ls(path.key, detail=True)
     except FileNotFoundError:
+        check_bucket(path)  # (a typo in the bucket's name is no empty prefix: a resume would start fresh)
         return {}
     except Exception as err:
         raise store_error(err, "listing the prefix", path) from None
@@ -98,6 +99,28 @@ def list_objects(path: StorePath) -> dict[str, dict[str, Any]]:
         if str(e["name"]).rstrip("/") != path.key.rstrip("/"):  # some stores list a file as itself
             out[name] = e
     return out
+
+
+#: protocols whose first path segment is a bucket (or container) that must exist before anything is under it
+_BUCKETED = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss", "r2"})
+
+
+def check_bucket(path: StorePath) -> None:
+    """Raise when ``path``'s bucket does not exist (or is not visible with these credentials); nothing for stores
+    without buckets, or when the store cannot say."""
+    if path.protocol not in _BUCKETED:
+        return
+    bucket = path.key.strip("/").split("/", 1)[0]
+    try:
+        exists = path.fs.exists(bucket)
+    except Exception:  # noqa: BLE001 - the store cannot say: the prefix is taken for empty, as before
+        return
+    if not exists:
+        raise CheckpointError(
+            f"its bucket does not exist ({bucket!r}, or it is not visible with these credentials and endpoint): "
+            "check the URL and storage_options, or create the bucket",
+            path=path,
+        )
 
 
 def read_range(path: StorePath, start: int, size: int, expected_total: int | None = None) -> bytes:
@@ -406,7 +429,13 @@ class ObjectStoreContainer(ManifestParts):
             raise CheckpointFormatError(
                 f"is implausibly large ({rec['size']} bytes, at most {limit} expected)", path=self.path / name
             )
-        return read_range(self.path / name, 0, rec["size"], rec["size"])
+        try:
+            return read_range(self.path / name, 0, rec["size"], rec["size"])
+        except CheckpointIntegrityError as err:
+            if not isinstance(err.__context__, FileNotFoundError):  # (store_error's, raised from None)
+                raise
+            # (in the words of the other backends: a listed file that is not there)
+            raise CheckpointIntegrityError("object listed in the manifest is missing", path=self.path / name) from None
 
     def byte_range(self, name: str) -> ByteRange:
         rec = self.listed().get(name)
