@@ -510,3 +510,28 @@ for name, call in [
     lines = out.stdout.strip().splitlines()
     assert [line.split()[0] for line in lines] == ["save", "rotation", "to_archive"], out.stdout
     assert all(line.endswith("refused: True") for line in lines), out.stdout
+
+
+def test_a_path_through_a_users_file_is_said_so_and_the_file_kept(tmp_path: Path) -> None:
+    """A checkpoint path through a regular file: the save said "something already exists at this path (left by
+    another process?): remove it and retry" (the user's file); the conversions the same. The hint says which file is
+    in the way, or that it may be one, and never to remove it."""
+    import torch
+
+    (tmp_path / "notes").write_text("a user's notes")
+    source = tdcp.DistributedCheckpoint(d={"x": torch.ones(2)}, no_dist=True).save(tmp_path / "src")
+    archive = tdcp.to_archive(source, tmp_path / "a.zip")
+    for action, hint in (
+        (lambda: tdcp.DistributedCheckpoint(d={"x": torch.ones(2)}).save(tmp_path / "notes" / "c"), "a file where"),
+        (
+            lambda: tdcp.DistributedCheckpoint(d={"x": torch.ones(2)}).save(tmp_path / "notes" / "a" / "c"),
+            f"{tmp_path / 'notes'} is a file where a directory is needed",
+        ),  # fmt: skip
+        (lambda: tdcp.to_archive(source, tmp_path / "notes" / "a.zip"), "a file where"),
+        (lambda: tdcp.to_directory(archive, tmp_path / "notes" / "d"), "a file where"),
+        (lambda: tdcp.export_torchrl(source, tmp_path / "notes" / "t"), "a file where"),
+    ):
+        with pytest.raises(tdcp.CheckpointError, match=hint) as err:
+            action()
+        assert "remove it" not in str(err.value) and "; ;" not in str(err.value)
+    assert (tmp_path / "notes").read_text() == "a user's notes"

@@ -413,7 +413,7 @@ def export_torchrl(
     try:
         TorchRLCheckpoint(format=format, **values).save(destination, metadata=meta)  # type: ignore[arg-type]
     except OSError as err:  # (torchrl stages beside the destination and removes its staging on failure)
-        raise from_os_error(err, "exporting", destination, after="; an existing export there is unchanged") from None
+        raise from_os_error(err, "exporting", destination, after="an existing export there is unchanged") from None
     return destination
 
 

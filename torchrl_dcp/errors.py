@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
+from pathlib import PurePath
 from typing import Any
 
 
@@ -124,7 +126,8 @@ _OS_HINTS = {
     errno.ENOENT: "a file or directory disappeared or does not exist (another process may have removed it)",
     errno.ENOTDIR: "a path component is not a directory",
     errno.EISDIR: "a directory is where a file was expected",
-    errno.EEXIST: "something already exists at this path (left by another process?): remove it and retry",
+    errno.EEXIST: "something already exists at this path (a file where a directory is needed, or one left by another "
+    "process): choose another path, or move it",
 }
 
 
@@ -181,7 +184,22 @@ def os_error_hint(err: OSError) -> str:
         >>> os_error_hint(OSError(errno.EROFS, "Read-only file system"))
         'the file system is read-only: write elsewhere'
     """
+    if err.errno == errno.ENOTDIR and isinstance(err.filename, (str, os.PathLike)):
+        blocking = _file_on_the_way(os.fsdecode(err.filename))
+        if blocking is not None:
+            return f"{blocking} is a file where a directory is needed: choose another path, or move that file"
     return _OS_HINTS.get(err.errno or 0, "")
+
+
+def _file_on_the_way(path: str) -> str | None:
+    """The first parent of ``path`` that exists and is not a directory (``None``: none)."""
+    for p in reversed(PurePath(path).parents):
+        try:
+            if not stat.S_ISDIR(os.stat(p).st_mode):
+                return str(p)
+        except OSError:
+            return None
+    return None
 
 
 def from_os_error(err: OSError, action: str, path: Any = None, *, after: str = "") -> CheckpointError:
