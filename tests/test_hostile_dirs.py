@@ -535,3 +535,21 @@ def test_a_path_through_a_users_file_is_said_so_and_the_file_kept(tmp_path: Path
             action()
         assert "remove it" not in str(err.value) and "; ;" not in str(err.value)
     assert (tmp_path / "notes").read_text() == "a user's notes"
+
+
+def test_a_refused_listing_leaves_no_directory_iterator_open(tmp_path: Path) -> None:
+    """The listing check stops at the first unlisted file: the directory iterator it read was left to the garbage
+    collector (a ``ResourceWarning`` under ``-X dev``, one descriptor held meanwhile)."""
+    import gc
+    import warnings
+
+    ckpt = tdcp.DistributedCheckpoint(d={"x": torch.ones(2)}, no_dist=True)
+    path = ckpt.save(tmp_path / "c")
+    for name in ("aaa_extra", "zzz_extra"):
+        (path / name).write_text("x")
+    with warnings.catch_warnings(record=True) as heard:
+        warnings.simplefilter("always", ResourceWarning)
+        with pytest.raises(tdcp.CheckpointIntegrityError, match="not listed in the manifest"):
+            ckpt.load(path)
+        gc.collect()
+    assert not [w for w in heard if issubclass(w.category, ResourceWarning)], [str(w.message) for w in heard]

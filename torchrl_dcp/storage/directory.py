@@ -155,10 +155,11 @@ class DirectoryContainer(ManifestParts):
     def _listing(self, files: Mapping[str, Any]) -> Iterator[tuple[str, int | None]]:
         """``(name, size)`` of what is here but the listed files (sized already); the size is ``None`` for anything but
         a regular file."""
-        for entry in os.scandir(self.path):
-            if entry.name not in files:
-                regular = entry.is_file(follow_symlinks=False)
-                yield entry.name, entry.stat(follow_symlinks=False).st_size if regular else None
+        with os.scandir(self.path) as entries:  # (closed when the check stops early, at an unlisted file)
+            for entry in entries:
+                if entry.name not in files:
+                    regular = entry.is_file(follow_symlinks=False)
+                    yield entry.name, entry.stat(follow_symlinks=False).st_size if regular else None
 
     def read_member(self, name: str, limit: int) -> bytes | None:
         rec = self._listed(name)
