@@ -303,3 +303,63 @@ def test_a_tensor_laid_out_densely_comes_back_in_its_layout(tmp_path) -> None:  
             tdcp.DistributedCheckpoint(x={}).load(path, components=["x"])
         with pytest.raises(tdcp.CheckpointFormatError, match="'stride'"):
             tdcp.verify(path)
+
+
+def test_layouts_torch_load_keeps_are_kept_everywhere_a_load_allocates(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Layouts the first change missed: strides that differ from row-major on dims of one element only (a
+    channels-last 1x1 convolution's weight, grayscale frames), a tensor another component stores (a load of the
+    referring one alone allocates it), a lazy replay-buffer storage (channels-last frames: torchrl's ``_init``
+    allocates like the row it is given); and a transposed bool tensor holding bytes other than 0 and 1 (memory
+    ``torch.empty`` left), saved as it was, was refused at every load."""
+    from tensordict import TensorDict
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    import torchrl_dcp as tdcp
+
+    conv = torch.nn.Conv2d(8, 8, 1).to(memory_format=torch.channels_last)
+    frames = torch.randn(3, 1, 4, 5).contiguous(memory_format=torch.channels_last)
+    garbage = torch.empty(64, 64, dtype=torch.uint8).random_(2, 255).view(torch.bool).t()
+    shared = torch.randn(5, 7).t()
+    state = {"w": conv.weight.detach(), "frames": frames, "bools": garbage}
+    rb = ReplayBuffer(storage=LazyTensorStorage(8))
+    rb.extend(TensorDict(pixels=torch.rand(4, 3, 6, 6).contiguous(memory_format=torch.channels_last), batch_size=[4]))
+    path = tdcp.DistributedCheckpoint(a={"t": shared}, b={"t": shared}, x=state, buffer=rb).save(tmp_path / "c")
+    fresh, b, rb2 = {}, {}, ReplayBuffer(storage=LazyTensorStorage(8))
+    tdcp.DistributedCheckpoint(b=b, x=fresh, buffer=rb2).load(path, components=["b", "x", "buffer"])
+    assert fresh["w"].stride() == conv.weight.stride() != torch.empty(8, 8, 1, 1).stride()
+    assert fresh["frames"].stride() == frames.stride() and torch.equal(fresh["frames"], frames)
+    assert b["t"].stride() == shared.stride() and torch.equal(b["t"], shared)
+    assert torch.equal(fresh["bools"].view(torch.uint8), (garbage.view(torch.uint8) != 0).to(torch.uint8))
+    pixels, loaded = rb._storage._storage["pixels"], rb2._storage._storage["pixels"]
+    assert loaded.stride() == pixels.stride() and torch.equal(loaded[:4], pixels[:4])
+
+
+def test_a_forged_stride_past_the_element_count_or_numpy_kind_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A stride of 2**63 on a dim of one element passed the layout check and failed inside torch (a ``TypeError``
+    reported as an incompatible component, skipped with ``strict="warn"``, accepted by ``verify``); an ``ndarray``
+    node naming another numpy kind than its tensor (``<i4`` for float32) loaded converted values."""
+    import json
+
+    import numpy as np
+
+    import torchrl_dcp as tdcp
+    from torchrl_dcp.format.manifest import CHECKSUM_FIELD, seal
+
+    path = tdcp.DistributedCheckpoint(x={"t": torch.randn(4, 1, 3).transpose(0, 2), "a": np.ones(3, "<f4")}).save(
+        tmp_path / "c"
+    )
+    raw = (path / "manifest.json").read_text()
+    assert '"stride":[1,3,3]' in raw and '"np_dtype":"<f4"' in raw
+    for old, new, match in (
+        ('"stride":[1,3,3]', f'"stride":[1,{2**63},3]', "'stride'"),
+        ('"stride":[1,3,3]', '"stride":[1,13,3]', "'stride'"),
+        ('"np_dtype":"<f4"', '"np_dtype":"<i4"', "numpy dtype '<i4' does not match"),
+    ):
+        forged = json.loads(raw.replace(old, new))
+        forged.pop(CHECKSUM_FIELD)
+        (path / "manifest.json").write_text(json.dumps(seal(forged)))
+        for strict in ("error", "warn"):
+            with pytest.raises(tdcp.CheckpointFormatError, match=match):
+                tdcp.DistributedCheckpoint(x={}, strict=strict).load(path)
+        with pytest.raises(tdcp.CheckpointFormatError, match=match):
+            tdcp.verify(path)

@@ -156,3 +156,24 @@ def test_a_tensor_read_in_place_is_seen_modified_by_autograd(tmp_path: Path) -> 
     tdcp.DistributedCheckpoint(no_dist=True, app=state).load(path)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_a_models_state_dict_in_a_dict_is_restored_when_its_tensors_are_transposed_or_channels_last(
+    tmp_path: Path,
+) -> None:
+    """``{"model": model.state_dict()}`` (as ``dcp.load`` fills one) of a channels-last convolution or a transposed
+    weight: its tensors were not contiguous, so the load replaced them in the dict with fresh ones and the model kept
+    its old weights, silently. A tensor laid out densely in any order is read where it is."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Linear(4, 5)).to(memory_format=torch.channels_last)
+    model[1].weight.data = model[1].weight.data.t().contiguous().t()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    path = tdcp.DistributedCheckpoint(s={"model": model.state_dict()}).save(tmp_path / "c")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    state = {"model": model.state_dict()}
+    tdcp.DistributedCheckpoint(s=state).load(path)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, saved[key]) and value.stride() == saved[key].stride(), key
+        assert state["model"][key].data_ptr() == value.data_ptr(), key

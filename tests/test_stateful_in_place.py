@@ -174,8 +174,8 @@ def test_unsafe_destinations_are_read_fresh_with_the_same_result(tmp_path: Path,
         elif case == "overlapping views":
             flat = base.reshape(-1)
             state = {"a": flat[:16], "b": flat[8:]}
-        elif case == "non-contiguous":
-            state = {"a": base if saving else base.t().contiguous().t()}
+        elif case == "non-contiguous":  # (with gaps: a transposed or channels-last one is read in place)
+            state = {"a": base if saving else torch.zeros(base.shape[0], 2 * base.shape[1])[:, ::2]}
         elif case == "other dtype":
             state = {"a": base if saving else base.double()}
         else:
@@ -280,7 +280,7 @@ def test_its_own_failing_load_state_dict_rolls_back_the_values_and_says_so(tmp_p
 
 
 def test_the_snapshot_keeps_tensors_read_in_place_by_reference(tmp_path: Path) -> None:
-    obj = Holder({"w": torch.zeros(4), "odd": torch.zeros(4, 2).t(), "n": [1, 2]})
+    obj = Holder({"w": torch.zeros(4), "odd": torch.zeros(2, 8)[:, ::2], "n": [1, 2]})  # (not dense: read fresh)
     adapter, ctx = StateDictAdapter(), AdapterContext("obj")
     saved = {
         "w": TensorSpec("w", (4,), torch.float32, "cpu"),

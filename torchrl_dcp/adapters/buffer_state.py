@@ -30,6 +30,7 @@ from torchrl.data.replay_buffers.storages import TensorStorage
 
 from torchrl_dcp.adapters.rng import derived_seed
 from torchrl_dcp.errors import IncompatibleComponentError
+from torchrl_dcp.format.codec import dense_layout
 
 __all__ = [
     "allocate",
@@ -65,7 +66,7 @@ def allocate(storage: TensorStorage, leaves: Mapping[tuple[str, ...], Any], is_t
     leaves have shape ``[*batch, *item]`` (``leaf.shape[1:]``); with ``ndim > 1`` it
     sizes the storage to ``ceil(max_size / prod(batch))`` rows, as an ``extend`` would.
     """
-    items = {k: torch.zeros(tuple(v.shape[1:]), dtype=v.dtype) for k, v in leaves.items()}
+    items = {k: _saved_row(v) for k, v in leaves.items()}
     batch = tuple(next(iter(leaves.values())).shape[1:ndim]) if leaves else ()
     try:
         storage._init(TensorDict(items, batch) if is_tensordict else items[()])
@@ -78,6 +79,16 @@ def allocate(storage: TensorStorage, leaves: Mapping[tuple[str, ...], Any], is_t
                 "remove the old files once nothing uses them, then load again"
             ) from None
         raise
+
+
+def _saved_row(leaf: Any) -> torch.Tensor:
+    """A row of zeros shaped as ``leaf``'s rows, laid out as its saved rows were (a channels-last frame: torchrl's
+    ``_init`` allocates the storage like the row it is given, as it did from the first batch of the saving run)."""
+    shape = tuple(leaf.shape[1:])
+    stride = getattr(leaf, "stride", None)  # (a TensorSpec's saved layout; a tensor's is a method: row-major here)
+    if isinstance(stride, tuple) and dense_layout(shape, stride[1:]):
+        return torch.empty_strided(shape, stride[1:], dtype=leaf.dtype).zero_()
+    return torch.zeros(shape, dtype=leaf.dtype)
 
 
 def live_leaf(

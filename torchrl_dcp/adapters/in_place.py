@@ -7,7 +7,7 @@ position when
 
 - the two states have the same shape: the same keys in every mapping, the same lengths of every list and tuple (a
   registered dict or TensorDict, whose restore replaces what differs: the same key path, lists of the same length);
-- it is a plain dense contiguous tensor (``torch.Tensor`` or ``nn.Parameter``, not an inference tensor nor the
+- it is a plain dense tensor, contiguous or laid out densely in another order (a transpose, channels-last) (``torch.Tensor`` or ``nn.Parameter``, not an inference tensor nor the
   result of an autograd op, not conjugated or negated) with the saved dtype and shape, on the device the saved one
   maps to, holding at least one element;
 - no two such tensors share memory, except one tensor under several keys that the save stored once.
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from torchrl_dcp.adapters.base import AdapterContext
-from torchrl_dcp.format.codec import TensorSpec
+from torchrl_dcp.format.codec import TensorSpec, dense_layout
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _IMMUTABLE = (type(None), bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)
@@ -112,7 +112,7 @@ def in_place_tensors(live: Any, saved: Any, ctx: AdapterContext, *, partial: boo
             and t.shape == spec.shape
             and t.device == device
             and t.layout == torch.strided
-            and t.is_contiguous()
+            and (t.is_contiguous() or dense_layout(t.shape, t.stride()))  # (a transpose, channels-last: in place too)
             and t.grad_fn is None
             and not t.is_inference()
             and not t.is_conj()

@@ -311,7 +311,7 @@ class _Encoder:
             return {"t": "alias", "key": alias}
         ref = self._shared.get(ident) if ident is not None else None
         if ref is not None:
-            return {
+            node = {
                 "t": "xref",
                 "component": ref[0],
                 "key": ref[1],
@@ -319,6 +319,7 @@ class _Encoder:
                 "shape": list(value.shape),
                 "device": str(value.device),
             }
+            return _with_layout(node, value)  # (a load of this component alone allocates it: in its layout)
         key = self.key(path)
         if ident is not None:
             self._seen[ident] = key
@@ -332,9 +333,7 @@ class _Encoder:
         }
         if value.requires_grad:  # a leaf that autograd tracks (a Parameter in a dict): it comes back tracked
             node["grad"] = True
-        if value.dim() > 1 and not value.is_contiguous() and dense_layout(value.shape, value.stride()):
-            node["stride"] = list(value.stride())  # a transpose, channels-last: fresh tensors come back so laid out
-        return node
+        return _with_layout(node, value)
 
 
 def canonical_bools(t: torch.Tensor) -> torch.Tensor:
@@ -348,8 +347,11 @@ def canonical_bools(t: torch.Tensor) -> torch.Tensor:
         >>> canonical_bools(raw).view(torch.uint8).tolist()
         [0, 1, 1]
     """
-    if t.dtype != torch.bool or t.numel() == 0 or not t.is_contiguous():
-        return t  # (a copy to contiguous memory, as writers make of a strided tensor, already writes 0 and 1)
+    if t.dtype != torch.bool or t.numel() == 0:
+        return t
+    if not t.is_contiguous():  # (a writer's copy of a strided tensor keeps its bytes, 3 as 3: a transpose's too)
+        raw = t.view(torch.uint8)  # the same elements as bytes, in its layout (no copy)
+        return raw != 0 if int(raw.max()) > 1 else t  # (the layout kept: dense inputs give outputs of their strides)
     from torchrl_dcp.format.record import byte_view
 
     raw = byte_view(t)  # the bytes as they are (no copy: a copy would convert them)
@@ -461,15 +463,37 @@ def node_spec(node: dict[str, Any]) -> TensorSpec:
     return TensorSpec(key, tuple(shape), dtype, device, node.get("t") == "dtensor", _grad(node), stride)
 
 
+def _with_layout(node: dict[str, Any], value: torch.Tensor) -> dict[str, Any]:
+    """``node`` with ``stride`` when ``value`` is laid out densely in another order than row-major (a transpose,
+    channels-last, a 1x1 convolution's channels-last weight whose strides differ on its dims of one element only),
+    so that a fresh tensor read for it comes back so laid out, as ``torch.load`` returns it. Strides above the element
+    count (an odd stride on a dim of one element, from ``as_strided``) are left out: loads refuse them."""
+    shape = value.shape
+    if len(shape) > 1 and (1 in shape or not value.is_contiguous()):  # (else its strides are row-major)
+        stride = value.stride()
+        if stride != _row_major(shape) and dense_layout(shape, stride) and max(stride) <= max(value.numel(), 1):
+            node["stride"] = list(stride)
+    return node
+
+
+def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
+    out, step = [], 1
+    for size in reversed(shape):
+        out.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(out))
+
+
 def _stride(node: dict[str, Any], shape: list[int]) -> tuple[int, ...]:
     """A tensor node's ``stride``: one per dimension, a dense layout without overlap of ``shape``'s elements (dims
     of more than one element, ordered by stride, each step the product of the smaller ones), on a ``tensor`` node."""
     stride = node["stride"]
+    count = max(math.prod(shape), 1)
     if (
-        node.get("t") != "tensor"
+        node.get("t") not in ("tensor", "xref")
         or type(stride) is not list
         or len(stride) != len(shape)
-        or not all(type(s) is int and s >= 0 for s in stride)
+        or not all(type(s) is int and 0 <= s <= count for s in stride)
     ):
         raise CheckpointFormatError(f"malformed tensor entry {node!r}: 'stride' is one count per dimension or absent")
     if not dense_layout(shape, stride):
@@ -628,12 +652,23 @@ def _decode_tensor(node: dict[str, Any], tensors: Mapping[str, Any], depth: int)
 def _decode_ndarray(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
     dtype = np_dtype_from_name(node["np_dtype"])  # checked before anything is read (planning decodes too)
     tensor = _decode(node["tensor"], tensors, depth)
+    saved = getattr(tensor, "dtype", None)  # (a TensorSpec while planning: checked then, and by verify)
+    if saved is not None and _numpy_dtype(saved) != dtype.newbyteorder("="):  # a save records the array's own dtype
+        raise CheckpointFormatError(  # (byte order aside): another kind or size would be a cast, never done
+            f"numpy dtype {dtype.str!r} does not match the saved tensor's dtype {dtype_name(saved)}"
+        )
     if not isinstance(tensor, torch.Tensor):  # a placeholder (e.g. a TensorSpec) while planning
         return tensor
-    array = tensor.cpu().numpy()
-    if dtype.itemsize != array.itemsize:  # never a wider copy than the bytes that back it
-        raise CheckpointFormatError(f"numpy dtype {dtype.str!r} does not match the saved tensor's {array.dtype.str!r}")
-    return array.astype(dtype, copy=False)
+    return tensor.cpu().numpy().astype(dtype, copy=False)
+
+
+@functools.cache
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
+    """The numpy dtype torch's ``.numpy()`` gives a tensor of ``dtype`` (``None``: none, e.g. bfloat16)."""
+    try:
+        return torch.empty(0, dtype=dtype).numpy().dtype
+    except (TypeError, RuntimeError):
+        return None
 
 
 #: containers of more keys than this have the hashes of their non-str keys counted (smaller ones cost at most
