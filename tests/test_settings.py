@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -75,3 +76,31 @@ def test_a_bad_value_fails_a_save_or_load_before_it_starts(
     dest = torch.zeros(2)
     tdcp.DistributedCheckpoint(x=dest).load(path)
     assert dest.tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize(("name", "bad"), [("TDCP_CRC32", "crc"), ("TDCP_READ_AHEAD", "-1"), ("TDCP_CHUNK_BYTES", "0")])
+def test_a_bad_value_read_at_import_fails_the_call_not_the_import(tmp_path: Path, name: str, bad: str) -> None:
+    """Module constants read their variable at import: a bad value made ``import torchrl_dcp`` itself raise, so a
+    CLI command died with a traceback. The import takes the default; the CLI says one ``error:`` line naming the
+    variable, and a save raises the ``ValueError`` that names it before anything is written."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, name: bad}
+    code = (
+        "import torch, torchrl_dcp as tdcp\n"
+        "try:\n"
+        f"    tdcp.DistributedCheckpoint(p=torch.nn.Linear(2, 2)).save({str(tmp_path / 'c')!r})\n"
+        "except ValueError as err:\n"
+        "    print('refused', err)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.startswith(f"refused {name}="), done.stderr[-1500:]
+    assert not (tmp_path / "c").exists()
+    cli = subprocess.run(
+        [sys.executable, "-m", "torchrl_dcp", "inspect", str(tmp_path / "none")],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert cli.returncode == 1 and cli.stderr.startswith(f"error: {name}=") and "Traceback" not in cli.stderr

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import math
 
-from torchrl_dcp.settings import setting
+from torchrl_dcp.settings import setting_at_import
 
-CHUNK_BYTES = setting("TDCP_CHUNK_BYTES")
-MIN_CHUNKED_BYTES = setting("TDCP_MIN_CHUNKED_BYTES") or 2 * CHUNK_BYTES
+CHUNK_BYTES = setting_at_import("TDCP_CHUNK_BYTES")
+MIN_CHUNKED_BYTES = setting_at_import("TDCP_MIN_CHUNKED_BYTES") or 2 * CHUNK_BYTES
 
 
 def chunk_ranges(

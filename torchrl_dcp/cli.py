@@ -549,6 +549,9 @@ def _run(args: argparse.Namespace) -> int:
         else None
     )
     try:
+        from torchrl_dcp.settings import check_environment
+
+        check_environment()  # (a bad TDCP_* value: one error line naming it, before the command starts)
         if args.command == "inspect":
             info = _inspect(args.path)
             emit(info) if emit else _print_inspect(info)

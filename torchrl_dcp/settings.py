@@ -96,6 +96,21 @@ def setting(name: str) -> Any:
     return spec.default if text == "" else spec.parse(text)
 
 
+def setting_at_import(name: str) -> Any:
+    """:func:`setting` for a module constant read at import: a bad value gives the default here, so that importing
+    torchrl_dcp (and a CLI command) never fails on it; :func:`check_environment`, which every save, load and command
+    runs first, raises naming it.
+
+    Example:
+        >>> setting_at_import("TDCP_READ_AHEAD") == SETTINGS["TDCP_READ_AHEAD"].default  # (nothing set here)
+        True
+    """
+    try:
+        return setting(name)
+    except ValueError:
+        return SETTINGS[name].default
+
+
 _CHECKED: set[tuple[tuple[str, str], ...]] = set()
 
 

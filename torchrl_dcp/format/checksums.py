@@ -25,13 +25,13 @@ from collections.abc import Callable
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointIntegrityError
-from torchrl_dcp.settings import setting
+from torchrl_dcp.settings import setting_at_import
 
 _U32 = 0xFFFFFFFF
 
 
 def _implementation() -> tuple[Callable[..., int], str]:
-    if setting("TDCP_CRC32") != "zlib":
+    if setting_at_import("TDCP_CRC32") != "zlib":
         try:
             from isal import isal_zlib
 

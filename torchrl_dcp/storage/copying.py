@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 from torchrl_dcp.errors import CheckpointIntegrityError
 from torchrl_dcp.format.checksums import crc32, crc32_combine
-from torchrl_dcp.settings import setting
+from torchrl_dcp.settings import setting, setting_at_import
 from torchrl_dcp.storage.writeback import Writeback
 
 logger = logging.getLogger(__name__)
@@ -122,7 +122,9 @@ def read_threads() -> int:
     return _threads("TDCP_READ_THREADS", 2) + 1
 
 
-READ_AHEAD = setting("TDCP_READ_AHEAD")  # bytes asked of the kernel ahead of the reads (``TDCP_READ_AHEAD``; 0: none)
+READ_AHEAD = setting_at_import(
+    "TDCP_READ_AHEAD"
+)  # bytes asked of the kernel ahead of the reads (``TDCP_READ_AHEAD``; 0: none)
 
 
 class ReadAhead:
