@@ -30,7 +30,8 @@ def save_differing(directory: str, differ: str, mode: str, component_mode: str |
     ckpt = tdcp.DistributedCheckpoint(replica_check=mode)
     ckpt.register("model", _model(rank, differ), replica_check=component_mode)
     if differ == "dict":
-        ckpt.register("counters", {"episodes": 10 + rank})  # per-rank values registered without placement
+        # per-rank values registered without placement, deep in a config among equal ones
+        ckpt.register("counters", {"run": "a", "opt": {"betas": [0.9, 0.99], "lr": 0.1 * (1 + rank)}, "n": [1, 2]})
     path = Path(directory) / "ckpt"
     try:
         ckpt.save(path, step=1)

@@ -37,8 +37,9 @@ def test_replicas_are_compared_before_anything_is_written(
         assert not r.value["exists"] and r.value["left"] == [], r.value  # nothing committed, nothing left
         component = "counters" if differ == "dict" else "model"
         assert repr(component) in r.value["error"]
-        if differ == "dict":
+        if differ == "dict":  # the value that differs is named, not only "its non-tensor values"
             assert "placement='per_rank'" in r.value["error"]
+            assert "its non-tensor value at counters['opt']['lr']" in r.value["error"], r.value["error"]
 
 
 @pytest.mark.parametrize("mode", ["sample", "off"])

@@ -111,20 +111,62 @@ def digest(
     return out
 
 
-def compare(per_rank: list[dict[str, tuple[str, dict[str, str]]]]) -> None:
-    """Raise :class:`EncodingError` naming the first replicated component that differs between ranks."""
+MAX_VALUE_PATHS = 4096  #: non-tensor values of one component digested one by one to name the one that differs
+
+
+def with_value_paths(
+    records: Mapping[str, Any], digests: dict[str, tuple[str, dict[str, str]]]
+) -> dict[str, tuple[str, dict[str, str], dict[str, str]]]:
+    """``digests`` with, per component, a digest of each of its non-tensor values by path (``['opt']['lr']``; at most
+    :data:`MAX_VALUE_PATHS`): computed only once the ranks disagree, to name the value that differs."""
+    out = {}
+    for name, (state, tensors) in digests.items():
+        paths: dict[str, str] = {}
+        _value_paths(records[name].state, "", paths)
+        out[name] = (state, tensors, paths)
+    return out
+
+
+def _value_paths(node: Any, path: str, out: dict[str, str]) -> None:
+    if len(out) >= MAX_VALUE_PATHS:
+        return
+    if isinstance(node, dict) and node.get("t") in ("dict", "odict", "counter") and isinstance(node.get("items"), list):
+        for item in node["items"]:
+            key = item[0] if isinstance(item, list) and len(item) == 2 else None
+            shown = repr(key) if isinstance(key, (str, int, float, bool, type(None))) else "<key>"
+            _value_paths(item[1] if isinstance(item, list) and len(item) == 2 else item, f"{path}[{shown}]", out)
+        return
+    if isinstance(node, dict) and node.get("t") in ("list", "tuple") and isinstance(node.get("items"), list):
+        for i, item in enumerate(node["items"]):
+            _value_paths(item, f"{path}[{i}]", out)
+        return
+    if isinstance(node, dict) and node.get("t") in ("tensor", "dtensor", "xref", "alias"):
+        return  # (tensors are compared by their fingerprints)
+    text = json.dumps(node, sort_keys=True, separators=(",", ":")).encode()
+    out[path or "value (the whole state)"] = f"{crc32(text):08x}"
+
+
+def compare(per_rank: list[dict[str, tuple[Any, ...]]]) -> None:
+    """Raise :class:`EncodingError` naming the first replicated component that differs between ranks (and in it the
+    tensor, or the non-tensor value when :func:`with_value_paths` gave their digests)."""
     if len(per_rank) < 2:
         return
     first = per_rank[0]
-    for name, (state, tensors) in first.items():
+    for name, (state, tensors, *_) in first.items():
         for r, other in enumerate(per_rank[1:], start=1):
             if name not in other:
                 continue  # not saved (or not checked) there: the encode step reports real mismatches
-            other_state, other_tensors = other[name]
+            other_state, other_tensors = other[name][:2]
             differ = [k for k in tensors if other_tensors.get(k) != tensors[k]]
             if not differ and other_state == state:
                 continue
             what = f"tensor {differ[0]!r}" if differ else "its non-tensor values (JSON state)"
+            if not differ and len(first[name]) > 2 and len(other[name]) > 2:
+                paths, other_paths = first[name][2], other[name][2]
+                values = [p for p in {**paths, **other_paths} if paths.get(p) != other_paths.get(p)]
+                if values:
+                    where = values[0]
+                    what = f"its non-tensor value at {name}{where}" if where[0] == "[" else f"its non-tensor {where}"
             raise EncodingError(
                 f"replicated component {name!r} differs between rank 0 and rank {r}: {what}. A replicated "
                 "component is written once, so the checkpoint would hold a state that never existed; nothing "

@@ -65,7 +65,7 @@ from torchrl_dcp.planner import (
     shared_digest,
     tensor_infos,
 )
-from torchrl_dcp.replicas import ReplicaCheck
+from torchrl_dcp.replicas import ReplicaCheck, with_value_paths
 from torchrl_dcp.replicas import compare as compare_replicas
 from torchrl_dcp.replicas import digest as replica_digest
 from torchrl_dcp.save_support import quiet_single_process, save_failure, summarize
@@ -270,7 +270,8 @@ def plan(
             "encoding the state",
         )
         if failed or not same:
-            gathered_plan = _plan_gathered(group, held, error)  # raises what failed or differs, on every rank
+            records = mine[0].records if mine else {}  # (the non-tensor values' digests, to name one that differs)
+            gathered_plan = _plan_gathered(group, held, error, records)  # raises what failed or differs, everywhere
             return mine[0], gathered_plan
         return mine[0], plan_local(None if needs_dcp else infos, _dist.group_rank(group), _dist.group_size(group))
     except BaseException:
@@ -279,14 +280,15 @@ def plan(
         raise
 
 
-def _plan_gathered(group: Any, held: list[Any], error: BaseException | None) -> WritePlan:
+def _plan_gathered(group: Any, held: list[Any], error: BaseException | None, records: Mapping[str, Any]) -> WritePlan:
     """The plan from every rank's gathered tensor list and replica digests, when they did not agree: raises
     what differs (or the failed rank's error) on every rank; a plan for what merely differs in who holds it."""
 
     def local() -> Any:
         if error is not None:
             raise error
-        return held[0]
+        infos, replicas, layout = held[0]
+        return infos, with_value_paths(records, replicas), layout
 
     gathered = run_step(group, "encoding the state", local, monitored=False)
     compare_layouts([layout for _, _, layout in gathered])
