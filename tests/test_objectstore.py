@@ -438,6 +438,105 @@ def test_a_marker_left_by_a_failed_delete_after_the_commit_is_no_failed_save(mon
     assert [e.step for e in rotation.entries()] == [1, 2, 3]
 
 
+def _info_fails_for(monkeypatch: pytest.MonkeyPatch, part: str) -> list[str]:
+    """The memory store's ``info`` of a key containing ``part`` raises (a 503, a dropped connection), every time;
+    returns the keys it failed for. fsspec's ``exists`` and ``isfile`` answer ``False`` then."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    failed: list[str] = []
+    info = MemoryFileSystem.info
+
+    def failing_info(self: Any, path: Any, **kwargs: Any) -> Any:
+        if part in str(path):
+            failed.append(str(path))
+            raise OSError(16, "injected: service unavailable")
+        return info(self, path, **kwargs)
+
+    monkeypatch.setattr(MemoryFileSystem, "info", failing_info)
+    return failed
+
+
+def test_a_store_that_does_not_answer_is_never_taken_for_an_absent_manifest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request that failed was read as "no such object": the next save's sweep took a committed checkpoint (its
+    marker left by a failed delete) for a killed save and deleted it, and a save inside a committed checkpoint was
+    let through (it no longer loaded). Both now raise, naming the object, and change nothing."""
+    url = f"memory://tdcp-tests/{uuid.uuid4().hex[:12]}"
+    rotation = tdcp.CheckpointRotation(f"{url}/run", keep_last=5)
+    rotation.save(_ckpt(_objects(1), {}), step=1)
+    _fail_once_deleting(monkeypatch, PENDING)
+    rotation.save(_ckpt(_objects(2), {}), step=2)  # committed, its marker left
+    with monkeypatch.context() as m:
+        failed = _info_fails_for(m, "step-000000000002/manifest.json")
+        with pytest.raises(tdcp.CheckpointError, match="step-000000000002/manifest.json: asking the store"):
+            rotation.save(_ckpt(_objects(3), {}), step=3)
+        assert failed
+    with monkeypatch.context() as m:
+        _info_fails_for(m, "step-000000000001/manifest.json")
+        with pytest.raises(tdcp.CheckpointError, match="step-000000000001/manifest.json: asking the store"):
+            _ckpt(_objects(4), {}).save(f"{url}/run/step-000000000001/inner")
+    for step in (1, 2):
+        fresh = _objects(9)
+        _ckpt(fresh, {}).load(f"{url}/run/step-{step:012d}")
+        assert fresh["stats"] == {"episodes": step}
+
+
+def test_a_bucket_the_store_does_not_answer_about_is_no_missing_bucket(
+    s3: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bucket check asked fsspec's ``exists``, which answers ``False`` to a dropped connection: a store that went
+    away was reported as a missing bucket ("create the bucket")."""
+    options = s3.storage_options
+    prefix = f"empty-{uuid.uuid4().hex[:8]}"
+    fs = resolve_path(f"s3://{s3.bucket}/{prefix}", options).fs  # (fsspec caches it: the instance every call uses)
+    info, ls = fs.info, fs.ls
+
+    def failing(path: Any, **kwargs: Any) -> Any:
+        if str(path).strip("/") == s3.bucket:
+            raise ConnectionError("injected: connection closed")
+        return info(path, **kwargs)
+
+    def missing(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if prefix in str(path):  # (as a prefix that holds nothing is answered, whatever s3fs has cached)
+            raise FileNotFoundError(path)
+        return ls(path, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "info", failing)
+    monkeypatch.setattr(fs, "ls", missing)
+    with pytest.raises(tdcp.CheckpointError, match=r"asking whether its bucket exists\) failed") as err:
+        tdcp.CheckpointRotation(f"s3://{s3.bucket}/{prefix}", storage_options=options).latest()
+    assert "does not exist" not in str(err.value)
+
+
+def test_a_rotations_failure_after_the_commit_says_the_save_is_committed(monkeypatch: pytest.MonkeyPatch) -> None:
+    url = f"memory://tdcp-tests/{uuid.uuid4().hex[:12]}"
+    rotation = tdcp.CheckpointRotation(f"{url}/run", keep_last=1)
+    rotation.save(_ckpt(_objects(1), {}), step=1)
+
+    def failing_prune(*args: Any, **kwargs: Any) -> Any:
+        raise tdcp.CheckpointError("injected: listing the prefix failed", path=f"{url}/run")
+
+    monkeypatch.setattr(tdcp.CheckpointRotation, "prune", failing_prune)
+    with pytest.raises(tdcp.CheckpointError, match="step 2 was committed at .*step-000000000002, then rotating"):
+        rotation.save(_ckpt(_objects(2), {}), step=2)
+    assert rotation.latest().name == "step-000000000002"
+
+
+def test_ls_shows_a_killed_save_in_a_store_as_a_leftover_as_for_a_directory(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    url = f"memory://tdcp-tests/{uuid.uuid4().hex[:12]}/run"
+    rotation = tdcp.CheckpointRotation(url)
+    rotation.save(_ckpt(_objects(1), {}), step=1)
+    dead = resolve_path(f"{url}/step-000000000002", {})
+    sid = "d" * 32  # a save killed after uploading its data: its marker, a data object of that save
+    dead.fs.pipe_file(marker_for(dead).key, json.dumps({"save_id": sid, "started": 0.0}).encode())
+    dead.fs.pipe_file((dead / "__0_shared.distcp").key, b"partial" + identity_trailer(sid, 0))
+    assert cli(["ls", url]) == 0
+    out = capsys.readouterr().out
+    assert "1 entries" in out and "NOT COMMITTED" not in out, out
+    assert "step-000000000002" in out and "left by a killed save (the next save removes it)" in out, out
+
+
 def test_a_failed_retirement_of_a_replaced_checkpoint_is_swept_by_the_next_save(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

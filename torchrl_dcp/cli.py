@@ -195,6 +195,9 @@ def _ls(directory: str, metric: str | None, mode: str) -> dict[str, Any]:
         raise CheckpointError(
             f"no checkpoint in {d} has metadata {metric!r}: pass a key its saves put in metadata=", path=d
         )
+    leftovers = _leftovers(where)
+    left = {x["name"] for x in leftovers}  # (a store's killed save is its own prefix: shown as a leftover there too)
+    entries = [e for e in entries if e.committed or e.path.name not in left]
     rows = []
     for e in entries:
         row = {"step": e.step, "name": e.path.name, "container": "archive" if e.archive else "directory",
@@ -206,7 +209,7 @@ def _ls(directory: str, metric: str | None, mode: str) -> dict[str, Any]:
         rows.append(row)
     latest, best = latest_entry(entries), rotation.best_entry(entries)
     return {"directory": str(d), "entries": rows, "latest": latest.path.name if latest else None,
-            "best": best.path.name if best else None, "leftovers": _leftovers(where)}  # fmt: skip
+            "best": best.path.name if best else None, "leftovers": leftovers}  # fmt: skip
 
 
 def _is_checkpoint(where: Any) -> bool:

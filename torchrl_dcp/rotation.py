@@ -443,7 +443,7 @@ class CheckpointRotation:
 
         def rotate() -> None:
             stale = self.location.child(f"step-{step:012d}.zip")  # this step saved as an archive before
-            if stale.entry_kind() == "archive":
+            if self.location.holds_archives and stale.entry_kind() == "archive":  # (never in a store: no request)
                 if not archive_of_ours(stale):
                     if not self.archive:  # (with archives, to_archive refuses it, naming it)
                         logger.warning("%s: kept, no archive of ours (this step's save is a directory)", stale.path)
@@ -461,11 +461,14 @@ class CheckpointRotation:
             run_on_coordinator(
                 group_of(ckpt), "rotating checkpoints", rotate, monitored=False
             )  # (right after the save)
-        except CheckpointError as err:
-            if err.path is None:
-                err.path = str(target)
-                err.args = (f"{err.path}: {err.message}",)
-            raise
+        except CheckpointError as err:  # (said as what it is: the save stands, the rotation's work after it failed)
+            where = f"{err.path}: " if err.path is not None else ""
+            raise type(err)(
+                f"step {step} was committed at {path}, then rotating checkpoints failed ({where}{err.message}); "
+                "latest() and resume see the committed entries as they are, and the entries this rotation would have "
+                "pruned are kept until a later save prunes them",
+                path=target,
+            ) from err
         return target
 
     def _next_commit(self, ckpt: Any, metadata: Mapping[str, Any]) -> tuple[Path | None, int]:

@@ -47,7 +47,7 @@ from torchrl_dcp.format.checksums import checksum_mismatch, crc32, crc32_combine
 from torchrl_dcp.format.layout import MANIFEST, MAX_MANIFEST_BYTES, TRAILER_SIZE
 from torchrl_dcp.settings import setting
 from torchrl_dcp.storage.base import ByteRange, ManifestParts, check_listing, files_to_check
-from torchrl_dcp.storage.urls import StorePath
+from torchrl_dcp.storage.urls import StorePath, store_error
 
 READ_PIECE = 8 << 20  # bytes per ranged read when checksumming or downloading
 
@@ -65,20 +65,6 @@ def range_size() -> int:
 def concurrency() -> int:
     """Requests in flight per rank (``TDCP_STORE_CONCURRENCY``, default 8)."""
     return setting("TDCP_STORE_CONCURRENCY")
-
-
-def store_error(err: BaseException, what: str, where: Any) -> CheckpointError:
-    """An object-store failure as a :class:`CheckpointError` naming the object and what to check."""
-    if isinstance(err, CheckpointError):
-        return err
-    if isinstance(err, FileNotFoundError):
-        return CheckpointIntegrityError(f"{what}: the object does not exist (deleted meanwhile?)", path=where)
-    if isinstance(err, PermissionError):
-        return CheckpointError(f"{what}: access denied; check the credentials and storage_options", path=where)
-    return CheckpointError(
-        f"{what} failed ({type(err).__name__}: {err}); check the endpoint, credentials and storage_options",
-        path=where,
-    )
 
 
 # ---------------------------------------------------------------------- listing and ranged reads
@@ -112,9 +98,12 @@ def check_bucket(path: StorePath) -> None:
         return
     bucket = path.key.strip("/").split("/", 1)[0]
     try:
-        exists = path.fs.exists(bucket)
-    except Exception:  # noqa: BLE001 - the store cannot say: the prefix is taken for empty, as before
-        return
+        path.fs.info(bucket)  # (not fsspec's exists: it answers False to a 503 or a dropped connection)
+        exists = True
+    except FileNotFoundError:
+        exists = False
+    except Exception as err:  # noqa: BLE001 - no answer is not "no bucket": said as the failed request it is
+        raise store_error(err, "listing the prefix (asking whether its bucket exists)", path) from None
     if not exists:
         raise CheckpointError(
             f"its bucket does not exist ({bucket!r}, or it is not visible with these credentials and endpoint): "

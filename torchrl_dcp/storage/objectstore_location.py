@@ -25,9 +25,9 @@ from typing import Any
 from torchrl_dcp._log import get_logger
 from torchrl_dcp.errors import CheckpointError
 from torchrl_dcp.format.checksums import crc32, format_crc
-from torchrl_dcp.format.layout import is_plain_name
+from torchrl_dcp.format.layout import MANIFEST, is_plain_name
 from torchrl_dcp.storage import objectstore_save
-from torchrl_dcp.storage.base import Entry, EntryKind, Location, SaveTarget, ShareWrite, WriteOutcome
+from torchrl_dcp.storage.base import Entry, EntryKind, Leftover, Location, SaveTarget, ShareWrite, WriteOutcome
 from torchrl_dcp.storage.chunk_writer import KeptChunk
 from torchrl_dcp.storage.objectstore import ObjectStoreContainer, list_objects, store_error
 from torchrl_dcp.storage.urls import StorePath, supports_copy
@@ -139,6 +139,19 @@ class ObjectStoreLocation(Location):
             return False
         objectstore_save.remove_prefix(self.path)
         return True
+
+    def leftovers(self) -> list[Leftover]:
+        """Prefixes of saves killed before their commit (a pending marker names them, and they hold no manifest;
+        a save running now looks the same): the next save's sweep removes them (:func:`objectstore_save.sweep`),
+        so tools show them as a directory's staging areas are shown, not as entries."""
+        found = list_objects(self.path)
+        out = []
+        for name in found:
+            entry = name[1 : -len(objectstore_save.PENDING)] if name.endswith(objectstore_save.PENDING) else ""
+            if name.startswith(".") and is_plain_name(entry) and entry in found:
+                if not (self.path / entry / MANIFEST).is_file():
+                    out.append(Leftover(entry, entry))
+        return out
 
     # ------------------------------------------------------------------ incremental saves
     def keeps_files(self) -> bool:

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from torchrl_dcp.errors import CheckpointError
+from torchrl_dcp.errors import CheckpointError, CheckpointIntegrityError
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 _EXTRA = {"s3": "s3", "s3a": "s3", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
@@ -126,14 +126,26 @@ class StorePath:
     def __truediv__(self, name: str) -> StorePath:
         return StorePath(f"{self.url}/{name}", self.storage_options, self._fs)
 
+    def _kind(self) -> str | None:
+        """What is at this key: ``"file"``, ``"directory"`` (a prefix with objects under it) or ``None`` (nothing).
+        A request that fails raises: fsspec's ``exists``/``isfile`` answer ``False`` to a 503 or a dropped
+        connection, and a sweep took a committed checkpoint's manifest for absent and deleted the checkpoint."""
+        try:
+            info = self.fs.info(self.key)
+        except FileNotFoundError:
+            return None
+        except Exception as err:  # noqa: BLE001 - any other failure is no answer: raised, naming the object
+            raise store_error(err, "asking the store what is at this key", self) from None
+        return "file" if info.get("type") == "file" else "directory"
+
     def exists(self) -> bool:
-        return bool(self.fs.exists(self.key))
+        return self._kind() is not None
 
     def is_file(self) -> bool:
-        return bool(self.fs.isfile(self.key))
+        return self._kind() == "file"
 
     def is_dir(self) -> bool:
-        return bool(self.fs.isdir(self.key))
+        return self._kind() == "directory"
 
     def is_symlink(self) -> bool:
         return False
@@ -335,3 +347,17 @@ def supports_copy(fs: Any) -> bool:
     if isinstance(fs, AsyncFileSystem):
         return cls._cp_file is not AsyncFileSystem._cp_file
     return cls.cp_file is not AbstractFileSystem.cp_file
+
+
+def store_error(err: BaseException, what: str, where: Any) -> CheckpointError:
+    """An object-store failure as a :class:`CheckpointError` naming the object and what to check."""
+    if isinstance(err, CheckpointError):
+        return err
+    if isinstance(err, FileNotFoundError):
+        return CheckpointIntegrityError(f"{what}: the object does not exist (deleted meanwhile?)", path=where)
+    if isinstance(err, PermissionError):
+        return CheckpointError(f"{what}: access denied; check the credentials and storage_options", path=where)
+    return CheckpointError(
+        f"{what} failed ({type(err).__name__}: {err}); check the endpoint, credentials and storage_options",
+        path=where,
+    )
