@@ -53,15 +53,18 @@ def test_a_rank_opens_its_own_data_files_and_rank_0_checks_the_listing(tmp_path:
     ("tamper", "named", "says"),
     [
         ("plant", "__9_0.distcp", "not listed"),  # no rank 9: listed nowhere
-        ("truncate", "manifest-1.json", "rank 1's own data and chunk files"),  # counted, one byte short
-        ("extra", "manifest-2.json", "rank 2's own data and chunk files"),  # one more than rank 2's shard lists
+        # counted, one byte short; one more than rank 2's shard lists: rank 0 then reads that rank's shard (only on
+        # this failure path) to name the file, in the words a read of it would use
+        ("truncate", "__1_0.distcp", "truncated or altered"),
+        ("extra", "__2_", "not listed in the manifest"),
     ],
 )
 def test_a_planted_or_altered_file_is_refused_by_rank_0_and_the_load_fails_on_every_rank(
     tmp_path: Path, tamper: str, named: str, says: str
 ) -> None:
     """Rank 0 reads only the root and its own shard, yet refuses a file no shard could list, another rank's own file
-    cut short, and one more file of another rank (format 7: the root counts each rank's own files and their bytes)."""
+    cut short, and one more file of another rank (format 7: the root counts each rank's own files and their bytes;
+    when a count differs, that rank's shard is read to name the file)."""
     results = launch(f"{S}:own_files_only", 3, str(tmp_path), tamper)
     assert results[0].value["error"] == "CheckpointIntegrityError", results[0].value
     assert named in results[0].value["message"] and says in results[0].value["message"], results[0].value

@@ -324,7 +324,9 @@ def _collective(fn: Any, phase: str, group: Any = None) -> Any:
     except RuntimeError as err:
         if group is not None:
             _discard(group)
-            absent = _absent_ranks(group, call)
+            text = str(err)
+            dead = "Connection closed by peer" in text or "Connection reset" in text  # (said at once, as before)
+            absent = [] if dead else _absent_ranks(group, call)
             if absent:
                 who = f"rank{'s' if len(absent) > 1 else ''} {_ranks_named(group, ', '.join(map(str, absent)))}"
                 raise CollectiveError(
