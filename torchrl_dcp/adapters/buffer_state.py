@@ -30,7 +30,7 @@ from torchrl.data.replay_buffers.storages import TensorStorage
 
 from torchrl_dcp.adapters.rng import derived_seed
 from torchrl_dcp.errors import IncompatibleComponentError
-from torchrl_dcp.format.codec import dense_layout
+from torchrl_dcp.format.tensor_nodes import dense_layout
 
 __all__ = [
     "allocate",

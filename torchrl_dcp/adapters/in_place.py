@@ -33,7 +33,8 @@ from typing import Any
 import torch
 
 from torchrl_dcp.adapters.base import AdapterContext
-from torchrl_dcp.format.codec import TensorSpec, dense_layout
+from torchrl_dcp.format.codec import TensorSpec
+from torchrl_dcp.format.tensor_nodes import dense_layout
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _IMMUTABLE = (type(None), bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)
