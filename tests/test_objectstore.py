@@ -131,7 +131,7 @@ def test_prefix_without_manifest_is_absent_and_swept(store: tuple[str, dict[str,
     sid = "d" * 32  # what a save killed after uploading its data leaves: its marker, a data object of that save
     fs.pipe_file(marker_for(dead).key, json.dumps({"save_id": sid, "started": 0.0}).encode())
     fs.pipe_file((dead / "__0_shared.distcp").key, b"partial" + identity_trailer(sid, 0))
-    with pytest.raises(tdcp.CheckpointFormatError, match="no manifest.json"):
+    with pytest.raises(tdcp.CheckpointNotFoundError, match="has not committed"):
         _ckpt(_objects(10), options).load(dead)
     rotation = tdcp.CheckpointRotation(url, storage_options=options)
     assert [e.step for e in rotation.entries()] == [1]
@@ -535,6 +535,27 @@ def test_ls_shows_a_killed_save_in_a_store_as_a_leftover_as_for_a_directory(
     out = capsys.readouterr().out
     assert "1 entries" in out and "NOT COMMITTED" not in out, out
     assert "step-000000000002" in out and "left by a killed save (the next save removes it)" in out, out
+
+
+def test_a_prefix_a_save_has_not_committed_is_no_checkpoint_as_for_a_directory(tmp_path: Path) -> None:
+    """A killed save's objects under its prefix (its pending marker beside it) are what a directory's staging is:
+    no checkpoint (CheckpointNotFoundError, saying so), where a prefix of foreign objects is not one of ours."""
+    url = f"memory://tdcp-tests/{uuid.uuid4().hex[:12]}"
+    dead = resolve_path(f"{url}/killed", {})
+    sid = "e" * 32
+    dead.fs.pipe_file(marker_for(dead).key, json.dumps({"save_id": sid, "started": 0.0}).encode())
+    dead.fs.pipe_file((dead / "__0_shared.distcp").key, b"partial" + identity_trailer(sid, 0))
+    for attempt in (
+        lambda: tdcp.verify(str(dead)),
+        lambda: _ckpt(_objects(0), {}).load(str(dead)),
+        lambda: tdcp.read_manifest(str(dead)),
+    ):
+        with pytest.raises(tdcp.CheckpointNotFoundError, match="has not committed"):
+            attempt()
+    foreign = resolve_path(f"{url}/foreign", {})
+    foreign.fs.pipe_file((foreign / "notes.txt").key, b"mine")
+    with pytest.raises(tdcp.CheckpointFormatError, match="no manifest.json"):
+        tdcp.verify(str(foreign))
 
 
 def test_a_failed_retirement_of_a_replaced_checkpoint_is_swept_by_the_next_save(

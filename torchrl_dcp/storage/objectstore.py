@@ -68,6 +68,15 @@ def concurrency() -> int:
 
 
 # ---------------------------------------------------------------------- listing and ranged reads
+#: the suffix of the marker object a save writes beside its prefix first and deletes at its commit
+PENDING = ".tdcp-pending"
+
+
+def marker_for(destination: StorePath) -> StorePath:
+    """The marker object a save to ``destination`` writes first and deletes after its commit."""
+    return destination.parent / f".{destination.name}{PENDING}"
+
+
 def list_objects(path: StorePath) -> dict[str, dict[str, Any]]:
     """``{name: info}`` of what is directly under the prefix ``path`` (``{}`` when nothing is)."""
     fs = path.fs
@@ -360,6 +369,12 @@ class ObjectStoreContainer(ManifestParts):
                             path=self.path,
                         )
                     raise CheckpointNotFoundError("no checkpoint here: nothing under this prefix", path=self.path)
+                if marker_for(self.path).is_file():  # what a directory's staging beside it is: no checkpoint
+                    raise CheckpointNotFoundError(
+                        "no checkpoint here: a save to this prefix has not committed (it is running, or it was "
+                        "killed: the next save here removes what it left)",
+                        path=self.path,
+                    )
                 raise CheckpointFormatError(
                     f"no {MANIFEST}: not a torchrl_dcp checkpoint, or a save that never committed", path=self.path
                 )

@@ -55,10 +55,12 @@ from torchrl_dcp.storage import proven
 from torchrl_dcp.storage.base import ShareWrite, WriteOutcome
 from torchrl_dcp.storage.chunk_writer import ChunkFile, ChunkJob, KeptChunk, chunk_file_parts
 from torchrl_dcp.storage.objectstore import (
+    PENDING,
     ObjectStoreContainer,
     concurrency,
     list_objects,
     map_pieces,
+    marker_for,
     upload_pieces,
 )
 from torchrl_dcp.storage.proven import ChunkIdentity
@@ -66,15 +68,9 @@ from torchrl_dcp.storage.urls import StorePath, copy_object, delete_objects
 from torchrl_dcp.storage.writer import plan_layout
 
 logger = get_logger(__name__)
-PENDING = ".tdcp-pending"
 
 
 # ---------------------------------------------------------------------- markers and sweeping
-def marker_for(destination: StorePath) -> StorePath:
-    """The marker object a save to ``destination`` writes first and deletes after its commit."""
-    return destination.parent / f".{destination.name}{PENDING}"
-
-
 def remove_prefix(path: StorePath, manifest_first: bool = True) -> None:
     """Delete the checkpoint objects directly under ``path`` (its ``manifest.json`` first, so it stops being a
     checkpoint at once); only names this library writes, never a sub-prefix or anything else found there."""
