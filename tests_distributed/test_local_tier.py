@@ -8,6 +8,7 @@ signal files, not with timing.
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from pathlib import Path
@@ -33,11 +34,39 @@ def test_the_leaders_prune_never_deletes_the_step_another_rank_of_its_node_is_wr
     assert zero["resumed"] == one["resumed"] == [2, "local"]
 
 
-@pytest.mark.parametrize("case", ["part_damaged_on_rank_1", "restore_fails_on_rank_1"])
-def test_a_local_resume_that_fails_on_one_rank_changes_nothing_on_any_rank(tmp_path: Path, case: str) -> None:
-    zero, one = (r.value for r in launch(f"{S}:resume_fails_on_one_rank", 2, str(tmp_path), case))
+def test_a_local_resume_that_fails_on_one_rank_changes_nothing_on_any_rank(tmp_path: Path) -> None:
+    zero, one = (r.value for r in launch(f"{S}:resume_fails_on_one_rank", 2, str(tmp_path), "restore_fails_on_rank_1"))
     assert zero["resumed"] is None and one["resumed"] is None  # the shared tier is next: it holds nothing yet
     assert zero["unchanged"] and one["unchanged"]  # not rank 0 restored and rank 1 fresh: both as they were
+
+
+def test_a_part_damaged_on_one_rank_resumes_the_previous_local_step_on_every_rank(tmp_path: Path) -> None:
+    """Rank 1's part of step 3 fails its verified load (its only copy: one node): step 2, which every rank holds
+    whole, is the newest step every rank can obtain; never the shared tier's older one (here: none, a fresh start),
+    and every rank is told which part failed."""
+    zero, one = (r.value for r in launch(f"{S}:resume_fails_on_one_rank", 2, str(tmp_path), "part_damaged_on_rank_1"))
+    assert zero["resumed"] == one["resumed"] == [2, "local"], (zero, one)
+    assert zero["as_at_step_2"] and one["as_at_step_2"]
+    assert zero["warned"] == one["warned"] and len(zero["warned"]) == 1, zero["warned"]
+    assert "step 3" in zero["warned"][0] and "rank 1's part (its own copy) is damaged" in zero["warned"][0]
+    assert "step 2 is next" in zero["warned"][0]
+
+
+@pytest.mark.parametrize("damaged", ["own copy", "every copy"])
+def test_a_damaged_local_part_is_taken_from_its_replica_on_another_node(tmp_path: Path, damaged: str) -> None:
+    """Two nodes, each rank's part of step 2 also on the other node. Rank 1's own copy fails its verified load (a
+    flipped byte in a data file): rank 1 receives the replica from rank 0 and every rank resumes step 2, as when its
+    node lost the part; with the replica damaged too, step 1 (never the shared tier, which holds nothing)."""
+    zero, one = (r.value for r in launch(f"{S}:damaged_own_copy", 2, str(tmp_path), damaged))
+    if damaged == "own copy":
+        assert zero["resumed"] == [2, "local"] and one["resumed"] == [2, "peer"], (zero, one)
+        assert "step 2 is tried again with the other copies" in zero["warned"][0], zero["warned"]
+    else:
+        assert zero["resumed"] == one["resumed"] == [1, "local"], (zero, one)
+        assert "step 1 is next" in zero["warned"][-1], zero["warned"]
+    assert zero["exact"] and one["exact"]
+    for warned in (zero["warned"], one["warned"]):  # (every rank is told; its tier's path differs here)
+        assert "rank 1's part (its own copy) is damaged" in warned[0] and "__0_0.distcp: checksum" in warned[0]
 
 
 def test_a_local_resume_that_succeeds_on_every_rank_restores_every_rank(tmp_path: Path) -> None:
@@ -167,9 +196,11 @@ def resume_fails_on_one_rank(root: str, case: str) -> dict[str, Any]:
     rank = dist.get_rank()
     objs, ckpt = _objects(1)
     rotation = _rotation(root)
+    at_step: dict[int, list[Any]] = {}
     for step in (1, 2, 3):
         _train_step(objs)
         rotation.maybe_save(ckpt, step)
+        at_step[step] = _fingerprint(objs)
         dist.barrier()  # the leader's prune is done before the next save (its race: the test above)
     rotation.close()
     saved = _fingerprint(objs)
@@ -183,12 +214,60 @@ def resume_fails_on_one_rank(root: str, case: str) -> dict[str, Any]:
     dist.barrier()
     fresh, fresh_ckpt = _objects(2, fail=case == "restore_fails_on_rank_1" and rank == 1)
     before = _fingerprint(fresh)
-    info = _rotation(root).resume(fresh_ckpt)
+    with warnings.catch_warnings(record=True) as heard:
+        warnings.simplefilter("always")
+        info = _rotation(root).resume(fresh_ckpt)
     after = _fingerprint(fresh)
     return {
         "resumed": None if info is None else [info.step, info.tier],
         "unchanged": after == before,
         "restored": after[:4] == saved[:4],
+        "as_at_step_2": after[:4] == at_step[2][:4],
+        "warned": [str(w.message) for w in heard if issubclass(w.category, tdcp.LocalTierWarning)],
+    }
+
+
+def _flip(part: Path) -> None:
+    data = max((p for p in part.iterdir() if p.name.endswith(".distcp")), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+
+
+def damaged_own_copy(root: str, damaged: str) -> dict[str, Any]:
+    """Two nodes (each rank its own), local steps 1 and 2, each part replicated on the other node; then rank 1's own
+    copy of its step-2 part is damaged (and, for ``every copy``, its replica on rank 0's node too)."""
+    rank = dist.get_rank()
+    os.environ["GROUP_RANK"] = str(rank)
+
+    def rotation() -> tdcp.CheckpointRotation:
+        local = tdcp.LocalTier(Path(root) / f"node-{rank}", every_steps=1)
+        return tdcp.CheckpointRotation(Path(root) / "shared", every_steps=100, local=local)
+
+    objs, ckpt = _objects(1)
+    saving = rotation()
+    at_step: dict[int, list[Any]] = {}
+    for step in (1, 2):
+        _train_step(objs)
+        saving.maybe_save(ckpt, step)
+        at_step[step] = _fingerprint(objs)
+        dist.barrier()
+    saving.close()
+    dist.barrier()
+    if rank == 1:
+        _flip(Path(root) / "node-1" / "step-000000000002" / "rank-00001")
+    if rank == 0 and damaged == "every copy":
+        _flip(Path(root) / "node-0" / "step-000000000002" / "rank-00001")
+    dist.barrier()
+    fresh, fresh_ckpt = _objects(2)
+    with warnings.catch_warnings(record=True) as heard:
+        warnings.simplefilter("always")
+        info = rotation().resume(fresh_ckpt)
+    step = None if info is None else info.step
+    return {
+        "resumed": None if info is None else [info.step, info.tier],
+        "exact": step is not None and _fingerprint(fresh) == at_step[step],
+        "warned": [str(w.message) for w in heard if issubclass(w.category, tdcp.LocalTierWarning)],
     }
 
 

@@ -13,8 +13,9 @@ the newest step whose parts are **all** held somewhere (and not older than the s
 newest) is restored: a rank loads its part from its own node (``ResumeInfo.tier == "local"``), or
 receives it from a rank that holds its replica (``"peer"``). A tier of another job (run id, shared
 directory) or world size is ignored with a log line. Nothing is restored on any rank before
-every rank's part is verified and read; a part that fails to load on any rank sends every
-rank to the shared tier, every rank as it was. Components of placement ``sharded`` are not saved
+every rank's part is verified and read; a copy of a part found damaged is passed over for the
+part's other copies, then for the next older complete step; any other failure sends every rank to
+the shared tier, every rank as it was. Components of placement ``sharded`` are not saved
 by the tier (DCP shards them over the whole group).
 
 Layout under ``path`` (one directory per node, shared by the node's ranks)::
@@ -45,7 +46,7 @@ import socket
 import stat
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -54,7 +55,14 @@ from torchrl_dcp import _dist, load_engine
 from torchrl_dcp._gc import gc_paused
 from torchrl_dcp._log import get_logger
 from torchrl_dcp.collective import run_step
-from torchrl_dcp.errors import CheckpointError, LocalTierWarning, from_os_error
+from torchrl_dcp.errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointIntegrityError,
+    CheckpointVersionError,
+    LocalTierWarning,
+    from_os_error,
+)
 from torchrl_dcp.load_plan import LoadPlan
 from torchrl_dcp.peer_copy import exchange_entries
 from torchrl_dcp.save_policy import SaveSchedule
@@ -344,17 +352,70 @@ class LocalTier:
     def resume(
         self, ckpt: Any, shared_step: int | None, identity: Mapping[str, Any], load_kwargs: Mapping[str, Any]
     ) -> tuple[int, Path, Any, Tier] | None:
-        """Restore the newest step every rank can obtain from the tier (collective); ``None``: use the shared tier."""
+        """Restore the newest step every rank can obtain from the tier (collective); ``None``: use the shared tier.
+
+        A copy of a part that fails its verified load as damaged (a data file, a shard) is passed over: the
+        step is tried again with the part's other copies (replicas on other nodes), then the next older
+        complete step, as long as it is not older than ``shared_step``; each try warns, naming the rank and
+        the copy. Any other failure sends every rank to the shared tier."""
         group = _group(ckpt)
-        rank, world = _dist.group_rank(group), _dist.group_size(group)
         held = run_step(group, f"listing the local tier {self.path}", lambda: [_plain(p) for p in self._held(identity)])
-        chosen = _newest_complete(held, world)
-        if chosen is None or (shared_step is not None and chosen[0] < shared_step):
-            if chosen is not None:
+        layout = self._layout(group)
+        refused: set[tuple[int, str, int, str]] = set()  # (step, save, part's rank, node): copies found damaged
+        chosen = _newest_complete(held, _dist.group_size(group), refused, layout)
+        while chosen is not None:
+            if shared_step is not None and chosen[0] < shared_step:
                 logger.info(
                     "local tier %s: step %d is older than the shared tier's %d", self.path, chosen[0], shared_step
                 )
-            return None
+                return None
+            outcome = self._attempt(ckpt, group, layout, chosen, identity, load_kwargs)
+            if not isinstance(outcome, dict):
+                return outcome
+            step, save_id, _ = chosen
+            for r, (holder, _) in sorted(outcome.items()):
+                refused.add((step, save_id, r, layout.nodes[holder]))
+            chosen = _newest_complete(held, _dist.group_size(group), refused, layout)
+            self._warn_damaged(step, outcome, chosen, shared_step)
+        return None
+
+    def _warn_damaged(
+        self,
+        step: int,
+        damaged: Mapping[int, tuple[int, str]],
+        chosen: tuple[int, str, dict[int, list[int]]] | None,
+        shared_step: int | None,
+    ) -> None:
+        """Say which parts of ``step`` were found damaged, and what is tried next (``chosen``)."""
+
+        def copy(r: int, h: int) -> str:
+            return "its own copy" if h == r else f"the copy on rank {h}'s node"
+
+        copies = "; ".join(
+            f"rank {r}'s part ({copy(r, h)}) is damaged: {why}" for r, (h, why) in sorted(damaged.items())
+        )
+        if chosen is None or (shared_step is not None and chosen[0] < shared_step):
+            after = "the shared tier is next"
+        elif chosen[0] == step:
+            after = f"step {step} is tried again with the other copies of those parts"
+        else:
+            after = f"step {chosen[0]} is next"
+        text = f"local tier {self.path}: step {step} could not be restored: {copies}; {after}"
+        logger.warning("%s", text)
+        warnings.warn(LocalTierWarning(text), stacklevel=5)
+
+    def _attempt(
+        self,
+        ckpt: Any,
+        group: Any,
+        layout: NodeLayout,
+        chosen: tuple[int, str, dict[int, list[int]]],
+        identity: Mapping[str, Any],
+        load_kwargs: Mapping[str, Any],
+    ) -> tuple[int, Path, Any, Tier] | dict[int, tuple[int, str]] | None:
+        """One try at restoring ``chosen`` (collective): what :meth:`resume` returns, or ``{rank: (holder, why)}``
+        of the copies that failed their verified load as damaged (every rank as it was)."""
+        rank = _dist.group_rank(group)
         step, save_id, holders = chosen
         step_dir = self.path / f"step-{step:012d}"
         own = step_dir / f"rank-{rank:05d}"
@@ -362,15 +423,15 @@ class LocalTier:
         sends = [(step_dir / f"rank-{r:05d}", r) for r, h in source.items() if h == rank and r != rank]
         receives = [(own, source[rank])] if source[rank] != rank else []
         tier: Tier = "local" if not receives else "peer"
-        layout = self._layout(group)
         solo = ckpt._solo()
         loading: dict[str, Any] = {}
 
-        def prepare() -> None:  # every rank's part received, opened, planned, verified and read: nothing changed
+        def prepare() -> str | None:  # every rank's part received, opened, planned, verified and read: nothing changed
             if receives:  # a replaced node's tier is empty: the step's directory comes first
                 try:
                     _make_dir(self.path)
                     _make_dir(step_dir)
+                    (step_dir / _record_name(rank)).unlink(missing_ok=True)  # (a damaged copy is being replaced)
                 except (OSError, CheckpointError):
                     pass  # the receive fails on it (after draining what the peer sends) and says why
             exchange_entries(sends, receives, group)
@@ -381,9 +442,15 @@ class LocalTier:
             _check_part(own)  # (listed as held while it was a real directory: a link since planted is refused)
             request = solo._load_request(own, **load_kwargs)  # (what solo.load(own, ...) would ask)
             result = load_engine.LoadResult(path=request.path)
-            src, plan = load_engine.prepare(request, result)  # a failure here undoes its own plan
-            loading.update(src=src, request=request, plan=plan, result=result)
-            load_engine.read(src, request, plan.fresh_reads(), plan.verify_inline, result)
+            try:
+                src, plan = load_engine.prepare(request, result)  # a failure here undoes its own plan
+                loading.update(src=src, request=request, plan=plan, result=result)
+                load_engine.read(src, request, plan.fresh_reads(), plan.verify_inline, result)
+            except (CheckpointIntegrityError, CheckpointFormatError) as err:
+                if isinstance(err, CheckpointVersionError):
+                    raise
+                return str(err)  # this copy is damaged: told to every rank, which try another
+            return None
 
         def restore(in_place: bool) -> None:
             # the load engine's restore in its two halves, with the ranks' agreement between them as in a load of
@@ -403,17 +470,22 @@ class LocalTier:
         where = f"step {step} from the local tier {self.path}"
         try:
             with gc_paused():
-                run_step(group, f"loading {where}", prepare)
+                found = run_step(group, f"loading {where}", prepare)
+                damaged = {r: (source[r], why) for r, why in enumerate(found) if why is not None}
+                if damaged:
+                    raise _Damaged()
                 run_step(group, f"restoring {where}", lambda: restore(False), monitored=False)
                 run_step(group, f"reading in place {where}", lambda: restore(True), monitored=False)
-        except CheckpointError as err:
-            # every rank undoes what it restored (restoring a snapshot twice is harmless): the shared tier is next
+        except (CheckpointError, _Damaged) as err:
+            # every rank undoes what it planned or restored (restoring a snapshot twice is harmless)
             problems = load_engine.rollback(list(loading["plan"].components.values())) if "plan" in loading else []
+            if isinstance(err, _Damaged) and not problems:
+                return damaged
             note = f"; could not roll back {', '.join(problems)}" if problems else ""
             text = f"local tier {self.path}: step {step} could not be restored on every rank ({err}{note})"
             text += "; the shared tier is next"
             logger.warning("%s", text)
-            warnings.warn(LocalTierWarning(text), stacklevel=4)  # (as a damaged shared entry is: never unseen)
+            warnings.warn(LocalTierWarning(text), stacklevel=5)  # (as a damaged shared entry is: never unseen)
             return None
         self.last_step = step
         logger.info("local tier %s: resumed step %d (%s)", self.path, step, tier)
@@ -582,15 +654,26 @@ def _plain(part: HeldPart) -> tuple[int, int, str]:
 
 
 def _newest_complete(
-    held: list[list[tuple[int, int, str]]], world: int
+    held: list[list[tuple[int, int, str]]],
+    world: int,
+    refused: Collection[tuple[int, str, int, str]] = (),
+    layout: NodeLayout | None = None,
 ) -> tuple[int, str, dict[int, list[int]]] | None:
-    """The newest ``(step, save_id)`` whose every rank's part some rank holds, with the holders of each part."""
+    """The newest ``(step, save_id)`` whose every rank's part some rank holds, with the holders of each part;
+    ``refused``: copies ``(step, save_id, part's rank, node)`` not to count (found damaged; ``layout`` names the
+    holders' nodes)."""
     found: dict[tuple[int, str], dict[int, list[int]]] = {}
     for holder, parts in enumerate(held):
         for step, owner, save_id in parts:
+            if refused and layout is not None and (step, save_id, owner, layout.nodes[holder]) in refused:
+                continue
             found.setdefault((step, save_id), {}).setdefault(owner, []).append(holder)
     complete = [key for key, owners in found.items() if sorted(owners) == list(range(world))]
     if not complete:
         return None
     step, save_id = max(complete)
     return step, save_id, found[(step, save_id)]
+
+
+class _Damaged(Exception):
+    """A try's parts found damaged on some ranks (every rank knows which): the next copy or step is tried."""
