@@ -160,9 +160,12 @@ def check_reshard(rb: ReplayBuffer, saved: dict[int, Any], ctx: AdapterContext) 
     first = entries[tensors[0]]
     for r in tensors[1:]:
         if entries[r] != first:
+            differ = sorted(set(entries[r][1]) ^ set(first[1]))
+            named = ", ".join(f"{'.'.join(k) or '<tensor>'} {list(shape)} {dtype}" for k, shape, dtype in differ[:4])
             raise IncompatibleComponentError(
                 f"component {name!r}: saved ranks {tensors[0]} and {r} hold different storage entries (keys, item "
-                "shapes or dtypes): their transitions cannot be joined into one buffer"
+                f"shapes or dtypes; in one of them only: {named or 'a TensorDict and a tensor'}): their transitions "
+                "cannot be joined into one buffer"
             )
     if not storage.initialized:
         return
