@@ -240,3 +240,52 @@ def a_rank_absent_from_the_step_agreement(root: str, where: str) -> dict[str, An
     except tdcp.CollectiveError as err:
         return {"message": str(err)}
     return {"message": "no error"}
+
+
+class _Counter:
+    """A plain object with a state dict (restored through ``load_state_dict``, rolled back from a snapshot)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.n = state["n"]
+
+
+class _Stuck(_Counter):
+    """Blocks in ``load_state_dict`` on the rank told to (stuck past the checkpoint's timeout)."""
+
+    def __init__(self, stuck: bool) -> None:
+        super().__init__()
+        self.stuck = stuck
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.stuck:
+            time.sleep(10)
+        super().load_state_dict(state)
+
+
+def a_rank_stuck_in_a_restore(root: str) -> dict[str, Any]:
+    """Rank 1 is stuck in a component's ``load_state_dict`` past the timeout, after the others restored theirs: the
+    exchange after the restore fails, and every other rank rolls back what it restored before raising."""
+    rank = dist.get_rank()
+    counter, stuck = _Counter(), _Stuck(stuck=False)
+    ckpt = tdcp.DistributedCheckpoint(timeout=4)
+    ckpt.register("counter", counter)  # (restored first: registered first, not RNG-like)
+    ckpt.register("rng", tdcp.RNGState())
+    ckpt.register("stuck", stuck)
+    counter.n = 5
+    ckpt.save(f"{root}/c", step=1)
+    counter.n = 7
+    torch.manual_seed(123)
+    rng_before = torch.get_rng_state()
+    stuck.stuck = rank == 1
+    try:
+        ckpt.load(f"{root}/c")
+        message = "no error"
+    except tdcp.CheckpointError as err:
+        message = str(err)
+    return {"message": message, "counter": counter.n, "rng_kept": torch.equal(torch.get_rng_state(), rng_before)}

@@ -173,3 +173,13 @@ def test_a_rank_absent_from_an_unmonitored_exchange_is_named(tmp_path: Path, whe
         assert "committed" not in message and "Nothing was saved" in message, message
     else:
         assert "Nothing was committed" in message, message
+
+
+def test_a_rank_stuck_in_a_restore_leaves_every_other_rank_as_it_was(tmp_path: Path) -> None:
+    """The exchange after the restore failed (rank 1 stuck inside a component's ``load_state_dict`` past the
+    timeout): the other ranks raised with their own components restored (a counter, the RNG streams), where a
+    failed load changes nothing. They now roll back before raising, and say so."""
+    results = launch("tests_distributed.scenarios_job_loop:a_rank_stuck_in_a_restore", 3, str(tmp_path), timeout=120)
+    for r in (results[0], results[2]):
+        assert "every component this rank restored was rolled back" in r.value["message"], r.value
+        assert r.value["counter"] == 7 and r.value["rng_kept"], r.value

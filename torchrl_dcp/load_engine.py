@@ -406,7 +406,7 @@ def restore(src: CheckpointSource, request: LoadRequest, load_plan: LoadPlan, re
     done: list[ComponentPlan] = []
 
     failure = check_values(load_plan, src, request.path) or _restore_all(first, load_plan, request, result, done)
-    statuses = failures(failure, request.group, "restoring components")
+    statuses = _statuses(failure, request.group, _with_planned(done, load_plan), result)
     if statuses is not None:
         _fail(_with_planned(done, load_plan), statuses, failure, "restoring components", result)
     if load_plan.live or request.group is not None:
@@ -421,9 +421,36 @@ def restore(src: CheckpointSource, request: LoadRequest, load_plan: LoadPlan, re
     failure = _restore_all(in_place, load_plan, request, result, done)
     if failure is None and last:
         failure = _restore_again(last, load_plan, request, result)
-    statuses = failures(failure, request.group, "restoring components")
+    statuses = _statuses(failure, request.group, _with_planned(done, load_plan), result, partial=in_place)
     if statuses is not None:
         _fail(_with_planned(done, load_plan), statuses, failure, "restoring components", result, partial=in_place)
+
+
+def _statuses(
+    failure: BaseException | None,
+    group: Any,
+    done: list[ComponentPlan],
+    result: LoadResult,
+    partial: list[ComponentPlan] = (),  # type: ignore[assignment]
+) -> list[Any] | None:
+    """Every rank's status after a restore step (``None``: every rank succeeded). When the exchange itself fails (a
+    rank died or is stuck), no rank can know whether the others restored: this one rolls back what it restored
+    (``done``) and raises, as every rank that reaches the exchange does."""
+    try:
+        return failures(failure, group, "restoring components")
+    except BaseException as err:
+        problems = rollback(done)
+        result.loaded.clear()
+        result.values.clear()
+        if isinstance(err, CheckpointError):
+            note = "every component this rank restored was rolled back"
+            if partial:
+                note += f", but rows read in place into {sorted(c.name for c in partial)} keep the loaded values"
+            if problems:
+                note += f"; could not roll back {', '.join(problems)}"
+            err.extend(note)
+            err.result = result
+        raise
 
 
 def check_values(load_plan: LoadPlan, src: CheckpointSource, path: Any) -> BaseException | None:
