@@ -268,9 +268,10 @@ class _Stuck(_Counter):
         super().load_state_dict(state)
 
 
-def a_rank_stuck_in_a_restore(root: str) -> dict[str, Any]:
+def a_rank_stuck_in_a_restore(root: str, via: str) -> dict[str, Any]:
     """Rank 1 is stuck in a component's ``load_state_dict`` past the timeout, after the others restored theirs: the
-    exchange after the restore fails, and every other rank rolls back what it restored before raising."""
+    exchange after the restore fails, and every other rank rolls back what it restored before raising (``via``:
+    ``load``, or a rotation's ``resume``, whose error must stay the load's)."""
     rank = dist.get_rank()
     counter, stuck = _Counter(), _Stuck(stuck=False)
     ckpt = tdcp.DistributedCheckpoint(timeout=4)
@@ -278,13 +279,17 @@ def a_rank_stuck_in_a_restore(root: str) -> dict[str, Any]:
     ckpt.register("rng", tdcp.RNGState())
     ckpt.register("stuck", stuck)
     counter.n = 5
-    ckpt.save(f"{root}/c", step=1)
+    rotation = tdcp.CheckpointRotation(f"{root}/run")
+    path = rotation.save(ckpt, step=1)
     counter.n = 7
     torch.manual_seed(123)
     rng_before = torch.get_rng_state()
     stuck.stuck = rank == 1
     try:
-        ckpt.load(f"{root}/c")
+        if via == "load":
+            ckpt.load(path)
+        else:
+            rotation.resume(ckpt)
         message = "no error"
     except tdcp.CheckpointError as err:
         message = str(err)

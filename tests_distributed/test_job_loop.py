@@ -175,11 +175,18 @@ def test_a_rank_absent_from_an_unmonitored_exchange_is_named(tmp_path: Path, whe
         assert "Nothing was committed" in message, message
 
 
-def test_a_rank_stuck_in_a_restore_leaves_every_other_rank_as_it_was(tmp_path: Path) -> None:
+@pytest.mark.parametrize("via", ["load", "resume"])
+def test_a_rank_stuck_in_a_restore_leaves_every_other_rank_as_it_was(tmp_path: Path, via: str) -> None:
     """The exchange after the restore failed (rank 1 stuck inside a component's ``load_state_dict`` past the
     timeout): the other ranks raised with their own components restored (a counter, the RNG streams), where a
-    failed load changes nothing. They now roll back before raising, and say so."""
-    results = launch("tests_distributed.scenarios_job_loop:a_rank_stuck_in_a_restore", 3, str(tmp_path), timeout=120)
+    failed load changes nothing. They now roll back before raising, and say so. A resume then voted on whether the
+    entry was damaged over the broken group, and that vote's error (blaming rank 0, naming no rank) replaced the
+    load's: the resume now raises the load's, naming rank 1."""
+    results = launch(
+        "tests_distributed.scenarios_job_loop:a_rank_stuck_in_a_restore", 3, str(tmp_path), via, timeout=120
+    )
+    assert results[0].value["message"].startswith("rank 1 did not reach the checkpoint collective (restoring")
     for r in (results[0], results[2]):
         assert "every component this rank restored was rolled back" in r.value["message"], r.value
+        assert "exchanging status" not in r.value["message"], r.value
         assert r.value["counter"] == 7 and r.value["rng_kept"], r.value

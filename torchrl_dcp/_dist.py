@@ -348,20 +348,25 @@ def _absent_ranks(group: Any, call: int) -> list[int]:
     store = _store()
     if store is None:
         return []
+    seen: tuple[int, list[int]] | None = None  # (count, the members not arrived) at the last change of the count
     try:
         me, size = dist.get_rank(group), dist.get_world_size(group)
         prefix = f"torchrl_dcp/arrived/{_NAMES.get(id(group), 'g')}/{call}/"
         store.set(f"{prefix}{me}", b"1")
         arrived = store.add(f"{prefix}count", 1)
-        deadline = time.monotonic() + min(10.0, group_timeout(group).total_seconds())
+        start = time.monotonic()
+        deadline = start + min(10.0, group_timeout(group).total_seconds())
         while arrived < size and time.monotonic() < deadline:
             time.sleep(0.05)
             arrived = store.add(f"{prefix}count", 0)
+            if time.monotonic() - start >= 1.0 and (seen is None or seen[0] != arrived):
+                seen = (arrived, [r for r in range(size) if not store.check([f"{prefix}{r}"])])
         if arrived >= size:
             return []
         return [r for r in range(size) if not store.check([f"{prefix}{r}"])]
-    except Exception:  # noqa: BLE001 - the store is gone with the rank that hosted it: the plain error then
-        return []
+    except Exception:  # noqa: BLE001 - the store went with the rank that hosted it (a job started without an agent,
+        # whose rank 0 raised and exited after its own wait): who had come by then, else the plain error
+        return seen[1] if seen is not None else []
 
 
 _TAG = "torchrl_dcp"

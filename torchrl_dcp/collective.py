@@ -51,7 +51,9 @@ def raise_if_failed(statuses: list[Status | None], phase: str, own: BaseExceptio
     for rank, status in enumerate(statuses):
         if status is not None:
             kind, message, path = status
-            raise CollectiveError(f"rank {rank} failed while {phase}: {kind}: {message}", path=path)
+            err = CollectiveError(f"rank {rank} failed while {phase}: {kind}: {message}", path=path)
+            err.failed_rank = rank  # (its failure was reported: the exchange itself went through)
+            raise err
 
 
 def run_step(group: Any, phase: str, fn: Callable[[], T], *, fallback: Any = None, monitored: bool = True) -> list[T]:

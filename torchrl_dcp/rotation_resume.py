@@ -151,6 +151,8 @@ def _resume_shared(
         try:
             result = ckpt.load(path, **load_kwargs)
         except CheckpointError as err:
+            if isinstance(err, CollectiveError) and getattr(err, "failed_rank", None) is None:
+                raise  # the exchange itself failed (a rank dead or stuck): no vote on that group, the error names it
             damaged = isinstance(err, (CheckpointIntegrityError, CheckpointFormatError)) and not isinstance(
                 err, CheckpointVersionError
             )
