@@ -6,6 +6,8 @@ import json
 import logging
 import pickle
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -492,3 +494,26 @@ def test_a_v1_tensor_shape_past_any_size_is_refused_by_the_migration(tmp_path: P
     with pytest.raises(tdcp.CheckpointFormatError, match="not sizes below 2\\*\\*63"):
         tdcp.read_manifest(dst)
     assert main(["inspect", str(dst)]) == 1
+
+
+def test_a_forged_world_size_is_refused_in_bounded_memory(tmp_path: Path) -> None:
+    """A format-1 manifest (no seal) whose world_size says 10**9: its per-rank component's states were compared with
+    10**9 rank names built first (a MemoryError, or the process killed). Refused from the counts, in 2 GiB more."""
+    forged = tmp_path / "v1"
+    shutil.copytree(FIXTURE, forged)
+    manifest = json.loads((forged / "manifest.json").read_text())
+    assert any(c["placement"] == "per_rank" for c in manifest["components"].values())
+    manifest["world_size"] = 10**9
+    (forged / "manifest.json").write_text(json.dumps(manifest))
+    child = (
+        "import resource, sys, torch\n"
+        "import torchrl_dcp as tdcp\n"
+        "mapped = int(next(l for l in open('/proc/self/status') if l.startswith('VmSize')).split()[1]) << 10\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (mapped + (2 << 30), mapped + (2 << 30)))\n"
+        "try:\n"
+        "    tdcp.read_manifest(sys.argv[1])\n"
+        "except tdcp.CheckpointFormatError as err:\n"
+        "    print('refused:', err)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", child, str(forged)], capture_output=True, text=True, timeout=300)
+    assert "refused:" in done.stdout and "one state per saved rank" in done.stdout, (done.stdout, done.stderr[-2000:])

@@ -488,7 +488,9 @@ def _validate_component(
         return
     if placement == "per_rank":
         states = rec.get("ranks")
-        if not isinstance(states, dict) or sorted(states) != sorted(str(r) for r in ranks):
+        if (  # (sizes first: a forged world_size of 10**9 is refused without building 10**9 names)
+            not isinstance(states, dict) or len(states) != len(ranks) or sorted(states) != sorted(map(str, ranks))
+        ):
             raise bad(f"components[{name!r}].ranks must hold one state per saved rank")
         for r, state in states.items():
             if not isinstance(state, dict) or "state" not in state:
