@@ -569,3 +569,23 @@ def test_export_of_values_torchrl_cannot_store_names_the_component(tmp_path: Pat
     with pytest.raises(tdcp.CheckpointFormatError, match=r"component 'cfg' cannot be exported: cfg\['ids'\] is a set"):
         tdcp.export_torchrl(path, tmp_path / "cfg.torchrl", "cfg")
     assert not (tmp_path / "cfg.torchrl").exists()
+
+
+def test_a_damaged_field_zipfile_cannot_read_is_never_an_exception_of_another_kind(tmp_path: Path) -> None:
+    """The "version needed to extract" of a member in the central directory set to 0xFF: Python's zipfile (asked
+    whether the file is a torchrl.checkpoint archive) raised NotImplementedError out of verify and load. The field
+    is not ours to read: the archive loads, or a CheckpointError says why."""
+    policy = torch.nn.Linear(4, 3)
+    directory = tdcp.DistributedCheckpoint(policy=policy).save(tmp_path / "c", step=1)
+    archive = tdcp.to_archive(directory, tmp_path / "c.zip")
+    raw = bytearray(archive.read_bytes())
+    at = raw.find(b"PK\x01\x02")  # the manifest's central directory header (its name 46 bytes in)
+    while raw[at + 46 : at + 46 + len(b"manifest.json")] != b"manifest.json":
+        at = raw.find(b"PK\x01\x02", at + 4)
+    raw[at + 6 : at + 8] = b"\xff\x00"
+    archive.write_bytes(bytes(raw))
+    for attempt in (lambda: tdcp.verify(archive), lambda: tdcp.DistributedCheckpoint(policy=policy).load(archive)):
+        try:
+            attempt()
+        except tdcp.CheckpointError:
+            pass

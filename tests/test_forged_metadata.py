@@ -424,3 +424,20 @@ def test_diff_and_verify_refuse_what_a_load_refuses(tmp_path: Path, kind: str, f
         assert code == 2 and named in err and len(err.strip().splitlines()) == 1, err
     with pytest.raises(tdcp.CheckpointError, match=named if forgery != "state-dtype" else "inventory disagrees"):
         tdcp.verify(where)
+
+
+def test_a_record_whose_pickle_is_refused_says_so_in_one_line_without_torchs_advice() -> None:
+    """A record holding an object torch's weights-only unpickler refuses: the error quoted torch's six lines, among
+    them its advice to re-run ``torch.load`` with ``weights_only=False``, the one thing never to do with a damaged
+    or forged file."""
+    from fractions import Fraction
+
+    from torchrl_dcp.format.record import decode_record
+
+    buf = io.BytesIO()
+    torch.save(Fraction(1, 2), buf)
+    with pytest.raises(tdcp.CheckpointIntegrityError) as caught:
+        decode_record(buf.getvalue(), torch.float32, (1,), "f.distcp", "k")
+    said = str(caught.value)
+    assert "\n" not in said and "Re-running" not in said, said
+    assert "cannot be decoded (UnpicklingError)" in said and "never load it with torch.load(weights_only=False)" in said

@@ -547,8 +547,15 @@ def decode_record(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...], where:
     try:
         tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - whatever a damaged pickle raises, said with the file
+        # (torch's first line only: its advice to retry with weights_only=False is the one never to take here)
+        said = (str(err).strip().splitlines() or [""])[0][:200]
+        if not said or isinstance(err, pickle.UnpicklingError) or "weights_only" in said:
+            said = type(err).__name__  # (torch's text there advises loading it unsafely)
+        else:
+            said = f"{type(err).__name__}: {said}"
         raise CheckpointIntegrityError(
-            f"record {key!r} cannot be decoded ({type(err).__name__}: {err}): the file is damaged or forged",
+            f"record {key!r} cannot be decoded ({said}): the file is damaged or forged; never load it with "
+            "torch.load(weights_only=False)",
             path=where,
         ) from None
     if dtype == torch.bool and isinstance(tensor, torch.Tensor) and tensor.dtype == dtype and tensor.numel():

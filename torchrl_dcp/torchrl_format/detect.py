@@ -12,6 +12,7 @@ import json
 import os
 import stat
 import zipfile
+import zlib
 from pathlib import Path
 from typing import BinaryIO
 
@@ -69,8 +70,8 @@ def read_torchrl_manifest(path: str | os.PathLike) -> dict | None:
         if raw is None:
             return None
         manifest = json.loads(raw)
-    except (OSError, KeyError, ValueError, zipfile.BadZipFile):
-        return None
+    except (OSError, KeyError, ValueError, RuntimeError, NotImplementedError, EOFError, zipfile.BadZipFile, zlib.error):
+        return None  # (what zipfile raises on a damaged archive: not torchrl's then; the reader that opens it says)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         return None
     if not isinstance(manifest.get("components"), dict):

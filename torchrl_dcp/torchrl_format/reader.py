@@ -90,8 +90,8 @@ class TorchrlContainer:
             return cls(p, None)
         try:
             return cls(p, zipfile.ZipFile(p))
-        except zipfile.BadZipFile as err:
-            raise CheckpointFormatError(f"not a torchrl.checkpoint archive: {err}", path=p) from None
+        except (zipfile.BadZipFile, NotImplementedError, RuntimeError, EOFError, ValueError) as err:
+            raise CheckpointFormatError(f"not a torchrl.checkpoint archive: {str(err)[:200]}", path=p) from None
 
     def close(self) -> None:
         if self._zip is not None:
