@@ -226,8 +226,9 @@ def test_async_archives_are_converted_in_the_background(tmp_path: Path) -> None:
     rotation = tdcp.CheckpointRotation(tmp_path, every_steps=1, keep_last=1, async_saves=True, archive=True)
     ckpt = tdcp.DistributedCheckpoint(w={"x": torch.ones(4)})
     rotation.maybe_save(ckpt, 1)
-    rotation.maybe_save(ckpt, 2)
-    assert rotation.wait() == rotation.path_for(2)
+    handle = rotation.maybe_save(ckpt, 2)
+    assert handle.path == rotation.path_for(2)  # the archive it commits, not the directory it converts (then gone)
+    assert rotation.wait() == rotation.path_for(2) == handle.wait()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000000002.zip"]
 
 

@@ -367,6 +367,7 @@ class CheckpointRotation:
             save_kwargs.pop("incremental_from", None), save_kwargs.pop("commit_sequence", None),
             then=lambda committed: self._rotate(ckpt, committed, step),
         )  # fmt: skip
+        handle.path = self.path_for(step)  # what the save commits (with archive=True, the .zip its directory becomes)
         self._in_flight = ckpt
         self._last_step, self._last_time = step, started
         return handle
