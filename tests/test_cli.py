@@ -460,3 +460,17 @@ def test_the_tools_read_through_links_as_the_library_does(tmp_path: Path, capsys
     code, converted = run_json(capsys, "convert", str(tmp_path / "latest"), str(tmp_path / "x.zip"))
     assert code == 0 and converted["container"] == "archive"
     tdcp.verify(tmp_path / "x.zip")
+
+
+@pytest.mark.parametrize("version", [1, 4, 5, 6])
+def test_inspect_shows_the_format_version_a_checkpoint_was_written_with(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, version: int
+) -> None:
+    """The manifest a reader holds is migrated to the current format: inspect said v7 of every old checkpoint,
+    where archive.md promises a converted archive keeps its format_version."""
+    fixture = Path(__file__).parent / "fixtures" / f"v{version}_checkpoint"
+    for path in (fixture, tdcp.to_archive(fixture, tmp_path / "c.zip")):
+        assert main(["inspect", "--json", str(path)]) == 0
+        assert json.loads(capsys.readouterr().out)["format_version"] == version
+        assert main(["inspect", str(path)]) == 0
+        assert f"format v{version}," in capsys.readouterr().out

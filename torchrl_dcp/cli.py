@@ -50,7 +50,8 @@ def _inspect(path: str) -> dict[str, Any]:
 
         return inspect_torchrl(path)
     where = location_for(_followed(path))
-    m = where.manifest()
+    box = where.container()
+    m = box.manifest()
     comps = {}
     for name, rec in m["components"].items():
         inventory = rec["inventory"]
@@ -67,7 +68,7 @@ def _inspect(path: str) -> dict[str, Any]:
     return {
         "path": str(where.path),
         "container": where.kind,
-        "format_version": m["format_version"],
+        "format_version": box.stored_version(),  # as written (the manifest read is migrated to the current one)
         "created_at": m.get("created_at"),
         "step": m.get("step"),
         "world_size": m["world_size"],

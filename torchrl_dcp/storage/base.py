@@ -35,6 +35,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import hashlib
+import json
 import os
 from collections import ChainMap
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
@@ -103,6 +104,9 @@ class Container(Protocol):
     def root_damaged(self, err: BaseException) -> bool:
         """Whether ``err`` of :meth:`root` is a damaged manifest of ours (:meth:`ManifestParts.root_damaged`)."""
 
+    def stored_version(self) -> int:
+        """The format version the root manifest was written with (:meth:`root` is migrated to the current one)."""
+
     def manifest(self, ranks: Collection[int] | None = None) -> dict[str, Any]:
         """The manifest with the shards of ``ranks`` (``None``: every rank's), assembled once per set of ranks
         (:class:`ManifestParts`)."""
@@ -151,6 +155,12 @@ class ManifestParts:
         if not self._root_read or isinstance(err, CheckpointVersionError) or not isinstance(err, CheckpointError):
             return False
         return looks_like_ours(self._root_bytes)
+
+    def stored_version(self) -> int:
+        """The format version the root manifest was written with, as its bytes say (:meth:`root` is migrated to the
+        current one: what ``inspect`` shows beside it)."""
+        self.root()
+        return json.loads(self._root_bytes)["format_version"]
 
     def root_digest(self) -> str:
         """A BLAKE2b digest of the root manifest's bytes as this process read them: the ranks of a load compare it,
