@@ -65,12 +65,38 @@ def subgroup_saves_and_loads(directory: str) -> dict[str, Any]:
     fresh.register("buffer", fresh_buffer)
     info = rotation.resume(fresh)
     loaded = _state(fresh_model, fresh_buffer)
+    named = _ranks_named_in_a_subgroup(learners, directory, rank)
     dist.barrier(group=learners)
     if rank == 1:
         store.set("learners-done", "1")
     dist.barrier()
     return {"rank": rank, "group_rank": group_rank, "world": ckpt.world_size, "saved": saved, "loaded": loaded,
-            "step": info.step, "later_groups": _groups_after_a_subgroup(directory)}  # fmt: skip
+            "step": info.step, "later_groups": _groups_after_a_subgroup(directory), "named": named}  # fmt: skip
+
+
+def _ranks_named_in_a_subgroup(learners: Any, directory: str, rank: int) -> list[str]:
+    """What the errors of the group's ranks 0 and 1 (global 1 and 2) say: a replicated value that differs, and a
+    restore that raises on group rank 1."""
+    said = []
+    differs = tdcp.DistributedCheckpoint(process_group=learners, timeout=30, cfg={"lr": float(rank)})
+    try:
+        differs.save(f"{directory}/differs", step=1)
+    except tdcp.CheckpointError as err:
+        said.append(str(err))
+    counter = _Stuck(stuck=False)
+    ckpt = tdcp.DistributedCheckpoint(process_group=learners, timeout=30)
+    ckpt.register("counter", counter, placement="per_rank")
+    ckpt.save(f"{directory}/counter", step=1)
+    counter.load_state_dict = _raising if rank == 2 else counter.load_state_dict  # type: ignore[method-assign]
+    try:
+        ckpt.load(f"{directory}/counter")
+    except tdcp.CheckpointError as err:
+        said.append(str(err))
+    return said
+
+
+def _raising(state: dict[str, Any]) -> None:
+    raise RuntimeError("this restore fails")
 
 
 def _groups_after_a_subgroup(directory: str) -> bool:

@@ -87,6 +87,10 @@ def test_a_subgroup_saves_and_loads_while_another_rank_works_alone(tmp_path: Pat
     assert manifest["world_size"] == 2
     assert all(r.value["later_groups"] for r in results)  # groups made by every rank afterwards: no deadlock
     assert tdcp.read_manifest(tmp_path / "world")["world_size"] == 3
+    # errors name a group's ranks with their global ranks (said "rank 1" of global rank 2, where global 1 is another)
+    differs, restore = learners[0]["named"]
+    assert "differs between rank 0 (global rank 1) and rank 1 (global rank 2)" in differs, differs
+    assert "rank 1 (global rank 2) failed while restoring components" in restore, restore
 
 
 def test_a_no_dist_load_on_one_rank_returns_while_the_other_waits(tmp_path: Path) -> None:

@@ -175,7 +175,7 @@ def _discard(group: Any) -> None:
             del _GROUPS[key]
 
 
-def _ranks_named(group: Any, ranks: str) -> str:
+def ranks_named(group: Any, ranks: str) -> str:
     """``ranks`` (group ranks, "1, 2") with their global ranks, when ``group`` is a subgroup."""
     try:
         if dist.get_world_size(group) == dist.get_world_size():
@@ -250,7 +250,7 @@ def sync(group: Any, phase: str) -> None:
             silent = None
     seconds = f"{timeout.total_seconds():g} s"
     if silent is not None:
-        who = f"rank{'s' if ',' in silent else ''} {_ranks_named(group, silent)}"
+        who = f"rank{'s' if ',' in silent else ''} {ranks_named(group, silent)}"
         raise CollectiveError(
             f"{who} did not reach the checkpoint collective ({phase}) within {seconds}: stuck or dead. "
             f"{outcome(phase)} Check that rank's log; raise DistributedCheckpoint(timeout=...) if it is only slow"
@@ -328,7 +328,7 @@ def _collective(fn: Any, phase: str, group: Any = None) -> Any:
             dead = "Connection closed by peer" in text or "Connection reset" in text  # (said at once, as before)
             absent = [] if dead else _absent_ranks(group, call)
             if absent:
-                who = f"rank{'s' if len(absent) > 1 else ''} {_ranks_named(group, ', '.join(map(str, absent)))}"
+                who = f"rank{'s' if len(absent) > 1 else ''} {ranks_named(group, ', '.join(map(str, absent)))}"
                 raise CollectiveError(
                     f"{who} did not reach the checkpoint collective ({phase}) within "
                     f"{group_timeout(group).total_seconds():g} s: stuck or dead. {outcome(phase)} Check that rank's "

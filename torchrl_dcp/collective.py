@@ -44,14 +44,16 @@ def as_checkpoint_error(error: BaseException, phase: str) -> BaseException:
     return wrapped
 
 
-def raise_if_failed(statuses: list[Status | None], phase: str, own: BaseException | None) -> None:
-    """Raise on every rank if any rank failed: a rank re-raises its own error, the others name the first failed rank."""
+def raise_if_failed(statuses: list[Status | None], phase: str, own: BaseException | None, group: Any = None) -> None:
+    """Raise on every rank if any rank failed: a rank re-raises its own error, the others name the first failed rank
+    (with its global rank when ``group`` is a subgroup)."""
     if own is not None:
         raise as_checkpoint_error(own, phase)
     for rank, status in enumerate(statuses):
         if status is not None:
             kind, message, path = status
-            err = CollectiveError(f"rank {rank} failed while {phase}: {kind}: {message}", path=path)
+            who = _dist.ranks_named(group, str(rank)) if group is not None else str(rank)
+            err = CollectiveError(f"rank {who} failed while {phase}: {kind}: {message}", path=path)
             err.failed_rank = rank  # (its failure was reported: the exchange itself went through)
             raise err
 
@@ -68,7 +70,7 @@ def run_step(group: Any, phase: str, fn: Callable[[], T], *, fallback: Any = Non
     except BaseException as err:  # reported to every rank below, then re-raised here
         value, error = fallback, err
     gathered = _dist.all_gather((error_status(error), value), group, phase, monitored=monitored, kind="step")
-    raise_if_failed([status for status, _ in gathered], phase, error)
+    raise_if_failed([status for status, _ in gathered], phase, error, group)
     return [v for _, v in gathered]
 
 
@@ -133,7 +135,7 @@ def scatter_step(group: Any, phase: str, fn: Callable[[], list[T]], *, rank: int
     values, error = _on_rank_0(group, rank, split)
     parts = None if values is None and error is None else [(error_status(error), v) for v in values or [None] * size]
     status, value = _dist.scatter_from_0(parts, group, phase, monitored=False, kind="scattered step")
-    raise_if_failed([status], phase, error)
+    raise_if_failed([status], phase, error, group)
     return value
 
 
@@ -157,7 +159,7 @@ def failures(failure: BaseException | None, group: Any, phase: str) -> list[Stat
 def raise_failure(group: Any, phase: str, error: BaseException | None) -> None:
     """Some rank failed at ``phase`` (every rank knows it): gather the statuses, raise on every rank naming it."""
     statuses = _dist.all_gather(error_status(error), group, phase, monitored=False, kind="statuses")
-    raise_if_failed(statuses, phase, error)
+    raise_if_failed(statuses, phase, error, group)
     raise CollectiveError(f"a rank failed while {phase}")  # (not reached: a rank reported its failure)
 
 
@@ -169,7 +171,7 @@ def run_on_coordinator(
     Only rank 0's status travels (a broadcast): the others have nothing to report."""
     value, error = _on_rank_0(group, rank, fn)
     status = _dist.broadcast_from_0(error_status(error), group, phase, monitored=monitored, kind="coordinator status")
-    raise_if_failed([status], phase, error)
+    raise_if_failed([status], phase, error, group)
     return value
 
 
@@ -184,5 +186,5 @@ def broadcast_step(
     status, value = _dist.broadcast_from_0(
         (error_status(error), value), group, phase, monitored=monitored, kind="broadcast step"
     )
-    raise_if_failed([status], phase, error)
+    raise_if_failed([status], phase, error, group)
     return value

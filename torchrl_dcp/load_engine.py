@@ -408,7 +408,7 @@ def restore(src: CheckpointSource, request: LoadRequest, load_plan: LoadPlan, re
     failure = check_values(load_plan, src, request.path) or _restore_all(first, load_plan, request, result, done)
     statuses = _statuses(failure, request.group, _with_planned(done, load_plan), result)
     if statuses is not None:
-        _fail(_with_planned(done, load_plan), statuses, failure, "restoring components", result)
+        _fail(_with_planned(done, load_plan), statuses, failure, "restoring components", result, group=request.group)
     if load_plan.live or request.group is not None:
         try:
             read(src, request, load_plan.live_reads(), load_plan.verify_live, result, LIVE_MISMATCH)
@@ -423,7 +423,15 @@ def restore(src: CheckpointSource, request: LoadRequest, load_plan: LoadPlan, re
         failure = _restore_again(last, load_plan, request, result)
     statuses = _statuses(failure, request.group, _with_planned(done, load_plan), result, partial=in_place)
     if statuses is not None:
-        _fail(_with_planned(done, load_plan), statuses, failure, "restoring components", result, partial=in_place)
+        _fail(
+            _with_planned(done, load_plan),
+            statuses,
+            failure,
+            "restoring components",
+            result,
+            partial=in_place,
+            group=request.group,
+        )
 
 
 def _statuses(
@@ -579,12 +587,13 @@ def _fail(
     phase: str,
     result: LoadResult,
     partial: list[ComponentPlan] = (),  # type: ignore[assignment]
+    group: Any = None,
 ) -> None:
     problems = rollback(done)
     result.loaded.clear()
     result.values.clear()
     try:
-        raise_if_failed(statuses, phase, own)
+        raise_if_failed(statuses, phase, own, group)
     except CheckpointError as err:
         err.result = result
         notes = []

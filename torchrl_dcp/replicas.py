@@ -35,6 +35,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from torchrl_dcp import _dist
 from torchrl_dcp.errors import EncodingError
 from torchrl_dcp.format.checksums import crc32
 from torchrl_dcp.format.record import byte_view, host_bytes, plain_tensor
@@ -146,9 +147,10 @@ def _value_paths(node: Any, path: str, out: dict[str, str]) -> None:
     out[path or "value (the whole state)"] = f"{crc32(text):08x}"
 
 
-def compare(per_rank: list[dict[str, tuple[Any, ...]]]) -> None:
+def compare(per_rank: list[dict[str, tuple[Any, ...]]], group: Any = None) -> None:
     """Raise :class:`EncodingError` naming the first replicated component that differs between ranks (and in it the
-    tensor, or the non-tensor value when :func:`with_value_paths` gave their digests)."""
+    tensor, or the non-tensor value when :func:`with_value_paths` gave their digests; the ranks with their global
+    ranks when ``group`` is a subgroup)."""
     if len(per_rank) < 2:
         return
     first = per_rank[0]
@@ -168,8 +170,13 @@ def compare(per_rank: list[dict[str, tuple[Any, ...]]]) -> None:
                     where = values[0]
                     what = f"its non-tensor value at {name}{where}" if where[0] == "[" else f"its non-tensor {where}"
             raise EncodingError(
-                f"replicated component {name!r} differs between rank 0 and rank {r}: {what}. A replicated "
+                f"replicated component {name!r} differs between rank {_named(group, 0)} and rank {_named(group, r)}: "
+                f"{what}. A replicated "
                 "component is written once, so the checkpoint would hold a state that never existed; nothing "
                 "was written. Make it identical on every rank, or register it with placement='per_rank' if "
                 "each rank has its own (replica_check='off' skips this check for it)"
             )
+
+
+def _named(group: Any, rank: int) -> str:
+    return str(rank) if group is None else _dist.ranks_named(group, str(rank))

@@ -292,7 +292,7 @@ def _plan_gathered(group: Any, held: list[Any], error: BaseException | None, rec
 
     gathered = run_step(group, "encoding the state", local, monitored=False)
     compare_layouts([layout for _, _, layout in gathered])
-    compare_replicas([replicas for _, replicas, _ in gathered])
+    compare_replicas([replicas for _, replicas, _ in gathered], group)
     return plan_writes([infos for infos, _, _ in gathered])
 
 
@@ -439,7 +439,7 @@ def commit(job: SaveJob, target: SaveTarget, outcome: WriteOutcome, write_error:
     if job.rank == 0:
         try:
             assert gathered is not None
-            raise_if_failed([p.status for p in gathered], "writing data files", None)
+            raise_if_failed([p.status for p in gathered], "writing data files", None, job.group)
             with gc_paused():  # thousands of small objects: metadata and manifest
                 manifest, files = manifest_bytes(job, target, gathered)
                 target.commit(manifest, files)
@@ -447,7 +447,7 @@ def commit(job: SaveJob, target: SaveTarget, outcome: WriteOutcome, write_error:
             error = save_failure(err, "committing the checkpoint", job.destination)
     # only rank 0 can fail here: each rank receives its one status, not an all_gather of every rank's
     status = _dist.broadcast_from_0(error_status(error), job.group, "confirming the commit", monitored=False)
-    raise_if_failed([status], "committing the checkpoint", error or write_error)
+    raise_if_failed([status], "committing the checkpoint", error or write_error, job.group)
     return job.destination
 
 
