@@ -45,3 +45,24 @@ def test_other_per_rank_components_still_need_a_rank(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="per_rank"):
         tdcp.export_torchrl(path, tmp_path / "stats.torchrl", ["stats"])
     assert tdcp.export_torchrl(path, tmp_path / "stats.torchrl", ["stats"], rank=0).exists()
+
+
+def test_an_unknown_export_format_is_refused_before_anything_is_read(tmp_path: Path) -> None:
+    """``format="zip"`` reached torchrl's Checkpoint after every component was read, as its ValueError."""
+    with pytest.raises(ValueError, match="format must be 'archive'"):
+        tdcp.export_torchrl(tmp_path / "nothing-here", tmp_path / "out", format="zip")
+
+
+def test_diff_and_convert_say_a_torchrl_checkpoint_is_torchrls(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A torchrl.checkpoint export was read as a damaged archive of ours ("member is in a sub-directory")."""
+    from torchrl_dcp.cli import main
+
+    path = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(2, 2)).save(tmp_path / "c", step=1)
+    export = tdcp.export_torchrl(path, tmp_path / "policy.torchrl", ["policy"])
+    for argv in (["diff", str(export), str(path)], ["convert", str(export), str(tmp_path / "out")]):
+        assert main(argv) != 0
+        said = capsys.readouterr().err
+        assert "is a torchrl.checkpoint checkpoint" in said and "`inspect` and `verify` read" in said, said
+    assert not (tmp_path / "out").exists()

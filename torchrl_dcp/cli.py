@@ -154,9 +154,21 @@ def _progress(label: str, args: argparse.Namespace) -> Iterator[Callable[[int, i
         yield show
 
 
+def _ours_only(path: str, tool: str) -> None:
+    """Refuse, saying so, a ``torchrl.checkpoint`` checkpoint where a tool reads torchrl_dcp's format only (it was
+    read as a damaged archive of ours: "member is in a sub-directory")."""
+    if is_torchrl_checkpoint(path):
+        raise CheckpointError(
+            f"is a torchrl.checkpoint checkpoint: `{tool}` reads torchrl_dcp checkpoints; `inspect` and `verify` read "
+            "this one, and DistributedCheckpoint.load restores it (then save it with torchrl_dcp to convert or diff it)",
+            path=path,
+        )
+
+
 def _convert(src: str, dst: str, overwrite: bool, args: argparse.Namespace) -> dict[str, Any]:
     from torchrl_dcp.convert import to_archive, to_directory
 
+    _ours_only(src, "convert")
     start = time.monotonic()
     source = location_for(_followed(src))
     if source.entry_kind() in ("archive", "other"):  # one file (or object): an archive to unpack
@@ -270,6 +282,8 @@ def _diff(a: str, b: str, atol: float, progress: Callable[[int, int], None] | No
     from torchrl_dcp.extract import as_source
     from torchrl_dcp.verification import check_structure
 
+    for path in (a, b):
+        _ours_only(path, "diff")
     sa, sb = as_source(a), as_source(b)
     ma, mb = sa.manifest(), sb.manifest()
     for src in (sa, sb):  # what verify checks before reading: another save's files, forged states (no checksums yet)

@@ -357,6 +357,7 @@ def export_torchrl(
         >>> tdcp.export_torchrl("ckpts/step-100", "policy.torchrl", ["policy"])  # doctest: +SKIP
         >>> torchrl.checkpoint.Checkpoint(policy=policy).load("policy.torchrl")  # doctest: +SKIP
     """
+    _check_export_format(format)  # (before anything is read or written)
     from torchrl.checkpoint import Checkpoint as TorchRLCheckpoint
 
     from torchrl_dcp.adapters.rng import torchrl_rng_layout
@@ -415,6 +416,11 @@ def export_torchrl(
     except OSError as err:  # (torchrl stages beside the destination and removes its staging on failure)
         raise from_os_error(err, "exporting", destination, after="an existing export there is unchanged") from None
     return destination
+
+
+def _check_export_format(format: str) -> None:
+    if format not in ("archive", "directory"):
+        raise ValueError(f"format must be 'archive' (one ZIP file) or 'directory', not {format!r}")
 
 
 def _not_torchrl_json(value: Any, where: str) -> str | None:
