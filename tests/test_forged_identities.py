@@ -21,7 +21,7 @@ import torch
 
 import torchrl_dcp as tdcp
 from tests import forging
-from torchrl_dcp import local_tier
+from torchrl_dcp import local_records, local_tier
 from torchrl_dcp.format.layout import TRAILER_SIZE, read_identity
 from torchrl_dcp.storage.archive import read_index
 
@@ -221,13 +221,13 @@ def test_a_part_directory_linked_outside_the_tier_is_not_resumed_from(tmp_path: 
 def test_a_linked_part_s_record_and_manifest_digest_are_refused(tmp_path: Path) -> None:
     _, part = _saved_tier(tmp_path)
     step_dir = part.parent
-    assert local_tier._read_record(step_dir, 0, 1, None) is not None
+    assert local_records.read_record(step_dir, 0, 1, None) is not None
     _plant_link(part, tmp_path / "outside")
-    assert local_tier._read_record(step_dir, 0, 1, None) is None
+    assert local_records.read_record(step_dir, 0, 1, None) is None
     with pytest.raises(tdcp.CheckpointError, match="not a directory"):
-        local_tier._manifest_digest(part)
+        local_records.manifest_digest(part)
     with pytest.raises(tdcp.CheckpointError, match="not a directory"):
-        local_tier._write_record(step_dir, 0, 1, "0" * 32, {})
+        local_records.write_record(step_dir, 0, 1, "0" * 32, {})
 
 
 def test_a_part_linked_after_the_tier_was_listed_is_refused_before_it_is_loaded(

@@ -191,7 +191,7 @@ def test_a_tier_of_another_job_is_ignored_with_a_log_line(tmp_path: Path, caplog
     assert "another job" in caplog.text
 
 
-def test_a_forged_or_damaged_part_falls_back_to_the_shared_tier(
+def test_a_forged_or_damaged_part_falls_back_to_the_previous_local_step(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     ckpt, model, optimizer = _job()
@@ -203,7 +203,7 @@ def test_a_forged_or_damaged_part_falls_back_to_the_shared_tier(
     data.write_bytes(bytes(raw))  # the manifest's checksum no longer matches
     with caplog.at_level(logging.WARNING, logger="torchrl_dcp"):
         info = _rotation(tmp_path).resume(_job(1)[0])
-    assert (info.step, info.tier) == (10, "shared")
+    assert (info.step, info.tier) == (10, "local")  # the local step before it (the shared tier's newest: not older)
     assert "could not be restored" in caplog.text
 
     _train(ckpt, model, optimizer, _rotation(tmp_path / "b"), 0, 13)
@@ -365,7 +365,7 @@ def test_removing_a_tree_under_a_file_finds_nothing(tmp_path: Path) -> None:
     assert (tmp_path / "f").read_text() == "x"
 
 
-def test_a_damaged_local_step_is_warned_about_before_the_shared_tier_resumes(tmp_path: Path) -> None:
+def test_a_damaged_local_step_is_warned_about_before_an_older_step_resumes(tmp_path: Path) -> None:
     """A local step that cannot be restored (one flipped byte) sent the resume to the shared tier with only a log
     record, which the library's null handler hides: the newer local step was lost unseen, where a damaged shared
     entry is warned about."""
@@ -375,6 +375,16 @@ def test_a_damaged_local_step_is_warned_about_before_the_shared_tier_resumes(tmp
     data = bytearray(part.read_bytes())
     data[len(data) // 2] ^= 1
     part.write_bytes(bytes(data))
-    with pytest.warns(tdcp.LocalTierWarning, match=r"step 12 could not be restored .*__0_shared.distcp.*shared tier"):
+    with pytest.warns(tdcp.LocalTierWarning, match=r"step 12 could not be restored: rank 0's part .*__0_shared.distcp"):
+        info = _rotation(tmp_path).resume(_job(1)[0])
+    assert (info.step, info.tier) == (10, "local")  # the local step 10 (not older than the shared tier's 10)
+
+    for step in (10, 12):  # every local step damaged: the shared tier, said
+        part = tmp_path / "local" / f"step-{step:012d}" / "rank-00000" / "__0_shared.distcp"
+        if part.exists():
+            data = bytearray(part.read_bytes())
+            data[len(data) // 2] ^= 1
+            part.write_bytes(bytes(data))
+    with pytest.warns(tdcp.LocalTierWarning, match=r"step 10 could not be restored: .*the shared tier is next"):
         info = _rotation(tmp_path).resume(_job(1)[0])
     assert (info.step, info.tier) == (10, "shared")

@@ -38,8 +38,6 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
 import socket
@@ -64,28 +62,30 @@ from torchrl_dcp.errors import (
     from_os_error,
 )
 from torchrl_dcp.load_plan import LoadPlan
+from torchrl_dcp.local_records import (
+    RECORD,
+    RECORD_TMP,
+    HeldPart,
+    plain,
+    read_record,
+    record_name,
+    write_record,
+)
 from torchrl_dcp.peer_copy import exchange_entries
 from torchrl_dcp.save_policy import SaveSchedule
-from torchrl_dcp.storage.commit import remove_entry, sweep_stale_locks, write_file_durably
+from torchrl_dcp.storage.commit import remove_entry, sweep_stale_locks
 from torchrl_dcp.storage.directory import (
     DirectoryContainer,
     DirectoryLocation,
     is_replaceable,
     refuse_inside_checkpoint,
 )
-from torchrl_dcp.storage.files import DirHandle, read_whole
 
 logger = get_logger(__name__)
 
 Tier = Literal["local", "peer", "shared"]
-RECORD_FORMAT = "torchrl_dcp.local_tier"
-RECORD_VERSION = 1
 _STEP = re.compile(r"step-([0-9]{12,})")  # (fullmatch: "$" would take a name ending in a newline)
-_RECORD = re.compile(r"rank-([0-9]{5})\.commit\.json")
 _PART = re.compile(r"rank-[0-9]{5}")
-_RECORD_TMP = re.compile(r"\.rank-[0-9]{5}\.commit\.json\.tmp-[0-9a-f]{32}")
-_RECORD_LIMIT = 64 << 10
-_MANIFEST_LIMIT = 64 << 20  # a part's manifest larger than this is not digested (its record never matches)
 
 
 def node_identity() -> str:
@@ -134,15 +134,6 @@ class NodeLayout:
 
     def node_count(self) -> int:
         return len(set(self.nodes))
-
-
-@dataclass(frozen=True)
-class HeldPart:
-    """A committed part this node's tier holds: ``rank``'s state at ``step`` from the save ``save_id``."""
-
-    step: int
-    rank: int
-    save_id: str
 
 
 class LocalTier:
@@ -211,7 +202,7 @@ class LocalTier:
                 _make_dir(self.path)  # the tier's own directory too: never a link to somewhere else
                 _make_dir(step_dir)
                 for r in (rank, *sources):  # a step saved again: its old records go before its parts change
-                    (step_dir / _record_name(r)).unlink(missing_ok=True)
+                    (step_dir / record_name(r)).unlink(missing_ok=True)
                 solo.save(own, step=step, metadata={**metadata, "local_tier": {"rank": rank}}, components=names)
             except OSError as err:
                 failure = from_os_error(err, "saving to the local tier", own)
@@ -235,7 +226,7 @@ class LocalTier:
         save_id = run_step(group, f"saving step {step} to the local tier {self.path}", write)[0]
         for r in (rank, *sources):  # every part and replica is durable: this node records what it holds
             try:
-                _write_record(step_dir, r, step, save_id, identity)
+                write_record(step_dir, r, step, save_id, identity)
             except (OSError, CheckpointError) as err:
                 logger.warning(
                     "local tier %s: the commit record of rank %d at step %d failed: %s", step_dir, r, step, err
@@ -315,10 +306,10 @@ class LocalTier:
         except (FileNotFoundError, NotADirectoryError):
             return
         for name in names:  # records first: a step half removed is never taken for a committed one
-            if _RECORD.fullmatch(name) and not _is_real_dir(step_dir / name):  # (a directory of that name: not ours)
+            if RECORD.fullmatch(name) and not _is_real_dir(step_dir / name):  # (a directory of that name: not ours)
                 (step_dir / name).unlink(missing_ok=True)
         for name in names:  # a killed record write's temporary (``write_file_durably``)
-            if _RECORD_TMP.fullmatch(name) and not _is_real_dir(step_dir / name):
+            if RECORD_TMP.fullmatch(name) and not _is_real_dir(step_dir / name):
                 (step_dir / name).unlink(missing_ok=True)
         for name in names:  # parts it wrote (committed checkpoints), never a directory of the user's of that name;
             part = step_dir / name  # a link planted in a part's place goes (itself: never what it points to)
@@ -359,7 +350,7 @@ class LocalTier:
         complete step, as long as it is not older than ``shared_step``; each try warns, naming the rank and
         the copy. Any other failure sends every rank to the shared tier."""
         group = _group(ckpt)
-        held = run_step(group, f"listing the local tier {self.path}", lambda: [_plain(p) for p in self._held(identity)])
+        held = run_step(group, f"listing the local tier {self.path}", lambda: [plain(p) for p in self._held(identity)])
         layout = self._layout(group)
         refused: set[tuple[int, str, int, str]] = set()  # (step, save, part's rank, node): copies found damaged
         chosen = _newest_complete(held, _dist.group_size(group), refused, layout)
@@ -431,14 +422,14 @@ class LocalTier:
                 try:
                     _make_dir(self.path)
                     _make_dir(step_dir)
-                    (step_dir / _record_name(rank)).unlink(missing_ok=True)  # (a damaged copy is being replaced)
+                    (step_dir / record_name(rank)).unlink(missing_ok=True)  # (a damaged copy is being replaced)
                 except (OSError, CheckpointError):
                     pass  # the receive fails on it (after draining what the peer sends) and says why
             exchange_entries(sends, receives, group)
             if layout.leader(rank):  # steps newer than the one restored belong to an abandoned future
                 self._drop_newer(step)
             if receives:
-                _write_record(step_dir, rank, step, save_id, identity)
+                write_record(step_dir, rank, step, save_id, identity)
             _check_part(own)  # (listed as held while it was a real directory: a link since planted is refused)
             request = solo._load_request(own, **load_kwargs)  # (what solo.load(own, ...) would ask)
             result = load_engine.LoadResult(path=request.path)
@@ -501,10 +492,10 @@ class LocalTier:
             except (FileNotFoundError, NotADirectoryError):
                 continue
             for name in names:
-                m = _RECORD.fullmatch(name)
+                m = RECORD.fullmatch(name)
                 if not m:
                     continue
-                part = _read_record(step_dir, int(m.group(1)), step, identity)
+                part = read_record(step_dir, int(m.group(1)), step, identity)
                 if part is None:
                     foreign.add(step)
                 elif part.step == step:
@@ -573,84 +564,11 @@ def _make_dir(path: Path) -> None:
         raise CheckpointError("is not a directory (a link or a file was put in its place): refused", path=path)
 
 
-def _record_name(rank: int) -> str:
-    return f"rank-{rank:05d}.commit.json"
-
-
 def _check_part(part: Path) -> None:
     """A part directory must be a real directory, as the tier's and its step directories: a link planted in its
     place (to a directory outside the tier) is refused, never followed."""
     if not _is_real_dir(part):
         raise CheckpointError("is not a directory (a link or a file was put in its place): refused", path=part)
-
-
-def _manifest_digest(part: Path) -> str:
-    """The SHA-256 of the part's manifest, read through the part's directory opened without following a link
-    (``DirHandle``: a link planted in place of the part, or swapped in after a check, is refused)."""
-    try:
-        handle = DirHandle.open(part)
-        try:
-            fd = handle.open_file("manifest.json")
-        finally:
-            handle.close()
-    except OSError as err:  # (a link or a file in the part's place: CheckpointError, from DirHandle)
-        raise from_os_error(err, "reading the part's manifest", part / "manifest.json") from None
-    try:
-        size = os.fstat(fd).st_size
-        if size > _MANIFEST_LIMIT:
-            raise CheckpointError(f"is implausibly large ({size} bytes)", path=part / "manifest.json")
-        digest, done = hashlib.sha256(), 0
-        while done < size:
-            chunk = os.pread(fd, min(size - done, 1 << 20), done)
-            if not chunk:
-                break
-            digest.update(chunk)
-            done += len(chunk)
-        return digest.hexdigest()
-    finally:
-        os.close(fd)
-
-
-def _write_record(step_dir: Path, rank: int, step: int, save_id: str, identity: Mapping[str, Any]) -> None:
-    part = step_dir / f"rank-{rank:05d}"
-    record = {
-        "format": RECORD_FORMAT,
-        "version": RECORD_VERSION,
-        "step": step,
-        "rank": rank,
-        "save_id": save_id,
-        "identity": dict(identity),
-        "manifest_sha256": _manifest_digest(part),
-    }
-    handle = DirHandle.open(step_dir)
-    try:
-        write_file_durably(step_dir / _record_name(rank), json.dumps(record).encode(), within=handle)
-        handle.fsync()
-    finally:
-        handle.close()
-
-
-def _read_record(step_dir: Path, rank: int, step: int, identity: Mapping[str, Any] | None) -> HeldPart | None:
-    """The part a commit record names, if the record is well formed, matches and the part's manifest is its own."""
-    try:
-        record = json.loads(read_whole(step_dir / _record_name(rank), _RECORD_LIMIT, step_dir))
-        ok = (
-            isinstance(record, dict)
-            and record.get("format") == RECORD_FORMAT
-            and record.get("version") == RECORD_VERSION
-            and record.get("step") == step
-            and record.get("rank") == rank
-            and isinstance(record.get("save_id"), str)
-            and (identity is None or record.get("identity") == json.loads(json.dumps(dict(identity))))
-            and record.get("manifest_sha256") == _manifest_digest(step_dir / f"rank-{rank:05d}")
-        )
-    except (OSError, ValueError, CheckpointError):
-        return None
-    return HeldPart(step, rank, record["save_id"]) if ok else None
-
-
-def _plain(part: HeldPart) -> tuple[int, int, str]:
-    return part.step, part.rank, part.save_id
 
 
 def _newest_complete(

@@ -1,0 +1,117 @@
+"""A local tier's commit records: what makes a part on a node's tier exist for a resume.
+
+Once every rank's part of a step and every replica is durable, each node writes, beside each part it
+holds, a small JSON record (``step-<N>/rank-<R>.commit.json``) naming the step, the rank, the save,
+the job's identity (run id, world size, shared directory) and the SHA-256 of the part's manifest.
+A part without its record, with a record that does not parse or match, or whose manifest is not the
+one recorded, does not exist for a resume (:func:`read_record`).
+
+Example:
+    >>> record_name(3)
+    'rank-00003.commit.json'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torchrl_dcp.errors import CheckpointError, from_os_error
+from torchrl_dcp.storage.commit import write_file_durably
+from torchrl_dcp.storage.files import DirHandle, read_whole
+
+RECORD_FORMAT = "torchrl_dcp.local_tier"
+RECORD_VERSION = 1
+RECORD = re.compile(r"rank-([0-9]{5})\.commit\.json")
+#: a killed record write's temporary (``write_file_durably``)
+RECORD_TMP = re.compile(r"\.rank-[0-9]{5}\.commit\.json\.tmp-[0-9a-f]{32}")
+_RECORD_LIMIT = 64 << 10
+_MANIFEST_LIMIT = 64 << 20  # a part's manifest larger than this is not digested (its record never matches)
+
+
+@dataclass(frozen=True)
+class HeldPart:
+    """A committed part this node's tier holds: ``rank``'s state at ``step`` from the save ``save_id``."""
+
+    step: int
+    rank: int
+    save_id: str
+
+
+def record_name(rank: int) -> str:
+    return f"rank-{rank:05d}.commit.json"
+
+
+def manifest_digest(part: Path) -> str:
+    """The SHA-256 of the part's manifest, read through the part's directory opened without following a link
+    (``DirHandle``: a link planted in place of the part, or swapped in after a check, is refused)."""
+    try:
+        handle = DirHandle.open(part)
+        try:
+            fd = handle.open_file("manifest.json")
+        finally:
+            handle.close()
+    except OSError as err:  # (a link or a file in the part's place: CheckpointError, from DirHandle)
+        raise from_os_error(err, "reading the part's manifest", part / "manifest.json") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size > _MANIFEST_LIMIT:
+            raise CheckpointError(f"is implausibly large ({size} bytes)", path=part / "manifest.json")
+        digest, done = hashlib.sha256(), 0
+        while done < size:
+            chunk = os.pread(fd, min(size - done, 1 << 20), done)
+            if not chunk:
+                break
+            digest.update(chunk)
+            done += len(chunk)
+        return digest.hexdigest()
+    finally:
+        os.close(fd)
+
+
+def write_record(step_dir: Path, rank: int, step: int, save_id: str, identity: Mapping[str, Any]) -> None:
+    part = step_dir / f"rank-{rank:05d}"
+    record = {
+        "format": RECORD_FORMAT,
+        "version": RECORD_VERSION,
+        "step": step,
+        "rank": rank,
+        "save_id": save_id,
+        "identity": dict(identity),
+        "manifest_sha256": manifest_digest(part),
+    }
+    handle = DirHandle.open(step_dir)
+    try:
+        write_file_durably(step_dir / record_name(rank), json.dumps(record).encode(), within=handle)
+        handle.fsync()
+    finally:
+        handle.close()
+
+
+def read_record(step_dir: Path, rank: int, step: int, identity: Mapping[str, Any] | None) -> HeldPart | None:
+    """The part a commit record names, if the record is well formed, matches and the part's manifest is its own."""
+    try:
+        record = json.loads(read_whole(step_dir / record_name(rank), _RECORD_LIMIT, step_dir))
+        ok = (
+            isinstance(record, dict)
+            and record.get("format") == RECORD_FORMAT
+            and record.get("version") == RECORD_VERSION
+            and record.get("step") == step
+            and record.get("rank") == rank
+            and isinstance(record.get("save_id"), str)
+            and (identity is None or record.get("identity") == json.loads(json.dumps(dict(identity))))
+            and record.get("manifest_sha256") == manifest_digest(step_dir / f"rank-{rank:05d}")
+        )
+    except (OSError, ValueError, CheckpointError):
+        return None
+    return HeldPart(step, rank, record["save_id"]) if ok else None
+
+
+def plain(part: HeldPart) -> tuple[int, int, str]:
+    return part.step, part.rank, part.save_id
