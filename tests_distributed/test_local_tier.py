@@ -52,21 +52,27 @@ def test_a_part_damaged_on_one_rank_resumes_the_previous_local_step_on_every_ran
     assert "step 2 is next" in zero["warned"][0]
 
 
-@pytest.mark.parametrize("damaged", ["own copy", "every copy"])
+@pytest.mark.parametrize("damaged", ["own copy", "every copy", "replica unreadable", "manifests"])
 def test_a_damaged_local_part_is_taken_from_its_replica_on_another_node(tmp_path: Path, damaged: str) -> None:
     """Two nodes, each rank's part of step 2 also on the other node. Rank 1's own copy fails its verified load (a
     flipped byte in a data file): rank 1 receives the replica from rank 0 and every rank resumes step 2, as when its
-    node lost the part; with the replica damaged too, step 1 (never the shared tier, which holds nothing)."""
+    node lost the part; with the replica damaged too (or unreadable: the send failed, which sent every rank to the
+    shared tier and deleted the intact step 1), step 1, never the shared tier (which holds nothing). Parts whose
+    manifests are damaged do not count, and every rank is told (they were dropped with a log line)."""
     zero, one = (r.value for r in launch(f"{S}:damaged_own_copy", 2, str(tmp_path), damaged))
     if damaged == "own copy":
         assert zero["resumed"] == [2, "local"] and one["resumed"] == [2, "peer"], (zero, one)
         assert "step 2 is tried again with the other copies" in zero["warned"][0], zero["warned"]
     else:
         assert zero["resumed"] == one["resumed"] == [1, "local"], (zero, one)
-        assert "step 1 is next" in zero["warned"][-1], zero["warned"]
+        assert "step 1 is next" in zero["warned"][-1] or damaged == "manifests", zero["warned"]
     assert zero["exact"] and one["exact"]
     for warned in (zero["warned"], one["warned"]):  # (every rank is told; its tier's path differs here)
-        assert "rank 1's part (its own copy) is damaged" in warned[0] and "__0_0.distcp: checksum" in warned[0]
+        if damaged == "manifests":
+            assert "parts found damaged do not count" in warned[0], warned
+            assert "step 2 rank 1's part: its manifest is not the one its commit record names" in warned[0], warned
+        else:
+            assert "rank 1's part (its own copy) is damaged" in warned[0] and "__0_0.distcp: checksum" in warned[0]
 
 
 def test_a_local_resume_that_succeeds_on_every_rank_restores_every_rank(tmp_path: Path) -> None:
@@ -227,8 +233,8 @@ def resume_fails_on_one_rank(root: str, case: str) -> dict[str, Any]:
     }
 
 
-def _flip(part: Path) -> None:
-    data = max((p for p in part.iterdir() if p.name.endswith(".distcp")), key=lambda p: p.stat().st_size)
+def _flip(part: Path, name: str | None = None) -> None:
+    data = part / name if name else max(part.glob("*.distcp"), key=lambda p: p.stat().st_size)
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
@@ -254,10 +260,20 @@ def damaged_own_copy(root: str, damaged: str) -> dict[str, Any]:
         dist.barrier()
     saving.close()
     dist.barrier()
-    if rank == 1:
-        _flip(Path(root) / "node-1" / "step-000000000002" / "rank-00001")
-    if rank == 0 and damaged == "every copy":
-        _flip(Path(root) / "node-0" / "step-000000000002" / "rank-00001")
+    own, replica = (Path(root) / f"node-{n}" / "step-000000000002" / "rank-00001" for n in (1, 0))
+    if damaged == "manifests":  # both copies' manifests: neither part counts (their records name other bytes)
+        if rank == 1:
+            _flip(own, "manifest.json")
+        else:
+            _flip(replica, "manifest.json")
+    elif rank == 1:
+        _flip(own)
+    elif damaged == "every copy":
+        _flip(replica)
+    elif damaged == "replica unreadable":  # its data file replaced by a directory: the sender cannot send it
+        data = max(replica.glob("*.distcp"), key=lambda p: p.stat().st_size)
+        data.unlink()
+        data.mkdir()
     dist.barrier()
     fresh, fresh_ckpt = _objects(2)
     with warnings.catch_warnings(record=True) as heard:

@@ -96,21 +96,36 @@ def write_record(step_dir: Path, rank: int, step: int, save_id: str, identity: M
 
 def read_record(step_dir: Path, rank: int, step: int, identity: Mapping[str, Any] | None) -> HeldPart | None:
     """The part a commit record names, if the record is well formed, matches and the part's manifest is its own."""
+    found = check_record(step_dir, rank, step, identity)
+    return found if isinstance(found, HeldPart) else None
+
+
+def check_record(step_dir: Path, rank: int, step: int, identity: Mapping[str, Any] | None) -> HeldPart | str | None:
+    """The part rank ``rank``'s commit record in ``step_dir`` names (:class:`HeldPart`); else why it does not count:
+    ``None`` for a record of another job, world size or shared directory (``identity``; ``None``: any), a string
+    for a damaged one (it does not parse or describe this part, or the part's manifest is not the one it names)."""
     try:
         record = json.loads(read_whole(step_dir / record_name(rank), _RECORD_LIMIT, step_dir))
-        ok = (
-            isinstance(record, dict)
-            and record.get("format") == RECORD_FORMAT
-            and record.get("version") == RECORD_VERSION
-            and record.get("step") == step
-            and record.get("rank") == rank
-            and isinstance(record.get("save_id"), str)
-            and (identity is None or record.get("identity") == json.loads(json.dumps(dict(identity))))
-            and record.get("manifest_sha256") == manifest_digest(step_dir / f"rank-{rank:05d}")
-        )
-    except (OSError, ValueError, CheckpointError):
+    except (OSError, ValueError, CheckpointError) as err:
+        return f"its commit record cannot be read ({str(err)[:200]})"
+    if not (
+        isinstance(record, dict)
+        and record.get("format") == RECORD_FORMAT
+        and record.get("version") == RECORD_VERSION
+        and record.get("step") == step
+        and record.get("rank") == rank
+        and isinstance(record.get("save_id"), str)
+    ):
+        return "its commit record is not this part's"
+    if identity is not None and record.get("identity") != json.loads(json.dumps(dict(identity))):
         return None
-    return HeldPart(step, rank, record["save_id"]) if ok else None
+    try:
+        digest = manifest_digest(step_dir / f"rank-{rank:05d}")
+    except (OSError, CheckpointError) as err:
+        return f"its manifest cannot be read ({str(err)[:200]})"
+    if record.get("manifest_sha256") != digest:
+        return "its manifest is not the one its commit record names (damaged or altered)"
+    return HeldPart(step, rank, record["save_id"])
 
 
 def plain(part: HeldPart) -> tuple[int, int, str]:

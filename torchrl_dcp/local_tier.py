@@ -58,6 +58,7 @@ from torchrl_dcp.errors import (
     CheckpointFormatError,
     CheckpointIntegrityError,
     CheckpointVersionError,
+    CollectiveError,
     LocalTierWarning,
     from_os_error,
 )
@@ -66,8 +67,8 @@ from torchrl_dcp.local_records import (
     RECORD,
     RECORD_TMP,
     HeldPart,
+    check_record,
     plain,
-    read_record,
     record_name,
     write_record,
 )
@@ -350,8 +351,8 @@ class LocalTier:
         complete step, as long as it is not older than ``shared_step``; each try warns, naming the rank and
         the copy. Any other failure sends every rank to the shared tier."""
         group = _group(ckpt)
-        held = run_step(group, f"listing the local tier {self.path}", lambda: [plain(p) for p in self._held(identity)])
         layout = self._layout(group)
+        held = self._listing(identity, group)
         refused: set[tuple[int, str, int, str]] = set()  # (step, save, part's rank, node): copies found damaged
         chosen = _newest_complete(held, _dist.group_size(group), refused, layout)
         while chosen is not None:
@@ -380,7 +381,7 @@ class LocalTier:
         """Say which parts of ``step`` were found damaged, and what is tried next (``chosen``)."""
 
         def copy(r: int, h: int) -> str:
-            return "its own copy" if h == r else f"the copy on rank {h}'s node"
+            return "its own copy" if h == r else f"the copy on rank {h}'s node, checked where rank {r} received it"
 
         copies = "; ".join(
             f"rank {r}'s part ({copy(r, h)}) is damaged: {why}" for r, (h, why) in sorted(damaged.items())
@@ -425,23 +426,15 @@ class LocalTier:
                     (step_dir / record_name(rank)).unlink(missing_ok=True)  # (a damaged copy is being replaced)
                 except (OSError, CheckpointError):
                     pass  # the receive fails on it (after draining what the peer sends) and says why
-            exchange_entries(sends, receives, group)
+            unreceived = _exchange_parts(sends, receives, group)
+            if unreceived is not None:
+                return unreceived
             if layout.leader(rank):  # steps newer than the one restored belong to an abandoned future
                 self._drop_newer(step)
             if receives:
                 write_record(step_dir, rank, step, save_id, identity)
             _check_part(own)  # (listed as held while it was a real directory: a link since planted is refused)
-            request = solo._load_request(own, **load_kwargs)  # (what solo.load(own, ...) would ask)
-            result = load_engine.LoadResult(path=request.path)
-            try:
-                src, plan = load_engine.prepare(request, result)  # a failure here undoes its own plan
-                loading.update(src=src, request=request, plan=plan, result=result)
-                load_engine.read(src, request, plan.fresh_reads(), plan.verify_inline, result)
-            except (CheckpointIntegrityError, CheckpointFormatError) as err:
-                if isinstance(err, CheckpointVersionError):
-                    raise
-                return str(err)  # this copy is damaged: told to every rank, which try another
-            return None
+            return _read_part(solo, own, load_kwargs, loading)
 
         def restore(in_place: bool) -> None:
             # the load engine's restore in its two halves, with the ranks' agreement between them as in a load of
@@ -482,8 +475,9 @@ class LocalTier:
         logger.info("local tier %s: resumed step %d (%s)", self.path, step, tier)
         return step, own, loading["result"], tier
 
-    def _held(self, identity: Mapping[str, Any] | None) -> list[HeldPart]:
-        """The committed parts this node holds whose record matches ``identity`` (``None``: any)."""
+    def _held(self, identity: Mapping[str, Any] | None, damaged: list[str] | None = None) -> list[HeldPart]:
+        """The committed parts this node holds whose record matches ``identity`` (``None``: any); ``damaged``
+        collects those whose record or manifest is damaged (they do not count either)."""
         out, foreign = [], set()
         for step in self.steps_on_disk():
             step_dir = self.path / f"step-{step:012d}"
@@ -495,17 +489,37 @@ class LocalTier:
                 m = RECORD.fullmatch(name)
                 if not m:
                     continue
-                part = read_record(step_dir, int(m.group(1)), step, identity)
-                if part is None:
-                    foreign.add(step)
-                elif part.step == step:
+                part = check_record(step_dir, int(m.group(1)), step, identity)
+                if isinstance(part, HeldPart):
                     out.append(part)
+                elif part is None:
+                    foreign.add(step)
+                elif damaged is not None:
+                    damaged.append(f"step {step} rank {int(m.group(1))}'s part: {part}")
         if foreign and identity is not None:
             logger.info(
-                "local tier %s: steps %s hold parts of another job or world size (or damaged ones): ignored "
+                "local tier %s: steps %s hold parts of another job, world size or shared directory: ignored "
                 "(delete them to free the space)", self.path, sorted(foreign),
             )  # fmt: skip
         return out
+
+    def _listing(self, identity: Mapping[str, Any], group: Any) -> list[list[tuple[int, int, str]]]:
+        """Every rank's list of the committed parts its node holds (collective); parts found damaged on any node
+        are warned about on every rank (they do not count: another copy, or an older step, is resumed)."""
+
+        def mine() -> tuple[list[tuple[int, int, str]], list[str]]:
+            damaged: list[str] = []
+            parts = [plain(p) for p in self._held(identity, damaged)]
+            return parts, damaged if self._layout(group).leader(_dist.group_rank(group)) else []
+
+        listed = run_step(group, f"listing the local tier {self.path}", mine)
+        said = [f"on rank {r}'s node, {what}" for r, (_, damaged) in enumerate(listed) for what in damaged]
+        if said:
+            text = f"local tier {self.path}: parts found damaged do not count: {'; '.join(said[:6])}"
+            text += f"; and {len(said) - 6} more" if len(said) > 6 else ""
+            logger.warning("%s", text)
+            warnings.warn(LocalTierWarning(text), stacklevel=5)
+        return [parts for parts, _ in listed]
 
 
 def _group(ckpt: Any) -> Any:
@@ -569,6 +583,37 @@ def _check_part(part: Path) -> None:
     place (to a directory outside the tier) is refused, never followed."""
     if not _is_real_dir(part):
         raise CheckpointError("is not a directory (a link or a file was put in its place): refused", path=part)
+
+
+def _read_part(solo: Any, own: Path, load_kwargs: Mapping[str, Any], loading: dict[str, Any]) -> str | None:
+    """Open, plan, verify and read the part at ``own`` into fresh buffers (``loading`` holds what the restore
+    needs); returns why the copy is damaged (its verified load refused it: every rank tries another), else ``None``."""
+    request = solo._load_request(own, **load_kwargs)  # (what solo.load(own, ...) would ask)
+    result = load_engine.LoadResult(path=request.path)
+    try:
+        src, plan = load_engine.prepare(request, result)  # a failure here undoes its own plan
+        loading.update(src=src, request=request, plan=plan, result=result)
+        load_engine.read(src, request, plan.fresh_reads(), plan.verify_inline, result)
+    except (CheckpointIntegrityError, CheckpointFormatError) as err:
+        if isinstance(err, CheckpointVersionError):
+            raise
+        return str(err)
+    return None
+
+
+def _exchange_parts(sends: list[tuple[Path, int]], receives: list[tuple[Path, int]], group: Any) -> str | None:
+    """Send and receive parts (:func:`~torchrl_dcp.peer_copy.exchange_entries`); returns why the copy this rank was to
+    receive could not be had (damaged where it is held: tried no more), else ``None``. A part this rank could not
+    send is its receiver's to report (logged here); a broken group raises."""
+    try:
+        exchange_entries(sends, receives, group)
+    except CheckpointError as err:
+        if isinstance(err, CollectiveError):
+            raise
+        if getattr(err, "receiving", False):
+            return str(err)
+        logger.warning("local tier: sending a part to another rank failed (it tries another copy): %s", err)
+    return None
 
 
 def _newest_complete(

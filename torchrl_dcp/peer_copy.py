@@ -70,11 +70,13 @@ def exchange_entries(
     peer is told so (and raises it) instead of waiting for them. A failure on either side never
     leaves the other waiting: a sender that cannot read a file pads what it declared, a receiver
     that cannot write drains what it was sent. Raises the first failure of either direction
-    after both finished (a peer that is gone fails the receive at once, or at the group's timeout).
+    after both finished, a receive's first (``receiving`` set on it: the entry this rank was to receive could not be
+    had); a peer that is gone fails the receive at once, or at the group's timeout.
     """
     if not sends and not receives:
         return
     errors: list[BaseException] = []
+    sent: list[BaseException] = []  # the sending side's failures (its peers were told, and raise their own)
 
     def send_all() -> None:
         buffers = [torch.empty(PIECE, dtype=torch.uint8) for _ in range(2)]
@@ -82,9 +84,9 @@ def exchange_entries(
             try:
                 _send_entry(entry, peer, group, buffers, send_error)
             except CheckpointError as err:  # the peer was told (header) or got padding; next entry
-                errors.append(err)
+                sent.append(err)
             except BaseException as err:  # the group itself failed: nothing more can be sent
-                errors.append(err)
+                sent.append(err)
                 return
 
     sender = threading.Thread(target=send_all, name="tdcp-peer-send", daemon=True)
@@ -101,8 +103,11 @@ def exchange_entries(
                 errors.append(err)
     finally:
         sender.join()
-    if errors:
-        raise errors[0]
+    for err in errors:  # (a receive's failure first: it is about what this rank was to hold)
+        if isinstance(err, CheckpointError):
+            err.receiving = True
+    if errors or sent:
+        raise (errors or sent)[0]
 
 
 def _send_header(header: dict, peer: int, group: object) -> None:
