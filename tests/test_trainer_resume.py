@@ -508,3 +508,48 @@ def test_a_users_hook_whose_state_starts_empty_is_resumed_in_its_own_slot(tmp_pa
     info = tdcp.resume(trainer2.checkpoint, tmp_path)
     assert info is not None and {"trainer_op.SeenRewards", "trainer_op.SeenRewards.2"} <= set(info.result.loaded)
     assert [h.seen for h in restored] == [h.seen for h in saved]
+
+
+class _CountingOp:
+    """A user's op that is no ``TrainerHookBase``: a callable object with a ``state_dict`` of its own."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return args[0] if args else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.calls = state_dict["calls"]
+
+
+def test_a_users_stateful_callable_op_is_saved_and_ops_of_the_job_reshard(tmp_path: Path) -> None:
+    """A callable object of the user's with a ``state_dict`` (no TrainerHookBase) given to ``register_op`` was never
+    saved: its count restarted at a resume, silently. And what ``register_op`` reaches of the job's state (an LR
+    scheduler's ``step``) was saved with the generic adapter, which cannot reshard: a resume on another number of
+    ranks was refused, where docs/components/trainer.md says ``trainer_op.*`` reshards."""
+
+    def ops(trainer):
+        counting = _CountingOp()
+        trainer.register_op("post_optim", counting)
+        scheduler = torch.optim.lr_scheduler.StepLR(trainer.optimizer, step_size=3, gamma=0.5)
+        trainer.register_op("post_optim", scheduler.step)
+        return counting, scheduler
+
+    trainer, (counting, scheduler) = _sac_trainer(tmp_path, 32, ops)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    trainer.checkpoint_rotation.close()
+    assert counting.calls > 0
+    components = trainer.checkpoint.components
+    assert {"trainer_op._CountingOp", "trainer_op.StepLR"} <= set(components)
+    assert trainer.checkpoint._adapter("trainer_op.StepLR").can_reshard
+    trainer2, (counting2, scheduler2) = _sac_trainer(tmp_path, 64, ops)
+    info = tdcp.resume(trainer2.checkpoint, tmp_path)
+    assert info is not None and {"trainer_op._CountingOp", "trainer_op.StepLR"} <= set(info.result.loaded)
+    assert counting2.calls == counting.calls and scheduler2.state_dict() == scheduler.state_dict()

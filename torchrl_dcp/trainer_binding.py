@@ -78,7 +78,8 @@ def register_op_hooks(ckpt: Any) -> None:
             op = getattr(op, "__wrapped__", op)
             while isinstance(op, functools.partial):  # (a method with its arguments bound: the op's object is its)
                 op = op.func
-            hook = _state_holder(getattr(op, "__self__", op), trainer)
+            owner = getattr(op, "__self__", None)  # (None: the op is a function, or an object called itself)
+            hook = _state_holder(op if owner is None else owner, trainer, called=owner is None)
             if hook is None or id(hook) in held or any(h is hook for h in found):
                 continue
             wrapped = DELEGATING_HOOKS.get(type(hook).__name__)
@@ -98,22 +99,35 @@ def register_op_hooks(ckpt: Any) -> None:
             ckpt.unregister(name)
     for name, hook in names.items():
         if name not in ckpt:
-            ckpt.register(name, hook)
+            ckpt.register(name, hook, adapter=_hook_adapter(ckpt, hook))
             ckpt._components[name].optional = True  # checkpoints saved before this hook was found lack it
 
 
-def _state_holder(owner: Any, trainer: Any) -> Any:
+def _hook_adapter(ckpt: Any, hook: Any) -> Any:
+    """The adapter of a hook found in the ops: a ``state_dict`` object's is the Trainer hooks' (the same payload and
+    id as the generic one, resharded: new rank ``r`` takes saved rank ``r % W``'s state, which for an LR scheduler or
+    a target updater, alike on every rank, is exact); any other kind's (a module's, a hook's own) as registered."""
+    from torchrl_dcp.adapters.state_dict import StateDictAdapter
+    from torchrl_dcp.adapters.trainer import TrainerHookAdapter
+
+    resolved = ckpt._adapter_for_value(hook)
+    return TrainerHookAdapter() if type(resolved) is StateDictAdapter else None
+
+
+def _state_holder(owner: Any, trainer: Any, called: bool = False) -> Any:
     """What holds the state of an op bound to ``owner`` (``None``: nothing to save): a ``TrainerHookBase`` with a
     ``state_dict`` of its own (torchrl's only when that state is non-empty: theirs that keep none return ``{}``); the object a hook without a ``state_dict`` of its own wraps (``TargetNetUpdaterHook``: its
     target updater's counter); an object whose bound method is the op (``register_op("post_optim", sched.step)``:
     the LR scheduler's position: LR schedulers and target updaters, the same on every rank, not a rank's own logger).
-    Never the Trainer itself, whose own methods are ops."""
+    Never the Trainer itself, whose own methods are ops. ``called``: the op is ``owner`` itself (a callable object of
+    the user's with ``state_dict`` and ``load_state_dict``: saved too)."""
     from torchrl.trainers.trainers import TrainerHookBase  # (a Trainer is bound: torchrl's trainers are imported)
 
     if owner is trainer:
         return None
     if not isinstance(owner, TrainerHookBase):  # (an object of the job's state, the same on every rank)
-        return owner if isinstance(owner, _op_owners()) else None
+        stateful = callable(getattr(owner, "state_dict", None)) and callable(getattr(owner, "load_state_dict", None))
+        return owner if isinstance(owner, _op_owners()) or (called and stateful) else None
     try:
         state = owner.state_dict()
         # torchrl's own hooks that keep nothing return an empty state always; a user's hook may hold none yet (a
