@@ -553,3 +553,22 @@ def test_a_users_stateful_callable_op_is_saved_and_ops_of_the_job_reshard(tmp_pa
     info = tdcp.resume(trainer2.checkpoint, tmp_path)
     assert info is not None and {"trainer_op._CountingOp", "trainer_op.StepLR"} <= set(info.result.loaded)
     assert counting2.calls == counting.calls and scheduler2.state_dict() == scheduler.state_dict()
+
+
+def test_keep_best_on_a_trainer_that_records_no_such_metric_is_refused_when_it_binds(tmp_path: Path) -> None:
+    """keep_best=("reward", "max") on a Trainer built without ``checkpoint_metadata``: training ran until the first
+    scheduled save, which then failed ("keep_best needs a finite number in metadata['reward'], got None") without a
+    word of the Trainer's ``checkpoint_metadata``. Refused when the Trainer binds, saying what to pass."""
+    from tests_distributed.trainer_zoo import BUILDERS, trainer_classes
+
+    def build(**extra: Any) -> Any:
+        args = {"total_frames": 32, "save_every": 16, "ckpt_dir": str(tmp_path)}
+        kwargs = BUILDERS["SACTrainer"]("SACTrainer", 0, args)
+        kwargs["checkpoint_rotation"] = tdcp.CheckpointRotation(tmp_path, every_steps=16, keep_best=("reward", "max"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return trainer_classes()["SACTrainer"](**kwargs, **extra)
+
+    with pytest.raises(ValueError, match=r"metadata\['reward'\].*checkpoint_metadata=lambda trainer"):
+        build()
+    assert build(checkpoint_metadata=lambda trainer: {"reward": 1.0}) is not None

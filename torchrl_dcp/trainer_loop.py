@@ -88,6 +88,13 @@ def bind_trainer(rotation: Any, trainer: Any, ckpt: Any) -> None:
                 needed,
             )
             return
+    best = rotation.keep_best
+    if best is not None and best[0] not in ("collected_frames", "optim_steps") and trainer.checkpoint_metadata is None:
+        raise ValueError(  # (it failed at the first save, training done until then)
+            f"the rotation's keep_best ranks checkpoints by metadata[{best[0]!r}], which this Trainer's saves do not "
+            f"record (only collected_frames and optim_steps): build the Trainer with "
+            f"checkpoint_metadata=lambda trainer: {{{best[0]!r}: <the metric>}}"
+        )
     binding = _TrainerBinding(rotation, trainer)
 
     def checkpoint_policy() -> None:  # a named op: the Trainer's hook timing logs show it
