@@ -320,3 +320,31 @@ def a_rank_stuck_in_a_restore(root: str, via: str) -> dict[str, Any]:
     except tdcp.CheckpointError as err:
         message = str(err)
     return {"message": message, "counter": counter.n, "rng_kept": torch.equal(torch.get_rng_state(), rng_before)}
+
+
+def arguments_refused_on_one_rank(root: str) -> dict[str, Any]:
+    """Arguments one rank alone refuses at the call (a float step, an unknown world_size_change), rank 0's metadata
+    alone naming the step, and ranks passing other steps to maybe_save: every rank raises or saves alike, and the
+    next calls on every rank work (the ranks used to stay one call apart for good)."""
+    rank = dist.get_rank()
+    ckpt = tdcp.DistributedCheckpoint(timeout=20, stats={"n": 1})
+    out: dict[str, Any] = {}
+
+    def attempt(what: str, call: Any) -> None:
+        try:
+            call()
+            out[what] = "ok"
+        except Exception as err:  # noqa: BLE001 - what each rank saw is the result
+            out[what] = f"{type(err).__name__}: {err}"
+
+    attempt("save", lambda: ckpt.save(f"{root}/c", step=2.5 if rank == 1 else 2))
+    attempt("save again", lambda: ckpt.save(f"{root}/c", step=2))
+    attempt("load", lambda: ckpt.load(f"{root}/c", world_size_change="bogus" if rank == 1 else "error"))
+    attempt("load again", lambda: ckpt.load(f"{root}/c"))
+    attempt("rank 0's metadata", lambda: ckpt.save(f"{root}/m", metadata={"step": 7} if rank == 0 else None))
+    out["saved step"] = tdcp.read_manifest(f"{root}/m")["step"] if out["rank 0's metadata"] == "ok" else None
+    rotation = tdcp.CheckpointRotation(f"{root}/run", every_steps=10, preemption_signals=("SIGUSR1",))
+    attempt("maybe_save", lambda: rotation.maybe_save(ckpt, 20 if rank == 0 else 19))
+    attempt("maybe_save again", lambda: rotation.maybe_save(ckpt, 30))
+    rotation.close()
+    return out

@@ -194,3 +194,19 @@ def test_a_rank_stuck_in_a_restore_leaves_every_other_rank_as_it_was(tmp_path: P
         assert "every component this rank restored was rolled back" in r.value["message"], r.value
         assert "exchanging status" not in r.value["message"], r.value
         assert r.value["counter"] == 7 and r.value["rng_kept"], r.value
+
+
+def test_arguments_one_rank_refuses_are_refused_on_every_rank_and_the_ranks_stay_in_step(tmp_path: Path) -> None:
+    """A float step on rank 1 alone raised there, before the first exchange: rank 0 waited in the save and paired
+    with rank 1's next call, and every later save and load failed. Rank 0's metadata alone naming the step was
+    refused ("the ranks do not save alike"), where other ranks' metadata is ignored. Ranks passing other steps to
+    maybe_save took other decisions, rank 0 then blaming rank 1 as stuck."""
+    zero, one = (r.value for r in launch("tests_distributed.scenarios_job_loop:arguments_refused_on_one_rank", 2,
+                                         str(tmp_path), timeout=120))  # fmt: skip
+    assert one["save"].startswith("TypeError") and one["load"].startswith("ValueError"), one
+    assert zero["save"].startswith("CollectiveError: rank 1 failed while encoding the state: TypeError"), zero
+    assert zero["load"].startswith("CollectiveError: rank 1 failed while validating the checkpoint: ValueError"), zero
+    for r in (zero, one):
+        assert r["save again"] == r["load again"] == r["rank 0's metadata"] == r["maybe_save again"] == "ok", r
+        assert r["saved step"] == 7, r
+        assert "rank 1 passed step 19, rank 0 step 20: every rank must pass the same step" in r["maybe_save"], r

@@ -20,10 +20,10 @@ import datetime
 import os
 import re
 import warnings
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from torchrl_dcp import _dist, load_engine, save_engine
 from torchrl_dcp._gc import gc_paused
@@ -458,17 +458,21 @@ class DistributedCheckpoint:
         Collective. With ``stage`` (async saves), each rank stages only the tensors and
         chunk rows it will write.
         """
-        check_environment()  # a bad TDCP_* value fails here, whichever step would read it
-        register_op_hooks(getattr(self, "_solo_of", self))  # a bound Trainer's hooks that only register_op reaches
-        location = save_location(path, self.storage_options)  # a URL: an object-store prefix (docs/objectstores.md)
-        names = self._select(components, self.save_components)
-        options = check_component_options(component_options, names, "saved")
-        step = check_step(step)  # before anything is written: the manifest records an integer (or null)
-        metadata = metadata_values(metadata)  # (numpy and 0-d tensor scalars as numbers)
-        if step is None and type(metadata.get("step")) is int:
-            step = metadata["step"]
         group = self._group()
         rank, world = _dist.group_rank(group), _dist.group_size(group)
+        try:  # the arguments, checked at the call: refused on one rank, on every rank (or the others would wait)
+            check_environment()  # a bad TDCP_* value fails here, whichever step would read it
+            register_op_hooks(getattr(self, "_solo_of", self))  # a bound Trainer's hooks that only register_op reaches
+            location = save_location(path, self.storage_options)  # a URL: an object-store prefix (docs/objectstores.md)
+            names = self._select(components, self.save_components)
+            options = check_component_options(component_options, names, "saved")
+            step = check_step(step)  # before anything is written: the manifest records an integer (or null)
+            metadata = metadata_values(metadata)  # (numpy and 0-d tensor scalars as numbers)
+        except Exception as err:
+            _refused_on_every_rank(group, err, lambda fail: save_engine.plan(group, fail))
+        given = step
+        if step is None and type(metadata.get("step")) is int:  # (rank 0's metadata is the one recorded)
+            step = metadata["step"]
 
         def encode_step() -> save_engine.Encoded:
             if rank == 0:  # rank 0's metadata is the one recorded (another rank's mean over no episode may be NaN)
@@ -486,7 +490,7 @@ class DistributedCheckpoint:
             return save_engine.encode(items, rank)
 
         checks = {n: self._components[n].replica_check or self.replica_check for n in names}
-        call = {"path": str(location.path), "step": step}  # what every rank passes alike (layouts compared)
+        call = {"path": str(location.path), "step": given}  # what every rank passes alike (layouts compared)
         encoded, write_plan = save_engine.plan(group, encode_step, checks, call)
         job = save_engine.SaveJob(location.path, location, step, metadata, encoded, write_plan, group, rank, world)
         try:
@@ -573,14 +577,19 @@ class DistributedCheckpoint:
         """What :meth:`load` asks of the load engine, its arguments checked (the local tier's resume runs the
         engine's phases itself on the same request)."""
         strict = self.strict if strict is None else strict
-        check_strict(strict)
-        check_environment()
-        if world_size_change not in ("error", "reshard"):
-            raise ValueError(f"world_size_change must be 'error' or 'reshard', got {world_size_change!r}")
-        sync_trainer(self)
-        requested = self._select(components, None)
-        options = check_component_options(component_options, requested, "loaded")
         group = self._group()
+        try:  # the arguments, checked at the call: refused on one rank, on every rank (or the others would wait)
+            check_strict(strict)
+            check_environment()
+            if world_size_change not in ("error", "reshard"):
+                raise ValueError(f"world_size_change must be 'error' or 'reshard', got {world_size_change!r}")
+            sync_trainer(self)
+            requested = self._select(components, None)
+            options = check_component_options(component_options, requested, "loaded")
+        except Exception as err:
+            _refused_on_every_rank(
+                group, err, lambda fail: run_agreed(group, "validating the checkpoint", fail, alike=lambda d: d)
+            )
         return load_engine.LoadRequest(
             path=resolve_path(path, self.storage_options),
             requested=requested,
@@ -658,3 +667,19 @@ def _stage_share(job: save_engine.SaveJob, stage: Any) -> None:
     staged, job.stage_event = stage(todo)
     encoded.flat = {k: staged.get(k, t) for k, t in encoded.flat.items()}  # the others are never read
     job.chunk_rows = {f: None if rows is None else staged[f"chunk:{f}"] for f, rows in job.chunk_rows.items()}
+
+
+def _refused_on_every_rank(group: Any, err: BaseException, join: Callable[[Callable[[], Any]], Any]) -> NoReturn:
+    """Raise ``err``, an argument this rank refused at the call, after taking part in the call's first exchange as
+    a rank that failed (``join(fail)``): the other ranks, already in it, raise naming this rank, instead of waiting
+    for it (and pairing with its next call: every later save and load then failed)."""
+    if group is not None and _dist.group_size(group) > 1:
+
+        def fail() -> Any:
+            raise err
+
+        try:
+            join(fail)
+        except BaseException:  # noqa: BLE001 - this rank's own error is raised, as a single process raises it
+            pass
+    raise err

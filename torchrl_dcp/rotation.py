@@ -320,7 +320,18 @@ class CheckpointRotation:
         if (self._watcher is not None or self.schedule.every_seconds is not None) and hasattr(ckpt, "_control_group"):
             group = ckpt._control_group()
             by_time = by_time and _dist.group_rank(group) == 0  # rank 0's clock decides
-            preempted, by_time = _dist.any_rank([signalled is not None, by_time], group, "agreeing whether to save")
+            phase = "agreeing whether to save"
+            (preempted, by_time), same = _dist.agree(
+                [signalled is not None, by_time], step, group, phase, monitored=False
+            )
+            if not same:  # (the steps decide a save: ranks of other steps would take other decisions)
+                steps = _dist.all_gather(step, group, phase, monitored=False, kind="steps")
+                rank = next(r for r, s in enumerate(steps) if s != steps[0])
+                raise CheckpointError(
+                    f"maybe_save: rank {rank} passed step {steps[rank]}, rank 0 step {steps[0]}: every rank must pass "
+                    "the same step (a count every rank shares: the iteration, or frames summed over the ranks); "
+                    "nothing was saved"
+                )
         else:
             preempted = signalled is not None
         return SaveDecision(step, due or by_time, preempted, signalled)
