@@ -374,13 +374,18 @@ def test_hard_links_impossible_means_copies_said_in_the_log(
     assert tdcp.verify(inc)["unchecked"] == []
 
 
-@pytest.mark.parametrize("bad_base", ["missing", "not_a_checkpoint", "damaged_manifest"])
+@pytest.mark.parametrize("bad_base", ["missing", "not_a_checkpoint", "damaged_manifest", "a_file", "a_data_file"])
 def test_an_explicit_base_that_is_not_a_checkpoint_is_refused_before_writing(tmp_path: Path, bad_base: str) -> None:
+    """(A file was taken for an archive, never read: the save went on in full, silently.)"""
     rb, ckpt, base = base_and_buffer(tmp_path)
     target = tmp_path / "bad"
     if bad_base == "not_a_checkpoint":
         target.mkdir()
         (target / "x").write_text("hello")
+    elif bad_base == "a_file":
+        target.write_bytes(b"not a checkpoint")
+    elif bad_base == "a_data_file":
+        target = next(base.glob("*.distcp"))
     elif bad_base == "damaged_manifest":
         shutil.copytree(base, target)
         data = json.loads((target / "manifest.json").read_text())

@@ -82,17 +82,17 @@ def read_base(location: Location, world_size: int) -> Base | None:
         CheckpointError: it is not a committed checkpoint (or its manifest is damaged).
     """
     path = location.path
-    if not location.can_be_base:
-        logger.info("incremental base %s is an %s: chunk files cannot be kept; saving in full", path, location.kind)
-        return None
     try:
-        manifest = location.manifest()
+        manifest = location.manifest()  # (an archive's too: a file that is no checkpoint is refused, not ignored)
     except CheckpointError as err:
         raise CheckpointError(
             f"incremental_from: {err.message}; pass a committed checkpoint directory (or prefix), or "
             "incremental_from=None",
             path=path,
         ) from None
+    if not location.can_be_base:
+        logger.info("incremental base %s is an %s: chunk files cannot be kept; saving in full", path, location.kind)
+        return None
     save_id = manifest.get("save_id")
     if save_id is None:
         logger.info("incremental base %s predates save identities (format < 3); saving in full", path)
