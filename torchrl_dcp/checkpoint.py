@@ -5,8 +5,8 @@ Example (one process; under ``torchrun`` every rank runs the same lines):
     >>> import torchrl_dcp as tdcp
     >>> policy = torch.nn.Linear(3, 2)
     >>> ckpt = tdcp.DistributedCheckpoint(policy=policy)
-    >>> ckpt.register("rng", tdcp.RNGState())              # per_rank by default
-    >>> ckpt.register("stats", {"episodes": 3}, placement="per_rank")
+    >>> _ = ckpt.register("rng", tdcp.RNGState())          # per_rank by default (returns ckpt)
+    >>> _ = ckpt.register("stats", {"episodes": 3}, placement="per_rank")
     >>> path = ckpt.save(tempfile.mkdtemp() + "/step-100", step=100)
     >>> result = ckpt.load(path)
     >>> sorted(result.loaded)

@@ -6,10 +6,8 @@ them (the next ``extend`` then wrote other transitions than an uninterrupted run
 such transform's held-back data by its place in the buffer's ``Compose``, and puts it back at load.
 
 Example:
-    >>> import torch
     >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
-    >>> import torch
-from torchrl.envs.transforms import MultiStepTransform
+    >>> from torchrl.envs.transforms import MultiStepTransform
     >>> rb = ReplayBuffer(storage=LazyTensorStorage(8), transform=MultiStepTransform(n_steps=3, gamma=0.9))
     >>> transform_states(rb)  # nothing held back yet
     {'0': {'kind': 'multi_step', 'held': None}}

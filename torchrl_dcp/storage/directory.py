@@ -18,7 +18,7 @@ Example:
     >>> path = tdcp.DistributedCheckpoint(w={"x": torch.ones(1)}).save(d + "/c")
     >>> loc = DirectoryLocation(path)
     >>> sorted(loc.open_source().manifest()["files"]), loc.size() > 0
-    (['.metadata', '__0_0.distcp'], True)
+    (['.metadata', '__0_shared.distcp'], True)
 """
 
 from __future__ import annotations

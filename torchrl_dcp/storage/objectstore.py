@@ -25,7 +25,7 @@ Example:
     >>> path = tdcp.DistributedCheckpoint(w={"x": torch.ones(2)}).save("memory://doc/objectstore/c")
     >>> src = open_source(path)
     >>> type(src).__name__, sorted(src.manifest()["files"])
-    ('ObjectStoreSource', ['.metadata', '__0_0.distcp'])
+    ('ObjectStoreSource', ['.metadata', '__0_shared.distcp'])
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Example:
     >>> from pathlib import Path
     >>> path = tdcp.DistributedCheckpoint(w={"x": torch.ones(1)}).save("memory://doc/tools/c")
     >>> sorted(p.name for p in download_checkpoint(path, Path(tempfile.mkdtemp()) / "c").iterdir())
-    ['.metadata', '__0_0.distcp', 'manifest.json']
+    ['.metadata', '__0_shared.distcp', 'manifest.json']
 """
 
 from __future__ import annotations
