@@ -8,6 +8,7 @@ import itertools
 import os
 import signal
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -139,6 +140,36 @@ def test_a_preemption_signal_saves_at_the_next_call_and_chains_the_previous_hand
         assert signal.getsignal(signal.SIGUSR1) is not rotation._watcher._handle  # restored
         os.kill(os.getpid(), signal.SIGUSR1)
         assert seen == [signal.SIGUSR1] * 2
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_a_preemption_save_is_made_after_an_async_save_that_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The async save before the signal failed in the background: the preemption's maybe_save raised that failure
+    and made no save, and a job without a try around it died without its last save. The save is made, the earlier
+    failure said in a warning."""
+    from torchrl_dcp.storage import writer as W
+
+    def fail(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise OSError(28, "No space left on device")
+
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        rotation = tdcp.CheckpointRotation(tmp_path, every_steps=2, async_saves=True, preemption_signals=("SIGUSR1",))
+        ckpt = tdcp.DistributedCheckpoint(w={"x": torch.arange(3.0)})
+        monkeypatch.setattr(W, "write_share", fail)
+        handle = rotation.maybe_save(ckpt, 2)
+        while not handle.done():
+            time.sleep(0.01)
+        monkeypatch.undo()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        with pytest.warns(tdcp.TorchrlDcpWarning, match="previous async save failed .*No space left.*step 3"):
+            path = rotation.maybe_save(ckpt, 3)
+        assert rotation.preempted and Path(path).name == "step-000000000003"
+        assert [e.step for e in rotation.entries()] == [3]
+        rotation.close()
     finally:
         signal.signal(signal.SIGUSR1, previous)
 

@@ -45,6 +45,7 @@ from torchrl_dcp.errors import (
     CheckpointIntegrityError,
     LocalTierWarning,
     StaleCheckpointWarning,
+    TorchrlDcpWarning,
 )
 from torchrl_dcp.format.layout import is_data_file, shard_rank
 from torchrl_dcp.json_values import metadata_values
@@ -357,6 +358,15 @@ class CheckpointRotation:
         if not (force or decision.due or decision.preempted):
             return None
         step, started = decision.step, time.monotonic()
+        if decision.preempted:
+            try:
+                settle_pending(ckpt)  # (its failure raised alike on every rank)
+            except CheckpointError as err:  # the job is about to stop: its last save first, the failure said
+                warnings.warn(
+                    f"the previous async save failed ({err}); the preemption save of step {step} is made now",
+                    TorchrlDcpWarning,
+                    stacklevel=3,
+                )
         if decision.preempted or sync or not self.async_saves:
             path = self.save(ckpt, step=step, metadata=metadata, components=components, **save_kwargs)
             self._last_step, self._last_time = step, started  # (a failed save leaves the step due)
