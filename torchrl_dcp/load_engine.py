@@ -447,9 +447,7 @@ def _statuses(
     try:
         return failures(failure, group, "restoring components")
     except BaseException as err:
-        problems = rollback(done)
-        result.loaded.clear()
-        result.values.clear()
+        problems = _undo(done, result)
         if isinstance(err, CheckpointError):
             note = "every component this rank restored was rolled back"
             if partial:
@@ -589,9 +587,7 @@ def _fail(
     partial: list[ComponentPlan] = (),  # type: ignore[assignment]
     group: Any = None,
 ) -> None:
-    problems = rollback(done)
-    result.loaded.clear()
-    result.values.clear()
+    problems = _undo(done, result)
     try:
         raise_if_failed(statuses, phase, own, group)
     except CheckpointError as err:
@@ -606,12 +602,18 @@ def _fail(
         raise
 
 
+def _undo(comps: list[ComponentPlan], result: LoadResult) -> list[str]:
+    """Roll ``comps`` back and empty ``result`` (nothing was loaded); returns what could not be rolled back."""
+    problems = rollback(comps)
+    result.loaded.clear()
+    result.values.clear()
+    return problems
+
+
 def _rollback_and_raise(
     done: list[ComponentPlan], err: BaseException, partial: list[ComponentPlan], result: LoadResult
 ) -> None:
-    problems = rollback(done + partial)
-    result.loaded.clear()
-    result.values.clear()
+    problems = _undo(done + partial, result)
     note = f"the components restored before it were rolled back; tensors of {sorted(c.name for c in partial)} may hold partly loaded values"
     if problems:
         note += f"; could not roll back {', '.join(problems)}"

@@ -457,7 +457,7 @@ class LocalTier:
                 found = run_step(group, f"loading {where}", prepare)
                 damaged = {r: (source[r], why) for r, why in enumerate(found) if why is not None}
                 if damaged:
-                    raise _Damaged()
+                    raise _Damaged(f"the parts of ranks {sorted(damaged)} are damaged")
                 run_step(group, f"restoring {where}", lambda: restore(False), monitored=False)
                 run_step(group, f"reading in place {where}", lambda: restore(True), monitored=False)
         except (CheckpointError, _Damaged) as err:
@@ -619,8 +619,8 @@ def _exchange_parts(sends: list[tuple[Path, int]], receives: list[tuple[Path, in
 def _newest_complete(
     held: list[list[tuple[int, int, str]]],
     world: int,
-    refused: Collection[tuple[int, str, int, str]] = (),
-    layout: NodeLayout | None = None,
+    refused: Collection[tuple[int, str, int, str]],
+    layout: NodeLayout,
 ) -> tuple[int, str, dict[int, list[int]]] | None:
     """The newest ``(step, save_id)`` whose every rank's part some rank holds, with the holders of each part;
     ``refused``: copies ``(step, save_id, part's rank, node)`` not to count (found damaged; ``layout`` names the
@@ -628,7 +628,7 @@ def _newest_complete(
     found: dict[tuple[int, str], dict[int, list[int]]] = {}
     for holder, parts in enumerate(held):
         for step, owner, save_id in parts:
-            if refused and layout is not None and (step, save_id, owner, layout.nodes[holder]) in refused:
+            if (step, save_id, owner, layout.nodes[holder]) in refused:
                 continue
             found.setdefault((step, save_id), {}).setdefault(owner, []).append(holder)
     complete = [key for key, owners in found.items() if sorted(owners) == list(range(world))]
