@@ -372,6 +372,7 @@ def test_a_prioritized_buffer_that_never_wrapped_loads_into_another_capacity(tmp
         (("writer", "_cursor", True), "cursor is True"),
         (("writer", "_cursor", 10**30), "cursor is 1000000000000000000000000000000"),
         (("writer", "_write_count", -4), "write count is -4"),
+        (("writer", "_write_count", 2**62), "more than torchrl's writers hold"),  # (a C int: it would become 0)
         (("storage", "len", 3), "len 3, rows 7"),
         (("storage", "initialized", False), "initialized False"),
     ],

@@ -110,7 +110,10 @@ def test_a_load_the_ranks_ask_differently_raises_on_every_rank_unchanged(tmp_pat
     results = launch(f"{S}:load_unlike", 2, str(tmp_path / "ckpt"), case)
     messages = {r.value["message"] for r in results}
     assert [r.value["error"] for r in results] == ["CheckpointError"] * 2 and len(messages) == 1, results
-    assert "the ranks do not agree" in messages.pop() and all(r.value["unchanged"] for r in results)
+    message = messages.pop()
+    assert "the ranks do not agree" in message and all(r.value["unchanged"] for r in results)
+    if case == "path":  # (each rank's path is named: save ids alone do not say which checkpoint a rank was given)
+        assert f"reading {tmp_path / 'ckpt'}-a" in message and f"reading {tmp_path / 'ckpt'}-b" in message, message
 
 
 def test_a_rank_saving_while_another_loads_raises_a_checkpoint_error_on_every_rank(tmp_path: Path) -> None:

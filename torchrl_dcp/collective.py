@@ -82,6 +82,7 @@ def run_agreed(
     flag: Callable[[T], bool] | None = None,
     monitored: bool = True,
     alike: Callable[[T], Any] | None = None,
+    shown: Callable[[], str] | None = None,
 ) -> tuple[T, bool]:
     """Like :func:`run_step`, but every rank learns only whether any rank failed (and the OR of ``flag(result)``).
 
@@ -90,7 +91,8 @@ def run_agreed(
     statuses gathered, so that every rank raises naming it, as :func:`run_step` does. ``alike(result)``: a
     JSON-safe description every rank must share (what a load reads and restores), compared by its digest in the same
     exchange; when they differ, they are gathered and every rank raises the same :class:`CheckpointError` naming
-    the first rank that differs from rank 0.
+    the first rank that differs from rank 0, with ``shown()`` of each (what tells them apart to a user, not compared:
+    the path each rank was given).
 
     Example (one process):
         >>> run_agreed(None, "counting", lambda: 3, flag=lambda n: n > 2)
@@ -109,11 +111,17 @@ def run_agreed(
     if failed:
         raise_failure(group, phase, error)
     if not same:
-        described = _dist.all_gather(description, group, phase, monitored=False, kind="described")
-        rank = next(r for r, d in enumerate(described) if d != described[0])
+        context = shown() if shown is not None else None
+        described = _dist.all_gather((description, context), group, phase, monitored=False, kind="described")
+        rank = next(r for r, (d, _) in enumerate(described) if d != described[0][0])
+
+        def told(r: int) -> str:
+            d, where = described[r]
+            return f"rank {_dist.ranks_named(group, str(r))}: {where + ', ' if where else ''}{d}"
+
         raise CheckpointError(
-            f"{phase}: the ranks do not agree (rank 0: {described[0]}; rank {rank}: {described[rank]}): every rank "
-            "must call it with the same checkpoint and the same components; nothing was changed"
+            f"{phase}: the ranks do not agree ({told(0)}; {told(rank)}): every rank must call it with the same "
+            "checkpoint and the same components; nothing was changed"
         )
     return value, any_flag
 

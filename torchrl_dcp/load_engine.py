@@ -191,7 +191,13 @@ def prepare(request: LoadRequest, result: LoadResult) -> tuple[CheckpointSource,
         }
 
     try:
-        run_agreed(request.group, "validating the checkpoint", local, alike=lambda described: described)
+        run_agreed(
+            request.group,
+            "validating the checkpoint",
+            local,
+            alike=lambda described: described,
+            shown=lambda: f"reading {request.path}",
+        )
     except BaseException as err:
         if "plan" in found:  # this rank planned (and may have allocated lazily built storages): undo it
             rollback_refused(planned_changes(found["plan"]), err)

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Mapping
@@ -88,10 +89,31 @@ def _check_saved_writer(writer: Any, storage: Mapping[str, Any]) -> None:
         )
     if type(write_count) is not int or write_count < 0:
         raise ValueError(f"its writer's write count is {write_count!r}")
+    if write_count > write_count_limit():
+        raise ValueError(
+            f"its writer's write count is {write_count}, more than torchrl's writers hold ({write_count_limit()}): "
+            "restored, it would silently become another number"
+        )
     if writer.get("kind") == "max_value":
         shapes = [tuple(getattr(writer.get(k), "shape", ())) for k in ("heap_rank", "heap_index")]
         if len(shapes[0]) != 1 or shapes[0] != shapes[1]:
             raise ValueError(f"its max-value writer's heap holds ranks of shape {shapes[0]}, rows of {shapes[1]}")
+
+
+@functools.cache
+def write_count_limit() -> int:
+    """The largest write count torchrl's writers hold: they keep it in a ``multiprocessing.Value`` of a C ``int``
+    (torchrl 0.14: ``2**31 - 1``), which wraps what does not fit (``2**62`` becomes 0) instead of raising.
+
+    Example:
+        >>> write_count_limit() >= 2**31 - 1
+        True
+    """
+    from torchrl.data.replay_buffers.writers import RoundRobinWriter
+
+    probe = RoundRobinWriter()
+    probe._write_count = 2**63 - 1  # (a future torchrl may hold a 64-bit count)
+    return 2**63 - 1 if probe._write_count == 2**63 - 1 else 2**31 - 1
 
 
 def _epoch(sampler: Any) -> Mapping[str, Any] | None:
