@@ -3,8 +3,8 @@ knows docs/format.md would, and reseal everything it documents.
 
 The manifest is edited in the shape readers see (:func:`read_parts`: the root with every rank's shard merged in:
 per-rank components with ``ranks`` and ``inventory``, one ``chunks`` table, one ``index``) and written back as a
-root and shards (:func:`write_parts`): each shard's size and CRC-32 recorded in the root's ``files``, the root
-sealed. A forged ``.metadata`` is mirrored into the manifest's storage entries where they can say the same
+root and shards (:func:`write_parts`): each shard's size and CRC-32 recorded in the root's ``rank_table`` (format 8;
+``files`` before), the root sealed. A forged ``.metadata`` is mirrored into the manifest's storage entries where they can say the same
 (:func:`forge_metadata`): a forger who moves a record moves it in both.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 from torchrl_dcp.format.layout import shard_name
 from torchrl_dcp.format.manifest import dumps, seal
-from torchrl_dcp.format.shards import assemble, split
+from torchrl_dcp.format.shards import assemble, record_shards, split
 from torchrl_dcp.storage.filesums import file_checksum
 from torchrl_dcp.storage.filesystem import safe_load_metadata
 
@@ -41,10 +41,12 @@ def write_parts(path: Path, m: dict[str, Any], *, text: Callable[[dict[str, Any]
         root, shards = dict(m), {}
     else:
         root, shards = split(m)
+    records = {}
     for r, shard in shards.items():
         data = dumps(shard)
         (path / shard_name(r)).write_bytes(data)
-        root["files"][shard_name(r)] = {"size": len(data), "checksum": file_checksum(path / shard_name(r))}
+        records[r] = {"size": len(data), "checksum": file_checksum(path / shard_name(r))}
+    record_shards(root, records)  # (format 8: in the root's rank table; older: in its files)
     sealed = seal(root)
     if text is None:
         (path / "manifest.json").write_bytes(dumps(sealed))

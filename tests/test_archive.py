@@ -17,6 +17,7 @@ import torch
 
 import torchrl_dcp as tdcp
 from tests import forging
+from torchrl_dcp.format import rank_table
 from torchrl_dcp.storage import reader as reader_module
 from torchrl_dcp.storage.archive import ALIGN, ArchiveContainer, read_index
 from torchrl_dcp.storage.filesums import file_checksum
@@ -483,11 +484,12 @@ def test_many_central_entries_cost_a_small_multiple_of_the_archive_to_index(tmp_
 
 def test_a_member_added_among_a_rank_s_own_files_is_refused_when_the_archive_is_opened(tmp_path: Path) -> None:
     """Format 7: a rank's own files are listed in its shard, not the root; the archive's other members are counted
-    against the root's ``rank_files`` as soon as the archive is opened (before any shard is read): one more member
+    against the root's rank table (format 8) as soon as the archive is opened (before any shard is read): one more member
     named like a file of rank 0 is refused by every reader."""
     path, _ = make(tmp_path)
     root = json.loads((path / "manifest.json").read_text())
-    assert "__0_0.distcp" not in root["files"] and root["rank_files"] == [[1, (path / "__0_0.distcp").stat().st_size]]
+    assert "__0_0.distcp" not in root["files"]
+    assert rank_table.own_files(root, 0) == (1, (path / "__0_0.distcp").stat().st_size)
     archive = tdcp.to_archive(path, tmp_path / "c.zip")
     assert fresh()[0].load(archive).step == 12  # its own file is a member, found through rank 0's shard
     extra = _rewrite(archive, tmp_path / "extra.zip", extra={"__0_9.distcp": b"x"})

@@ -6,6 +6,7 @@ import datetime
 import json
 import random
 import warnings
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from tensordict import TensorDict
 
 import torchrl_dcp as tdcp
 from torchrl_dcp.adapters import Adapter
+from torchrl_dcp.format import rank_table
 from torchrl_dcp.format.manifest import seal
 
 
@@ -78,20 +80,24 @@ def test_layout_and_manifest(tmp_path: Path) -> None:
     names = sorted(p.name for p in path.iterdir())
     assert names == [".metadata", "__0_shared.distcp", "manifest-0.json", "manifest.json"]
     m = json.loads((path / "manifest.json").read_text())  # the root
-    assert m["format"] == "torchrl_dcp" and m["format_version"] == 7 and m["world_size"] == 1
+    assert m["format"] == "torchrl_dcp" and m["format_version"] == 8 and m["world_size"] == 1
     assert m["sharded"] is True
     assert set(m["versions"]) == {"torch", "tensordict", "torchrl", "torchrl_dcp"}
     assert m["components"]["model"]["placement"] == "replicated"
     assert m["components"]["stats"]["placement"] == "per_rank"
     assert "ranks" not in m["components"]["stats"] and "inventory" not in m["components"]["stats"]
-    assert set(m["files"]) == {".metadata", "__0_shared.distcp", "manifest-0.json"}  # replicated tensors only
+    assert set(m["files"]) == {".metadata", "__0_shared.distcp"}  # replicated tensors only (the shard: rank_table)
     assert all(f["checksum"].startswith("crc32:") for f in m["files"].values())
     replicated = {k for name in ("model", "optimizer") for k in m["components"][name]["inventory"]}
     assert {e[0] for e in m["index"]["entries"]} == replicated  # where the root's tensors' records are
     assert all(e[1] == "__0_shared.distcp" and e[2] >= 0 and e[3] > 0 for e in m["index"]["entries"])
     shard = json.loads((path / "manifest-0.json").read_text())  # rank 0's per-rank states
     assert shard["format"] == "torchrl_dcp.shard" and shard["format_version"] == 7
-    assert shard["files"] == {} and m["rank_files"] == [[0, 0]]  # its per-rank state holds no tensor
+    shard_bytes = (path / "manifest-0.json").read_bytes()
+    assert shard["files"] == {} and rank_table.rows(m) == [  # its per-rank state holds no tensor
+        rank_table.RankRow(len(shard_bytes), zlib.crc32(shard_bytes), 0, 0)
+    ]
+    assert m["rank_table"]["shard_version"] == 7
     assert shard["rank"] == 0 and shard["save_id"] == m["save_id"]
     assert shard["components"]["stats"] == {"state": {"t": "dict", "items": [["episodes", 3]]}, "inventory": {}}
     assert tdcp.read_manifest(path)["components"]["stats"]["ranks"]["0"]["state"]["items"] == [["episodes", 3]]

@@ -50,7 +50,7 @@ def test_inspect_directory_and_archive(tmp_path: Path, capsys: pytest.CaptureFix
         # (format 5: the per-rank component's ranks and inventory are read from its manifest shard)
         assert info["components"]["rng"]["ranks"] == [0] and info["components"]["rng"]["tensors"] >= 1
         assert info["versions"]["torch"] == torch.__version__ and info["metadata"] == {"reward": 1.5}
-        assert info["format_version"] == 7 and info["world_size"] == 1
+        assert info["format_version"] == 8 and info["world_size"] == 1
 
 
 def test_verify_reports_the_damaged_file_with_exit_code_1(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -127,11 +127,12 @@ def _respell_shard(path: Path, old: str, new: str) -> None:
     import json
 
     from torchrl_dcp.format.manifest import dumps, seal
+    from torchrl_dcp.format.shards import record_shards
 
     shard = path / "manifest-0.json"
     shard.write_text(shard.read_text().replace(old, new))
     root = json.loads((path / "manifest.json").read_text())
-    root["files"][shard.name] = {"size": shard.stat().st_size, "checksum": file_checksum(shard)}
+    record_shards(root, {0: {"size": shard.stat().st_size, "checksum": file_checksum(shard)}})  # (its rank table)
     (path / "manifest.json").write_bytes(dumps(seal(root)))
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import torchrl_dcp as tdcp
+from torchrl_dcp.format import rank_table
 from torchrl_dcp.format.layout import shard_name
 from torchrl_dcp.format.manifest import CHECKSUM_FIELD, FORMAT_VERSION, body_checksum, loads_manifest, seal
 
@@ -30,7 +31,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_seal_is_the_checksum_of_the_canonical_body(saved: Path) -> None:
     raw = json.loads((saved / "manifest.json").read_text())
-    assert raw[CHECKSUM_FIELD] == body_checksum(raw) and raw["format_version"] == FORMAT_VERSION == 7
+    assert raw[CHECKSUM_FIELD] == body_checksum(raw) and raw["format_version"] == FORMAT_VERSION == 8
     assert len(raw["save_id"]) == 32
     assert seal(raw) == raw
 
@@ -43,7 +44,7 @@ def test_the_seal_covers_every_rank_shard(tmp_path: Path) -> None:
     raw = json.loads((path / "manifest.json").read_text())
     shard = path / shard_name(0)
     assert raw["sharded"] is True and raw[CHECKSUM_FIELD] == body_checksum(raw)
-    assert raw["files"][shard.name]["size"] == shard.stat().st_size
+    assert rank_table.shard_record(raw, 0)["size"] == shard.stat().st_size
     data = bytearray(shard.read_bytes())
     at = data.index(b'["pos",') + len(b'["pos",')
     data[at] ^= 0x01  # the numpy generator's position: still valid JSON, another state

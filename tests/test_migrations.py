@@ -8,6 +8,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from tests import forging
 from torchrl_dcp.format import manifest as mf
 from torchrl_dcp.format import migrations as mg
 from torchrl_dcp.format.layout import shard_name
-from torchrl_dcp.format.manifest import seal
+from torchrl_dcp.format.manifest import dumps, seal
 from torchrl_dcp.format.migrations import make_skeleton_dict, register_adapter_migration, skeleton_dict
 from torchrl_dcp.storage.filesystem import safe_load_metadata
 
@@ -98,7 +99,7 @@ def test_fixture_really_is_format_v1() -> None:
 
 def test_v1_to_v2_adds_the_tensor_inventory_a_fresh_save_writes(tmp_path: Path) -> None:
     m = tdcp.read_manifest(FIXTURE)
-    assert m["format_version"] == mf.FORMAT_VERSION == 7
+    assert m["format_version"] == mf.FORMAT_VERSION == 8
     assert m["chunks"] == {}  # v3 -> v4: nothing was cut into chunk files
     assert m["sharded"] is False and m["index"] is None  # v4 -> v5: one file, DCP's .metadata says where records are
     assert m["components"]["policy"]["inventory"] == {
@@ -113,7 +114,7 @@ def test_v1_to_v2_adds_the_tensor_inventory_a_fresh_save_writes(tmp_path: Path) 
     ckpt, _ = fresh()
     path = ckpt.save(tmp_path / "v2")
     root = json.loads((path / "manifest.json").read_text())
-    assert root["format_version"] == 7 and root["sharded"] is True
+    assert root["format_version"] == 8 and root["sharded"] is True
     assert "inventory" not in root["components"]["episode"]  # a per-rank inventory is in the rank's shard
     written = tdcp.read_manifest(path)  # the root with its shards: per-rank inventories where format 4 had them
     for name in ("policy", "episode", "stats"):
@@ -137,7 +138,7 @@ def test_v1_fixture_loads_through_the_chain_into_objects() -> None:
     assert (c.value, c.label, c.unit) == (41, "forty-one", "steps")
     assert torch.equal(objs["episode"]["return"], torch.tensor([1.5, -2.0]))
     assert result.step == 7 and result.manifest["metadata"]["reward"] == 1.25
-    assert result.manifest["format_version"] == 7 and result.manifest["index"] is None
+    assert result.manifest["format_version"] == 8 and result.manifest["index"] is None
     report = tdcp.verify(FIXTURE)
     assert report["tensors"] == 4
     assert any("manifest checksum" in u for u in report["unchecked"]) and any(
@@ -165,21 +166,21 @@ def test_format_migrations_run_step_by_step(monkeypatch: pytest.MonkeyPatch) -> 
 
         return step
 
-    def record_7(m: dict[str, Any]) -> dict[str, Any]:
+    def record_8(m: dict[str, Any]) -> dict[str, Any]:
         seen.append(m["format_version"])
-        m["metadata"]["upgraded_to_8"] = True
-        m["format_version"] = 8
+        m["metadata"]["upgraded_to_9"] = True
+        m["format_version"] = 9
         return m
 
-    for version in (1, 2, 3, 4, 5, 6):
+    for version in (1, 2, 3, 4, 5, 6, 7):
         monkeypatch.setitem(mg.MIGRATIONS, version, recording(version))
-    monkeypatch.setitem(mg.MIGRATIONS, 7, record_7)
-    monkeypatch.setattr(mf, "FORMAT_VERSION", 8)
+    monkeypatch.setitem(mg.MIGRATIONS, 8, record_8)
+    monkeypatch.setattr(mf, "FORMAT_VERSION", 9)
     m = tdcp.read_manifest(FIXTURE)
-    assert seen == [1, 2, 3, 4, 5, 6, 7] and m["format_version"] == 8 and m["metadata"]["upgraded_to_8"] is True
+    assert seen == [1, 2, 3, 4, 5, 6, 7, 8] and m["format_version"] == 9 and m["metadata"]["upgraded_to_9"] is True
     assert "inventory" in m["components"]["policy"]  # the v1 -> v2 step ran first
-    assert m["sharded"] is False and m["index"] is None  # and the v4 -> v5 step before the last three
-    assert m["rank_files"] is None  # and the v6 -> v7 step before the last
+    assert m["sharded"] is False and m["index"] is None  # and the v4 -> v5 step before the last four
+    assert m["rank_table"] is None and "rank_files" not in m  # and the v7 -> v8 step before the last
 
 
 def as_format_4(path: Path) -> None:
@@ -224,7 +225,7 @@ def test_a_format_4_checkpoint_loads_and_verifies_through_its_metadata(
     assert "ranks" in raw["components"]["rng"] and len(raw["chunks"]["replicated/big/x"]) == 4
     assert not (path / shard_name(0)).exists()
     m = tdcp.read_manifest(path)
-    assert m["format_version"] == 7 and m["sharded"] is False and m["index"] is None
+    assert m["format_version"] == 8 and m["sharded"] is False and m["index"] is None
 
     torch.manual_seed(99)
     target = objects(2)
@@ -468,7 +469,7 @@ def test_the_committed_format_6_checkpoint_loads_exactly(tmp_path: Path) -> None
     ckpt.register("buf", buf, placement="per_rank")
     result = ckpt.load(path)
     assert result.loaded == {"policy", "stats", "big", "rng", "small", "buf"} and result.step == 7
-    assert result.manifest["format_version"] == 7 and result.manifest["rank_files"] is None
+    assert result.manifest["format_version"] == 8 and result.manifest["rank_table"]["shard_version"] == 5
     assert torch.equal(target["policy"].weight, files["replicated/policy/weight"])
     assert torch.equal(target["big"]["x"], files["replicated/big/x"]) and target["stats"] == {"episodes": 3}
     assert torch.equal(small["a"], files["rank/0/small/a"]) and small["b"].tolist() == [True, False]
@@ -478,6 +479,71 @@ def test_the_committed_format_6_checkpoint_loads_exactly(tmp_path: Path) -> None
     (path / "__0_9.distcp").write_bytes(b"x")  # nothing is counted by rank: every file must be listed
     with pytest.raises(tdcp.CheckpointIntegrityError, match=r"__0_9\.distcp: file not listed"):
         tdcp.verify(path)
+
+
+V7_FIXTURE = Path(__file__).parent / "fixtures" / "v7_checkpoint"
+
+
+def test_the_committed_format_7_checkpoint_loads_exactly(tmp_path: Path) -> None:
+    """A checkpoint written by the format-7 library itself (``tests/fixtures/v7_checkpoint``: the v6 fixture's state,
+    saved by the library of format 7: its root lists its shard in ``files`` and counts rank 0's own files in
+    ``rank_files``) loads exactly as a plain ``dcp.load`` of its files reads them, migrated to format 8's rank table
+    (the shard's record and the counts in one row), and verifies with nothing unchecked."""
+    from torchrl_dcp.format import rank_table
+
+    raw = json.loads((V7_FIXTURE / "manifest.json").read_text())
+    assert raw["format_version"] == 7 and shard_name(0) in raw["files"] and raw["rank_files"][0][0] == 3
+    path, files = _copy_and_read_with_dcp(V7_FIXTURE, tmp_path / "c")
+    target = {"policy": torch.nn.Linear(3, 2), "stats": {"episodes": -1}, "big": {"x": torch.zeros(16, 256)}}
+    small = {"a": torch.zeros(5), "b": torch.zeros(2, dtype=torch.bool)}
+    buf = {"rows": torch.zeros(32, 64)}
+    ckpt = tdcp.DistributedCheckpoint(**target, rng=tdcp.RNGState())
+    ckpt.register("small", small, placement="per_rank")
+    ckpt.register("buf", buf, placement="per_rank")
+    result = ckpt.load(path)
+    assert result.loaded == {"policy", "stats", "big", "rng", "small", "buf"} and result.step == 7
+    m = result.manifest
+    assert m["format_version"] == 8 and "rank_files" not in m and m["rank_table"]["shard_version"] == 7
+    shard = (V7_FIXTURE / shard_name(0)).read_bytes()
+    own = raw["rank_files"][0]
+    assert rank_table.rows(m) == [rank_table.RankRow(len(shard), zlib.crc32(shard), own[0], own[1])]
+    assert torch.equal(target["policy"].weight, files["replicated/policy/weight"])
+    assert torch.equal(target["big"]["x"], files["replicated/big/x"]) and target["stats"] == {"episodes": 3}
+    assert torch.equal(small["a"], files["rank/0/small/a"]) and small["b"].tolist() == [True, False]
+    assert torch.equal(buf["rows"], files["rank/0/buf/rows"])
+    assert torch.equal(torch.get_rng_state(), files["rank/0/rng/torch"])
+    assert tdcp.verify(path)["unchecked"] == []
+    (path / "__0_9.distcp").write_bytes(b"x")  # counted against the migrated row: one file more than it says
+    with pytest.raises(tdcp.CheckpointIntegrityError, match=r"__0_9\.distcp: file not listed"):
+        tdcp.verify(path)
+
+
+@pytest.mark.parametrize(
+    ("forge", "why"),
+    [
+        (lambda m: m["files"].pop("manifest-0.json"), "one shard per saved rank"),
+        (lambda m: m["files"]["manifest-0.json"].update(checksum="sha256:00"), "one shard per saved rank"),
+        (lambda m: m["files"]["manifest-0.json"].update(size=2**64), "one shard per saved rank"),
+        (lambda m: m.update(rank_files=[[2**32, 1]]), "counts more files"),
+        (lambda m: m.update(rank_files=[[1]]), r"rank_files\[0\]"),
+        (lambda m: m.update(rank_files=[]), "rank_files must hold"),
+        (
+            lambda m: m["files"].update({"manifest-1.json": {"size": 1, "checksum": "crc32:00000000"}}),
+            "list the shards",
+        ),
+    ],
+)
+def test_a_format_7_root_the_migration_cannot_pack_is_refused(tmp_path: Path, forge: Any, why: str) -> None:
+    """A sealed format-7 root whose shard records or ``rank_files`` no format-7 save writes: the v7 -> v8 step (or
+    the validation after it) refuses it, naming the manifest, instead of packing something else."""
+    path = tmp_path / "c"
+    shutil.copytree(V7_FIXTURE, path)
+    raw = json.loads((path / "manifest.json").read_text())
+    forge(raw)
+    (path / "manifest.json").write_bytes(dumps(seal(raw)))
+    with pytest.raises(tdcp.CheckpointFormatError, match=why) as err:
+        tdcp.read_manifest(path)
+    assert "manifest.json" in str(err.value)
 
 
 def test_a_v1_tensor_shape_past_any_size_is_refused_by_the_migration(tmp_path: Path) -> None:

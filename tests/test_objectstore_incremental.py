@@ -207,6 +207,7 @@ def test_base_object_rewritten_and_resealed_is_uploaded_again(
 
     from torchrl_dcp.format.checksums import crc32, format_crc
     from torchrl_dcp.format.manifest import seal
+    from torchrl_dcp.format.shards import record_shards
     from torchrl_dcp.storage import proven
 
     url, options = store
@@ -222,7 +223,7 @@ def test_base_object_rewritten_and_resealed_is_uploaded_again(
     shard["files"][victim]["checksum"] = format_crc(crc32(bytes(data)))
     shard_bytes = json.dumps(shard).encode()
     shard_obj.fs.pipe_file(shard_obj.key, shard_bytes)
-    m["files"]["manifest-0.json"] = {"size": len(shard_bytes), "checksum": format_crc(crc32(shard_bytes))}
+    record_shards(m, {0: {"size": len(shard_bytes), "checksum": format_crc(crc32(shard_bytes))}})
     manifest_obj.fs.pipe_file(manifest_obj.key, json.dumps(seal(m)).encode())
     if not remembered:
         proven.forget_all()

@@ -23,8 +23,10 @@ from torch.distributed.checkpoint.metadata import Metadata
 import torchrl_dcp as tdcp
 import torchrl_dcp.storage.source as source_module
 from tests import forging
+from torchrl_dcp.format import rank_table
 from torchrl_dcp.format.dcp_metadata import metadata_fragments, parse_metadata, spliced_metadata
-from torchrl_dcp.format.layout import shard_name
+from torchrl_dcp.format.layout import shard_name, shard_rank
+from torchrl_dcp.format.shards import record_shards
 from torchrl_dcp.storage.writer import build_metadata
 
 
@@ -51,14 +53,17 @@ def test_per_rank_state_is_in_the_rank_s_shard_and_readers_see_it_assembled(tmp_
     path, _ = _save(tmp_path / "c")
     root = json.loads((path / "manifest.json").read_text())
     shard = json.loads((path / shard_name(0)).read_text())
-    assert root["format_version"] == 7 and root["sharded"] is True
+    assert root["format_version"] == 8 and root["sharded"] is True
     assert set(root["components"]["stats"]) == {"adapter", "adapter_version", "placement", "num_tensors", "nbytes"}
     assert "state" in root["components"]["policy"] and "inventory" in root["components"]["policy"]
     assert [e[0] for e in root["index"]["entries"]] == ["replicated/policy/w"]
     assert shard["rank"] == 0 and shard["save_id"] == root["save_id"]
     assert list(shard["components"]["stats"]["inventory"]) == ["rank/0/stats/x"]
     assert [e[0] for e in shard["entries"]] == ["rank/0/stats/x"]
-    assert shard_name(0) in root["files"]
+    assert (
+        shard_name(0) not in root["files"]
+        and rank_table.shard_record(root, 0)["size"] == (path / shard_name(0)).stat().st_size
+    )
     m = tdcp.read_manifest(path)  # what tools see: the format-4 shape
     assert m["components"]["stats"]["ranks"]["0"]["state"] == shard["components"]["stats"]["state"]
     assert sorted(m["components"]["stats"]["inventory"]) == ["rank/0/stats/x"]
@@ -141,7 +146,11 @@ def _record_only(path: Path, name: str) -> None:
     from torchrl_dcp.storage.filesums import file_checksum
 
     root = json.loads((path / "manifest.json").read_text())
-    root["files"][name] = {"size": (path / name).stat().st_size, "checksum": file_checksum(path / name)}
+    record = {"size": (path / name).stat().st_size, "checksum": file_checksum(path / name)}
+    if shard_rank(name) is not None:  # (format 8: in the root's rank table)
+        record_shards(root, {shard_rank(name): record})
+    else:
+        root["files"][name] = record
     (path / "manifest.json").write_bytes(dumps(seal(root)))
 
 
@@ -232,8 +241,8 @@ def _load_own_files(path: Path, rows: int = 32) -> dict[str, Any]:
 def test_a_rank_s_own_files_are_listed_in_its_shard_and_only_counted_in_the_root(
     tmp_path: Path, monkeypatch: Any
 ) -> None:
-    """The root lists what more than one rank reads (shared files, shards, ``.metadata``) and counts each rank's own
-    files: it does not grow with the chunk files a rank writes for its per-rank state (every rank parses the root)."""
+    """The root lists what more than one rank reads (shared files, ``.metadata``; the shards in its rank table) and
+    counts each rank's own files: it does not grow with the chunk files a rank writes for its per-rank state (every rank parses the root)."""
     roots = []
     for rows in (32, 128):  # 2 and 8 chunk files of the per-rank buffer
         path, saved = _save_own_files(tmp_path / f"c{rows}", monkeypatch, rows)
@@ -243,13 +252,13 @@ def test_a_rank_s_own_files_are_listed_in_its_shard_and_only_counted_in_the_root
         chunk_files = sorted({c["file"] for c in shard["chunks"]["rank/0/buf/rows"]})
         assert own == sorted(["__0_0.distcp", *chunk_files]) and len(chunk_files) == rows // 16
         assert not set(own) & set(root["files"]) and "__0_shared.distcp" in root["files"]
-        assert root["rank_files"] == [[len(own), sum((path / n).stat().st_size for n in own)]]
+        assert rank_table.own_files(root, 0) == (len(own), sum((path / n).stat().st_size for n in own))
         assert shard["format_version"] == 7
         loaded = _load_own_files(path, rows)
         assert all(torch.equal(loaded["buf"][k], saved["buf"][k]) for k in ("rows", "seen"))
         assert torch.equal(loaded["policy"]["w"], saved["policy"]["w"])
-        assert tdcp.verify(path)["files"] == len(own) + len(root["files"])
-        assert sorted(tdcp.read_manifest(path)["files"]) == sorted([*own, *root["files"]])
+        assert tdcp.verify(path)["files"] == len(own) + len(root["files"]) + 1  # (+ the shard)
+        assert sorted(tdcp.read_manifest(path)["files"]) == sorted([*own, *root["files"], shard_name(0)])
         roots.append(root)
     assert sorted(roots[0]["files"]) == sorted(roots[1]["files"])
 
@@ -284,7 +293,8 @@ def test_a_resealed_shard_may_list_only_its_rank_s_own_files_as_the_root_counts_
     tmp_path: Path, monkeypatch: Any, forgery: str
 ) -> None:
     """A forger who rewrites a shard's ``files`` and reseals the shard's record (and the root) is refused: a shard
-    lists only ``__<rank>_<n>.distcp`` files the root does not list, exactly as many bytes as ``rank_files`` says."""
+    lists only ``__<rank>_<n>.distcp`` files the root does not list, exactly as many bytes as its rank table row
+    says."""
     from torchrl_dcp.format.manifest import dumps, seal
     from torchrl_dcp.storage.filesums import file_checksum
 
@@ -295,15 +305,19 @@ def test_a_resealed_shard_may_list_only_its_rank_s_own_files_as_the_root_counts_
         shard["files"]["__0_shared.distcp"] = root["files"]["__0_shared.distcp"]
     elif forgery == "another rank's file":
         shard["files"]["__1_0.distcp"] = shard["files"].pop("__0_0.distcp")
-    elif forgery == "not counted":
-        root["rank_files"][0][1] += 1
-    else:
+    elif forgery != "not counted":
         root["files"]["__0_0.distcp"] = shard["files"]["__0_0.distcp"]
     (path / shard_name(0)).write_bytes(dumps(shard))
-    root["files"][shard_name(0)] = {
-        "size": (path / shard_name(0)).stat().st_size,
-        "checksum": file_checksum(path / shard_name(0)),
-    }
+    row = rank_table.rows(root)[0]
+    root["rank_table"] = rank_table.rank_table(
+        [
+            row._replace(
+                shard_size=(path / shard_name(0)).stat().st_size,
+                shard_crc=int(file_checksum(path / shard_name(0)).split(":")[1], 16),
+                own_bytes=row.own_bytes + (forgery == "not counted"),
+            )
+        ]
+    )
     (path / "manifest.json").write_bytes(dumps(seal(root)))
     says = "damaged or altered" if forgery == "not counted" else "may only list this rank's own"
     for action in (lambda: _load_own_files(path), lambda: tdcp.verify(path), lambda: tdcp.read_manifest(path)):
@@ -320,7 +334,7 @@ def test_a_tool_that_rewrites_a_checkpoint_keeps_each_rank_s_own_files_in_its_sh
     before = (json.loads((path / "manifest.json").read_text()), json.loads((path / shard_name(0)).read_text()))
     forging.write_parts(path, forging.read_parts(path))
     root, shard = json.loads((path / "manifest.json").read_text()), json.loads((path / shard_name(0)).read_text())
-    assert shard["files"] == before[1]["files"] and root["rank_files"] == before[0]["rank_files"]
+    assert shard["files"] == before[1]["files"] and root["rank_table"] == before[0]["rank_table"]
     assert sorted(root["files"]) == sorted(before[0]["files"])
     assert torch.equal(_load_own_files(path)["buf"]["rows"], saved["buf"]["rows"])
 
@@ -335,9 +349,10 @@ def test_a_shard_s_chunks_are_in_its_own_files_or_the_root_s_never_another_rank_
     root = {
         "save_id": "0" * 32,
         "components": {"b": {"placement": "per_rank"}},
-        "files": {"manifest-0.json": record, "manifest-1.json": record, "__0_shared.distcp": record},
+        "files": {"__0_shared.distcp": record},
         "index": {"entries": []},
-        "rank_files": [[1, 10], [1, 10]],
+        "world_size": 2,
+        "rank_table": rank_table.rank_table([rank_table.RankRow(10, 0, 1, 10)] * 2),
     }
     chunk = {"start": 0, "rows": 4, "file": chunk_file, "offset": 0, "length": 10, "fingerprint": "crc32:0/adler32:0"}
     shard = {

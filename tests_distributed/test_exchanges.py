@@ -34,7 +34,7 @@ def test_a_rank_opens_its_own_data_files_and_rank_0_checks_the_listing(tmp_path:
     """Sizes of every file the root lists and 'nothing unlisted' are checked once, on rank 0; every rank opens only
     the files it reads (at 1,000 ranks: its own, not 1,000 ranks' files each): its own data files and the shared files
     of the replicated policy (format 6), never another rank's per-rank data file; rank 0 counts and sizes the other
-    ranks' own files from the directory listing against the root's ``rank_files`` (format 7)."""
+    ranks' own files from the directory listing against the root's rank table (format 8; ``rank_files`` in format 7)."""
     results = launch(f"{S}:own_files_only", 3, str(tmp_path), "")
     shared = set()
     for r in results:

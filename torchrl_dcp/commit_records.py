@@ -25,8 +25,9 @@ import torch
 from torchrl_dcp.errors import CheckpointFormatError, EncodingError
 from torchrl_dcp.format.codec import dtype_from_name
 from torchrl_dcp.format.dcp_metadata import metadata_fragments, spliced_metadata
-from torchrl_dcp.format.layout import own_file_rank, shard_name
+from torchrl_dcp.format.layout import own_file_rank, shard_name, shard_rank
 from torchrl_dcp.format.manifest import check_parse_cost, dumps, new_manifest
+from torchrl_dcp.format.rank_table import RankRow, crc_of, rank_table
 from torchrl_dcp.format.shards import shard_body
 from torchrl_dcp.planner import is_own_key
 from torchrl_dcp.storage.base import ChunkEntry, SaveTarget, WriteOutcome
@@ -152,7 +153,8 @@ def root_manifest(
 ) -> bytes:
     """The sealed root manifest (rank 0): per-rank components by their totals over every rank (their states are
     in the shards), the others whole, the shared tensors' chunk table and storage entries; ``files``: every file's
-    record, of which the root lists those no shard lists (and counts each rank's own)."""
+    record, of which the root lists those no shard lists and are not shards (its rank table records each rank's
+    shard and counts its own files)."""
     components = {}
     for name, rec in records.items():
         if rec.placement == "per_rank":
@@ -168,12 +170,21 @@ def root_manifest(
     entries = [list(e) for p in parts for e in p.shared_entries]
     sharded = any(rec.placement == "per_rank" for rec in records.values())
     own = {n for p in parts for n in p.own_files}
+    table = None
+    if sharded:  # (parts in rank order, one per saved rank; each wrote its shard)
+        shards = [files[shard_name(r)] for r in range(len(parts))]
+        table = rank_table(
+            [
+                RankRow(s["size"], _crc(s["checksum"]), len(p.own_files), sum(files[n]["size"] for n in p.own_files))
+                for s, p in zip(shards, parts)
+            ]
+        )
     return parseable(
         dumps(
             new_manifest(
                 world_size=world_size,
                 components=components,
-                files={n: r for n, r in files.items() if n not in own},
+                files={n: r for n, r in files.items() if n not in own and shard_rank(n) is None},
                 metadata=metadata,
                 step=step,
                 save_id=save_id,
@@ -181,13 +192,18 @@ def root_manifest(
                 sequence=sequence,
                 sharded=sharded,
                 index={"entries": entries} if indexed else None,
-                rank_files=[[len(p.own_files), sum(files[n]["size"] for n in p.own_files)] for p in parts]
-                if sharded
-                else None,
+                rank_table=table,
             )
         ),
         "the root manifest",
     )
+
+
+def _crc(checksum: str) -> int:
+    crc = crc_of(checksum)
+    if crc is None:  # (every target records a CRC-32: format_crc)
+        raise ValueError(f"a shard's checksum is {checksum!r}, not a CRC-32")
+    return crc
 
 
 def parseable(data: bytes, what: str) -> bytes:

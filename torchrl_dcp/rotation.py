@@ -47,7 +47,8 @@ from torchrl_dcp.errors import (
     StaleCheckpointWarning,
     TorchrlDcpWarning,
 )
-from torchrl_dcp.format.layout import is_data_file, shard_rank
+from torchrl_dcp.format.layout import is_data_file
+from torchrl_dcp.format.rank_table import ShardRecords
 from torchrl_dcp.json_values import metadata_values
 from torchrl_dcp.preemption import PreemptionWatcher
 from torchrl_dcp.rotation_entries import (
@@ -73,7 +74,7 @@ def _whole(rotation: Any, entry: RotationEntry) -> bool:
     would read its shards and fail at every save."""
     container = rotation.location.child(entry.path.name).container()
     try:
-        shards = [name for name in container.root()["files"] if shard_rank(name) is not None]
+        shards = list(ShardRecords(container.root()))
         container.check(shards, only=shards)
     except CheckpointError as err:
         logger.warning("%s is damaged (%s): not the base of the next incremental save", entry.path, err)

@@ -16,7 +16,9 @@ tensors are (``index``), so a load reads the root and its own shard and never DC
 own (``__<rank>_shared.distcp``), so no rank reads (or checksums) another rank's per-rank bytes.
 Since format 7 the files only one rank reads (its per-rank data and chunk files) are listed in
 that rank's shard; the root lists the others and, per rank, how many files its shard lists and
-their bytes (``rank_files``), so the root no longer grows with the files every rank writes.
+their bytes (``rank_files``), so the root no longer grows with the files every rank writes. Since format 8
+those per-rank facts (each shard's size and checksum, each rank's count and bytes of own files) are one packed
+table (``rank_table``, :mod:`torchrl_dcp.format.rank_table`), kept packed once parsed.
 Readers validate it strictly, refuse newer format versions and upgrade older ones step by step
 through the migrations registered in :mod:`torchrl_dcp.format.migrations` (older adapter payloads
 are upgraded the same way). See docs/migrations.md.
@@ -24,7 +26,7 @@ are upgraded the same way). See docs/migrations.md.
 Example:
     >>> from torchrl_dcp.format.manifest import FORMAT, FORMAT_VERSION
     >>> FORMAT, FORMAT_VERSION
-    ('torchrl_dcp', 7)
+    ('torchrl_dcp', 8)
 """
 
 from __future__ import annotations
@@ -39,12 +41,13 @@ from typing import Any
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointVersionError
 from torchrl_dcp.format import migrations
-from torchrl_dcp.format.layout import MANIFEST, MAX_MANIFEST_BYTES, is_plain_name, shard_rank
+from torchrl_dcp.format.layout import MANIFEST, MAX_MANIFEST_BYTES, is_plain_name
 from torchrl_dcp.format.manifest_depth import check_depth, structure
+from torchrl_dcp.format.rank_table import validate_rank_table
 from torchrl_dcp.placement import PLACEMENTS
 
 FORMAT = "torchrl_dcp"
-FORMAT_VERSION = 7
+FORMAT_VERSION = 8
 CHECKSUM_FIELD = "manifest_checksum"
 
 
@@ -89,12 +92,12 @@ def new_manifest(
     sequence: int | None = None,
     sharded: bool = False,
     index: dict[str, Any] | None = None,
-    rank_files: list[list[int]] | None = None,
+    rank_table: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A sealed manifest of the current format: the root when ``sharded`` (per-rank components carry no ``ranks``
-    nor ``inventory``: they are in the shards, which ``files`` lists); ``index``: the storage entries of the
-    tensors the root inventories (``None``: DCP's ``.metadata`` is the only index); ``rank_files``: per saved
-    rank, ``[count, bytes]`` of the files its shard lists (a sharded root; ``None`` otherwise)."""
+    nor ``inventory``: they are in the shards, which ``rank_table`` records); ``index``: the storage entries of the
+    tensors the root inventories (``None``: DCP's ``.metadata`` is the only index); ``rank_table``: each saved
+    rank's shard record and own files (:func:`~torchrl_dcp.format.rank_table.rank_table`; ``None`` unsharded)."""
     return seal(
         {
             "format": FORMAT,
@@ -111,7 +114,7 @@ def new_manifest(
             "sequence": sequence,
             "sharded": sharded,
             "index": index,
-            "rank_files": rank_files,
+            "rank_table": rank_table,
         }
     )
 
@@ -341,32 +344,10 @@ def _validate(m: dict[str, Any], source: Any) -> None:
         raise bad("sequence must be a non-negative integer or null")
     if not isinstance(m.get("sharded"), bool):
         raise bad("sharded must be true or false")
-    if m["sharded"]:  # one shard per saved rank, each listed (what bounds the ranks a reader iterates)
-        shards = sorted(r for r in map(shard_rank, m["files"]) if r is not None)
-        if shards != list(range(len(shards))) or len(shards) != m["world_size"]:
-            raise bad(
-                f"a sharded manifest lists one shard per saved rank (world_size {m['world_size']}, shards {len(shards)})"
-            )
-    _validate_rank_files(m, bad)
+    validate_rank_table(m, bad)  # one shard per saved rank (what bounds the ranks a reader iterates)
     for name, rec in m["components"].items():  # before the index, which reads their inventories
         _validate_component(name, rec, None if m["sharded"] else range(m["world_size"]), bad)
     _validate_index(m, bad)
-
-
-def _validate_rank_files(m: dict[str, Any], bad: Callable[[str], CheckpointFormatError]) -> None:
-    """``rank_files``: ``null``, or (a sharded root) ``[count, bytes]`` of each saved rank's own files."""
-    if "rank_files" not in m:
-        raise bad("rank_files is missing")
-    rank_files = m["rank_files"]
-    if rank_files is None:
-        return
-    if (
-        not m["sharded"]
-        or not isinstance(rank_files, list)
-        or len(rank_files) != m["world_size"]
-        or not all(isinstance(e, list) and len(e) == 2 and all(_is_int(v) and v >= 0 for v in e) for e in rank_files)
-    ):
-        raise bad("rank_files must be null, or (a sharded manifest) [count, bytes] of each saved rank's own files")
 
 
 def _validate_index(m: dict[str, Any], bad: Callable[[str], CheckpointFormatError]) -> None:

@@ -227,3 +227,40 @@ def _v6_to_v7(manifest: dict[str, Any]) -> dict[str, Any]:
     manifest["rank_files"] = None
     manifest["format_version"] = 7
     return manifest
+
+
+@register_migration(7)
+def _v7_to_v8(manifest: dict[str, Any]) -> dict[str, Any]:
+    """v8 packs what the root says of each rank (its shard's size and CRC-32 in ``files``, its own files' count and
+    bytes in ``rank_files``) into ``rank_table`` (:mod:`torchrl_dcp.format.rank_table`); a v7 root lists them one
+    JSON record per rank. Shards of a migrated format-6 root (``rank_files`` ``null``) are of version 5."""
+    from torchrl_dcp.format.layout import shard_name
+    from torchrl_dcp.format.rank_table import RankRow, crc_of, rank_table
+
+    files, counted, world = manifest.get("files"), manifest.pop("rank_files", None), manifest.get("world_size")
+    manifest["rank_table"] = None
+    manifest["format_version"] = 8
+    if manifest.get("sharded") is not True:
+        return manifest
+    if not isinstance(files, dict) or not _is_int(world) or not 0 < world <= 2**31:
+        raise CheckpointFormatError("a sharded manifest needs files and a world size")
+    if counted is not None and (not isinstance(counted, list) or len(counted) != world):
+        raise CheckpointFormatError("rank_files must hold [count, bytes] of each saved rank's own files")
+    rows = []
+    for r in range(world):
+        rec = files.pop(shard_name(r), None)
+        size = rec.get("size") if isinstance(rec, dict) else None
+        crc = crc_of(rec.get("checksum")) if isinstance(rec, dict) else None
+        if not _is_int(size) or not 0 <= size < 2**64 or crc is None:
+            raise CheckpointFormatError(
+                f"a sharded manifest lists one shard per saved rank with its size and CRC-32, not {shard_name(r)}: "
+                f"{rec!r}"
+            )
+        own = [0, 0] if counted is None else counted[r]
+        if not (isinstance(own, list) and len(own) == 2 and all(_is_int(v) and v >= 0 for v in own)):
+            raise CheckpointFormatError(f"rank_files[{r}] must be [count, bytes] of rank {r}'s own files")
+        if own[0] >= 2**32 or own[1] >= 2**64:
+            raise CheckpointFormatError(f"rank_files[{r}] counts more files or bytes than a save writes: {own}")
+        rows.append(RankRow(size, crc, own[0], own[1]))
+    manifest["rank_table"] = rank_table(rows, 5 if counted is None else 7)
+    return manifest

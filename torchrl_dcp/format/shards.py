@@ -5,9 +5,9 @@ placement, totals; the state and inventory of replicated and sharded ones), the 
 checksum of every file more than one rank reads (shared data files, their chunk files, the
 shards, ``.metadata``), the chunk table and storage entries of the tensors that are not any one
 rank's (``index``), and per rank the number and bytes of the files its shard lists
-(``rank_files``). When the save held per-rank components (``"sharded": true``), each rank
-``r`` wrote ``manifest-<r>.json`` (listed in the root's ``files``, so sized and checksummed like
-any file) with its per-rank states and inventories, its tensors' chunk table and storage
+(``rank_table``). When the save held per-rank components (``"sharded": true``), each rank
+``r`` wrote ``manifest-<r>.json`` (its size and CRC-32 in the root's ``rank_table``, checked like
+any file's) with its per-rank states and inventories, its tensors' chunk table and storage
 entries, and the records of its own files (``__<r>_<n>.distcp`` holding only its per-rank
 tensors)::
 
@@ -17,20 +17,21 @@ tensors)::
      "entries": [[key, file, offset, length], ...],
      "files": {name: {"size", "checksum", "origin"?}}}
 
-Shards of format 5 and 6 checkpoints (``rank_files`` ``null`` once migrated) are version 5:
-no ``files``, the root lists every file.
+Shards of format 5 and 6 checkpoints (``rank_table.shard_version`` 5 once migrated) are version 5:
+no ``files``, the root lists every file. The shards of format 7 and 8 are the same (version 7).
 
 A load reads the root and the shards of the ranks it restores; ``verify``, ``inspect`` and
 the tools read them all. Either way the result has the shape every reader knows
 (:func:`assemble`): per-rank components with ``ranks`` and ``inventory``, one ``chunks``
-table, one ``index``, the ``files`` of the root and of the shards read; ``shards_read`` says
+table, one ``index``, the ``files`` of the root, the records of the shards read and the files they list;
+``shards_read`` says
 which ranks' shards it holds (``None``: the checkpoint has none, everything was in the root).
 ``entries`` and ``index`` are ``null`` when DCP's own writer wrote the data (then
 ``.metadata`` alone says where tensors are).
 
 Example:
     >>> from torchrl_dcp.format.shards import assemble, split
-    >>> full = {"world_size": 2, "save_id": "0" * 32, "sharded": True, "files": {}, "chunks": {}, "format_version": 7,
+    >>> full = {"world_size": 2, "save_id": "0" * 32, "sharded": True, "files": {}, "chunks": {}, "format_version": 8,
     ...         "index": {"entries": []}, "components": {"b": {"adapter": "a", "adapter_version": 1,
     ...         "placement": "per_rank", "num_tensors": 0, "nbytes": 0, "inventory": {},
     ...         "ranks": {"0": {"state": 1}, "1": {"state": 2}}}}}
@@ -49,6 +50,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
+from torchrl_dcp.format import rank_table
 from torchrl_dcp.format.layout import own_file_rank, shard_name
 from torchrl_dcp.format.manifest import (
     FORMAT_VERSION,
@@ -115,8 +117,7 @@ def check_shard(raw: Any, root: Mapping[str, Any], rank: int, source: Any) -> di
     def bad(what: str) -> CheckpointFormatError:
         return CheckpointFormatError(f"malformed manifest shard: {what}", path=source)
 
-    listed = root.get("rank_files")
-    version = FILELESS_SHARD_VERSION if listed is None else SHARD_VERSION
+    version = rank_table.shard_version(root)
     if not isinstance(raw, dict) or raw.get("format") != SHARD_FORMAT or raw.get("format_version") != version:
         raise bad(f"not a {SHARD_FORMAT} v{version} object")
     if raw.get("save_id") != root.get("save_id") or raw.get("rank") != rank:
@@ -136,7 +137,9 @@ def check_shard(raw: Any, root: Mapping[str, Any], rank: int, source: Any) -> di
     entries = raw.get("entries")
     if (entries is None) != (root.get("index") is None):
         raise bad("entries must be a list exactly when the manifest has an index")
-    files = root["files"] if listed is None else ChainMap(_own_files(raw, root, rank, source, bad), root["files"])
+    files = (
+        root["files"] if version != SHARD_VERSION else ChainMap(_own_files(raw, root, rank, source, bad), root["files"])
+    )
     check_entries(entries or [], files, own, bad)
     chunks = raw.get("chunks")
     if not isinstance(chunks, dict) or not all(k in own for k in chunks):
@@ -149,7 +152,7 @@ def _own_files(
     raw: dict[str, Any], root: Mapping[str, Any], rank: int, source: Any, bad: Callable[[str], CheckpointFormatError]
 ) -> dict[str, Any]:
     """A format-7 shard's ``files``: records of this rank's data and chunk files that the root does not list, as
-    many and as large as the root's ``rank_files`` says."""
+    many and as large as the root's ``rank_table`` says."""
     files = raw.get("files")
     if not isinstance(files, dict):
         raise bad("files must be an object")
@@ -157,7 +160,7 @@ def _own_files(
         validate_file_record(name, rec, bad)
         if own_file_rank(name) != rank or name in root["files"]:
             raise bad(f"files may only list this rank's own data and chunk files (__{rank}_<n>.distcp), not {name!r}")
-    count, nbytes = root["rank_files"][rank]
+    count, nbytes = rank_table.own_files(root, rank)
     total = sum(r["size"] for r in files.values())
     if (len(files), total) != (count, nbytes):
         raise CheckpointIntegrityError(
@@ -180,6 +183,9 @@ def assemble(root: Mapping[str, Any], shards: Mapping[int, Mapping[str, Any]], s
     out = {k: v for k, v in root.items() if k not in ("components", "chunks", "index", "files")}
     files = dict(root["files"])
     for r in sorted(shards):
+        record = rank_table.shard_record(root, r)
+        if record is not None:  # (a root of format 7 or older, unmigrated, lists its shards in files)
+            files[shard_name(r)] = record
         files.update(shards[r].get("files") or {})
     out["files"] = files
     out["components"] = components = {}
@@ -211,7 +217,8 @@ def assemble(root: Mapping[str, Any], shards: Mapping[int, Mapping[str, Any]], s
 
 def split(manifest: Mapping[str, Any]) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
     """The root and the shards (``{rank: shard}``) of a whole assembled manifest: the inverse of :func:`assemble`,
-    what a tool that rewrites a checkpoint writes back (resealing the root and each shard's record in ``files``).
+    what a tool that rewrites a checkpoint writes back (resealing the root, each shard's record in its rank table:
+    :func:`record_shards`).
     A manifest without per-rank components has no shards."""
     m = copy.deepcopy(dict(manifest))
     m.pop("shards_read", None)
@@ -250,7 +257,8 @@ def split(manifest: Mapping[str, Any]) -> tuple[dict[str, Any], dict[int, dict[s
             else:
                 shared.append(e)
         m["index"] = {"entries": shared}
-    with_files = m.get("format_version", FORMAT_VERSION) >= 7
+    version = m.get("format_version", FORMAT_VERSION)
+    with_files = version >= 7
     if with_files:
         _move_own_files(m, shards)
     out = {
@@ -264,9 +272,43 @@ def split(manifest: Mapping[str, Any]) -> tuple[dict[str, Any], dict[int, dict[s
         )
         for r, s in shards.items()
     }
-    for r in out:
-        m["files"].setdefault(shard_name(r), {"size": 0, "checksum": ""})  # the caller records the bytes it writes
-    return m, out
+    _leave_shard_records(m, out, version)
+    return m, out  # (the caller records the bytes of the shards it writes: record_shards)
+
+
+def _leave_shard_records(m: dict[str, Any], shards: Mapping[int, Any], version: int) -> None:
+    """Where a root of ``version`` records its shards: its rank table (format 8), else a placeholder in ``files``."""
+    if version >= 8:
+        _pack_rank_table(m)
+        return
+    for r in shards:
+        m["files"].setdefault(shard_name(r), {"size": 0, "checksum": ""})
+
+
+def record_shards(root: dict[str, Any], records: Mapping[int, Mapping[str, Any]]) -> None:
+    """Record the size and checksum (``{"size", "checksum": "crc32:..."}``) of the shards written for ``root`` (as
+    :func:`split` gave it): in its ``rank_table`` (format 8), else in its ``files``."""
+    if root.get("format_version", FORMAT_VERSION) < 8:
+        root["files"].update({shard_name(r): dict(rec) for r, rec in records.items()})
+        return
+    if not records:
+        return
+    rows = rank_table.rows(root)
+    for r, rec in records.items():
+        rows[r] = rows[r]._replace(shard_size=rec["size"], shard_crc=rank_table.crc_of(rec["checksum"]) or 0)
+    root["rank_table"] = rank_table.rank_table(rows, rank_table.shard_version(root) or SHARD_VERSION)
+
+
+def _pack_rank_table(m: dict[str, Any]) -> None:
+    """Format 8: the shards' records (popped from ``files``) and the own files' counts (``rank_files``, as
+    :func:`_move_own_files` left them) in one ``rank_table``."""
+    counted = m.pop("rank_files", None)
+    rows = []
+    for r in range(m["world_size"]):
+        rec = m["files"].pop(shard_name(r), None) or {}
+        own = counted[r] if counted else (0, 0)
+        rows.append(rank_table.RankRow(rec.get("size", 0), rank_table.crc_of(rec.get("checksum", "")) or 0, *own))
+    m["rank_table"] = rank_table.rank_table(rows, SHARD_VERSION if counted is not None else FILELESS_SHARD_VERSION)
 
 
 def _move_own_files(m: dict[str, Any], shards: dict[int, dict[str, Any]]) -> None:

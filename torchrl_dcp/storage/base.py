@@ -196,11 +196,14 @@ class ManifestParts:
         return found
 
     def listed(self) -> Mapping[str, Any]:
-        """The records of the files this container can vouch for: the root's, and (format 7) those listed by the
-        shards read so far. A data file of a rank whose shard was not read is sized by :meth:`check` alone
-        (:func:`check_listing`); nothing reads it."""
+        """The records of the files this container can vouch for: the root's, its shards' (format 8: from its rank
+        table, decoded when looked up) and (format 7) those listed by the shards read so far. A data file of a rank
+        whose shard was not read is sized by :meth:`check` alone (:func:`check_listing`); nothing reads it."""
+        from torchrl_dcp.format.rank_table import ShardRecords
+
+        root = self.root()
         found: dict[str, Any] = self.__dict__.setdefault("_shard_files", {})
-        return ChainMap(found, self.root()["files"]) if found else self.root()["files"]
+        return ChainMap(found, root["files"], ShardRecords(root))
 
     def shards_read(self) -> set[int]:
         """The ranks whose shards were read (and checked) so far."""
@@ -210,10 +213,11 @@ class ManifestParts:
         """Rank ``rank``'s manifest shard, read, checksummed and checked against the root."""
         from torchrl_dcp.format.checksums import checksum_mismatch, crc32, format_crc
         from torchrl_dcp.format.layout import MAX_MANIFEST_BYTES, shard_name
+        from torchrl_dcp.format.rank_table import shard_record
         from torchrl_dcp.format.shards import parse_shard
 
         root, name = self.root(), shard_name(rank)
-        rec = root["files"].get(name)
+        rec = shard_record(root, rank)
         if rec is None:
             raise CheckpointFormatError(
                 f"the manifest lists no shard for rank {rank} ({name}): damaged or altered", path=self.path
@@ -236,7 +240,7 @@ def check_listing(
     """Everything in a checkpoint is accounted for: ``listing`` (``(name, size)`` of what is in it; size ``None``: not
     a regular file) holds besides the manifest only files :meth:`ManifestParts.listed` lists (their sizes
     are compared by the caller) and, for each rank whose shard was not read (format 7), exactly as many of its own
-    data and chunk files, of as many bytes, as the root's ``rank_files`` says. ``where(name)`` names a file in
+    data and chunk files, of as many bytes, as the root's ``rank_table`` says. ``where(name)`` names a file in
     errors; ``what``: what the container holds ("file", "member", "object").
 
     Raises:
@@ -244,9 +248,10 @@ def check_listing(
     """
     from torchrl_dcp.errors import CheckpointIntegrityError
     from torchrl_dcp.format.layout import MANIFEST, own_file_rank, shard_name
+    from torchrl_dcp.format.rank_table import rows, shard_version
 
     root, listed, read = parts.root(), parts.listed(), parts.shards_read()
-    counted = root.get("rank_files")
+    counted = [[r.own_files, r.own_bytes] for r in rows(root)] if shard_version(root) == 7 else None
     found: dict[int, list[int]] = {}
     names: dict[int, list[str]] = {}
     sizes: dict[str, int] = {}
