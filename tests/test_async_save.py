@@ -382,3 +382,40 @@ def test_a_checkpoint_waits_only_for_background_saves_on_its_own_group() -> None
     finally:
         release.set()
         other.shutdown()
+
+
+def test_an_async_save_that_failed_unreported_is_said_at_exit(tmp_path: Path) -> None:
+    """A job that exits with an async save in flight that fails (its process group destroyed, here a write error)
+    and never waits for it: the save was lost without a word (the failure is raised by the next call or ``wait()``,
+    and there was none). It is said on stderr at exit, with what to call; a save waited for is not."""
+    import subprocess
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import sys, torch, torchrl_dcp as tdcp
+        from torchrl_dcp.storage import writer as W
+
+        def fail(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        W.write_share = fail
+        ckpt = tdcp.DistributedCheckpoint(w={"x": torch.arange(3.0)})
+        handle = ckpt.async_save(sys.argv[1] + "/step-3", step=3)
+        if sys.argv[2] == "waited":
+            try:
+                handle.wait()
+            except tdcp.CheckpointError:
+                pass
+        """
+    )
+    said = {}
+    for case in ("unreported", "waited"):
+        proc = subprocess.run(
+            [sys.executable, "-c", script, str(tmp_path / case), case], capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        said[case] = proc.stderr
+    assert "the async save of step 3" in said["unreported"] and "No space left on device" in said["unreported"]
+    assert "rotation.close()" in said["unreported"] and "the async save" not in said["waited"], said
+    assert not (tmp_path / "unreported" / "step-3").exists()

@@ -174,6 +174,31 @@ def test_a_preemption_save_is_made_after_an_async_save_that_failed(
         signal.signal(signal.SIGUSR1, previous)
 
 
+def test_a_preemption_save_is_made_when_the_keep_best_metric_is_not_a_number(tmp_path: Path) -> None:
+    """keep_best's metric NaN (rank 0's mean over no finished episode) at a preemption signal: every rank raised the
+    refused metric's ValueError, nothing was saved and the job lost its last save. The preemption save is made, the
+    metric recorded as null (the entry kept as one of the last, not ranked), with a warning; a scheduled save still
+    refuses it (the step stays due)."""
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        rotation = tdcp.CheckpointRotation(
+            tmp_path, every_steps=1, keep_last=2, keep_best=("r", "max"), preemption_signals=("SIGUSR1",)
+        )
+        ckpt = tdcp.DistributedCheckpoint(w={"x": torch.arange(3.0)})
+        rotation.maybe_save(ckpt, 1, {"r": 1.0})
+        with pytest.raises(ValueError, match="keep_best needs a finite number"):
+            rotation.maybe_save(ckpt, 2, {"r": float("nan")})
+        os.kill(os.getpid(), signal.SIGUSR1)
+        with pytest.warns(tdcp.TorchrlDcpWarning, match=r"metadata\['r'\], got nan: the preemption save records it"):
+            path = rotation.maybe_save(ckpt, 3, {"r": float("nan")})
+        assert rotation.preempted and Path(path).name == "step-000000000003"
+        assert [(e.step, e.metric) for e in rotation.entries()] == [(1, 1.0), (3, None)]
+        assert tdcp.read_manifest(path)["metadata"] == {"r": None}
+        rotation.close()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
 @pytest.mark.parametrize("order", ["built", "reverse"])
 def test_watching_rotations_closed_in_any_order_leave_the_handler_they_found(tmp_path: Path, order) -> None:
     """Two rotations watching one signal (a subgroup's and a world-wide one): once both are closed, whatever the

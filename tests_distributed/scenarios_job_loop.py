@@ -346,5 +346,10 @@ def arguments_refused_on_one_rank(root: str) -> dict[str, Any]:
     rotation = tdcp.CheckpointRotation(f"{root}/run", every_steps=10, preemption_signals=("SIGUSR1",))
     attempt("maybe_save", lambda: rotation.maybe_save(ckpt, 20 if rank == 0 else 19))
     attempt("maybe_save again", lambda: rotation.maybe_save(ckpt, 30))
+    attempt("maybe_save refused", lambda: rotation.maybe_save(ckpt, 3.5 if rank == 1 else 40))
+    attempt("maybe_save after", lambda: rotation.maybe_save(ckpt, 50))
+    attempt("rotation.save refused", lambda: rotation.save(ckpt, step=-1 if rank == 0 else 60))
+    attempt("rotation.save after", lambda: rotation.save(ckpt, step=70))
     rotation.close()
+    out["steps"] = [e.step for e in rotation.entries()]
     return out

@@ -210,3 +210,10 @@ def test_arguments_one_rank_refuses_are_refused_on_every_rank_and_the_ranks_stay
         assert r["save again"] == r["load again"] == r["rank 0's metadata"] == r["maybe_save again"] == "ok", r
         assert r["saved step"] == 7, r
         assert "rank 1 passed step 19, rank 0 step 20: every rank must pass the same step" in r["maybe_save"], r
+        # a step refused on one rank (maybe_save's exchange, rotation.save's): raised there, named elsewhere, and the
+        # next calls work (rank 1's float step used to leave rank 0 in the exchange, paired with rank 1's next call)
+        assert r["maybe_save after"] == r["rotation.save after"] == "ok" and r["steps"] == [30, 50, 70], r
+    assert one["maybe_save refused"].startswith("ValueError: step must be a non-negative integer, got 3.5"), one
+    assert zero["maybe_save refused"].startswith("CollectiveError: rank 1 failed while agreeing whether to save"), zero
+    assert zero["rotation.save refused"].startswith("ValueError: step must be a non-negative integer, got -1"), zero
+    assert one["rotation.save refused"].startswith("CollectiveError: rank 0 failed while encoding the state"), one

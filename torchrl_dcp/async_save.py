@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import threading
@@ -110,6 +111,29 @@ def staged_together(tensor: torch.Tensor) -> bool:
 
 
 _IN_FLIGHT: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()  # savers that submitted a save (pending or not)
+
+
+def _report_at_exit() -> None:
+    """Say, at interpreter exit, which async saves failed unreported: a job that ends without ``wait()`` (or
+    ``rotation.close()``) and destroys its process group while a save is in flight loses that save, whose failure no
+    later call raises. (The background thread has finished by now: Python joins executor threads before ``atexit``.)"""
+    import sys
+
+    for saver in list(_IN_FLIGHT):
+        handle = saver._pending
+        if handle is None or not handle.done() or handle.reported:
+            continue
+        err = handle.exception()
+        if err is not None:
+            print(
+                f"torchrl_dcp: the async save of step {handle.step} to {handle.path} did not commit and nothing "
+                f"reported it before the process exited ({type(err).__name__}: {err}). Call handle.wait(), "
+                "ckpt.wait() or rotation.close() before destroy_process_group() and before the job exits.",
+                file=sys.stderr,
+            )
+
+
+atexit.register(_report_at_exit)
 
 
 class AsyncSaver:

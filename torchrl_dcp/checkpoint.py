@@ -443,6 +443,12 @@ class DistributedCheckpoint:
         self._async.group = self._group()
         return self._async.submit(job.destination, job.step, run, event)
 
+    def _refuse_save(self, err: BaseException) -> NoReturn:
+        """Raise ``err``, an argument this rank refused before its save (a rotation's step), after taking part in the
+        save's first exchange as a rank that failed: the other ranks, in their save, raise naming this rank."""
+        group = self._group()
+        _refused_on_every_rank(group, err, lambda fail: save_engine.plan(group, fail))
+
     def _prepare_save(
         self,
         path: str | os.PathLike,

@@ -276,8 +276,27 @@ class CheckpointRotation:
         The new checkpoint is committed (and, with ``archive=True``, converted and
         published) before any older entry is removed. Returns the entry's path.
         """
-        step = _check_step(step)
-        directory_path, metadata, save_kwargs = self._prepare(ckpt, step, metadata, save_kwargs)
+        return self._save(ckpt, step, metadata, components, save_kwargs)
+
+    def _save(
+        self,
+        ckpt: Any,
+        step: Any,
+        metadata: Mapping[str, Any] | None,
+        components: Collection[str] | None,
+        save_kwargs: dict[str, Any],
+        *,
+        preempting: bool = False,
+    ) -> Path:
+        try:
+            step = _check_step(step)
+        except ValueError as err:
+            refuse = getattr(ckpt, "_refuse_save", None)
+            if refuse is None:
+                raise
+            self._prepare(ckpt, None, metadata, save_kwargs)  # the exchanges the other ranks make before the save's
+            refuse(err)  # its first exchange, as a rank that failed: every rank raises, none waits for this one
+        directory_path, metadata, save_kwargs = self._prepare(ckpt, step, metadata, save_kwargs, preempting)
         path = ckpt.save(directory_path, step=step, metadata=metadata, components=components, **save_kwargs)
         return self._rotate(ckpt, path, step)
 
@@ -314,18 +333,35 @@ class CheckpointRotation:
     def decide(self, ckpt: Any, step: int) -> SaveDecision:
         """Whether ``step`` is due or a rank was preempted, the same on every rank (collective; see :meth:`maybe_save`)."""
         from torchrl_dcp import _dist
+        from torchrl_dcp.collective import raise_failure
 
-        step = _check_step(step)
+        exchanged = (self._watcher is not None or self.schedule.every_seconds is not None) and hasattr(
+            ckpt, "_control_group"
+        )
+        refused: ValueError | None = None
+        try:
+            step = _check_step(step)
+        except ValueError as err:
+            if not exchanged:  # (no exchange here: the ranks meet at the save's, if one is due)
+                raise
+            refused, step = err, 0
         signalled = self._watcher.signalled if self._watcher is not None and not self.preempted else None
         due = self.schedule.due_by_steps(step, self._last_step)
         by_time = self.schedule.due_by_time(time.monotonic(), self._last_time)
-        if (self._watcher is not None or self.schedule.every_seconds is not None) and hasattr(ckpt, "_control_group"):
+        if exchanged:
             group = ckpt._control_group()
             by_time = by_time and _dist.group_rank(group) == 0  # rank 0's clock decides
             phase = "agreeing whether to save"
-            (preempted, by_time), same = _dist.agree(
-                [signalled is not None, by_time], step, group, phase, monitored=False
+            (failed, preempted, by_time), same = _dist.agree(
+                [refused is not None, signalled is not None, by_time], step, group, phase, monitored=False
             )
+            if failed:  # a step refused on some rank: that rank raises its own error, as one process does; the others
+                try:  # name it
+                    raise_failure(group, phase, refused)
+                except BaseException:
+                    if refused is None:
+                        raise
+                raise refused  # type: ignore[misc]
             if not same:  # (the steps decide a save: ranks of other steps would take other decisions)
                 steps = _dist.all_gather(step, group, phase, monitored=False, kind="steps")
                 rank = next(r for r, s in enumerate(steps) if s != steps[0])
@@ -369,7 +405,7 @@ class CheckpointRotation:
                     stacklevel=3,
                 )
         if decision.preempted or sync or not self.async_saves:
-            path = self.save(ckpt, step=step, metadata=metadata, components=components, **save_kwargs)
+            path = self._save(ckpt, step, metadata, components, save_kwargs, preempting=decision.preempted)
             self._last_step, self._last_time = step, started  # (a failed save leaves the step due)
             if decision.preempted:
                 self.preempted = True
@@ -440,13 +476,19 @@ class CheckpointRotation:
         bind_trainer(self, trainer, ckpt)
 
     def _prepare(
-        self, ckpt: Any, step: int, metadata: Mapping[str, Any] | None, save_kwargs: dict[str, Any]
+        self,
+        ckpt: Any,
+        step: int | None,
+        metadata: Mapping[str, Any] | None,
+        save_kwargs: dict[str, Any],
+        preempting: bool = False,
     ) -> tuple[Path, dict[str, Any], dict[str, Any]]:
-        """Check the step and the metric, wait for a save in flight, choose the commit counter and the base."""
-        _check_step(step)
+        """Check the metric, wait for a save in flight, choose the commit counter and the base (``step``: checked by
+        the caller; ``None``: refused on this rank, which makes the same exchanges before raising). ``preempting``:
+        a refused metric is recorded as ``null`` (the entry is not ranked), not raised: the job's last save first."""
         metadata = metadata_values(metadata)  # a metric may be a numpy or 0-d tensor scalar
         settle_pending(ckpt)  # a save in flight prunes in its thread: never interleave with its collectives
-        base, sequence = self._next_commit(ckpt, metadata)
+        base, sequence = self._next_commit(ckpt, metadata, preempting)
         save_kwargs = dict(save_kwargs)
         save_kwargs.setdefault("commit_sequence", sequence)
         if (
@@ -456,7 +498,7 @@ class CheckpointRotation:
             and "incremental_from" not in save_kwargs
         ):
             save_kwargs["incremental_from"] = base
-        return self.directory / f"step-{step:012d}", metadata, save_kwargs
+        return self.directory / f"step-{step or 0:012d}", metadata, save_kwargs
 
     def _rotate(self, ckpt: Any, path: Path, step: int) -> Path:
         """After the commit of ``path``: convert it (``archive``), check it, prune (rank 0; collective)."""
@@ -494,7 +536,7 @@ class CheckpointRotation:
             ) from err
         return target
 
-    def _next_commit(self, ckpt: Any, metadata: Mapping[str, Any]) -> tuple[Path | None, int]:
+    def _next_commit(self, ckpt: Any, metadata: dict[str, Any], preempting: bool = False) -> tuple[Path | None, int]:
         """The base of the next incremental save (the newest committed directory entry) and its commit counter.
 
         Rank 0 chooses and every rank receives its choice, so all ranks agree even when
@@ -517,7 +559,15 @@ class CheckpointRotation:
             return (None if base is None else str(base.path)), counter, refused
 
         chosen, counter, refused = broadcast_step(group_of(ckpt), "choosing the incremental base", choose)
-        if refused is not None:  # the same ValueError on every rank, before anything is written
+        if refused is not None and preempting:  # (every rank alike: rank 0's metadata is the one recorded)
+            warnings.warn(
+                f"{refused}: the preemption save records it as null (the entry is kept as one of the last, not ranked "
+                "among the best)",
+                TorchrlDcpWarning,
+                stacklevel=5,
+            )
+            metadata[self.keep_best[0]] = None  # type: ignore[index]
+        elif refused is not None:  # the same ValueError on every rank, before anything is written
             raise ValueError(refused)
         return (None if chosen is None else self.directory / Path(chosen).name), counter  # a Path, or a StorePath
 
