@@ -300,6 +300,39 @@ def test_overwrite_never_replaces_a_checkpoint_directory_holding_user_files(tmp_
     assert tdcp.to_directory(archive, path, overwrite=True) == path  # a plain checkpoint is still replaced
 
 
+def test_a_conversion_over_a_user_s_file_says_to_choose_another_destination(tmp_path: Path) -> None:
+    """A destination that is not a checkpoint (a user's file, a dangling link): the conversion said "already exists;
+    pass overwrite=True", and with it then refused ("not a torchrl_dcp checkpoint"). It says what works at once."""
+    path, _ = make(tmp_path)
+    mine = tmp_path / "results.zip"
+    mine.write_text("precious")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    for overwrite in (False, True):
+        with pytest.raises(tdcp.CheckpointError, match="not a torchrl_dcp checkpoint.*choose another destination"):
+            tdcp.to_archive(path, mine, overwrite=overwrite)
+        with pytest.raises(tdcp.CheckpointError, match="symbolic link.*choose another destination"):
+            tdcp.to_archive(path, tmp_path / "dangling", overwrite=overwrite)
+    assert mine.read_text() == "precious"
+
+
+def test_a_checkpoint_directory_holding_a_user_s_file_named_like_ours_is_never_replaced(tmp_path: Path) -> None:
+    """A user's ``__7_0.distcp`` and ``manifest-7.json`` (named like a save's files, listed nowhere) in a checkpoint
+    directory: ``to_directory(..., overwrite=True)`` and a save over it deleted them with it. They are the user's:
+    refused, as any other file of theirs there, and kept."""
+    path, objs = make(tmp_path)
+    archive = tdcp.to_archive(path, tmp_path / "c.zip")
+    dst = tmp_path / "dst"
+    shutil.copytree(path, dst)
+    (dst / "__7_0.distcp").write_text("my notes")
+    (dst / "manifest-7.json").write_text('{"my": "notes"}')
+    with pytest.raises(tdcp.CheckpointError, match=r"never holds \(\['__7_0\.distcp', 'manifest-7\.json'\]\)"):
+        tdcp.to_directory(archive, dst, overwrite=True)
+    with pytest.raises(tdcp.CheckpointError, match=r"__7_0\.distcp"):
+        tdcp.DistributedCheckpoint(**objs).save(dst)
+    assert (dst / "__7_0.distcp").read_text() == "my notes" and (dst / "manifest-7.json").exists()
+    assert tdcp.to_directory(archive, path, overwrite=True) == path  # (a checkpoint holding only its files: replaced)
+
+
 def test_conversion_refuses_damage_and_existing_destinations(tmp_path: Path) -> None:
     path, _ = make(tmp_path)
     other = tdcp.to_archive(path, tmp_path / "c.zip")

@@ -440,13 +440,18 @@ def test_removal_deletes_only_what_the_library_writes(tmp_path: Path) -> None:
     (path / "videos").mkdir()
     (path / "videos" / "ep.mp4").write_text("mine too")
     (path / "empty").mkdir()
-    assert sorted(remove_tree(path)) == ["empty/", "notes.txt", "videos/"]  # (a save never makes a subdirectory)
+    (path / "eval_video").symlink_to("videos/ep.mp4")  # a user's links are theirs too (a save refuses them as foreign)
+    (path / "__0_9.distcp").symlink_to("videos/ep.mp4")  # one planted under a name of ours: itself removed
+    kept = remove_tree(path)
+    assert sorted(kept) == ["empty/", "eval_video", "notes.txt", "videos/"]  # (a save never makes a subdirectory)
     assert sorted(str(p.relative_to(path)) for p in path.rglob("*")) == [
         "empty",
+        "eval_video",
         "notes.txt",
         "videos",
         "videos/ep.mp4",
     ]
+    assert (path / "eval_video").is_symlink() and (path / "videos" / "ep.mp4").read_text() == "mine too"
     assert remove_tree(tmp_path / "gone") == []
 
 

@@ -103,25 +103,30 @@ def _check_replaceable(destination: Path, overwrite: bool) -> None:
     :func:`~torchrl_dcp.storage.directory.foreign_entries`)."""
     if not (destination.exists() or destination.is_symlink()):
         return
-    if not overwrite:
-        raise CheckpointError("already exists; pass overwrite=True (CLI: --overwrite) to replace it", path=destination)
+    # what is there first: overwrite=True is the next step only where it would replace it
     if destination.is_symlink():
         raise CheckpointError(
-            "is a symbolic link; refusing to replace it (convert to the path it points to, or remove the link)",
+            "is a symbolic link; a conversion never replaces one: convert to the path it points to, or remove the "
+            "link, or choose another destination",
             path=destination,
         )
     try:
-        read_manifest(destination)
+        listed = read_manifest(destination)["files"]
     except CheckpointError:
         raise CheckpointError(
-            "exists and is not a torchrl_dcp checkpoint; refusing to replace it", path=destination
+            "exists and is not a torchrl_dcp checkpoint; a conversion never replaces it: choose another destination",
+            path=destination,
         ) from None
-    foreign = foreign_entries(destination) if destination.is_dir() else []
+    foreign = foreign_entries(destination, listed) if destination.is_dir() else []
     if foreign:
         raise CheckpointError(
             f"holds entries a checkpoint never holds ({foreign[:5]}); refusing to replace it: move them, or convert "
             "elsewhere",
             path=destination,
+        )
+    if not overwrite:
+        raise CheckpointError(
+            "already exists (a checkpoint); pass overwrite=True (CLI: --overwrite) to replace it", path=destination
         )
 
 

@@ -343,7 +343,7 @@ def _remove_ours(parent_fd: int, name: str, prefix: str) -> list[str]:
                         kept += _remove_ours(fd, entry.name, f"{prefix}{entry.name}/")
                     else:
                         kept.append(f"{prefix}{entry.name}/")
-                elif is_ours(entry.name) or entry.is_symlink():  # (a link planted here: itself, never its target)
+                elif is_ours(entry.name):  # (a link of such a name, planted: itself, never its target)
                     os.unlink(entry.name, dir_fd=fd)
                 else:
                     kept.append(f"{prefix}{entry.name}")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Container, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -206,10 +206,10 @@ def is_replaceable(destination: Path) -> bool:
         return True
     container = DirectoryContainer(destination)
     try:
-        container.manifest()
+        listed = container.manifest()["files"]
     except CheckpointError as err:
         return damaged_checkpoint(destination, container, err)
-    return not foreign_entries(destination)
+    return not foreign_entries(destination, listed)
 
 
 def damaged_checkpoint(destination: Path, container: DirectoryContainer, err: CheckpointError) -> bool:
@@ -251,22 +251,30 @@ def _not_replaced(destination: Path) -> str:
     if _kind(destination) == "checkpoint" and any(destination.iterdir()):
         container = DirectoryContainer(destination)
         try:
-            container.manifest()
+            listed = container.manifest()["files"]
         except CheckpointError as err:
             if container.root_damaged(err):
                 return f"is a damaged checkpoint ({err}); refusing to replace it: {_not_ours_because(destination)}"
         else:
             return (
-                f"holds entries a checkpoint never holds ({foreign_entries(destination)[:5]}); refusing to replace "
-                "it: move them, or save elsewhere"
+                f"holds entries a checkpoint never holds ({foreign_entries(destination, listed)[:5]}); refusing to "
+                "replace it: move them, or save elsewhere"
             )
     return "exists and is not a torchrl_dcp checkpoint; refusing to replace it (choose another path)"
 
 
-def foreign_entries(destination: Path) -> list[str]:
+def foreign_entries(destination: Path, listed: Container[str] | None = None) -> list[str]:
     """What a committed checkpoint directory holds that no save writes there: other names, links, folders (the
-    rule object stores apply to a prefix, :func:`~torchrl_dcp.storage.objectstore_save.foreign_objects`)."""
-    return sorted(n for n in os.listdir(destination) if not is_library_file(n) or _kind(destination / n) != "archive")
+    rule object stores apply to a prefix, :func:`~torchrl_dcp.storage.objectstore_save.foreign_objects`) and, given
+    the files its manifest lists (``listed``, its shards' included), files named like ours that it does not list (a
+    save leaves none: a user's ``__7_0.distcp`` is theirs)."""
+
+    def ours(name: str) -> bool:
+        if not is_library_file(name) or _kind(destination / name) != "archive":
+            return False
+        return listed is None or name == MANIFEST or name in listed
+
+    return sorted(n for n in os.listdir(destination) if not ours(n))
 
 
 def _kind(path: Path) -> EntryKind | None:
