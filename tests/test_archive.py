@@ -315,6 +315,14 @@ def test_a_conversion_over_a_user_s_file_says_to_choose_another_destination(tmp_
     assert mine.read_text() == "precious"
 
 
+def test_an_archive_destination_ending_with_a_slash_is_refused(tmp_path: Path) -> None:
+    """``convert SRC out/b/``: the slash was dropped and an archive file ``b`` written where a directory was meant."""
+    path, _ = make(tmp_path)
+    with pytest.raises(tdcp.CheckpointError, match="ends with a slash.*name it"):
+        tdcp.to_archive(path, f"{tmp_path}/out/")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_checkpoint_directory_holding_a_user_s_file_named_like_ours_is_never_replaced(tmp_path: Path) -> None:
     """A user's ``__7_0.distcp`` and ``manifest-7.json`` (named like a save's files, listed nowhere) in a checkpoint
     directory: ``to_directory(..., overwrite=True)`` and a save over it deleted them with it. They are the user's:
@@ -404,6 +412,8 @@ def test_export_policy_for_torchrl_checkpoint_without_distributed(tmp_path: Path
     with pytest.raises(tdcp.CheckpointError, match="already exists"):
         tdcp.export_torchrl(path, out, ["policy"])
     assert tdcp.export_torchrl(path, out, ["policy"], overwrite=True) == out  # a torchrl checkpoint is replaced
+    with pytest.raises(tdcp.CheckpointError, match="torchrl.checkpoint checkpoint already.*loads it as it is"):
+        tdcp.export_torchrl(out, tmp_path / "again.torchrl", ["policy"])  # (it said: format 'torchrl.checkpoint')
 
 
 def test_export_overwrite_never_deletes_what_is_not_a_torchrl_checkpoint(tmp_path: Path) -> None:

@@ -534,7 +534,7 @@ def test_ls_shows_a_killed_save_in_a_store_as_a_leftover_as_for_a_directory(
     assert cli(["ls", url]) == 0
     out = capsys.readouterr().out
     assert "1 entries" in out and "NOT COMMITTED" not in out, out
-    assert "step-000000000002" in out and "left by a killed save (the next save removes it)" in out, out
+    assert "step-000000000002" in out and "left by a killed save or conversion to step-000000000002" in out, out
 
 
 def test_a_prefix_a_save_has_not_committed_is_no_checkpoint_as_for_a_directory(tmp_path: Path) -> None:

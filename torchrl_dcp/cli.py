@@ -260,7 +260,9 @@ def _print_ls(info: dict[str, Any], metric: str | None) -> None:
             print(f"    ({row['error']})")
     for left in info.get("leftovers", ()):
         print(
-            f"  {left['name']:<24} {'':>10} {left['bytes']:>14,} bytes  left by a killed save (the next save removes it)"
+            f"  {left['name']:<24} {'':>10} {left['bytes']:>14,} bytes  left by a killed save or conversion to "
+            f"{left['owner']} (the next save or conversion to it removes it; a rotation's prune, once a newer step "
+            "is committed)"
         )
 
 

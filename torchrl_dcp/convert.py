@@ -201,6 +201,11 @@ def to_archive(
     Example:
         >>> tdcp.to_archive("ckpts/step-100", "step-100.zip")  # doctest: +SKIP
     """
+    if isinstance(dst_file, str) and dst_file.endswith(("/", os.sep)):  # (Path() drops the slash: it wrote "b")
+        raise CheckpointError(
+            "ends with a slash, as a directory does: an archive is one file; name it (e.g. step-100.zip)",
+            path=dst_file,
+        )
     if _any_remote(src_dir, dst_file):
         return convert_via_local(to_archive, src_dir, dst_file, "checkpoint", "file", overwrite, buffer_size=buffer_size, progress=progress)  # fmt: skip
     src = _local(src_dir)
@@ -362,7 +367,7 @@ def export_torchrl(
         >>> tdcp.export_torchrl("ckpts/step-100", "policy.torchrl", ["policy"])  # doctest: +SKIP
         >>> torchrl.checkpoint.Checkpoint(policy=policy).load("policy.torchrl")  # doctest: +SKIP
     """
-    _check_export_format(format)  # (before anything is read or written)
+    _check_export_arguments(src, format)  # (before anything is read or written)
     from torchrl.checkpoint import Checkpoint as TorchRLCheckpoint
 
     from torchrl_dcp.adapters.rng import torchrl_rng_layout
@@ -423,9 +428,17 @@ def export_torchrl(
     return destination
 
 
-def _check_export_format(format: str) -> None:
+def _check_export_arguments(src: Any, format: str) -> None:
+    from torchrl_dcp.torchrl_format import is_torchrl_checkpoint
+
     if format not in ("archive", "directory"):
         raise ValueError(f"format must be 'archive' (one ZIP file) or 'directory', not {format!r}")
+    if isinstance(src, (str, os.PathLike)) and is_torchrl_checkpoint(src):
+        raise CheckpointError(
+            "is a torchrl.checkpoint checkpoint already: torchrl.checkpoint.Checkpoint loads it as it is (and "
+            "DistributedCheckpoint.load restores it); export_torchrl reads torchrl_dcp checkpoints",
+            path=src,
+        )
 
 
 def _not_torchrl_json(value: Any, where: str) -> str | None:
