@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+import re
 import struct
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ import torch
 
 import torchrl_dcp as tdcp
 from tests import forging
-from torchrl_dcp import local_records, local_tier
+from torchrl_dcp import chunking, local_records, local_tier
 from torchrl_dcp.format.layout import TRAILER_SIZE, read_identity
 from torchrl_dcp.storage.archive import read_index
 
@@ -75,24 +76,55 @@ def test_a_data_file_whose_trailer_names_another_rank_is_refused(tmp_path: Path,
     assert not (tmp_path / "c.zip").exists()
 
 
-@pytest.mark.parametrize("how", ["another save's shared file", "this save's own id"])
+@pytest.mark.parametrize("how", ["another save's shared file", "this save's own id", ".metadata"])
 def test_an_origin_on_anything_but_a_kept_chunk_file_is_refused(tmp_path: Path, how: str) -> None:
     """``origin`` (a chunk file an incremental save kept) waived the identity comparisons for any file: another
     save's shared file came in with its record resealed and ``origin`` set to that save (its weights loaded), and a
-    per-rank file under ``origin`` = this save's own id skipped the rank check (two ranks' files swapped)."""
+    per-rank file under ``origin`` = this save's own id skipped the rank check (two ranks' files swapped). An origin
+    on a file without a trailer (``.metadata``) was accepted. The manifest refuses each before any file is read."""
     saved = _objects(0)
     path = _ckpt(saved).save(tmp_path / "c", step=1)
-    name = "__0_shared.distcp" if how == "another save's shared file" else "__0_0.distcp"
+    name = {"another save's shared file": "__0_shared.distcp", ".metadata": ".metadata"}.get(how, "__0_0.distcp")
     if how == "another save's shared file":
         other = _ckpt(_objects(5)).save(tmp_path / "other", step=1)
         (path / name).write_bytes((other / name).read_bytes())
         origin = forging.read_parts(other)["save_id"]
-    else:
+    elif how == "this save's own id":
         (path / name).write_bytes(_rewrite_trailer_rank((path / name).read_bytes(), 3))
         origin = forging.read_parts(path)["save_id"]
+    else:
+        origin = "e" * 32
     forging.reseal(path, name)
     forging.edit(path, lambda m: m["files"][name].update(origin=origin))
-    _refused_unchanged(path, rf"{name}: the manifest records this file as kept from save")
+    refused = rf"files\['{re.escape(name)}'\]\.origin: only a chunk file an incremental save kept"
+    fresh = _objects(1)
+    before = fresh["policy"].weight.detach().clone()
+    for action in (
+        lambda: _ckpt(fresh).load(path, verify=False),
+        lambda: tdcp.verify(path),
+        lambda: tdcp.to_archive(path, tmp_path / "c.zip"),
+    ):
+        with pytest.raises(tdcp.CheckpointFormatError, match=refused):
+            action()
+    assert torch.equal(fresh["policy"].weight, before)
+
+
+def test_a_kept_chunk_file_whose_origin_is_its_own_save_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk file's ``origin`` naming the save that lists it (no save writes that: it would waive the checks of
+    its trailer) is refused by the manifest, in the shard that lists it."""
+    monkeypatch.setattr(chunking, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(chunking, "MIN_CHUNKED_BYTES", 8192)
+    buf = {"rows": torch.randn(64, 64)}
+    ckpt = tdcp.DistributedCheckpoint()
+    ckpt.register("buf", buf, placement="per_rank")
+    path = ckpt.save(tmp_path / "c", step=1)
+    m = forging.read_parts(path)
+    chunk = next(n for n in m["files"] if n.startswith("__0_") and n != "__0_0.distcp" and n.endswith(".distcp"))
+    forging.edit(path, lambda m: m["files"][chunk].update(origin=m["save_id"]))
+    with pytest.raises(tdcp.CheckpointFormatError, match=rf"manifest-0\.json.*files\['{re.escape(chunk)}'\]\.origin"):
+        tdcp.verify(path)
 
 
 @pytest.mark.parametrize("verify", [False, True])

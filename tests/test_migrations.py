@@ -531,6 +531,7 @@ def test_the_committed_format_7_checkpoint_loads_exactly(tmp_path: Path) -> None
             lambda m: m["files"].update({"manifest-1.json": {"size": 1, "checksum": "crc32:00000000"}}),
             "list the shards",
         ),
+        (lambda m: m["files"]["manifest-0.json"].update(origin=m["save_id"]), "no save writes that"),
     ],
 )
 def test_a_format_7_root_the_migration_cannot_pack_is_refused(tmp_path: Path, forge: Any, why: str) -> None:

@@ -41,7 +41,7 @@ from typing import Any
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointVersionError
 from torchrl_dcp.format import migrations
-from torchrl_dcp.format.layout import MANIFEST, MAX_MANIFEST_BYTES, is_plain_name
+from torchrl_dcp.format.layout import MANIFEST, MAX_MANIFEST_BYTES, is_chunk_file, is_plain_name
 from torchrl_dcp.format.manifest_depth import check_depth, structure
 from torchrl_dcp.format.rank_table import validate_rank_table
 from torchrl_dcp.placement import PLACEMENTS
@@ -338,7 +338,7 @@ def _validate(m: dict[str, Any], source: Any) -> None:
     if m.get("save_id") is not None and not (isinstance(m["save_id"], str) and len(m["save_id"]) == 32):
         raise bad("save_id must be 32 hex digits or null")
     for name, rec in m["files"].items():
-        validate_file_record(name, rec, bad)
+        validate_file_record(name, rec, bad, m.get("save_id"))
     validate_chunk_table(m.get("chunks"), m["files"], bad)
     if m.get("sequence") is not None and not (_is_int(m["sequence"]) and m["sequence"] >= 0):
         raise bad("sequence must be a non-negative integer or null")
@@ -409,8 +409,11 @@ def validate_assembled(m: dict[str, Any], source: Any) -> None:
         _validate_placed(m["chunks"], bad)
 
 
-def validate_file_record(name: str, rec: Any, bad: Callable[[str], CheckpointFormatError]) -> None:
-    """A ``files`` record: an integer size, a checksum, a plain name (not the manifest's), an optional origin."""
+def validate_file_record(
+    name: str, rec: Any, bad: Callable[[str], CheckpointFormatError], save_id: str | None = None
+) -> None:
+    """A ``files`` record: an integer size, a checksum, a plain name (not the manifest's), an optional origin: on a
+    chunk file only (what an incremental save keeps), naming another save than ``save_id`` (the record's own)."""
     if not isinstance(rec, dict) or not _is_int(rec.get("size")) or rec["size"] < 0:
         raise bad(f"files[{name!r}] needs an integer size")
     if not isinstance(rec.get("checksum"), str):
@@ -419,6 +422,11 @@ def validate_file_record(name: str, rec: Any, bad: Callable[[str], CheckpointFor
         raise bad(f"file name {name!r} is not a plain file name")
     if "origin" in rec and not _is_save_id(rec["origin"]):
         raise bad(f"files[{name!r}].origin must be a save id (32 hex digits)")
+    if "origin" in rec and (not is_chunk_file(name) or rec["origin"] == save_id):  # (no save writes one)
+        raise bad(
+            f"files[{name!r}].origin: only a chunk file an incremental save kept from another save has one, "
+            "naming that save"
+        )
 
 
 def _is_save_id(v: Any) -> bool:

@@ -249,6 +249,8 @@ def _v7_to_v8(manifest: dict[str, Any]) -> dict[str, Any]:
     rows = []
     for r in range(world):
         rec = files.pop(shard_name(r), None)
+        if isinstance(rec, dict) and set(rec) != {"size", "checksum"}:  # (an origin: no save writes one on a shard)
+            raise CheckpointFormatError(f"the record of {shard_name(r)} holds {sorted(rec)}: no save writes that")
         size = rec.get("size") if isinstance(rec, dict) else None
         crc = crc_of(rec.get("checksum")) if isinstance(rec, dict) else None
         if not _is_int(size) or not 0 <= size < 2**64 or crc is None:

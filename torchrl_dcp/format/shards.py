@@ -157,7 +157,7 @@ def _own_files(
     if not isinstance(files, dict):
         raise bad("files must be an object")
     for name, rec in files.items():
-        validate_file_record(name, rec, bad)
+        validate_file_record(name, rec, bad, root.get("save_id"))
         if own_file_rank(name) != rank or name in root["files"]:
             raise bad(f"files may only list this rank's own data and chunk files (__{rank}_<n>.distcp), not {name!r}")
     count, nbytes = rank_table.own_files(root, rank)
