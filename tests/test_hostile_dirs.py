@@ -146,9 +146,12 @@ def test_remove_tree_unlinks_a_link_and_never_its_target(tmp_path: Path) -> None
         assert not os.path.lexists(at)
     inner = tmp_path / "tree"
     inner.mkdir()
-    (inner / "link").symlink_to(target.parent)
+    (inner / "__0_0.distcp").symlink_to(target.parent)  # planted under a name of ours: the link itself goes
     commit.remove_tree(inner)
     assert not inner.exists()
+    inner.mkdir()
+    (inner / "link").symlink_to(target.parent)  # a user's link (no name of ours): kept, as their files are
+    assert commit.remove_tree(inner) == ["link"] and (inner / "link").is_symlink()
     _outside_unchanged(target)
 
 

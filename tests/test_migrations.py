@@ -451,6 +451,26 @@ def test_the_committed_format_5_checkpoint_loads_exactly(tmp_path: Path) -> None
 V6_FIXTURE = Path(__file__).parent / "fixtures" / "v6_checkpoint"
 
 
+def _load_the_fixture_state(path: Path, files: dict[str, torch.Tensor]) -> Any:
+    """Load the state the format-6 and format-7 fixtures hold into fresh objects; check it is what a plain
+    ``dcp.load`` of their files reads (``files``) and that the checkpoint verifies with nothing unchecked."""
+    target = {"policy": torch.nn.Linear(3, 2), "stats": {"episodes": -1}, "big": {"x": torch.zeros(16, 256)}}
+    small = {"a": torch.zeros(5), "b": torch.zeros(2, dtype=torch.bool)}
+    buf = {"rows": torch.zeros(32, 64)}
+    ckpt = tdcp.DistributedCheckpoint(**target, rng=tdcp.RNGState())
+    ckpt.register("small", small, placement="per_rank")
+    ckpt.register("buf", buf, placement="per_rank")
+    result = ckpt.load(path)
+    assert result.loaded == {"policy", "stats", "big", "rng", "small", "buf"} and result.step == 7
+    assert torch.equal(target["policy"].weight, files["replicated/policy/weight"])
+    assert torch.equal(target["big"]["x"], files["replicated/big/x"]) and target["stats"] == {"episodes": 3}
+    assert torch.equal(small["a"], files["rank/0/small/a"]) and small["b"].tolist() == [True, False]
+    assert torch.equal(buf["rows"], files["rank/0/buf/rows"])
+    assert torch.equal(torch.get_rng_state(), files["rank/0/rng/torch"])
+    assert tdcp.verify(path)["unchecked"] == []
+    return result
+
+
 def test_the_committed_format_6_checkpoint_loads_exactly(tmp_path: Path) -> None:
     """A checkpoint written by the format-6 library itself (``tests/fixtures/v6_checkpoint``: a module, a chunked
     replicated tensor, a dict, per-rank dicts (one chunked) and the RNG streams, step 7, ``TDCP_CHUNK_BYTES=4096``;
@@ -461,21 +481,8 @@ def test_the_committed_format_6_checkpoint_loads_exactly(tmp_path: Path) -> None
     shard = json.loads((V6_FIXTURE / shard_name(0)).read_text())
     assert "files" not in shard and "rank/0/buf/rows" in shard["chunks"]
     path, files = _copy_and_read_with_dcp(V6_FIXTURE, tmp_path / "c")
-    target = {"policy": torch.nn.Linear(3, 2), "stats": {"episodes": -1}, "big": {"x": torch.zeros(16, 256)}}
-    small = {"a": torch.zeros(5), "b": torch.zeros(2, dtype=torch.bool)}
-    buf = {"rows": torch.zeros(32, 64)}
-    ckpt = tdcp.DistributedCheckpoint(**target, rng=tdcp.RNGState())
-    ckpt.register("small", small, placement="per_rank")
-    ckpt.register("buf", buf, placement="per_rank")
-    result = ckpt.load(path)
-    assert result.loaded == {"policy", "stats", "big", "rng", "small", "buf"} and result.step == 7
+    result = _load_the_fixture_state(path, files)
     assert result.manifest["format_version"] == 8 and result.manifest["rank_table"]["shard_version"] == 5
-    assert torch.equal(target["policy"].weight, files["replicated/policy/weight"])
-    assert torch.equal(target["big"]["x"], files["replicated/big/x"]) and target["stats"] == {"episodes": 3}
-    assert torch.equal(small["a"], files["rank/0/small/a"]) and small["b"].tolist() == [True, False]
-    assert torch.equal(buf["rows"], files["rank/0/buf/rows"])
-    assert torch.equal(torch.get_rng_state(), files["rank/0/rng/torch"])
-    assert tdcp.verify(path)["unchecked"] == []
     (path / "__0_9.distcp").write_bytes(b"x")  # nothing is counted by rank: every file must be listed
     with pytest.raises(tdcp.CheckpointIntegrityError, match=r"__0_9\.distcp: file not listed"):
         tdcp.verify(path)
@@ -494,25 +501,12 @@ def test_the_committed_format_7_checkpoint_loads_exactly(tmp_path: Path) -> None
     raw = json.loads((V7_FIXTURE / "manifest.json").read_text())
     assert raw["format_version"] == 7 and shard_name(0) in raw["files"] and raw["rank_files"][0][0] == 3
     path, files = _copy_and_read_with_dcp(V7_FIXTURE, tmp_path / "c")
-    target = {"policy": torch.nn.Linear(3, 2), "stats": {"episodes": -1}, "big": {"x": torch.zeros(16, 256)}}
-    small = {"a": torch.zeros(5), "b": torch.zeros(2, dtype=torch.bool)}
-    buf = {"rows": torch.zeros(32, 64)}
-    ckpt = tdcp.DistributedCheckpoint(**target, rng=tdcp.RNGState())
-    ckpt.register("small", small, placement="per_rank")
-    ckpt.register("buf", buf, placement="per_rank")
-    result = ckpt.load(path)
-    assert result.loaded == {"policy", "stats", "big", "rng", "small", "buf"} and result.step == 7
+    result = _load_the_fixture_state(path, files)
     m = result.manifest
     assert m["format_version"] == 8 and "rank_files" not in m and m["rank_table"]["shard_version"] == 7
     shard = (V7_FIXTURE / shard_name(0)).read_bytes()
     own = raw["rank_files"][0]
     assert rank_table.rows(m) == [rank_table.RankRow(len(shard), zlib.crc32(shard), own[0], own[1])]
-    assert torch.equal(target["policy"].weight, files["replicated/policy/weight"])
-    assert torch.equal(target["big"]["x"], files["replicated/big/x"]) and target["stats"] == {"episodes": 3}
-    assert torch.equal(small["a"], files["rank/0/small/a"]) and small["b"].tolist() == [True, False]
-    assert torch.equal(buf["rows"], files["rank/0/buf/rows"])
-    assert torch.equal(torch.get_rng_state(), files["rank/0/rng/torch"])
-    assert tdcp.verify(path)["unchecked"] == []
     (path / "__0_9.distcp").write_bytes(b"x")  # counted against the migrated row: one file more than it says
     with pytest.raises(tdcp.CheckpointIntegrityError, match=r"__0_9\.distcp: file not listed"):
         tdcp.verify(path)

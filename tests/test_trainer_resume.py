@@ -176,6 +176,29 @@ def test_resume_of_a_trainer_counts_its_save_policy_from_the_resumed_step(tmp_pa
     assert [e.step for e in tdcp.CheckpointRotation(tmp_path / "run").entries()] == [32, 64, 96, 128]
 
 
+def test_a_trainer_resumed_from_its_last_checkpoint_trains_no_further(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A job requeued after its final save (preempted in its last iteration): torchrl's loop compares the frames
+    only after a batch, so the resumed Trainer collected and trained one more batch and saved past total_frames,
+    unlike the run that never stopped. It trains nothing and says so; a raised total_frames trains on."""
+    first, _, loss = build("iql", tmp_path / "run", every_steps=32)
+    first.train()
+    again, _, fresh_loss = build("iql", tmp_path / "run", every_steps=32)
+    info = tdcp.resume(again.checkpoint, tmp_path / "run")
+    assert info is not None and info.step == first.total_frames == again.collected_frames
+    with caplog.at_level("WARNING", logger="torchrl_dcp"):
+        again.train()
+    assert "nothing left to train" in caplog.text
+    assert again.collected_frames == first.total_frames
+    assert [e.step for e in tdcp.CheckpointRotation(tmp_path / "run").entries()] == [32, 64]
+    for (name, a), (_, b) in zip(loss.state_dict().items(), fresh_loss.state_dict().items()):
+        assert torch.equal(a, b), name
+    again.total_frames = 96
+    again.train()
+    assert again.collected_frames == 96
+
+
 def test_load_from_file_counts_the_save_policy_from_the_loaded_step(tmp_path: Path) -> None:
     """``trainer.load_from_file(step 64)`` instead of ``tdcp.resume``: the rotation's ``every_steps=48`` counted
     from 0 and saved again at 80 (not a new multiple of 48); it counts from the loaded step, as after a resume."""

@@ -352,4 +352,9 @@ def arguments_refused_on_one_rank(root: str) -> dict[str, Any]:
     attempt("rotation.save after", lambda: rotation.save(ckpt, step=70))
     rotation.close()
     out["steps"] = [e.step for e in rotation.entries()]
+    quiet = tdcp.CheckpointRotation(f"{root}/quiet", every_steps=1)  # no exchange in maybe_save's decision
+    attempt("quiet due", lambda: quiet.maybe_save(ckpt, 2.0 if rank == 1 else 2))
+    attempt("quiet forced", lambda: quiet.maybe_save(ckpt, 2.5 if rank == 1 else 3, force=True))
+    attempt("quiet after", lambda: quiet.maybe_save(ckpt, 4))
+    out["quiet steps"] = [e.step for e in quiet.entries()]
     return out

@@ -217,3 +217,9 @@ def test_arguments_one_rank_refuses_are_refused_on_every_rank_and_the_ranks_stay
     assert zero["maybe_save refused"].startswith("CollectiveError: rank 1 failed while agreeing whether to save"), zero
     assert zero["rotation.save refused"].startswith("ValueError: step must be a non-negative integer, got -1"), zero
     assert one["rotation.save refused"].startswith("CollectiveError: rank 0 failed while encoding the state"), one
+    # where maybe_save exchanges nothing: a refused step that is due by the integer it spells (2.0), or forced, meets
+    # the other rank's save (it went into the save alone, and every later call failed)
+    for what in ("quiet due", "quiet forced"):
+        assert one[what].startswith("ValueError: step must be a non-negative integer"), one
+        assert zero[what].startswith("CollectiveError: rank 1 failed while encoding the state"), zero
+    assert zero["quiet after"] == one["quiet after"] == "ok" and zero["quiet steps"] == [4], (zero, one)

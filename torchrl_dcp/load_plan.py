@@ -199,15 +199,16 @@ def plan_components(
                 check_totals(name, rec, source)
             reshard = rec["placement"] == "per_rank" and manifest["world_size"] != world_size
             if reshard and not (reshard_allowed and reg.adapter.can_reshard):
+                saved = manifest["world_size"]
                 why = (
                     "pass world_size_change='reshard' to redistribute it"
                     if reg.adapter.can_reshard
-                    else f"its adapter {reg.adapter.adapter_id!r} cannot be resharded"
+                    else f"its adapter {reg.adapter.adapter_id!r} cannot be resharded: leave it out"
                 )
                 raise WorldSizeMismatchError(
-                    f"component {name!r} is per_rank and was saved by {manifest['world_size']} ranks, this job has "
-                    f"{world_size}: {why}; or load only replicated components (components=...), or resume with "
-                    f"{manifest['world_size']} ranks",
+                    f"component {name!r} is per_rank and was saved by {saved} rank{'s' if saved != 1 else ''}, this "
+                    f"job has {world_size}: {why} (components=[...] chooses what to load), or resume with {saved} "
+                    f"rank{'s' if saved != 1 else ''}",
                     path=source,
                 )
             ctx = reg.make_ctx(saved_world_size=manifest["world_size"])

@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import time
@@ -326,8 +327,36 @@ class CheckpointRotation:
             ...         break
             >>> rotation.close()  # doctest: +SKIP
         """
-        return self.save_decided(
-            ckpt, self.decide(ckpt, step), metadata, force=force, components=components, **save_kwargs
+        try:
+            decision = self.decide(ckpt, step)
+        except ValueError as err:
+            self._refuse_with_the_savers(ckpt, step, err, force, metadata)
+            raise
+        return self.save_decided(ckpt, decision, metadata, force=force, components=components, **save_kwargs)
+
+    def _refuse_with_the_savers(
+        self, ckpt: Any, step: Any, err: ValueError, force: bool, metadata: Mapping[str, Any] | None
+    ) -> None:
+        """``step``, refused on this rank where :meth:`decide` exchanges nothing: when the other ranks save at this
+        call (``force``, or the step due by the integer it spells, such as ``2.0``), take part in their save's first
+        exchange as a rank that failed, so that every rank raises in this call (else they stayed a call apart). A
+        step that spells no integer (``3.5``, ``-1``) cannot say whether they save: raised here alone."""
+        refuse = getattr(ckpt, "_refuse_save", None)
+        if refuse is None or self.local is not None or self._decides_together(ckpt):
+            return  # (decide raised in its exchange already; a local tier's saves come first: not matched)
+        try:
+            value = float(step)
+        except (TypeError, ValueError, OverflowError):
+            value = math.nan
+        guess = int(value) if value.is_integer() and value >= 0 else None
+        if force or (guess is not None and self.schedule.due_by_steps(guess, self._last_step)):
+            self._prepare(ckpt, None, metadata, {})  # the exchanges the savers make before their save's first
+            refuse(err)
+
+    def _decides_together(self, ckpt: Any) -> bool:
+        """Whether :meth:`decide` exchanges (preemption signals or ``every_seconds``, a checkpoint with a group)."""
+        return (self._watcher is not None or self.schedule.every_seconds is not None) and hasattr(
+            ckpt, "_control_group"
         )
 
     def decide(self, ckpt: Any, step: int) -> SaveDecision:
@@ -335,14 +364,12 @@ class CheckpointRotation:
         from torchrl_dcp import _dist
         from torchrl_dcp.collective import raise_failure
 
-        exchanged = (self._watcher is not None or self.schedule.every_seconds is not None) and hasattr(
-            ckpt, "_control_group"
-        )
+        exchanged = self._decides_together(ckpt)
         refused: ValueError | None = None
         try:
             step = _check_step(step)
         except ValueError as err:
-            if not exchanged:  # (no exchange here: the ranks meet at the save's, if one is due)
+            if not exchanged:  # (no exchange here: maybe_save meets the savers at their save's, if it can tell)
                 raise
             refused, step = err, 0
         signalled = self._watcher.signalled if self._watcher is not None and not self.preempted else None

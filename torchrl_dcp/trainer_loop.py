@@ -102,4 +102,26 @@ def bind_trainer(rotation: Any, trainer: Any, ckpt: Any) -> None:
 
     trainer.register_op("post_steps", checkpoint_policy)
     trainer.save_trainer = binding.save_trainer  # the instance's schedule: torchrl's train() calls it each iteration
+    trainer.train = _unless_finished(trainer, trainer.train)
     setattr(trainer, _BOUND, rotation)
+
+
+def _unless_finished(trainer: Any, train: Any) -> Any:
+    """``trainer.train``, except for a Trainer resumed from a checkpoint at or past its ``total_frames`` (a job
+    requeued after its last save, e.g. preempted in its last iteration): torchrl's loop compares the frames only after
+    a batch, so it trained one batch more and saved past the end, unlike the run that never stopped. Then it trains
+    nothing (the collector is left as it is: a raised ``total_frames`` trains on) and says so."""
+
+    def train_unless_finished(*args: Any, **kwargs: Any) -> Any:
+        total, done = getattr(trainer, "total_frames", None), getattr(trainer, "collected_frames", 0)
+        if type(total) is int and total > 0 and type(done) is int and done >= total:
+            logger.warning(
+                "the Trainer has collected %d frames of total_frames=%d (resumed from its last checkpoint): "
+                "nothing left to train; raise total_frames to train further",
+                done,
+                total,
+            )
+            return None
+        return train(*args, **kwargs)
+
+    return train_unless_finished
