@@ -17,6 +17,7 @@ import torch
 
 import torchrl_dcp as tdcp
 from torchrl_dcp import rotation as rotation_module
+from torchrl_dcp import save_decision
 
 STEPS = range(1, 25)
 
@@ -72,7 +73,8 @@ def test_policies_save_and_keep_what_they_promise(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, every_steps, every_seconds, keep_last, keep_every, keep_best
 ) -> None:
     clock = Clock()
-    monkeypatch.setattr(rotation_module, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+    for module in (rotation_module, save_decision):  # (the save's time; the decision's clock)
+        monkeypatch.setattr(module, "time", types.SimpleNamespace(monotonic=clock.monotonic))
     clock.now = 0.0
     rotation = tdcp.CheckpointRotation(
         tmp_path,

@@ -27,7 +27,7 @@ from torchrl_dcp.format.codec import dtype_from_name
 from torchrl_dcp.format.dcp_metadata import metadata_fragments, spliced_metadata
 from torchrl_dcp.format.layout import own_file_rank, shard_name, shard_rank
 from torchrl_dcp.format.manifest import check_parse_cost, dumps, new_manifest
-from torchrl_dcp.format.rank_table import RankRow, crc_of, rank_table
+from torchrl_dcp.format.rank_table import RankRow, crc_value, rank_table
 from torchrl_dcp.format.shards import shard_body
 from torchrl_dcp.planner import is_own_key
 from torchrl_dcp.storage.base import ChunkEntry, SaveTarget, WriteOutcome
@@ -175,7 +175,9 @@ def root_manifest(
         shards = [files[shard_name(r)] for r in range(len(parts))]
         table = rank_table(
             [
-                RankRow(s["size"], _crc(s["checksum"]), len(p.own_files), sum(files[n]["size"] for n in p.own_files))
+                RankRow(
+                    s["size"], crc_value(s["checksum"]), len(p.own_files), sum(files[n]["size"] for n in p.own_files)
+                )
                 for s, p in zip(shards, parts)
             ]
         )
@@ -197,13 +199,6 @@ def root_manifest(
         ),
         "the root manifest",
     )
-
-
-def _crc(checksum: str) -> int:
-    crc = crc_of(checksum)
-    if crc is None:  # (every target records a CRC-32: format_crc)
-        raise ValueError(f"a shard's checksum is {checksum!r}, not a CRC-32")
-    return crc
 
 
 def parseable(data: bytes, what: str) -> bytes:

@@ -30,16 +30,15 @@ Example:
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import time
 import warnings
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torchrl_dcp import save_decision
 from torchrl_dcp._log import get_logger
 from torchrl_dcp.errors import (
     CheckpointError,
@@ -62,6 +61,7 @@ from torchrl_dcp.rotation_entries import (
     metric_value,
 )
 from torchrl_dcp.rotation_resume import ResumeInfo, group_of, resume_rotation, settle_pending
+from torchrl_dcp.save_decision import SaveDecision, check_step
 from torchrl_dcp.save_policy import MetricMode, Retention, SaveSchedule, parse_keep_best
 from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.storage.base import Location
@@ -108,16 +108,6 @@ def _check_committed(location: Location) -> None:
             "save again, or resume from the previous one",
             path=err.path or location.path,
         ) from None
-
-
-@dataclass(frozen=True)
-class SaveDecision:
-    """What every rank agreed at one ``maybe_save`` call: a policy made ``step`` due, or a rank was preempted."""
-
-    step: int
-    due: bool
-    preempted: bool
-    signal: str | None = None
 
 
 class CheckpointRotation:
@@ -290,7 +280,7 @@ class CheckpointRotation:
         preempting: bool = False,
     ) -> Path:
         try:
-            step = _check_step(step)
+            step = check_step(step)
         except ValueError as err:
             refuse = getattr(ckpt, "_refuse_save", None)
             if refuse is None:
@@ -330,76 +320,13 @@ class CheckpointRotation:
         try:
             decision = self.decide(ckpt, step)
         except ValueError as err:
-            self._refuse_with_the_savers(ckpt, step, err, force, metadata)
+            save_decision.refuse_with_the_savers(self, ckpt, step, err, force, metadata)
             raise
         return self.save_decided(ckpt, decision, metadata, force=force, components=components, **save_kwargs)
 
-    def _refuse_with_the_savers(
-        self, ckpt: Any, step: Any, err: ValueError, force: bool, metadata: Mapping[str, Any] | None
-    ) -> None:
-        """``step``, refused on this rank where :meth:`decide` exchanges nothing: when the other ranks save at this
-        call (``force``, or the step due by the integer it spells, such as ``2.0``), take part in their save's first
-        exchange as a rank that failed, so that every rank raises in this call (else they stayed a call apart). A
-        step that spells no integer (``3.5``, ``-1``) cannot say whether they save: raised here alone."""
-        refuse = getattr(ckpt, "_refuse_save", None)
-        if refuse is None or self.local is not None or self._decides_together(ckpt):
-            return  # (decide raised in its exchange already; a local tier's saves come first: not matched)
-        try:
-            value = float(step)
-        except (TypeError, ValueError, OverflowError):
-            value = math.nan
-        guess = int(value) if value.is_integer() and value >= 0 else None
-        if force or (guess is not None and self.schedule.due_by_steps(guess, self._last_step)):
-            self._prepare(ckpt, None, metadata, {})  # the exchanges the savers make before their save's first
-            refuse(err)
-
-    def _decides_together(self, ckpt: Any) -> bool:
-        """Whether :meth:`decide` exchanges (preemption signals or ``every_seconds``, a checkpoint with a group)."""
-        return (self._watcher is not None or self.schedule.every_seconds is not None) and hasattr(
-            ckpt, "_control_group"
-        )
-
     def decide(self, ckpt: Any, step: int) -> SaveDecision:
         """Whether ``step`` is due or a rank was preempted, the same on every rank (collective; see :meth:`maybe_save`)."""
-        from torchrl_dcp import _dist
-        from torchrl_dcp.collective import raise_failure
-
-        exchanged = self._decides_together(ckpt)
-        refused: ValueError | None = None
-        try:
-            step = _check_step(step)
-        except ValueError as err:
-            if not exchanged:  # (no exchange here: maybe_save meets the savers at their save's, if it can tell)
-                raise
-            refused, step = err, 0
-        signalled = self._watcher.signalled if self._watcher is not None and not self.preempted else None
-        due = self.schedule.due_by_steps(step, self._last_step)
-        by_time = self.schedule.due_by_time(time.monotonic(), self._last_time)
-        if exchanged:
-            group = ckpt._control_group()
-            by_time = by_time and _dist.group_rank(group) == 0  # rank 0's clock decides
-            phase = "agreeing whether to save"
-            (failed, preempted, by_time), same = _dist.agree(
-                [refused is not None, signalled is not None, by_time], step, group, phase, monitored=False
-            )
-            if failed:  # a step refused on some rank: that rank raises its own error, as one process does; the others
-                try:  # name it
-                    raise_failure(group, phase, refused)
-                except BaseException:
-                    if refused is None:
-                        raise
-                raise refused  # type: ignore[misc]
-            if not same:  # (the steps decide a save: ranks of other steps would take other decisions)
-                steps = _dist.all_gather(step, group, phase, monitored=False, kind="steps")
-                rank = next(r for r, s in enumerate(steps) if s != steps[0])
-                raise CheckpointError(
-                    f"maybe_save: rank {rank} passed step {steps[rank]}, rank 0 step {steps[0]}: every rank must pass "
-                    "the same step (a count every rank shares: the iteration, or frames summed over the ranks); "
-                    "nothing was saved"
-                )
-        else:
-            preempted = signalled is not None
-        return SaveDecision(step, due or by_time, preempted, signalled)
+        return save_decision.decide(self, ckpt, step)
 
     def save_decided(
         self,
@@ -474,7 +401,7 @@ class CheckpointRotation:
     def _save_local(self, ckpt: Any, step: int, metadata: Mapping[str, Any] | None) -> Path:
         from torchrl_dcp.local_tier import tier_identity
 
-        _check_step(step)
+        check_step(step)
         return self.local.save(ckpt, step, metadata_values(metadata), tier_identity(ckpt, self.directory))
 
     def wait(self) -> Path | None:
@@ -695,17 +622,3 @@ def _trainer_rotation(ckpt: Any) -> CheckpointRotation | None:
     return (
         rotation if isinstance(rotation, CheckpointRotation) and getattr(trainer, "checkpoint", None) is ckpt else None
     )
-
-
-def _check_step(step: Any) -> int:
-    """``step`` as an ``int`` (a NumPy integer or 0-d integer tensor converted, as ``save`` does); negative and
-    non-integer steps are refused."""
-    from torchrl_dcp.arguments import check_step  # (imports torch: the rotation's listing tools must not)
-
-    try:
-        value = check_step(step)
-    except TypeError:
-        value = None
-    if value is None or value < 0:
-        raise ValueError(f"step must be a non-negative integer, got {step!r}")
-    return value

@@ -61,6 +61,14 @@ def crc_of(checksum: str) -> int | None:
     return None if m is None else int(m.group(1), 16)
 
 
+def crc_value(checksum: str) -> int:
+    """:func:`crc_of` for a shard record a writer made (every target records a CRC-32): anything else is an error."""
+    crc = crc_of(checksum)
+    if crc is None:
+        raise ValueError(f"a shard's checksum is {checksum!r}, not a CRC-32 (crc32:<8 hex digits>)")
+    return crc
+
+
 def _row(root: Mapping[str, Any], rank: int) -> RankRow | None:
     table = root.get("rank_table")
     if table is None or not 0 <= rank < root["world_size"]:
@@ -84,6 +92,12 @@ def shard_version(root: Mapping[str, Any]) -> int | None:
     """The version of the root's shards (``None``: it has none)."""
     table = root.get("rank_table")
     return None if table is None else table["shard_version"]
+
+
+def counted_own_files(root: Mapping[str, Any]) -> list[tuple[int, int]] | None:
+    """Per saved rank, the count and bytes of the files its shard lists (one decode of the whole table: rank 0's
+    listing check); ``None`` where the shards list none (version 5: the root lists every file) or there are none."""
+    return [(r.own_files, r.own_bytes) for r in rows(root)] if shard_version(root) == 7 else None
 
 
 def rows(root: Mapping[str, Any]) -> list[RankRow]:

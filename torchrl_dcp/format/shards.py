@@ -295,7 +295,7 @@ def record_shards(root: dict[str, Any], records: Mapping[int, Mapping[str, Any]]
         return
     rows = rank_table.rows(root)
     for r, rec in records.items():
-        rows[r] = rows[r]._replace(shard_size=rec["size"], shard_crc=rank_table.crc_of(rec["checksum"]) or 0)
+        rows[r] = rows[r]._replace(shard_size=rec["size"], shard_crc=rank_table.crc_value(rec["checksum"]))
     root["rank_table"] = rank_table.rank_table(rows, rank_table.shard_version(root) or SHARD_VERSION)
 
 
@@ -305,9 +305,10 @@ def _pack_rank_table(m: dict[str, Any]) -> None:
     counted = m.pop("rank_files", None)
     rows = []
     for r in range(m["world_size"]):
-        rec = m["files"].pop(shard_name(r), None) or {}
+        rec = m["files"].pop(shard_name(r), None)  # (a shard not read: recorded by the caller, record_shards)
+        size, crc = (rec["size"], rank_table.crc_value(rec["checksum"])) if rec else (0, 0)
         own = counted[r] if counted else (0, 0)
-        rows.append(rank_table.RankRow(rec.get("size", 0), rank_table.crc_of(rec.get("checksum", "")) or 0, *own))
+        rows.append(rank_table.RankRow(size, crc, *own))
     m["rank_table"] = rank_table.rank_table(rows, SHARD_VERSION if counted is not None else FILELESS_SHARD_VERSION)
 
 

@@ -248,10 +248,10 @@ def check_listing(
     """
     from torchrl_dcp.errors import CheckpointIntegrityError
     from torchrl_dcp.format.layout import MANIFEST, own_file_rank, shard_name
-    from torchrl_dcp.format.rank_table import rows, shard_version
+    from torchrl_dcp.format.rank_table import counted_own_files
 
     root, listed, read = parts.root(), parts.listed(), parts.shards_read()
-    counted = [[r.own_files, r.own_bytes] for r in rows(root)] if shard_version(root) == 7 else None
+    counted = counted_own_files(root)
     found: dict[int, list[int]] = {}
     names: dict[int, list[str]] = {}
     sizes: dict[str, int] = {}
@@ -270,7 +270,7 @@ def check_listing(
         names.setdefault(r, []).append(name)
         sizes[name] = size
     for r, expected in enumerate(counted or ()):
-        if r not in read and found.get(r, [0, 0]) != expected:
+        if r not in read and tuple(found.get(r, (0, 0))) != expected:
             _name_the_difference(parts, r, sizes, names.get(r, []), where, what)
             n, b = found.get(r, [0, 0])
             here = sorted(names.get(r, []))
