@@ -582,6 +582,40 @@ def test_nothing_is_written_into_or_over_a_checkpoint_by_a_conversion_or_a_save(
     tdcp.verify(archive)
 
 
+def test_a_path_stepping_up_through_a_checkpoint_makes_nothing_inside_it(tmp_path: Path) -> None:
+    """``<ckpt>/x/../../out``: the checks saw the path the file system takes (beside ``<ckpt>``), but the save or
+    conversion made its parents as written, ``<ckpt>/x`` first, and the committed checkpoint no longer verified
+    ("file not listed in the manifest"). Each now writes where the path leads, and makes nothing on the way."""
+    path, _ = make(tmp_path)
+    archive = tdcp.to_archive(path, tmp_path / "a.zip")
+    listing = sorted(p.name for p in path.iterdir())
+    ckpt = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(2, 2))
+    up = path / "{}" / ".." / ".."
+    writes = {
+        "save": lambda: ckpt.save(str(up).format("s") + "/saved"),
+        "archive": lambda: tdcp.to_archive(path, str(up).format("a") + "/out.zip"),
+        "unpack": lambda: tdcp.to_directory(archive, str(up).format("u") + "/unpacked"),
+        "export": lambda: tdcp.export_torchrl(path, str(up).format("e") + "/p.torchrl", ["policy"]),
+        "rotation": lambda: tdcp.CheckpointRotation(str(up).format("r") + "/runs").save(ckpt, step=1),
+        "file URL": lambda: ckpt.save("file://" + str(up).format("f") + "/by-url"),
+    }
+    for what, write in writes.items():
+        write()
+        assert sorted(p.name for p in path.iterdir()) == listing, what
+    rotation = tdcp.CheckpointRotation(
+        tmp_path / "shared", every_steps=100, local=tdcp.LocalTier(str(up).format("t") + "/tier", every_steps=1)
+    )
+    rotation.maybe_save(ckpt, 1)
+    assert sorted(p.name for p in path.iterdir()) == listing
+    assert {"saved", "out.zip", "unpacked", "p.torchrl", "runs", "by-url", "tier"} <= {
+        p.name for p in tmp_path.iterdir()
+    }
+    tdcp.verify(path)
+    with pytest.raises(tdcp.CheckpointError, match="inside the checkpoint"):  # a path that ends inside is refused
+        ckpt.save(path / "x" / ".." / "y")
+    assert sorted(p.name for p in path.iterdir()) == listing
+
+
 def test_a_link_to_an_archive_loads_as_the_archive(tmp_path: Path) -> None:
     """Users point at checkpoints with links (``latest.zip -> step-5.zip``), archives as directories."""
     src = tdcp.DistributedCheckpoint(w={"x": torch.arange(3.0)}).save(tmp_path / "c", step=5)

@@ -81,6 +81,7 @@ from torchrl_dcp.storage.directory import (
     is_replaceable,
     refuse_inside_checkpoint,
 )
+from torchrl_dcp.storage.urls import local_path
 
 logger = get_logger(__name__)
 
@@ -157,7 +158,7 @@ class LocalTier:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"LocalTier {name} must be an integer of at least {least}, got {value!r}")
-        self.path = Path(path).absolute()
+        self.path = local_path(path)
         if str(self.path).startswith(("s3:", "gs:", "az:")) or "://" in os.fspath(path):
             raise ValueError(f"LocalTier needs a directory on the node's own storage, got {os.fspath(path)!r}")
         self.every_steps, self.keep_last, self.replicas = every_steps, keep_last, replicas

@@ -223,7 +223,25 @@ def resolve_path(path: str | os.PathLike | StorePath, storage_options: Mapping[s
         raise CheckpointError(
             "a file: URL takes two slashes before its host: file:///absolute/path (or a plain path)", path=path
         )
-    return Path(path).expanduser().absolute()
+    return local_path(Path(path).expanduser())
+
+
+def local_path(path: str | os.PathLike) -> Path:
+    """``path`` made absolute, its ``..`` steps taken as the file system takes them: ``ckpt/x/../..`` is the directory
+    holding ``ckpt``, a link before a ``..`` followed first. What the library then creates (parents, a lock, staging)
+    is on the path the checks saw: ``Path.mkdir(parents=True)`` of ``ckpt/x/..`` would first make ``ckpt/x``, an
+    entry inside a committed checkpoint that it no longer loads with.
+
+    Example:
+        >>> str(local_path("/tmp/run/x/../../step-1"))
+        '/tmp/step-1'
+    """
+    path = Path(path).absolute()
+    parts = path.parts
+    if ".." not in parts:
+        return path
+    last = len(parts) - 1 - parts[::-1].index("..")
+    return Path(os.path.realpath(Path(*parts[: last + 1]))).joinpath(*parts[last + 1 :])
 
 
 def _file_url_path(url: str) -> Path:
@@ -247,7 +265,7 @@ def _file_url_path(url: str) -> Path:
         raise CheckpointError(
             "a file:// URL decodes to a path holding a NUL byte (%00): no file has that name", path=url
         )
-    return Path(slash + tail).absolute()
+    return local_path(slash + tail)
 
 
 def copy_object(fs: Any, src: str, dst: str, *, if_match: str | None = None) -> str | None:
