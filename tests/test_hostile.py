@@ -759,18 +759,28 @@ def test_archive_member_escaping_is_refused(tmp_path: Path, name: str) -> None:
     assert not (tmp_path / "evil.distcp").exists() and not Path("/abs/evil.distcp").exists()
 
 
-def test_archive_symlink_member_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", [0o120777, 0o040755, 0o010644], ids=["symlink", "directory", "fifo"])
+@pytest.mark.parametrize("payload", ["genuine bytes", "a link target"])
+def test_archive_member_of_another_file_type_is_refused(tmp_path: Path, mode: int, payload: str) -> None:
+    """A member recorded as a link (or a directory, a FIFO): ``unzip`` makes one. Marked so over the member's
+    genuine bytes, every checksum still held and the archive verified and loaded (the mode was never read)."""
     src = archive(tmp_path)
     bad = tmp_path / "bad.zip"
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(bad, "w", zipfile.ZIP_STORED) as zout:
         for info in zin.infolist():
+            data = zin.read(info.filename)
             if info.filename == DATA:
                 link = zipfile.ZipInfo(DATA)
-                link.external_attr = (0o120777 << 16) | 0x20  # a symlink entry
-                zout.writestr(link, "/etc/passwd")
+                link.create_system = 3  # (Unix: the high 16 bits of the external attributes are its mode)
+                link.external_attr = (mode << 16) | 0x20
+                zout.writestr(link, data if payload == "genuine bytes" else b"/etc/passwd")
             else:
-                zout.writestr(info.filename, zin.read(info.filename))
-    refuse_unchanged(bad)
+                zout.writestr(info.filename, data)
+    err = refuse_unchanged(bad)
+    if payload == "genuine bytes":
+        assert "not a regular file" in str(err) and f"bad.zip::{DATA}" in str(err), str(err)
+    with pytest.raises(tdcp.CheckpointError):
+        verify(bad)
     with pytest.raises(tdcp.CheckpointError):
         tdcp.to_directory(bad, tmp_path / "out")
     assert not (tmp_path / "out" / DATA).is_symlink()

@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import stat
 import struct
 from collections.abc import Callable, Iterator
 
@@ -53,6 +54,9 @@ def local_header(
     return head + name + extra
 
 
+_MADE_ON_UNIX = 3  # "version made by", high byte: the external attributes' high 16 bits are a Unix mode
+
+
 def central_entry(name: bytes, crc: int, size: int, offset: int, *, mode: int | None = None) -> bytes:
     """The central directory entry of a member; ``mode`` (e.g. ``0o644``) records Unix permissions."""
     fields = []
@@ -62,8 +66,8 @@ def central_entry(name: bytes, crc: int, size: int, offset: int, *, mode: int | 
         fields.append(offset)
     extra = struct.pack("<HH", 1, 8 * len(fields)) + struct.pack(f"<{len(fields)}Q", *fields) if fields else b""
     version = 45 if fields else 20
-    made_by = version if mode is None else (3 << 8) | version
-    attr = 0 if mode is None else (0o100000 | mode) << 16
+    made_by = version if mode is None else (_MADE_ON_UNIX << 8) | version
+    attr = 0 if mode is None else (stat.S_IFREG | mode) << 16
     sz = U32 if size >= ZIP64_LIMIT else size
     off = U32 if offset >= ZIP64_LIMIT else offset
     return (
@@ -140,14 +144,16 @@ def central_directory_span(read: Callable[[int, int], bytes], size: int) -> tupl
     return cd_offset, cd_size, entries
 
 
-def central_entries(directory: bytes | memoryview) -> Iterator[tuple[str, int, int, int, int, int, int, int]]:
+def central_entries(directory: bytes | memoryview) -> Iterator[tuple[str, int, int, int, int, int, int, int, int]]:
     """Every entry of a central directory as ``(name, flags, method, crc, compressed_size, size, header_offset,
-    disk)`` (``disk``: the disk its local header starts on, 0 in a one-disk archive), ZIP64 sizes and offsets
-    resolved; one tuple at a time, no per-entry objects kept (a million entries cost what the caller keeps of them).
+    disk, unix_type)`` (``disk``: the disk its local header starts on, 0 in a one-disk archive; ``unix_type``: the
+    file type bits of its Unix mode, ``stat.S_IFMT``, when an entry made on Unix records one, else 0), ZIP64 sizes and
+    offsets resolved; one tuple at a time, no per-entry objects kept (a million entries cost what the caller keeps
+    of them).
 
     Example:
         >>> list(central_entries(central_entry(b"a.txt", 7, 5, 0)))
-        [('a.txt', 0, 0, 7, 5, 5, 0, 0)]
+        [('a.txt', 0, 0, 7, 5, 5, 0, 0, 0)]
     """
     view = memoryview(directory)
     at, total = 0, len(view)
@@ -155,7 +161,9 @@ def central_entries(directory: bytes | memoryview) -> Iterator[tuple[str, int, i
         if at + _CENTRAL.size > total:
             raise ZipError("central directory entry truncated")
         fields = _CENTRAL.unpack_from(view, at)
-        sig, _, _, flags, method, _, _, crc, csize, usize, n_name, n_extra, n_comment, disk, _, _, offset = fields
+        sig, made_by, _, flags, method, _, _, crc, csize, usize, n_name, n_extra, n_comment, disk, _, attrs, offset = (
+            fields
+        )
         if sig != 0x02014B50:
             raise ZipError(f"no central directory entry at byte {at}")
         stop = at + _CENTRAL.size + n_name + n_extra + n_comment
@@ -167,7 +175,8 @@ def central_entries(directory: bytes | memoryview) -> Iterator[tuple[str, int, i
             usize, csize, offset = _zip64_fields(
                 view[at + _CENTRAL.size + n_name : stop - n_comment], usize, csize, offset
             )
-        yield name, flags, method, crc, csize, usize, offset, disk
+        unix_type = stat.S_IFMT(attrs >> 16) if made_by >> 8 == _MADE_ON_UNIX else 0
+        yield name, flags, method, crc, csize, usize, offset, disk, unix_type
         at = stop
 
 

@@ -138,15 +138,24 @@ def _read_index(path: Path, f: Any) -> dict[str, Member]:
     return members
 
 
+_UNIX_TYPES = {stat.S_IFLNK: "symbolic link", stat.S_IFDIR: "directory", stat.S_IFIFO: "FIFO"}
+
+
 def _member(
-    fd: int, path: Path, entry: tuple[str, int, int, int, int, int, int, int], cd_offset: int
+    fd: int, path: Path, entry: tuple[str, int, int, int, int, int, int, int, int], cd_offset: int
 ) -> tuple[Member, CheckpointFormatError | None]:
-    """One central directory entry checked (name, STORED, unencrypted, in bounds, on the one disk) against its local
+    """One central directory entry checked (name, a regular file, STORED, unencrypted, in bounds, on the one disk) against its local
     header (signature, method, name); with the refusal of a local header whose flags, CRC-32 or sizes contradict
     the entry (:func:`_local_contradiction`), raised once the archive's layout is checked."""
-    name, flags, method, crc, csize, file_size, header_offset, disk = entry
+    name, flags, method, crc, csize, file_size, header_offset, disk, unix_type = entry
     where = f"{path}::{name}"
     _check_name(name, where)
+    if unix_type not in (0, stat.S_IFREG):  # a link's target, a directory, a device: an unzip would make one
+        raise CheckpointFormatError(
+            f"member is recorded as a {_UNIX_TYPES.get(unix_type, 'special file')}, not a regular file "
+            f"(Unix mode {oct(unix_type)}): torchrl_dcp archives hold regular files only; the archive was altered",
+            path=where,
+        )
     if disk != 0:
         raise CheckpointFormatError(
             f"central directory puts the member's local header on disk {disk}: a split (multi-disk) archive; "
