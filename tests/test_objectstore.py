@@ -879,3 +879,17 @@ def test_a_bucket_or_a_missing_bucket_is_refused_saying_so(s3: Any) -> None:
     with pytest.raises(tdcp.CheckpointError, match="its bucket does not exist") as err:
         ckpt.save(f"s3://{s3.bucket}-missing/run/c")
     assert not isinstance(err.value, tdcp.CheckpointIntegrityError)
+
+
+def test_a_key_the_store_does_not_take_is_not_called_a_missing_bucket(s3: Any) -> None:
+    """A key holding a newline answers 'not found' on the S3 server the tests run: the refusal said the bucket did
+    not exist ("create it"), of a bucket that had just taken a save. It now says the bucket exists and what to
+    change; a save beside it works."""
+    ckpt = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(4, 2), storage_options=s3.storage_options)
+    ckpt.save(f"s3://{s3.bucket}/run/ok")
+    try:
+        ckpt.save(f"s3://{s3.bucket}/run\nx/step-1")
+    except tdcp.CheckpointError as err:
+        assert "bucket does not exist" not in str(err), str(err)
+        assert "plainer key" in str(err) or "not found" not in str(err), str(err)
+    assert ckpt.load(f"s3://{s3.bucket}/run/ok").loaded == {"policy"}

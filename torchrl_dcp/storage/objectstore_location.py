@@ -90,7 +90,14 @@ class ObjectStoreLocation(Location):
             )
         try:
             objectstore_save.begin(self.path, save_id)
-        except FileNotFoundError:
+        except FileNotFoundError as err:
+            if _bucket_exists(self.path):  # (a key the store does not take, e.g. one holding a newline)
+                raise CheckpointError(
+                    f"preparing the destination prefix: the store answered 'not found' for a key under it ({err}), "
+                    "although its bucket exists: the key may hold characters this store or its client does not "
+                    "take (a newline, a control character); choose a plainer key",
+                    path=self.path,
+                ) from None
             raise CheckpointError(
                 "preparing the destination prefix: its bucket does not exist (or is not visible with these "
                 "credentials); create it, or check the URL and storage_options",
@@ -191,3 +198,11 @@ class ObjectStoreLocation(Location):
         from torchrl_dcp.storage.objectstore_tools import upload_result
 
         upload_result(local, self.path, kind)
+
+
+def _bucket_exists(path: StorePath) -> bool:
+    """Whether the bucket of ``path`` answers (``False`` when it does not, or when asking fails)."""
+    try:
+        return bool(path.fs.exists(path.key.strip("/").split("/")[0]))
+    except Exception:  # noqa: BLE001 - no answer: the message that names the bucket stands
+        return False
