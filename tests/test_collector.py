@@ -413,6 +413,44 @@ def _reward_vecnorm_env(seed: int) -> TransformedEnv:
     return env
 
 
+def _serial_vecnorm_collector(in_keys: list[str]) -> Collector:
+    from torchrl.envs import InitTracker, SerialEnv, VecNorm
+
+    env = SerialEnv(2, lambda: TransformedEnv(PendulumEnv(), Compose(StepCounter(max_steps=5), RewardSum())))
+    env = TransformedEnv(env, Compose(InitTracker(), VecNorm(in_keys=in_keys, decay=0.9)))
+    env.set_seed(1)
+    return Collector(env, None, frames_per_batch=6, total_frames=-1)
+
+
+@pytest.mark.parametrize("live_keys", [["reward"], ["observation", "reward"]])
+def test_vecnorm_statistics_of_other_keys_are_refused_and_the_collector_is_unchanged(
+    tmp_path: Path, live_keys: list[str]
+) -> None:
+    """A collector whose ``VecNorm`` normalizes other keys than the saved one's (``["thdot"]``, then
+    ``["reward"]``): the load took the saved statistics as they were, said nothing, and the next batch failed inside
+    torchrl ("Cannot modify locked TensorDict"). Refused while restoring, rolled back: the collector collects on."""
+    warnings.simplefilter("ignore")
+    saved = _serial_vecnorm_collector(["thdot"])
+    it = iter(saved)
+    next(it), next(it)
+    path = tdcp.DistributedCheckpoint(collector=saved, no_dist=True).save(tmp_path / "c")
+    saved.shutdown()
+    live = _serial_vecnorm_collector(live_keys)
+    it = iter(live)
+    next(it)
+    stats = live.env.transform[1]._td.clone()
+    with pytest.raises(tdcp.IncompatibleComponentError, match=r"VecNorm normalizing .* statistics of \['thdot'\]"):
+        tdcp.DistributedCheckpoint(collector=live, no_dist=True).load(path)
+    after = live.env.transform[1]._td
+    assert set(after.keys()) == set(stats.keys()) and all(torch.equal(after[k], stats[k]) for k in stats.keys())
+    next(it)  # collects on
+    live.shutdown()
+    same = _serial_vecnorm_collector(["thdot"])  # the saved keys: loaded
+    tdcp.DistributedCheckpoint(collector=same, no_dist=True).load(path)
+    next(iter(same))
+    same.shutdown()
+
+
 @pytest.mark.parametrize("with_policy", [True, False])
 def test_vecnorm_statistics_built_at_the_first_step_are_restored_into_a_fresh_collector(
     tmp_path: Path, with_policy: bool

@@ -324,6 +324,8 @@ def _whole_setter(transform: Any) -> Any:
         from tensordict import TensorDict
 
         live = transform._td
+        if state is not None:
+            _check_statistics_keys(transform, state)
         if state is not None and live is not None:
             saved = TensorDict(state).unflatten_keys(transform.SEP)
             keys = set(saved.keys(True, True))
@@ -336,3 +338,23 @@ def _whole_setter(transform: Any) -> Any:
         own(transform, state)
 
     return set_extra_state
+
+
+_STATISTICS = ("_sum", "_ssq", "_count")
+
+
+def _check_statistics_keys(transform: Any, state: Mapping[str, Any]) -> None:
+    """Refuse statistics a ``VecNorm`` does not keep: each of its ``in_keys`` has a sum, a sum of squares and a
+    count (``<key>_sum``, ...). A load into a ``VecNorm`` of other ``in_keys`` took the saved ones as they were,
+    and the next step failed inside torchrl ("Cannot modify locked TensorDict")."""
+    allowed = set()
+    for key in transform.in_keys:
+        path = key if isinstance(key, tuple) else (key,)
+        allowed.update(transform.SEP.join((*path[:-1], path[-1] + suffix)) for suffix in _STATISTICS)
+    foreign = sorted(k for k in state if k not in allowed)
+    if foreign:
+        kept = sorted({k.rsplit("_", 1)[0] for k in state if isinstance(k, str)})
+        raise IncompatibleComponentError(
+            f"a VecNorm normalizing {list(transform.in_keys)} is given statistics of {kept} ({foreign[:4]}): the "
+            "checkpoint's env normalized other keys; build the env (its VecNorm's in_keys) as it was saved"
+        )
