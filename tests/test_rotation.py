@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,33 @@ def test_resume_starts_fresh_then_resumes_and_skips_a_damaged_latest(
     wrong = tdcp.DistributedCheckpoint(model=torch.nn.Linear(3, 3), counters={})
     with pytest.raises(tdcp.IncompatibleComponentError):
         tdcp.resume(wrong, tmp_path)
+
+
+@pytest.mark.parametrize("users", ["eval_results.json", ".DS_Store", "plots/"])
+def test_a_users_file_in_the_newest_entry_stops_a_resume_saying_what_to_move(tmp_path: Path, users: str) -> None:
+    """A user's evaluation results put into the newest entry: the load refuses it (its manifest does not list
+    them), and resume passed over it for the older entry with a "damaged" warning; the job then trained to that step
+    again and died at its save, which never replaces an entry holding a user's file, at every requeue. The resume
+    now stops there naming the file; moved out, the newest entry resumes. A damaged entry is still passed over."""
+    rotation = tdcp.CheckpointRotation(tmp_path, keep_last=3)
+    for step in (1, 2, 3):
+        rotation.save(ckpt_for(step)[0], step=step)
+    newest = tmp_path / "step-000000000003"
+    mine = newest / users.rstrip("/")
+    mine.mkdir() if users.endswith("/") else mine.write_text("{}")
+    ckpt, model = ckpt_for(0)
+    before = model.weight.clone()
+    with pytest.raises(
+        tdcp.CheckpointError,
+        match=rf"step-000000000003: holds '{re.escape(users.rstrip('/'))}', a file no save writes.*move it out",
+    ):
+        rotation.resume(ckpt)
+    assert torch.equal(model.weight, before) and mine.exists()
+    mine.rename(tmp_path / "moved")
+    assert rotation.resume(ckpt).step == 3 and torch.equal(model.weight, ckpt_for(3)[1].weight)
+    (newest / "__0_9.distcp").write_bytes(b"planted")  # named like a save's file: damage, passed over
+    with pytest.warns(tdcp.TorchrlDcpWarning, match="damaged"):
+        assert rotation.resume(ckpt).step == 2
 
 
 @pytest.mark.parametrize("damage", ["truncated", "emptied"])

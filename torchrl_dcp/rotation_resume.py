@@ -157,7 +157,18 @@ def _resume_shared(
                 err, CheckpointVersionError
             )
             own = None if isinstance(err, CollectiveError) else damaged
-            votes = _dist.all_gather(own, group)
+            users = _users_file(err)
+            votes = _dist.all_gather("users" if users else own, group)
+            if users:
+                raise CheckpointError(
+                    f"holds {users!r}, a file no save writes, so it does not load as a checkpoint (loads and verify "
+                    "refuse what its manifest does not list). Resuming an older entry would fail when the job saves "
+                    "this step again (a save never replaces an entry holding your files): move it out of the entry "
+                    "(keep your files beside the step directories) and resume again",
+                    path=path,
+                ) from None
+            if "users" in votes:
+                raise  # (the rank that found it says which file)
             if not fallback or any(v is False for v in votes) or not any(votes):
                 raise
             skipped.append(f"{path.name} ({err})")
@@ -223,3 +234,12 @@ def settle_pending(ckpt: Any) -> None:
     settle = getattr(ckpt, "_settle_async", None) or getattr(ckpt, "wait", None)  # (a checkpoint of another kind)
     if callable(settle):
         settle()
+
+
+def _users_file(err: CheckpointError) -> str | None:
+    """The name of the file that made a load refuse an entry when no save writes files of that name (a user's
+    evaluation results put into a step directory): a resume stops there instead of passing over it."""
+    from torchrl_dcp.storage.commit import is_ours
+
+    name = getattr(err, "unlisted", None)
+    return name if isinstance(name, str) and "/" not in name and not is_ours(name) else None

@@ -260,9 +260,11 @@ def check_listing(
             continue
         r = own_file_rank(name)
         if counted is None or r is None or r >= len(counted) or r in read:
-            raise CheckpointIntegrityError(
+            err = CheckpointIntegrityError(
                 f"{what} not listed in the manifest: the checkpoint was altered", path=where(name)
             )
+            err.unlisted = name  # (a resume tells a user's file put into an entry from damage: rotation_resume)
+            raise err
         if size is None:
             raise CheckpointIntegrityError(f"is not a regular {what}: the checkpoint was altered", path=where(name))
         seen = found.setdefault(r, [0, 0])
