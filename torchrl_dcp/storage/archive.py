@@ -144,9 +144,9 @@ _UNIX_TYPES = {stat.S_IFLNK: "symbolic link", stat.S_IFDIR: "directory", stat.S_
 def _member(
     fd: int, path: Path, entry: tuple[str, int, int, int, int, int, int, int, int], cd_offset: int
 ) -> tuple[Member, CheckpointFormatError | None]:
-    """One central directory entry checked (name, a regular file, STORED, unencrypted, in bounds, on the one disk) against its local
-    header (signature, method, name); with the refusal of a local header whose flags, CRC-32 or sizes contradict
-    the entry (:func:`_local_contradiction`), raised once the archive's layout is checked."""
+    """One central directory entry checked (name, a regular file, STORED, unencrypted, in bounds, on the one disk)
+    against its local header (signature, method, name); with the refusal of a local header whose flags, CRC-32 or
+    sizes contradict the entry (:func:`_local_contradiction`), raised once the archive's layout is checked."""
     name, flags, method, crc, csize, file_size, header_offset, disk, unix_type = entry
     where = f"{path}::{name}"
     _check_name(name, where)
