@@ -257,3 +257,28 @@ def first_call_late(path: str) -> dict[str, Any]:
     except Exception as err:  # noqa: BLE001 - what the user sees, whatever it is
         return {"error": type(err).__name__, "message": str(err)}
     return {"error": None}
+
+
+def resume_past_a_users_file(path: str, seed: int) -> dict[str, Any]:
+    """Two entries, a user's file put into the newest one (by rank 0): every rank's resume stops there, naming it;
+    moved out, every rank resumes the newest."""
+    objs = _objects(seed)
+    ckpt = _checkpoint(objs)
+    rotation = tdcp.CheckpointRotation(path, keep_last=3)
+    for step in (1, 2):
+        rotation.save(ckpt, step=step)
+    newest = rotation.latest()
+    if dist.get_rank() == 0:
+        (newest / "eval_results.json").write_text("{}")
+    dist.barrier()
+    out: dict[str, Any] = {}
+    try:
+        rotation.resume(ckpt)
+    except tdcp.CheckpointError as err:
+        out["error"], out["message"] = type(err).__name__, str(err)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (newest / "eval_results.json").rename(newest.parent / "eval_results.json")
+    dist.barrier()
+    out["step"] = rotation.resume(ckpt).step
+    return out

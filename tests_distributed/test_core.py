@@ -95,6 +95,16 @@ def test_failure_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
     assert not (tmp_path / "ckpt").exists()
 
 
+def test_a_users_file_in_the_newest_entry_stops_every_ranks_resume_naming_it(tmp_path: Path) -> None:
+    """Rank 0 finds the file (it checks the listing); the others heard only "rank 0 failed while validating". Every
+    rank now raises the same error, naming the file and what to do; moved out, every rank resumes the newest."""
+    for result in launch(f"{S}:resume_past_a_users_file", 2, str(tmp_path / "run"), 1):
+        assert result.value["error"] == "CheckpointError", result.value
+        assert "step-000000000002: holds 'eval_results.json', a file no save writes" in result.value["message"]
+        assert "move it out of the entry" in result.value["message"]
+        assert result.value["step"] == 2
+
+
 def test_a_rank_late_for_the_first_checkpoint_call_is_a_collective_error_everywhere(tmp_path: Path) -> None:
     """The first checkpoint call of a process creates the checkpoint group: a rank late past the timeout there
     gave raw ``DistStoreError``/``DistNetworkError`` (not a ``CheckpointError``) on every rank."""

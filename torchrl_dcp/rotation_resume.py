@@ -157,8 +157,8 @@ def _resume_shared(
                 err, CheckpointVersionError
             )
             own = None if isinstance(err, CollectiveError) else damaged
-            users = _users_file(err)
-            votes = _dist.all_gather("users" if users else own, group)
+            votes = _dist.all_gather(_users_file(err) or own, group)
+            users = next((v for v in votes if isinstance(v, str)), None)  # (every rank says it, not only the finder)
             if users:
                 raise CheckpointError(
                     f"holds {users!r}, a file no save writes, so it does not load as a checkpoint (loads and verify "
@@ -167,8 +167,6 @@ def _resume_shared(
                     "(keep your files beside the step directories) and resume again",
                     path=path,
                 ) from None
-            if "users" in votes:
-                raise  # (the rank that found it says which file)
             if not fallback or any(v is False for v in votes) or not any(votes):
                 raise
             skipped.append(f"{path.name} ({err})")
