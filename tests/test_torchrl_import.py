@@ -327,6 +327,36 @@ def test_a_schema_naming_an_absent_tensor_or_an_unknown_kind_is_refused(tmp_path
         tdcp.DistributedCheckpoint(policy=_module()).load(path)
 
 
+class _Values:
+    def state_dict(self) -> dict:
+        return {"a": 1}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    "node",
+    [
+        {"kind": "torch_device", "value": "nodev:7"},
+        {"kind": "numpy_scalar", "dtype": "<i1", "value": 100000},
+        {"kind": "numpy_scalar", "dtype": "<f8", "value": 10**400},
+        {"kind": "dict", "items": [], "metadata": {"kind": "value", "value": 1}},
+    ],
+    ids=["device", "int8 overflow", "float overflow", "dict metadata"],
+)
+def test_a_schema_value_its_constructor_refuses_is_a_format_error_naming_the_schema(tmp_path: Path, node: dict) -> None:
+    """Values torch or numpy refuse to build (a device "nodev:7", an int8 of 100000, an int past a float, metadata
+    on a plain dict) raised their own RuntimeError, OverflowError or AttributeError from ``verify``, and a load's
+    error named no file."""
+    path = Checkpoint(s=_Values()).save(tmp_path / "c")
+    member = next((path / "components").glob("*/state.json")).relative_to(path).as_posix()
+    _forge_json(path, member, lambda s: {**s, "items": [[s["items"][0][0], node]]})
+    for call in (lambda: tdcp.verify(path), lambda: tdcp.DistributedCheckpoint(s=_Values()).load(path)):
+        with pytest.raises(tdcp.CheckpointFormatError, match=r"state\.json.*schema node is malformed"):
+            call()
+
+
 @pytest.mark.parametrize("bad", ["../outside", "/etc/passwd", "components/../../x"])
 def test_a_member_path_out_of_the_checkpoint_is_refused(tmp_path: Path, bad: str) -> None:
     path = _policy_ckpt(tmp_path)

@@ -47,7 +47,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError
+from torchrl_dcp.errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointIntegrityError,
+    CheckpointNotFoundError,
+)
 from torchrl_dcp.format.manifest import check_parse_cost
 from torchrl_dcp.format.manifest_depth import check_depth
 from torchrl_dcp.torchrl_format.detect import FORMAT_NAME, JSON_LIMIT, MANIFEST, is_torchrl_checkpoint
@@ -444,9 +449,10 @@ def decode_schema(node: Any, tensors: Mapping[str, torch.Tensor], used: set[str]
         raise CheckpointFormatError(f"unknown schema kind {kind!r}", path=where)
     try:
         return decoder(node, tensors, used, where, device)
-    except (KeyError, TypeError, ValueError, IndexError) as err:
-        if isinstance(err, CheckpointFormatError):
-            raise
+    except CheckpointError:
+        raise
+    except Exception as err:  # noqa: BLE001 - what torch or numpy make of a forged value (a device "nodev:7", an
+        # int8 of 100000, an int past a float): the node is malformed, whichever constructor says so
         raise CheckpointFormatError(
             f"a {kind!r} schema node is malformed ({type(err).__name__}: {err})", path=where
         ) from None
@@ -487,6 +493,8 @@ def _mapping(node: Mapping[str, Any], tensors: Any, used: set[str], where: str, 
             raise TypeError(f"an unhashable key of type {type(key).__name__}")
         out[key] = decode_schema(pair[1], tensors, used, where, device)
     if node.get("metadata") is not None:
+        if not isinstance(out, OrderedDict):  # (torchrl records a module state dict's, an OrderedDict's, only)
+            raise TypeError("a plain dict node carries metadata")
         out._metadata = decode_schema(node["metadata"], tensors, used, where, device)
     return out
 
