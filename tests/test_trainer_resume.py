@@ -211,6 +211,21 @@ def test_load_from_file_counts_the_save_policy_from_the_loaded_step(tmp_path: Pa
     assert [e.step for e in tdcp.CheckpointRotation(tmp_path / "next").entries()] == [96, 112]  # (112: the last)
 
 
+def test_load_from_file_of_a_torchrl_trainers_checkpoint_counts_the_save_policy_from_its_frames(
+    tmp_path: Path,
+) -> None:
+    """A torchrl Trainer's checkpoint records ``collected_frames``, no step: the import left the step unknown, so
+    ``every_steps=48`` counted from 0 and saved at 80, one iteration after the import. It counts from the frames
+    the import restored (64), as for a checkpoint of ours."""
+    theirs, _, _ = build("iql", tmp_path / "theirs", torchrl_checkpoint=True)
+    theirs.train()
+    again, _, _ = build("iql", tmp_path / "next", every_steps=48)
+    again.load_from_file(theirs.checkpoint_rotation.latest())
+    again.total_frames = 112
+    again.train()
+    assert [e.step for e in tdcp.CheckpointRotation(tmp_path / "next").entries()] == [96, 112]
+
+
 def test_a_trainer_saves_to_the_local_tier_on_its_schedule_and_resumes_from_it(tmp_path: Path) -> None:
     """A rotation's LocalTier saves at its own schedule inside ``Trainer.train()`` (every 16 frames here, the shared
     tier every 32), and the Trainer's resume takes the local tier's newest step when the shared tier is gone."""

@@ -191,13 +191,22 @@ def bind_trainer_load(trainer: Any, ckpt: Any) -> None:
         if "policy" in result.loaded and callable(update):
             update()  # local copies and workers see the restored learner, as after torchrl's own load
         resumed = getattr(getattr(trainer, "checkpoint_rotation", None), "_resumed_from", None)
-        if callable(resumed) and result.step is not None:  # our rotation's every_steps counts from the loaded step,
-            resumed(result.step)  # as after its own resume (it saved again at the next iteration)
+        step = result.step
+        if step is None and theirs:  # a torchrl Trainer's checkpoint records collected_frames, not a step: the
+            step = _frames(trainer)  # step our rotation saves a Trainer under (trainer_loop), restored with it
+        if callable(resumed) and step is not None:  # our rotation's every_steps counts from the loaded step,
+            resumed(step)  # as after its own resume (it saved again at the next iteration)
         return trainer
 
     load_from_file._tdcp_bound = True  # type: ignore[attr-defined]
     load_from_file.__doc__ = original.__doc__
     trainer.load_from_file = load_from_file
+
+
+def _frames(trainer: Any) -> int | None:
+    """The Trainer's ``collected_frames`` as an int (``None`` when it holds none)."""
+    frames = getattr(trainer, "collected_frames", None)
+    return int(frames) if isinstance(frames, int) and not isinstance(frames, bool) else None
 
 
 def _is_ours(path: Any, storage_options: Any) -> bool:
