@@ -375,6 +375,24 @@ def test_diff_tells_apart_values_that_compare_equal_loosely(
     assert main(["diff", str(left), str(right)]) == 1, capsys.readouterr().out
 
 
+def test_ls_refuses_a_torchrl_checkpoint_and_names_torchrl_entries_of_a_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """``ls`` of a ``torchrl.checkpoint`` checkpoint said "0 entries" (exit 0); of a directory of torchrl's
+    ``checkpoint-<step>`` entries, "0 entries" and nothing of them. It refuses the one (as for ours) and names the
+    others."""
+    from torchrl.checkpoint import Checkpoint
+
+    theirs = Checkpoint(stats={"x": 1}).save(tmp_path / "run" / "checkpoint-000000000010")
+    assert main(["ls", str(theirs)]) == 1
+    assert "is a checkpoint, not a rotation directory" in capsys.readouterr().err
+    assert main(["ls", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "0 entries" in out and "1 torchrl.checkpoint checkpoint (checkpoint-000000000010)" in out
+    code, info = run_json(capsys, "ls", str(tmp_path / "run"))
+    assert code == 0 and info["torchrl_entries"] == ["checkpoint-000000000010"]
+
+
 def test_ls_refuses_a_checkpoint_and_an_unknown_metric_and_shows_leftovers(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

@@ -193,14 +193,15 @@ def _convert(src: str, dst: str, overwrite: bool, args: argparse.Namespace) -> d
 def _ls(directory: str, metric: str | None, mode: str) -> dict[str, Any]:
     from torchrl_dcp.rotation import CheckpointRotation
     from torchrl_dcp.rotation_entries import latest_entry
+    from torchrl_dcp.rotation_resume import torchrl_entries
 
     where = location_for(_followed(directory))
     d = where.path
     if where.entry_kind() != "checkpoint":
         raise CheckpointError("not a directory", path=d)
-    if _is_checkpoint(where):
+    if _is_checkpoint(where) or (where.is_local and is_torchrl_checkpoint(d)):
         raise CheckpointError(
-            f"{d} is a checkpoint, not a rotation directory of checkpoints: use `torchrl-dcp inspect {d}`", path=d
+            f"is a checkpoint, not a rotation directory of checkpoints: use `torchrl-dcp inspect {d}`", path=d
         )
     rotation = CheckpointRotation(d, keep_best=(metric, mode) if metric else None)  # type: ignore[arg-type]
     entries = rotation.entries(include_uncommitted=True)  # each manifest read once; latest and best from this list
@@ -222,7 +223,8 @@ def _ls(directory: str, metric: str | None, mode: str) -> dict[str, Any]:
         rows.append(row)
     latest, best = latest_entry(entries), rotation.best_entry(entries)
     return {"directory": str(d), "entries": rows, "latest": latest.path.name if latest else None,
-            "best": best.path.name if best else None, "leftovers": leftovers}  # fmt: skip
+            "best": best.path.name if best else None, "leftovers": leftovers,
+            "torchrl_entries": torchrl_entries(rotation)}  # fmt: skip
 
 
 def _is_checkpoint(where: Any) -> bool:
@@ -258,6 +260,14 @@ def _print_ls(info: dict[str, Any], metric: str | None) -> None:
         print(f"  {row['name']:<24} {row['step']:>10} {row['bytes']:>14,} bytes  {state:<13}{score} {' '.join(flags)}")
         if row.get("error"):
             print(f"    ({row['error']})")
+    theirs = info.get("torchrl_entries") or ()
+    if theirs:
+        print(
+            f"  and {len(theirs)} torchrl.checkpoint checkpoint{'s' if len(theirs) > 1 else ''} ("
+            + ", ".join(theirs[-3:])
+            + (", ..." if len(theirs) > 3 else "")
+            + "): not entries of this rotation; `torchrl-dcp inspect` reads each, `ckpt.load(path)` loads one"
+        )
     for left in info.get("leftovers", ()):
         print(
             f"  {left['name']:<24} {'':>10} {left['bytes']:>14,} bytes  left by a killed save or conversion to "

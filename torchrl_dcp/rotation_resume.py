@@ -118,7 +118,7 @@ def _candidates(entries: list[Any]) -> list[tuple[int, str]]:
     return damaged + committed
 
 
-def _torchrl_entries(rotation: Any) -> list[str]:
+def torchrl_entries(rotation: Any) -> list[str]:
     """Names of the ``torchrl.checkpoint`` checkpoints in a local rotation directory, sorted."""
     from torchrl_dcp.torchrl_format.detect import is_torchrl_checkpoint
 
@@ -184,7 +184,7 @@ def _resume_shared(
         info = local_resume(None)
         if info is not None:
             return info
-    foreign = _torchrl_entries(rotation)
+    foreign = torchrl_entries(rotation)
     # starting fresh while checkpoints are there retrains from scratch: a warning (not a log line, which a job
     # without logging configured never shows)
     if skipped:  # every committed checkpoint was tried and refused
