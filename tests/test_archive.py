@@ -650,6 +650,29 @@ def test_export_of_values_torchrl_cannot_store_names_the_component(tmp_path: Pat
     assert not (tmp_path / "cfg.torchrl").exists()
 
 
+def test_export_of_a_mapping_with_keys_json_changes_is_refused_and_a_refusal_says_what_to_export(
+    tmp_path: Path,
+) -> None:
+    """``{"by_level": {1: 10.0}}`` was exported without a word and torchrl loaded ``{"1": 10.0}`` (JSON keys are
+    strings); a component export cannot hold (a TensorDict) failed the default export saying nothing of
+    ``components=``. Each refusal now names the others to export."""
+    from tensordict import TensorDict
+
+    path = tdcp.DistributedCheckpoint(
+        policy=torch.nn.Linear(2, 2), cfg={"by_level": {1: 10.0}}, td=TensorDict({"x": torch.ones(2)}, [])
+    ).save(tmp_path / "c")
+    with pytest.raises(
+        tdcp.CheckpointFormatError, match=r"cfg\['by_level'\] has the key 1 of type int .*components=\['policy'\]"
+    ):
+        tdcp.export_torchrl(path, tmp_path / "a.torchrl", ["policy", "cfg"])
+    with pytest.raises(
+        tdcp.CheckpointFormatError,
+        match=r"'cfg' cannot be exported: .*has the key 1.*'td' cannot be exported.*components=\['policy'\]",
+    ):
+        tdcp.export_torchrl(path, tmp_path / "b.torchrl")
+    assert not (tmp_path / "a.torchrl").exists() and not (tmp_path / "b.torchrl").exists()
+
+
 def test_a_damaged_field_zipfile_cannot_read_is_never_an_exception_of_another_kind(tmp_path: Path) -> None:
     """The "version needed to extract" of a member in the central directory set to 0xFF: Python's zipfile (asked
     whether the file is a torchrl.checkpoint archive) raised NotImplementedError out of verify and load. The field

@@ -435,6 +435,19 @@ def test_an_archive_member_out_of_bounds_is_refused(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------- tools
+def test_verify_refuses_a_torchrl_adapter_version_no_load_reads(tmp_path: Path) -> None:
+    """A record saying ``adapter_version: 2``: every load refuses it ("version 2 is not read"), ``verify`` said
+    intact; a step of ``true`` was shown as a step."""
+    path = _policy_ckpt(tmp_path)
+    _forge_json(path, "manifest.json", lambda m: {**m, "metadata": {"step": True}, "components": {
+        n: {**r, "adapter_version": 2} for n, r in m["components"].items()}})  # fmt: skip
+    with pytest.raises(tdcp.CheckpointFormatError, match="version 2 is not read"):
+        tdcp.verify(path)
+    from torchrl_dcp.torchrl_format.importer import inspect_torchrl
+
+    assert inspect_torchrl(path)["step"] is None
+
+
 def test_verify_and_inspect_read_torchrl_checkpoints(tmp_path: Path) -> None:
     path = _save(tmp_path, "directory", **_trained(), rb=_buffers(fill=True)["prioritized"])
     summary = tdcp.verify(path)

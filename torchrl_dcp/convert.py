@@ -370,8 +370,7 @@ def export_torchrl(
     _check_export_arguments(src, format)  # (before anything is read or written)
     from torchrl.checkpoint import Checkpoint as TorchRLCheckpoint
 
-    from torchrl_dcp.adapters.rng import torchrl_rng_layout
-    from torchrl_dcp.extract import as_source, read_component
+    from torchrl_dcp.extract import as_source
 
     if _any_remote(dst):  # the source is read in place (any URL); the export is written locally, then uploaded
         kw = {"rank": rank, "format": format, "metadata": metadata}
@@ -388,31 +387,20 @@ def export_torchrl(
     if unknown:
         raise KeyError(f"not in the checkpoint: {unknown}; it holds {sorted(saved)}")
     values: dict[str, Any] = {}
+    problems: list[str] = []  # (every component checked: the refusal names each, and what can be exported)
     for name in components:
-        rec = saved[name]
-        is_rng = rec["adapter"] == _RNG_ADAPTER
-        if rec["placement"] == "per_rank" and rank is None and not is_rng:
-            raise ValueError(f"component {name!r} is per_rank: pass rank=... to choose whose state to export")
-        state = read_component(source, name, rank=0 if is_rng and rank is None else rank)
-        if is_rng and isinstance(state, Mapping):
-            values[name] = _StateDict(torchrl_rng_layout(state))
-        elif rec["adapter"] in _STATE_DICT_ADAPTERS and isinstance(state, Mapping):
-            values[name] = _StateDict(state)
-        elif rec["adapter"] == "torchrl_dcp.json":
-            problem = _not_torchrl_json(state, name)
-            if problem is not None:
-                raise CheckpointFormatError(
-                    f"component {name!r} cannot be exported: {problem}, which torchrl.checkpoint cannot store as "
-                    "JSON; load it with torchrl_dcp (or export the other components)",
-                    path=source.path,
-                )
-            values[name] = state
+        value, problem = _exported_value(source, name, saved[name], rank)
+        if problem is not None:
+            problems.append(f"component {name!r} cannot be exported: {problem}")
         else:
-            raise CheckpointFormatError(
-                f"component {name!r} ({rec['adapter']}) cannot be exported: export supports modules, optimizers, "
-                "state_dict objects and JSON values",
-                path=source.path,
-            )
+            values[name] = value
+    if problems:
+        raise CheckpointFormatError(
+            "; ".join(problems)
+            + "; load what cannot be exported with torchrl_dcp"
+            + (f", and export the others with components={list(values)!r}" if values else ""),
+            path=source.path,
+        )
     destination = _destination_for_torchrl(dst, overwrite)
     if not _any_remote(src):  # (a store's source is read in place: a local destination is never it)
         _check_apart(_local(src), destination)
@@ -441,6 +429,29 @@ def _check_export_arguments(src: Any, format: str) -> None:
         )
 
 
+def _exported_value(source: Any, name: str, rec: Mapping[str, Any], rank: int | None) -> tuple[Any, str | None]:
+    """``(what torchrl.checkpoint saves for the component, None)``, or ``(None, why it cannot)``."""
+    from torchrl_dcp.adapters.rng import torchrl_rng_layout
+    from torchrl_dcp.extract import read_component
+
+    is_rng = rec["adapter"] == _RNG_ADAPTER
+    if rec["placement"] == "per_rank" and rank is None and not is_rng:
+        raise ValueError(f"component {name!r} is per_rank: pass rank=... to choose whose state to export")
+    if not is_rng and rec["adapter"] not in _STATE_DICT_ADAPTERS and rec["adapter"] != "torchrl_dcp.json":
+        return None, f"{rec['adapter']}: export supports modules, optimizers, state_dict objects and JSON values"
+    state = read_component(source, name, rank=0 if is_rng and rank is None else rank)
+    if is_rng and isinstance(state, Mapping):
+        return _StateDict(torchrl_rng_layout(state)), None
+    if rec["adapter"] in _STATE_DICT_ADAPTERS and isinstance(state, Mapping):
+        return _StateDict(state), None
+    if rec["adapter"] != "torchrl_dcp.json":
+        return None, f"its state is a {type(state).__name__}"
+    problem = _not_torchrl_json(state, name)
+    if problem is not None:
+        return None, f"{problem}, which torchrl.checkpoint cannot store as JSON"
+    return state, None
+
+
 def _not_torchrl_json(value: Any, where: str) -> str | None:
     """Where ``value`` holds something ``torchrl.checkpoint`` does not store as a JSON value (it takes tensors and
     NumPy values as numbers and lists, paths as strings, mappings, lists, tuples and scalars), else ``None``."""
@@ -452,6 +463,9 @@ def _not_torchrl_json(value: Any, where: str) -> str | None:
     if issubclass(type(value), Path):  # a value, not a location: torchrl writes a concrete path as its string
         return None
     if isinstance(value, Mapping):
+        key = next((k for k in value if not isinstance(k, str)), None)
+        if key is not None:  # (a JSON object's keys are strings: torchrl would load {1: x} as {"1": x})
+            return f"{where} has the key {key!r} of type {type(key).__name__} (JSON keys are strings: it would load as {str(key)!r})"
         found = (_not_torchrl_json(v, f"{where}[{k!r}]") for k, v in value.items())
     elif isinstance(value, (list, tuple)):
         found = (_not_torchrl_json(v, f"{where}[{i}]") for i, v in enumerate(value))

@@ -107,7 +107,7 @@ def import_load(request: LoadRequest) -> LoadResult:
 def _as_manifest(box: TorchrlContainer) -> dict[str, Any]:
     m = box.manifest
     metadata = m.get("metadata") or {}
-    step = metadata.get("step") if isinstance(metadata.get("step"), int) else None
+    step = metadata.get("step") if type(metadata.get("step")) is int else None
     return {**m, "source_format": "torchrl.checkpoint", "metadata": metadata, "step": step}
 
 
@@ -244,6 +244,12 @@ def verify_torchrl(path: Any) -> dict[str, Any]:
         total = tensors = 0
         for name, rec in box.components().items():
             total += box.check_sizes(name)
+            if rec["adapter"] in ADAPTERS and rec["adapter_version"] != 1:  # (what a load refuses, said alike)
+                raise CheckpointFormatError(
+                    f"component {name!r}: torchrl adapter {rec['adapter']!r} version {rec['adapter_version']} is not "
+                    "read (torchrl 0.14 writes version 1): written by a newer torchrl, or the manifest was altered",
+                    path=path,
+                )
             if rec["adapter"] == "torchrl.json":
                 box.json_payload(name)
             elif rec["adapter"] == "torchrl.state_dict":
@@ -303,7 +309,7 @@ def inspect_torchrl(path: Any) -> dict[str, Any]:
             "container": f"torchrl.checkpoint {m.get('container', 'directory')}",
             "format_version": m.get("format_version"),
             "created_at": m.get("created_at"),
-            "step": metadata.get("step") if isinstance(metadata.get("step"), int) else None,
+            "step": metadata.get("step") if type(metadata.get("step")) is int else None,
             "world_size": 1,
             "versions": m.get("versions") or {},
             "components": comps,
