@@ -363,3 +363,30 @@ def test_a_forged_stride_past_the_element_count_or_numpy_kind_is_refused(tmp_pat
                 tdcp.DistributedCheckpoint(x={}, strict=strict).load(path)
         with pytest.raises(tdcp.CheckpointFormatError, match=match):
             tdcp.verify(path)
+
+
+def test_sets_encode_alike_in_every_process_whatever_the_hash_seed() -> None:
+    """Set items were ordered by ``repr``, and a frozenset's ``repr`` follows string hashing, randomised per process:
+    an equal replicated set of frozensets was refused as "differs between rank 0 and rank 1" depending on
+    ``PYTHONHASHSEED``. Each process here encodes it, and a nested tuple of one, under another seed."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import json; from torchrl_dcp.format.codec import encode; "
+        "v = {'s': {frozenset({'alpha', 'beta', 'gamma'}), frozenset({'delta', 'eps', 'zeta'})}, "
+        "'t': {('k', frozenset({'x', 'y', 'z'})), ('j', frozenset({'u', 'v'}))}}; "
+        "print(json.dumps(encode(v)[0]))"
+    )
+    outputs = {
+        subprocess.run(
+            [sys.executable, "-c", script],
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in (1, 2, 3)
+    }
+    assert len(outputs) == 1, outputs
