@@ -43,3 +43,42 @@ def save_differing(directory: str, differ: str, mode: str, component_mode: str |
             "left": sorted(os.listdir(directory)),
         }
     return {"error": None, "exists": path.exists()}
+
+
+def save_sharded_differing(directory: str, differ: str) -> dict[str, Any]:
+    """A sharded component ``{"d": DTensor, "plain": tensor, "count": int}`` whose non-DTensor parts differ on rank 1
+    (``differ``: "plain", "count" or "none"); report what happened, and what a load gives back when it saved."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    plain = float(rank) if differ == "plain" else 0.0
+    count = rank if differ == "count" else 0
+    state = {"d": distribute_tensor(torch.arange(35.0).reshape(7, 5), mesh, [Shard(0)]), "plain": torch.full((3,), plain), "count": count}  # fmt: skip
+    ckpt = tdcp.DistributedCheckpoint()
+    ckpt.register("s", state, placement="sharded")
+    path = Path(directory) / "ckpt"
+    try:
+        ckpt.save(path, step=1)
+    except tdcp.CheckpointError as err:
+        return {"error": str(err), "type": type(err).__name__, "exists": path.exists()}
+    fresh = {"d": distribute_tensor(torch.zeros(7, 5), mesh, [Shard(0)]), "plain": torch.full((3,), -1.0), "count": -1}
+    back = tdcp.DistributedCheckpoint()
+    back.register("s", fresh, placement="sharded")
+    back.load(path)
+    return {"error": None, "plain": fresh["plain"].tolist(), "count": fresh["count"], "d": fresh["d"].full_tensor().sum().item()}  # fmt: skip
+
+
+def save_with_a_key_more(directory: str, on_rank: int) -> dict[str, Any]:
+    """A replicated dict holding one tensor more on ``on_rank``: the refusal names that tensor whichever rank holds
+    it."""
+    rank = dist.get_rank()
+    value = {"a": torch.ones(3)}
+    if rank == on_rank:
+        value["b"] = torch.ones(3)
+    try:
+        tdcp.DistributedCheckpoint(x=value).save(Path(directory) / "ckpt", step=1)
+    except tdcp.CheckpointError as err:
+        return {"error": str(err), "type": type(err).__name__}
+    return {"error": None}

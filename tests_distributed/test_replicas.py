@@ -51,3 +51,28 @@ def test_a_replicated_tensor_shaped_differently_on_one_rank_is_refused_naming_it
         assert r.value["type"] in ("EncodingError", "CollectiveError"), r.value
         assert "replicated/model/1." in r.value["error"] and "rank 1" in r.value["error"], r.value
         assert not r.value["exists"] and r.value["left"] == [], r.value
+
+
+@pytest.mark.parametrize("differ", ["plain", "count", "none"])
+def test_a_sharded_components_values_and_plain_tensors_are_compared_like_replicated_ones(
+    tmp_path: Path, differ: str
+) -> None:
+    """``{"d": DTensor, "plain": tensor, "count": int}`` registered sharded: DCP writes its plain tensors and values
+    once, so a ``plain`` or ``count`` differing on rank 1 was saved without a word and loaded as one rank's on every
+    rank (``plain`` rank 1's, ``count`` rank 0's). Refused now, naming what differs; equal ones round-trip."""
+    for r in launch(f"{S}:save_sharded_differing", 2, str(tmp_path), differ):
+        if differ == "none":
+            assert r.value["error"] is None and r.value["plain"] == [0.0] * 3 and r.value["count"] == 0, r.value
+            assert r.value["d"] == sum(range(35)), r.value
+            continue
+        assert r.value["type"] in ("EncodingError", "CollectiveError") and not r.value["exists"], r.value
+        assert "sharded component 's' differs between rank 0 and rank 1 outside its DTensors" in r.value["error"]
+        named = "tensor 'sharded/s/plain'" if differ == "plain" else "its non-tensor value at s['count']"
+        assert named in r.value["error"], r.value["error"]
+
+
+@pytest.mark.parametrize("on_rank", [0, 1])
+def test_a_tensor_one_rank_alone_holds_is_named_whichever_rank_it_is(tmp_path: Path, on_rank: int) -> None:
+    """Only rank 0's keys were compared: a tensor rank 1 alone held gave "its non-tensor values (JSON state)"."""
+    for r in launch(f"{S}:save_with_a_key_more", 2, str(tmp_path), on_rank):
+        assert "differs between rank 0 and rank 1: tensor 'replicated/x/b'" in r.value["error"], r.value

@@ -38,6 +38,7 @@ import torch
 from torchrl_dcp import _dist
 from torchrl_dcp.errors import EncodingError
 from torchrl_dcp.format.checksums import crc32
+from torchrl_dcp.format.codec import is_dtensor
 from torchrl_dcp.format.record import byte_view, host_bytes, plain_tensor
 
 ReplicaCheck = Literal["sample", "full", "off"]
@@ -94,23 +95,30 @@ def _without_devices(node: Any) -> Any:
 def digest(
     records: Mapping[str, Any], flat: Mapping[str, torch.Tensor], modes: Mapping[str, ReplicaCheck]
 ) -> dict[str, tuple[str, dict[str, str]]]:
-    """``{component: (state digest, {dcp_key: tensor fingerprint})}`` of this rank's replicated components."""
+    """``{component: (state digest, {dcp_key: tensor fingerprint})}`` of this rank's replicated components, and of
+    the sharded ones' values and plain tensors (DCP writes those once, as replicated: a sharded component's
+    ``{"w": DTensor, "step": tensor, "count": 3}`` differing in ``step`` or ``count`` loaded one rank's on every
+    rank). The digest of a sharded component starts with :data:`SHARDED`."""
     out: dict[str, tuple[str, dict[str, str]]] = {}
     for name, rec in records.items():
         mode = modes.get(name, "sample")
-        if rec.placement != "replicated" or mode == "off":
+        if rec.placement not in ("replicated", "sharded") or mode == "off":
             continue
         state = json.dumps(_without_devices(rec.state), sort_keys=True, separators=(",", ":")).encode()
         keys = list(rec.inventory)
+        if rec.placement == "sharded":
+            keys = [key for key in keys if not is_dtensor(flat[key])]  # (each rank's shard: its own by design)
         tensors = [flat[key] for key in keys]
         # the bytes hashed whole, of small tensors on a device, copied to the host together (not one copy each)
         on_host = host_bytes(tensors, SLICES * SLICE + 1 if mode == "sample" else WHOLE_ON_HOST)
         out[name] = (
-            f"{crc32(state):08x}",
+            f"{SHARDED if rec.placement == 'sharded' else ''}{crc32(state):08x}",
             {key: fingerprint(t, mode, on_host.get(i)) for i, (key, t) in enumerate(zip(keys, tensors))},
         )
     return out
 
+
+SHARDED = "sharded:"  #: the prefix of a sharded component's digest (its error says what is compared)
 
 MAX_VALUE_PATHS = 4096  #: non-tensor values of one component digested one by one to name the one that differs
 
@@ -159,7 +167,7 @@ def compare(per_rank: list[dict[str, tuple[Any, ...]]], group: Any = None) -> No
             if name not in other:
                 continue  # not saved (or not checked) there: the encode step reports real mismatches
             other_state, other_tensors = other[name][:2]
-            differ = [k for k in tensors if other_tensors.get(k) != tensors[k]]
+            differ = [k for k in {**tensors, **other_tensors} if other_tensors.get(k) != tensors.get(k)]
             if not differ and other_state == state:
                 continue
             what = f"tensor {differ[0]!r}" if differ else "its non-tensor values (JSON state)"
@@ -169,6 +177,19 @@ def compare(per_rank: list[dict[str, tuple[Any, ...]]], group: Any = None) -> No
                 if values:
                     where = values[0]
                     what = f"its non-tensor value at {name}{where}" if where[0] == "[" else f"its non-tensor {where}"
+                else:  # every value alike, by path: what holds them is not
+                    what = (
+                        "its structure, its values alike (a dict's key order, or a tensor's kind or layout: a "
+                        "Parameter on one rank, another stride)"
+                    )
+            if state.startswith(SHARDED):
+                raise EncodingError(
+                    f"sharded component {name!r} differs between rank {_named(group, 0)} and rank "
+                    f"{_named(group, r)} outside its DTensors: {what}. Its plain tensors and values are written "
+                    "once, as DCP writes them, so the checkpoint would hold a state that never existed; nothing was "
+                    "written. Make them identical on every rank (or DTensors), or register each rank's own values "
+                    "as a per_rank component (replica_check='off' skips this check for it)"
+                )
             raise EncodingError(
                 f"replicated component {name!r} differs between rank {_named(group, 0)} and rank {_named(group, r)}: "
                 f"{what}. A replicated "
