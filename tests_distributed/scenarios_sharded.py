@@ -38,3 +38,25 @@ def load_sharded(path: str) -> dict[str, Any]:
         "loaded": sorted(result.loaded),
         "local_rows": weights["w"].to_local().shape[0],
     }
+
+
+def load_into_another_shape(path: str, rows: int, dtype: str) -> dict[str, Any]:
+    """Load a checkpoint saved by :func:`save_sharded` (plus nothing else of the model's) with ``strict="warn"``
+    into a DTensor of ``rows`` rows and ``dtype``, beside a dict that loads: the DTensor's component is skipped as
+    incompatible while planning, the rest loads."""
+    import warnings
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    weights = {"w": distribute_tensor(torch.zeros(rows, 5, dtype=getattr(torch, dtype)), mesh, [Shard(0)])}
+    ckpt = tdcp.DistributedCheckpoint(strict="warn")
+    ckpt.register("model", weights, placement="sharded")
+    ckpt.register("rng", tdcp.RNGState())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = ckpt.load(path)
+    return {
+        "loaded": sorted(result.loaded),
+        "incompatible": {k: str(v) for k, v in result.incompatible.items()},
+        "warned": [type(w.message).__name__ for w in caught],
+        "untouched": bool(weights["w"].full_tensor().eq(0).all()),
+    }

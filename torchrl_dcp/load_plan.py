@@ -353,9 +353,15 @@ def _destinations(comp: ComponentPlan, views: dict[int, Any], plan: LoadPlan, me
             if spec.dtensor:
                 if live_state is None:
                     live_state = encode(comp.adapter.state(comp.value, comp.ctx), where=comp.name)[1]
-                if spec.key not in live_state or not is_dtensor(live_state[spec.key]):
+                live = live_state.get(spec.key)
+                if live is None or not is_dtensor(live):
                     raise IncompatibleComponentError(f"no live DTensor for sharded tensor {spec.key!r}")
-                dest = torch.empty_like(live_state[spec.key])
+                if live.dtype != spec.dtype or tuple(live.shape) != spec.shape:  # (while planning: strict="warn"
+                    raise IncompatibleComponentError(  # skips the component, as for any other tensor)
+                        f"component {comp.name!r}: sharded tensor {spec.key!r} was saved as {spec.dtype} "
+                        f"{spec.shape}, the live DTensor is {live.dtype} {tuple(live.shape)}"
+                    )
+                dest = torch.empty_like(live)
             else:
                 device = devices.get(spec.device)
                 if device is None:
