@@ -88,13 +88,16 @@ def test_a_base_file_owned_by_another_user_is_copied_not_linked(tmp_path: Path, 
     assert tdcp.verify(inc)["unchecked"] == []
 
 
+@pytest.mark.parametrize("beside", [False, True], ids=["elsewhere", "beside_the_base"])
 @pytest.mark.parametrize("remembered", [True, False], ids=["same_process", "fresh_process"])
 def test_a_base_file_with_a_name_outside_the_checkpoints_is_copied_not_linked(
-    tmp_path: Path, remembered: bool, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, remembered: bool, beside: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """``beside_the_base``: the other name is in a directory next to the base that is no checkpoint (``cp -l`` of
+    it): every directory there was taken for a sibling checkpoint, and the file was linked."""
     rb, ckpt, base = base_and_buffer(tmp_path / "shared")
     victim = sorted(chunk_files(base))[0]
-    attacker = tmp_path / "attacker"
+    attacker = base.parent / "not_a_checkpoint" if beside else tmp_path / "attacker"
     planted = plant(base, victim, attacker)  # same owner: the extra name is what gives it away
     if not remembered:
         proven.forget_all()

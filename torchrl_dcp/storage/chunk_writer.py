@@ -39,7 +39,7 @@ import torch
 
 from torchrl_dcp._log import get_logger
 from torchrl_dcp.format.checksums import adler32, content_fingerprint, crc32, crc32_combine, fingerprint_of, format_crc
-from torchrl_dcp.format.layout import TRAILER_SIZE, identity_trailer, read_identity
+from torchrl_dcp.format.layout import MANIFEST, TRAILER_SIZE, identity_trailer, read_identity
 from torchrl_dcp.format.record import template, tensor_bytes
 from torchrl_dcp.storage import proven
 from torchrl_dcp.storage.copying import pwrite_all, run_split, stable_copy
@@ -242,10 +242,24 @@ def _only_ours(st: os.stat_result, source: Path) -> bool:
                     other = os.lstat(os.path.join(entry.path, source.name))
                 except OSError:
                     continue
-                found += (other.st_dev, other.st_ino) == inode
+                if (other.st_dev, other.st_ino) == inode and _a_checkpoints(entry):
+                    found += 1
     except OSError:
         return False
     return found >= st.st_nlink
+
+
+def _a_checkpoints(entry: os.DirEntry) -> bool:
+    """Whether the sibling directory ``entry`` is a checkpoint (it holds a regular ``manifest.json``) or a save's or
+    prune's own staging or trash directory: a directory of a user's (``cp -l`` of the base) is a name elsewhere."""
+    from torchrl_dcp.storage.commit import is_ours
+
+    if is_ours(entry.name):
+        return True
+    try:
+        return stat.S_ISREG(os.lstat(os.path.join(entry.path, MANIFEST)).st_mode)
+    except OSError:
+        return False
 
 
 def _same_bytes(fd: int, kept: KeptChunk, rows: torch.Tensor) -> bool:
