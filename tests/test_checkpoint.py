@@ -432,6 +432,10 @@ def test_a_metadata_value_json_refuses_is_named_by_its_path(tmp_path: Path) -> N
     ckpt = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(2, 2))
     with pytest.raises(tdcp.EncodingError, match=r"metadata\['cfg'\]\['deep'\]\[1\] must be JSON-safe"):
         ckpt.save(tmp_path / "a", metadata={"cfg": {"ok": 1, "deep": [2, object()]}})
+    # keys of two kinds in one mapping: the manifest sorts them, so the commit failed after every file was written,
+    # naming neither the metadata nor the key
+    with pytest.raises(tdcp.EncodingError, match=r"metadata\['v'\] must be JSON-safe"):
+        ckpt.save(tmp_path / "a", metadata={"v": {1: "a", "b": 2}})
     assert not (tmp_path / "a").exists()
 
 

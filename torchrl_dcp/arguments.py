@@ -85,7 +85,7 @@ def check_step(step: Any) -> int | None:
 
 def check_json(value: Any, where: str) -> None:
     try:
-        json.dumps(value, allow_nan=False)
+        json.dumps(value, allow_nan=False, sort_keys=True)  # (as the manifest is written: keys of one kind each)
     except (TypeError, ValueError) as err:
         raise EncodingError(f"{where}{json_culprit(value)} must be JSON-safe: {err}") from None
 
@@ -100,7 +100,7 @@ def json_culprit(value: Any, at: str = "") -> str:
         return at
     for k, v in items:
         try:
-            json.dumps({k: v} if isinstance(value, Mapping) else [v], allow_nan=False)
+            json.dumps({k: v} if isinstance(value, Mapping) else [v], allow_nan=False, sort_keys=True)
         except (TypeError, ValueError):
             return json_culprit(v, f"{at}[{k!r}]")
     return at
