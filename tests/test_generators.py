@@ -115,3 +115,25 @@ def test_a_failed_load_rolls_a_restored_generator_back(tmp_path: Path, kind: str
     with pytest.raises(tdcp.CheckpointError, match="restore failed"):
         loading.load(path)
     assert draw(live, 5) == draw(twin, 5)
+
+
+def test_what_a_generator_load_cannot_give_back_is_warned_about_at_save(tmp_path: Path) -> None:
+    """A numpy Generator's spawn count (numpy lets no one set it: spawn() after a load repeats the children) and a
+    random.Random subclass's own attributes were dropped without a word; a plain one saves silently."""
+    import warnings
+
+    spawned = np.random.default_rng(42)
+    spawned.spawn(2)
+    with pytest.warns(tdcp.InexactResumeWarning, match=r"component 'g': .*spawned 2 child generator"):
+        tdcp.DistributedCheckpoint(g=spawned, no_dist=True).save(tmp_path / "a")
+
+    class Counting(random.Random):
+        def __init__(self, seed: int) -> None:
+            super().__init__(seed)
+            self.draws = 0
+
+    with pytest.warns(tdcp.InexactResumeWarning, match=r"component 'r': its Counting holds attributes .*draws"):
+        tdcp.DistributedCheckpoint(r=Counting(1), no_dist=True).save(tmp_path / "b")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tdcp.InexactResumeWarning)
+        tdcp.DistributedCheckpoint(g=np.random.default_rng(1), r=random.Random(2), no_dist=True).save(tmp_path / "c")

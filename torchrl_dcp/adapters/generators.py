@@ -22,14 +22,16 @@ Example:
 from __future__ import annotations
 
 import random
+import warnings
 from typing import Any
 
 import numpy as np
 import torch
 
+from torchrl_dcp._log import user_stacklevel
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
 from torchrl_dcp.adapters.rng import derived_seed_of, same_rank_source
-from torchrl_dcp.errors import IncompatibleComponentError
+from torchrl_dcp.errors import IncompatibleComponentError, InexactResumeWarning
 
 
 class _PerRankGenerator(Adapter):
@@ -63,6 +65,14 @@ class PythonRandomAdapter(_PerRankGenerator):
                 f"{type(obj).__name__} has no state to save (it draws from the operating system): register a "
                 "random.Random instead"
             ) from None
+        own = sorted(k for k in vars(obj) if k != "gauss_next") if type(obj) is not random.Random else []
+        if own:  # (a subclass's attributes: only the Mersenne Twister state is a random.Random's)
+            _inexact(
+                ctx,
+                f"its {type(obj).__name__} holds attributes of its own ({', '.join(own[:4])}) that are not saved, "
+                "only the generator's state; register that state as a component of its own, or give the class "
+                "an adapter (tdcp.register_adapter)",
+            )
         return {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss}
 
     def restore(self, obj: random.Random, state: Any, ctx: AdapterContext) -> Any:
@@ -83,6 +93,15 @@ class NumpyGeneratorAdapter(_PerRankGenerator):
     version = 1
 
     def state(self, obj: np.random.Generator, ctx: AdapterContext) -> Any:
+        seeds = getattr(obj.bit_generator, "seed_seq", None)
+        spawned = getattr(seeds, "n_children_spawned", 0)
+        if spawned:  # (numpy lets no one set it on a live generator: a load cannot give it back)
+            _inexact(
+                ctx,
+                f"its numpy Generator has spawned {spawned} child generator(s) (Generator.spawn); that count is "
+                "not restored, so spawn() after a load hands out the same children again; keep spawned "
+                "generators as components of their own, or seed children from a counter you save",
+            )
         return obj.bit_generator.state
 
     def validate(self, obj: np.random.Generator, saved: dict[int, Any], ctx: AdapterContext) -> None:
@@ -124,3 +143,9 @@ class NumpyRandomStateAdapter(_PerRankGenerator):
 
     def reseed(self, obj: np.random.RandomState, seed: int) -> None:
         obj.seed(seed % (1 << 32))
+
+
+def _inexact(ctx: AdapterContext, what: str) -> None:
+    """An :class:`~torchrl_dcp.errors.InexactResumeWarning` at save: ``what`` a load of the component will not give
+    back."""
+    warnings.warn(f"component {ctx.name!r}: {what}", InexactResumeWarning, stacklevel=user_stacklevel())
