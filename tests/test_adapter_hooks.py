@@ -225,3 +225,32 @@ def test_a_rollback_that_fails_after_a_refused_plan_is_reported(tmp_path: Path, 
     ckpt.register("box", Box(1, torch.full((4,), 7.0)), adapter=AllocatingBoxAdapter(refuse_in))
     with pytest.raises(tdcp.CheckpointError, match=r"could not roll back 'box' \(OSError: the rollback failed too\)"):
         ckpt.load(path)
+
+
+class HalfwayBoxAdapter(BoxAdapter):
+    """A restore that fails half-way, and a rollback that fails too."""
+
+    def restore(self, obj: Box, state: Any, ctx: tdcp.AdapterContext) -> Any:
+        obj.n = 12345
+        raise AttributeError("restore failed halfway")
+
+    def rollback(self, obj: Box, snapshot: Any, ctx: tdcp.AdapterContext) -> None:
+        raise RuntimeError("the rollback failed too")
+
+
+@pytest.mark.parametrize("strict", ["warn", "ignore"])
+def test_a_rollback_that_fails_under_strict_warn_or_ignore_is_reported(tmp_path: Path, strict: str) -> None:
+    """Only ``strict="error"`` named a failed rollback: under ``"warn"`` and ``"ignore"`` the result said "could not
+    be restored", and the object was left half-restored without a word."""
+    import warnings
+
+    path = _saved(tmp_path)
+    ckpt = tdcp.DistributedCheckpoint(strict=strict)
+    box = Box(1, torch.full((4,), 7.0))
+    ckpt.register("box", box, adapter=HalfwayBoxAdapter())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = ckpt.load(path)
+    said = "could not roll back 'box' (RuntimeError: the rollback failed too)"
+    assert said in result.incompatible["box"], result.incompatible
+    assert (strict == "warn") == any(said in str(w.message) for w in caught)

@@ -506,11 +506,11 @@ def _restore_all(
         except Exception as err:
             problem = rollback_one(comp)
             why = f"{type(err).__name__}: {err}"
+            if problem:  # (whatever strict is: the object is left half-restored, and the result says so)
+                why += f"; could not roll back {problem}"
             result.incompatible[comp.name] = why
             if request.strict == "error":
                 message = f"component {comp.name!r} could not be restored ({why})"
-                if problem:
-                    message += f"; could not roll back {problem}"
                 # (damaged or forged stays what it is: a restore's own check found it)
                 kind = type(err) if isinstance(err, (CheckpointIntegrityError, CheckpointFormatError)) else None
                 error = (kind or IncompatibleComponentError)(message, path=request.path, result=result)
@@ -518,7 +518,8 @@ def _restore_all(
                 return error
             if request.strict == "warn":
                 warnings.warn(
-                    f"{request.path}: component {comp.name!r} could not be restored: {err}",
+                    f"{request.path}: component {comp.name!r} could not be restored: {err}"
+                    + (f"; could not roll back {problem}" if problem else ""),
                     PartialLoadWarning,
                     stacklevel=4,
                 )
