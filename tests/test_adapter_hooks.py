@@ -254,3 +254,23 @@ def test_a_rollback_that_fails_under_strict_warn_or_ignore_is_reported(tmp_path:
     said = "could not roll back 'box' (RuntimeError: the rollback failed too)"
     assert said in result.incompatible["box"], result.incompatible
     assert (strict == "warn") == any(said in str(w.message) for w in caught)
+
+
+class CheckFailingBoxAdapter(BoxAdapter):
+    adapter_id = "tests.check_failing_box"
+
+    def check_saved(self, saved: Any) -> None:
+        raise RuntimeError("adapter bug")
+
+
+def test_an_adapter_whose_check_of_the_saved_state_fails_is_named(tmp_path: Path) -> None:
+    """A ``check_saved`` raising anything but ``ValueError``/``TypeError``/``KeyError`` gave "validating the
+    checkpoint failed: RuntimeError: adapter bug", naming no checkpoint and no component."""
+    ckpt = tdcp.DistributedCheckpoint(no_dist=True)
+    box = Box(1, torch.full((4,), 7.0))
+    ckpt.register("box", box, adapter=CheckFailingBoxAdapter())
+    path = ckpt.save(tmp_path / "c")
+    expected = r"component 'box': its adapter \(tests.check_failing_box\) failed checking the saved state"
+    with pytest.raises(tdcp.CheckpointError, match=expected + r" \(RuntimeError: adapter bug\)") as err:
+        ckpt.load(path)
+    assert err.value.path == str(path) and box.n == 1

@@ -515,6 +515,14 @@ def _check_saved(
         raise CheckpointIntegrityError(
             f"component {name!r}: {err}: no save writes that state; the checkpoint is damaged or forged", path=source
         ) from None
+    except CheckpointError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the adapter's own failure: named, not "validating ... failed"
+        raise CheckpointError(
+            f"component {name!r}: its adapter ({adapter.adapter_id}) failed checking the saved state "
+            f"({type(err).__name__}: {err})",
+            path=source,
+        ) from err
 
 
 def plan_view(skeleton: Any) -> tuple[Any, list[TensorSpec], list[tuple[str, TensorSpec]]]:
