@@ -84,3 +84,13 @@ def load_refused(url: str, seed: int) -> dict[str, Any]:
         after = {k: v for k, v in _summary(objs).items() if k != "rng"}
         return {"error": f"{type(err).__name__}: {err}", "unchanged": after == before and same_rng}
     return {"error": None}
+
+
+def save_to_a_store_of_each_process(seed: int) -> dict[str, Any]:
+    """Each rank saves to ``memory://`` (one store per process: rank 0 cannot see rank 1's objects)."""
+    ckpt = _checkpoint(_objects(seed))
+    try:
+        ckpt.save(f"memory://tdcp-apart-{seed}/run/step-1", step=1)
+    except tdcp.CheckpointError as err:
+        return {"error": str(err)}
+    return {"error": None}

@@ -54,3 +54,11 @@ def test_a_load_lists_the_prefix_once_and_every_rank_refuses_a_truncated_object(
     for r in refused:
         assert r.value["error"] and "__1_0.distcp" in r.value["error"], r.value
         assert "truncated" in r.value["error"] and r.value["unchanged"], r.value
+
+
+def test_ranks_saving_to_stores_they_do_not_share_are_told_so() -> None:
+    """``memory://`` on 2 ranks (one store per process): rank 0's check found rank 1's files absent and said "is
+    not the object of N bytes this save uploaded", which reads as damage; it now says what to check."""
+    for r in launch(f"{S}:save_to_a_store_of_each_process", 2, 5):
+        assert "is absent, though its writer uploaded" in r.value["error"], r.value
+        assert "do all ranks write to the same store" in r.value["error"], r.value

@@ -236,7 +236,14 @@ def check_uploaded(destination: StorePath, files: Mapping[str, Mapping[str, Any]
         )
     for name, rec in sorted(files.items()):
         info = found.get(name)
-        if info is None or info.get("type") != "file" or int(info.get("size") or -1) != int(rec["size"]):
+        if info is None:  # uploaded (its writer said so) but not listed here: another store, or deleted meanwhile
+            raise CheckpointError(
+                f"is absent, though its writer uploaded its {rec['size']} bytes: do all ranks write to the same "
+                "store (the same endpoint_url and storage_options everywhere; memory:// is one store per process, "
+                "for one-rank jobs), or was it deleted meanwhile? Nothing was committed",
+                path=destination / name,
+            )
+        if info.get("type") != "file" or int(info.get("size") or -1) != int(rec["size"]):
             raise CheckpointError(
                 f"is not the object of {rec['size']} bytes this save uploaded; nothing was committed",
                 path=destination / name,
