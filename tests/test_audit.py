@@ -134,3 +134,24 @@ def test_a_collector_holding_trajectory_steps_audits_clean_after_a_load(tmp_path
     assert tdcp.state_differences(before, tdcp.state_snapshot(fresh, "c")) == []
     saved.shutdown()
     fresh.shutdown()
+
+
+def test_a_ragged_lazy_stack_and_signed_nans_are_audited() -> None:
+    """``state_snapshot`` of a ragged ``LazyStackedTensorDict`` raised tensordict's "Failed to stack tensors" (it
+    read each entry through the stack); a NaN and a -NaN, which a save keeps apart, had one fingerprint."""
+    import math
+
+    import torch
+    from tensordict import LazyStackedTensorDict, TensorDict
+
+    def ragged(last: float) -> LazyStackedTensorDict:
+        parts = [TensorDict({"x": torch.zeros(2)}, []), TensorDict({"x": torch.full((3,), last)}, [])]
+        return LazyStackedTensorDict(*parts, stack_dim=0)
+
+    same = tdcp.state_differences(tdcp.state_snapshot(ragged(1.0), "s"), tdcp.state_snapshot(ragged(1.0), "s"))
+    assert same == []
+    other = tdcp.state_differences(tdcp.state_snapshot(ragged(1.0), "s"), tdcp.state_snapshot(ragged(2.0), "s"))
+    assert [d.path for d in other] == ["s.tensordicts[1]['x']"], other
+    nan, negative = float("nan"), -float("nan")
+    assert math.copysign(1.0, negative) < 0
+    assert tdcp.state_differences(tdcp.state_snapshot({"v": nan}, "c"), tdcp.state_snapshot({"v": negative}, "c"))

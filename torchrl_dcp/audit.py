@@ -196,6 +196,8 @@ def _leaf(obj: Any) -> str | None:  # noqa: PLR0911 - one return per leaf kind
     if obj is None or isinstance(obj, (bool, int, str, bytes, complex)):
         return f"{type(obj).__name__} {obj!r}"
     if isinstance(obj, float):
+        if math.isnan(obj):  # (a NaN keeps its sign through a save: the audit tells them apart too)
+            return f"float {'-' if math.copysign(1.0, obj) < 0 else ''}nan"
         return f"float {obj!r}" if math.isfinite(obj) else f"float {obj}"
     if type(obj).__name__ in ("Synchronized", "SynchronizedArray", "SynchronizedString"):  # multiprocessing.Value
         value = obj.value if hasattr(obj, "value") else list(obj[:])
@@ -235,14 +237,25 @@ def _tensor_fingerprint(t: Any) -> str:
     return f"tensor {t.dtype} {tuple(t.shape)} {digest}"
 
 
+def _tensordict_children(obj: Any, path: str) -> Iterable[tuple[Any, str, Any]]:
+    """A TensorDict's batch size and leaves; a lazy stack's parts (a ragged one cannot stack its entries)."""
+    yield "batch_size", f"{path}.batch_size", obj.batch_size
+    parts = getattr(obj, "tensordicts", None)
+    if isinstance(parts, list):
+        yield "stack_dim", f"{path}.stack_dim", getattr(obj, "stack_dim", None)
+        for i, part in enumerate(parts):
+            yield i, f"{path}.tensordicts[{i}]", part
+        return
+    for key in obj.keys(include_nested=True, leaves_only=True, is_leaf=_is_td_leaf):
+        yield key, f"{path}[{key!r}]", obj.get(key)
+
+
 def _children(obj: Any, path: str) -> Iterable[tuple[Any, str, Any]]:
     """``(key or attribute name, path, value)`` of what ``obj`` holds."""
     from tensordict import TensorDictBase
 
     if isinstance(obj, TensorDictBase):
-        yield "batch_size", f"{path}.batch_size", obj.batch_size
-        for key in obj.keys(include_nested=True, leaves_only=True, is_leaf=_is_td_leaf):
-            yield key, f"{path}[{key!r}]", obj.get(key)
+        yield from _tensordict_children(obj, path)
         return
     if isinstance(obj, Mapping):
         for i, (key, value) in enumerate(list(obj.items())):
@@ -255,7 +268,9 @@ def _children(obj: Any, path: str) -> Iterable[tuple[Any, str, Any]]:
             yield i, f"{path}[{i}]", value
         return
     if isinstance(obj, (set, frozenset)):
-        for i, value in enumerate(sorted(obj, key=repr)):
+        from torchrl_dcp.format.codec import set_order
+
+        for i, value in enumerate(sorted(obj, key=set_order)):  # (the same order in every process)
             yield i, f"{path}{{{i}}}", value
         return
     if any(k.__name__ == "TensorStorage" for k in type(obj).__mro__) and getattr(obj, "initialized", False):
