@@ -268,9 +268,7 @@ def _children(obj: Any, path: str) -> Iterable[tuple[Any, str, Any]]:
             yield i, f"{path}[{i}]", value
         return
     if isinstance(obj, (set, frozenset)):
-        from torchrl_dcp.format.codec import set_order
-
-        for i, value in enumerate(sorted(obj, key=set_order)):  # (the same order in every process)
+        for i, value in enumerate(sorted(obj, key=_by_value)):  # (the same order in every process)
             yield i, f"{path}{{{i}}}", value
         return
     if any(k.__name__ == "TensorStorage" for k in type(obj).__mro__) and getattr(obj, "initialized", False):
@@ -315,3 +313,13 @@ def _attributes(obj: Any, path: str) -> Iterable[tuple[str, str, Any]]:
                 attrs[slot] = getattr(obj, slot)
     for name, value in attrs.items():
         yield name, f"{path}.{name}", value
+
+
+def _by_value(value: Any) -> str:
+    """A set item's place in a snapshot: ``repr``, but a frozenset's items sorted (its own ``repr`` follows string
+    hashing, randomised per process: two snapshots of one set would differ)."""
+    if isinstance(value, (set, frozenset)):
+        return "{" + ",".join(sorted(map(_by_value, value))) + "}"
+    if isinstance(value, tuple):
+        return "(" + ",".join(map(_by_value, value)) + ")"
+    return repr(value)

@@ -194,7 +194,7 @@ class _Encoder:
             if isinstance(value, tuple) and hasattr(value, "_fields"):
                 raise self.fail(path, value, " (namedtuple)")
             kind = "list" if isinstance(value, list) else "tuple"
-        seq = sorted(value, key=set_order) if kind in ("set", "frozenset") else value
+        seq = sorted(value, key=_set_order) if kind in ("set", "frozenset") else value
         return {
             "t": kind,
             "items": [self.encode(v, f"{path}/{i}" if path else str(i), depth) for i, v in enumerate(seq)],
@@ -636,12 +636,12 @@ _DECODERS: dict[str, Any] = {
 }
 
 
-def set_order(value: Any) -> str:
-    """The key a set's items are encoded (and audited) in order of: the same on every rank and in every process. ``repr`` of a
+def _set_order(value: Any) -> str:
+    """The key a set's items are encoded in order of: the same on every rank and in every process. ``repr`` of a
     frozenset (or a tuple holding one) follows its hash order, which string hashing randomises per process: equal
     replicated sets were refused as different, depending on ``PYTHONHASHSEED``."""
     if isinstance(value, (set, frozenset)):
-        return f"{type(value).__name__}({','.join(sorted(map(set_order, value)))})"
+        return f"{type(value).__name__}({','.join(sorted(map(_set_order, value)))})"
     if isinstance(value, tuple):
-        return f"({','.join(map(set_order, value))})"
+        return f"({','.join(map(_set_order, value))})"
     return repr(value)
