@@ -10,9 +10,10 @@ batch 256, Adam): forward, backward, step. Three phases, alternated ``--rounds``
 
 Reported: update steps per second in both phases (medians), the slowdown while a save is in flight, and the
 blocking time. ``--threads`` sets torch's intra-op threads of the loop (default: torch's). ``--controls`` also
-times the loop against background threads that do one kind of work each over ``--mib`` MiB: raw ``os.write`` +
-``fsync`` (the GIL released), a torch copy, and 0.5 s of pure Python (the GIL held): what a save's slowdown is made
-of (CPU contention or the GIL).
+times the loop against background work of one kind each over ``--mib`` MiB, ``--rounds`` times in a shuffled
+order: raw ``os.write`` + ``fsync`` (the GIL released), a torch copy, 0.5 s of pure Python (the GIL held), and what a
+save does to each byte (CRC-32 and Adler-32 of 1 MiB pieces, each written; fsync) in a thread and in a helper process
+fed from shared memory: what a save's slowdown is made of (CPU and memory contention, or the GIL).
 
 Usage::
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import tempfile
@@ -120,25 +122,66 @@ def run(mib: int, rounds: int, root: Path) -> dict[str, Any]:
     }
 
 
-def controls(mib: int) -> dict[str, dict[str, float]]:
-    """The loop's slowdown while one background thread writes, copies, or runs Python (see the module docstring)."""
-    import os
+def _checksum_and_write(view: Any, path: str) -> tuple[int, int]:
+    """What a save does to each byte, without the rest: CRC-32 and Adler-32 of 1 MiB pieces, each written, fsync."""
+    from torchrl_dcp.format.checksums import adler32, crc32
+
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+    try:
+        crc, adler = 0, 1
+        for off in range(0, len(view), 1 << 20):
+            piece = view[off : off + (1 << 20)]
+            crc, adler = crc32(piece, crc), adler32(piece, adler)
+            os.pwrite(fd, piece, off)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return crc, adler
+
+
+def _helper(conn: Any, name: str, size: int) -> None:
+    """A helper process: checksums and writes the shared memory ``name`` whenever asked (``_checksum_and_write``)."""
+    from multiprocessing import shared_memory
+
+    shm = shared_memory.SharedMemory(name=name)
+    view = shm.buf[:size]
+    try:
+        while (path := conn.recv()) is not None:
+            conn.send(_checksum_and_write(view, path))
+    finally:
+        view.release()
+        shm.close()
+
+
+def controls(mib: int, rounds: int) -> dict[str, dict[str, Any]]:
+    """The loop's slowdown while background work of one kind runs over ``mib`` MiB (see the module docstring),
+    each kind ``rounds`` times in a shuffled order, the loop timed alone right after each for as long."""
+    import multiprocessing
+    import random
     import threading
+    from multiprocessing import shared_memory
 
     nets, optim = make_learner()
-    data = torch.randn(mib << 18)
+    size = mib << 20
+    shm = shared_memory.SharedMemory(create=True, size=size)
+    data = torch.frombuffer(shm.buf, dtype=torch.float32)
+    data.copy_(torch.randn(data.numel()))
     view = memoryview(data.numpy()).cast("B")
     piece = 8 << 20
+    scratch = tempfile.mkdtemp(prefix="tdcp-controls-", dir="/tmp")
+    ctx = multiprocessing.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    helper = ctx.Process(target=_helper, args=(child_conn, shm.name, size), daemon=True)
+    helper.start()
 
     def raw_write() -> None:
-        fd, name = tempfile.mkstemp(dir="/tmp")
+        fd = os.open(f"{scratch}/raw", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
         try:
             for off in range(0, len(view), piece):
                 os.write(fd, view[off : off + piece])
             os.fsync(fd)
         finally:
             os.close(fd)
-            os.unlink(name)
 
     def torch_copy() -> None:
         out = torch.empty_like(data)
@@ -150,18 +193,47 @@ def controls(mib: int) -> dict[str, dict[str, float]]:
         while time.perf_counter() - start < 0.5:
             sum(range(1000))
 
-    out = {}
-    for name, fn in (("raw write + fsync", raw_write), ("torch copy", torch_copy), ("pure Python", python_loop)):
-        idle = steps_for(0.6, nets, optim)
-        thread = threading.Thread(target=fn)
-        n, start = 0, time.perf_counter()
-        thread.start()
-        while thread.is_alive():
-            update(nets, optim)
-            n += 1
-        elapsed = time.perf_counter() - start
-        out[name] = {"seconds": elapsed, "steps_per_s_idle": idle, "slowdown": 1 - n / elapsed / idle}
-    return out
+    def in_helper() -> None:  # this thread only waits on a pipe: the GIL stays with the loop
+        conn.send(f"{scratch}/helper")
+        conn.recv()
+
+    kinds = {
+        "raw write + fsync": raw_write,
+        "torch copy": torch_copy,
+        "pure Python": python_loop,
+        "checksums + write, a thread": lambda: _checksum_and_write(view, f"{scratch}/thread"),
+        "checksums + write, a helper process": in_helper,
+    }
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in kinds}
+    try:
+        for _ in range(rounds):
+            for name in random.sample(list(kinds), len(kinds)):
+                thread = threading.Thread(target=kinds[name])
+                n, start = 0, time.perf_counter()
+                thread.start()
+                while thread.is_alive():
+                    update(nets, optim)
+                    n += 1
+                elapsed = time.perf_counter() - start
+                idle = steps_for(max(elapsed, 0.5), nets, optim)
+                runs[name].append((elapsed, 1 - n / elapsed / idle))
+    finally:
+        conn.send(None)
+        helper.join(10)
+        view.release()
+        data = None  # the last reference to the shared memory's buffer: it can close
+        shm.close()
+        shm.unlink()
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {
+        name: {
+            "seconds": statistics.median(s for s, _ in r),
+            "slowdown": statistics.median(x for _, x in r),
+            "lost_s": statistics.median(s * x for s, x in r),
+            "slowdowns": [x for _, x in r],
+        }
+        for name, r in runs.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -180,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if args.controls:
-        report["controls"] = controls(args.mib)
+        report["controls"] = controls(args.mib, args.rounds)
     report["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     m = report["median"]
     print(
@@ -189,7 +261,10 @@ def main(argv: list[str] | None = None) -> None:
         f"{m['blocking_s']:.3f} s, the save took {m['save_total_s']:.3f} s"
     )
     for name, c in report.get("controls", {}).items():
-        print(f"  control, a background {name}: slowdown {c['slowdown']:.0%} over {c['seconds']:.2f} s")
+        print(
+            f"  control, background {name}: slowdown {c['slowdown']:.1%} over {c['seconds']:.2f} s "
+            f"(the loop lost {c['lost_s'] * 1e3:.0f} ms; medians of {args.rounds})"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 

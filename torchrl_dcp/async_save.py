@@ -44,6 +44,7 @@ from torchrl_dcp.errors import CheckpointError
 from torchrl_dcp.format.record import GATHER_BYTES, byte_view, can_write_fast, plain_tensor
 from torchrl_dcp.settings import setting
 from torchrl_dcp.storage.copying import leaving_cpus, yield_cpus
+from torchrl_dcp.storage.stable_bytes import own
 
 
 class SaveHandle:
@@ -237,6 +238,7 @@ class AsyncSaver:
             buf = self._buffers.get(key)
             if buf is None or buf.shape != src.shape or buf.dtype != src.dtype or (on_cuda and not buf.is_pinned()):
                 buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=on_cuda)
+                own(buf)  # nothing but this saver writes it: written without a copy (storage/stable_bytes.py)
             if on_cuda:
                 with torch.cuda.stream(stream):
                     buf.copy_(src, non_blocking=True)
@@ -269,6 +271,7 @@ class AsyncSaver:
             at += tensor.numel() * tensor.element_size()
         if self._together is None or self._together.numel() < at:
             self._together = torch.empty(at, dtype=torch.uint8, pin_memory=stream is not None)
+            own(self._together)
         first = next(iter(tensors.values()))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             pad = torch.zeros(ALIGN, dtype=torch.uint8, device=first.device)

@@ -42,9 +42,10 @@ from torchrl_dcp.format.checksums import adler32, content_fingerprint, crc32, cr
 from torchrl_dcp.format.layout import MANIFEST, TRAILER_SIZE, identity_trailer, read_identity
 from torchrl_dcp.format.record import template, tensor_bytes
 from torchrl_dcp.storage import proven
-from torchrl_dcp.storage.copying import pwrite_all, run_split, stable_copy
+from torchrl_dcp.storage.copying import pwrite_all, run_split
 from torchrl_dcp.storage.files import DirHandle
 from torchrl_dcp.storage.proven import ChunkIdentity
+from torchrl_dcp.storage.stable_bytes import stable_piece
 from torchrl_dcp.storage.writeback import Writeback
 
 logger = get_logger(__name__)
@@ -144,7 +145,7 @@ def write_chunk_file(
         # fingerprint are those of the bytes it holds; the head (which holds the data's CRC) is written last
         data_crc, data_adler, at = 0, 1, len(tpl.head)
         for lo in range(0, len(data), CHUNK_PIECE):
-            piece = stable_copy(data[lo : lo + CHUNK_PIECE])
+            piece = stable_piece(data[lo : lo + CHUNK_PIECE])
             data_crc, data_adler = crc32(piece, data_crc), adler32(piece, data_adler)
             put(piece, at + lo)
         head, tail = tpl.parts(data_crc)

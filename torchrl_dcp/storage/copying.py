@@ -303,24 +303,3 @@ def _cut(size: int, piece: int) -> list[tuple[int, int]]:
     if size <= first:
         return [(0, size)] if size else []
     return [(0, first)] + [(off, min(piece, size - off)) for off in range(first, size, piece)]
-
-
-_BOUNCE = threading.local()
-
-
-def stable_copy(view: Any) -> memoryview:
-    """``view``'s bytes copied into this thread's reusable buffer (valid until its next call in this thread): what
-    a writer checksums and writes when ``view`` is live memory that may change meanwhile, so that a file's checksums
-    are those of the bytes it holds.
-
-    Example:
-        >>> bytes(stable_copy(memoryview(b"abc")))
-        b'abc'
-    """
-    n = len(view) if not isinstance(view, memoryview) else view.nbytes
-    held = getattr(_BOUNCE, "buffer", None)
-    if held is None or len(held) < n:
-        held = _BOUNCE.buffer = bytearray(max(n, 1 << 20))
-    out = memoryview(held)[:n]
-    out[:] = view if not isinstance(view, memoryview) else view.cast("B")
-    return out

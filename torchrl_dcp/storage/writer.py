@@ -66,8 +66,9 @@ from torchrl_dcp.format.record import (
     tensor_bytes,
 )
 from torchrl_dcp.storage.base import ChunkEntry, WriteOutcome
-from torchrl_dcp.storage.copying import default_threads, pwrite_all, run_split, stable_copy
+from torchrl_dcp.storage.copying import default_threads, pwrite_all, run_split
 from torchrl_dcp.storage.files import DirHandle, naming
+from torchrl_dcp.storage.stable_bytes import stable_piece
 from torchrl_dcp.storage.writeback import Writeback
 
 WRITE_PIECE = 1 << 20  # 1 MiB writes measured fastest here (perf.md)
@@ -182,7 +183,7 @@ def _write_unit(fd: int, u: _Unit, writeback: Writeback | None) -> None:
     for s in range(0, u.length, WRITE_PIECE):  # (a held unit is one piece; a device window several)
         piece = data[s : s + WRITE_PIECE]
         if live:
-            piece = stable_copy(piece)
+            piece = stable_piece(piece)
         crc = crc32(piece, crc)
         pwrite_all(fd, piece, u.offset + s)
         if writeback is not None:
