@@ -691,3 +691,13 @@ def test_a_damaged_field_zipfile_cannot_read_is_never_an_exception_of_another_ki
             attempt()
         except tdcp.CheckpointError:
             pass
+
+
+def test_an_export_of_a_component_the_checkpoint_lacks_is_a_checkpoint_error_naming_what_it_holds(
+    tmp_path: Path,
+) -> None:
+    src = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(2, 2)).save(tmp_path / "step-1")
+    with pytest.raises(tdcp.IncompatibleComponentError, match=r"\['critic'\].*holds \['policy'\]") as err:
+        tdcp.export_torchrl(src, tmp_path / "out", components=["policy", "critic"])
+    assert "step-1" in str(err.value)
+    assert not (tmp_path / "out").exists()

@@ -25,7 +25,13 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError, from_os_error
+from torchrl_dcp.errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    IncompatibleComponentError,
+    from_os_error,
+)
 from torchrl_dcp.format.checksums import checksum_mismatch, format_crc
 from torchrl_dcp.format.layout import DCP_METADATA, MANIFEST, MAX_MANIFEST_BYTES, is_data_file
 from torchrl_dcp.format.manifest import loads_manifest
@@ -385,7 +391,11 @@ def export_torchrl(
         components = [components]
     unknown = sorted(set(components) - set(saved))
     if unknown:
-        raise KeyError(f"not in the checkpoint: {unknown}; it holds {sorted(saved)}")
+        raise IncompatibleComponentError(
+            f"cannot export {unknown}: not in the checkpoint, which holds {sorted(saved)}; pass components=[...] "
+            "naming some of these",
+            path=src,
+        )
     values: dict[str, Any] = {}
     problems: list[str] = []  # (every component checked: the refusal names each, and what can be exported)
     for name in components:
