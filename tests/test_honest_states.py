@@ -207,3 +207,14 @@ def test_a_learning_rate_tensor_the_param_groups_share_resumes_shared(tmp_path: 
     _train(fresh, 4)
     for a, b in zip(straight["model"].parameters(), fresh["model"].parameters()):
         assert torch.equal(a, b)
+
+
+def test_an_enabled_grad_scaler_into_a_disabled_one_says_it_is_disabled(tmp_path: Path) -> None:
+    """Torch's own load into a disabled scaler drops the state without a word; the refusal says why, not 'forged'."""
+    path = tdcp.DistributedCheckpoint(scaler=torch.amp.GradScaler("cpu", enabled=True)).save(tmp_path / "s")
+    with pytest.raises(tdcp.IncompatibleComponentError, match="GradScaler is disabled .* build it enabled") as err:
+        tdcp.DistributedCheckpoint(scaler=torch.amp.GradScaler("cpu", enabled=False)).load(path)
+    assert "forged" not in str(err.value)
+    live = torch.amp.GradScaler("cpu", enabled=True, init_scale=2.0)
+    tdcp.DistributedCheckpoint(scaler=live).load(path)
+    assert live.get_scale() == torch.amp.GradScaler("cpu").get_scale()

@@ -103,9 +103,19 @@ def check_no_shadowing(saved: Any, live: Any, obj: Any, where: str) -> None:
         if isinstance(key, str) and (
             callable(getattr(type(obj), key, None)) or isinstance(getattr(type(obj), key, None), property)
         ):
+            kind = type(obj).__name__
+            disabled = callable(getattr(obj, "is_enabled", None)) and obj.is_enabled() is False
+            why = (
+                f"this {kind} is disabled and holds no state, the checkpoint's was enabled: build it enabled (as "
+                "when saved) to load it"
+                if disabled
+                else f"the checkpoint was saved from a {kind} built otherwise (build it as when saved), or it is "
+                "damaged or forged"
+            )
             raise IncompatibleComponentError(
-                f"{where}: the checkpoint's state holds {key!r}, which is no part of this {type(obj).__name__}'s "
-                "state but one of its methods (loading it would replace the method): damaged or forged"
+                f"{where}: the checkpoint's state holds {key!r}, which this {kind}'s state does not hold (it holds "
+                f"{sorted(map(str, live))[:8]}) and which names one of its methods: loading it would replace the "
+                f"method; {why}"
             )
 
 
