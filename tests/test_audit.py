@@ -155,3 +155,20 @@ def test_a_ragged_lazy_stack_and_signed_nans_are_audited() -> None:
     nan, negative = float("nan"), -float("nan")
     assert math.copysign(1.0, negative) < 0
     assert tdcp.state_differences(tdcp.state_snapshot({"v": nan}, "c"), tdcp.state_snapshot({"v": negative}, "c"))
+
+
+def test_a_container_of_another_type_is_a_difference() -> None:
+    """A tuple restored as a list, a dict as a list of its keys, an object as another class: each is named (an empty
+    container records nothing: its kind holds no state)."""
+
+    class A:
+        pass
+
+    class B:
+        pass
+
+    saved = state_snapshot({"betas": (0.9, 0.99), "extra": {0: 1}, "obj": A(), "e": {}}, "s")
+    restored = state_snapshot({"betas": [0.9, 0.99], "extra": [1], "obj": B(), "e": []}, "s")
+    assert {d.path for d in state_differences(saved, restored)} == {"s['betas']", "s['extra']", "s['obj']"}
+    same = state_snapshot({"betas": (0.9, 0.99), "extra": {0: 1}, "obj": A(), "e": {}}, "s")
+    assert state_differences(saved, same) == []

@@ -3,9 +3,10 @@
 A restore is exact when the restored object holds the same state as the saved one, not only the state its adapter
 writes. :func:`state_snapshot` walks the object graph (tensors, numbers, strings, containers, modules, TensorDicts and
 the attributes of plain objects, following references once: a second path to the same object is recorded as a
-reference to the first) and fingerprints every leaf; :func:`state_differences` lists the paths whose fingerprints
-differ between two snapshots. Snapshots are JSON-safe, so the saved process and the process that restored can
-compare them after the first one has exited (how the conformance suites use them).
+reference to the first) and fingerprints every leaf, and the type of every object and non-empty container;
+:func:`state_differences` lists the paths whose fingerprints differ between two snapshots. Snapshots are JSON-safe,
+so the saved process and the process that restored can compare them after the first one has exited (how the
+conformance suites use them).
 
 What is not state is not walked: functions and bound methods, classes and modules, threads, locks, files, sockets,
 processes and generators, and the attributes :data:`NOT_STATE` lists with the reason (a collector's output buffer,
@@ -179,6 +180,11 @@ class _Walker:
         if not isinstance(obj, tuple):  # a tuple's identity is no state (load_state_dict rebuilds them)
             self.seen[id(obj)] = path
         self.keep.append(obj)
+        if not (isinstance(obj, (list, tuple, dict, set, frozenset)) and not obj):
+            # its kind (a list is no tuple), but nothing for an empty container: its kind carries no state, and an
+            # empty attribute may stand for one on the class (torchrl's Trainer keeps ``_last_log = {}`` on its
+            # class until a load sets one on the instance)
+            self.out[path] = f"<{type(obj).__qualname__}>"
         classes = frozenset(k.__name__ for k in type(obj).__mro__)
         owners = classes | owner
         for key, sub, value in _children(obj, path):
