@@ -434,3 +434,35 @@ def test_saved_components_that_nothing_is_registered_for_are_named_in_a_warning(
         warnings.simplefilter("error", tdcp.UnrestoredComponentWarning)
         tdcp.DistributedCheckpoint(policy=torch.nn.Linear(2, 2), buffer={}).load(path, components=["policy"])
         tdcp.DistributedCheckpoint(policy=torch.nn.Linear(2, 2), buffer={}).load(path)
+
+
+def test_a_failed_load_leaves_the_global_random_streams_as_they_were(tmp_path) -> None:
+    """A component's own load_state_dict draws random numbers, then fails: the load rolls the objects back, and the
+    streams too (they are the process's state, registered or not)."""
+    import random
+
+    import numpy as np
+
+    class Draws:
+        def __init__(self) -> None:
+            self.value = torch.zeros(3)
+
+        def state_dict(self) -> dict:
+            return {"value": self.value}
+
+        def load_state_dict(self, state: dict) -> None:
+            torch.rand(5), random.random(), np.random.rand()  # e.g. a re-initialisation before the check
+            if not torch.equal(state["value"], state["value"].abs()):
+                raise ValueError("negative values")
+            self.value = state["value"]
+
+    obj = Draws()
+    obj.value = -torch.ones(3)
+    path = tdcp.DistributedCheckpoint(model=torch.nn.Linear(2, 2), obj=obj).save(tmp_path / "c")
+    ckpt = tdcp.DistributedCheckpoint(model=torch.nn.Linear(2, 2), obj=Draws())
+    before = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    with pytest.raises(tdcp.IncompatibleComponentError, match="negative values"):
+        ckpt.load(path)
+    assert torch.equal(torch.get_rng_state(), before[0])
+    assert random.getstate() == before[1]
+    assert np.array_equal(np.random.get_state()[1], before[2])

@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from torchrl_dcp._log import get_logger
 from torchrl_dcp.adapters.base import Adapter
+from torchrl_dcp.adapters.rng import RNGState
 from torchrl_dcp.collective import failures, raise_if_failed, run_agreed
 from torchrl_dcp.errors import (
     CheckpointError,
@@ -407,6 +408,15 @@ def restore(src: CheckpointSource, request: LoadRequest, load_plan: LoadPlan, re
     random numbers (an object's own ``load_state_dict``) leaves the streams as saved. Up
     to the in-place read, a failure leaves every object as it was.
     """
+    streams = RNGState().state_dict()  # a restore may draw random numbers (an object's own load_state_dict)
+    try:
+        _restore(src, request, load_plan, result)
+    except BaseException:
+        RNGState().load_state_dict(streams)  # a failed load leaves the global streams as they were, too
+        raise
+
+
+def _restore(src: CheckpointSource, request: LoadRequest, load_plan: LoadPlan, result: LoadResult) -> None:
     first = sorted((c for c in load_plan.components.values() if not c.in_place), key=lambda c: c.restore_last)
     in_place = [c for c in load_plan.components.values() if c.in_place]
     done: list[ComponentPlan] = []
