@@ -34,34 +34,42 @@ import numpy
 import torch
 
 _LOCK = threading.Lock()
-#: sorted ``(start, end)`` address ranges of memory a save owns; replaced whole, so readers need no lock
-_OWNED: tuple[tuple[int, int], ...] = ()
+_ENDS: dict[int, int] = {}  # start -> end address of each buffer a save owns
+_STARTS: list[int] | None = []  # the starts, sorted; None once _ENDS changed (sorted again at the next lookup)
 _COPY = threading.local()
 
 
 def own(tensor: torch.Tensor) -> None:
     """Declare ``tensor``'s memory a save's own until ``tensor`` is garbage collected: nothing else writes it while
     a save reads it, so writers read it without a copy. Only for buffers the caller allocated and no other code can
-    reach (a CPU tensor; a device tensor is ignored)."""
+    reach (a CPU tensor; a device tensor is ignored). Constant time (an async save stages one buffer per tensor)."""
+    global _STARTS
     if tensor.device.type != "cpu" or tensor.numel() == 0:
         return
     storage = tensor.untyped_storage()
-    span = (storage.data_ptr(), storage.data_ptr() + storage.nbytes())
-    _update(lambda ranges: sorted({*ranges, span}))
-    weakref.finalize(tensor, _update, lambda ranges: [r for r in ranges if r != span])
-
-
-def _update(change: Any) -> None:
-    global _OWNED
+    start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
     with _LOCK:
-        _OWNED = tuple(change(_OWNED))
+        _ENDS[start] = end
+        _STARTS = None
+    weakref.finalize(tensor, _release, start, end)
+
+
+def _release(start: int, end: int) -> None:
+    global _STARTS
+    with _LOCK:
+        if _ENDS.get(start) == end:  # (not a buffer since allocated at the same address: that one stays owned)
+            del _ENDS[start]
+            _STARTS = None
 
 
 def owned(start: int, length: int) -> bool:
     """Whether ``[start, start + length)`` lies in memory declared with :func:`own`."""
-    ranges = _OWNED
-    i = bisect.bisect_right(ranges, (start, float("inf"))) - 1
-    return i >= 0 and ranges[i][0] <= start and start + length <= ranges[i][1]
+    global _STARTS
+    with _LOCK:
+        if _STARTS is None:
+            _STARTS = sorted(_ENDS)
+        i = bisect.bisect_right(_STARTS, start) - 1
+        return i >= 0 and start + length <= _ENDS[_STARTS[i]]
 
 
 def stable_piece(view: Any) -> memoryview:
