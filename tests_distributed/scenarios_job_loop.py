@@ -256,10 +256,11 @@ def a_rank_absent_from_the_step_agreement(root: str, where: str) -> dict[str, An
     rotation.maybe_save(ckpt, 1)  # (the checkpoint groups exist: the next failure is the exchange's own)
     rotation.save(ckpt, step=1)
     if rank == 1:
-        time.sleep(20)
+        if where != "exited":  # (exited: its process ends at once)
+            time.sleep(20)
         return {"message": None}
     try:
-        if where == "agreement":
+        if where in ("agreement", "exited"):
             rotation.maybe_save(ckpt, 2)
         else:
             rotation.resume(ckpt)

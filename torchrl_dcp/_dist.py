@@ -225,11 +225,13 @@ def sync(group: Any, phase: str) -> None:
     _SEQ[id(group)] = seq
     timeout = group_timeout(group)
     me = dist.get_rank(group)
+    start = time.monotonic()
     try:
         dist.monitored_barrier(group, timeout=timeout, wait_all_ranks=True)
         return
     except RuntimeError as err:
         text = str(err)
+    elapsed = time.monotonic() - start
     _discard(group)
     key = f"torchrl_dcp/silent/{_NAMES.get(id(group), 'g')}/{seq}"
     store = _store()
@@ -252,8 +254,8 @@ def sync(group: Any, phase: str) -> None:
     if silent is not None:
         who = f"rank{'s' if ',' in silent else ''} {ranks_named(group, silent)}"
         raise CollectiveError(
-            f"{who} did not reach the checkpoint collective ({phase}) within {seconds}: stuck or dead. "
-            f"{outcome(phase)} Check that rank's log; raise DistributedCheckpoint(timeout=...) if it is only slow"
+            f"{not_reached(who, phase, elapsed, timeout)} {outcome(phase)} Check that rank's log; raise "
+            "DistributedCheckpoint(timeout=...) if it is only slow"
         ) from None
     if "Connection closed by peer" in text or "Connection reset" in text:
         raise CollectiveError(
@@ -270,6 +272,23 @@ def sync(group: Any, phase: str) -> None:
         f"stuck or dead, or waiting for another rank (its error names it). {outcome(phase)} (gloo: "
         f"{_last_line(text)})"
     ) from None
+
+
+def not_reached(who: str, phase: str, elapsed: float, timeout: datetime.timedelta) -> str:
+    """How ``who`` failed to reach a collective: silent for the whole timeout, or gone before it (its process exited
+    or crashed: the connection broke after ``elapsed`` seconds).
+
+    Example:
+        >>> not_reached("rank 1", "planning", 1.4, datetime.timedelta(seconds=6))
+        'rank 1 did not reach the checkpoint collective (planning): it left after 1.4 s, before the 6 s timeout (its process exited or crashed).'
+    """
+    limit = timeout.total_seconds()
+    if elapsed < 0.9 * limit:
+        return (
+            f"{who} did not reach the checkpoint collective ({phase}): it left after {elapsed:.1f} s, before the "
+            f"{limit:g} s timeout (its process exited or crashed)."
+        )
+    return f"{who} did not reach the checkpoint collective ({phase}) within {limit:g} s: stuck or dead."
 
 
 _READING: contextvars.ContextVar[bool] = contextvars.ContextVar("torchrl_dcp_reading", default=False)
@@ -319,6 +338,7 @@ def _collective(fn: Any, phase: str, group: Any = None) -> Any:
     call = 0
     if group is not None:
         call = _CALLS[id(group)] = _CALLS.get(id(group), 0) + 1
+    start = time.monotonic()
     try:
         return fn()
     except RuntimeError as err:
@@ -329,10 +349,10 @@ def _collective(fn: Any, phase: str, group: Any = None) -> Any:
             absent = [] if dead else _absent_ranks(group, call)
             if absent:
                 who = f"rank{'s' if len(absent) > 1 else ''} {ranks_named(group, ', '.join(map(str, absent)))}"
+                waited = not_reached(who, phase, time.monotonic() - start, group_timeout(group))
                 raise CollectiveError(
-                    f"{who} did not reach the checkpoint collective ({phase}) within "
-                    f"{group_timeout(group).total_seconds():g} s: stuck or dead. {outcome(phase)} Check that rank's "
-                    f"log; raise DistributedCheckpoint(timeout=...) if it is only slow (gloo: {_last_line(str(err))})"
+                    f"{waited} {outcome(phase)} Check that rank's log; raise DistributedCheckpoint(timeout=...) if it "
+                    f"is only slow (gloo: {_last_line(str(err))})"
                 ) from None
         raise CollectiveError(
             f"checkpoint collective ({phase}) failed: a rank died, the connection broke or a rank did not answer "
