@@ -26,6 +26,7 @@ from torchrl.envs import Compose, PendulumEnv, StepCounter, TransformedEnv
 from torchrl.envs.transforms import MultiStepTransform, RandomTruncationTransform
 
 import torchrl_dcp as tdcp
+from tests import forging
 
 
 def _without_replacement() -> ReplayBuffer:
@@ -355,3 +356,34 @@ def test_a_state_no_save_writes_is_refused_leaving_the_objects(tmp_path: Path, n
         assert random.getstate() == before[0] and torch.equal(torch.get_rng_state(), before[1])
     else:
         assert all(not tdcp.state_differences(before[k], tdcp.state_snapshot(v)) for k, v in live.items())
+
+
+@pytest.mark.parametrize("placement", ["replicated", "per_rank"])
+def test_a_mapping_naming_a_key_twice_is_refused_at_load_and_verify(tmp_path: Path, placement: str) -> None:
+    """A resealed skeleton whose Adam state lists ``exp_avg`` a second time, pointing at ``exp_avg_sq``'s record:
+    the last one won, and the loaded optimizer held one tensor as both moments (verify passed). A per-rank dict's
+    key twice likewise loaded another tensor in its place."""
+    torch.manual_seed(0)
+    policy = torch.nn.Linear(4, 3)
+    optim = torch.optim.Adam(policy.parameters())
+    policy(torch.ones(2, 4)).sum().backward()
+    optim.step()
+    stats = {"t": torch.zeros(2), "i": torch.arange(3)}
+    path = (
+        tdcp.DistributedCheckpoint(optimizer=optim).register("stats", stats, placement=placement).save(tmp_path / "c")
+    )
+
+    def twice(m: dict[str, Any]) -> None:
+        moments = m["components"]["optimizer"]["state"]["items"][0][1]["items"][0][1]["items"]
+        moments.append(["exp_avg", dict(next(v for k, v in moments if k == "exp_avg_sq"))])
+        stats = m["components"]["stats"]
+        items = (stats["ranks"]["0"] if placement == "per_rank" else stats)["state"]["items"]
+        items.append(["t", dict(next(v for k, v in items if k == "i"))])
+
+    forging.edit(path, twice)
+    with pytest.raises(tdcp.CheckpointFormatError, match="holds the key 'exp_avg' twice"):
+        tdcp.verify(path)
+    live = torch.optim.Adam(torch.nn.Linear(4, 3).parameters())
+    with pytest.raises(tdcp.CheckpointError, match="holds the key '(exp_avg|t)' twice"):
+        tdcp.DistributedCheckpoint(optimizer=live).register("stats", {}, placement=placement).load(path)
+    assert live.state_dict()["state"] == {}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import json
 import math
 import re
 import struct
@@ -573,9 +574,22 @@ def _decode_mapping(node: dict[str, Any], tensors: Mapping[str, Any], depth: int
                 out[k] = tensors[key] if type(key) is str and key in tensors else _decode(v, tensors, depth)
         else:
             out[k] = _decode(v, tensors, depth)
+    if len(out) != len(items):  # a key twice: the last would win, silently (no save writes one: a dict cannot hold it)
+        raise ValueError(f"a mapping holds the key {_repeated_key(items)} twice, which no save writes")
     if "metadata" in node:
         out._metadata = _decode(node["metadata"], tensors, depth)  # type: ignore[attr-defined]
     return out
+
+
+def _repeated_key(items: list[Any]) -> str:
+    """The first key of ``items`` (``[key, value]`` pairs) that an earlier one repeats, as the manifest spells it."""
+    seen: set[str] = set()
+    for key, _ in items:
+        spelled = repr(key) if type(key) in (str, int) else json.dumps(key, sort_keys=True)
+        if spelled in seen:
+            return spelled
+        seen.add(spelled)
+    return "(two keys equal once decoded)"
 
 
 def _decode_sequence(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
