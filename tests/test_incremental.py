@@ -461,3 +461,55 @@ def test_a_buffer_filled_under_inference_mode_saves_and_its_rows_are_compared_by
     inc = ckpt.save(tmp_path / "inc", incremental_from=base)
     assert_same_checkpoint(inc, ckpt.save(tmp_path / "full"))
     assert len(kept_files(inc)) >= len(chunk_files(inc)) - 8
+
+
+def test_a_save_overlapping_an_async_one_leaves_the_rows_written_since_its_call_known(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An async incremental save S1 in flight; rows written after its call; another checkpoint of the same buffer
+    (a local tier's) saves and commits first. Its start reset the record of written rows, so the next incremental
+    save from S1 kept S1's chunk of those rows (their values at S1's call): stale rows, and verify passed."""
+    import threading
+
+    from torchrl_dcp.storage import chunk_writer
+
+    rb, ckpt, base = base_and_buffer(tmp_path)
+    gate = threading.Event()
+    write_chunks = chunk_writer.write_chunks
+
+    def held(*args: Any, **kwargs: Any) -> Any:  # the async save's writes wait until the other save committed
+        if threading.current_thread().name.startswith("tdcp-async-save"):
+            assert gate.wait(60)
+        return write_chunks(*args, **kwargs)
+
+    monkeypatch.setattr(chunk_writer, "write_chunks", held)  # (looked up at each call: storage/directory.py)
+    handle = ckpt.async_save(tmp_path / "s1", incremental_from=base)
+    rb[torch.arange(10)] = batch(10, 5000)  # while S1 is in flight: not in S1, in every later save
+    tdcp.DistributedCheckpoint(buffer=rb).save(tmp_path / "other")
+    assert not handle.done()
+    gate.set()
+    s1 = handle.wait()
+    s2 = ckpt.save(tmp_path / "s2", incremental_from=s1)
+    assert_same_checkpoint(s2, ckpt.save(tmp_path / "full"))
+
+
+def test_each_open_save_keeps_its_own_record_of_the_rows_written() -> None:
+    from torchrl.data import TensorStorage
+
+    from torchrl_dcp.tracking import track
+
+    storage = TensorStorage(torch.zeros(8, 3))
+    tracker = track(storage)
+    tracker.commit(tracker.begin(), "s0")
+    first = tracker.begin()  # an async save's call
+    storage.set(torch.tensor([2]), torch.ones(1, 3))
+    second = tracker.begin()  # another save while the first is in flight
+    assert second.epoch == "s0" and not second.unchanged("s0", 2, 1) and second.unchanged("s0", 3, 5)
+    storage.set(torch.tensor([4]), torch.ones(1, 3))
+    tracker.commit(second, "s2")
+    tracker.commit(first, "s1")  # committed last: the rows since its own call
+    later = tracker.begin()
+    assert later.epoch == "s1" and not later.unchanged("s1", 2, 1) and not later.unchanged("s1", 4, 1)
+    assert later.unchanged("s1", 5, 3)
+    tracker.abort(later)  # a failed save leaves the committed record as it was
+    assert tracker.begin().epoch == "s1"

@@ -10,9 +10,11 @@ the leaf's version counter, and a write by another process through a copy of the
 by torchrl's shared mutation counter: the snapshot then says "unknown" and the save falls
 back to comparing checksums of the live rows. So does a storage whose tensors other
 processes can write without either (shared memory, memory-mapped files): its rows are
-always compared by content. A save takes a :class:`Snapshot` while encoding;
-the rows marked from then on are relative to that save once it commits, and merged back
-if it fails.
+always compared by content. A save takes a :class:`Snapshot` while encoding (the rows
+written since the last committed save's call) and opens a record of the rows written
+from its own call on; once it commits, that record is the one later saves compare with,
+and if it fails, the record is dropped. Saves may overlap (an async save in flight while
+another checkpoint saves the same buffer): each open record takes every write.
 
 Example:
     >>> import torch
@@ -46,6 +48,7 @@ class Snapshot:
     tracker: RowTracker
     epoch: str | None
     mask: torch.Tensor | None
+    token: int = 0  # the record of the rows written from this save's call on (RowTracker.open)
 
     def unchanged(self, base_save_id: str, start: int, rows: int) -> bool:
         """Whether rows ``[start, start + rows)`` are proven unchanged since the save ``base_save_id``."""
@@ -74,62 +77,72 @@ class _TrackedSet:
 
 
 class RowTracker:
-    """Rows of one storage written since the last committed save (see the module docstring)."""
+    """Rows of one storage written since the last committed save's call, and since each open save's (see the module
+    docstring)."""
 
     def __init__(self, storage: Any) -> None:
         self.storage = storage
-        self.epoch: str | None = None  # the committed save the mask is relative to
+        self.epoch: str | None = None  # the committed save whose call the mask counts from
         self.mask: torch.Tensor | None = None  # None: unknown
+        self.open: dict[int, torch.Tensor | None] = {}  # a save in progress (its snapshot's token): rows since its call
+        self.tokens = 0
         self.versions: Any = None  # leaf versions and torchrl's mutation counter after our last write
         self.lock = threading.Lock()
 
     def __reduce__(self) -> Any:  # never travels with a copied storage
         return _none, ()
 
+    def _forget(self) -> None:
+        """Rows were written where they cannot be known: every record is unknown."""
+        self.mask = None
+        self.open = dict.fromkeys(self.open)
+
     # ------------------------------------------------------------------ writes
     def mark(self, cursor: Any) -> None:
         with self.lock:
-            if self.mask is None:
+            masks = [m for m in (self.mask, *self.open.values()) if m is not None]
+            if not masks:
                 return
             if _versions(self.storage, _leaves(self.storage)) != self.versions:  # written around ``set``: unknown
-                self.mask = None
-            elif not _mark_rows(self.mask, cursor):
-                self.mask = None
+                self._forget()
+            elif not all(_mark_rows(m, cursor) for m in masks):
+                self._forget()
 
     def wrote(self) -> None:
         with self.lock:
             leaves = _leaves(self.storage)
-            if self.mask is not None and (not leaves or int(leaves[0].shape[0]) != self.mask.shape[0]):
+            rows = int(leaves[0].shape[0]) if leaves else -1
+            if self.mask is not None and self.mask.shape[0] != rows:
                 self.mask = None  # the storage was (re)built
+            self.open = {k: m if m is not None and m.shape[0] == rows else None for k, m in self.open.items()}
             self.versions = _versions(self.storage, leaves)
 
     # ------------------------------------------------------------------ saves
     def begin(self) -> Snapshot:
-        """Take the rows written since the last commit, and start marking anew for this save."""
+        """The rows written since the last committed save's call; opens this save's record of the rows written from
+        now on."""
         with self.lock:
             leaves = _leaves(self.storage)
             versions = _versions(self.storage, leaves)
-            known = self.epoch is not None and self.mask is not None and versions == self.versions
-            known = known and not any(_shared(t) for t in leaves)
-            snap = Snapshot(self, self.epoch if known else None, self.mask if known else None)
-            self.epoch = None  # until this save commits
-            self.mask = torch.zeros(int(leaves[0].shape[0]), dtype=torch.bool) if leaves else None
+            if versions != self.versions:  # written around ``set`` since our last write: no record holds it
+                self._forget()
+            known = self.epoch is not None and self.mask is not None and not any(_shared(t) for t in leaves)
+            self.tokens += 1
+            snap = Snapshot(self, self.epoch if known else None, self.mask.clone() if known else None, self.tokens)
+            self.open[self.tokens] = torch.zeros(int(leaves[0].shape[0]), dtype=torch.bool) if leaves else None
             self.versions = versions
             return snap
 
     def commit(self, snap: Snapshot, save_id: str) -> None:
-        """The save that took ``snap`` committed as ``save_id``: rows marked since are relative to it."""
+        """The save that took ``snap`` committed as ``save_id``: later saves compare with the rows written since its
+        call (whichever of overlapping saves commits last: each record holds every write since its own call)."""
         with self.lock:
-            self.epoch = save_id
+            self.epoch, self.mask = save_id, self.open.pop(snap.token, None)
 
     def abort(self, snap: Snapshot) -> None:
-        """The save that took ``snap`` failed: what it took is marked again (or everything is unknown)."""
+        """The save that took ``snap`` failed: its record is dropped (the committed one was never reset)."""
         with self.lock:
-            if snap.mask is None or self.mask is None or snap.mask.shape != self.mask.shape:
-                self.mask, self.epoch = None, None
-                return
-            self.mask |= snap.mask
-            self.epoch = snap.epoch
+            self.open.pop(snap.token, None)
 
 
 def track(storage: Any) -> RowTracker:
