@@ -107,7 +107,7 @@ def _simulate(world: int, reps: int) -> dict[str, Any]:
             length = c.rows * plan.tensors[c.key].nbytes // plan.tensors[c.key].shape[0] + RECORD_OVERHEAD
             outcome.files[c.file] = {"size": length + 64, "checksum": "crc32:0123abcd"}
             outcome.chunks.append(
-                ChunkEntry(c.key, c.start, c.rows, c.file, 0, length, "crc32:0123abcd.adler32:0123abcd")
+                ChunkEntry(c.key, c.start, c.rows, c.file, 0, length, "crc32:0123abcd/adler32:0123abcd")
             )
         target = _MemoryTarget(stored)
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import torchrl_dcp as tdcp
+from tests import forging
 from torchrl_dcp.format import rank_table
 from torchrl_dcp.format.layout import shard_name
 from torchrl_dcp.format.manifest import CHECKSUM_FIELD, FORMAT_VERSION, body_checksum, loads_manifest, seal
@@ -271,3 +273,27 @@ def test_a_save_never_writes_a_manifest_every_load_refuses() -> None:
         parseable(dense, "the root manifest")
     fine = json.dumps([0] * 100_000, separators=(",", ":")).encode()
     assert parseable(fine, "the root manifest") is fine
+
+
+@pytest.mark.parametrize("fingerprint", ["md5:00", "crc32:0123abcd", 7, "CRC32:0123ABCD/ADLER32:0123ABCD"])
+def test_a_chunk_fingerprint_not_spelled_as_a_save_writes_it_is_refused(
+    tmp_path: Path, fingerprint: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It was accepted by load and verify (harmless to what loads, since a kept chunk's bytes are compared, but no
+    save writes it: a damaged or forged manifest)."""
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    monkeypatch.setenv("TDCP_CHUNK_BYTES", "4096")
+    rb = ReplayBuffer(storage=LazyTensorStorage(4096))
+    rb.extend(torch.arange(4096.0))
+    path = tdcp.DistributedCheckpoint(buffer=rb).save(tmp_path / "c")
+
+    def spoil(m: dict[str, Any]) -> None:
+        entries = next(iter(m["chunks"].values()))
+        entries[0]["fingerprint"] = fingerprint
+
+    forging.edit(path, spoil)
+    with pytest.raises(tdcp.CheckpointFormatError, match="fingerprint"):
+        tdcp.verify(path)
+    with pytest.raises(tdcp.CheckpointFormatError, match="fingerprint"):
+        tdcp.DistributedCheckpoint(buffer=ReplayBuffer(storage=LazyTensorStorage(4096))).load(path)

@@ -433,6 +433,9 @@ def _is_save_id(v: Any) -> bool:
     return isinstance(v, str) and len(v) == 32 and all(c in "0123456789abcdef" for c in v)
 
 
+_FINGERPRINT = re.compile(r"crc32:[0-9a-f]{8}/adler32:[0-9a-f]{8}")  # checksums.fingerprint_of's spelling
+
+
 def validate_chunk_table(chunks: Any, files: Mapping[str, Any], bad: Callable[[str], CheckpointFormatError]) -> None:
     """A chunk table: per key, a list of ``{start, rows, file, fingerprint, ...}`` entries, each in a listed file."""
     if not isinstance(chunks, dict):
@@ -447,13 +450,17 @@ def validate_chunk_table(chunks: Any, files: Mapping[str, Any], bad: Callable[[s
                 and isinstance(e.get("file"), str)
                 and e["file"] in files
                 and isinstance(e.get("fingerprint"), str)
+                and _FINGERPRINT.fullmatch(e["fingerprint"]) is not None
             )
             if not ok:
                 name = e.get("file") if isinstance(e, dict) else None
                 unlisted = (
                     f": chunk file {name!r} is not in 'files'" if isinstance(name, str) and name not in files else ""
                 )
-                raise bad(f"chunks[{key!r}] entries need start, rows, a listed file and a fingerprint{unlisted}")
+                raise bad(
+                    f"chunks[{key!r}] entries need start, rows, a listed file and a fingerprint "
+                    f"('crc32:<8 hex>/adler32:<8 hex>'){unlisted}"
+                )
 
 
 def _validate_component(
