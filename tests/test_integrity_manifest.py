@@ -283,7 +283,10 @@ def test_a_chunk_fingerprint_not_spelled_as_a_save_writes_it_is_refused(
     save writes it: a damaged or forged manifest)."""
     from torchrl.data import LazyTensorStorage, ReplayBuffer
 
-    monkeypatch.setenv("TDCP_CHUNK_BYTES", "4096")
+    from torchrl_dcp import chunking
+
+    monkeypatch.setattr(chunking, "CHUNK_BYTES", 4096)  # (read once, at import)
+    monkeypatch.setattr(chunking, "MIN_CHUNKED_BYTES", 8192)
     rb = ReplayBuffer(storage=LazyTensorStorage(4096))
     rb.extend(torch.arange(4096.0))
     path = tdcp.DistributedCheckpoint(buffer=rb).save(tmp_path / "c")
