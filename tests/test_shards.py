@@ -354,7 +354,14 @@ def test_a_shard_s_chunks_are_in_its_own_files_or_the_root_s_never_another_rank_
         "world_size": 2,
         "rank_table": rank_table.rank_table([rank_table.RankRow(10, 0, 1, 10)] * 2),
     }
-    chunk = {"start": 0, "rows": 4, "file": chunk_file, "offset": 0, "length": 10, "fingerprint": "crc32:00000000/adler32:00000001"}
+    chunk = {
+        "start": 0,
+        "rows": 4,
+        "file": chunk_file,
+        "offset": 0,
+        "length": 10,
+        "fingerprint": "crc32:00000000/adler32:00000001",
+    }
     shard = {
         "format": "torchrl_dcp.shard",
         "format_version": 7,
