@@ -407,7 +407,7 @@ def test_export_policy_for_torchrl_checkpoint_without_distributed(tmp_path: Path
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
     assert tdcp.export_torchrl(path, tmp_path / "rng.torchrl", ["rng"]).exists()  # RNG: rank 0's unless rank=...
-    with pytest.raises(KeyError, match="nope"):
+    with pytest.raises(tdcp.IncompatibleComponentError, match="nope"):
         tdcp.export_torchrl(path, tmp_path / "x.torchrl", ["nope"])
     with pytest.raises(tdcp.CheckpointError, match="already exists"):
         tdcp.export_torchrl(path, out, ["policy"])

@@ -745,13 +745,16 @@ def test_damaged_metadata_member_is_refused_by_verify_and_never_read_by_a_load(t
         verify(path)
 
 
-@pytest.mark.parametrize("name", ["../evil.distcp", "/abs/evil.distcp", "sub/../../evil", "..\\evil", "sub/file"])
+@pytest.mark.parametrize(
+    "name", ["../evil.distcp", "/abs/evil.distcp", "sub/../../evil", "..\\evil", "sub/file", "__0_0\n.distcp"]
+)
 def test_archive_member_escaping_is_refused(tmp_path: Path, name: str) -> None:
     src = archive(tmp_path)
     bad = tmp_path / "bad.zip"
     rewrite_zip(src, bad, lambda n: name if n == DATA else n)
     err = refuse_unchanged(bad)
     assert "bad.zip" in str(err), str(err)
+    assert "\x00" not in str(err) and "\n" not in str(err), "a NUL or a newline of the name reached the message"
     with pytest.raises(tdcp.CheckpointError):
         verify(bad)
     with pytest.raises(tdcp.CheckpointError):  # converting back never writes outside its target either

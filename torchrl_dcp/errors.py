@@ -42,7 +42,7 @@ class CheckpointError(_CheckpointErrorBase):
 
     def __init__(self, message: str, *, path: Any = None, result: Any = None) -> None:
         where = None if path is None else str(path)
-        super().__init__(f"{where}: {message}" if where else message)
+        super().__init__(_text(where, message))  # (torchrl's base sets its own ``result``: ours is set after)
         self.path = where
         self.result = result
         self.message = message
@@ -50,10 +50,19 @@ class CheckpointError(_CheckpointErrorBase):
     def extend(self, note: str) -> None:
         """Append ``note`` (``"; "``-separated) to the message, e.g. what a failed rollback left behind."""
         self.message += f"; {note}"
-        self.args = (f"{self.path}: {self.message}" if self.path else self.message,)
+        self.args = (_text(self.path, self.message),)
 
     def __reduce__(self):  # keep the keyword arguments when sent between ranks
         return (_rebuild, (type(self), self.message, self.path))
+
+
+def _text(path: str | None, message: str) -> str:
+    """``message`` after ``path``, whose unprintable characters are escaped (a NUL or a newline in a forged member
+    name would otherwise reach the terminal as they are)."""
+    if not path:
+        return message
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in path)
+    return f"{shown}: {message}"
 
 
 def _rebuild(cls: type, message: str, path: str | None) -> CheckpointError:

@@ -238,7 +238,9 @@ def _check_name(name: str, where: str) -> None:
         or ".." in parts
         or (len(name) > 1 and name[1] == ":")
     ):
-        raise CheckpointIntegrityError("member name escapes the archive (absolute, '..' or '\\'): refused", path=where)
+        raise CheckpointIntegrityError(
+            "member name escapes the archive (absolute, '..', '\\' or a NUL byte): refused", path=where
+        )
     if len(parts) != 1:
         raise CheckpointFormatError("member is in a sub-directory; torchrl_dcp archives are flat", path=where)
 
