@@ -102,3 +102,20 @@ def test_tools_read_a_chunked_incremental_checkpoint(tmp_path: Path, capsys: pyt
     assert cli_main(["diff", str(base), str(inc)]) in (0, 1)
     out = capsys.readouterr().out
     assert "buffer" in out
+
+
+def test_a_users_hard_link_to_a_kept_chunk_file_survives_the_prune(tmp_path: Path) -> None:
+    """The user linked an unchanged chunk file of an entry under a name of their own; the next save kept that chunk
+    (so its inode was proven) and pruned the entry: the prune unlinked every proven file by inode, whatever its
+    name, and the user's file went with the entry."""
+    state = {"big": torch.arange(8192, dtype=torch.float32).reshape(128, 64)}
+    ckpt = tdcp.DistributedCheckpoint(data=state)
+    rotation = tdcp.CheckpointRotation(tmp_path / "run", keep_last=1)
+    first = rotation.save(ckpt, step=1)
+    chunk = sorted(p for p in first.iterdir() if p.name.endswith(".distcp") and "shared" not in p.name)[-1]
+    os.link(chunk, first / "my_saved_rows.bin")
+    state["big"][0, 0] = -1.0  # the first chunk changes, the others are kept
+    kept = chunk.read_bytes()
+    rotation.save(ckpt, step=2)
+    assert sorted(p.name for p in first.iterdir()) == ["my_saved_rows.bin"]  # the entry keeps the user's file only
+    assert (first / "my_saved_rows.bin").read_bytes() == kept

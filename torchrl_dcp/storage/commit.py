@@ -363,7 +363,9 @@ def _remove_ours(parent_fd: int, name: str, prefix: str) -> list[str]:
 
 def _unlink_proven_files(path: Path) -> None:
     """Unlink the files of the directory ``path`` that :mod:`~torchrl_dcp.storage.proven` vouches for, keeping
-    their proof (a pruned checkpoint's chunk files are often still linked by a newer one: their ``ctime`` moves)."""
+    their proof (a pruned checkpoint's chunk files are often still linked by a newer one: their ``ctime`` moves).
+    Only names this library writes (:func:`is_ours`): a user's name for one of them (a hard link into the entry) is
+    the user's file, kept as every other."""
     try:
         fd = os.open(path, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC)
     except OSError:
@@ -373,7 +375,7 @@ def _unlink_proven_files(path: Path) -> None:
             for entry in entries:
                 try:
                     st = entry.stat(follow_symlinks=False)
-                    if stat.S_ISREG(st.st_mode) and st.st_nlink > 1 and proven.knows(st):
+                    if is_ours(entry.name) and stat.S_ISREG(st.st_mode) and st.st_nlink > 1 and proven.knows(st):
                         proven.unlink_keeping_proof(fd, entry.name)
                 except OSError:
                     continue  # rmtree removes (or reports nothing about) what is left
