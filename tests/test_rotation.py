@@ -258,6 +258,29 @@ def test_a_rotation_keeps_a_users_file_named_like_an_archive_entry(tmp_path: Pat
     assert (tmp_path / "step-000000000005.zip").read_text() == "mine"
 
 
+@pytest.mark.parametrize("archive", [False, True])
+def test_a_users_zip_of_a_checkpoint_named_like_an_entry_is_kept(tmp_path: Path, archive: bool) -> None:
+    """The user's own (compressed) ZIP of a checkpoint, plus notes, named ``step-5.zip``: its first member is
+    ``manifest.json`` as in an archive of ours, so a save of step 5 took it for a damaged one and deleted it."""
+    import zipfile
+
+    source = tdcp.DistributedCheckpoint(m=torch.nn.Linear(2, 2)).save(tmp_path / "elsewhere" / "c")
+    mine = tmp_path / "run" / "step-000000000005.zip"
+    mine.parent.mkdir()
+    with zipfile.ZipFile(mine, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name in ["manifest.json", *sorted(p.name for p in source.iterdir() if p.name != "manifest.json")]:
+            zf.write(source / name, name)
+        zf.writestr("my_notes.txt", "lr 3e-4 was better")
+    before = mine.read_bytes()
+    rotation = tdcp.CheckpointRotation(tmp_path / "run", keep_last=3, archive=archive)
+    if archive:  # its own archive cannot take the name: refused, the user's file kept
+        with pytest.raises(tdcp.CheckpointError):
+            rotation.save(ckpt_for(5)[0], step=5)
+    else:
+        rotation.save(ckpt_for(5)[0], step=5)
+    assert mine.read_bytes() == before
+
+
 def test_a_damaged_newest_archive_entry_is_replaced_by_the_save_of_its_step(tmp_path: Path) -> None:
     """With archives, a truncated newest ``step-5.zip`` was warned about at resume, then every save of step 5 was
     refused ("not a torchrl_dcp checkpoint"), leaving a committed directory beside it."""

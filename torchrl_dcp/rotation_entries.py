@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError
+from torchrl_dcp.format.zipformat import begins_as_written
 from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.storage.base import Location
 from torchrl_dcp.storage.files import open_regular
@@ -115,20 +116,19 @@ def archive_of_ours(location: Location) -> bool:
 
 def _damaged_archive(path: Any) -> bool:
     """Whether ``path`` (an entry ``step-<N>.zip`` that could not be opened as an archive) is an archive of ours cut
-    short or damaged: a ZIP whose first member is what ``to_archive`` writes first (a user's file of that name is
-    not)."""
+    short or damaged: a ZIP whose first member is what ``to_archive`` writes first, with the header it writes
+    (``zipformat.begins_as_written``: a user's ZIP holding a checkpoint is not)."""
     try:  # (never through a link, never blocking on a FIFO swapped in since it was listed)
         fd = open_regular(path)
     except (CheckpointError, TypeError):
         return False
     try:
-        head = os.pread(fd, 64, 0)
+        head = os.pread(fd, 128, 0)
     except OSError:
         return False
     finally:
         os.close(fd)
-    n = int.from_bytes(head[26:28], "little") if len(head) >= 30 else 0
-    return head[:4] == b"PK\x03\x04" and head[30 : 30 + n] in (b".metadata", b"manifest.json")
+    return begins_as_written(head, (b".metadata", b"manifest.json"))
 
 
 def list_entries(

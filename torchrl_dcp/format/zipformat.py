@@ -37,6 +37,27 @@ def _flags(name: bytes) -> int:
     return 0 if name.isascii() else 0x800  # bit 11: the name is UTF-8
 
 
+def begins_as_written(head: bytes, names: tuple[bytes, ...]) -> bool:
+    """Whether ``head`` (a file's first bytes, 128 suffice) begins with a first member's local header as
+    :func:`local_header` writes it with ``ZIPALIGN_PAD`` (an archive of ours): one of ``names``, stored, dated
+    1980, no flags but UTF-8, its extra fields (ZIP64, then the alignment field) ending where the data starts at a
+    multiple of ``ALIGN``. A user's ZIP of the same first name (compressed, dated, without the field) is not."""
+    if len(head) < 30 or head[:4] != b"PK\x03\x04":
+        return False
+    _, _, flags, method, mtime, mdate, _, _, _, n_name, n_extra = struct.unpack_from("<IHHHHHIIIHH", head)
+    if flags & ~0x800 or method != 0 or (mtime, mdate) != (0, DOS_DATE_1980):
+        return False
+    if head[30 : 30 + n_name] not in names or (30 + n_name + n_extra) % ALIGN:
+        return False
+    at = 30 + n_name
+    if head[at : at + 2] == b"\x01\x00":  # ZIP64 sizes first
+        at += 20
+    return len(head) >= at + 4 and struct.unpack_from("<HH", head, at) == (
+        ZIPALIGN_PAD[0],
+        30 + n_name + n_extra - at - 4,
+    )
+
+
 def local_header(
     name: bytes, crc: int, size: int, offset: int, *, pad: tuple[int, bytes] = TORCH_PAD, align: int = ALIGN
 ) -> bytes:
