@@ -11,6 +11,7 @@ import sys
 import textwrap
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -444,6 +445,36 @@ def test_export_overwrite_keeps_a_users_files_put_into_an_old_export(tmp_path: P
     (out / "notes.txt").unlink()
     shutil.rmtree(out / "videos")
     assert tdcp.export_torchrl(path, out, ["policy"], format="directory", overwrite=True) == out  # its own: replaced
+
+
+@pytest.mark.parametrize("fmt", ["directory", "archive"])
+def test_export_overwrite_keeps_a_file_put_into_the_old_export_while_it_ran(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> None:
+    """The old export was checked once, then torchrl replaced it (renamed aside, ``rmtree``): a file a user wrote
+    into it meanwhile was deleted, and the export reported success. The old export is now moved aside by the
+    export itself and checked again: the user's file is put back with it, nothing exported."""
+    from torchrl.checkpoint import Checkpoint
+
+    path, _ = make(tmp_path)
+    out = tdcp.export_torchrl(path, tmp_path / "export", ["policy"], format="directory")
+    before = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    save = Checkpoint.save
+
+    def save_while_the_user_writes(self: Any, *args: Any, **kwargs: Any) -> Any:
+        (out / "eval_results.txt").write_text("mine")
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(Checkpoint, "save", save_while_the_user_writes)
+    with pytest.raises(tdcp.CheckpointError, match=r"did not write \(\['eval_results.txt'\]\).*nothing was exported"):
+        tdcp.export_torchrl(path, out, ["policy"], format=fmt, overwrite=True)
+    assert (out / "eval_results.txt").read_text() == "mine"
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == sorted([*before, "eval_results.txt"])
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".export")) == []  # nothing left over
+    monkeypatch.undo()
+    (out / "eval_results.txt").unlink()
+    assert tdcp.export_torchrl(path, out, ["policy"], format=fmt, overwrite=True) == out
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".export")) == []
 
 
 def test_an_export_that_fails_on_the_file_system_is_a_checkpoint_error(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from torchrl_dcp._log import get_logger
 from torchrl_dcp.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -50,6 +51,8 @@ from torchrl_dcp.storage.copying import CopyRange, copy_ranges
 from torchrl_dcp.storage.directory import DirectoryContainer, foreign_entries, is_replaceable, refuse_inside_checkpoint
 from torchrl_dcp.storage.files import DirHandle, open_regular, read_whole
 from torchrl_dcp.storage.urls import resolve_path
+
+logger = get_logger(__name__)
 
 __all__ = ["export_torchrl", "to_archive", "to_directory"]
 
@@ -419,11 +422,56 @@ def export_torchrl(
     if metadata is None:
         meta.setdefault("step", manifest.get("step"))
         meta["exported_from"] = str(source.path)
+    replacing = destination.exists() or destination.is_symlink()
+    target = staging_path(destination) if replacing else destination  # (a new path: torchrl replaces nothing)
     try:
-        TorchRLCheckpoint(format=format, **values).save(destination, metadata=meta)  # type: ignore[arg-type]
-    except OSError as err:  # (torchrl stages beside the destination and removes its staging on failure)
+        TorchRLCheckpoint(format=format, **values).save(target, metadata=meta)  # type: ignore[arg-type]
+    except OSError as err:  # (torchrl stages beside its target and removes its staging on failure)
         raise from_os_error(err, "exporting", destination, after="an existing export there is unchanged") from None
+    if replacing:
+        _replace_export(target, destination)
     return destination
+
+
+def _replace_export(new: Path, destination: Path) -> None:
+    """Put the export written at ``new`` in place of the one at ``destination``: the old one is moved aside, checked
+    again (a file a user put into it while the export ran is theirs: it is put back, and the new export removed),
+    then only the files torchrl wrote into it are deleted."""
+    aside = destination.parent / f".{destination.name}.replaced-{os.urandom(4).hex()}"
+    os.rename(destination, aside)
+    try:
+        _destination_for_torchrl(aside, overwrite=True)
+    except CheckpointError as err:
+        os.rename(aside, destination)
+        _remove_export(new)
+        raise CheckpointError(f"{err.message}; nothing was exported", path=destination) from None
+    try:
+        os.rename(new, destination)
+    except OSError as err:  # (something made at the path meanwhile): the old export goes back
+        os.rename(aside, destination)
+        _remove_export(new)
+        raise from_os_error(err, "exporting", destination, after="the existing export there is unchanged") from None
+    if _remove_export(aside):
+        logger.warning("%s: replaced; what it held besides the old export was kept at %s", destination, aside)
+
+
+def _remove_export(path: Path) -> bool:
+    """Delete a torchrl export (a ZIP file, or the files its manifest lists and the directories they leave empty);
+    True when something else was left in its directory (kept)."""
+    from torchrl_dcp.format.torchrl_listing import written_files
+    from torchrl_dcp.torchrl_format.detect import read_torchrl_manifest
+
+    if not path.is_dir() or path.is_symlink():
+        path.unlink(missing_ok=True)
+        return False
+    for name in written_files(read_torchrl_manifest(path) or {}):
+        with contextlib.suppress(OSError):
+            if not (path / name).is_symlink() and (path / name).is_file():
+                (path / name).unlink()
+    for root, _dirs, _files in sorted(os.walk(path), key=lambda e: -len(e[0])):  # emptied directories, deepest first
+        with contextlib.suppress(OSError):
+            os.rmdir(root)
+    return path.exists()
 
 
 def _check_export_arguments(src: Any, format: str) -> None:
