@@ -556,3 +556,20 @@ def test_a_refused_listing_leaves_no_directory_iterator_open(tmp_path: Path) -> 
             ckpt.load(path)
         gc.collect()
     assert not [w for w in heard if issubclass(w.category, ResourceWarning)], [str(w.message) for w in heard]
+
+
+def test_removing_an_exports_listed_files_never_goes_through_a_link(tmp_path: Path) -> None:
+    """An old export is deleted by the names its manifest lists: a directory of it swapped for a link to a user's
+    directory must not make those names delete the user's files (each step through a directory descriptor)."""
+    from torchrl_dcp.storage.commit import remove_listed
+
+    theirs = tmp_path / "theirs" / "0000-policy"
+    theirs.mkdir(parents=True)
+    (theirs / "state.pt").write_bytes(b"theirs")
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "manifest.json").write_text("{}")
+    (export / "components").symlink_to(tmp_path / "theirs")
+    kept = remove_listed(export, {"manifest.json", "components/0000-policy/state.pt"})
+    assert kept == ["components"] and (theirs / "state.pt").read_bytes() == b"theirs"  # the link itself, kept
+    assert sorted(p.name for p in export.iterdir()) == ["components"]

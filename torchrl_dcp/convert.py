@@ -42,6 +42,7 @@ from torchrl_dcp.storage.base import check_identities
 from torchrl_dcp.storage.commit import (
     DestinationLock,
     publish,
+    remove_listed,
     remove_tree,
     staging_path,
     stale_entries,
@@ -456,22 +457,14 @@ def _replace_export(new: Path, destination: Path) -> None:
 
 
 def _remove_export(path: Path) -> bool:
-    """Delete a torchrl export (a ZIP file, or the files its manifest lists and the directories they leave empty);
-    True when something else was left in its directory (kept)."""
+    """Delete a torchrl export (a ZIP file, or the files its manifest lists and the directories they leave empty,
+    never through a link: :func:`~torchrl_dcp.storage.commit.remove_listed`); True when something else was left in
+    its directory (kept)."""
     from torchrl_dcp.format.torchrl_listing import written_files
     from torchrl_dcp.torchrl_format.detect import read_torchrl_manifest
 
-    if not path.is_dir() or path.is_symlink():
-        path.unlink(missing_ok=True)
-        return False
-    for name in written_files(read_torchrl_manifest(path) or {}):
-        with contextlib.suppress(OSError):
-            if not (path / name).is_symlink() and (path / name).is_file():
-                (path / name).unlink()
-    for root, _dirs, _files in sorted(os.walk(path), key=lambda e: -len(e[0])):  # emptied directories, deepest first
-        with contextlib.suppress(OSError):
-            os.rmdir(root)
-    return path.exists()
+    listed = written_files(read_torchrl_manifest(path) or {}) if path.is_dir() and not path.is_symlink() else set()
+    return bool(remove_listed(path, listed))
 
 
 def _check_export_arguments(src: Any, format: str) -> None:

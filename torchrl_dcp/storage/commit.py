@@ -28,7 +28,7 @@ import socket
 import stat
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -322,9 +322,19 @@ _MAX_NESTED_LEFTOVERS = 4
 _TEMPORARY = re.compile(r"^(.+?)\.tmp(?:-[0-9a-f]{32})?$")
 
 
-def _remove_ours(parent_fd: int, name: str, prefix: str) -> list[str]:
-    """:func:`remove_tree` of the directory ``name`` in the directory ``parent_fd`` (``prefix``: its path in the tree,
-    for the report), every step through directory file descriptors (no path re-resolved, no link followed)."""
+def _library_entry(rel: str, is_dir: bool) -> bool:
+    """What :func:`remove_tree` removes: names of ours (:func:`is_ours`); a directory only as a leftover of ours (a
+    staging or trash directory of a save that replaced one inside this tree), never deeper than any save nests them:
+    a user's directory is kept whole, whatever its files are named (a save never writes into a subdirectory)."""
+    return is_ours(rel.rpartition("/")[2]) and (not is_dir or rel.count("/") < _MAX_NESTED_LEFTOVERS)
+
+
+def _remove_ours(
+    parent_fd: int, name: str, prefix: str, take: Callable[[str, bool], bool] = _library_entry
+) -> list[str]:
+    """Remove from the directory ``name`` in the directory ``parent_fd`` what ``take(relative path, is a
+    directory)`` accepts (``prefix``: its path in the tree), every step through directory file descriptors (no path
+    re-resolved, no link followed), then the directory if left empty; returns what was kept."""
     try:
         fd = os.open(name, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=parent_fd)
     except OSError:
@@ -334,19 +344,17 @@ def _remove_ours(parent_fd: int, name: str, prefix: str) -> list[str]:
         with os.scandir(fd) as it:
             entries = sorted(it, key=lambda e: e.name != MANIFEST)  # (the manifest first: no longer a checkpoint)
         for entry in entries:
+            rel = f"{prefix}{entry.name}"
             try:
                 if entry.is_dir(follow_symlinks=False):
-                    # a directory is ours only as a leftover of ours (a staging or trash directory of a save that
-                    # replaced one inside this tree), never deeper than any save nests them: a user's directory is
-                    # kept whole, whatever its files are named (a save never writes into a subdirectory)
-                    if is_ours(entry.name) and prefix.count("/") < _MAX_NESTED_LEFTOVERS:
-                        kept += _remove_ours(fd, entry.name, f"{prefix}{entry.name}/")
+                    if take(rel, True):
+                        kept += _remove_ours(fd, entry.name, f"{rel}/", take)
                     else:
-                        kept.append(f"{prefix}{entry.name}/")
-                elif is_ours(entry.name):  # (a link of such a name, planted: itself, never its target)
+                        kept.append(f"{rel}/")
+                elif take(rel, False):  # (a link of such a name, planted: itself, never its target)
                     os.unlink(entry.name, dir_fd=fd)
                 else:
-                    kept.append(f"{prefix}{entry.name}")
+                    kept.append(rel)
             except FileNotFoundError:
                 continue
     finally:
@@ -359,6 +367,34 @@ def _remove_ours(parent_fd: int, name: str, prefix: str) -> list[str]:
         except OSError:  # (something made there meanwhile: kept, as it is)
             kept.append(prefix or ".")
     return kept
+
+
+def remove_listed(path: Path, listed: Collection[str]) -> list[str]:
+    """Remove the files ``listed`` (``/``-separated paths relative to ``path``: what another writer, e.g.
+    ``torchrl.checkpoint``, wrote there) and the directories they leave empty, through directory file descriptors
+    as :func:`remove_tree` does; ``path`` itself when it is a file or a link. Returns what was kept.
+
+    Example:
+        >>> import tempfile; from pathlib import Path
+        >>> d = Path(tempfile.mkdtemp()) / "export"; (d / "a").mkdir(parents=True)
+        >>> _ = (d / "a" / "x.pt").write_bytes(b"1"); _ = (d / "notes.txt").write_text("mine")
+        >>> remove_listed(d, {"a/x.pt"}), sorted(p.name for p in d.iterdir())
+        (['notes.txt'], ['notes.txt'])
+    """
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    if not stat.S_ISDIR(st.st_mode):
+        path.unlink(missing_ok=True)
+        return []
+    parents = {name.rpartition("/")[0] for name in listed}
+    parents |= {p[:i] for p in parents for i in range(len(p)) if p[i] == "/"}
+    parent = os.open(path.parent, os.O_RDONLY | _DIRECTORY | _CLOEXEC)  # (the caller's directory: may be a link)
+    try:
+        return _remove_ours(parent, path.name, "", lambda rel, is_dir: rel in (parents if is_dir else listed))
+    finally:
+        os.close(parent)
 
 
 def _unlink_proven_files(path: Path) -> None:
