@@ -423,48 +423,70 @@ def export_torchrl(
     if metadata is None:
         meta.setdefault("step", manifest.get("step"))
         meta["exported_from"] = str(source.path)
-    replacing = destination.exists() or destination.is_symlink()
-    target = staging_path(destination) if replacing else destination  # (a new path: torchrl replaces nothing)
     try:
-        TorchRLCheckpoint(format=format, **values).save(target, metadata=meta)  # type: ignore[arg-type]
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        with DestinationLock(destination):  # (as a save or conversion: what a killed export left is swept)
+            for stale in stale_entries(destination):
+                _remove_export(stale)
+            staging, published = staging_path(destination), False
+            try:
+                TorchRLCheckpoint(format=format, **values).save(staging, metadata=meta)  # type: ignore[arg-type]
+                _publish_export(staging, destination, overwrite)
+                published = True
+            finally:
+                if not published:
+                    _remove_export(staging)
+    except CheckpointError:
+        raise
     except OSError as err:  # (torchrl stages beside its target and removes its staging on failure)
         raise from_os_error(err, "exporting", destination, after="an existing export there is unchanged") from None
-    if replacing:
-        _replace_export(target, destination)
     return destination
 
 
-def _replace_export(new: Path, destination: Path) -> None:
-    """Put the export written at ``new`` in place of the one at ``destination``: the old one is moved aside, checked
-    again (a file a user put into it while the export ran is theirs: it is put back, and the new export removed),
-    then only the files torchrl wrote into it are deleted."""
-    aside = destination.parent / f".{destination.name}.replaced-{os.urandom(4).hex()}"
-    os.rename(destination, aside)
+def _publish_export(new: Path, destination: Path, overwrite: bool) -> None:
+    """Put the export written at ``new`` at ``destination``, in place of an export there in one step (an exchange
+    where the file system has one: a process killed at any moment leaves the old export or the new one there). The
+    old one is checked again once out of the way (a file a user put into it while the export ran is theirs: it is put
+    back, and nothing is exported), then only the files torchrl wrote into it are deleted."""
+    refusal: list[CheckpointError] = []
+
+    def replaceable(old: Path) -> bool:  # (asked only when something is at the destination)
+        try:
+            if not overwrite:  # (made there since it was looked at)
+                raise CheckpointError("already exists; pass overwrite=True to replace it", path=destination)
+            _destination_for_torchrl(old, overwrite=True)
+        except CheckpointError as err:
+            refusal.append(err)
+            return False
+        return True
+
     try:
-        _destination_for_torchrl(aside, overwrite=True)
+        publish(new, destination, replaceable=replaceable, remove=_remove_replaced_export)
     except CheckpointError as err:
-        os.rename(aside, destination)
-        _remove_export(new)
-        raise CheckpointError(f"{err.message}; nothing was exported", path=destination) from None
-    try:
-        os.rename(new, destination)
-    except OSError as err:  # (something made at the path meanwhile): the old export goes back
-        os.rename(aside, destination)
-        _remove_export(new)
-        raise from_os_error(err, "exporting", destination, after="the existing export there is unchanged") from None
-    if _remove_export(aside):
-        logger.warning("%s: replaced; what it held besides the old export was kept at %s", destination, aside)
+        if not refusal:
+            raise
+        raise CheckpointError(f"{refusal[0].message}; nothing was exported", path=destination) from err
 
 
-def _remove_export(path: Path) -> bool:
+def _remove_replaced_export(old: Path) -> list[str]:
+    kept = _remove_export(old)
+    if kept:
+        logger.warning("%s: replaced; what it held besides the old export was kept at %s", old.parent, old)
+    return kept
+
+
+def _remove_export(path: Path) -> list[str]:
     """Delete a torchrl export (a ZIP file, or the files its manifest lists and the directories they leave empty,
-    never through a link: :func:`~torchrl_dcp.storage.commit.remove_listed`); True when something else was left in
-    its directory (kept)."""
+    never through a link: :func:`~torchrl_dcp.storage.commit.remove_listed`), or what a save of ours left there (a
+    staging or trash entry of ours holding none: :func:`~torchrl_dcp.storage.commit.remove_tree`); returns what was
+    kept in its directory (a user's file)."""
     from torchrl_dcp.format.torchrl_listing import written_files
     from torchrl_dcp.torchrl_format.detect import read_torchrl_manifest
 
-    listed = written_files(read_torchrl_manifest(path) or {}) if path.is_dir() and not path.is_symlink() else set()
-    return bool(remove_listed(path, listed))
+    if not path.is_dir() or path.is_symlink():
+        return remove_listed(path, set())  # (a file or link: itself; nothing at the path: nothing)
+    manifest = read_torchrl_manifest(path)
+    return remove_listed(path, written_files(manifest)) if manifest is not None else remove_tree(path)
 
 
 def _check_export_arguments(src: Any, format: str) -> None:

@@ -548,6 +548,7 @@ def publish(
     destination: Path,
     expect: tuple[int, int] | None = None,
     replaceable: Callable[[Path], bool] | None = None,
+    remove: Callable[[Path], list[str]] | None = None,
 ) -> None:
     """Move a complete staging directory to ``destination``, replacing what is there atomically.
 
@@ -560,6 +561,8 @@ def publish(
     ``replaceable(old)``: whether what was at ``destination`` may be removed, asked once it is out of the way
     (what the caller checked before may have changed while it wrote: a user's file put into the old checkpoint,
     a directory made where there was none); if not, it is put back and nothing is committed.
+    ``remove(old)``: deletes what was replaced, returning what it kept (default :func:`remove_tree`: our files only;
+    an export replacing a ``torchrl.checkpoint`` one passes the remover of the files torchrl lists).
     """
     if expect is not None:
         st = os.lstat(staging)
@@ -578,7 +581,7 @@ def publish(
             _exchange(staging, destination)
             raise _appeared(destination)
         fsync_path(destination.parent, follow=True)
-        _remove_replaced(staging, destination)  # now holds the old checkpoint (a user's file put there: kept)
+        _remove_replaced(staging, destination, remove)  # now holds the old checkpoint (a user's file put there: kept)
         return
     trash = trash_path(destination)
     os.rename(destination, trash)
@@ -600,15 +603,15 @@ def publish(
             ) from None
         raise _appeared(destination) from None
     fsync_path(destination.parent, follow=True)
-    _remove_replaced(trash, destination)
+    _remove_replaced(trash, destination, remove)
 
 
-def _remove_replaced(old: Path, destination: Path) -> None:
+def _remove_replaced(old: Path, destination: Path, remove: Callable[[Path], list[str]] | None = None) -> None:
     """Remove the checkpoint a commit replaced (now at ``old``). The new one is committed already: a failure here
     (a read-only old checkpoint, an I/O error) is a warning naming where the old one is, never the save's failure
     (the save would be reported as failed, and retried, while it is committed)."""
     try:
-        remove_tree(old)
+        (remove or remove_tree)(old)
     except OSError as err:
         import warnings
 
