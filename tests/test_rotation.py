@@ -237,6 +237,52 @@ def test_a_damaged_entry_that_cannot_be_replaced_names_the_file_that_stops_it(tm
         rotation.save(ckpt_for(4)[0], step=4)
 
 
+def test_a_newest_entry_of_a_newer_format_stops_the_resume_and_is_never_replaced(tmp_path: Path) -> None:
+    """An entry written by a newer torchrl_dcp (its manifest sealed, format 9) was listed as uncommitted and passed
+    over without a word: the job resumed from the older step, trained to that step again, and its save was refused
+    as "not a torchrl_dcp checkpoint". The resume now tries it and raises what the load says: upgrade."""
+    import json
+
+    from torchrl_dcp.format.manifest import FORMAT_VERSION, seal
+
+    rotation = tdcp.CheckpointRotation(tmp_path, keep_last=3)
+    for step in (1, 2, 3):
+        rotation.save(ckpt_for(step)[0], step=step)
+    manifest = tmp_path / "step-000000000003" / "manifest.json"
+    parsed = json.loads(manifest.read_text())
+    parsed["format_version"] = FORMAT_VERSION + 1
+    manifest.write_text(json.dumps(seal(parsed)))
+    with pytest.raises(tdcp.CheckpointVersionError, match=r"step-000000000003.*upgrade torchrl_dcp"):
+        rotation.resume(ckpt_for(0)[0])
+    with pytest.raises(tdcp.CheckpointError, match=r"holds a checkpoint this version cannot read .*upgrade"):
+        rotation.save(ckpt_for(3)[0], step=3)
+    assert [e.step for e in rotation.entries()] == [1, 2]  # (committed: what latest, prune and incremental use)
+    assert json.loads(manifest.read_text())["format_version"] == FORMAT_VERSION + 1  # kept as it is
+
+
+@pytest.mark.parametrize("given", ["checkpoint", "archive", "file", "store checkpoint"])
+def test_a_resume_from_a_checkpoint_or_a_file_instead_of_its_directory_is_refused(tmp_path: Path, given: str) -> None:
+    """``resume(ckpt, "ckpts/step-000000001000")`` (the checkpoint, not its rotation directory), an archive or a
+    plain file found no entries and started fresh without a word: the job trained again from step 0."""
+    ckpt = ckpt_for(1000)[0]
+    entry = ckpt.save(tmp_path / "step-000000001000", step=1000)
+    path: Any = {
+        "checkpoint": entry,
+        "archive": tdcp.to_archive(entry, tmp_path / "step-000000001000.zip"),
+        "file": tmp_path / "notes.txt",
+        "store checkpoint": f"memory://resume-slip-{tmp_path.name}/run/step-000000001000",
+    }[given]
+    if given == "file":
+        path.write_text("mine")
+    if given == "store checkpoint":
+        ckpt.save(path, step=1000)
+    kind = "a file" if given == "file" else "a checkpoint"
+    with pytest.raises(tdcp.CheckpointError, match=f"is {kind}, not a rotation directory of checkpoints"):
+        tdcp.resume(ckpt_for(0)[0], path)
+    assert tdcp.resume(ckpt_for(0)[0], tmp_path / "fresh") is None  # (nothing there: a fresh start, as before)
+    assert tdcp.resume(ckpt_for(0)[0], tmp_path).step == 1000  # (its directory: resumed)
+
+
 def test_entries_without_a_manifest_are_no_damaged_ones_a_resume_tries(tmp_path: Path) -> None:
     """A newer step directory without a manifest (a user's, a prune that kept a user's file: reliability.md) was
     tried first and warned about as damaged, and ``fallback=False`` raised: it is no entry."""

@@ -24,7 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError
+from torchrl_dcp.errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointIntegrityError,
+    CheckpointNotFoundError,
+    CheckpointVersionError,
+)
 from torchrl_dcp.format.zipformat import begins_as_written
 from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.storage.base import Location
@@ -63,6 +69,8 @@ class RotationEntry:
     sequence: int | None = None  # the rotation's commit counter (format 4; absent in older entries)
     #: its manifest is there but damaged (truncated, altered): what a save never leaves (publishing is atomic)
     damaged: bool = False
+    #: a checkpoint of a newer format than this library reads (written by a newer torchrl_dcp): never replaced
+    newer_format: bool = False
 
     @property
     def commit_key(self) -> tuple[int, float, int]:
@@ -140,7 +148,8 @@ def list_entries(
 ) -> list[RotationEntry]:
     """Step-named entries of ``directory`` sorted by step; committed means a manifest that reads and validates and
     records the step of the entry's name (or none). ``include_damaged``: also the entries whose manifest is there
-    but damaged (``damaged``; what a resume tries and warns about).
+    but damaged (``damaged``; what a resume tries and warns about) and those of a newer format (``newer_format``;
+    what a resume tries and refuses: passed over, the job would train to that step again and fail to save it).
 
     Each manifest is read once. Entries of the wrong kind (a ``step-N`` that is not a
     checkpoint directory or prefix, a ``step-N.zip`` that is not a regular file, any
@@ -155,10 +164,12 @@ def list_entries(
         step, is_archive = parsed
         if child.kind != ("archive" if is_archive else "checkpoint"):
             continue  # a symlink, a FIFO, a directory named .zip, an object named step-N: never ours
-        error, damaged, container = None, False, None
+        error, damaged, newer, container = None, False, False, None
         try:
             container = child.location.container()
             manifest = container.root()  # (its shards are checked when it is loaded: a damaged one falls back)
+        except CheckpointVersionError as err:
+            manifest, error, newer = {}, f"{type(err).__name__}: {err}", True
         except (CheckpointNotFoundError, CheckpointFormatError, CheckpointIntegrityError) as err:
             manifest, error = {}, f"{type(err).__name__}: {err}"  # absent, damaged: never committed (or broken)
             damaged = damaged_entry(child.location, container, err, is_archive)
@@ -170,7 +181,7 @@ def list_entries(
         if error is None and recorded is not None and recorded != step:
             # renamed (or another run's): its name would make resume report, and keep_last rank, another step
             error = f"its manifest records step {recorded}, not {step}: renamed, not this rotation's entry"
-        if error is not None and not include_uncommitted and not (include_damaged and damaged):
+        if error is not None and not include_uncommitted and not (include_damaged and (damaged or newer)):
             continue
         size = child.location.size()
         if size is None:
@@ -187,11 +198,38 @@ def list_entries(
             error=error,
             sequence=entry_sequence(manifest),
             damaged=damaged,
+            newer_format=newer,
         )
         old = found.get(entry.step)
         if old is None or (entry.committed, not entry.archive) > (old.committed, not old.archive):
             found[entry.step] = entry  # one entry per step: committed first, a directory over an archive
     return sorted(found.values(), key=lambda e: e.step)
+
+
+def check_rotation_directory(location: Location) -> None:
+    """Refuse to take a checkpoint (a directory, prefix or archive holding one) or a file as a rotation directory:
+    it holds no ``step-<N>`` entries, and a resume from it would start fresh while a checkpoint is there (an easy
+    slip: ``resume(ckpt, "ckpts/step-000000001000")``). Nothing there, or a directory of entries, passes.
+
+    Example:
+        >>> import tempfile
+        >>> check_rotation_directory(location_for(tempfile.mkdtemp()))  # (empty: a fresh start)
+    """
+    try:
+        location.root()
+    except CheckpointError:
+        pass  # (none here, the usual case; a damaged one: not a rotation directory either way, left to the listing)
+    else:
+        raise CheckpointError(
+            "is a checkpoint, not a rotation directory of checkpoints: resume from the directory holding its "
+            f"step-<N> entries ({location.path.parent}), or load it with DistributedCheckpoint.load",
+            path=location.path,
+        )
+    if location.is_local and os.path.isfile(location.path):
+        raise CheckpointError(
+            "is a file, not a rotation directory of checkpoints: pass the directory holding the step-<N> entries",
+            path=location.path,
+        )
 
 
 def entry_sequence(manifest: Mapping[str, Any]) -> int | None:

@@ -34,7 +34,7 @@ from torchrl_dcp.errors import (
     CollectiveError,
     TorchrlDcpWarning,
 )
-from torchrl_dcp.rotation_entries import by_commit, list_entries
+from torchrl_dcp.rotation_entries import by_commit, check_rotation_directory, list_entries
 
 logger = get_logger(__name__)
 
@@ -82,7 +82,7 @@ def _resume(rotation: Any, ckpt: Any, fallback: bool, load_kwargs: dict[str, Any
     settle_pending(ckpt)
     group = group_of(ckpt)
     candidates = broadcast_step(  # rank 0 lists, newest commit first; every rank loads the same entries
-        group, "listing checkpoints", lambda: _candidates(list_entries(rotation.location, include_damaged=True))
+        group, "listing checkpoints", lambda: _candidates(_listed(rotation.location))
     )
     local_resume: Callable[[int | None], ResumeInfo | None] | None = None
     if rotation.local is not None:
@@ -108,13 +108,20 @@ def _resume(rotation: Any, ckpt: Any, fallback: bool, load_kwargs: dict[str, Any
     return info
 
 
+def _listed(location: Any) -> list[Any]:
+    check_rotation_directory(location)  # (a checkpoint or a file: no entries, a fresh start while one is there)
+    return list_entries(location, include_damaged=True)
+
+
 def _candidates(entries: list[Any]) -> list[tuple[int, str]]:
     """``(step, path)`` of what a resume tries, in order: the committed entries, newest commit first, after the
     damaged ones of a later step (a manifest truncated or altered: loading them fails, and the resume warns and
-    falls back, or raises with ``fallback=False``, rather than skip them unseen)."""
+    falls back, or raises with ``fallback=False``, rather than skip them unseen) and those of a newer format (the
+    load raises :class:`~torchrl_dcp.CheckpointVersionError`: upgrade to resume from it)."""
     committed = [(e.step, str(e.path)) for e in reversed(by_commit(entries))]
     newest = max((step for step, _ in committed), default=-1)
-    damaged = sorted(((e.step, str(e.path)) for e in entries if e.damaged and e.step > newest), reverse=True)
+    later = (e for e in entries if (e.damaged or e.newer_format) and e.step > newest)
+    damaged = sorted(((e.step, str(e.path)) for e in later), reverse=True)
     return damaged + committed
 
 

@@ -36,6 +36,7 @@ from torchrl_dcp.errors import (
     CheckpointFormatError,
     CheckpointIntegrityError,
     CheckpointNotFoundError,
+    CheckpointVersionError,
 )
 from torchrl_dcp.format import manifest as schema
 from torchrl_dcp.format.checksums import checksum_mismatch
@@ -252,6 +253,8 @@ def _not_replaced(destination: Path) -> str:
         container = DirectoryContainer(destination)
         try:
             listed = container.manifest()["files"]
+        except CheckpointVersionError as err:  # (a newer library's checkpoint: not damaged, never replaced)
+            return f"holds a checkpoint this version cannot read ({err.message}); refusing to replace it"
         except CheckpointError as err:
             if container.root_damaged(err):
                 return f"is a damaged checkpoint ({err}); refusing to replace it: {_not_ours_because(destination)}"
