@@ -320,7 +320,7 @@ def test_overwrite_is_atomic_and_foreign_directories_are_kept(tmp_path: Path) ->
 
 
 def test_stale_staging_is_removed_by_next_save(tmp_path: Path) -> None:
-    stale = tmp_path / ".c.tdcp-staging-dead"
+    stale = tmp_path / (".c.tdcp-staging-" + "dead" * 8)
     stale.mkdir()
     (stale / "__0_0.distcp").write_bytes(b"partial")
     tdcp.DistributedCheckpoint(w={"x": 1}).save(tmp_path / "c")

@@ -402,7 +402,9 @@ def test_ls_refuses_a_checkpoint_and_an_unknown_metric_and_shows_leftovers(
     assert "is a checkpoint, not a rotation directory" in err and "torchrl-dcp inspect" in err
     assert main(["ls", str(tmp_path), "--metric", "nope"]) == 1
     assert "no checkpoint" in capsys.readouterr().err
-    leftover = tmp_path / ".step-000000000008.tdcp-staging-abc"  # what a killed save leaves (the next save sweeps it)
+    leftover = tmp_path / (
+        ".step-000000000008.tdcp-staging-" + "abc0" * 8
+    )  # what a killed save leaves (the next save sweeps it)
     leftover.mkdir()
     (leftover / "__0_0.distcp").write_bytes(b"x" * 5000)
     code, info = run_json(capsys, "ls", str(tmp_path))

@@ -124,7 +124,7 @@ def test_a_held_lock_is_not_swept_and_blocks_a_second_save(tmp_path: Path) -> No
 
 
 # ---------------------------------------------------------------------- removals, temporary files, fsync
-@pytest.mark.parametrize("tag", [".tdcp-staging-dead", ".tdcp-trash-dead", ".tdcp-tmp-dead"])
+@pytest.mark.parametrize("tag", [f".tdcp-{kind}-{'dead' * 8}" for kind in ("staging", "trash", "tmp")])
 @pytest.mark.parametrize("kind", ["symlink to a directory", "symlink to a file", "fifo"])
 def test_leftovers_are_removed_without_following_links(tmp_path: Path, tag: str, kind: str) -> None:
     target = victim(tmp_path)
@@ -135,6 +135,28 @@ def test_leftovers_are_removed_without_following_links(tmp_path: Path, tag: str,
     ckpt().save(run / "ckpt")
     _outside_unchanged(target)
     assert not os.path.lexists(leftover)
+
+
+def test_a_users_files_named_like_a_saves_leftovers_or_lock_are_kept(tmp_path: Path) -> None:
+    """Any name starting like a save's temporary file (``.step-1.zip.tdcp-tmp-mine``) was swept as a killed
+    conversion's, and a lock file's name was truncated and rewritten, then deleted, whatever it held: a user's
+    notes were lost. Leftovers are only names a save makes (the tag and a 32-digit hex token); a file at the lock's
+    name holding anything but a holder is refused, named, and left as it is."""
+    notes = b"my own notes, not a checkpoint\n"
+    planted = [".step-000000000001.zip.tdcp-tmp-mine", ".step-000000000001.tdcp-staging-mine", ".c.tdcp-trash-x"]
+    for name in planted:
+        (tmp_path / name).write_bytes(notes)
+    rotation = tdcp.CheckpointRotation(tmp_path, keep_last=1)
+    for step in (1, 2, 3):
+        rotation.save(ckpt(), step=step)
+    tdcp.to_archive(tmp_path / "step-000000000003", tmp_path / "c.zip")
+    assert all((tmp_path / name).read_bytes() == notes for name in planted)
+    lock = tmp_path / ".step-000000000004.tdcp-lock"
+    lock.write_bytes(notes)
+    with pytest.raises(tdcp.CheckpointError, match=r"tdcp-lock is named like this path's lock file but holds"):
+        rotation.save(ckpt(), step=4)
+    rotation.save(ckpt(), step=5)  # (sweeps the lock files killed saves left: never this one)
+    assert lock.read_bytes() == notes
 
 
 def test_remove_tree_unlinks_a_link_and_never_its_target(tmp_path: Path) -> None:
@@ -201,7 +223,7 @@ def test_a_deep_tree_in_a_leftover_is_kept_and_every_save_commits(tmp_path: Path
     rotation = tdcp.CheckpointRotation(tmp_path, keep_last=1)
     ckpt = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(3, 2))
     rotation.save(ckpt, step=1)
-    leftover = f".step-000000000000{commit.STAGING_TAG}0123"
+    leftover = f".step-000000000000{commit.STAGING_TAG}{'0123' * 8}"
     fd = os.open(tmp_path, os.O_RDONLY)
     os.mkdir(leftover, dir_fd=fd)
     cur = os.open(leftover, os.O_RDONLY, dir_fd=fd)
@@ -301,7 +323,7 @@ def test_a_killed_conversion_leaves_nothing_the_next_one_does_not_remove(tmp_pat
 
 def test_leftovers_of_a_running_conversion_are_left_to_it(tmp_path: Path) -> None:
     src = tdcp.DistributedCheckpoint(w={"x": torch.ones(4)}).save(tmp_path / "c")
-    live = tmp_path / ".c.zip.tdcp-tmp-live"
+    live = tmp_path / f".c.zip.tdcp-tmp-{'1ace' * 8}"
     live.write_bytes(b"being written")
     with DestinationLock(tmp_path / "c.zip"), pytest.raises(tdcp.CheckpointError, match="in progress"):
         tdcp.to_archive(src, tmp_path / "c.zip")

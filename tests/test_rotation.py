@@ -59,7 +59,7 @@ def test_latest_never_picks_a_half_written_entry(tmp_path: Path) -> None:
     rotation = tdcp.CheckpointRotation(tmp_path, keep_last=3)
     rotation.save(ckpt_for(1)[0], step=1)
     # what killed saves leave: a staging directory, an uncommitted entry, a half-written archive
-    staging = tmp_path / ".step-000000000002.tdcp-staging-dead"
+    staging = tmp_path / (".step-000000000002.tdcp-staging-" + "dead" * 8)
     staging.mkdir()
     (staging / "__0_shared.distcp").write_bytes(b"partial")
     (tmp_path / "step-000000000003").mkdir()

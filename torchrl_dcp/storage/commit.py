@@ -54,6 +54,7 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # never block on a FIFO planted where a file is expected
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
+_HOLDER = re.compile(rb"pid [0-9]{1,10} on [^\n]{0,200}")  # what a lock file holds (its holder), once written
 _LOCK_ATTEMPTS = 100  # a lock file that vanished between creation and open this often is not a race
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -68,15 +69,32 @@ def trash_path(destination: Path) -> Path:
     return destination.parent / f".{destination.name}{TRASH_TAG}{uuid.uuid4().hex}"
 
 
+#: the staging, trash and temporary names a save or conversion makes: the tag, then a 32-digit hex token
+_LEFTOVER_NAME = re.compile(
+    r"^\.(.+)(?:" + "|".join(re.escape(t) for t in (STAGING_TAG, TRASH_TAG, TMP_TAG)) + r")[0-9a-f]{32}$", re.DOTALL
+)
+
+
+def leftover_owner(name: str) -> str | None:
+    """The entry a staging, trash or temporary name of ours was made for, or ``None``: a name no save or conversion
+    makes (a user's ``.step-1.tdcp-tmp-mine``) is never taken for one of ours.
+
+    Example:
+        >>> leftover_owner(".step-1.zip.tdcp-tmp-" + "0" * 32), leftover_owner(".step-1.tdcp-tmp-mine")
+        ('step-1.zip', None)
+    """
+    m = _LEFTOVER_NAME.match(name)
+    return None if m is None else m.group(1)
+
+
 def stale_entries(destination: Path) -> list[Path]:
     """Staging, trash and temporary entries left behind by failed or killed saves/conversions to ``destination``.
 
     Only call this while holding :class:`DestinationLock` on ``destination``: every
     writer of these names holds it, so what is found then belongs to a dead writer.
     """
-    prefixes = tuple(f".{destination.name}{tag}" for tag in (STAGING_TAG, TRASH_TAG, TMP_TAG))
     try:
-        return [p for p in destination.parent.iterdir() if p.name.startswith(prefixes)]
+        return [p for p in destination.parent.iterdir() if leftover_owner(p.name) == destination.name]
     except (FileNotFoundError, NotADirectoryError):
         return []
 
@@ -151,7 +169,7 @@ class DestinationLock:
                 continue
             try:
                 os.ftruncate(fd, 0)
-                os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+                os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()[:200]}".encode(), 0)
             except OSError as err:
                 os.close(fd)
                 raise from_os_error(err, "writing the lock file", self.path) from None
@@ -239,6 +257,13 @@ def open_lock_file(path: Path, destination: Path) -> int | None:
     if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
         os.close(fd)
         raise _not_regular(path, destination)
+    if st.st_size and not _HOLDER.fullmatch(os.pread(fd, 512, 0)):  # (a lock file holds its holder, or nothing yet)
+        os.close(fd)
+        raise CheckpointError(
+            f"{path.name} is named like this path's lock file but holds what a save never writes there (a file of "
+            f"yours?); it is left as it is: move or rename it, and save again",
+            path=destination,
+        )
     return fd
 
 
@@ -314,7 +339,7 @@ def is_ours(name: str) -> bool:
         base = m.group(1)
         if is_library_file(base) or (base.startswith(".") and is_library_file(base[1:])):
             return True
-    return name.startswith(".") and any(tag in name for tag in (STAGING_TAG, TRASH_TAG, TMP_TAG))
+    return leftover_owner(name) is not None
 
 
 #: leftovers of ours nest no deeper than this (a staging directory inside a trash directory inside ...)

@@ -24,7 +24,6 @@ Example:
 from __future__ import annotations
 
 import os
-import re
 import stat
 from collections.abc import Callable, Collection, Container, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -66,6 +65,7 @@ from torchrl_dcp.storage.base import (
 )
 from torchrl_dcp.storage.commit import (
     DestinationLock,
+    leftover_owner,
     publish,
     remove_entry,
     remove_tree,
@@ -83,7 +83,6 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
-_LEFTOVER = re.compile(r"^\.(.+?)\.tdcp-(staging|trash|tmp)-")  # commit's STAGING_TAG, TRASH_TAG and TMP_TAG
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
@@ -483,7 +482,7 @@ class DirectoryLocation(Location):
             names = os.listdir(self.path)
         except (FileNotFoundError, NotADirectoryError):
             return []
-        return [Leftover(n, m.group(1)) for n in sorted(names) if (m := _LEFTOVER.match(n))]
+        return [Leftover(n, owner) for n in sorted(names) if (owner := leftover_owner(n)) is not None]
 
     def remove_leftover(self, leftover: Leftover) -> bool:
         lock = DestinationLock(self.path / leftover.owner, wait=0.0)
