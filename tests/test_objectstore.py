@@ -398,6 +398,29 @@ def test_a_killed_saves_newer_prefix_is_no_damaged_entry(store: tuple[str, dict[
     assert info is not None and info.step == 1
 
 
+def test_a_save_or_conversion_to_a_key_that_is_a_users_object_is_refused(
+    store: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """A store has no directories: a save or ``to_directory`` to ``run/user.txt``, an object of the user's, wrote the
+    checkpoint beside it under ``run/user.txt/`` on S3 (said "uploading failed (FileExistsError) ... check the
+    endpoint" on memory://), and the refusal without ``overwrite`` said to pass it."""
+    url, options = store
+    fs = _store_fs(url, options)
+    key = resolve_path(f"{url}/run/user.txt", options).key
+    fs.pipe_file(key, b"user data")
+    dst = StorePath(f"{url}/run/user.txt", storage_options=options)
+    ckpt = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(4, 2), storage_options=options)
+    archive = tdcp.to_archive(ckpt.save(tmp_path / "ckpt"), tmp_path / "ckpt.zip")
+    refusal = r"is an object \(a file\), not a prefix"
+    with pytest.raises(tdcp.CheckpointError, match=refusal):
+        ckpt.save(dst)
+    for overwrite in (False, True):
+        with pytest.raises(tdcp.CheckpointError, match=refusal):
+            tdcp.to_directory(archive, dst, overwrite=overwrite)
+    assert fs.cat_file(key) == b"user data"
+    assert [k for k in fs.find(key.rpartition("/")[0]) if k.startswith(f"{key}/")] == []
+
+
 def _fail_once_deleting(monkeypatch: pytest.MonkeyPatch, part: str) -> list[str]:
     """The memory store's next deletion of a key containing ``part`` raises ``EIO`` (once); returns what failed."""
     from fsspec.implementations.memory import MemoryFileSystem

@@ -187,6 +187,8 @@ class ObjectStoreLocation(Location):
         from torchrl_dcp.storage.objectstore_tools import check_replaceable
 
         objectstore_save.refuse_inside_checkpoint(self.path)
+        if kind == "checkpoint":  # (an archive's destination is an object: replaced, if it is an archive of ours)
+            objectstore_save.refuse_an_object_at(self.path)
         if self.occupied():
             if not overwrite:
                 raise CheckpointError(

@@ -184,9 +184,21 @@ def refuse_inside_checkpoint(destination: StorePath) -> None:
         current = parent
 
 
+def refuse_an_object_at(destination: StorePath) -> None:
+    """Refuse a checkpoint prefix whose key is itself an object (a user's file): the checkpoint's objects would lie
+    beside it, under ``<key>/`` (a store has no directories to refuse it), and the path would name both."""
+    if destination.is_file():
+        raise CheckpointError(
+            "is an object (a file), not a prefix: a checkpoint written here would lie beside it, under its name; "
+            "choose another path, or move the object",
+            path=destination,
+        )
+
+
 def begin(destination: StorePath, save_id: str) -> None:
     """Step 1 (one process): sweep, refuse foreign objects, write the marker, retire a committed checkpoint."""
     refuse_inside_checkpoint(destination)
+    refuse_an_object_at(destination)
     sweep(destination.parent)
     found = list_objects(destination)
     replaces = None
