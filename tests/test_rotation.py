@@ -258,6 +258,8 @@ def test_a_newest_entry_of_a_newer_format_stops_the_resume_and_is_never_replaced
         rotation.save(ckpt_for(3)[0], step=3)
     assert [e.step for e in rotation.entries()] == [1, 2]  # (committed: what latest, prune and incremental use)
     assert json.loads(manifest.read_text())["format_version"] == FORMAT_VERSION + 1  # kept as it is
+    with pytest.raises(tdcp.CheckpointError, match=r"is a checkpoint \(.*upgrade.*\), not a rotation directory"):
+        tdcp.resume(ckpt_for(0)[0], manifest.parent)  # (the entry itself, given as the directory)
 
 
 @pytest.mark.parametrize("given", ["checkpoint", "archive", "file", "store checkpoint"])

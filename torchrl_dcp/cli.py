@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from torchrl_dcp.errors import CheckpointError
+from torchrl_dcp.errors import CheckpointError, CheckpointVersionError
 from torchrl_dcp.format.manifest_depth import MAPPING_NODES
 from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.torchrl_format.detect import is_torchrl_checkpoint
@@ -230,6 +230,8 @@ def _ls(directory: str, metric: str | None, mode: str) -> dict[str, Any]:
 def _is_checkpoint(where: Any) -> bool:
     try:
         where.manifest()
+    except CheckpointVersionError:
+        return True  # (a newer library's checkpoint: a checkpoint all the same)
     except CheckpointError:
         return False
     return True

@@ -217,6 +217,10 @@ def check_rotation_directory(location: Location) -> None:
     """
     try:
         location.root()
+    except CheckpointVersionError as err:  # (a checkpoint all the same: a newer library's)
+        raise CheckpointError(
+            f"is a checkpoint ({err.message}), not a rotation directory of checkpoints", path=location.path
+        ) from None
     except CheckpointError:
         pass  # (none here, the usual case; a damaged one: not a rotation directory either way, left to the listing)
     else:
