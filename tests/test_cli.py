@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -494,3 +495,22 @@ def test_inspect_shows_the_format_version_a_checkpoint_was_written_with(
         assert json.loads(capsys.readouterr().out)["format_version"] == version
         assert main(["inspect", str(path)]) == 0
         assert f"format v{version}," in capsys.readouterr().out
+
+
+def test_a_link_loop_or_a_dangling_link_is_said_as_such(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A link loop was "not a checkpoint directory" (inspect, verify) or "the path does not exist" (convert): the
+    path is there, and the user was not told it is a link going nowhere."""
+    import os
+
+    os.symlink(tmp_path / "b", tmp_path / "a")
+    os.symlink(tmp_path / "a", tmp_path / "b")
+    os.symlink(tmp_path / "moved-away", tmp_path / "latest")
+    for argv in (["inspect"], ["verify"], ["convert"]):
+        for name, said in (("a", "is a symbolic link that loops"), ("latest", "moved-away.*does not exist")):
+            extra = [str(tmp_path / "out.zip")] if argv == ["convert"] else []
+            assert main([*argv, str(tmp_path / name), *extra]) == 1
+            err = capsys.readouterr().err
+            assert re.search(f"no checkpoint here: the path {said}", err) or re.search(said, err), (argv, err)
+            assert "Traceback" not in err
+    with pytest.raises(tdcp.CheckpointNotFoundError, match="symbolic link that loops"):
+        tdcp.verify(tmp_path / "a")

@@ -50,7 +50,7 @@ from torchrl_dcp.storage.commit import (
 )
 from torchrl_dcp.storage.copying import CopyRange, copy_ranges
 from torchrl_dcp.storage.directory import DirectoryContainer, foreign_entries, is_replaceable, refuse_inside_checkpoint
-from torchrl_dcp.storage.files import DirHandle, open_regular, read_whole
+from torchrl_dcp.storage.files import DirHandle, absent_because, open_regular, read_whole
 from torchrl_dcp.storage.urls import resolve_path
 
 logger = get_logger(__name__)
@@ -220,7 +220,7 @@ def to_archive(
         return convert_via_local(to_archive, src_dir, dst_file, "checkpoint", "file", overwrite, buffer_size=buffer_size, progress=progress)  # fmt: skip
     src = _local(src_dir)
     if not src.exists():
-        raise CheckpointNotFoundError("no checkpoint here: the path does not exist", path=src)
+        raise CheckpointNotFoundError(f"no checkpoint here: {absent_because(src)}", path=src)
     if not src.is_dir():
         raise CheckpointFormatError("not a checkpoint directory (already an archive? use to_directory)", path=src)
     try:
@@ -270,7 +270,7 @@ def to_directory(
         return convert_via_local(to_directory, src_file, dst_dir, "file", "checkpoint", overwrite, buffer_size=buffer_size, progress=progress)  # fmt: skip
     path = _local(src_file)
     if not path.exists():
-        raise CheckpointNotFoundError("no checkpoint here: the path does not exist", path=path)
+        raise CheckpointNotFoundError(f"no checkpoint here: {absent_because(path)}", path=path)
     if path.is_dir():
         raise CheckpointFormatError("is a directory, not an archive (use to_archive)", path=path)
     path = location_for(path).path  # a link to an archive is read as the archive it names, as loads read it

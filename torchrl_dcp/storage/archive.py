@@ -47,7 +47,7 @@ from torchrl_dcp.format.zipformat import (
 )
 from torchrl_dcp.storage.base import ByteRange, EntryKind, Location, ManifestParts, check_listing, files_to_check
 from torchrl_dcp.storage.commit import TMP_TAG, publish, remove_entry
-from torchrl_dcp.storage.files import open_regular
+from torchrl_dcp.storage.files import absent_because, open_regular
 from torchrl_dcp.storage.filesums import fds_checksums
 
 ALIGN = 64  # every member's data starts at a multiple of this (zipformat.ALIGN)
@@ -251,7 +251,7 @@ class ArchiveContainer(ManifestParts):
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         if not self.path.exists():
-            raise CheckpointNotFoundError("no checkpoint here: the path does not exist", path=self.path)
+            raise CheckpointNotFoundError(f"no checkpoint here: {absent_because(self.path)}", path=self.path)
         self._members: dict[str, Member] | None = None
         self._manifest: dict[str, Any] | None = None
         self.bytes_read = 0  # data bytes read through storage readers (tests, diagnostics)

@@ -74,7 +74,7 @@ from torchrl_dcp.storage.commit import (
     sweep_stale_locks,
     write_file_durably,
 )
-from torchrl_dcp.storage.files import DirHandle, open_regular, read_whole
+from torchrl_dcp.storage.files import DirHandle, absent_because, open_regular, read_whole
 from torchrl_dcp.storage.filesums import fds_checksums
 
 if TYPE_CHECKING:
@@ -96,8 +96,8 @@ class DirectoryContainer(ManifestParts):
 
     def root(self) -> dict[str, Any]:
         if self._manifest is None:
-            if not self.path.exists() and not self.path.is_symlink():
-                raise CheckpointNotFoundError("no checkpoint here: the path does not exist", path=self.path)
+            if not self.path.exists():  # (nothing, or a link to nothing: said which)
+                raise CheckpointNotFoundError(f"no checkpoint here: {absent_because(self.path)}", path=self.path)
             if not self.path.is_dir():  # a link to a checkpoint directory is how users point at one: followed
                 raise CheckpointFormatError("not a checkpoint directory", path=self.path)
             file = self.path / MANIFEST

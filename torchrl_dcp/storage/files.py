@@ -32,6 +32,29 @@ _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 
+def absent_because(path: str | os.PathLike) -> str:
+    """Why nothing is found at ``path``, said as a user can act on it: it does not exist, or it is a symbolic link
+    whose target does not exist, or that loops.
+
+    Example:
+        >>> import os, tempfile
+        >>> d = tempfile.mkdtemp(); os.symlink(d + "/b", d + "/a"); os.symlink(d + "/a", d + "/b")
+        >>> absent_because(d + "/a"), absent_because(d + "/missing")
+        ('the path is a symbolic link that loops (too many levels of symbolic links)', 'the path does not exist')
+    """
+    try:
+        target = os.readlink(path)
+    except OSError:
+        return "the path does not exist"
+    try:
+        os.stat(path)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return "the path is a symbolic link that loops (too many levels of symbolic links)"
+        return f"the path is a symbolic link to {target}, which does not exist"
+    return "the path does not exist"  # (made since it was looked at)
+
+
 def open_regular(path: str | os.PathLike, where: Any = None) -> int:
     """Open ``path`` for reading without following a symlink; refuse anything but a regular file.
 
