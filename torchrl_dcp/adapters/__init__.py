@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext, CheckpointOptions
 from torchrl_dcp.adapters.defaults import register_default_adapters
+from torchrl_dcp.adapters.env_attributes import register_exact_env
 from torchrl_dcp.adapters.env_transforms import register_exact_transform
 from torchrl_dcp.adapters.generators import NumpyGeneratorAdapter, NumpyRandomStateAdapter, PythonRandomAdapter
 from torchrl_dcp.adapters.json import JSONAdapter
@@ -46,6 +47,7 @@ __all__ = [
     "StateDictAdapter",
     "TensorDictAdapter",
     "register_adapter",
+    "register_exact_env",
     "register_exact_transform",
     "resolve_adapter",
 ]

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
+from torchrl_dcp.adapters.env_attributes import plain_attributes, warn_plain_attributes
 from torchrl_dcp.adapters.env_lazy import lazy_places, lazy_plan, materialize_lazy, set_aside
 from torchrl_dcp.adapters.env_transforms import (
     check_transform_attributes,
@@ -168,12 +169,14 @@ def simulator_envs(env: Any) -> list[str]:
     return _unreachable(env)[1]
 
 
-def _unreachable(env: Any) -> tuple[list[str], list[str]]:
-    from torchrl.envs import ParallelEnv
+def _unreachable(env: Any) -> tuple[list[str], list[str], list[str]]:
+    from torchrl.envs import EnvBase, ParallelEnv, TransformedEnv
+    from torchrl.envs.batched_envs import BatchedEnvBase
     from torchrl.envs.common import _EnvWrapper
 
     workers: list[str] = []
     simulators: list[str] = []
+    attributes: list[str] = []  # leaf envs' plain attributes (env_attributes.plain_attributes)
     seen: set[int] = set()
     stack = [(env, "env")]
     while stack:
@@ -187,13 +190,17 @@ def _unreachable(env: Any) -> tuple[list[str], list[str]]:
         if isinstance(obj, _EnvWrapper):
             simulators.append(f"{path} ({type(obj).__name__})")
             continue
+        if isinstance(obj, EnvBase) and not isinstance(obj, (TransformedEnv, BatchedEnvBase)):
+            plain = plain_attributes(obj)
+            if plain:
+                attributes.append(f"{path} ({type(obj).__name__}: {', '.join(plain[:8])})")
         for attr in ("base_env", "env", "_env"):
             child = obj.__dict__.get(attr) or (getattr(obj, "_modules", None) or {}).get(attr)
             if child is not None:
                 stack.append((child, f"{path}.{attr}"))
         for i, child in enumerate(obj.__dict__.get("_envs") or ()):  # SerialEnv's sub-envs
             stack.append((child, f"{path}._envs.{i}"))
-    return workers, simulators
+    return workers, simulators, attributes
 
 
 def warn_worker_state(name: str, where: list[str], action: str) -> None:
@@ -222,11 +229,13 @@ def warn_simulator_state(name: str, where: list[str], action: str) -> None:
 
 def warn_unreachable(name: str, env: Any, action: str) -> None:
     """An :class:`~torchrl_dcp.errors.InexactResumeWarning` for each kind of state of ``env`` out of reach."""
-    workers, simulators = _unreachable(env)
+    workers, simulators, attributes = _unreachable(env)
     if workers:
         warn_worker_state(name, workers, action)
     if simulators:
         warn_simulator_state(name, simulators, action)
+    if attributes:
+        warn_plain_attributes(name, attributes, action)
 
 
 # ---------------------------------------------------------------------- transforms
