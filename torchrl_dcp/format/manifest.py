@@ -41,7 +41,7 @@ from typing import Any
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointVersionError
 from torchrl_dcp.format import migrations
-from torchrl_dcp.format.layout import MANIFEST, MAX_MANIFEST_BYTES, is_chunk_file, is_plain_name
+from torchrl_dcp.format.layout import MANIFEST, MAX_MANIFEST_BYTES, data_file_rank, is_chunk_file, is_plain_name
 from torchrl_dcp.format.manifest_depth import check_depth, structure
 from torchrl_dcp.format.rank_table import validate_rank_table
 from torchrl_dcp.placement import PLACEMENTS
@@ -339,6 +339,9 @@ def _validate(m: dict[str, Any], source: Any) -> None:
         raise bad("save_id must be 32 hex digits or null")
     for name, rec in m["files"].items():
         validate_file_record(name, rec, bad, m.get("save_id"))
+        writer = data_file_rank(name)
+        if writer is not None and writer >= m["world_size"]:  # (an incremental save keeps files at one world size)
+            raise bad(f"files lists {name!r}, a file of rank {writer}, in a checkpoint of {m['world_size']} rank(s)")
     validate_chunk_table(m.get("chunks"), m["files"], bad)
     if m.get("sequence") is not None and not (_is_int(m["sequence"]) and m["sequence"] >= 0):
         raise bad("sequence must be a non-negative integer or null")
@@ -360,7 +363,21 @@ def _validate_index(m: dict[str, Any], bad: Callable[[str], CheckpointFormatErro
         k for rec in m["components"].values() for k in rec.get("inventory") or {}
     }
     check_entries(index["entries"], m["files"], shared, bad)
+    check_placed_once(index["entries"], m["chunks"], bad)
     _validate_placed(m["chunks"], bad)
+
+
+def check_placed_once(entries: list[list[Any]], chunks: Mapping[str, Any], bad: Callable[[str], Any]) -> None:
+    """Each tensor is placed once: by one storage entry (whole) or by the chunk table, never twice (the last of two
+    entries won, and bytes of another shape were accepted beside a tensor's chunks: no save writes either)."""
+    seen: set[str] = set()
+    for e in entries:
+        if e[0] in seen:
+            raise bad(f"the storage entries place tensor {e[0]!r} twice: no save writes that")
+        seen.add(e[0])
+    both = seen.intersection(chunks)
+    if both:
+        raise bad(f"tensor {min(both)!r} is placed both whole (a storage entry) and in chunks: no save writes that")
 
 
 def _validate_placed(chunks: dict[str, Any], bad: Callable[[str], CheckpointFormatError]) -> None:
@@ -406,6 +423,7 @@ def validate_assembled(m: dict[str, Any], source: Any) -> None:
             _validate_component(name, rec, ranks, bad)
     validate_chunk_table(m["chunks"], m["files"], bad)
     if m.get("index") is not None:
+        check_placed_once(m["index"]["entries"], m["chunks"], bad)
         _validate_placed(m["chunks"], bad)
 
 
