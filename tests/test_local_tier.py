@@ -215,6 +215,22 @@ def test_a_forged_or_damaged_part_falls_back_to_the_previous_local_step(
     assert (info.step, info.tier) == (10, "local")  # step 12 is not committed any more: the local step before it
 
 
+def test_a_part_whose_directory_is_gone_is_said_whole_with_what_is_resumed_instead(tmp_path: Path) -> None:
+    """The warning cut the part's error at 200 characters, mid-sentence, dropping its advice ("... disappeared or
+    )"), and did not say what is resumed instead."""
+    import shutil
+
+    ckpt, model, optimizer = _job()
+    _train(ckpt, model, optimizer, _rotation(tmp_path), 0, 13)
+    shutil.rmtree(tmp_path / "local" / "step-000000000012" / "rank-00000")
+    with pytest.warns(tdcp.LocalTierWarning) as caught:
+        info = _rotation(tmp_path).resume(_job(1)[0])
+    assert (info.step, info.tier) == (10, "local")
+    (said,) = [str(w.message) for w in caught if "parts found damaged do not count" in str(w.message)]
+    assert "step 12 rank 0's part: its manifest cannot be read" in said
+    assert "does not exist (another process may have removed it))" in said and "older local step" in said
+
+
 def test_a_link_planted_as_a_step_directory_is_neither_a_step_nor_written_through(tmp_path: Path) -> None:
     ckpt, model, optimizer = _job()
     victim = tmp_path / "victim"

@@ -107,7 +107,7 @@ def check_record(step_dir: Path, rank: int, step: int, identity: Mapping[str, An
     try:
         record = json.loads(read_whole(step_dir / record_name(rank), _RECORD_LIMIT, step_dir))
     except (OSError, ValueError, CheckpointError) as err:
-        return f"its commit record cannot be read ({str(err)[:200]})"
+        return f"its commit record cannot be read ({err})"
     if not (
         isinstance(record, dict)
         and record.get("format") == RECORD_FORMAT
@@ -122,7 +122,7 @@ def check_record(step_dir: Path, rank: int, step: int, identity: Mapping[str, An
     try:
         digest = manifest_digest(step_dir / f"rank-{rank:05d}")
     except (OSError, CheckpointError) as err:
-        return f"its manifest cannot be read ({str(err)[:200]})"
+        return f"its manifest cannot be read ({err})"
     if record.get("manifest_sha256") != digest:
         return "its manifest is not the one its commit record names (damaged or altered)"
     return HeldPart(step, rank, record["save_id"])

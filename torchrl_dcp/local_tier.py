@@ -518,6 +518,10 @@ class LocalTier:
         if said:
             text = f"local tier {self.path}: parts found damaged do not count: {'; '.join(said[:6])}"
             text += f"; and {len(said) - 6} more" if len(said) > 6 else ""
+            text += (
+                ". A copy of the same step on a peer's node is restored instead where one is complete, else an "
+                "older local step or the shared tier (the resume says which)"
+            )
             logger.warning("%s", text)
             warnings.warn(LocalTierWarning(text), stacklevel=5)
         return [parts for parts, _ in listed]
