@@ -297,3 +297,33 @@ def _taken_by_module(key: str, target: Any) -> bool:
     """Entries the module's own ``load_state_dict`` takes as they are: its extra state (``set_extra_state``, any
     value) and not yet initialised lazy parameters (``LazyLinear`` before its first forward: shaped by the load)."""
     return key.endswith(_EXTRA_STATE) or torch.nn.parameter.is_lazy(target)
+
+
+def networks_left_out(value: Any, saved: Mapping[str, torch.Tensor]) -> list[str]:
+    """The networks a torchrl value estimator (``GAE``, ``TD0Estimator``, ``TDLambdaEstimator``, ``VTrace``, ...)
+    holds outside its module tree (``value_network`` is a plain attribute: its ``state_dict()`` holds ``gamma`` and
+    ``lmbda`` only) whose tensors no component of the save holds (``saved``: the save's flat state), as
+    ``"attribute (Class)"``. Registered alone, such an estimator resumes with the fresh network's weights; registered
+    with its network (or the loss holding it), it is exact.
+
+    Example:
+        >>> from torchrl.objectives.value import GAE
+        >>> from tensordict.nn import TensorDictModule
+        >>> gae = GAE(gamma=0.99, lmbda=0.95, value_network=TensorDictModule(torch.nn.Linear(3, 1), ["obs"], ["v"]))
+        >>> networks_left_out(gae, {})
+        ['value_network (TensorDictModule)']
+    """
+    try:
+        from torchrl.objectives.value import ValueEstimatorBase
+    except ImportError:  # pragma: no cover - torchrl is a dependency
+        return []
+    if not isinstance(value, ValueEstimatorBase):
+        return []
+    held = {(t.data_ptr(), t.numel()) for t in saved.values() if isinstance(t, torch.Tensor) and t.numel()}
+    out = []
+    for attr, net in vars(value).items():
+        if isinstance(net, torch.nn.Module):
+            tensors = [t for t in net.state_dict().values() if isinstance(t, torch.Tensor) and t.numel()]
+            if any((t.data_ptr(), t.numel()) not in held for t in tensors):
+                out.append(f"{attr} ({type(net).__name__})")
+    return out
