@@ -128,12 +128,17 @@ def _buffers() -> str:
         )
         for key, why in suite.SKIP.items()
     ]
+    classes = [(f"`{n}`", "exact", "filled, sampled, saved, restored: audited, then extends and samples compared")
+               for n in suite.BUFFER_RECIPES]  # fmt: skip
+    classes += [(f"`{n}`", "", why) for n, why in suite.BUFFER_ELSEWHERE.items()]
     return (
         "## Replay buffers (`torchrl.data.replay_buffers`)\n\n"
         "`tests/test_conformance_buffers.py`: every storage × ndim × sampler × writer × fill level above, saved "
         "after sampling (mid-epoch for samplers without replacement), restored into a fresh buffer; the whole buffer "
         "audited, then samples, priority updates and extends compared.\n\n"
         + _table(("class", "verdict", "how / why not"), sorted(covered) + sorted(others))
+        + "\n\nReplay buffer classes (each over a `LazyTensorStorage`, with the global RNG streams):\n\n"
+        + _table(("class", "verdict", "how / why not"), sorted(classes))
         + "\n\nCombinations left out of the matrix:\n\n"
         + _table(("combination", "why"), skips)
     )
@@ -152,6 +157,24 @@ def _collectors() -> str:
     )
 
 
+def _learner() -> str:
+    import test_conformance_learner as suite
+
+    rows = []
+    for name in suite.learner_classes():
+        if name in suite.RECIPES:
+            rows.append((f"`{name}`", "exact", "used, annealed, saved, restored with another seed: audited, outputs"))
+        else:
+            rows.append((f"`{name}`", "", suite.NO_RECIPE.get(name, "")))
+    return (
+        "## Exploration modules, value estimators, target updaters (`torchrl.modules`, `torchrl.objectives`)\n\n"
+        "`tests/test_conformance_learner.py`: each class with a recipe built, used and annealed (a target updater "
+        "with a `DQNLoss` and its optimizer, registered as components of their own), saved with the RNG streams, "
+        "restored into one built with another seed; audited, and its next outputs compared.\n\n"
+        + _table(("class", "verdict", "how / why not"), rows)
+    )
+
+
 def _not_state() -> str:
     from torchrl_dcp.audit import NOT_STATE
 
@@ -167,7 +190,7 @@ def _not_state() -> str:
 
 def render() -> str:
     """The page, from the suites' tables."""
-    sections = [HEADER, _trainers(), _transforms(), _hooks(), _buffers(), _collectors(), _not_state()]
+    sections = [HEADER, _trainers(), _transforms(), _hooks(), _buffers(), _collectors(), _learner(), _not_state()]
     return "\n\n".join(_wrap(s) for s in sections) + "\n"
 
 

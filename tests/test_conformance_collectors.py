@@ -178,17 +178,32 @@ COLLECTOR_CLASSES = {
     "MultiCollector": "the base class of the multi-process collectors",
     "BaseCollector": "the base class",
 }
+_REMOTE = (
+    "not built here: its workers run on other nodes (launched through {how}); taken as a multi-process collector "
+    "(its state_dict, with the warning that the envs live in the workers)"
+)
+#: ``torchrl.collectors.distributed``: collectors whose workers are launched on other nodes
+COLLECTOR_CLASSES.update(
+    {
+        "DistributedCollector": _REMOTE.format(how="torch.distributed"),
+        "DistributedSyncCollector": _REMOTE.format(how="torch.distributed"),
+        "RPCCollector": _REMOTE.format(how="torch.distributed.rpc"),
+        "RayCollector": _REMOTE.format(how="Ray"),
+    }
+)
 
 
 def test_every_collector_class_of_torchrl_is_covered() -> None:
     import inspect
 
     import torchrl.collectors as collectors
+    import torchrl.collectors.distributed as remote
 
     found = {
-        n for n in collectors.__all__
-        if inspect.isclass(getattr(collectors, n)) and issubclass(getattr(collectors, n), collectors.BaseCollector)
+        n for package in (collectors, remote) for n in package.__all__
+        if inspect.isclass(getattr(package, n)) and issubclass(getattr(package, n), collectors.BaseCollector)
     }  # fmt: skip
+    assert {"Collector", "RayCollector"} <= found
     assert found <= set(COLLECTOR_CLASSES), f"new in torchrl: {found - set(COLLECTOR_CLASSES)}"
 
 
