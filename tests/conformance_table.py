@@ -97,15 +97,16 @@ def _transforms() -> str:
     )
 
 
+def _recipe_rows(suite: object, names: list[str], how: str) -> list[tuple[str, ...]]:
+    """A row per class: exact where the suite has a recipe (``how``), else the suite's reason."""
+    recipes, reasons = suite.RECIPES, suite.NO_RECIPE  # type: ignore[attr-defined]
+    return [(f"`{n}`", "exact", how) if n in recipes else (f"`{n}`", "", reasons.get(n, "")) for n in names]
+
+
 def _hooks() -> str:
     import test_conformance_hooks as suite
 
-    rows = []
-    for name in suite.hook_classes():
-        if name in suite.RECIPES:
-            rows.append((f"`{name}`", "exact", "registered on a SACTrainer, saved by its schedule, resumed"))
-        else:
-            rows.append((f"`{name}`", "", suite.NO_RECIPE.get(name, "")))
+    rows = _recipe_rows(suite, suite.hook_classes(), "registered on a SACTrainer, saved by its schedule, resumed")
     return (
         "## Trainer hooks (`torchrl.trainers`)\n\n"
         "`tests/test_conformance_hooks.py`: each hook registered on a real `SACTrainer` in one process, trained two "
@@ -160,12 +161,8 @@ def _collectors() -> str:
 def _learner() -> str:
     import test_conformance_learner as suite
 
-    rows = []
-    for name in suite.learner_classes():
-        if name in suite.RECIPES:
-            rows.append((f"`{name}`", "exact", "used, annealed, saved, restored with another seed: audited, outputs"))
-        else:
-            rows.append((f"`{name}`", "", suite.NO_RECIPE.get(name, "")))
+    how = "used, annealed, saved, restored with another seed: audited, outputs"
+    rows = _recipe_rows(suite, suite.learner_classes(), how)
     return (
         "## Exploration modules, value estimators, target updaters (`torchrl.modules`, `torchrl.objectives`)\n\n"
         "`tests/test_conformance_learner.py`: each class with a recipe built, used and annealed (a target updater "
