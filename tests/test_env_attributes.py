@@ -12,11 +12,12 @@ import torch
 from tensordict import TensorDict
 from torchrl.collectors import Collector
 from torchrl.data import Bounded, Composite, Unbounded
-from torchrl.envs import EnvBase, PendulumEnv, SerialEnv, StepCounter, TransformedEnv
+from torchrl.envs import EnvBase, PendulumEnv, SerialEnv, StepCounter, TicTacToeEnv, TransformedEnv
 from torchrl.testing.mocking_classes import ContinuousActionVecMockEnv, CountingEnv
 
 import torchrl_dcp as tdcp
 from torchrl_dcp.adapters import env_attributes
+from torchrl_dcp.audit import state_differences, state_snapshot
 
 
 class EpisodeEnv(EnvBase):
@@ -93,3 +94,28 @@ def test_an_env_class_declared_exact_says_nothing(tmp_path: Path, monkeypatch: p
         tdcp.DistributedCheckpoint(collector=_collect(Configured())).save(tmp_path / "c")
     with pytest.raises(TypeError, match="takes a class"):
         tdcp.adapters.register_exact_env(Configured())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", sorted(env_attributes.EXACT_ENVS))
+def test_torchrls_envs_listed_exact_resume_exactly_under_a_collector(tmp_path: Path, name: str) -> None:
+    """What listing a class in ``EXACT_ENVS`` claims: its plain attributes are configuration (the audit is empty
+    after a restore into an env built alike) and the next batches equal a run that never stopped."""
+    build = {"CountingEnv": lambda: CountingEnv(max_steps=5), "TicTacToeEnv": TicTacToeEnv}[name]
+    torch.manual_seed(0)
+    collector = _collect(build())
+    saved = state_snapshot(collector, "collector")
+    ckpt = tdcp.DistributedCheckpoint(collector=collector)
+    ckpt.register("rng", tdcp.RNGState())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tdcp.InexactResumeWarning)
+        path = ckpt.save(tmp_path / "c")
+    it = iter(collector)
+    expected = [next(it).clone() for _ in range(3)]
+    torch.manual_seed(5)
+    fresh = Collector(build(), None, frames_per_batch=4, total_frames=-1)
+    restore = tdcp.DistributedCheckpoint(collector=fresh)
+    restore.register("rng", tdcp.RNGState())
+    restore.load(path)
+    assert state_differences(saved, state_snapshot(fresh, "collector")) == []
+    it = iter(fresh)
+    assert all((a == next(it)).all() for a in expected)

@@ -27,8 +27,9 @@ from torchrl_dcp.errors import InexactResumeWarning
 
 __all__ = ["EXACT_ENVS", "plain_attributes", "register_exact_env", "warn_plain_attributes"]
 
-#: torchrl envs whose plain attributes are configuration only (their state is in buffers: ``CountingEnv.count``)
-EXACT_ENVS: frozenset[str] = frozenset({"CountingEnv"})
+#: torchrl envs whose plain attributes are configuration only (their state is in buffers, ``CountingEnv.count``, or
+#: in the tensordict, ``TicTacToeEnv``'s board): checked by ``tests/test_env_attributes.py``
+EXACT_ENVS: frozenset[str] = frozenset({"CountingEnv", "TicTacToeEnv"})
 
 #: attributes torchrl itself sets on envs it drives (a collector's in-place flag, an autoreset mode): configuration
 _SET_BY_TORCHRL: frozenset[str] = frozenset({"_inplace_update", "_torchrl_native_autoreset"})
