@@ -29,6 +29,7 @@ from torchrl_dcp import _dist, load_engine, save_engine
 from torchrl_dcp._gc import gc_paused
 from torchrl_dcp._log import get_logger
 from torchrl_dcp.adapters import Adapter, AdapterContext, CheckpointOptions, RNGState, resolve_adapter
+from torchrl_dcp.adapters.modules import warn_networks_left_out
 from torchrl_dcp.adapters.trainer import trainer_placement
 from torchrl_dcp.arguments import (
     check_component_options,
@@ -562,6 +563,7 @@ class DistributedCheckpoint:
             world_size_change=world_size_change,
             verify=verify,
         )
+        warn_networks_left_out({n: self.components[n] for n in request.requested}, "loading")
         with gc_paused(), _dist.reading():  # (a collective's failure then says nothing was saved)
             if is_torchrl_checkpoint(request.path):  # (a URL never is: torchrl writes local paths)
                 from torchrl_dcp.torchrl_format.importer import import_load

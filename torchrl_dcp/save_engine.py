@@ -37,7 +37,6 @@ import math
 import os
 import pickle
 import uuid
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -48,12 +47,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from torchrl_dcp import _dist
 from torchrl_dcp._gc import gc_paused
-from torchrl_dcp._log import get_logger, user_stacklevel
+from torchrl_dcp._log import get_logger
 from torchrl_dcp.adapters import Adapter, AdapterContext
-from torchrl_dcp.adapters.modules import networks_left_out
+from torchrl_dcp.adapters.modules import warn_networks_left_out
 from torchrl_dcp.collective import broadcast_step, error_status, raise_if_failed, run_step
 from torchrl_dcp.commit_records import RankPart, metadata_bytes, root_manifest, write_rank_part
-from torchrl_dcp.errors import CheckpointError, CollectiveError, EncodingError, InexactResumeWarning
+from torchrl_dcp.errors import CheckpointError, CollectiveError, EncodingError
 from torchrl_dcp.format.codec import dtype_name, escape_key, is_dtensor, tensor_identity
 from torchrl_dcp.format.codec import encode as encode_value
 from torchrl_dcp.format.layout import DCP_METADATA
@@ -182,23 +181,8 @@ def encode(items: list[EncodeItem], rank: int) -> Encoded:
         out.settle(None)
         raise
     out.records = {it.name: out.records[it.name] for it in items}
-    _warn_networks_left_out(items, out.flat)
+    warn_networks_left_out({it.name: it.value for it in items}, "saving")
     return out
-
-
-def _warn_networks_left_out(items: list[EncodeItem], flat: Mapping[str, torch.Tensor]) -> None:
-    """An :class:`~torchrl_dcp.errors.InexactResumeWarning` for a value estimator whose network no component holds
-    (:func:`~torchrl_dcp.adapters.modules.networks_left_out`)."""
-    for item in items:
-        left = networks_left_out(item.value, flat)
-        if left:
-            warnings.warn(
-                f"component {item.name!r}: {', '.join(left)} is held outside its module tree (torchrl keeps a value "
-                "estimator's network as a plain attribute) and no component of this save holds its weights: a "
-                "load leaves the fresh network's. Register the network (or the loss module holding it) too",
-                InexactResumeWarning,
-                stacklevel=user_stacklevel(),
-            )
 
 
 def _encode_item(item: EncodeItem, rank: int, out: Encoded, shared: dict[tuple[Any, ...], tuple[str, str]]) -> None:

@@ -299,31 +299,57 @@ def _taken_by_module(key: str, target: Any) -> bool:
     return key.endswith(_EXTRA_STATE) or torch.nn.parameter.is_lazy(target)
 
 
-def networks_left_out(value: Any, saved: Mapping[str, torch.Tensor]) -> list[str]:
-    """The networks a torchrl value estimator (``GAE``, ``TD0Estimator``, ``TDLambdaEstimator``, ``VTrace``, ...)
-    holds outside its module tree (``value_network`` is a plain attribute: its ``state_dict()`` holds ``gamma`` and
-    ``lmbda`` only) whose tensors no component of the save holds (``saved``: the save's flat state), as
-    ``"attribute (Class)"``. Registered alone, such an estimator resumes with the fresh network's weights; registered
-    with its network (or the loss holding it), it is exact.
+def networks_left_out(components: Mapping[str, Any]) -> dict[str, list[str]]:
+    """``{name: ["attribute (Class)", ...]}`` of the torchrl value estimators among ``components`` (``GAE``,
+    ``TD0Estimator``, ``TDLambdaEstimator``, ``VTrace``, ...) whose networks, held outside their module tree
+    (``value_network`` is a plain attribute: an estimator's ``state_dict()`` holds ``gamma`` and ``lmbda`` only),
+    no module among ``components`` holds (the network itself, or a loss holding it). Registered alone, such an
+    estimator resumes with the fresh network's weights; registered with its network, it is exact.
 
     Example:
         >>> from torchrl.objectives.value import GAE
         >>> from tensordict.nn import TensorDictModule
-        >>> gae = GAE(gamma=0.99, lmbda=0.95, value_network=TensorDictModule(torch.nn.Linear(3, 1), ["obs"], ["v"]))
-        >>> networks_left_out(gae, {})
-        ['value_network (TensorDictModule)']
+        >>> net = TensorDictModule(torch.nn.Linear(3, 1), ["obs"], ["v"])
+        >>> gae = GAE(gamma=0.99, lmbda=0.95, value_network=net)
+        >>> networks_left_out({"est": gae}), networks_left_out({"est": gae, "critic": net})
+        ({'est': ['value_network (TensorDictModule)']}, {})
     """
     try:
         from torchrl.objectives.value import ValueEstimatorBase
     except ImportError:  # pragma: no cover - torchrl is a dependency
-        return []
-    if not isinstance(value, ValueEstimatorBase):
-        return []
-    held = {(t.data_ptr(), t.numel()) for t in saved.values() if isinstance(t, torch.Tensor) and t.numel()}
-    out = []
-    for attr, net in vars(value).items():
-        if isinstance(net, torch.nn.Module):
-            tensors = [t for t in net.state_dict().values() if isinstance(t, torch.Tensor) and t.numel()]
-            if any((t.data_ptr(), t.numel()) not in held for t in tensors):
-                out.append(f"{attr} ({type(net).__name__})")
+        return {}
+    estimators = {n: v for n, v in components.items() if isinstance(v, ValueEstimatorBase)}
+    if not estimators:
+        return {}
+    held = {
+        (t.data_ptr(), t.numel())
+        for v in components.values()
+        if isinstance(v, torch.nn.Module)
+        for t in v.state_dict().values()
+        if isinstance(t, torch.Tensor) and t.numel()
+    }
+    out: dict[str, list[str]] = {}
+    for name, estimator in estimators.items():
+        for attr, net in vars(estimator).items():
+            if isinstance(net, torch.nn.Module):
+                tensors = [t for t in net.state_dict().values() if isinstance(t, torch.Tensor) and t.numel()]
+                if any((t.data_ptr(), t.numel()) not in held for t in tensors):
+                    out.setdefault(name, []).append(f"{attr} ({type(net).__name__})")
     return out
+
+
+def warn_networks_left_out(components: Mapping[str, Any], action: str) -> None:
+    """An :class:`~torchrl_dcp.errors.InexactResumeWarning` per value estimator :func:`networks_left_out` names."""
+    import warnings
+
+    from torchrl_dcp._log import user_stacklevel
+    from torchrl_dcp.errors import InexactResumeWarning
+
+    for name, left in networks_left_out(components).items():
+        warnings.warn(
+            f"component {name!r} ({action}): {', '.join(left)} is held outside its module tree (torchrl keeps a "
+            "value estimator's network as a plain attribute) and no registered module holds its weights: a load "
+            "leaves the fresh network's. Register the network (or the loss module holding it) too",
+            InexactResumeWarning,
+            stacklevel=user_stacklevel(),
+        )
