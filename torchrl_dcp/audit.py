@@ -236,6 +236,10 @@ def _tensor_fingerprint(t: Any) -> str:
         return "ndarray of objects (not fingerprinted)"
     import torch
 
+    if t.layout == torch.sparse_coo and not t.is_meta:  # its entries as held (uncoalesced: order and repeats)
+        data = t.detach()
+        parts = f"{_tensor_fingerprint(data._indices())} {_tensor_fingerprint(data._values())}"
+        return f"tensor {t.dtype} {tuple(t.shape)} sparse_coo coalesced={t.is_coalesced()} {parts}"
     if t.is_meta or getattr(t, "is_nested", False) or t.layout != torch.strided:
         return f"tensor {t.dtype} {tuple(t.shape)} {t.layout}{' meta' if t.is_meta else ''}"
     data = t.detach()

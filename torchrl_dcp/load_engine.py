@@ -76,6 +76,7 @@ from torchrl_dcp.load_plan import (
     Registered,
     SavedState,
     check_backed,
+    check_sparse,
     decode_states,
     plan_components,
     refuse_conflicting_live,
@@ -480,7 +481,8 @@ def check_values(load_plan: LoadPlan, src: CheckpointSource, path: Any) -> BaseE
     state to restore, after the fresh reads and before anything is restored (a tensor read in place later is read
     from ``src`` for the check alone); returns the first failure."""
     for comp in load_plan.components.values():
-        if type(comp.adapter).check_values is Adapter.check_values:
+        checks_values = type(comp.adapter).check_values is not Adapter.check_values
+        if not checks_values and not any(state.sparse for state in comp.sources.values()):
             continue
         for state in comp.sources.values():
 
@@ -493,6 +495,12 @@ def check_values(load_plan: LoadPlan, src: CheckpointSource, path: Any) -> BaseE
                     return read_fresh(src, {key: (spec.shape, spec.dtype)}, verify=False)[key]
                 return load_plan.destination(key)
 
+            try:
+                check_sparse(state, read)
+            except CheckpointError as err:
+                return CheckpointFormatError(f"component {comp.name!r}: {err.message}", path=path)
+            if not checks_values:
+                continue
             try:
                 comp.adapter.check_values(state.view, read)
             except Exception as err:  # (an adapter's own error too: every rank hears of it, nothing restored)

@@ -46,6 +46,7 @@ from torchrl_dcp.format.codec import (
 )
 from torchrl_dcp.format.metadata_checks import WholeTensor, record_index, whole_tensor
 from torchrl_dcp.format.migrations import migrate_component
+from torchrl_dcp.format.sparse_nodes import check_sparse_indices
 from torchrl_dcp.placement import Placement, key_prefix
 
 
@@ -59,6 +60,7 @@ class SavedState:
     specs: list[TensorSpec] = field(default_factory=list)
     view: Any = None
     refs: list[tuple[str, TensorSpec]] = field(default_factory=list)  # tensors of other components it refers to
+    sparse: list[dict[str, Any]] = field(default_factory=list)  # its sparse tensors' nodes (indices checked once read)
 
 
 @dataclass
@@ -321,7 +323,7 @@ def _sources(
         comp.ctx.source_rank = rank
         state = checked[0]
         prefix = key_prefix(rec["placement"], comp.name, rank)
-        return {rank: SavedState(state.skeleton, prefix, state.specs, state.view, state.refs)}
+        return {rank: SavedState(state.skeleton, prefix, state.specs, state.view, state.refs, state.sparse)}
     if not comp.reshard:
         comp.ctx.source_rank = rank
         return {rank: checked[rank]}
@@ -475,7 +477,7 @@ def check_states(
     wholes: dict[int, WholeTensor | None] = {}
     for r, skeleton in states:
         try:
-            view, specs, refs = plan_view(skeleton)  # every value decodes (numeric dtypes, bounded nesting)
+            view, specs, refs, sparse = plan_view(skeleton)  # every value decodes (numeric dtypes, bounded nesting)
         except CheckpointFormatError as err:
             raise CheckpointFormatError(f"component {name!r}: {err.message}", path=err.path or source) from None
         prefix = key_prefix(placement, name, r)
@@ -491,7 +493,7 @@ def check_states(
             ):  # the common case in a few lookups, else every check
                 check_backed(metadata, key, spec, source)
         _check_saved(rec, skeleton, view, name, source, adapter)
-        out[r] = SavedState(skeleton, prefix, specs, view, refs)
+        out[r] = SavedState(skeleton, prefix, specs, view, refs, sparse)
     if len(seen) != len(recorded):  # every tensor matched its entry: the others have no tensor
         _inventory_error(name, sorted(set(recorded) - seen), source)
     return out
@@ -525,23 +527,31 @@ def _check_saved(
         ) from err
 
 
-def plan_view(skeleton: Any) -> tuple[Any, list[TensorSpec], list[tuple[str, TensorSpec]]]:
+def plan_view(skeleton: Any) -> tuple[Any, list[TensorSpec], list[tuple[str, TensorSpec]], list[dict[str, Any]]]:
     """What a load plans from, in one walk: the decoded state with every tensor replaced by its
-    :class:`TensorSpec`, the specs, and the references to other components' tensors ``(component, spec)``.
+    :class:`TensorSpec`, the specs, the references to other components' tensors ``(component, spec)``, and the
+    nodes of its sparse tensors.
 
     Raises :class:`CheckpointFormatError` exactly where :func:`decode` does.
 
     Example:
         >>> import torch
-        >>> view, specs, refs = plan_view(encode({"w": torch.zeros(2)})[0])
-        >>> view["w"].shape, len(specs), refs
-        ((2,), 1, [])
+        >>> view, specs, refs, sparse = plan_view(encode({"w": torch.zeros(2)})[0])
+        >>> view["w"].shape, len(specs), refs, sparse
+        ((2,), 1, [], [])
     """
     sink = _SpecSink()
     view = decode(skeleton, sink)
     if sink.pending:  # an alias met before the tensor it names: decode again, every spec known
         view = decode(skeleton, {**sink, **{xref_key(c, spec.key): spec for c, spec in sink.refs}})
-    return view, sink.specs, sink.refs
+    return view, sink.specs, sink.refs, sink.sparse
+
+
+def check_sparse(state: SavedState, read: Callable[[TensorSpec], torch.Tensor]) -> None:
+    """The indices of every sparse tensor of ``state``, read (``read(spec)``: the saved tensor, as the value checks
+    read it), pass torch's invariant checks: what a load and ``verify`` run before anything is restored."""
+    for node in state.sparse:
+        check_sparse_indices(node, read(node_spec(node["indices"])))
 
 
 class _SpecSink(TensorSink):
@@ -551,7 +561,11 @@ class _SpecSink(TensorSink):
         super().__init__()
         self.specs: list[TensorSpec] = []
         self.refs: list[tuple[str, TensorSpec]] = []
+        self.sparse: list[dict[str, Any]] = []
         self.pending = False
+
+    def saw_sparse(self, node: dict[str, Any]) -> None:
+        self.sparse.append(node)
 
     def take(self, node: dict[str, Any]) -> Any:
         kind = node["t"]

@@ -18,7 +18,7 @@ from torchrl_dcp.format.dcp_metadata import metadata_difference
 from torchrl_dcp.format.layout import MANIFEST, is_data_file
 from torchrl_dcp.format.manifest import unchecked
 from torchrl_dcp.format.record import stored_record
-from torchrl_dcp.load_plan import check_states, check_totals
+from torchrl_dcp.load_plan import check_sparse, check_states, check_totals
 from torchrl_dcp.storage.archive import byte_counter
 from torchrl_dcp.storage.backends import open_source
 from torchrl_dcp.storage.source import CheckpointSource
@@ -126,16 +126,20 @@ def check_structure(src: Any) -> dict[str, Any]:
 
 
 def _check_values(src: CheckpointSource, states: dict[str, Any], components: dict[str, Any], where: Any) -> None:
-    """The saving adapters' checks of tensor values (:meth:`~torchrl_dcp.adapters.base.Adapter.check_values`), as a
-    load runs them: each reads only the tensors it asks for (checksummed already)."""
+    """The saving adapters' checks of tensor values (:meth:`~torchrl_dcp.adapters.base.Adapter.check_values`) and
+    the indices of every sparse tensor (:func:`~torchrl_dcp.load_plan.check_sparse`), as a load runs them: each reads
+    only the tensors it asks for (checksummed already)."""
     from torchrl_dcp.adapters import Adapter, adapter_by_id
     from torchrl_dcp.load_engine import read_fresh
 
     for name, by_rank in states.items():
         adapter = adapter_by_id(components[name]["adapter"])
+        known = adapter  # the saving adapter, when this process knows it and it checks values
         if adapter is None or components[name].get("adapter_version") != adapter.version:
-            continue
-        if type(adapter).check_values is Adapter.check_values:
+            known = None
+        elif type(adapter).check_values is Adapter.check_values:
+            known = None
+        if known is None and not any(state.sparse for state in by_rank.values()):
             continue
         for state in by_rank.values():
 
@@ -143,8 +147,14 @@ def _check_values(src: CheckpointSource, states: dict[str, Any], components: dic
                 key = f"{prefix}/{spec.key}"
                 return read_fresh(src, {key: (spec.shape, spec.dtype)}, verify=False)[key]
 
+            try:  # (whatever the adapter: the codec's own check)
+                check_sparse(state, read)
+            except CheckpointError as err:
+                raise CheckpointFormatError(f"component {name!r}: {err.message}", path=where) from None
+            if known is None:
+                continue
             try:
-                adapter.check_values(state.view, read)
+                known.check_values(state.view, read)
             except CheckpointError:
                 raise
             except Exception as err:

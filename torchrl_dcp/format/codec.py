@@ -35,6 +35,7 @@ import torch
 
 from torchrl_dcp.errors import CheckpointFormatError, EncodingError
 from torchrl_dcp.format.manifest_depth import MAPPING_NODES
+from torchrl_dcp.format.sparse_nodes import build_sparse, sparse_node, sparse_parts
 from torchrl_dcp.format.tensor_nodes import (
     TensorSpec,
     dtype_from_name,
@@ -64,7 +65,7 @@ MAX_DEPTH = 100  # nesting levels of a state (and of its skeleton): deeper is re
 _NP_KINDS = "biufc"  # numeric numpy kinds: bool, int, uint, float, complex
 _NP_MAX_ITEMSIZE = 32  # complex256, the widest numeric numpy scalar
 _MAPPING_KINDS: dict[type, str] = {dict: "dict", OrderedDict: "odict", Counter: "counter"}
-_CONTAINERS = frozenset({*MAPPING_NODES, "list", "tuple", "set", "frozenset", "np", "complex", "slice"})
+_CONTAINERS = frozenset({*MAPPING_NODES, "list", "tuple", "set", "frozenset", "np", "complex", "slice", "sparse_coo"})
 
 
 def _from_numpy(array: np.ndarray) -> torch.Tensor:
@@ -242,8 +243,12 @@ class _Encoder:
                 "shape": list(value.shape),
                 "device": str(value.device),
             }
+        if value.layout == torch.sparse_coo:
+            indices, values = sparse_parts(value)
+            inner = f"{path}/" if path else ""
+            return sparse_node(value, self._tensor(indices, f"{inner}indices"), self._tensor(values, f"{inner}values"))
         if value.is_sparse or value.layout != torch.strided:
-            raise self.fail(path, value, f" (layout {value.layout})")
+            raise self.fail(path, value, f" (layout {value.layout}: convert it with .to_sparse_coo() or .to_dense())")
         if value.is_meta:
             raise self.fail(path, value, " (on the meta device: it holds no data; initialise it before saving)")
         if value.is_quantized or value.is_nested:
@@ -364,6 +369,9 @@ class TensorSink(dict):
 
     def take(self, node: dict[str, Any]) -> Any:
         raise NotImplementedError
+
+    def saw_sparse(self, node: dict[str, Any]) -> None:
+        """A sparse tensor's node met (its parts taken already): its indices are checked once read."""
 
 
 def tensor_specs(skeleton: Any) -> Iterator[TensorSpec]:
@@ -622,12 +630,20 @@ def _decode_bytes(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) 
     return raw if node["t"] == "bytes" else bytearray(raw)
 
 
+def _decode_sparse(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
+    out = build_sparse(node, _decode(node["indices"], tensors, depth), _decode(node["values"], tensors, depth))
+    if isinstance(tensors, TensorSink):
+        tensors.saw_sparse(node)
+    return out
+
+
 _DECODERS: dict[str, Any] = {
     "tensor": _decode_tensor,
     "dtensor": _decode_tensor,
     "alias": _decode_tensor,
     "xref": _decode_tensor,
     "ndarray": _decode_ndarray,
+    "sparse_coo": _decode_sparse,
     "dict": _decode_mapping,
     "odict": _decode_mapping,
     "counter": _decode_mapping,
