@@ -71,7 +71,9 @@ def test_keys_are_paths_and_shared_tensors_are_stored_once() -> None:
     assert out["alias"] is out["a"]["b/c"]
 
 
-@pytest.mark.parametrize("bad", [object(), lambda: 0, {"k": {1, object()}}, np.array(["s"]), torch.eye(2).to_sparse_csr()])
+@pytest.mark.parametrize(
+    "bad", [object(), lambda: 0, {"k": {1, object()}}, np.array(["s"]), torch.eye(2).to_sparse_csr()]
+)
 def test_unencodable_value_names_its_path(bad) -> None:
     with pytest.raises(EncodingError, match=r"policy/outer/inner"):
         encode({"outer": {"inner": bad}}, "policy")

@@ -404,3 +404,40 @@ def test_a_damaged_local_step_is_warned_about_before_an_older_step_resumes(tmp_p
     with pytest.warns(tdcp.LocalTierWarning, match=r"step 10 could not be restored: .*the shared tier is next"):
         info = _rotation(tmp_path).resume(_job(1)[0])
     assert (info.step, info.tier) == (10, "shared")
+
+
+def test_a_local_step_refused_but_for_damage_is_kept_when_the_shared_tier_has_nothing(tmp_path: Path) -> None:
+    """A component registered since the local saves: the local load is refused (not damage), the shared tier holds
+    nothing yet, and the resume started fresh and deleted every local step, the job's only checkpoints."""
+    ckpt, model, optimizer = _job()
+    _train(ckpt, model, optimizer, _rotation(tmp_path), 0, 5)  # local steps 2 and 4, no shared one (every 10)
+    later, _, _ = _job(1)
+    later.register("extra", {"seen": 0}, placement="per_rank")
+    rotation = _rotation(tmp_path)
+    with pytest.warns(tdcp.LocalTierWarning, match="the shared tier is next"):
+        with pytest.raises(tdcp.IncompatibleComponentError, match="missing \\['extra'\\]") as err:
+            rotation.resume(later)
+    assert "the local tier's steps are kept" in str(err.value) and str(tmp_path / "local") in str(err.value)
+    assert rotation.local.steps() == [2, 4]
+    info = _rotation(tmp_path).resume(_job(1)[0])  # the job as it saved: resumes the local step
+    assert (info.step, info.tier) == (4, "local")
+
+
+def test_fallback_false_raises_on_a_damaged_local_step_and_keeps_the_tier(tmp_path: Path) -> None:
+    """``resume(fallback=False)`` raises instead of skipping a damaged entry (docs/api.md): the local tier passed
+    over its damaged step to an empty shared tier, started fresh and deleted the damaged part with the others."""
+    ckpt, model, optimizer = _job()
+    _train(ckpt, model, optimizer, _rotation(tmp_path), 0, 5)
+    part = tmp_path / "local" / "step-000000000004" / "rank-00000"
+    data = max(part.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    rotation = _rotation(tmp_path)
+    with pytest.raises(tdcp.CheckpointIntegrityError, match="step 4 could not be restored from any copy") as err:
+        rotation.resume(_job(1)[0], fallback=False)
+    assert data.name in str(err.value) and "pass fallback=True" in str(err.value)
+    assert rotation.local.steps() == [2, 4]
+    with pytest.warns(tdcp.LocalTierWarning, match="step 2 is next"):
+        info = _rotation(tmp_path).resume(_job(1)[0])  # the default falls back, saying so
+    assert (info.step, info.tier) == (2, "local")

@@ -287,16 +287,19 @@ def test_a_resume_from_a_checkpoint_or_a_file_instead_of_its_directory_is_refuse
 
 def test_entries_without_a_manifest_are_no_damaged_ones_a_resume_tries(tmp_path: Path) -> None:
     """A newer step directory without a manifest (a user's, a prune that kept a user's file: reliability.md) was
-    tried first and warned about as damaged, and ``fallback=False`` raised: it is no entry."""
+    tried first and warned about as damaged, and ``fallback=False`` raised: it is no entry. What is said of it is
+    that the save of its step will be refused (it is not replaced)."""
     rotation = tdcp.CheckpointRotation(tmp_path, keep_last=3)
     rotation.save(ckpt_for(1)[0], step=1)
     (tmp_path / "step-000000000010").mkdir()
     (tmp_path / "step-000000000010" / "eval.txt").write_text("mine")
     _plain_dcp(tmp_path / "step-000000000011", b'{"tool": "mine"}')
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", tdcp.TorchrlDcpWarning)
+    with pytest.warns(tdcp.TorchrlDcpWarning) as heard:
         info = tdcp.resume(ckpt_for(0)[0], tmp_path, fallback=False)
     assert info is not None and info.step == 1
+    (said,) = [str(w.message) for w in heard]
+    assert "damaged" not in said and "The save of such a step will be refused" in said
+    assert "step-000000000010 (" in said and "step-000000000011 (" in said
 
 
 def test_a_rotation_keeps_a_users_file_named_like_an_archive_entry(tmp_path: Path) -> None:
@@ -709,3 +712,21 @@ def test_an_entry_whose_manifest_records_another_step_is_not_resumed_as_its_name
     (tmp_path / "step-000000000900").rename(tmp_path / "alone" / "step-000000000900")
     with pytest.warns(tdcp.TorchrlDcpWarning, match="no usable checkpoint.*step-000000000900.*records step 100"):
         assert tdcp.resume(ckpt_for(2)[0], tmp_path / "alone") is None  # starts fresh, but never silently
+
+
+def test_an_entry_that_lost_its_manifest_is_warned_about_at_resume_and_named_at_its_save(tmp_path: Path) -> None:
+    """``step-30`` lost its ``manifest.json`` (a partial copy): resume took step 20 without a word, and the save of
+    step 30 failed hours later with "choose another path", which a rotation's user cannot do."""
+    policy = torch.nn.Linear(4, 2)
+    ckpt = tdcp.DistributedCheckpoint(policy=policy)
+    rotation = tdcp.CheckpointRotation(tmp_path, every_steps=10, keep_last=3)
+    for step in (10, 20, 30):
+        rotation.maybe_save(ckpt, step)
+    (tmp_path / "step-000000000030" / "manifest.json").unlink()
+    rotation = tdcp.CheckpointRotation(tmp_path, every_steps=10, keep_last=3)
+    with pytest.warns(tdcp.TorchrlDcpWarning, match=r"step-000000000030 \(CheckpointFormatError.*no manifest.json"):
+        info = rotation.resume(ckpt)
+    assert info.step == 20
+    with pytest.raises(tdcp.CheckpointError, match="holds no manifest.json .*move it elsewhere, then save again"):
+        rotation.maybe_save(ckpt, 30)
+    assert sorted(p.name for p in (tmp_path / "step-000000000030").iterdir())  # its files kept

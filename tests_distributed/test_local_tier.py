@@ -35,8 +35,14 @@ def test_the_leaders_prune_never_deletes_the_step_another_rank_of_its_node_is_wr
 
 
 def test_a_local_resume_that_fails_on_one_rank_changes_nothing_on_any_rank(tmp_path: Path) -> None:
+    """Rank 1's restore raises: every rank rolls back and the shared tier is next. It holds nothing yet, so every rank
+    raises rank 1's error, and the local steps are kept (the resume started fresh and deleted them: the job's only
+    checkpoints, gone for a failure that is not damage, such as a component registered since)."""
     zero, one = (r.value for r in launch(f"{S}:resume_fails_on_one_rank", 2, str(tmp_path), "restore_fails_on_rank_1"))
-    assert zero["resumed"] is None and one["resumed"] is None  # the shared tier is next: it holds nothing yet
+    assert zero["resumed"] is None and one["resumed"] is None
+    for res in (zero, one):
+        assert "injected failure on rank 1" in res["error"] and "the local tier's steps are kept" in res["error"]
+    assert zero["steps"] == one["steps"] == [2, 3]  # (keep_last=2)
     assert zero["unchanged"] and one["unchanged"]  # not rank 0 restored and rank 1 fresh: both as they were
 
 
@@ -79,6 +85,18 @@ def test_a_local_resume_that_succeeds_on_every_rank_restores_every_rank(tmp_path
     zero, one = (r.value for r in launch(f"{S}:resume_fails_on_one_rank", 2, str(tmp_path), "none"))
     assert zero["resumed"] == one["resumed"] == [3, "local"]
     assert zero["restored"] and one["restored"]
+
+
+def test_ranks_passing_different_steps_commit_nothing_and_are_told_which(tmp_path: Path) -> None:
+    """Rank 1's counter is 3 ahead: the local save exchanged parts and committed rank 0's part of step 1, received
+    on node 1, as a replica of step 4 (its record said 4, its manifest 1), and a resume loaded it as step 4. Now
+    nothing is committed and every rank is told which ranks differ (rank 1's warning said "rank 1 step 1": its
+    errors were reworded as if its own part's)."""
+    zero, one = (r.value for r in launch(f"{S}:steps_differ", 2, str(tmp_path)))
+    for res in (zero, one):
+        assert res["steps"] == [], res
+        assert len(res["warned"]) == 2 and all("rank 1 passed step 4, rank 0 step 1" in w for w in res["warned"][:1])
+        assert "rank 1 passed step 5, rank 0 step 2" in res["warned"][1], res["warned"]
 
 
 # ---------------------------------------------------------------------- per-rank programs
@@ -220,12 +238,18 @@ def resume_fails_on_one_rank(root: str, case: str) -> dict[str, Any]:
     dist.barrier()
     fresh, fresh_ckpt = _objects(2, fail=case == "restore_fails_on_rank_1" and rank == 1)
     before = _fingerprint(fresh)
+    info, error, rotation = None, None, _rotation(root)
     with warnings.catch_warnings(record=True) as heard:
         warnings.simplefilter("always")
-        info = _rotation(root).resume(fresh_ckpt)
+        try:
+            info = rotation.resume(fresh_ckpt)
+        except tdcp.CheckpointError as err:
+            error = str(err)
     after = _fingerprint(fresh)
     return {
         "resumed": None if info is None else [info.step, info.tier],
+        "error": error,
+        "steps": rotation.local.steps(),
         "unchanged": after == before,
         "restored": after[:4] == saved[:4],
         "as_at_step_2": after[:4] == at_step[2][:4],
@@ -325,3 +349,21 @@ def test_a_damaged_newest_shared_entry_resumes_the_newer_local_step_not_an_older
     zero, one = (r.value for r in launch(f"{S}:damaged_newest_shared_entry", 2, str(tmp_path)))
     assert zero["resumed"] == one["resumed"] == [4, "local"], (zero, one)
     assert zero["local_steps"] == one["local_steps"] == [4]
+
+
+def steps_differ(root: str) -> dict[str, Any]:
+    """Two nodes (each rank its own tier); rank 1 passes steps 3 more than rank 0's."""
+    rank = dist.get_rank()
+    os.environ["GROUP_RANK"] = str(rank)
+    objs, ckpt = _objects(1)
+    rotation = _rotation(os.path.join(root, f"node{rank}"))
+    with warnings.catch_warnings(record=True) as heard:
+        warnings.simplefilter("always")
+        for step in (1, 2):
+            _train_step(objs)
+            rotation.maybe_save(ckpt, step + 3 * rank)
+    rotation.close()
+    return {
+        "steps": rotation.local.steps(),
+        "warned": [str(w.message) for w in heard if issubclass(w.category, tdcp.LocalTierWarning)],
+    }

@@ -196,3 +196,19 @@ def broadcast_step(
     )
     raise_if_failed([status], phase, error, group)
     return value
+
+
+def differing_steps(steps: list[int], where: str) -> CheckpointError:
+    """The error of a collective call whose ranks passed different ``steps`` (by rank): it names the first rank
+    that differs from rank 0.
+
+    Example:
+        >>> print(differing_steps([20, 20, 23], "maybe_save").message.split(":")[1])
+         rank 2 passed step 23, rank 0 step 20
+    """
+    rank = next(r for r, s in enumerate(steps) if s != steps[0])
+    return CheckpointError(
+        f"{where}: rank {rank} passed step {steps[rank]}, rank 0 step {steps[0]}: every rank must pass "
+        "the same step (a count every rank shares: the iteration, or frames summed over the ranks); "
+        "nothing was saved"
+    )

@@ -49,7 +49,11 @@ class CheckpointError(_CheckpointErrorBase):
 
     def extend(self, note: str) -> None:
         """Append ``note`` (``"; "``-separated) to the message, e.g. what a failed rollback left behind."""
-        self.message += f"; {note}"
+        self.reword(f"{self.message}; {note}")
+
+    def reword(self, message: str) -> None:
+        """Replace the message (the path kept), e.g. to name the rank an error of a world of one happened on."""
+        self.message = message
         self.args = (_text(self.path, self.message),)
 
     def __reduce__(self):  # keep the keyword arguments when sent between ranks

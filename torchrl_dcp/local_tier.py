@@ -52,7 +52,7 @@ from typing import Any, Literal
 from torchrl_dcp import _dist, load_engine
 from torchrl_dcp._gc import gc_paused
 from torchrl_dcp._log import get_logger
-from torchrl_dcp.collective import run_step
+from torchrl_dcp.collective import differing_steps, run_step
 from torchrl_dcp.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -192,7 +192,7 @@ class LocalTier:
         solo = ckpt._solo()
         names = _unsharded(ckpt)
 
-        def write() -> str:
+        def write() -> tuple[str, int]:
             failure: Exception | None = None
             try:
                 if layout.leader(rank):  # every rank is in this save: none can be writing a newer step now
@@ -206,10 +206,8 @@ class LocalTier:
                 for r in (rank, *sources):  # a step saved again: its old records go before its parts change
                     (step_dir / record_name(r)).unlink(missing_ok=True)
                 solo.save(own, step=step, metadata={**metadata, "local_tier": {"rank": rank}}, components=names)
-            except OSError as err:
-                failure = from_os_error(err, "saving to the local tier", own)
             except Exception as err:  # raised below, after the peers know
-                failure = err
+                failure = _own_failure(err, rank, own)
             # the peers are told of a failure instead of waiting for a part that will not come
             try:
                 exchange_entries(
@@ -223,9 +221,12 @@ class LocalTier:
                     raise
             if failure is not None:  # (its own failure says more than what the exchange met after it)
                 raise failure
-            return uuid.uuid4().hex
+            return uuid.uuid4().hex, step
 
-        save_id = run_step(group, f"saving step {step} to the local tier {self.path}", write)[0]
+        written = run_step(group, f"saving step {step} to the local tier {self.path}", write)
+        if any(s != step for _, s in written):  # ranks of other steps: their parts are never committed together
+            raise differing_steps([s for _, s in written], f"local tier {self.path}")
+        save_id = written[0][0]
         for r in (rank, *sources):  # every part and replica is durable: this node records what it holds
             try:
                 write_record(step_dir, r, step, save_id, identity)
@@ -343,14 +344,23 @@ class LocalTier:
 
     # ------------------------------------------------------------------ resuming
     def resume(
-        self, ckpt: Any, shared_step: int | None, identity: Mapping[str, Any], load_kwargs: Mapping[str, Any]
+        self,
+        ckpt: Any,
+        shared_step: int | None,
+        identity: Mapping[str, Any],
+        load_kwargs: Mapping[str, Any],
+        *,
+        fallback: bool = True,
+        failed: list[CheckpointError] | None = None,
     ) -> tuple[int, Path, Any, Tier] | None:
         """Restore the newest step every rank can obtain from the tier (collective); ``None``: use the shared tier.
 
         A copy of a part that fails its verified load as damaged (a data file, a shard) is passed over: the
-        step is tried again with the part's other copies (replicas on other nodes), then the next older
+        step is tried again with the part's other copies (replicas on other nodes), then (with ``fallback``;
+        without it, :class:`~torchrl_dcp.CheckpointIntegrityError` on every rank, the tier kept) the next older
         complete step, as long as it is not older than ``shared_step``; each try warns, naming the rank and
-        the copy. Any other failure sends every rank to the shared tier."""
+        the copy. Any other failure sends every rank to the shared tier, and is appended to ``failed``: the
+        caller raises it if the shared tier has nothing to resume either (the local steps are then kept)."""
         group = _group(ckpt)
         layout = self._layout(group)
         held = self._listing(identity, group)
@@ -362,13 +372,21 @@ class LocalTier:
                     "local tier %s: step %d is older than the shared tier's %d", self.path, chosen[0], shared_step
                 )
                 return None
-            outcome = self._attempt(ckpt, group, layout, chosen, identity, load_kwargs)
+            outcome = self._attempt(ckpt, group, layout, chosen, identity, load_kwargs, failed)
             if not isinstance(outcome, dict):
                 return outcome
             step, save_id, _ = chosen
             for r, (holder, _) in sorted(outcome.items()):
                 refused.add((step, save_id, r, layout.nodes[holder]))
             chosen = _newest_complete(held, _dist.group_size(group), refused, layout)
+            if not fallback and (chosen is None or chosen[0] != step):  # (every rank knows the same damage)
+                raise CheckpointIntegrityError(
+                    f"local tier {self.path}: step {step} could not be restored from any copy: "
+                    + "; ".join(f"rank {r}'s part is damaged: {why}" for r, (_, why) in sorted(outcome.items()))
+                    + "; resume(fallback=False) stops here: nothing was restored and the tier is kept (pass "
+                    "fallback=True to resume the previous complete step, or the shared tier's newest entry)",
+                    path=self.path / f"step-{step:012d}",
+                )
             self._warn_damaged(step, outcome, chosen, shared_step)
         return None
 
@@ -405,9 +423,11 @@ class LocalTier:
         chosen: tuple[int, str, dict[int, list[int]]],
         identity: Mapping[str, Any],
         load_kwargs: Mapping[str, Any],
+        failed: list[CheckpointError] | None = None,
     ) -> tuple[int, Path, Any, Tier] | dict[int, tuple[int, str]] | None:
         """One try at restoring ``chosen`` (collective): what :meth:`resume` returns, or ``{rank: (holder, why)}``
-        of the copies that failed their verified load as damaged (every rank as it was)."""
+        of the copies that failed their verified load as damaged (every rank as it was); ``None`` after another
+        failure (appended to ``failed``)."""
         rank = _dist.group_rank(group)
         step, save_id, holders = chosen
         step_dir = self.path / f"step-{step:012d}"
@@ -471,6 +491,8 @@ class LocalTier:
             text += "; the shared tier is next"
             logger.warning("%s", text)
             warnings.warn(LocalTierWarning(text), stacklevel=5)  # (as a damaged shared entry is: never unseen)
+            if failed is not None and isinstance(err, CheckpointError):
+                failed.append(err)
             return None
         self.last_step = step
         logger.info("local tier %s: resumed step %d (%s)", self.path, step, tier)
@@ -525,6 +547,16 @@ class LocalTier:
             logger.warning("%s", text)
             warnings.warn(LocalTierWarning(text), stacklevel=5)
         return [parts for parts, _ in listed]
+
+
+def _own_failure(err: Exception, rank: int, own: Path) -> Exception:
+    """This rank's failure to save its own part, as every rank says it: an ``OSError`` as a ``CheckpointError`` naming
+    the part, and this rank's number where the error says rank 0 (the part is saved as a world of one)."""
+    if isinstance(err, OSError):
+        return from_os_error(err, "saving to the local tier", own)
+    if isinstance(err, CheckpointError) and rank:
+        err.reword(re.sub(r"\brank 0\b", f"rank {rank}", err.message))
+    return err
 
 
 def _group(ckpt: Any) -> Any:

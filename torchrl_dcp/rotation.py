@@ -31,7 +31,6 @@ Example:
 from __future__ import annotations
 
 import os
-import re
 import time
 import warnings
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -385,14 +384,13 @@ class CheckpointRotation:
         return handle
 
     def _local_failure(self, ckpt: Any, step: int, err: CheckpointError) -> str:
-        """A failed local save, said from this rank: its part is saved as a world of one, whose errors say rank 0."""
+        """A failed local save, said from this rank (an error of its own part's save names it already)."""
         from torchrl_dcp import _dist
 
         rank = _dist.group_rank(ckpt._control_group())
-        text = re.sub(r"\brank 0\b", f"rank {rank}", str(err)) if rank else str(err)
         tier = self.local
         return (
-            f"rank {rank}: step {step} was not saved to the local tier {tier.path} ({text}); the job goes on, the "
+            f"rank {rank}: step {step} was not saved to the local tier {tier.path} ({err}); the job goes on, the "
             f"shared tier's saves are made as scheduled, and the tier is tried again at step {step + tier.every_steps}."
             f" The tier holds up to keep_last={tier.keep_last} steps of each rank's part and its replicas "
             f"(replicas={tier.replicas}): give it that room (docs/recovery.md, Sizing) or lower keep_last or replicas"

@@ -206,6 +206,32 @@ def list_entries(
     return sorted(found.values(), key=lambda e: e.step)
 
 
+def blocking_entries(location: Location, after: int) -> list[RotationEntry]:
+    """The ``step-<N>`` directories of a local rotation directory, ``N > after``, that a save of their step will refuse
+    to replace: not committed, not a damaged checkpoint of ours (a manifest lost, a user's files). A resume from
+    ``after`` says so then, rather than the job failing at that step's save hours later.
+
+    Example:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> d = Path(tempfile.mkdtemp())
+        >>> (d / "step-000000000030").mkdir()
+        >>> (d / "step-000000000030" / "notes.txt").write_text("mine")
+        4
+        >>> [e.step for e in blocking_entries(location_for(d), 20)], blocking_entries(location_for(d), 30)
+        ([30], [])
+    """
+    if not location.is_local:
+        return []
+    from torchrl_dcp.storage.directory import is_replaceable
+
+    return [
+        e
+        for e in list_entries(location, include_uncommitted=True)
+        if e.step > after and not e.committed and not e.archive and not e.newer_format and not is_replaceable(e.path)
+    ]
+
+
 def check_rotation_directory(location: Location) -> None:
     """Refuse to take a checkpoint (a directory, prefix or archive holding one) or a file as a rotation directory:
     it holds no ``step-<N>`` entries, and a resume from it would start fresh while a checkpoint is there (an easy

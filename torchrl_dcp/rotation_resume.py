@@ -34,7 +34,7 @@ from torchrl_dcp.errors import (
     CollectiveError,
     TorchrlDcpWarning,
 )
-from torchrl_dcp.rotation_entries import by_commit, check_rotation_directory, list_entries
+from torchrl_dcp.rotation_entries import blocking_entries, by_commit, check_rotation_directory, list_entries
 
 logger = get_logger(__name__)
 
@@ -85,6 +85,7 @@ def _resume(rotation: Any, ckpt: Any, fallback: bool, load_kwargs: dict[str, Any
         group, "listing checkpoints", lambda: _candidates(_listed(rotation.location))
     )
     local_resume: Callable[[int | None], ResumeInfo | None] | None = None
+    failed: list[CheckpointError] = []  # the local tier's tries that failed but for damage
     if rotation.local is not None:
         from torchrl_dcp.local_tier import tier_identity
 
@@ -92,7 +93,7 @@ def _resume(rotation: Any, ckpt: Any, fallback: bool, load_kwargs: dict[str, Any
 
         def local_resume(shared_step: int | None) -> ResumeInfo | None:
             """The local tier's newest complete step, if not older than ``shared_step`` (collective)."""
-            found = rotation.local.resume(ckpt, shared_step, identity, load_kwargs)
+            found = rotation.local.resume(ckpt, shared_step, identity, load_kwargs, fallback=fallback, failed=failed)
             if found is None:
                 return None
             step, path, result, tier = found
@@ -103,9 +104,37 @@ def _resume(rotation: Any, ckpt: Any, fallback: bool, load_kwargs: dict[str, Any
         if info is not None:
             return info
     info = _resume_shared(rotation, ckpt, candidates, fallback, load_kwargs, local_resume)
+    if info is None and failed:  # a local step is there, refused but for damage: never a fresh start that drops it
+        err = failed[0]
+        err.extend(
+            "the shared tier holds no entry to resume instead: nothing was restored and the local tier's steps are "
+            f"kept; fix the cause and resume again (delete {rotation.local.path} to start fresh)"
+        )
+        raise err
     if rotation.local is not None and (info is None or info.tier == "shared"):
         rotation.local.forget_after(ckpt, None if info is None else info.step)  # newer local steps: an abandoned future
+    if info is not None:
+        _warn_blocking(rotation, info.step, group)
     return info
+
+
+def _warn_blocking(rotation: Any, step: int, group: Any) -> None:
+    """Warn (rank 0) about the entries newer than ``step`` that a save of their step will refuse to replace."""
+    from torchrl_dcp import _dist
+
+    if _dist.group_rank(group) != 0:
+        return
+    blocking = blocking_entries(rotation.location, step)
+    if blocking:
+        warnings.warn(
+            f"{rotation.directory} holds entries newer than step {step} that are not checkpoints this rotation can "
+            "load or replace: "
+            + "; ".join(f"{e.path.name} ({e.error})" for e in blocking[:3])
+            + ". The save of such a step will be refused (a save never deletes what it did not write): move them "
+            "out of the rotation directory (keep your files beside the step directories) before the job gets there",
+            TorchrlDcpWarning,
+            stacklevel=user_stacklevel(),
+        )
 
 
 def _listed(location: Any) -> list[Any]:

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from torchrl_dcp.errors import CheckpointError
+from torchrl_dcp.collective import differing_steps
 
 
 @dataclass(frozen=True)
@@ -88,13 +88,7 @@ def decide(rotation: Any, ckpt: Any, step: Any) -> SaveDecision:
                 raise
         raise refused  # type: ignore[misc]
     if not same:  # (the steps decide a save: ranks of other steps would take other decisions)
-        steps = _dist.all_gather(step, group, phase, monitored=False, kind="steps")
-        rank = next(r for r, s in enumerate(steps) if s != steps[0])
-        raise CheckpointError(
-            f"maybe_save: rank {rank} passed step {steps[rank]}, rank 0 step {steps[0]}: every rank must pass "
-            "the same step (a count every rank shares: the iteration, or frames summed over the ranks); "
-            "nothing was saved"
-        )
+        raise differing_steps(_dist.all_gather(step, group, phase, monitored=False, kind="steps"), "maybe_save")
     return SaveDecision(step, due or by_time, preempted, signalled)
 
 
