@@ -386,10 +386,12 @@ def read_fresh(
     src.check_identity(holding)  # as a load does: a file copied in from another save is refused, resealed or not
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        note = "found while reading it"  # (a tool's read: no object is restored from it)
         try:
-            rest = read_direct(src.storage_reader(files), metadata, flat) if src.reads_files else flat
+            rest = read_direct(src.storage_reader(files, note), metadata, flat) if src.reads_files else flat
             if rest:  # e.g. chunks not split along dim 0: DCP's own planning
-                dcp.load(rest, storage_reader=src.storage_reader(files), planner=SafeLoadPlanner(), no_dist=True)
+                reader = src.storage_reader(files, note)
+                dcp.load(rest, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
         except BaseException as err:  # DCP's CheckpointException is a BaseException
             if isinstance(err, (CheckpointError, KeyboardInterrupt)):
                 raise
