@@ -119,3 +119,29 @@ def test_torchrls_envs_listed_exact_resume_exactly_under_a_collector(tmp_path: P
     assert state_differences(saved, state_snapshot(fresh, "collector")) == []
     it = iter(fresh)
     assert all((a == next(it)).all() for a in expected)
+
+
+def test_a_subclass_of_an_env_listed_exact_is_told_only_of_the_attributes_it_adds(tmp_path: Path) -> None:
+    """A subclass of ``CountingEnv`` was warned about for ``CountingEnv``'s own configuration (``max_steps``, ...),
+    or, had the list matched subclasses, said nothing of the counter it adds."""
+
+    class Renamed(CountingEnv):
+        pass
+
+    class Counting(CountingEnv):
+        def __init__(self) -> None:
+            super().__init__()
+            self.resets = 0
+
+        def _reset(self, tensordict: Any = None, **kwargs: Any) -> TensorDict:
+            self.resets += 1
+            return super()._reset(tensordict, **kwargs)
+
+    assert env_attributes.plain_attributes(Renamed()) == [] and env_attributes.plain_attributes(Counting()) == [
+        "resets"
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tdcp.InexactResumeWarning)
+        tdcp.DistributedCheckpoint(collector=_collect(Renamed())).save(tmp_path / "renamed")
+    with pytest.warns(tdcp.InexactResumeWarning, match=r"Counting: resets\)"):
+        tdcp.DistributedCheckpoint(collector=_collect(Counting())).save(tmp_path / "counting")

@@ -60,12 +60,27 @@ def plain_attributes(env: Any) -> list[str]:
     """The attributes of the leaf env ``env`` holding plain values (numbers, arrays, tensors, containers) that no
     ``EnvBase`` has, sorted; ``[]`` for a class declared exact (:data:`EXACT_ENVS`, :func:`register_exact_env`)."""
     cls = type(env)
-    if any(issubclass(cls, t) for t in _USER_EXACT) or (
-        cls.__name__ in EXACT_ENVS and cls.__module__.startswith("torchrl.")
-    ):
+    if any(issubclass(cls, t) for t in _USER_EXACT) or _exact_torchrl_env(cls):
         return []
-    common = _env_base_attributes()
+    common = _env_base_attributes() | _exact_ancestor_attributes(cls)
     return sorted(k for k, v in vars(env).items() if k not in common and isinstance(v, _PLAIN))
+
+
+def _exact_torchrl_env(cls: type) -> bool:
+    return cls.__name__ in EXACT_ENVS and cls.__module__.startswith("torchrl.")
+
+
+@functools.cache
+def _exact_ancestor_attributes(cls: type) -> frozenset[str]:
+    """What the nearest exact torchrl env ``cls`` derives from holds (its configuration: a subclass of ``CountingEnv``
+    is told only of the attributes it adds), from one built with its defaults; none when it has no such ancestor."""
+    for base in cls.__mro__[1:]:
+        if _exact_torchrl_env(base):
+            try:
+                return frozenset(vars(base()))
+            except Exception:  # noqa: BLE001 - not buildable without arguments: its subclasses are told of everything
+                return frozenset()
+    return frozenset()
 
 
 @functools.cache
