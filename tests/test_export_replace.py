@@ -85,3 +85,46 @@ def test_an_export_killed_at_any_rename_leaves_the_old_or_the_new_export_and_the
         tdcp.export_torchrl(new_src, out, ["policy"], format=fmt, overwrite=True)  # sweeps what the killed one left
         assert sorted(p.name for p in out.parent.iterdir()) == ["policy.torchrl"], kill_after
     assert kill_after >= 2  # (the replacement renamed at least once before it finished)
+
+
+# Exports ``src`` to ``dst``, killing itself with SIGKILL once torchrl has made its temporary ``what`` (its staging
+# directory, ``stage``, or its archive before the rename, ``archive``) beside our staging entry.
+KILLED_IN_TORCHRL = """
+import os, signal, sys, zipfile
+from pathlib import Path
+import torchrl_dcp as tdcp
+
+src, dst, fmt, what = sys.argv[1:5]
+real_mkdir, real_zip = Path.mkdir, zipfile.ZipFile.__init__
+
+def mkdir(self, *args, **kwargs):
+    real_mkdir(self, *args, **kwargs)
+    if what == "stage" and ".stage-" in self.name:
+        (self / "components").mkdir()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+def zip_init(self, file, mode="r", *args, **kwargs):
+    real_zip(self, file, mode, *args, **kwargs)
+    if what == "archive" and mode == "w" and ".archive-" in str(file):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+Path.mkdir, zipfile.ZipFile.__init__ = mkdir, zip_init
+tdcp.export_torchrl(src, dst, ["policy"], format=fmt, overwrite=True)
+"""
+
+
+@pytest.mark.parametrize(("fmt", "what"), [("directory", "stage"), ("archive", "stage"), ("archive", "archive")])
+def test_what_torchrl_made_beside_a_killed_exports_staging_is_swept_by_the_next_export(
+    tmp_path: Path, fmt: str, what: str
+) -> None:
+    """torchrl's save makes ``.<target>.stage-<hex>`` (and ``.archive-<hex>``) beside its target, our staging entry:
+    a killed export left ``..policy.torchrl.tdcp-staging-<hex>.stage-<hex>``, which no later export removed."""
+    src, _ = _saved(tmp_path, "src", 0)
+    out = tmp_path / "exports" / "policy.torchrl"
+    tdcp.export_torchrl(src, out, ["policy"], format=fmt)
+    killed = _run(KILLED_IN_TORCHRL, str(src), str(out), fmt, what)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert any(f".{what}-" in p.name for p in out.parent.iterdir())
+    (out.parent / ".mine.stage-0").mkdir()  # a user's, named alike but of no export: kept
+    tdcp.export_torchrl(src, out, ["policy"], format=fmt, overwrite=True)
+    assert sorted(p.name for p in out.parent.iterdir()) == [".mine.stage-0", "policy.torchrl"]

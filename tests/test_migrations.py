@@ -578,3 +578,22 @@ def test_a_forged_world_size_is_refused_in_bounded_memory(tmp_path: Path) -> Non
     )
     done = subprocess.run([sys.executable, "-c", child, str(forged)], capture_output=True, text=True, timeout=300)
     assert "refused:" in done.stdout and "one state per saved rank" in done.stdout, (done.stdout, done.stderr[-2000:])
+
+
+@pytest.mark.parametrize("world_size", [10**9 + 1, 2**70])
+def test_a_world_size_no_file_name_can_spell_is_refused_with_the_file_named(tmp_path: Path, world_size: int) -> None:
+    """``len(range(2**70))`` raised a bare ``OverflowError`` from read_manifest, verify and inspect ("please report
+    this as a torchrl_dcp bug"), and a load said "validating the checkpoint failed" without the file."""
+    from torchrl_dcp.cli import main
+
+    forged = tmp_path / "v1"
+    shutil.copytree(FIXTURE, forged)
+    manifest = json.loads((forged / "manifest.json").read_text())
+    manifest["world_size"] = world_size
+    (forged / "manifest.json").write_text(json.dumps(manifest))
+    says = "world_size must be a positive integer of at most 1000000000"
+    for call in (tdcp.read_manifest, tdcp.verify):
+        with pytest.raises(tdcp.CheckpointFormatError, match=says) as err:
+            call(forged)
+        assert str(forged / "manifest.json") in str(err.value)
+    assert main(["inspect", str(forged)]) == 1

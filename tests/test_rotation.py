@@ -727,6 +727,24 @@ def test_an_entry_that_lost_its_manifest_is_warned_about_at_resume_and_named_at_
     with pytest.warns(tdcp.TorchrlDcpWarning, match=r"step-000000000030 \(CheckpointFormatError.*no manifest.json"):
         info = rotation.resume(ckpt)
     assert info.step == 20
-    with pytest.raises(tdcp.CheckpointError, match="holds no manifest.json .*move it elsewhere, then save again"):
+    with pytest.raises(tdcp.CheckpointError, match="it holds no manifest.json.*move it elsewhere, then save again"):
         rotation.maybe_save(ckpt, 30)
     assert sorted(p.name for p in (tmp_path / "step-000000000030").iterdir())  # its files kept
+
+
+def test_a_link_named_like_a_newer_entry_is_warned_about_at_resume_and_named_at_its_save(tmp_path: Path) -> None:
+    """``step-9`` a link to a checkpoint elsewhere: resume took step 3 without a word, ``ls`` showed nothing, and the
+    save of step 9 said "exists and is not a torchrl_dcp checkpoint" (it is a link to one). Never written through."""
+    policy = torch.nn.Linear(4, 2)
+    ckpt = tdcp.DistributedCheckpoint(policy=policy)
+    elsewhere = ckpt.save(tmp_path / "backup")
+    rotation = tdcp.CheckpointRotation(tmp_path / "run", every_steps=3, keep_last=3)
+    rotation.maybe_save(ckpt, 3)
+    (tmp_path / "run" / "step-000000000009").symlink_to(elsewhere)
+    rotation = tdcp.CheckpointRotation(tmp_path / "run", every_steps=3, keep_last=3)
+    with pytest.warns(tdcp.TorchrlDcpWarning, match=r"step-000000000009 \(a symbolic link\)"):
+        assert rotation.resume(ckpt).step == 3
+    rotation.maybe_save(ckpt, 6)
+    with pytest.raises(tdcp.CheckpointError, match="is a symbolic link: a save never writes through a link"):
+        rotation.maybe_save(ckpt, 9)
+    assert (tmp_path / "run" / "step-000000000009").is_symlink() and tdcp.verify(elsewhere)

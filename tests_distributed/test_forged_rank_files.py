@@ -64,3 +64,35 @@ def test_ranks_reading_two_roots_of_one_save_resealed_alike_are_refused(tmp_path
         assert r.value["rows"] == 0 and r.value["steps"] == [-1] and r.value["policy_zero"]  # nothing restored
     for r in launch(f"{S}:load", 2, str(path)):  # one copy: loads
         assert r.value["error"] is None, r.value["error"]
+
+
+def _point_rank_0_at_rank_1s_record(path: Path) -> None:
+    """Rank 0's storage entry for its counter names rank 1's record in ``__1_0.distcp``, and the root lists that file
+    (where format 8 looks up a file rank 0's shard does not list): shard and root resealed. Each rank builds its
+    metadata from the root and its own shard, so no two of its records overlap."""
+    import json
+
+    from torchrl_dcp.format.manifest import dumps, seal
+
+    m = forging.read_parts(path)
+    entries = {e[0]: e for e in m["index"]["entries"]}
+    entries["rank/0/counter/steps"][1:] = entries["rank/1/counter/steps"][1:]
+    forging.write_parts(path, m)
+    root = json.loads((path / "manifest.json").read_text())
+    root.pop("manifest_checksum", None)
+    root["files"]["__1_0.distcp"] = m["files"]["__1_0.distcp"]
+    (path / "manifest.json").write_bytes(dumps(seal(root)))
+
+
+def test_a_rank_pointed_at_another_ranks_per_rank_record_is_refused(tmp_path: Path) -> None:
+    """Rank 0 restored rank 1's counter (11), no word; ``verify`` refused only because two records overlapped."""
+    path = tmp_path / "ckpt"
+    launch(f"{S}:save", 2, str(path))
+    _point_rank_0_at_rank_1s_record(path)
+    says = "'rank/0/counter/steps', a per-rank tensor of rank 0, in __1_0.distcp, which is not a file of that rank"
+    for r in launch(f"{S}:load", 2, str(path)):
+        assert r.value["kind"] in ("CheckpointIntegrityError", "CollectiveError"), r.value
+        assert says in r.value["error"], r.value["error"]
+        assert r.value["rows"] == 0 and r.value["steps"] == [-1] and r.value["policy_zero"]  # nothing restored
+    with pytest.raises(tdcp.CheckpointError, match=says):
+        tdcp.verify(path)

@@ -61,7 +61,7 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-from torchrl_dcp.convert import export_torchrl, to_archive, to_directory  # torch-free
+from torchrl_dcp.convert import to_archive, to_directory  # torch-free
 from torchrl_dcp.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -80,6 +80,7 @@ from torchrl_dcp.errors import (
     UnsafeCheckpointError,
     WorldSizeMismatchError,
 )
+from torchrl_dcp.export import export_torchrl  # torch-free
 from torchrl_dcp.placement import Placement
 from torchrl_dcp.rotation import CheckpointRotation, ResumeInfo, resume
 from torchrl_dcp.rotation_entries import RotationEntry, by_commit

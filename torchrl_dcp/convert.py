@@ -1,4 +1,4 @@
-"""Conversions: checkpoint directory ↔ single-file ZIP archive, and export to ``torchrl.checkpoint``.
+"""Conversions: checkpoint directory ↔ single-file ZIP archive (export to ``torchrl.checkpoint``: ``export.py``).
 
 Both directions copy every file with several threads through reused buffers
 (memory stays bounded by ``buffer_size`` whatever the checkpoint's size), keep the
@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,6 @@ from torchrl_dcp.errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointNotFoundError,
-    IncompatibleComponentError,
     from_os_error,
 )
 from torchrl_dcp.format.checksums import checksum_mismatch, format_crc
@@ -42,7 +41,6 @@ from torchrl_dcp.storage.base import check_identities
 from torchrl_dcp.storage.commit import (
     DestinationLock,
     publish,
-    remove_listed,
     remove_tree,
     staging_path,
     stale_entries,
@@ -55,10 +53,10 @@ from torchrl_dcp.storage.urls import resolve_path
 
 logger = get_logger(__name__)
 
-__all__ = ["export_torchrl", "to_archive", "to_directory"]
+__all__ = ["to_archive", "to_directory"]
 
 
-def _any_remote(*paths: Any) -> bool:
+def any_remote(*paths: Any) -> bool:
     return any(is_remote(p) for p in paths)
 
 
@@ -87,14 +85,14 @@ def convert_via_local(
         return target.path
 
 
-def _local(path: str | os.PathLike) -> Path:
+def local_path(path: str | os.PathLike) -> Path:
     """A local path argument (the remote ends went through :func:`convert_via_local`) resolved as saves and loads
     resolve it: ``~``, ``file://`` URLs (:func:`~torchrl_dcp.storage.urls.resolve_path`)."""
     resolved: Path = resolve_path(path)
     return resolved
 
 
-def _check_apart(source: Path, destination: Path) -> None:
+def check_apart(source: Path, destination: Path) -> None:
     """A conversion never replaces the checkpoint it reads (inside it, :func:`refuse_inside_checkpoint` refuses)."""
     try:
         same = source.resolve() == destination.resolve()
@@ -162,7 +160,7 @@ def _converting(what: str, dst: str | os.PathLike, overwrite: bool) -> Iterator[
     to one destination apart, so every staging/temporary entry named after the
     destination found while holding it is a dead writer's and is removed.
     """
-    destination = _local(dst)
+    destination = local_path(dst)
     refuse_inside_checkpoint(destination)  # (the source's, or another's) before the lock beside it is made
     try:
         destination.parent.mkdir(parents=True, exist_ok=True)
@@ -216,9 +214,9 @@ def to_archive(
             "ends with a slash, as a directory does: an archive is one file; name it (e.g. step-100.zip)",
             path=dst_file,
         )
-    if _any_remote(src_dir, dst_file):
+    if any_remote(src_dir, dst_file):
         return convert_via_local(to_archive, src_dir, dst_file, "checkpoint", "file", overwrite, buffer_size=buffer_size, progress=progress)  # fmt: skip
-    src = _local(src_dir)
+    src = local_path(src_dir)
     if not src.exists():
         raise CheckpointNotFoundError(f"no checkpoint here: {absent_because(src)}", path=src)
     if not src.is_dir():
@@ -236,7 +234,7 @@ def to_archive(
         raise from_os_error(err, "reading the checkpoint to pack", src) from None
     names = sorted(listed, key=lambda n: (n != DCP_METADATA, n))
     files = [(n, src / n, listed[n]["size"], listed[n]["checksum"]) for n in names]
-    _check_apart(src, _local(dst_file))
+    check_apart(src, local_path(dst_file))
     with _converting(f"packing {src.name} into an archive", dst_file, overwrite) as destination:
         write_archive(
             files,
@@ -266,9 +264,9 @@ def to_directory(
     Example:
         >>> tdcp.to_directory("step-100.zip", "ckpts/step-100")  # doctest: +SKIP
     """
-    if _any_remote(src_file, dst_dir):
+    if any_remote(src_file, dst_dir):
         return convert_via_local(to_directory, src_file, dst_dir, "file", "checkpoint", overwrite, buffer_size=buffer_size, progress=progress)  # fmt: skip
-    path = _local(src_file)
+    path = local_path(src_file)
     if not path.exists():
         raise CheckpointNotFoundError(f"no checkpoint here: {absent_because(path)}", path=path)
     if path.is_dir():
@@ -285,7 +283,7 @@ def to_directory(
         raise
     except OSError as err:
         raise from_os_error(err, "reading the archive to unpack", path) from None
-    _check_apart(path, _local(dst_dir))
+    check_apart(path, local_path(dst_dir))
     with _converting(f"unpacking {path.name}", dst_dir, overwrite) as destination:
         _unpack(source, manifest["files"], destination, buffer_size, progress)
     return destination
@@ -331,274 +329,9 @@ def _unpack(
         within.close()
 
 
-class _StateDict:
-    """A saved state presented as an object with ``state_dict()`` (what ``torchrl.checkpoint`` saves)."""
-
-    def __init__(self, state: Mapping[str, Any]) -> None:
-        self._state = state
-
-    def state_dict(self) -> Mapping[str, Any]:
-        return self._state
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:  # pragma: no cover - export only
-        self._state = state
-
-
-_STATE_DICT_ADAPTERS = ("torchrl_dcp.module", "torchrl_dcp.optimizer", "torchrl_dcp.state_dict")
-
-
-def export_torchrl(
-    src: str | os.PathLike,
-    dst: str | os.PathLike,
-    components: Collection[str] | None = None,
-    *,
-    rank: int | None = None,
-    format: str = "archive",
-    metadata: Mapping[str, Any] | None = None,
-    overwrite: bool = False,
-) -> Path:
-    """Write selected components as a ``torchrl.checkpoint`` checkpoint, e.g. the policy for deployment.
-
-    Reads the components from ``src`` (directory or archive, any saved world size, no
-    process group needed) and saves them with ``torchrl.checkpoint.Checkpoint`` so that
-    ``torchrl.checkpoint.Checkpoint(policy=module).load(dst)`` restores them in a
-    plain process. Modules, optimizers and ``state_dict`` components become state
-    dicts; JSON components stay values; an :class:`~torchrl_dcp.RNGState` component
-    becomes ``torchrl.checkpoint.GlobalRNGState``'s own format, so
-    ``Checkpoint(rng=GlobalRNGState()).load(dst)`` restores that rank's streams.
-
-    Args:
-        components: names to export, or one name (default: every replicated component).
-        rank: which rank's state to export for per_rank components (RNG streams: rank 0's by default).
-        format: ``"archive"`` (one ZIP file) or ``"directory"``.
-        metadata: manifest metadata of the export (default: the source's, plus its step).
-
-    Example:
-        >>> tdcp.export_torchrl("ckpts/step-100", "policy.torchrl", ["policy"])  # doctest: +SKIP
-        >>> torchrl.checkpoint.Checkpoint(policy=policy).load("policy.torchrl")  # doctest: +SKIP
-    """
-    _check_export_arguments(src, format)  # (before anything is read or written)
-    from torchrl.checkpoint import Checkpoint as TorchRLCheckpoint
-
-    from torchrl_dcp.extract import as_source
-
-    if _any_remote(dst):  # the source is read in place (any URL); the export is written locally, then uploaded
-        kw = {"rank": rank, "format": format, "metadata": metadata}
-        return convert_via_local(export_torchrl, src, dst, "source", "torchrl", overwrite, components=components, **kw)
-
-    source = as_source(src)
-    manifest = source.manifest()
-    saved = manifest["components"]
-    if components is None:
-        components = [n for n, r in saved.items() if r["placement"] == "replicated"]
-    elif isinstance(components, str):  # one name, as load(components="policy") takes it
-        components = [components]
-    unknown = sorted(set(components) - set(saved))
-    if unknown:
-        raise IncompatibleComponentError(
-            f"cannot export {unknown}: not in the checkpoint, which holds {sorted(saved)}; pass components=[...] "
-            "naming some of these",
-            path=src,
-        )
-    values: dict[str, Any] = {}
-    problems: list[str] = []  # (every component checked: the refusal names each, and what can be exported)
-    for name in components:
-        value, problem = _exported_value(source, name, saved[name], rank)
-        if problem is not None:
-            problems.append(f"component {name!r} cannot be exported: {problem}")
-        else:
-            values[name] = value
-    if problems:
-        raise CheckpointFormatError(
-            "; ".join(problems)
-            + "; load what cannot be exported with torchrl_dcp"
-            + (f", and export the others with components={list(values)!r}" if values else ""),
-            path=source.path,
-        )
-    destination = _destination_for_torchrl(dst, overwrite)
-    if not _any_remote(src):  # (a store's source is read in place: a local destination is never it)
-        _check_apart(_local(src), destination)
-    refuse_inside_checkpoint(destination)
-    meta = dict(manifest["metadata"] if metadata is None else metadata)
-    if metadata is None:
-        meta.setdefault("step", manifest.get("step"))
-        meta["exported_from"] = str(source.path)
-    try:
-        destination.parent.mkdir(parents=True, exist_ok=True)
-        with DestinationLock(destination):  # (as a save or conversion: what a killed export left is swept)
-            for stale in stale_entries(destination):
-                _remove_export(stale)
-            staging, published = staging_path(destination), False
-            try:
-                TorchRLCheckpoint(format=format, **values).save(staging, metadata=meta)  # type: ignore[arg-type]
-                _publish_export(staging, destination, overwrite)
-                published = True
-            finally:
-                if not published:
-                    _remove_export(staging)
-    except CheckpointError:
-        raise
-    except OSError as err:  # (torchrl stages beside its target and removes its staging on failure)
-        raise from_os_error(err, "exporting", destination, after="an existing export there is unchanged") from None
-    return destination
-
-
-def _publish_export(new: Path, destination: Path, overwrite: bool) -> None:
-    """Put the export written at ``new`` at ``destination``, in place of an export there in one step (an exchange
-    where the file system has one: a process killed at any moment leaves the old export or the new one there). The
-    old one is checked again once out of the way (a file a user put into it while the export ran is theirs: it is put
-    back, and nothing is exported), then only the files torchrl wrote into it are deleted."""
-    refusal: list[CheckpointError] = []
-
-    def replaceable(old: Path) -> bool:  # (asked only when something is at the destination)
-        try:
-            if not overwrite:  # (made there since it was looked at)
-                raise CheckpointError("already exists; pass overwrite=True to replace it", path=destination)
-            _destination_for_torchrl(old, overwrite=True)
-        except CheckpointError as err:
-            refusal.append(err)
-            return False
-        return True
-
-    try:
-        publish(new, destination, replaceable=replaceable, remove=_remove_replaced_export)
-    except CheckpointError as err:
-        if not refusal:
-            raise
-        raise CheckpointError(f"{refusal[0].message}; nothing was exported", path=destination) from err
-
-
-def _remove_replaced_export(old: Path) -> list[str]:
-    kept = _remove_export(old)
-    if kept:
-        logger.warning("%s: replaced; what it held besides the old export was kept at %s", old.parent, old)
-    return kept
-
-
-def _remove_export(path: Path) -> list[str]:
-    """Delete a torchrl export (a ZIP file, or the files its manifest lists and the directories they leave empty,
-    never through a link: :func:`~torchrl_dcp.storage.commit.remove_listed`), or what a save of ours left there (a
-    staging or trash entry of ours holding none: :func:`~torchrl_dcp.storage.commit.remove_tree`); returns what was
-    kept in its directory (a user's file)."""
-    from torchrl_dcp.format.torchrl_listing import written_files
-    from torchrl_dcp.torchrl_format.detect import read_torchrl_manifest
-
-    if not path.is_dir() or path.is_symlink():
-        return remove_listed(path, set())  # (a file or link: itself; nothing at the path: nothing)
-    manifest = read_torchrl_manifest(path)
-    return remove_listed(path, written_files(manifest)) if manifest is not None else remove_tree(path)
-
-
-def _check_export_arguments(src: Any, format: str) -> None:
-    from torchrl_dcp.torchrl_format import is_torchrl_checkpoint
-
-    if format not in ("archive", "directory"):
-        raise ValueError(f"format must be 'archive' (one ZIP file) or 'directory', not {format!r}")
-    if isinstance(src, (str, os.PathLike)) and is_torchrl_checkpoint(src):
-        raise CheckpointError(
-            "is a torchrl.checkpoint checkpoint already: torchrl.checkpoint.Checkpoint loads it as it is (and "
-            "DistributedCheckpoint.load restores it); export_torchrl reads torchrl_dcp checkpoints",
-            path=src,
-        )
-
-
-def _exported_value(source: Any, name: str, rec: Mapping[str, Any], rank: int | None) -> tuple[Any, str | None]:
-    """``(what torchrl.checkpoint saves for the component, None)``, or ``(None, why it cannot)``."""
-    from torchrl_dcp.adapters.rng import torchrl_rng_layout
-    from torchrl_dcp.extract import read_component
-
-    is_rng = rec["adapter"] == _RNG_ADAPTER
-    if rec["placement"] == "per_rank" and rank is None and not is_rng:
-        raise ValueError(f"component {name!r} is per_rank: pass rank=... to choose whose state to export")
-    if not is_rng and rec["adapter"] not in _STATE_DICT_ADAPTERS and rec["adapter"] != "torchrl_dcp.json":
-        return None, f"{rec['adapter']}: export supports modules, optimizers, state_dict objects and JSON values"
-    state = read_component(source, name, rank=0 if is_rng and rank is None else rank)
-    if is_rng and isinstance(state, Mapping):
-        return _StateDict(torchrl_rng_layout(state)), None
-    if rec["adapter"] in _STATE_DICT_ADAPTERS and isinstance(state, Mapping):
-        return _StateDict(state), None
-    if rec["adapter"] != "torchrl_dcp.json":
-        return None, f"its state is a {type(state).__name__}"
-    problem = _not_torchrl_json(state, name)
-    if problem is not None:
-        return None, f"{problem}, which torchrl.checkpoint cannot store as JSON"
-    return state, None
-
-
-def _not_torchrl_json(value: Any, where: str) -> str | None:
-    """Where ``value`` holds something ``torchrl.checkpoint`` does not store as a JSON value (it takes tensors and
-    NumPy values as numbers and lists, paths as strings, mappings, lists, tuples and scalars), else ``None``."""
-    import numpy as np
-    import torch
-
-    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor, np.ndarray, np.generic)):
-        return None
-    if issubclass(type(value), Path):  # a value, not a location: torchrl writes a concrete path as its string
-        return None
-    if isinstance(value, Mapping):
-        key = next((k for k in value if not isinstance(k, str)), None)
-        if key is not None:  # (a JSON object's keys are strings: torchrl would load {1: x} as {"1": x})
-            return f"{where} has the key {key!r} of type {type(key).__name__} (JSON keys are strings: it would load as {str(key)!r})"
-        found = (_not_torchrl_json(v, f"{where}[{k!r}]") for k, v in value.items())
-    elif isinstance(value, (list, tuple)):
-        found = (_not_torchrl_json(v, f"{where}[{i}]") for i, v in enumerate(value))
-    else:
-        return f"{where} is a {type(value).__name__}"
-    return next((f for f in found if f is not None), None)
-
-
-_RNG_ADAPTER = "torchrl_dcp.rng"
-
-
 def _check_identities(container: Any, manifest: Mapping[str, Any]) -> None:
     """Every listed data file carries this save's identity (what a load and ``verify`` check): a conversion never
     packs or unpacks a file copied in from another save."""
     if manifest.get("save_id") is not None:
         names = [n for n in manifest["files"] if is_data_file(n)]
         check_identities(container, names, manifest["files"], manifest["save_id"])
-
-
-def _destination_for_torchrl(dst: str | os.PathLike, overwrite: bool) -> Path:
-    from torchrl_dcp.torchrl_format.detect import read_torchrl_manifest, written_files
-
-    destination = _local(dst)
-    if destination.exists() or destination.is_symlink():
-        if not overwrite:
-            raise CheckpointError("already exists; pass overwrite=True to replace it", path=destination)
-        manifest = None if destination.is_symlink() else read_torchrl_manifest(destination)
-        if manifest is None:  # torchrl would replace anything
-            raise CheckpointError(
-                "is not a torchrl.checkpoint checkpoint: overwrite=True replaces only one (a directory or file of "
-                "yours is never deleted); export elsewhere, or remove it yourself",
-                path=destination,
-            )
-        if destination.is_dir():  # torchrl replaces the whole tree: only the files it wrote may be in it
-            foreign = _not_written(destination, written_files(manifest))
-            if foreign:
-                raise CheckpointError(
-                    f"holds entries torchrl.checkpoint did not write ({foreign[:5]}), which replacing it would "
-                    "delete: move them out first, or export elsewhere",
-                    path=destination,
-                )
-    return destination  # torchrl.checkpoint replaces an existing one atomically
-
-
-def _not_written(directory: Path, written: set[str]) -> list[str]:
-    """The entries of the tree at ``directory`` (links not followed) that are not regular files in ``written``, nor
-    directories leading to them."""
-    parents = {p for name in written for p in _parents(name)}
-    foreign = []
-    for root, dirs, files in os.walk(directory):  # (os.walk never follows links to directories)
-        rel = Path(root).relative_to(directory).as_posix()
-        rel = "" if rel == "." else f"{rel}/"
-        for d in list(dirs):
-            if (directory / f"{rel}{d}").is_symlink() or f"{rel}{d}" not in parents:
-                foreign.append(f"{rel}{d}/")
-                dirs.remove(d)
-        foreign += [f"{rel}{f}" for f in files if f"{rel}{f}" not in written or (Path(root) / f).is_symlink()]
-    return sorted(foreign)
-
-
-def _parents(name: str) -> list[str]:
-    parts = name.split("/")
-    return ["/".join(parts[:i]) for i in range(1, len(parts))]

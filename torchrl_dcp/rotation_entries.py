@@ -225,11 +225,21 @@ def blocking_entries(location: Location, after: int) -> list[RotationEntry]:
         return []
     from torchrl_dcp.storage.directory import is_replaceable
 
-    return [
+    found = [
         e
         for e in list_entries(location, include_uncommitted=True)
         if e.step > after and not e.committed and not e.archive and not e.newer_format and not is_replaceable(e.path)
     ]
+    for child in location.children():  # links (and FIFOs...) are no entries: never written through, nor replaced
+        parsed = entry_name_step(child.name)
+        if parsed is not None and parsed[0] > after and child.kind == "other":
+            what = "a symbolic link" if os.path.islink(child.location.path) else "not a directory or regular file"
+            found.append(
+                RotationEntry(
+                    step=parsed[0], path=child.location.path, committed=False, archive=parsed[1], size=0, error=what
+                )
+            )
+    return sorted(found, key=lambda e: e.step)
 
 
 def check_rotation_directory(location: Location) -> None:

@@ -20,8 +20,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from torchrl_dcp.collective import differing_steps
-
 
 @dataclass(frozen=True)
 class SaveDecision:
@@ -58,7 +56,7 @@ def decide(rotation: Any, ckpt: Any, step: Any) -> SaveDecision:
     """Whether ``step`` is due or a rank was preempted, the same on every rank (collective where
     :func:`decides_together`)."""
     from torchrl_dcp import _dist
-    from torchrl_dcp.collective import raise_failure
+    from torchrl_dcp.collective import differing_steps, raise_failure
 
     exchanged = decides_together(rotation, ckpt)
     refused: ValueError | None = None

@@ -20,6 +20,7 @@ import re
 MANIFEST = "manifest.json"
 DCP_METADATA = ".metadata"
 MAX_MANIFEST_BYTES = 256 << 20  # a manifest (or .metadata) larger than this is refused before it is parsed
+MAX_WORLD_SIZE = 10**9  # file and shard names spell a rank in at most 9 digits: no checkpoint holds more ranks
 
 
 def data_file_name(rank: int) -> str:

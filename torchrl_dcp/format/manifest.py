@@ -41,7 +41,14 @@ from typing import Any
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointVersionError
 from torchrl_dcp.format import migrations
-from torchrl_dcp.format.layout import MANIFEST, MAX_MANIFEST_BYTES, data_file_rank, is_chunk_file, is_plain_name
+from torchrl_dcp.format.layout import (
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    MAX_WORLD_SIZE,
+    data_file_rank,
+    is_chunk_file,
+    is_plain_name,
+)
 from torchrl_dcp.format.manifest_depth import check_depth, structure
 from torchrl_dcp.format.rank_table import validate_rank_table
 from torchrl_dcp.placement import PLACEMENTS
@@ -328,8 +335,8 @@ def _validate(m: dict[str, Any], source: Any) -> None:
     def bad(what: str) -> CheckpointFormatError:
         return CheckpointFormatError(f"malformed manifest: {what}", path=source)
 
-    if not _is_int(m.get("world_size")) or m["world_size"] < 1:
-        raise bad("world_size must be a positive integer")
+    if not _is_int(m.get("world_size")) or not 1 <= m["world_size"] <= MAX_WORLD_SIZE:
+        raise bad(f"world_size must be a positive integer of at most {MAX_WORLD_SIZE} (file names spell 9 digits)")
     if m.get("step") is not None and not _is_int(m["step"]):
         raise bad("step must be an integer or null")
     for field in ("versions", "metadata", "components", "files"):

@@ -24,7 +24,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from torchrl_dcp.errors import CheckpointIntegrityError
-from torchrl_dcp.format.layout import is_data_file, is_plain_name
+from torchrl_dcp.format.layout import is_data_file, is_plain_name, own_file_rank
 
 RecordIndex = dict[str, dict[tuple[int, ...], Any]]
 _INDEXES: dict[int, RecordIndex] = {}
@@ -316,10 +316,23 @@ def _disjoint(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
 
 
 def _check_disjoint_records(metadata: Metadata, source: Any) -> None:
-    """No two records of one data file share a byte (two tensors never read the same bytes)."""
+    """No two records of one data file share a byte (two tensors never read the same bytes), and a rank's per-rank
+    tensors (``rank/<r>/...``) are in its own files (``__<r>_<n>.distcp``): a rank reads the shared files and its own,
+    never another rank's per-rank bytes (a shard whose entries name another rank's file, resealed, and a root that
+    lists that file for it: rank 0 loaded rank 1's values)."""
     spans: dict[str, list[tuple[int, int, str]]] = {}
     for index, info in (metadata.storage_data or {}).items():
-        spans.setdefault(info.relative_path, []).append((info.offset, info.length, index.fqn))
+        fqn = index.fqn
+        if fqn.startswith("rank/"):
+            owner = fqn.split("/", 2)[1]
+            if own_file_rank(info.relative_path) != (int(owner) if owner.isdecimal() else None):
+                raise CheckpointIntegrityError(
+                    f"DCP metadata puts {fqn!r}, a per-rank tensor of rank {owner}, in {info.relative_path}, which is "
+                    "not a file of that rank (a save writes each rank's per-rank tensors in its own files): the "
+                    "checkpoint is damaged or forged, refused",
+                    path=source,
+                )
+        spans.setdefault(info.relative_path, []).append((info.offset, info.length, fqn))
     for rel, found in spans.items():
         found.sort()
         for (a, n, k1), (b, _, k2) in zip(found, found[1:]):

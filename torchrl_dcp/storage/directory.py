@@ -262,10 +262,16 @@ def _not_replaced(destination: Path) -> str:
                 f"holds entries a checkpoint never holds ({foreign_entries(destination, listed)[:5]}); refusing to "
                 "replace it: move them, or save elsewhere"
             )
+    if destination.is_symlink():
+        return (
+            "is a symbolic link: a save never writes through a link nor replaces one; move it elsewhere, then save "
+            "again (a rotation saves each step at its own path: move that step's)"
+        )
     if _kind(destination) == "checkpoint" and not os.path.lexists(destination / MANIFEST):
         return (
-            f"holds no {MANIFEST} (a checkpoint that lost it, or files that are not a checkpoint): refusing to replace "
-            "it; move it elsewhere, then save again (a rotation saves each step at its own path: move that step's)"
+            f"is not a torchrl_dcp checkpoint (it holds no {MANIFEST}: a directory of yours, or a checkpoint that lost "
+            "it); refusing to replace it: move it elsewhere, then save again (a rotation saves each step at its own "
+            "path: move that step's)"
         )
     return "exists and is not a torchrl_dcp checkpoint; refusing to replace it (choose another path)"
 
