@@ -470,3 +470,28 @@ def test_a_checkpoint_of_a_never_written_buffer_loads_into_a_used_one_as_it_was(
     for buf in (rb, fresh):
         buf.extend(TensorDict({"y": torch.zeros(3, 2)}, [3]))
     assert sorted(rb[:].keys()) == sorted(fresh[:].keys()) and "x" not in rb[:].keys()
+
+
+def test_a_prioritized_sampler_smaller_than_the_rows_written_is_refused_at_save_saying_how_to_build_it(
+    tmp_path: Path,
+) -> None:
+    """``PrioritizedSampler(max_capacity=4)`` over 6 rows of an 8-row storage: torchrl writes rows 4 and 5's priorities
+    past its sum tree. The save went through and its load refused the max-priority index (5) as "damaged or forged".
+    Within its capacity, the same buffer saves and loads exactly."""
+    from torchrl.data import LazyTensorStorage, PrioritizedSampler, TensorDictReplayBuffer
+
+    def buffer(rows: int) -> TensorDictReplayBuffer:
+        rb = TensorDictReplayBuffer(
+            storage=LazyTensorStorage(8), sampler=PrioritizedSampler(4, 0.7, 0.5), priority_key="td_error"
+        )
+        if rows:
+            rb.extend(TensorDict({"id": torch.arange(rows), "td_error": torch.arange(rows) + 1.0}, [rows]))
+        return rb
+
+    with pytest.raises(tdcp.EncodingError, match=r"max_capacity=4 but the buffer holds 6 rows.*at least .* \(8\)"):
+        tdcp.DistributedCheckpoint(rb=buffer(6)).save(tmp_path / "over")
+    assert not (tmp_path / "over").exists()
+    path = tdcp.DistributedCheckpoint(rb=buffer(4)).save(tmp_path / "within")
+    fresh = buffer(0)
+    tdcp.DistributedCheckpoint(rb=fresh).load(path)
+    assert fresh[:4]["id"].tolist() == [0, 1, 2, 3]

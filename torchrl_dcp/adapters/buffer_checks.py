@@ -296,3 +296,25 @@ def _number(value: Any) -> bool:
     if isinstance(value, TensorSpec):
         return True
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def refuse_overfull_sampler(rb: Any, name: str) -> None:
+    """Refuse to save a buffer whose prioritized sampler has fewer slots (``max_capacity``) than the rows written:
+    torchrl writes the priorities of the rows past them outside the sampler's sum tree (memory it does not own,
+    unchecked), so no save can hold them, and a load refused the max-priority index it records as forged."""
+    from torchrl.data.replay_buffers.samplers import PrioritizedSampler
+
+    from torchrl_dcp.errors import EncodingError
+
+    sampler, storage = rb._sampler, rb._storage
+    capacity = getattr(sampler, "_max_capacity", None)
+    if not isinstance(sampler, PrioritizedSampler) or type(capacity) is not int:
+        return
+    rows = len(storage)
+    if rows > capacity:
+        raise EncodingError(
+            f"component {name!r}: its {type(sampler).__name__} has max_capacity={capacity} but the buffer holds "
+            f"{rows} rows (its storage up to {storage.max_size}): torchrl writes the priorities of the rows past "
+            f"{capacity} outside the sampler's sum tree, where no save can read them back; build the sampler with "
+            f"max_capacity of at least the storage's max_size ({storage.max_size})"
+        )

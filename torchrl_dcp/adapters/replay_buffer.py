@@ -43,7 +43,12 @@ from torchrl.data.replay_buffers.writers import TensorDictMaxValueWriter
 
 from torchrl_dcp.adapters import buffer_reshard
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
-from torchrl_dcp.adapters.buffer_checks import check_buffer_values, check_saved_buffer, writer_counts
+from torchrl_dcp.adapters.buffer_checks import (
+    check_buffer_values,
+    check_saved_buffer,
+    refuse_overfull_sampler,
+    writer_counts,
+)
 from torchrl_dcp.adapters.buffer_state import (
     allocate,
     buffer_settings,
@@ -447,6 +452,7 @@ class ReplayBufferAdapter(Adapter):
 
     def state(self, rb: ReplayBuffer, ctx: AdapterContext) -> Any:
         rb = initialized_buffer(rb)
+        refuse_overfull_sampler(rb, ctx.name)
         warn_unsaved_transforms(rb, ctx.name, "saving")
         _warn_prefetch(rb, ctx.name, "saving")
         held = transform_states(rb)
