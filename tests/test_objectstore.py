@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import uuid
 import warnings
 from pathlib import Path
@@ -916,3 +917,55 @@ def test_a_key_the_store_does_not_take_is_not_called_a_missing_bucket(s3: Any) -
         assert "bucket does not exist" not in str(err), str(err)
         assert "plainer key" in str(err) or "not found" not in str(err), str(err)
     assert ckpt.load(f"s3://{s3.bucket}/run/ok").loaded == {"policy"}
+
+
+def test_a_users_object_uploaded_after_this_process_listed_its_prefix_is_never_overwritten(
+    s3: Any, tmp_path: Path
+) -> None:
+    """The destination checks asked s3fs, whose listing of ``exports/`` this process had cached before another process
+    uploaded ``exports/report.zip``: ``to_archive`` without ``overwrite`` replaced the user's object, no word."""
+    import fsspec
+
+    url, options = s3.url(), s3.storage_options
+    fs = _store_fs(url, options)
+    src = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(4, 2)).save(tmp_path / "ckpt")
+    tdcp.to_archive(src, StorePath(f"{url}/exports/first.zip", storage_options=options))
+    prefix = resolve_path(f"{url}/exports", options).key
+    fs.ls(prefix)  # (this process's listing of the prefix, cached)
+    other = fsspec.filesystem("s3", skip_instance_cache=True, **options)  # another process's upload
+    other.pipe_file(f"{prefix}/report.zip", b"the user's report")
+    report = StorePath(f"{url}/exports/report.zip", storage_options=options)
+    with pytest.raises(tdcp.CheckpointError, match="already exists; pass overwrite=True"):
+        tdcp.to_archive(src, report)
+    with pytest.raises(tdcp.CheckpointError, match="is not an archive of a checkpoint"):
+        tdcp.to_archive(src, report, overwrite=True)
+    assert other.cat_file(f"{prefix}/report.zip") == b"the user's report"
+
+
+@pytest.mark.parametrize("planted", ["__0_shared.distcp/x", "../x", "./x"])
+def test_odd_keys_planted_under_an_entry_are_named_and_never_hide_its_objects(
+    store: tuple[str, dict[str, Any]], planted: str
+) -> None:
+    """``step-N/__0_shared.distcp/x`` made the listing keep the prefix under the object's name: loads said the object
+    "is missing" and a prune left it behind. ``step-N/../x`` (a legal S3 key) made every load, verify and resume
+    blame the user's URL ("a checkpoint URL needs ... without '.' or '..' parts")."""
+    url, options = store
+    if planted.startswith("__") and url.startswith("memory://"):
+        pytest.skip("memory:// holds no object and prefix of one name")
+    fs = _store_fs(url, options)
+    ckpt = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(4, 2), storage_options=options)
+    rotation = tdcp.CheckpointRotation(f"{url}/run", keep_last=1, storage_options=options)
+    path = rotation.save(ckpt, step=1)
+    entry = resolve_path(str(path), options).key
+    fs.pipe_file(f"{entry}/{planted}", b"planted")
+    fs.invalidate_cache()
+    shown = planted.rpartition("/")[0] + ("/" if planted.startswith("__") else "")
+    for call in (lambda: ckpt.load(path), lambda: tdcp.verify(path, storage_options=options)):
+        with pytest.raises(tdcp.CheckpointIntegrityError, match="not listed in the manifest") as err:
+            call()
+        assert str(err.value).startswith(f"{path}/{shown}:")
+    with pytest.raises(tdcp.CheckpointError, match=f"holds '{re.escape(shown)}', a file no save writes"):
+        rotation.resume(ckpt)
+    if planted.startswith("__"):  # a prune removes the entry's objects, never the user's
+        rotation.save(ckpt, step=2)
+        assert fs.find(entry) == [f"{entry}/{planted}"]

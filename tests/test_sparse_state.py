@@ -109,3 +109,61 @@ def test_other_sparse_layouts_are_refused_with_what_to_do(tmp_path: Path) -> Non
     with pytest.raises(tdcp.EncodingError, match=r"sparse_csr: convert it with .to_sparse_coo\(\) or .to_dense\(\)"):
         tdcp.DistributedCheckpoint(m=m).save(tmp_path / "c")
     assert not (tmp_path / "c").exists()
+
+
+def test_a_sparse_tensor_held_twice_or_over_a_dense_ones_memory_loads(tmp_path: Path) -> None:
+    """Its second occurrence's parts were written as aliases (or an ``xref`` to another component), which the load
+    refused as "malformed sparse tensor: its indices are not a tensor node": a checkpoint the library wrote, refused."""
+    dense = torch.tensor([1.0, 2.0, 3.0])
+    t = torch.sparse_coo_tensor(torch.tensor([[0, 2, 0]]), dense, (4,))  # (its values are dense's memory)
+    module = torch.nn.Module()
+    module.register_buffer("s", t)
+    owner = torch.nn.Sequential(module)
+    path = tdcp.DistributedCheckpoint(d={"a": t, "b": [t], "dense": dense}, m=module, both=owner).save(tmp_path / "c")
+    assert tdcp.verify(path)
+    live = {"a": torch.zeros(1), "b": [torch.zeros(1)], "dense": torch.zeros(3)}
+    fresh, fresh_owner = torch.nn.Module(), torch.nn.Sequential()
+    fresh.register_buffer("s", torch.sparse_coo_tensor(torch.tensor([[1]]), torch.tensor([5.0]), (4,)))
+    fresh_owner.append(fresh)
+    tdcp.DistributedCheckpoint(d=live, m=fresh, both=fresh_owner).load(path)
+    for got in (live["a"], live["b"][0], fresh.s):
+        assert got._indices().tolist() == [[0, 2, 0]] and got._values().tolist() == [1.0, 2.0, 3.0]
+    assert live["dense"].tolist() == [1.0, 2.0, 3.0]
+
+
+def test_a_complex_sparse_tensor_tracked_by_autograd_comes_back_tracked(tmp_path: Path) -> None:
+    t = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.tensor([1 + 2j]), (3,)).requires_grad_(True)
+    path = tdcp.DistributedCheckpoint(d={"s": t}).save(tmp_path / "c")
+    live: dict = {}
+    tdcp.DistributedCheckpoint(d=live).load(path)
+    assert live["s"].requires_grad and live["s"]._values().tolist() == [1 + 2j]
+
+
+def _uncoalesced() -> torch.Tensor:
+    return torch.sparse_coo_tensor(torch.tensor([[0, 2, 0]]), torch.tensor([1.0, 2.0, 3.0]), (4,))
+
+
+def _two_entries_no_sparse_dim() -> torch.Tensor:
+    return torch.sparse_coo_tensor(torch.zeros(0, 2, dtype=torch.long), torch.tensor([[1.0], [2.0]]), (1,))
+
+
+@pytest.mark.parametrize(
+    ("build", "node_edit", "says"),
+    [
+        (_uncoalesced, lambda node: node.update(shape=[2**63]), r"shape \[9223372036854775808\]"),
+        (
+            _two_entries_no_sparse_dim,
+            lambda node: node.update(coalesced=True),
+            r"coalesced claimed for 2 entries of a tensor of no sparse dim",
+        ),
+    ],
+    ids=["a-size-past-int64", "coalesced-without-sparse-dims"],
+)
+def test_forgeries_torch_does_not_check_are_refused(tmp_path: Path, build, node_edit, says: str) -> None:
+    """A shape of 2**63 made torch raise a ``TypeError`` (no CheckpointError); ``coalesced`` claimed for two entries
+    of a tensor with no sparse dimension passed torch's invariant checks and loaded."""
+    path = tdcp.DistributedCheckpoint(d={"s": build()}).save(tmp_path / "c")
+    forging.edit(path, lambda m: node_edit(_sparse_node(m)))
+    for call in (lambda: tdcp.verify(path), lambda: tdcp.DistributedCheckpoint(d={}).load(path)):
+        with pytest.raises(tdcp.CheckpointError, match=says):
+            call()

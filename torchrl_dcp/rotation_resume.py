@@ -276,4 +276,5 @@ def _users_file(err: CheckpointError) -> str | None:
     from torchrl_dcp.storage.commit import is_ours
 
     name = getattr(err, "unlisted", None)
-    return name if isinstance(name, str) and "/" not in name and not is_ours(name) else None
+    # (a name ending with "/": a prefix under the entry, e.g. ``__0_shared.distcp/x`` on a store: a user's, too)
+    return name if isinstance(name, str) and "/" not in name.rstrip("/") and not is_ours(name) else None

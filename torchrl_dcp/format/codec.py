@@ -232,6 +232,15 @@ class _Encoder:
             return {"t": "ellipsis"}
         raise self.fail(path, value)
 
+    def _own(self, value: torch.Tensor, path: str) -> dict[str, Any]:
+        """A sparse tensor's part: a tensor node of its own (stored again where the state holds the sparse tensor
+        twice, or a dense tensor sharing its values' memory: a sparse node's parts are never aliases)."""
+        key = self.key(path)
+        self.tensors[key] = canonical_bools(value.detach())
+        node = {"t": "tensor", "key": key, "dtype": dtype_name(value.dtype), "shape": list(value.shape)}
+        node["device"] = str(value.device)
+        return with_layout(node, value)
+
     def _tensor(self, value: torch.Tensor, path: str) -> dict[str, Any]:
         if is_dtensor(value):
             key = self.key(path)
@@ -243,10 +252,10 @@ class _Encoder:
                 "shape": list(value.shape),
                 "device": str(value.device),
             }
-        if value.layout == torch.sparse_coo:
+        if value.layout == torch.sparse_coo:  # its parts stored as its own (never an alias: a load checks them)
             indices, values = sparse_parts(value)
             inner = f"{path}/" if path else ""
-            return sparse_node(value, self._tensor(indices, f"{inner}indices"), self._tensor(values, f"{inner}values"))
+            return sparse_node(value, self._own(indices, f"{inner}indices"), self._own(values, f"{inner}values"))
         if value.is_sparse or value.layout != torch.strided:
             raise self.fail(path, value, f" (layout {value.layout}: convert it with .to_sparse_coo() or .to_dense())")
         if value.is_meta:

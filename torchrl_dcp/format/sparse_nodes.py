@@ -33,6 +33,7 @@ from torchrl_dcp.format.tensor_nodes import TensorSpec
 __all__ = ["build_sparse", "check_sparse_indices", "sparse_node", "sparse_parts"]
 
 MAX_DIMS = 64  # torch's own limit on a tensor's dimensions
+_MAX_SIZE = (1 << 63) - 1  # a size torch takes (int64)
 
 
 def sparse_parts(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +65,7 @@ def _shape(node: dict[str, Any]) -> tuple[int, ...]:
     if (
         type(shape) is not list
         or len(shape) > MAX_DIMS
-        or not all(type(n) is int and n >= 0 for n in shape)
+        or not all(type(n) is int and 0 <= n <= _MAX_SIZE for n in shape)
         or type(node["coalesced"]) is not bool
         or node.get("grad", False) is not True
         and "grad" in node
@@ -95,13 +96,27 @@ def build_sparse(node: dict[str, Any], indices: Any, values: Any) -> Any:
         return TensorSpec(values.key.rpartition("/")[0] or "_", shape, values.dtype, values.device)
     if indices.device != values.device:
         indices = indices.to(values.device)
+    _check_coalesced_claim(node, sparse_dim, nnz)
     try:
         out = torch.sparse_coo_tensor(indices, values, shape, is_coalesced=node["coalesced"], check_invariants=True)
-    except RuntimeError as err:  # torch's own invariant checks: an index out of range, uncoalesced indices
+    except _TORCH_REFUSALS as err:  # torch's own invariant checks: an index out of range, uncoalesced indices
         raise _bad(str(err).splitlines()[0][:200]) from None
-    if node.get("grad") and values.dtype.is_floating_point:
+    if node.get("grad") and (values.dtype.is_floating_point or values.dtype.is_complex):
         out.requires_grad_(True)
     return out
+
+
+#: what torch raises for sizes and indices it refuses (``TypeError``: a size past int64 on some paths)
+_TORCH_REFUSALS = (RuntimeError, TypeError, ValueError, OverflowError)
+
+
+def _check_coalesced_claim(node: dict[str, Any], sparse_dim: int, nnz: int) -> None:
+    """torch's invariant checks do not look at the claim for a tensor of no sparse dimensions: coalesced, it holds
+    at most one entry."""
+    if node["coalesced"] and sparse_dim == 0 and nnz > 1:
+        raise _bad(
+            f"coalesced claimed for {nnz} entries of a tensor of no sparse dimensions (at most 1 once coalesced)"
+        )
 
 
 def check_sparse_indices(node: dict[str, Any], indices: torch.Tensor) -> None:
@@ -120,10 +135,11 @@ def check_sparse_indices(node: dict[str, Any], indices: torch.Tensor) -> None:
     """
     shape = _shape(node)
     sparse_dim, nnz = indices.shape
+    _check_coalesced_claim(node, sparse_dim, nnz)
     stand_in = torch.zeros(nnz, dtype=torch.uint8, device=indices.device)
     try:
         torch.sparse_coo_tensor(
             indices, stand_in, shape[:sparse_dim], is_coalesced=node["coalesced"], check_invariants=True
         )
-    except RuntimeError as err:
+    except _TORCH_REFUSALS as err:
         raise _bad(str(err).splitlines()[0][:200]) from None

@@ -44,7 +44,7 @@ from torchrl_dcp.errors import (
 )
 from torchrl_dcp.format import manifest as schema
 from torchrl_dcp.format.checksums import checksum_mismatch, crc32, crc32_combine, format_crc
-from torchrl_dcp.format.layout import MANIFEST, MAX_MANIFEST_BYTES, TRAILER_SIZE
+from torchrl_dcp.format.layout import MANIFEST, MAX_MANIFEST_BYTES, TRAILER_SIZE, is_plain_name
 from torchrl_dcp.settings import setting
 from torchrl_dcp.storage.base import ByteRange, ManifestParts, check_listing, files_to_check
 from torchrl_dcp.storage.urls import StorePath, store_error
@@ -88,12 +88,25 @@ def list_objects(path: StorePath) -> dict[str, dict[str, Any]]:
         return {}
     except Exception as err:
         raise store_error(err, "listing the prefix", path) from None
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     for e in entries:
         name = str(e["name"]).rstrip("/").rsplit("/", 1)[-1]
-        if str(e["name"]).rstrip("/") != path.key.rstrip("/"):  # some stores list a file as itself
-            out[name] = e
+        if str(e["name"]).rstrip("/") == path.key.rstrip("/"):  # some stores list a file as itself
+            continue
+        held = out.get(name)
+        if held is not None and (held.get("type") == "file") != (e.get("type") == "file"):
+            # an object and a prefix of one name (``x`` and ``x/y``): both listed, the prefix as ``x/`` (a name no
+            # file has: never a file the manifest lists, always a foreign entry), the object under its own name
+            out[name], out[f"{name}/"] = (held, e) if held.get("type") == "file" else (e, held)
+            continue
+        out[name] = e
     return out
+
+
+def listed_path(path: StorePath, name: str) -> StorePath | str:
+    """What names ``name`` (from :func:`list_objects`) in errors: its path, or its URL as a string where the name is
+    no plain name (a stray ``..`` key, a prefix listed as ``x/``: a path would refuse to be built)."""
+    return path / name if is_plain_name(name) else f"{path}/{name}"
 
 
 #: protocols whose first path segment is a bucket (or container) that must exist before anything is under it
@@ -414,7 +427,7 @@ class ObjectStoreContainer(ManifestParts):
                 check_listing(
                     ((n, int(i.get("size") or 0) if i.get("type") == "file" else None) for n, i in found.items()),
                     self,
-                    lambda name: self.path / name,
+                    lambda name: listed_path(self.path, name),
                     "object",
                 )
         names = sorted(wanted)

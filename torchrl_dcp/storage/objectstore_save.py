@@ -402,7 +402,8 @@ def keepable_objects(keeps: dict[str, KeptChunk]) -> dict[str, KeptChunk]:
     listed: dict[str, dict[str, Any]] = {}
     for prefix in {k.source.parent for k in keeps.values()}:  # type: ignore[union-attr]
         for name, info in list_objects(prefix).items():
-            listed[str(prefix / name)] = info
+            if is_plain_name(name):  # (a stray ``..`` key, a prefix listed as ``x/``: no chunk of a base)
+                listed[str(prefix / name)] = info
     out = {}
     for f, k in keeps.items():
         info = listed.get(str(k.source), {})

@@ -130,6 +130,7 @@ class StorePath:
         """What is at this key: ``"file"``, ``"directory"`` (a prefix with objects under it) or ``None`` (nothing).
         A request that fails raises: fsspec's ``exists``/``isfile`` answer ``False`` to a 503 or a dropped
         connection, and a sweep took a committed checkpoint's manifest for absent and deleted the checkpoint."""
+        self.fs.invalidate_cache(self.key)  # (a listing cached by this process may predate another's upload)
         try:
             info = self.fs.info(self.key)
         except FileNotFoundError:
