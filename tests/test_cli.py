@@ -514,3 +514,43 @@ def test_a_link_loop_or_a_dangling_link_is_said_as_such(tmp_path: Path, capsys: 
             assert "Traceback" not in err
     with pytest.raises(tdcp.CheckpointNotFoundError, match="symbolic link that loops"):
         tdcp.verify(tmp_path / "a")
+
+
+def test_an_empty_path_is_refused_never_taken_for_the_current_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``convert run.zip "$OUT" --overwrite`` with ``OUT`` unset replaced the checkpoint the user stood in."""
+    here = save(tmp_path / "here", step=1)
+    archive = tdcp.to_archive(save(tmp_path / "other", step=2), tmp_path / "other.zip")
+    monkeypatch.chdir(here)
+    for argv in (["convert", str(archive), "", "--overwrite"], ["inspect", ""], ["verify", ""], ["ls", ""]):
+        assert main(argv) == 1, argv
+        assert "an empty path names no checkpoint" in capsys.readouterr().err, argv
+    assert tdcp.read_manifest(here)["step"] == 1
+    with pytest.raises(tdcp.CheckpointError, match="an empty path"):
+        tdcp.DistributedCheckpoint(w={"x": torch.ones(1)}).save("")
+
+
+def test_links_named_with_a_trailing_slash_or_as_file_urls_are_read_as_what_they_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """``ls runs/`` said "not a directory", ``convert latest/ a.zip`` "is a directory, not an archive", and
+    ``inspect latest/`` gave the link's own size; a link to a torchrl export, or one named as a ``file://`` URL, was
+    read as a damaged archive of ours ("member is in a sub-directory")."""
+    from torchrl.checkpoint import Checkpoint
+
+    rotation = tdcp.CheckpointRotation(tmp_path / "runs-real", keep_last=2)
+    entry = rotation.save(tdcp.DistributedCheckpoint(w={"x": torch.ones(4)}), step=3)
+    (tmp_path / "runs").symlink_to(tmp_path / "runs-real")
+    (tmp_path / "latest").symlink_to(entry)
+    exported = Checkpoint(policy=torch.nn.Linear(2, 2)).save(tmp_path / "p.torchrl")
+    (tmp_path / "latest.torchrl").symlink_to(exported)
+    assert main(["ls", f"{tmp_path}/runs/"]) == 0 and "step-000000000003" in capsys.readouterr().out
+    assert main(["ls", f"file://{tmp_path}/runs"]) == 0 and "step-000000000003" in capsys.readouterr().out
+    code, info = run_json(capsys, "inspect", f"{tmp_path}/latest/")
+    assert code == 0 and info["bytes"] == run_json(capsys, "inspect", str(entry))[1]["bytes"]
+    assert main(["convert", f"{tmp_path}/latest/", str(tmp_path / "a.zip")]) == 0
+    for target in (tmp_path / "latest.torchrl", f"file://{exported}"):
+        assert main(["verify", str(target)]) == 0, capsys.readouterr().err
+        assert main(["inspect", str(target)]) == 0 and "torchrl.checkpoint" in capsys.readouterr().out
+        assert tdcp.verify(target)["tensors"] == 2

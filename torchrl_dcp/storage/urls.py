@@ -216,6 +216,12 @@ def resolve_path(path: str | os.PathLike | StorePath, storage_options: Mapping[s
     """
     if isinstance(path, StorePath):
         return path
+    if isinstance(path, (str, os.PathLike)) and os.fspath(path) == "":  # (an unset variable: never "here")
+        raise CheckpointError(
+            "an empty path names no checkpoint (an unset variable?): pass the checkpoint's path ('.' for the "
+            "current directory)",
+            path="''",
+        )
     if isinstance(path, str) and is_url(path):
         if path[: len("file://")].lower() == "file://":
             return _file_url_path(path)

@@ -16,8 +16,10 @@ import zlib
 from pathlib import Path
 from typing import BinaryIO
 
+from torchrl_dcp.errors import CheckpointError
 from torchrl_dcp.format.torchrl_listing import FORMAT_NAME, JSON_LIMIT, MANIFEST, written_files
 from torchrl_dcp.storage.backends import is_remote
+from torchrl_dcp.storage.urls import resolve_path
 
 __all__ = ["FORMAT_NAME", "JSON_LIMIT", "MANIFEST", "is_torchrl_checkpoint", "read_torchrl_manifest", "written_files"]
 
@@ -46,6 +48,11 @@ def is_torchrl_checkpoint(path: str | os.PathLike) -> bool:
 def read_torchrl_manifest(path: str | os.PathLike) -> dict | None:
     """The parsed ``manifest.json`` of the torchrl checkpoint at ``path`` (not validated: a load does that), or
     ``None`` when ``path`` holds none (an object-store URL never does: torchrl writes local paths only)."""
+    if isinstance(path, str) and path[:7].lower() == "file://":  # a local path spelled as a URL
+        try:
+            path = resolve_path(path)
+        except CheckpointError:
+            return None
     if not isinstance(path, (str, os.PathLike)) or is_remote(path):  # the dispatch says what a path names
         return None
     p = Path(path)
@@ -58,7 +65,7 @@ def read_torchrl_manifest(path: str | os.PathLike) -> dict | None:
                 if not stat.S_ISREG(st.st_mode) or st.st_size > JSON_LIMIT:
                     return None
                 raw = _read_if_theirs(f)
-        elif p.is_file() and not p.is_symlink() and zipfile.is_zipfile(p):
+        elif p.is_file() and zipfile.is_zipfile(p):  # (a link the user names is read as what it names)
             with zipfile.ZipFile(p) as z:
                 info = z.getinfo(MANIFEST)
                 if info.file_size > JSON_LIMIT:

@@ -88,7 +88,10 @@ class TorchrlContainer:
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> TorchrlContainer:
-        p = Path(path).expanduser().absolute()
+        from torchrl_dcp.storage.urls import resolve_path  # (``file://`` URLs: the local path they spell)
+
+        p = Path(resolve_path(path) if isinstance(path, str) and path[:7].lower() == "file://" else path)
+        p = p.expanduser().absolute()
         if not p.exists():
             raise CheckpointNotFoundError(f"no checkpoint at {p}", path=p)
         if p.is_dir():
