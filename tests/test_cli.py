@@ -554,3 +554,36 @@ def test_links_named_with_a_trailing_slash_or_as_file_urls_are_read_as_what_they
         assert main(["verify", str(target)]) == 0, capsys.readouterr().err
         assert main(["inspect", str(target)]) == 0 and "torchrl.checkpoint" in capsys.readouterr().out
         assert tdcp.verify(target)["tensors"] == 2
+
+
+def test_ls_names_torchrl_checkpoints_once_and_says_what_a_path_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A torchrl ``step-N`` was listed twice (a NOT COMMITTED entry and a torchrl entry); a missing path and an
+    archive were "not a directory", and ``--metric ''`` was ignored."""
+    from torchrl.checkpoint import Checkpoint
+
+    rotation = tdcp.CheckpointRotation(tmp_path / "run", keep_last=3)
+    rotation.save(tdcp.DistributedCheckpoint(w={"x": torch.ones(2)}), step=1)
+    Checkpoint(policy=torch.nn.Linear(2, 2)).save(tmp_path / "run" / "step-000000000005", format="directory")
+    code, info = run_json(capsys, "ls", str(tmp_path / "run"))
+    assert code == 0 and [e["name"] for e in info["entries"]] == ["step-000000000001"]
+    assert info["torchrl_entries"] == ["step-000000000005"]
+    archive = tdcp.to_archive(tmp_path / "run" / "step-000000000001", tmp_path / "one.zip")
+    for path, says in (
+        (tmp_path / "nope", "no rotation directory here: the path does not exist"),
+        (archive, "is an archive of a checkpoint, not a rotation directory of checkpoints: use `torchrl-dcp inspect"),
+    ):
+        assert main(["ls", str(path)]) == 1 and says in capsys.readouterr().err
+    assert main(["ls", str(tmp_path / "run"), "--metric", ""]) == 1 and "keep_best" in capsys.readouterr().err
+
+
+def test_a_failed_write_of_the_output_is_not_blamed_on_reading(tmp_path: Path) -> None:
+    """``verify ck > /dev/full`` said "error: reading failed: No space left on device", the checkpoint verified."""
+    path = save(tmp_path / "c")
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "torchrl_dcp", "verify", str(path)], stdout=full, stderr=subprocess.PIPE, text=True
+        )
+    assert done.returncode == 1 and "writing the output to stdout failed" in done.stderr
+    assert "reading failed" not in done.stderr and "verify itself succeeded" in done.stderr

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import math
 import os
@@ -33,6 +34,7 @@ from typing import Any
 from torchrl_dcp.errors import CheckpointError, CheckpointVersionError
 from torchrl_dcp.format.manifest_depth import MAPPING_NODES
 from torchrl_dcp.storage.backends import location_for
+from torchrl_dcp.storage.files import absent_because
 from torchrl_dcp.storage.urls import resolve_path
 from torchrl_dcp.torchrl_format.detect import is_torchrl_checkpoint
 
@@ -203,15 +205,23 @@ def _ls(directory: str, metric: str | None, mode: str) -> dict[str, Any]:
 
     where = location_for(_followed(directory))
     d = where.path
-    if where.entry_kind() != "checkpoint":
-        raise CheckpointError("not a directory", path=d)
+    kind = where.entry_kind()
+    if kind is None:
+        raise CheckpointError(f"no rotation directory here: {absent_because(d)}" if where.is_local else
+                              "no rotation directory here: nothing is under this prefix", path=d)  # fmt: skip
     if _is_checkpoint(where) or (where.is_local and is_torchrl_checkpoint(d)):
+        what = "an archive of a checkpoint" if kind == "archive" else "a checkpoint"
         raise CheckpointError(
-            f"is a checkpoint, not a rotation directory of checkpoints: use `torchrl-dcp inspect {d}`", path=d
+            f"is {what}, not a rotation directory of checkpoints: use `torchrl-dcp inspect {d}`", path=d
         )
-    rotation = CheckpointRotation(d, keep_best=(metric, mode) if metric else None)  # type: ignore[arg-type]
-    entries = rotation.entries(include_uncommitted=True)  # each manifest read once; latest and best from this list
-    if metric and entries and all(e.metric is None for e in entries if e.committed):
+    if kind != "checkpoint":
+        raise CheckpointError("is a file, not a directory: ls lists a rotation directory of checkpoints", path=d)
+    rotation = CheckpointRotation(d, keep_best=(metric, mode) if metric is not None else None)  # type: ignore[arg-type]
+    theirs = torchrl_entries(rotation)
+    entries = [  # each manifest read once; latest and best from this list (torchrl's: named apart, never entries)
+        e for e in rotation.entries(include_uncommitted=True) if e.committed or e.path.name not in theirs
+    ]
+    if metric is not None and entries and all(e.metric is None for e in entries if e.committed):
         raise CheckpointError(
             f"no checkpoint in {d} has metadata {metric!r}: pass a key its saves put in metadata=", path=d
         )
@@ -230,7 +240,7 @@ def _ls(directory: str, metric: str | None, mode: str) -> dict[str, Any]:
     latest, best = latest_entry(entries), rotation.best_entry(entries)
     return {"directory": str(d), "entries": rows, "latest": latest.path.name if latest else None,
             "best": best.path.name if best else None, "leftovers": leftovers,
-            "torchrl_entries": torchrl_entries(rotation)}  # fmt: skip
+            "torchrl_entries": theirs}  # fmt: skip
 
 
 def _is_checkpoint(where: Any) -> bool:
@@ -581,6 +591,28 @@ def _json_safe(value: Any) -> Any:
 
 
 def _run(args: argparse.Namespace) -> int:
+    """The command, its output held until it ends and then written: a failed write of the output (a full disk,
+    ``> /dev/full``) is said as such, never as a failure to read the checkpoint."""
+    held = io.StringIO()
+    with contextlib.redirect_stdout(held):
+        code = _command(args)
+    try:
+        sys.stdout.write(held.getvalue())
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as err:
+        print(f"error: writing the output to stdout failed ({err.strerror or err}): {_verb(args)} itself "
+              "succeeded; write it elsewhere", file=sys.stderr)  # fmt: skip
+        return 1
+    return code
+
+
+def _verb(args: argparse.Namespace) -> str:
+    return {"ls": "the listing", "diff": "the comparison", "convert": "the conversion"}.get(args.command, args.command)
+
+
+def _command(args: argparse.Namespace) -> int:
     emit = (
         (lambda info: print(json.dumps(_json_safe(info), indent=1, default=str, allow_nan=False)))
         if args.json
