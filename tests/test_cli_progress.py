@@ -20,6 +20,7 @@ import torch
 
 import torchrl_dcp as tdcp
 from torchrl_dcp import cli
+from torchrl_dcp.checkpoint_diff import diff_checkpoints
 
 pytest.importorskip("tqdm", reason="tqdm is a dependency of torchrl_dcp: pip install -e .")
 
@@ -156,5 +157,5 @@ def test_verify_reports_progress_on_an_object_store(pair: tuple[Path, Path]) -> 
 def test_diff_reports_the_tensor_bytes_it_reads(pair: tuple[Path, Path]) -> None:
     a, b = pair
     calls, record = _recorder()
-    assert cli._diff(str(a), str(b), 0.0, record) == cli._diff(str(a), str(b), 0.0)
+    assert diff_checkpoints(str(a), str(b), 0.0, record) == diff_checkpoints(str(a), str(b), 0.0)
     _reaches_total(calls, 2 * (600_000 * 4 + 9 * 8))
