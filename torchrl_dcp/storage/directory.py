@@ -264,8 +264,8 @@ def _not_replaced(destination: Path) -> str:
             )
     if destination.is_symlink():
         return (
-            "is a symbolic link: a save never writes through a link nor replaces one; move it elsewhere, then save "
-            "again (a rotation saves each step at its own path: move that step's)"
+            "is a symbolic link: a save never writes through a link, refusing to replace it; move it elsewhere, then "
+            "save again (a rotation saves each step at its own path: move that step's)"
         )
     if _kind(destination) == "checkpoint" and not os.path.lexists(destination / MANIFEST):
         return (
