@@ -587,3 +587,17 @@ def test_a_failed_write_of_the_output_is_not_blamed_on_reading(tmp_path: Path) -
         )
     assert done.returncode == 1 and "writing the output to stdout failed" in done.stderr
     assert "reading failed" not in done.stderr and "verify itself succeeded" in done.stderr
+
+
+def test_an_archive_unpacks_into_an_empty_directory_as_a_save_writes_into_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """``convert run.zip out`` into an existing empty ``out`` was refused even with ``--overwrite`` ("exists and is
+    not a torchrl_dcp checkpoint"), while a save into ``out`` works. An archive never replaces a directory."""
+    archive = tdcp.to_archive(save(tmp_path / "c"), tmp_path / "c.zip")
+    (tmp_path / "out").mkdir()
+    assert main(["convert", str(archive), str(tmp_path / "out")]) == 0, capsys.readouterr().err
+    assert tdcp.verify(tmp_path / "out")["tensors"] > 0
+    (tmp_path / "empty.zip").mkdir()
+    assert main(["convert", str(tmp_path / "c"), str(tmp_path / "empty.zip"), "--overwrite"]) == 1
+    assert (tmp_path / "empty.zip").is_dir()

@@ -105,11 +105,14 @@ def check_apart(source: Path, destination: Path) -> None:
         )
 
 
-def _check_replaceable(destination: Path, overwrite: bool) -> None:
+def _check_replaceable(destination: Path, overwrite: bool, empty_ok: bool = False) -> None:
     """Refuse to replace anything but a torchrl_dcp checkpoint (and only with ``overwrite``); never a link, nor a
     checkpoint directory holding entries no save writes there (a file of the user's: the rule saves apply,
-    :func:`~torchrl_dcp.storage.directory.foreign_entries`)."""
+    :func:`~torchrl_dcp.storage.directory.foreign_entries`). ``empty_ok``: an empty directory is no obstacle (a
+    directory is written there, as a save writes into one)."""
     if not (destination.exists() or destination.is_symlink()):
+        return
+    if empty_ok and destination.is_dir() and not destination.is_symlink() and not any(destination.iterdir()):
         return
     # what is there first: overwrite=True is the next step only where it would replace it
     if destination.is_symlink():
@@ -153,7 +156,7 @@ def _still_replaceable(path: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _converting(what: str, dst: str | os.PathLike, overwrite: bool) -> Iterator[Path]:
+def _converting(what: str, dst: str | os.PathLike, overwrite: bool, into_directory: bool = False) -> Iterator[Path]:
     """Hold the destination's lock, remove what killed saves/conversions to it left, report OSErrors clearly.
 
     The lock (``.<name>.tdcp-lock``, as for saves) keeps two conversions (or a save)
@@ -165,7 +168,7 @@ def _converting(what: str, dst: str | os.PathLike, overwrite: bool) -> Iterator[
     try:
         destination.parent.mkdir(parents=True, exist_ok=True)
         with DestinationLock(destination):
-            _check_replaceable(destination, overwrite)
+            _check_replaceable(destination, overwrite, empty_ok=into_directory)
             for stale in stale_entries(destination):
                 remove_tree(stale)
             yield destination
@@ -284,7 +287,7 @@ def to_directory(
     except OSError as err:
         raise from_os_error(err, "reading the archive to unpack", path) from None
     check_apart(path, local_path(dst_dir))
-    with _converting(f"unpacking {path.name}", dst_dir, overwrite) as destination:
+    with _converting(f"unpacking {path.name}", dst_dir, overwrite, into_directory=True) as destination:
         _unpack(source, manifest["files"], destination, buffer_size, progress)
     return destination
 
