@@ -36,14 +36,14 @@ from torchrl_dcp.errors import CheckpointError, CheckpointVersionError
 from torchrl_dcp.format.manifest_depth import MAPPING_NODES
 from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.storage.files import absent_because
-from torchrl_dcp.storage.urls import resolve_path
+from torchrl_dcp.storage.urls import is_file_url, resolve_path
 from torchrl_dcp.torchrl_format.detect import is_torchrl_checkpoint
 
 
 def _followed(path: str) -> str:
     """``path``, or the path a local link there names: what the library reads through it (``latest -> step-9``,
     ``ckpts -> /scratch/ckpts``), so the tools describe, list and convert that, not the link itself."""
-    if path[:7].lower() == "file://":  # a local path spelled as a URL: the same link
+    if is_file_url(path):  # a local path spelled as a URL: the same link
         path = str(resolve_path(path))
     elif "://" in path:
         return path

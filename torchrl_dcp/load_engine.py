@@ -498,9 +498,9 @@ def check_values(load_plan: LoadPlan, src: CheckpointSource, path: Any) -> BaseE
                 return load_plan.destination(key)
 
             try:
-                check_sparse(state, read)
+                check_sparse(state, read, comp.name, path)
             except CheckpointError as err:
-                return CheckpointFormatError(f"component {comp.name!r}: {err.message}", path=path)
+                return err
             if not checks_values:
                 continue
             try:

@@ -547,11 +547,15 @@ def plan_view(skeleton: Any) -> tuple[Any, list[TensorSpec], list[tuple[str, Ten
     return view, sink.specs, sink.refs, sink.sparse
 
 
-def check_sparse(state: SavedState, read: Callable[[TensorSpec], torch.Tensor]) -> None:
-    """The indices of every sparse tensor of ``state``, read (``read(spec)``: the saved tensor, as the value checks
-    read it), pass torch's invariant checks: what a load and ``verify`` run before anything is restored."""
+def check_sparse(state: SavedState, read: Callable[[TensorSpec], torch.Tensor], name: str, source: Any) -> None:
+    """The indices of every sparse tensor of ``state`` (of component ``name``), read (``read(spec)``: the saved
+    tensor, as the value checks read it), pass torch's invariant checks: what a load and ``verify`` run before
+    anything is restored. Raises :class:`CheckpointFormatError` naming the component and ``source``."""
     for node in state.sparse:
-        check_sparse_indices(node, read(node_spec(node["indices"])))
+        try:
+            check_sparse_indices(node, read(node_spec(node["indices"])))
+        except CheckpointFormatError as err:
+            raise CheckpointFormatError(f"component {name!r}: {err.message}", path=source) from None
 
 
 class _SpecSink(TensorSink):

@@ -134,11 +134,13 @@ def _check_values(src: CheckpointSource, states: dict[str, Any], components: dic
 
     for name, by_rank in states.items():
         adapter = adapter_by_id(components[name]["adapter"])
-        known = adapter  # the saving adapter, when this process knows it and it checks values
-        if adapter is None or components[name].get("adapter_version") != adapter.version:
-            known = None
-        elif type(adapter).check_values is Adapter.check_values:
-            known = None
+        known = (  # the saving adapter, when this process knows it and it checks values
+            adapter
+            if adapter is not None
+            and components[name].get("adapter_version") == adapter.version
+            and type(adapter).check_values is not Adapter.check_values
+            else None
+        )
         if known is None and not any(state.sparse for state in by_rank.values()):
             continue
         for state in by_rank.values():
@@ -147,10 +149,7 @@ def _check_values(src: CheckpointSource, states: dict[str, Any], components: dic
                 key = f"{prefix}/{spec.key}"
                 return read_fresh(src, {key: (spec.shape, spec.dtype)}, verify=False)[key]
 
-            try:  # (whatever the adapter: the codec's own check)
-                check_sparse(state, read)
-            except CheckpointError as err:
-                raise CheckpointFormatError(f"component {name!r}: {err.message}", path=where) from None
+            check_sparse(state, read, name, where)  # (whatever the adapter: the codec's own check)
             if known is None:
                 continue
             try:

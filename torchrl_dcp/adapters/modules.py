@@ -49,7 +49,7 @@ class ModuleAdapter(Adapter):
                 "the load gives it the saved shapes"
             )
         for key, t in state.items():
-            if type(t) in _PLAIN and t.layout == torch.strided and 0 in t.stride() and _expanded(t):
+            if type(t) in _PLAIN and _expanded(t):
                 raise EncodingError(_expanded_message(ctx.name, key, t, "a load could never write into it"))
         return state
 
@@ -137,7 +137,10 @@ def _expanded(t: torch.Tensor) -> bool:
     """Whether elements of ``t`` share memory (an ``expand``-ed tensor: a stride of 0 along a dimension of more than
     one element): ``load_state_dict`` cannot copy into it (torch refuses the write). A sparse tensor never is (its
     ``stride()`` says 0s: its values are a tensor of their own)."""
-    return t.layout == torch.strided and any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape))
+    if t.layout != torch.strided:
+        return False
+    stride = t.stride()
+    return 0 in stride and any(s == 0 and n > 1 for s, n in zip(stride, t.shape))  # (the first test: fast, in C)
 
 
 def _expanded_message(name: str, key: str, t: torch.Tensor, why: str) -> str:
@@ -281,9 +284,7 @@ def _check_values(current: Mapping[str, Any], state: Any, name: str) -> set[str]
                 f"a load restores exactly, it does not cast; load into a module of the saved dtype "
                 f"(built as saved, or module.to({value.dtype})), then cast it (module.to({target.dtype}))"
             )
-        if (
-            target.layout == torch.strided and 0 in target.stride() and _expanded(target)
-        ):  # (before anything is copied: it would fail half-way)
+        if _expanded(target):  # (before anything is copied: it would fail half-way)
             raise IncompatibleComponentError(_expanded_message(name, key, target, "nothing can be loaded into it"))
         if spec and plain_strided(target):
             in_place.add(key)

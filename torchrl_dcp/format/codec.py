@@ -232,16 +232,10 @@ class _Encoder:
             return {"t": "ellipsis"}
         raise self.fail(path, value)
 
-    def _own(self, value: torch.Tensor, path: str) -> dict[str, Any]:
-        """A sparse tensor's part: a tensor node of its own (stored again where the state holds the sparse tensor
-        twice, or a dense tensor sharing its values' memory: a sparse node's parts are never aliases)."""
-        key = self.key(path)
-        self.tensors[key] = canonical_bools(value.detach())
-        node = {"t": "tensor", "key": key, "dtype": dtype_name(value.dtype), "shape": list(value.shape)}
-        node["device"] = str(value.device)
-        return with_layout(node, value)
-
-    def _tensor(self, value: torch.Tensor, path: str) -> dict[str, Any]:
+    def _tensor(self, value: torch.Tensor, path: str, share: bool = True) -> dict[str, Any]:
+        """A tensor's node; ``share=False`` (a sparse tensor's parts): a node of its own, never an alias or a
+        reference, nor one an alias may name (stored again where the state holds the sparse tensor twice, or a dense
+        tensor sharing its values' memory: a load checks the parts it reads)."""
         if is_dtensor(value):
             key = self.key(path)
             self.tensors[key] = value
@@ -255,7 +249,8 @@ class _Encoder:
         if value.layout == torch.sparse_coo:  # its parts stored as its own (never an alias: a load checks them)
             indices, values = sparse_parts(value)
             inner = f"{path}/" if path else ""
-            return sparse_node(value, self._own(indices, f"{inner}indices"), self._own(values, f"{inner}values"))
+            parts = self._tensor(indices, f"{inner}indices", False), self._tensor(values, f"{inner}values", False)
+            return sparse_node(value, *parts)
         if value.is_sparse or value.layout != torch.strided:
             raise self.fail(path, value, f" (layout {value.layout}: convert it with .to_sparse_coo() or .to_dense())")
         if value.is_meta:
@@ -264,7 +259,7 @@ class _Encoder:
             raise self.fail(path, value, " (quantized or nested tensor)")
         if value.dtype in _REFUSED_DTYPES:
             raise self.fail(path, value, f" (dtype {value.dtype}, which torchrl_dcp does not save)")
-        ident = tensor_identity(value)
+        ident = tensor_identity(value) if share else None
         alias = self._seen.get(ident) if ident is not None else None
         if alias is not None:
             return {"t": "alias", "key": alias}

@@ -207,6 +207,16 @@ def _filesystem(protocol: str, options: Mapping[str, Any], url: str) -> Any:
         ) from None
 
 
+def is_file_url(path: Any) -> bool:
+    """Whether ``path`` is a ``file://`` URL (a local path spelled as a URL: :func:`resolve_path` maps it).
+
+    Example:
+        >>> is_file_url("FILE:///tmp/x"), is_file_url("/tmp/x"), is_file_url("s3://b/x")
+        (True, False, False)
+    """
+    return isinstance(path, str) and path[: len("file://")].lower() == "file://"
+
+
 def resolve_path(path: str | os.PathLike | StorePath, storage_options: Mapping[str, Any] | None = None) -> Any:
     """A local path as an absolute :class:`~pathlib.Path`, a URL as a :class:`StorePath`.
 
@@ -223,7 +233,7 @@ def resolve_path(path: str | os.PathLike | StorePath, storage_options: Mapping[s
             path="''",
         )
     if isinstance(path, str) and is_url(path):
-        if path[: len("file://")].lower() == "file://":
+        if is_file_url(path):
             return _file_url_path(path)
         return StorePath(path, storage_options)
     if isinstance(path, str) and path[:5].lower() == "file:":  # file:/x (one slash): a URL meant, not ./file:/x

@@ -19,7 +19,7 @@ from typing import BinaryIO
 from torchrl_dcp.errors import CheckpointError
 from torchrl_dcp.format.torchrl_listing import FORMAT_NAME, JSON_LIMIT, MANIFEST, written_files
 from torchrl_dcp.storage.backends import is_remote
-from torchrl_dcp.storage.urls import resolve_path
+from torchrl_dcp.storage.urls import is_file_url, resolve_path
 
 __all__ = ["FORMAT_NAME", "JSON_LIMIT", "MANIFEST", "is_torchrl_checkpoint", "read_torchrl_manifest", "written_files"]
 
@@ -48,7 +48,7 @@ def is_torchrl_checkpoint(path: str | os.PathLike) -> bool:
 def read_torchrl_manifest(path: str | os.PathLike) -> dict | None:
     """The parsed ``manifest.json`` of the torchrl checkpoint at ``path`` (not validated: a load does that), or
     ``None`` when ``path`` holds none (an object-store URL never does: torchrl writes local paths only)."""
-    if isinstance(path, str) and path[:7].lower() == "file://":  # a local path spelled as a URL
+    if is_file_url(path):  # a local path spelled as a URL
         try:
             path = resolve_path(path)
         except CheckpointError:

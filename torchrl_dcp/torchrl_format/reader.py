@@ -88,9 +88,9 @@ class TorchrlContainer:
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> TorchrlContainer:
-        from torchrl_dcp.storage.urls import resolve_path  # (``file://`` URLs: the local path they spell)
+        from torchrl_dcp.storage.urls import is_file_url, resolve_path  # (``file://``: the local path it spells)
 
-        p = Path(resolve_path(path) if isinstance(path, str) and path[:7].lower() == "file://" else path)
+        p = Path(resolve_path(path) if is_file_url(path) else path)
         p = p.expanduser().absolute()
         if not p.exists():
             raise CheckpointNotFoundError(f"no checkpoint at {p}", path=p)
