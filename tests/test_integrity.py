@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import warnings
 from pathlib import Path
 
 import pytest
@@ -152,6 +153,23 @@ def test_foreign_empty_and_absent_paths(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(tdcp.CheckpointFormatError):
         tdcp.DistributedCheckpoint(a=1).load(tmp_path / "file")
+
+
+def test_a_plain_dcp_checkpoint_is_named_as_one_and_the_error_says_how_to_read_it(tmp_path: Path) -> None:
+    """A directory written by plain ``dcp.save`` used to get "not a torchrl_dcp checkpoint, or a save that never
+    committed": the user could not tell it from a killed save."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's "torch.distributed is disabled" in one process
+        dcp.save({"w": torch.ones(3)}, checkpoint_id=str(tmp_path / "plain"))
+    for attempt in (
+        lambda: tdcp.DistributedCheckpoint(a={"w": torch.zeros(3)}).load(tmp_path / "plain"),
+        lambda: tdcp.verify(tmp_path / "plain"),
+        lambda: tdcp.read_manifest(tmp_path / "plain"),
+    ):
+        with pytest.raises(tdcp.CheckpointFormatError, match=r"plain torch.distributed.checkpoint.save \(read it with"):
+            attempt()
 
 
 def _flip(p: Path) -> None:

@@ -578,7 +578,10 @@ def test_a_prefix_a_save_has_not_committed_is_no_checkpoint_as_for_a_directory(t
             attempt()
     foreign = resolve_path(f"{url}/foreign", {})
     foreign.fs.pipe_file((foreign / "notes.txt").key, b"mine")
-    with pytest.raises(tdcp.CheckpointFormatError, match="no manifest.json"):
+    with pytest.raises(tdcp.CheckpointFormatError, match="no manifest.json: not a torchrl_dcp checkpoint"):
+        tdcp.verify(str(foreign))
+    foreign.fs.pipe_file((foreign / ".metadata").key, b"DCP's")  # what a plain dcp.save leaves: said so
+    with pytest.raises(tdcp.CheckpointFormatError, match="plain torch.distributed.checkpoint.save"):
         tdcp.verify(str(foreign))
 
 

@@ -152,6 +152,26 @@ def test_trainer_load_from_file_imports_what_torchrls_trainer_saved(tmp_path: Pa
 _ATTRS = ["loss_module", "optimizer", "replay_buffer", "target_net_updater", "collector"]
 
 
+def test_load_from_file_of_a_torchrl_checkpoint_names_what_it_leaves_as_it_is(tmp_path: Path) -> None:
+    """torchrl's checkpoint holds no state for the hooks we register ourselves (a ``RewardNormalizer`` registered
+    through ``register_op`` only): the import left it fresh without a word, and training went on differently."""
+    from torchrl.trainers import RewardNormalizer
+
+    def with_normalizer(kind: str, directory: Path, **kw: Any) -> tuple[Any, RewardNormalizer]:
+        trainer = build(kind, directory, **kw)[0]
+        hook = RewardNormalizer(decay=0.9)
+        trainer.register_op("batch_process", hook.update_reward_stats)
+        trainer.register_op("process_optim_batch", hook.normalize_reward)
+        return trainer, hook
+
+    theirs, _ = with_normalizer("iql", tmp_path / "theirs", torchrl_checkpoint=True)
+    theirs.train()
+    ours, hook = with_normalizer("iql", tmp_path / "ours")
+    with pytest.warns(tdcp.InexactResumeWarning, match=r"holds no state for .*trainer_op.RewardNormalizer.*keep their"):
+        ours.load_from_file(theirs.checkpoint_rotation.latest())
+    assert hook.state_dict()["_reward_stats"].get("count") is None  # (what the warning says: kept as it was)
+
+
 def test_trainer_load_from_file_says_what_is_wrong_with_a_damaged_checkpoint(tmp_path: Path) -> None:
     trainer, _, _ = build("iql", tmp_path / "run")
     trainer.train()

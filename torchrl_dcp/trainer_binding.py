@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from typing import Any
 
 from torchrl_dcp.adapters.trainer import OP_HOOK_PREFIX
-from torchrl_dcp.errors import CheckpointError
+from torchrl_dcp.errors import CheckpointError, InexactResumeWarning
 from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.torchrl_format.detect import is_torchrl_checkpoint, read_torchrl_manifest
 
@@ -186,6 +187,7 @@ def bind_trainer_load(trainer: Any, ckpt: Any) -> None:
             options["components"] = [  # (nor the hooks we register ourselves: torchrl saves none of them)
                 n for n in ckpt.components if n in saved or (n != "rng" and not ckpt._components[n].optional)
             ]
+            _warn_kept(file, [n for n in ckpt.components if n not in options["components"]])
         result = ckpt.load(file, **options)
         update = getattr(getattr(trainer, "collector", None), "update_policy_weights_", None)
         if "policy" in result.loaded and callable(update):
@@ -201,6 +203,19 @@ def bind_trainer_load(trainer: Any, ckpt: Any) -> None:
     load_from_file._tdcp_bound = True  # type: ignore[attr-defined]
     load_from_file.__doc__ = original.__doc__
     trainer.load_from_file = load_from_file
+
+
+def _warn_kept(file: Any, names: list[str]) -> None:
+    """Say which components a ``torchrl.checkpoint`` import leaves as they are (the hooks we register ourselves,
+    our ``rng`` streams): training after it does not continue exactly as the run that saved it would have."""
+    if names:
+        warnings.warn(
+            f"{file}: a torchrl.checkpoint checkpoint holds no state for {', '.join(names)}: they keep their current "
+            "state, so training does not continue exactly as the run that saved it (save with torchrl_dcp to "
+            "resume them too)",
+            InexactResumeWarning,
+            stacklevel=3,
+        )
 
 
 def _frames(trainer: Any) -> int | None:

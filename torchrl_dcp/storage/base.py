@@ -65,6 +65,23 @@ if TYPE_CHECKING:  # annotations only: the location layer imports no torch (torc
 EntryKind = Literal["checkpoint", "archive", "other"]
 
 
+def no_manifest(has_dcp_metadata: bool) -> str:
+    """What a location without ``manifest.json`` is, said alike by every backend: one holding DCP's ``.metadata``
+    was written by a plain ``dcp.save`` (or is one of ours that lost its manifest).
+
+    Example:
+        >>> no_manifest(False)
+        'no manifest.json: not a torchrl_dcp checkpoint, or a save that never committed'
+    """
+    if has_dcp_metadata:
+        return (
+            "no manifest.json, but DCP's .metadata: a checkpoint written by a plain torch.distributed.checkpoint.save "
+            "(read it with torch.distributed.checkpoint.load, then save it with torchrl_dcp: docs/from_dcp.md), "
+            "or one of ours whose manifest was removed"
+        )
+    return "no manifest.json: not a torchrl_dcp checkpoint, or a save that never committed"
+
+
 @dataclass(frozen=True)
 class ByteRange:
     """Where one data file's bytes are: ``[base, base + size)`` of the real file ``path``; ``where`` names it."""

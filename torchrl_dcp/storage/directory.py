@@ -62,6 +62,7 @@ from torchrl_dcp.storage.base import (
     WriteOutcome,
     check_listing,
     files_to_check,
+    no_manifest,
 )
 from torchrl_dcp.storage.commit import (
     DestinationLock,
@@ -105,9 +106,8 @@ class DirectoryContainer(ManifestParts):
                 data = read_whole(file, MAX_MANIFEST_BYTES, file)
             except CheckpointIntegrityError as err:
                 why = "" if not os.path.lexists(file) else f" ({MANIFEST} {err.message})"
-                raise CheckpointFormatError(
-                    f"no {MANIFEST}: not a torchrl_dcp checkpoint, or a save that never committed{why}", path=self.path
-                ) from None
+                dcp_metadata = os.path.isfile(self.path / DCP_METADATA)
+                raise CheckpointFormatError(no_manifest(dcp_metadata) + why, path=self.path) from None
             self._root_bytes, self._root_read = data, True  # (kept before the parse: a damaged one is told apart)
             self._manifest = schema.loads_manifest(data, file)
         return self._manifest

@@ -44,9 +44,9 @@ from torchrl_dcp.errors import (
 )
 from torchrl_dcp.format import manifest as schema
 from torchrl_dcp.format.checksums import checksum_mismatch, crc32, crc32_combine, format_crc
-from torchrl_dcp.format.layout import MANIFEST, MAX_MANIFEST_BYTES, TRAILER_SIZE, is_plain_name
+from torchrl_dcp.format.layout import DCP_METADATA, MANIFEST, MAX_MANIFEST_BYTES, TRAILER_SIZE, is_plain_name
 from torchrl_dcp.settings import setting
-from torchrl_dcp.storage.base import ByteRange, ManifestParts, check_listing, files_to_check
+from torchrl_dcp.storage.base import ByteRange, ManifestParts, check_listing, files_to_check, no_manifest
 from torchrl_dcp.storage.urls import StorePath, store_error
 
 READ_PIECE = 8 << 20  # bytes per ranged read when checksumming or downloading
@@ -388,9 +388,7 @@ class ObjectStoreContainer(ManifestParts):
                         "killed: the next save here removes what it left)",
                         path=self.path,
                     )
-                raise CheckpointFormatError(
-                    f"no {MANIFEST}: not a torchrl_dcp checkpoint, or a save that never committed", path=self.path
-                )
+                raise CheckpointFormatError(no_manifest((self.path / DCP_METADATA).is_file()), path=self.path)
             if len(data) > MAX_MANIFEST_BYTES:
                 raise CheckpointFormatError(
                     f"is implausibly large (over {MAX_MANIFEST_BYTES} bytes expected at most)", path=file
