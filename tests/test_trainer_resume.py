@@ -568,6 +568,44 @@ def test_a_users_hook_whose_state_starts_empty_is_resumed_in_its_own_slot(tmp_pa
     assert [h.seen for h in restored] == [h.seen for h in saved]
 
 
+def test_a_users_hook_holding_state_without_a_state_dict_is_refused_by_name_as_register_module_refuses_it(
+    tmp_path: Path,
+) -> None:
+    """A ``TrainerHookBase`` of the user's that counts but inherits torchrl's abstract ``state_dict``
+    (``NotImplementedError``), given to ``register_op``: the op scan took it for a hook keeping no state and skipped
+    it, so its count restarted at a resume, silently (``register_module`` refused the same hook by name)."""
+    from torchrl.trainers import TrainerHookBase
+
+    class EveryBatch(TrainerHookBase):
+        def __init__(self) -> None:
+            self.count = 0
+
+        def __call__(self, batch: Any) -> Any:
+            self.count += 1
+            return batch
+
+        def register(self, trainer: Any, name: str = "every_batch") -> None:
+            trainer.register_op("batch_process", self)
+
+    class Stateless(TrainerHookBase):  # holds nothing: still no component (nothing to lose)
+        def __call__(self, batch: Any) -> Any:
+            return batch
+
+        def register(self, trainer: Any, name: str = "stateless") -> None:
+            trainer.register_op("batch_process", self)
+
+    def hooks(trainer: Any) -> None:
+        EveryBatch().register(trainer)
+        Stateless().register(trainer)
+
+    trainer, _ = _sac_trainer(tmp_path, 32, hooks)
+    assert "trainer_op.Stateless" not in trainer.checkpoint.components
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(tdcp.EncodingError, match=r"'trainer_op.EveryBatch'.*state_dict is not implemented"):
+            trainer.train()
+
+
 class _CountingOp:
     """A user's op that is no ``TrainerHookBase``: a callable object with a ``state_dict`` of its own."""
 

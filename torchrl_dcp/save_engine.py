@@ -198,10 +198,13 @@ def _encode_item(item: EncodeItem, rank: int, out: Encoded, shared: dict[tuple[A
     except (CheckpointError, Warning):  # (a warning turned into an error is the caller's choice: raised as is)
         raise
     except Exception as err:  # the object's own code (its state_dict, ...) failed: say whose, and what to do
+        why = f"{type(err).__name__}: {err}"
+        if isinstance(err, NotImplementedError) and not str(err):  # (a base class's abstract state_dict)
+            why = "its state_dict is not implemented (NotImplementedError); write state_dict and load_state_dict"
         raise EncodingError(
             f"component {item.name!r} ({type(item.value).__name__}, adapter {item.adapter.adapter_id}) could not "
-            f"give its state: {type(err).__name__}: {err}; fix the object, or register it with an adapter that "
-            "can save it (register(name, obj, adapter=...))"
+            f"give its state: {why}; fix the object, or register it with an adapter that can save it "
+            "(register(name, obj, adapter=...))"
         ) from err
     skeleton, tensors = encode_value(state, where=item.name, shared=shared)
     if repeated := item.adapter.refused_repeats(skeleton):

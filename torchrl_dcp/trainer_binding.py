@@ -136,7 +136,11 @@ def _state_holder(owner: Any, trainer: Any, called: bool = False) -> Any:
         return owner if state or not type(owner).__module__.startswith("torchrl.") else None
     except NotImplementedError:  # (torchrl's base class: a hook that keeps no state, or whose state is what it wraps)
         attr = WRAPPING_HOOKS.get(type(owner).__name__)
-        return getattr(owner, attr, None) if attr is not None else None
+        if attr is not None:
+            return getattr(owner, attr, None)
+        # a user's hook that holds attributes but wrote no state_dict: registered, so that a save refuses it by name
+        # (as ``register_module`` does), where skipping it restarted its state at a resume, silently
+        return owner if not type(owner).__module__.startswith("torchrl.") and vars(owner) else None
     except Exception:  # noqa: BLE001 - a hook whose state_dict fails: registered, so that a save says why
         return owner
 
