@@ -219,6 +219,29 @@ def test_forged_nan_bits_are_a_format_error(bits) -> None:
         decode({"t": "float", "v": "nan", "bits": bits}, {})
 
 
+@pytest.mark.parametrize(
+    ("dtype", "words"),
+    [("float32", [0x7F800001]), ("float32", [0xFFC01234]), ("float16", [0x7C01]), ("complex64", [0x7FC01234, 0xFF800001])],
+)
+def test_a_narrow_numpy_nan_scalar_keeps_its_bits(dtype: str, words: list[int]) -> None:
+    """A float32 signalling NaN scalar came back quiet (its Python float is a float64: the conversion sets the
+    quiet bit); a complex64's NaN part too."""
+    raw = np.array(words, dtype=np.uint16 if dtype == "float16" else np.uint32).tobytes()
+    value = np.frombuffer(raw, dtype=dtype)[0]
+    (out, _) = roundtrip({"x": value})
+    assert type(out["x"]) is type(value) and out["x"].tobytes() == raw
+
+
+@pytest.mark.parametrize("bits", ["zz", "0000803f", "0100807f00", 7, "01008"])
+def test_forged_numpy_nan_bits_are_a_format_error(bits: object) -> None:
+    """Bits that are not hex of the dtype's size, or that spell a number, where the value says NaN: refused."""
+    node = {"t": "np", "dtype": "<f4", "v": {"t": "float", "v": "nan"}, "bits": bits}
+    with pytest.raises(CheckpointFormatError, match="NaN bits"):
+        decode(node, {})
+    with pytest.raises(CheckpointFormatError, match="NaN bits"):  # a NaN's bits on a number
+        decode({"t": "np", "dtype": "<f4", "v": 1.0, "bits": "0100807f"}, {})
+
+
 def test_pure_paths_keep_their_flavour() -> None:
     from pathlib import PurePosixPath, PureWindowsPath
 

@@ -216,7 +216,11 @@ class _Encoder:
                 raise self.fail(path, value, f" (numpy scalar of dtype {value.dtype}: no exact Python value)")
             if isinstance(item, complex):
                 item = [item.real, item.imag]
-            return {"t": "np", "dtype": value.dtype.str, "v": self.encode(item, path, depth)}
+            node = {"t": "np", "dtype": value.dtype.str, "v": self.encode(item, path, depth)}
+            part = value.dtype.itemsize // (2 if value.dtype.kind == "c" else 1)  # (a float64 part keeps its bits)
+            if value.dtype.kind in "fc" and part != 8 and np.isnan(value):
+                node["bits"] = value.tobytes().hex()  # (its Python float quiets a float32 signalling NaN)
+            return node
         if isinstance(value, complex):
             return {"t": "complex", "v": [self.encode(value.real, path, depth), self.encode(value.imag, path, depth)]}
         if isinstance(value, (bytes, bytearray)):
@@ -626,7 +630,18 @@ def _decode_np_scalar(node: dict[str, Any], tensors: Mapping[str, Any], depth: i
         item = complex(*item)
     if not isinstance(item, (bool, int, float, complex)):
         raise CheckpointFormatError(f"numpy scalar of dtype {dtype.str!r} holds {type(item).__name__}")
-    return dtype.type(item)
+    bits = node.get("bits")
+    if bits is None:
+        return dtype.type(item)
+    # a NaN of a narrower float (sign, payload, signalling bit) as saved; only where its Python value is a NaN too
+    try:
+        raw = bytes.fromhex(bits) if isinstance(bits, str) and len(bits) == 2 * dtype.itemsize else None
+    except ValueError:
+        raw = None
+    value = np.frombuffer(raw, dtype=dtype)[0] if raw is not None and dtype.kind in "fc" else None
+    if value is None or not np.isnan(value) or not np.isnan(dtype.type(item)):
+        raise CheckpointFormatError(f"malformed NaN bits {bits!r} of a numpy scalar of dtype {dtype.str!r}")
+    return value
 
 
 def _decode_bytes(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
