@@ -221,7 +221,12 @@ def test_forged_nan_bits_are_a_format_error(bits) -> None:
 
 @pytest.mark.parametrize(
     ("dtype", "words"),
-    [("float32", [0x7F800001]), ("float32", [0xFFC01234]), ("float16", [0x7C01]), ("complex64", [0x7FC01234, 0xFF800001])],
+    [
+        ("float32", [0x7F800001]),
+        ("float32", [0xFFC01234]),
+        ("float16", [0x7C01]),
+        ("complex64", [0x7FC01234, 0xFF800001]),
+    ],
 )
 def test_a_narrow_numpy_nan_scalar_keeps_its_bits(dtype: str, words: list[int]) -> None:
     """A float32 signalling NaN scalar came back quiet (its Python float is a float64: the conversion sets the

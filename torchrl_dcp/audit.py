@@ -252,8 +252,9 @@ def _tensor_fingerprint(t: Any) -> str:
 
 
 def _tensordict_children(obj: Any, path: str) -> Iterable[tuple[Any, str, Any]]:
-    """A TensorDict's batch size and leaves; a lazy stack's parts (a ragged one cannot stack its entries)."""
+    """A TensorDict's batch size, device and leaves; a lazy stack's parts (a ragged one cannot stack its entries)."""
     yield "batch_size", f"{path}.batch_size", obj.batch_size
+    yield "device", f"{path}.device", obj.device
     parts = getattr(obj, "tensordicts", None)
     if isinstance(parts, list):
         yield "stack_dim", f"{path}.stack_dim", getattr(obj, "stack_dim", None)

@@ -40,8 +40,8 @@ def tensordict_state(td: TensorDictBase) -> dict[str, Any]:
         elif _is_non_tensor(value):
             if _is_stack(value):  # one value per element (``get_non_tensor`` gives the list of them)
                 entries[key] = {"stack": _stack_state(value)}
-            else:
-                entries[key] = {"value": td.get_non_tensor(key)}
+            else:  # (its data itself: ``get_non_tensor`` gives a list of ``None`` per element for a ``None``)
+                entries[key] = {"value": value.data}
         else:
             entries[key] = {"tensor": value}
     out = {
@@ -364,6 +364,8 @@ def _restore_into(obj: TensorDictBase, new: TensorDictBase, name: str) -> None:
                 del obj[key]
             obj.batch_size = new.batch_size
         obj.update(new)
+        if obj.device != new.device:  # (update merges entries, never the device: set as saved, its entries are)
+            obj._device = new.device
     if names is not None and obj._maybe_names() != names:
         obj.names = names
 
