@@ -419,3 +419,32 @@ def test_an_async_save_that_failed_unreported_is_said_at_exit(tmp_path: Path) ->
     assert "the async save of step 3" in said["unreported"] and "No space left on device" in said["unreported"]
     assert "rotation.close()" in said["unreported"] and "the async save" not in said["waited"], said
     assert not (tmp_path / "unreported" / "step-3").exists()
+
+
+def test_two_checkpoints_of_one_process_saving_into_one_rotation_commit_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No process group: checkpoint A's async save of step 1 was still in flight when checkpoint B saved step 2
+    into the same rotation. B's save did not wait for A's (only checkpoints of one group did), both took commit
+    sequence 1, step 1 committed last and counted as the newest, and ``keep_last=1`` deleted step 2."""
+    from torchrl_dcp.storage import directory
+
+    release = threading.Event()
+    real_publish = directory.publish
+
+    def slow_first(staging: Any, destination: Any, **kwargs: Any) -> Any:
+        if Path(destination).name.endswith("1"):
+            release.wait(timeout=30)  # step 1 commits once the main thread moved on (or has waited for it)
+        return real_publish(staging, destination, **kwargs)
+
+    monkeypatch.setattr(directory, "publish", slow_first)
+    first = tdcp.DistributedCheckpoint(no_dist=True, a={"w": torch.ones(8)})
+    second = tdcp.DistributedCheckpoint(no_dist=True, b={"w": torch.zeros(8)})
+    rotation = tdcp.CheckpointRotation(tmp_path, every_steps=1, async_saves=True, keep_last=1)
+    rotation.maybe_save(first, 1)
+    threading.Timer(0.5, release.set).start()
+    rotation.maybe_save(second, 2)
+    for c in (rotation, first, second):
+        c.close()
+    assert [(e.step, e.sequence) for e in rotation.entries()] == [(2, 2)]
+    assert rotation.latest() == tmp_path / "step-000000000002"
