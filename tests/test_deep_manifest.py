@@ -142,3 +142,21 @@ def test_deep_nesting_anywhere_is_refused_by_every_reader(
             tdcp.DistributedCheckpoint(**_state()).load(archive)
         with pytest.raises(tdcp.CheckpointError):
             tdcp.verify(archive)
+
+
+def test_metadata_nested_deeper_than_a_load_reads_is_refused_at_save_and_keeps_the_checkpoint(tmp_path: Path) -> None:
+    """Metadata nested 256 levels was saved (replacing the checkpoint at its path), and every load refused the
+    manifest as nested too deeply: a save never writes what every load refuses. 255 levels load."""
+
+    def nested(levels: int) -> Any:
+        value: Any = 1
+        for i in range(levels):
+            value = {"a": value} if i % 2 else [value]
+        return value
+
+    ckpt = tdcp.DistributedCheckpoint(no_dist=True, a={"x": torch.ones(2)})
+    path = ckpt.save(tmp_path / "c", metadata={"m": nested(254)})
+    assert tdcp.read_manifest(path)["metadata"]["m"] == nested(254)
+    with pytest.raises(tdcp.EncodingError, match="nested more than 255 levels deep"):
+        ckpt.save(tmp_path / "c", metadata={"m": nested(255)})
+    assert tdcp.read_manifest(path)["metadata"]["m"] == nested(254)  # the checkpoint there is kept

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchrl_dcp.errors import EncodingError
+from torchrl_dcp.format.manifest_depth import MAX_DEPTH
 
 __all__ = ["metadata_values", "plain_scalars"]
 
@@ -34,10 +35,13 @@ def _scalar(value: Any) -> Any:
 def plain_scalars(value: Any, _path: tuple[int, ...] = ()) -> Any:
     """``value`` with every NumPy scalar and 0-d tensor replaced by its Python number (see the module docstring).
 
-    Raises ``ValueError`` when a container holds itself (JSON has no references)."""
+    Raises ``ValueError`` when a container holds itself (JSON has no references), or containers are nested deeper
+    than a manifest may hold them (``metadata`` sits one level below the manifest's root)."""
     if isinstance(value, Mapping) or type(value) in (list, tuple):
         if id(value) in _path:
             raise ValueError("it holds itself (a reference cycle; JSON has no references)")
+        if len(_path) >= MAX_DEPTH - 1:
+            raise ValueError(f"it is nested more than {MAX_DEPTH - 1} levels deep (every load refuses it)")
         inner = (*_path, id(value))
         if isinstance(value, Mapping):
             return {k: plain_scalars(v, inner) for k, v in value.items()}
