@@ -41,6 +41,7 @@ from torchrl_dcp.arguments import (
 from torchrl_dcp.async_save import AsyncSaver, SaveHandle
 from torchrl_dcp.collective import run_agreed
 from torchrl_dcp.errors import TorchrlDcpWarning
+from torchrl_dcp.format.manifest_depth import MAX_DEPTH
 from torchrl_dcp.incremental import share_base
 from torchrl_dcp.json_values import metadata_values
 from torchrl_dcp.load_engine import LoadResult, Strictness
@@ -474,7 +475,8 @@ class DistributedCheckpoint:
             names = self._select(components, self.save_components)
             options = check_component_options(component_options, names, "saved")
             step = check_step(step)  # before anything is written: the manifest records an integer (or null)
-            metadata = metadata_values(metadata)  # (numpy and 0-d tensor scalars as numbers)
+            # (numpy and 0-d tensor scalars as numbers; nested as deep as the manifest holding it may be)
+            metadata = metadata_values(metadata, MAX_DEPTH - 1)
         except Exception as err:
             _refused_on_every_rank(group, err, lambda fail: save_engine.plan(group, fail))
         given = step

@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchrl_dcp.errors import EncodingError
-from torchrl_dcp.format.manifest_depth import MAX_DEPTH
 
 __all__ = ["metadata_values", "plain_scalars"]
 
@@ -32,26 +31,27 @@ def _scalar(value: Any) -> Any:
     return value
 
 
-def plain_scalars(value: Any, _path: tuple[int, ...] = ()) -> Any:
+def plain_scalars(value: Any, _path: tuple[int, ...] = (), max_depth: int | None = None) -> Any:
     """``value`` with every NumPy scalar and 0-d tensor replaced by its Python number (see the module docstring).
 
-    Raises ``ValueError`` when a container holds itself (JSON has no references), or containers are nested deeper
-    than a manifest may hold them (``metadata`` sits one level below the manifest's root)."""
+    Raises ``ValueError`` when a container holds itself (JSON has no references), or containers are nested more
+    than ``max_depth`` levels deep."""
     if isinstance(value, Mapping) or type(value) in (list, tuple):
         if id(value) in _path:
             raise ValueError("it holds itself (a reference cycle; JSON has no references)")
-        if len(_path) >= MAX_DEPTH - 1:
-            raise ValueError(f"it is nested more than {MAX_DEPTH - 1} levels deep (every load refuses it)")
+        if max_depth is not None and len(_path) >= max_depth:
+            raise ValueError(f"it is nested more than {max_depth} levels deep (every load would refuse it)")
         inner = (*_path, id(value))
         if isinstance(value, Mapping):
-            return {k: plain_scalars(v, inner) for k, v in value.items()}
-        return type(value)(plain_scalars(v, inner) for v in value)
+            return {k: plain_scalars(v, inner, max_depth) for k, v in value.items()}
+        return type(value)(plain_scalars(v, inner, max_depth) for v in value)
     return _scalar(value)
 
 
-def metadata_values(metadata: Any) -> dict[str, Any]:
+def metadata_values(metadata: Any, max_depth: int | None = None) -> dict[str, Any]:
     """The ``metadata=`` of a save as a plain dict (scalars converted): ``None`` is ``{}``; anything but a mapping is
-    a ``TypeError``, a mapping that holds itself an :class:`~torchrl_dcp.errors.EncodingError`.
+    a ``TypeError``, a mapping that holds itself (or is nested more than ``max_depth`` levels deep: what the
+    manifest holding it may be) an :class:`~torchrl_dcp.errors.EncodingError`.
 
     Example:
         >>> metadata_values(None), metadata_values({"reward": 1.5})
@@ -65,7 +65,7 @@ def metadata_values(metadata: Any) -> dict[str, Any]:
             "pass metadata={'name': value}"
         )
     try:
-        return plain_scalars(dict(metadata))
+        return plain_scalars(dict(metadata), (), max_depth)
     except (ValueError, RecursionError) as err:
         why = str(err) if isinstance(err, ValueError) else "it is nested too deeply"
         raise EncodingError(f"metadata must be JSON-safe: {why}") from None
