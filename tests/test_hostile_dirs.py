@@ -595,3 +595,33 @@ def test_removing_an_exports_listed_files_never_goes_through_a_link(tmp_path: Pa
     kept = remove_listed(export, {"manifest.json", "components/0000-policy/state.pt"})
     assert kept == ["components"] and (theirs / "state.pt").read_bytes() == b"theirs"  # the link itself, kept
     assert sorted(p.name for p in export.iterdir()) == ["components"]
+
+
+def test_a_save_over_an_archive_says_it_is_one_and_what_to_do(tmp_path: Path) -> None:
+    """A save refused at an archive ``to_archive`` wrote said "exists and is not a torchrl_dcp checkpoint"."""
+    ckpt = tdcp.DistributedCheckpoint(no_dist=True, a={"x": torch.ones(2)})
+    archive = tdcp.to_archive(ckpt.save(tmp_path / "c"), tmp_path / "c.zip")
+    with pytest.raises(tdcp.CheckpointError, match="is a checkpoint archive .*never replaces an archive.*to_directory"):
+        ckpt.save(archive)
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(tdcp.CheckpointError, match="is a file, not a checkpoint directory"):
+        ckpt.save(tmp_path / "notes.txt")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    tdcp.verify(archive)
+
+
+def test_a_save_or_conversion_to_the_working_directory_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``save(".")`` swapped the process's working directory out and removed it: ``os.getcwd()`` failed after it,
+    and ``load(".")`` raised a bare ``FileNotFoundError``."""
+    ckpt = tdcp.DistributedCheckpoint(no_dist=True, a={"x": torch.ones(2)})
+    archive = tdcp.to_archive(ckpt.save(tmp_path / "c"), tmp_path / "c.zip")
+    (tmp_path / "run" / "sub").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "run" / "sub")
+    for attempt in (lambda: ckpt.save("."), lambda: tdcp.to_directory(archive, "."), lambda: ckpt.save("..")):
+        with pytest.raises(tdcp.CheckpointError, match="working directory of this process"):
+            attempt()
+    assert os.getcwd() == str(tmp_path / "run" / "sub") and not os.listdir(".")
+    ckpt.save("ckpt")  # a path inside it: saved
+    tdcp.verify(tmp_path / "run" / "sub" / "ckpt")

@@ -53,9 +53,23 @@ def test_a_committed_save_over_a_read_only_checkpoint_succeeds_and_says_what_it_
             print("|".join(str(w.message) for w in heard if issubclass(w.category, tdcp.TorchrlDcpWarning)))
             """
         )
+        # the leftover is read-only still: the next save used to fail on it ("preparing the staging directory
+        # failed: ... 'manifest.json'"), naming neither the leftover nor what to do; it saves, and names it
+        again = _run_without_permission_bypass(
+            f"""
+            import warnings, torch, torchrl_dcp as tdcp
+            with warnings.catch_warnings(record=True) as heard:
+                warnings.simplefilter("always")
+                tdcp.DistributedCheckpoint(policy=torch.nn.Linear(3, 2), no_dist=True).save({str(path)!r}, step=2)
+            print("|".join(str(w.message) for w in heard if issubclass(w.category, tdcp.TorchrlDcpWarning)))
+            """
+        )
     finally:
         for p in (tmp_path / "run").iterdir():
             p.chmod(0o755)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert ".step-1.tdcp-staging-" in again.stdout and "could not be removed" in again.stdout, again.stdout
+    assert tdcp.read_manifest(path)["step"] == 2
     assert done.returncode == 0, done.stderr[-2000:]
     assert "the save is committed, but the checkpoint it replaced could not be removed" in done.stdout, done.stdout
     assert json.loads((path / "manifest.json").read_text())["save_id"] != old
@@ -92,3 +106,25 @@ def test_a_manifest_that_cannot_be_read_now_is_raised_never_skipped_for_an_older
     assert len(lines) == 3 and all(line.startswith("raised CheckpointError ") for line in lines), done.stdout
     assert all("step-000000000002/manifest.json" in line and "Permission denied" in line for line in lines)
     assert all("check the permissions" in line for line in lines)
+
+
+def test_a_save_over_a_checkpoint_whose_manifest_cannot_be_read_says_so(tmp_path: Path) -> None:
+    """Refused (as it must be: it cannot be proven ours), the save said "exists and is not a torchrl_dcp checkpoint"
+    of a checkpoint whose manifest the process may not read, where a load says "permission denied"."""
+    path = tmp_path / "ckpt"
+    _save(path, 1)
+    (path / "manifest.json").chmod(0o000)
+    try:
+        done = _run_without_permission_bypass(
+            f"""
+            import torch, torchrl_dcp as tdcp
+            try:
+                tdcp.DistributedCheckpoint(policy=torch.nn.Linear(3, 2), no_dist=True).save({str(path)!r}, step=2)
+            except tdcp.CheckpointError as err:
+                print(err)
+            """
+        )
+    finally:
+        (path / "manifest.json").chmod(0o644)
+    assert "holds a checkpoint that cannot be read" in done.stdout and "permission" in done.stdout, done.stdout
+    assert tdcp.read_manifest(path)["step"] == 1

@@ -43,11 +43,17 @@ from torchrl_dcp.storage.commit import (
     publish,
     remove_tree,
     staging_path,
-    stale_entries,
+    sweep_leftovers,
     write_file_durably,
 )
 from torchrl_dcp.storage.copying import CopyRange, copy_ranges
-from torchrl_dcp.storage.directory import DirectoryContainer, foreign_entries, is_replaceable, refuse_inside_checkpoint
+from torchrl_dcp.storage.directory import (
+    DirectoryContainer,
+    foreign_entries,
+    is_replaceable,
+    refuse_inside_checkpoint,
+    refuse_working_directory,
+)
 from torchrl_dcp.storage.files import DirHandle, absent_because, open_regular, read_whole
 from torchrl_dcp.storage.urls import resolve_path
 
@@ -165,12 +171,12 @@ def _converting(what: str, dst: str | os.PathLike, overwrite: bool, into_directo
     """
     destination = local_path(dst)
     refuse_inside_checkpoint(destination)  # (the source's, or another's) before the lock beside it is made
+    refuse_working_directory(destination)
     try:
         destination.parent.mkdir(parents=True, exist_ok=True)
         with DestinationLock(destination):
             _check_replaceable(destination, overwrite, empty_ok=into_directory)
-            for stale in stale_entries(destination):
-                remove_tree(stale)
+            sweep_leftovers(destination)
             yield destination
     except CheckpointError:
         raise

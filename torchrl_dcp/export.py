@@ -36,9 +36,9 @@ from torchrl_dcp.storage.commit import (
     remove_listed,
     remove_tree,
     staging_path,
-    stale_entries,
+    sweep_leftovers,
 )
-from torchrl_dcp.storage.directory import refuse_inside_checkpoint
+from torchrl_dcp.storage.directory import refuse_inside_checkpoint, refuse_working_directory
 
 logger = get_logger(__name__)
 
@@ -132,6 +132,7 @@ def export_torchrl(
     if not any_remote(src):  # (a store's source is read in place: a local destination is never it)
         check_apart(local_path(src), destination)
     refuse_inside_checkpoint(destination)
+    refuse_working_directory(destination)
     meta = dict(manifest["metadata"] if metadata is None else metadata)
     if metadata is None:
         meta.setdefault("step", manifest.get("step"))
@@ -150,8 +151,7 @@ def _write_export(
     try:
         destination.parent.mkdir(parents=True, exist_ok=True)
         with DestinationLock(destination):  # (as a save or conversion: what a killed export left is swept)
-            for stale in stale_entries(destination):
-                _remove_export(stale)
+            sweep_leftovers(destination, _remove_export)
             for temporary in torchrl_temporaries(destination):
                 _remove_temporary(temporary)
             staging, published = staging_path(destination), False

@@ -30,7 +30,7 @@ import time
 import uuid
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torchrl_dcp._log import get_logger
 from torchrl_dcp.errors import CheckpointError, from_os_error
@@ -97,6 +97,27 @@ def stale_entries(destination: Path) -> list[Path]:
         return [p for p in destination.parent.iterdir() if leftover_owner(p.name) == destination.name]
     except (FileNotFoundError, NotADirectoryError):
         return []
+
+
+def sweep_leftovers(destination: Path, remove: Callable[[Path], Any] | None = None) -> None:
+    """Remove what failed or killed saves and conversions to ``destination`` left (:func:`stale_entries`; hold its
+    :class:`DestinationLock`), with ``remove`` (:func:`remove_tree`). One that cannot be removed (a read-only
+    checkpoint a commit replaced, left beside it) is kept with a warning naming it: it never fails the save or
+    conversion, which writes beside it under a name of its own."""
+    import warnings
+
+    from torchrl_dcp.errors import TorchrlDcpWarning
+
+    for stale in stale_entries(destination):
+        try:
+            (remove or remove_tree)(stale)
+        except OSError as err:
+            warnings.warn(
+                f"{destination}: {stale.name}, left by an earlier save or conversion to this path, could not be removed "
+                f"({type(err).__name__}: {err}); it is left as it is: remove it by hand (check its permissions)",
+                TorchrlDcpWarning,
+                stacklevel=3,
+            )
 
 
 def lock_path(destination: Path) -> Path:

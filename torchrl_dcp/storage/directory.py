@@ -71,7 +71,7 @@ from torchrl_dcp.storage.commit import (
     remove_entry,
     remove_tree,
     staging_path,
-    stale_entries,
+    sweep_leftovers,
     sweep_stale_locks,
     write_file_durably,
 )
@@ -174,15 +174,32 @@ class DirectoryContainer(ManifestParts):
         return ByteRange(str(self.path / name), 0, rec["size"], str(self.path / name))
 
 
+def refuse_working_directory(destination: Path) -> None:
+    """Refuse to replace the process's working directory, or a directory holding it: a save or conversion replaces
+    its destination whole, and the process would be left in a removed directory (where ``load(".")`` finds
+    nothing)."""
+    try:
+        resolved, cwd = destination.resolve(), Path.cwd().resolve()
+    except (OSError, RuntimeError):  # (a link loop, a removed working directory: left to the checks that open it)
+        return
+    if resolved == cwd or resolved in cwd.parents:
+        raise CheckpointError(
+            f"is {'the' if resolved == cwd else 'a directory holding the'} working directory of this process ({cwd}): "
+            "a save or conversion replaces its destination whole and would leave the process in a removed "
+            "directory; choose a path inside it (e.g. ./ckpt)",
+            path=destination,
+        )
+
+
 def refuse_inside_checkpoint(destination: Path) -> None:
     """Refuse a destination inside a checkpoint directory: whatever a save or conversion writes there (its lock and
     staging entries first) is an entry the checkpoint's manifest does not list, and that checkpoint would no longer
     load. Only the ancestors holding a ``manifest.json`` are read (none, usually)."""
     try:
-        parents = destination.resolve().parents
+        resolved = destination.resolve()
     except (OSError, RuntimeError):  # (a link loop: left to the checks that open it)
         return
-    for parent in parents:
+    for parent in resolved.parents:
         if not (parent / MANIFEST).is_file():
             continue
         try:
@@ -257,6 +274,8 @@ def _not_replaced(destination: Path) -> str:
         except CheckpointError as err:
             if container.root_damaged(err):
                 return f"is a damaged checkpoint ({err}); refusing to replace it: {_not_ours_because(destination)}"
+            if os.path.lexists(destination / MANIFEST) and not isinstance(err, CheckpointFormatError):
+                return f"holds a checkpoint that cannot be read ({err.message}); refusing to replace it"
         else:
             return (
                 f"holds entries a checkpoint never holds ({foreign_entries(destination, listed)[:5]}); refusing to "
@@ -273,6 +292,17 @@ def _not_replaced(destination: Path) -> str:
             "it); refusing to replace it: move it elsewhere, then save again (a rotation saves each step at its own "
             "path: move that step's)"
         )
+    if _kind(destination) == "archive":
+        try:
+            ArchiveLocation(destination).manifest()
+        except (CheckpointError, OSError):
+            pass
+        else:
+            return (
+                "is a checkpoint archive (one file, as to_archive writes it): a save writes a directory and never "
+                "replaces an archive; save to another path, or unpack it first with to_directory"
+            )
+        return "is a file, not a checkpoint directory; refusing to replace it (choose another path)"
     return "exists and is not a torchrl_dcp checkpoint; refusing to replace it (choose another path)"
 
 
@@ -436,13 +466,13 @@ class DirectoryLocation(Location):
     def prepare_save(self, save_id: str) -> SaveTarget:
         destination = self.path
         refuse_inside_checkpoint(destination)  # before the lock and staging entries beside it are made
+        refuse_working_directory(destination)
         destination.parent.mkdir(parents=True, exist_ok=True)
         lock = DestinationLock(destination).acquire()
         try:
             if (destination.exists() or destination.is_symlink()) and not is_replaceable(destination):
                 raise CheckpointError(_not_replaced(destination), path=destination)
-            for stale in stale_entries(destination):
-                remove_tree(stale)
+            sweep_leftovers(destination)
             staging = staging_path(destination)
             staging.mkdir(mode=0o755)
             target = DirectorySaveTarget(destination, staging, lock)
