@@ -170,6 +170,23 @@ BAD_ROTATIONS = [
 ]
 
 
+def test_numpy_integers_computed_by_training_code_are_taken_as_rotation_settings(tmp_path: Path) -> None:
+    """``CheckpointRotation(every_steps=np.int64(3))`` was refused ("must be a positive integer"), where a NumPy
+    step is taken; floats and bools still are refused."""
+    import numpy as np
+
+    rotation = tdcp.CheckpointRotation(
+        tmp_path, every_steps=np.int64(3), keep_last=np.int32(2), keep_best=("r", "max", np.int64(2))
+    )
+    assert (rotation.schedule.every_steps, rotation.keep_last) == (3, 2) and type(rotation.keep_last) is int
+    assert type(rotation.schedule.every_steps) is int and rotation.retention.keep_best == ("r", "max", 2)
+    tier = tdcp.LocalTier(tmp_path / "tier", every_steps=np.int64(4), keep_last=np.uint8(1), replicas=np.int64(0))
+    assert (tier.every_steps, tier.keep_last, tier.replicas) == (4, 1, 0) and type(tier.every_steps) is int
+    for bad in (np.float64(3.0), np.bool_(True), 2.0):
+        with pytest.raises(ValueError, match="every_steps must be a positive integer"):
+            tdcp.CheckpointRotation(tmp_path, every_steps=bad)
+
+
 @pytest.mark.parametrize("options, error, message", BAD_CHECKPOINTS, ids=[str(o) for o, _, _ in BAD_CHECKPOINTS])
 def test_checkpoint_config_validation(options: dict[str, Any], error: type, message: str) -> None:
     with pytest.raises(error, match=f"^DistributedCheckpointConfig: {re.escape(message)}"):

@@ -73,7 +73,7 @@ from torchrl_dcp.local_records import (
     write_record,
 )
 from torchrl_dcp.peer_copy import exchange_entries
-from torchrl_dcp.save_policy import SaveSchedule
+from torchrl_dcp.save_policy import SaveSchedule, as_integer
 from torchrl_dcp.storage.commit import remove_entry, sweep_stale_locks
 from torchrl_dcp.storage.directory import (
     DirectoryContainer,
@@ -156,8 +156,10 @@ class LocalTier:
             ("keep_last", keep_last, 1),
             ("replicas", replicas, 0),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            number = as_integer(value)
+            if number is None or number < least:
                 raise ValueError(f"LocalTier {name} must be an integer of at least {least}, got {value!r}")
+        every_steps, keep_last, replicas = (as_integer(v) for v in (every_steps, keep_last, replicas))
         self.path = local_path(path)
         if str(self.path).startswith(("s3:", "gs:", "az:")) or "://" in os.fspath(path):
             raise ValueError(f"LocalTier needs a directory on the node's own storage, got {os.fspath(path)!r}")

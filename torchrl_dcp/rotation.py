@@ -169,7 +169,8 @@ class CheckpointRotation:
         storage_options: Mapping[str, Any] | None = None,
         local: Any = None,
     ) -> None:
-        Retention(keep_last, keep_every, parse_keep_best(keep_best))  # checks the arguments
+        checked = Retention(keep_last, keep_every, parse_keep_best(keep_best))  # checks the arguments (as ints)
+        keep_last, keep_every = checked.keep_last, checked.keep_every
         if local is not None:
             from torchrl_dcp.local_tier import LocalTier
 

@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,12 +43,24 @@ class Entry(Protocol):
     def commit_key(self) -> tuple[int, float, int]: ...
 
 
+def as_integer(value: Any) -> int | None:
+    """``value`` as an ``int`` when it is an integer (a NumPy integer or 0-d integer tensor, computed by training
+    code, too); ``None`` for anything else (a bool, a float)."""
+    if isinstance(value, bool) or "bool" in type(value).__name__:
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def _positive_int(value: Any, name: str) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    number = as_integer(value)
+    if number is None or number < 1:
         raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-    return value
+    return number
 
 
 def parse_keep_best(value: Any) -> KeepBest | None:
@@ -64,9 +77,10 @@ def parse_keep_best(value: Any) -> KeepBest | None:
         count = value[2] if len(value) == 3 else 1
         if mode not in ("max", "min"):
             raise ValueError(f"keep_best mode must be 'max' or 'min', got {mode!r}")
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        number = as_integer(count)
+        if number is None or number < 1:
             raise ValueError(f"keep_best count must be a positive integer, got {count!r}")
-        return (value[0], mode, count)
+        return (value[0], mode, number)
     raise ValueError(f"keep_best must be (metadata_key, 'max' | 'min'[, count]), got {value!r}")
 
 
@@ -78,7 +92,7 @@ class SaveSchedule:
     every_seconds: float | None = None
 
     def __post_init__(self) -> None:
-        _positive_int(self.every_steps, "every_steps")
+        object.__setattr__(self, "every_steps", _positive_int(self.every_steps, "every_steps"))  # (an int)
         seconds = self.every_seconds
         if seconds is not None and (
             isinstance(seconds, bool)
@@ -111,8 +125,8 @@ class Retention:
     keep_best: KeepBest | None = None
 
     def __post_init__(self) -> None:
-        _positive_int(self.keep_last, "keep_last")
-        _positive_int(self.keep_every, "keep_every")
+        object.__setattr__(self, "keep_last", _positive_int(self.keep_last, "keep_last"))  # (ints)
+        object.__setattr__(self, "keep_every", _positive_int(self.keep_every, "keep_every"))
 
     def best(self, entries: Iterable[Entry]) -> list[Entry]:
         """The ``keep_best`` entries, best first (equal metrics: the newest commit first)."""
