@@ -420,3 +420,17 @@ def test_sets_encode_alike_in_every_process_whatever_the_hash_seed() -> None:
         for seed in (1, 2, 3)
     }
     assert len(outputs) == 1, outputs
+
+
+def test_a_nested_or_quantized_tensor_is_refused_with_advice_that_works() -> None:
+    """A jagged nested tensor was told to use ``.to_sparse_coo()`` or ``.to_dense()``: both raise on it."""
+    parts = [torch.randn(2, 3), torch.randn(4, 3)]
+    for layout in (torch.jagged, torch.strided):
+        nested = torch.nested.nested_tensor(parts, layout=layout)
+        with pytest.raises(EncodingError, match=r"a nested tensor: save its components, value.unbind\(\), as a list"):
+            encode({"nt": nested})
+        (out, _) = roundtrip({"nt": list(nested.unbind())})  # what it says works
+        assert all(torch.equal(a, b) for a, b in zip(out["nt"], parts))
+    q = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    with pytest.raises(EncodingError, match=r"quantized tensor: save value.dequantize\(\)"):
+        encode({"q": q})

@@ -255,12 +255,18 @@ class _Encoder:
             inner = f"{path}/" if path else ""
             parts = self._tensor(indices, f"{inner}indices", False), self._tensor(values, f"{inner}values", False)
             return sparse_node(value, *parts)
+        if value.is_nested:  # (jagged or strided: neither converts to a dense or a sparse tensor)
+            raise self.fail(path, value, " (a nested tensor: save its components, value.unbind(), as a list)")
         if value.is_sparse or value.layout != torch.strided:
             raise self.fail(path, value, f" (layout {value.layout}: convert it with .to_sparse_coo() or .to_dense())")
         if value.is_meta:
             raise self.fail(path, value, " (on the meta device: it holds no data; initialise it before saving)")
-        if value.is_quantized or value.is_nested:
-            raise self.fail(path, value, " (quantized or nested tensor)")
+        if value.is_quantized:
+            raise self.fail(
+                path,
+                value,
+                " (a quantized tensor: save value.dequantize(), or value.int_repr() with its quantization parameters)",
+            )
         if value.dtype in _REFUSED_DTYPES:
             raise self.fail(path, value, f" (dtype {value.dtype}, which torchrl_dcp does not save)")
         ident = tensor_identity(value) if share else None
