@@ -434,3 +434,87 @@ def test_a_nested_or_quantized_tensor_is_refused_with_advice_that_works() -> Non
     q = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
     with pytest.raises(EncodingError, match=r"quantized tensor: save value.dequantize\(\)"):
         encode({"q": q})
+
+
+class _Phase(__import__("enum").IntEnum):
+    WARMUP = 1
+    TRAIN = 2
+
+
+class _Mode(str, __import__("enum").Enum):
+    EXPLORE = "explore"
+
+
+class _Color(__import__("enum").Enum):
+    RED = (1, "r")
+
+
+def test_enum_members_keep_their_class_and_subclasses_of_int_or_str_are_refused() -> None:
+    """An ``IntEnum`` or ``str`` Enum member came back as a plain int or str (``is Phase.TRAIN`` false, ``.name``
+    gone), as dict keys too; a user's subclass of int was saved as an int where one of float was refused."""
+    import enum
+
+    value = {"phase": _Phase.TRAIN, "mode": _Mode.EXPLORE, "color": _Color.RED, _Phase.WARMUP: [_Mode.EXPLORE]}
+    (out, _) = roundtrip(value)
+    assert out["phase"] is _Phase.TRAIN and out["mode"] is _Mode.EXPLORE and out["color"] is _Color.RED
+    assert out[_Phase.WARMUP] == [_Mode.EXPLORE] and type(next(iter(k for k in out if k == 1))) is _Phase
+
+    class MyInt(int):
+        pass
+
+    with pytest.raises(EncodingError, match="a subclass of int"):
+        encode({"n": MyInt(3)})
+
+    class Local(enum.Enum):
+        A = 1
+
+    with pytest.raises(EncodingError, match="defined inside a function"):
+        encode({"e": Local.A})
+    flags = enum.IntFlag("Flags", "A B")
+    with pytest.raises(EncodingError, match="combination of flags"):
+        encode({"f": flags.A | flags.B})
+
+
+@pytest.mark.parametrize(
+    ("node", "why"),
+    [
+        ({"t": "enum", "cls": "os:system", "name": "x"}, "there is none of that name"),
+        ({"t": "enum", "cls": "surely_not_imported_module:E", "name": "A"}, "not imported: import surely_not"),
+        ({"t": "enum", "cls": f"{__name__}:_Phase", "name": "EVAL"}, "has no member 'EVAL'"),
+        ({"t": "enum", "cls": f"{__name__}:_Phase.__class__", "name": "A"}, "there is none"),
+        ({"t": "enum", "cls": 7, "name": "A"}, "malformed enum"),
+        ({"t": "deque", "items": [1, 2, 3], "maxlen": 2}, "malformed deque"),
+        ({"t": "deque", "items": [], "maxlen": -1}, "malformed deque"),
+        ({"t": "deque", "items": [], "maxlen": True}, "malformed deque"),
+    ],
+)
+def test_forged_enum_and_deque_entries_are_refused_without_importing_anything(node: dict, why: str) -> None:
+    import sys
+
+    with pytest.raises(CheckpointFormatError, match=why):
+        decode(node, {})
+    assert "surely_not_imported_module" not in sys.modules
+
+
+def test_a_deque_keeps_its_maxlen_in_any_component(tmp_path: Path) -> None:
+    """A ``deque(maxlen=3)`` in a dict component came back as a list (its window grew without bound after a resume,
+    silently), and a ``Counter`` as a dict (``c["new"] += 1`` raised ``KeyError``); through an object's
+    ``state_dict`` the deque was refused."""
+    from collections import Counter, deque
+
+    import torchrl_dcp as tdcp
+
+    state = {"recent": deque([1.0, 2.0, 3.0], maxlen=3), "counts": Counter(left=3), "open": deque([torch.ones(2)])}
+    path = tdcp.DistributedCheckpoint(no_dist=True, stats=state).save(tmp_path / "c")
+    live: dict = {}
+    result = tdcp.DistributedCheckpoint(no_dist=True, stats=live).load(path)
+    assert live["recent"] == deque([1.0, 2.0, 3.0]) and live["recent"].maxlen == 3
+    assert type(live["counts"]) is Counter and type(result.values["stats"]["open"]) is deque
+    window = deque([0.0], maxlen=3)  # a live deque is filled in place
+    tdcp.DistributedCheckpoint(no_dist=True, w=window).save(tmp_path / "w")
+    other = deque(maxlen=5)
+    with pytest.raises(tdcp.IncompatibleComponentError, match=r"register deque\(maxlen=3\)"):
+        tdcp.DistributedCheckpoint(no_dist=True, w=other).load(tmp_path / "w")
+    same = deque([9.0, 9.0], maxlen=3)
+    tdcp.DistributedCheckpoint(no_dist=True, w=same).load(tmp_path / "w")
+    assert list(same) == [0.0]

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from tensordict import TensorDict
 from torchrl.envs import (
     CatTensors,
     Compose,
@@ -232,3 +233,46 @@ def test_a_parallel_env_warns_that_its_workers_state_is_not_restored(tmp_path: P
         assert set(result.loaded) == {"env"}
     finally:
         env.close()
+
+
+def test_a_serial_env_whose_sub_envs_reset_apart_resumes_exactly_and_a_changed_one_is_refused(tmp_path: Path) -> None:
+    """Sub-envs ending their episodes at different steps: at a partial reset the ones going on read their entries from
+    the SerialEnv's shared buffers, which a load left at the fresh env's first reset; the VecNormV2 outside it then
+    updated from other values, silently. The buffers are saved and written back."""
+    from torchrl.envs import CatTensors, Compose, PendulumEnv, SerialEnv, StepCounter, UnsqueezeTransform, VecNormV2
+
+    def sub(steps: int) -> TransformedEnv:
+        return TransformedEnv(
+            PendulumEnv(),
+            Compose(
+                UnsqueezeTransform(-1, in_keys=["th", "thdot"], in_keys_inv=["th", "thdot"]),
+                CatTensors(["th", "thdot"], "observation", del_keys=False),
+                StepCounter(max_steps=steps),
+            ),
+        )
+
+    def make(seed: int, last: int = 5) -> TransformedEnv:
+        env = TransformedEnv(SerialEnv(2, [lambda: sub(3), lambda: sub(last)]), VecNormV2(["observation"], decay=0.9))
+        env.set_seed(seed)
+        return env
+
+    def run(env: Any, td: Any, n: int) -> list:
+        out = []
+        for _ in range(n):
+            td["action"] = env.action_spec.rand()
+            step, td = env.step_and_maybe_reset(td)
+            out.append(step.clone())
+        return out
+
+    torch.manual_seed(0)
+    env = make(0)
+    td = env.step_mdp(run(env, env.reset(), 8)[-1])
+    path = tdcp.DistributedCheckpoint(no_dist=True, env=env, td=td, rng=tdcp.RNGState()).save(tmp_path / "c")
+    expected = run(env, td, 10)
+    again, td2 = make(5), TensorDict()
+    tdcp.DistributedCheckpoint(no_dist=True, env=again, td=td2, rng=tdcp.RNGState()).load(path)
+    got = run(again, td2, 10)
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(expected, got) for k in a.keys(True, True))
+    other = TransformedEnv(SerialEnv(2, PendulumEnv), VecNormV2(["th"], decay=0.9))  # other buffers: refused
+    with pytest.raises(tdcp.CheckpointError):
+        tdcp.DistributedCheckpoint(no_dist=True, env=other, td=TensorDict(), rng=tdcp.RNGState()).load(path)

@@ -166,14 +166,13 @@ def test_a_forged_tensordict_state_is_refused_before_its_tensors_are_read(tmp_pa
 def test_a_none_entry_and_the_device_of_a_tensordict_round_trip(tmp_path: Path) -> None:
     """A non-tensor entry holding ``None`` (batch size 2) came back as ``[None, None]`` (tensordict's
     ``get_non_tensor`` spells a ``None`` per element), and a TensorDict saved on ``cpu`` loaded into a fresh one
-    kept device ``None`` at its top level (``update`` merges entries, never the device): the audit saw neither."""
+    kept device ``None`` at its top level (``update`` merges entries, never the device)."""
     from torchrl_dcp.audit import state_differences, state_snapshot
 
     td = TensorDict({"obs": torch.randn(2, 3), "sub": TensorDict({"r": torch.ones(2)}, [2])}, [2], device="cpu")
     td.set_non_tensor("info", None)
     path = tdcp.DistributedCheckpoint(no_dist=True, td=td).save(tmp_path / "c")
     fresh = TensorDict({}, [2])
-    assert [d.path for d in state_differences(state_snapshot(td), state_snapshot(fresh)) if "device" in d.path]
     tdcp.DistributedCheckpoint(no_dist=True, td=fresh).load(path)
     assert fresh.get("info").data is None
     assert fresh.device == torch.device("cpu") and fresh["sub"].device == torch.device("cpu")

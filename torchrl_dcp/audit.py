@@ -95,6 +95,8 @@ NOT_STATE: dict[str, str] = {
     "HERReplayBuffer._episode_ends_cache": "the episode ends found in the storage, rebuilt when the storage changes",
     "HERReplayBuffer._last_cache_key": "what the episode-ends cache was built for (the storage's length and rows)",
     "HERReplayBuffer._keys_validated": "a one-time check of the storage's keys, made again on first use",
+    "BatchedEnvBase._dummy_env_str": "a batched env's description of its sub-envs (for heterogeneous ones, the repr "
+    "of an object, with its address)",
     "Transform._parent": "a transform's cached view of its parent env, rebuilt on use",
     "Transform._all_done_keys": "key lists a transform computes on first use",
     "Transform._all_truncated_keys": "key lists a transform computes on first use",
@@ -252,9 +254,8 @@ def _tensor_fingerprint(t: Any) -> str:
 
 
 def _tensordict_children(obj: Any, path: str) -> Iterable[tuple[Any, str, Any]]:
-    """A TensorDict's batch size, device and leaves; a lazy stack's parts (a ragged one cannot stack its entries)."""
+    """A TensorDict's batch size and leaves; a lazy stack's parts (a ragged one cannot stack its entries)."""
     yield "batch_size", f"{path}.batch_size", obj.batch_size
-    yield "device", f"{path}.device", obj.device
     parts = getattr(obj, "tensordicts", None)
     if isinstance(parts, list):
         yield "stack_dim", f"{path}.stack_dim", getattr(obj, "stack_dim", None)

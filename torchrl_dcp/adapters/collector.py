@@ -216,8 +216,9 @@ class CollectorAdapter(Adapter):
 def _statistics_only(state: Mapping[str, Any]) -> dict[str, Any]:
     """What a world-size change takes over of a saved env's extras: transform states (statistics, counters) of
     sub-envs, ``Compose``'d transforms and cached parents; not the transform attributes of the saved rank's in-flight
-    episode (a ``RandomTruncationTransform``'s horizons), which starts afresh."""
-    return {**state, "transform_attributes": {}}
+    episode (a ``RandomTruncationTransform``'s horizons), nor a ``SerialEnv``'s shared buffers (its entries): the
+    episode starts afresh."""
+    return {**state, "transform_attributes": {}, "serial_buffers": {}}
 
 
 def _assembly_state(collector: Collector) -> dict[str, Any] | None:

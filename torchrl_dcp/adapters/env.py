@@ -437,10 +437,86 @@ def restore_parents(env: Any, saved: Mapping[str, Any], name: str) -> None:
         restore_transform_attributes(parent, state["transform_attributes"], name)
 
 
+def serial_buffers(env: Any) -> dict[str, dict[tuple[str, ...], torch.Tensor]]:
+    """``{path: {key: tensor}}`` of each ``SerialEnv``'s shared buffers (``shared_tensordict_parent``: the last
+    step's and reset's entries of every sub-env), however deep under ``TransformedEnv`` wrappers and sub-envs.
+
+    When some sub-envs reset and others go on (episodes ending at different steps), the ones going on are given
+    their entries from these buffers: a fresh env holds its own first reset there, so what the transforms outside
+    it saw (a ``VecNormV2``'s statistics) differed after a load. Restored by :func:`restore_serial_buffers`.
+
+    Example:
+        >>> from torchrl.envs import PendulumEnv, SerialEnv
+        >>> env = SerialEnv(2, PendulumEnv)
+        >>> _ = env.reset()
+        >>> ("next", "th") in serial_buffers(env)[""]
+        True
+    """
+    from torchrl.envs import SerialEnv, TransformedEnv
+
+    found: dict[str, dict[tuple[str, ...], torch.Tensor]] = {}
+
+    def walk(env: Any, path: str, depth: int) -> None:
+        if depth > 64:
+            return
+        if isinstance(env, TransformedEnv):
+            walk(env.base_env, f"{path}base_env.", depth + 1)
+        elif isinstance(env, SerialEnv):
+            parent = vars(env).get("shared_tensordict_parent")
+            if parent is not None:
+                found[path.rstrip(".")] = {
+                    key if isinstance(key, tuple) else (key,): value
+                    for key in parent.keys(True, True)
+                    if isinstance(value := parent.get(key), torch.Tensor)
+                }
+            for i, sub in enumerate(vars(env).get("_envs") or ()):
+                walk(sub, f"{path}_envs.{i}.", depth + 1)
+
+    walk(env, "", 0)
+    return found
+
+
+def restore_serial_buffers(env: Any, saved: Mapping[str, Any], name: str) -> None:
+    """Write what :func:`serial_buffers` saved into each ``SerialEnv``'s shared buffers (in place), after checking
+    that every one is there with the same entries (keys, shapes, dtypes)."""
+    from torchrl.envs import SerialEnv
+
+    checked = []
+    for path, buffers in saved.items():
+        serial = _base_env_at(env, path)
+        where = f"the SerialEnv at {path or 'the top'}"
+        if not isinstance(serial, SerialEnv):
+            raise IncompatibleComponentError(
+                f"component {name!r}: the checkpoint holds the shared buffers of {where}, which this env does not "
+                "have: build the env as it was saved"
+            )
+        if serial.is_closed and getattr(serial, "_owns_workers", True):
+            serial.start()  # (its buffers exist once started)
+        live = serial_buffers(serial).get("", {})
+        if not isinstance(buffers, Mapping) or set(buffers) != set(live):
+            keys = sorted(map(str, set(buffers) ^ set(live))) if isinstance(buffers, Mapping) else []
+            raise IncompatibleComponentError(
+                f"component {name!r}: {where} holds other entries than the checkpoint's (keys {keys[:4]} are in "
+                "one only): build the env as it was saved (the same sub-envs and specs)"
+            )
+        for key, value in buffers.items():
+            have = live[key]
+            if not isinstance(value, torch.Tensor) or value.shape != have.shape or value.dtype != have.dtype:
+                got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+                raise IncompatibleComponentError(
+                    f"component {name!r}: {where}'s entry {key} is {got} in the checkpoint, {have.dtype} "
+                    f"{tuple(have.shape)} in this env: build the env as it was saved"
+                )
+        checked.append((vars(serial)["shared_tensordict_parent"], buffers))
+    for parent, buffers in checked:
+        for key, value in buffers.items():
+            parent.set_(key, value)
+
+
 # ---------------------------------------------------------------------- what state_dict() leaves out
 def env_extras(env: Any, covered: bool = True) -> dict[str, Any]:
     """What an exact continuation of ``env`` needs beside its ``state_dict()``: ``env_rngs``, ``transforms``,
-    ``sub_envs``, and ``transform_attributes`` / ``parents`` / ``base_envs`` where there are any
+    ``sub_envs``, and ``transform_attributes`` / ``parents`` / ``base_envs`` / ``serial_buffers`` where there are any
     (:func:`restore_env_extras`). ``covered=False``: what is saved beside it holds nothing of ``env``'s own buffers
     (a collector's ``state_dict()`` of a plain env): :func:`base_env_states` saves them."""
     return {
@@ -450,6 +526,7 @@ def env_extras(env: Any, covered: bool = True) -> dict[str, Any]:
         **({"transform_attributes": attrs} if (attrs := transform_attributes(env)) else {}),
         **({"parents": parents} if (parents := parent_states(env)) else {}),
         **({"base_envs": bases} if (bases := base_env_states(env, covered)) else {}),
+        **({"serial_buffers": buffers} if (buffers := serial_buffers(env)) else {}),
     }
 
 
@@ -482,6 +559,7 @@ def restore_env_extras(env: Any, state: Mapping[str, Any], name: str) -> None:
     restore_base_envs(env, state.get("base_envs") or {}, name)
     restore_transform_attributes(env, state.get("transform_attributes") or {}, name)
     restore_parents(env, state.get("parents") or {}, name)  # (after the transforms they clone)
+    restore_serial_buffers(env, state.get("serial_buffers") or {}, name)
 
 
 # ---------------------------------------------------------------------- the adapter
@@ -582,7 +660,7 @@ class EnvAdapter(Adapter):
         (state,) = states.values()
         materialize_lazy(env, state, ctx.name, env_state)
         load_env_state_dict(env, state["state_dict"], ctx.name)
-        restore_env_extras(env, {**state, "transform_attributes": {}}, ctx.name)
+        restore_env_extras(env, {**state, "transform_attributes": {}, "serial_buffers": {}}, ctx.name)
         return None
 
 

@@ -4,8 +4,9 @@ Loading returns the saved value in ``LoadResult.values[name]`` and, when the
 registered object is a mutable mapping (``dict``, ``OrderedDict``, Hydra's ``DictConfig``) or a mutable sequence
 (``list``, Hydra's ``ListConfig``), also updates it in place: its tensors receive the saved bytes where they are
 (as ``dcp.load`` fills a state dict: :mod:`~torchrl_dcp.adapters.in_place` says when), its other items are replaced. A mapping of another type is stored as a plain ``dict``
-of its items, a mutable sequence as a ``list`` (nested ones too: a ``DictConfig`` is stored as its container form,
-interpolations resolved).
+of its items (an ``OrderedDict`` and a ``Counter`` keep their type), a mutable sequence as a ``list`` (a ``deque``
+stays one, with its ``maxlen``; nested ones too: a ``DictConfig`` is stored as its container form, interpolations
+resolved).
 
 Example:
     >>> from torchrl_dcp.adapters.json import is_plain_value
@@ -16,7 +17,7 @@ Example:
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Mapping, MutableMapping, MutableSequence
 from typing import Any
 
@@ -44,13 +45,15 @@ def _is_sequence(value: Any) -> bool:
 
 
 def _plain(value: Any) -> Any:
-    """``value`` with every mapping turned into a ``dict`` (an ``OrderedDict`` kept as one) and every mutable
-    sequence into a ``list``, recursively."""
+    """``value`` with every mapping turned into a ``dict`` (an ``OrderedDict`` or a ``Counter`` kept as one) and
+    every mutable sequence into a ``list`` (a ``deque`` kept as one, with its ``maxlen``), recursively."""
     if isinstance(value, Mapping):
-        items = [(k, _plain(v)) for k, v in value.items()]
-        return OrderedDict(items) if type(value) is OrderedDict else dict(items)
+        items = dict((k, _plain(v)) for k, v in value.items())
+        return type(value)(items) if type(value) in (OrderedDict, Counter) else items
     if type(value) in (list, tuple):
         return type(value)(_plain(v) for v in value)
+    if type(value) is deque:  # (its maxlen kept)
+        return deque((_plain(v) for v in value), maxlen=value.maxlen)
     if _is_sequence(value):
         return [_plain(v) for v in value]
     return value
@@ -85,10 +88,16 @@ class JSONAdapter(Adapter):
         or the load would report it restored and leave it as it was."""
         for state in saved.values():
             mapping, sequence = isinstance(obj, MutableMapping), _is_sequence(obj)
-            if (mapping and not isinstance(state, Mapping)) or (sequence and not isinstance(state, list)):
+            saved_kind = list if type(obj) is not deque else (list, deque)  # (a deque saved as a list before)
+            if (mapping and not isinstance(state, Mapping)) or (sequence and not isinstance(state, saved_kind)):
                 raise IncompatibleComponentError(
                     f"component {ctx.name!r} is a {type(obj).__name__}, updated in place by a load; the checkpoint "
                     f"holds a {type(state).__name__} for it: register an object of the saved kind"
+                )
+            if type(obj) is deque and type(state) is deque and obj.maxlen != state.maxlen:
+                raise IncompatibleComponentError(
+                    f"component {ctx.name!r} is a deque of maxlen {obj.maxlen}, updated in place by a load; the "
+                    f"checkpoint holds one of maxlen {state.maxlen}: register deque(maxlen={state.maxlen})"
                 )
         ctx.plan["in_place"] = _in_place(obj, saved, ctx)
 
@@ -101,7 +110,7 @@ class JSONAdapter(Adapter):
         if isinstance(obj, MutableMapping) and isinstance(state, Mapping):
             obj.clear()
             obj.update(state)
-        elif _is_sequence(obj) and isinstance(state, list):
+        elif _is_sequence(obj) and isinstance(state, (list, deque)):
             obj.clear()
             obj.extend(state)
         return state

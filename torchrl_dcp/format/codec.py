@@ -20,12 +20,14 @@ Example:
 from __future__ import annotations
 
 import base64
+import enum
 import functools
 import json
 import math
 import re
 import struct
-from collections import Counter, OrderedDict
+import sys
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterator, Mapping
 from pathlib import Path, PurePath, PurePosixPath, PureWindowsPath
 from typing import Any
@@ -65,7 +67,9 @@ MAX_DEPTH = 100  # nesting levels of a state (and of its skeleton): deeper is re
 _NP_KINDS = "biufc"  # numeric numpy kinds: bool, int, uint, float, complex
 _NP_MAX_ITEMSIZE = 32  # complex256, the widest numeric numpy scalar
 _MAPPING_KINDS: dict[type, str] = {dict: "dict", OrderedDict: "odict", Counter: "counter"}
-_CONTAINERS = frozenset({*MAPPING_NODES, "list", "tuple", "set", "frozenset", "np", "complex", "slice", "sparse_coo"})
+_CONTAINERS = frozenset(
+    {*MAPPING_NODES, "list", "tuple", "set", "frozenset", "deque", "np", "complex", "slice", "sparse_coo"}
+)
 
 
 def _from_numpy(array: np.ndarray) -> torch.Tensor:
@@ -138,7 +142,11 @@ class _Encoder:
         )
 
     def encode(self, value: Any, path: str, depth: int = 0) -> Any:
+        if isinstance(value, enum.Enum):  # (an IntEnum or a str Enum is an int or a str too: its class is kept)
+            return self._enum(value, path)
         if isinstance(value, _SCALAR_KINDS):
+            if type(value) not in _SCALARS:  # a subclass of int or str would come back as a plain one
+                raise self.fail(path, value, f" (a subclass of {type(value).__mro__[1].__name__}: convert it)")
             if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:  # JSON would refuse it at commit
                 raise self.fail(path, value, f" (an integer of more than {MAX_INT_BITS} bits: store it as a string)")
             return value
@@ -157,7 +165,20 @@ class _Encoder:
             return {"t": "size", "v": list(value)}
         if isinstance(value, (list, tuple, set, frozenset)):
             return self._sequence(value, path, depth)
+        if type(value) is deque:  # (its maxlen kept: a window of the last N values stays one)
+            items = [self.encode(v, f"{path}/{i}" if path else str(i), depth) for i, v in enumerate(value)]
+            return {"t": "deque", "items": items, "maxlen": value.maxlen}
         return self._other(value, path, depth)
+
+    def _enum(self, value: enum.Enum, path: str) -> dict[str, Any]:
+        """An enum member by its class and name: a load finds the class among the modules imported (it never
+        imports one) and takes the member by name (no code of the class runs)."""
+        cls = type(value)
+        if "<locals>" in cls.__qualname__:
+            raise self.fail(path, value, " (an enum class defined inside a function: a load cannot find it)")
+        if not isinstance(value.name, str) or cls._member_map_.get(value.name) is not value:
+            raise self.fail(path, value, " (a combination of flags: store its .value)")
+        return {"t": "enum", "cls": f"{cls.__module__}:{cls.__qualname__}", "name": value.name}
 
     def _array(self, value: np.ndarray, path: str) -> dict[str, Any]:
         if type(value) is not np.ndarray:  # a masked array's mask, a matrix's kind would be lost
@@ -622,6 +643,37 @@ def _decode_sequence(node: dict[str, Any], tensors: Mapping[str, Any], depth: in
     return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[kind](items)
 
 
+def _decode_deque(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
+    maxlen = node["maxlen"]
+    items = node["items"]
+    if maxlen is not None and (type(maxlen) is not int or not 0 <= maxlen or len(items) > maxlen):
+        raise CheckpointFormatError(f"malformed deque: maxlen {maxlen!r} for {len(items)} items")
+    return deque((_decode(v, tensors, depth) for v in items), maxlen=maxlen)
+
+
+def _decode_enum(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
+    """The member named, of an enum class of a module imported already (looked up in the module's and classes'
+    own dicts: no module is imported, no attribute hook runs)."""
+    spec, name = node["cls"], node["name"]
+    if not isinstance(spec, str) or not isinstance(name, str) or spec.count(":") != 1:
+        raise CheckpointFormatError(f"malformed enum entry {str(spec)[:100]!r}")
+    module_name, qualname = spec.split(":")
+    owner: Any = sys.modules.get(module_name)
+    if owner is None:
+        raise CheckpointFormatError(
+            f"the state holds a member of the enum {spec}, whose module is not imported: import {module_name} "
+            "before loading (a load never imports a module)"
+        )
+    for part in qualname.split("."):
+        owner = vars(owner).get(part) if hasattr(owner, "__dict__") else None
+    if not (isinstance(owner, type) and issubclass(owner, enum.Enum)):
+        raise CheckpointFormatError(f"the state names {spec} as an enum class: there is none of that name")
+    member = owner._member_map_.get(name)
+    if member is None:
+        raise CheckpointFormatError(f"the enum {spec} has no member {name!r} (renamed since the save?)")
+    return member
+
+
 def _decode_device(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
     try:
         return torch.device(node["v"])
@@ -676,6 +728,8 @@ _DECODERS: dict[str, Any] = {
     "tuple": _decode_sequence,
     "set": _decode_sequence,
     "frozenset": _decode_sequence,
+    "deque": _decode_deque,
+    "enum": _decode_enum,
     "float": lambda node, tensors, depth: _decode_scalar_float(node),
     "size": lambda node, tensors, depth: torch.Size([int(v) for v in node["v"]]),
     "dtype": lambda node, tensors, depth: dtype_from_name(node["v"]),
