@@ -92,6 +92,12 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """Nothing committed exists at the given path."""
 
 
+class CheckpointReplacedError(CheckpointNotFoundError):
+    """The checkpoint a load was reading was replaced or removed meanwhile (another process saved over it, or a
+    rotation pruned it): nothing was restored, and nothing is damaged; load again (a rotation's resume lists its
+    entries again itself)."""
+
+
 class CheckpointFormatError(CheckpointError):
     """The path is not a torchrl_dcp checkpoint, or its manifest is malformed."""
 

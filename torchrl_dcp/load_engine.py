@@ -60,6 +60,8 @@ from torchrl_dcp.errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointIntegrityError,
+    CheckpointNotFoundError,
+    CheckpointReplacedError,
     CollectiveError,
     IncompatibleComponentError,
     InexactResumeWarning,
@@ -689,11 +691,40 @@ def skew_text(result: LoadResult) -> str:
 def load(request: LoadRequest) -> LoadResult:
     """All phases, in order (collective)."""
     result = LoadResult(path=request.path)
-    src, load_plan = prepare(request, result)
     try:
-        read(src, request, load_plan.fresh_reads(), load_plan.verify_inline, result)  # 5. read
-    except BaseException as err:
-        rollback_refused(planned_changes(load_plan), err)
-        raise
-    restore(src, request, load_plan, result)  # 6. restore
+        src, load_plan = prepare(request, result)
+        try:
+            read(src, request, load_plan.fresh_reads(), load_plan.verify_inline, result)  # 5. read
+        except BaseException as err:
+            rollback_refused(planned_changes(load_plan), err)
+            raise
+        restore(src, request, load_plan, result)  # 6. restore
+    except (CheckpointIntegrityError, CheckpointNotFoundError, CheckpointFormatError) as err:
+        replaced = replaced_meanwhile(request.path, result.manifest, err)
+        if replaced is None:
+            raise
+        replaced.result = getattr(err, "result", None)
+        raise replaced from err
     return result
+
+
+def replaced_meanwhile(
+    path: Any, manifest: Mapping[str, Any] | None, err: CheckpointError
+) -> CheckpointReplacedError | None:
+    """The error to raise instead of a load's failure ``err`` when the checkpoint at ``path`` is no longer the one
+    whose ``manifest`` the load read (another process saved over it or removed it meanwhile: a file missing, or of
+    another save, is then no damage); ``None`` when it still is (or the manifest names no save: an older format)."""
+    save_id = manifest.get("save_id") if isinstance(manifest, Mapping) else None
+    if not save_id:
+        return None
+    try:
+        now = open_source(path).container.root().get("save_id")
+    except (CheckpointError, OSError):
+        now = None
+    if now == save_id:
+        return None
+    return CheckpointReplacedError(
+        f"was {'removed' if now is None else 'replaced by another save'} while this load read it (another process "
+        f"saved over it or a rotation pruned it): nothing is damaged; load it again (what the read found: {err})",
+        path=path,
+    )

@@ -30,6 +30,8 @@ from torchrl_dcp.errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointIntegrityError,
+    CheckpointNotFoundError,
+    CheckpointReplacedError,
     CheckpointVersionError,
     CollectiveError,
     TorchrlDcpWarning,
@@ -37,6 +39,18 @@ from torchrl_dcp.errors import (
 from torchrl_dcp.rotation_entries import blocking_entries, by_commit, check_rotation_directory, list_entries
 
 logger = get_logger(__name__)
+
+#: how many times a resume lists the entries again when one it picked was removed meanwhile (another job's prune)
+_RELISTS = 3
+
+
+class _EntryGone(Exception):
+    """An entry a resume picked was removed or replaced by another process meanwhile (``error`` says which, on
+    every rank): the entries are listed again."""
+
+    def __init__(self, error: CheckpointError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 @dataclass(frozen=True)
@@ -103,7 +117,14 @@ def _resume(rotation: Any, ckpt: Any, fallback: bool, load_kwargs: dict[str, Any
         info = local_resume(candidates[0][0] if candidates else None)
         if info is not None:
             return info
-    info = _resume_shared(rotation, ckpt, candidates, fallback, load_kwargs, local_resume)
+    for attempt in range(_RELISTS + 1):
+        try:
+            info = _resume_shared(rotation, ckpt, candidates, fallback, load_kwargs, local_resume)
+            break
+        except _EntryGone as gone:  # (every rank agreed: an entry listed is gone, another save pruned it)
+            if attempt == _RELISTS:
+                raise gone.error from None
+            candidates = broadcast_step(group, "listing checkpoints", lambda: _candidates(_listed(rotation.location)))
     if info is None and failed:  # a local step is there, refused but for damage: never a fresh start that drops it
         err = failed[0]
         err.extend(
@@ -193,7 +214,18 @@ def _resume_shared(
                 err, CheckpointVersionError
             )
             own = None if isinstance(err, CollectiveError) else damaged
-            votes = _dist.all_gather(_users_file(err) or own, group)
+            gone = isinstance(err, CheckpointNotFoundError)  # removed (or replaced) since it was listed
+            ballots = _dist.all_gather((_users_file(err) or own, gone), group)
+            votes = [vote for vote, _ in ballots]
+            if any(g for _, g in ballots):  # another job's save pruned it (or saved over it): the entries are listed
+                raise _EntryGone(  # again (on every rank)
+                    err
+                    if gone
+                    else CheckpointReplacedError(
+                        "was removed or replaced while it was read (another save pruned it, or saved over it)",
+                        path=path,
+                    )
+                ) from err
             users = next((v for v in votes if isinstance(v, str)), None)  # (every rank says it, not only the finder)
             if users:
                 raise CheckpointError(
