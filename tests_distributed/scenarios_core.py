@@ -259,6 +259,28 @@ def first_call_late(path: str) -> dict[str, Any]:
     return {"error": None}
 
 
+def group_creation_that_never_ends(path: str) -> dict[str, Any]:
+    """Rank 0's creation of the checkpoint group blocks past its timeout (what gloo's rendezvous does when the peer
+    dies while it connects: the survivor waited for minutes with ``timeout=2``): given up after the timeout and a
+    grace period, a CollectiveError."""
+    import threading
+    import time
+
+    from torchrl_dcp import _dist
+
+    _dist._GROUP_GRACE = 1.0
+    if dist.get_rank() == 0:
+        never = threading.Event()
+        _dist.dist.new_group = lambda **kwargs: never.wait()  # type: ignore[assignment]
+    ckpt = tdcp.DistributedCheckpoint(timeout=2, model=torch.nn.Linear(2, 2))
+    started = time.monotonic()
+    try:
+        ckpt.save(path)
+    except Exception as err:  # noqa: BLE001 - what the user sees, whatever it is
+        return {"error": type(err).__name__, "message": str(err), "seconds": time.monotonic() - started}
+    return {"error": None}
+
+
 def resume_past_a_users_file(path: str, seed: int) -> dict[str, Any]:
     """Two entries, a user's file put into the newest one (by rank 0): every rank's resume stops there, naming it;
     moved out, every rank resumes the newest."""

@@ -113,6 +113,15 @@ def test_a_rank_late_for_the_first_checkpoint_call_is_a_collective_error_everywh
     assert all("did not all reach their first checkpoint call" in r.value["message"] for r in results)
 
 
+def test_a_checkpoint_group_creation_that_never_ends_is_given_up_after_the_timeout(tmp_path: Path) -> None:
+    """A peer killed while the checkpoint group was created left the survivor blocked in gloo's rendezvous far past
+    ``timeout`` (over 50 s with ``timeout=5``), where the docs promise a CollectiveError."""
+    results = launch(f"{S}:group_creation_that_never_ends", 2, str(tmp_path / "ck"), timeout=90)
+    assert [r.value["error"] for r in results] == ["CollectiveError"] * 2, results
+    assert "did not all reach their first checkpoint call" in results[0].value["message"]
+    assert "it did not end" in results[0].value["message"] and results[0].value["seconds"] < 30
+
+
 @pytest.mark.parametrize("case", ["path", "components"])
 def test_a_load_the_ranks_ask_differently_raises_on_every_rank_unchanged(tmp_path: Path, case: str) -> None:
     """Rank 1 loading another checkpoint, or fewer components, succeeded: the replicated model then differed by

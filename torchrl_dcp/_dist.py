@@ -31,6 +31,7 @@ import datetime
 import gc
 import hashlib
 import re
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -147,16 +148,17 @@ def checkpoint_group(
         # last one, get names of their own (every member creates its groups in the same order: calls are collective)
         base = f"{seconds}-{members}-{purpose}"
         name = f"{base}-{_CREATED.get(base, 0)}"
+        wait = (timeout or DEFAULT_TIMEOUT).total_seconds()
         try:
-            if scope is not None:
-                group = _members_only_group(kwargs, name)
-            else:
-                group = dist.new_group(**kwargs)
-        except RuntimeError as err:  # the rendezvous of its creation (DistError; gloo's connectFullMesh: RuntimeError)
-            wait = (timeout or DEFAULT_TIMEOUT).total_seconds()
+            group = _within(
+                wait + _GROUP_GRACE,
+                lambda: _members_only_group(kwargs, name) if scope is not None else dist.new_group(**kwargs),
+            )
+        except (RuntimeError, TimeoutError) as err:  # its rendezvous (DistError; gloo's connectFullMesh: RuntimeError)
+            why = "it did not end" if isinstance(err, TimeoutError) else str(err).splitlines()[0][:200]
             raise CollectiveError(
                 f"the ranks ({members}) did not all reach their first checkpoint call within {wait:.0f} s (creating "
-                f"the checkpoint process group failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}): a "
+                f"the checkpoint process group failed: {type(err).__name__}: {why}): a "
                 "rank is stuck or dead, called no checkpoint operation, or failed before it (its own error says "
                 "which); every rank must call save, load and resume alike"
             ) from err
@@ -183,6 +185,32 @@ def ranks_named(group: Any, ranks: str) -> str:
         return ", ".join(f"{r} (global rank {dist.get_global_rank(group, int(r))})" for r in ranks.split(","))
     except (ValueError, RuntimeError):
         return ranks
+
+
+#: seconds a group's creation may run past its timeout before it is given up (gloo's rendezvous blocks past its own
+#: timeout when a peer dies while it connects)
+_GROUP_GRACE = 10.0
+
+
+def _within(seconds: float, create: Any) -> Any:
+    """``create()``, given up with a ``TimeoutError`` after ``seconds`` (the creation goes on in a daemon thread:
+    a job whose peer died has no use for it)."""
+    done: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            done["value"] = create()
+        except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
+            done["error"] = err
+
+    thread = threading.Thread(target=run, name="tdcp-group-creation", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise TimeoutError(f"still running after {seconds:.0f} s")
+    if "error" in done:
+        raise done["error"]
+    return done["value"]
 
 
 def _members_only_group(kwargs: dict[str, Any], name: str) -> Any:
