@@ -314,9 +314,10 @@ class AsyncSaver:
         """Wait until the background saves of this process's other checkpoints on ``group`` (this checkpoint's gloo
         group) are done, their outcome left to their own next call: checkpoints of one timeout share one group, and a
         collective started while another thread runs one on it would interleave with it (both stall until the
-        timeout). Checkpoints without a group (a process of its own, ``no_dist``, a local tier's single-process saves)
-        wait for the others without one: two of them saving into one rotation picked their commit order before the
-        first one committed, and the older step was taken for the newest."""
+        timeout). Checkpoints without a group (a local tier's single-process saves) wait for nobody (a rotation waits
+        for its own save in flight, of whichever checkpoint, before it picks the next commit's order)."""
+        if group is None:
+            return
         for other in list(_IN_FLIGHT):
             handle = other._pending
             if other is not self and handle is not None and other.group is group:

@@ -441,6 +441,8 @@ class CheckpointRotation:
         a refused metric is recorded as ``null`` (the entry is not ranked), not raised: the job's last save first."""
         metadata = metadata_values(metadata)  # a metric may be a numpy or 0-d tensor scalar
         settle_pending(ckpt)  # a save in flight prunes in its thread: never interleave with its collectives
+        if self._in_flight is not None and self._in_flight is not ckpt:  # this rotation's save of another checkpoint:
+            settle_pending(self._in_flight)  # committed first, or the next commit took its order and it the newest's
         base, sequence = self._next_commit(ckpt, metadata, preempting)
         save_kwargs = dict(save_kwargs)
         save_kwargs.setdefault("commit_sequence", sequence)
