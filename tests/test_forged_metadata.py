@@ -28,6 +28,7 @@ from typing import Any
 import fsspec
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 import torchrl_dcp as tdcp
@@ -441,3 +442,58 @@ def test_a_record_whose_pickle_is_refused_says_so_in_one_line_without_torchs_adv
     said = str(caught.value)
     assert "\n" not in said and "Re-running" not in said, said
     assert "cannot be decoded (UnpicklingError)" in said and "never load it with torch.load(weights_only=False)" in said
+
+
+def _rewrite_record(path: Path, key: str, members: Callable[[str, bytes], list[tuple[str, bytes]]]) -> None:
+    """Rewrite the ``torch.save`` record of ``key`` with ``members(name, bytes)`` per member, everything resealed."""
+    import io
+    import zipfile
+
+    from torchrl_dcp.storage.filesums import file_checksum
+
+    m = forging.read_parts(path)
+    entry = next(e for e in m["index"]["entries"] if e[0] == key)
+    data = (path / entry[1]).read_bytes()
+    record = zipfile.ZipFile(io.BytesIO(data[entry[2] : entry[2] + entry[3]]))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
+        for info in record.infolist():
+            for name, blob in members(info.filename, record.read(info.filename)):
+                z.writestr(zipfile.ZipInfo(name), blob)
+    new = out.getvalue()
+    (path / entry[1]).write_bytes(data[: entry[2]] + new + data[entry[2] + entry[3] :])
+    entry[3] = len(new)
+    m["files"][entry[1]] = {"size": (path / entry[1]).stat().st_size, "checksum": file_checksum(path / entry[1])}
+    assert forging.mirror_into_metadata(path, m)
+    forging.write_parts(path, m)
+
+
+def test_a_record_with_a_second_copy_of_its_bytes_loads_what_dcp_loads_and_one_in_two_folders_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A record holding ``archive/data/0`` and ``archive/x/data/0`` (resealed): the record check took the last
+    member of each short name, so a load restored the second copy where ``torch.load`` and ``dcp.load`` read the
+    first; members in two folders passed too (which ``torch.load`` refuses)."""
+    key = "replicated/cfg/u"
+    path = tdcp.DistributedCheckpoint(no_dist=True, cfg={"u": torch.zeros(3)}).save(tmp_path / "c")
+    ones, twos = torch.full((3,), 1.0).numpy().tobytes(), torch.full((3,), 2.0).numpy().tobytes()
+
+    def second_copy(name: str, blob: bytes) -> list[tuple[str, bytes]]:
+        return (
+            [(name, ones), (name.replace("data/0", "x/data/0"), twos)] if name.endswith("/data/0") else [(name, blob)]
+        )
+
+    _rewrite_record(path, key, second_copy)
+    live = {"u": torch.zeros(3)}
+    tdcp.DistributedCheckpoint(no_dist=True, cfg=live).load(path)
+    by_dcp = {key: torch.zeros(3)}
+    dcp.load(by_dcp, checkpoint_id=str(path))
+    assert torch.equal(live["u"], by_dcp[key]) and torch.equal(live["u"], torch.ones(3))
+
+    path = tdcp.DistributedCheckpoint(no_dist=True, cfg={"u": torch.zeros(3)}).save(tmp_path / "d")
+    _rewrite_record(
+        path, key, lambda name, blob: [("evil/" + name.split("/", 1)[1] if "data.pkl" in name else name, blob)]
+    )
+    for attempt in (lambda: tdcp.verify(path), lambda: tdcp.DistributedCheckpoint(no_dist=True, cfg=live).load(path)):
+        with pytest.raises(tdcp.CheckpointError):
+            attempt()

@@ -404,8 +404,11 @@ def _zip64_sizes(extra: Any, usize: int, csize: int, offset: int) -> tuple[int, 
 
 
 def _members(cd: Any, entries: int) -> dict[str, tuple[int, int, int]] | None:
-    """``{short name: (method, size, local header offset)}`` of a central directory, or ``None``."""
+    """``{name under the record's folder: (method, size, local header offset)}`` of a central directory, or ``None``:
+    every member in one folder (as ``torch.save`` writes them; ``torch.load`` reads that folder's ``data.pkl`` and
+    ``data/0``), each name once (a second copy of the bytes, elsewhere, would be read by no one else)."""
     members: dict[str, tuple[int, int, int]] = {}
+    folder: str | None = None
     at = 0
     for _ in range(entries):
         if at + 46 > len(cd) or _u32(cd, at) != 0x02014B50:
@@ -416,7 +419,11 @@ def _members(cd: Any, entries: int) -> dict[str, tuple[int, int, int]] | None:
         usize, csize, offset = _zip64_sizes(cd[at + 46 + nlen : at + 46 + nlen + xlen], usize, csize, offset)
         if csize != usize:
             return None
-        members[name.rsplit("/", 1)[-1] if not name.endswith("/data/0") else "data/0"] = (method, usize, offset)
+        top, _, short = name.partition("/")
+        if not short or (folder is not None and top != folder) or short in members:
+            return None
+        folder = top
+        members[short] = (method, usize, offset)
         at += 46 + nlen + xlen + clen
     return members
 
