@@ -518,3 +518,27 @@ def test_a_deque_keeps_its_maxlen_in_any_component(tmp_path: Path) -> None:
     same = deque([9.0, 9.0], maxlen=3)
     tdcp.DistributedCheckpoint(no_dist=True, w=same).load(tmp_path / "w")
     assert list(same) == [0.0]
+
+
+@pytest.mark.parametrize(
+    "node",
+    [
+        {"t": "np", "dtype": "<i2", "v": 1.5},
+        {"t": "np", "dtype": "<f4", "v": 1e300},
+        {"t": "np", "dtype": "|b1", "v": 2},
+        {"t": "np", "dtype": "<i4", "v": True},
+        {"t": "np", "dtype": "<c8", "v": "x"},
+    ],
+)
+def test_a_numpy_scalar_its_dtype_cannot_hold_exactly_is_refused(node: dict) -> None:
+    """``int16`` of 1.5 loaded as 1, ``float32`` of 1e300 as inf, ``bool`` of 2 as True: numpy casts them, where
+    no save writes such a value."""
+    with pytest.raises(CheckpointFormatError, match="numpy scalar of dtype"):
+        decode(node, {})
+
+
+def test_numpy_scalars_of_every_kind_round_trip_exactly() -> None:
+    values = [np.int16(-3), np.uint64(2**64 - 1), np.float32(0.1), np.float16(65504), np.float32("inf"), np.bool_(1)]
+    values += [np.complex64(1 + 2j), np.complex128(complex(float("nan"), 1.0)), np.float64(0.1), np.int8(-128)]
+    (out, _) = roundtrip({"v": values})
+    assert all(type(a) is type(b) and a.tobytes() == b.tobytes() for a, b in zip(out["v"], values))

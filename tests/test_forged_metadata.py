@@ -497,3 +497,22 @@ def test_a_record_with_a_second_copy_of_its_bytes_loads_what_dcp_loads_and_one_i
     for attempt in (lambda: tdcp.verify(path), lambda: tdcp.DistributedCheckpoint(no_dist=True, cfg=live).load(path)):
         with pytest.raises(tdcp.CheckpointError):
             attempt()
+
+
+def test_a_record_of_a_parameter_is_refused_saying_so(tmp_path: Path) -> None:
+    """The refusal read "holds torch.float32 [3], the manifest and DCP's metadata say torch.float32 [3]": no
+    difference named (the record is of an ``nn.Parameter``, which no save writes)."""
+    from torchrl_dcp.storage.filesums import file_checksum
+
+    path = tdcp.DistributedCheckpoint(no_dist=True, cfg={"u": torch.zeros(3)}).save(tmp_path / "c")
+    m = forging.read_parts(path)
+    entry = next(e for e in m["index"]["entries"] if e[0] == "replicated/cfg/u")
+    data, buf = (path / entry[1]).read_bytes(), io.BytesIO()
+    torch.save(torch.nn.Parameter(torch.full((3,), 5.0)), buf)
+    (path / entry[1]).write_bytes(data[: entry[2]] + buf.getvalue() + data[entry[2] + entry[3] :])
+    entry[3] = len(buf.getvalue())
+    m["files"][entry[1]] = {"size": (path / entry[1]).stat().st_size, "checksum": file_checksum(path / entry[1])}
+    assert forging.mirror_into_metadata(path, m)
+    forging.write_parts(path, m)
+    with pytest.raises(tdcp.CheckpointIntegrityError, match=r"holds a Parameter \(torch.float32 \[3\]\), not a plain"):
+        tdcp.verify(path)

@@ -167,3 +167,23 @@ def test_forgeries_torch_does_not_check_are_refused(tmp_path: Path, build, node_
     for call in (lambda: tdcp.verify(path), lambda: tdcp.DistributedCheckpoint(d={}).load(path)):
         with pytest.raises(tdcp.CheckpointError, match=says):
             call()
+
+
+@pytest.mark.parametrize("part", ["indices", "values"])
+def test_an_alias_to_a_part_of_a_sparse_tensor_is_refused(tmp_path: Path, part: str) -> None:
+    """A forged ``{"t": "alias", "key": "s/values"}`` beside the sparse tensor loaded a value sharing the sparse
+    tensor's memory (writing into it changed the indices after their checks): no save writes one."""
+    saved = {"s": torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.tensor([1.0, 2.0]), (4,)), "v": torch.ones(2)}
+    path = tdcp.DistributedCheckpoint(d=saved).save(tmp_path / "c")
+
+    def forge(m: dict) -> None:
+        items = m["components"]["d"]["state"]["items"]
+        key = next(v for k, v in items if k == "s")[part]["key"]
+        for item in items:
+            if item[0] == "v":
+                item[1] = {"t": "alias", "key": key}
+
+    forging.edit(path, forge)
+    for attempt in (lambda: tdcp.DistributedCheckpoint(d={}).load(path), lambda: tdcp.verify(path)):
+        with pytest.raises(tdcp.CheckpointError, match="a part of a sparse tensor"):
+            attempt()

@@ -544,6 +544,12 @@ def plan_view(skeleton: Any) -> tuple[Any, list[TensorSpec], list[tuple[str, Ten
     view = decode(skeleton, sink)
     if sink.pending:  # an alias met before the tensor it names: decode again, every spec known
         view = decode(skeleton, {**sink, **{xref_key(c, spec.key): spec for c, spec in sink.refs}})
+    parts = {part.get("key") for node in sink.sparse for part in (node.get("indices"), node.get("values"))}
+    if shared := sorted(map(str, parts & sink.aliased)):  # (a save stores a sparse tensor's parts apart, never shared)
+        raise CheckpointFormatError(
+            f"malformed state skeleton: an alias names {shared[0]!r}, a part of a sparse tensor (its indices or values "
+            "are never shared with another value)"
+        )
     return view, sink.specs, sink.refs, sink.sparse
 
 
@@ -566,6 +572,7 @@ class _SpecSink(TensorSink):
         self.specs: list[TensorSpec] = []
         self.refs: list[tuple[str, TensorSpec]] = []
         self.sparse: list[dict[str, Any]] = []
+        self.aliased: set[Any] = set()
         self.pending = False
 
     def saw_sparse(self, node: dict[str, Any]) -> None:
@@ -574,6 +581,7 @@ class _SpecSink(TensorSink):
     def take(self, node: dict[str, Any]) -> Any:
         kind = node["t"]
         if kind == "alias":
+            self.aliased.add(node["key"])
             found = self.get(node["key"])
             self.pending = self.pending or found is None
             return found

@@ -667,7 +667,13 @@ def _decode_enum(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -
     for part in qualname.split("."):
         owner = vars(owner).get(part) if hasattr(owner, "__dict__") else None
     if not (isinstance(owner, type) and issubclass(owner, enum.Enum)):
-        raise CheckpointFormatError(f"the state names {spec} as an enum class: there is none of that name")
+        where = (
+            " (the script that saved it defined it: load from that script, or define the enum in a module and import"
+            " it)"
+            if module_name == "__main__"
+            else ""
+        )
+        raise CheckpointFormatError(f"the state names {spec} as an enum class: there is none of that name{where}")
     member = owner._member_map_.get(name)
     if member is None:
         raise CheckpointFormatError(f"the enum {spec} has no member {name!r} (renamed since the save?)")
@@ -690,7 +696,7 @@ def _decode_np_scalar(node: dict[str, Any], tensors: Mapping[str, Any], depth: i
         raise CheckpointFormatError(f"numpy scalar of dtype {dtype.str!r} holds {type(item).__name__}")
     bits = node.get("bits")
     if bits is None:
-        return dtype.type(item)
+        return _exact_np_scalar(dtype, item)
     # a NaN of a narrower float (sign, payload, signalling bit) as saved; only where its Python value is a NaN too
     try:
         raw = bytes.fromhex(bits) if isinstance(bits, str) and len(bits) == 2 * dtype.itemsize else None
@@ -699,6 +705,25 @@ def _decode_np_scalar(node: dict[str, Any], tensors: Mapping[str, Any], depth: i
     value = np.frombuffer(raw, dtype=dtype)[0] if raw is not None and dtype.kind in "fc" else None
     if value is None or not np.isnan(value) or not np.isnan(dtype.type(item)):
         raise CheckpointFormatError(f"malformed NaN bits {bits!r} of a numpy scalar of dtype {dtype.str!r}")
+    return value
+
+
+def _exact_np_scalar(dtype: np.dtype, item: Any) -> Any:
+    """``dtype.type(item)`` when it holds ``item`` exactly, as a save writes it (``item`` is the scalar's own
+    ``.item()``); a value of another kind or one the cast changes (1.5 as int16, 1e300 as float32, 2 as bool) is
+    refused, where numpy would cast it."""
+    kinds = {"b": (bool,), "i": (int,), "u": (int,), "f": (float, int), "c": (complex, float, int)}[dtype.kind]
+    if type(item) not in kinds or (dtype.kind in "iu" and type(item) is bool):
+        raise CheckpointFormatError(f"numpy scalar of dtype {dtype.str!r} holds {type(item).__name__} {item!r}")
+    with np.errstate(all="ignore"):
+        value = dtype.type(item)
+    back = value.item()
+    same = back == item or (isinstance(item, float) and item != item and back != back)
+    if dtype.kind == "c" and not same:  # (a NaN part: equal parts elsewhere, both NaN there)
+        pairs = ((back.real, item.real), (back.imag, item.imag)) if isinstance(item, complex) else ()
+        same = bool(pairs) and all(b == i or (b != b and i != i) for b, i in pairs)
+    if not same:
+        raise CheckpointFormatError(f"numpy scalar of dtype {dtype.str!r} cannot hold {item!r} exactly")
     return value
 
 

@@ -569,8 +569,11 @@ def decode_record(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...], where:
         check_bool_bytes(byte_view(tensor.contiguous()), where, key)
     if type(tensor) is not torch.Tensor or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
         found = f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        if isinstance(tensor, torch.Tensor) and type(tensor) is not torch.Tensor:  # (a Parameter: no save writes one)
+            found = f"a {type(tensor).__name__} ({found}), not a plain tensor"
         raise CheckpointIntegrityError(
-            f"record {key!r} holds {found}, the manifest and DCP's metadata say {dtype} {list(shape)}: the file is damaged or forged",
+            f"record {key!r} holds {found}, the manifest and DCP's metadata say {dtype} {list(shape)}: the file is "
+            "damaged or forged",
             path=where,
         )
     return tensor
