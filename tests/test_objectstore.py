@@ -972,3 +972,27 @@ def test_odd_keys_planted_under_an_entry_are_named_and_never_hide_its_objects(
     if planted.startswith("__"):  # a prune removes the entry's objects, never the user's
         rotation.save(ckpt, step=2)
         assert fs.find(entry) == [f"{entry}/{planted}"]
+
+
+def test_a_conversion_of_a_store_names_the_objects_not_its_local_copies(tmp_path: Path) -> None:
+    """A damaged archive object converted to a directory was named by its local copy, already removed
+    (``/tmp/tdcp-convert-.../run.zip::member``); a prefix holding a user's objects was told to pass
+    ``overwrite=True``, which was then refused."""
+    import fsspec
+
+    ckpt = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(8, 8), no_dist=True)
+    archive = tdcp.to_archive(ckpt.save(tmp_path / "c"), tmp_path / "run.zip")
+    damaged = bytearray(archive.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    url = f"memory://tdcp-tests/{uuid.uuid4().hex[:12]}"
+    fs = fsspec.filesystem("memory")
+    fs.pipe(f"{url}/run.zip", bytes(damaged))
+    with pytest.raises(tdcp.CheckpointIntegrityError) as err:
+        tdcp.to_directory(f"{url}/run.zip", tmp_path / "out")
+    assert str(err.value.path).startswith(f"{url}/run.zip::") and "tdcp-convert-" not in str(err.value)
+    fs.pipe(f"{url}/user/notes.txt", b"mine")
+    for overwrite in (False, True):
+        with pytest.raises(tdcp.CheckpointError, match="not a torchrl_dcp checkpoint; refusing") as err:
+            tdcp.to_directory(archive, f"{url}/user", overwrite=overwrite)
+        assert "pass overwrite=True" not in str(err.value)
+    assert fs.cat(f"{url}/user/notes.txt") == b"mine"

@@ -84,7 +84,14 @@ def convert_via_local(
         with contextlib.ExitStack() as stack:
             local_src = src if src_kind == "source" else stack.enter_context(source.local_copy(src_kind, tmp))
             local_dst = target.path if target.is_local else tmp / f"out-{target.path.name}"
-            out = fn(local_src, local_dst, overwrite=overwrite, **kwargs)
+            try:
+                out = fn(local_src, local_dst, overwrite=overwrite, **kwargs)
+            except CheckpointError as err:  # named as the user named them, not as the copies (gone when it is read)
+                if local_src is not src:
+                    err.relocate(str(local_src), str(src))
+                if not target.is_local:
+                    err.relocate(str(local_dst), str(dst))
+                raise
         if target.is_local:
             return out
         target.receive(Path(out), dst_kind)

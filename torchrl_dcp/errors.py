@@ -56,6 +56,14 @@ class CheckpointError(_CheckpointErrorBase):
         self.message = message
         self.args = (_text(self.path, self.message),)
 
+    def relocate(self, old: str, new: str) -> None:
+        """Say ``new`` where the path and the message say ``old`` (a local copy's path, replaced by what it copies:
+        an archive in a store a conversion read through this machine's disk)."""
+        if self.path is not None and str(self.path).startswith(old):
+            self.path = new + str(self.path)[len(old) :]
+        self.message = self.message.replace(old, new)
+        self.args = (_text(self.path, self.message),)
+
     def __reduce__(self):  # keep the keyword arguments when sent between ranks
         return (_rebuild, (type(self), self.message, self.path))
 

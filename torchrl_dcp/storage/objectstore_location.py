@@ -189,12 +189,14 @@ class ObjectStoreLocation(Location):
         objectstore_save.refuse_inside_checkpoint(self.path)
         if kind == "checkpoint":  # (an archive's destination is an object: replaced, if it is an archive of ours)
             objectstore_save.refuse_an_object_at(self.path)
-        if self.occupied():
+        if self.occupied():  # first: what overwrite=True would not replace either is said so at once
+            if kind == "checkpoint":
+                objectstore_save.replaced_save(self.path, list_objects(self.path))
+            check_replaceable(self.path, kind)
             if not overwrite:
                 raise CheckpointError(
                     "already exists; pass overwrite=True (CLI: --overwrite) to replace it", path=self.path
                 )
-            check_replaceable(self.path, kind)
 
     def receive(self, local: Path, kind: str) -> None:
         from torchrl_dcp.storage.objectstore_tools import upload_result

@@ -32,7 +32,7 @@ import concurrent.futures
 import json
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -195,34 +195,41 @@ def refuse_an_object_at(destination: StorePath) -> None:
         )
 
 
+def replaced_save(destination: StorePath, found: Collection[str]) -> str | None:
+    """The save id of the checkpoint a save to ``destination`` (holding the objects ``found``) replaces; a
+    :class:`CheckpointError` when it holds anything a save may not replace (a user's objects, beside a checkpoint or
+    alone). ``None``: a damaged checkpoint of ours, replaced as well."""
+    container = ObjectStoreContainer(destination)
+    replaces = None
+    try:
+        replaces = container.manifest().get("save_id")
+    except CheckpointError as err:
+        # a damaged checkpoint of ours (its manifest there and ours, every data object a save's) is replaced
+        # (and holds data objects: a user's own manifest.json and .metadata are no evidence a save wrote them)
+        ours = container.root_damaged(err) and any(is_data_file(n) for n in found)
+        if not (ours and _left_by(destination, found, None)):
+            raise CheckpointError(
+                f"holds {len(found)} object(s) but no valid {MANIFEST}: not a torchrl_dcp checkpoint; refusing to "
+                "overwrite it (choose another path, or delete the objects)",
+                path=destination,
+            ) from None
+    foreign = foreign_objects(destination, found)
+    if foreign:
+        raise CheckpointError(
+            f"holds objects a checkpoint never holds ({foreign[:5]}); refusing to replace it: move them, or "
+            "save elsewhere",
+            path=destination,
+        )
+    return replaces
+
+
 def begin(destination: StorePath, save_id: str) -> None:
     """Step 1 (one process): sweep, refuse foreign objects, write the marker, retire a committed checkpoint."""
     refuse_inside_checkpoint(destination)
     refuse_an_object_at(destination)
     sweep(destination.parent)
     found = list_objects(destination)
-    replaces = None
-    if found:
-        container = ObjectStoreContainer(destination)
-        try:
-            replaces = container.manifest().get("save_id")
-        except CheckpointError as err:
-            # a damaged checkpoint of ours (its manifest there and ours, every data object a save's) is replaced
-            # (and holds data objects: a user's own manifest.json and .metadata are no evidence a save wrote them)
-            ours = container.root_damaged(err) and any(is_data_file(n) for n in found)
-            if not (ours and _left_by(destination, found, None)):
-                raise CheckpointError(
-                    f"holds {len(found)} object(s) but no valid {MANIFEST}: not a torchrl_dcp checkpoint; refusing to "
-                    "overwrite it (choose another path, or delete the objects)",
-                    path=destination,
-                ) from None
-        foreign = foreign_objects(destination, found)
-        if foreign:
-            raise CheckpointError(
-                f"holds objects a checkpoint never holds ({foreign[:5]}); refusing to replace it: move them, or "
-                "save elsewhere",
-                path=destination,
-            )
+    replaces = replaced_save(destination, found) if found else None
     # the marker names the replaced checkpoint's save too: a retirement that fails or is killed half-way leaves
     # objects of that save, which the next sweep then proves and removes
     body = json.dumps({"save_id": save_id, "started": time.time(), "replaces": replaces}).encode()
