@@ -25,8 +25,6 @@ import functools
 import json
 import math
 import re
-import struct
-import sys
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterator, Mapping
 from pathlib import Path, PurePath, PurePosixPath, PureWindowsPath
@@ -37,6 +35,16 @@ import torch
 
 from torchrl_dcp.errors import CheckpointFormatError, EncodingError
 from torchrl_dcp.format.manifest_depth import MAPPING_NODES
+from torchrl_dcp.format.scalar_nodes import (
+    UnstorableLeaf,
+    decode_enum,
+    decode_float,
+    decode_np_scalar,
+    enum_node,
+    float_node,
+    np_dtype_from_name,
+    np_scalar_node,
+)
 from torchrl_dcp.format.sparse_nodes import build_sparse, sparse_node, sparse_parts
 from torchrl_dcp.format.tensor_nodes import (
     TensorSpec,
@@ -64,8 +72,6 @@ __all__ = [
 
 _SCALAR_KINDS = (type(None), bool, int, str)
 MAX_DEPTH = 100  # nesting levels of a state (and of its skeleton): deeper is refused on save and on load
-_NP_KINDS = "biufc"  # numeric numpy kinds: bool, int, uint, float, complex
-_NP_MAX_ITEMSIZE = 32  # complex256, the widest numeric numpy scalar
 _MAPPING_KINDS: dict[type, str] = {dict: "dict", OrderedDict: "odict", Counter: "counter"}
 _CONTAINERS = frozenset(
     {*MAPPING_NODES, "list", "tuple", "set", "frozenset", "deque", "np", "complex", "slice", "sparse_coo"}
@@ -143,7 +149,10 @@ class _Encoder:
 
     def encode(self, value: Any, path: str, depth: int = 0) -> Any:
         if isinstance(value, enum.Enum):  # (an IntEnum or a str Enum is an int or a str too: its class is kept)
-            return self._enum(value, path)
+            try:
+                return enum_node(value)
+            except UnstorableLeaf as err:
+                raise self.fail(path, value, f" ({err})") from None
         if isinstance(value, _SCALAR_KINDS):
             if type(value) not in _SCALARS:  # a subclass of int or str would come back as a plain one
                 raise self.fail(path, value, f" (a subclass of {type(value).__mro__[1].__name__}: convert it)")
@@ -151,7 +160,7 @@ class _Encoder:
                 raise self.fail(path, value, f" (an integer of more than {MAX_INT_BITS} bits: store it as a string)")
             return value
         if type(value) is float:  # (NumPy's float64 is a float too: its own node below keeps its type)
-            return value if math.isfinite(value) else _non_finite(value)
+            return value if math.isfinite(value) else float_node(value)
         if isinstance(value, torch.Tensor):
             return self._tensor(value, path)
         if isinstance(value, np.ndarray):
@@ -169,16 +178,6 @@ class _Encoder:
             items = [self.encode(v, f"{path}/{i}" if path else str(i), depth) for i, v in enumerate(value)]
             return {"t": "deque", "items": items, "maxlen": value.maxlen}
         return self._other(value, path, depth)
-
-    def _enum(self, value: enum.Enum, path: str) -> dict[str, Any]:
-        """An enum member by its class and name: a load finds the class among the modules imported (it never
-        imports one) and takes the member by name (no code of the class runs)."""
-        cls = type(value)
-        if "<locals>" in cls.__qualname__:
-            raise self.fail(path, value, " (an enum class defined inside a function: a load cannot find it)")
-        if not isinstance(value.name, str) or cls._member_map_.get(value.name) is not value:
-            raise self.fail(path, value, " (a combination of flags: store its .value)")
-        return {"t": "enum", "cls": f"{cls.__module__}:{cls.__qualname__}", "name": value.name}
 
     def _array(self, value: np.ndarray, path: str) -> dict[str, Any]:
         if type(value) is not np.ndarray:  # a masked array's mask, a matrix's kind would be lost
@@ -230,18 +229,10 @@ class _Encoder:
         if isinstance(value, torch.device):
             return {"t": "device", "v": str(value)}
         if isinstance(value, np.generic):
-            if value.dtype.kind not in "biufc":
-                raise self.fail(path, value)
-            item = value.item()
-            if type(item) not in (bool, int, float, complex):  # (longdouble: no exact Python value)
-                raise self.fail(path, value, f" (numpy scalar of dtype {value.dtype}: no exact Python value)")
-            if isinstance(item, complex):
-                item = [item.real, item.imag]
-            node = {"t": "np", "dtype": value.dtype.str, "v": self.encode(item, path, depth)}
-            part = value.dtype.itemsize // (2 if value.dtype.kind == "c" else 1)  # (a float64 part keeps its bits)
-            if value.dtype.kind in "fc" and part != 8 and np.isnan(value):
-                node["bits"] = value.tobytes().hex()  # (its Python float quiets a float32 signalling NaN)
-            return node
+            try:
+                return np_scalar_node(value, lambda item: self.encode(item, path, depth))
+            except UnstorableLeaf as err:
+                raise self.fail(path, value, f" ({err})" if str(err) else "") from None
         if isinstance(value, complex):
             return {"t": "complex", "v": [self.encode(value.real, path, depth), self.encode(value.imag, path, depth)]}
         if isinstance(value, (bytes, bytearray)):
@@ -429,33 +420,6 @@ def _nodes(skeleton: Any) -> Iterator[dict[str, Any]]:
                 stack.extend(v for k, v in node.items() if k != "t")
 
 
-_NAN_BITS = struct.pack(">d", math.nan)
-
-
-def _non_finite(value: float) -> dict[str, Any]:
-    """A non-finite float's node; a NaN other than Python's own keeps its bits (sign and payload)."""
-    bits = struct.pack(">d", value)
-    if value != value and bits != _NAN_BITS:
-        return {"t": "float", "v": "nan", "bits": bits.hex()}
-    return {"t": "float", "v": repr(value)}
-
-
-def _decode_scalar_float(node: dict[str, Any]) -> float:
-    v = node["v"]
-    if v not in ("nan", "inf", "-inf"):
-        raise CheckpointFormatError(f"malformed float {v!r}")
-    bits = node.get("bits")
-    if bits is None:
-        return float(v)
-    try:
-        value = struct.unpack(">d", bytes.fromhex(bits))[0] if isinstance(bits, str) and len(bits) == 16 else 0.0
-    except ValueError:
-        value = 0.0
-    if v != "nan" or value == value:
-        raise CheckpointFormatError(f"malformed NaN bits {bits!r}")
-    return value
-
-
 def _decode_path(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> PurePath:
     kind = node.get("kind")
     if kind is None:
@@ -466,26 +430,6 @@ def _decode_path(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -
 
 
 _PURE_PATHS = {"PurePosixPath": PurePosixPath, "PureWindowsPath": PureWindowsPath}
-
-
-def np_dtype_from_name(name: Any) -> np.dtype:
-    """A numeric numpy dtype named in a checkpoint (kinds ``biufc``, at most 32 bytes), else a format error.
-
-    Example:
-        >>> np_dtype_from_name("<f4")
-        dtype('float32')
-    """
-    try:
-        dtype = np.dtype(name) if isinstance(name, str) and len(name) <= 16 else None
-    except (TypeError, ValueError, SyntaxError):  # numpy parses dtype strings (SyntaxError for some shapes)
-        dtype = None
-    if dtype is None or dtype.kind not in _NP_KINDS or dtype.itemsize > _NP_MAX_ITEMSIZE or dtype.shape:
-        raise CheckpointFormatError(
-            f"numpy dtype {str(name)[:40]!r} in the state is not a numeric dtype of at most {_NP_MAX_ITEMSIZE} bytes "
-            "(torchrl_dcp only saves bool, integer, float and complex arrays and scalars): the manifest is damaged "
-            "or forged"
-        )
-    return dtype
 
 
 def decode(skeleton: Any, tensors: Mapping[str, Any]) -> Any:
@@ -651,35 +595,6 @@ def _decode_deque(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) 
     return deque((_decode(v, tensors, depth) for v in items), maxlen=maxlen)
 
 
-def _decode_enum(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
-    """The member named, of an enum class of a module imported already (looked up in the module's and classes'
-    own dicts: no module is imported, no attribute hook runs)."""
-    spec, name = node["cls"], node["name"]
-    if not isinstance(spec, str) or not isinstance(name, str) or spec.count(":") != 1:
-        raise CheckpointFormatError(f"malformed enum entry {str(spec)[:100]!r}")
-    module_name, qualname = spec.split(":")
-    owner: Any = sys.modules.get(module_name)
-    if owner is None:
-        raise CheckpointFormatError(
-            f"the state holds a member of the enum {spec}, whose module is not imported: import {module_name} "
-            "before loading (a load never imports a module)"
-        )
-    for part in qualname.split("."):
-        owner = vars(owner).get(part) if hasattr(owner, "__dict__") else None
-    if not (isinstance(owner, type) and issubclass(owner, enum.Enum)):
-        where = (
-            " (the script that saved it defined it: load from that script, or define the enum in a module and import"
-            " it)"
-            if module_name == "__main__"
-            else ""
-        )
-        raise CheckpointFormatError(f"the state names {spec} as an enum class: there is none of that name{where}")
-    member = owner._member_map_.get(name)
-    if member is None:
-        raise CheckpointFormatError(f"the enum {spec} has no member {name!r} (renamed since the save?)")
-    return member
-
-
 def _decode_device(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
     try:
         return torch.device(node["v"])
@@ -688,43 +603,7 @@ def _decode_device(node: dict[str, Any], tensors: Mapping[str, Any], depth: int)
 
 
 def _decode_np_scalar(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
-    dtype = np_dtype_from_name(node["dtype"])
-    item = _decode(node["v"], tensors, depth)
-    if isinstance(item, list):
-        item = complex(*item)
-    if not isinstance(item, (bool, int, float, complex)):
-        raise CheckpointFormatError(f"numpy scalar of dtype {dtype.str!r} holds {type(item).__name__}")
-    bits = node.get("bits")
-    if bits is None:
-        return _exact_np_scalar(dtype, item)
-    # a NaN of a narrower float (sign, payload, signalling bit) as saved; only where its Python value is a NaN too
-    try:
-        raw = bytes.fromhex(bits) if isinstance(bits, str) and len(bits) == 2 * dtype.itemsize else None
-    except ValueError:
-        raw = None
-    value = np.frombuffer(raw, dtype=dtype)[0] if raw is not None and dtype.kind in "fc" else None
-    if value is None or not np.isnan(value) or not np.isnan(dtype.type(item)):
-        raise CheckpointFormatError(f"malformed NaN bits {bits!r} of a numpy scalar of dtype {dtype.str!r}")
-    return value
-
-
-def _exact_np_scalar(dtype: np.dtype, item: Any) -> Any:
-    """``dtype.type(item)`` when it holds ``item`` exactly, as a save writes it (``item`` is the scalar's own
-    ``.item()``); a value of another kind or one the cast changes (1.5 as int16, 1e300 as float32, 2 as bool) is
-    refused, where numpy would cast it."""
-    kinds = {"b": (bool,), "i": (int,), "u": (int,), "f": (float, int), "c": (complex, float, int)}[dtype.kind]
-    if type(item) not in kinds or (dtype.kind in "iu" and type(item) is bool):
-        raise CheckpointFormatError(f"numpy scalar of dtype {dtype.str!r} holds {type(item).__name__} {item!r}")
-    with np.errstate(all="ignore"):
-        value = dtype.type(item)
-    back = value.item()
-    same = back == item or (isinstance(item, float) and item != item and back != back)
-    if dtype.kind == "c" and not same:  # (a NaN part: equal parts elsewhere, both NaN there)
-        pairs = ((back.real, item.real), (back.imag, item.imag)) if isinstance(item, complex) else ()
-        same = bool(pairs) and all(b == i or (b != b and i != i) for b, i in pairs)
-    if not same:
-        raise CheckpointFormatError(f"numpy scalar of dtype {dtype.str!r} cannot hold {item!r} exactly")
-    return value
+    return decode_np_scalar(node, _decode(node["v"], tensors, depth))
 
 
 def _decode_bytes(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
@@ -754,8 +633,8 @@ _DECODERS: dict[str, Any] = {
     "set": _decode_sequence,
     "frozenset": _decode_sequence,
     "deque": _decode_deque,
-    "enum": _decode_enum,
-    "float": lambda node, tensors, depth: _decode_scalar_float(node),
+    "enum": lambda node, tensors, depth: decode_enum(node),
+    "float": lambda node, tensors, depth: decode_float(node),
     "size": lambda node, tensors, depth: torch.Size([int(v) for v in node["v"]]),
     "dtype": lambda node, tensors, depth: dtype_from_name(node["v"]),
     "device": _decode_device,
