@@ -55,7 +55,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torchrl_dcp._log import get_logger
 from torchrl_dcp.adapters.base import Adapter
 from torchrl_dcp.adapters.rng import RNGState
-from torchrl_dcp.collective import failures, raise_if_failed, run_agreed
+from torchrl_dcp.collective import failures, run_agreed
 from torchrl_dcp.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -83,6 +83,14 @@ from torchrl_dcp.load_plan import (
     plan_components,
     refuse_conflicting_live,
     rollback_one,
+)
+from torchrl_dcp.load_rollback import (
+    fail,
+    planned_changes,
+    rollback_and_raise,
+    rollback_refused,
+    undo,
+    with_planned,
 )
 from torchrl_dcp.planner import SafeLoadPlanner
 from torchrl_dcp.save_support import failure_inside, quiet_single_process, summarize
@@ -427,25 +435,25 @@ def _restore(src: CheckpointSource, request: LoadRequest, load_plan: LoadPlan, r
     done: list[ComponentPlan] = []
 
     failure = check_values(load_plan, src, request.path) or _restore_all(first, load_plan, request, result, done)
-    statuses = _statuses(failure, request.group, _with_planned(done, load_plan), result)
+    statuses = _statuses(failure, request.group, with_planned(done, load_plan), result)
     if statuses is not None:
-        _fail(_with_planned(done, load_plan), statuses, failure, "restoring components", result, group=request.group)
+        fail(with_planned(done, load_plan), statuses, failure, "restoring components", result, group=request.group)
     if load_plan.live or request.group is not None:
         try:
             read(src, request, load_plan.live_reads(), load_plan.verify_live, result, LIVE_MISMATCH)
             load_plan.copy_prefetched()
         except BaseException as err:
-            _rollback_and_raise(done, err, in_place, result)
+            rollback_and_raise(done, err, in_place, result)
         finally:  # written by address: autograd is told, as copy_ would (a graph that saved one refuses backward)
             increment_version([t for t in load_plan.live.values() if not t.is_inference()])
     last = [c for c in done if c.restore_last] if in_place else []
     failure = _restore_all(in_place, load_plan, request, result, done)
     if failure is None and last:
         failure = _restore_again(last, load_plan, request, result)
-    statuses = _statuses(failure, request.group, _with_planned(done, load_plan), result, partial=in_place)
+    statuses = _statuses(failure, request.group, with_planned(done, load_plan), result, partial=in_place)
     if statuses is not None:
-        _fail(
-            _with_planned(done, load_plan),
+        fail(
+            with_planned(done, load_plan),
             statuses,
             failure,
             "restoring components",
@@ -468,7 +476,7 @@ def _statuses(
     try:
         return failures(failure, group, "restoring components")
     except BaseException as err:
-        problems = _undo(done, result)
+        problems = undo(done, result)
         if isinstance(err, CheckpointError):
             note = "every component this rank restored was rolled back"
             if partial:
@@ -574,82 +582,6 @@ def _restore_again(
             error.__cause__ = err
             return error
     return None
-
-
-def planned_changes(load_plan: LoadPlan) -> list[ComponentPlan]:
-    """The components whose planning may have changed them (:attr:`Adapter.allocates_when_planned`): what a load
-    refused before it restores anything rolls back, and nothing else."""
-    return [c for c in load_plan.components.values() if c.adapter.allocates_when_planned]
-
-
-def _with_planned(done: list[ComponentPlan], load_plan: LoadPlan) -> list[ComponentPlan]:
-    """``done`` and, after them, the components planning changed that were not restored (a storage allocated
-    while planning, for a buffer a failure stopped before its turn): what a failed restore rolls back."""
-    restored = {id(c) for c in done}
-    return done + [c for c in planned_changes(load_plan) if id(c) not in restored]
-
-
-def rollback(comps: list[ComponentPlan]) -> list[str]:
-    """Roll ``comps`` back, newest first; returns what could not be rolled back."""
-    return [p for p in (rollback_one(c) for c in reversed(comps)) if p]
-
-
-def rollback_refused(comps: list[ComponentPlan], err: BaseException) -> None:
-    """Roll ``comps`` back after ``err`` refused the load; what could not be rolled back is added to ``err``'s
-    message (a :class:`CheckpointError`; other errors are logged with it)."""
-    problems = rollback(comps)
-    if not problems:
-        return
-    note = f"could not roll back {', '.join(problems)}"
-    if isinstance(err, CheckpointError):
-        err.extend(note)
-    else:
-        logger.error("after %s: %s", type(err).__name__, note)
-
-
-def _fail(
-    done: list[ComponentPlan],
-    statuses: list[Any],
-    own: BaseException | None,
-    phase: str,
-    result: LoadResult,
-    partial: list[ComponentPlan] = (),  # type: ignore[assignment]
-    group: Any = None,
-) -> None:
-    problems = _undo(done, result)
-    try:
-        raise_if_failed(statuses, phase, own, group)
-    except CheckpointError as err:
-        err.result = result
-        notes = []
-        if problems:
-            notes.append(f"could not roll back {', '.join(problems)}")
-        if partial:
-            notes.append(f"rows read in place into {sorted(c.name for c in partial)} keep the loaded values")
-        if notes:
-            err.extend("; ".join(notes))
-        raise
-
-
-def _undo(comps: list[ComponentPlan], result: LoadResult) -> list[str]:
-    """Roll ``comps`` back and empty ``result`` (nothing was loaded); returns what could not be rolled back."""
-    problems = rollback(comps)
-    result.loaded.clear()
-    result.values.clear()
-    return problems
-
-
-def _rollback_and_raise(
-    done: list[ComponentPlan], err: BaseException, partial: list[ComponentPlan], result: LoadResult
-) -> None:
-    problems = _undo(done + partial, result)
-    note = f"the components restored before it were rolled back; tensors of {sorted(c.name for c in partial)} may hold partly loaded values"
-    if problems:
-        note += f"; could not roll back {', '.join(problems)}"
-    if isinstance(err, CheckpointError):
-        err.extend(note)
-        err.result = result
-    raise err
 
 
 # ---------------------------------------------------------------------- reporting

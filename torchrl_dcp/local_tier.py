@@ -49,7 +49,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from torchrl_dcp import _dist, load_engine
+from torchrl_dcp import _dist, load_engine, load_rollback
 from torchrl_dcp._gc import gc_paused
 from torchrl_dcp._log import get_logger
 from torchrl_dcp.collective import differing_steps, run_step
@@ -485,7 +485,7 @@ class LocalTier:
                 run_step(group, f"reading in place {where}", lambda: restore(True), monitored=False)
         except (CheckpointError, _Damaged) as err:
             # every rank undoes what it planned or restored (restoring a snapshot twice is harmless)
-            problems = load_engine.rollback(list(loading["plan"].components.values())) if "plan" in loading else []
+            problems = load_rollback.rollback(list(loading["plan"].components.values())) if "plan" in loading else []
             if isinstance(err, _Damaged) and not problems:
                 return damaged
             note = f"; could not roll back {', '.join(problems)}" if problems else ""
