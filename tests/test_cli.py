@@ -601,3 +601,15 @@ def test_an_archive_unpacks_into_an_empty_directory_as_a_save_writes_into_one(
     (tmp_path / "empty.zip").mkdir()
     assert main(["convert", str(tmp_path / "c"), str(tmp_path / "empty.zip"), "--overwrite"]) == 1
     assert (tmp_path / "empty.zip").is_dir()
+
+
+def test_diff_says_a_value_held_in_a_node_whole_never_by_the_nodes_fields(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A JSON ``-nan`` against ``-inf`` was shown as ``value /z/bits (only in a)``: a field of the NaN's node, no
+    path of the user's state."""
+    a = tdcp.DistributedCheckpoint(vals={"z": -float("nan"), "k": 1}, no_dist=True).save(tmp_path / "a")
+    b = tdcp.DistributedCheckpoint(vals={"z": -float("inf"), "k": 1}, no_dist=True).save(tmp_path / "b")
+    assert main(["diff", str(a), str(b)]) == 1
+    out = capsys.readouterr().out
+    assert "/z/bits" not in out and "value /z:" in out and "-inf" in out

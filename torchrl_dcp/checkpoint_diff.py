@@ -166,12 +166,22 @@ def _tensor_difference(ta: Any, tb: Any, atol: float) -> dict[str, Any] | None:
     return {"status": "values differ", "differing": int(unequal.sum()), "max_abs_diff": max_abs}
 
 
+#: skeleton nodes of single values (their fields are no paths of the user's state)
+_LEAF_NODES = frozenset(
+    {"float", "np", "enum", "complex", "bytes", "bytearray", "dtype", "device", "path", "size", "slice", "range"}
+)
+
+
 def _value_differences(a: Any, b: Any, where: str = "", limit: int = 20) -> list[str]:
     """Paths (into the saved state skeletons) where two components' JSON values differ, at most ``limit``."""
     out: list[str] = []
 
     def walk(x: Any, y: Any, path: str) -> None:
         if len(out) >= limit:
+            return
+        if isinstance(x, dict) and isinstance(y, dict) and (x.get("t") in _LEAF_NODES or y.get("t") in _LEAF_NODES):
+            if x != y:  # one value (a NaN's bits, a NumPy scalar's dtype): said whole, never by its node's fields
+                out.append(f"{path or '/'}: {_short(x)} != {_short(y)}")
             return
         if isinstance(x, dict) and isinstance(y, dict):
             if x.get("t") in MAPPING_NODES and y.get("t") == x.get("t") and "items" in x and "items" in y:
