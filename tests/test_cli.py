@@ -613,3 +613,15 @@ def test_diff_says_a_value_held_in_a_node_whole_never_by_the_nodes_fields(
     assert main(["diff", str(a), str(b)]) == 1
     out = capsys.readouterr().out
     assert "/z/bits" not in out and "value /z:" in out and "-inf" in out
+
+
+def test_an_argument_refused_with_json_is_said_as_json(capsys: pytest.CaptureFixture) -> None:
+    """With ``--json``, an argument argparse refuses (``--atol nan``) printed its usage on stderr and nothing on stdout:
+    a caller parsing stdout got no JSON."""
+    assert main(["diff", "a", "b", "--atol", "nan", "--json"]) == 2
+    captured = capsys.readouterr()
+    info = json.loads(captured.out)
+    assert info["ok"] is False and "--atol: must be a finite number" in info["error"] and not captured.err
+    with pytest.raises(SystemExit) as exit_info:  # without --json: argparse's own usage and exit 2
+        main(["diff", "a", "b", "--atol", "nan"])
+    assert exit_info.value.code == 2 and "must be a finite number" in capsys.readouterr().err

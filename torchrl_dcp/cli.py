@@ -295,10 +295,23 @@ def _print_ls(info: dict[str, Any], metric: str | None) -> None:
         )
 
 
+class _UsageError(Exception):
+    """An argument argparse refuses, with ``--json``: said as JSON on stdout, as every other error is."""
+
+
+class _Parser(argparse.ArgumentParser):
+    json_errors = False  # (set by main when ``--json`` is among the arguments)
+
+    def error(self, message: str) -> Any:
+        if _Parser.json_errors:
+            raise _UsageError(f"{self.prog}: {message}")
+        return super().error(message)
+
+
 def _parser() -> argparse.ArgumentParser:
     from torchrl_dcp._version import __version__
 
-    common = argparse.ArgumentParser(add_help=False)  # options accepted before and after the command
+    common = _Parser(add_help=False)  # options accepted before and after the command
     common.add_argument(
         "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output on stdout"
     )
@@ -306,7 +319,7 @@ def _parser() -> argparse.ArgumentParser:
         "-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
         help="no progress bar on stderr (verify, convert and diff draw one when stderr is a terminal)",
     )  # fmt: skip
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="torchrl-dcp",
         description="Inspect, verify, convert and compare torchrl_dcp checkpoints.",
         parents=[common],
@@ -333,7 +346,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _sub_parser(common: argparse.ArgumentParser) -> type:
-    class SubParser(argparse.ArgumentParser):
+    class SubParser(_Parser):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, parents=[common], **kwargs)
 
@@ -346,7 +359,12 @@ def main(argv: list[str] | None = None) -> int:
     for stream in (sys.stdout, sys.stderr):  # a path the terminal's encoding cannot show is escaped, not an error
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
-    args = _parser().parse_args(argv)
+    _Parser.json_errors = "--json" in (sys.argv[1:] if argv is None else argv)
+    try:
+        args = _parser().parse_args(argv)
+    except _UsageError as err:  # (exit 2, as argparse's own)
+        print(json.dumps({"ok": False, "error": str(err), "file": None}))
+        return 2
     args.json = getattr(args, "json", False)
     args.quiet = getattr(args, "quiet", False)
     try:
