@@ -995,3 +995,19 @@ def test_a_conversion_of_a_store_names_the_objects_not_its_local_copies(tmp_path
             tdcp.to_directory(archive, f"{url}/user", overwrite=overwrite)
         assert "pass overwrite=True" not in str(err.value)
     assert fs.cat(f"{url}/user/notes.txt") == b"mine"
+
+
+def test_a_torchrl_checkpoint_export_in_a_store_is_told_to_be_read_from_a_local_path(tmp_path: Path) -> None:
+    """Our own ``export_torchrl`` writes to a store, where our tools read no torchrl.checkpoint checkpoint: the
+    directory export was "manifest format is 'torchrl.checkpoint', expected 'torchrl_dcp'" (no next step), the
+    archive was told to use ``to_directory``, which refused it as "in a sub-directory"."""
+    src = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(4, 2), no_dist=True).save(tmp_path / "c")
+    url = f"memory://tdcp-tests/{uuid.uuid4().hex[:12]}"
+    tdcp.export_torchrl(src, f"{url}/e_dir", format="directory")
+    tdcp.export_torchrl(src, f"{url}/e.torchrl")
+    with pytest.raises(tdcp.CheckpointFormatError, match="torchrl.checkpoint checkpoint's manifest.*local path"):
+        tdcp.verify(f"{url}/e_dir")
+    with pytest.raises(tdcp.CheckpointFormatError, match="torchrl.checkpoint archive is read from a local path"):
+        tdcp.verify(f"{url}/e.torchrl")
+    with pytest.raises(tdcp.CheckpointFormatError, match="a torchrl.checkpoint archive\\? read it from a local path"):
+        tdcp.to_directory(f"{url}/e.torchrl", tmp_path / "out")

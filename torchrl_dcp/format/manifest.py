@@ -297,6 +297,12 @@ def parse_manifest(raw: Any, source: Any, *, text: bytes | None = None) -> dict[
     """Validate a decoded manifest (and migrate it to the current version); ``text``: the bytes it was decoded from."""
     if not isinstance(raw, dict):
         raise CheckpointFormatError("manifest is not a JSON object", path=source)
+    if raw.get("format") == "torchrl.checkpoint":  # (read through the importer from local paths: not here)
+        raise CheckpointFormatError(
+            "is a torchrl.checkpoint checkpoint's manifest: torchrl_dcp reads those from a local directory or archive "
+            "(copy it from the object store to a local path first), or load it with torchrl.checkpoint",
+            path=source,
+        )
     if raw.get("format") != FORMAT:
         raise CheckpointFormatError(f"manifest format is {raw.get('format')!r}, expected {FORMAT!r}", path=source)
     version = raw.get("format_version")

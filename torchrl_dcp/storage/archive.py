@@ -242,7 +242,11 @@ def _check_name(name: str, where: str) -> None:
             "member name escapes the archive (absolute, '..', '\\' or a NUL byte): refused", path=where
         )
     if len(parts) != 1:
-        raise CheckpointFormatError("member is in a sub-directory; torchrl_dcp archives are flat", path=where)
+        raise CheckpointFormatError(
+            "member is in a sub-directory; torchrl_dcp archives are flat (a torchrl.checkpoint archive? read it from a "
+            "local path: torchrl_dcp imports those read-only)",
+            path=where,
+        )
 
 
 class ArchiveContainer(ManifestParts):

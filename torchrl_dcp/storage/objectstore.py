@@ -378,7 +378,9 @@ class ObjectStoreContainer(ManifestParts):
                 if not list_objects(self.path):
                     if self.path.is_file():
                         raise CheckpointFormatError(
-                            "is a single object (an archive?), not a checkpoint prefix: use to_directory to unpack it",
+                            "is a single object (an archive?), not a checkpoint prefix: use to_directory to unpack "
+                            "an archive of ours; a torchrl.checkpoint archive is read from a local path (copy it "
+                            "there first)",
                             path=self.path,
                         )
                     raise CheckpointNotFoundError("no checkpoint here: nothing under this prefix", path=self.path)
