@@ -182,3 +182,19 @@ def test_a_none_entry_and_the_device_of_a_tensordict_round_trip(tmp_path: Path) 
     live = TensorDict({"obs": torch.ones(2, 3)}, [2], device="cpu")
     tdcp.DistributedCheckpoint(no_dist=True, td=live).load(path)
     assert live.device is None
+
+
+def test_a_tensordict_inside_a_dict_component_is_warned_about_at_save(tmp_path: Path) -> None:
+    """Inside a dict component a TensorDict is saved as a dict of its entries and comes back as a dict (its batch
+    size, device and names lost): silently, before. Registered itself, it is whole, and no warning."""
+    import warnings
+
+    state = {"last": TensorDict({"obs": torch.ones(2, 3)}, [2]), "n": 1}
+    with pytest.warns(tdcp.InexactResumeWarning, match=r"TensorDict\(s\) at /last .*register each as a component"):
+        path = tdcp.DistributedCheckpoint(no_dist=True, s=state).save(tmp_path / "c")
+    live: dict = {}
+    tdcp.DistributedCheckpoint(no_dist=True, s=live).load(path)
+    assert type(live["last"]) is dict and torch.equal(live["last"]["obs"], torch.ones(2, 3))  # (what it warned of)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tdcp.InexactResumeWarning)
+        tdcp.DistributedCheckpoint(no_dist=True, s={"n": 1}, td=state["last"]).save(tmp_path / "d")

@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import warnings
 from collections import Counter, OrderedDict, deque
 from collections.abc import Mapping, MutableMapping, MutableSequence
 from typing import Any
@@ -25,7 +26,7 @@ import torch
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
 from torchrl_dcp.adapters.in_place import in_place_tensors
-from torchrl_dcp.errors import IncompatibleComponentError
+from torchrl_dcp.errors import IncompatibleComponentError, InexactResumeWarning
 
 _SCALARS = (type(None), bool, int, float, str)
 
@@ -44,18 +45,21 @@ def _is_sequence(value: Any) -> bool:
     return isinstance(value, MutableSequence) and not isinstance(value, bytearray)
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: Any, tensordicts: list[str] | None = None, path: str = "") -> Any:
     """``value`` with every mapping turned into a ``dict`` (an ``OrderedDict`` or a ``Counter`` kept as one) and
-    every mutable sequence into a ``list`` (a ``deque`` kept as one, with its ``maxlen``), recursively."""
+    every mutable sequence into a ``list`` (a ``deque`` kept as one, with its ``maxlen``), recursively; the paths of
+    the TensorDicts made dicts are appended to ``tensordicts``."""
     if isinstance(value, Mapping):
-        items = dict((k, _plain(v)) for k, v in value.items())
+        if tensordicts is not None and type(value).__module__.startswith("tensordict."):
+            tensordicts.append(path or "<root>")
+        items = dict((k, _plain(v, tensordicts, f"{path}/{k}")) for k, v in value.items())
         return type(value)(items) if type(value) in (OrderedDict, Counter) else items
     if type(value) in (list, tuple):
-        return type(value)(_plain(v) for v in value)
+        return type(value)(_plain(v, tensordicts, f"{path}/{i}") for i, v in enumerate(value))
     if type(value) is deque:  # (its maxlen kept)
-        return deque((_plain(v) for v in value), maxlen=value.maxlen)
+        return deque((_plain(v, tensordicts, f"{path}/{i}") for i, v in enumerate(value)), maxlen=value.maxlen)
     if _is_sequence(value):
-        return [_plain(v) for v in value]
+        return [_plain(v, tensordicts, f"{path}/{i}") for i, v in enumerate(value)]
     return value
 
 
@@ -76,7 +80,17 @@ class JSONAdapter(Adapter):
     returns_values = True
 
     def state(self, obj: Any, ctx: AdapterContext) -> Any:
-        return _plain(obj)
+        tensordicts: list[str] = []
+        state = _plain(obj, tensordicts)
+        if tensordicts:  # (a TensorDict registered itself is the TensorDict adapter's: whole, as it is)
+            warnings.warn(
+                f"component {ctx.name!r} (saving): the TensorDict(s) at {', '.join(tensordicts[:3])} are saved as "
+                "plain dicts of their entries and come back as dicts (batch size, device and names lost): register "
+                "each as a component of its own, whose adapter keeps them",
+                InexactResumeWarning,
+                stacklevel=3,
+            )
+        return state
 
     def snapshot(self, obj: Any, ctx: AdapterContext) -> Any:
         """A shallow copy: restoring replaces the container's items (tensors read in place aside: kept by reference,
