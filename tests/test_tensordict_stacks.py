@@ -195,6 +195,9 @@ def test_a_tensordict_inside_a_dict_component_is_warned_about_at_save(tmp_path: 
     live: dict = {}
     tdcp.DistributedCheckpoint(no_dist=True, s=live).load(path)
     assert type(live["last"]) is dict and torch.equal(live["last"]["obs"], torch.ones(2, 3))  # (what it warned of)
+    nested = {"n": 1, "hist": [0, {"td": TensorDict({}, [])}]}
+    with pytest.warns(tdcp.InexactResumeWarning, match=r"TensorDict\(s\) at /hist/1/td are saved"):
+        tdcp.DistributedCheckpoint(no_dist=True, s=nested).save(tmp_path / "e")
     with warnings.catch_warnings():
         warnings.simplefilter("error", tdcp.InexactResumeWarning)
         tdcp.DistributedCheckpoint(no_dist=True, s={"n": 1}, td=state["last"]).save(tmp_path / "d")

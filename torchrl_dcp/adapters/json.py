@@ -45,22 +45,37 @@ def _is_sequence(value: Any) -> bool:
     return isinstance(value, MutableSequence) and not isinstance(value, bytearray)
 
 
-def _plain(value: Any, tensordicts: list[str] | None = None, path: str = "") -> Any:
+def _is_tensordict(value: Any) -> bool:
+    return type(value).__module__.startswith("tensordict.")
+
+
+def _plain(value: Any, found: list[bool] | None = None) -> Any:
     """``value`` with every mapping turned into a ``dict`` (an ``OrderedDict`` or a ``Counter`` kept as one) and
-    every mutable sequence into a ``list`` (a ``deque`` kept as one, with its ``maxlen``), recursively; the paths of
-    the TensorDicts made dicts are appended to ``tensordicts``."""
+    every mutable sequence into a ``list`` (a ``deque`` kept as one, with its ``maxlen``), recursively; ``True`` is
+    appended to ``found`` when a TensorDict is made a dict (:func:`_tensordict_paths` then names them)."""
     if isinstance(value, Mapping):
-        if tensordicts is not None and type(value).__module__.startswith("tensordict."):
-            tensordicts.append(path or "<root>")
-        items = dict((k, _plain(v, tensordicts, f"{path}/{k}")) for k, v in value.items())
+        if found is not None and not found and _is_tensordict(value):
+            found.append(True)
+        items = dict((k, _plain(v, found)) for k, v in value.items())
         return type(value)(items) if type(value) in (OrderedDict, Counter) else items
     if type(value) in (list, tuple):
-        return type(value)(_plain(v, tensordicts, f"{path}/{i}") for i, v in enumerate(value))
+        return type(value)(_plain(v, found) for v in value)
     if type(value) is deque:  # (its maxlen kept)
-        return deque((_plain(v, tensordicts, f"{path}/{i}") for i, v in enumerate(value)), maxlen=value.maxlen)
+        return deque((_plain(v, found) for v in value), maxlen=value.maxlen)
     if _is_sequence(value):
-        return [_plain(v, tensordicts, f"{path}/{i}") for i, v in enumerate(value)]
+        return [_plain(v, found) for v in value]
     return value
+
+
+def _tensordict_paths(value: Any, path: str = "") -> list[str]:
+    """The paths of the TensorDicts :func:`_plain` makes dicts (walked again only when it found one, so a large plain
+    state pays no path per element)."""
+    if isinstance(value, Mapping):
+        own = [path or "<root>"] if _is_tensordict(value) else []
+        return own + [p for k, v in value.items() for p in _tensordict_paths(v, f"{path}/{k}")]
+    if type(value) in (list, tuple, deque) or _is_sequence(value):
+        return [p for i, v in enumerate(value) for p in _tensordict_paths(v, f"{path}/{i}")]
+    return []
 
 
 def _in_place(obj: Any, saved: dict[int, Any], ctx: AdapterContext) -> dict[str, torch.Tensor]:
@@ -80,9 +95,10 @@ class JSONAdapter(Adapter):
     returns_values = True
 
     def state(self, obj: Any, ctx: AdapterContext) -> Any:
-        tensordicts: list[str] = []
-        state = _plain(obj, tensordicts)
-        if tensordicts:  # (a TensorDict registered itself is the TensorDict adapter's: whole, as it is)
+        found: list[bool] = []
+        state = _plain(obj, found)
+        if found:  # (a TensorDict registered itself is the TensorDict adapter's: whole, as it is)
+            tensordicts = _tensordict_paths(obj)
             warnings.warn(
                 f"component {ctx.name!r} (saving): the TensorDict(s) at {', '.join(tensordicts[:3])} are saved as "
                 "plain dicts of their entries and come back as dicts (batch size, device and names lost): register "
