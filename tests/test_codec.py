@@ -486,14 +486,45 @@ def test_enum_members_keep_their_class_and_subclasses_of_int_or_str_are_refused(
         ({"t": "deque", "items": [1, 2, 3], "maxlen": 2}, "malformed deque"),
         ({"t": "deque", "items": [], "maxlen": -1}, "malformed deque"),
         ({"t": "deque", "items": [], "maxlen": True}, "malformed deque"),
+        ({"t": "defaultdict", "items": [], "factory": "os.system"}, "malformed defaultdict: factory 'os.system'"),
+        ({"t": "defaultdict", "items": [], "factory": ["int"]}, "malformed defaultdict"),
+        ({"t": "defaultdict", "items": []}, None),  # (no factory: None, as defaultdict() has)
     ],
 )
 def test_forged_enum_and_deque_entries_are_refused_without_importing_anything(node: dict, why: str) -> None:
     import sys
 
+    if why is None:
+        assert decode(node, {}).default_factory is None
+        return
     with pytest.raises(CheckpointFormatError, match=why):
         decode(node, {})
     assert "surely_not_imported_module" not in sys.modules
+
+
+def test_a_defaultdict_keeps_its_factory_or_is_refused_by_name(tmp_path: Path) -> None:
+    """A nested ``defaultdict(list)`` came back as a dict (``d["new"].append(x)`` raised ``KeyError`` after a resume,
+    silently). Its factory is kept when it is a type the node can name; a function is refused at save, naming it,
+    except for the registered value itself (filled in place: its own factory stays)."""
+    from collections import defaultdict
+
+    import torchrl_dcp as tdcp
+
+    state = {"returns": defaultdict(list, {"a": [1.0]}), "counts": {"x": defaultdict(int, k=2)}, "none": defaultdict()}
+    path = tdcp.DistributedCheckpoint(no_dist=True, stats=state).save(tmp_path / "c")
+    live: dict = {}
+    tdcp.DistributedCheckpoint(no_dist=True, stats=live).load(path)
+    assert live["returns"].default_factory is list and live["counts"]["x"].default_factory is int
+    assert live["none"].default_factory is None and live == state
+    live["returns"]["b"].append(2.0)  # (a KeyError before)
+    with pytest.raises(tdcp.EncodingError, match=r"stats/nested \(a defaultdict whose default_factory is .*<lambda>"):
+        tdcp.DistributedCheckpoint(no_dist=True, stats={"nested": defaultdict(lambda: 0)}).save(tmp_path / "f")
+    assert not (tmp_path / "f").exists()
+    top = defaultdict(lambda: 7, a=1)
+    tdcp.DistributedCheckpoint(no_dist=True, top=top).save(tmp_path / "t")
+    again = defaultdict(lambda: 7)
+    tdcp.DistributedCheckpoint(no_dist=True, top=again).load(tmp_path / "t")
+    assert again == {"a": 1} and again["new"] == 7
 
 
 def test_a_deque_keeps_its_maxlen_in_any_component(tmp_path: Path) -> None:

@@ -39,6 +39,7 @@ from torchrl_dcp import _dist
 from torchrl_dcp.errors import EncodingError
 from torchrl_dcp.format.checksums import crc32
 from torchrl_dcp.format.codec import is_dtensor
+from torchrl_dcp.format.manifest_depth import MAPPING_NODES
 from torchrl_dcp.format.record import byte_view, host_bytes, plain_tensor
 
 ReplicaCheck = Literal["sample", "full", "off"]
@@ -139,7 +140,7 @@ def with_value_paths(
 def _value_paths(node: Any, path: str, out: dict[str, str]) -> None:
     if len(out) >= MAX_VALUE_PATHS:
         return
-    if isinstance(node, dict) and node.get("t") in ("dict", "odict", "counter") and isinstance(node.get("items"), list):
+    if isinstance(node, dict) and node.get("t") in MAPPING_NODES and isinstance(node.get("items"), list):
         for item in node["items"]:
             key = item[0] if isinstance(item, list) and len(item) == 2 else None
             shown = repr(key) if isinstance(key, (str, int, float, bool, type(None))) else "<key>"

@@ -4,7 +4,7 @@ Loading returns the saved value in ``LoadResult.values[name]`` and, when the
 registered object is a mutable mapping (``dict``, ``OrderedDict``, Hydra's ``DictConfig``) or a mutable sequence
 (``list``, Hydra's ``ListConfig``), also updates it in place: its tensors receive the saved bytes where they are
 (as ``dcp.load`` fills a state dict: :mod:`~torchrl_dcp.adapters.in_place` says when), its other items are replaced. A mapping of another type is stored as a plain ``dict``
-of its items (an ``OrderedDict`` and a ``Counter`` keep their type), a mutable sequence as a ``list`` (a ``deque``
+of its items (an ``OrderedDict``, a ``Counter`` and a ``defaultdict`` keep their type), a mutable sequence as a ``list`` (a ``deque``
 stays one, with its ``maxlen``; nested ones too: a ``DictConfig`` is stored as its container form, interpolations
 resolved).
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Mapping, MutableMapping, MutableSequence
 from typing import Any
 
@@ -27,6 +27,7 @@ import torch
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
 from torchrl_dcp.adapters.in_place import in_place_tensors
 from torchrl_dcp.errors import IncompatibleComponentError, InexactResumeWarning
+from torchrl_dcp.format.codec import named_factory
 
 _SCALARS = (type(None), bool, int, float, str)
 
@@ -50,13 +51,16 @@ def _is_tensordict(value: Any) -> bool:
 
 
 def _plain(value: Any, found: list[bool] | None = None) -> Any:
-    """``value`` with every mapping turned into a ``dict`` (an ``OrderedDict`` or a ``Counter`` kept as one) and
+    """``value`` with every mapping turned into a ``dict`` (an ``OrderedDict``, ``Counter`` or ``defaultdict`` kept
+    as one) and
     every mutable sequence into a ``list`` (a ``deque`` kept as one, with its ``maxlen``), recursively; ``True`` is
     appended to ``found`` when a TensorDict is made a dict (:func:`_tensordict_paths` then names them)."""
     if isinstance(value, Mapping):
         if found is not None and not found and _is_tensordict(value):
             found.append(True)
         items = dict((k, _plain(v, found)) for k, v in value.items())
+        if type(value) is defaultdict:
+            return defaultdict(value.default_factory, items)
         return type(value)(items) if type(value) in (OrderedDict, Counter) else items
     if type(value) in (list, tuple):
         return type(value)(_plain(v, found) for v in value)
@@ -97,6 +101,8 @@ class JSONAdapter(Adapter):
     def state(self, obj: Any, ctx: AdapterContext) -> Any:
         found: list[bool] = []
         state = _plain(obj, found)
+        if type(state) is defaultdict and not named_factory(state):  # (a load fills the registered one in place:
+            state = dict(state)  # its own factory stays, whatever it is)
         if found:  # (a TensorDict registered itself is the TensorDict adapter's: whole, as it is)
             tensordicts = _tensordict_paths(obj)
             warnings.warn(

@@ -25,7 +25,7 @@ import functools
 import json
 import math
 import re
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Iterator, Mapping
 from pathlib import Path, PurePath, PurePosixPath, PureWindowsPath
 from typing import Any
@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from torchrl_dcp.errors import CheckpointFormatError, EncodingError
+from torchrl_dcp.format.key_hashes import HASH_MODULUS, HASHES_CHECKED_FROM, check_hashes, count_hash
 from torchrl_dcp.format.manifest_depth import MAPPING_NODES
 from torchrl_dcp.format.scalar_nodes import (
     UnstorableLeaf,
@@ -63,6 +64,7 @@ __all__ = [
     "dtype_name",
     "encode",
     "escape_key",
+    "named_factory",
     "canonical_bools",
     "is_dtensor",
     "np_dtype_from_name",
@@ -72,7 +74,21 @@ __all__ = [
 
 _SCALAR_KINDS = (type(None), bool, int, str)
 MAX_DEPTH = 100  # nesting levels of a state (and of its skeleton): deeper is refused on save and on load
-_MAPPING_KINDS: dict[type, str] = {dict: "dict", OrderedDict: "odict", Counter: "counter"}
+_MAPPING_KINDS: dict[type, str] = {dict: "dict", OrderedDict: "odict", Counter: "counter", defaultdict: "defaultdict"}
+#: the ``default_factory`` a ``defaultdict`` node may name (``factory``): types, never a function (none is pickled)
+DEFAULT_FACTORIES: dict[str | None, Any] = {
+    None: None,
+    **{f.__name__: f for f in (int, float, complex, str, bytes, bool, list, tuple, dict, set, frozenset)},
+    **{f.__name__: f for f in (Counter, OrderedDict, deque, defaultdict)},
+}
+_FACTORY_NAMES = {id(f): name for name, f in DEFAULT_FACTORIES.items() if f is not None}
+
+
+def named_factory(value: defaultdict) -> bool:
+    """Whether a ``defaultdict``'s factory is one a node can name (:data:`DEFAULT_FACTORIES`)."""
+    return value.default_factory is None or id(value.default_factory) in _FACTORY_NAMES
+
+
 _CONTAINERS = frozenset(
     {*MAPPING_NODES, "list", "tuple", "set", "frozenset", "deque", "np", "complex", "slice", "sparse_coo"}
 )
@@ -206,9 +222,27 @@ class _Encoder:
         metadata = getattr(value, "_metadata", None)
         if metadata is not None:
             node["metadata"] = self.encode(metadata, f"{path}/_metadata" if path else "_metadata", depth)
-        if not hasattr(value, "_metadata"):  # other Mapping types (TensorDict, defaultdict, ...) come back as dicts
+        if not hasattr(value, "_metadata"):  # other Mapping types (TensorDict, ...) come back as dicts
             node["t"] = _MAPPING_KINDS.get(type(value), "dict")
+        if node["t"] == "defaultdict":
+            node["factory"] = self._factory(value, path)
         return node
+
+    def _factory(self, value: defaultdict, path: str) -> str | None:
+        factory = value.default_factory
+        if factory is None:
+            return None
+        name = _FACTORY_NAMES.get(id(factory))
+        if name is None:
+            named = getattr(factory, "__qualname__", type(factory).__qualname__)
+            raise self.fail(
+                path,
+                value,
+                f" (a defaultdict whose default_factory is {named}: only a type among "
+                f"{', '.join(n for n in DEFAULT_FACTORIES if n)} is kept; use one of those, or save dict(value) and "
+                "rebuild the defaultdict after a load)",
+            )
+        return name
 
     def _sequence(self, value: Any, path: str, depth: int) -> dict[str, Any]:
         kind = {list: "list", tuple: "tuple", set: "set", frozenset: "frozenset"}.get(type(value))
@@ -501,41 +535,17 @@ def _numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
         return None
 
 
-#: containers of more keys than this have the hashes of their non-str keys counted (smaller ones cost at most
-#: ~HASHES_CHECKED_FROM / 2 key comparisons per key, whatever their hashes)
-HASHES_CHECKED_FROM = 256
-#: keys of one container that may share one hash: more is refused (ints ``k + i * (2**61 - 1)`` all share one, and
-#: a dict or set of n such keys takes n**2 / 2 comparisons to build: 40,000 took 26 s)
-MAX_EQUAL_HASHES = 8
-_HASH_MODULUS = (1 << 61) - 1  # ints of smaller magnitude are their own hash (but -1, whose hash is -2's)
-
-
-def _count_hash(counts: dict[int, int], key: Any, size: int) -> None:
-    """Count ``key``'s hash (a key of a mapping of ``size`` keys), refusing a hash met too often."""
-    h = hash(key)
-    n = counts[h] = counts.get(h, 0) + 1
-    if n > MAX_EQUAL_HASHES:
-        raise _colliding(size, key)
-
-
-def _check_hashes(items: list[Any]) -> None:
-    """Refuse a set or frozenset whose items share one hash more than :data:`MAX_EQUAL_HASHES` times."""
-    counts = Counter(map(hash, items))  # (str items too: counting them costs less than leaving them out)
-    h, n = counts.most_common(1)[0]
-    if n > MAX_EQUAL_HASHES:
-        raise _colliding(len(items), next(x for x in items if hash(x) == h))
-
-
-def _colliding(size: int, key: Any) -> CheckpointFormatError:
-    return CheckpointFormatError(
-        f"malformed state skeleton: a container of {size} keys holds more than {MAX_EQUAL_HASHES} distinct "
-        f"{type(key).__name__} keys of one hash (such as {repr(key)[:40]}): no saved state has those, and building "
-        "it would take quadratic time; the manifest is damaged or forged (refused)"
-    )
-
-
 def _decode_mapping(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
-    out: dict[Any, Any] = OrderedDict() if node["t"] == "odict" else Counter() if node["t"] == "counter" else {}
+    kind = node["t"]
+    out: dict[Any, Any] = (
+        {}
+        if kind == "dict"
+        else OrderedDict()
+        if kind == "odict"
+        else Counter()
+        if kind == "counter"
+        else _default_dict(node)
+    )
     items = node["items"]
     counts: dict[int, int] | None = {} if len(items) > HASHES_CHECKED_FROM else None
     # a tensor value (the common non-scalar one) taken here, without the two calls of a decode (5,000 tensors:
@@ -547,10 +557,10 @@ def _decode_mapping(node: dict[str, Any], tensors: Mapping[str, Any], depth: int
         k, v = item  # string keys and scalar values (the common case) without a call
         # (str hashes are randomized: no forger makes them collide; an int below 2**61 is its own hash and its own
         # decoding: the common other key, an index, skips both)
-        if type(k) is not str and (type(k) is not int or not -_HASH_MODULUS < k < _HASH_MODULUS):
+        if type(k) is not str and (type(k) is not int or not -HASH_MODULUS < k < HASH_MODULUS):
             k = _decode(k, tensors, depth)
             if counts is not None:
-                _count_hash(counts, k, len(items))
+                count_hash(counts, k, len(items))
         if type(v) in _SCALARS:
             out[k] = v
         elif type(v) is dict and v.get("t") == "tensor" and "grad" not in v and "stride" not in v:
@@ -583,8 +593,17 @@ def _decode_sequence(node: dict[str, Any], tensors: Mapping[str, Any], depth: in
     items = [_decode(v, tensors, depth) for v in node["items"]]
     kind = node["t"]
     if len(items) > HASHES_CHECKED_FROM and kind in ("set", "frozenset"):
-        _check_hashes(items)
+        check_hashes(items)
     return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[kind](items)
+
+
+def _default_dict(node: dict[str, Any]) -> defaultdict:
+    factory = node.get("factory")
+    if (factory is not None and type(factory) is not str) or factory not in DEFAULT_FACTORIES:
+        raise CheckpointFormatError(
+            f"malformed defaultdict: factory {factory!r} is none of {sorted(n for n in DEFAULT_FACTORIES if n)}"
+        )
+    return defaultdict(DEFAULT_FACTORIES[factory])
 
 
 def _decode_deque(node: dict[str, Any], tensors: Mapping[str, Any], depth: int) -> Any:
@@ -628,6 +647,7 @@ _DECODERS: dict[str, Any] = {
     "dict": _decode_mapping,
     "odict": _decode_mapping,
     "counter": _decode_mapping,
+    "defaultdict": _decode_mapping,
     "list": _decode_sequence,
     "tuple": _decode_sequence,
     "set": _decode_sequence,

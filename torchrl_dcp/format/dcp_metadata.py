@@ -26,7 +26,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, UnsafeCheckpointError
-from torchrl_dcp.format.codec import MAX_EQUAL_HASHES
+from torchrl_dcp.format.key_hashes import MAX_EQUAL_HASHES
 
 _ALLOWED: dict[str, frozenset[str]] = {
     "torch.distributed.checkpoint.metadata": frozenset(
@@ -196,7 +196,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # Py
 
     def _count_hashes(self, container: Any, keys: Any) -> None:
         """Count the hashes of the non-str ``keys`` going into ``container`` (``None``: one built from them alone);
-        refuse more than :data:`~torchrl_dcp.format.codec.MAX_EQUAL_HASHES` of one hash: a dict or set of n keys
+        refuse more than :data:`~torchrl_dcp.format.key_hashes.MAX_EQUAL_HASHES` of one hash: a dict or set of n keys
         sharing one (ints ``k + i * (2**61 - 1)``) takes n**2 / 2 comparisons to build (60,000 took 14 s)."""
         others = [k for k in keys if type(k) is not str]  # str hashes are randomized: no forger makes them collide
         if not others:

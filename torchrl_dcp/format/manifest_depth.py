@@ -16,9 +16,9 @@ from torchrl_dcp.errors import CheckpointFormatError
 
 MAX_DEPTH = 256  # nesting levels a manifest may have (a deeper one is refused before anything walks it)
 #: the skeleton node kinds of mappings (what walks of a manifest's states descend into by key): a plain dict, an
-#: OrderedDict, a Counter (``MultiStepLR``'s milestones: its ``elements()`` is what a scheduler calls); any other
-#: mapping is saved as a plain dict
-MAPPING_NODES = frozenset({"dict", "odict", "counter"})
+#: OrderedDict, a Counter (``MultiStepLR``'s milestones: its ``elements()`` is what a scheduler calls), a
+#: ``defaultdict`` (its factory named); any other mapping is saved as a plain dict
+MAPPING_NODES = frozenset({"dict", "odict", "counter", "defaultdict"})
 
 
 def check_depth(value: Any, source: Any, limit: int = MAX_DEPTH) -> None:
