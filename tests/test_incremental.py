@@ -500,16 +500,44 @@ def test_each_open_save_keeps_its_own_record_of_the_rows_written() -> None:
 
     storage = TensorStorage(torch.zeros(8, 3))
     tracker = track(storage)
-    tracker.commit(tracker.begin(), "s0")
-    first = tracker.begin()  # an async save's call
+
+    def begin() -> Any:  # (a save stores the storage under key "k")
+        snap = tracker.begin()
+        snap.keys.add("k")
+        return snap
+
+    tracker.commit(begin(), "s0")
+    first = begin()  # an async save's call
     storage.set(torch.tensor([2]), torch.ones(1, 3))
-    second = tracker.begin()  # another save while the first is in flight
-    assert second.epoch == "s0" and not second.unchanged("s0", 2, 1) and second.unchanged("s0", 3, 5)
+    second = begin()  # another save while the first is in flight
+    assert second.epoch == "s0" and not second.unchanged("s0", "k", 2, 1) and second.unchanged("s0", "k", 3, 5)
+    assert not second.unchanged("s0", "other", 3, 5)  # (saved under another key there: nothing proven)
     storage.set(torch.tensor([4]), torch.ones(1, 3))
     tracker.commit(second, "s2")
     tracker.commit(first, "s1")  # committed last: the rows since its own call
-    later = tracker.begin()
-    assert later.epoch == "s1" and not later.unchanged("s1", 2, 1) and not later.unchanged("s1", 4, 1)
-    assert later.unchanged("s1", 5, 3)
+    later = begin()
+    assert later.epoch == "s1" and not later.unchanged("s1", "k", 2, 1) and not later.unchanged("s1", "k", 4, 1)
+    assert later.unchanged("s1", "k", 5, 3)
     tracker.abort(later)  # a failed save leaves the committed record as it was
     assert tracker.begin().epoch == "s1"
+
+
+def test_buffers_that_swapped_names_are_not_kept_from_each_others_chunks(tmp_path: Path) -> None:
+    """Two buffers saved as ``buffer`` and ``aux``, then registered under each other's names: each one's tracker
+    said "no row written since that save" (true), and the incremental save kept the base's chunk files of the
+    *name*: ``buffer`` loaded ``aux``'s rows, verified and silently (a full save was right). A tracker's proof now
+    holds only for the keys its storage was saved under."""
+    first, second = make_buffer("lazy", tmp_path, "a"), make_buffer("lazy", tmp_path, "b")
+    fill(first, 700, 0)
+    fill(second, 700, 5000)
+    ck = tdcp.DistributedCheckpoint(no_dist=True, buffer=first, aux=second)
+    base = ck.save(tmp_path / "base")
+    swapped = tdcp.DistributedCheckpoint(no_dist=True, buffer=second, aux=first)
+    path = swapped.save(tmp_path / "inc", incremental_from=base)
+    tdcp.verify(path)
+    live = {"buffer": make_buffer("lazy", tmp_path, "c"), "aux": make_buffer("lazy", tmp_path, "d")}
+    tdcp.DistributedCheckpoint(no_dist=True, **live).load(path)
+    assert torch.equal(live["buffer"][:700]["obs"], second[:700]["obs"])
+    assert torch.equal(live["aux"][:700]["obs"], first[:700]["obs"])
+    again = swapped.save(tmp_path / "again", incremental_from=path)  # (the proof holds under the new names)
+    assert kept_files(again)

@@ -152,7 +152,7 @@ def plan_keeps(
     by_content: list[tuple[ChunkPlan, KeptChunk]] = []
     for c, kept in candidates:
         snap = changes.get(c.key)
-        if snap is not None and snap.unchanged(base.save_id, c.start, c.rows):
+        if snap is not None and snap.unchanged(base.save_id, c.key, c.start, c.rows):
             keeps[c.file] = kept
         else:
             by_content.append((c, kept))

@@ -191,7 +191,9 @@ def _encode_item(item: EncodeItem, rank: int, out: Encoded, shared: dict[tuple[A
     try:
         changes = item.adapter.row_changes(item.value, item.ctx) or {}
         for path, snap in changes.items():
-            out.changes[f"{prefix}/" + "/".join(escape_key(p) for p in path)] = snap
+            key = f"{prefix}/" + "/".join(escape_key(p) for p in path)
+            out.changes[key] = snap
+            snap.keys.add(key)
             if not any(s is snap for s in out.snapshots):
                 out.snapshots.append(snap)
         state = item.adapter.state(item.value, item.ctx)

@@ -32,7 +32,7 @@ Example:
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -43,16 +43,22 @@ _ATTR = "_tdcp_row_tracker"
 
 @dataclass
 class Snapshot:
-    """The rows written between the save ``epoch`` and this snapshot (``mask``), or ``None`` when unknown."""
+    """The rows written between the save ``epoch`` and this snapshot (``mask``), or ``None`` when unknown;
+    ``epoch_keys``: the DCP keys that save stored the storage under, ``keys``: those this save stores it under (the
+    save fills them in)."""
 
     tracker: RowTracker
     epoch: str | None
     mask: torch.Tensor | None
     token: int = 0  # the record of the rows written from this save's call on (RowTracker.open)
+    epoch_keys: frozenset[str] = frozenset()
+    keys: set[str] = field(default_factory=set)
 
-    def unchanged(self, base_save_id: str, start: int, rows: int) -> bool:
-        """Whether rows ``[start, start + rows)`` are proven unchanged since the save ``base_save_id``."""
-        if self.epoch is None or self.epoch != base_save_id or self.mask is None:
+    def unchanged(self, base_save_id: str, key: str, start: int, rows: int) -> bool:
+        """Whether rows ``[start, start + rows)`` are proven unchanged since the save ``base_save_id``, which
+        stored this storage under ``key`` (a storage saved under another component's name there, two buffers that
+        swapped names, holds other rows at ``key``)."""
+        if self.epoch is None or self.epoch != base_save_id or self.mask is None or key not in self.epoch_keys:
             return False
         if start + rows > self.mask.shape[0]:
             return False
@@ -83,6 +89,7 @@ class RowTracker:
     def __init__(self, storage: Any) -> None:
         self.storage = storage
         self.epoch: str | None = None  # the committed save whose call the mask counts from
+        self.epoch_keys: frozenset[str] = frozenset()  # the DCP keys that save stored the storage under
         self.mask: torch.Tensor | None = None  # None: unknown
         self.open: dict[int, torch.Tensor | None] = {}  # a save in progress (its snapshot's token): rows since its call
         self.tokens = 0
@@ -128,7 +135,9 @@ class RowTracker:
                 self._forget()
             known = self.epoch is not None and self.mask is not None and not any(_shared(t) for t in leaves)
             self.tokens += 1
-            snap = Snapshot(self, self.epoch if known else None, self.mask.clone() if known else None, self.tokens)
+            snap = Snapshot(
+                self, self.epoch if known else None, self.mask.clone() if known else None, self.tokens, self.epoch_keys
+            )
             self.open[self.tokens] = torch.zeros(int(leaves[0].shape[0]), dtype=torch.bool) if leaves else None
             self.versions = versions
             return snap
@@ -138,6 +147,7 @@ class RowTracker:
         call (whichever of overlapping saves commits last: each record holds every write since its own call)."""
         with self.lock:
             self.epoch, self.mask = save_id, self.open.pop(snap.token, None)
+            self.epoch_keys = frozenset(snap.keys)
 
     def abort(self, snap: Snapshot) -> None:
         """The save that took ``snap`` failed: its record is dropped (the committed one was never reset)."""
