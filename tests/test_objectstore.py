@@ -122,6 +122,62 @@ def test_overwrite_replaces_and_foreign_objects_are_refused(store: tuple[str, di
     assert fs.cat_file(resolve_path(f"{url}/foreign/data.bin", options).key) == b"not ours"
 
 
+def test_a_users_objects_named_like_ours_in_a_checkpoint_are_never_replaced(store: tuple[str, dict[str, Any]]) -> None:
+    """A user's ``__7_0.distcp`` or ``manifest-7.json`` put into a committed checkpoint's prefix (not listed by its
+    manifest) was deleted by the next save there and by ``to_directory(overwrite=True)``, where a local directory
+    refuses both: only the objects its manifest lists are replaced."""
+    url, options = store
+    ckpt = _ckpt(_objects(7), options)
+    target = resolve_path(f"{url}/c", options)
+    ckpt.save(target, step=1)
+    local = tdcp.to_archive(target, StorePath(f"{url}/c.zip", storage_options=options))
+    fs = _store_fs(url, options)
+    for name in ("__7_0.distcp", "manifest-7.json"):
+        fs.pipe_file((target / name).key, b"mine")
+        with pytest.raises(tdcp.CheckpointError, match=rf"never holds \(\['{name}'\]\)"):
+            ckpt.save(target, step=2)
+        with pytest.raises(tdcp.CheckpointError, match=rf"never holds \(\['{name}'\]\)"):
+            tdcp.to_directory(local, target, overwrite=True)
+        assert fs.cat_file((target / name).key) == b"mine" and tdcp.read_manifest(target)["step"] == 1
+        fs.rm_file((target / name).key)
+    ckpt.save(target, step=2)  # (the checkpoint alone: replaced)
+    assert tdcp.read_manifest(target)["step"] == 2
+
+
+def test_overwrite_never_replaces_a_users_zip_whose_first_member_has_our_name(
+    store: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """``to_archive`` and ``export_torchrl`` with ``overwrite=True`` replaced any ZIP object whose first member is
+    named ``manifest.json`` (or ``components/...``), read from its first 64 bytes; a local path reads its manifest.
+    The object's ``manifest.json`` must now be ours (or torchrl's, for an export)."""
+    import io
+    import zipfile
+
+    url, options = store
+    src = _ckpt(_objects(8), options).save(tmp_path / "c", step=1)
+    fs = _store_fs(url, options)
+    for first, kind in (("manifest.json", "archive"), ("components/readme.txt", "export")):
+        body = io.BytesIO()
+        with zipfile.ZipFile(body, "w") as z:
+            z.writestr(first, b'{"extension": "mine"}')
+            if first != "manifest.json":
+                z.writestr("manifest.json", b'{"format": "mine"}')
+        dst = resolve_path(f"{url}/user-{kind}.zip", options)
+        fs.pipe_file(dst.key, body.getvalue())
+        with pytest.raises(tdcp.CheckpointError, match="refusing to replace it|is not a torchrl.checkpoint"):
+            if kind == "archive":
+                tdcp.to_archive(src, dst, overwrite=True)
+            else:
+                tdcp.export_torchrl(src, dst, ["policy"], overwrite=True)
+        assert fs.cat_file(dst.key) == body.getvalue()
+    ours = resolve_path(f"{url}/ours.zip", options)  # (an archive of ours is still replaced)
+    tdcp.to_archive(src, ours)
+    tdcp.to_archive(src, ours, overwrite=True)
+    exported = resolve_path(f"{url}/exported.zip", options)
+    tdcp.export_torchrl(src, exported, ["policy"])
+    tdcp.export_torchrl(src, exported, ["policy"], overwrite=True)
+
+
 # ---------------------------------------------------------------------- a prefix without a manifest; leftovers
 def test_prefix_without_manifest_is_absent_and_swept(store: tuple[str, dict[str, Any]]) -> None:
     url, options = store

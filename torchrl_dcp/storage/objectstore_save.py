@@ -32,7 +32,7 @@ import concurrent.futures
 import json
 import time
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Container, Mapping
 from typing import Any
 
 import torch
@@ -87,10 +87,21 @@ def remove_prefix(path: StorePath, manifest_first: bool = True) -> None:
     fs.invalidate_cache(path.key)
 
 
-def foreign_objects(path: StorePath, found: dict[str, dict[str, Any]] | None = None) -> list[str]:
-    """What is under ``path`` that a save never writes there: other names, sub-prefixes."""
+def foreign_objects(
+    path: StorePath, found: dict[str, dict[str, Any]] | None = None, listed: Container[str] | None = None
+) -> list[str]:
+    """What is under ``path`` that a save never writes there: other names, sub-prefixes and, given the files its
+    manifest lists (``listed``, its shards' included), objects named like ours that it does not list (a save leaves
+    none: a user's ``__7_0.distcp`` is theirs), as :func:`~torchrl_dcp.storage.directory.foreign_entries` says of a
+    directory."""
     found = list_objects(path) if found is None else found
-    return sorted(n for n, info in found.items() if not is_library_file(n) or info.get("type") != "file")
+    return sorted(
+        n
+        for n, info in found.items()
+        if not is_library_file(n)
+        or info.get("type") != "file"
+        or (listed is not None and n != MANIFEST and n not in listed)
+    )
 
 
 def _is_save_id(value: Any) -> bool:
@@ -200,9 +211,10 @@ def replaced_save(destination: StorePath, found: Collection[str]) -> str | None:
     :class:`CheckpointError` when it holds anything a save may not replace (a user's objects, beside a checkpoint or
     alone). ``None``: a damaged checkpoint of ours, replaced as well."""
     container = ObjectStoreContainer(destination)
-    replaces = None
+    replaces, listed = None, None
     try:
-        replaces = container.manifest().get("save_id")
+        manifest = container.manifest()
+        replaces, listed = manifest.get("save_id"), manifest["files"]
     except CheckpointError as err:
         # a damaged checkpoint of ours (its manifest there and ours, every data object a save's) is replaced
         # (and holds data objects: a user's own manifest.json and .metadata are no evidence a save wrote them)
@@ -213,7 +225,7 @@ def replaced_save(destination: StorePath, found: Collection[str]) -> str | None:
                 "overwrite it (choose another path, or delete the objects)",
                 path=destination,
             ) from None
-    foreign = foreign_objects(destination, found)
+    foreign = foreign_objects(destination, found, listed)
     if foreign:
         raise CheckpointError(
             f"holds objects a checkpoint never holds ({foreign[:5]}); refusing to replace it: move them, or "

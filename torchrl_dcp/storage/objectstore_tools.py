@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from pathlib import Path
 
 from torchrl_dcp.errors import CheckpointError
-from torchrl_dcp.format.layout import MANIFEST
+from torchrl_dcp.format.layout import MANIFEST, MAX_MANIFEST_BYTES
+from torchrl_dcp.format.manifest import loads_manifest
 from torchrl_dcp.format.torchrl_listing import FORMAT_NAME, JSON_LIMIT, written_files
 from torchrl_dcp.storage.directory import DirectoryContainer
 from torchrl_dcp.storage.objectstore import ObjectStoreContainer, download, list_objects, read_range, upload_pieces
@@ -77,7 +79,31 @@ def upload_result(local: Path, dst: StorePath, kind: str) -> None:
 
 
 #: what the first member's name of an archive begins with: torchrl_dcp's (``to_archive``), torchrl.checkpoint's
-_ARCHIVE_FIRST_MEMBERS = {"file": (b".metadata", b"manifest.json"), "torchrl": (b"components/", b"manifest.json")}
+def _is_archive_of(dst: StorePath, kind: str) -> bool:
+    """Whether the object ``dst`` is a ZIP whose ``manifest.json`` is a checkpoint's of ours (``kind`` ``"file"``:
+    it parses and validates, as a local archive's must) or ``torchrl.checkpoint``'s (``"torchrl"``), read as a local
+    one is: through ranged reads of its central directory and that member (a user's ZIP whose first member has the
+    right name is not one)."""
+    limit = MAX_MANIFEST_BYTES if kind == "file" else JSON_LIMIT
+    try:
+        with dst.fs.open(dst.key, "rb") as f, zipfile.ZipFile(f) as z:
+            info = z.getinfo(MANIFEST)
+            if info.file_size > limit:
+                return False
+            raw = z.read(info)
+    except (zipfile.BadZipFile, KeyError, OSError, ValueError, RuntimeError, NotImplementedError, EOFError):
+        return False
+    if kind == "torchrl":
+        try:
+            parsed = json.loads(raw)
+        except ValueError:
+            return False
+        return isinstance(parsed, dict) and parsed.get("format") == FORMAT_NAME
+    try:
+        loads_manifest(raw, dst)
+    except CheckpointError:
+        return False
+    return True
 
 
 def _names_under(dst: StorePath) -> set[str]:
@@ -110,9 +136,7 @@ def check_replaceable(dst: StorePath, kind: str) -> None:
     if kind == "checkpoint":
         return
     if dst.is_file():
-        head = read_range(dst, 0, 64) if dst.fs.size(dst.key) >= 64 else b""
-        n = int.from_bytes(head[26:28], "little") if len(head) >= 30 else 0
-        if head[:4] == b"PK\x03\x04" and head[30 : 30 + n].startswith(_ARCHIVE_FIRST_MEMBERS[kind]):
+        if _is_archive_of(dst, kind):
             return
         raise CheckpointError(
             "is not an archive of a checkpoint; refusing to replace it with overwrite=True (a user's object is never "
