@@ -442,11 +442,25 @@ def test_removal_deletes_only_what_the_library_writes(tmp_path: Path) -> None:
     (path / "empty").mkdir()
     (path / "eval_video").symlink_to("videos/ep.mp4")  # a user's links are theirs too (a save refuses them as foreign)
     (path / "__0_9.distcp").symlink_to("videos/ep.mp4")  # one planted under a name of ours: itself removed
+    for folder in ("manifest-3.json", "__0_5.distcp"):  # a user's directory named like our files: kept whole
+        (path / folder).mkdir()
+        (path / folder / "manifest.json").write_text("theirs")
     kept = remove_tree(path)
-    assert sorted(kept) == ["empty/", "eval_video", "notes.txt", "videos/"]  # (a save never makes a subdirectory)
+    assert sorted(kept) == [  # (a save never makes a subdirectory)
+        "__0_5.distcp/",
+        "empty/",
+        "eval_video",
+        "manifest-3.json/",
+        "notes.txt",
+        "videos/",
+    ]
     assert sorted(str(p.relative_to(path)) for p in path.rglob("*")) == [
+        "__0_5.distcp",
+        "__0_5.distcp/manifest.json",
         "empty",
         "eval_video",
+        "manifest-3.json",
+        "manifest-3.json/manifest.json",
         "notes.txt",
         "videos",
         "videos/ep.mp4",

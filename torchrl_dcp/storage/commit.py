@@ -371,8 +371,12 @@ _TEMPORARY = re.compile(r"^(.+?)\.tmp(?:-[0-9a-f]{32})?$")
 def _library_entry(rel: str, is_dir: bool) -> bool:
     """What :func:`remove_tree` removes: names of ours (:func:`is_ours`); a directory only as a leftover of ours (a
     staging or trash directory of a save that replaced one inside this tree), never deeper than any save nests them:
-    a user's directory is kept whole, whatever its files are named (a save never writes into a subdirectory)."""
-    return is_ours(rel.rpartition("/")[2]) and (not is_dir or rel.count("/") < _MAX_NESTED_LEFTOVERS)
+    a user's directory is kept whole, whatever its files are named (a save never writes into a subdirectory), and
+    whatever its own name (a directory named like one of our files, ``manifest-3.json/``, is never ours)."""
+    name = rel.rpartition("/")[2]
+    if is_dir:
+        return leftover_owner(name) is not None and rel.count("/") < _MAX_NESTED_LEFTOVERS
+    return is_ours(name)
 
 
 def _remove_ours(
