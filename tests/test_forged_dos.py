@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (
 import torchrl_dcp as tdcp
 from tests import forging
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError
-from torchrl_dcp.format import codec, dcp_metadata
+from torchrl_dcp.format import codec, dcp_metadata, key_hashes
 from torchrl_dcp.format.codec import TensorSink, decode
 from torchrl_dcp.format.dcp_metadata import metadata_fragments, parse_metadata, spliced_metadata
 
@@ -128,7 +128,7 @@ def test_the_metadata_saves_write_is_charged_well_under_the_bound(tmp_path: Path
     DCP pickles it and as the commit splices it, are charged at most half the bound (measured: ~10x, ~22x and ~17x
     their size), and parse."""
     assert (dcp_metadata.METADATA_PARSE_RATIO, dcp_metadata.METADATA_PARSE_FLOOR) == (RATIO, FLOOR)
-    assert codec.MAX_EQUAL_HASHES == MAX_EQUAL_HASHES
+    assert key_hashes.MAX_EQUAL_HASHES == MAX_EQUAL_HASHES
     state = {f"layer{i}.weight": torch.zeros(i % 7 + 1, 3) for i in range(500)}
     path = tdcp.DistributedCheckpoint(no_dist=True, model=state).save(tmp_path / "c")
     chunked = _chunked_metadata(20, 50)

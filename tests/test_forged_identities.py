@@ -430,3 +430,29 @@ def test_a_zip64_locator_of_several_disks_is_refused(tmp_path: Path, monkeypatch
     archive.write_bytes(data)
     with pytest.raises(tdcp.CheckpointFormatError, match="counts 2 disks"):
         tdcp.verify(archive)
+
+
+@pytest.mark.parametrize("name", ["a/b", "..", "../../outside", "x\nmore"])
+def test_a_component_name_no_save_writes_is_refused_by_every_reader(tmp_path: Path, name: str) -> None:
+    """A resealed manifest renaming a component to a name every save refuses (``a/b``, ``..``) passed ``verify`` and
+    ``inspect``; ``export_torchrl`` then raised torchrl's bare ``ValueError`` ("names cannot contain path
+    separators"). Refused as a malformed manifest, naming it, by every reader."""
+    src = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(4, 2), no_dist=True).save(tmp_path / "c", step=1)
+
+    def rename(m: dict[str, Any]) -> None:
+        comp = m["components"].pop("policy")
+        comp["inventory"] = {k.replace("/policy/", f"/{name}/"): v for k, v in comp["inventory"].items()}
+        m["components"][name] = comp
+        m["index"]["entries"] = [[e[0].replace("/policy/", f"/{name}/"), *e[1:]] for e in m["index"]["entries"]]
+        forging.mirror_into_metadata(src, m)
+
+    forging.edit(src, rename)
+    why = re.escape(f"component name {name!r} is not one a save writes")
+    with pytest.raises(tdcp.CheckpointFormatError, match=why) as err:
+        tdcp.verify(src)
+    assert str(err.value.path) == str(src / "manifest.json")
+    with pytest.raises(tdcp.CheckpointFormatError, match=why):
+        tdcp.export_torchrl(src, tmp_path / "export")
+    with pytest.raises(tdcp.CheckpointFormatError, match=why):
+        tdcp.DistributedCheckpoint(policy=torch.nn.Linear(4, 2), no_dist=True).load(src)
+    assert not (tmp_path / "export").exists() and not (tmp_path / "outside").exists()

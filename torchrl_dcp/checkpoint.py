@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import datetime
 import os
-import re
 import warnings
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from torchrl_dcp.arguments import (
 from torchrl_dcp.async_save import AsyncSaver, SaveHandle
 from torchrl_dcp.collective import run_agreed
 from torchrl_dcp.errors import TorchrlDcpWarning
+from torchrl_dcp.format.layout import COMPONENT_NAME, is_component_name
 from torchrl_dcp.format.manifest_depth import MAX_DEPTH
 from torchrl_dcp.incremental import share_base
 from torchrl_dcp.json_values import metadata_values
@@ -61,7 +61,6 @@ __all__ = ["DistributedCheckpoint", "LoadResult"]
 logger = get_logger(__name__)
 
 WorldSizeChange = Literal["error", "reshard"]
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*\Z")
 
 
 @dataclass
@@ -256,8 +255,8 @@ class DistributedCheckpoint:
             replica_check: for a replicated component, how saves check that every rank holds the
                 same state (``"sample"``, ``"full"``, ``"off"``; default: the checkpoint's).
         """
-        if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
-            raise ValueError(f"component name {name!r} must match {_NAME.pattern} (no '/' and no '..')")
+        if not is_component_name(name):
+            raise ValueError(f"component name {name!r} must match {COMPONENT_NAME.pattern} (no '/' and no '..')")
         if name in self._components:
             raise KeyError(f"component {name!r} is already registered")
         if adapter is not None and not isinstance(adapter, Adapter):

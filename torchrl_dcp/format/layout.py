@@ -65,6 +65,21 @@ def is_data_file(name: str) -> bool:
     return _DATA_FILE.match(name) is not None
 
 
+#: what a component may be named (its name is a segment of DCP keys, of paths in exports and of CLI output)
+COMPONENT_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*\Z")
+
+
+def is_component_name(name: object) -> bool:
+    """Whether ``name`` is a component name a save accepts (:data:`COMPONENT_NAME`, no ``..``): a manifest naming
+    another was not written by a save.
+
+    Example:
+        >>> [is_component_name(n) for n in ("policy", "replay_buffer.0", "a/b", "..", "x..y", "")]
+        [True, True, False, False, False, False]
+    """
+    return isinstance(name, str) and COMPONENT_NAME.fullmatch(name) is not None and ".." not in name
+
+
 def is_library_file(name: str) -> bool:
     """Whether ``name`` is a file name this library writes into a checkpoint (data and chunk files, DCP's
     metadata, the manifest and its shards): what a sweep of a killed save's leftovers may delete.

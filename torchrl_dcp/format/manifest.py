@@ -42,11 +42,13 @@ from typing import Any
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointVersionError
 from torchrl_dcp.format import migrations
 from torchrl_dcp.format.layout import (
+    COMPONENT_NAME,
     MANIFEST,
     MAX_MANIFEST_BYTES,
     MAX_WORLD_SIZE,
     data_file_rank,
     is_chunk_file,
+    is_component_name,
     is_plain_name,
 )
 from torchrl_dcp.format.manifest_depth import check_depth, structure
@@ -362,6 +364,8 @@ def _validate(m: dict[str, Any], source: Any) -> None:
         raise bad("sharded must be true or false")
     validate_rank_table(m, bad)  # one shard per saved rank (what bounds the ranks a reader iterates)
     for name, rec in m["components"].items():  # before the index, which reads their inventories
+        if not is_component_name(name):  # (a save refuses it: a '/' or '..' would reach paths of exports and tools)
+            raise bad(f"component name {name!r} is not one a save writes (it must match {COMPONENT_NAME.pattern})")
         _validate_component(name, rec, None if m["sharded"] else range(m["world_size"]), bad)
     _validate_index(m, bad)
 
