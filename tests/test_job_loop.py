@@ -263,6 +263,53 @@ def test_preemption_signals_are_checked(tmp_path: Path) -> None:
     assert errors and "main thread" in errors[0]
 
 
+_CLOSED_FROM_A_THREAD = """
+import os, signal, sys, threading
+import torchrl_dcp as tdcp
+rotation = tdcp.CheckpointRotation(sys.argv[1], preemption_signals=("SIGTERM", "SIGINT"))
+errors = []
+def close():
+    try:
+        rotation.close()
+    except Exception as err:
+        errors.append(repr(err))
+thread = threading.Thread(target=close)
+thread.start()
+thread.join()
+print("errors", errors, flush=True)
+try:
+    os.kill(os.getpid(), signal.SIGINT)  # (Python's own handler again: a KeyboardInterrupt)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+if sys.argv[2] == "main":
+    rotation.close()  # a later close from the main thread puts the handlers back at once
+    print("restored", signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+print("survived SIGTERM", flush=True)
+"""
+
+
+@pytest.mark.parametrize("then", ["signal", "main"])
+def test_a_rotation_closed_from_another_thread_leaves_the_signals_default_actions(tmp_path: Path, then: str) -> None:
+    """``close()`` from a cleanup thread raised ``ValueError`` (signal.signal outside the main thread) after marking
+    the watcher closed: its handler stayed installed, passing SIGTERM on to nothing, and a later close from the main
+    thread did nothing: the process survived SIGTERM for good. The handlers are now put back at the next signal (and
+    it is delivered as before the watcher) or at a later close from the main thread."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", _CLOSED_FROM_A_THREAD, str(tmp_path), then],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "errors []" in run.stdout and "interrupted" in run.stdout, run.stdout + run.stderr
+    assert run.returncode == -signal.SIGTERM and "survived" not in run.stdout, run.stdout + run.stderr
+    if then == "main":
+        assert "restored True" in run.stdout
+
+
 # ---------------------------------------------------------------------- async rotations and the checkpoint's lifetime
 def test_async_rotation_prunes_after_each_commit_and_close_flushes(tmp_path: Path) -> None:
     rotation = tdcp.CheckpointRotation(tmp_path, every_steps=1, keep_last=2, async_saves=True)

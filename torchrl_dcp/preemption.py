@@ -54,14 +54,24 @@ class PreemptionWatcher:
         self.signals = check_signals(signals)
         self.signalled: str | None = None  # the name of the first signal received
         self._previous: dict[signal.Signals, Any] = {}
-        self._closed = False
+        self._closed = False  # no longer watching (restore called, from any thread)
+        self._restored = False  # the handlers found are back (from the main thread only)
         if self.signals and threading.current_thread() is not threading.main_thread():
             raise ValueError("preemption_signals can only be installed from the main thread: build the rotation there")
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self._closed:  # still called by a handler installed after ours, which chains to us: pass it on
+        if self._closed:  # closed from another thread (handlers not put back yet), or chained to by a later handler
+            sig = signal.Signals(signum)
+            if signal.getsignal(sig) == self._handle:  # ours still installed: put back what was found (a handler
+                found = _unwrapped(sig, self._previous.get(sig))  # runs on the main thread), then deliver it there
+                signal.signal(sig, found if found is not None else signal.SIG_DFL)
+                if found in (signal.SIG_DFL, None):
+                    signal.raise_signal(signum)  # (the default action: SIGTERM ends the process, as before us)
+                elif callable(found):  # (Python's default_int_handler too: a KeyboardInterrupt, as before us)
+                    found(signum, frame)
+                return
             self._chain(signum, frame)
             return
         name = signal.Signals(signum).name
@@ -79,10 +89,16 @@ class PreemptionWatcher:
         """Put the handlers installed before back (idempotent; only from the main thread). Where another handler
         was installed since, it is left in place and this watcher only passes signals on; a watcher restoring
         this one's handler later puts back what was installed before this one (closed in any order, watchers
-        leave the handlers they found)."""
-        if self._closed:
-            return
+        leave the handlers they found). Called from another thread, it stops watching and the handlers are put back
+        at the next of these signals (then delivered as before this watcher) or at a later call from the main
+        thread."""
         self._closed = True
+        if self._restored:
+            return
+        if threading.current_thread() is not threading.main_thread():  # (signal.signal would raise ValueError)
+            logger.debug("preemption watcher closed outside the main thread: handlers put back at the next signal")
+            return
+        self._restored = True
         for sig, handler in self._previous.items():
             if signal.getsignal(sig) == self._handle:  # someone installed another since: leave theirs
                 handler = _unwrapped(sig, handler)
