@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -161,11 +162,21 @@ def _kind_buffer(kind: str, capacity: int = 20):
 
     if kind == "prioritized":
         return TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.4, storage=LazyTensorStorage(capacity), batch_size=4)
-    if kind == "slice":
+    if kind in ("slice", "slice_open"):
         sampler = SliceSampler(num_slices=2, end_key="done", strict_length=True)
         return TensorDictReplayBuffer(storage=LazyTensorStorage(capacity), sampler=sampler, batch_size=4)
+    if kind == "generations":  # (a small storage: the 6 rows wrap, slots 0 and 1 are written twice)
+        from torchrl.data import TensorDictRoundRobinWriter
+
+        writer = TensorDictRoundRobinWriter(track_generations=True)
+        return TensorDictReplayBuffer(storage=LazyTensorStorage(capacity), writer=writer, batch_size=4)
     if kind == "nstep":
         transform = MultiStepTransform(n_steps=3, gamma=0.9)
+        return TensorDictReplayBuffer(storage=LazyTensorStorage(capacity), batch_size=4, transform=transform)
+    if kind == "observation_norm":  # (a transform not verified exact in a buffer: warned at save and at load)
+        from torchrl.envs.transforms import ObservationNorm
+
+        transform = ObservationNorm(loc=0.0, scale=2.0, in_keys=["obs"])
         return TensorDictReplayBuffer(storage=LazyTensorStorage(capacity), batch_size=4, transform=transform)
     return TensorDictReplayBuffer(storage=LazyTensorStorage(capacity), batch_size=4)
 
@@ -175,6 +186,8 @@ def _kind_data(kind: str, rank: int) -> TensorDict:
     ids = torch.arange(n) + 100 * rank
     if kind == "slice":
         return TensorDict({"id": ids, "done": (ids % 3 == 2).unsqueeze(-1)}, [n])
+    if kind == "slice_open":  # (one episode ends, at id 3: every new rank's newest row is mid-episode)
+        return TensorDict({"id": ids, "done": (ids % 100 == 3).unsqueeze(-1)}, [n])
     if kind == "nstep":
         z = torch.zeros(n, 1, dtype=torch.bool)
         nxt = {"reward": torch.ones(n, 1), "done": z, "terminated": z, "truncated": z, "obs": torch.randn(n, 3)}
@@ -185,7 +198,7 @@ def _kind_data(kind: str, rank: int) -> TensorDict:
 def save_kind_shards(path: str, kind: str) -> dict[str, Any]:
     """Every rank a buffer of ``kind`` with 6 transitions (ids ``100 * rank + i``)."""
     rank = dist.get_rank()
-    rb = _kind_buffer(kind)
+    rb = _kind_buffer(kind, 4 if kind == "generations" else 20)
     rb.extend(_kind_data(kind, rank))
     if kind == "prioritized":
         rb.update_priority(torch.arange(6), torch.arange(6).float() + 1)
@@ -209,13 +222,22 @@ def load_kind_resharded(path: str, kind: str, live: str) -> dict[str, Any]:
         rb = TensorDictPrioritizedReplayBuffer(alpha=0.2, beta=0.4, storage=LazyTensorStorage(20), batch_size=4)
     before = len(rb)
     try:
-        tdcp.DistributedCheckpoint(buffer=rb).load(path, world_size_change="reshard")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tdcp.DistributedCheckpoint(buffer=rb).load(path, world_size_change="reshard")
     except tdcp.CheckpointError as err:
         return {"error": str(err), "len_unchanged": len(rb) == before}
     out: dict[str, Any] = {"error": None, "len": len(rb)}
+    out["inexact"] = [str(w.message) for w in caught if issubclass(w.category, tdcp.InexactResumeWarning)]
+    stored = rb._storage._storage if len(rb) else None
+    if stored is not None and "index" in stored.keys():  # (the position a TensorDict writer stores in each row)
+        out["index"] = stored["index"][: len(rb)].tolist()
+    if kind == "generations":
+        out["ids"] = stored["id"][: len(rb)].tolist()
+        out["generations"] = rb._writer.generations_of(torch.arange(len(rb) + 2)).tolist()
     if isinstance(rb._sampler, PrioritizedSampler):
         out["alpha_beta_eps"] = [rb._sampler._alpha, rb._sampler._beta, rb._sampler._eps]
-    if kind == "slice" and len(rb):
+    if kind in ("slice", "slice_open") and len(rb):
         torch.manual_seed(0)
         joins = set()
         for _ in range(50):

@@ -114,8 +114,45 @@ def test_a_slice_sampler_never_samples_across_two_saved_shards(tmp_path: Path) -
     launch(f"{S}:save_kind_shards", 2, path, "slice")
     (r,) = launch(f"{S}:load_kind_resharded", 1, path, "slice", "fresh")
     assert r.value["error"] is not None and "SliceSampler" in r.value["error"], r.value
-    for r in launch(f"{S}:load_kind_resharded", 4, path, "slice", "fresh"):
+    for rank, r in enumerate(launch(f"{S}:load_kind_resharded", 4, path, "slice", "fresh")):
         assert r.value["error"] is None and r.value["len"] == 3 and r.value["joins"] == [], r.value
+        # rows 0-2 and 3-5 of saved rank 0 end episodes (ids 2, 5); saved rank 1's halves end mid-episode (102, 105)
+        assert any("does not end an episode" in w for w in r.value["inexact"]) == (rank >= 2), r.value
+
+
+def test_a_slice_samplers_part_ending_mid_episode_is_warned_about(tmp_path: Path) -> None:
+    """Each new rank's newest row was mid-episode (still running when saved, or the cut fell inside it): the next
+    rows written, a fresh episode, were joined to it in slices, silently. Now an InexactResumeWarning says so."""
+    path = str(tmp_path / "ckpt")
+    launch(f"{S}:save_kind_shards", 2, path, "slice_open")
+    for r in launch(f"{S}:load_kind_resharded", 4, path, "slice_open", "fresh"):
+        assert r.value["error"] is None and r.value["len"] == 3, r.value
+        assert any("does not end an episode" in w for w in r.value["inexact"]), r.value
+
+
+def test_a_resharded_buffer_with_a_transform_not_verified_exact_is_warned_about(tmp_path: Path) -> None:
+    """A load at the saved world size warned that the buffer's transform is not verified exact; a reshard did not."""
+    path = str(tmp_path / "ckpt")
+    launch(f"{S}:save_kind_shards", 2, path, "observation_norm")
+    (r,) = launch(f"{S}:load_kind_resharded", 1, path, "observation_norm", "fresh")
+    assert r.value["error"] is None and r.value["len"] == 12, r.value
+    assert any("not verified exact in a buffer" in w for w in r.value["inexact"]), r.value
+
+
+def test_a_reshard_renumbers_the_rows_index_entries_and_keeps_their_generations(tmp_path: Path) -> None:
+    """Rows kept the ``"index"`` entry of their saved position (``update_tensordict_priority`` of ``rb[5:8]`` then
+    changed rows 3-5), and a ``track_generations`` writer's slot stamps were not taken over (every received row
+    said -1). Each row's entry is now its new position, and its stamp the one of its saved slot."""
+    path = str(tmp_path / "ckpt")
+    launch(f"{S}:save_kind_shards", 2, path, "prioritized")
+    (r,) = launch(f"{S}:load_kind_resharded", 1, path, "prioritized", "fresh")
+    assert r.value["index"] == list(range(12)), r.value
+    path = str(tmp_path / "gens")
+    launch(f"{S}:save_kind_shards", 2, path, "generations")  # 6 rows into 4 slots: ids 4, 5 in slots written twice
+    (r,) = launch(f"{S}:load_kind_resharded", 1, path, "generations", "fresh")
+    assert r.value["ids"] == [2, 3, 4, 5, 102, 103, 104, 105], r.value  # (oldest first, each shard in turn)
+    assert r.value["generations"] == [0, 0, 1, 1, 0, 0, 1, 1, -1, -1], r.value
+    assert r.value["index"] == list(range(8)), r.value
 
 
 def test_transitions_held_back_by_an_n_step_transform_refuse_a_reshard(tmp_path: Path) -> None:

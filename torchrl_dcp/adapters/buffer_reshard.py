@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import heapq
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +42,7 @@ from torchrl_dcp.adapters.buffer_state import (
 )
 from torchrl_dcp.adapters.buffer_transforms import check_transform_layout, held_back_counts, restore_transform_states
 from torchrl_dcp.adapters.list_storage import LIST_KIND, is_list_storage, list_items, restore_list_storage
-from torchrl_dcp.errors import IncompatibleComponentError
+from torchrl_dcp.errors import IncompatibleComponentError, InexactResumeWarning
 
 
 def _age_order(saved: Mapping[str, Any]) -> torch.Tensor:
@@ -281,6 +282,7 @@ def reshard_buffer(rb: ReplayBuffer, states: dict[int, Any], ctx: AdapterContext
     part = _received(states, split(ctx.plan["lengths"], ctx.rank, ctx.world_size), ctx, consuming)
     check_sampler_room(rb._sampler, part.n, ctx)  # (checked while planning: check_reshard)
     _fill_storage(rb._storage, part, ctx)
+    _warn_open_episode(rb._sampler, part, ctx)
     _reset_writer(rb._writer, part, int(rb._storage.max_size))
     _reset_sampler(rb._sampler, part, states)
     restore_buffer_settings(rb, first, reseed_for=(ctx.rank, ctx.world_size))
@@ -299,7 +301,23 @@ class _Received:
     counts: list[torch.Tensor] = field(default_factory=list)  # a consuming sampler's: times each was sampled
     live: list[torch.Tensor] = field(default_factory=list)  # ... and whether it can still be sampled
     free: list[int] = field(default_factory=list)  # ... its consumed rows, in the order the writer reuses them
+    generations: list[torch.Tensor] = field(default_factory=list)  # a generation-tracking writer's slot stamps
     n: int = 0
+
+
+def _renumbered(data: Any, positions: torch.Tensor, start: int) -> Any:
+    """``data`` (rows taken at the saved ``positions``) with the ``"index"`` entry a TensorDict writer stores in each
+    row (its storage position, which ``update_tensordict_priority`` writes priorities at) set to the rows' new
+    positions ``start, start + 1, ...``: only when every row's entry is its saved position (a user's own ``"index"``
+    entry is left as it is)."""
+    index = data.get("index") if isinstance(data, Mapping) else None
+    if not isinstance(index, torch.Tensor) or index.dtype != torch.long or index.shape[:1] != positions.shape:
+        return data
+    saved = positions.to(index.device).reshape(-1, *([1] * (index.ndim - 1)))
+    if not bool((index == saved).all()):
+        return data
+    new = torch.arange(start, start + len(positions), dtype=torch.long, device=index.device)
+    return {**data, "index": new.reshape(saved.shape).expand_as(index).clone()}
 
 
 def _received(
@@ -313,7 +331,15 @@ def _received(
             items = list_items(state["storage"], ctx)
             out.datas.append([items[p] for p in positions.tolist()])
         else:
-            out.datas.append(_map_tree(state["storage"]["data"], lambda t, p=positions: t[p]))
+            out.datas.append(
+                _renumbered(_map_tree(state["storage"]["data"], lambda t, p=positions: t[p]), positions, out.n)
+            )
+        generations = (state["writer"].get("state") or {}).get("_generation")
+        if isinstance(generations, torch.Tensor):  # (a RoundRobinWriter(track_generations=True)'s slot stamps)
+            known = positions < generations.numel()
+            stamps = torch.full((len(positions),), -1, dtype=torch.int64)
+            stamps[known] = generations.reshape(-1)[positions[known]].to(torch.int64).cpu()
+            out.generations.append(stamps)
         if state["sampler"]["kind"] == "prioritized":
             out.sums.append(state["sampler"]["sum"][positions])
             out.mins.append(state["sampler"]["min"][positions])
@@ -408,6 +434,32 @@ def _fill_storage(storage: Any, part: _Received, ctx: AdapterContext) -> None:
         bump()
 
 
+def _warn_open_episode(sampler: Any, part: _Received, ctx: AdapterContext) -> None:
+    """A slice sampler's received part whose newest row does not end an episode by the sampler's end flag(s)
+    (``end_keys``, ``end_key``, ``("next", "done")``): the next rows written (a new episode: collectors start fresh
+    after a reshard) continue it in the sampler's eyes, so slices span both until those rows are overwritten."""
+    pieces = [d for d in part.datas if not isinstance(d, list) and isinstance(d, Mapping)]
+    if not isinstance(sampler, SliceSampler) or not part.n or not pieces or len(pieces) != len(part.datas):
+        return
+    keys = sampler.end_keys or ((sampler.end_key or ("next", "done")),)
+    ended = False
+    for key in keys:
+        value: Any = pieces[-1]
+        for part_key in (key,) if isinstance(key, str) else key:
+            value = value.get(part_key) if isinstance(value, Mapping) else None
+        if isinstance(value, torch.Tensor) and value.shape[:1] and value.shape[0]:
+            ended = ended or bool(value[-1].bool().any())
+    if not ended:
+        warnings.warn(
+            f"component {ctx.name!r} (loading): the newest transition rank {ctx.rank} receives does not end an "
+            f"episode (no end flag at {keys[0]!r}): the slice sampler takes the next rows written (a new episode after "
+            "a reshard) as its continuation, and samples slices spanning both until they are overwritten; reshard a "
+            "checkpoint saved at episode ends, or resume with the saved number of ranks, for exact slices",
+            InexactResumeWarning,
+            stacklevel=2,
+        )
+
+
 def _set_last_cursor(storage: Any, cursor: Any) -> None:
     """The storage's last cursor (a full storage's slice sampler ends a trajectory there) and its shared index."""
     set_cursor = getattr(storage, "_set_last_cursor", None)
@@ -424,6 +476,13 @@ def _reset_writer(writer: Any, part: _Received, capacity: int) -> None:
     if hasattr(writer, "_cursor"):
         writer._cursor = part.n % capacity
         writer._write_count = part.n
+    if getattr(writer, "_track_generations", False) or getattr(writer, "_generation", None) is not None:
+        # the received rows keep their slots' stamps (-1 where none was saved); every other slot is unwritten
+        live = writer._generation
+        stamps = torch.full((max(part.n, 0 if live is None else live.numel()),), -1, dtype=torch.int64)
+        if part.generations:
+            stamps[: part.n] = torch.cat(part.generations)
+        writer._generation = stamps.to(live.device) if live is not None else stamps
 
 
 def _reset_sampler(sampler: Any, part: _Received, states: dict[int, Any]) -> None:

@@ -447,6 +447,8 @@ class ReplayBufferAdapter(Adapter):
 
     def reshard(self, rb: ReplayBuffer, states: dict[int, Any], ctx: AdapterContext) -> Any:
         ctx.plan["restored"] = True  # (what rollback puts back from here on: the settings too)
+        warn_unsaved_transforms(rb, ctx.name, "loading")  # (as a load at the saved world size warns)
+        _warn_prefetch(rb, ctx.name, "loading")
         buffer_reshard.reshard_buffer(rb, states, ctx)
         return None
 
