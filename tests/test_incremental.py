@@ -374,9 +374,13 @@ def test_hard_links_impossible_means_copies_said_in_the_log(
     assert tdcp.verify(inc)["unchecked"] == []
 
 
-@pytest.mark.parametrize("bad_base", ["missing", "not_a_checkpoint", "damaged_manifest", "a_file", "a_data_file"])
+@pytest.mark.parametrize(
+    "bad_base", ["missing", "not_a_checkpoint", "damaged_manifest", "damaged_shard", "a_file", "a_data_file", "torchrl"]
+)
 def test_an_explicit_base_that_is_not_a_checkpoint_is_refused_before_writing(tmp_path: Path, bad_base: str) -> None:
-    """(A file was taken for an archive, never read: the save went on in full, silently.)"""
+    """(A file was taken for an archive, never read: the save went on in full, silently.) The error names the damaged
+    file (it named the base directory for a truncated manifest shard) and, for a torchrl.checkpoint export, says to
+    save it with torchrl_dcp first (it said to copy it from an object store to a local path: it was one)."""
     rb, ckpt, base = base_and_buffer(tmp_path)
     target = tmp_path / "bad"
     if bad_base == "not_a_checkpoint":
@@ -391,9 +395,20 @@ def test_an_explicit_base_that_is_not_a_checkpoint_is_refused_before_writing(tmp
         data = json.loads((target / "manifest.json").read_text())
         data["step"] = 99  # the seal no longer matches
         (target / "manifest.json").write_text(json.dumps(data))
-    with pytest.raises(tdcp.CheckpointError, match="incremental_from"):
+    elif bad_base == "damaged_shard":
+        shutil.copytree(base, target)
+        shard = target / "manifest-0.json"
+        shard.write_bytes(shard.read_bytes()[:-3])
+    elif bad_base == "torchrl":
+        policy = tdcp.DistributedCheckpoint(no_dist=True, policy=torch.nn.Linear(2, 2)).save(tmp_path / "policy")
+        tdcp.export_torchrl(policy, target, ["policy"], format="directory")
+    with pytest.raises(tdcp.CheckpointError, match="incremental_from") as err:
         ckpt.save(tmp_path / "inc", incremental_from=target)
     assert not (tmp_path / "inc").exists()
+    if bad_base == "damaged_shard":
+        assert err.value.path == str(target / "manifest-0.json") and "truncated" in str(err.value)
+    if bad_base == "torchrl":
+        assert "object store" not in str(err.value) and "save it with torchrl_dcp first" in str(err.value)
 
 
 def test_archive_base_means_a_full_save(tmp_path: Path) -> None:

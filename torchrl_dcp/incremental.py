@@ -84,12 +84,16 @@ def read_base(location: Location, world_size: int) -> Base | None:
     path = location.path
     try:
         manifest = location.manifest()  # (an archive's too: a file that is no checkpoint is refused, not ignored)
-    except CheckpointError as err:
-        raise CheckpointError(
-            f"incremental_from: {err.message}; pass a committed checkpoint directory (or prefix), or "
-            "incremental_from=None",
-            path=path,
-        ) from None
+    except CheckpointError as err:  # (its kind, and the file it names: the base's damaged manifest shard, ...)
+        where = "" if err.path is not None and str(err.path) == str(path) else f" (base {path})"
+        err.reword(
+            f"incremental_from{where}: {err.message}; pass a committed checkpoint directory (or prefix), or "
+            "incremental_from=None"
+        )
+        if err.path is None:
+            err.path = str(path)
+            err.reword(err.message)
+        raise err from None
     if not location.can_be_base:
         logger.info("incremental base %s is an %s: chunk files cannot be kept; saving in full", path, location.kind)
         return None

@@ -301,8 +301,9 @@ def parse_manifest(raw: Any, source: Any, *, text: bytes | None = None) -> dict[
         raise CheckpointFormatError("manifest is not a JSON object", path=source)
     if raw.get("format") == "torchrl.checkpoint":  # (read through the importer from local paths: not here)
         raise CheckpointFormatError(
-            "is a torchrl.checkpoint checkpoint's manifest: torchrl_dcp reads those from a local directory or archive "
-            "(copy it from the object store to a local path first), or load it with torchrl.checkpoint",
+            "is a torchrl.checkpoint checkpoint's manifest, not a torchrl_dcp one: DistributedCheckpoint.load imports "
+            "such a checkpoint from a local path (a directory or archive); to verify or convert it, or save "
+            "incrementally from it, load it and save it with torchrl_dcp first",
             path=source,
         )
     if raw.get("format") != FORMAT:
