@@ -14,6 +14,7 @@ import random
 import shutil
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -651,3 +652,48 @@ def test_a_dumped_buffer_into_one_of_another_sampler_is_incompatible_not_foreign
     with pytest.warns(tdcp.PartialLoadWarning):
         result = tdcp.DistributedCheckpoint(rb=target).load(path, strict="warn")
     assert "rb" in result.incompatible and len(target) == 0
+
+
+class _Actor(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.full((1,), 0.5))
+
+    def forward(self, th: torch.Tensor) -> torch.Tensor:
+        return (th.unsqueeze(-1) * self.gain).clamp(-2.0, 2.0)
+
+
+def _collector(policy: bool) -> Any:  # (a StepCounter: state in the env's state_dict)
+    from torchrl.collectors import Collector
+    from torchrl.envs import PendulumEnv, StepCounter, TransformedEnv
+
+    env = TransformedEnv(PendulumEnv(), StepCounter(max_steps=20))
+    env.set_seed(0)
+    module = None
+    if policy:
+        from tensordict.nn import TensorDictModule
+
+        module = TensorDictModule(_Actor(), in_keys=["th"], out_keys=["action"])
+    return Collector(env, module, frames_per_batch=4, total_frames=-1)
+
+
+@pytest.mark.parametrize("policy", [True, False])
+def test_an_imported_collector_or_env_is_said_to_go_on_differently(tmp_path: Path, policy: bool) -> None:
+    """torchrl.checkpoint saves a collector's (an env's) state_dict() only: the step in flight and the env's
+    generators are not in it, and the import continued differently from the saved run, silently. It is now named in
+    an InexactResumeWarning; a collector without policy state (``Collector(env, None)``) is loaded as our own
+    format loads it (torchrl's strict load refused it: "Underlying policy does not have state_dict")."""
+    collector = _collector(policy)
+    next(iter(collector))
+    path = Checkpoint(collector=collector, env=collector.env).save(tmp_path / "ckpt")
+    fresh = _collector(policy)
+    with pytest.warns(
+        tdcp.InexactResumeWarning, match=r"'collector' \(importing a torchrl.checkpoint\).*step in flight"
+    ):
+        with pytest.warns(tdcp.InexactResumeWarning, match=r"'env' \(importing.*the env's generators"):
+            result = tdcp.DistributedCheckpoint(no_dist=True, collector=fresh, env=fresh.env).load(path)
+    assert result.loaded == {"collector", "env"}
+    saved, loaded = collector.state_dict(), fresh.state_dict()
+    assert json.dumps(sorted(saved), default=str) == json.dumps(sorted(loaded), default=str)
+    collector.shutdown()
+    fresh.shutdown()

@@ -194,6 +194,15 @@ class Adapter(abc.ABC):
         """Undo a load of ``obj`` (it failed, here or on another rank): restore :meth:`snapshot`'s value."""
         self.restore(obj, snapshot, ctx)
 
+    def load_torchrl_state_dict(self, obj: Any, state_dict: Any, ctx: AdapterContext) -> list[str]:
+        """Restore ``obj`` from the ``state_dict()`` a ``torchrl.checkpoint`` saved of it (an import); returns what
+        this adapter saves beyond ``state_dict()`` and the import leaves as it is (an
+        :class:`~torchrl_dcp.errors.InexactResumeWarning` names it; empty: exact). The default calls
+        ``obj.load_state_dict`` with the component's ``load_args`` / ``load_kwargs``."""
+        opts = ctx.options
+        obj.load_state_dict(state_dict, *(opts.load_args or ()), **(opts.load_kwargs or {}))
+        return []
+
     #: whether :meth:`reshard_sources` / :meth:`reshard` are implemented (per_rank state only)
     can_reshard: bool = False
 

@@ -184,6 +184,12 @@ class CollectorAdapter(Adapter):
         restore_env_generators(collector.env, state["env_rngs"], ctx.name)
         return None
 
+    def load_torchrl_state_dict(self, collector: Collector, state_dict: Any, ctx: AdapterContext) -> list[str]:
+        """``state_dict()`` as this adapter loads it (a collector without policy state too); the step in flight, the
+        env's generators and what its transforms keep outside ``state_dict()`` are not in torchrl's checkpoint."""
+        load_collector_state(collector, state_dict)
+        return _NOT_IN_STATE_DICT
+
     can_reshard = True
 
     def reshard_sources(self, saved: dict[int, Any], ctx: AdapterContext) -> list[int]:
@@ -211,6 +217,14 @@ class CollectorAdapter(Adapter):
         restore_env_extras(collector.env, _statistics_only(state), ctx.name)  # sub-envs' and Compose'd transforms'
         collector.reset()  # the fresh trajectory starts under the restored counters (a TrajCounter's next count)
         return None
+
+
+#: what a collector's checkpoint holds beyond its ``state_dict()`` (a torchrl.checkpoint import leaves it as it is)
+_NOT_IN_STATE_DICT = [
+    "the step in flight (the carrier the next rollout starts from)",
+    "the env's generators",
+    "transform state outside state_dict() (Python attributes, Compose'd and sub-envs' transforms)",
+]
 
 
 def _statistics_only(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -462,6 +476,15 @@ class MultiCollectorAdapter(Adapter):
         for key, worker in saved.items():
             if isinstance(key, str) and key.startswith("worker") and key[6:].isdigit():
                 check_next_traj_id(worker, read)
+
+    def load_torchrl_state_dict(self, collector: BaseCollector, state_dict: Any, ctx: AdapterContext) -> list[str]:
+        """Each worker's ``state_dict()`` (its error raised here); the workers' in-flight trajectory ids are not in
+        torchrl's checkpoint."""
+        try:
+            load_worker_states(collector, state_dict)
+        finally:
+            resume_async_workers(collector)
+        return ["the workers' in-flight trajectory ids"]
 
     def restore(self, collector: BaseCollector, state: Any, ctx: AdapterContext) -> Any:
         _warn_multi_worker_state(ctx.name, collector, "loading")

@@ -647,6 +647,15 @@ class EnvAdapter(Adapter):
         restore_env_extras(env, state, name)
         restore_env_generators(env, state["env_rngs"], name)
 
+    def load_torchrl_state_dict(self, env: Any, state_dict: Any, ctx: AdapterContext) -> list[str]:
+        """``state_dict()`` as this adapter loads it; the env's generators and what its transforms keep outside
+        ``state_dict()`` are not in torchrl's checkpoint."""
+        load_env_state_dict(env, state_dict, ctx.name)
+        return [
+            "the env's generators",
+            "transform state outside state_dict() (Python attributes, Compose'd and sub-envs' transforms)",
+        ]
+
     can_reshard = True
 
     def reshard_sources(self, saved: dict[int, Any], ctx: AdapterContext) -> list[int]:

@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,7 @@ from torchrl_dcp.errors import (
     CheckpointFormatError,
     CollectiveError,
     IncompatibleComponentError,
+    InexactResumeWarning,
 )
 from torchrl_dcp.load_engine import LoadRequest, LoadResult, compare_components, compare_versions, report_issues
 from torchrl_dcp.torchrl_format.buffers import (
@@ -211,8 +213,15 @@ def _restore_one(p: _Planned) -> Any:
             return p.value
         return value
     if p.kind == "torchrl.state_dict":
-        opts = p.options
-        p.value.load_state_dict(p.payload, *(opts.load_args or ()), **(opts.load_kwargs or {}))
+        left = p.adapter.load_torchrl_state_dict(p.value, p.payload, p.ctx)
+        if left:
+            warnings.warn(
+                f"component {p.name!r} (importing a torchrl.checkpoint): torchrl saved its state_dict() only; "
+                f"{'; '.join(left)} are left as they are, so the run goes on differently from the one saved: save "
+                "it with torchrl_dcp for an exact resume",
+                InexactResumeWarning,
+                stacklevel=5,
+            )
         return None
     assert isinstance(p.payload, SavedBuffer)
     p.rows_before = rows_to_overwrite(p.value, p.payload)
