@@ -7,6 +7,7 @@ in-flight TensorDict: every entry equal, bit for bit. The restored env is also a
 
 from __future__ import annotations
 
+import random
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from tensordict import TensorDict
+from torchrl.data import Bounded, Composite, Unbounded
 from torchrl.envs import (
     CatTensors,
     Compose,
@@ -276,3 +278,50 @@ def test_a_serial_env_whose_sub_envs_reset_apart_resumes_exactly_and_a_changed_o
     other = TransformedEnv(SerialEnv(2, PendulumEnv), VecNormV2(["th"], decay=0.9))  # other buffers: refused
     with pytest.raises(tdcp.CheckpointError):
         tdcp.DistributedCheckpoint(no_dist=True, env=other, td=TensorDict(), rng=tdcp.RNGState()).load(path)
+
+
+class _PythonRandomEnv(EnvBase):
+    """A user's env drawing from a ``random.Random`` of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.observation_spec = Composite(obs=Unbounded((1,)))
+        self.action_spec = Bounded(-1, 1, (1,))
+        self.reward_spec = Unbounded((1,))
+        self.prng = random.Random(0)
+
+    def _reset(self, td: Any) -> TensorDict:
+        return TensorDict({"obs": torch.tensor([self.prng.random()])}, [])
+
+    def _step(self, td: Any) -> TensorDict:
+        obs = td["obs"] + td["action"] + self.prng.gauss(0.0, 1.0)  # (gauss: a cached second draw, kept too)
+        done = torch.tensor([False])
+        return TensorDict({"obs": obs, "reward": obs.clone(), "done": done, "terminated": done}, [])
+
+    def _set_seed(self, seed: int | None) -> None:
+        self.prng.seed(seed)
+
+
+def test_an_envs_python_random_generator_resumes_exactly(tmp_path: Path) -> None:
+    """A ``random.Random`` held by a user's env was neither saved nor warned about: the next batches differed,
+    silently (only torch and NumPy generators were found). It is saved with the env's generators."""
+    from torchrl.collectors import Collector
+
+    def build(seed: int) -> Collector:
+        env = TransformedEnv(_PythonRandomEnv(), StepCounter(max_steps=4))
+        env.set_seed(seed)
+        return Collector(env, None, frames_per_batch=5, total_frames=-1)
+
+    live = build(0)
+    batches = iter(live)
+    next(batches)
+    path = tdcp.DistributedCheckpoint(no_dist=True, collector=live, rng=tdcp.RNGState()).save(tmp_path / "c")
+    expected = [next(batches)["next", "obs"] for _ in range(2)]
+    fresh = build(123)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tdcp.InexactResumeWarning)
+        tdcp.DistributedCheckpoint(no_dist=True, collector=fresh, rng=tdcp.RNGState()).load(path)
+    got = iter(fresh)  # (random actions: the global torch stream, restored by RNGState)
+    assert all(torch.equal(e, next(got)["next", "obs"]) for e in expected)
+    live.shutdown()
+    fresh.shutdown()

@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import random
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -78,7 +79,8 @@ __all__ = [
 
 # ---------------------------------------------------------------------- generators
 def env_generators(env: Any) -> dict[str, Any]:
-    """Every ``torch.Generator`` and NumPy generator reachable from an env (through wrappers and transforms).
+    """Every ``torch.Generator``, NumPy generator and ``random.Random`` reachable from an env (through wrappers and
+    transforms).
 
     Example:
         >>> from torchrl.envs import PendulumEnv
@@ -95,7 +97,9 @@ def env_generators(env: Any) -> dict[str, Any]:
         attrs = dict(getattr(obj, "__dict__", {}))
         attrs.update(getattr(obj, "_modules", None) or {})
         for name, value in attrs.items():
-            if isinstance(value, (torch.Generator, np.random.Generator, np.random.RandomState)):
+            if isinstance(value, (torch.Generator, np.random.Generator, np.random.RandomState)) or (
+                isinstance(value, random.Random) and not isinstance(value, random.SystemRandom)  # (no state)
+            ):
                 found[f"{path}{name}"] = value
             elif isinstance(value, torch.nn.Module) and name != "policy":
                 walk(value, f"{path}{name}.", depth + 1)  # wrapped envs, transforms (envs are modules)
@@ -108,11 +112,15 @@ def env_generators(env: Any) -> dict[str, Any]:
 
 
 def generator_state(gen: Any) -> Any:
-    """The state of a torch, NumPy or legacy NumPy generator, as codec-safe values (:func:`set_generator_state`)."""
+    """The state of a torch, NumPy, legacy NumPy or Python generator, as codec-safe values
+    (:func:`set_generator_state`)."""
     if isinstance(gen, torch.Generator):
         return {"kind": "torch", "state": gen.get_state()}
     if isinstance(gen, np.random.Generator):
         return {"kind": "numpy", "state": gen.bit_generator.state}
+    if isinstance(gen, random.Random):
+        version, internal, gauss = gen.getstate()
+        return {"kind": "python", "state": {"version": version, "words": torch.tensor(internal), "gauss": gauss}}
     return {"kind": "numpy_legacy", "state": _legacy_state(gen)}
 
 
@@ -133,6 +141,11 @@ def set_generator_state(gen: Any, saved: dict[str, Any]) -> None:
         gen.set_state(saved["state"].cpu())
     elif saved["kind"] == "numpy":
         gen.bit_generator.state = saved["state"]
+    elif saved["kind"] == "python":
+        s = saved["state"]
+        if not isinstance(gen, random.Random) or not isinstance(s.get("words"), torch.Tensor):
+            raise ValueError(f"a Python generator's state for a {type(gen).__name__}")
+        gen.setstate((s["version"], tuple(s["words"].tolist()), s["gauss"]))
     else:
         s = saved["state"]
         gen.set_state((s["kind"], s["keys"].numpy().astype(np.uint32), s["pos"], s["has_gauss"], s["gauss"]))
