@@ -334,6 +334,30 @@ def test_background_failure_raises_at_the_next_call(tmp_path: Path, monkeypatch:
         ckpt.async_save(tmp_path / "b")
 
 
+def test_another_checkpoints_load_of_a_path_being_saved_waits_for_that_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint without a process group loaded the path another checkpoint's async save was replacing without
+    waiting for it: it restored the checkpoint being replaced, silently (docs: a load waits for a save in flight, of
+    this checkpoint or of another in the process). It now waits for a save in flight to the path it loads."""
+    writer = tdcp.DistributedCheckpoint(no_dist=True, state={"w": torch.zeros(3)})
+    writer.save(tmp_path / "P", step=0)
+    release = threading.Event()
+    original = W.write_share
+
+    def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
+        release.wait(30)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(W, "write_share", slow)
+    writer.components["state"]["w"].fill_(5.0)
+    handle = writer.async_save(tmp_path / "P", step=1)
+    threading.Timer(0.3, release.set).start()
+    live = {"w": torch.ones(3)}
+    result = tdcp.DistributedCheckpoint(no_dist=True, state=live).load(tmp_path / "P")
+    assert handle.done() and result.step == 1 and torch.equal(live["w"], torch.full((3,), 5.0))
+
+
 def test_one_save_in_flight_the_next_waits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     release, order = threading.Event(), []
     original = W.write_share
@@ -387,36 +411,47 @@ def test_a_checkpoint_waits_only_for_background_saves_on_its_own_group() -> None
 def test_an_async_save_that_failed_unreported_is_said_at_exit(tmp_path: Path) -> None:
     """A job that exits with an async save in flight that fails (its process group destroyed, here a write error)
     and never waits for it: the save was lost without a word (the failure is raised by the next call or ``wait()``,
-    and there was none). It is said on stderr at exit, with what to call; a save waited for is not."""
+    and there was none). It is said on stderr at exit, once, with what to call; a save waited for is not. So it is in
+    a process started by multiprocessing's ``fork`` (Python's default on Linux), which ends without ``atexit``."""
     import subprocess
     import textwrap
 
     script = textwrap.dedent(
         """
-        import sys, torch, torchrl_dcp as tdcp
+        import multiprocessing, sys, torch, torchrl_dcp as tdcp
         from torchrl_dcp.storage import writer as W
 
         def fail(*args, **kwargs):
             raise OSError(28, "No space left on device")
 
-        W.write_share = fail
-        ckpt = tdcp.DistributedCheckpoint(w={"x": torch.arange(3.0)})
-        handle = ckpt.async_save(sys.argv[1] + "/step-3", step=3)
-        if sys.argv[2] == "waited":
-            try:
-                handle.wait()
-            except tdcp.CheckpointError:
-                pass
+        def body(root, case):
+            W.write_share = fail
+            ckpt = tdcp.DistributedCheckpoint(w={"x": torch.arange(3.0)})
+            handle = ckpt.async_save(root + "/step-3", step=3)
+            if case == "waited":
+                try:
+                    handle.wait()
+                except tdcp.CheckpointError:
+                    pass
+
+        if sys.argv[2] == "forked":
+            child = multiprocessing.get_context("fork").Process(target=body, args=(sys.argv[1], "unreported"))
+            child.start()
+            child.join()
+        else:
+            body(sys.argv[1], sys.argv[2])
         """
     )
     said = {}
-    for case in ("unreported", "waited"):
+    for case in ("unreported", "waited", "forked"):
         proc = subprocess.run(
             [sys.executable, "-c", script, str(tmp_path / case), case], capture_output=True, text=True, timeout=120
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
         said[case] = proc.stderr
-    assert "the async save of step 3" in said["unreported"] and "No space left on device" in said["unreported"]
+    for case in ("unreported", "forked"):
+        assert said[case].count("the async save of step 3") == 1, said[case]
+        assert "No space left on device" in said[case], said[case]
     assert "rotation.close()" in said["unreported"] and "the async save" not in said["waited"], said
     assert not (tmp_path / "unreported" / "step-3").exists()
 

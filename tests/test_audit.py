@@ -172,3 +172,34 @@ def test_a_container_of_another_type_is_a_difference() -> None:
     assert {d.path for d in state_differences(saved, restored)} == {"s['betas']", "s['extra']", "s['obj']"}
     same = state_snapshot({"betas": (0.9, 0.99), "extra": {0: 1}, "obj": A(), "e": {}}, "s")
     assert state_differences(saved, same) == []
+
+
+def test_a_generators_state_is_audited() -> None:
+    """Generators were recorded by type only: two ``PendulumEnv`` whose ``rng`` differ audited equal, so a restore
+    leaving an env's generator behind passed the audit. Each kind's state is fingerprinted now."""
+    import random
+
+    from torchrl.envs import PendulumEnv
+
+    def kinds(seed: int) -> dict:
+        torch_gen = torch.Generator().manual_seed(seed)
+        python = random.Random(seed)
+        return {
+            "torch": torch_gen,
+            "numpy": np.random.default_rng(seed),
+            "legacy": np.random.RandomState(seed),
+            "python": python,
+        }
+
+    a, b = kinds(0), kinds(0)
+    assert state_differences(state_snapshot(a), state_snapshot(b)) == []
+    b["torch"].manual_seed(1)
+    b["numpy"].random()
+    b["legacy"].random_sample()
+    b["python"].random()
+    differ = state_differences(state_snapshot(a), state_snapshot(b))
+    assert len({d.path for d in differ}) == 4, differ
+    one, two = PendulumEnv(), PendulumEnv()
+    one.set_seed(0)
+    two.set_seed(1)
+    assert any("rng" in d.path for d in state_differences(state_snapshot(one), state_snapshot(two)))

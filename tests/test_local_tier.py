@@ -215,6 +215,31 @@ def test_a_forged_or_damaged_part_falls_back_to_the_previous_local_step(
     assert (info.step, info.tier) == (10, "local")  # step 12 is not committed any more: the local step before it
 
 
+def test_a_record_resealed_over_another_steps_part_is_not_that_step(tmp_path: Path) -> None:
+    """Step 12's part replaced by step 10's honest part, its record's ``manifest_sha256`` resealed: resume reported
+    step 12 and restored step 10's state. The part's manifest (its step, the rank its save recorded) must say what
+    the record says."""
+    import shutil
+
+    from torchrl_dcp.local_records import manifest_digest
+
+    ckpt, model, optimizer = _job()
+    _train(ckpt, model, optimizer, _rotation(tmp_path), 0, 13)  # local 10, 12
+    local = tmp_path / "local"
+    part = local / "step-000000000012" / "rank-00000"
+    shutil.rmtree(part)
+    shutil.copytree(local / "step-000000000010" / "rank-00000", part)
+    record = local / "step-000000000012" / "rank-00000.commit.json"
+    forged = json.loads(record.read_text())
+    forged["manifest_sha256"] = manifest_digest(part)
+    record.write_text(json.dumps(forged))
+    ckpt2 = _job(1)[0]
+    with pytest.warns(tdcp.TorchrlDcpWarning, match="holds step 10 of rank 0, its commit record step 12"):
+        info = _rotation(tmp_path).resume(ckpt2)
+    assert (info.step, info.tier) == (10, "local")
+    assert ckpt2.components["counter"] == {"steps": 10}
+
+
 def test_a_part_whose_directory_is_gone_is_said_whole_with_what_is_resumed_instead(tmp_path: Path) -> None:
     """The warning cut the part's error at 200 characters, mid-sentence, dropping its advice ("... disappeared or
     )"), and did not say what is resumed instead."""

@@ -117,14 +117,18 @@ _IN_FLIGHT: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()  # savers that submi
 def _report_at_exit() -> None:
     """Say, at interpreter exit, which async saves failed unreported: a job that ends without ``wait()`` (or
     ``rotation.close()``) and destroys its process group while a save is in flight loses that save, whose failure no
-    later call raises. (The background thread has finished by now: Python joins executor threads before ``atexit``.)"""
+    later call raises. Called before Python joins the threads (``threading._register_atexit``: a process started by
+    multiprocessing's ``fork`` ends with ``os._exit`` after that, never running ``atexit``), so it waits for each save
+    in flight first, as that join would; and at ``atexit`` too, where a process that skipped it still reports."""
     import sys
 
     for saver in list(_IN_FLIGHT):
         handle = saver._pending
-        if handle is None or not handle.done() or handle.reported:
+        if handle is None or handle.reported:
             continue
+        concurrent.futures.wait([handle._future])
         err = handle.exception()
+        handle.reported = True  # (said once, whichever exit hook runs first)
         if err is not None:
             print(
                 f"torchrl_dcp: the async save of step {handle.step} to {handle.path} did not commit and nothing "
@@ -135,6 +139,7 @@ def _report_at_exit() -> None:
 
 
 atexit.register(_report_at_exit)
+threading._register_atexit(_report_at_exit)  # type: ignore[attr-defined]  # (fork children: see the docstring)
 
 
 class AsyncSaver:
@@ -321,6 +326,16 @@ class AsyncSaver:
         for other in list(_IN_FLIGHT):
             handle = other._pending
             if other is not self and handle is not None and other.group is group:
+                concurrent.futures.wait([handle._future])
+
+    def wait_for_path(self, path: Any) -> None:
+        """Wait until the background saves of this process's other checkpoints to ``path`` are done (a load of a path
+        being saved reads what that save commits, never the checkpoint it replaces), their outcome left to their own
+        next call. Any group, or none: a load waits for nothing else of theirs."""
+        target = str(path)
+        for other in list(_IN_FLIGHT):
+            handle = other._pending
+            if other is not self and handle is not None and str(handle.path) == target:
                 concurrent.futures.wait([handle._future])
 
     def release(self) -> None:

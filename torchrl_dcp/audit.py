@@ -220,6 +220,9 @@ def _leaf(obj: Any) -> str | None:  # noqa: PLR0911 - one return per leaf kind
         return _tensor_fingerprint(obj)
     if isinstance(obj, (torch.dtype, torch.device, torch.Size)):
         return f"{type(obj).__name__} {obj}"
+    stream = _generator_state(obj)
+    if stream is not None:  # (a generator's state is no attribute: fingerprinted, as a tensor is)
+        return f"{type(obj).__name__} state {hashlib.blake2b(repr(stream).encode(), digest_size=8).hexdigest()}"
     module = type(obj).__module__ or ""
     if module.startswith("numpy"):
         import numpy as np
@@ -230,6 +233,27 @@ def _leaf(obj: Any) -> str | None:  # noqa: PLR0911 - one return per leaf kind
             return f"{type(obj).__name__} {obj!r}"
         if isinstance(obj, np.dtype):
             return f"dtype {obj}"
+    return None
+
+
+def _generator_state(obj: Any) -> Any:
+    """The state of a torch, NumPy (new or legacy) or Python generator (``None``: not one, or one without state)."""
+    import random
+
+    import torch
+
+    if isinstance(obj, torch.Generator):
+        return obj.get_state().tolist()
+    if isinstance(obj, random.Random) and not isinstance(obj, random.SystemRandom):
+        return obj.getstate()
+    if (type(obj).__module__ or "").startswith("numpy"):
+        import numpy as np
+
+        if isinstance(obj, np.random.Generator):
+            return obj.bit_generator.state
+        if isinstance(obj, np.random.RandomState):
+            kind, keys, pos, has_gauss, gauss = obj.get_state(legacy=True)
+            return kind, keys.tolist(), pos, has_gauss, gauss
     return None
 
 

@@ -564,6 +564,7 @@ class DistributedCheckpoint:
             world_size_change=world_size_change,
             verify=verify,
         )
+        self._async.wait_for_path(request.path)  # (another checkpoint's save in flight to it: what it commits)
         warn_networks_left_out({n: self.components[n] for n in request.requested}, "loading")
         with gc_paused(), _dist.reading():  # (a collective's failure then says nothing was saved)
             if is_torchrl_checkpoint(request.path):  # (a URL never is: torchrl writes local paths)

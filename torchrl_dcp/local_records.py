@@ -49,8 +49,13 @@ def record_name(rank: int) -> str:
 
 
 def manifest_digest(part: Path) -> str:
-    """The SHA-256 of the part's manifest, read through the part's directory opened without following a link
-    (``DirHandle``: a link planted in place of the part, or swapped in after a check, is refused)."""
+    """The SHA-256 of the part's manifest (:func:`_manifest_bytes`)."""
+    return hashlib.sha256(_manifest_bytes(part)).hexdigest()
+
+
+def _manifest_bytes(part: Path) -> bytes:
+    """The part's manifest, read through the part's directory opened without following a link (``DirHandle``: a
+    link planted in place of the part, or swapped in after a check, is refused)."""
     try:
         handle = DirHandle.open(part)
         try:
@@ -63,16 +68,29 @@ def manifest_digest(part: Path) -> str:
         size = os.fstat(fd).st_size
         if size > _MANIFEST_LIMIT:
             raise CheckpointError(f"is implausibly large ({size} bytes)", path=part / "manifest.json")
-        digest, done = hashlib.sha256(), 0
+        chunks, done = [], 0
         while done < size:
             chunk = os.pread(fd, min(size - done, 1 << 20), done)
             if not chunk:
                 break
-            digest.update(chunk)
+            chunks.append(chunk)
             done += len(chunk)
-        return digest.hexdigest()
+        return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def _described(data: bytes) -> tuple[Any, Any]:
+    """``(step, rank)`` a part's manifest says it holds: its step and the rank its local-tier save recorded."""
+    try:
+        manifest = json.loads(data)
+    except ValueError:
+        return None, None
+    if not isinstance(manifest, dict):
+        return None, None
+    metadata = manifest.get("metadata")
+    tier = metadata.get("local_tier") if isinstance(metadata, dict) else None
+    return manifest.get("step"), tier.get("rank") if isinstance(tier, dict) else None
 
 
 def write_record(step_dir: Path, rank: int, step: int, save_id: str, identity: Mapping[str, Any]) -> None:
@@ -120,11 +138,14 @@ def check_record(step_dir: Path, rank: int, step: int, identity: Mapping[str, An
     if identity is not None and record.get("identity") != json.loads(json.dumps(dict(identity))):
         return None
     try:
-        digest = manifest_digest(step_dir / f"rank-{rank:05d}")
+        data = _manifest_bytes(step_dir / f"rank-{rank:05d}")
     except (OSError, CheckpointError) as err:
         return f"its manifest cannot be read ({err})"
-    if record.get("manifest_sha256") != digest:
+    if record.get("manifest_sha256") != hashlib.sha256(data).hexdigest():
         return "its manifest is not the one its commit record names (damaged or altered)"
+    held = _described(data)
+    if held != (step, rank):  # (a record resealed over another step's or rank's part: never restored as this one)
+        return f"its manifest holds step {held[0]!r} of rank {held[1]!r}, its commit record step {step} of rank {rank}"
     return HeldPart(step, rank, record["save_id"])
 
 
