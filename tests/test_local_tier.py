@@ -240,6 +240,30 @@ def test_a_record_resealed_over_another_steps_part_is_not_that_step(tmp_path: Pa
     assert ckpt2.components["counter"] == {"steps": 10}
 
 
+def test_a_newer_step_that_cannot_be_removed_leaves_the_step_restored_as_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-only tier holding a killed save's newer step: its removal failed (EROFS), so the complete step 12 was
+    given up, the shared step loaded, and then the same removal raised after the objects had changed; every later
+    resume did the same. The removal is a clean-up: warned about, the step restored kept."""
+    import errno
+
+    from torchrl_dcp.local_tier import LocalTier
+
+    ckpt, model, optimizer = _job()
+    _train(ckpt, model, optimizer, _rotation(tmp_path), 0, 13)  # local 10, 12; shared 10
+    (tmp_path / "local" / "step-000000000014" / "rank-00000").mkdir(parents=True)  # a killed save's, no record
+
+    def read_only(self: LocalTier, step: int) -> None:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(LocalTier, "_remove_step", read_only)
+    ckpt2 = _job(1)[0]
+    with pytest.warns(tdcp.LocalTierWarning, match="step 14, newer than the step 12 .*could not be removed"):
+        info = _rotation(tmp_path).resume(ckpt2)
+    assert (info.step, info.tier) == (12, "local") and ckpt2.components["counter"] == {"steps": 12}
+
+
 def test_a_part_whose_directory_is_gone_is_said_whole_with_what_is_resumed_instead(tmp_path: Path) -> None:
     """The warning cut the part's error at 200 characters, mid-sentence, dropping its advice ("... disappeared or
     )"), and did not say what is resumed instead."""

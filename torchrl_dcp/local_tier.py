@@ -287,11 +287,21 @@ class LocalTier:
         """Remove the node's steps newer than ``step`` (``None``: every step).
 
         Only while every rank of the job is inside the same collective call (a save of ``step`` before its
-        agreement, a resume): no rank can be writing a newer step then.
+        agreement, a resume): no rank can be writing a newer step then. A step that cannot be removed (a tier
+        mounted read-only) is left, with a :class:`~torchrl_dcp.errors.LocalTierWarning`: a clean-up, never a reason
+        to give up the step restored or the save being made.
         """
         for s in self.steps_on_disk():
             if step is None or s > step:
-                self._remove_step(s)
+                try:
+                    self._remove_step(s)
+                except (OSError, CheckpointError) as err:
+                    text = (
+                        f"local tier {self.path}: step {s}, newer than the step {step} restored or saved, could not be "
+                        f"removed ({err}); remove {self.path / f'step-{s:012d}'} by hand once the tier is writable"
+                    )
+                    logger.warning("%s", text)
+                    warnings.warn(LocalTierWarning(text), stacklevel=3)
 
     def steps_on_disk(self) -> list[int]:
         """The steps of the ``step-<N>`` directories under ``path`` (a link or file planted there is no step)."""
