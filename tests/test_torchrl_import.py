@@ -697,3 +697,21 @@ def test_an_imported_collector_or_env_is_said_to_go_on_differently(tmp_path: Pat
     assert json.dumps(sorted(saved), default=str) == json.dumps(sorted(loaded), default=str)
     collector.shutdown()
     fresh.shutdown()
+
+
+@pytest.mark.parametrize("entry", [".", "..", ""])
+def test_a_memmap_folder_entry_naming_no_entry_is_refused_naming_its_file(tmp_path: Path, entry: str) -> None:
+    """A dumped buffer's ``storage/meta.json`` holding a nested entry named ``.``: the load read the same folder
+    again without end ("RecursionError"), naming neither file nor entry, and ``verify`` said it was fine."""
+    rb = _buffers(fill=True)["memmap_nested"]
+    path = _save(tmp_path, "directory", rb=rb)
+    meta = next((path / "components").glob("*/storage/meta.json"))
+    data = json.loads(meta.read_text())
+    data[entry] = {"shape": [5], "batch_size": [5], "_type": "<class 'tensordict._td.TensorDict'>"}
+    meta.write_text(json.dumps(data))
+    why = f"entry name {entry!r} names no entry"
+    with pytest.raises(tdcp.CheckpointFormatError, match=why) as err:
+        tdcp.DistributedCheckpoint(no_dist=True, rb=_buffers(fill=False)["memmap_nested"]).load(path)
+    assert str(err.value.path).endswith("meta.json")
+    with pytest.raises(tdcp.CheckpointFormatError, match=why):
+        tdcp.verify(path)

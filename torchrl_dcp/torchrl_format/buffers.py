@@ -53,6 +53,7 @@ from torchrl_dcp.torchrl_format.reader import (
     DTYPES,
     META_KEYS,
     TorchrlContainer,
+    check_entry_name,
     leaf_spec,
     read_memmap_folder,
     tensor_from_bytes,
@@ -138,6 +139,8 @@ def check_dumped_sizes(box: TorchrlContainer, name: str) -> None:
         if member.endswith("/meta.json"):
             meta = box.read_json(member)
             for key, entry in meta.items() if isinstance(meta, dict) else ():
+                if key not in META_KEYS:  # (what a load refuses: a name of no entry)
+                    check_entry_name(key, box.where(member))
                 if key not in META_KEYS and isinstance(entry, dict) and "dtype" in entry:  # (nested: own meta.json)
                     dtype, shape = leaf_spec(entry, box.where(member))
                     expected[f"{folder}/{key}.memmap"] = math.prod(shape) * dtype.itemsize

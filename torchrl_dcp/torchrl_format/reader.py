@@ -322,6 +322,15 @@ META_KEYS = {"shape", "device", "_type", "names", "batch_size", "is_locked"}
 PLAIN_TENSORDICT = "<class 'tensordict._td.TensorDict'>"
 
 
+def check_entry_name(key: Any, where: Any) -> str:
+    """An entry of a memory-map ``meta.json``: one plain path segment (its file is ``<key>.memmap``, a nested entry
+    its folder ``<key>/``): ``.``, ``..``, an empty name or one holding ``/`` names no entry (``.`` led a load into
+    the same folder again, without end)."""
+    if not isinstance(key, str) or key in ("", ".", "..") or "/" in key or "\\" in key or "\x00" in key:
+        raise CheckpointFormatError(f"entry name {key!r} names no entry of a tensordict folder", path=where)
+    return key
+
+
 def read_memmap_folder(box: TorchrlContainer, folder: str, *, flat: bool = False) -> dict[str, Any]:
     """A TensorDict memory-map folder (``meta.json`` + ``<key>.memmap``, sub-folders for nested entries) as nested
     dicts of fresh tensors. ``flat``: nested entries are refused. Only plain TensorDicts are read (the class a
@@ -338,9 +347,7 @@ def read_memmap_folder(box: TorchrlContainer, folder: str, *, flat: bool = False
     for key, entry in meta.items():
         if key in META_KEYS:
             continue
-        _safe_name(key, box.where(meta_name))
-        if "/" in key:
-            raise CheckpointFormatError(f"entry name {key!r}", path=box.where(meta_name))
+        check_entry_name(key, box.where(meta_name))
         if isinstance(entry, dict) and "dtype" not in entry:  # a nested tensordict: its own folder
             if flat:
                 raise CheckpointFormatError(f"unexpected nested entry {key!r}", path=box.where(meta_name))
