@@ -541,18 +541,21 @@ def test_a_format_7_root_the_migration_cannot_pack_is_refused(tmp_path: Path, fo
     assert "manifest.json" in str(err.value)
 
 
-def test_a_v1_tensor_shape_past_any_size_is_refused_by_the_migration(tmp_path: Path) -> None:
-    """A format-1 manifest (no checksum to forge) with a shape of 10**4000: the v1 -> v2 migration multiplied it
-    into an 8,000-digit ``nbytes``, and ``inspect`` failed printing it ("Exceeds the limit (4300 digits)"), naming
-    no file. The migration refuses sizes past 2**63."""
+@pytest.mark.parametrize(
+    ("shape", "why"), [([10**4000], "not sizes below 2\\*\\*63"), ([2**62] * 240, "of 2\\*\\*63 elements or more")]
+)
+def test_a_v1_tensor_shape_past_any_size_is_refused_by_the_migration(tmp_path: Path, shape: list, why: str) -> None:
+    """A format-1 manifest (no checksum to forge) with a shape of 10**4000, or of 240 sizes of 2**62 each: the v1 ->
+    v2 migration multiplied it into a 4,000-digit ``nbytes``, and ``inspect`` failed printing it ("Exceeds the limit
+    (4300 digits)"), naming no file. The migration refuses sizes, and element counts, past 2**63."""
     from torchrl_dcp.cli import main
 
     dst = tmp_path / "v1"
     shutil.copytree(FIXTURE, dst)
     raw = json.loads((dst / "manifest.json").read_text())
-    raw["components"]["counter"]["state"]["items"][0][1]["shape"] = [10**4000]
+    raw["components"]["counter"]["state"]["items"][0][1]["shape"] = shape
     (dst / "manifest.json").write_text(json.dumps(raw))
-    with pytest.raises(tdcp.CheckpointFormatError, match="not sizes below 2\\*\\*63"):
+    with pytest.raises(tdcp.CheckpointFormatError, match=why):
         tdcp.read_manifest(dst)
     assert main(["inspect", str(dst)]) == 1
 

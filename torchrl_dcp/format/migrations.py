@@ -164,6 +164,8 @@ def _with_inventory(name: str, record: dict[str, Any]) -> dict[str, Any]:
         shape = entry.get("shape") if isinstance(entry, dict) else None  # no tensor, and breaks every printer)
         if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**63 for d in shape):
             raise ValueError(f"tensor {key!r} has shape {str(shape)[:80]}, not sizes below 2**63")
+        if math.prod(shape) >= 2**63:  # (each size below it, their product past any tensor's element count)
+            raise ValueError(f"tensor {key!r} has shape {str(shape)[:80]}, of 2**63 elements or more")
     record["num_tensors"] = len(record["inventory"])
     record["nbytes"] = sum(
         math.prod(t["shape"]) * dtype_from_name(t["dtype"]).itemsize for t in record["inventory"].values()
