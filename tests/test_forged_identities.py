@@ -456,3 +456,28 @@ def test_a_component_name_no_save_writes_is_refused_by_every_reader(tmp_path: Pa
     with pytest.raises(tdcp.CheckpointFormatError, match=why):
         tdcp.DistributedCheckpoint(policy=torch.nn.Linear(4, 2), no_dist=True).load(src)
     assert not (tmp_path / "export").exists() and not (tmp_path / "outside").exists()
+
+
+@pytest.mark.parametrize("name", ["README.txt", ".metadata.tmp", ".step-1.tdcp-lock", "\uff3f_0_0.distcp"])
+def test_a_listed_file_no_save_writes_is_refused(tmp_path: Path, name: str) -> None:
+    """A resealed manifest listing a file of another name (a user's README.txt, a temporary's name, a full-width
+    look-alike of a data file), present with its size and checksum: verify, load and both conversions accepted it,
+    and the conversions carried it. Only names a save writes may be listed."""
+    from torchrl_dcp.format.checksums import crc32, format_crc
+
+    src = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(4, 2), no_dist=True).save(tmp_path / "c", step=1)
+    body = b"planted"
+    (src / name).write_bytes(body)
+
+    def plant(m: dict[str, Any]) -> None:
+        m["files"][name] = {"size": len(body), "checksum": format_crc(crc32(body))}
+
+    forging.edit(src, plant)
+    why = re.escape(f"file name {name!r} is not one a save writes")
+    with pytest.raises(tdcp.CheckpointFormatError, match=why):
+        tdcp.verify(src)
+    with pytest.raises(tdcp.CheckpointFormatError, match=why):
+        tdcp.DistributedCheckpoint(policy=torch.nn.Linear(4, 2), no_dist=True).load(src)
+    with pytest.raises(tdcp.CheckpointFormatError, match=why):
+        tdcp.to_archive(src, tmp_path / "c.zip")
+    assert not (tmp_path / "c.zip").exists()

@@ -49,6 +49,7 @@ from torchrl_dcp.format.layout import (
     data_file_rank,
     is_chunk_file,
     is_component_name,
+    is_library_file,
     is_plain_name,
 )
 from torchrl_dcp.format.manifest_depth import check_depth, structure
@@ -456,6 +457,8 @@ def validate_file_record(
         raise bad(f"files[{name!r}] needs a checksum")
     if not is_plain_name(name) or name == MANIFEST:
         raise bad(f"file name {name!r} is not a plain file name")
+    if not is_library_file(name):  # (a save writes no other file: a listed README.txt would be carried by conversions)
+        raise bad(f"file name {name!r} is not one a save writes (data, chunk, metadata or manifest shard files)")
     if "origin" in rec and not _is_save_id(rec["origin"]):
         raise bad(f"files[{name!r}].origin must be a save id (32 hex digits)")
     if "origin" in rec and (not is_chunk_file(name) or rec["origin"] == save_id):  # (no save writes one)
