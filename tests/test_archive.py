@@ -429,6 +429,12 @@ def test_export_overwrite_never_deletes_what_is_not_a_torchrl_checkpoint(tmp_pat
         with pytest.raises(tdcp.CheckpointError, match="is not a torchrl.checkpoint checkpoint"):
             tdcp.export_torchrl(path, dst, ["policy"], overwrite=True)
     assert (mine / "eval.txt").read_text() == "mine" and (tmp_path / "notes.txt").read_text() == "mine"
+    real = tdcp.export_torchrl(path, tmp_path / "real.torchrl", ["policy"])  # a link to a real export: said a link
+    link = tmp_path / "latest.torchrl"
+    link.symlink_to(real)
+    with pytest.raises(tdcp.CheckpointError, match="is a symbolic link: overwrite=True never replaces a link"):
+        tdcp.export_torchrl(path, link, ["policy"], overwrite=True)
+    assert link.is_symlink() and real.exists()
 
 
 def test_export_overwrite_keeps_a_users_files_put_into_an_old_export(tmp_path: Path) -> None:

@@ -282,7 +282,13 @@ def _destination_for_torchrl(dst: str | os.PathLike, overwrite: bool) -> Path:
     if destination.exists() or destination.is_symlink():
         if not overwrite:
             raise CheckpointError("already exists; pass overwrite=True to replace it", path=destination)
-        manifest = None if destination.is_symlink() else read_torchrl_manifest(destination)
+        if destination.is_symlink():  # (never replaced through, whatever it points to)
+            raise CheckpointError(
+                "is a symbolic link: overwrite=True never replaces a link (torchrl.checkpoint would replace what it "
+                "points to); export to the path it points to, or elsewhere",
+                path=destination,
+            )
+        manifest = read_torchrl_manifest(destination)
         if manifest is None:  # torchrl would replace anything
             raise CheckpointError(
                 "is not a torchrl.checkpoint checkpoint: overwrite=True replaces only one (a directory or file of "
