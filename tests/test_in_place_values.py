@@ -177,3 +177,65 @@ def test_a_models_state_dict_in_a_dict_is_restored_when_its_tensors_are_transpos
     for key, value in model.state_dict().items():
         assert torch.equal(value, saved[key]) and value.stride() == saved[key].stride(), key
         assert state["model"][key].data_ptr() == value.data_ptr(), key
+
+
+def test_weights_tied_now_but_saved_apart_are_refused_before_anything_changes(tmp_path: Path) -> None:
+    """A module saved with two independent weights, loaded into one whose weights are tied: both saved tensors were
+    read into the one memory, the last read winning, and the load reported success. Refused, as the same sharing
+    across two components is; weights tied when saved load as before."""
+
+    def pair() -> torch.nn.Sequential:
+        return torch.nn.Sequential(torch.nn.Linear(3, 3, bias=False), torch.nn.Linear(3, 3, bias=False))
+
+    path = tdcp.DistributedCheckpoint(no_dist=True, m=pair()).save(tmp_path / "apart")
+    tied = pair()
+    tied[1].weight = tied[0].weight
+    before = tied[0].weight.detach().clone()
+    with pytest.raises(tdcp.IncompatibleComponentError, match="component 'm' holds tensors that share memory now"):
+        tdcp.DistributedCheckpoint(no_dist=True, m=tied).load(path)
+    assert torch.equal(tied[0].weight, before)
+    path = tdcp.DistributedCheckpoint(no_dist=True, m=tied).save(tmp_path / "tied")
+    again = pair()
+    again[1].weight = again[0].weight
+    tdcp.DistributedCheckpoint(no_dist=True, m=again).load(path)
+    assert torch.equal(again[0].weight, before) and again[0].weight is again[1].weight
+
+
+@pytest.mark.parametrize("kind", ["inference", "expanded"])
+def test_a_locked_tensordict_entry_no_load_can_write_is_refused_before_anything_changes(
+    tmp_path: Path, kind: str
+) -> None:
+    """A locked TensorDict holding an inference tensor or an expanded view: planning accepted it, the load read the
+    other entries and components in place, then update_ failed on it ("could not roll back"). Refused while
+    planning, saying what to do; nothing changes."""
+    if kind == "inference":
+        with torch.inference_mode():
+            odd = torch.randn(4)
+    else:
+        odd = torch.arange(3.0).expand(4, 3)
+    td = TensorDict(a=torch.randn(4), odd=odd, batch_size=[4]).lock_()
+    module = torch.nn.Linear(3, 3)
+    path = tdcp.DistributedCheckpoint(no_dist=True, m=module, td=td).save(tmp_path / "c")
+    td["a"].add_(1)
+    with torch.no_grad():
+        module.weight.add_(1)
+    a, w = td["a"].clone(), module.weight.detach().clone()
+    with pytest.raises(tdcp.CheckpointError, match="which no load can write into"):
+        tdcp.DistributedCheckpoint(no_dist=True, m=module, td=td).load(path)
+    assert torch.equal(td["a"], a) and torch.equal(module.weight, w)
+
+
+def test_a_bare_inference_tensor_loads_and_an_expanded_one_is_refused_at_save(tmp_path: Path) -> None:
+    """A bare tensor component made under inference mode saved, but every load failed with torch's raw error
+    ("Inplace update to inference tensor"); an expanded one saved and could never be loaded back."""
+    with torch.inference_mode():
+        t = torch.randn(4)
+    saved = t.clone()
+    path = tdcp.DistributedCheckpoint(no_dist=True, t=t).save(tmp_path / "t")
+    with torch.inference_mode():
+        t.add_(1)
+    tdcp.DistributedCheckpoint(no_dist=True, t=t).load(path)
+    assert torch.equal(t, saved)
+    with pytest.raises(tdcp.IncompatibleComponentError, match="is an expanded view .* could never be loaded back"):
+        tdcp.DistributedCheckpoint(no_dist=True, e=torch.arange(3.0).expand(4, 3)).save(tmp_path / "e")
+    assert not (tmp_path / "e").exists()

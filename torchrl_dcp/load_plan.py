@@ -248,29 +248,36 @@ def plan_components(
 
 
 def refuse_conflicting_live(plan: LoadPlan, saved_crcs: Callable[[str], Any], source: Any) -> None:
-    """Refuse two components whose tensors read in place are the same memory (a dict and a module holding one
-    tensor, ``TensorDict.from_module(policy)`` beside a policy) where the checkpoint holds two different tensors for
-    it (saved from objects that did not share it): both reads would land on the same bytes, the last one read
-    winning. ``saved_crcs(key)``: the CRCs recorded in a tensor's records (``None``: unknown). A save of shared
-    memory holds it once (an ``xref``) or twice with the same bytes (per-rank components, two views of one tensor):
-    those load. Checked before anything changes; named alike on every rank."""
+    """Refuse tensors read in place that are the same memory (a dict and a module holding one tensor,
+    ``TensorDict.from_module(policy)`` beside a policy, a module whose two weights are tied now) where the checkpoint
+    holds two different tensors for them (saved from objects that did not share it): both reads would land on the
+    same bytes, the last one read winning. ``saved_crcs(key)``: the CRCs recorded in a tensor's records (``None``:
+    unknown). A save of shared memory holds it once (an ``xref``, an alias) or twice with the same bytes (per-rank
+    components, two views of one tensor): those load. Checked before anything changes; named alike on every rank."""
     owners = [c for c in plan.components.values() if c.in_place]
-    if len(owners) < 2:
+    if not owners:
+        return
+    keyed = [
+        (comp.name, f"{state.prefix}/{spec.key}")
+        for comp in owners
+        for state in comp.sources.values()
+        for spec in state.specs
+    ]
+    live = plan.live
+    pointers = [t.data_ptr() for _, key in keyed if (t := live.get(key)) is not None and t.numel()]
+    if len(set(pointers)) == len(pointers):  # (no two live tensors start at one address: none shared, the common case)
         return
     spans: dict[tuple[Any, int, int], list[tuple[str, str]]] = {}  # one memory extent: (component, key) reading it
-    for comp in owners:  # each component's own keys (one pass over its tensors, not over every live key)
-        for state in comp.sources.values():
-            for spec in state.specs:
-                key = f"{state.prefix}/{spec.key}"
-                t = plan.live.get(key)
-                if t is None or not t.numel():
-                    continue
-                extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
-                start = t.data_ptr()
-                spans.setdefault((str(t.device), start, start + extent * t.element_size()), []).append((comp.name, key))
+    for name, key in keyed:
+        t = live.get(key)
+        if t is None or not t.numel():
+            continue
+        extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+        start = t.data_ptr()
+        spans.setdefault((str(t.device), start, start + extent * t.element_size()), []).append((name, key))
     conflicts = []
     for readers in spans.values():
-        if len({name for name, _ in readers}) < 2:
+        if len({key for _, key in readers}) < 2:
             continue
         readers.sort()
         crcs = [saved_crcs(key) for _, key in readers]
@@ -278,10 +285,12 @@ def refuse_conflicting_live(plan: LoadPlan, saved_crcs: Callable[[str], Any], so
             conflicts.append(readers)
     if conflicts:
         (a, key_a), (b, key_b) = min(conflicts)[:2]
+        who = f"components {a!r} and {b!r} share" if a != b else f"component {a!r} holds tensors that share"
         raise IncompatibleComponentError(
-            f"components {a!r} and {b!r} share memory now ({key_a!r} and {key_b!r}), which the checkpoint holds as "
-            "two different tensors (saved from objects that did not share it): one restore would overwrite the "
-            "other. Load them into objects that do not share memory, or one of them (components=[...])",
+            f"{who} memory now ({key_a!r} and {key_b!r}: tied, or one tensor in two places), which the "
+            "checkpoint holds as two different tensors (saved from objects that did not share it): one read would "
+            "overwrite the other. Load into objects that do not share that memory (untie the weights), or "
+            "load one of them (components=[...])",
             path=source,
         )
 

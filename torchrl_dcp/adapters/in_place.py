@@ -40,6 +40,16 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _IMMUTABLE = (type(None), bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)
 
 
+def is_expanded(t: torch.Tensor) -> bool:
+    """Whether elements of ``t`` share memory (an ``expand``-ed tensor: a stride of 0 along a dimension of more than
+    one element): nothing can be copied into it (torch refuses the write). A sparse tensor never is (its
+    ``stride()`` says 0s: its values are a tensor of their own)."""
+    if t.layout != torch.strided:
+        return False
+    stride = t.stride()
+    return 0 in stride and any(s == 0 and n > 1 for s, n in zip(stride, t.shape))  # (the first test: fast, in C)
+
+
 def pair_tensors(live: Any, saved: Any, found: dict[str, list[tuple[TensorSpec, Any]]]) -> bool:
     """Collect ``(spec, live value)`` by saved key into ``found``; ``False`` where the states differ in keys or
     lengths."""

@@ -21,6 +21,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
+from torchrl_dcp.adapters.in_place import is_expanded
 from torchrl_dcp.errors import EncodingError, IncompatibleComponentError
 from torchrl_dcp.format.codec import is_dtensor
 
@@ -49,7 +50,7 @@ class ModuleAdapter(Adapter):
                 "the load gives it the saved shapes"
             )
         for key, t in state.items():
-            if type(t) in _PLAIN and _expanded(t):
+            if type(t) in _PLAIN and is_expanded(t):
                 raise EncodingError(_expanded_message(ctx.name, key, t, "a load could never write into it"))
         return state
 
@@ -131,16 +132,6 @@ def model_state(obj: torch.nn.Module, keep_vars: bool = False) -> dict[str, Any]
     if any(is_dtensor(v) for v in state.values()):
         return get_model_state_dict(obj)
     return state
-
-
-def _expanded(t: torch.Tensor) -> bool:
-    """Whether elements of ``t`` share memory (an ``expand``-ed tensor: a stride of 0 along a dimension of more than
-    one element): ``load_state_dict`` cannot copy into it (torch refuses the write). A sparse tensor never is (its
-    ``stride()`` says 0s: its values are a tensor of their own)."""
-    if t.layout != torch.strided:
-        return False
-    stride = t.stride()
-    return 0 in stride and any(s == 0 and n > 1 for s, n in zip(stride, t.shape))  # (the first test: fast, in C)
 
 
 def _expanded_message(name: str, key: str, t: torch.Tensor, why: str) -> str:
@@ -284,7 +275,7 @@ def _check_values(current: Mapping[str, Any], state: Any, name: str) -> set[str]
                 f"a load restores exactly, it does not cast; load into a module of the saved dtype "
                 f"(built as saved, or module.to({value.dtype})), then cast it (module.to({target.dtype}))"
             )
-        if _expanded(target):  # (before anything is copied: it would fail half-way)
+        if is_expanded(target):  # (before anything is copied: it would fail half-way)
             raise IncompatibleComponentError(_expanded_message(name, key, target, "nothing can be loaded into it"))
         if spec and plain_strided(target):
             in_place.add(key)

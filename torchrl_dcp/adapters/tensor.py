@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
+from torchrl_dcp.adapters.in_place import is_expanded
 from torchrl_dcp.errors import IncompatibleComponentError
 from torchrl_dcp.format.codec import TensorSpec
 
@@ -31,9 +32,11 @@ class TensorAdapter(Adapter):
     version = 1
 
     def state(self, obj: torch.Tensor, ctx: AdapterContext) -> Any:
+        _refuse_expanded(obj, ctx.name, "it could never be loaded back")
         return obj.detach()
 
     def validate(self, obj: torch.Tensor, saved: dict[int, Any], ctx: AdapterContext) -> None:
+        _refuse_expanded(obj, ctx.name, "nothing can be loaded into it")
         for spec in saved.values():
             shape, dtype = tuple(getattr(spec, "shape", ())), getattr(spec, "dtype", None)
             if shape != tuple(obj.shape) or dtype != obj.dtype:
@@ -63,6 +66,19 @@ class TensorAdapter(Adapter):
     def restore(self, obj: torch.Tensor, state: Any, ctx: AdapterContext) -> Any:
         if state is obj:  # read in place
             return None
+        if obj.is_inference():  # (written only under inference mode, where it was made)
+            with torch.inference_mode():
+                obj.copy_(state)
+            return None
         with torch.no_grad():
             obj.copy_(state)
         return None
+
+
+def _refuse_expanded(obj: torch.Tensor, name: str, why: str) -> None:
+    if is_expanded(obj):
+        raise IncompatibleComponentError(
+            f"component {name!r} is an expanded view (shape {list(obj.shape)}, stride {list(obj.stride())}: several "
+            f"of its elements are one memory location), so {why}; register a tensor with memory of its own "
+            "(value.expand(...).clone()), or the tensor it expands"
+        )

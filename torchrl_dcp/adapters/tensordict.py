@@ -23,7 +23,7 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
-from torchrl_dcp.adapters.in_place import copy_except, in_place_tensors
+from torchrl_dcp.adapters.in_place import copy_except, in_place_tensors, is_expanded
 from torchrl_dcp.errors import CheckpointFormatError, IncompatibleComponentError
 
 
@@ -341,6 +341,13 @@ def _check_locked(obj: Any, state: Any, name: str, at: str) -> None:
                 raise refuse(
                     f"holds {key!r} as {value.dtype} {list(value.shape)}, the checkpoint as {spec.dtype} "
                     f"{list(spec.shape)}"
+                )
+            if is_expanded(value) or (value.is_inference() and not torch.is_inference_mode_enabled()):
+                # (update_ would fail on it half-way, after the other entries and components were read in place)
+                what = "an expanded view (its elements share memory)" if is_expanded(value) else "an inference tensor"
+                raise refuse(
+                    f"holds {key!r} as {what}, which no load can write into (build it with memory of its own, "
+                    "outside torch.inference_mode(): e.g. value.clone())"
                 )
 
 
