@@ -60,3 +60,27 @@ def load_into_another_shape(path: str, rows: int, dtype: str) -> dict[str, Any]:
         "warned": [type(w.message).__name__ for w in caught],
         "untouched": bool(weights["w"].full_tensor().eq(0).all()),
     }
+
+
+def save_drifted_replicas(path: str, shape: list[int], drift_rank: int) -> dict[str, Any]:
+    """A sharded component holding a DTensor placed ``Replicate()`` along the first dimension of a mesh of
+    ``shape`` (``[W]``: every rank a copy; ``[2, W // 2]``: HSDP's ``(Replicate(), Shard(0))``), whose copy on
+    ``drift_rank`` differs by one bit (``-1``: none does)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = init_device_mesh("cpu", tuple(shape))
+    placements = [Replicate()] + [Shard(0)] * (len(shape) - 1)
+    full = _full()
+    local = distribute_tensor(full, mesh, placements).to_local().clone()
+    if dist.get_rank() == drift_rank:
+        local.view(torch.int32)[0, 0] ^= 1
+    weights = {
+        "w": DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
+    }
+    ckpt = tdcp.DistributedCheckpoint(replica_check="sample")
+    ckpt.register("model", weights, placement="sharded")
+    try:
+        ckpt.save(path)
+    except tdcp.CheckpointError as err:
+        return {"error": str(err)}
+    return {"error": None}

@@ -112,10 +112,37 @@ def digest(
         tensors = [flat[key] for key in keys]
         # the bytes hashed whole, of small tensors on a device, copied to the host together (not one copy each)
         on_host = host_bytes(tensors, SLICES * SLICE + 1 if mode == "sample" else WHOLE_ON_HOST)
-        out[name] = (
-            f"{SHARDED if rec.placement == 'sharded' else ''}{crc32(state):08x}",
-            {key: fingerprint(t, mode, on_host.get(i)) for i, (key, t) in enumerate(zip(keys, tensors))},
-        )
+        prints = {key: fingerprint(t, mode, on_host.get(i)) for i, (key, t) in enumerate(zip(keys, tensors))}
+        if rec.placement == "sharded":
+            prints.update(_replicated_shards(rec.inventory, flat, mode))
+        out[name] = (f"{SHARDED if rec.placement == 'sharded' else ''}{crc32(state):08x}", prints)
+    return out
+
+
+#: the prefix of a DTensor's local shard fingerprint, compared among the ranks that hold the same shard
+REPLICA_OF = "replica of "
+
+
+def _replicated_shards(keys: Any, flat: Mapping[str, torch.Tensor], mode: ReplicaCheck) -> dict[str, str]:
+    """``{"replica of <key> at <coordinates>": fingerprint}`` of each DTensor placed ``Replicate()`` along some mesh
+    dimension (``[Replicate()]``, HSDP's ``(Replicate(), Shard(0))``): the ranks of equal coordinates along its other
+    dimensions hold copies of one shard, which DCP writes once (one rank's: a copy that drifted loaded everywhere)."""
+    from torch.distributed.tensor import Replicate
+
+    out: dict[str, str] = {}
+    for key in keys:
+        t = flat[key]
+        if not is_dtensor(t):
+            continue
+        placements = t.placements
+        if not any(isinstance(p, Replicate) for p in placements):
+            continue
+        coordinate = t.device_mesh.get_coordinate()
+        if coordinate is None:  # (this rank holds no part of it)
+            continue
+        shard = tuple(c for c, p in zip(coordinate, placements) if not isinstance(p, Replicate))
+        where = f" (the shard at mesh coordinates {list(shard)})" if shard else ""
+        out[f"{REPLICA_OF}{key}{where}"] = fingerprint(t.to_local(), mode)
     return out
 
 
@@ -162,13 +189,18 @@ def compare(per_rank: list[dict[str, tuple[Any, ...]]], group: Any = None) -> No
     ranks when ``group`` is a subgroup)."""
     if len(per_rank) < 2:
         return
+    _compare_replicated_shards(per_rank, group)
     first = per_rank[0]
     for name, (state, tensors, *_) in first.items():
         for r, other in enumerate(per_rank[1:], start=1):
             if name not in other:
                 continue  # not saved (or not checked) there: the encode step reports real mismatches
             other_state, other_tensors = other[name][:2]
-            differ = [k for k in {**tensors, **other_tensors} if other_tensors.get(k) != tensors.get(k)]
+            differ = [
+                k
+                for k in {**tensors, **other_tensors}
+                if other_tensors.get(k) != tensors.get(k) and not k.startswith(REPLICA_OF)
+            ]
             if not differ and other_state == state:
                 continue
             what = f"tensor {differ[0]!r}" if differ else "its non-tensor values (JSON state)"
@@ -198,6 +230,25 @@ def compare(per_rank: list[dict[str, tuple[Any, ...]]], group: Any = None) -> No
                 "was written. Make it identical on every rank, or register it with placement='per_rank' if "
                 "each rank has its own (replica_check='off' skips this check for it)"
             )
+
+
+def _compare_replicated_shards(per_rank: list[dict[str, tuple[Any, ...]]], group: Any) -> None:
+    """Every copy of a DTensor's replicated shard (:func:`_replicated_shards`) alike, among the ranks holding it."""
+    held: dict[tuple[str, str], tuple[int, str]] = {}
+    for r, digests in enumerate(per_rank):
+        for name, (_, tensors, *_) in digests.items():
+            for key, value in tensors.items():
+                if not key.startswith(REPLICA_OF):
+                    continue
+                first = held.setdefault((name, key), (r, value))
+                if first[1] != value:
+                    raise EncodingError(
+                        f"sharded component {name!r}: the {key} (a DTensor placed Replicate() along a mesh "
+                        f"dimension) differs between rank {_named(group, first[0])} and rank {_named(group, r)}: DCP "
+                        "writes one copy, so the checkpoint would hold one rank's for every rank; nothing was "
+                        "written. Make the copies identical (a broadcast, or the same updates on every replica), or "
+                        "register it with replica_check='off' to skip this check"
+                    )
 
 
 def _named(group: Any, rank: int) -> str:
