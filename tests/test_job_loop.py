@@ -109,6 +109,9 @@ def test_every_steps_counts_from_the_resumed_step_and_force_saves(tmp_path: Path
     again = tdcp.CheckpointRotation(tmp_path, every_steps=100)
     assert again.resume(ckpt).step == 170
     assert again.maybe_save(ckpt, 190) is None and again.maybe_save(ckpt, 210) is not None
+    explicit = tdcp.CheckpointRotation(tmp_path / "explicit", every_steps=10)  # an explicit save counts as one
+    explicit.save(ckpt, step=25)  # (the next maybe_save in its interval saved again)
+    assert explicit.maybe_save(ckpt, 26) is None and explicit.maybe_save(ckpt, 30) is not None
 
 
 def test_keep_best_accepts_a_count_and_a_yaml_list(tmp_path: Path) -> None:

@@ -265,9 +265,13 @@ class CheckpointRotation:
         """Save ``step`` now (collective, synchronous), then delete what the retention policy no longer keeps.
 
         The new checkpoint is committed (and, with ``archive=True``, converted and
-        published) before any older entry is removed. Returns the entry's path.
+        published) before any older entry is removed. Returns the entry's path. It counts as the previous save for
+        ``every_steps`` / ``every_seconds`` (as ``maybe_save(..., force=True)`` does).
         """
-        return self._save(ckpt, step, metadata, components, save_kwargs)
+        started = time.monotonic()
+        path = self._save(ckpt, step, metadata, components, save_kwargs)
+        self._last_step, self._last_time = check_step(step), started
+        return path
 
     def _save(
         self,
