@@ -748,3 +748,16 @@ def test_a_link_named_like_a_newer_entry_is_warned_about_at_resume_and_named_at_
     with pytest.raises(tdcp.CheckpointError, match="is a symbolic link: a save never writes through a link"):
         rotation.maybe_save(ckpt, 9)
     assert (tmp_path / "run" / "step-000000000009").is_symlink() and tdcp.verify(elsewhere)
+
+
+def test_a_directory_save_keeps_an_archive_of_its_name_recording_another_step(tmp_path: Path) -> None:
+    """The save of step 7 as a directory removed ``step-...7.zip``, an archive of ours recording step 3 (renamed by
+    hand), which the listing calls "renamed, not this rotation's entry" and pruning leaves alone."""
+    ckpt = tdcp.DistributedCheckpoint(no_dist=True, w={"x": torch.zeros(2)})
+    rotation = tdcp.CheckpointRotation(tmp_path, keep_last=5)
+    three = rotation.save(ckpt, step=3)
+    renamed = tmp_path / "step-000000000007.zip"
+    tdcp.to_archive(three, renamed)
+    rotation.save(ckpt, step=7)
+    assert renamed.is_file() and tdcp.read_manifest(renamed)["step"] == 3
+    assert (tmp_path / "step-000000000007").is_dir()

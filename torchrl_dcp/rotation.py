@@ -90,6 +90,14 @@ def _committed(location: Any) -> bool:
     return True
 
 
+def _recorded_step(location: Any) -> Any:
+    """The step a committed entry's manifest records (``None``: not readable as one)."""
+    try:
+        return location.root().get("step")
+    except CheckpointError:
+        return None
+
+
 def _check_committed(location: Location) -> None:
     """The entry just committed passes the checks a load runs before it reads any tensor (its manifest and every
     shard, every file present with its size and this save's identity, the storage entries: coverage, bounds,
@@ -468,9 +476,14 @@ class CheckpointRotation:
         def rotate() -> None:
             stale = self.location.child(f"step-{step:012d}.zip")  # this step saved as an archive before
             if self.location.holds_archives and stale.entry_kind() == "archive":  # (never in a store: no request)
+                recorded = _recorded_step(stale)
                 if not archive_of_ours(stale):
                     if not self.archive:  # (with archives, to_archive refuses it, naming it)
                         logger.warning("%s: kept, no archive of ours (this step's save is a directory)", stale.path)
+                elif recorded is not None and recorded != step:  # (renamed: not this rotation's entry of the step)
+                    logger.warning(
+                        "%s: kept, it records step %s, not %d (renamed by hand?)", stale.path, recorded, step
+                    )
                 elif not self.archive or not _committed(stale):  # (a committed one is replaced by to_archive at once)
                     stale.remove()  # (a damaged one: a resume warned about it)
             if self.archive:
