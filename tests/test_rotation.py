@@ -761,3 +761,20 @@ def test_a_directory_save_keeps_an_archive_of_its_name_recording_another_step(tm
     rotation.save(ckpt, step=7)
     assert renamed.is_file() and tdcp.read_manifest(renamed)["step"] == 3
     assert (tmp_path / "step-000000000007").is_dir()
+
+
+def test_a_resume_names_what_newer_steps_a_save_will_refuse_to_replace(tmp_path: Path) -> None:
+    """Entries newer than the step resumed that a save of their step refuses to replace are warned about at the
+    resume: a directory of the user's, a link, and a plain file named like a step directory (that one was not:
+    the save of its step failed later, "is a file, not a checkpoint directory")."""
+    ckpt = tdcp.DistributedCheckpoint(no_dist=True, w={"x": torch.zeros(2)})
+    rotation = tdcp.CheckpointRotation(tmp_path, keep_last=5)
+    rotation.save(ckpt, step=1)
+    (tmp_path / "step-000000000002").mkdir()
+    (tmp_path / "step-000000000002" / "notes.txt").write_text("mine")
+    (tmp_path / "step-000000000003").symlink_to(tmp_path / "step-000000000002")
+    (tmp_path / "step-000000000004").write_text("mine too")
+    with pytest.warns(tdcp.TorchrlDcpWarning, match="holds entries newer than step 1") as caught:
+        assert tdcp.CheckpointRotation(tmp_path, keep_last=5).resume(ckpt).step == 1
+    said = " ".join(str(w.message) for w in caught)
+    assert "step-000000000002" in said and "a symbolic link" in said and "a file, not a checkpoint directory" in said

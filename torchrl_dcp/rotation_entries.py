@@ -232,8 +232,13 @@ def blocking_entries(location: Location, after: int) -> list[RotationEntry]:
     ]
     for child in location.children():  # links (and FIFOs...) are no entries: never written through, nor replaced
         parsed = entry_name_step(child.name)
-        if parsed is not None and parsed[0] > after and child.kind == "other":
-            what = "a symbolic link" if os.path.islink(child.location.path) else "not a directory or regular file"
+        if parsed is None or parsed[0] <= after:
+            continue
+        if child.kind == "other" or (child.kind == "archive" and not parsed[1]):  # (a file named like a directory)
+            if child.kind == "archive":
+                what = "a file, not a checkpoint directory"
+            else:
+                what = "a symbolic link" if os.path.islink(child.location.path) else "not a directory or regular file"
             found.append(
                 RotationEntry(
                     step=parsed[0], path=child.location.path, committed=False, archive=parsed[1], size=0, error=what
