@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchrl_dcp.adapters.base import AdapterContext
-from torchrl_dcp.adapters.env import env_generators, generator_state, set_generator_state
+from torchrl_dcp.adapters.env_generators import env_generators, generator_state, set_generator_state
 from torchrl_dcp.adapters.registry import register_adapter
 from torchrl_dcp.adapters.state_dict import StateDictAdapter
 from torchrl_dcp.errors import CheckpointIntegrityError, IncompatibleComponentError, TorchrlDcpWarning
