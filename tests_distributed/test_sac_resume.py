@@ -129,3 +129,18 @@ def test_sac_under_max_restarts_resumes_from_the_local_tier_and_finishes_bit_exa
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     assert "resumed from the local tier (iteration 12" in run.stdout
     assert finals(run.stdout) == finals(ref.stdout)
+
+
+@pytest.mark.slow
+def test_a_resume_from_the_local_tier_adopts_that_steps_options(tmp_path: Path) -> None:
+    """``--resume`` read the saved options from the shared tier's newest entry only: resuming a local-tier step
+    (the shared tier holding none yet) trained with the options of the command line, silently, and recorded the
+    saved ones. The options are read from the step the resume restores."""
+    local = ["--local-dir", str(tmp_path / "local"), "--local-every", "3"]
+    run = str(tmp_path / "run")
+    killed = torchrun("--ckpt-dir", run, *local, "--save-every", "100", "--kill-at", "7")
+    assert killed.returncode != 0 and not any((tmp_path / "run").glob("step-*")), killed.stdout[-2000:]
+    resumed = torchrun("--ckpt-dir", run, *local, "--updates-per-batch", "3", "--resume", "--iterations", "9")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "note: --updates-per-batch 3 ignored: the run was trained with 2" in resumed.stdout, resumed.stdout
+    assert "resumed from the local tier (iteration 6" in resumed.stdout, resumed.stdout

@@ -182,6 +182,17 @@ class LocalTier:
         """The steps this node's tier holds committed parts of (any rank's, any job's), sorted."""
         return sorted({p.step for p in self._held(None)})
 
+    def newest_part(self, identity: Mapping[str, Any]) -> tuple[int, Path] | None:
+        """``(step, part)`` of the newest step this node holds a committed part of for the job ``identity``
+        (:func:`job_identity`), its lowest rank's: what a resume may restore, readable before the job is built (its
+        options, a ``config`` component); ``None`` when it holds none."""
+        held = self._held(identity)
+        if not held:
+            return None
+        step = max(p.step for p in held)
+        rank = min(p.rank for p in held if p.step == step)
+        return step, self.path / f"step-{step:012d}" / f"rank-{rank:05d}"
+
     # ------------------------------------------------------------------ saving
     def save(self, ckpt: Any, step: int, metadata: Mapping[str, Any], identity: Mapping[str, Any]) -> Path:
         """Save this rank's part of ``step`` and its replicas, agree, then record the commit (collective)."""
@@ -592,11 +603,12 @@ def tier_identity(ckpt: Any, shared: Any) -> dict[str, Any]:
     a part is loaded (and its components checked) like any checkpoint; one that does not fit fails the
     load on its rank, which sends every rank to the shared tier.
     """
-    return {
-        "run": os.environ.get("TORCHELASTIC_RUN_ID"),
-        "world_size": _dist.group_size(_group(ckpt)),
-        "shared": str(shared),
-    }
+    return job_identity(_dist.group_size(_group(ckpt)), shared)
+
+
+def job_identity(world_size: int, shared: Any) -> dict[str, Any]:
+    """:func:`tier_identity` of a job of ``world_size`` ranks saving to ``shared`` (before its checkpoint exists)."""
+    return {"run": os.environ.get("TORCHELASTIC_RUN_ID"), "world_size": world_size, "shared": str(shared)}
 
 
 def _holds_checkpoint(part: Path) -> bool:
