@@ -91,8 +91,10 @@ def list_objects(path: StorePath) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for e in entries:
         name = str(e["name"]).rstrip("/").rsplit("/", 1)[-1]
-        if str(e["name"]).rstrip("/") == path.key.rstrip("/"):  # some stores list a file as itself
-            continue
+        if str(e["name"]).rstrip("/") == path.key.rstrip("/"):
+            if e.get("type") == "file":  # some stores list a file as itself (a console's folder marker ``x/``)
+                continue
+            name = "/"  # keys under ``x//`` (an empty segment): a prefix of the key itself, a name no file has
         held = out.get(name)
         if held is not None and (held.get("type") == "file") != (e.get("type") == "file"):
             # an object and a prefix of one name (``x`` and ``x/y``): both listed, the prefix as ``x/`` (a name no
