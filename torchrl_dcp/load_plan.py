@@ -257,16 +257,16 @@ def refuse_conflicting_live(plan: LoadPlan, saved_crcs: Callable[[str], Any], so
     owners = [c for c in plan.components.values() if c.in_place]
     if not owners:
         return
+    live = plan.live
+    pointers = [t.data_ptr() for t in live.values()]
+    if len(set(pointers)) == len(pointers):  # (no two live tensors start at one address: none shared, the common case)
+        return
     keyed = [
         (comp.name, f"{state.prefix}/{spec.key}")
         for comp in owners
         for state in comp.sources.values()
         for spec in state.specs
     ]
-    live = plan.live
-    pointers = [t.data_ptr() for _, key in keyed if (t := live.get(key)) is not None and t.numel()]
-    if len(set(pointers)) == len(pointers):  # (no two live tensors start at one address: none shared, the common case)
-        return
     spans: dict[tuple[Any, int, int], list[tuple[str, str]]] = {}  # one memory extent: (component, key) reading it
     for name, key in keyed:
         t = live.get(key)
