@@ -200,6 +200,20 @@ def test_weights_tied_now_but_saved_apart_are_refused_before_anything_changes(tm
     tdcp.DistributedCheckpoint(no_dist=True, m=again).load(path)
     assert torch.equal(again[0].weight, before) and again[0].weight is again[1].weight
 
+    def viewed() -> torch.nn.Module:  # one memory under two layouts, saved so: loads (it was refused for a while)
+        m = torch.nn.Module()
+        w = torch.arange(6.0).reshape(2, 3)
+        m.register_buffer("w", w)
+        m.register_buffer("wt", w.t())
+        return m
+
+    src = viewed()
+    src.w.mul_(10)
+    path = tdcp.DistributedCheckpoint(no_dist=True, m=src).save(tmp_path / "views")
+    dst = viewed()
+    tdcp.DistributedCheckpoint(no_dist=True, m=dst).load(path)
+    assert torch.equal(dst.w, src.w) and torch.equal(dst.wt, src.wt)
+
 
 @pytest.mark.parametrize("kind", ["inference", "expanded"])
 def test_a_locked_tensordict_entry_no_load_can_write_is_refused_before_anything_changes(

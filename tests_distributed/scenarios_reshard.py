@@ -173,6 +173,10 @@ def _kind_buffer(kind: str, capacity: int = 20):
     if kind == "nstep":
         transform = MultiStepTransform(n_steps=3, gamma=0.9)
         return TensorDictReplayBuffer(storage=LazyTensorStorage(capacity), batch_size=4, transform=transform)
+    if kind == "user_index":  # (a plain writer: the rows' "index" entry is the user's own)
+        from torchrl.data import ReplayBuffer
+
+        return ReplayBuffer(storage=LazyTensorStorage(capacity), batch_size=4)
     if kind == "observation_norm":  # (a transform not verified exact in a buffer: warned at save and at load)
         from torchrl.envs.transforms import ObservationNorm
 
@@ -186,6 +190,8 @@ def _kind_data(kind: str, rank: int) -> TensorDict:
     ids = torch.arange(n) + 100 * rank
     if kind == "slice":
         return TensorDict({"id": ids, "done": (ids % 3 == 2).unsqueeze(-1)}, [n])
+    if kind == "user_index":  # (sample ids that equal the saved positions)
+        return TensorDict({"id": ids, "index": torch.arange(n)}, [n])
     if kind == "slice_open":  # (one episode ends, at id 3: every new rank's newest row is mid-episode)
         return TensorDict({"id": ids, "done": (ids % 100 == 3).unsqueeze(-1)}, [n])
     if kind == "nstep":

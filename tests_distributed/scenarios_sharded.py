@@ -68,8 +68,11 @@ def save_drifted_replicas(path: str, shape: list[int], drift_rank: int) -> dict[
     ``drift_rank`` differs by one bit (``-1``: none does)."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    mesh = init_device_mesh("cpu", tuple(shape))
-    placements = [Replicate()] + [Shard(0)] * (len(shape) - 1)
+    if shape == [2, 2, 0]:  # (data-parallel copies of a tensor-parallel submesh: ``mesh["tp"]``, Shard(0))
+        mesh, placements = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"], [Shard(0)]
+    else:
+        mesh = init_device_mesh("cpu", tuple(shape))
+        placements = [Replicate()] + [Shard(0)] * (len(shape) - 1)
     full = _full()
     local = distribute_tensor(full, mesh, placements).to_local().clone()
     if dist.get_rank() == drift_rank:

@@ -153,6 +153,10 @@ def test_a_reshard_renumbers_the_rows_index_entries_and_keeps_their_generations(
     assert r.value["ids"] == [2, 3, 4, 5, 102, 103, 104, 105], r.value  # (oldest first, each shard in turn)
     assert r.value["generations"] == [0, 0, 1, 1, 0, 0, 1, 1, -1, -1], r.value
     assert r.value["index"] == list(range(8)), r.value
+    path = str(tmp_path / "user")  # a plain writer's rows: their "index" is the user's own, never renumbered
+    launch(f"{S}:save_kind_shards", 2, path, "user_index")
+    (r,) = launch(f"{S}:load_kind_resharded", 1, path, "user_index", "fresh")
+    assert r.value["index"] == [*range(6), *range(6)], r.value
 
 
 def test_transitions_held_back_by_an_n_step_transform_refuse_a_reshard(tmp_path: Path) -> None:

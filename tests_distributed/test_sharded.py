@@ -43,11 +43,14 @@ def test_a_dtensor_of_another_shape_or_dtype_is_skipped_by_strict_warn(tmp_path:
 def test_a_replicated_dtensor_whose_copies_drifted_is_refused(tmp_path: Path) -> None:
     """A DTensor placed Replicate() (alone, or along HSDP's first mesh dimension) whose copy on one rank differs:
     the replica check left every DTensor out of a sharded component ("each rank's shard: its own"), DCP wrote one
-    copy and every rank loaded it. The copies of one shard are compared among the ranks holding it."""
-    for shape, drift in (([2], 1), ([2, 2], 2), ([2, 2], 3)):
+    copy and every rank loaded it. So were the data-parallel copies of a tensor-parallel submesh's shard. The copies
+    of one place of a DTensor (its key and offsets: what DCP writes once) are compared among the ranks holding it."""
+    for shape, drift in (([2], 1), ([2, 2], 2), ([2, 2], 3), ([2, 2, 0], 2)):
         path = str(tmp_path / f"c{len(shape)}{drift}")
-        results = launch(f"{S}:save_drifted_replicas", 4 if len(shape) == 2 else 2, path, shape, drift)
+        results = launch(f"{S}:save_drifted_replicas", 2 if len(shape) == 1 else 4, path, shape, drift)
         for r in results:
-            assert r.value["error"] is not None and "a DTensor placed Replicate()" in r.value["error"], r.value
+            assert r.value["error"] is not None and "a place of a DTensor several ranks hold" in r.value["error"], (
+                r.value
+            )
     results = launch(f"{S}:save_drifted_replicas", 4, str(tmp_path / "alike"), [2, 2], -1)
     assert all(r.value["error"] is None for r in results), results

@@ -280,8 +280,13 @@ def refuse_conflicting_live(plan: LoadPlan, saved_crcs: Callable[[str], Any], so
         if len({key for _, key in readers}) < 2:
             continue
         readers.sort()
+        if len({name for name, _ in readers}) < 2 and not _one_view(live, readers):
+            continue  # (one component's views of one memory in other layouts, ``w`` and ``w.t()``: saved as views)
         crcs = [saved_crcs(key) for _, key in readers]
-        if any(c is None for c in crcs) or len(set(crcs)) > 1:
+        one_component = len({name for name, _ in readers}) < 2
+        if (any(c is None for c in crcs) and not one_component) or len({c for c in crcs if c is not None}) > 1:
+            # (unknown CRCs, a checkpoint of DCP's own record layout, format 1: a conflict across components only;
+            # within one, tied weights saved tied then read alike)
             conflicts.append(readers)
     if conflicts:
         (a, key_a), (b, key_b) = min(conflicts)[:2]
@@ -293,6 +298,13 @@ def refuse_conflicting_live(plan: LoadPlan, saved_crcs: Callable[[str], Any], so
             "load one of them (components=[...])",
             path=source,
         )
+
+
+def _one_view(live: Mapping[str, torch.Tensor], readers: list[tuple[str, str]]) -> bool:
+    """Whether the live tensors of ``readers`` are one view of their memory (tied weights: one tensor under two
+    keys), not views in other layouts."""
+    views = {(tuple(live[key].shape), live[key].stride(), live[key].dtype) for _, key in readers}
+    return len(views) == 1
 
 
 def _text(err: BaseException) -> str:

@@ -30,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from typing import Any, Literal, get_args
 
@@ -124,25 +125,22 @@ REPLICA_OF = "replica of "
 
 
 def _replicated_shards(keys: Any, flat: Mapping[str, torch.Tensor], mode: ReplicaCheck) -> dict[str, str]:
-    """``{"replica of <key> at <coordinates>": fingerprint}`` of each DTensor placed ``Replicate()`` along some mesh
-    dimension (``[Replicate()]``, HSDP's ``(Replicate(), Shard(0))``): the ranks of equal coordinates along its other
-    dimensions hold copies of one shard, which DCP writes once (one rank's: a copy that drifted loaded everywhere)."""
-    from torch.distributed.tensor import Replicate
+    """``{"replica of <key> at offsets <o>": fingerprint}`` of each DTensor's local shard, by its place in the whole
+    tensor: DCP writes one copy of each place (the write items of one key and offsets, deduplicated), so the ranks
+    holding one place must hold the same bytes. Those are the copies along a ``Replicate()`` mesh dimension (HSDP's
+    ``(Replicate(), Shard(0))``) and on the data-parallel copies of a tensor-parallel submesh (``mesh["tp"]``): a
+    copy that drifted was written once and loaded everywhere."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     out: dict[str, str] = {}
     for key in keys:
         t = flat[key]
-        if not is_dtensor(t):
+        if not is_dtensor(t) or t.device_mesh.get_coordinate() is None:  # (this rank holds no part of it)
             continue
-        placements = t.placements
-        if not any(isinstance(p, Replicate) for p in placements):
+        sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        if not math.prod(sizes):
             continue
-        coordinate = t.device_mesh.get_coordinate()
-        if coordinate is None:  # (this rank holds no part of it)
-            continue
-        shard = tuple(c for c, p in zip(coordinate, placements) if not isinstance(p, Replicate))
-        where = f" (the shard at mesh coordinates {list(shard)})" if shard else ""
-        out[f"{REPLICA_OF}{key}{where}"] = fingerprint(t.to_local(), mode)
+        out[f"{REPLICA_OF}{key} at offsets {list(offsets)}"] = fingerprint(t.to_local(), mode)
     return out
 
 
@@ -243,8 +241,8 @@ def _compare_replicated_shards(per_rank: list[dict[str, tuple[Any, ...]]], group
                 first = held.setdefault((name, key), (r, value))
                 if first[1] != value:
                     raise EncodingError(
-                        f"sharded component {name!r}: the {key} (a DTensor placed Replicate() along a mesh "
-                        f"dimension) differs between rank {_named(group, first[0])} and rank {_named(group, r)}: DCP "
+                        f"sharded component {name!r}: the {key} (a place of a DTensor several ranks hold: along a "
+                        f"Replicate() mesh dimension, or on data-parallel copies of a submesh) differs between rank {_named(group, first[0])} and rank {_named(group, r)}: DCP "
                         "writes one copy, so the checkpoint would hold one rank's for every rank; nothing was "
                         "written. Make the copies identical (a broadcast, or the same updates on every replica), or "
                         "register it with replica_check='off' to skip this check"

@@ -305,6 +305,13 @@ class _Received:
     n: int = 0
 
 
+def _writes_index(saved_writer: Mapping[str, Any]) -> bool:
+    """Whether the saved writer is one of torchrl's TensorDict writers, which store each row's position in it as
+    ``"index"`` (any other writer's rows hold the user's own ``"index"``, if any: never renumbered)."""
+    kind = saved_writer.get("kind")
+    return kind == "max_value" or (kind == "state_dict" and saved_writer.get("type") == "TensorDictRoundRobinWriter")
+
+
 def _renumbered(data: Any, positions: torch.Tensor, start: int) -> Any:
     """``data`` (rows taken at the saved ``positions``) with the ``"index"`` entry a TensorDict writer stores in each
     row (its storage position, which ``update_tensordict_priority`` writes priorities at) set to the rows' new
@@ -331,9 +338,8 @@ def _received(
             items = list_items(state["storage"], ctx)
             out.datas.append([items[p] for p in positions.tolist()])
         else:
-            out.datas.append(
-                _renumbered(_map_tree(state["storage"]["data"], lambda t, p=positions: t[p]), positions, out.n)
-            )
+            rows = _map_tree(state["storage"]["data"], lambda t, p=positions: t[p])
+            out.datas.append(_renumbered(rows, positions, out.n) if _writes_index(state["writer"]) else rows)
         generations = (state["writer"].get("state") or {}).get("_generation")
         if isinstance(generations, torch.Tensor):  # (a RoundRobinWriter(track_generations=True)'s slot stamps)
             known = positions < generations.numel()
