@@ -644,10 +644,12 @@ def test_pickle_in_manifest_or_extra_file_never_runs(tmp_path: Path) -> None:
     path = saved(tmp_path)
     marker = tmp_path / "pwned"
     (path / "extra.pkl").write_bytes(pickle.dumps(Payload(marker)))
-    reseal(path, "extra.pkl")  # even listed in the manifest, an unknown file is never opened as pickle
+    reseal(path, "extra.pkl")  # listed in the manifest: a name no save writes, refused (never opened as pickle)
     objs = make_objects(2)
-    checkpoint(objs).load(path)
-    verify(path)
+    with pytest.raises(tdcp.CheckpointFormatError, match="file name 'extra.pkl' is not one a save writes"):
+        checkpoint(objs).load(path)
+    with pytest.raises(tdcp.CheckpointFormatError, match="'extra.pkl' is not one a save writes"):
+        verify(path)
     (path / "manifest.json").write_bytes(pickle.dumps(Payload(marker)))
     refuse_unchanged(path, "not valid JSON")
     assert not marker.exists()
