@@ -257,8 +257,8 @@ def refuse_conflicting_live(plan: LoadPlan, saved_crcs: Callable[[str], Any], so
     owners = [c for c in plan.components.values() if c.in_place]
     if not owners:
         return
-    live = plan.live
-    pointers = [t.data_ptr() for t in live.values()]
+    live = {k: _memory(t) for k, t in plan.live.items()}  # (a DTensor's: its local shard, perhaps empty)
+    pointers = [t.data_ptr() for t in live.values() if t.numel()]
     if len(set(pointers)) == len(pointers):  # (no two live tensors start at one address: none shared, the common case)
         return
     keyed = [
@@ -298,6 +298,14 @@ def refuse_conflicting_live(plan: LoadPlan, saved_crcs: Callable[[str], Any], so
             "load one of them (components=[...])",
             path=source,
         )
+
+
+def _memory(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose memory a read in place fills: a DTensor's local shard (its own ``data_ptr`` and ``numel``
+    say nothing of it), any other tensor itself."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:  # (the common case, without a call)
+        return t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def _one_view(live: Mapping[str, torch.Tensor], readers: list[tuple[str, str]]) -> bool:
