@@ -78,7 +78,6 @@ def upload_result(local: Path, dst: StorePath, kind: str) -> None:
         upload_file(local, dst)
 
 
-#: what the first member's name of an archive begins with: torchrl_dcp's (``to_archive``), torchrl.checkpoint's
 def _is_archive_of(dst: StorePath, kind: str) -> bool:
     """Whether the object ``dst`` is a ZIP whose ``manifest.json`` is a checkpoint's of ours (``kind`` ``"file"``:
     it parses and validates, as a local archive's must) or ``torchrl.checkpoint``'s (``"torchrl"``), read as a local
