@@ -20,8 +20,10 @@ def main() -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    with open(os.environ["TDCP_RESULT"], "w") as f:
+    out = os.environ["TDCP_RESULT"]
+    with open(out + ".tmp", "w") as f:  # (renamed whole: a rank killed meanwhile, by the launcher, leaves no half file)
         json.dump(value, f)
+    os.replace(out + ".tmp", out)
 
 
 def call_main(module: str, *argv: str) -> None:
