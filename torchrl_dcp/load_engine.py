@@ -72,6 +72,7 @@ from torchrl_dcp.format.codec import TensorSpec
 from torchrl_dcp.format.manifest import library_versions
 from torchrl_dcp.format.metadata_checks import record_index
 from torchrl_dcp.format.record import template
+from torchrl_dcp.live_sharing import refuse_conflicting_live
 from torchrl_dcp.load_plan import (
     ComponentPlan,
     LoadPlan,
@@ -81,7 +82,6 @@ from torchrl_dcp.load_plan import (
     check_sparse,
     decode_states,
     plan_components,
-    refuse_conflicting_live,
     rollback_one,
 )
 from torchrl_dcp.load_rollback import (
