@@ -268,14 +268,14 @@ def test_a_part_linked_after_the_tier_was_listed_is_refused_before_it_is_loaded(
     """The link planted between the listing (the part was a real directory) and the load: refused there, the
     shared tier is next."""
     policy, part = _saved_tier(tmp_path)
-    chosen = local_tier._newest_complete
+    chosen = local_tier.newest_complete
 
     def then_plant(*args: Any) -> Any:
         found = chosen(*args)
         _plant_link(part, tmp_path / "outside")
         return found
 
-    monkeypatch.setattr(local_tier, "_newest_complete", then_plant)
+    monkeypatch.setattr(local_tier, "newest_complete", then_plant)
     fresh = torch.nn.Linear(4, 3)
     info = _rotation(tmp_path).resume(tdcp.DistributedCheckpoint(policy=fresh))
     assert info is not None and info.tier == "shared"

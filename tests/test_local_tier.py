@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import torchrl_dcp as tdcp
-from torchrl_dcp.local_tier import NodeLayout
+from torchrl_dcp.local_nodes import NodeLayout
 
 
 def _job(seed: int = 0) -> tuple[tdcp.DistributedCheckpoint, torch.nn.Linear, torch.optim.Adam]:

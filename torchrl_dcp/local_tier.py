@@ -40,12 +40,11 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import stat
 import uuid
 import warnings
-from collections.abc import Collection, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -63,6 +62,7 @@ from torchrl_dcp.errors import (
     from_os_error,
 )
 from torchrl_dcp.load_plan import LoadPlan
+from torchrl_dcp.local_nodes import NodeLayout, newest_complete, node_identity
 from torchrl_dcp.local_records import (
     RECORD,
     RECORD_TMP,
@@ -88,54 +88,6 @@ logger = get_logger(__name__)
 Tier = Literal["local", "peer", "shared"]
 _STEP = re.compile(r"step-([0-9]{12,})")  # (fullmatch: "$" would take a name ending in a newline)
 _PART = re.compile(r"rank-[0-9]{5}")
-
-
-def node_identity() -> str:
-    """What names this process's node: ``GROUP_RANK`` (the agent's rank, set by ``torchrun``), else the host name."""
-    agent = os.environ.get("GROUP_RANK")
-    return f"agent-{agent}" if agent is not None else f"host-{socket.gethostname()}"
-
-
-@dataclass(frozen=True)
-class NodeLayout:
-    """Which node each rank of the group runs on, and where each rank's replicas go.
-
-    Nodes are ordered by their lowest rank; rank ``i``-th of its node sends its replica ``k``
-    (1-based) to the ``i``-th rank (modulo) of the ``k``-th next node, never to its own node.
-
-    Example:
-        >>> layout = NodeLayout(("a", "a", "b", "b"))
-        >>> layout.targets(0, 1), layout.sources(2, 1), layout.leader(3)
-        ([2], [0], False)
-    """
-
-    nodes: tuple[str, ...]
-
-    def _order(self) -> tuple[list[str], dict[str, list[int]]]:
-        members: dict[str, list[int]] = {}
-        for rank, node in enumerate(self.nodes):
-            members.setdefault(node, []).append(rank)
-        return list(members), members
-
-    def targets(self, rank: int, replicas: int) -> list[int]:
-        order, members = self._order()
-        n = order.index(self.nodes[rank])
-        i = members[self.nodes[rank]].index(rank)
-        out = []
-        for k in range(1, min(replicas, len(order) - 1) + 1):
-            ranks = members[order[(n + k) % len(order)]]
-            out.append(ranks[i % len(ranks)])
-        return out
-
-    def sources(self, rank: int, replicas: int) -> list[int]:
-        return [r for r in range(len(self.nodes)) if rank in self.targets(r, replicas)]
-
-    def leader(self, rank: int) -> bool:
-        """Whether ``rank`` is its node's first rank (the one that prunes the node's tier)."""
-        return self.nodes.index(self.nodes[rank]) == rank
-
-    def node_count(self) -> int:
-        return len(set(self.nodes))
 
 
 class LocalTier:
@@ -388,7 +340,7 @@ class LocalTier:
         layout = self._layout(group)
         held = self._listing(identity, group)
         refused: set[tuple[int, str, int, str]] = set()  # (step, save, part's rank, node): copies found damaged
-        chosen = _newest_complete(held, _dist.group_size(group), refused, layout)
+        chosen = newest_complete(held, _dist.group_size(group), refused, layout)
         while chosen is not None:
             if shared_step is not None and chosen[0] < shared_step:
                 logger.info(
@@ -401,7 +353,7 @@ class LocalTier:
             step, save_id, _ = chosen
             for r, (holder, _) in sorted(outcome.items()):
                 refused.add((step, save_id, r, layout.nodes[holder]))
-            chosen = _newest_complete(held, _dist.group_size(group), refused, layout)
+            chosen = newest_complete(held, _dist.group_size(group), refused, layout)
             if not fallback and (chosen is None or chosen[0] != step):  # (every rank knows the same damage)
                 raise CheckpointIntegrityError(
                     f"local tier {self.path}: step {step} could not be restored from any copy: "
@@ -675,28 +627,6 @@ def _exchange_parts(sends: list[tuple[Path, int]], receives: list[tuple[Path, in
             return str(err)
         logger.warning("local tier: sending a part to another rank failed (it tries another copy): %s", err)
     return None
-
-
-def _newest_complete(
-    held: list[list[tuple[int, int, str]]],
-    world: int,
-    refused: Collection[tuple[int, str, int, str]],
-    layout: NodeLayout,
-) -> tuple[int, str, dict[int, list[int]]] | None:
-    """The newest ``(step, save_id)`` whose every rank's part some rank holds, with the holders of each part;
-    ``refused``: copies ``(step, save_id, part's rank, node)`` not to count (found damaged; ``layout`` names the
-    holders' nodes)."""
-    found: dict[tuple[int, str], dict[int, list[int]]] = {}
-    for holder, parts in enumerate(held):
-        for step, owner, save_id in parts:
-            if (step, save_id, owner, layout.nodes[holder]) in refused:
-                continue
-            found.setdefault((step, save_id), {}).setdefault(owner, []).append(holder)
-    complete = [key for key, owners in found.items() if sorted(owners) == list(range(world))]
-    if not complete:
-        return None
-    step, save_id = max(complete)
-    return step, save_id, found[(step, save_id)]
 
 
 class _Damaged(Exception):

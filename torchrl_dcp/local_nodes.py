@@ -1,0 +1,88 @@
+"""Which node each rank runs on, where its local-tier replicas go, and which step the tier can restore.
+
+A local tier's parts live on nodes: :class:`NodeLayout` names each rank's node (:func:`node_identity`,
+gathered once per group) and the ranks on other nodes that hold its replicas; at a resume,
+:func:`newest_complete` picks the newest step whose every rank's part some rank holds.
+
+Example:
+    >>> layout = NodeLayout(("a", "a", "b", "b"))
+    >>> newest_complete([[(4, 0, "s")], [(4, 1, "s")], [], []], 2, (), layout)
+    (4, 's', {0: [0], 1: [1]})
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Collection
+from dataclasses import dataclass
+
+
+def node_identity() -> str:
+    """What names this process's node: ``GROUP_RANK`` (the agent's rank, set by ``torchrun``), else the host name."""
+    agent = os.environ.get("GROUP_RANK")
+    return f"agent-{agent}" if agent is not None else f"host-{socket.gethostname()}"
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """Which node each rank of the group runs on, and where each rank's replicas go.
+
+    Nodes are ordered by their lowest rank; rank ``i``-th of its node sends its replica ``k``
+    (1-based) to the ``i``-th rank (modulo) of the ``k``-th next node, never to its own node.
+
+    Example:
+        >>> layout = NodeLayout(("a", "a", "b", "b"))
+        >>> layout.targets(0, 1), layout.sources(2, 1), layout.leader(3)
+        ([2], [0], False)
+    """
+
+    nodes: tuple[str, ...]
+
+    def _order(self) -> tuple[list[str], dict[str, list[int]]]:
+        members: dict[str, list[int]] = {}
+        for rank, node in enumerate(self.nodes):
+            members.setdefault(node, []).append(rank)
+        return list(members), members
+
+    def targets(self, rank: int, replicas: int) -> list[int]:
+        order, members = self._order()
+        n = order.index(self.nodes[rank])
+        i = members[self.nodes[rank]].index(rank)
+        out = []
+        for k in range(1, min(replicas, len(order) - 1) + 1):
+            ranks = members[order[(n + k) % len(order)]]
+            out.append(ranks[i % len(ranks)])
+        return out
+
+    def sources(self, rank: int, replicas: int) -> list[int]:
+        return [r for r in range(len(self.nodes)) if rank in self.targets(r, replicas)]
+
+    def leader(self, rank: int) -> bool:
+        """Whether ``rank`` is its node's first rank (the one that prunes the node's tier)."""
+        return self.nodes.index(self.nodes[rank]) == rank
+
+    def node_count(self) -> int:
+        return len(set(self.nodes))
+
+
+def newest_complete(
+    held: list[list[tuple[int, int, str]]],
+    world: int,
+    refused: Collection[tuple[int, str, int, str]],
+    layout: NodeLayout,
+) -> tuple[int, str, dict[int, list[int]]] | None:
+    """The newest ``(step, save_id)`` whose every rank's part some rank holds, with the holders of each part;
+    ``refused``: copies ``(step, save_id, part's rank, node)`` not to count (found damaged; ``layout`` names the
+    holders' nodes)."""
+    found: dict[tuple[int, str], dict[int, list[int]]] = {}
+    for holder, parts in enumerate(held):
+        for step, owner, save_id in parts:
+            if (step, save_id, owner, layout.nodes[holder]) in refused:
+                continue
+            found.setdefault((step, save_id), {}).setdefault(owner, []).append(holder)
+    complete = [key for key, owners in found.items() if sorted(owners) == list(range(world))]
+    if not complete:
+        return None
+    step, save_id = max(complete)
+    return step, save_id, found[(step, save_id)]
