@@ -23,6 +23,7 @@ from torchrl.modules import MLP, ProbabilisticActor, TanhNormal, ValueOperator
 from torchrl.objectives import CQLLoss, IQLLoss, SoftUpdate
 
 import torchrl_dcp as tdcp
+from torchrl_dcp.adapters.state_dict import StateDictAdapter
 from torchrl_dcp.audit import state_differences, state_snapshot
 from torchrl_dcp.examples.sac import make_env
 
@@ -668,3 +669,92 @@ def test_keep_best_on_a_trainer_that_records_no_such_metric_is_refused_when_it_b
     with pytest.raises(ValueError, match=r"metadata\['reward'\].*checkpoint_metadata=lambda trainer"):
         build()
     assert build(checkpoint_metadata=lambda trainer: {"reward": 1.0}) is not None
+
+
+# ---------------------------------------------------------------------- each rank's logging: schedule and logger
+def _logging_trainer(ckpt_dir: Path, logger: Any = None) -> Any:
+    from tests_distributed.trainer_zoo import build_trainer
+
+    trainer = build_trainer("SACTrainer", 0, ckpt_dir, total_frames=64, save_every=1000, logger=logger)
+    trainer._log_interval = 10
+    trainer.register_op("post_steps_log", lambda batch: {"eval": 1.0})
+    return trainer
+
+
+def test_a_trainers_logging_schedule_and_missing_logger_are_saved_per_rank_and_resumed(tmp_path: Path) -> None:
+    """``_last_log`` (when each key is logged next) is each rank's own: saved in the per-rank ``trainer_log``, not in
+    the replicated ``trainer_state`` (a key logged on rank 0 only failed every save's replica check); a rank without
+    a logger saves a ``NoLogger`` as ``logger`` (every rank saves the same components)."""
+    trainer = _logging_trainer(tmp_path / "run")
+    trainer.train()
+    assert trainer._last_log.get("eval", 0) > 0 and "_last_log" in vars(trainer)
+    saved = trainer.checkpoint_rotation.latest()  # (train()'s final save)
+    manifest = tdcp.read_manifest(saved)
+    placements = {n: c["placement"] for n, c in manifest["components"].items()}
+    assert placements["trainer_log"] == placements["logger"] == "per_rank"
+    assert placements["trainer_state"] == "replicated"
+    fresh = _logging_trainer(tmp_path / "run2")
+    assert fresh._last_log == {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tdcp.InexactResumeWarning)
+        fresh.checkpoint.load(saved)
+    assert fresh._last_log == trainer._last_log and fresh._last_log is not trainer._last_log
+
+
+def test_a_checkpoint_whose_trainer_state_holds_the_logging_schedule_loads_it_without_a_warning(
+    tmp_path: Path,
+) -> None:
+    """Checkpoints saved before ``trainer_log`` (and torchrl's) hold ``_last_log`` in ``trainer_state``: restored
+    from there, nothing said to be kept."""
+    trainer = _logging_trainer(tmp_path / "run")
+    trainer.train()
+    old = tdcp.DistributedCheckpoint()
+    old.register("trainer_state", trainer._checkpoint_state, adapter=StateDictAdapter())  # (the old payload)
+    old.unregister("trainer_log")
+    old.unregister("logger")
+    old.save(tmp_path / "c")
+    saved = tdcp.read_manifest(tmp_path / "c")["components"]
+    assert set(saved) == {"trainer_state", "rng"} and "'eval'" in str(saved["trainer_state"]["state"])
+    fresh = _logging_trainer(tmp_path / "run2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tdcp.InexactResumeWarning)
+        fresh.checkpoint.load(tmp_path / "c", components=["trainer_state", "trainer_log", "logger"], strict="warn")
+    assert fresh._last_log == trainer._last_log
+
+
+def test_a_logger_loading_what_a_rank_without_one_saved_is_said_to_start_afresh(tmp_path: Path) -> None:
+    from torchrl.record.loggers import CSVLogger
+
+    trainer = _logging_trainer(tmp_path / "run")
+    trainer.checkpoint.save(tmp_path / "c")
+    logger = CSVLogger("run", log_dir=str(tmp_path / "logs"))
+    with_logger = _logging_trainer(tmp_path / "run2", logger=logger)
+    assert with_logger.checkpoint._components["logger"].value is logger
+    with pytest.warns(tdcp.InexactResumeWarning, match="no logger when the checkpoint was saved"):
+        with_logger.checkpoint.load(tmp_path / "c")
+    with_logger.checkpoint.save(tmp_path / "c2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _logging_trainer(tmp_path / "run3").checkpoint.load(tmp_path / "c2")  # (a rank without one: nothing to say)
+
+
+@pytest.mark.parametrize("forged", [{"eval": -1}, {"eval": "7"}, {"eval": 1.5}, [1]])
+def test_a_forged_logging_schedule_is_refused_before_anything_changes(tmp_path: Path, forged: Any) -> None:
+    trainer = _logging_trainer(tmp_path / "run")
+    trainer.train()
+    from torchrl_dcp.adapters.trainer import TrainerHookAdapter
+
+    class Forged:
+        def state_dict(self) -> dict[str, Any]:
+            return {"last_log": forged}
+
+        def load_state_dict(self, state: Any) -> None: ...
+
+    forged_ckpt = tdcp.DistributedCheckpoint()
+    forged_ckpt.register("trainer_log", Forged(), placement="per_rank", adapter=TrainerHookAdapter())
+    forged_ckpt.save(tmp_path / "c")
+    fresh = _logging_trainer(tmp_path / "run2")
+    before = dict(fresh._last_log)
+    with pytest.raises(tdcp.CheckpointError, match="trainer_log.*(logging schedule|mapping in the live)"):
+        fresh.checkpoint.load(tmp_path / "c", components=["trainer_log"])
+    assert fresh._last_log == before

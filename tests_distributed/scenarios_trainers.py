@@ -52,10 +52,20 @@ def _seed(rank: int) -> None:
     random.seed(2000 + rank)
 
 
-def run(kind: str, ckpt_dir: str, mode: str, out: str) -> None:
-    """``mode``: ``straight`` (train to the end), ``kill`` (SIGKILL after the first scheduled save), ``resume``."""
+def run(kind: str, ckpt_dir: str, mode: str, out: str, rank_0_logs: str = "") -> None:
+    """``mode``: ``straight`` (train to the end), ``kill`` (SIGKILL after the first scheduled save), ``resume``.
+    ``rank_0_logs`` (``"1"``): rank 0 alone has a logger and logs an evaluation value (the usual distributed job)."""
     rank = dist.get_rank()
-    trainer = build_trainer(kind, rank, ckpt_dir, total_frames=TOTAL_FRAMES, save_every=SAVE_EVERY)
+    logger = None
+    if rank_0_logs and rank == 0:
+        from torchrl.record.loggers import CSVLogger
+
+        logger = CSVLogger("rank0", log_dir=str(Path(out) / "logs"))
+    trainer = build_trainer(kind, rank, ckpt_dir, total_frames=TOTAL_FRAMES, save_every=SAVE_EVERY, logger=logger)
+    if rank_0_logs:
+        trainer._log_interval = 20  # (SACTrainer(log_interval=...): a key is logged again after 20 frames)
+        if rank == 0:
+            trainer.register_op("post_steps_log", lambda batch: {"eval": float(batch["next", "reward"].mean())})
     _seed(rank)
     result: dict[str, Any] = {"records": []}
     current: dict[str, Any] = {}

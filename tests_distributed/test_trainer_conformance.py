@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+import torchrl_dcp as tdcp
 from tests_distributed.launch import launch
 from tests_distributed.scenarios_trainers import SAVE_EVERY, TOTAL_FRAMES
 from tests_distributed.trainer_zoo import BUILDERS, SKIPS, trainer_classes
@@ -30,9 +31,9 @@ CLASSES = sorted(trainer_classes())
 WORLD = 2
 
 
-def _run(kind: str, ckpt: Path, mode: str, out: Path) -> list:
+def _run(kind: str, ckpt: Path, mode: str, out: Path, rank_0_logs: str = "") -> list:
     return launch(
-        "tests_distributed.scenarios_trainers:run", WORLD, kind, str(ckpt), mode, str(out), timeout=240,
+        "tests_distributed.scenarios_trainers:run", WORLD, kind, str(ckpt), mode, str(out), rank_0_logs, timeout=240,
         expect_failure=mode == "kill",
     )  # fmt: skip
 
@@ -56,12 +57,28 @@ def test_every_trainer_class_torchrl_ships_is_built_or_skipped_with_a_reason() -
 def test_trainer_resumes_bit_exactly_after_a_kill(tmp_path: Path, kind: str) -> None:
     if kind in SKIPS:
         pytest.skip(SKIPS[kind])
+    _check_kill_and_resume(tmp_path, kind)
+
+
+@pytest.mark.slow
+def test_a_trainer_logging_on_rank_0_alone_saves_and_resumes_bit_exactly(tmp_path: Path) -> None:
+    """Rank 0 alone has a logger and logs an evaluation value (each rank's ``_last_log`` differs, one rank's
+    ``logger`` is a ``NoLogger``): the saves are not refused, and every rank resumes its own logging schedule."""
+    _check_kill_and_resume(tmp_path, "SACTrainer", rank_0_logs="1")
+    manifest = tdcp.read_manifest(tdcp.CheckpointRotation(tmp_path / "run").entries()[-1].path)
+    assert manifest["components"]["trainer_log"]["placement"] == manifest["components"]["logger"]["placement"]
+    assert manifest["components"]["trainer_log"]["placement"] == "per_rank"
+    logged = json.loads((tmp_path / "out" / "straight.rank0.json").read_text())["final"]
+    assert any("_last_log" in path and "eval" in path for path in logged), "rank 0 never logged: nothing tested"
+
+
+def _check_kill_and_resume(tmp_path: Path, kind: str, rank_0_logs: str = "") -> None:
     out = tmp_path / "out"
     out.mkdir()
-    _run(kind, tmp_path / "straight", "straight", out)
-    killed = _run(kind, tmp_path / "run", "kill", out)
+    _run(kind, tmp_path / "straight", "straight", out, rank_0_logs)
+    killed = _run(kind, tmp_path / "run", "kill", out, rank_0_logs)
     assert [r.returncode for r in killed] == [-signal.SIGKILL] * WORLD, "\n".join(r.output[-3000:] for r in killed)
-    _run(kind, tmp_path / "run", "resume", out)
+    _run(kind, tmp_path / "run", "resume", out, rank_0_logs)
     for rank in range(WORLD):
         straight, saved, resumed = (json.loads((out / f"{m}.rank{rank}.json").read_text()) for m in (
             "straight", "kill", "resume"))  # fmt: skip

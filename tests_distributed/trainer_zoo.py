@@ -228,14 +228,19 @@ BUILDERS: dict[str, Callable[[str, int, dict[str, Any]], dict[str, Any]]] = {
 }
 
 
-def build_trainer(kind: str, rank: int, ckpt_dir: str | Path, *, total_frames: int, save_every: int) -> Any:
-    """``kind`` (a Trainer class name) built for this rank, its checkpoint bound, its scheduled saves set."""
+def build_trainer(
+    kind: str, rank: int, ckpt_dir: str | Path, *, total_frames: int, save_every: int, logger: Any = None
+) -> Any:
+    """``kind`` (a Trainer class name) built for this rank, its checkpoint bound, its scheduled saves set; ``logger``:
+    the Trainer's (``None``: none)."""
     if kind in SKIPS:
         raise RuntimeError(f"{kind} is not built here: {SKIPS[kind]}")
     if kind not in BUILDERS:
         raise NotImplementedError(f"no conformance builder for torchrl's {kind}: add one to trainer_zoo.BUILDERS")
     args = {"total_frames": total_frames, "save_every": save_every, "ckpt_dir": str(ckpt_dir)}
     kwargs = BUILDERS[kind](kind, rank, args)
+    if logger is not None:
+        kwargs["logger"] = logger
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "experimental/prototype feature" and similar torchrl notices
         return trainer_classes()[kind](**kwargs)

@@ -84,6 +84,7 @@ NOT_STATE: dict[str, str] = {
     "EnvBase._cache": "torchrl's cache of an env's key lists, recomputed on use",
     "Trainer._log_dict": "the history of logged values (an EarlyStopping hook saves the last one of its metric)",
     "Trainer._pbar": "the progress bar",
+    "CSVExperiment.files": "the open handles of a CSV logger's files (opened again, for appending, at its next write)",
     "Trainer._pbar_str": "the progress bar's text",
     "Trainer.checkpoint": "the checkpoint object, not what it saves",
     "Trainer.checkpoint_rotation": "the checkpoint rotation: its clock and directory, not training state",

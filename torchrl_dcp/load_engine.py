@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torchrl_dcp._log import get_logger
 from torchrl_dcp.adapters.base import Adapter
 from torchrl_dcp.adapters.rng import RNGState
+from torchrl_dcp.adapters.trainer_logging import TRAINER_LOG, TRAINER_STATE, NoLogger
 from torchrl_dcp.collective import failures, run_agreed
 from torchrl_dcp.errors import (
     CheckpointError,
@@ -217,6 +218,13 @@ def prepare(request: LoadRequest, result: LoadResult) -> tuple[CheckpointSource,
     return found["src"], found["plan"]
 
 
+def restored_elsewhere(name: str, registered: Any, saved: Mapping[str, Any]) -> bool:
+    """Whether an optional component a checkpoint lacks loses nothing: a Trainer's ``trainer_log`` where the saved
+    ``trainer_state`` holds ``_last_log`` (saved before it moved, or by torchrl), a :class:`NoLogger` (nothing to
+    restore)."""
+    return isinstance(getattr(registered, "value", None), NoLogger) or (name == TRAINER_LOG and TRAINER_STATE in saved)
+
+
 def compare_components(
     request: LoadRequest, result: LoadResult, saved: Mapping[str, Any], *, stacklevel: int = 7
 ) -> None:
@@ -228,10 +236,11 @@ def compare_components(
     optional = {n for n in result.missing if getattr(request.registered.get(n), "optional", False)}
     if optional:  # what the library registered itself, absent from a checkpoint saved before it did: not an error
         result.missing -= optional
-        if request.rank == 0:
+        kept = sorted(n for n in optional if not restored_elsewhere(n, request.registered[n], saved))
+        if kept and request.rank == 0:
             warnings.warn(
                 InexactResumeWarning(
-                    f"{request.path}: the checkpoint holds no state for {sorted(optional)} (hooks the Trainer runs "
+                    f"{request.path}: the checkpoint holds no state for {kept} (hooks the Trainer runs "
                     "only through register_op, saved since torchrl_dcp registers them; this checkpoint was saved "
                     "before, or by torchrl): they keep their current state"
                 ),

@@ -22,13 +22,14 @@ import warnings
 from typing import Any
 
 from torchrl_dcp.adapters.trainer import OP_HOOK_PREFIX
+from torchrl_dcp.adapters.trainer_logging import TRAINER_LOG, TRAINER_STATE, NoLogger
 from torchrl_dcp.errors import CheckpointError, InexactResumeWarning
 from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.torchrl_format.detect import is_torchrl_checkpoint, read_torchrl_manifest
 
 __all__ = ["OP_HOOK_PREFIX", "TRAINER_MARKER", "bind_trainer_load", "register_op_hooks", "sync_trainer"]
 
-TRAINER_MARKER = "trainer_state"  # what torchrl's Trainer registers when it binds a checkpoint
+TRAINER_MARKER = TRAINER_STATE  # what torchrl's Trainer registers when it binds a checkpoint
 #: hooks whose state is an object they wrap (by class name: the attribute holding it); when that object is a
 #: component already, the hook is not registered again (its state would be saved twice, and restored twice by two
 #: adapters: torchrl's ``load_state_dict`` after ours)
@@ -191,7 +192,7 @@ def bind_trainer_load(trainer: Any, ckpt: Any) -> None:
             options["components"] = [  # (nor the hooks we register ourselves: torchrl saves none of them)
                 n for n in ckpt.components if n in saved or (n != "rng" and not ckpt._components[n].optional)
             ]
-            _warn_kept(file, [n for n in ckpt.components if n not in options["components"]])
+            _warn_kept(file, [n for n in ckpt.components if n not in options["components"] and not _lossless(ckpt, n)])
         result = ckpt.load(file, **options)
         update = getattr(getattr(trainer, "collector", None), "update_policy_weights_", None)
         if "policy" in result.loaded and callable(update):
@@ -207,6 +208,12 @@ def bind_trainer_load(trainer: Any, ckpt: Any) -> None:
     load_from_file._tdcp_bound = True  # type: ignore[attr-defined]
     load_from_file.__doc__ = original.__doc__
     trainer.load_from_file = load_from_file
+
+
+def _lossless(ckpt: Any, name: str) -> bool:
+    """Whether leaving ``name`` out of a ``torchrl.checkpoint`` import loses nothing: ``trainer_log`` (torchrl's
+    ``trainer_state`` holds ``_last_log``), a :class:`NoLogger` (a rank without a logger)."""
+    return name == TRAINER_LOG or isinstance(ckpt._components[name].value, NoLogger)
 
 
 def _warn_kept(file: Any, names: list[str]) -> None:

@@ -34,6 +34,12 @@ from torchrl_dcp.adapters.base import AdapterContext
 from torchrl_dcp.adapters.env_generators import env_generators, generator_state, set_generator_state
 from torchrl_dcp.adapters.registry import register_adapter
 from torchrl_dcp.adapters.state_dict import StateDictAdapter
+from torchrl_dcp.adapters.trainer_logging import (
+    LAST_LOG_ELSEWHERE,
+    TrainerLog,
+    check_trainer_log,
+    restore_logger_state,
+)
 from torchrl_dcp.errors import CheckpointIntegrityError, IncompatibleComponentError, TorchrlDcpWarning
 from torchrl_dcp.placement import Placement
 
@@ -190,7 +196,10 @@ class TrainerStateAdapter(StateDictAdapter):
 
     def state(self, obj: Any, ctx: AdapterContext) -> Any:
         trainer = getattr(obj, "trainer", None)
-        return _with_attributes(super().state(obj, ctx), trainer, _attributes_of(trainer, TRAINER_ATTRIBUTES))
+        state = super().state(obj, ctx)
+        if isinstance(state, Mapping) and "_last_log" in state:  # each rank's own: saved in ``trainer_log``
+            state = {**state, "_last_log": {}, LAST_LOG_ELSEWHERE: True}
+        return _with_attributes(state, trainer, _attributes_of(trainer, TRAINER_ATTRIBUTES))
 
     def validate(self, obj: Any, saved: dict[int, Any], ctx: AdapterContext) -> None:
         """Also: the Trainer's counters are counts (ints ``>= 0``), as every run leaves them."""
@@ -202,8 +211,11 @@ class TrainerStateAdapter(StateDictAdapter):
 
     def restore(self, obj: Any, state: Any, ctx: AdapterContext) -> Any:
         state, extra = _split_attributes(state)
-        out = super().restore(obj, state, ctx)
         trainer = getattr(obj, "trainer", None)
+        if isinstance(state, Mapping) and state.get(LAST_LOG_ELSEWHERE) is True:  # (``trainer_log`` restores it:
+            state = {k: v for k, v in state.items() if k != LAST_LOG_ELSEWHERE}  # kept, before or after)
+            state["_last_log"] = getattr(trainer, "_last_log", None) or {}
+        out = super().restore(obj, state, ctx)
         _set_attributes(trainer, extra, _attributes_of(trainer, TRAINER_ATTRIBUTES))
         return out
 
@@ -236,8 +248,12 @@ class TrainerHookAdapter(StateDictAdapter):
         counters = _attributes_of(obj, HOOK_COUNTERS)
         for state in saved.values():
             _check_counts(state, counters, ctx.name)
+            if isinstance(obj, TrainerLog):
+                check_trainer_log(state, ctx.name)
 
     def restore(self, obj: Any, state: Any, ctx: AdapterContext) -> Any:
+        if restore_logger_state(obj, state, ctx.name):  # (saved by a rank without a logger: nothing to restore)
+            return None
         _warn_other_run(obj, state, ctx.name)
         generators = state.get(ENV_RNG_KEY) if isinstance(state, Mapping) else None
         if generators is not None:
