@@ -67,3 +67,23 @@ def test_info_lines_come_from_rank_zero_unless_asked(
         logger.info("progress")
         logger.warning("trouble")
     assert ("progress" in caplog.text) is kept and "trouble" in caplog.text  # warnings from every rank
+
+
+def test_every_json_the_package_reads_is_decoded_by_loads_json() -> None:
+    """``json.loads`` raises ``RecursionError`` on deeply nested text (a few kilobytes of ``[``), which callers
+    catching ``ValueError`` let out raw (a local tier's commit record did): every decode of bytes read from a file,
+    a store or a peer goes through :func:`torchrl_dcp.json_bytes.loads_json` (a ``ValueError`` always)."""
+    raw = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "json_bytes.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            if node.func.attr in ("loads", "load") and getattr(node.func.value, "id", None) == "json":
+                arg = node.args[0] if node.args else None
+                of_our_own = isinstance(arg, ast.Call) and getattr(arg.func, "attr", None) == "dumps"
+                if not of_our_own:  # (json.loads(json.dumps(x)): a value of our own, normalised)
+                    raw.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    allowed = {"checkpoint_diff.py"}  # (decodes a key that checkpoint_diff itself encoded with json.dumps)
+    assert [r for r in raw if r.split(":")[0] not in allowed] == []

@@ -490,3 +490,40 @@ def test_fallback_false_raises_on_a_damaged_local_step_and_keeps_the_tier(tmp_pa
     with pytest.warns(tdcp.LocalTierWarning, match="step 2 is next"):
         info = _rotation(tmp_path).resume(_job(1)[0])  # the default falls back, saying so
     assert (info.step, info.tier) == (2, "local")
+
+
+@pytest.mark.parametrize("damaged", ["record", "manifest"])
+def test_a_part_whose_json_is_nested_too_deeply_is_passed_over_with_a_warning(tmp_path: Path, damaged: str) -> None:
+    """A commit record (under its size limit, nothing resealed) or a part's manifest (its digest resealed in the
+    record) of deeply nested JSON: ``json.loads`` raised ``RecursionError``, which failed the whole resume ("listing
+    the local tier ... failed"), naming no file; the part is passed over like any damaged one, the older step taken."""
+    import hashlib
+    import json
+
+    def rotation() -> tdcp.CheckpointRotation:
+        local = tdcp.LocalTier(tmp_path / "local", every_steps=1)
+        return tdcp.CheckpointRotation(tmp_path / "shared", every_steps=100, keep_last=2, local=local)
+
+    policy = torch.nn.Linear(4, 2)
+    ckpt = tdcp.DistributedCheckpoint(policy=policy)
+    saving = rotation()
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            policy.weight.fill_(step)
+        saving.maybe_save(ckpt, step)
+    saving.close()
+    step_dir = tmp_path / "local" / "step-000000000003"
+    record = step_dir / "rank-00000.commit.json"
+    if damaged == "record":
+        record.write_bytes(b"[" * 30_000 + b"]" * 30_000)
+    else:
+        data = b"[" * 100_000 + b"]" * 100_000
+        (step_dir / "rank-00000" / "manifest.json").write_bytes(data)
+        body = json.loads(record.read_bytes())
+        body["manifest_sha256"] = hashlib.sha256(data).hexdigest()
+        record.write_text(json.dumps(body))
+    with torch.no_grad():
+        policy.weight.zero_()
+    with pytest.warns(tdcp.LocalTierWarning):
+        info = rotation().resume(ckpt)
+    assert (info.step, info.tier) == (2, "local") and torch.all(policy.weight == 2)

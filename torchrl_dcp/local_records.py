@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from torchrl_dcp.errors import CheckpointError, from_os_error
+from torchrl_dcp.json_bytes import loads_json
 from torchrl_dcp.storage.commit import write_file_durably
 from torchrl_dcp.storage.files import DirHandle, read_whole
 
@@ -83,7 +84,7 @@ def _manifest_bytes(part: Path) -> bytes:
 def _described(data: bytes) -> tuple[Any, Any]:
     """``(step, rank)`` a part's manifest says it holds: its step and the rank its local-tier save recorded."""
     try:
-        manifest = json.loads(data)
+        manifest = loads_json(data)
     except ValueError:
         return None, None
     if not isinstance(manifest, dict):
@@ -123,7 +124,7 @@ def check_record(step_dir: Path, rank: int, step: int, identity: Mapping[str, An
     ``None`` for a record of another job, world size or shared directory (``identity``; ``None``: any), a string
     for a damaged one (it does not parse or describe this part, or the part's manifest is not the one it names)."""
     try:
-        record = json.loads(read_whole(step_dir / record_name(rank), _RECORD_LIMIT, step_dir))
+        record = loads_json(read_whole(step_dir / record_name(rank), _RECORD_LIMIT, step_dir))
     except (OSError, ValueError, CheckpointError) as err:
         return f"its commit record cannot be read ({err})"
     if not (

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, from_os_error
+from torchrl_dcp.json_bytes import loads_json
 from torchrl_dcp.storage.commit import publish, remove_tree, staging_path
 from torchrl_dcp.storage.files import DirHandle
 
@@ -262,7 +263,7 @@ def _receive_file(
 
 def _parse_header(raw: bytes, peer: int, destination: Path) -> list[tuple[str, int]]:
     try:
-        header = json.loads(raw)
+        header = loads_json(raw)
         if isinstance(header, dict) and "error" in header:
             raise CheckpointError(f"rank {peer} could not send it: {str(header['error'])[:4096]}", path=destination)
         out = [(str(name), int(length)) for name, length in header["files"]]

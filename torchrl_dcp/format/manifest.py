@@ -54,6 +54,7 @@ from torchrl_dcp.format.layout import (
 )
 from torchrl_dcp.format.manifest_depth import check_depth, structure
 from torchrl_dcp.format.rank_table import validate_rank_table
+from torchrl_dcp.json_bytes import loads_json
 from torchrl_dcp.placement import PLACEMENTS
 
 FORMAT = "torchrl_dcp"
@@ -163,10 +164,10 @@ def looks_like_ours(data: bytes) -> bool:
         return True
     try:
         check_parse_cost(data, "manifest")
-        json.loads(data)
+        loads_json(data)
     except CheckpointFormatError:
         return False
-    except (ValueError, UnicodeDecodeError, RecursionError):
+    except ValueError:
         return True
     return False
 
@@ -179,8 +180,8 @@ def decode_json(data: bytes, source: Any, what: str) -> Any:
     (no NaN or Infinity)."""
     check_parse_cost(data, source)
     try:
-        raw = json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float)
-    except (ValueError, UnicodeDecodeError, RecursionError) as err:
+        raw = loads_json(data, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except ValueError as err:
         raise CheckpointFormatError(f"{what} is not valid JSON ({str(err)[:200]})", path=source) from None
     check_depth(structure(raw), source)
     return raw

@@ -35,7 +35,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import hashlib
-import json
 import os
 from collections import ChainMap
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
@@ -52,6 +51,7 @@ from torchrl_dcp.format.layout import (
     read_identity,
     shared_file_name,
 )
+from torchrl_dcp.json_bytes import loads_json
 from torchrl_dcp.storage.files import open_regular
 
 if TYPE_CHECKING:  # annotations only: the location layer imports no torch (torch-free tools list and inspect)
@@ -177,7 +177,7 @@ class ManifestParts:
         """The format version the root manifest was written with, as its bytes say (:meth:`root` is migrated to the
         current one: what ``inspect`` shows beside it)."""
         self.root()
-        return json.loads(self._root_bytes)["format_version"]
+        return loads_json(self._root_bytes)["format_version"]  # (parsed already: root())
 
     def root_digest(self) -> str:
         """A BLAKE2b digest of the root manifest's bytes as this process read them: the ranks of a load compare it,

@@ -51,6 +51,7 @@ from torchrl_dcp.format.layout import (
     is_plain_name,
     read_identity,
 )
+from torchrl_dcp.json_bytes import loads_json
 from torchrl_dcp.storage import proven
 from torchrl_dcp.storage.base import ShareWrite, WriteOutcome
 from torchrl_dcp.storage.chunk_writer import ChunkFile, ChunkJob, KeptChunk, chunk_file_parts
@@ -112,7 +113,7 @@ def _marker_saves(marker: StorePath) -> set[str] | None:
     """The saves a marker names (``None``: not a marker this library wrote): the save it announces, and the save of
     the checkpoint it replaces (``replaces``), whose objects a killed or failed retirement leaves."""
     try:
-        body = json.loads(marker.fs.cat_file(marker.key, start=0, end=4096))
+        body = loads_json(marker.fs.cat_file(marker.key, start=0, end=4096))
     except (OSError, ValueError):
         return None
     if not isinstance(body, dict) or not _is_save_id(body.get("save_id")):

@@ -18,7 +18,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 import zipfile
 from pathlib import Path
@@ -27,6 +26,7 @@ from torchrl_dcp.errors import CheckpointError
 from torchrl_dcp.format.layout import MANIFEST, MAX_MANIFEST_BYTES
 from torchrl_dcp.format.manifest import loads_manifest
 from torchrl_dcp.format.torchrl_listing import FORMAT_NAME, JSON_LIMIT, written_files
+from torchrl_dcp.json_bytes import loads_json
 from torchrl_dcp.storage.directory import DirectoryContainer
 from torchrl_dcp.storage.objectstore import ObjectStoreContainer, download, list_objects, read_range, upload_pieces
 from torchrl_dcp.storage.objectstore_save import publish_directory
@@ -94,7 +94,7 @@ def _is_archive_of(dst: StorePath, kind: str) -> bool:
         return False
     if kind == "torchrl":
         try:
-            parsed = json.loads(raw)
+            parsed = loads_json(raw)
         except ValueError:
             return False
         return isinstance(parsed, dict) and parsed.get("format") == FORMAT_NAME
@@ -118,7 +118,7 @@ def _export_files(dst: StorePath) -> set[str] | None:
     if not manifest.is_file() or manifest.fs.size(manifest.key) > JSON_LIMIT:
         return None
     try:
-        parsed = json.loads(manifest.fs.cat_file(manifest.key))
+        parsed = loads_json(manifest.fs.cat_file(manifest.key))
     except ValueError:
         return None
     if not isinstance(parsed, dict) or parsed.get("format") != FORMAT_NAME:

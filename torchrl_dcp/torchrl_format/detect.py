@@ -8,7 +8,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 import zipfile
@@ -18,6 +17,7 @@ from typing import BinaryIO
 
 from torchrl_dcp.errors import CheckpointError
 from torchrl_dcp.format.torchrl_listing import FORMAT_NAME, JSON_LIMIT, MANIFEST, written_files
+from torchrl_dcp.json_bytes import loads_json
 from torchrl_dcp.storage.backends import is_remote
 from torchrl_dcp.storage.urls import is_file_url, resolve_path
 
@@ -76,7 +76,7 @@ def read_torchrl_manifest(path: str | os.PathLike) -> dict | None:
             return None
         if raw is None:
             return None
-        manifest = json.loads(raw)
+        manifest = loads_json(raw)
     except (OSError, KeyError, ValueError, RuntimeError, NotImplementedError, EOFError, zipfile.BadZipFile, zlib.error):
         return None  # (what zipfile raises on a damaged archive: not torchrl's then; the reader that opens it says)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:

@@ -33,7 +33,6 @@ Example:
 from __future__ import annotations
 
 import base64
-import json
 import math
 import os
 import stat
@@ -55,6 +54,7 @@ from torchrl_dcp.errors import (
 )
 from torchrl_dcp.format.manifest import check_parse_cost
 from torchrl_dcp.format.manifest_depth import check_depth
+from torchrl_dcp.json_bytes import loads_json
 from torchrl_dcp.torchrl_format.detect import FORMAT_NAME, JSON_LIMIT, MANIFEST, is_torchrl_checkpoint
 
 __all__ = ["FORMAT_NAME", "TorchrlContainer", "is_torchrl_checkpoint"]  # (detection: .detect, torch-free)
@@ -166,7 +166,7 @@ class TorchrlContainer:
         raw = self.read(name, JSON_LIMIT)
         check_parse_cost(raw, self.where(name))  # a forged file dense in JSON values is refused before it is parsed
         try:
-            return json.loads(raw)
+            return loads_json(raw)
         except (ValueError, UnicodeDecodeError, RecursionError) as err:
             raise CheckpointFormatError(f"not valid JSON: {str(err)[:200]}", path=self.where(name)) from None
 
@@ -392,7 +392,7 @@ def read_tensordict_archive(box: TorchrlContainer, member: str) -> dict[str, tor
         if "meta.json" not in infos or infos["meta.json"].file_size > JSON_LIMIT:
             raise CheckpointFormatError("a TensorDict archive without a readable meta.json", path=where)
         try:
-            meta = json.loads(zip_member(inner, infos["meta.json"], JSON_LIMIT, f"{where}::meta.json"))
+            meta = loads_json(zip_member(inner, infos["meta.json"], JSON_LIMIT, f"{where}::meta.json"))
         except (ValueError, RecursionError) as err:
             raise CheckpointFormatError(f"its meta.json is not valid JSON: {str(err)[:200]}", path=where) from None
         if not isinstance(meta, dict) or meta.get("_type", PLAIN_TENSORDICT) != PLAIN_TENSORDICT:
@@ -427,7 +427,7 @@ def read_consolidated(box: TorchrlContainer, member: str) -> dict[str, torch.Ten
         raise CheckpointIntegrityError("its description's length exceeds the file", path=where)
     end = len(raw) - 8 - json_len
     try:
-        meta = json.loads(bytes(raw[end : len(raw) - 8]))
+        meta = loads_json(bytes(raw[end : len(raw) - 8]))
     except ValueError as err:
         raise CheckpointFormatError(f"its description is not valid JSON: {err}", path=where) from None
     if not isinstance(meta, dict) or meta.get("cls") != "TensorDict" or meta.get("non_tensors"):
