@@ -30,9 +30,8 @@ def check_saved_buffer(saved: Any) -> None:
     transitions, ``rows`` in each tensor, an uninitialised one none; a round-robin or max-value writer's cursor
     lies in its rows, its write count is ``>= 0``; the settings are of their kinds; the sampler's and writer's
     tensors are their own; a prioritized sampler's trees have ``capacity`` leaves."""
+    check_structure(saved)
     storage, sampler = saved["storage"], saved["sampler"]
-    if not isinstance(storage, Mapping):
-        raise ValueError("its storage state is not a mapping")
     _check_saved_storage(storage)
     if storage.get("kind") == LIST_KIND:
         check_list_entries(storage)
@@ -46,6 +45,75 @@ def check_saved_buffer(saved: Any) -> None:
             shape = getattr(sampler.get(tree), "shape", None)
             if shape is not None and tuple(shape) != (capacity,):
                 raise ValueError(f"its prioritized sampler says capacity {capacity!r}, its {tree} tree {list(shape)}")
+
+
+def _tensor(value: Any) -> bool:
+    return isinstance(value, (TensorSpec, torch.Tensor))  # (a spec while planning; the tensor once read)
+
+
+#: the entries a restore reads from every saved buffer state, and what each must be (``None``: present, any value)
+_REQUIRED: dict[str, Any] = {
+    "storage": Mapping,
+    "sampler": Mapping,
+    "writer": Mapping,
+    "transform": (type(None), Mapping),
+    "batch_size": None,
+    "generator": (type(None), Mapping),
+}
+_PRIORITIZED = ("alpha", "beta", "eps", "max_priority", "capacity", "sum", "min")
+
+
+def check_structure(saved: Any) -> None:
+    """Every entry the restore reads is there, of the kind every save writes: the storage, sampler, writer,
+    transform, batch size and generator; the sampler's and writer's kinds and the entries of each kind (a prioritized
+    sampler's settings and trees, a max-value writer's cursor, count and heap, another's ``state``). Checked while
+    planning (and by ``verify``): a state missing one failed the restore after other components' tensors were read
+    in place."""
+    if not isinstance(saved, Mapping):
+        raise ValueError("its state is not a mapping")
+    for key, kind in _REQUIRED.items():
+        if key not in saved:
+            raise ValueError(f"its state holds no {key!r}, which every save writes")
+        if kind is not None and not isinstance(saved[key], kind):
+            raise ValueError(f"its {key!r} is a {type(saved[key]).__name__}, not what a save writes")
+    generator = saved["generator"]
+    if generator is not None and not (isinstance(generator.get("device"), str) and _tensor(generator.get("state"))):
+        raise ValueError("its generator is not a device and a state tensor")
+    storage, sampler, writer = saved["storage"], saved["sampler"], saved["writer"]
+    if type(storage.get("initialized")) is not bool or (storage["initialized"] and type(storage.get("len")) is not int):
+        raise ValueError(f"its storage says initialized {storage.get('initialized')!r}, len {storage.get('len')!r}")
+    _check_sampler_structure(sampler)
+    if writer.get("kind") == "max_value":
+        if not all(_tensor(writer.get(k)) for k in ("heap_rank", "heap_index")) or not all(
+            k in writer for k in ("cursor", "write_count")
+        ):
+            raise ValueError("its max-value writer holds no cursor, write count and heap")
+    elif not isinstance(writer.get("type"), str) or not isinstance(writer.get("state"), Mapping):
+        raise ValueError("its writer's type and state are not a name and a mapping")
+
+
+def _check_sampler_structure(sampler: Mapping[str, Any]) -> None:
+    if not isinstance(sampler.get("type"), str) or sampler.get("kind") not in ("prioritized", "state_dict"):
+        raise ValueError(f"its sampler's type and kind are {sampler.get('type')!r} and {sampler.get('kind')!r}")
+    if sampler["kind"] == "prioritized":
+        missing = [k for k in _PRIORITIZED if k not in sampler]
+        if missing:
+            raise ValueError(f"its prioritized sampler holds no {missing}")
+        if type(sampler["capacity"]) is not int or not (_tensor(sampler["sum"]) and _tensor(sampler["min"])):
+            raise ValueError("its prioritized sampler's capacity is not an integer, or a tree not a tensor")
+        if not isinstance(sampler.get("slice", {}), Mapping):
+            raise ValueError("its prioritized slice sampler's state is not a mapping")
+    elif not isinstance(sampler.get("state"), Mapping) or not isinstance(sampler.get("extra", {}), Mapping):
+        raise ValueError("its sampler's state is not a mapping")
+
+
+def check_live_keys(saved: Any, live: Any, what: str) -> None:
+    """A saved ``state_dict`` holds every key the live object's does (what its ``load_state_dict`` reads: a writer's
+    ``_cursor``, a sampler's ``len_storage``), else ``ValueError``; checked while planning, before anything is read."""
+    if isinstance(saved, Mapping) and isinstance(live, Mapping):
+        missing = sorted(str(k) for k in live.keys() - saved.keys())
+        if missing:
+            raise ValueError(f"its {what} holds no {missing}, which this buffer's {what} has")
 
 
 def _check_saved_storage(storage: Mapping[str, Any]) -> None:

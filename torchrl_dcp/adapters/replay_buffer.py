@@ -45,6 +45,7 @@ from torchrl_dcp.adapters import buffer_reshard
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
 from torchrl_dcp.adapters.buffer_checks import (
     check_buffer_values,
+    check_live_keys,
     check_saved_buffer,
     refuse_overfull_sampler,
     writer_counts,
@@ -372,6 +373,31 @@ def _check_kinds(rb: ReplayBuffer, state: Any, name: str) -> None:
         )
 
 
+def _check_restorable(rb: ReplayBuffer, state: Any, name: str) -> None:
+    """The saved writer's and sampler's ``state_dict``s hold every key this buffer's do, and the saved transform's
+    every key of its module (what their ``load_state_dict`` read): refused while planning, where a missing one failed
+    the restore after other components' tensors were read in place."""
+    if not isinstance(state, Mapping):
+        return
+    parts = [("writer", rb._writer), ("sampler", rb._sampler)]
+    try:
+        for what, live in parts:
+            saved = state.get(what)
+            if isinstance(saved, Mapping) and saved.get("kind") == "state_dict":
+                check_live_keys(saved.get("state"), live.state_dict(), what)
+        transform = getattr(rb, "_transform", None)
+        if isinstance(transform, torch.nn.Module) and isinstance(state.get("transform"), Mapping):
+            check_live_keys(state["transform"], transform.state_dict(), "transform")
+            extra = sorted(str(k) for k in state["transform"].keys() - transform.state_dict().keys())
+            if extra:
+                raise ValueError(f"its transform holds {extra}, which this buffer's transform lacks")
+    except ValueError as err:
+        raise IncompatibleComponentError(
+            f"component {name!r}: {err}: the checkpoint was saved from a buffer built otherwise (build it as when "
+            "saved), or it is damaged or forged"
+        ) from None
+
+
 def _check_other_capacity(rb: ReplayBuffer, state: Mapping[str, Any], name: str) -> None:
     """Same world size, a buffer of another capacity than saved: exact only while no saved transition was
     overwritten (the buffer then continues as one of the new capacity would after the same writes); a buffer that
@@ -526,6 +552,7 @@ class ReplayBufferAdapter(Adapter):
         sampler = live._sampler
         for state in saved.values():  # the restore's checks of kinds, made before anything is read
             _check_kinds(live, state, ctx.name)
+            _check_restorable(live, state, ctx.name)
             if isinstance(state, Mapping) and state.get("transforms"):
                 check_held_states(live, state["transforms"], state.get("storage"), ctx.name)
         for state in saved.values() if lengths is None else ():  # (resharding rebuilds the sampler's trees)

@@ -1,0 +1,111 @@
+"""A replay buffer's saved state missing an entry its restore reads, or holding one of another kind, resealed: refused
+while planning (and by ``verify``), naming what is wrong, before any component's tensors are read in place.
+
+The restore read such entries with ``[]`` after every component's rows were read in place: a ``KeyError`` then
+left the policy and optimizer holding the loaded values ("keep the loaded values"). Structure is checked by the
+adapter (``buffer_checks.check_structure``); what a sampler's or writer's own ``load_state_dict`` reads is checked
+against the live buffer's (``check_live_keys``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torchrl.data import LazyTensorStorage, ListStorage, PrioritizedSampler, ReplayBuffer
+from torchrl.data.replay_buffers.samplers import SamplerWithoutReplacement
+
+import torchrl_dcp as tdcp
+from tests import forging
+
+
+def _items(node: dict[str, Any]) -> list[list[Any]]:
+    return node["items"]
+
+
+def _entry(node: dict[str, Any], *path: str) -> dict[str, Any]:
+    for key in path:
+        node = next(value for k, value in _items(node) if k == key)
+    return node
+
+
+def _drop(*path: str) -> Callable[[dict[str, Any]], None]:
+    def forge(state: dict[str, Any]) -> None:
+        parent = _entry(state, *path[:-1])
+        parent["items"] = [item for item in _items(parent) if item[0] != path[-1]]
+
+    return forge
+
+
+def _set(value: Any, *path: str) -> Callable[[dict[str, Any]], None]:
+    def forge(state: dict[str, Any]) -> None:
+        parent = _entry(state, *path[:-1])
+        parent["items"] = [[k, value if k == path[-1] else v] for k, v in _items(parent)]
+
+    return forge
+
+
+def _objects(seed: int, sampler: str) -> tuple[tdcp.DistributedCheckpoint, torch.nn.Linear]:
+    torch.manual_seed(seed)
+    policy = torch.nn.Linear(4, 2)
+    optim = torch.optim.Adam(policy.parameters())
+    policy(torch.randn(3, 4)).sum().backward()
+    optim.step()
+    samplers = {"prioritized": lambda: PrioritizedSampler(16, 0.7, 0.5), "epoch": SamplerWithoutReplacement}
+    rb = ReplayBuffer(storage=LazyTensorStorage(16), sampler=samplers[sampler](), batch_size=2)
+    rb.extend(TensorDict({"obs": torch.randn(5, 3)}, [5]))
+    return tdcp.DistributedCheckpoint(policy=policy, optim=optim, buffer=rb), policy
+
+
+CASES = {
+    "no writer": ("prioritized", _drop("writer"), "no 'writer'"),
+    "no transform": ("prioritized", _drop("transform"), "no 'transform'"),
+    "no batch size": ("prioritized", _drop("batch_size"), "no 'batch_size'"),
+    "no generator": ("prioritized", _drop("generator"), "no 'generator'"),
+    "writer a string": ("prioritized", _set("x", "writer"), "'writer' is a str"),
+    "no sum tree": ("prioritized", _drop("sampler", "sum"), r"holds no \['sum'\]"),
+    "no max priority": ("prioritized", _drop("sampler", "max_priority"), r"holds no \['max_priority'\]"),
+    "no sampler kind": ("prioritized", _drop("sampler", "kind"), "sampler's type and kind"),
+    "storage initialized a number": ("prioritized", _set(1, "storage", "initialized"), "initialized"),
+    "no storage len": ("prioritized", _drop("storage", "len"), "len"),
+    "writer state a string": ("epoch", _set("s", "writer", "state"), "writer's type and state"),
+    "no writer cursor": ("epoch", _drop("writer", "state", "_cursor"), r"writer holds no \['_cursor'\]"),
+    "no epoch length": ("epoch", _drop("sampler", "state", "len_storage"), "len_storage None"),
+    "no epoch flag": ("epoch", _drop("sampler", "state", "drop_last"), r"sampler holds no \['drop_last'\]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_buffer_state_missing_what_its_restore_reads_is_refused_before_anything_changes(
+    tmp_path: Path, case: str
+) -> None:
+    sampler, forge, match = CASES[case]
+    _objects(0, sampler)[0].save(tmp_path / "c")
+    forging.edit(tmp_path / "c", lambda m: forge(m["components"]["buffer"]["ranks"]["0"]["state"]))
+    live_only = case in ("no writer cursor", "no epoch flag")  # (what the live buffer's keys tell)
+    if not live_only:
+        with pytest.raises(tdcp.CheckpointError, match=match):
+            tdcp.verify(tmp_path / "c")
+    ckpt, policy = _objects(1, sampler)
+    before = policy.weight.detach().clone()
+    with pytest.raises(tdcp.CheckpointError, match=f"component 'buffer'.*{match}"):
+        ckpt.load(tmp_path / "c")
+    assert torch.equal(policy.weight, before)  # refused while planning: nothing read in place
+
+
+@pytest.mark.parametrize("sampler", ["prioritized", "epoch"])
+def test_every_saved_buffer_state_passes_the_structure_checks(tmp_path: Path, sampler: str) -> None:
+    ckpt, policy = _objects(0, sampler)
+    ckpt.save(tmp_path / "c")
+    tdcp.verify(tmp_path / "c")
+    other, other_policy = _objects(1, sampler)
+    other.load(tmp_path / "c")
+    assert torch.equal(other_policy.weight, policy.weight)
+    listed = ReplayBuffer(storage=ListStorage(8))
+    listed.extend([{"a": 1}, {"a": 2}])
+    tdcp.DistributedCheckpoint(buffer=listed).save(tmp_path / "list")
+    tdcp.DistributedCheckpoint(buffer=ReplayBuffer(storage=ListStorage(8))).load(tmp_path / "list")
