@@ -50,10 +50,10 @@ from torchrl.data.replay_buffers.writers import RoundRobinWriter
 
 from torchrl_dcp.errors import CheckpointFormatError, CheckpointIntegrityError, IncompatibleComponentError
 from torchrl_dcp.torchrl_format.reader import (
-    DTYPES,
     META_KEYS,
     TorchrlContainer,
     check_entry_name,
+    dtype_named,
     leaf_spec,
     read_memmap_folder,
     tensor_from_bytes,
@@ -145,7 +145,10 @@ def check_dumped_sizes(box: TorchrlContainer, name: str) -> None:
                     dtype, shape = leaf_spec(entry, box.where(member))
                     expected[f"{folder}/{key}.memmap"] = math.prod(shape) * dtype.itemsize
         elif member.endswith("/sampler_metadata.json"):
-            capacity = box.read_json(member).get("_max_capacity")
+            meta = box.read_json(member)
+            if not isinstance(meta, dict):
+                raise CheckpointFormatError("a sampler's metadata is not a JSON object", path=box.where(member))
+            capacity = meta.get("_max_capacity")
             if isinstance(capacity, (int, float)) and float(capacity).is_integer() and 0 <= capacity < 1 << 48:
                 expected.update({f"{folder}/{t}tree.memmap": int(capacity) * 8 for t in ("sum", "min")})
     for member, nbytes in sorted(expected.items()):
@@ -217,7 +220,7 @@ def _single_tensor(box: TorchrlContainer, name: str, meta: dict[str, Any], base:
             f"component {name!r}: a storage of pytree leaves other than one tensor cannot be imported"
         )
     spec = leaves[SINGLE_TENSOR]
-    dtype = DTYPES.get(spec.get("dtype")) if isinstance(spec, dict) else None
+    dtype = dtype_named(spec.get("dtype")) if isinstance(spec, dict) else None
     shape = spec.get("shape") if isinstance(spec, dict) else None
     if dtype is None or not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
         raise CheckpointFormatError("the storage's tensor description is malformed", path=box.where(base))

@@ -53,7 +53,7 @@ from torchrl_dcp.torchrl_format.buffers import (
     read_buffer,
     rows_to_overwrite,
 )
-from torchrl_dcp.torchrl_format.reader import ADAPTERS, MANIFEST, TorchrlContainer
+from torchrl_dcp.torchrl_format.reader import ADAPTERS, MANIFEST, TorchrlContainer, reading
 
 __all__ = ["import_load", "inspect_torchrl", "verify_torchrl"]
 
@@ -123,28 +123,8 @@ def _plan(box: TorchrlContainer, name: str, request: LoadRequest, result: LoadRe
         return None
     ctx = reg.make_ctx(saved_world_size=1, source_rank=0)
     p = _Planned(name, reg.value, reg.adapter, ctx, kind, options=ctx.options)
-    box.check_sizes(name)
-    if kind == "torchrl.json":
-        p.payload = box.json_payload(name)
-    elif kind == "torchrl.state_dict":
-        if not callable(getattr(reg.value, "load_state_dict", None)):
-            result.incompatible[name] = (
-                f"saved as a state dict, the registered {type(reg.value).__name__} has no load_state_dict"
-            )
-            return None
-        p.payload = box.state_dict_payload(name, ctx.device_for)
-    else:
-        if not _is_buffer(reg.value):
-            result.incompatible[name] = (
-                f"saved with dump/load, which is read for replay buffers only (the registered object is a "
-                f"{type(reg.value).__name__})"
-            )
-            return None
-        try:
-            p.payload = read_buffer(box, name, reg.value)
-            check_buffer(reg.value, p.payload, name)
-        except IncompatibleComponentError as err:
-            result.incompatible[name] = err.message
+    with reading(f"component {name!r}", where):
+        if not _read_payload(box, name, kind, reg, ctx, p, result):
             return None
     if reg.adapter is None:
         raise CheckpointFormatError(f"component {name!r}: {reg.error}", path=where)
@@ -153,6 +133,37 @@ def _plan(box: TorchrlContainer, name: str, request: LoadRequest, result: LoadRe
     except Exception:  # nothing to roll back to (an object whose state fails before first use)
         p.snapshot, p.has_snapshot = None, False
     return p
+
+
+def _read_payload(
+    box: TorchrlContainer, name: str, kind: str, reg: Any, ctx: Any, p: _Planned, result: LoadResult
+) -> bool:
+    """Read and check ``name``'s payload into ``p``; ``False`` (said in ``result``) where the registered object
+    cannot take it."""
+    box.check_sizes(name)
+    if kind == "torchrl.json":
+        p.payload = box.json_payload(name)
+    elif kind == "torchrl.state_dict":
+        if not callable(getattr(reg.value, "load_state_dict", None)):
+            result.incompatible[name] = (
+                f"saved as a state dict, the registered {type(reg.value).__name__} has no load_state_dict"
+            )
+            return False
+        p.payload = box.state_dict_payload(name, ctx.device_for)
+    else:
+        if not _is_buffer(reg.value):
+            result.incompatible[name] = (
+                f"saved with dump/load, which is read for replay buffers only (the registered object is a "
+                f"{type(reg.value).__name__})"
+            )
+            return False
+        try:
+            p.payload = read_buffer(box, name, reg.value)
+            check_buffer(reg.value, p.payload, name)
+        except IncompatibleComponentError as err:
+            result.incompatible[name] = err.message
+            return False
+    return True
 
 
 def _is_buffer(obj: Any) -> bool:
@@ -242,6 +253,32 @@ def _rollback(p: _Planned) -> str | None:
 
 
 # ---------------------------------------------------------------------- tools
+def _verify_component(
+    box: TorchrlContainer, name: str, rec: Mapping[str, Any], path: Any, total: int, tensors: int
+) -> tuple[int, int]:
+    """:func:`verify_torchrl`'s checks of one component; the bytes and tensors counted so far, plus its own."""
+    total += box.check_sizes(name)
+    if rec["adapter"] in ADAPTERS and rec["adapter_version"] != 1:  # (what a load refuses, said alike)
+        raise CheckpointFormatError(
+            f"component {name!r}: torchrl adapter {rec['adapter']!r} version {rec['adapter_version']} is not "
+            "read (torchrl 0.14 writes version 1): written by a newer torchrl, or the manifest was altered",
+            path=path,
+        )
+    if rec["adapter"] == "torchrl.json":
+        box.json_payload(name)
+    elif rec["adapter"] == "torchrl.state_dict":
+        tensors += _count_tensors(box.state_dict_payload(name))
+    elif rec["adapter"] == "torchrl.dump_load":
+        for member in box.component_files(name):
+            if member.endswith(".json"):
+                box.read_json(member)
+        check_dumped_sizes(box, name)
+        check_buffer_files(box, name)  # (what a load refuses: pickled transforms, prefetched batches)
+    else:
+        raise CheckpointFormatError(f"component {name!r} has unknown adapter {rec['adapter']!r}", path=path)
+    return total, tensors
+
+
 def verify_torchrl(path: Any) -> dict[str, Any]:
     """``verify`` of a torchrl checkpoint: every listed file present with its size, every JSON file parsed, every
     state-dict payload decoded (its tensors' bytes against their descriptions). torchrl's format has no
@@ -252,25 +289,8 @@ def verify_torchrl(path: Any) -> dict[str, Any]:
     with TorchrlContainer.open(path) as box:
         total = tensors = 0
         for name, rec in box.components().items():
-            total += box.check_sizes(name)
-            if rec["adapter"] in ADAPTERS and rec["adapter_version"] != 1:  # (what a load refuses, said alike)
-                raise CheckpointFormatError(
-                    f"component {name!r}: torchrl adapter {rec['adapter']!r} version {rec['adapter_version']} is not "
-                    "read (torchrl 0.14 writes version 1): written by a newer torchrl, or the manifest was altered",
-                    path=path,
-                )
-            if rec["adapter"] == "torchrl.json":
-                box.json_payload(name)
-            elif rec["adapter"] == "torchrl.state_dict":
-                tensors += _count_tensors(box.state_dict_payload(name))
-            elif rec["adapter"] == "torchrl.dump_load":
-                for member in box.component_files(name):
-                    if member.endswith(".json"):
-                        box.read_json(member)
-                check_dumped_sizes(box, name)
-                check_buffer_files(box, name)  # (what a load refuses: pickled transforms, prefetched batches)
-            else:
-                raise CheckpointFormatError(f"component {name!r} has unknown adapter {rec['adapter']!r}", path=path)
+            with reading(f"component {name!r}", box.where(rec["path"])):
+                total, tensors = _verify_component(box, name, rec, path, total, tensors)
         return {
             "path": str(box.path),
             "files": sum(len(r["files"]) for r in box.components().values()) + 1,

@@ -33,13 +33,14 @@ Example:
 from __future__ import annotations
 
 import base64
+import contextlib
 import math
 import os
 import stat
 import zipfile
 import zlib
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -187,8 +188,9 @@ class TorchrlContainer:
             raise CheckpointFormatError("the manifest has no component mapping", path=self.where(MANIFEST))
         for name, record in components.items():
             self._check_record(name, record)
-        if not isinstance(manifest.get("metadata", {}), dict):
-            raise CheckpointFormatError("the manifest's metadata is not a mapping", path=self.where(MANIFEST))
+        for key in ("metadata", "versions"):  # (null: none, as torchrl reads them)
+            if not isinstance(manifest.get(key) or {}, dict):
+                raise CheckpointFormatError(f"the manifest's {key} is not a mapping", path=self.where(MANIFEST))
         return manifest
 
     def _check_record(self, name: Any, record: Any) -> None:
@@ -303,10 +305,32 @@ def tensor_from_bytes(data: bytes | memoryview, dtype: torch.dtype, shape: list[
     return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
 
 
+def dtype_named(name: Any) -> torch.dtype | None:
+    """The torch dtype a torchrl file names (``"torch.float32"``), ``None`` for anything else (any JSON value)."""
+    return DTYPES.get(name) if isinstance(name, str) else None
+
+
+@contextlib.contextmanager
+def reading(what: str, where: Any) -> Iterator[None]:
+    """Turn an error no check foresaw while reading ``what`` (a component) at ``where`` into a
+    :class:`CheckpointFormatError` naming both: torchrl's files have no checksums, so any value in them may be
+    anything, and no reader may let a raw ``TypeError`` or ``KeyError`` out."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, RecursionError) as err:
+        raise CheckpointFormatError(
+            f"{what}: malformed torchrl data ({type(err).__name__}: {str(err)[:200]}): the checkpoint is damaged or "
+            "was altered",
+            path=where,
+        ) from None
+
+
 def leaf_spec(entry: Any, where: str) -> tuple[torch.dtype, list[int]]:
     if not isinstance(entry, dict) or entry.get("is_nested", False):
         raise CheckpointFormatError("a tensor description is malformed (or a nested tensor)", path=where)
-    dtype = DTYPES.get(entry.get("dtype"))
+    dtype = dtype_named(entry.get("dtype"))
     shape = entry.get("shape")
     if dtype is None or not isinstance(shape, list) or not all(_is_count(s) for s in shape):
         raise CheckpointFormatError(f"a tensor has dtype {entry.get('dtype')!r}, shape {shape!r}", path=where)
@@ -510,7 +534,7 @@ def _mapping(node: Mapping[str, Any], tensors: Any, used: set[str], where: str, 
 
 
 def _torch_dtype(node: Mapping[str, Any], *_: Any) -> torch.dtype:
-    dtype = DTYPES.get(f"torch.{node['value']}")
+    dtype = dtype_named(f"torch.{node['value']}") if isinstance(node.get("value"), str) else None
     if dtype is None:
         raise ValueError(f"unknown torch dtype {node['value']!r}")
     return dtype
