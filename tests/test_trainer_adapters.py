@@ -100,3 +100,30 @@ def test_a_resharded_hook_keeps_its_own_env_generators() -> None:
     assert torch.equal(env.rng.get_state(), moved)  # not put back to the saved rank's stream
     adapter.restore(hook, state, AdapterContext("trainer_module.recorder"))  # the same world size: put back
     assert torch.rand(3, generator=env.rng).tolist() == drawn
+
+
+def test_a_buffer_generator_s_position_is_read_and_rebuilt_as_torchrl_would_go_on() -> None:
+    """``iter(replay_buffer)`` not started, paused after a batch, finished: read from torchrl's generator and from the
+    ones rebuilt at a load, and each rebuilt one draws as torchrl's would from there."""
+    from tensordict import TensorDict
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+    from torchrl.data.replay_buffers.samplers import SamplerWithoutReplacement
+    from torchrl.trainers.trainers import ReplayBufferTrainer
+
+    from torchrl_dcp.adapters.trainer_rank_state import iterator_at, iterator_position
+
+    rb = ReplayBuffer(storage=LazyTensorStorage(8), sampler=SamplerWithoutReplacement(), batch_size=4)
+    rb.extend(TensorDict({"x": torch.arange(8.0)}, [8]))
+    hook = ReplayBufferTrainer(rb, batch_size=None, iterate=True)
+    assert iterator_position(hook) == "fresh"
+    next(hook.replay_buffer_iter)
+    next(hook.replay_buffer_iter)  # (the epoch's last batch: the sampler ran out, the generator paused)
+    assert iterator_position(hook) == "paused" and rb._sampler.ran_out
+    for position, draws in (("paused", 0), ("fresh", 2), ("done", 0)):
+        hook.replay_buffer_iter = iterator_at(rb, position)
+        assert iterator_position(hook) == position
+        rb._sampler.ran_out = True  # (as after the epoch's last batch)
+        assert len(list(hook.replay_buffer_iter)) == draws
+        assert iterator_position(hook) == "done"
+    hook.replay_buffer_iter = (x for x in ())
+    assert iterator_position(hook) is None  # (a generator of another kind: not saved, left as it is)

@@ -682,7 +682,7 @@ def _logging_trainer(ckpt_dir: Path, logger: Any = None) -> Any:
 
 
 def test_a_trainers_logging_schedule_and_missing_logger_are_saved_per_rank_and_resumed(tmp_path: Path) -> None:
-    """``_last_log`` (when each key is logged next) is each rank's own: saved in the per-rank ``trainer_log``, not in
+    """``_last_log`` (when each key is logged next) is each rank's own: saved in the per-rank ``trainer_rank_state``, not in
     the replicated ``trainer_state`` (a key logged on rank 0 only failed every save's replica check); a rank without
     a logger saves a ``NoLogger`` as ``logger`` (every rank saves the same components)."""
     trainer = _logging_trainer(tmp_path / "run")
@@ -691,7 +691,7 @@ def test_a_trainers_logging_schedule_and_missing_logger_are_saved_per_rank_and_r
     saved = trainer.checkpoint_rotation.latest()  # (train()'s final save)
     manifest = tdcp.read_manifest(saved)
     placements = {n: c["placement"] for n, c in manifest["components"].items()}
-    assert placements["trainer_log"] == placements["logger"] == "per_rank"
+    assert placements["trainer_rank_state"] == placements["logger"] == "per_rank"
     assert placements["trainer_state"] == "replicated"
     fresh = _logging_trainer(tmp_path / "run2")
     assert fresh._last_log == {}
@@ -704,13 +704,13 @@ def test_a_trainers_logging_schedule_and_missing_logger_are_saved_per_rank_and_r
 def test_a_checkpoint_whose_trainer_state_holds_the_logging_schedule_loads_it_without_a_warning(
     tmp_path: Path,
 ) -> None:
-    """Checkpoints saved before ``trainer_log`` (and torchrl's) hold ``_last_log`` in ``trainer_state``: restored
+    """Checkpoints saved before ``trainer_rank_state`` (and torchrl's) hold ``_last_log`` in ``trainer_state``: restored
     from there, nothing said to be kept."""
     trainer = _logging_trainer(tmp_path / "run")
     trainer.train()
     old = tdcp.DistributedCheckpoint()
     old.register("trainer_state", trainer._checkpoint_state, adapter=StateDictAdapter())  # (the old payload)
-    old.unregister("trainer_log")
+    old.unregister("trainer_rank_state")
     old.unregister("logger")
     old.save(tmp_path / "c")
     saved = tdcp.read_manifest(tmp_path / "c")["components"]
@@ -718,7 +718,9 @@ def test_a_checkpoint_whose_trainer_state_holds_the_logging_schedule_loads_it_wi
     fresh = _logging_trainer(tmp_path / "run2")
     with warnings.catch_warnings():
         warnings.simplefilter("error", tdcp.InexactResumeWarning)
-        fresh.checkpoint.load(tmp_path / "c", components=["trainer_state", "trainer_log", "logger"], strict="warn")
+        fresh.checkpoint.load(
+            tmp_path / "c", components=["trainer_state", "trainer_rank_state", "logger"], strict="warn"
+        )
     assert fresh._last_log == trainer._last_log
 
 
@@ -751,10 +753,10 @@ def test_a_forged_logging_schedule_is_refused_before_anything_changes(tmp_path: 
         def load_state_dict(self, state: Any) -> None: ...
 
     forged_ckpt = tdcp.DistributedCheckpoint()
-    forged_ckpt.register("trainer_log", Forged(), placement="per_rank", adapter=TrainerHookAdapter())
+    forged_ckpt.register("trainer_rank_state", Forged(), placement="per_rank", adapter=TrainerHookAdapter())
     forged_ckpt.save(tmp_path / "c")
     fresh = _logging_trainer(tmp_path / "run2")
     before = dict(fresh._last_log)
-    with pytest.raises(tdcp.CheckpointError, match="trainer_log.*(logging schedule|mapping in the live)"):
-        fresh.checkpoint.load(tmp_path / "c", components=["trainer_log"])
+    with pytest.raises(tdcp.CheckpointError, match="trainer_rank_state.*(logging schedule|mapping in the live)"):
+        fresh.checkpoint.load(tmp_path / "c", components=["trainer_rank_state"])
     assert fresh._last_log == before

@@ -52,16 +52,21 @@ def _seed(rank: int) -> None:
     random.seed(2000 + rank)
 
 
-def run(kind: str, ckpt_dir: str, mode: str, out: str, rank_0_logs: str = "") -> None:
+def run(kind: str, ckpt_dir: str, mode: str, out: str, variant: str = "") -> None:
     """``mode``: ``straight`` (train to the end), ``kill`` (SIGKILL after the first scheduled save), ``resume``.
-    ``rank_0_logs`` (``"1"``): rank 0 alone has a logger and logs an evaluation value (the usual distributed job)."""
+    ``variant``: ``rank_0_logs`` (rank 0 alone has a logger and logs an evaluation value: the usual distributed job),
+    ``one_epoch`` (an on-policy Trainer of one epoch: its buffer's generator pauses after each iteration's last
+    batch, and the next iteration draws nothing)."""
     rank = dist.get_rank()
     logger = None
+    rank_0_logs = variant == "rank_0_logs"
     if rank_0_logs and rank == 0:
         from torchrl.record.loggers import CSVLogger
 
         logger = CSVLogger("rank0", log_dir=str(Path(out) / "logs"))
-    trainer = build_trainer(kind, rank, ckpt_dir, total_frames=TOTAL_FRAMES, save_every=SAVE_EVERY, logger=logger)
+    epochs = 1 if variant == "one_epoch" else None
+    build = {"total_frames": TOTAL_FRAMES, "save_every": SAVE_EVERY, "logger": logger, "num_epochs": epochs}
+    trainer = build_trainer(kind, rank, ckpt_dir, **build)
     if rank_0_logs:
         trainer._log_interval = 20  # (SACTrainer(log_interval=...): a key is logged again after 20 frames)
         if rank == 0:

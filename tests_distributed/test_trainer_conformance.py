@@ -31,9 +31,9 @@ CLASSES = sorted(trainer_classes())
 WORLD = 2
 
 
-def _run(kind: str, ckpt: Path, mode: str, out: Path, rank_0_logs: str = "") -> list:
+def _run(kind: str, ckpt: Path, mode: str, out: Path, variant: str = "") -> list:
     return launch(
-        "tests_distributed.scenarios_trainers:run", WORLD, kind, str(ckpt), mode, str(out), rank_0_logs, timeout=240,
+        "tests_distributed.scenarios_trainers:run", WORLD, kind, str(ckpt), mode, str(out), variant, timeout=240,
         expect_failure=mode == "kill",
     )  # fmt: skip
 
@@ -64,21 +64,33 @@ def test_trainer_resumes_bit_exactly_after_a_kill(tmp_path: Path, kind: str) -> 
 def test_a_trainer_logging_on_rank_0_alone_saves_and_resumes_bit_exactly(tmp_path: Path) -> None:
     """Rank 0 alone has a logger and logs an evaluation value (each rank's ``_last_log`` differs, one rank's
     ``logger`` is a ``NoLogger``): the saves are not refused, and every rank resumes its own logging schedule."""
-    _check_kill_and_resume(tmp_path, "SACTrainer", rank_0_logs="1")
+    _check_kill_and_resume(tmp_path, "SACTrainer", variant="rank_0_logs")
     manifest = tdcp.read_manifest(tdcp.CheckpointRotation(tmp_path / "run").entries()[-1].path)
-    assert manifest["components"]["trainer_log"]["placement"] == manifest["components"]["logger"]["placement"]
-    assert manifest["components"]["trainer_log"]["placement"] == "per_rank"
+    assert manifest["components"]["trainer_rank_state"]["placement"] == manifest["components"]["logger"]["placement"]
+    assert manifest["components"]["trainer_rank_state"]["placement"] == "per_rank"
     logged = json.loads((tmp_path / "out" / "straight.rank0.json").read_text())["final"]
     assert any("_last_log" in path and "eval" in path for path in logged), "rank 0 never logged: nothing tested"
 
 
-def _check_kill_and_resume(tmp_path: Path, kind: str, rank_0_logs: str = "") -> None:
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["A2CTrainer", "ReinforceTrainer"])
+def test_an_on_policy_trainer_of_one_epoch_resumes_where_its_buffer_iteration_stood(tmp_path: Path, kind: str) -> None:
+    """torchrl's default ``num_epochs=1`` with as many optimisation steps as minibatches: each iteration's last
+    batch runs the sampler out with the buffer's generator paused, so the next iteration draws nothing and trains
+    nothing. The generator's position is saved (``trainer_rank_state``): a resumed Trainer trained that iteration
+    with a fresh one, unlike the run that never stopped."""
+    _check_kill_and_resume(tmp_path, kind, variant="one_epoch")
+    manifest = tdcp.read_manifest(tmp_path / "run" / f"step-{SAVE_EVERY:012d}")
+    assert "'paused'" in str(manifest["components"]["trainer_rank_state"]["ranks"])  # (what the test is about)
+
+
+def _check_kill_and_resume(tmp_path: Path, kind: str, variant: str = "") -> None:
     out = tmp_path / "out"
     out.mkdir()
-    _run(kind, tmp_path / "straight", "straight", out, rank_0_logs)
-    killed = _run(kind, tmp_path / "run", "kill", out, rank_0_logs)
+    _run(kind, tmp_path / "straight", "straight", out, variant)
+    killed = _run(kind, tmp_path / "run", "kill", out, variant)
     assert [r.returncode for r in killed] == [-signal.SIGKILL] * WORLD, "\n".join(r.output[-3000:] for r in killed)
-    _run(kind, tmp_path / "run", "resume", out, rank_0_logs)
+    _run(kind, tmp_path / "run", "resume", out, variant)
     for rank in range(WORLD):
         straight, saved, resumed = (json.loads((out / f"{m}.rank{rank}.json").read_text()) for m in (
             "straight", "kill", "resume"))  # fmt: skip

@@ -210,7 +210,8 @@ def build_on_policy(kind: str, rank: int, args: dict[str, Any]) -> dict[str, Any
     buffer = ReplayBuffer(
         storage=LazyTensorStorage(FRAMES_PER_BATCH), sampler=SamplerWithoutReplacement(), batch_size=8
     )
-    return {**kw, "replay_buffer": buffer, "num_epochs": 2, "gamma": 0.99, "lmbda": 0.95}
+    epochs = args.get("num_epochs") or 2  # (one epoch: the buffer's generator pauses after an iteration's last batch)
+    return {**kw, "replay_buffer": buffer, "num_epochs": epochs, "gamma": 0.99, "lmbda": 0.95}
 
 
 BUILDERS: dict[str, Callable[[str, int, dict[str, Any]], dict[str, Any]]] = {
@@ -229,15 +230,22 @@ BUILDERS: dict[str, Callable[[str, int, dict[str, Any]], dict[str, Any]]] = {
 
 
 def build_trainer(
-    kind: str, rank: int, ckpt_dir: str | Path, *, total_frames: int, save_every: int, logger: Any = None
+    kind: str,
+    rank: int,
+    ckpt_dir: str | Path,
+    *,
+    total_frames: int,
+    save_every: int,
+    logger: Any = None,
+    num_epochs: int | None = None,
 ) -> Any:
     """``kind`` (a Trainer class name) built for this rank, its checkpoint bound, its scheduled saves set; ``logger``:
-    the Trainer's (``None``: none)."""
+    the Trainer's (``None``: none); ``num_epochs``: an on-policy Trainer's (``None``: 2)."""
     if kind in SKIPS:
         raise RuntimeError(f"{kind} is not built here: {SKIPS[kind]}")
     if kind not in BUILDERS:
         raise NotImplementedError(f"no conformance builder for torchrl's {kind}: add one to trainer_zoo.BUILDERS")
-    args = {"total_frames": total_frames, "save_every": save_every, "ckpt_dir": str(ckpt_dir)}
+    args = {"total_frames": total_frames, "save_every": save_every, "ckpt_dir": str(ckpt_dir), "num_epochs": num_epochs}
     kwargs = BUILDERS[kind](kind, rank, args)
     if logger is not None:
         kwargs["logger"] = logger

@@ -30,7 +30,7 @@ from torchrl_dcp._log import get_logger
 from torchrl_dcp.adapters import Adapter, AdapterContext, CheckpointOptions, RNGState, resolve_adapter
 from torchrl_dcp.adapters.modules import warn_networks_left_out
 from torchrl_dcp.adapters.trainer import TrainerHookAdapter, trainer_placement
-from torchrl_dcp.adapters.trainer_logging import TRAINER_LOG, NoLogger, TrainerLog
+from torchrl_dcp.adapters.trainer_rank_state import TRAINER_RANK_STATE, NoLogger, TrainerRankState
 from torchrl_dcp.arguments import (
     check_component_options,
     check_json,
@@ -280,7 +280,7 @@ class DistributedCheckpoint:
                 self.register("rng", RNGState())  # give every rank its RNG streams too
             trainer = getattr(component, "trainer", None)
             if trainer is not None:
-                self._register_trainer_logging(trainer)
+                self._register_trainer_rank_state(trainer)
             if getattr(trainer, "checkpoint", None) is self:
                 bind_trainer_load(trainer, self)  # trainer.load_from_file reads our checkpoints
             bind = getattr(getattr(trainer, "checkpoint_rotation", None), "_bind_trainer", None)
@@ -288,17 +288,19 @@ class DistributedCheckpoint:
                 bind(trainer, self)  # our CheckpointRotation: its policies and preemption drive the Trainer's saves
         return self
 
-    def _register_trainer_logging(self, trainer: Any) -> None:
-        """A binding Trainer's per-rank logging state, alike on every rank: its ``_last_log`` (``trainer_log``), and
-        a :class:`NoLogger` as ``logger`` where it has none (rank 0 alone often logs: every rank must save the same
-        components). Optional: checkpoints saved before hold neither."""
+    def _register_trainer_rank_state(self, trainer: Any) -> None:
+        """A binding Trainer's per-rank state, alike on every rank: its ``_last_log`` and buffer iterators
+        (``trainer_rank_state``), and a :class:`NoLogger` as ``logger`` where it has none (rank 0 alone often logs:
+        every rank must save the same components). Optional: checkpoints saved before hold neither."""
         if "_last_log" not in vars(trainer) and isinstance(getattr(trainer, "_last_log", None), dict):
             # torchrl's Trainer.__new__ sets ``_last_log`` on the class, shared by every Trainer of that class and
             # filled in place: each bound Trainer gets its own (as a load gives it), its schedule its own state
             trainer._last_log = dict(trainer._last_log)
-        if TRAINER_LOG not in self:
-            self.register(TRAINER_LOG, TrainerLog(trainer), placement="per_rank", adapter=TrainerHookAdapter())
-            self._components[TRAINER_LOG].optional = True
+        if TRAINER_RANK_STATE not in self:
+            self.register(
+                TRAINER_RANK_STATE, TrainerRankState(trainer), placement="per_rank", adapter=TrainerHookAdapter()
+            )
+            self._components[TRAINER_RANK_STATE].optional = True
         if "logger" not in self and getattr(trainer, "logger", None) is None:
             self.register("logger", NoLogger(), placement="per_rank", adapter=TrainerHookAdapter())
             self._components["logger"].optional = True

@@ -55,7 +55,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torchrl_dcp._log import get_logger
 from torchrl_dcp.adapters.base import Adapter
 from torchrl_dcp.adapters.rng import RNGState
-from torchrl_dcp.adapters.trainer_logging import TRAINER_LOG, TRAINER_STATE, NoLogger
+from torchrl_dcp.adapters.trainer_rank_state import TRAINER_RANK_STATE, TRAINER_STATE, NoLogger
 from torchrl_dcp.collective import failures, run_agreed
 from torchrl_dcp.errors import (
     CheckpointError,
@@ -219,10 +219,12 @@ def prepare(request: LoadRequest, result: LoadResult) -> tuple[CheckpointSource,
 
 
 def restored_elsewhere(name: str, registered: Any, saved: Mapping[str, Any]) -> bool:
-    """Whether an optional component a checkpoint lacks loses nothing: a Trainer's ``trainer_log`` where the saved
+    """Whether an optional component a checkpoint lacks loses nothing: a Trainer's ``trainer_rank_state`` where the saved
     ``trainer_state`` holds ``_last_log`` (saved before it moved, or by torchrl), a :class:`NoLogger` (nothing to
     restore)."""
-    return isinstance(getattr(registered, "value", None), NoLogger) or (name == TRAINER_LOG and TRAINER_STATE in saved)
+    return isinstance(getattr(registered, "value", None), NoLogger) or (
+        name == TRAINER_RANK_STATE and TRAINER_STATE in saved
+    )
 
 
 def compare_components(

@@ -22,7 +22,7 @@ import warnings
 from typing import Any
 
 from torchrl_dcp.adapters.trainer import OP_HOOK_PREFIX
-from torchrl_dcp.adapters.trainer_logging import TRAINER_LOG, TRAINER_STATE, NoLogger
+from torchrl_dcp.adapters.trainer_rank_state import TRAINER_RANK_STATE, TRAINER_STATE, NoLogger
 from torchrl_dcp.errors import CheckpointError, InexactResumeWarning
 from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.torchrl_format.detect import is_torchrl_checkpoint, read_torchrl_manifest
@@ -211,9 +211,9 @@ def bind_trainer_load(trainer: Any, ckpt: Any) -> None:
 
 
 def _lossless(ckpt: Any, name: str) -> bool:
-    """Whether leaving ``name`` out of a ``torchrl.checkpoint`` import loses nothing: ``trainer_log`` (torchrl's
+    """Whether leaving ``name`` out of a ``torchrl.checkpoint`` import loses nothing: ``trainer_rank_state`` (torchrl's
     ``trainer_state`` holds ``_last_log``), a :class:`NoLogger` (a rank without a logger)."""
-    return name == TRAINER_LOG or isinstance(ckpt._components[name].value, NoLogger)
+    return name == TRAINER_RANK_STATE or isinstance(ckpt._components[name].value, NoLogger)
 
 
 def _warn_kept(file: Any, names: list[str]) -> None:

@@ -34,10 +34,10 @@ from torchrl_dcp.adapters.base import AdapterContext
 from torchrl_dcp.adapters.env_generators import env_generators, generator_state, set_generator_state
 from torchrl_dcp.adapters.registry import register_adapter
 from torchrl_dcp.adapters.state_dict import StateDictAdapter
-from torchrl_dcp.adapters.trainer_logging import (
+from torchrl_dcp.adapters.trainer_rank_state import (
     LAST_LOG_ELSEWHERE,
-    TrainerLog,
-    check_trainer_log,
+    TrainerRankState,
+    check_rank_state,
     restore_logger_state,
 )
 from torchrl_dcp.errors import CheckpointIntegrityError, IncompatibleComponentError, TorchrlDcpWarning
@@ -197,7 +197,7 @@ class TrainerStateAdapter(StateDictAdapter):
     def state(self, obj: Any, ctx: AdapterContext) -> Any:
         trainer = getattr(obj, "trainer", None)
         state = super().state(obj, ctx)
-        if isinstance(state, Mapping) and "_last_log" in state:  # each rank's own: saved in ``trainer_log``
+        if isinstance(state, Mapping) and "_last_log" in state:  # each rank's own: saved in ``trainer_rank_state``
             state = {**state, "_last_log": {}, LAST_LOG_ELSEWHERE: True}
         return _with_attributes(state, trainer, _attributes_of(trainer, TRAINER_ATTRIBUTES))
 
@@ -212,7 +212,7 @@ class TrainerStateAdapter(StateDictAdapter):
     def restore(self, obj: Any, state: Any, ctx: AdapterContext) -> Any:
         state, extra = _split_attributes(state)
         trainer = getattr(obj, "trainer", None)
-        if isinstance(state, Mapping) and state.get(LAST_LOG_ELSEWHERE) is True:  # (``trainer_log`` restores it:
+        if isinstance(state, Mapping) and state.get(LAST_LOG_ELSEWHERE) is True:  # (``trainer_rank_state`` restores it:
             state = {k: v for k, v in state.items() if k != LAST_LOG_ELSEWHERE}  # kept, before or after)
             state["_last_log"] = getattr(trainer, "_last_log", None) or {}
         out = super().restore(obj, state, ctx)
@@ -248,8 +248,8 @@ class TrainerHookAdapter(StateDictAdapter):
         counters = _attributes_of(obj, HOOK_COUNTERS)
         for state in saved.values():
             _check_counts(state, counters, ctx.name)
-            if isinstance(obj, TrainerLog):
-                check_trainer_log(state, ctx.name)
+            if isinstance(obj, TrainerRankState):
+                check_rank_state(state, obj, ctx.name)
 
     def restore(self, obj: Any, state: Any, ctx: AdapterContext) -> Any:
         if restore_logger_state(obj, state, ctx.name):  # (saved by a rank without a logger: nothing to restore)
