@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import warnings
 from typing import Any
 
 import numpy as np
@@ -179,8 +180,8 @@ def save_unlike(path: str, case: str) -> dict[str, Any]:
     rank = dist.get_rank()
     target, step, components = path, 2, None
     if rank == 1:
-        if case == "extra_component":
-            ckpt.register("extra", {"n": 1}, placement="per_rank")
+        if case == "extra_component":  # (a replicated one: every rank must hold it; a per-rank one is saved absent)
+            ckpt.register("extra", {"n": 1})
         elif case == "placement":
             ckpt = tdcp.DistributedCheckpoint(model=objs["model"])
             ckpt.register("stats", objs["stats"], placement="replicated")
@@ -304,3 +305,29 @@ def resume_past_a_users_file(path: str, seed: int) -> dict[str, Any]:
     dist.barrier()
     out["step"] = rotation.resume(ckpt).step
     return out
+
+
+def per_rank_on_some_ranks(path: str, phase: str) -> dict[str, Any]:
+    """A per-rank component registered on rank 0 alone (an evaluation hook, a logger): saved, rank 1's state absent.
+    ``phase``: ``save``; ``load`` (registered as saved); ``load_everywhere`` (rank 1 registers it too: kept, said);
+    ``replicated`` (a replicated one on rank 0 alone: refused on every rank)."""
+    rank = dist.get_rank()
+    objs = _objects(0)
+    ckpt = _checkpoint(objs)
+    evaluator = {"evaluations": 3 + rank, "best": 10.0 * (rank + 1)}
+    if phase == "replicated" and rank == 0:
+        ckpt.register("evaluator", evaluator)
+    elif rank == 0 or phase == "load_everywhere":
+        ckpt.register("evaluator", evaluator, placement="per_rank")
+    if phase in ("save", "replicated"):
+        try:
+            ckpt.save(path, step=1)
+        except tdcp.CheckpointError as err:
+            return {"error": str(err)}
+        return {"error": None}
+    evaluator.update(evaluations=-1, best=-1.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = ckpt.load(path)
+    said = [str(w.message) for w in caught if issubclass(w.category, tdcp.InexactResumeWarning)]
+    return {"evaluator": evaluator, "loaded": sorted(result.loaded), "said": said}

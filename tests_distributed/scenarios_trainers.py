@@ -69,8 +69,11 @@ def run(kind: str, ckpt_dir: str, mode: str, out: str, variant: str = "") -> Non
     trainer = build_trainer(kind, rank, ckpt_dir, **build)
     if rank_0_logs:
         trainer._log_interval = 20  # (SACTrainer(log_interval=...): a key is logged again after 20 frames)
-        if rank == 0:
+        if rank == 0:  # (an evaluation value, and a hook of rank 0 alone: ``trainer_module.count_frames_log``)
+            from torchrl.trainers import CountFramesLog
+
             trainer.register_op("post_steps_log", lambda batch: {"eval": float(batch["next", "reward"].mean())})
+            CountFramesLog(frame_skip=1).register(trainer)
     _seed(rank)
     result: dict[str, Any] = {"records": []}
     current: dict[str, Any] = {}

@@ -170,3 +170,25 @@ def test_a_save_the_ranks_describe_differently_raises_on_every_rank_and_keeps_th
     assert tdcp.read_manifest(path)["step"] == 1 and not (tmp_path / "ckpt-elsewhere").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     tdcp.verify(path)
+
+
+def test_a_per_rank_component_registered_on_some_ranks_is_saved_and_loaded_where_it_is(tmp_path: Path) -> None:
+    """Rank 0 alone registers a per-rank component (an evaluation hook, a logger: the usual distributed job): the
+    save was refused ("components only on rank 0"). Now the other ranks save it as absent: it loads on rank 0, rank 1
+    loads nothing for it, and a rank 1 that registers it now keeps its own state, said; a replicated component on
+    one rank alone is still refused."""
+    path = str(tmp_path / "ckpt")
+    assert [r.value["error"] for r in launch(f"{S}:per_rank_on_some_ranks", 2, path, "save")] == [None, None]
+    manifest = tdcp.read_manifest(path)
+    states = manifest["components"]["evaluator"]["ranks"]
+    assert manifest["components"]["evaluator"]["placement"] == "per_rank" and sorted(states) == ["0", "1"]
+    tdcp.verify(path)
+    loaded = [r.value for r in launch(f"{S}:per_rank_on_some_ranks", 2, path, "load")]
+    assert loaded[0]["evaluator"] == {"evaluations": 3, "best": 10.0} and "evaluator" in loaded[0]["loaded"]
+    assert "evaluator" not in loaded[1]["loaded"] and not loaded[0]["said"] and not loaded[1]["said"]
+    everywhere = [r.value for r in launch(f"{S}:per_rank_on_some_ranks", 2, path, "load_everywhere")]
+    assert everywhere[0]["evaluator"] == {"evaluations": 3, "best": 10.0} and not everywhere[0]["said"]
+    assert everywhere[1]["evaluator"] == {"evaluations": -1, "best": -1.0}  # (rank 1 saved none: kept as it is)
+    assert any("rank 1 registered no ['evaluator']" in s for s in everywhere[1]["said"]), everywhere[1]
+    refused = [r.value["error"] for r in launch(f"{S}:per_rank_on_some_ranks", 2, str(tmp_path / "r"), "replicated")]
+    assert len(set(refused)) == 1 and "components only on rank 0: ['evaluator']" in refused[0]

@@ -68,6 +68,8 @@ def test_a_trainer_logging_on_rank_0_alone_saves_and_resumes_bit_exactly(tmp_pat
     manifest = tdcp.read_manifest(tdcp.CheckpointRotation(tmp_path / "run").entries()[-1].path)
     assert manifest["components"]["trainer_rank_state"]["placement"] == manifest["components"]["logger"]["placement"]
     assert manifest["components"]["trainer_rank_state"]["placement"] == "per_rank"
+    hook = manifest["components"]["trainer_module.count_frames_log"]  # (rank 0's hook: rank 1's state absent)
+    assert hook["placement"] == "per_rank" and "_tdcp_absent_on_this_rank" in str(hook["ranks"]["1"])
     logged = json.loads((tmp_path / "out" / "straight.rank0.json").read_text())["final"]
     assert any("_last_log" in path and "eval" in path for path in logged), "rank 0 never logged: nothing tested"
 

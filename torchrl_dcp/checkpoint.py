@@ -518,7 +518,12 @@ class DistributedCheckpoint:
             return save_engine.encode(items, rank)
 
         checks = {n: self._components[n].replica_check or self.replica_check for n in names}
-        call = {"path": str(location.path), "step": given}  # what every rank passes alike (layouts compared)
+        chosen = components if components is not None else self.save_components
+        call = {  # what every rank passes alike (layouts compared): the selection too, where per-rank components
+            "path": str(location.path),  # one rank lacks are saved as absent on it
+            "step": given,
+            "components": None if chosen is None else sorted(chosen),
+        }
         encoded, write_plan = save_engine.plan(group, encode_step, checks, call)
         job = save_engine.SaveJob(location.path, location, step, metadata, encoded, write_plan, group, rank, world)
         try:

@@ -29,6 +29,7 @@ from typing import Any
 from torchrl_dcp._log import get_logger
 from torchrl_dcp.convert import any_remote, check_apart, convert_via_local, local_path
 from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, IncompatibleComponentError, from_os_error
+from torchrl_dcp.placement import is_absent
 from torchrl_dcp.storage.commit import (
     DestinationLock,
     leftover_owner,
@@ -238,6 +239,8 @@ def _exported_value(source: Any, name: str, rec: Mapping[str, Any], rank: int | 
     if not is_rng and rec["adapter"] not in _STATE_DICT_ADAPTERS and rec["adapter"] != "torchrl_dcp.json":
         return None, f"{rec['adapter']}: export supports modules, optimizers, state_dict objects and JSON values"
     state = read_component(source, name, rank=0 if is_rng and rank is None else rank)
+    if is_absent(state):
+        return None, f"rank {rank} registered none when it was saved (other ranks did): pass another rank=..."
     if is_rng and isinstance(state, Mapping):
         return _StateDict(torchrl_rng_layout(state)), None
     if rec["adapter"] in _STATE_DICT_ADAPTERS and isinstance(state, Mapping):

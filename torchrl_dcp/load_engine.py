@@ -191,6 +191,14 @@ def prepare(request: LoadRequest, result: LoadResult) -> tuple[CheckpointSource,
             source=request.path,
         )
         refuse_conflicting_live(found["plan"], lambda key: saved_crcs(src, metadata, key), request.path)
+        if found["plan"].not_saved_here:
+            warnings.warn(
+                InexactResumeWarning(
+                    f"{request.path}: rank {request.rank} registered no {found['plan'].not_saved_here} when the "
+                    "checkpoint was saved (other ranks did): left as they are"
+                ),
+                stacklevel=6,
+            )
         report_issues(result, request.strict, request.path)
         verify_bytes(src, found["plan"], request.verify, metadata, whole=request.rank == 0)  # 4. verify
         # what every rank must share: the checkpoint (its save and its root's very bytes, wherever each rank mounts
@@ -199,7 +207,8 @@ def prepare(request: LoadRequest, result: LoadResult) -> tuple[CheckpointSource,
         return {
             "save": manifest["save_id"],
             "root": root,
-            "components": sorted(request.requested),
+            # (the per-rank ones are each rank's own: a rank may hold one another lacks, a logger on rank 0 alone)
+            "components": sorted(n for n in request.requested if request.registered[n].placement != "per_rank"),
             "reshard": request.reshard,
         }
 

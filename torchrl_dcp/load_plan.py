@@ -47,7 +47,7 @@ from torchrl_dcp.format.codec import (
 from torchrl_dcp.format.metadata_checks import WholeTensor, record_index, whole_tensor
 from torchrl_dcp.format.migrations import migrate_component
 from torchrl_dcp.format.sparse_nodes import check_sparse_indices
-from torchrl_dcp.placement import Placement, key_prefix
+from torchrl_dcp.placement import Placement, is_absent, key_prefix
 
 
 @dataclass
@@ -96,6 +96,8 @@ class LoadPlan:
     # live tensors at the in-place read (:func:`prefetch`): no record check or checksum pass before that read
     prefetched: dict[str, torch.Tensor] = field(default_factory=dict)
     prefetched_bytes: int = 0
+    # per-rank components this rank's saved state holds none of (the rank had not registered them): left as they are
+    not_saved_here: list[str] = field(default_factory=list)
 
     def destination(self, key: str) -> torch.Tensor:
         found = self.fresh.get(key)
@@ -217,7 +219,11 @@ def plan_components(
             comp = ComponentPlan(name, reg.value, reg.adapter, ctx, {}, reshard)
             planning[:] = [comp]
             try:
-                comp.sources = _sources(comp, rec, rank, checked)
+                comp.sources = _sources(comp, rec, rank, _held(checked) if reshard else checked)
+                if any(is_absent(s.view) for s in comp.sources.values()) or (reshard and not comp.sources):
+                    load_plan.not_saved_here.append(name)  # (the rank whose state this rank takes registered none)
+                    planning.clear()
+                    continue
                 views = {r: s.view for r, s in comp.sources.items()}
                 reg.adapter.validate(reg.value, views, ctx)
                 _take_snapshot(comp)
@@ -245,6 +251,11 @@ def plan_components(
             err.extend(f"could not roll back {', '.join(problems)}")
         raise
     return load_plan
+
+
+def _held(checked: dict[int, SavedState]) -> dict[int, SavedState]:
+    """The saved states of the ranks that held the component (a reshard takes no :data:`ABSENT_STATE`)."""
+    return {r: s for r, s in checked.items() if not is_absent(s.view)}
 
 
 def _text(err: BaseException) -> str:

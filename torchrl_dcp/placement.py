@@ -31,3 +31,14 @@ def key_prefix(placement: Placement, component: str, rank: int) -> str:
     if placement == "per_rank":
         return f"rank/{rank}/{component}"
     return f"{placement}/{component}"
+
+
+#: the state a rank saves for a ``per_rank`` component other ranks registered and it did not (a logger, an evaluation
+#: hook on rank 0 alone): every rank's manifest shard holds each per-rank component, and a load on a rank whose
+#: saved state is this one leaves its object as it is (said)
+ABSENT_STATE = {"_tdcp_absent_on_this_rank": True}
+
+
+def is_absent(state: object) -> bool:
+    """Whether a decoded per-rank state is :data:`ABSENT_STATE` (the rank registered no such component)."""
+    return state == ABSENT_STATE

@@ -56,7 +56,7 @@ from torchrl_dcp.errors import CheckpointError, CollectiveError, EncodingError
 from torchrl_dcp.format.codec import dtype_name, escape_key, is_dtensor, tensor_identity
 from torchrl_dcp.format.codec import encode as encode_value
 from torchrl_dcp.format.layout import DCP_METADATA
-from torchrl_dcp.placement import Placement, key_prefix
+from torchrl_dcp.placement import ABSENT_STATE, Placement, key_prefix
 from torchrl_dcp.planner import (
     SavePlanner,
     WritePlan,
@@ -298,7 +298,12 @@ def _plan_gathered(group: Any, held: list[Any], error: BaseException | None, rec
         return infos, with_value_paths(records, replicas), layout
 
     gathered = run_step(group, "encoding the state", local, monitored=False)
-    compare_layouts([layout for _, _, layout in gathered])
+    layouts = [layout for _, _, layout in gathered]
+    absent = absent_here(layouts, _dist.group_rank(group))
+    for name, (placement, adapter, version) in absent.items():  # (another rank's per-rank component: held as none)
+        skeleton, _ = encode_value(ABSENT_STATE, where=name)
+        records[name] = ComponentRecord(adapter, version, placement, skeleton, {})  # (``records``: this rank's own)
+    compare_layouts(with_absent(layouts))
     compare_replicas([replicas for _, replicas, _ in gathered], group)
     return plan_writes([infos for infos, _, _ in gathered])
 
@@ -309,6 +314,33 @@ def save_layout(encoded: Encoded, call: Any) -> dict[str, Any]:
     another component, placement or adapter would commit a checkpoint no load reads."""
     components = {n: [r.placement, r.adapter, r.adapter_version] for n, r in sorted(encoded.records.items())}
     return {"call": call, "components": components}
+
+
+def _absent_ones(layouts: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """The per-rank components some ranks registered and others did not, each described alike by every rank holding
+    it: ``{name: [placement, adapter, version]}``. Any other difference is :func:`compare_layouts`' to refuse."""
+    described: dict[str, list[list[Any]]] = {}
+    for layout in layouts:
+        for name, entry in layout["components"].items():
+            described.setdefault(name, []).append(entry)
+    return {
+        name: entries[0]
+        for name, entries in described.items()
+        if len(entries) < len(layouts) and entries[0][0] == "per_rank" and all(e == entries[0] for e in entries)
+    }
+
+
+def absent_here(layouts: list[dict[str, Any]], rank: int) -> dict[str, list[Any]]:
+    """What this rank saves as :data:`~torchrl_dcp.placement.ABSENT_STATE`: the per-rank components other ranks
+    registered and it did not (a logger, an evaluation hook on rank 0 alone), so that every rank's manifest shard
+    holds every per-rank component."""
+    return {n: e for n, e in _absent_ones(layouts).items() if n not in layouts[rank]["components"]}
+
+
+def with_absent(layouts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The layouts as the manifest describes them: each holding the per-rank components some ranks lack."""
+    absent = _absent_ones(layouts)
+    return [{**layout, "components": dict(sorted({**absent, **layout["components"]}.items()))} for layout in layouts]
 
 
 def compare_layouts(layouts: list[dict[str, Any]]) -> None:
