@@ -760,3 +760,42 @@ def test_a_forged_logging_schedule_is_refused_before_anything_changes(tmp_path: 
     with pytest.raises(tdcp.CheckpointError, match="trainer_rank_state.*(logging schedule|mapping in the live)"):
         fresh.checkpoint.load(tmp_path / "c", components=["trainer_rank_state"])
     assert fresh._last_log == before
+
+
+def test_a_trainer_resumed_from_the_save_its_early_stop_made_trains_no_further(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Trainer stopped early (``request_stop``, what ``EarlyStopping`` calls) saves once more and leaves ``train()``;
+    the job requeued resumed from that save and trained another batch, where the run that never stopped had ended.
+    ``_stop_training`` and its reason are saved: it trains nothing and says so (clearing the flag trains on)."""
+    first, _ = _sac_trainer(tmp_path / "run", 64)
+    first.register_op("post_steps", lambda: first.request_stop("plateau") if first.collected_frames >= 32 else None)
+    first.train()
+    assert first.collected_frames == 32
+    again, _ = _sac_trainer(tmp_path / "run", 64)
+    info = tdcp.resume(again.checkpoint, tmp_path / "run")
+    assert info is not None and info.step == 32 and again._stop_training is True and again._stop_reason == "plateau"
+    with caplog.at_level("WARNING", logger="torchrl_dcp"):
+        again.train()
+    assert "stopped early" in caplog.text and "plateau" in caplog.text and again.collected_frames == 32
+    again._stop_training = False
+    again.train()
+    assert again.collected_frames == 64
+
+
+@pytest.mark.parametrize("forged", [1, "yes", None])
+def test_a_forged_stop_request_is_refused(tmp_path: Path, forged: Any) -> None:
+    from tests import forging
+
+    trainer, _ = _sac_trainer(tmp_path / "run", 32)
+    trainer.checkpoint.save(tmp_path / "c", step=1)
+
+    def forge(m: dict[str, Any]) -> None:
+        items = m["components"]["trainer_state"]["state"]["items"]
+        lazy = next(v for k, v in items if k == "_tdcp_lazy_attributes")
+        lazy["items"] = [[k, forged if k == "_stop_training" else v] for k, v in lazy["items"]]
+
+    forging.edit(tmp_path / "c", forge)
+    fresh, _ = _sac_trainer(tmp_path / "run2", 32)
+    with pytest.raises(tdcp.CheckpointError, match="stop request|_stop_training. is a str"):
+        fresh.checkpoint.load(tmp_path / "c")

@@ -108,11 +108,19 @@ def bind_trainer(rotation: Any, trainer: Any, ckpt: Any) -> None:
 
 def _unless_finished(trainer: Any, train: Any) -> Any:
     """``trainer.train``, except for a Trainer resumed from a checkpoint at or past its ``total_frames`` (a job
-    requeued after its last save, e.g. preempted in its last iteration): torchrl's loop compares the frames only after
-    a batch, so it trained one batch more and saved past the end, unlike the run that never stopped. Then it trains
-    nothing (the collector is left as it is: a raised ``total_frames`` trains on) and says so."""
+    requeued after its last save, e.g. preempted in its last iteration), or from the save a stop request made
+    (``EarlyStopping``): torchrl's loop compares the frames and the request only after a batch, so it trained one
+    batch more and saved past the end, unlike the run that never stopped. Then it trains nothing (the collector is
+    left as it is: a raised ``total_frames`` trains on) and says so."""
 
     def train_unless_finished(*args: Any, **kwargs: Any) -> Any:
+        if getattr(trainer, "_stop_training", False) is True:  # (restored: the save a stop request made last)
+            logger.warning(
+                "the Trainer was stopped early in the run it resumed from (%s): nothing left to train; set "
+                "trainer._stop_training = False before train() to train further",
+                getattr(trainer, "_stop_reason", None) or "request_stop",
+            )
+            return None
         total, done = getattr(trainer, "total_frames", None), getattr(trainer, "collected_frames", 0)
         if type(total) is int and total > 0 and type(done) is int and done >= total:
             logger.warning(

@@ -97,7 +97,12 @@ LAZY_HOOK_ATTRIBUTES: dict[str, tuple[str, ...]] = {"OfflineToOnlineReplayBuffer
 #: Trainer attributes torchrl's ``trainer_state`` (collected frames, last log and save, optimisation steps) leaves
 #: out, by Trainer class name: ``DQNTrainer._greedy_last_frames`` is where epsilon annealing continues from (without
 #: it, the first iteration after a restore anneals epsilon by every frame collected so far, a second time).
-TRAINER_ATTRIBUTES: dict[str, tuple[str, ...]] = {"DQNTrainer": ("_greedy_last_frames",)}
+#: ``Trainer._stop_training`` and its reason: a Trainer stopped early (``EarlyStopping``, ``request_stop``) saves once
+#: more and leaves ``train()``; resumed from that save, it trained again where the run that never stopped had ended.
+TRAINER_ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    "DQNTrainer": ("_greedy_last_frames",),
+    "Trainer": ("_stop_training", "_stop_reason"),
+}
 #: counters of torchrl's Trainer state and hooks (by class name for hooks): ints ``>= 0`` in every run
 TRAINER_COUNTERS = ("collected_frames", "_last_save", "_optim_count", "_greedy_last_frames")
 HOOK_COUNTERS: dict[str, tuple[str, ...]] = {"CountFramesLog": ("frame_count",), "ClearCudaCache": ("count",)}
@@ -208,6 +213,12 @@ class TrainerStateAdapter(StateDictAdapter):
             state, extra = _split_attributes(state)
             _check_counts(state, TRAINER_COUNTERS, ctx.name)
             _check_counts(extra, TRAINER_COUNTERS, ctx.name)
+            stop, reason = extra.get("_stop_training", False), extra.get("_stop_reason")
+            if type(stop) is not bool or not (reason is None or isinstance(reason, str)):
+                raise IncompatibleComponentError(
+                    f"component {ctx.name!r}: its stop request is {stop!r} (reason {reason!r}), not a flag and a "
+                    "text: no run leaves that; damaged or forged"
+                )
 
     def restore(self, obj: Any, state: Any, ctx: AdapterContext) -> Any:
         state, extra = _split_attributes(state)
