@@ -253,3 +253,41 @@ def test_a_bare_inference_tensor_loads_and_an_expanded_one_is_refused_at_save(tm
     with pytest.raises(tdcp.IncompatibleComponentError, match="is an expanded view .* could never be loaded back"):
         tdcp.DistributedCheckpoint(no_dist=True, e=torch.arange(3.0).expand(4, 3)).save(tmp_path / "e")
     assert not (tmp_path / "e").exists()
+
+
+def test_tied_weights_in_two_layouts_across_components_saved_tied_load(tmp_path: Path) -> None:
+    """An encoder's weight and a decoder's ``weight.t()`` (one memory, two layouts, two components), saved while
+    tied: the records differ (one is the transpose), which the check read as saved apart and refused. The saved
+    values are compared instead: they agree on every byte, so the load goes on, exactly."""
+
+    def tied(seed: int) -> tuple[torch.nn.Linear, torch.nn.Linear]:
+        torch.manual_seed(seed)
+        enc, dec = torch.nn.Linear(3, 5, bias=False), torch.nn.Linear(5, 3, bias=False)
+        dec.weight = torch.nn.Parameter(enc.weight.data.t())
+        return enc, dec
+
+    enc, dec = tied(0)
+    tdcp.DistributedCheckpoint(enc=enc, dec=dec).save(tmp_path / "c")
+    enc2, dec2 = tied(1)
+    tdcp.DistributedCheckpoint(enc=enc2, dec=dec2).load(tmp_path / "c")
+    assert torch.equal(enc2.weight, enc.weight) and torch.equal(dec2.weight, dec.weight)
+    assert dec2.weight.data_ptr() == enc2.weight.data_ptr()  # (still tied)
+
+
+def test_a_live_tensor_overlapping_part_of_another_saved_apart_is_refused(tmp_path: Path) -> None:
+    """A dict holding a row of a module's weight now (``m.weight.data[1]``), saved from a module and a dict of its
+    own: the two reads overlap without starting at one address, which the check never compared; the last read won,
+    silently. Refused before anything changes."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 3)
+    tdcp.DistributedCheckpoint(m=m, stats={"row": torch.full((4,), 7.0)}).save(tmp_path / "c")
+    m2 = torch.nn.Linear(4, 3)
+    before = m2.weight.detach().clone()
+    with pytest.raises(tdcp.IncompatibleComponentError, match="share memory now"):
+        tdcp.DistributedCheckpoint(m=m2, stats={"row": m2.weight.data[1]}).load(tmp_path / "c")
+    assert torch.equal(m2.weight, before)
+    consistent = {"row": m.weight.data[1].clone()}  # (saved apart, but the same bytes: both reads agree)
+    tdcp.DistributedCheckpoint(m=m, stats=consistent).save(tmp_path / "same")
+    m3 = torch.nn.Linear(4, 3)
+    tdcp.DistributedCheckpoint(m=m3, stats={"row": m3.weight.data[1]}).load(tmp_path / "same")
+    assert torch.equal(m3.weight, m.weight)

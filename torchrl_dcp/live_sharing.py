@@ -27,47 +27,52 @@ if TYPE_CHECKING:
     from torchrl_dcp.load_plan import LoadPlan
 
 
-def refuse_conflicting_live(plan: LoadPlan, saved_crcs: Callable[[str], Any], source: Any) -> None:
-    """Refuse tensors read in place that are the same memory (a dict and a module holding one tensor,
-    ``TensorDict.from_module(policy)`` beside a policy, a module whose two weights are tied now) where the checkpoint
-    holds two different tensors for them (saved from objects that did not share it): both reads would land on the
-    same bytes, the last one read winning. ``saved_crcs(key)``: the CRCs recorded in a tensor's records (``None``:
-    unknown). A save of shared memory holds it once (an ``xref``, an alias) or twice with the same bytes (per-rank
-    components, two views of one tensor): those load. Checked before anything changes; named alike on every rank."""
+def refuse_conflicting_live(
+    plan: LoadPlan,
+    saved_crcs: Callable[[str], Any],
+    source: Any,
+    read_saved: Callable[[dict[str, tuple[tuple[int, ...], torch.dtype]]], dict[str, torch.Tensor]] | None = None,
+) -> None:
+    """Refuse tensors read in place that overlap in memory (a dict and a module holding one tensor,
+    ``TensorDict.from_module(policy)`` beside a policy, tied weights, a view of a row of another tensor) where the
+    checkpoint holds different bytes for the overlap (saved from objects that did not share it): both reads would
+    land on the same bytes, the last one read winning.
+
+    Tensors that are one view of their memory (tied weights) compare the CRCs their records hold (``saved_crcs(key)``;
+    ``None``: unknown): a save of shared memory holds it once (an ``xref``) or twice with the same bytes. Tensors that
+    overlap otherwise (``w`` and ``w.t()`` in two components, a row of a matrix) compare the saved values
+    themselves, read by ``read_saved({key: (shape, dtype)})``: laid into one scratch copy of the memory they span,
+    each must read back as saved. One component's views of one memory in other layouts are saved as views: not
+    compared. Checked before anything changes; named alike on every rank."""
     owners = [c for c in plan.components.values() if c.in_place]
     if not owners:
         return
     live = {k: memory(t) for k, t in plan.live.items()}  # (a DTensor's: its local shard, perhaps empty)
-    pointers = [t.data_ptr() for t in live.values() if t.numel()]
-    if len(set(pointers)) == len(pointers):  # (no two live tensors start at one address: none shared, the common case)
+    storages = [t.untyped_storage().data_ptr() for t in live.values() if t.numel()]
+    if len(set(storages)) == len(storages):  # (no two live tensors in one storage: none overlap, the common case)
         return
-    keyed = [
-        (comp.name, f"{state.prefix}/{spec.key}")
-        for comp in owners
-        for state in comp.sources.values()
-        for spec in state.specs
-    ]
-    spans: dict[tuple[Any, int, int], list[tuple[str, str]]] = {}  # one memory extent: (component, key) reading it
-    for name, key in keyed:
-        t = live.get(key)
-        if t is None or not t.numel():
-            continue
-        extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
-        start = t.data_ptr()
-        spans.setdefault((str(t.device), start, start + extent * t.element_size()), []).append((name, key))
+    by_storage: dict[tuple[str, int], int] = {}
+    for t in live.values():
+        if t.numel():
+            where = (str(t.device), t.untyped_storage().data_ptr())
+            by_storage[where] = by_storage.get(where, 0) + 1
+    readers: dict[tuple[str, int], list[tuple[int, int, str, str]]] = {}  # storage: (start, end, component, key)
+    for comp in owners:
+        for state in comp.sources.values():
+            for spec in state.specs:
+                key = f"{state.prefix}/{spec.key}"
+                t = live.get(key)
+                if t is None or not t.numel():
+                    continue
+                where = (str(t.device), t.untyped_storage().data_ptr())
+                if by_storage.get(where, 0) > 1:
+                    start, end = _extent(t)
+                    readers.setdefault(where, []).append((start, end, comp.name, key))
     conflicts = []
-    for readers in spans.values():
-        if len({key for _, key in readers}) < 2:
-            continue
-        readers.sort()
-        if len({name for name, _ in readers}) < 2 and not one_view(live, readers):
-            continue  # (one component's views of one memory in other layouts, ``w`` and ``w.t()``: saved as views)
-        crcs = [saved_crcs(key) for _, key in readers]
-        one_component = len({name for name, _ in readers}) < 2
-        if (any(c is None for c in crcs) and not one_component) or len({c for c in crcs if c is not None}) > 1:
-            # (unknown CRCs, a checkpoint of DCP's own record layout, format 1: a conflict across components only;
-            # within one, tied weights saved tied then read alike)
-            conflicts.append(readers)
+    for group in readers.values():
+        for overlapping in _overlapping(group):
+            if _conflict(overlapping, live, saved_crcs, read_saved):
+                conflicts.append(sorted((name, key) for _, _, name, key in overlapping))
     if conflicts:
         (a, key_a), (b, key_b) = min(conflicts)[:2]
         who = f"components {a!r} and {b!r} share" if a != b else f"component {a!r} holds tensors that share"
@@ -78,6 +83,75 @@ def refuse_conflicting_live(plan: LoadPlan, saved_crcs: Callable[[str], Any], so
             "load one of them (components=[...])",
             path=source,
         )
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[start, end)`` a tensor's elements span in memory."""
+    extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def _overlapping(group: list[tuple[int, int, str, str]]) -> list[list[tuple[int, int, str, str]]]:
+    """The sets of two or more readers whose extents overlap, one after another (a sweep over the starts)."""
+    out: list[list[tuple[int, int, str, str]]] = []
+    current: list[tuple[int, int, str, str]] = []
+    end = -1
+    for reader in sorted(group):
+        if current and reader[0] < end:
+            current.append(reader)
+            end = max(end, reader[1])
+            continue
+        if len({key for *_, key in current}) > 1:
+            out.append(current)
+        current, end = [reader], reader[1]
+    if len({key for *_, key in current}) > 1:
+        out.append(current)
+    return out
+
+
+def _conflict(
+    readers: list[tuple[int, int, str, str]],
+    live: Mapping[str, torch.Tensor],
+    saved_crcs: Callable[[str], Any],
+    read_saved: Callable[[dict[str, tuple[tuple[int, ...], torch.dtype]]], dict[str, torch.Tensor]] | None,
+) -> bool:
+    """Whether overlapping readers would leave a tensor other than as saved."""
+    names = {name for _, _, name, _ in readers}
+    pairs = [(name, key) for _, _, name, key in readers]
+    if one_view(live, pairs):
+        crcs = [saved_crcs(key) for key in {key for _, key in pairs}]
+        # (unknown CRCs, a checkpoint of DCP's own record layout, format 1: a conflict across components only;
+        # within one, tied weights saved tied then read alike)
+        return (any(c is None for c in crcs) and len(names) > 1) or len({c for c in crcs if c is not None}) > 1
+    if len(names) < 2:
+        return False  # (one component's views of one memory in other layouts, ``w`` and ``w.t()``: saved as views)
+    return read_saved is None or not _consistent(readers, live, read_saved)
+
+
+def _consistent(
+    readers: list[tuple[int, int, str, str]],
+    live: Mapping[str, torch.Tensor],
+    read_saved: Callable[[dict[str, tuple[tuple[int, ...], torch.dtype]]], dict[str, torch.Tensor]],
+) -> bool:
+    """Whether the saved values of overlapping tensors agree on every byte they share: each laid, in turn, into one
+    scratch copy of the memory they span reads back as saved (any order then leaves every tensor as saved)."""
+    keys = sorted({key for *_, key in readers})
+    try:
+        saved = read_saved({k: (tuple(live[k].shape), live[k].dtype) for k in keys})
+    except Exception:  # noqa: BLE001 - (a value that cannot be read here: a reference, a damaged file) is no proof
+        return False
+    low, high = min(r[0] for r in readers), max(r[1] for r in readers)
+    scratch = torch.zeros(high - low, dtype=torch.uint8)
+    views = {}
+    for key in keys:
+        t, size = live[key], live[key].element_size()
+        offset = t.data_ptr() - low
+        if offset % size:
+            return False  # (not aligned to its elements in the span: no proof either)
+        typed = scratch[: (high - low) // size * size].view(t.dtype)  # (its storage offset counts its elements)
+        views[key] = typed.as_strided(tuple(t.shape), t.stride(), offset // size)  # (its extent: inside the span)
+        views[key].copy_(saved[key])
+    return all(torch.equal(views[key], saved[key]) for key in keys)
 
 
 def memory(t: torch.Tensor) -> torch.Tensor:

@@ -190,7 +190,12 @@ def prepare(request: LoadRequest, result: LoadResult) -> tuple[CheckpointSource,
             incompatible=result.incompatible,
             source=request.path,
         )
-        refuse_conflicting_live(found["plan"], lambda key: saved_crcs(src, metadata, key), request.path)
+        refuse_conflicting_live(
+            found["plan"],
+            lambda key: saved_crcs(src, metadata, key),
+            request.path,
+            lambda specs: read_fresh(src, specs),
+        )
         if found["plan"].not_saved_here:
             warnings.warn(
                 InexactResumeWarning(
