@@ -76,3 +76,51 @@ def restore_fails_on_one_rank(directory: str, fail_on: int) -> dict[str, Any]:
     except tdcp.CheckpointError as err:
         return {"error": str(err), "unchanged": _fingerprint(objs) == before}
     return {"error": None, "unchanged": _fingerprint(objs) == before}
+
+
+class _FailsOnRank1(tdcp.Adapter):
+    """A component whose restore fails on rank 1 (after the buffer's reshard wrote its rows)."""
+
+    adapter_id = "tests.fails_on_rank_1"
+    version = 1
+    default_placement = "replicated"
+
+    def state(self, obj: Any, ctx: Any) -> Any:
+        return {"v": obj["v"]}
+
+    def restore(self, obj: Any, state: Any, ctx: Any) -> Any:
+        if ctx.rank == 1 and obj.get("fail"):
+            raise RuntimeError("injected failure")
+        obj["v"] = state["v"]
+        return None
+
+
+def _ids_buffer(ids: list[int]) -> Any:
+    from tensordict import TensorDict
+    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(16), batch_size=2)
+    rb.extend(TensorDict({"id": torch.tensor(ids)}, [len(ids)]))
+    return rb
+
+
+def reshard_fails_after_the_buffer(directory: str, phase: str) -> dict[str, Any]:
+    """``save`` (one rank: rows 0..7), then ``load`` on two ranks resharding into buffers that hold rows of their
+    own, a later component failing on rank 1: each buffer's rows as they were before the load."""
+    path = str(Path(directory) / "ckpt")
+    ckpt = tdcp.DistributedCheckpoint()
+    if phase == "save":
+        ckpt.register("buffer", _ids_buffer(list(range(8))))
+        ckpt.register("flaky", {"v": 1}, adapter=_FailsOnRank1())
+        ckpt.save(path)
+        return {}
+    before = list(range(9000 + 100 * dist.get_rank(), 9006 + 100 * dist.get_rank()))
+    rb = _ids_buffer(before)
+    ckpt.register("buffer", rb)
+    ckpt.register("flaky", {"v": 0, "fail": True}, adapter=_FailsOnRank1())
+    try:
+        ckpt.load(path, world_size_change="reshard")
+        error = None
+    except tdcp.CheckpointError as err:
+        error = str(err)
+    return {"error": error, "before": before, "rows": rb._storage._storage["id"][: len(rb)].tolist()}

@@ -19,3 +19,14 @@ def test_a_restore_failing_on_one_rank_is_rolled_back_everywhere(tmp_path: Path,
             assert "fragile" in r.value["error"] and "injected failure" in r.value["error"]
         else:
             assert f"rank {fail_on} failed" in r.value["error"]
+
+
+def test_a_resharding_load_failing_after_the_buffer_puts_its_rows_back(tmp_path: Path) -> None:
+    """A reshard writes the rows a rank receives into its live storage while restoring (they are not read in place):
+    a later component failing rolled the buffer's length, sampler and writer back and left the new rows under them,
+    without a word. The rows it writes over are copied first, and put back."""
+    launch("tests_distributed.scenarios_rollback:reshard_fails_after_the_buffer", 1, str(tmp_path), "save")
+    results = launch("tests_distributed.scenarios_rollback:reshard_fails_after_the_buffer", 2, str(tmp_path), "load")
+    for r in results:
+        assert r.value["error"] is not None and "injected failure" in r.value["error"], r.value
+        assert r.value["rows"] == r.value["before"], f"rank {r.rank}: {r.value}"

@@ -573,6 +573,7 @@ class ReplayBufferAdapter(Adapter):
             return
         buffer_reshard.check_reshard(live, saved, ctx)
         n = sum(hi - lo for _, lo, hi in buffer_reshard.split(lengths, ctx.rank, ctx.world_size))
+        ctx.plan["reshard_rows"] = n  # (the rows the restore writes over: the snapshot copies them)
         capacity = int(initialized_buffer(rb)._storage.max_size)
         if n > capacity:
             raise IncompatibleComponentError(
@@ -581,12 +582,14 @@ class ReplayBufferAdapter(Adapter):
             )
 
     def snapshot(self, rb: ReplayBuffer, ctx: AdapterContext) -> Any:
-        """Everything but the storage rows (read in place, never copied): the storage's own attributes, the
-        sampler, writer, transforms, batch size and generator."""
+        """The storage's own attributes, the sampler, writer, transforms, batch size and generator; the storage
+        rows only where a reshard's restore writes over rows the buffer holds (the rows it receives: copied), never
+        rows read in place (never copied)."""
         rb = initialized_buffer(rb)
         storage = rb._storage
         return {
             "storage": {a: getattr(storage, a, None) for a in _STORAGE_ATTRS},
+            "rows": _rows_overwritten(storage, ctx.plan.get("reshard_rows")),
             "settings": copy.deepcopy(
                 {"sampler": sampler_state(rb._sampler), "writer": writer_state(rb._writer), **buffer_settings(rb)}
             ),
@@ -609,6 +612,11 @@ class ReplayBufferAdapter(Adapter):
             rb._storage.initialized = False
             if "scratch" in ctx.plan:  # the memmap files the allocation made (torchrl never writes over them)
                 _remove_new_entries(*ctx.plan.pop("scratch"))
+        rows = snapshot.get("rows")
+        if rows is not None and isinstance(rb._storage, ListStorage):
+            rb._storage._storage = rows
+        elif rows is not None and rb._storage.initialized:
+            rb._storage._storage[: len(rows)] = rows  # (the rows a reshard's restore wrote over)
         if not ctx.plan.get("restored"):
             return
         settings = snapshot["settings"]
@@ -618,6 +626,19 @@ class ReplayBufferAdapter(Adapter):
 
 
 _STORAGE_ATTRS = ("_storage", "initialized", "_len", "_last_cursor")
+
+
+def _rows_overwritten(storage: Any, rows: int | None) -> Any:
+    """A copy of the rows a reshard's restore writes over (``rows``: how many it receives), ``None`` when it writes
+    over none (a load at the same world size reads rows in place; an empty or unallocated storage holds none)."""
+    if not rows:
+        return None
+    if isinstance(storage, ListStorage):
+        return list(storage._storage)
+    live = getattr(storage, "_storage", None) if getattr(storage, "initialized", False) else None
+    if live is None:
+        return None
+    return live[: min(rows, int(live.shape[0]))].clone()
 
 
 def _warn_prefetch(rb: Any, name: str, action: str) -> None:
