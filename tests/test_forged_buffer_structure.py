@@ -109,3 +109,30 @@ def test_every_saved_buffer_state_passes_the_structure_checks(tmp_path: Path, sa
     listed.extend([{"a": 1}, {"a": 2}])
     tdcp.DistributedCheckpoint(buffer=listed).save(tmp_path / "list")
     tdcp.DistributedCheckpoint(buffer=ReplayBuffer(storage=ListStorage(8))).load(tmp_path / "list")
+
+
+@pytest.mark.parametrize("placement", ["replicated", "per_rank"])
+def test_an_absent_state_no_save_writes_is_refused(tmp_path: Path, placement: str) -> None:
+    """A rank saves ``{"_tdcp_absent_on_this_rank": true}`` for a per-rank component other ranks registered and it
+    did not: never for a replicated one, nor on every rank. Forged and resealed, both were taken as "this rank held
+    none" (the live object kept, a warning saying other ranks had it)."""
+    from torchrl_dcp.placement import ABSENT_STATE
+
+    stats = {"episodes": 3}
+    tdcp.DistributedCheckpoint().register("stats", stats, placement=placement).save(tmp_path / "c")
+    absent = {"items": [[k, v] for k, v in ABSENT_STATE.items()], "t": "dict"}
+
+    def forge(m: dict[str, Any]) -> None:
+        rec = m["components"]["stats"]
+        if placement == "replicated":
+            rec["state"] = absent
+        else:
+            rec["ranks"]["0"]["state"] = absent
+
+    forging.edit(tmp_path / "c", forge)
+    with pytest.raises(tdcp.CheckpointIntegrityError, match="component 'stats'.*damaged or forged"):
+        tdcp.verify(tmp_path / "c")
+    live = {"episodes": 0}
+    with pytest.raises(tdcp.CheckpointIntegrityError, match="component 'stats'"):
+        tdcp.DistributedCheckpoint().register("stats", live, placement=placement).load(tmp_path / "c")
+    assert live == {"episodes": 0}

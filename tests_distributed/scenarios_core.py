@@ -315,10 +315,14 @@ def per_rank_on_some_ranks(path: str, phase: str) -> dict[str, Any]:
     objs = _objects(0)
     ckpt = _checkpoint(objs)
     evaluator = {"evaluations": 3 + rank, "best": 10.0 * (rank + 1)}
+    demos = _demonstrations(rank)  # (a buffer and a generator of rank 0's: adapters that check what they load)
+    generator = torch.Generator().manual_seed(5 + rank)
     if phase == "replicated" and rank == 0:
         ckpt.register("evaluator", evaluator)
     elif rank == 0 or phase == "load_everywhere":
         ckpt.register("evaluator", evaluator, placement="per_rank")
+        ckpt.register("demos", demos)
+        ckpt.register("generator", generator, placement="per_rank")
     if phase in ("save", "replicated"):
         try:
             ckpt.save(path, step=1)
@@ -326,8 +330,20 @@ def per_rank_on_some_ranks(path: str, phase: str) -> dict[str, Any]:
             return {"error": str(err)}
         return {"error": None}
     evaluator.update(evaluations=-1, best=-1.0)
+    torch.rand(3, generator=generator)  # (moved on from its seed: a load puts it back, where rank 0 saved one)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = ckpt.load(path)
     said = [str(w.message) for w in caught if issubclass(w.category, tdcp.InexactResumeWarning)]
-    return {"evaluator": evaluator, "loaded": sorted(result.loaded), "said": said}
+    rows = demos._storage._storage["id"][: len(demos)].tolist() if len(demos) else []
+    draw = torch.rand(1, generator=generator).item()
+    return {"evaluator": evaluator, "loaded": sorted(result.loaded), "said": said, "demos": rows, "draw": draw}
+
+
+def _demonstrations(rank: int) -> Any:
+    from tensordict import TensorDict
+    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(8), batch_size=2)
+    rb.extend(TensorDict({"id": torch.arange(3) + 100 * rank}, [3]))
+    return rb

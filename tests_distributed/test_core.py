@@ -186,9 +186,13 @@ def test_a_per_rank_component_registered_on_some_ranks_is_saved_and_loaded_where
     loaded = [r.value for r in launch(f"{S}:per_rank_on_some_ranks", 2, path, "load")]
     assert loaded[0]["evaluator"] == {"evaluations": 3, "best": 10.0} and "evaluator" in loaded[0]["loaded"]
     assert "evaluator" not in loaded[1]["loaded"] and not loaded[0]["said"] and not loaded[1]["said"]
+    assert loaded[0]["demos"] == [0, 1, 2] and "demos" in loaded[0]["loaded"]
     everywhere = [r.value for r in launch(f"{S}:per_rank_on_some_ranks", 2, path, "load_everywhere")]
     assert everywhere[0]["evaluator"] == {"evaluations": 3, "best": 10.0} and not everywhere[0]["said"]
     assert everywhere[1]["evaluator"] == {"evaluations": -1, "best": -1.0}  # (rank 1 saved none: kept as it is)
-    assert any("rank 1 registered no ['evaluator']" in s for s in everywhere[1]["said"]), everywhere[1]
+    assert everywhere[1]["demos"] == [100, 101, 102]  # (a buffer, a generator: not refused as forged, kept)
+    assert everywhere[0]["draw"] == loaded[0]["draw"] != everywhere[1]["draw"]
+    said = " ".join(everywhere[1]["said"])
+    assert "rank 1 registered no ['demos', 'evaluator', 'generator']" in said, everywhere[1]
     refused = [r.value["error"] for r in launch(f"{S}:per_rank_on_some_ranks", 2, str(tmp_path / "r"), "replicated")]
     assert len(set(refused)) == 1 and "components only on rank 0: ['evaluator']" in refused[0]

@@ -89,6 +89,7 @@ NOT_STATE: dict[str, str] = {
     "Trainer.checkpoint": "the checkpoint object, not what it saves",
     "Trainer.checkpoint_rotation": "the checkpoint rotation: its clock and directory, not training state",
     "Trainer._tdcp_rotation": "the rotation bound to the Trainer (see Trainer.checkpoint_rotation)",
+    "Trainer._tdcp_preempted": "set with a preemption's stop request (saved as none: the requeued job goes on)",
     "LossModule._in_keys": "a loss's input keys, found from its modules on first use",
     "LossModule._cache": "a loss's cache of detached parameters, rebuilt on use",
     "ValueEstimatorBase._vmap_randomness": "a value estimator's vmap mode, found from its modules on first use",

@@ -199,7 +199,7 @@ def prepare(request: LoadRequest, result: LoadResult) -> tuple[CheckpointSource,
         if found["plan"].not_saved_here:
             warnings.warn(
                 InexactResumeWarning(
-                    f"{request.path}: rank {request.rank} registered no {found['plan'].not_saved_here} when the "
+                    f"{request.path}: rank {request.rank} registered no {sorted(found['plan'].not_saved_here)} when the "
                     "checkpoint was saved (other ranks did): left as they are"
                 ),
                 stacklevel=6,

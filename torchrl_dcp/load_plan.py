@@ -198,7 +198,7 @@ def plan_components(
             if rec is None:
                 continue
             assert reg.adapter is not None
-            checked = check_states(name, rec, metadata, source, adapter=reg.adapter)
+            checked = check_states(name, rec, metadata, source, adapter=reg.adapter, world_size=manifest["world_size"])
             if rec["placement"] != "per_rank" or len(rec["ranks"]) == manifest["world_size"]:  # every rank's here
                 check_totals(name, rec, source)
             reshard = rec["placement"] == "per_rank" and manifest["world_size"] != world_size
@@ -428,13 +428,22 @@ def check_totals(name: str, rec: Mapping[str, Any], source: Any) -> None:
 
 
 def check_states(
-    name: str, rec: dict[str, Any], metadata: Any, source: Any, *, adapter: Adapter | None = None
+    name: str,
+    rec: dict[str, Any],
+    metadata: Any,
+    source: Any,
+    *,
+    adapter: Adapter | None = None,
+    world_size: int | None = None,
 ) -> dict[int, SavedState]:
     """The same checks for ``load`` and ``verify``, on every saved state of a component: its inventory agrees with
     its states, every state decodes (bounded), and every tensor is in DCP's metadata with its dtype and shape,
     backed by enough bytes, and the saving adapter's own checks pass (``adapter``: the one the load restores with,
     registered on the checkpoint or for all; otherwise the one registered for all under the saved id, as
-    ``verify`` knows it). Returns ``{saved rank: SavedState}`` (rank 0 for replicated and sharded components)."""
+    ``verify`` knows it). A rank's :data:`~torchrl_dcp.placement.ABSENT_STATE` (it registered no such component)
+    holds no tensors and is not the adapter's to check; a replicated or sharded component never has one, nor a
+    per-rank one on every rank (``world_size``: the saved world, when every rank's state is here). Returns
+    ``{saved rank: SavedState}`` (rank 0 for replicated and sharded components)."""
     placement = rec["placement"]
     if placement == "per_rank":
         states = [(int(r), s["state"]) for r, s in rec["ranks"].items()]
@@ -464,10 +473,24 @@ def check_states(
                 saved, records, key, spec, wholes
             ):  # the common case in a few lookups, else every check
                 check_backed(metadata, key, spec, source)
-        _check_saved(rec, skeleton, view, name, source, adapter)
+        if is_absent(view):
+            if placement != "per_rank":
+                raise CheckpointIntegrityError(
+                    f"component {name!r} is {placement} and its state says no rank held it: a save writes that for a "
+                    "per-rank component a rank did not register only; the checkpoint is damaged or forged",
+                    path=source,
+                )
+        else:
+            _check_saved(rec, skeleton, view, name, source, adapter)
         out[r] = SavedState(skeleton, prefix, specs, view, refs, sparse)
     if len(seen) != len(recorded):  # every tensor matched its entry: the others have no tensor
         _inventory_error(name, sorted(set(recorded) - seen), source)
+    if out and len(out) == world_size and all(is_absent(s.view) for s in out.values()):
+        raise CheckpointIntegrityError(
+            f"component {name!r}: its state on every rank says the rank did not hold it: a save writes the component "
+            "only where some rank registered it; the checkpoint is damaged or forged",
+            path=source,
+        )
     return out
 
 

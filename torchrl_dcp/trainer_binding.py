@@ -184,9 +184,13 @@ def bind_trainer_load(trainer: Any, ckpt: Any) -> None:
             return original(file, **kwargs)
         strict = kwargs.pop("strict", None)
         options: dict[str, Any] = {"map_location": kwargs.pop("map_location", None)}
-        if strict is not None:
-            options["strict"] = "error" if strict else "warn"
-        if theirs:  # read-only import; the RNG streams we add to a Trainer's checkpoint are not in torchrl's,
+        if strict is not None:  # (torchrl's bool, or one of ours: "error", "warn", "ignore")
+            options["strict"] = strict if isinstance(strict, str) else "error" if strict else "warn"
+        chosen = kwargs.pop("components", None)
+        options.update(kwargs)  # (world_size_change, verify, component_options: ckpt.load's; others refused there)
+        if chosen is not None:
+            options["components"] = chosen
+        elif theirs:  # read-only import; the RNG streams we add to a Trainer's checkpoint are not in torchrl's,
             saved = set(read_torchrl_manifest(file)["components"])
             sync_trainer(ckpt)  # the Trainer's lazy registrations first (ckpt.load would run them after the choice)
             options["components"] = [  # (nor the hooks we register ourselves: torchrl saves none of them)

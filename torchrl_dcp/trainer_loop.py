@@ -48,7 +48,8 @@ class _TrainerBinding:
     def post_steps(self) -> None:
         trainer = self.trainer
         self.decision = self.rotation.decide(trainer.checkpoint, int(trainer.collected_frames))
-        if self.decision.preempted:
+        if self.decision.preempted:  # (a stop the requeued job must not inherit: saved as none, trainer_state)
+            trainer._tdcp_preempted = True
             trainer.request_stop(f"preempted ({self.decision.signal or 'a signal on another rank'})")
 
     def save_trainer(self, force_save: bool = False) -> None:

@@ -19,6 +19,7 @@ from torchrl_dcp.format.layout import MANIFEST, is_data_file
 from torchrl_dcp.format.manifest import unchecked
 from torchrl_dcp.format.record import stored_record
 from torchrl_dcp.load_plan import check_sparse, check_states, check_totals
+from torchrl_dcp.placement import is_absent
 from torchrl_dcp.storage.archive import byte_counter
 from torchrl_dcp.storage.backends import open_source
 from torchrl_dcp.storage.source import CheckpointSource
@@ -118,7 +119,10 @@ def check_structure(src: Any) -> dict[str, Any]:
     where = src.path / MANIFEST
     listed = [n for n in manifest["files"] if is_data_file(n)]
     src.check_identity([*listed, *(info.relative_path for info in metadata.storage_data.values())])
-    states = {name: check_states(name, rec, metadata, where) for name, rec in manifest["components"].items()}
+    world = manifest["world_size"]
+    states = {
+        name: check_states(name, rec, metadata, where, world_size=world) for name, rec in manifest["components"].items()
+    }
     for name, rec in manifest["components"].items():
         check_totals(name, rec, where)
     _check_references(states, manifest["components"], where)
@@ -144,6 +148,8 @@ def _check_values(src: CheckpointSource, states: dict[str, Any], components: dic
         if known is None and not any(state.sparse for state in by_rank.values()):
             continue
         for state in by_rank.values():
+            if is_absent(state.view):
+                continue  # (a rank that held none of it: no tensors, nothing the adapter checks)
 
             def read(spec: Any, prefix: str = state.prefix) -> Any:
                 key = f"{prefix}/{spec.key}"

@@ -204,7 +204,12 @@ class TrainerStateAdapter(StateDictAdapter):
         state = super().state(obj, ctx)
         if isinstance(state, Mapping) and "_last_log" in state:  # each rank's own: saved in ``trainer_rank_state``
             state = {**state, "_last_log": {}, LAST_LOG_ELSEWHERE: True}
-        return _with_attributes(state, trainer, _attributes_of(trainer, TRAINER_ATTRIBUTES))
+        state = _with_attributes(state, trainer, _attributes_of(trainer, TRAINER_ATTRIBUTES))
+        if getattr(trainer, "_tdcp_preempted", False) and isinstance(state, Mapping) and LAZY_KEY in state:
+            # a preemption's stop request (the rotation's): the run that never stopped went on, as the requeued
+            # job must; only a stop of the job's own (EarlyStopping, request_stop) is saved
+            state = {**state, LAZY_KEY: {**state[LAZY_KEY], "_stop_training": False, "_stop_reason": None}}
+        return state
 
     def validate(self, obj: Any, saved: dict[int, Any], ctx: AdapterContext) -> None:
         """Also: the Trainer's counters are counts (ints ``>= 0``), as every run leaves them."""
