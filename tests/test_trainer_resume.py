@@ -799,3 +799,18 @@ def test_a_forged_stop_request_is_refused(tmp_path: Path, forged: Any) -> None:
     fresh, _ = _sac_trainer(tmp_path / "run2", 32)
     with pytest.raises(tdcp.CheckpointError, match="stop request|_stop_training. is a str"):
         fresh.checkpoint.load(tmp_path / "c")
+
+
+def test_trainer_load_from_file_passes_the_load_options_on(tmp_path: Path) -> None:
+    """``load_from_file(path, world_size_change=..., components=[...])`` dropped every option but ``strict`` and
+    ``map_location``: a resharding load through it was refused with advice it had followed. They reach the load; one
+    it does not take is refused, naming it."""
+    trainer, _, loss = build("iql", tmp_path / "run")
+    trainer.train()
+    path = tdcp.CheckpointRotation(tmp_path / "run").entries()[-1].path
+    fresh, fresh_buffer, fresh_loss = build("iql", tmp_path / "other")
+    fresh.load_from_file(path, components=["loss_module"], world_size_change="reshard", verify=False)
+    assert state_differences(state_snapshot(loss, "loss"), state_snapshot(fresh_loss, "loss")) == []
+    assert len(fresh_buffer) == 0  # (not among the components chosen)
+    with pytest.raises(TypeError, match="no_such_option"):
+        fresh.load_from_file(path, no_such_option=1)
