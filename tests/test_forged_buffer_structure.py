@@ -136,3 +136,19 @@ def test_an_absent_state_no_save_writes_is_refused(tmp_path: Path, placement: st
     with pytest.raises(tdcp.CheckpointIntegrityError, match="component 'stats'"):
         tdcp.DistributedCheckpoint().register("stats", live, placement=placement).load(tmp_path / "c")
     assert live == {"episodes": 0}
+
+
+def test_a_state_saved_before_a_writer_stamped_generations_loads_into_one_that_has(tmp_path: Path) -> None:
+    """A generation-tracking writer's ``state_dict`` holds ``_generation`` only after its first write: a state saved
+    before it was refused as "saved from a buffer built otherwise" by one that had written since (the same build).
+    It loads, and the writer holds no stamps again (torchrl's own load kept the old ones)."""
+    from torchrl.data import TensorDictReplayBuffer
+    from torchrl.data.replay_buffers.writers import TensorDictRoundRobinWriter
+
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(8), writer=TensorDictRoundRobinWriter(track_generations=True))
+    ckpt = tdcp.DistributedCheckpoint(buffer=rb)
+    ckpt.save(tmp_path / "empty")
+    rb.extend(TensorDict({"obs": torch.randn(3, 2)}, [3]))
+    assert rb._writer._generation is not None
+    ckpt.load(tmp_path / "empty")
+    assert len(rb) == 0 and rb._writer._generation is None

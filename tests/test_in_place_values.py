@@ -291,3 +291,18 @@ def test_a_live_tensor_overlapping_part_of_another_saved_apart_is_refused(tmp_pa
     m3 = torch.nn.Linear(4, 3)
     tdcp.DistributedCheckpoint(m=m3, stats={"row": m3.weight.data[1]}).load(tmp_path / "same")
     assert torch.equal(m3.weight, m.weight)
+
+
+def test_overlapping_tensors_holding_a_nan_compare_by_bytes(tmp_path: Path) -> None:
+    """The overlap check compared the saved values with ``torch.equal``, which holds a NaN unequal to itself: a row
+    holding a NaN, saved apart with the same bytes as the matrix's row, was refused."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 3)
+    with torch.no_grad():
+        m.weight[1, 2] = float("nan")
+    tdcp.DistributedCheckpoint(m=m, stats={"row": m.weight.data[1].clone()}).save(tmp_path / "c")
+    m2 = torch.nn.Linear(4, 3)
+    tdcp.DistributedCheckpoint(m=m2, stats={"row": m2.weight.data[1]}).load(tmp_path / "c")
+    assert torch.equal(m2.weight.isnan(), m.weight.isnan()) and torch.equal(
+        m2.weight.nan_to_num(), m.weight.nan_to_num()
+    )

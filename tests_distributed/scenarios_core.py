@@ -323,6 +323,17 @@ def per_rank_on_some_ranks(path: str, phase: str) -> dict[str, Any]:
         ckpt.register("evaluator", evaluator, placement="per_rank")
         ckpt.register("demos", demos)
         ckpt.register("generator", generator, placement="per_rank")
+    if phase == "reshard":  # (on 3 ranks: rank 0's 3 rows, rank 1's absent state, shared out)
+        buffer = _demonstrations(rank)
+        buffer.empty()
+        ckpt = tdcp.DistributedCheckpoint(demos=buffer)
+        ckpt.register("generator", generator, placement="per_rank")  # (new rank r takes saved rank r % 2's)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ckpt.load(path, world_size_change="reshard")
+        said = [str(w.message) for w in caught if issubclass(w.category, tdcp.InexactResumeWarning)]
+        rows = buffer._storage._storage["id"][: len(buffer)].tolist() if len(buffer) else []
+        return {"demos": rows, "draw": torch.rand(1, generator=generator).item(), "said": said}
     if phase in ("save", "replicated"):
         try:
             ckpt.save(path, step=1)

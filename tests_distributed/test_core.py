@@ -194,5 +194,9 @@ def test_a_per_rank_component_registered_on_some_ranks_is_saved_and_loaded_where
     assert everywhere[0]["draw"] == loaded[0]["draw"] != everywhere[1]["draw"]
     said = " ".join(everywhere[1]["said"])
     assert "rank 1 registered no ['demos', 'evaluator', 'generator']" in said, everywhere[1]
+    resharded = [r.value for r in launch(f"{S}:per_rank_on_some_ranks", 3, path, "reshard")]
+    assert [r["demos"] for r in resharded] == [[0], [1], [2]]  # (rank 0's rows shared out: refused before, as forged)
+    assert not resharded[0]["said"] and not resharded[2]["said"]  # (they take saved rank 0's generator)
+    assert "rank 1 registered no ['generator']" in " ".join(resharded[1]["said"])  # (saved rank 1 held none)
     refused = [r.value["error"] for r in launch(f"{S}:per_rank_on_some_ranks", 2, str(tmp_path / "r"), "replicated")]
     assert len(set(refused)) == 1 and "components only on rank 0: ['evaluator']" in refused[0]

@@ -151,7 +151,12 @@ def _consistent(
         typed = scratch[: (high - low) // size * size].view(t.dtype)  # (its storage offset counts its elements)
         views[key] = typed.as_strided(tuple(t.shape), t.stride(), offset // size)  # (its extent: inside the span)
         views[key].copy_(saved[key])
-    return all(torch.equal(views[key], saved[key]) for key in keys)
+    return all(torch.equal(_bytes(views[key]), _bytes(saved[key])) for key in keys)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's elements as bytes, in order (``torch.equal`` holds a NaN unequal to itself: bytes compare it)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def memory(t: torch.Tensor) -> torch.Tensor:

@@ -219,11 +219,12 @@ def plan_components(
             comp = ComponentPlan(name, reg.value, reg.adapter, ctx, {}, reshard)
             planning[:] = [comp]
             try:
-                comp.sources = _sources(comp, rec, rank, _held(checked) if reshard else checked)
-                if any(is_absent(s.view) for s in comp.sources.values()) or (reshard and not comp.sources):
+                sources = _sources(comp, rec, rank, checked)
+                if sources is None or any(is_absent(s.view) for s in sources.values()):
                     load_plan.not_saved_here.append(name)  # (the rank whose state this rank takes registered none)
                     planning.clear()
                     continue
+                comp.sources = sources
                 views = {r: s.view for r, s in comp.sources.items()}
                 reg.adapter.validate(reg.value, views, ctx)
                 _take_snapshot(comp)
@@ -289,8 +290,9 @@ def _compatible_record(
 
 def _sources(
     comp: ComponentPlan, rec: dict[str, Any], rank: int, checked: dict[int, SavedState]
-) -> dict[int, SavedState]:
-    """Which saved states this rank reads: ``{source_rank: SavedState}`` (``checked``: every saved state, checked)."""
+) -> dict[int, SavedState] | None:
+    """Which saved states this rank reads: ``{source_rank: SavedState}`` (``checked``: every saved state, checked);
+    ``None`` where the ranks it would take from held none of the component (saved absent)."""
     if rec["placement"] != "per_rank":
         comp.ctx.source_rank = rank
         state = checked[0]
@@ -299,14 +301,19 @@ def _sources(
     if not comp.reshard:
         comp.ctx.source_rank = rank
         return {rank: checked[rank]}
-    wanted = comp.adapter.reshard_sources({r: s.view for r, s in checked.items()}, comp.ctx)
-    bad = [r for r in wanted if r not in checked]
+    held = _held(checked)  # (a reshard takes its states from the ranks that held the component)
+    if not held:
+        return None
+    wanted = comp.adapter.reshard_sources({r: s.view for r, s in held.items()}, comp.ctx)
+    if wanted and all(r in checked and r not in held for r in wanted):
+        return None  # (the ranks it takes from held none: this rank's object is left as it is, said)
+    bad = [r for r in wanted if r not in held]
     if bad:
         raise IncompatibleComponentError(
             f"component {comp.name!r}: adapter asked for saved ranks {bad} that do not exist"
         )
     comp.ctx.source_rank = wanted[0] if wanted else None
-    return {r: checked[r] for r in wanted}
+    return {r: held[r] for r in wanted}
 
 
 def _destinations(comp: ComponentPlan, views: dict[int, Any], plan: LoadPlan, metadata: Any, source: Any) -> None:

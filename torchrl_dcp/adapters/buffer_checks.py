@@ -107,11 +107,17 @@ def _check_sampler_structure(sampler: Mapping[str, Any]) -> None:
         raise ValueError("its sampler's state is not a mapping")
 
 
+#: keys torchrl's writers put in their ``state_dict`` only once used (a generation-tracking writer's stamps, after
+#: its first write): a state saved before holds none, and the live object's may
+KEYS_ONCE_USED = frozenset({"_generation"})
+
+
 def check_live_keys(saved: Any, live: Any, what: str) -> None:
     """A saved ``state_dict`` holds every key the live object's does (what its ``load_state_dict`` reads: a writer's
-    ``_cursor``, a sampler's ``len_storage``), else ``ValueError``; checked while planning, before anything is read."""
+    ``_cursor``, a sampler's ``len_storage``), but for :data:`KEYS_ONCE_USED`, else ``ValueError``; checked while
+    planning, before anything is read."""
     if isinstance(saved, Mapping) and isinstance(live, Mapping):
-        missing = sorted(str(k) for k in live.keys() - saved.keys())
+        missing = sorted(str(k) for k in live.keys() - saved.keys() - KEYS_ONCE_USED)
         if missing:
             raise ValueError(f"its {what} holds no {missing}, which this buffer's {what} has")
 

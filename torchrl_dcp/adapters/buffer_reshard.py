@@ -102,10 +102,12 @@ def reshard_sources(saved: dict[int, Any], ctx: AdapterContext) -> list[int]:
                 "its env stream's next steps complete their n-step returns; after a world-size change no rank "
                 "continues that stream, so they cannot be placed exactly: resume with the saved number of ranks"
             )
-    lengths = [saved[r]["storage"]["len"] for r in range(len(saved))]
+    # (by saved rank: a rank that held no such buffer, saved absent and left out of ``saved``, holds no transition)
+    lengths = [saved[r]["storage"]["len"] if r in saved else 0 for r in range(max(saved) + 1)]
     ctx.plan["lengths"] = lengths
     sources = [src for src, _, _ in split(lengths, ctx.rank, ctx.world_size)]
-    return sources or [ctx.rank % len(saved)]  # nothing to receive: still take transforms/config from one
+    held = sorted(saved)
+    return sources or [held[ctx.rank % len(held)]]  # nothing to receive: still take transforms/config from one
 
 
 def check_reshard(rb: ReplayBuffer, saved: dict[int, Any], ctx: AdapterContext) -> None:

@@ -345,6 +345,8 @@ def restore_writer(writer: Any, saved: Mapping[str, Any], name: str) -> None:
             f"component {name!r}: writer was {saved['type']}, the buffer has {type(writer).__name__}"
         )
     writer.load_state_dict(saved["state"])
+    if "_generation" not in saved["state"] and getattr(writer, "_generation", None) is not None:
+        writer._generation = None  # (saved before its first write: no stamps, where torchrl's load keeps the old)
 
 
 def _check_kinds(rb: ReplayBuffer, state: Any, name: str) -> None:
