@@ -334,9 +334,10 @@ def per_rank_on_some_ranks(path: str, phase: str) -> dict[str, Any]:
         said = [str(w.message) for w in caught if issubclass(w.category, tdcp.InexactResumeWarning)]
         rows = buffer._storage._storage["id"][: len(buffer)].tolist() if len(buffer) else []
         return {"demos": rows, "draw": torch.rand(1, generator=generator).item(), "said": said}
-    if phase in ("save", "replicated"):
+    if phase in ("save", "replicated", "save_selected", "select_unknown"):
+        chosen = {"save_selected": ["evaluator", "model"], "select_unknown": ["model", "nope"]}.get(phase)
         try:
-            ckpt.save(path, step=1)
+            ckpt.save(path, step=1, components=chosen)
         except tdcp.CheckpointError as err:
             return {"error": str(err)}
         return {"error": None}

@@ -200,3 +200,12 @@ def test_a_per_rank_component_registered_on_some_ranks_is_saved_and_loaded_where
     assert "rank 1 registered no ['generator']" in " ".join(resharded[1]["said"])  # (saved rank 1 held none)
     refused = [r.value["error"] for r in launch(f"{S}:per_rank_on_some_ranks", 2, str(tmp_path / "r"), "replicated")]
     assert len(set(refused)) == 1 and "components only on rank 0: ['evaluator']" in refused[0]
+    # the same components= on every rank, naming rank 0's: rank 1 raised KeyError (not registered); a name no rank
+    # registered is refused on every rank alike
+    selected = str(tmp_path / "selected")
+    assert [r.value["error"] for r in launch(f"{S}:per_rank_on_some_ranks", 2, selected, "save_selected")] == [None] * 2
+    assert sorted(tdcp.read_manifest(selected)["components"]) == ["evaluator", "model"]
+    unknown = [
+        r.value["error"] for r in launch(f"{S}:per_rank_on_some_ranks", 2, str(tmp_path / "u"), "select_unknown")
+    ]
+    assert len(set(unknown)) == 1 and "names ['nope'], which no rank registered" in unknown[0]

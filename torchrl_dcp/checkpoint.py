@@ -343,14 +343,19 @@ class DistributedCheckpoint:
             **kw,
         )
 
-    def _select(self, components: Collection[str] | None, default: Collection[str] | None) -> list[str]:
+    def _select(
+        self, components: Collection[str] | None, default: Collection[str] | None, *, some_ranks: bool = False
+    ) -> list[str]:
+        """The registered components ``components`` (else ``default``, else all) names. ``some_ranks`` (a save):
+        a name this rank did not register is left out here (a per-rank component of other ranks: saved as absent),
+        and the save's agreement refuses one no rank registered."""
         chosen = components if components is not None else default
         if chosen is None:
             return list(self._components)
         if isinstance(chosen, str):
             chosen = [chosen]
         unknown = sorted(set(chosen) - set(self._components))
-        if unknown:
+        if unknown and not some_ranks:
             raise KeyError(f"not registered: {unknown}; registered components are {sorted(self._components)}")
         return [n for n in self._components if n in set(chosen)]
 
@@ -491,7 +496,7 @@ class DistributedCheckpoint:
             check_environment()  # a bad TDCP_* value fails here, whichever step would read it
             register_op_hooks(getattr(self, "_solo_of", self))  # a bound Trainer's hooks that only register_op reaches
             location = save_location(path, self.storage_options)  # a URL: an object-store prefix (docs/objectstores.md)
-            names = self._select(components, self.save_components)
+            names = self._select(components, self.save_components, some_ranks=_dist.group_size(group) > 1)
             options = check_component_options(component_options, names, "saved")
             step = check_step(step)  # before anything is written: the manifest records an integer (or null)
             # (numpy and 0-d tensor scalars as numbers; nested as deep as the manifest holding it may be)

@@ -280,6 +280,7 @@ def plan(
             records = mine[0].records if mine else {}  # (the non-tensor values' digests, to name one that differs)
             gathered_plan = _plan_gathered(group, held, error, records)  # raises what failed or differs, everywhere
             return mine[0], gathered_plan
+        refuse_unregistered([layout])  # (every rank's layout is this one: the same answer everywhere)
         return mine[0], plan_local(None if needs_dcp else infos, _dist.group_rank(group), _dist.group_size(group))
     except BaseException:
         for encoded in mine:
@@ -304,6 +305,7 @@ def _plan_gathered(group: Any, held: list[Any], error: BaseException | None, rec
         skeleton, _ = encode_value(ABSENT_STATE, where=name)
         records[name] = ComponentRecord(adapter, version, placement, skeleton, {})  # (``records``: this rank's own)
     compare_layouts(with_absent(layouts))
+    refuse_unregistered(layouts)
     compare_replicas([replicas for _, replicas, _ in gathered], group)
     return plan_writes([infos for infos, _, _ in gathered])
 
@@ -341,6 +343,20 @@ def with_absent(layouts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The layouts as the manifest describes them: each holding the per-rank components some ranks lack."""
     absent = _absent_ones(layouts)
     return [{**layout, "components": dict(sorted({**absent, **layout["components"]}.items()))} for layout in layouts]
+
+
+def refuse_unregistered(layouts: list[dict[str, Any]]) -> None:
+    """Raise the same :class:`CheckpointError` on every rank when the save's ``components=`` selection names a
+    component no rank registered (each rank leaves out the names it did not register: per-rank components of other
+    ranks)."""
+    chosen = (layouts[0]["call"] or {}).get("components") if isinstance(layouts[0]["call"], Mapping) else None
+    held = {name for layout in layouts for name in layout["components"]}
+    unknown = sorted(set(chosen or ()) - held)
+    if unknown:
+        raise CheckpointError(
+            f"components={list(chosen)} names {unknown}, which no rank registered: register them, or leave them out of "
+            "components=; nothing was written"
+        )
 
 
 def compare_layouts(layouts: list[dict[str, Any]]) -> None:
