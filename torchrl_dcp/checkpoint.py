@@ -27,10 +27,9 @@ from typing import Any, Literal, NoReturn
 from torchrl_dcp import _dist, load_engine, save_engine
 from torchrl_dcp._gc import gc_paused
 from torchrl_dcp._log import get_logger
-from torchrl_dcp.adapters import Adapter, AdapterContext, CheckpointOptions, RNGState, resolve_adapter
+from torchrl_dcp.adapters import Adapter, AdapterContext, CheckpointOptions, resolve_adapter
 from torchrl_dcp.adapters.modules import warn_networks_left_out
-from torchrl_dcp.adapters.trainer import TrainerHookAdapter, trainer_placement
-from torchrl_dcp.adapters.trainer_rank_state import TRAINER_RANK_STATE, NoLogger, TrainerRankState
+from torchrl_dcp.adapters.trainer import trainer_placement
 from torchrl_dcp.arguments import (
     check_component_options,
     check_json,
@@ -55,7 +54,7 @@ from torchrl_dcp.storage.backends import location_for, save_location
 from torchrl_dcp.storage.base import Location
 from torchrl_dcp.storage.urls import resolve_path
 from torchrl_dcp.torchrl_format import is_torchrl_checkpoint
-from torchrl_dcp.trainer_binding import TRAINER_MARKER, bind_trainer_load, register_op_hooks, sync_trainer
+from torchrl_dcp.trainer_binding import TRAINER_MARKER, bind_trainer, register_op_hooks, sync_trainer
 
 __all__ = ["DistributedCheckpoint", "LoadResult"]
 
@@ -276,34 +275,8 @@ class DistributedCheckpoint:
             None if replica_check is None else check_replica_mode(replica_check),
         )
         if name == TRAINER_MARKER:  # a torchrl Trainer is binding this checkpoint
-            if not any(isinstance(r.value, RNGState) for r in self._components.values()) and "rng" not in self:
-                self.register("rng", RNGState())  # give every rank its RNG streams too
-            trainer = getattr(component, "trainer", None)
-            if trainer is not None:
-                self._register_trainer_rank_state(trainer)
-            if getattr(trainer, "checkpoint", None) is self:
-                bind_trainer_load(trainer, self)  # trainer.load_from_file reads our checkpoints
-            bind = getattr(getattr(trainer, "checkpoint_rotation", None), "_bind_trainer", None)
-            if callable(bind) and getattr(trainer, "checkpoint", None) is self:
-                bind(trainer, self)  # our CheckpointRotation: its policies and preemption drive the Trainer's saves
+            bind_trainer(self, getattr(component, "trainer", None))
         return self
-
-    def _register_trainer_rank_state(self, trainer: Any) -> None:
-        """A binding Trainer's per-rank state, alike on every rank: its ``_last_log`` and buffer iterators
-        (``trainer_rank_state``), and a :class:`NoLogger` as ``logger`` where it has none (rank 0 alone often logs:
-        every rank must save the same components). Optional: checkpoints saved before hold neither."""
-        if "_last_log" not in vars(trainer) and isinstance(getattr(trainer, "_last_log", None), dict):
-            # torchrl's Trainer.__new__ sets ``_last_log`` on the class, shared by every Trainer of that class and
-            # filled in place: each bound Trainer gets its own (as a load gives it), its schedule its own state
-            trainer._last_log = dict(trainer._last_log)
-        if TRAINER_RANK_STATE not in self:
-            self.register(
-                TRAINER_RANK_STATE, TrainerRankState(trainer), placement="per_rank", adapter=TrainerHookAdapter()
-            )
-            self._components[TRAINER_RANK_STATE].optional = True
-        if "logger" not in self and getattr(trainer, "logger", None) is None:
-            self.register("logger", NoLogger(), placement="per_rank", adapter=TrainerHookAdapter())
-            self._components["logger"].optional = True
 
     def unregister(self, name: str) -> None:
         del self._components[name]

@@ -21,13 +21,22 @@ import os
 import warnings
 from typing import Any
 
-from torchrl_dcp.adapters.trainer import OP_HOOK_PREFIX
-from torchrl_dcp.adapters.trainer_rank_state import TRAINER_RANK_STATE, TRAINER_STATE, NoLogger
+from torchrl_dcp.adapters import RNGState
+from torchrl_dcp.adapters.trainer import OP_HOOK_PREFIX, TrainerHookAdapter
+from torchrl_dcp.adapters.trainer_rank_state import TRAINER_RANK_STATE, TRAINER_STATE, NoLogger, TrainerRankState
 from torchrl_dcp.errors import CheckpointError, InexactResumeWarning
 from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.torchrl_format.detect import is_torchrl_checkpoint, read_torchrl_manifest
 
-__all__ = ["OP_HOOK_PREFIX", "TRAINER_MARKER", "bind_trainer_load", "register_op_hooks", "sync_trainer"]
+__all__ = [
+    "OP_HOOK_PREFIX",
+    "TRAINER_MARKER",
+    "bind_trainer",
+    "bind_trainer_load",
+    "register_op_hooks",
+    "register_rank_state",
+    "sync_trainer",
+]
 
 TRAINER_MARKER = TRAINER_STATE  # what torchrl's Trainer registers when it binds a checkpoint
 #: hooks whose state is an object they wrap (by class name: the attribute holding it); when that object is a
@@ -48,6 +57,38 @@ def _op_owners() -> tuple[type, ...]:
     from torchrl.objectives.utils import TargetNetUpdater
 
     return (LRScheduler, ReduceLROnPlateau, AveragedModel, TargetNetUpdater)
+
+
+def bind_trainer(ckpt: Any, trainer: Any) -> None:
+    """What a checkpoint does when a torchrl Trainer binds it (registers ``trainer_state``): every rank's RNG streams
+    (``rng``), the Trainer's per-rank state (:func:`register_rank_state`), ``trainer.load_from_file`` reading our
+    checkpoints, and our rotation driving the Trainer's saves."""
+    if not any(isinstance(r.value, RNGState) for r in ckpt._components.values()) and "rng" not in ckpt:
+        ckpt.register("rng", RNGState())  # give every rank its RNG streams too
+    if trainer is None:
+        return
+    register_rank_state(ckpt, trainer)
+    if getattr(trainer, "checkpoint", None) is ckpt:
+        bind_trainer_load(trainer, ckpt)  # trainer.load_from_file reads our checkpoints
+    bind = getattr(getattr(trainer, "checkpoint_rotation", None), "_bind_trainer", None)
+    if callable(bind) and getattr(trainer, "checkpoint", None) is ckpt:
+        bind(trainer, ckpt)  # our CheckpointRotation: its policies and preemption drive the Trainer's saves
+
+
+def register_rank_state(ckpt: Any, trainer: Any) -> None:
+    """A binding Trainer's per-rank state, alike on every rank: its ``_last_log`` and buffer iterators
+    (``trainer_rank_state``), and a :class:`NoLogger` as ``logger`` where it has none (rank 0 alone often logs, and
+    a logger added at a resume finds a state to load). Optional: checkpoints saved before hold neither."""
+    if "_last_log" not in vars(trainer) and isinstance(getattr(trainer, "_last_log", None), dict):
+        # torchrl's Trainer.__new__ sets ``_last_log`` on the class, shared by every Trainer of that class and
+        # filled in place: each bound Trainer gets its own (as a load gives it), its schedule its own state
+        trainer._last_log = dict(trainer._last_log)
+    if TRAINER_RANK_STATE not in ckpt:
+        ckpt.register(TRAINER_RANK_STATE, TrainerRankState(trainer), placement="per_rank", adapter=TrainerHookAdapter())
+        ckpt._components[TRAINER_RANK_STATE].optional = True
+    if "logger" not in ckpt and getattr(trainer, "logger", None) is None:
+        ckpt.register("logger", NoLogger(), placement="per_rank", adapter=TrainerHookAdapter())
+        ckpt._components["logger"].optional = True
 
 
 def bound_trainer(ckpt: Any) -> Any:
