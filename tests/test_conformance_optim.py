@@ -241,3 +241,36 @@ def test_optimizer_state_of_another_model_is_refused_and_changes_nothing(
         result = tdcp.DistributedCheckpoint(model=other, optimizer=target).load(path, strict="warn")
     assert set(result.incompatible) == {"model", "optimizer"} and not result.loaded
     assert _snapshot(target) == before
+
+
+@pytest.mark.parametrize("dropped", ["lr", "betas", "decoupled_weight_decay", "fused"])
+def test_a_param_group_without_an_option_the_step_reads_is_refused(tmp_path: Path, dropped: str) -> None:
+    """Probe z3: an Adam parameter group whose ``lr`` was renamed, in a resealed manifest, loaded (torch's own
+    ``load_state_dict`` takes it too) and the next ``step`` raised ``KeyError``. Refused while planning, the
+    optimizer unchanged; an option Adam's ``__setstate__`` fills in states of older torch versions
+    (``decoupled_weight_decay``, ``fused``) still loads, and the optimizer steps."""
+    from tests import forging
+
+    model, optimizer, scheduler, _ = build("adam")
+    train(model, optimizer, scheduler, 0, 2)
+    path = tdcp.DistributedCheckpoint(optimizer=optimizer).save(tmp_path / "c")
+
+    def drop(m: dict) -> None:
+        groups = dict(m["components"]["optimizer"]["state"]["items"])["param_groups"]["items"]
+        for group in groups:
+            items = group["items"]
+            assert any(k == dropped for k, _ in items)
+            items[:] = [[k, v] for k, v in items if k != dropped]
+
+    forging.edit(path, drop)
+    torch.manual_seed(0)
+    other = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    target = OPTIMIZERS["adam"](other.parameters())
+    before = _snapshot(target)
+    if dropped in ("lr", "betas"):
+        with pytest.raises(tdcp.IncompatibleComponentError, match=rf"parameter group 0 lacks options \['{dropped}'\]"):
+            tdcp.DistributedCheckpoint(optimizer=target).load(path)
+        assert _snapshot(target) == before
+        return
+    tdcp.DistributedCheckpoint(optimizer=target).load(path)
+    train(other, target, torch.optim.lr_scheduler.StepLR(target, step_size=2), 2, 2)  # must not raise

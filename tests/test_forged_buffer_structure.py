@@ -138,6 +138,25 @@ def test_an_absent_state_no_save_writes_is_refused(tmp_path: Path, placement: st
     assert live == {"episodes": 0}
 
 
+@pytest.mark.parametrize("placement", ["replicated", "per_rank"])
+def test_a_components_own_state_equal_to_the_absent_marker_is_refused_at_save(tmp_path: Path, placement: str) -> None:
+    """A component whose own state is ``{"_tdcp_absent_on_this_rank": True}`` saved without complaint, and every
+    load and ``verify`` then refused the honest checkpoint as forged (probe a3). The value is reserved: the save
+    refuses it, naming the component, and writes nothing."""
+    from torchrl_dcp.placement import ABSENT_STATE
+
+    ckpt = tdcp.DistributedCheckpoint().register("flags", dict(ABSENT_STATE), placement=placement)
+    with pytest.raises(tdcp.EncodingError, match=r"state of component 'flags' is .*reserved.*rename the key or wrap"):
+        ckpt.save(tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+    wrapped = tdcp.DistributedCheckpoint().register("flags", {"flags": dict(ABSENT_STATE)}, placement=placement)
+    wrapped.save(tmp_path / "wrapped")  # (nested, it is an ordinary value)
+    tdcp.verify(tmp_path / "wrapped")
+    live: dict[str, Any] = {"flags": {}}
+    tdcp.DistributedCheckpoint().register("flags", live, placement=placement).load(tmp_path / "wrapped")
+    assert live == {"flags": ABSENT_STATE}
+
+
 def test_a_state_saved_before_a_writer_stamped_generations_loads_into_one_that_has(tmp_path: Path) -> None:
     """A generation-tracking writer's ``state_dict`` holds ``_generation`` only after its first write: a state saved
     before it was refused as "saved from a buffer built otherwise" by one that had written since (the same build).

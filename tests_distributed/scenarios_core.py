@@ -310,10 +310,17 @@ def resume_past_a_users_file(path: str, seed: int) -> dict[str, Any]:
 def per_rank_on_some_ranks(path: str, phase: str) -> dict[str, Any]:
     """A per-rank component registered on rank 0 alone (an evaluation hook, a logger): saved, rank 1's state absent.
     ``phase``: ``save``; ``load`` (registered as saved); ``load_everywhere`` (rank 1 registers it too: kept, said);
-    ``replicated`` (a replicated one on rank 0 alone: refused on every rank)."""
+    ``replicated`` (a replicated one on rank 0 alone: refused on every rank); ``save_options`` / ``options_unknown``
+    (``component_options`` naming it, or a name no rank registered); ``reshard`` / ``reshard_rank_0`` (on 3 ranks,
+    every rank's buffer, or rank 0's alone: refused); ``skip_own`` (rank 1 registers none of its own per-rank
+    ``stats``: said on rank 1)."""
     rank = dist.get_rank()
     objs = _objects(0)
     ckpt = _checkpoint(objs)
+    if phase == "skip_own" and rank == 1:  # (its saved "stats" are its own: skipped, said there)
+        ckpt = tdcp.DistributedCheckpoint(model=objs["model"], optimizer=objs["optimizer"], big=objs["big"])
+        ckpt.register("shard", objs["shard"], placement="per_rank")
+        ckpt.register("rng", tdcp.RNGState())
     evaluator = {"evaluations": 3 + rank, "best": 10.0 * (rank + 1)}
     demos = _demonstrations(rank)  # (a buffer and a generator of rank 0's: adapters that check what they load)
     generator = torch.Generator().manual_seed(5 + rank)
@@ -323,21 +330,30 @@ def per_rank_on_some_ranks(path: str, phase: str) -> dict[str, Any]:
         ckpt.register("evaluator", evaluator, placement="per_rank")
         ckpt.register("demos", demos)
         ckpt.register("generator", generator, placement="per_rank")
-    if phase == "reshard":  # (on 3 ranks: rank 0's 3 rows, rank 1's absent state, shared out)
+    if phase in ("reshard", "reshard_rank_0"):  # (on 3 ranks: rank 0's 3 rows, rank 1's absent state, shared out)
         buffer = _demonstrations(rank)
         buffer.empty()
-        ckpt = tdcp.DistributedCheckpoint(demos=buffer)
+        ckpt = (
+            tdcp.DistributedCheckpoint(demos=buffer)
+            if phase == "reshard" or rank == 0
+            else tdcp.DistributedCheckpoint()
+        )
         ckpt.register("generator", generator, placement="per_rank")  # (new rank r takes saved rank r % 2's)
+        error = None
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            ckpt.load(path, world_size_change="reshard")
+            try:
+                ckpt.load(path, world_size_change="reshard")
+            except tdcp.CheckpointError as err:
+                error = str(err)
         said = [str(w.message) for w in caught if issubclass(w.category, tdcp.InexactResumeWarning)]
         rows = buffer._storage._storage["id"][: len(buffer)].tolist() if len(buffer) else []
-        return {"demos": rows, "draw": torch.rand(1, generator=generator).item(), "said": said}
-    if phase in ("save", "replicated", "save_selected", "select_unknown"):
+        return {"demos": rows, "draw": torch.rand(1, generator=generator).item(), "said": said, "error": error}
+    if phase in ("save", "replicated", "save_selected", "select_unknown", "save_options", "options_unknown"):
         chosen = {"save_selected": ["evaluator", "model"], "select_unknown": ["model", "nope"]}.get(phase)
+        options = {"save_options": ["evaluator"], "options_unknown": ["evaluator", "nope"]}.get(phase, [])
         try:
-            ckpt.save(path, step=1, components=chosen)
+            ckpt.save(path, step=1, components=chosen, component_options={n: tdcp.CheckpointOptions() for n in options})
         except tdcp.CheckpointError as err:
             return {"error": str(err)}
         return {"error": None}
@@ -347,9 +363,17 @@ def per_rank_on_some_ranks(path: str, phase: str) -> dict[str, Any]:
         warnings.simplefilter("always")
         result = ckpt.load(path)
     said = [str(w.message) for w in caught if issubclass(w.category, tdcp.InexactResumeWarning)]
+    skipped = [str(w.message) for w in caught if issubclass(w.category, tdcp.UnrestoredComponentWarning)]
     rows = demos._storage._storage["id"][: len(demos)].tolist() if len(demos) else []
     draw = torch.rand(1, generator=generator).item()
-    return {"evaluator": evaluator, "loaded": sorted(result.loaded), "said": said, "demos": rows, "draw": draw}
+    return {
+        "evaluator": evaluator,
+        "loaded": sorted(result.loaded),
+        "said": said,
+        "skipped": skipped,
+        "demos": rows,
+        "draw": draw,
+    }
 
 
 def _demonstrations(rank: int) -> Any:

@@ -209,3 +209,29 @@ def test_a_per_rank_component_registered_on_some_ranks_is_saved_and_loaded_where
         r.value["error"] for r in launch(f"{S}:per_rank_on_some_ranks", 2, str(tmp_path / "u"), "select_unknown")
     ]
     assert len(set(unknown)) == 1 and "names ['nope'], which no rank registered" in unknown[0]
+    # component_options naming rank 0's: rank 1 raised KeyError ("not saved") and the save failed everywhere
+    optioned = str(tmp_path / "optioned")
+    assert [r.value["error"] for r in launch(f"{S}:per_rank_on_some_ranks", 2, optioned, "save_options")] == [None] * 2
+    assert "evaluator" in tdcp.read_manifest(optioned)["components"]
+    unknown = [
+        r.value["error"] for r in launch(f"{S}:per_rank_on_some_ranks", 2, str(tmp_path / "o"), "options_unknown")
+    ]
+    assert len(set(unknown)) == 1 and "component_options names ['nope'], which no rank registered" in unknown[0]
+
+
+def test_a_reshard_onto_ranks_some_without_the_buffer_is_refused_and_a_skipped_own_state_is_said(
+    tmp_path: Path,
+) -> None:
+    """Probe a3: a reshard shares a buffer's transitions out among the new ranks; where only some registered the
+    buffer, the parts of the others were lost, silently (3 of 6 rows kept). It is refused on every rank, the buffer
+    left as it was. At the saved world size, a rank that registers none of its own saved per-rank state is told it
+    is skipped (rank 0 alone warned, about its own: the other ranks' were dropped unsaid)."""
+    path = str(tmp_path / "ckpt")
+    assert [r.value["error"] for r in launch(f"{S}:per_rank_on_some_ranks", 2, path, "save")] == [None, None]
+    refused = [r.value for r in launch(f"{S}:per_rank_on_some_ranks", 3, path, "reshard_rank_0")]
+    assert len({r["error"] for r in refused}) == 1 and "'shared_out_by_the_reshard': ['demos']" in refused[0]["error"]
+    assert refused[0]["demos"] == []
+    skipped = [r.value for r in launch(f"{S}:per_rank_on_some_ranks", 2, path, "skip_own")]
+    assert skipped[0]["skipped"] == []
+    assert len(skipped[1]["skipped"]) == 1 and "rank 1: " in skipped[1]["skipped"][0]
+    assert "which this load skips: ['stats']" in skipped[1]["skipped"][0]  # (not rank 0's, saved absent on rank 1)

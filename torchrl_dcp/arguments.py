@@ -54,12 +54,18 @@ def check_strict(strict: str) -> None:
 
 
 def check_component_options(
-    given: Mapping[str, CheckpointOptions] | None, names: Collection[str], done: str
+    given: Mapping[str, CheckpointOptions] | None,
+    names: Collection[str],
+    done: str,
+    *,
+    elsewhere: Collection[str] = (),
 ) -> dict[str, CheckpointOptions]:
     """``component_options`` checked at the call: each a :class:`CheckpointOptions`, for a component ``names``
-    holds (the ones this save or load handles)."""
+    holds (the ones this save or load handles); returns those for ``names``. ``elsewhere``: names this rank did not
+    register that other ranks may have (a multi-rank save's per-rank components): accepted here, left out, and
+    refused by the save's agreement where no rank registered them."""
     options = dict(given or {})
-    unknown = sorted(set(options) - set(names))
+    unknown = sorted(set(options) - set(names) - set(elsewhere))
     if unknown:
         raise KeyError(f"options given for components that are not {done}: {unknown}")
     wrong = sorted(n for n, o in options.items() if not isinstance(o, CheckpointOptions))
@@ -68,7 +74,7 @@ def check_component_options(
             f"component_options must map component names to tdcp.CheckpointOptions; {wrong} "
             f"{'is' if len(wrong) == 1 else 'are'} {type(options[wrong[0]]).__name__}: pass CheckpointOptions(...)"
         )
-    return options
+    return {n: o for n, o in options.items() if n in set(names)}
 
 
 def check_step(step: Any) -> int | None:

@@ -469,8 +469,11 @@ class DistributedCheckpoint:
             check_environment()  # a bad TDCP_* value fails here, whichever step would read it
             register_op_hooks(getattr(self, "_solo_of", self))  # a bound Trainer's hooks that only register_op reaches
             location = save_location(path, self.storage_options)  # a URL: an object-store prefix (docs/objectstores.md)
-            names = self._select(components, self.save_components, some_ranks=_dist.group_size(group) > 1)
-            options = check_component_options(component_options, names, "saved")
+            several = _dist.group_size(group) > 1
+            names = self._select(components, self.save_components, some_ranks=several)
+            # (options for another rank's per-rank component: left out here; refused where no rank registered it)
+            elsewhere = set(component_options or ()) - set(self._components) if several else ()
+            options = check_component_options(component_options, names, "saved", elsewhere=elsewhere)
             step = check_step(step)  # before anything is written: the manifest records an integer (or null)
             # (numpy and 0-d tensor scalars as numbers; nested as deep as the manifest holding it may be)
             metadata = metadata_values(metadata, MAX_DEPTH - 1)
@@ -501,6 +504,7 @@ class DistributedCheckpoint:
             "path": str(location.path),  # one rank lacks are saved as absent on it
             "step": given,
             "components": None if chosen is None else sorted(chosen),
+            "options": sorted(component_options or ()),  # (each rank's own: not compared, refused if none registered)
         }
         encoded, write_plan = save_engine.plan(group, encode_step, checks, call)
         job = save_engine.SaveJob(location.path, location, step, metadata, encoded, write_plan, group, rank, world)

@@ -75,6 +75,7 @@ from torchrl_dcp.format.metadata_checks import record_index
 from torchrl_dcp.format.record import template
 from torchrl_dcp.live_sharing import refuse_conflicting_live
 from torchrl_dcp.load_plan import (
+    ABSENT_SKELETON,
     ComponentPlan,
     LoadPlan,
     Registered,
@@ -177,7 +178,7 @@ def prepare(request: LoadRequest, result: LoadResult) -> tuple[CheckpointSource,
         result.comparison = compare_versions(manifest["versions"])
         if result.version_skew:
             logger.warning("checkpoint %s was saved with other library versions: %s", request.path, skew_text(result))
-        compare_components(request, result, manifest["components"])
+        compare_components(request, result, manifest["components"], saved_world_size=manifest["world_size"])
         metadata = src.dcp_metadata()
         found["plan"] = plan_components(  # 3. plan
             manifest,
@@ -214,6 +215,11 @@ def prepare(request: LoadRequest, result: LoadResult) -> tuple[CheckpointSource,
             "root": root,
             # (the per-rank ones are each rank's own: a rank may hold one another lacks, a logger on rank 0 alone)
             "components": sorted(n for n in request.requested if request.registered[n].placement != "per_rank"),
+            # (but a reshard shares a buffer's transitions out among the new ranks: a rank without it would lose its
+            # part, so every rank must hold it)
+            "shared_out_by_the_reshard": sorted(
+                n for n, comp in found["plan"].components.items() if comp.reshard and comp.adapter.reshard_shares_out
+            ),
             "reshard": request.reshard,
         }
 
@@ -242,11 +248,17 @@ def restored_elsewhere(name: str, registered: Any, saved: Mapping[str, Any]) -> 
 
 
 def compare_components(
-    request: LoadRequest, result: LoadResult, saved: Mapping[str, Any], *, stacklevel: int = 7
+    request: LoadRequest,
+    result: LoadResult,
+    saved: Mapping[str, Any],
+    *,
+    stacklevel: int = 7,
+    saved_world_size: int | None = None,
 ) -> None:
     """What the checkpoint lacks (``missing``) and holds beyond the request (``unrequested``); the latter is warned
-    about on rank 0 (:class:`UnrestoredComponentWarning`, at the caller's ``load``: ``stacklevel`` frames up) unless
-    the caller chose the components."""
+    about (:class:`UnrestoredComponentWarning`, at the caller's ``load``: ``stacklevel`` frames up) unless the caller
+    chose the components: by rank 0, and at the saved world size (``saved_world_size``) by each rank that skips a
+    per-rank state it saved itself (rank 0 does not read the others' states)."""
     result.missing = {n for n in request.requested if n not in saved}
     result.unrequested = set(saved) - set(request.requested)
     optional = {n for n in result.missing if getattr(request.registered.get(n), "optional", False)}
@@ -262,15 +274,27 @@ def compare_components(
                 ),
                 stacklevel=stacklevel,
             )
-    if result.unrequested and not request.chosen and request.rank == 0:
+    skipped = sorted(n for n in result.unrequested if _skipped_here(saved[n], request, saved_world_size))
+    if skipped and not request.chosen:
+        where = f"rank {request.rank}: " if request.world_size > 1 else ""
         warnings.warn(
             UnrestoredComponentWarning(
-                f"{request.path}: the checkpoint holds components no object is registered for, which this load "
-                f"skips: {sorted(result.unrequested)}; register them before loading, or pass components=[...] "
-                "to choose what to restore"
+                f"{request.path}: {where}the checkpoint holds components no object is registered for, which this "
+                f"load skips: {skipped}; register them before loading, or pass components=[...] to choose what to "
+                "restore"
             ),
             stacklevel=stacklevel,
         )
+
+
+def _skipped_here(rec: Any, request: LoadRequest, saved_world_size: int | None) -> bool:
+    """Whether this rank warns that its load skips the saved component ``rec``: at the saved world size, a per-rank
+    one where this rank saved a state of its own (not :data:`~torchrl_dcp.load_plan.ABSENT_SKELETON`: a logger of
+    another rank's); any other, on rank 0."""
+    if not (isinstance(rec, Mapping) and rec.get("placement") == "per_rank" and saved_world_size == request.world_size):
+        return request.rank == 0
+    own = (rec.get("ranks") or {}).get(str(request.rank))
+    return not (isinstance(own, Mapping) and own.get("state") == ABSENT_SKELETON)
 
 
 def verify_bytes(

@@ -47,7 +47,11 @@ from torchrl_dcp.format.codec import (
 from torchrl_dcp.format.metadata_checks import WholeTensor, record_index, whole_tensor
 from torchrl_dcp.format.migrations import migrate_component
 from torchrl_dcp.format.sparse_nodes import check_sparse_indices
-from torchrl_dcp.placement import Placement, is_absent, key_prefix
+from torchrl_dcp.placement import ABSENT_STATE, Placement, is_absent, key_prefix
+
+#: how :data:`~torchrl_dcp.placement.ABSENT_STATE` is saved (reserved: a save refuses a component's own state that
+#: encodes to it)
+ABSENT_SKELETON = encode(ABSENT_STATE, where="")[0]
 
 
 @dataclass

@@ -33,6 +33,7 @@ Example (one process):
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import pickle
@@ -56,6 +57,7 @@ from torchrl_dcp.errors import CheckpointError, CollectiveError, EncodingError
 from torchrl_dcp.format.codec import dtype_name, escape_key, is_dtensor, tensor_identity
 from torchrl_dcp.format.codec import encode as encode_value
 from torchrl_dcp.format.layout import DCP_METADATA
+from torchrl_dcp.load_plan import ABSENT_SKELETON
 from torchrl_dcp.placement import ABSENT_STATE, Placement, key_prefix
 from torchrl_dcp.planner import (
     SavePlanner,
@@ -209,6 +211,12 @@ def _encode_item(item: EncodeItem, rank: int, out: Encoded, shared: dict[tuple[A
             "(register(name, obj, adapter=...))"
         ) from err
     skeleton, tensors = encode_value(state, where=item.name, shared=shared)
+    if skeleton == ABSENT_SKELETON:  # (what a rank that registered no such component saves: loads would skip it)
+        raise EncodingError(
+            f"the state of component {item.name!r} is {ABSENT_STATE}, the value torchrl_dcp saves for a rank that "
+            "registered no such component (reserved): a load would skip it, and verify would refuse it; rename the "
+            "key or wrap the state (e.g. {'state': ...})"
+        )
     if repeated := item.adapter.refused_repeats(skeleton):
         raise EncodingError(
             f"component {item.name!r} holds one tensor twice (or another component's tensor) at {repeated[:3]}: "
@@ -302,7 +310,7 @@ def _plan_gathered(group: Any, held: list[Any], error: BaseException | None, rec
     layouts = [layout for _, _, layout in gathered]
     absent = absent_here(layouts, _dist.group_rank(group))
     for name, (placement, adapter, version) in absent.items():  # (another rank's per-rank component: held as none)
-        skeleton, _ = encode_value(ABSENT_STATE, where=name)
+        skeleton = copy.deepcopy(ABSENT_SKELETON)
         records[name] = ComponentRecord(adapter, version, placement, skeleton, {})  # (``records``: this rank's own)
     compare_layouts(with_absent(layouts))
     refuse_unregistered(layouts)
@@ -315,7 +323,11 @@ def save_layout(encoded: Encoded, call: Any) -> dict[str, Any]:
     each component's placement and adapter. The manifest is rank 0's description of them: a rank that registered
     another component, placement or adapter would commit a checkpoint no load reads."""
     components = {n: [r.placement, r.adapter, r.adapter_version] for n, r in sorted(encoded.records.items())}
-    return {"call": call, "components": components}
+    # (``component_options``' names are each rank's own: not compared, but one no rank registered is refused)
+    options = call.get("options", []) if isinstance(call, Mapping) else []
+    if isinstance(call, Mapping):
+        call = {k: v for k, v in call.items() if k != "options"}
+    return {"call": call, "components": components, "options": options}
 
 
 def _absent_ones(layouts: list[dict[str, Any]]) -> dict[str, list[Any]]:
@@ -346,9 +358,9 @@ def with_absent(layouts: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def refuse_unregistered(layouts: list[dict[str, Any]]) -> None:
-    """Raise the same :class:`CheckpointError` on every rank when the save's ``components=`` selection names a
-    component no rank registered (each rank leaves out the names it did not register: per-rank components of other
-    ranks)."""
+    """Raise the same :class:`CheckpointError` on every rank when the save's ``components=`` selection, or any rank's
+    ``component_options``, names a component no rank registered (each rank leaves out the names it did not register:
+    per-rank components of other ranks)."""
     chosen = (layouts[0]["call"] or {}).get("components") if isinstance(layouts[0]["call"], Mapping) else None
     held = {name for layout in layouts for name in layout["components"]}
     unknown = sorted(set(chosen or ()) - held)
@@ -357,6 +369,12 @@ def refuse_unregistered(layouts: list[dict[str, Any]]) -> None:
             f"components={list(chosen)} names {unknown}, which no rank registered: register them, or leave them out of "
             "components=; nothing was written"
         )
+    optioned = sorted({n for layout in layouts for n in layout.get("options", ())} - held)
+    if optioned:
+        raise CheckpointError(
+            f"component_options names {optioned}, which no rank registered: register them, or leave them out of "
+            "component_options; nothing was written"
+        )
 
 
 def compare_layouts(layouts: list[dict[str, Any]]) -> None:
@@ -364,7 +382,7 @@ def compare_layouts(layouts: list[dict[str, Any]]) -> None:
     first rank that differs from rank 0 and what."""
     first = layouts[0]
     for rank, layout in enumerate(layouts):
-        if layout == first:
+        if (layout["call"], layout["components"]) == (first["call"], first["components"]):
             continue
         why = []
         if layout["call"] != first["call"]:

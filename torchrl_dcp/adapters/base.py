@@ -205,6 +205,10 @@ class Adapter(abc.ABC):
 
     #: whether :meth:`reshard_sources` / :meth:`reshard` are implemented (per_rank state only)
     can_reshard: bool = False
+    #: whether a reshard shares the saved states' contents out among the new ranks, each taking a part (a replay
+    #: buffer's transitions), rather than each taking a copy of one (a generator): every new rank must then
+    #: register the component, or the parts meant for the ranks without it would be lost (such a load is refused)
+    reshard_shares_out: bool = False
 
     def reshard_sources(self, saved: dict[int, Any], ctx: AdapterContext) -> list[int]:
         """Saved ranks whose state this rank needs after a world-size change.

@@ -105,6 +105,7 @@ class OptimizerAdapter(Adapter):
         for state in saved.values():
             _check_param_groups(obj, state, ctx.name)
             _check_same_kind(obj, state, ctx.name)
+            _check_options_held(obj, state, ctx.name)
             _check_group_values(obj, state, ctx.name)
             _check_state_shapes(obj, state, ctx.name)
             ctx.plan["in_place"] = {id(t) for t in _live_state_destinations(obj, state).values()}
@@ -198,6 +199,30 @@ def _check_same_kind(optimizer: torch.optim.Optimizer, saved: Any, name: str) ->
             f"{type(optimizer).__name__} does not: it was saved by another kind of optimizer; build the one it was "
             "saved with (or load without this component: components=[...])"
         )
+
+
+def _check_options_held(optimizer: torch.optim.Optimizer, saved: Any, name: str) -> None:
+    """Each saved parameter group holds every option of the optimizer's ``defaults`` (what its ``step`` reads: an
+    Adam group without ``lr`` loaded, and the next ``step`` raised ``KeyError``), once the class's own
+    ``__setstate__`` (which ``load_state_dict`` runs) has filled what it fills in states of older torch versions:
+    run on a bare instance holding the saved groups. An optimizer whose ``__setstate__`` cannot run so is not
+    compared."""
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in saved["param_groups"]]
+    try:
+        probe = object.__new__(type(optimizer))
+        probe.__setstate__({"defaults": dict(optimizer.defaults), "state": {}, "param_groups": groups})
+        upgraded = probe.param_groups
+    except Exception:  # noqa: BLE001 - nothing to compare against
+        return
+    for i, group in enumerate(upgraded):
+        missing = sorted(set(optimizer.defaults) - set(group))
+        if missing:
+            raise IncompatibleComponentError(
+                f"component {name!r}: the checkpoint's parameter group {i} lacks options {missing}, which this "
+                f"{type(optimizer).__name__} reads at each step: it was saved by another kind of optimizer (or the "
+                "checkpoint is damaged); build the one it was saved with (or load without this component: "
+                "components=[...])"
+            )
 
 
 def _check_group_values(optimizer: torch.optim.Optimizer, saved: Any, name: str) -> None:

@@ -389,8 +389,9 @@ def _check_restorable(rb: ReplayBuffer, state: Any, name: str) -> None:
                 check_live_keys(saved.get("state"), live.state_dict(), what)
         transform = getattr(rb, "_transform", None)
         if isinstance(transform, torch.nn.Module) and isinstance(state.get("transform"), Mapping):
-            check_live_keys(state["transform"], transform.state_dict(), "transform")
-            extra = sorted(str(k) for k in state["transform"].keys() - transform.state_dict().keys())
+            live_keys = transform.state_dict()
+            check_live_keys(state["transform"], live_keys, "transform")
+            extra = sorted(str(k) for k in state["transform"].keys() - live_keys.keys())
             if extra:
                 raise ValueError(f"its transform holds {extra}, which this buffer's transform lacks")
     except ValueError as err:
@@ -468,6 +469,7 @@ class ReplayBufferAdapter(Adapter):
     version = 1
     default_placement = "per_rank"
     can_reshard = True
+    reshard_shares_out = True  # (the transitions: each new rank takes its part)
     allocates_when_planned = True  # an uninitialised storage is allocated from the saved shapes
 
     def reshard_sources(self, saved: dict[int, Any], ctx: AdapterContext) -> list[int]:

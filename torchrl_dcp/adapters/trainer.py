@@ -384,6 +384,7 @@ class BufferHookAdapter(TrainerHookAdapter):
 
     key = BUFFER_KEY
     allocates_when_planned = True  # the buffer's storage, as the replay buffer's
+    reshard_shares_out = True  # (its transitions, as the replay buffer's)
 
     def __init__(self) -> None:
         from torchrl_dcp.adapters.replay_buffer import ReplayBufferAdapter
