@@ -243,15 +243,26 @@ def test_optimizer_state_of_another_model_is_refused_and_changes_nothing(
     assert _snapshot(target) == before
 
 
-@pytest.mark.parametrize("dropped", ["lr", "betas", "decoupled_weight_decay", "fused"])
-def test_a_param_group_without_an_option_the_step_reads_is_refused(tmp_path: Path, dropped: str) -> None:
+DROPPED = [
+    ("adam", "lr", True),
+    ("adam", "betas", True),
+    ("adam", "decoupled_weight_decay", False),  # (Adam's __setstate__ fills it: a state of an older torch)
+    ("adam", "fused", False),
+    ("lbfgs", "maximize", False),  # (LBFGS reads it with a default: older states have none, probe b2)
+]
+
+
+@pytest.mark.parametrize("kind, dropped, refused", DROPPED, ids=[f"{k}-{d}" for k, d, _ in DROPPED])
+def test_a_param_group_without_an_option_the_step_reads_is_refused(
+    tmp_path: Path, kind: str, dropped: str, refused: bool
+) -> None:
     """Probe z3: an Adam parameter group whose ``lr`` was renamed, in a resealed manifest, loaded (torch's own
     ``load_state_dict`` takes it too) and the next ``step`` raised ``KeyError``. Refused while planning, the
-    optimizer unchanged; an option Adam's ``__setstate__`` fills in states of older torch versions
-    (``decoupled_weight_decay``, ``fused``) still loads, and the optimizer steps."""
+    optimizer unchanged; an option the class's ``__setstate__`` fills in states of older torch versions, or its
+    ``step`` reads with a default, still loads, and the optimizer steps."""
     from tests import forging
 
-    model, optimizer, scheduler, _ = build("adam")
+    model, optimizer, scheduler, _ = build(kind)
     train(model, optimizer, scheduler, 0, 2)
     path = tdcp.DistributedCheckpoint(optimizer=optimizer).save(tmp_path / "c")
 
@@ -265,12 +276,77 @@ def test_a_param_group_without_an_option_the_step_reads_is_refused(tmp_path: Pat
     forging.edit(path, drop)
     torch.manual_seed(0)
     other = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    target = OPTIMIZERS["adam"](other.parameters())
+    target = OPTIMIZERS[kind](other.parameters())
     before = _snapshot(target)
-    if dropped in ("lr", "betas"):
+    if refused:
         with pytest.raises(tdcp.IncompatibleComponentError, match=rf"parameter group 0 lacks options \['{dropped}'\]"):
             tdcp.DistributedCheckpoint(optimizer=target).load(path)
         assert _snapshot(target) == before
         return
     tdcp.DistributedCheckpoint(optimizer=target).load(path)
     train(other, target, torch.optim.lr_scheduler.StepLR(target, step_size=2), 2, 2)  # must not raise
+
+
+TAMPERED = {
+    "betas_of_one": ({"betas": (0.9,)}, tdcp.CheckpointIntegrityError, "betas"),
+    "amsgrad_without_its_state": ({"amsgrad": True}, tdcp.IncompatibleComponentError, "max_exp_avg_sq"),
+    "fused_and_differentiable": (
+        {"fused": True, "differentiable": True},
+        tdcp.IncompatibleComponentError,
+        "options torch's Adam refuses",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(TAMPERED))
+def test_adam_options_its_step_fails_on_are_refused(tmp_path: Path, case: str) -> None:
+    """Probe b2: options no Adam holds (saved from a group set by hand, the bytes a forger writes) passed planning
+    and the first ``step`` after the load failed, the model already overwritten: a one-element ``betas``, ``amsgrad``
+    over a state without ``max_exp_avg_sq`` (the expected state was the live group's), ``fused`` with
+    ``differentiable``. Refused while planning, the optimizer unchanged."""
+    options, error, said = TAMPERED[case]
+    model, optimizer, scheduler, _ = build("adam")
+    train(model, optimizer, scheduler, 0, 2)
+    optimizer.param_groups[0].update(options)
+    path = tdcp.DistributedCheckpoint(optimizer=optimizer).save(tmp_path / "c")
+    torch.manual_seed(0)
+    other = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    target = OPTIMIZERS["adam"](other.parameters())
+    before = _snapshot(target)
+    with pytest.raises(error, match=said):
+        tdcp.DistributedCheckpoint(optimizer=target).load(path)
+    assert _snapshot(target) == before
+
+
+def test_an_optimizer_whose_load_pre_hook_migrates_options_loads(tmp_path: Path) -> None:
+    """Probe b2: an optimizer that renamed an option migrates older states in a ``load_state_dict`` pre-hook (torch's
+    way); the check of the options its step reads looked at the saved groups, not what the hook makes of them, and
+    refused what torch loads."""
+
+    class Renamed(torch.optim.Optimizer):
+        def __init__(self, params, lr: float = 0.1, momentum_coef: float = 0.5) -> None:
+            super().__init__(params, {"lr": lr, "momentum_coef": momentum_coef})
+
+        @torch.no_grad()
+        def step(self, closure=None):  # noqa: ANN001, ANN201
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.add_(p.grad, alpha=-group["lr"] * group["momentum_coef"])
+
+    def migrate(opt, state_dict):  # noqa: ANN001, ANN202
+        for group in state_dict["param_groups"]:
+            if "beta" in group:
+                group["momentum_coef"] = group.pop("beta")
+        return state_dict
+
+    old = Renamed(torch.nn.Linear(2, 1).parameters())
+    for group in old.param_groups:
+        group["beta"] = group.pop("momentum_coef")  # (as the older version saved it)
+    path = tdcp.DistributedCheckpoint(optimizer=old).save(tmp_path / "c")
+    model = torch.nn.Linear(2, 1)
+    new = Renamed(model.parameters(), momentum_coef=0.9)
+    new.register_load_state_dict_pre_hook(migrate)
+    tdcp.DistributedCheckpoint(optimizer=new).load(path)
+    assert new.param_groups[0]["momentum_coef"] == 0.5
+    model(torch.ones(1, 2)).sum().backward()
+    new.step()

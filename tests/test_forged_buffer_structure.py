@@ -157,6 +157,29 @@ def test_a_components_own_state_equal_to_the_absent_marker_is_refused_at_save(tm
     assert live == {"flags": ABSENT_STATE}
 
 
+@pytest.mark.parametrize("value", ["numpy_true", "one", "ordered_dict"])
+def test_a_value_merely_equal_to_the_absent_marker_is_a_components_own_state(tmp_path: Path, value: str) -> None:
+    """Probe b2: the marker was compared with ``==``, so a state ``{"_tdcp_absent_on_this_rank": np.True_}`` (or
+    ``1``, or an ``OrderedDict``) saved, and every load and ``verify`` refused the library's own checkpoint as
+    forged (on 2 ranks, the rank holding it kept its object, told it had registered none). Only the marker itself,
+    ``True`` in a plain dict, is absent: these save and load back."""
+    import collections
+
+    import numpy as np
+
+    key = "_tdcp_absent_on_this_rank"
+    state = {
+        "numpy_true": lambda: {key: np.True_},
+        "one": lambda: {key: 1},
+        "ordered_dict": lambda: collections.OrderedDict({key: True}),
+    }[value]()
+    tdcp.DistributedCheckpoint().register("flags", state, placement="per_rank").save(tmp_path / "c")
+    tdcp.verify(tmp_path / "c")
+    live = type(state)({key: 0})
+    tdcp.DistributedCheckpoint().register("flags", live, placement="per_rank").load(tmp_path / "c")
+    assert live == state and type(live[key]) is type(state[key])
+
+
 def test_a_state_saved_before_a_writer_stamped_generations_loads_into_one_that_has(tmp_path: Path) -> None:
     """A generation-tracking writer's ``state_dict`` holds ``_generation`` only after its first write: a state saved
     before it was refused as "saved from a buffer built otherwise" by one that had written since (the same build).

@@ -311,7 +311,8 @@ def per_rank_on_some_ranks(path: str, phase: str) -> dict[str, Any]:
     """A per-rank component registered on rank 0 alone (an evaluation hook, a logger): saved, rank 1's state absent.
     ``phase``: ``save``; ``load`` (registered as saved); ``load_everywhere`` (rank 1 registers it too: kept, said);
     ``replicated`` (a replicated one on rank 0 alone: refused on every rank); ``save_options`` / ``options_unknown``
-    (``component_options`` naming it, or a name no rank registered); ``reshard`` / ``reshard_rank_0`` (on 3 ranks,
+    (``component_options`` naming it, or a name no rank registered), ``load_options`` / ``load_options_unknown``
+    (the same at a load); ``reshard`` / ``reshard_rank_0`` (on 3 ranks,
     every rank's buffer, or rank 0's alone: refused); ``skip_own`` (rank 1 registers none of its own per-rank
     ``stats``: said on rank 1)."""
     rank = dist.get_rank()
@@ -359,9 +360,13 @@ def per_rank_on_some_ranks(path: str, phase: str) -> dict[str, Any]:
         return {"error": None}
     evaluator.update(evaluations=-1, best=-1.0)
     torch.rand(3, generator=generator)  # (moved on from its seed: a load puts it back, where rank 0 saved one)
+    options = {"load_options": ["evaluator"], "load_options_unknown": ["nope"]}.get(phase, [])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = ckpt.load(path)
+        try:
+            result = ckpt.load(path, component_options={n: tdcp.CheckpointOptions() for n in options})
+        except tdcp.CheckpointError as err:
+            return {"error": str(err)}
     said = [str(w.message) for w in caught if issubclass(w.category, tdcp.InexactResumeWarning)]
     skipped = [str(w.message) for w in caught if issubclass(w.category, tdcp.UnrestoredComponentWarning)]
     rows = demos._storage._storage["id"][: len(demos)].tolist() if len(demos) else []

@@ -217,6 +217,12 @@ def test_a_per_rank_component_registered_on_some_ranks_is_saved_and_loaded_where
         r.value["error"] for r in launch(f"{S}:per_rank_on_some_ranks", 2, str(tmp_path / "o"), "options_unknown")
     ]
     assert len(set(unknown)) == 1 and "component_options names ['nope'], which no rank registered" in unknown[0]
+    # the same at a load (probe b1: rank 1 raised KeyError, "not loaded"); a name the checkpoint holds as no per-rank
+    # component is refused on every rank
+    optioned = [r.value for r in launch(f"{S}:per_rank_on_some_ranks", 2, path, "load_options")]
+    assert optioned[0]["evaluator"] == {"evaluations": 3, "best": 10.0} and "error" not in optioned[1]
+    unknown = [r.value["error"] for r in launch(f"{S}:per_rank_on_some_ranks", 2, path, "load_options_unknown")]
+    assert unknown[0] and "component_options names ['nope'], which this rank did not register" in unknown[1]
 
 
 def test_a_reshard_onto_ranks_some_without_the_buffer_is_refused_and_a_skipped_own_state_is_said(
@@ -229,7 +235,9 @@ def test_a_reshard_onto_ranks_some_without_the_buffer_is_refused_and_a_skipped_o
     path = str(tmp_path / "ckpt")
     assert [r.value["error"] for r in launch(f"{S}:per_rank_on_some_ranks", 2, path, "save")] == [None, None]
     refused = [r.value for r in launch(f"{S}:per_rank_on_some_ranks", 3, path, "reshard_rank_0")]
-    assert len({r["error"] for r in refused}) == 1 and "'shared_out_by_the_reshard': ['demos']" in refused[0]["error"]
+    assert len({r["error"] for r in refused}) == 1
+    assert "shares the transitions of ['demos'] out among every new rank" in refused[0]["error"]
+    assert "'demos' on ranks [1, 2]: not registered there" in refused[0]["error"]
     assert refused[0]["demos"] == []
     skipped = [r.value for r in launch(f"{S}:per_rank_on_some_ranks", 2, path, "skip_own")]
     assert skipped[0]["skipped"] == []

@@ -602,7 +602,9 @@ class DistributedCheckpoint:
                 raise ValueError(f"world_size_change must be 'error' or 'reshard', got {world_size_change!r}")
             sync_trainer(self)
             requested = self._select(components, None)
-            options = check_component_options(component_options, requested, "loaded")
+            # (options for another rank's per-rank component: left out here; refused where the checkpoint has none)
+            elsewhere = set(component_options or ()) - set(self._components) if _dist.group_size(group) > 1 else ()
+            options = check_component_options(component_options, requested, "loaded", elsewhere=elsewhere)
         except Exception as err:
             _refused_on_every_rank(
                 group, err, lambda fail: run_agreed(group, "validating the checkpoint", fail, alike=lambda d: d)
@@ -618,6 +620,7 @@ class DistributedCheckpoint:
             rank=_dist.group_rank(group),
             world_size=_dist.group_size(group),
             chosen=components is not None,
+            options_elsewhere=sorted(elsewhere),
         )
 
     def _registered(self, name: str, options: CheckpointOptions | None, map_location: Any) -> Registered:

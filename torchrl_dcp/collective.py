@@ -83,6 +83,7 @@ def run_agreed(
     monitored: bool = True,
     alike: Callable[[T], Any] | None = None,
     shown: Callable[[], str] | None = None,
+    explain: Callable[[list[Any]], str | None] | None = None,
 ) -> tuple[T, bool]:
     """Like :func:`run_step`, but every rank learns only whether any rank failed (and the OR of ``flag(result)``).
 
@@ -92,7 +93,8 @@ def run_agreed(
     JSON-safe description every rank must share (what a load reads and restores), compared by its digest in the same
     exchange; when they differ, they are gathered and every rank raises the same :class:`CheckpointError` naming
     the first rank that differs from rank 0, with ``shown()`` of each (what tells them apart to a user, not compared:
-    the path each rank was given).
+    the path each rank was given). ``explain(descriptions)``: a message of its own for a disagreement it knows (every
+    rank's description, in rank order), else ``None``.
 
     Example (one process):
         >>> run_agreed(None, "counting", lambda: 3, flag=lambda n: n > 2)
@@ -114,6 +116,9 @@ def run_agreed(
         context = shown() if shown is not None else None
         described = _dist.all_gather((description, context), group, phase, monitored=False, kind="described")
         rank = next(r for r, (d, _) in enumerate(described) if d != described[0][0])
+        explained = explain([d for d, _ in described]) if explain is not None else None
+        if explained is not None:
+            raise CheckpointError(f"{phase}: {explained}")
 
         def told(r: int) -> str:
             d, where = described[r]

@@ -75,7 +75,6 @@ from torchrl_dcp.format.metadata_checks import record_index
 from torchrl_dcp.format.record import template
 from torchrl_dcp.live_sharing import refuse_conflicting_live
 from torchrl_dcp.load_plan import (
-    ABSENT_SKELETON,
     ComponentPlan,
     LoadPlan,
     Registered,
@@ -83,6 +82,7 @@ from torchrl_dcp.load_plan import (
     check_backed,
     check_sparse,
     decode_states,
+    is_absent_skeleton,
     plan_components,
     rollback_one,
 )
@@ -162,6 +162,7 @@ class LoadRequest:
     rank: int
     world_size: int
     chosen: bool = False  # the caller named the components (a subset is then what it asked for)
+    options_elsewhere: list[str] = field(default_factory=list)  # component_options for names other ranks registered
 
 
 # ---------------------------------------------------------------------- phases 1-4
@@ -179,6 +180,7 @@ def prepare(request: LoadRequest, result: LoadResult) -> tuple[CheckpointSource,
         if result.version_skew:
             logger.warning("checkpoint %s was saved with other library versions: %s", request.path, skew_text(result))
         compare_components(request, result, manifest["components"], saved_world_size=manifest["world_size"])
+        refuse_options_elsewhere(request, manifest["components"])
         metadata = src.dcp_metadata()
         found["plan"] = plan_components(  # 3. plan
             manifest,
@@ -230,12 +232,43 @@ def prepare(request: LoadRequest, result: LoadResult) -> tuple[CheckpointSource,
             local,
             alike=lambda described: described,
             shown=lambda: f"reading {request.path}",
+            explain=lambda described: unshared_parts(request.path, described),
         )
     except BaseException as err:
         if "plan" in found:  # this rank planned (and may have allocated lazily built storages): undo it
             rollback_refused(planned_changes(found["plan"]), err)
         raise
     return found["src"], found["plan"]
+
+
+def refuse_options_elsewhere(request: LoadRequest, saved: Mapping[str, Any]) -> None:
+    """``component_options`` may name a component this rank did not register only where the checkpoint holds it as
+    a per-rank one (a logger, an evaluation hook of another rank's): any other name is refused (on every rank)."""
+    unknown = [n for n in request.options_elsewhere if (saved.get(n) or {}).get("placement") != "per_rank"]
+    if unknown:
+        raise CheckpointError(
+            f"component_options names {unknown}, which this rank did not register and the checkpoint holds no per-rank "
+            "component of that name: register them, or leave them out of component_options; nothing was changed",
+            path=request.path,
+        )
+
+
+def unshared_parts(path: Any, described: list[Any]) -> str | None:
+    """The refusal of a reshard whose shared-out components (a replay buffer's transitions) some new ranks do not
+    load (not registered, or incompatible there): their parts would be lost. ``None`` for any other
+    disagreement (``described``: every rank's description, from :func:`prepare`)."""
+    shared = [set(d.get("shared_out_by_the_reshard", ())) if isinstance(d, Mapping) else None for d in described]
+    if any(s is None for s in shared) or all(s == shared[0] for s in shared):
+        return None
+    names = sorted(set().union(*shared))
+    without = {n: [r for r, s in enumerate(shared) if n not in s] for n in names}
+    where = "; ".join(f"{n!r} on ranks {ranks}" for n, ranks in without.items() if ranks)
+    return (
+        f"{path}: a reshard shares the transitions of {names} out among every new rank, and some ranks do not load "
+        f"them ({where}: not registered there, or incompatible: see the warnings there), so their parts would be "
+        "lost: register them on every rank, each with room for its part (or resume with the saved number of ranks, "
+        "or leave them out on every rank: components=[...]); nothing was changed"
+    )
 
 
 def restored_elsewhere(name: str, registered: Any, saved: Mapping[str, Any]) -> bool:
@@ -294,7 +327,7 @@ def _skipped_here(rec: Any, request: LoadRequest, saved_world_size: int | None) 
     if not (isinstance(rec, Mapping) and rec.get("placement") == "per_rank" and saved_world_size == request.world_size):
         return request.rank == 0
     own = (rec.get("ranks") or {}).get(str(request.rank))
-    return not (isinstance(own, Mapping) and own.get("state") == ABSENT_SKELETON)
+    return not (isinstance(own, Mapping) and is_absent_skeleton(own.get("state")))
 
 
 def verify_bytes(

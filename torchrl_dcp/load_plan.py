@@ -54,6 +54,15 @@ from torchrl_dcp.placement import ABSENT_STATE, Placement, is_absent, key_prefix
 ABSENT_SKELETON = encode(ABSENT_STATE, where="")[0]
 
 
+def is_absent_skeleton(skeleton: Any) -> bool:
+    """Whether a saved state is :data:`ABSENT_SKELETON` itself (``True``, not a ``1`` equal to it: what
+    :func:`~torchrl_dcp.placement.is_absent` takes for absent once decoded)."""
+    if skeleton != ABSENT_SKELETON:
+        return False
+    ((_, value),) = skeleton["items"]
+    return value is True
+
+
 @dataclass
 class SavedState:
     """One saved state of a component: its skeleton, the DCP key prefix of its tensors, and what was

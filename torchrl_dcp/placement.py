@@ -36,9 +36,17 @@ def key_prefix(placement: Placement, component: str, rank: int) -> str:
 #: the state a rank saves for a ``per_rank`` component other ranks registered and it did not (a logger, an evaluation
 #: hook on rank 0 alone): every rank's manifest shard holds each per-rank component, and a load on a rank whose
 #: saved state is this one leaves its object as it is (said)
-ABSENT_STATE = {"_tdcp_absent_on_this_rank": True}
+_ABSENT_KEY = "_tdcp_absent_on_this_rank"
+ABSENT_STATE = {_ABSENT_KEY: True}
 
 
 def is_absent(state: object) -> bool:
-    """Whether a decoded per-rank state is :data:`ABSENT_STATE` (the rank registered no such component)."""
-    return state == ABSENT_STATE
+    """Whether a decoded per-rank state is :data:`ABSENT_STATE` (the rank registered no such component): a plain
+    ``dict`` whose one value is ``True`` itself (not a value equal to it: ``1``, NumPy's ``True_``, an ``OrderedDict``
+    are a component's own state, which a save may hold).
+
+    Example:
+        >>> is_absent({"_tdcp_absent_on_this_rank": True}), is_absent({"_tdcp_absent_on_this_rank": 1})
+        (True, False)
+    """
+    return type(state) is dict and len(state) == 1 and state.get(_ABSENT_KEY, False) is True

@@ -57,7 +57,7 @@ from torchrl_dcp.errors import CheckpointError, CollectiveError, EncodingError
 from torchrl_dcp.format.codec import dtype_name, escape_key, is_dtensor, tensor_identity
 from torchrl_dcp.format.codec import encode as encode_value
 from torchrl_dcp.format.layout import DCP_METADATA
-from torchrl_dcp.load_plan import ABSENT_SKELETON
+from torchrl_dcp.load_plan import ABSENT_SKELETON, is_absent_skeleton
 from torchrl_dcp.placement import ABSENT_STATE, Placement, key_prefix
 from torchrl_dcp.planner import (
     SavePlanner,
@@ -211,7 +211,7 @@ def _encode_item(item: EncodeItem, rank: int, out: Encoded, shared: dict[tuple[A
             "(register(name, obj, adapter=...))"
         ) from err
     skeleton, tensors = encode_value(state, where=item.name, shared=shared)
-    if skeleton == ABSENT_SKELETON:  # (what a rank that registered no such component saves: loads would skip it)
+    if is_absent_skeleton(skeleton):  # (what a rank that registered no such component saves: loads would skip it)
         raise EncodingError(
             f"the state of component {item.name!r} is {ABSENT_STATE}, the value torchrl_dcp saves for a rank that "
             "registered no such component (reserved): a load would skip it, and verify would refuse it; rename the "

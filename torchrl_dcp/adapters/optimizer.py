@@ -106,6 +106,7 @@ class OptimizerAdapter(Adapter):
             _check_param_groups(obj, state, ctx.name)
             _check_same_kind(obj, state, ctx.name)
             _check_options_held(obj, state, ctx.name)
+            _check_constructible(obj, state, ctx.name)
             _check_group_values(obj, state, ctx.name)
             _check_state_shapes(obj, state, ctx.name)
             ctx.plan["in_place"] = {id(t) for t in _live_state_destinations(obj, state).values()}
@@ -202,11 +203,14 @@ def _check_same_kind(optimizer: torch.optim.Optimizer, saved: Any, name: str) ->
 
 
 def _check_options_held(optimizer: torch.optim.Optimizer, saved: Any, name: str) -> None:
-    """Each saved parameter group holds every option of the optimizer's ``defaults`` (what its ``step`` reads: an
-    Adam group without ``lr`` loaded, and the next ``step`` raised ``KeyError``), once the class's own
-    ``__setstate__`` (which ``load_state_dict`` runs) has filled what it fills in states of older torch versions:
-    run on a bare instance holding the saved groups. An optimizer whose ``__setstate__`` cannot run so is not
-    compared."""
+    """Each saved parameter group holds every option the optimizer's ``step`` reads (an Adam group without ``lr``
+    loaded, and the next ``step`` raised ``KeyError``): those of its ``defaults`` the group lacks once the class's
+    own ``__setstate__`` (which ``load_state_dict`` runs) has filled what it fills in states of older torch versions,
+    run on a bare instance holding the saved groups, and that a probe ``step`` of that class over a one-element
+    parameter with the group's options reads (LBFGS reads ``maximize`` with a default). Not compared: an optimizer
+    whose ``__setstate__`` cannot run so, or with ``load_state_dict`` pre-hooks (they may migrate saved options)."""
+    if getattr(optimizer, "_optimizer_load_state_dict_pre_hooks", None):
+        return
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in saved["param_groups"]]
     try:
         probe = object.__new__(type(optimizer))
@@ -214,15 +218,78 @@ def _check_options_held(optimizer: torch.optim.Optimizer, saved: Any, name: str)
         upgraded = probe.param_groups
     except Exception:  # noqa: BLE001 - nothing to compare against
         return
-    for i, group in enumerate(upgraded):
+    for i, (group, live) in enumerate(zip(upgraded, optimizer.param_groups)):
         missing = sorted(set(optimizer.defaults) - set(group))
-        if missing:
+        read = _probe_step_reads(optimizer, group, live, missing) if missing else None
+        if read:
             raise IncompatibleComponentError(
-                f"component {name!r}: the checkpoint's parameter group {i} lacks options {missing}, which this "
+                f"component {name!r}: the checkpoint's parameter group {i} lacks options {read}, which this "
                 f"{type(optimizer).__name__} reads at each step: it was saved by another kind of optimizer (or the "
                 "checkpoint is damaged); build the one it was saved with (or load without this component: "
                 "components=[...])"
             )
+
+
+def _check_constructible(optimizer: torch.optim.Optimizer, saved: Any, name: str) -> None:
+    """torch's own optimizers: each saved group's options are ones its constructor accepts together (``fused`` with
+    ``differentiable``: the next ``step`` raised), where it accepts the live group's (a one-element parameter on
+    the live parameters' device; tensor options, not read yet, as the live group's)."""
+    from torchrl_dcp.format.codec import TensorSpec
+
+    cls = type(optimizer)
+    if not cls.__module__.startswith("torch.optim"):
+        return
+    accepts = inspect.signature(cls).parameters
+    for i, (group, live) in enumerate(zip(saved["param_groups"], optimizer.param_groups)):
+        device = live["params"][0].device if live.get("params") else torch.device("cpu")
+        base = {k: v for k, v in live.items() if k != "params" and k in accepts}
+        options = {k: v for k, v in group.items() if k in accepts and k != "params" and not isinstance(v, TensorSpec)}
+        if all(base.get(k, ...) == v for k, v in options.items()):
+            continue  # (the live group's own options)
+        try:
+            cls([torch.nn.Parameter(torch.zeros(1, device=device))], **base)
+        except Exception:  # noqa: BLE001 - nothing to compare against
+            continue
+        try:
+            cls([torch.nn.Parameter(torch.zeros(1, device=device))], **{**base, **options})
+        except (ValueError, RuntimeError, TypeError) as err:
+            raise IncompatibleComponentError(
+                f"component {name!r}: the checkpoint's parameter group {i} holds options torch's "
+                f"{cls.__name__} refuses ({err}): no save writes them; the checkpoint is damaged, or was saved by "
+                "another kind of optimizer (load without this component: components=[...])"
+            ) from None
+
+
+def _probe_step_reads(
+    optimizer: torch.optim.Optimizer, group: Mapping[str, Any], live: Mapping[str, Any], missing: list[str]
+) -> list[str]:
+    """Which of ``missing`` a ``step`` of ``optimizer``'s class reads from a group holding ``group``'s options:
+    one step of a new one over a one-element parameter (on the live parameters' device), its group replaced by
+    those options (tensor ones, not read yet, taken from the live group); the key of the ``KeyError`` it raises
+    (none when it steps, or fails otherwise, or cannot be built)."""
+    from torchrl_dcp.format.codec import TensorSpec
+
+    device = live["params"][0].device if live.get("params") else torch.device("cpu")
+    param = torch.nn.Parameter(torch.zeros(1, device=device))
+    options = {k: (live.get(k) if isinstance(v, TensorSpec) else v) for k, v in group.items() if k != "params"}
+    try:
+        accepts = inspect.signature(type(optimizer)).parameters
+        probe = type(optimizer)([param], **{k: v for k, v in live.items() if k != "params" and k in accepts})
+        probe.param_groups[0] = {**options, "params": [param]}
+
+        def closure() -> torch.Tensor:  # (LBFGS calls it; the others take it and call it once)
+            probe.zero_grad()
+            loss = (param * param).sum()
+            loss.backward()
+            return loss
+
+        with torch.enable_grad():
+            probe.step(closure)
+    except KeyError as err:
+        return [key] if (key := err.args[0] if err.args else None) in missing else []
+    except Exception:  # noqa: BLE001 - not this check's to judge
+        return []
+    return []
 
 
 def _check_group_values(optimizer: torch.optim.Optimizer, saved: Any, name: str) -> None:
@@ -259,6 +326,7 @@ def _check_option_values(saved: Any) -> None:
         betas = group.get("betas")
         if betas is not None and not (
             isinstance(betas, (list, tuple))
+            and len(betas) == 2
             and all(isinstance(b, (numbers.Real, TensorSpec)) and not isinstance(b, bool) for b in betas)
             and all(isinstance(b, TensorSpec) or 0 <= b < 1 for b in betas)
         ):
@@ -356,14 +424,16 @@ def _check_state_shapes(optimizer: torch.optim.Optimizer, saved: Any, name: str)
     if not isinstance(states, Mapping):
         return
     ids = [i for g in saved["param_groups"] for i in g["params"]]
-    params = [(p, g) for g in optimizer.param_groups for p in g["params"]]
+    # (the options the load installs: the saved group's, tensor ones, not read yet, as the live group's)
+    params = [(p, g, s) for s, g in zip(saved["param_groups"], optimizer.param_groups) for p in g["params"]]
     keys_of: dict[int, set[str] | None] = {}
-    for pid, (param, group) in zip(ids, params):
+    for pid, (param, group, saved_group) in zip(ids, params):
         entries = states.get(pid)
         if isinstance(entries, Mapping) and entries:
             expected = keys_of.get(id(group), ...)
             if expected is ...:
-                expected = keys_of[id(group)] = _state_keys(optimizer, group)
+                options = {k: v for k, v in saved_group.items() if not isinstance(v, TensorSpec)}
+                expected = keys_of[id(group)] = _state_keys(optimizer, {**group, **options})
             other, missing = set(entries) - set(expected or entries), set(expected or ()) - set(entries)
             if expected and (other or (missing and kind != "SGD")):
                 raise IncompatibleComponentError(
