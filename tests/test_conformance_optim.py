@@ -350,3 +350,102 @@ def test_an_optimizer_whose_load_pre_hook_migrates_options_loads(tmp_path: Path)
     assert new.param_groups[0]["momentum_coef"] == 0.5
     model(torch.ones(1, 2)).sum().backward()
     new.step()
+
+
+def test_adam_with_tensor_betas_resumes_exactly(tmp_path: Path) -> None:
+    """Probe c1: tensor ``betas`` (torch accepts them) were passed, unread, to the constructor check, and a valid
+    checkpoint was refused ("'<=' not supported between 'float' and 'TensorSpec'")."""
+
+    def make(p):  # noqa: ANN001, ANN202
+        return optim.Adam(p, lr=1e-2, betas=(torch.tensor(0.9), torch.tensor(0.999)), foreach=False)
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = make(model.parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    train(model, optimizer, scheduler, 0, 2)
+    path = tdcp.DistributedCheckpoint(model=model, optimizer=optimizer, scheduler=scheduler).save(tmp_path / "c")
+    expected = train(model, optimizer, scheduler, 2, 2)
+    torch.manual_seed(1)
+    other = torch.nn.Linear(3, 1)
+    target = make(other.parameters())
+    other_scheduler = torch.optim.lr_scheduler.StepLR(target, step_size=1, gamma=0.5)
+    tdcp.DistributedCheckpoint(model=other, optimizer=target, scheduler=other_scheduler).load(path)
+    got = train(other, target, other_scheduler, 2, 2)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_a_load_runs_no_step_hook_of_the_users(tmp_path: Path) -> None:
+    """Probe c1: the load's probe optimizers stepped through torch's wrapper, so a user's global step hooks
+    (``register_optimizer_step_pre_hook``: step counters, logging) fired at a load, on optimizers the user never
+    built."""
+    model, optimizer, scheduler, _ = build("adam")
+    train(model, optimizer, scheduler, 0, 2)
+    optimizer.param_groups[0].pop("differentiable")  # (an older torch's group: the probe step runs too)
+    path = tdcp.DistributedCheckpoint(optimizer=optimizer).save(tmp_path / "c")
+    import torch.optim.optimizer as optimizer_module
+
+    fired: list[str] = []
+    handles = [
+        optimizer_module.register_optimizer_step_pre_hook(lambda *a: fired.append("pre")),
+        optimizer_module.register_optimizer_step_post_hook(lambda *a: fired.append("post")),
+    ]
+    try:
+        _, target, _, _ = build("adam")
+        tdcp.DistributedCheckpoint(optimizer=target).load(path)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert fired == []
+
+
+FORGED_RPROP = {"step_sizes": (1e-6,), "etas": (0.5,)}
+
+
+@pytest.mark.parametrize("key", list(FORGED_RPROP))
+def test_rprop_pairs_of_one_are_refused(tmp_path: Path, key: str) -> None:
+    """Probe c1: a one-element ``step_sizes`` loaded and the next ``step`` raised; a one-element ``etas`` was refused
+    as "IndexError: tuple index out of range", naming nothing."""
+    model, optimizer, scheduler, _ = build("rprop")
+    train(model, optimizer, scheduler, 0, 2)
+    optimizer.param_groups[0][key] = FORGED_RPROP[key]
+    path = tdcp.DistributedCheckpoint(optimizer=optimizer).save(tmp_path / "c")
+    _, target, _, _ = build("rprop")
+    before = _snapshot(target)
+    with pytest.raises(tdcp.CheckpointIntegrityError, match=rf"parameter group 0's {key} are"):
+        tdcp.DistributedCheckpoint(optimizer=target).load(path)
+    assert _snapshot(target) == before
+
+
+def test_a_capturable_group_onto_cpu_parameters_is_refused(tmp_path: Path) -> None:
+    """Probe c1: a CUDA save's ``capturable=True`` group loaded into an Adam over CPU parameters, and its next
+    ``step`` asserted (torch's own ``load_state_dict`` takes it too)."""
+    model, optimizer, scheduler, _ = build("adam")
+    train(model, optimizer, scheduler, 0, 2)
+    optimizer.param_groups[0]["capturable"] = True
+    path = tdcp.DistributedCheckpoint(optimizer=optimizer).save(tmp_path / "c")
+    _, target, _, _ = build("adam")
+    before = _snapshot(target)
+    with pytest.raises(tdcp.IncompatibleComponentError, match=r"is capturable .* parameters are on \['cpu'\]"):
+        tdcp.DistributedCheckpoint(optimizer=target).load(path)
+    assert _snapshot(target) == before
+
+
+def test_a_forged_lbfgs_group_does_not_hang_the_load(tmp_path: Path) -> None:
+    """Probe c1: a group lacking ``maximize`` made the load run a probe step with the checkpoint's options, and a
+    forged ``max_iter`` of 10**12 with negative tolerances never returned. The probe steps with the live options."""
+    from tests import forging
+
+    model, optimizer, scheduler, _ = build("lbfgs")
+    train(model, optimizer, scheduler, 0, 1)
+    path = tdcp.DistributedCheckpoint(optimizer=optimizer).save(tmp_path / "c")
+    forged = {"max_iter": 10**12, "max_eval": 10**12, "tolerance_grad": -1.0, "tolerance_change": -1.0}
+
+    def forge(m: dict) -> None:
+        for group in dict(m["components"]["optimizer"]["state"]["items"])["param_groups"]["items"]:
+            group["items"][:] = [[k, forged.get(k, v)] for k, v in group["items"] if k != "maximize"]
+
+    forging.edit(path, forge)
+    _, target, _, _ = build("lbfgs")
+    tdcp.DistributedCheckpoint(optimizer=target).load(path)  # (returns: the values are torch's to run)
+    assert target.param_groups[0]["max_iter"] == 10**12

@@ -778,3 +778,10 @@ def test_a_resume_names_what_newer_steps_a_save_will_refuse_to_replace(tmp_path:
         assert tdcp.CheckpointRotation(tmp_path, keep_last=5).resume(ckpt).step == 1
     said = " ".join(str(w.message) for w in caught)
     assert "step-000000000002" in said and "a symbolic link" in said and "a file, not a checkpoint directory" in said
+    # nothing to resume (probe c2): the link was said nowhere, and the job failed at that step's save
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "step-000000000003").symlink_to(tmp_path / "step-000000000002")
+    with pytest.warns(tdcp.TorchrlDcpWarning, match="holds entries that are not checkpoints") as caught:
+        assert tdcp.CheckpointRotation(fresh, keep_last=5).resume(ckpt) is None
+    assert "step-000000000003 (a symbolic link)" in " ".join(str(w.message) for w in caught)

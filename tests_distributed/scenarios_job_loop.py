@@ -48,10 +48,20 @@ def subgroup_saves_and_loads(directory: str) -> dict[str, Any]:
     learners = dist.new_group([1, 2])  # the user's learner-only group (creating it involves every rank)
     store = dist.distributed_c10d._get_default_store()
     if rank == 0:
+        try:  # (``learners`` is new_group's placeholder here: said to be no member, not "got int")
+            tdcp.DistributedCheckpoint(process_group=learners)
+            outsider = None
+        except ValueError as err:
+            outsider = str(err)
         work = torch.zeros(()).add_(sum(range(1000)))  # its own work
         store.wait(["learners-done"], datetime.timedelta(seconds=60))
         dist.barrier()
-        return {"rank": 0, "work": float(work), "later_groups": _groups_after_a_subgroup(directory)}
+        return {
+            "rank": 0,
+            "work": float(work),
+            "later_groups": _groups_after_a_subgroup(directory),
+            "outsider": outsider,
+        }
     model, buffer = _learner_and_buffer(7)  # the learner: the same on both ranks
     _, buffer = _learner_and_buffer(100 + rank)  # its own buffer
     ckpt = tdcp.DistributedCheckpoint(process_group=learners, timeout=30, model=model)

@@ -91,6 +91,8 @@ def test_a_subgroup_saves_and_loads_while_another_rank_works_alone(tmp_path: Pat
     differs, restore = learners[0]["named"]
     assert "differs between rank 0 (global rank 1) and rank 1 (global rank 2)" in differs, differs
     assert "rank 1 (global rank 2) failed while restoring components" in restore, restore
+    # probe c2: a rank new_group left out passed its placeholder (an int): "must be a ProcessGroup, got int"
+    assert "rank 0 is not a member of the process_group given" in results[0].value["outsider"]
 
 
 def test_a_no_dist_load_on_one_rank_returns_while_the_other_waits(tmp_path: Path) -> None:

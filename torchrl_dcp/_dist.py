@@ -106,6 +106,11 @@ def check_process_group(process_group: Any) -> Any:
         return None
     if not initialized():
         raise ValueError("process_group= needs torch.distributed initialised (init_process_group) first")
+    if type(process_group) is int and process_group == dist.GroupMember.NON_GROUP_MEMBER:  # (new_group's, elsewhere)
+        raise ValueError(
+            f"rank {dist.get_rank()} is not a member of the process_group given (new_group returned its placeholder "
+            "for the ranks it leaves out): only its ranks build the checkpoint (the others need not)"
+        )
     if not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(f"process_group must be a torch.distributed ProcessGroup, got {type(process_group).__name__}")
     if dist.get_rank(process_group) < 0:

@@ -134,21 +134,25 @@ def _resume(rotation: Any, ckpt: Any, fallback: bool, load_kwargs: dict[str, Any
         raise err
     if rotation.local is not None and (info is None or info.tier == "shared"):
         rotation.local.forget_after(ckpt, None if info is None else info.step)  # newer local steps: an abandoned future
-    if info is not None:
-        _warn_blocking(rotation, info.step, group)
+    _warn_blocking(rotation, None if info is None else info.step, group)
     return info
 
 
-def _warn_blocking(rotation: Any, step: int, group: Any) -> None:
-    """Warn (rank 0) about the entries newer than ``step`` that a save of their step will refuse to replace."""
+def _warn_blocking(rotation: Any, step: int | None, group: Any) -> None:
+    """Warn (rank 0) about the entries newer than ``step`` (``None``: a fresh start, any step) that a save of their
+    step will refuse to replace; at a fresh start, those the fresh start's own warning did not name (links)."""
     from torchrl_dcp import _dist
 
     if _dist.group_rank(group) != 0:
         return
-    blocking = blocking_entries(rotation.location, step)
+    blocking = blocking_entries(rotation.location, -1 if step is None else step)
+    if step is None and blocking:
+        named = {e.path.name for e in rotation.entries(include_uncommitted=True)}
+        blocking = [e for e in blocking if e.path.name not in named]
     if blocking:
+        newer = "" if step is None else f" newer than step {step}"
         warnings.warn(
-            f"{rotation.directory} holds entries newer than step {step} that are not checkpoints this rotation can "
+            f"{rotation.directory} holds entries{newer} that are not checkpoints this rotation can "
             "load or replace: "
             + "; ".join(f"{e.path.name} ({e.error})" for e in blocking[:3])
             + ". The save of such a step will be refused (a save never deletes what it did not write): move them "

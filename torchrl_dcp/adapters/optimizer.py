@@ -206,9 +206,9 @@ def _check_options_held(optimizer: torch.optim.Optimizer, saved: Any, name: str)
     """Each saved parameter group holds every option the optimizer's ``step`` reads (an Adam group without ``lr``
     loaded, and the next ``step`` raised ``KeyError``): those of its ``defaults`` the group lacks once the class's
     own ``__setstate__`` (which ``load_state_dict`` runs) has filled what it fills in states of older torch versions,
-    run on a bare instance holding the saved groups, and that a probe ``step`` of that class over a one-element
-    parameter with the group's options reads (LBFGS reads ``maximize`` with a default). Not compared: an optimizer
-    whose ``__setstate__`` cannot run so, or with ``load_state_dict`` pre-hooks (they may migrate saved options)."""
+    run on a bare instance holding the saved groups, and that a probe ``step`` reads (LBFGS reads ``maximize`` with
+    a default): :func:`_probe_step_reads`. Not compared: an optimizer whose ``__setstate__`` cannot run so, or with
+    ``load_state_dict`` pre-hooks (they may migrate saved options)."""
     if getattr(optimizer, "_optimizer_load_state_dict_pre_hooks", None):
         return
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in saved["param_groups"]]
@@ -220,7 +220,7 @@ def _check_options_held(optimizer: torch.optim.Optimizer, saved: Any, name: str)
         return
     for i, (group, live) in enumerate(zip(upgraded, optimizer.param_groups)):
         missing = sorted(set(optimizer.defaults) - set(group))
-        read = _probe_step_reads(optimizer, group, live, missing) if missing else None
+        read = _probe_step_reads(optimizer, live, missing) if missing else None
         if read:
             raise IncompatibleComponentError(
                 f"component {name!r}: the checkpoint's parameter group {i} lacks options {read}, which this "
@@ -233,18 +233,19 @@ def _check_options_held(optimizer: torch.optim.Optimizer, saved: Any, name: str)
 def _check_constructible(optimizer: torch.optim.Optimizer, saved: Any, name: str) -> None:
     """torch's own optimizers: each saved group's options are ones its constructor accepts together (``fused`` with
     ``differentiable``: the next ``step`` raised), where it accepts the live group's (a one-element parameter on
-    the live parameters' device; tensor options, not read yet, as the live group's)."""
-    from torchrl_dcp.format.codec import TensorSpec
-
+    the live parameters' device; options holding tensors, not read yet, as the live group's); and ``capturable``
+    only over parameters on a device it supports (the next ``step`` asserts it)."""
     cls = type(optimizer)
     if not cls.__module__.startswith("torch.optim"):
         return
     accepts = inspect.signature(cls).parameters
     for i, (group, live) in enumerate(zip(saved["param_groups"], optimizer.param_groups)):
         device = live["params"][0].device if live.get("params") else torch.device("cpu")
+        if group.get("capturable") is True and live.get("params"):
+            _check_capturable(live["params"], i, cls.__name__, name)
         base = {k: v for k, v in live.items() if k != "params" and k in accepts}
-        options = {k: v for k, v in group.items() if k in accepts and k != "params" and not isinstance(v, TensorSpec)}
-        if all(base.get(k, ...) == v for k, v in options.items()):
+        options = {k: v for k, v in group.items() if k in accepts and k != "params" and not _holds_spec(v)}
+        if all(_same_option(base.get(k, ...), v) for k, v in options.items()):
             continue  # (the live group's own options)
         try:
             cls([torch.nn.Parameter(torch.zeros(1, device=device))], **base)
@@ -252,30 +253,62 @@ def _check_constructible(optimizer: torch.optim.Optimizer, saved: Any, name: str
             continue
         try:
             cls([torch.nn.Parameter(torch.zeros(1, device=device))], **{**base, **options})
-        except (ValueError, RuntimeError, TypeError) as err:
+        except Exception as err:  # noqa: BLE001 - only the saved options differ: they are the cause
             raise IncompatibleComponentError(
                 f"component {name!r}: the checkpoint's parameter group {i} holds options torch's "
-                f"{cls.__name__} refuses ({err}): no save writes them; the checkpoint is damaged, or was saved by "
-                "another kind of optimizer (load without this component: components=[...])"
+                f"{cls.__name__} refuses ({type(err).__name__}: {err}): no save writes them; the checkpoint is "
+                "damaged, or was saved by another kind of optimizer (load without this component: components=[...])"
             ) from None
 
 
-def _probe_step_reads(
-    optimizer: torch.optim.Optimizer, group: Mapping[str, Any], live: Mapping[str, Any], missing: list[str]
-) -> list[str]:
-    """Which of ``missing`` a ``step`` of ``optimizer``'s class reads from a group holding ``group``'s options:
-    one step of a new one over a one-element parameter (on the live parameters' device), its group replaced by
-    those options (tensor ones, not read yet, taken from the live group); the key of the ``KeyError`` it raises
-    (none when it steps, or fails otherwise, or cannot be built)."""
+def _check_capturable(params: list[torch.Tensor], i: int, kind: str, name: str) -> None:
+    """A capturable group over parameters on a device torch's capturable steps refuse (a CUDA save onto CPU)."""
+    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+    supported = _get_foreach_kernels_supported_devices()
+    off = sorted({p.device.type for p in params if p.device.type not in supported})
+    if off:
+        raise IncompatibleComponentError(
+            f"component {name!r}: the checkpoint's parameter group {i} is capturable (saved over parameters on "
+            f"{'/'.join(supported)}), this {kind}'s parameters are on {off}, where its step refuses capturable: "
+            "load into an optimizer over parameters on the saved device (or load without this component: "
+            "components=[...])"
+        )
+
+
+def _holds_spec(value: Any) -> bool:
+    """Whether an option value is, or holds, a tensor not read yet (a :class:`TensorSpec`: tensor ``betas``)."""
     from torchrl_dcp.format.codec import TensorSpec
 
+    if isinstance(value, (list, tuple)):
+        return any(_holds_spec(v) for v in value)
+    return isinstance(value, TensorSpec)
+
+
+def _same_option(live: Any, saved: Any) -> bool:
+    """Whether a saved option is the live group's own (a JSON list for a tuple; a tensor never compared)."""
+    if isinstance(live, torch.Tensor) or isinstance(saved, torch.Tensor):
+        return False
+    if isinstance(live, (list, tuple)) and isinstance(saved, (list, tuple)):
+        return len(live) == len(saved) and all(_same_option(a, b) for a, b in zip(live, saved))
+    return type(live) is type(saved) and live == saved
+
+
+def _probe_step_reads(optimizer: torch.optim.Optimizer, live: Mapping[str, Any], missing: list[str]) -> list[str]:
+    """Which of ``missing`` a ``step`` of ``optimizer``'s class reads without a default: one step of a new one over a
+    one-element parameter (on the live parameters' device) whose group holds the live group's options but
+    ``missing`` (the user's own options, never the checkpoint's: a forged ``max_iter`` cannot make it loop), torch's
+    step hooks left out (:func:`step_unhooked`); the key of the ``KeyError`` it raises (none when it steps, fails
+    otherwise, or cannot be built)."""
     device = live["params"][0].device if live.get("params") else torch.device("cpu")
     param = torch.nn.Parameter(torch.zeros(1, device=device))
-    options = {k: (live.get(k) if isinstance(v, TensorSpec) else v) for k, v in group.items() if k != "params"}
     try:
         accepts = inspect.signature(type(optimizer)).parameters
         probe = type(optimizer)([param], **{k: v for k, v in live.items() if k != "params" and k in accepts})
-        probe.param_groups[0] = {**options, "params": [param]}
+        probe.param_groups[0] = {
+            **{k: v for k, v in live.items() if k != "params" and k not in missing},
+            "params": [param],
+        }
 
         def closure() -> torch.Tensor:  # (LBFGS calls it; the others take it and call it once)
             probe.zero_grad()
@@ -284,12 +317,26 @@ def _probe_step_reads(
             return loss
 
         with torch.enable_grad():
-            probe.step(closure)
+            step_unhooked(probe, closure)
     except KeyError as err:
         return [key] if (key := err.args[0] if err.args else None) in missing else []
     except Exception:  # noqa: BLE001 - not this check's to judge
         return []
     return []
+
+
+def step_unhooked(probe: torch.optim.Optimizer, closure: Any = None) -> Any:
+    """``probe.step(closure)`` without the step hooks torch's wrapper runs: a user's global
+    ``register_optimizer_step_pre_hook`` must not see a probe the user never built, nor count its step.
+
+    Example:
+        >>> p = torch.nn.Parameter(torch.ones(1)); p.grad = torch.ones(1)
+        >>> step_unhooked(torch.optim.SGD([p], lr=0.5)); p.item()
+        0.5
+    """
+    step = type(probe).step
+    inner = getattr(step, "__wrapped__", None) if getattr(step, "hooked", False) else None
+    return (inner or step)(probe, closure) if closure is not None else (inner or step)(probe)
 
 
 def _check_group_values(optimizer: torch.optim.Optimizer, saved: Any, name: str) -> None:
@@ -331,6 +378,14 @@ def _check_option_values(saved: Any) -> None:
             and all(isinstance(b, TensorSpec) or 0 <= b < 1 for b in betas)
         ):
             raise ValueError(f"its parameter group {i}'s betas are {betas!r}, which torch's optimizers refuse")
+        for key in ("etas", "step_sizes"):  # (Rprop's pairs: the step unpacks two)
+            pair = group.get(key)
+            if pair is not None and not (
+                isinstance(pair, (list, tuple))
+                and len(pair) == 2
+                and all(isinstance(b, (numbers.Real, TensorSpec)) and not isinstance(b, bool) for b in pair)
+            ):
+                raise ValueError(f"its parameter group {i}'s {key} are {pair!r}, which torch's optimizers refuse")
 
 
 #: torch optimizers whose state tensors are each a scalar or of their parameter's shape
@@ -362,7 +417,7 @@ def _state_keys(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -> d
         accepts = inspect.signature(type(optimizer)).parameters  # (AdamW sets decoupled_weight_decay itself)
         probe = type(optimizer)([param], **{k: v for k, v in group.items() if k != "params" and k in accepts})
         param.grad = torch.ones(1)
-        probe.step()
+        step_unhooked(probe)
     except Exception:  # noqa: BLE001 - an optimizer this cannot build or step: not compared
         return None
     return dict(probe.state[param]) if param in probe.state else {}
@@ -432,7 +487,7 @@ def _check_state_shapes(optimizer: torch.optim.Optimizer, saved: Any, name: str)
         if isinstance(entries, Mapping) and entries:
             expected = keys_of.get(id(group), ...)
             if expected is ...:
-                options = {k: v for k, v in saved_group.items() if not isinstance(v, TensorSpec)}
+                options = {k: v for k, v in saved_group.items() if not _holds_spec(v)}
                 expected = keys_of[id(group)] = _state_keys(optimizer, {**group, **options})
             other, missing = set(entries) - set(expected or entries), set(expected or ()) - set(entries)
             if expected and (other or (missing and kind != "SGD")):
