@@ -287,31 +287,40 @@ def test_a_param_group_without_an_option_the_step_reads_is_refused(
     train(other, target, torch.optim.lr_scheduler.StepLR(target, step_size=2), 2, 2)  # must not raise
 
 
-TAMPERED = {
-    "betas_of_one": ({"betas": (0.9,)}, tdcp.CheckpointIntegrityError, "betas"),
-    "amsgrad_without_its_state": ({"amsgrad": True}, tdcp.IncompatibleComponentError, "max_exp_avg_sq"),
+TAMPERED = {  # case: (kind, options set on its group before saving, error, what it says)
+    "betas_of_one": ("adam", {"betas": (0.9,)}, tdcp.CheckpointIntegrityError, "betas"),
+    "amsgrad_without_its_state": ("adam", {"amsgrad": True}, tdcp.IncompatibleComponentError, "max_exp_avg_sq"),
     "fused_and_differentiable": (
+        "adam",
         {"fused": True, "differentiable": True},
         tdcp.IncompatibleComponentError,
         "options torch's Adam refuses",
+    ),
+    "rprop_step_sizes_of_one": ("rprop", {"step_sizes": (1e-6,)}, tdcp.CheckpointIntegrityError, "step_sizes are"),
+    "rprop_etas_of_one": ("rprop", {"etas": (0.5,)}, tdcp.CheckpointIntegrityError, "etas are"),
+    "capturable_onto_cpu": (
+        "adam",
+        {"capturable": True},
+        tdcp.IncompatibleComponentError,
+        r"is capturable .* parameters are on \['cpu'\]",
     ),
 }
 
 
 @pytest.mark.parametrize("case", list(TAMPERED))
-def test_adam_options_its_step_fails_on_are_refused(tmp_path: Path, case: str) -> None:
-    """Probe b2: options no Adam holds (saved from a group set by hand, the bytes a forger writes) passed planning
-    and the first ``step`` after the load failed, the model already overwritten: a one-element ``betas``, ``amsgrad``
-    over a state without ``max_exp_avg_sq`` (the expected state was the live group's), ``fused`` with
-    ``differentiable``. Refused while planning, the optimizer unchanged."""
-    options, error, said = TAMPERED[case]
-    model, optimizer, scheduler, _ = build("adam")
+def test_options_the_next_step_fails_on_are_refused(tmp_path: Path, case: str) -> None:
+    """Probes b2 and c1: options no such optimizer holds (saved from a group set by hand, the bytes a forger writes)
+    passed planning and the first ``step`` after the load failed, the model already overwritten: a one-element
+    ``betas``, ``amsgrad`` over a state without ``max_exp_avg_sq`` (the expected state was the live group's),
+    ``fused`` with ``differentiable``, Rprop's ``step_sizes`` of one (its ``etas`` of one: "IndexError: tuple index
+    out of range", naming nothing), a CUDA save's ``capturable`` onto CPU parameters (torch's own
+    ``load_state_dict`` takes it too). Refused while planning, the optimizer unchanged."""
+    kind, options, error, said = TAMPERED[case]
+    model, optimizer, scheduler, _ = build(kind)
     train(model, optimizer, scheduler, 0, 2)
     optimizer.param_groups[0].update(options)
     path = tdcp.DistributedCheckpoint(optimizer=optimizer).save(tmp_path / "c")
-    torch.manual_seed(0)
-    other = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    target = OPTIMIZERS["adam"](other.parameters())
+    _, target, _, _ = build(kind)
     before = _snapshot(target)
     with pytest.raises(error, match=said):
         tdcp.DistributedCheckpoint(optimizer=target).load(path)
@@ -397,38 +406,6 @@ def test_a_load_runs_no_step_hook_of_the_users(tmp_path: Path) -> None:
         for handle in handles:
             handle.remove()
     assert fired == []
-
-
-FORGED_RPROP = {"step_sizes": (1e-6,), "etas": (0.5,)}
-
-
-@pytest.mark.parametrize("key", list(FORGED_RPROP))
-def test_rprop_pairs_of_one_are_refused(tmp_path: Path, key: str) -> None:
-    """Probe c1: a one-element ``step_sizes`` loaded and the next ``step`` raised; a one-element ``etas`` was refused
-    as "IndexError: tuple index out of range", naming nothing."""
-    model, optimizer, scheduler, _ = build("rprop")
-    train(model, optimizer, scheduler, 0, 2)
-    optimizer.param_groups[0][key] = FORGED_RPROP[key]
-    path = tdcp.DistributedCheckpoint(optimizer=optimizer).save(tmp_path / "c")
-    _, target, _, _ = build("rprop")
-    before = _snapshot(target)
-    with pytest.raises(tdcp.CheckpointIntegrityError, match=rf"parameter group 0's {key} are"):
-        tdcp.DistributedCheckpoint(optimizer=target).load(path)
-    assert _snapshot(target) == before
-
-
-def test_a_capturable_group_onto_cpu_parameters_is_refused(tmp_path: Path) -> None:
-    """Probe c1: a CUDA save's ``capturable=True`` group loaded into an Adam over CPU parameters, and its next
-    ``step`` asserted (torch's own ``load_state_dict`` takes it too)."""
-    model, optimizer, scheduler, _ = build("adam")
-    train(model, optimizer, scheduler, 0, 2)
-    optimizer.param_groups[0]["capturable"] = True
-    path = tdcp.DistributedCheckpoint(optimizer=optimizer).save(tmp_path / "c")
-    _, target, _, _ = build("adam")
-    before = _snapshot(target)
-    with pytest.raises(tdcp.IncompatibleComponentError, match=r"is capturable .* parameters are on \['cpu'\]"):
-        tdcp.DistributedCheckpoint(optimizer=target).load(path)
-    assert _snapshot(target) == before
 
 
 def test_a_forged_lbfgs_group_does_not_hang_the_load(tmp_path: Path) -> None:
