@@ -257,9 +257,13 @@ def unshared_parts(path: Any, described: list[Any]) -> str | None:
     """The refusal of a reshard whose shared-out components (a replay buffer's transitions) some new ranks do not
     load (not registered, or incompatible there): their parts would be lost. ``None`` for any other
     disagreement (``described``: every rank's description, from :func:`prepare`)."""
-    shared = [set(d.get("shared_out_by_the_reshard", ())) if isinstance(d, Mapping) else None for d in described]
-    if any(s is None for s in shared) or all(s == shared[0] for s in shared):
+    key = "shared_out_by_the_reshard"
+    if not all(isinstance(d, Mapping) for d in described):
         return None
+    rest = [{k: v for k, v in d.items() if k != key} for d in described]
+    shared = [set(d.get(key, ())) for d in described]
+    if any(r != rest[0] for r in rest) or all(s == shared[0] for s in shared):
+        return None  # (another difference, the checkpoint itself: the general refusal names it)
     names = sorted(set().union(*shared))
     without = {n: [r for r, s in enumerate(shared) if n not in s] for n in names}
     where = "; ".join(f"{n!r} on ranks {ranks}" for n, ranks in without.items() if ranks)
