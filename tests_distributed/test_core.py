@@ -172,7 +172,43 @@ def test_a_save_the_ranks_describe_differently_raises_on_every_rank_and_keeps_th
     tdcp.verify(path)
 
 
-def test_a_per_rank_component_registered_on_some_ranks_is_saved_and_loaded_where_it_is(tmp_path: Path) -> None:
+def _the_tools_say_which_ranks_hold_it(path: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Probe d2: ``inspect`` listed rank 1 among the evaluator's ranks (it saved the absent marker), ``diff`` showed
+    the marker as a value of the user's, ``read_component`` returned it as the state, and ``export_torchrl``'s
+    refusal named "rank None"."""
+    import json
+
+    from torchrl_dcp.cli import main
+    from torchrl_dcp.extract import read_component
+
+    assert main(["inspect", "--json", path]) == 0
+    evaluator = json.loads(capsys.readouterr().out)["components"]["evaluator"]
+    assert evaluator["ranks"] == [0] and evaluator["absent_ranks"] == [1]
+    assert main(["inspect", path]) == 0
+    assert " ranks 0 " in capsys.readouterr().out
+    with pytest.raises(KeyError, match="rank 1 registered none when it was saved .*: \\[0\\]"):
+        read_component(path, "evaluator", rank=1)
+    assert read_component(path, "evaluator", rank=0) == {"evaluations": 3, "best": 10.0}
+    with pytest.raises(tdcp.CheckpointError, match="rank 1 registered none"):
+        tdcp.export_torchrl(path, tmp_path / "exported", components=["evaluator"], rank=1)
+    # diff: a rank that registered none, shown as such (not "/1/_tdcp_absent_on_this_rank (only in a)")
+    import shutil
+
+    from tests import forging
+
+    other = tmp_path / "both"
+    shutil.copytree(path, other)
+    forging.edit(
+        other, lambda m: m["components"]["evaluator"]["ranks"]["1"].update(m["components"]["evaluator"]["ranks"]["0"])
+    )
+    assert main(["diff", path, str(other)]) == 1
+    out = capsys.readouterr().out
+    assert "<not registered on this rank>" in out and "_tdcp_absent_on_this_rank" not in out, out
+
+
+def test_a_per_rank_component_registered_on_some_ranks_is_saved_and_loaded_where_it_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Rank 0 alone registers a per-rank component (an evaluation hook, a logger: the usual distributed job): the
     save was refused ("components only on rank 0"). Now the other ranks save it as absent: it loads on rank 0, rank 1
     loads nothing for it, and a rank 1 that registers it now keeps its own state, said; a replicated component on
@@ -183,6 +219,7 @@ def test_a_per_rank_component_registered_on_some_ranks_is_saved_and_loaded_where
     states = manifest["components"]["evaluator"]["ranks"]
     assert manifest["components"]["evaluator"]["placement"] == "per_rank" and sorted(states) == ["0", "1"]
     tdcp.verify(path)
+    _the_tools_say_which_ranks_hold_it(path, tmp_path, capsys)
     loaded = [r.value for r in launch(f"{S}:per_rank_on_some_ranks", 2, path, "load")]
     assert loaded[0]["evaluator"] == {"evaluations": 3, "best": 10.0} and "evaluator" in loaded[0]["loaded"]
     assert "evaluator" not in loaded[1]["loaded"] and not loaded[0]["said"] and not loaded[1]["said"]
@@ -197,7 +234,8 @@ def test_a_per_rank_component_registered_on_some_ranks_is_saved_and_loaded_where
     resharded = [r.value for r in launch(f"{S}:per_rank_on_some_ranks", 3, path, "reshard")]
     assert [r["demos"] for r in resharded] == [[0], [1], [2]]  # (rank 0's rows shared out: refused before, as forged)
     assert not resharded[0]["said"] and not resharded[2]["said"]  # (they take saved rank 0's generator)
-    assert "rank 1 registered no ['generator']" in " ".join(resharded[1]["said"])  # (saved rank 1 held none)
+    said = " ".join(resharded[1]["said"])  # (saved rank 1 held none: probe d2, "rank 1 registered none" was wrong)
+    assert "the saved rank that rank 1 takes ['generator'] from held none" in said, said
     refused = [r.value["error"] for r in launch(f"{S}:per_rank_on_some_ranks", 2, str(tmp_path / "r"), "replicated")]
     assert len(set(refused)) == 1 and "components only on rank 0: ['evaluator']" in refused[0]
     # the same components= on every rank, naming rank 0's: rank 1 raised KeyError (not registered); a name no rank

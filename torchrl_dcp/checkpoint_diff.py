@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torchrl_dcp.format.manifest_depth import MAPPING_NODES
+from torchrl_dcp.placement import is_absent_skeleton
 
 __all__ = ["diff_checkpoints", "print_diff", "tolerance"]
 
@@ -232,8 +233,14 @@ def _strip_tensors(rec: dict[str, Any]) -> Any:
             return [walk(v) for v in node]
         return node
 
-    states = {r: s["state"] for r, s in rec["ranks"].items()} if rec["placement"] == "per_rank" else rec["state"]
-    return walk(states)
+    if rec["placement"] != "per_rank":
+        return walk(rec["state"])
+    # (a rank that registered none saved the absent marker: shown as such, not as a value of the user's)
+    return {r: ABSENT_SHOWN if is_absent_skeleton(s["state"]) else walk(s["state"]) for r, s in rec["ranks"].items()}
+
+
+#: what ``diff`` shows for a rank's per-rank state saved absent (the rank registered no such component)
+ABSENT_SHOWN = "<not registered on this rank>"
 
 
 def print_diff(info: dict[str, Any]) -> None:

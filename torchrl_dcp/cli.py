@@ -34,6 +34,7 @@ from typing import Any
 from torchrl_dcp.checkpoint_diff import diff_checkpoints, print_diff, tolerance
 from torchrl_dcp.errors import CheckpointError, CheckpointVersionError
 from torchrl_dcp.format.manifest_depth import MAPPING_NODES
+from torchrl_dcp.placement import is_absent_skeleton
 from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.storage.files import absent_because
 from torchrl_dcp.storage.urls import is_file_url, resolve_path
@@ -64,7 +65,10 @@ def _inspect(path: str) -> dict[str, Any]:
     comps = {}
     for name, rec in m["components"].items():
         inventory = rec["inventory"]
-        ranks = sorted(int(r) for r in rec["ranks"]) if rec["placement"] == "per_rank" else None
+        ranks = absent = None
+        if rec["placement"] == "per_rank":  # (the ranks holding it; those that registered none saved it absent)
+            saved = sorted((int(r), is_absent_skeleton(s.get("state"))) for r, s in rec["ranks"].items())
+            ranks, absent = [r for r, a in saved if not a], [r for r, a in saved if a]
         comps[name] = {
             "adapter": rec["adapter"],
             "adapter_version": rec["adapter_version"],
@@ -74,6 +78,8 @@ def _inspect(path: str) -> dict[str, Any]:
             "bytes": rec["nbytes"],
             "shared": _shared_tensors(rec),
         }
+        if absent is not None:  # (per-rank: the ranks that registered none when it was saved)
+            comps[name]["absent_ranks"] = absent
     return {
         "path": str(where.path),
         "container": where.kind,
@@ -118,6 +124,13 @@ def _shared_tensors(rec: dict[str, Any]) -> dict[str, str]:
     return dict(sorted(found.items()))
 
 
+def _ranks_text(ranks: list[int]) -> str:
+    """``0..7`` for a run of ranks, else the list (a per-rank component some ranks held: ``[1]``)."""
+    if ranks and ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 1:
+        return f"{ranks[0]}..{ranks[-1]}"
+    return ",".join(map(str, ranks)) or "none"
+
+
 def _print_inspect(info: dict[str, Any]) -> None:
     print(
         f"{info['path']} ({info['container']}): step {info['step']}, saved by {info['world_size']} rank(s) at {info['created_at']}"
@@ -127,7 +140,7 @@ def _print_inspect(info: dict[str, Any]) -> None:
         f"({info['data_bytes']:,} of data); " + ", ".join(f"{k} {v}" for k, v in info["versions"].items())
     )
     for name, c in info["components"].items():
-        ranks = f" ranks {c['ranks'][0]}..{c['ranks'][-1]}" if c["ranks"] else ""
+        ranks = f" ranks {_ranks_text(c['ranks'])}" if c["ranks"] is not None else ""
         print(
             f"  {name:<20} {c['placement']:<10}{ranks:<12} {c['tensors']:>5} tensors {c['bytes']:>14,} bytes  "
             f"[{c['adapter']} v{c['adapter_version']}]"

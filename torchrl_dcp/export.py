@@ -29,7 +29,7 @@ from typing import Any
 from torchrl_dcp._log import get_logger
 from torchrl_dcp.convert import any_remote, check_apart, convert_via_local, local_path
 from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, IncompatibleComponentError, from_os_error
-from torchrl_dcp.placement import is_absent
+from torchrl_dcp.placement import is_absent_skeleton
 from torchrl_dcp.storage.commit import (
     DestinationLock,
     leftover_owner,
@@ -238,9 +238,11 @@ def _exported_value(source: Any, name: str, rec: Mapping[str, Any], rank: int | 
         raise ValueError(f"component {name!r} is per_rank: pass rank=... to choose whose state to export")
     if not is_rng and rec["adapter"] not in _STATE_DICT_ADAPTERS and rec["adapter"] != "torchrl_dcp.json":
         return None, f"{rec['adapter']}: export supports modules, optimizers, state_dict objects and JSON values"
-    state = read_component(source, name, rank=0 if is_rng and rank is None else rank)
-    if is_absent(state):
-        return None, f"rank {rank} registered none when it was saved (other ranks did): pass another rank=..."
+    read_rank = 0 if is_rng and rank is None else rank  # (an RNG export defaults to rank 0's streams)
+    saved = (rec.get("ranks") or {}).get(str(read_rank)) if rec["placement"] == "per_rank" else None
+    if isinstance(saved, Mapping) and is_absent_skeleton(saved.get("state")):
+        return None, f"rank {read_rank} registered none when it was saved (other ranks did): pass another rank=..."
+    state = read_component(source, name, rank=read_rank)
     if is_rng and isinstance(state, Mapping):
         return _StateDict(torchrl_rng_layout(state)), None
     if rec["adapter"] in _STATE_DICT_ADAPTERS and isinstance(state, Mapping):

@@ -22,7 +22,7 @@ import torch
 
 from torchrl_dcp.format.codec import decode, dtype_from_name, tensor_specs, xref_key, xrefs
 from torchrl_dcp.load_engine import read_fresh
-from torchrl_dcp.placement import key_prefix
+from torchrl_dcp.placement import is_absent_skeleton, key_prefix
 from torchrl_dcp.storage.backends import open_source
 from torchrl_dcp.storage.source import CheckpointSource
 
@@ -78,6 +78,12 @@ def read_component(
             raise ValueError(f"component {name!r} is per_rank (saved by {len(states)} ranks): pass rank=...")
         if rank not in states:
             raise KeyError(f"component {name!r} was saved by ranks {sorted(states)}, not {rank}")
+        if is_absent_skeleton(states[rank]):
+            held = sorted(r for r, s in states.items() if not is_absent_skeleton(s))
+            raise KeyError(
+                f"component {name!r}: rank {rank} registered none when it was saved (other ranks did: {held}); "
+                "pass one of those ranks"
+            )
     else:
         rank = 0
     skeleton = states[rank]

@@ -82,7 +82,6 @@ from torchrl_dcp.load_plan import (
     check_backed,
     check_sparse,
     decode_states,
-    is_absent_skeleton,
     plan_components,
     rollback_one,
 )
@@ -94,6 +93,7 @@ from torchrl_dcp.load_rollback import (
     undo,
     with_planned,
 )
+from torchrl_dcp.placement import is_absent_skeleton
 from torchrl_dcp.planner import SafeLoadPlanner
 from torchrl_dcp.save_support import failure_inside, quiet_single_process, summarize
 from torchrl_dcp.storage.backends import open_source
@@ -200,13 +200,14 @@ def prepare(request: LoadRequest, result: LoadResult) -> tuple[CheckpointSource,
             lambda specs: read_fresh(src, specs),
         )
         if found["plan"].not_saved_here:
-            warnings.warn(
-                InexactResumeWarning(
-                    f"{request.path}: rank {request.rank} registered no {sorted(found['plan'].not_saved_here)} when the "
-                    "checkpoint was saved (other ranks did): left as they are"
-                ),
-                stacklevel=6,
+            names = sorted(found["plan"].not_saved_here)
+            why = (
+                f"rank {request.rank} registered no {names} when the checkpoint was saved (other ranks did)"
+                if manifest["world_size"] == request.world_size
+                else f"after the world-size change, the saved rank that rank {request.rank} takes {names} from held "
+                "none (other saved ranks did)"
             )
+            warnings.warn(InexactResumeWarning(f"{request.path}: {why}: left as they are"), stacklevel=6)
         report_issues(result, request.strict, request.path)
         verify_bytes(src, found["plan"], request.verify, metadata, whole=request.rank == 0)  # 4. verify
         # what every rank must share: the checkpoint (its save and its root's very bytes, wherever each rank mounts
@@ -326,7 +327,7 @@ def compare_components(
 
 def _skipped_here(rec: Any, request: LoadRequest, saved_world_size: int | None) -> bool:
     """Whether this rank warns that its load skips the saved component ``rec``: at the saved world size, a per-rank
-    one where this rank saved a state of its own (not :data:`~torchrl_dcp.load_plan.ABSENT_SKELETON`: a logger of
+    one where this rank saved a state of its own (not :data:`~torchrl_dcp.placement.ABSENT_SKELETON`: a logger of
     another rank's); any other, on rank 0."""
     if not (isinstance(rec, Mapping) and rec.get("placement") == "per_rank" and saved_world_size == request.world_size):
         return request.rank == 0

@@ -47,20 +47,7 @@ from torchrl_dcp.format.codec import (
 from torchrl_dcp.format.metadata_checks import WholeTensor, record_index, whole_tensor
 from torchrl_dcp.format.migrations import migrate_component
 from torchrl_dcp.format.sparse_nodes import check_sparse_indices
-from torchrl_dcp.placement import ABSENT_STATE, Placement, is_absent, key_prefix
-
-#: how :data:`~torchrl_dcp.placement.ABSENT_STATE` is saved (reserved: a save refuses a component's own state that
-#: encodes to it)
-ABSENT_SKELETON = encode(ABSENT_STATE, where="")[0]
-
-
-def is_absent_skeleton(skeleton: Any) -> bool:
-    """Whether a saved state is :data:`ABSENT_SKELETON` itself (``True``, not a ``1`` equal to it: what
-    :func:`~torchrl_dcp.placement.is_absent` takes for absent once decoded)."""
-    if skeleton != ABSENT_SKELETON:
-        return False
-    ((_, value),) = skeleton["items"]
-    return value is True
+from torchrl_dcp.placement import Placement, is_absent, key_prefix
 
 
 @dataclass

@@ -50,3 +50,22 @@ def is_absent(state: object) -> bool:
         (True, False)
     """
     return type(state) is dict and len(state) == 1 and state.get(_ABSENT_KEY, False) is True
+
+
+#: how :data:`ABSENT_STATE` is saved in a manifest (the codec's encoding of that dict; reserved: a save refuses a
+#: component's own state that encodes to it)
+ABSENT_SKELETON = {"t": "dict", "items": [[_ABSENT_KEY, True]]}
+
+
+def is_absent_skeleton(skeleton: object) -> bool:
+    """Whether a saved state is :data:`ABSENT_SKELETON` itself (``true``, not a ``1`` equal to it: what
+    :func:`is_absent` takes for absent once decoded). No torch needed (``inspect`` and ``diff`` read it).
+
+    Example:
+        >>> is_absent_skeleton(ABSENT_SKELETON), is_absent_skeleton({"t": "dict", "items": [[_ABSENT_KEY, 1]]})
+        (True, False)
+    """
+    if skeleton != ABSENT_SKELETON:
+        return False
+    ((_, value),) = skeleton["items"]  # type: ignore[index]
+    return value is True

@@ -57,8 +57,7 @@ from torchrl_dcp.errors import CheckpointError, CollectiveError, EncodingError
 from torchrl_dcp.format.codec import dtype_name, escape_key, is_dtensor, tensor_identity
 from torchrl_dcp.format.codec import encode as encode_value
 from torchrl_dcp.format.layout import DCP_METADATA
-from torchrl_dcp.load_plan import ABSENT_SKELETON, is_absent_skeleton
-from torchrl_dcp.placement import ABSENT_STATE, Placement, key_prefix
+from torchrl_dcp.placement import ABSENT_SKELETON, ABSENT_STATE, Placement, is_absent_skeleton, key_prefix
 from torchrl_dcp.planner import (
     SavePlanner,
     WritePlan,
