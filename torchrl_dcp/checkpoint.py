@@ -42,7 +42,7 @@ from torchrl_dcp.collective import run_agreed
 from torchrl_dcp.errors import TorchrlDcpWarning
 from torchrl_dcp.format.layout import COMPONENT_NAME, is_component_name
 from torchrl_dcp.format.manifest_depth import MAX_DEPTH
-from torchrl_dcp.incremental import share_base
+from torchrl_dcp.incremental import incremental_base, share_base
 from torchrl_dcp.json_values import metadata_values
 from torchrl_dcp.load_engine import LoadResult, Strictness
 from torchrl_dcp.load_plan import Registered
@@ -50,8 +50,7 @@ from torchrl_dcp.placement import Placement, check_placement
 from torchrl_dcp.replicas import ReplicaCheck
 from torchrl_dcp.replicas import check_mode as check_replica_mode
 from torchrl_dcp.settings import check_environment
-from torchrl_dcp.storage.backends import location_for, save_location
-from torchrl_dcp.storage.base import Location
+from torchrl_dcp.storage.backends import save_location
 from torchrl_dcp.storage.urls import resolve_path
 from torchrl_dcp.torchrl_format import is_torchrl_checkpoint
 from torchrl_dcp.trainer_binding import TRAINER_MARKER, bind_trainer, register_op_hooks, sync_trainer
@@ -329,7 +328,10 @@ class DistributedCheckpoint:
             chosen = [chosen]
         unknown = sorted(set(chosen) - set(self._components))
         if unknown and not some_ranks:
-            raise KeyError(f"not registered: {unknown}; registered components are {sorted(self._components)}")
+            each = (
+                "; a load's components= names what this rank registered (each its own)" if self.world_size > 1 else ""
+            )
+            raise KeyError(f"not registered: {unknown}; registered components are {sorted(self._components)}{each}")
         return [n for n in self._components if n in set(chosen)]
 
     # ------------------------------------------------------------------ save
@@ -509,7 +511,7 @@ class DistributedCheckpoint:
         encoded, write_plan = save_engine.plan(group, encode_step, checks, call)
         job = save_engine.SaveJob(location.path, location, step, metadata, encoded, write_plan, group, rank, world)
         try:
-            base = _incremental_base(incremental_from, location, self.storage_options)
+            base = incremental_base(incremental_from, location, self.storage_options)
             base_info = share_base(group, base, rank)
             if base_info is None:  # nothing to check in a base: local views only, no exchange
                 save_engine.plan_chunks(job, None, stage is not None)
@@ -656,26 +658,6 @@ def _warn_if_option_typo(name: str, value: Any) -> None:
             TorchrlDcpWarning,
             stacklevel=3,
         )
-
-
-def _incremental_base(incremental_from: Any, destination: Location, storage_options: Any) -> Location | None:
-    """The base of an incremental save: a checkpoint whose chunk files the destination can keep (local files:
-    hard links; an object store: server-side copies within it); ``None`` otherwise (a full save, said in the log)."""
-    if incremental_from is None:
-        return None
-    base = location_for(incremental_from, storage_options)
-    if not destination.is_local and str(base.path).rstrip("/") == str(destination.path).rstrip("/"):
-        # a store's save retires the destination's objects before it copies kept chunks: an async save, whose kept
-        # rows are not staged, then had nothing to write them from (the checkpoint was lost); saved in full
-        logger.info("%s is its own incremental base on an object store: saving it in full", destination.path)
-        return None
-    if destination.can_keep_from(base):
-        return base
-    logger.info(
-        "incremental saves keep chunk files within one file system or store (with server-side copy): saving %s in full",
-        destination.path,
-    )
-    return None
 
 
 def _stage_share(job: save_engine.SaveJob, stage: Any) -> None:

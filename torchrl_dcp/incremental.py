@@ -42,6 +42,7 @@ from torchrl_dcp.errors import CheckpointError
 from torchrl_dcp.format.checksums import content_fingerprint
 from torchrl_dcp.format.record import tensor_bytes
 from torchrl_dcp.planner import ChunkPlan, WritePlan, is_own_key
+from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.storage.base import Location
 from torchrl_dcp.storage.chunk_writer import KeptChunk
 from torchrl_dcp.storage.copying import default_threads, run_split
@@ -178,3 +179,23 @@ def _same_content(pairs: list[tuple[ChunkPlan, KeptChunk]], flat: dict[str, torc
     if pairs:
         run_split(pairs, [c.rows for c, _ in pairs], max(1, min(default_threads(), len(pairs))), work)
     return same
+
+
+def incremental_base(incremental_from: Any, destination: Location, storage_options: Any) -> Location | None:
+    """The base of an incremental save: a checkpoint whose chunk files the destination can keep (local files:
+    hard links; an object store: server-side copies within it); ``None`` otherwise (a full save, said in the log)."""
+    if incremental_from is None:
+        return None
+    base = location_for(incremental_from, storage_options)
+    if not destination.is_local and str(base.path).rstrip("/") == str(destination.path).rstrip("/"):
+        # a store's save retires the destination's objects before it copies kept chunks: an async save, whose kept
+        # rows are not staged, then had nothing to write them from (the checkpoint was lost); saved in full
+        logger.info("%s is its own incremental base on an object store: saving it in full", destination.path)
+        return None
+    if destination.can_keep_from(base):
+        return base
+    logger.info(
+        "incremental saves keep chunk files within one file system or store (with server-side copy): saving %s in full",
+        destination.path,
+    )
+    return None
