@@ -814,3 +814,33 @@ def test_trainer_load_from_file_passes_the_load_options_on(tmp_path: Path) -> No
     assert len(fresh_buffer) == 0  # (not among the components chosen)
     with pytest.raises(TypeError, match="no_such_option"):
         fresh.load_from_file(path, no_such_option=1)
+
+
+def test_a_save_from_a_hook_inside_an_iteration_is_said_inexact_at_its_resume(tmp_path: Path) -> None:
+    """Probe d3: a ``save_trainer(force_save=True)`` from a ``post_optim`` hook saved the Trainer after part of an
+    iteration; the resumed Trainer starts with the next collection, the rest of that iteration (optimisation steps,
+    hooks, logs) never runs, and nothing said so. The save records it, and its load says so; saves at the end of an
+    iteration (the rotation's, the final one) do not."""
+    trainer, _ = _sac_trainer(tmp_path / "run", 32)  # (its rotation keeps 2: the save inside, the final one)
+    calls = []
+
+    def save_inside() -> None:
+        calls.append(int(trainer.collected_frames))
+        if len(calls) == 1:
+            trainer.save_trainer(force_save=True)
+
+    trainer.register_op("post_optim", save_inside)
+    trainer.train()
+    entries = tdcp.CheckpointRotation(tmp_path / "run").entries()
+    inside, last = entries[0].path, entries[-1].path
+    assert tdcp.read_manifest(inside)["step"] == calls[0]
+
+    def resumed_warnings(path: Path) -> list[str]:
+        again, _ = _sac_trainer(tmp_path / "again", 32)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            again.checkpoint.load(path)
+        return [str(w.message) for w in caught if issubclass(w.category, tdcp.InexactResumeWarning)]
+
+    assert any("saved in the middle of a training iteration" in w for w in resumed_warnings(inside))
+    assert not any("middle of a training iteration" in w for w in resumed_warnings(last))

@@ -90,6 +90,9 @@ NOT_STATE: dict[str, str] = {
     "Trainer.checkpoint_rotation": "the checkpoint rotation: its clock and directory, not training state",
     "Trainer._tdcp_rotation": "the rotation bound to the Trainer (see Trainer.checkpoint_rotation)",
     "Trainer._tdcp_preempted": "set with a preemption's stop request (saved as none: the requeued job goes on)",
+    "Trainer._tdcp_mid_iteration": "whether train() is inside an iteration (a save there is saved as such, said at "
+    "its loads; a resume starts the next iteration)",
+    "Trainer._tdcp_tracks_iterations": "set once the iteration steps are wrapped to track it",
     "LossModule._in_keys": "a loss's input keys, found from its modules on first use",
     "LossModule._cache": "a loss's cache of detached parameters, rebuilt on use",
     "ValueEstimatorBase._vmap_randomness": "a value estimator's vmap mode, found from its modules on first use",

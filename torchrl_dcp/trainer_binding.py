@@ -23,7 +23,13 @@ from typing import Any
 
 from torchrl_dcp.adapters import RNGState
 from torchrl_dcp.adapters.trainer import OP_HOOK_PREFIX, TrainerHookAdapter
-from torchrl_dcp.adapters.trainer_rank_state import TRAINER_RANK_STATE, TRAINER_STATE, NoLogger, TrainerRankState
+from torchrl_dcp.adapters.trainer_rank_state import (
+    TRAINER_RANK_STATE,
+    TRAINER_STATE,
+    NoLogger,
+    TrainerRankState,
+    track_iterations,
+)
 from torchrl_dcp.errors import CheckpointError, InexactResumeWarning
 from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.torchrl_format.detect import is_torchrl_checkpoint, read_torchrl_manifest
@@ -83,6 +89,7 @@ def register_rank_state(ckpt: Any, trainer: Any) -> None:
         # torchrl's Trainer.__new__ sets ``_last_log`` on the class, shared by every Trainer of that class and
         # filled in place: each bound Trainer gets its own (as a load gives it), its schedule its own state
         trainer._last_log = dict(trainer._last_log)
+    track_iterations(trainer)  # (a save from a hook inside an iteration: saved as such, warned at loads)
     if TRAINER_RANK_STATE not in ckpt:
         ckpt.register(TRAINER_RANK_STATE, TrainerRankState(trainer), placement="per_rank", adapter=TrainerHookAdapter())
         ckpt._components[TRAINER_RANK_STATE].optional = True

@@ -67,17 +67,69 @@ class TrainerRankState:
         self.trainer = trainer
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "last_log": dict(getattr(self.trainer, "_last_log", None) or {}),
             "buffer_iterators": [iterator_position(h) for h in iterating_hooks(self.trainer)],
         }
+        if getattr(self.trainer, _MID_ITERATION, False):  # (saved from a hook, inside an iteration: said at loads)
+            state["mid_iteration"] = True
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         check_rank_state(state, self, TRAINER_RANK_STATE)
+        if state.get("mid_iteration"):
+            warnings.warn(
+                InexactResumeWarning(
+                    "the Trainer was saved in the middle of a training iteration (a save called from a hook, before "
+                    "the iteration's post_steps_log hooks ran): the resumed Trainer starts with the next collection, "
+                    "and what remained of that iteration (optimisation steps, hooks, logs) is not run; save at the "
+                    "end of an iteration (torchrl's schedule, the rotation's every_steps, or request_stop) to resume "
+                    "exactly"
+                ),
+                stacklevel=2,
+            )
         self.trainer._last_log = dict(state["last_log"])  # (the instance's own: torchrl's class holds a shared {})
         for hook, position in zip(iterating_hooks(self.trainer), state.get("buffer_iterators", [])):
             if position is not None:
                 hook.replay_buffer_iter = iterator_at(hook.replay_buffer, position)
+
+
+_MID_ITERATION = "_tdcp_mid_iteration"
+#: the Trainer's per-iteration steps ``train()`` calls in order; a save from a hook they run, before the last one
+#: returns, is inside an iteration (its rest does not run at a resume)
+_ITERATION_STARTS = ("_process_batch_hook", "_pre_steps_log_hook")
+_ITERATION_ENDS = "_post_steps_log_hook"
+
+
+def track_iterations(trainer: Any) -> None:
+    """Mark on ``trainer`` (``_tdcp_mid_iteration``) when ``train()`` is inside an iteration: from its first step to
+    the end of its ``post_steps_log`` hooks, where torchrl's own save comes. A save from a hook in between is saved
+    as such (``mid_iteration``), and a load of it warns. Once per Trainer; a Trainer without these steps is left as
+    it is."""
+    if getattr(trainer, "_tdcp_tracks_iterations", False) or not all(
+        callable(getattr(trainer, n, None)) for n in (*_ITERATION_STARTS, _ITERATION_ENDS)
+    ):
+        return
+
+    def started(step: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            setattr(trainer, _MID_ITERATION, True)
+            return step(*args, **kwargs)
+
+        return run
+
+    def ended(step: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            out = step(*args, **kwargs)
+            setattr(trainer, _MID_ITERATION, False)
+            return out
+
+        return run
+
+    for name in _ITERATION_STARTS:
+        setattr(trainer, name, started(getattr(trainer, name)))
+    setattr(trainer, _ITERATION_ENDS, ended(getattr(trainer, _ITERATION_ENDS)))
+    trainer._tdcp_tracks_iterations = True
 
 
 def check_rank_state(state: Any, live: TrainerRankState, name: str) -> None:
@@ -90,6 +142,11 @@ def check_rank_state(state: Any, live: TrainerRankState, name: str) -> None:
     ):
         raise IncompatibleComponentError(
             f"component {name!r}: the saved logging schedule is not {{logged key: frames}} (counts), which no save "
+            "writes: the checkpoint is damaged or forged"
+        )
+    if state.get("mid_iteration", False) not in (False, True) or type(state.get("mid_iteration", False)) is not bool:
+        raise IncompatibleComponentError(
+            f"component {name!r}: the saved mid_iteration flag is {state.get('mid_iteration')!r}, which no save "
             "writes: the checkpoint is damaged or forged"
         )
     positions = state.get("buffer_iterators", [])
