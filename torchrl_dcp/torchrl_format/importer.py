@@ -42,7 +42,8 @@ from torchrl_dcp.errors import (
     IncompatibleComponentError,
     InexactResumeWarning,
 )
-from torchrl_dcp.load_engine import LoadRequest, LoadResult, compare_components, compare_versions, report_issues
+from torchrl_dcp.load_components import compare_components
+from torchrl_dcp.load_engine import LoadRequest, LoadResult, compare_versions, report_issues
 from torchrl_dcp.torchrl_format.buffers import (
     SavedBuffer,
     apply_buffer,
