@@ -844,3 +844,44 @@ def test_a_save_from_a_hook_inside_an_iteration_is_said_inexact_at_its_resume(tm
 
     assert any("saved in the middle of a training iteration" in w for w in resumed_warnings(inside))
     assert not any("middle of a training iteration" in w for w in resumed_warnings(last))
+
+
+def test_a_save_from_a_hook_counts_toward_no_schedule_and_a_resume_clears_the_mark(tmp_path: Path) -> None:
+    """Probe e1: a hook's save inside an iteration at a scheduled step (every 16 frames) counted as the rotation's
+    save of that step, so the iteration's own save at its end was "not due", and the step's only entry resumed
+    inexactly. It counts toward no schedule: the end-of-iteration save replaces it. And a Trainer whose iteration
+    raised, resumed in the same process, was still marked inside an iteration: its next saves warned falsely."""
+    from tests_distributed.trainer_zoo import build_trainer
+
+    trainer = build_trainer("SACTrainer", 0, tmp_path / "run", total_frames=32, save_every=16)
+    saved_inside: list[int] = []
+
+    def save_inside() -> None:
+        if not saved_inside:
+            saved_inside.append(int(trainer.collected_frames))
+            trainer.save_trainer(force_save=True)
+
+    trainer.register_op("post_optim", save_inside)
+    trainer.train()
+    entries = {e.step: e.path for e in tdcp.CheckpointRotation(tmp_path / "run").entries()}
+    assert saved_inside[0] in entries
+
+    def said(path: Path) -> list[str]:
+        again = build_trainer("SACTrainer", 0, tmp_path / "again", total_frames=32, save_every=16)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            again.checkpoint.load(path)
+        return [str(w.message) for w in caught if "middle of a training iteration" in str(w.message)]
+
+    assert said(entries[saved_inside[0]]) == []  # (replaced by the iteration's own save at its end)
+
+    failing = build_trainer("SACTrainer", 0, tmp_path / "fails", total_frames=32, save_every=16)
+
+    def fail() -> None:
+        raise RuntimeError("an op failed")
+
+    failing.register_op("post_optim", fail)
+    with pytest.raises(RuntimeError, match="an op failed"):
+        failing.train()
+    assert tdcp.resume(failing.checkpoint, tmp_path / "run") is not None
+    assert said(failing.checkpoint.save(tmp_path / "after")) == []

@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 from torchrl_dcp._log import get_logger
+from torchrl_dcp.adapters.trainer_rank_state import MID_ITERATION
 
 logger = get_logger(__name__)
 
@@ -62,19 +63,29 @@ class _TrainerBinding:
             scheduled = decision.due
         else:  # torchrl's own schedule
             scheduled = (step - trainer._last_save) > trainer.save_trainer_interval
-        if scheduled:
+        # a save from a hook inside an iteration (MID_ITERATION) counts toward no schedule: the iteration's own save
+        # at its end stays due, and replaces it (a resume from it would skip the rest of the iteration)
+        inside = getattr(trainer, MID_ITERATION, False) is True
+        if scheduled and not inside:
             trainer._last_save = step  # what torchrl records at a scheduled save
         local_due = rotation.local is not None and rotation.local.due(step)  # the node-local tier's own schedule
         if not (force_save or scheduled or decision.preempted or local_due):
             return
         ckpt = trainer._sync_checkpoint_components()
-        rotation.save_decided(
-            ckpt,
-            decision,
-            trainer._checkpoint_manifest_metadata(),
-            force=force_save or scheduled,
-            sync=force_save or decision.preempted,
-        )
+        counted = (rotation._last_step, rotation._last_time, getattr(rotation.local, "last_step", None))
+        try:
+            rotation.save_decided(
+                ckpt,
+                decision,
+                trainer._checkpoint_manifest_metadata(),
+                force=force_save or scheduled,
+                sync=force_save or decision.preempted,
+            )
+        finally:
+            if inside:
+                rotation._last_step, rotation._last_time = counted[:2]
+                if rotation.local is not None:
+                    rotation.local.last_step = counted[2]
 
 
 def bind_trainer(rotation: Any, trainer: Any, ckpt: Any) -> None:

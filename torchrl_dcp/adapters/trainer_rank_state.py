@@ -71,7 +71,7 @@ class TrainerRankState:
             "last_log": dict(getattr(self.trainer, "_last_log", None) or {}),
             "buffer_iterators": [iterator_position(h) for h in iterating_hooks(self.trainer)],
         }
-        if getattr(self.trainer, _MID_ITERATION, False):  # (saved from a hook, inside an iteration: said at loads)
+        if getattr(self.trainer, MID_ITERATION, False):  # (saved from a hook, inside an iteration: said at loads)
             state["mid_iteration"] = True
         return state
 
@@ -81,7 +81,8 @@ class TrainerRankState:
             warnings.warn(
                 InexactResumeWarning(
                     "the Trainer was saved in the middle of a training iteration (a save called from a hook, before "
-                    "the iteration's post_steps_log hooks ran): the resumed Trainer starts with the next collection, "
+                    "the iteration's post_steps_log hooks had all run and logged): the resumed Trainer starts with "
+                    "the next collection, "
                     "and what remained of that iteration (optimisation steps, hooks, logs) is not run; save at the "
                     "end of an iteration (torchrl's schedule, the rotation's every_steps, or request_stop) to resume "
                     "exactly"
@@ -89,12 +90,14 @@ class TrainerRankState:
                 stacklevel=2,
             )
         self.trainer._last_log = dict(state["last_log"])  # (the instance's own: torchrl's class holds a shared {})
+        setattr(self.trainer, MID_ITERATION, False)  # (restored, it goes on with the next iteration)
         for hook, position in zip(iterating_hooks(self.trainer), state.get("buffer_iterators", [])):
             if position is not None:
                 hook.replay_buffer_iter = iterator_at(hook.replay_buffer, position)
 
 
-_MID_ITERATION = "_tdcp_mid_iteration"
+#: the Trainer attribute that is ``True`` while ``train()`` is inside an iteration (:func:`track_iterations`)
+MID_ITERATION = "_tdcp_mid_iteration"
 #: the Trainer's per-iteration steps ``train()`` calls in order; a save from a hook they run, before the last one
 #: returns, is inside an iteration (its rest does not run at a resume)
 _ITERATION_STARTS = ("_process_batch_hook", "_pre_steps_log_hook")
@@ -113,7 +116,7 @@ def track_iterations(trainer: Any) -> None:
 
     def started(step: Any) -> Any:
         def run(*args: Any, **kwargs: Any) -> Any:
-            setattr(trainer, _MID_ITERATION, True)
+            setattr(trainer, MID_ITERATION, True)
             return step(*args, **kwargs)
 
         return run
@@ -121,7 +124,7 @@ def track_iterations(trainer: Any) -> None:
     def ended(step: Any) -> Any:
         def run(*args: Any, **kwargs: Any) -> Any:
             out = step(*args, **kwargs)
-            setattr(trainer, _MID_ITERATION, False)
+            setattr(trainer, MID_ITERATION, False)
             return out
 
         return run
