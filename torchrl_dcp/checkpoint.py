@@ -506,9 +506,8 @@ class DistributedCheckpoint:
             "path": str(location.path),  # one rank lacks are saved as absent on it
             "step": given,
             "components": None if chosen is None else sorted(chosen),
-            "options": sorted(component_options or ()),  # (each rank's own: not compared, refused if none registered)
         }
-        encoded, write_plan = save_engine.plan(group, encode_step, checks, call)
+        encoded, write_plan = save_engine.plan(group, encode_step, checks, call, component_options or ())
         job = save_engine.SaveJob(location.path, location, step, metadata, encoded, write_plan, group, rank, world)
         try:
             base = incremental_base(incremental_from, location, self.storage_options)

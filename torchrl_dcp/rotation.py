@@ -349,15 +349,38 @@ class CheckpointRotation:
         force: bool = False,
         sync: bool = False,
         components: Collection[str] | None = None,
+        counted: bool = True,
         **save_kwargs: Any,
     ) -> Any:
-        """Act on a :meth:`decide` result: save (async when configured, unless ``sync`` or preempted), or nothing."""
+        """Act on a :meth:`decide` result: save (async when configured, unless ``sync`` or preempted), or nothing.
+        ``counted=False``: the save counts toward no schedule (the steps and time of the last save, this rotation's
+        and its local tier's, stay as they were: a Trainer's save from inside an iteration)."""
+        if counted:
+            return self._act(ckpt, decision, metadata, force, sync, components, save_kwargs)
+        before = (self._last_step, self._last_time, getattr(self.local, "last_step", None))
+        try:
+            return self._act(ckpt, decision, metadata, force, sync, components, save_kwargs)
+        finally:
+            self._last_step, self._last_time = before[:2]
+            if self.local is not None:
+                self.local.last_step = before[2]
+
+    def _act(
+        self,
+        ckpt: Any,
+        decision: SaveDecision,
+        metadata: Mapping[str, Any] | None,
+        force: bool,
+        sync: bool,
+        components: Collection[str] | None,
+        save_kwargs: dict[str, Any],
+    ) -> Any:
         if self.local is not None and not decision.preempted and self.local.due(decision.step):
             try:
                 self._save_local(ckpt, decision.step, metadata)
             except CheckpointError as err:  # (every rank hears of it): a fast-recovery copy, not the job's own
                 self.local.last_step = decision.step  # tried: the next try comes every_steps later, not each step
-                warnings.warn(LocalTierWarning(self._local_failure(ckpt, decision.step, err)), stacklevel=3)
+                warnings.warn(LocalTierWarning(self._local_failure(ckpt, decision.step, err)), stacklevel=4)
         if not (force or decision.due or decision.preempted):
             return None
         step, started = decision.step, time.monotonic()
@@ -368,7 +391,7 @@ class CheckpointRotation:
                 warnings.warn(
                     f"the previous async save failed ({err}); the preemption save of step {step} is made now",
                     TorchrlDcpWarning,
-                    stacklevel=3,
+                    stacklevel=4,
                 )
         if decision.preempted or sync or not self.async_saves:
             path = self._save(ckpt, step, metadata, components, save_kwargs, preempting=decision.preempted)

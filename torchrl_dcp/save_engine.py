@@ -38,7 +38,7 @@ import math
 import os
 import pickle
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -248,7 +248,11 @@ def _encode_item(item: EncodeItem, rank: int, out: Encoded, shared: dict[tuple[A
 
 # ---------------------------------------------------------------------- step 2: plan
 def plan(
-    group: Any, encode_step: Any, replica_checks: Mapping[str, ReplicaCheck] | None = None, call: Any = None
+    group: Any,
+    encode_step: Any,
+    replica_checks: Mapping[str, ReplicaCheck] | None = None,
+    call: Any = None,
+    options: Collection[str] = (),
 ) -> tuple[Encoded, WritePlan]:
     """Encode on every rank (``encode_step()``), agree, plan the writes (collective).
 
@@ -260,7 +264,8 @@ def plan(
     component or the key (:func:`_plan_gathered`). Any rank's encoding failure raises on every
     rank before anything is written; so does replicated state that differs between ranks
     (:mod:`torchrl_dcp.replicas`), and a save the ranks do not describe alike (:func:`save_layout`: the
-    components, their placements and adapters, and ``call``, the arguments every rank passes alike).
+    components, their placements and adapters, and ``call``, the arguments every rank passes alike; ``options``,
+    the names ``component_options`` gives on this rank, are each rank's own).
     """
     mine: list[Encoded] = []
     several = _dist.group_size(group) > 1
@@ -269,7 +274,7 @@ def plan(
     try:
         mine.append(encode_step())
         replicas = replica_digest(mine[0].records, mine[0].flat, replica_checks or {}) if several else {}
-        held.append((tensor_infos(mine[0].flat), replicas, save_layout(mine[0], call)))
+        held.append((tensor_infos(mine[0].flat), replicas, save_layout(mine[0], call, options)))
     except BaseException as err:  # reported to every rank (below), then re-raised here
         error = err
     try:
@@ -317,16 +322,14 @@ def _plan_gathered(group: Any, held: list[Any], error: BaseException | None, rec
     return plan_writes([infos for infos, _, _ in gathered])
 
 
-def save_layout(encoded: Encoded, call: Any) -> dict[str, Any]:
+def save_layout(encoded: Encoded, call: Any, options: Collection[str] = ()) -> dict[str, Any]:
     """What every rank of a save must describe alike (JSON-safe): ``call`` (the save's destination and step) and
     each component's placement and adapter. The manifest is rank 0's description of them: a rank that registered
-    another component, placement or adapter would commit a checkpoint no load reads."""
+    another component, placement or adapter would commit a checkpoint no load reads. ``options`` (the names
+    ``component_options`` gives) are each rank's own: not compared, but one no rank registered is refused
+    (:func:`refuse_unregistered`)."""
     components = {n: [r.placement, r.adapter, r.adapter_version] for n, r in sorted(encoded.records.items())}
-    # (``component_options``' names are each rank's own: not compared, but one no rank registered is refused)
-    options = call.get("options", []) if isinstance(call, Mapping) else []
-    if isinstance(call, Mapping):
-        call = {k: v for k, v in call.items() if k != "options"}
-    return {"call": call, "components": components, "options": options}
+    return {"call": call, "components": components, "options": sorted(options)}
 
 
 def _absent_ones(layouts: list[dict[str, Any]]) -> dict[str, list[Any]]:

@@ -71,21 +71,14 @@ class _TrainerBinding:
         local_due = rotation.local is not None and rotation.local.due(step)  # the node-local tier's own schedule
         if not (force_save or scheduled or decision.preempted or local_due):
             return
-        ckpt = trainer._sync_checkpoint_components()
-        counted = (rotation._last_step, rotation._last_time, getattr(rotation.local, "last_step", None))
-        try:
-            rotation.save_decided(
-                ckpt,
-                decision,
-                trainer._checkpoint_manifest_metadata(),
-                force=force_save or scheduled,
-                sync=force_save or decision.preempted,
-            )
-        finally:
-            if inside:
-                rotation._last_step, rotation._last_time = counted[:2]
-                if rotation.local is not None:
-                    rotation.local.last_step = counted[2]
+        rotation.save_decided(
+            trainer._sync_checkpoint_components(),
+            decision,
+            trainer._checkpoint_manifest_metadata(),
+            force=force_save or scheduled,
+            sync=force_save or decision.preempted,
+            counted=not inside,
+        )
 
 
 def bind_trainer(rotation: Any, trainer: Any, ckpt: Any) -> None:

@@ -240,19 +240,17 @@ def _check_constructible(optimizer: torch.optim.Optimizer, saved: Any, name: str
         return
     accepts = inspect.signature(cls).parameters
     for i, (group, live) in enumerate(zip(saved["param_groups"], optimizer.param_groups)):
-        device = live["params"][0].device if live.get("params") else torch.device("cpu")
         if group.get("capturable") is True and live.get("params"):
             _check_capturable(live["params"], i, cls.__name__, name)
-        base = {k: v for k, v in live.items() if k != "params" and k in accepts}
         options = {k: v for k, v in group.items() if k in accepts and k != "params" and not _holds_spec(v)}
-        if all(_same_option(base.get(k, ...), v) for k, v in options.items()):
+        if all(_same_option(live.get(k, ...), v) for k, v in options.items()):
             continue  # (the live group's own options)
         try:
-            cls([torch.nn.Parameter(torch.zeros(1, device=device))], **base)
+            _probe(optimizer, live)
         except Exception:  # noqa: BLE001 - nothing to compare against
             continue
         try:
-            cls([torch.nn.Parameter(torch.zeros(1, device=device))], **{**base, **options})
+            _probe(optimizer, {**live, **options})
         except Exception as err:  # noqa: BLE001 - only the saved options differ: they are the cause
             raise IncompatibleComponentError(
                 f"component {name!r}: the checkpoint's parameter group {i} holds options torch's "
@@ -300,11 +298,8 @@ def _probe_step_reads(optimizer: torch.optim.Optimizer, live: Mapping[str, Any],
     ``missing`` (the user's own options, never the checkpoint's: a forged ``max_iter`` cannot make it loop), torch's
     step hooks left out (:func:`step_unhooked`); the key of the ``KeyError`` it raises (none when it steps, fails
     otherwise, or cannot be built)."""
-    device = live["params"][0].device if live.get("params") else torch.device("cpu")
-    param = torch.nn.Parameter(torch.zeros(1, device=device))
     try:
-        accepts = inspect.signature(type(optimizer)).parameters
-        probe = type(optimizer)([param], **{k: v for k, v in live.items() if k != "params" and k in accepts})
+        probe, param = _probe(optimizer, live)
         probe.param_groups[0] = {
             **{k: v for k, v in live.items() if k != "params" and k not in missing},
             "params": [param],
@@ -323,6 +318,17 @@ def _probe_step_reads(optimizer: torch.optim.Optimizer, live: Mapping[str, Any],
     except Exception:  # noqa: BLE001 - not this check's to judge
         return []
     return []
+
+
+def _probe(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -> tuple[Any, torch.nn.Parameter]:
+    """A new optimizer of ``optimizer``'s class over a one-element parameter on the device of ``group``'s
+    parameters (the CPU where it holds none), built with the options of ``group`` its constructor takes (AdamW sets
+    ``decoupled_weight_decay`` itself); raises what the constructor raises."""
+    cls = type(optimizer)
+    device = group["params"][0].device if group.get("params") else torch.device("cpu")
+    param = torch.nn.Parameter(torch.zeros(1, device=device))
+    accepts = inspect.signature(cls).parameters
+    return cls([param], **{k: v for k, v in group.items() if k != "params" and k in accepts}), param
 
 
 def step_unhooked(probe: torch.optim.Optimizer, closure: Any = None) -> Any:
@@ -411,12 +417,10 @@ _PER_PARAMETER = frozenset(
 def _state_keys(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -> dict[str, Any] | None:
     """The state this kind of optimizer keeps for a parameter of ``group`` (with its options) after a step, by key:
     found by stepping a new one over a one-element parameter (a scalar state tensor is then told from one of the
-    parameter's shape); ``None`` when that fails (nothing to compare)."""
-    param = torch.nn.Parameter(torch.zeros(1))
+    parameter's shape; on the device of ``group``'s parameters); ``None`` when that fails (nothing to compare)."""
     try:
-        accepts = inspect.signature(type(optimizer)).parameters  # (AdamW sets decoupled_weight_decay itself)
-        probe = type(optimizer)([param], **{k: v for k, v in group.items() if k != "params" and k in accepts})
-        param.grad = torch.ones(1)
+        probe, param = _probe(optimizer, group)
+        param.grad = torch.ones_like(param)
         step_unhooked(probe)
     except Exception:  # noqa: BLE001 - an optimizer this cannot build or step: not compared
         return None
@@ -487,7 +491,7 @@ def _check_state_shapes(optimizer: torch.optim.Optimizer, saved: Any, name: str)
         if isinstance(entries, Mapping) and entries:
             expected = keys_of.get(id(group), ...)
             if expected is ...:
-                options = {k: v for k, v in saved_group.items() if not _holds_spec(v)}
+                options = {k: v for k, v in saved_group.items() if k != "params" and not _holds_spec(v)}
                 expected = keys_of[id(group)] = _state_keys(optimizer, {**group, **options})
             other, missing = set(entries) - set(expected or entries), set(expected or ()) - set(entries)
             if expected and (other or (missing and kind != "SGD")):

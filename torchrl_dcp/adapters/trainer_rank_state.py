@@ -147,7 +147,7 @@ def check_rank_state(state: Any, live: TrainerRankState, name: str) -> None:
             f"component {name!r}: the saved logging schedule is not {{logged key: frames}} (counts), which no save "
             "writes: the checkpoint is damaged or forged"
         )
-    if state.get("mid_iteration", False) not in (False, True) or type(state.get("mid_iteration", False)) is not bool:
+    if type(state.get("mid_iteration", False)) is not bool:
         raise IncompatibleComponentError(
             f"component {name!r}: the saved mid_iteration flag is {state.get('mid_iteration')!r}, which no save "
             "writes: the checkpoint is damaged or forged"
