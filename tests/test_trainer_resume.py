@@ -9,7 +9,9 @@ come back (they used to be skipped: training went on from an empty buffer).
 from __future__ import annotations
 
 import functools
+import os
 import shutil
+import signal
 import warnings
 from pathlib import Path
 from typing import Any
@@ -885,3 +887,81 @@ def test_a_save_from_a_hook_counts_toward_no_schedule_and_a_resume_clears_the_ma
         failing.train()
     assert tdcp.resume(failing.checkpoint, tmp_path / "run") is not None
     assert said(failing.checkpoint.save(tmp_path / "after")) == []
+
+
+def test_a_preemption_signal_before_a_hooks_save_still_stops_the_trainer_at_the_iterations_end(
+    tmp_path: Path,
+) -> None:
+    """Probe f1: a preemption signal that reached the rank before a hook's ``save_trainer(force_save=True)`` was
+    taken by that save: the Trainer saved inside the iteration as the preemption's save (inexact), never called
+    ``request_stop`` and trained on to ``total_frames``. The hook's save is a save of its own; the iteration's end
+    stops the Trainer and makes the preemption's save there (exact)."""
+    from tests_distributed.trainer_zoo import BUILDERS, trainer_classes
+
+    kwargs = BUILDERS["SACTrainer"](
+        "SACTrainer", 0, {"total_frames": 96, "save_every": 1000, "ckpt_dir": str(tmp_path), "num_epochs": None}
+    )
+    rotation = tdcp.CheckpointRotation(tmp_path / "run", every_steps=1000, preemption_signals=(signal.SIGUSR1,))
+    kwargs["checkpoint_rotation"] = rotation
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = trainer_classes()["SACTrainer"](**kwargs)
+    signalled: list[int] = []
+
+    def signal_then_save() -> None:
+        if int(trainer.collected_frames) == 32 and not signalled:
+            signalled.append(32)
+            os.kill(os.getpid(), signal.SIGUSR1)  # (the scheduler's notice, during the iteration)
+            trainer.save_trainer(force_save=True)
+
+    trainer.register_op("post_optim", signal_then_save)
+    try:
+        trainer.train()
+    finally:
+        rotation.close()
+    assert int(trainer.collected_frames) == 32 and trainer._stop_training
+    (entry,) = tdcp.CheckpointRotation(tmp_path / "run").entries()  # (the hook's, replaced at the iteration's end)
+    assert "mid_iteration" not in str(tdcp.read_manifest(entry.path)["components"]["trainer_rank_state"])
+
+
+def test_a_hooks_save_before_the_batch_is_counted_never_replaces_the_previous_iterations_save(
+    tmp_path: Path,
+) -> None:
+    """Probe f1: torchrl counts a batch's frames after its ``batch_process`` hooks, so a forced save from one is
+    made at the previous iteration's step: it replaced that iteration's exact checkpoint by one saved inside the
+    next iteration, which no later save replaced back. It is not made, and a warning says where to save instead.
+    The same for a hook that rolls the Trainer back (a load) to a saved step, then saves; such a load keeps the
+    Trainer marked inside its iteration (a save from a later hook of it is said inexact at its resume)."""
+    from tests_distributed.trainer_zoo import build_trainer
+
+    trainer = build_trainer("SACTrainer", 0, tmp_path / "run", total_frames=64, save_every=32)
+    seen: list[int] = []
+
+    def save_before_counting(batch: Any) -> Any:
+        seen.append(int(trainer.collected_frames))
+        if len(seen) == 3:  # (the third iteration: the frames still those of the second's end, 32)
+            with pytest.warns(tdcp.TorchrlDcpWarning, match="not made"):
+                trainer.save_trainer(force_save=True)
+        return batch
+
+    trainer.register_op("batch_process", save_before_counting)
+    trainer.train()
+    assert seen[2] == 32
+    entries = {e.step: e.path for e in tdcp.CheckpointRotation(tmp_path / "run").entries()}
+    assert sorted(entries) == [32, 64]
+    for path in entries.values():
+        assert "mid_iteration" not in str(tdcp.read_manifest(path)["components"]["trainer_rank_state"])
+
+    rolling = build_trainer("SACTrainer", 0, tmp_path / "rolls", total_frames=64, save_every=32)
+    calls: list[int] = []
+
+    def roll_back_then_save() -> None:
+        calls.append(int(rolling.collected_frames))
+        if calls.count(48) == 1 and calls[-1] == 48:
+            rolling.checkpoint.load(tmp_path / "rolls" / "step-000000000032")
+            assert rolling._tdcp_mid_iteration is True  # (the rest of the iteration still runs)
+            rolling.checkpoint.save(tmp_path / "snapshot")
+
+    rolling.register_op("post_optim", roll_back_then_save)
+    rolling.train()
+    assert "mid_iteration" in str(tdcp.read_manifest(tmp_path / "snapshot")["components"]["trainer_rank_state"])

@@ -93,6 +93,7 @@ NOT_STATE: dict[str, str] = {
     "Trainer._tdcp_mid_iteration": "whether train() is inside an iteration (a save there is saved as such, said at "
     "its loads; a resume starts the next iteration)",
     "Trainer._tdcp_tracks_iterations": "set once the iteration steps are wrapped to track it",
+    "Trainer._tdcp_in_train": "whether train() runs (a load from a hook keeps the iteration's mark)",
     "LossModule._in_keys": "a loss's input keys, found from its modules on first use",
     "LossModule._cache": "a loss's cache of detached parameters, rebuilt on use",
     "ValueEstimatorBase._vmap_randomness": "a value estimator's vmap mode, found from its modules on first use",

@@ -28,10 +28,13 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from typing import Any
 
 from torchrl_dcp._log import get_logger
 from torchrl_dcp.adapters.trainer_rank_state import MID_ITERATION
+from torchrl_dcp.errors import TorchrlDcpWarning
 
 logger = get_logger(__name__)
 
@@ -56,16 +59,35 @@ class _TrainerBinding:
     def save_trainer(self, force_save: bool = False) -> None:
         trainer, rotation = self.trainer, self.rotation
         step = int(trainer.collected_frames)
-        decision, self.decision = self.decision, None
-        if decision is None or decision.step != step:  # called outside the training loop
+        # a save from a hook inside an iteration (MID_ITERATION) counts toward no schedule: the iteration's own save
+        # at its end stays due, and replaces it (a resume from it would skip the rest of the iteration)
+        inside = getattr(trainer, MID_ITERATION, False) is True
+        decision = self.decision
+        if not inside:  # (the iteration's own save: the decision of its post_steps op, taken once)
+            self.decision = None
+        if decision is None or decision.step != step:  # called outside the training loop, or from a hook
             decision = rotation.decide(trainer.checkpoint, step)
+        if inside and decision.preempted:  # not the preemption's save: the iteration's end stops and saves (exact)
+            decision = dataclasses.replace(decision, preempted=False, signal=None)
+        if (
+            inside
+            and force_save
+            and step == rotation._last_step
+            and (step or any(not e.step for e in rotation.entries()))
+        ):
+            warnings.warn(  # (a batch_process hook: torchrl counts the batch's frames after them)
+                f"save_trainer(force_save=True) from a hook inside the iteration after step {step}: that step was "
+                "saved (or resumed from) at the end of its own iteration, exactly; a save now would replace it with "
+                "one that skips the rest of this iteration at a resume, so it is not made. Save from a hook that "
+                "runs after torchrl counts the batch's frames (pre_optim_steps or later)",
+                TorchrlDcpWarning,
+                stacklevel=2,
+            )
+            return
         if rotation.schedule.active:
             scheduled = decision.due
         else:  # torchrl's own schedule
             scheduled = (step - trainer._last_save) > trainer.save_trainer_interval
-        # a save from a hook inside an iteration (MID_ITERATION) counts toward no schedule: the iteration's own save
-        # at its end stays due, and replaces it (a resume from it would skip the rest of the iteration)
-        inside = getattr(trainer, MID_ITERATION, False) is True
         if scheduled and not inside:
             trainer._last_save = step  # what torchrl records at a scheduled save
         local_due = rotation.local is not None and rotation.local.due(step)  # the node-local tier's own schedule

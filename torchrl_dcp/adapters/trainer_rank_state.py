@@ -90,7 +90,8 @@ class TrainerRankState:
                 stacklevel=2,
             )
         self.trainer._last_log = dict(state["last_log"])  # (the instance's own: torchrl's class holds a shared {})
-        setattr(self.trainer, MID_ITERATION, False)  # (restored, it goes on with the next iteration)
+        if getattr(self.trainer, IN_TRAIN, False) is not True:  # restored, it goes on with the next iteration; a load
+            setattr(self.trainer, MID_ITERATION, False)  # from a hook: the rest of this iteration runs, still inside
         for hook, position in zip(iterating_hooks(self.trainer), state.get("buffer_iterators", [])):
             if position is not None:
                 hook.replay_buffer_iter = iterator_at(hook.replay_buffer, position)
@@ -98,6 +99,9 @@ class TrainerRankState:
 
 #: the Trainer attribute that is ``True`` while ``train()`` is inside an iteration (:func:`track_iterations`)
 MID_ITERATION = "_tdcp_mid_iteration"
+#: the Trainer attribute that is ``True`` while ``train()`` runs: a load there (from a hook) leaves the iteration's
+#: mark as it is; one after (an iteration raised) clears it
+IN_TRAIN = "_tdcp_in_train"
 #: the Trainer's per-iteration steps ``train()`` calls in order; a save from a hook they run, before the last one
 #: returns, is inside an iteration (its rest does not run at a resume)
 _ITERATION_STARTS = ("_process_batch_hook", "_pre_steps_log_hook")
@@ -107,8 +111,9 @@ _ITERATION_ENDS = "_post_steps_log_hook"
 def track_iterations(trainer: Any) -> None:
     """Mark on ``trainer`` (``_tdcp_mid_iteration``) when ``train()`` is inside an iteration: from its first step to
     the end of its ``post_steps_log`` hooks, where torchrl's own save comes. A save from a hook in between is saved
-    as such (``mid_iteration``), and a load of it warns. Once per Trainer; a Trainer without these steps is left as
-    it is."""
+    as such (``mid_iteration``), and a load of it warns. A load outside ``train()`` clears the mark (an iteration
+    that raised is not resumed); one from a hook inside it does not (the rest of the iteration still runs, and a
+    save from a later hook of it is inside it). Once per Trainer; a Trainer without these steps is left as it is."""
     if getattr(trainer, "_tdcp_tracks_iterations", False) or not all(
         callable(getattr(trainer, n, None)) for n in (*_ITERATION_STARTS, _ITERATION_ENDS)
     ):
@@ -129,9 +134,22 @@ def track_iterations(trainer: Any) -> None:
 
         return run
 
+    def training(train: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            before = getattr(trainer, IN_TRAIN, False)
+            setattr(trainer, IN_TRAIN, True)
+            try:
+                return train(*args, **kwargs)
+            finally:
+                setattr(trainer, IN_TRAIN, before)
+
+        return run
+
     for name in _ITERATION_STARTS:
         setattr(trainer, name, started(getattr(trainer, name)))
     setattr(trainer, _ITERATION_ENDS, ended(getattr(trainer, _ITERATION_ENDS)))
+    if callable(getattr(trainer, "train", None)):
+        trainer.train = training(trainer.train)
     trainer._tdcp_tracks_iterations = True
 
 
