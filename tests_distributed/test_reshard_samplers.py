@@ -20,18 +20,20 @@ S = "tests_distributed.test_reshard_samplers"
 
 
 # ---------------------------------------------------------------- tests
-@pytest.mark.parametrize("sampler_capacity", [6, 12])
+@pytest.mark.parametrize("sampler_capacity, storage_capacity", [(6, 40), (12, 40), (6, 8)])
 def test_a_prioritized_sampler_needs_a_leaf_for_every_transition_it_receives(
-    tmp_path: Path, sampler_capacity: int
+    tmp_path: Path, sampler_capacity: int, storage_capacity: int
 ) -> None:
     """2 shards of 6 onto 1 rank whose storage has room (40) but whose sampler's trees hold ``sampler_capacity``
     leaves: 6 is refused while planning (the leaves would wrap around onto other rows), naming the size needed; 12
-    holds every transition's priority at its row."""
+    holds every transition's priority at its row. Probe f3: where the storage is short too (8), the one error names
+    both capacities (it named the sampler's alone, and the user who raised it met the storage's next)."""
     path = str(tmp_path / "ckpt")
     launch(f"{S}:save_prioritized", 2, path)
-    (r,) = launch(f"{S}:load_prioritized", 1, path, sampler_capacity)
+    (r,) = launch(f"{S}:load_prioritized", 1, path, sampler_capacity, storage_capacity)
     if sampler_capacity < 12:
         assert r.value["error"] is not None and "max_capacity of at least 12" in r.value["error"], r.value
+        assert ("a capacity of at least 12" in r.value["error"]) == (storage_capacity < 12), r.value
         assert r.value["len"] == 0, r.value  # nothing changed
         return
     assert r.value["error"] is None, r.value
@@ -118,8 +120,8 @@ def save_prioritized(path: str) -> dict[str, Any]:
     return {}
 
 
-def load_prioritized(path: str, sampler_capacity: int) -> dict[str, Any]:
-    rb = _prioritized(40, sampler_capacity)
+def load_prioritized(path: str, sampler_capacity: int, storage_capacity: int = 40) -> dict[str, Any]:
+    rb = _prioritized(storage_capacity, sampler_capacity)
     error = _load(rb, path)
     n = len(rb)
     out: dict[str, Any] = {"error": error, "len": n}

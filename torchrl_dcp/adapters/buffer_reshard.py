@@ -116,14 +116,15 @@ def check_reshard(rb: ReplayBuffer, saved: dict[int, Any], ctx: AdapterContext) 
     The storage kind is the saved one (a list storage for list shards, a tensor storage of one batch dimension for
     tensor shards); the shards this rank reads hold the same entries, and an initialised storage holds these
     entries with the saved item shapes and dtypes and no other; a slice sampler receives a single saved shard's
-    transitions (the joins of two shards carry no end of trajectory); a prioritized sampler has a leaf for every
-    transition received, and prioritized shards have the same ``alpha``, ``beta`` and ``eps``; consuming shards
-    the same ``max_sample_count``; staleness-aware shards the same ``consumer_version`` and ``max_staleness``.
+    transitions (the joins of two shards carry no end of trajectory); the buffer has room for every transition
+    received (its storage and a prioritized sampler's trees: :func:`check_room`), and prioritized shards have the
+    same ``alpha``, ``beta`` and ``eps``; consuming shards the same ``max_sample_count``; staleness-aware shards the
+    same ``consumer_version`` and ``max_staleness``.
     """
     rb = initialized_buffer(rb)
     storage, name = rb._storage, ctx.name
     pieces = split(ctx.plan["lengths"], ctx.rank, ctx.world_size)
-    check_sampler_room(rb._sampler, sum(hi - lo for _, lo, hi in pieces), ctx)
+    check_room(rb, sum(hi - lo for _, lo, hi in pieces), ctx)
     if isinstance(rb._sampler, SliceSampler) and len(pieces) > 1:
         raise IncompatibleComponentError(
             f"component {name!r}: rank {ctx.rank} would receive the transitions of saved ranks "
@@ -217,15 +218,25 @@ def _check_prioritized_settings(saved: dict[int, Any], name: str) -> None:
         )
 
 
-def check_sampler_room(sampler: Any, n: int, ctx: AdapterContext) -> None:
-    """A prioritized sampler has a sum/min-tree leaf for each of the ``n`` transitions this rank receives (its
-    ``max_capacity`` can be smaller than the storage's: the leaves of the rows past it would wrap around onto
-    others)."""
+def check_room(rb: ReplayBuffer, n: int, ctx: AdapterContext) -> None:
+    """The (initialised) buffer holds the ``n`` transitions this rank receives: its storage's ``max_size``, and a
+    prioritized sampler's sum/min-tree leaves (its ``max_capacity`` can be smaller than the storage's: the leaves of
+    the rows past it would wrap around onto others). One error names every capacity that is short."""
+    short = []
+    if n > int(rb._storage.max_size):
+        short.append(
+            f"its storage holds {int(rb._storage.max_size)} (build the buffers with a capacity of at least {n})"
+        )
+    sampler = rb._sampler
     if isinstance(sampler, PrioritizedSampler) and n > int(sampler._max_capacity):
+        short.append(
+            f"its {type(sampler).__name__} holds {int(sampler._max_capacity)} priorities (build the samplers with a "
+            f"max_capacity of at least {n})"
+        )
+    if short:
         raise IncompatibleComponentError(
-            f"component {ctx.name!r}: rank {ctx.rank} receives {n} transitions after resharding, its "
-            f"{type(sampler).__name__} holds {int(sampler._max_capacity)} priorities (prioritized sampler capacity, "
-            f"max_capacity); build the samplers with a max_capacity of at least {n}"
+            f"component {ctx.name!r}: rank {ctx.rank} receives {n} transitions after resharding, and "
+            f"{'; and '.join(short)}; or resume with the saved number of ranks"
         )
 
 
@@ -282,7 +293,7 @@ def reshard_buffer(rb: ReplayBuffer, states: dict[int, Any], ctx: AdapterContext
     _check_state_dict_settings(rb._sampler, states, ctx)  # (again, with the values of settings saved as tensors)
     consuming = isinstance(rb._sampler, ConsumingSampler)
     part = _received(states, split(ctx.plan["lengths"], ctx.rank, ctx.world_size), ctx, consuming)
-    check_sampler_room(rb._sampler, part.n, ctx)  # (checked while planning: check_reshard)
+    check_room(rb, part.n, ctx)  # (checked while planning: check_reshard)
     _fill_storage(rb._storage, part, ctx)
     _warn_open_episode(rb._sampler, part, ctx)
     _reset_writer(rb._writer, part, int(rb._storage.max_size))

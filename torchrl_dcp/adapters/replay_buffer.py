@@ -577,13 +577,7 @@ class ReplayBufferAdapter(Adapter):
             return
         buffer_reshard.check_reshard(live, saved, ctx)
         n = sum(hi - lo for _, lo, hi in buffer_reshard.split(lengths, ctx.rank, ctx.world_size))
-        ctx.plan["reshard_rows"] = n  # (the rows the restore writes over: the snapshot copies them)
-        capacity = int(initialized_buffer(rb)._storage.max_size)
-        if n > capacity:
-            raise IncompatibleComponentError(
-                f"component {ctx.name!r}: rank {ctx.rank} receives {n} transitions after resharding, its buffer "
-                f"holds {capacity}; build the buffers with a capacity of at least {n}"
-            )
+        ctx.plan["reshard_rows"] = n  # (the rows the restore writes over: the snapshot copies them; room: checked)
 
     def snapshot(self, rb: ReplayBuffer, ctx: AdapterContext) -> Any:
         """The storage's own attributes, the sampler, writer, transforms, batch size and generator; the storage
