@@ -965,3 +965,74 @@ def test_a_hooks_save_before_the_batch_is_counted_never_replaces_the_previous_it
     rolling.register_op("post_optim", roll_back_then_save)
     rolling.train()
     assert "mid_iteration" in str(tdcp.read_manifest(tmp_path / "snapshot")["components"]["trainer_rank_state"])
+
+
+def _mark(path: Path) -> str:
+    """``"mid"`` for a checkpoint saved from inside an iteration, else ``"exact"``."""
+    return "mid" if "mid_iteration" in str(tdcp.read_manifest(path)["components"]["trainer_rank_state"]) else "exact"
+
+
+def test_a_load_of_a_trainers_checkpoint_by_any_path_makes_its_rotation_count_from_the_loaded_step(
+    tmp_path: Path,
+) -> None:
+    """Probe g1: only ``tdcp.resume`` through the rotation's own spelling of its directory and ``load_from_file``
+    told the bound rotation the loaded step; after ``trainer.checkpoint.load(entry)`` (or a resume through a link to
+    the directory) it counted from 0: an extra save at 48 the run that never stopped did not make, and a forced save
+    from a ``batch_process`` hook replaced the loaded step's exact checkpoint. Any load restoring the Trainer's
+    counters tells it now."""
+    from tests_distributed.trainer_zoo import build_trainer
+
+    first = build_trainer("SACTrainer", 0, tmp_path / "run", total_frames=32, save_every=32)
+    first.train()
+    (tmp_path / "link").symlink_to(tmp_path / "run")
+    for how in ("load", "resume through a link"):
+        again = build_trainer("SACTrainer", 0, tmp_path / "run", total_frames=64, save_every=32)
+        if how == "load":
+            again.checkpoint.load(tmp_path / "run" / "step-000000000032")
+        else:
+            assert tdcp.resume(again.checkpoint, tmp_path / "link").step == 32
+        assert again.checkpoint_rotation._last_step == 32
+        snapshots: list[int] = []
+
+        def snapshot(batch: Any, trainer: Any = again, snapshots: list[int] = snapshots) -> Any:
+            if not snapshots:
+                snapshots.append(int(trainer.collected_frames))
+                with pytest.warns(tdcp.TorchrlDcpWarning, match="not made"):
+                    trainer.save_trainer(force_save=True)
+            return batch
+
+        again.register_op("batch_process", snapshot)
+        again.train()
+        entries = {e.step: _mark(e.path) for e in tdcp.CheckpointRotation(tmp_path / "run").entries()}
+        assert snapshots == [32] and entries == {32: "exact", 64: "exact"}, (how, entries)
+        shutil.rmtree(tmp_path / "run" / "step-000000000064")
+
+
+def test_a_save_due_by_time_from_a_hook_before_the_batch_is_counted_never_replaces_the_last_save(
+    tmp_path: Path,
+) -> None:
+    """Probe g1: with ``every_seconds``, a plain ``save_trainer()`` from a ``batch_process`` hook (at the previous
+    iteration's step: torchrl counts the batch after those hooks) was due by time and replaced that step's exact
+    checkpoint; a crash before the iteration's end left the inexact one alone. It is not made (the iteration's own
+    save stays due)."""
+    from tests_distributed.trainer_zoo import BUILDERS, trainer_classes
+
+    kwargs = BUILDERS["SACTrainer"](
+        "SACTrainer", 0, {"total_frames": 96, "save_every": 1, "ckpt_dir": str(tmp_path), "num_epochs": None}
+    )
+    kwargs["checkpoint_rotation"] = tdcp.CheckpointRotation(tmp_path / "run", keep_last=10, every_seconds=0.001)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = trainer_classes()["SACTrainer"](**kwargs)
+
+    def save_then_crash(batch: Any) -> Any:
+        if int(trainer.collected_frames) == 32:
+            trainer.save_trainer()
+            raise RuntimeError("the node was lost")
+        return batch
+
+    trainer.register_op("batch_process", save_then_crash)
+    with pytest.raises(RuntimeError, match="node was lost"):
+        trainer.train()
+    entries = {e.step: _mark(e.path) for e in tdcp.CheckpointRotation(tmp_path / "run").entries()}
+    assert entries[32] == "exact", entries

@@ -53,7 +53,13 @@ from torchrl_dcp.settings import check_environment
 from torchrl_dcp.storage.backends import save_location
 from torchrl_dcp.storage.urls import resolve_path
 from torchrl_dcp.torchrl_format import is_torchrl_checkpoint
-from torchrl_dcp.trainer_binding import TRAINER_MARKER, bind_trainer, register_op_hooks, sync_trainer
+from torchrl_dcp.trainer_binding import (
+    TRAINER_MARKER,
+    bind_trainer,
+    note_trainer_load,
+    register_op_hooks,
+    sync_trainer,
+)
 
 __all__ = ["DistributedCheckpoint", "LoadResult"]
 
@@ -578,8 +584,11 @@ class DistributedCheckpoint:
             if is_torchrl_checkpoint(request.path):  # (a URL never is: torchrl writes local paths)
                 from torchrl_dcp.torchrl_format.importer import import_load
 
-                return import_load(request)  # torchrl.checkpoint's own format, read-only (docs/api.md)
-            return load_engine.load(request)
+                result = import_load(request)  # torchrl.checkpoint's own format, read-only (docs/api.md)
+            else:
+                result = load_engine.load(request)
+        note_trainer_load(self, result)
+        return result
 
     def _load_request(
         self,

@@ -249,13 +249,7 @@ def bind_trainer_load(trainer: Any, ckpt: Any) -> None:
         update = getattr(getattr(trainer, "collector", None), "update_policy_weights_", None)
         if "policy" in result.loaded and callable(update):
             update()  # local copies and workers see the restored learner, as after torchrl's own load
-        resumed = getattr(getattr(trainer, "checkpoint_rotation", None), "_resumed_from", None)
-        step = result.step
-        if step is None and theirs:  # a torchrl Trainer's checkpoint records collected_frames, not a step: the
-            step = _frames(trainer)  # step our rotation saves a Trainer under (trainer_loop), restored with it
-        if callable(resumed) and step is not None:  # our rotation's every_steps counts from the loaded step,
-            resumed(step)  # as after its own resume (it saved again at the next iteration)
-        return trainer
+        return trainer  # (its rotation counts from the loaded step: ckpt.load told it, note_trainer_load)
 
     load_from_file._tdcp_bound = True  # type: ignore[attr-defined]
     load_from_file.__doc__ = original.__doc__
@@ -279,6 +273,22 @@ def _warn_kept(file: Any, names: list[str]) -> None:
             InexactResumeWarning,
             stacklevel=3,
         )
+
+
+def note_trainer_load(ckpt: Any, result: Any) -> None:
+    """After a load into ``ckpt`` that restored its bound Trainer's counters (``trainer_state``): the Trainer's
+    :class:`~torchrl_dcp.CheckpointRotation` counts its schedules from the loaded step (the frames the Trainer
+    collected, which its saves are made under), as after the rotation's own resume, whichever way the load came
+    (``ckpt.load``, ``trainer.load_from_file``, :func:`~torchrl_dcp.resume` through another spelling of the
+    directory). The next iteration then saves when the run that never stopped saved, and a save from inside it never
+    replaces the loaded step's checkpoint (:mod:`~torchrl_dcp.trainer_loop`)."""
+    trainer = bound_trainer(ckpt)
+    if trainer is None or getattr(trainer, "checkpoint", None) is not ckpt or TRAINER_STATE not in result.loaded:
+        return
+    resumed = getattr(getattr(trainer, "checkpoint_rotation", None), "_resumed_from", None)
+    step = _frames(trainer)
+    if callable(resumed) and step is not None:
+        resumed(step)
 
 
 def _frames(trainer: Any) -> int | None:

@@ -69,20 +69,20 @@ class _TrainerBinding:
             decision = rotation.decide(trainer.checkpoint, step)
         if inside and decision.preempted:  # not the preemption's save: the iteration's end stops and saves (exact)
             decision = dataclasses.replace(decision, preempted=False, signal=None)
-        if (
-            inside
-            and force_save
-            and step == rotation._last_step
-            and (step or any(not e.step for e in rotation.entries()))
-        ):
-            warnings.warn(  # (a batch_process hook: torchrl counts the batch's frames after them)
-                f"save_trainer(force_save=True) from a hook inside the iteration after step {step}: that step was "
-                "saved (or resumed from) at the end of its own iteration, exactly; a save now would replace it with "
-                "one that skips the rest of this iteration at a resume, so it is not made. Save from a hook that "
-                "runs after torchrl counts the batch's frames (pre_optim_steps or later)",
-                TorchrlDcpWarning,
-                stacklevel=2,
-            )
+        if inside and step == rotation._last_step and (step or any(not e.step for e in rotation.entries())):
+            # (a batch_process hook: torchrl counts the batch's frames after them) the step of the last save at an
+            # iteration's end, or of the last load: a save now would replace that checkpoint by one a resume from
+            # which skips the rest of this iteration; the iteration's own save (at its end) stays due
+            if force_save:
+                warnings.warn(
+                    f"save_trainer(force_save=True) from a hook inside the iteration after step {step}: the "
+                    f"checkpoint of step {step} (the last one saved at an iteration's end, or the one the Trainer "
+                    "loaded) would be replaced by one that skips the rest of this iteration at a resume, so it is "
+                    "not made. Save from a hook that runs after torchrl counts the batch's frames (pre_optim_steps "
+                    "or later)",
+                    TorchrlDcpWarning,
+                    stacklevel=2,
+                )
             return
         if rotation.schedule.active:
             scheduled = decision.due
