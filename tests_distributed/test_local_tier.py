@@ -9,6 +9,7 @@ signal files, not with timing.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 import warnings
 from pathlib import Path
@@ -58,14 +59,22 @@ def test_a_part_damaged_on_one_rank_resumes_the_previous_local_step_on_every_ran
     assert "step 2 is next" in zero["warned"][0]
 
 
-@pytest.mark.parametrize("damaged", ["own copy", "every copy", "replica unreadable", "manifests"])
+@pytest.mark.parametrize("damaged", ["own copy", "every copy", "replica unreadable", "manifests", "user's directory"])
 def test_a_damaged_local_part_is_taken_from_its_replica_on_another_node(tmp_path: Path, damaged: str) -> None:
     """Two nodes, each rank's part of step 2 also on the other node. Rank 1's own copy fails its verified load (a
     flipped byte in a data file): rank 1 receives the replica from rank 0 and every rank resumes step 2, as when its
     node lost the part; with the replica damaged too (or unreadable: the send failed, which sent every rank to the
     shared tier and deleted the intact step 1), step 1, never the shared tier (which holds nothing). Parts whose
-    manifests are damaged do not count, and every rank is told (they were dropped with a log line)."""
+    manifests are damaged do not count, and every rank is told (they were dropped with a log line). Probe g3: a
+    directory of the user's where rank 1's part was (no checkpoint in it) is never replaced by the received replica
+    (it was moved into a hidden staging directory): it stays, and step 1 is resumed."""
     zero, one = (r.value for r in launch(f"{S}:damaged_own_copy", 2, str(tmp_path), damaged))
+    if damaged == "user's directory":
+        assert zero["resumed"] == one["resumed"] == [1, "local"], (zero, one)
+        assert (tmp_path / "node-1" / "step-000000000002" / "rank-00001" / "eval.txt").read_text() == "mine"
+        assert zero["exact"] and one["exact"]
+        assert any("a directory that is not a checkpoint this tier replaces" in w for w in one["warned"]), one["warned"]
+        return
     if damaged == "own copy":
         assert zero["resumed"] == [2, "local"] and one["resumed"] == [2, "peer"], (zero, one)
         assert "step 2 is tried again with the other copies" in zero["warned"][0], zero["warned"]
@@ -290,6 +299,11 @@ def damaged_own_copy(root: str, damaged: str) -> dict[str, Any]:
             _flip(own, "manifest.json")
         else:
             _flip(replica, "manifest.json")
+    elif damaged == "user's directory":
+        if rank == 1:  # (its node lost the part; the user made a directory of their own there)
+            shutil.rmtree(own)
+            own.mkdir()
+            (own / "eval.txt").write_text("mine")
     elif rank == 1:
         _flip(own)
     elif damaged == "every copy":

@@ -179,9 +179,17 @@ def _receive_entry(destination: Path, peer: int, group: object, buffers: list[to
     staging = staging_path(destination, uuid.uuid4().hex)
     failure: CheckpointError | None = None
     handle = None
+    if not _replaceable(destination):  # (the pieces are still drained: the next entry's messages follow)
+        failure = CheckpointError(
+            f"a directory that is not a checkpoint this tier replaces (a user's, or a part holding a user's file) "
+            f"is where the part received from rank {peer} goes: it was left as it is and the part not received; "
+            "move it (the resume takes an older step, or the shared tier)",
+            path=destination,
+        )
     try:
-        staging.mkdir()
-        handle = DirHandle.open(staging)
+        if failure is None:
+            staging.mkdir()
+            handle = DirHandle.open(staging)
     except OSError as err:
         failure = from_os_error(err, f"receiving a checkpoint from rank {peer}", destination)
     try:
@@ -192,7 +200,7 @@ def _receive_entry(destination: Path, peer: int, group: object, buffers: list[to
         if handle is not None:
             handle.fsync()
             handle = _close(handle)
-            publish(staging, destination)
+            publish(staging, destination, replaceable=_replaceable)  # (asked again of what it moves out of the way)
     except OSError as err:
         failure = from_os_error(err, f"receiving a checkpoint from rank {peer}", destination)
     except BaseException:
@@ -203,6 +211,18 @@ def _receive_entry(destination: Path, peer: int, group: object, buffers: list[to
         _close(handle)
         remove_tree(staging)
         raise failure
+
+
+def _replaceable(destination: Path) -> bool:
+    """Whether a received part may replace what is at ``destination``: nothing, a link (replaced, never followed),
+    or what a save replaces (:func:`~torchrl_dcp.storage.directory.is_replaceable`: an empty directory, a checkpoint
+    of ours holding no file of the user's, a damaged one of ours); never a directory of the user's, nor a part with a
+    user's file put into it (a local save refuses to replace them alike)."""
+    from torchrl_dcp.storage.directory import is_replaceable
+
+    if destination.is_symlink() or not os.path.lexists(destination):
+        return True
+    return is_replaceable(destination)
 
 
 def _close(handle: DirHandle | None) -> None:
