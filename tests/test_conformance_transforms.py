@@ -164,12 +164,16 @@ def _inexact(caught: list) -> list[str]:
     return [str(w.message) for w in caught if issubclass(w.category, tdcp.InexactResumeWarning)]
 
 
-def run_case(name: str, directory: Path) -> dict[str, Any]:
-    """Save mid-run, continue, restore into a collector built with another seed, continue: what differs."""
+def run_case(name: str, directory: Path, after_warm_up: Callable[[Any], Any] | None = None) -> dict[str, Any]:
+    """Save mid-run, continue, restore into a collector built with another seed, continue: what differs.
+    ``after_warm_up``: called with the transform under test after the first batches (then one more, then the save)."""
     _seed(0)
     collector = Collector(make_env(name, 0), None, frames_per_batch=10, total_frames=-1)
     it = iter(collector)
     _batches(it, 3)
+    if after_warm_up is not None:
+        after_warm_up(collector.env.transform[-1])
+        _batches(it, 1)
     with warnings.catch_warnings(record=True) as at_save:
         warnings.simplefilter("always")
         path = _checkpoint(collector).save(directory / name)
@@ -215,6 +219,15 @@ def test_transform_is_exact_or_warned_about(tmp_path: Path, name: str) -> None:
     else:
         for caught in (result["save_warnings"], result["load_warnings"]):
             assert any(name in message for message in caught), (name, caught)
+
+
+@pytest.mark.parametrize("name", ["VecNorm", "VecNormV2"])
+def test_a_frozen_normalisation_resumes_frozen(tmp_path: Path, name: str) -> None:
+    """Probe g4: ``freeze()`` (statistics kept fixed after a warm-up) sets a plain attribute no ``state_dict``
+    holds: the restored transform was unfrozen, went on updating its statistics, and the batches differed from the
+    first step, silently. It is saved with the transform (``TRANSFORM_ATTRIBUTES``)."""
+    result = run_case(name, tmp_path, after_warm_up=lambda transform: transform.freeze())
+    assert result == {"batches": [], "audit": [], "save_warnings": [], "load_warnings": []}, result
 
 
 #: transforms a ``FrameSkipTransform`` cannot follow (torchrl itself fails to step, or it is the one)

@@ -8,7 +8,7 @@ entry there is generated from ``torchrl.envs.transforms`` and audited with :mod:
   ``state_dict``, with what :data:`TRANSFORM_ATTRIBUTES` adds);
 - :data:`INEXACT_TRANSFORMS`: transforms that cannot continue exactly, and why;
 - :data:`TRANSFORM_ATTRIBUTES`: attributes a transform keeps outside its ``state_dict``, saved by the collector
-  adapter (``RandomTruncationTransform``'s per-env horizons, drawn at reset).
+  adapter (``RandomTruncationTransform``'s per-env horizons, drawn at reset; a ``VecNorm``'s ``frozen`` flag).
 
 A collector whose env holds a transform of another class (one not verified here, a user's own, a subclass) gets an
 :class:`~torchrl_dcp.errors.InexactResumeWarning` at save and at load naming it; declare a class of your own exact
@@ -78,10 +78,15 @@ INEXACT_TRANSFORMS: dict[str, str] = {
 }
 
 #: Attributes transforms keep outside their ``state_dict``, by class name: saved and restored by the collector
-#: adapter. ``RandomTruncationTransform`` draws each env's horizon at reset (``_horizons``, ``_first_episode``).
+#: adapter. ``RandomTruncationTransform`` draws each env's horizon at reset (``_horizons``, ``_first_episode``); a
+#: ``VecNorm``'s ``freeze()`` keeps its statistics fixed (``frozen``).
 TRANSFORM_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "RandomTruncationTransform": ("_horizons", "_first_episode", "_initialized"),
+    "VecNorm": ("frozen",),
+    "VecNormV2": ("frozen",),
 }
+#: attributes of :data:`TRANSFORM_ATTRIBUTES` that are flags (a bool, nothing else)
+_FLAGS = frozenset({"_initialized", "frozen"})
 
 _USER_EXACT: set[type] = set()
 
@@ -195,6 +200,9 @@ def check_transform_attributes(saved: Any) -> None:
     if not isinstance(saved, Mapping):
         raise ValueError("its transform attributes are not a mapping")
     for path, values in saved.items():
+        flags = {k: v for k, v in values.items() if k in _FLAGS} if isinstance(values, Mapping) else {}
+        if any(type(v) is not bool for v in flags.values()):
+            raise ValueError(f"its transform at {path} holds flags {flags!r}, not bools")
         if not isinstance(values, Mapping) or set(values) != {"_horizons", "_first_episode", "_initialized"}:
             continue  # (another transform's, or one the restore refuses naming it)
         horizons, first, initialized = values["_horizons"], values["_first_episode"], values["_initialized"]
@@ -259,7 +267,7 @@ def _check_attribute(transform: Any, attr: str, value: Any, where: str) -> None:
             raise CheckpointIntegrityError(
                 f"{where} holds {int(value.min())}..{int(value.max())}, outside 1..{top}: damaged or forged"
             )
-    if attr == "_initialized" and type(value) is not bool:
+    if attr in _FLAGS and type(value) is not bool:
         raise CheckpointIntegrityError(f"{where} is {value!r}, not a bool: damaged or forged")
 
 
