@@ -1036,3 +1036,70 @@ def test_a_save_due_by_time_from_a_hook_before_the_batch_is_counted_never_replac
         trainer.train()
     entries = {e.step: _mark(e.path) for e in tdcp.CheckpointRotation(tmp_path / "run").entries()}
     assert entries[32] == "exact", entries
+
+
+def _sac_with(rotation: tdcp.CheckpointRotation, total_frames: int) -> Any:
+    from tests_distributed.trainer_zoo import BUILDERS, trainer_classes
+
+    kwargs = BUILDERS["SACTrainer"](
+        "SACTrainer", 0, {"total_frames": total_frames, "save_every": 1, "ckpt_dir": "unused", "num_epochs": None}
+    )
+    kwargs["checkpoint_rotation"] = rotation
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return trainer_classes()["SACTrainer"](**kwargs)
+
+
+def test_a_roll_back_drops_the_local_tiers_abandoned_steps_and_a_partial_resume_counts_from_the_trainers_frames(
+    tmp_path: Path,
+) -> None:
+    """Probe h1: a roll-back (``trainer.checkpoint.load`` of shared step 32 after resuming local step 64) left the
+    local tier counting from 64 and holding steps 48 and 64 of the abandoned run, which a later resume took over the
+    new run's shared step 64. The load drops them (as ``resume`` does) and the tier counts from 32. And a resume with
+    ``components=`` leaving the Trainer's counters out counted from the entry's step (64) though the Trainer was at
+    frame 0: it made no save at 32 or 64."""
+
+    def rotation() -> tdcp.CheckpointRotation:
+        local = tdcp.LocalTier(tmp_path / "local", every_steps=16, keep_last=4, replicas=0)
+        return tdcp.CheckpointRotation(tmp_path / "run", keep_last=10, every_steps=32, local=local)
+
+    first = rotation()
+    _sac_with(first, 64).train()
+    first.close()
+    assert {"step-000000000048", "step-000000000064"} <= set(os.listdir(tmp_path / "local"))
+    again = rotation()
+    trainer = _sac_with(again, 128)
+    assert tdcp.resume(trainer.checkpoint, tmp_path / "run").tier == "local"
+    trainer.checkpoint.load(tmp_path / "run" / "step-000000000032")
+    assert again._last_step == again.local.last_step == 32
+    assert not {"step-000000000048", "step-000000000064"} & set(os.listdir(tmp_path / "local"))
+    again.close()
+
+    partial = tdcp.CheckpointRotation(tmp_path / "run", keep_last=10, every_steps=32)
+    warm = _sac_with(partial, 64)
+    info = tdcp.resume(warm.checkpoint, tmp_path / "run", components=["policy", "loss_module", "optimizer"])
+    assert info.step == 64 and "trainer_state" not in info.loaded
+    assert partial._last_step == int(warm.collected_frames) == 0
+
+
+def test_a_hooks_save_is_made_where_the_loaded_step_is_not_in_the_rotation(tmp_path: Path) -> None:
+    """Probe h1: a Trainer started from another run's step 32 (``trainer.checkpoint.load``) into an empty rotation
+    directory: a forced save from a ``batch_process`` hook (at step 32) was refused, naming a checkpoint of step 32
+    the rotation does not hold; a crash before the iteration's end then left the run with none. It is made."""
+    from tests_distributed.trainer_zoo import build_trainer
+
+    build_trainer("SACTrainer", 0, tmp_path / "other", total_frames=32, save_every=32).train()
+    trainer = build_trainer("SACTrainer", 0, tmp_path / "new", total_frames=96, save_every=32)
+    trainer.checkpoint.load(tmp_path / "other" / "step-000000000032")
+
+    def snapshot_then_crash(batch: Any) -> Any:
+        trainer.save_trainer(force_save=True)
+        raise RuntimeError("the node was lost")
+
+    trainer.register_op("batch_process", snapshot_then_crash)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tdcp.TorchrlDcpWarning)
+        with pytest.raises(RuntimeError, match="node was lost"):
+            trainer.train()
+    entries = {e.step: _mark(e.path) for e in tdcp.CheckpointRotation(tmp_path / "new").entries()}
+    assert entries == {32: "mid"}, entries

@@ -211,6 +211,7 @@ class CheckpointRotation:
         self.preempted = False  # set on every rank once a preemption save has committed
         self._watcher = PreemptionWatcher(preemption_signals) if preemption_signals else None
         self._last_step = 0  # the step last saved or resumed (every_steps counts from it)
+        self._resuming = False  # while resume() runs (its Trainer's loads leave the counting to it)
         self._last_time = time.monotonic()  # when the last save started (rank 0's clock decides)
         self._in_flight: Any = None  # the checkpoint of the async save in flight
 
@@ -627,10 +628,23 @@ class CheckpointRotation:
     def _resume(self, ckpt: Any, fallback: bool, load_kwargs: dict[str, Any]) -> ResumeInfo | None:
         return resume_rotation(self, ckpt, fallback, load_kwargs)
 
-    def _resumed_from(self, step: int) -> None:
-        """A load of ``step`` done outside :meth:`resume` (a bound Trainer's ``load_from_file``): the save policy
-        counts from it, as after a resume."""
+    def _resumed_from(self, step: int, ckpt: Any = None) -> None:
+        """A load of ``step`` into ``ckpt`` done outside :meth:`resume` (its bound Trainer's, any way: a roll-back
+        too): the save policy counts from it, and the local tier drops its newer steps (an abandoned future: a
+        later resume would take them), as after a resume (collective with a local tier)."""
         self._last_step, self._last_time = step, time.monotonic()
+        if self.local is not None and ckpt is not None:
+            try:
+                self.local.forget_after(ckpt, step)
+            except CheckpointError as err:  # (raised alike on every rank: the load itself succeeded)
+                warnings.warn(
+                    LocalTierWarning(
+                        f"local tier {self.local.path}: the steps after step {step}, which the load of step {step} "
+                        f"abandoned, could not be dropped ({err}); a resume may take them: delete them, or resume "
+                        "from the shared tier with rotation.resume"
+                    ),
+                    stacklevel=3,
+                )
 
 
 def resume(ckpt: Any, directory: str | os.PathLike, **load_kwargs: Any) -> ResumeInfo | None:

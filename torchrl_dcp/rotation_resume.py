@@ -37,6 +37,7 @@ from torchrl_dcp.errors import (
     TorchrlDcpWarning,
 )
 from torchrl_dcp.rotation_entries import blocking_entries, by_commit, check_rotation_directory, list_entries
+from torchrl_dcp.trainer_binding import counted_step
 
 logger = get_logger(__name__)
 
@@ -86,8 +87,12 @@ def resume_rotation(rotation: Any, ckpt: Any, fallback: bool, load_kwargs: dict[
     there is warned about, naming them."""
     from torchrl_dcp import _dist
 
-    with _dist.reading():  # (a collective's failure then says nothing was saved)
-        return _resume(rotation, ckpt, fallback, load_kwargs)
+    rotation._resuming = True  # (its Trainer's loads leave the counting to this resume: note_trainer_load)
+    try:
+        with _dist.reading():  # (a collective's failure then says nothing was saved)
+            return _resume(rotation, ckpt, fallback, load_kwargs)
+    finally:
+        rotation._resuming = False
 
 
 def _resume(rotation: Any, ckpt: Any, fallback: bool, load_kwargs: dict[str, Any]) -> ResumeInfo | None:
@@ -111,7 +116,7 @@ def _resume(rotation: Any, ckpt: Any, fallback: bool, load_kwargs: dict[str, Any
             if found is None:
                 return None
             step, path, result, tier = found
-            rotation._last_step, rotation._last_time = step, time.monotonic()
+            rotation._last_step, rotation._last_time = counted_step(ckpt, step), time.monotonic()
             return ResumeInfo(step, path, result, tier)
 
         info = local_resume(candidates[0][0] if candidates else None)
@@ -250,7 +255,7 @@ def _resume_shared(
             )
             continue
         logger.info("resumed from step %d (%s)", step, path)
-        rotation._last_step, rotation._last_time = step, time.monotonic()  # every_steps counts from the resumed step
+        rotation._last_step, rotation._last_time = counted_step(ckpt, step), time.monotonic()  # counts from it
         return ResumeInfo(step, path, result)
     if skipped and local_resume is not None:  # every shared entry damaged: any complete local step
         info = local_resume(None)

@@ -285,10 +285,20 @@ def note_trainer_load(ckpt: Any, result: Any) -> None:
     trainer = bound_trainer(ckpt)
     if trainer is None or getattr(trainer, "checkpoint", None) is not ckpt or TRAINER_STATE not in result.loaded:
         return
-    resumed = getattr(getattr(trainer, "checkpoint_rotation", None), "_resumed_from", None)
+    rotation = getattr(trainer, "checkpoint_rotation", None)
+    resumed = getattr(rotation, "_resumed_from", None)
     step = _frames(trainer)
-    if callable(resumed) and step is not None:
-        resumed(step)
+    if callable(resumed) and step is not None and getattr(rotation, "_resuming", False) is not True:
+        resumed(step, ckpt)  # (the rotation's own resume counts, and drops newer local steps, itself)
+
+
+def counted_step(ckpt: Any, step: int) -> int:
+    """The step a rotation's schedules count from after resuming ``step`` into ``ckpt``: the bound Trainer's
+    collected frames (what it saves under; ``step`` itself when the load restored its counters, its own frames when
+    ``components=`` or ``strict="warn"`` left them out), else ``step``."""
+    trainer = bound_trainer(ckpt)
+    frames = _frames(trainer) if trainer is not None and getattr(trainer, "checkpoint", None) is ckpt else None
+    return step if frames is None else frames
 
 
 def _frames(trainer: Any) -> int | None:

@@ -69,7 +69,7 @@ class _TrainerBinding:
             decision = rotation.decide(trainer.checkpoint, step)
         if inside and decision.preempted:  # not the preemption's save: the iteration's end stops and saves (exact)
             decision = dataclasses.replace(decision, preempted=False, signal=None)
-        if inside and step == rotation._last_step and (step or any(not e.step for e in rotation.entries())):
+        if inside and step == rotation._last_step and self._holds(step):
             # (a batch_process hook: torchrl counts the batch's frames after them) the step of the last save at an
             # iteration's end, or of the last load: a save now would replace that checkpoint by one a resume from
             # which skips the rest of this iteration; the iteration's own save (at its end) stays due
@@ -101,6 +101,12 @@ class _TrainerBinding:
             sync=force_save or decision.preempted,
             counted=not inside,
         )
+
+    def _holds(self, step: int) -> bool:
+        """Whether the rotation holds an entry of ``step`` (its save in flight committed first: every rank waits for
+        its own, as the save would)."""
+        self.rotation.wait()
+        return any(e.step == step for e in self.rotation.entries())
 
 
 def bind_trainer(rotation: Any, trainer: Any, ckpt: Any) -> None:
