@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import torch
@@ -203,3 +204,25 @@ def test_a_generators_state_is_audited() -> None:
     one.set_seed(0)
     two.set_seed(1)
     assert any("rng" in d.path for d in state_differences(state_snapshot(one), state_snapshot(two)))
+
+
+def test_the_audit_looks_inside_deques_byte_arrays_and_arrays() -> None:
+    """Probe g4: a ``deque`` (torchrl's ``StreamingSliceSampler._queued_slices``, a buffer's prefetch queue), a
+    ``bytearray`` or an ``array.array`` was fingerprinted by its type alone: a restore that lost their items passed
+    the audit the conformance verdicts rely on."""
+    import array
+    import collections
+
+    def holder(queue: list[int], raw: bytes, numbers: list[float], maxlen: int | None = None) -> dict[str, Any]:
+        return {
+            "q": collections.deque(queue, maxlen=maxlen),
+            "b": bytearray(raw),
+            "a": array.array("d", numbers),
+        }
+
+    same = state_differences(state_snapshot(holder([1, 2], b"ab", [0.5])), state_snapshot(holder([1, 2], b"ab", [0.5])))
+    assert same == []
+    differ = state_differences(
+        state_snapshot(holder([1, 2], b"ab", [0.5])), state_snapshot(holder([1, 3], b"ac", [0.25], maxlen=4))
+    )
+    assert {d.path for d in differ} == {"obj['q'].maxlen", "obj['q'][1]", "obj['b']", "obj['a']"}, differ

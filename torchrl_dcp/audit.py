@@ -1,9 +1,10 @@
 """State audit: everything reachable from an object, flattened to ``{path: fingerprint}``, and what differs.
 
 A restore is exact when the restored object holds the same state as the saved one, not only the state its adapter
-writes. :func:`state_snapshot` walks the object graph (tensors, numbers, strings, containers, modules, TensorDicts and
-the attributes of plain objects, following references once: a second path to the same object is recorded as a
-reference to the first) and fingerprints every leaf, and the type of every object and non-empty container;
+writes. :func:`state_snapshot` walks the object graph (tensors, numbers, strings, containers with deques, byte
+arrays and ``array.array`` among them, modules, TensorDicts and the attributes of plain objects, following references
+once: a second path to the same object is recorded as a reference to the first) and fingerprints every leaf, and the
+type of every object and non-empty container;
 :func:`state_differences` lists the paths whose fingerprints differ between two snapshots. Snapshots are JSON-safe,
 so the saved process and the process that restored can compare them after the first one has exited (how the
 conformance suites use them).
@@ -26,6 +27,8 @@ Example:
 
 from __future__ import annotations
 
+import array
+import collections
 import hashlib
 import io
 import math
@@ -213,6 +216,10 @@ def _opaque(obj: Any) -> bool:
 def _leaf(obj: Any) -> str | None:  # noqa: PLR0911 - one return per leaf kind
     if obj is None or isinstance(obj, (bool, int, str, bytes, complex)):
         return f"{type(obj).__name__} {obj!r}"
+    if isinstance(obj, (bytearray, array.array)):  # (bytes held in place: their content, not attributes)
+        raw = obj.tobytes() if isinstance(obj, array.array) else bytes(obj)
+        kind = f"array {obj.typecode!r}" if isinstance(obj, array.array) else "bytearray"
+        return f"{kind} {len(obj)} {hashlib.blake2b(raw, digest_size=8).hexdigest()}"
     if isinstance(obj, float):
         if math.isnan(obj):  # (a NaN keeps its sign through a save: the audit tells them apart too)
             return f"float {'-' if math.copysign(1.0, obj) < 0 else ''}nan"
@@ -311,6 +318,11 @@ def _children(obj: Any, path: str) -> Iterable[tuple[Any, str, Any]]:
         return
     if isinstance(obj, (list, tuple)):
         for i, value in enumerate(obj):
+            yield i, f"{path}[{i}]", value
+        return
+    if isinstance(obj, collections.deque):  # (torchrl's queued slices and prefetched samples: no attributes)
+        yield "maxlen", f"{path}.maxlen", obj.maxlen
+        for i, value in enumerate(list(obj)):
             yield i, f"{path}[{i}]", value
         return
     if isinstance(obj, (set, frozenset)):
