@@ -37,7 +37,6 @@ from torchrl_dcp.errors import (
     TorchrlDcpWarning,
 )
 from torchrl_dcp.rotation_entries import blocking_entries, by_commit, check_rotation_directory, list_entries
-from torchrl_dcp.trainer_binding import counted_step
 
 logger = get_logger(__name__)
 
@@ -116,7 +115,7 @@ def _resume(rotation: Any, ckpt: Any, fallback: bool, load_kwargs: dict[str, Any
             if found is None:
                 return None
             step, path, result, tier = found
-            rotation._last_step, rotation._last_time = counted_step(ckpt, step), time.monotonic()
+            rotation._last_step, rotation._last_time = _counted_step(ckpt, step), time.monotonic()
             return ResumeInfo(step, path, result, tier)
 
         info = local_resume(candidates[0][0] if candidates else None)
@@ -141,6 +140,12 @@ def _resume(rotation: Any, ckpt: Any, fallback: bool, load_kwargs: dict[str, Any
         rotation.local.forget_after(ckpt, None if info is None else info.step)  # newer local steps: an abandoned future
     _warn_blocking(rotation, None if info is None else info.step, group)
     return info
+
+
+def _counted_step(ckpt: Any, step: int) -> int:
+    from torchrl_dcp.trainer_binding import counted_step  # (imports torch: the listing tools must not)
+
+    return counted_step(ckpt, step)
 
 
 def _warn_blocking(rotation: Any, step: int | None, group: Any) -> None:
@@ -255,7 +260,7 @@ def _resume_shared(
             )
             continue
         logger.info("resumed from step %d (%s)", step, path)
-        rotation._last_step, rotation._last_time = counted_step(ckpt, step), time.monotonic()  # counts from it
+        rotation._last_step, rotation._last_time = _counted_step(ckpt, step), time.monotonic()  # counts from it
         return ResumeInfo(step, path, result)
     if skipped and local_resume is not None:  # every shared entry damaged: any complete local step
         info = local_resume(None)
