@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -495,3 +496,37 @@ def test_a_prioritized_sampler_smaller_than_the_rows_written_is_refused_at_save_
     fresh = buffer(0)
     tdcp.DistributedCheckpoint(rb=fresh).load(path)
     assert fresh[:4]["id"].tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("kind", ["linear", "step", "lambda"])
+def test_torchrls_parameter_schedulers_resume_exactly(tmp_path, kind):  # type: ignore[no-untyped-def]
+    """Probe g4: ``StepScheduler`` and ``LambdaScheduler`` (a prioritized sampler's ``beta`` annealed) were refused at
+    save: their ``state_dict`` holds the function they were built with. Those stay the live scheduler's; the step
+    count and the sampler's ``beta`` continue as in the run that never stopped."""
+    from torchrl.data import TensorDictPrioritizedReplayBuffer
+    from torchrl.data.replay_buffers.scheduler import LambdaScheduler, LinearScheduler, StepScheduler
+
+    def build() -> tuple[Any, Any]:
+        rb = TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.4, storage=LazyTensorStorage(16), batch_size=4)
+        scheduler = {
+            "linear": lambda: LinearScheduler(rb, "beta", final_value=1.0, num_steps=10),
+            "step": lambda: StepScheduler(rb, "beta", gamma=1.1, n_steps=2, max_value=1.0),
+            "lambda": lambda: LambdaScheduler(rb, "beta", lambda_fn=lambda n: 0.99**n),
+        }[kind]()
+        return rb, scheduler
+
+    rb, scheduler = build()
+    for _ in range(3):
+        scheduler.step()
+    path = tdcp.DistributedCheckpoint(rb=rb, scheduler=scheduler).save(tmp_path / "ckpt")
+    expected = []
+    for _ in range(5):
+        scheduler.step()
+        expected.append((float(rb.sampler.beta), scheduler._step_cnt))
+    again, resumed = build()
+    tdcp.DistributedCheckpoint(rb=again, scheduler=resumed).load(path)
+    got = []
+    for _ in range(5):
+        resumed.step()
+        got.append((float(again.sampler.beta), resumed._step_cnt))
+    assert got == expected

@@ -1,7 +1,7 @@
 """The adapters this package ships, registered by type when :mod:`torchrl_dcp.adapters` is imported.
 
 Modules, optimizers, TensorDicts, RNG streams (torch, Python, NumPy), torchrl replay
-buffers, envs, collectors and Trainer hooks / loggers. Registering again is harmless: a
+buffers and their parameter schedulers, envs, collectors and Trainer hooks / loggers. Registering again is harmless: a
 type maps to one adapter (:func:`~torchrl_dcp.adapters.registry.register_adapter`).
 
 Example:
@@ -32,6 +32,7 @@ from torchrl_dcp.adapters.optimizer import OptimizerAdapter
 from torchrl_dcp.adapters.registry import register_adapter
 from torchrl_dcp.adapters.replay_buffer import ReplayBufferAdapter
 from torchrl_dcp.adapters.rng import GeneratorAdapter, RNGState, RNGStateAdapter, TorchrlGlobalRNGAdapter
+from torchrl_dcp.adapters.state_dict import ParameterSchedulerAdapter
 from torchrl_dcp.adapters.tensor import TensorAdapter
 from torchrl_dcp.adapters.tensordict import TensorDictAdapter
 from torchrl_dcp.adapters.trainer import register_trainer_adapters
@@ -58,6 +59,12 @@ def register_default_adapters() -> None:
     register_adapter(np.random.Generator, NumpyGeneratorAdapter())
     register_adapter(np.random.RandomState, NumpyRandomStateAdapter())
     register_adapter(ReplayBuffer, ReplayBufferAdapter())
+    try:
+        from torchrl.data.replay_buffers.scheduler import ParameterScheduler
+    except ImportError:  # (a torchrl without them)
+        ParameterScheduler = None
+    if ParameterScheduler is not None:
+        register_adapter(ParameterScheduler, ParameterSchedulerAdapter())
     register_adapter(BaseCollector, MultiCollectorAdapter())
     register_adapter(Collector, CollectorAdapter())
     register_trainer_adapters()

@@ -108,3 +108,22 @@ class StateDictAdapter(Adapter):
             return super().snapshot(obj, ctx)
         keep = {id(t) for t in ctx.plan["in_place"].values()} | ctx.plan["copies"]  # copies: a copy already
         return copy_except(current, keep)
+
+
+class ParameterSchedulerAdapter(StateDictAdapter):
+    """torchrl's replay-buffer parameter schedulers (``LinearScheduler``, ``StepScheduler``, ``LambdaScheduler``:
+    a prioritized sampler's ``beta`` annealed): their ``state_dict`` without the functions they were built with
+    (``StepScheduler.operator``, a NumPy ufunc; ``LambdaScheduler.lambda_fn``), which are configuration and stay the
+    live scheduler's; the step count and values are saved (the same payload as :class:`StateDictAdapter`'s, which
+    saved the others already).
+
+    Example:
+        >>> from torchrl.data import LazyTensorStorage, TensorDictPrioritizedReplayBuffer
+        >>> from torchrl.data.replay_buffers.scheduler import StepScheduler
+        >>> rb = TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.4, storage=LazyTensorStorage(4))
+        >>> sorted(ParameterSchedulerAdapter().state(StepScheduler(rb, "beta", 1.1, 2), AdapterContext("s")))[:3]
+        ['_max_val', '_min_val', '_step_cnt']
+    """
+
+    def state(self, obj: Any, ctx: AdapterContext) -> Any:
+        return {k: v for k, v in super().state(obj, ctx).items() if not callable(v)}
