@@ -526,6 +526,8 @@ def test_an_empty_path_is_refused_never_taken_for_the_current_directory(
     for argv in (["convert", str(archive), "", "--overwrite"], ["inspect", ""], ["verify", ""], ["ls", ""]):
         assert main(argv) == 1, argv
         assert "an empty path names no checkpoint" in capsys.readouterr().err, argv
+    assert main(["--json", "inspect", ""]) == 1  # (probe g2: "file" was the path quoted, "''")
+    assert json.loads(capsys.readouterr().out)["file"] == ""
     assert tdcp.read_manifest(here)["step"] == 1
     with pytest.raises(tdcp.CheckpointError, match="an empty path"):
         tdcp.DistributedCheckpoint(w={"x": torch.ones(1)}).save("")

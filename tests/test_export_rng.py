@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -54,7 +55,7 @@ def test_an_unknown_export_format_is_refused_before_anything_is_read(tmp_path: P
 
 
 def test_diff_and_convert_say_a_torchrl_checkpoint_is_torchrls(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A torchrl.checkpoint export was read as a damaged archive of ours ("member is in a sub-directory")."""
     from torchrl_dcp.cli import main
@@ -66,3 +67,6 @@ def test_diff_and_convert_say_a_torchrl_checkpoint_is_torchrls(
         said = capsys.readouterr().err
         assert "is a torchrl.checkpoint checkpoint" in said and "`inspect` and `verify` read" in said, said
     assert not (tmp_path / "out").exists()
+    monkeypatch.chdir(tmp_path)  # (probe g2: --json named the path as typed, every other error the absolute one)
+    assert main(["--json", "diff", "policy.torchrl", str(path)]) != 0
+    assert json.loads(capsys.readouterr().out)["file"] == str(export)

@@ -183,7 +183,7 @@ def _ours_only(path: str, tool: str) -> None:
         raise CheckpointError(
             f"is a torchrl.checkpoint checkpoint: `{tool}` reads torchrl_dcp checkpoints; `inspect` and `verify` read "
             "this one, and DistributedCheckpoint.load restores it (then save it with torchrl_dcp to convert or diff it)",
-            path=path,
+            path=os.path.abspath(path),  # (as every other error names it)
         )
 
 

@@ -230,7 +230,7 @@ def resolve_path(path: str | os.PathLike | StorePath, storage_options: Mapping[s
         raise CheckpointError(
             "an empty path names no checkpoint (an unset variable?): pass the checkpoint's path ('.' for the "
             "current directory)",
-            path="''",
+            path="",  # (the path given; the message shows it quoted)
         )
     if isinstance(path, str) and is_url(path):
         if is_file_url(path):
