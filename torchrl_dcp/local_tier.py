@@ -246,18 +246,20 @@ class LocalTier:
             if s not in kept:
                 self._remove_step(s)
 
-    def _drop_newer(self, step: int | None) -> None:
-        """Remove the node's steps newer than ``step`` (``None``: every step).
+    def _drop_newer(self, step: int | None) -> list[int]:
+        """Remove the node's steps newer than ``step`` (``None``: every step); returns those removed.
 
         Only while every rank of the job is inside the same collective call (a save of ``step`` before its
         agreement, a resume): no rank can be writing a newer step then. A step that cannot be removed (a tier
         mounted read-only) is left, with a :class:`~torchrl_dcp.errors.LocalTierWarning`: a clean-up, never a reason
         to give up the step restored or the save being made.
         """
+        removed = []
         for s in self.steps_on_disk():
             if step is None or s > step:
                 try:
                     self._remove_step(s)
+                    removed.append(s)
                 except (OSError, CheckpointError) as err:
                     text = (
                         f"local tier {self.path}: step {s}, newer than the step {step} restored or saved, could not be "
@@ -265,6 +267,7 @@ class LocalTier:
                     )
                     logger.warning("%s", text)
                     warnings.warn(LocalTierWarning(text), stacklevel=3)
+        return removed
 
     def steps_on_disk(self) -> list[int]:
         """The steps of the ``step-<N>`` directories under ``path`` (a link or file planted there is no step)."""
@@ -312,8 +315,15 @@ class LocalTier:
         self.last_step = step or 0
 
         def drop() -> None:
-            if layout.leader(_dist.group_rank(group)):
-                self._drop_newer(step)
+            if layout.leader(_dist.group_rank(group)) and (removed := self._drop_newer(step)):
+                text = (  # (a relaunch on another number of ranks, or a roll-back: never unseen)
+                    f"local tier {self.path}: steps {removed} were removed, newer than "
+                    + ("the fresh start" if step is None else f"step {step}, the step resumed or loaded")
+                    + " (an abandoned future: steps the resume could not take, being of another number of ranks or "
+                    "job, incomplete or damaged, or steps a roll-back went past)"
+                )
+                logger.warning("%s", text)
+                warnings.warn(LocalTierWarning(text), stacklevel=4)
 
         run_step(group, f"dropping local steps after step {step}", drop)
 
