@@ -294,13 +294,22 @@ def _vecnorm_counts(env) -> list[float]:
     ]
 
 
-def save_counted_collector(path: str) -> dict[str, Any]:
+def _vecnorms(env) -> list[Any]:
+    from torchrl_dcp.adapters.env_transforms import env_transforms
+
+    return [t for _, t in env_transforms(env) if type(t).__name__ == "VecNormV2"]
+
+
+def save_counted_collector(path: str, frozen: bool = False) -> dict[str, Any]:
     from torchrl.collectors import Collector
 
     collector = Collector(_counted_env(dist.get_rank()), None, frames_per_batch=12, total_frames=-1)
     it = iter(collector)
-    for _ in range(2):
+    for i in range(2):
         batch = next(it)
+        if frozen and i == 0:  # (statistics fixed after a warm-up)
+            for vecnorm in _vecnorms(collector.env):
+                vecnorm.freeze()
     tdcp.DistributedCheckpoint(collector=collector, timeout=60).save(path, step=1)
     out = {"max_count": int(batch["traj_count"].max()), "vecnorm": _vecnorm_counts(collector.env)}
     collector.shutdown()
@@ -312,7 +321,9 @@ def load_counted_collector(path: str) -> dict[str, Any]:
 
     collector = Collector(_counted_env(100 + dist.get_rank()), None, frames_per_batch=12, total_frames=-1)
     tdcp.DistributedCheckpoint(collector=collector, timeout=60).load(path, world_size_change="reshard")
+    frozen = [v.frozen for v in _vecnorms(collector.env)]
     out = {"vecnorm": _vecnorm_counts(collector.env), "next_min_count": int(next(iter(collector))["traj_count"].min())}
+    out["frozen"] = frozen
     collector.shutdown()
     return out
 

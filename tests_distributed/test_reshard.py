@@ -167,13 +167,20 @@ def test_transitions_held_back_by_an_n_step_transform_refuse_a_reshard(tmp_path:
     assert r.value["error"] is not None and "MultiStepTransform holds transitions back" in r.value["error"], r.value
 
 
-def test_a_resharded_collector_takes_the_sub_envs_statistics_and_the_trajectory_counter(tmp_path: Path) -> None:
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_resharded_collector_takes_the_sub_envs_statistics_and_the_trajectory_counter(
+    tmp_path: Path, frozen: bool
+) -> None:
     """A reshard restored a collector's ``state_dict()`` only: a SerialEnv's sub-envs' VecNormV2 statistics stayed
     fresh and a Compose'd TrajCounter restarted at 0 (handing out counts saved rank 0 had used), where the docs
-    promise the transform statistics and counters of saved rank ``r % W``."""
+    promise the transform statistics and counters of saved rank ``r % W``. Probe i1: a frozen VecNormV2 came back
+    unfrozen (its flag was left with the saved rank's episode), and updated its statistics from the first step."""
     path = str(tmp_path / "ckpt")
-    saved = launch(f"{S}:save_counted_collector", 2, path)
+    saved = launch(f"{S}:save_counted_collector", 2, path, frozen)
     (resumed,) = (r.value for r in launch(f"{S}:load_counted_collector", 1, path))
+    assert resumed["frozen"] == [frozen, frozen], resumed
+    if frozen:  # saved rank 0's statistics, kept as they were through the fresh trajectory's reset
+        assert resumed["vecnorm"] == saved[0].value["vecnorm"], (resumed, saved[0].value)
     # saved rank 0's statistics, updated by the reset that starts the fresh trajectory (one observation each)
     assert all(n >= s for n, s in zip(resumed["vecnorm"], saved[0].value["vecnorm"])), (resumed, saved[0].value)
     assert resumed["vecnorm"] and min(saved[0].value["vecnorm"]) > 2

@@ -51,6 +51,7 @@ from torchrl_dcp.adapters.env import (  # (also imported from here by older code
 )
 from torchrl_dcp.adapters.env_transforms import (
     check_transform_attributes,
+    resharded_attributes,
     statistics_taken_whole,
     warn_unverified_transforms,
 )
@@ -229,10 +230,11 @@ _NOT_IN_STATE_DICT = [
 
 def _statistics_only(state: Mapping[str, Any]) -> dict[str, Any]:
     """What a world-size change takes over of a saved env's extras: transform states (statistics, counters) of
-    sub-envs, ``Compose``'d transforms and cached parents; not the transform attributes of the saved rank's in-flight
-    episode (a ``RandomTruncationTransform``'s horizons), nor a ``SerialEnv``'s shared buffers (its entries): the
-    episode starts afresh."""
-    return {**state, "transform_attributes": {}, "serial_buffers": {}}
+    sub-envs, ``Compose``'d transforms and cached parents, and transform settings (a frozen ``VecNorm``); not the
+    transform attributes of the saved rank's in-flight episode (a ``RandomTruncationTransform``'s horizons), nor a
+    ``SerialEnv``'s shared buffers (its entries): the episode starts afresh."""
+    attributes = resharded_attributes(state.get("transform_attributes") or {})
+    return {**state, "transform_attributes": attributes, "serial_buffers": {}}
 
 
 def _assembly_state(collector: Collector) -> dict[str, Any] | None:

@@ -46,6 +46,7 @@ from torchrl_dcp.adapters.env_lazy import lazy_places, lazy_plan, materialize_la
 from torchrl_dcp.adapters.env_transforms import (
     check_transform_attributes,
     env_transforms,
+    resharded_attributes,
     restore_transform_attributes,
     statistics_taken_whole,
     transform_attributes,
@@ -593,7 +594,8 @@ class EnvAdapter(Adapter):
         (state,) = states.values()
         materialize_lazy(env, state, ctx.name, env_state)
         load_env_state_dict(env, state["state_dict"], ctx.name)
-        restore_env_extras(env, {**state, "transform_attributes": {}, "serial_buffers": {}}, ctx.name)
+        attributes = resharded_attributes(state.get("transform_attributes") or {})  # (settings: a frozen VecNorm)
+        restore_env_extras(env, {**state, "transform_attributes": attributes, "serial_buffers": {}}, ctx.name)
         return None
 
 

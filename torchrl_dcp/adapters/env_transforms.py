@@ -40,6 +40,7 @@ __all__ = [
     "check_transform_attributes",
     "env_transforms",
     "register_exact_transform",
+    "resharded_attributes",
     "restore_transform_attributes",
     "transform_attributes",
     "statistics_taken_whole",
@@ -87,6 +88,26 @@ TRANSFORM_ATTRIBUTES: dict[str, tuple[str, ...]] = {
 }
 #: attributes of :data:`TRANSFORM_ATTRIBUTES` that are flags (a bool, nothing else)
 _FLAGS = frozenset({"_initialized", "frozen"})
+#: attributes of :data:`TRANSFORM_ATTRIBUTES` a world-size change carries over: the transform's settings (a
+#: ``VecNorm`` frozen after its warm-up, as its statistics are), not the saved rank's in-flight episode (a
+#: ``RandomTruncationTransform``'s horizons: the episode starts afresh)
+_RESHARDED = frozenset({"frozen"})
+
+
+def resharded_attributes(saved: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """What a world-size change restores of saved :func:`transform_attributes`: the settings among them.
+
+    Example:
+        >>> resharded_attributes({"transform.1": {"frozen": True}, "transform.2": {"_horizons": None}})
+        {'transform.1': {'frozen': True}}
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for path, values in saved.items():
+        kept = {k: v for k, v in values.items() if k in _RESHARDED} if isinstance(values, Mapping) else {}
+        if kept:
+            out[path] = kept
+    return out
+
 
 _USER_EXACT: set[type] = set()
 
