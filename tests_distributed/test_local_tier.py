@@ -59,7 +59,9 @@ def test_a_part_damaged_on_one_rank_resumes_the_previous_local_step_on_every_ran
     assert "step 2 is next" in zero["warned"][0]
 
 
-@pytest.mark.parametrize("damaged", ["own copy", "every copy", "replica unreadable", "manifests", "user's directory"])
+@pytest.mark.parametrize(
+    "damaged", ["own copy", "every copy", "replica unreadable", "manifests", "user's directory", "linked step"]
+)
 def test_a_damaged_local_part_is_taken_from_its_replica_on_another_node(tmp_path: Path, damaged: str) -> None:
     """Two nodes, each rank's part of step 2 also on the other node. Rank 1's own copy fails its verified load (a
     flipped byte in a data file): rank 1 receives the replica from rank 0 and every rank resumes step 2, as when its
@@ -69,6 +71,11 @@ def test_a_damaged_local_part_is_taken_from_its_replica_on_another_node(tmp_path
     directory of the user's where rank 1's part was (no checkpoint in it) is never replaced by the received replica
     (it was moved into a hidden staging directory): it stays, and step 1 is resumed."""
     zero, one = (r.value for r in launch(f"{S}:damaged_own_copy", 2, str(tmp_path), damaged))
+    if damaged == "linked step":  # (probe i1: the replica was written through the link, into the user's directory)
+        assert zero["resumed"] == one["resumed"] == [1, "local"], (zero, one)
+        assert sorted(os.listdir(tmp_path / "users")) == ["eval.txt"]
+        assert zero["exact"] and one["exact"]
+        return
     if damaged == "user's directory":
         assert zero["resumed"] == one["resumed"] == [1, "local"], (zero, one)
         assert (tmp_path / "node-1" / "step-000000000002" / "rank-00001" / "eval.txt").read_text() == "mine"
@@ -299,6 +306,12 @@ def damaged_own_copy(root: str, damaged: str) -> dict[str, Any]:
             _flip(own, "manifest.json")
         else:
             _flip(replica, "manifest.json")
+    elif damaged == "linked step":
+        if rank == 1:  # (its node lost the step; a link to a directory of the user's was put in its place)
+            shutil.rmtree(own.parent)
+            (Path(root) / "users").mkdir()
+            (Path(root) / "users" / "eval.txt").write_text("mine")
+            own.parent.symlink_to(Path(root) / "users")
     elif damaged == "user's directory":
         if rank == 1:  # (its node lost the part; the user made a directory of their own there)
             shutil.rmtree(own)

@@ -179,7 +179,13 @@ def _receive_entry(destination: Path, peer: int, group: object, buffers: list[to
     staging = staging_path(destination, uuid.uuid4().hex)
     failure: CheckpointError | None = None
     handle = None
-    if not _replaceable(destination):  # (the pieces are still drained: the next entry's messages follow)
+    if not _real_directory(destination.parent):  # (the pieces are still drained: the next entry's messages follow)
+        failure = CheckpointError(
+            f"the step directory the part received from rank {peer} goes into is not a directory (a link or a file "
+            "was put in its place): refused, never written through; the part was not received",
+            path=destination.parent,
+        )
+    elif not _replaceable(destination):
         failure = CheckpointError(
             f"a directory that is not a checkpoint this tier replaces (a user's, or a part holding a user's file) "
             f"is where the part received from rank {peer} goes: it was left as it is and the part not received; "
@@ -211,6 +217,13 @@ def _receive_entry(destination: Path, peer: int, group: object, buffers: list[to
         _close(handle)
         remove_tree(staging)
         raise failure
+
+
+def _real_directory(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _replaceable(destination: Path) -> bool:
