@@ -1071,7 +1071,8 @@ def test_a_roll_back_drops_the_local_tiers_abandoned_steps_and_a_partial_resume_
     trainer = _sac_with(again, 128)
     assert tdcp.resume(trainer.checkpoint, tmp_path / "run").tier == "local"
     with pytest.warns(tdcp.LocalTierWarning, match=r"steps \[48, 64\] were removed, newer than step 32"):
-        trainer.checkpoint.load(tmp_path / "run" / "step-000000000032")  # (said: the tier's steps are gone)
+        with pytest.warns(tdcp.TorchrlDcpWarning, match=r"rolled back past its entries of steps \[64\]"):
+            trainer.checkpoint.load(tmp_path / "run" / "step-000000000032")  # (said: a resume would take 64)
     assert again._last_step == again.local.last_step == 32
     assert not {"step-000000000048", "step-000000000064"} & set(os.listdir(tmp_path / "local"))
     again.close()
@@ -1081,6 +1082,22 @@ def test_a_roll_back_drops_the_local_tiers_abandoned_steps_and_a_partial_resume_
     info = tdcp.resume(warm.checkpoint, tmp_path / "run", components=["policy", "loss_module", "optimizer"])
     assert info.step == 64 and "trainer_state" not in info.loaded
     assert partial._last_step == int(warm.collected_frames) == 0
+
+    def warm_rotation() -> tdcp.CheckpointRotation:  # (probe i1: its local tier counted from 64, its steps stayed)
+        local = tdcp.LocalTier(tmp_path / "local-2", every_steps=16, keep_last=4, replicas=0)
+        return tdcp.CheckpointRotation(tmp_path / "run-2", keep_last=10, every_steps=32, local=local)
+
+    first = warm_rotation()
+    _sac_with(first, 64).train()
+    first.close()
+    partial = warm_rotation()
+    warm = _sac_with(partial, 64)
+    with pytest.warns(tdcp.LocalTierWarning, match="were removed"):
+        info = partial.resume(warm.checkpoint, components=["policy", "loss_module", "optimizer"])
+    assert info.tier == "local" and info.step == 64
+    assert partial._last_step == partial.local.last_step == int(warm.collected_frames) == 0
+    assert partial.local.steps_on_disk() == []
+    partial.close()
 
 
 def test_a_hooks_save_is_made_where_the_loaded_step_is_not_in_the_rotation(tmp_path: Path) -> None:

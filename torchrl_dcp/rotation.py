@@ -633,6 +633,16 @@ class CheckpointRotation:
         too): the save policy counts from it, and the local tier drops its newer steps (an abandoned future: a
         later resume would take them), as after a resume (collective with a local tier)."""
         self._last_step, self._last_time = step, time.monotonic()
+        newer = sorted({e.step for e in self.entries() if e.step > step})
+        if newer:  # (the newest commit is a resume's: until this run commits, it is the abandoned run's)
+            warnings.warn(
+                f"checkpoint rotation {self.directory}: a load of step {step} rolled back past its entries of steps "
+                f"{newer}; until this run commits a save, a resume takes the last of them committed (the abandoned "
+                "run's), passing over any newer local-tier step of this run: save now (rotation.save) to make this "
+                "run's state the newest, or remove those entries",
+                TorchrlDcpWarning,
+                stacklevel=3,
+            )
         if self.local is not None and ckpt is not None:
             try:
                 self.local.forget_after(ckpt, step)

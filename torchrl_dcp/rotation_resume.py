@@ -115,7 +115,10 @@ def _resume(rotation: Any, ckpt: Any, fallback: bool, load_kwargs: dict[str, Any
             if found is None:
                 return None
             step, path, result, tier = found
-            rotation._last_step, rotation._last_time = _counted_step(ckpt, step), time.monotonic()
+            counted = _counted_step(ckpt, step)
+            rotation._last_step, rotation._last_time = counted, time.monotonic()
+            if counted != step:  # (a Trainer whose counters the load left out: its run goes on from its frames)
+                rotation.local.forget_after(ckpt, counted)
             return ResumeInfo(step, path, result, tier)
 
         info = local_resume(candidates[0][0] if candidates else None)
@@ -136,8 +139,8 @@ def _resume(rotation: Any, ckpt: Any, fallback: bool, load_kwargs: dict[str, Any
             f"kept; fix the cause and resume again (delete {rotation.local.path} to start fresh)"
         )
         raise err
-    if rotation.local is not None and (info is None or info.tier == "shared"):
-        rotation.local.forget_after(ckpt, None if info is None else info.step)  # newer local steps: an abandoned future
+    if rotation.local is not None and (info is None or info.tier == "shared"):  # newer local steps: an abandoned
+        rotation.local.forget_after(ckpt, None if info is None else _counted_step(ckpt, info.step))  # future
     _warn_blocking(rotation, None if info is None else info.step, group)
     return info
 
