@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -530,3 +531,49 @@ def test_torchrls_parameter_schedulers_resume_exactly(tmp_path, kind):  # type: 
         resumed.step()
         got.append((float(again.sampler.beta), resumed._step_cnt))
     assert got == expected
+
+
+@pytest.mark.parametrize(
+    "key, value, said",
+    [
+        ("param_name", "_sum_tree", "param_name='_sum_tree'"),  # (its next step segfaulted the process)
+        ("operator", "x", "keeps no state under"),
+        ("sampler", "x", "keeps no state under"),
+        ("mode", "additive", "mode='additive'"),  # (the live operator multiplies: neither schedule)
+        ("n_steps", 0, "n_steps=0"),
+        ("_step_cnt", -7, "_step_cnt=-7"),
+        ("_step_cnt", 2.5, "_step_cnt=2.5"),
+    ],
+)
+def test_a_forged_parameter_scheduler_state_is_refused(tmp_path, key, value, said):  # type: ignore[no-untyped-def]
+    """Probe j1: a resealed scheduler state holding what no save of it writes loaded (its functions and sampler
+    replaced by the forged values, another parameter annealed, a zero period): refused while planning, naming the
+    file, the scheduler unchanged."""
+    from torchrl.data import TensorDictPrioritizedReplayBuffer
+    from torchrl.data.replay_buffers.scheduler import StepScheduler
+
+    from tests.forging import edit
+
+    def build() -> tuple[Any, Any]:
+        rb = TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.4, storage=LazyTensorStorage(16), batch_size=4)
+        return rb, StepScheduler(rb, "beta", gamma=1.1, n_steps=2, max_value=1.0)
+
+    rb, scheduler = build()
+    scheduler.step()
+    path = tdcp.DistributedCheckpoint(scheduler=scheduler).save(tmp_path / "ckpt")
+
+    def forge(manifest: dict[str, Any]) -> None:
+        items = manifest["components"]["scheduler"]["state"]["items"]
+        found = [item for item in items if item[0] == key]
+        if found:
+            found[0][1] = value
+        else:
+            items.append([key, value])
+
+    edit(path, forge)
+    again, resumed = build()
+    before = dict(vars(resumed))
+    with pytest.raises(tdcp.CheckpointError, match=re.escape(said)) as caught:
+        tdcp.DistributedCheckpoint(scheduler=resumed).load(path)
+    assert str(path) in str(caught.value)
+    assert vars(resumed) == before

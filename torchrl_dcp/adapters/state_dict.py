@@ -115,7 +115,10 @@ class ParameterSchedulerAdapter(StateDictAdapter):
     a prioritized sampler's ``beta`` annealed): their ``state_dict`` without the functions they were built with
     (``StepScheduler.operator``, a NumPy ufunc; ``LambdaScheduler.lambda_fn``), which are configuration and stay the
     live scheduler's; the step count and values are saved (the same payload as :class:`StateDictAdapter`'s, which
-    saved the others already).
+    saved the others already, under its id). A load refuses, while planning, what no save of this scheduler writes:
+    a key it keeps no state under (its functions, its sampler), another ``param_name`` or ``mode`` than the live
+    scheduler's (the parameter it anneals, the operator it was built with), a step count that is no count, a
+    period below one step.
 
     Example:
         >>> from torchrl.data import LazyTensorStorage, TensorDictPrioritizedReplayBuffer
@@ -127,3 +130,38 @@ class ParameterSchedulerAdapter(StateDictAdapter):
 
     def state(self, obj: Any, ctx: AdapterContext) -> Any:
         return {k: v for k, v in super().state(obj, ctx).items() if not callable(v)}
+
+    def validate(self, obj: Any, saved: dict[int, Any], ctx: AdapterContext) -> None:
+        super().validate(obj, saved, ctx)
+        live = self.state(obj, ctx)
+        for view in saved.values():
+            _check_scheduler_state(view, live, type(obj).__name__, ctx.name)
+
+
+def _check_scheduler_state(view: Any, live: dict[str, Any], kind: str, name: str) -> None:
+    """A saved parameter scheduler's state is one this live scheduler's own save writes (else
+    :class:`~torchrl_dcp.errors.IncompatibleComponentError`, checked while planning: the load names the file)."""
+    from torchrl_dcp.errors import IncompatibleComponentError
+
+    where = f"component {name!r}"
+    if not isinstance(view, dict):
+        raise IncompatibleComponentError(f"{where}: the checkpoint holds a {type(view).__name__}, not a {kind}'s state")
+    other = sorted(set(view) - set(live))
+    if other:
+        raise IncompatibleComponentError(
+            f"{where}: the checkpoint's state holds {other}, which this {kind} keeps no state under (its functions and "
+            "its sampler are its own): it was saved by another kind of scheduler, or is damaged"
+        )
+    for key in ("param_name", "mode"):
+        if key in view and view[key] != live.get(key):
+            raise IncompatibleComponentError(
+                f"{where}: the checkpoint's {kind} has {key}={view[key]!r}, this one {live.get(key)!r} (the parameter "
+                "it anneals, the operator it was built with): build it as it was saved"
+            )
+    for key, least in (("_step_cnt", 0), ("n_steps", 1), ("num_steps", 1)):
+        value = view.get(key, least)
+        if type(value) is not int or value < least:
+            raise IncompatibleComponentError(
+                f"{where}: the checkpoint's {kind} holds {key}={value!r}, which no save writes (an integer of at "
+                f"least {least}): the checkpoint is damaged or forged"
+            )
