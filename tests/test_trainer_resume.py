@@ -1121,3 +1121,23 @@ def test_a_hooks_save_is_made_where_the_loaded_step_is_not_in_the_rotation(tmp_p
             trainer.train()
     entries = {e.step: _mark(e.path) for e in tdcp.CheckpointRotation(tmp_path / "new").entries()}
     assert entries == {32: "mid"}, entries
+
+
+def test_a_resume_through_a_link_to_the_rotations_directory_resumes_with_its_local_tier(tmp_path: Path) -> None:
+    """Probe k1: ``tdcp.resume(trainer.checkpoint, <a link to the rotation's directory>)`` compared the spellings as
+    strings: a new rotation without the Trainer's local tier resumed the shared step 32, and the Trainer's rotation,
+    told of that load, dropped the local tier's newer step 48 (the newest good state) as an abandoned future."""
+
+    def rotation() -> tdcp.CheckpointRotation:
+        local = tdcp.LocalTier(tmp_path / "local", every_steps=16, keep_last=4, replicas=0)
+        return tdcp.CheckpointRotation(tmp_path / "run", keep_last=10, every_steps=32, local=local)
+
+    first = rotation()
+    _sac_with(first, 48).train()
+    first.close()
+    (tmp_path / "link").symlink_to(tmp_path / "run")
+    again = rotation()
+    info = tdcp.resume(_sac_with(again, 96).checkpoint, tmp_path / "link")
+    assert (info.step, info.tier) == (48, "local")
+    assert 48 in again.local.steps_on_disk()
+    again.close()

@@ -598,7 +598,11 @@ def _make_dir(path: Path) -> None:
     refuse_inside_checkpoint(path)
     path.mkdir(parents=True, exist_ok=True)
     if not _is_real_dir(path):
-        raise CheckpointError("is not a directory (a link or a file was put in its place): refused", path=path)
+        raise CheckpointError(
+            "is not a directory (a link or a file was put in its place): refused, never followed; a link of your own "
+            "to the tier: pass its resolved path (os.path.realpath) as the LocalTier's",
+            path=path,
+        )
 
 
 def _check_part(part: Path) -> None:

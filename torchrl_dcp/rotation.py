@@ -667,15 +667,23 @@ def resume(ckpt: Any, directory: str | os.PathLike, **load_kwargs: Any) -> Resum
         >>> info = tdcp.resume(ckpt, "ckpts")  # doctest: +SKIP
         >>> start = 0 if info is None else info.step + 1  # doctest: +SKIP
 
-    When ``ckpt`` is bound to a torchrl ``Trainer`` whose ``checkpoint_rotation`` is a rotation of ``directory``,
-    that rotation resumes, so its save policy counts from the resumed step (a new rotation's would count from 0 and
-    save again at the first iteration).
+    When ``ckpt`` is bound to a torchrl ``Trainer`` whose ``checkpoint_rotation`` is a rotation of ``directory``
+    (however spelled: a link to it too), that rotation resumes, with its local tier, so its save policy counts from
+    the resumed step (a new rotation's would count from 0 and save again at the first iteration).
     """
     rotation = CheckpointRotation(directory, storage_options=getattr(ckpt, "storage_options", None))
     bound = _trainer_rotation(ckpt)
-    if bound is not None and str(bound.directory) == str(rotation.directory):
+    if bound is not None and _same_directory(bound, rotation):
         rotation = bound
     return rotation.resume(ckpt, **load_kwargs)
+
+
+def _same_directory(a: CheckpointRotation, b: CheckpointRotation) -> bool:
+    """Whether two rotations name one directory: a local one however spelled (a link to it, ``..``), a store's by
+    its URL."""
+    if a.location.is_local and b.location.is_local:
+        return os.path.realpath(a.directory) == os.path.realpath(b.directory)
+    return str(a.directory) == str(b.directory)
 
 
 def _trainer_rotation(ckpt: Any) -> CheckpointRotation | None:
