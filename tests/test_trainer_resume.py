@@ -1050,6 +1050,12 @@ def _sac_with(rotation: tdcp.CheckpointRotation, total_frames: int) -> Any:
         return trainer_classes()["SACTrainer"](**kwargs)
 
 
+def _tiered(run: Path, local: Path) -> tdcp.CheckpointRotation:
+    """Shared saves every 32 frames, node-local ones every 16 (one process: no replicas)."""
+    tier = tdcp.LocalTier(local, every_steps=16, keep_last=4, replicas=0)
+    return tdcp.CheckpointRotation(run, keep_last=10, every_steps=32, local=tier)
+
+
 def test_a_roll_back_drops_the_local_tiers_abandoned_steps_and_a_partial_resume_counts_from_the_trainers_frames(
     tmp_path: Path,
 ) -> None:
@@ -1059,15 +1065,11 @@ def test_a_roll_back_drops_the_local_tiers_abandoned_steps_and_a_partial_resume_
     ``components=`` leaving the Trainer's counters out counted from the entry's step (64) though the Trainer was at
     frame 0: it made no save at 32 or 64."""
 
-    def rotation() -> tdcp.CheckpointRotation:
-        local = tdcp.LocalTier(tmp_path / "local", every_steps=16, keep_last=4, replicas=0)
-        return tdcp.CheckpointRotation(tmp_path / "run", keep_last=10, every_steps=32, local=local)
-
-    first = rotation()
+    first = _tiered(tmp_path / "run", tmp_path / "local")
     _sac_with(first, 64).train()
     first.close()
     assert {"step-000000000048", "step-000000000064"} <= set(os.listdir(tmp_path / "local"))
-    again = rotation()
+    again = _tiered(tmp_path / "run", tmp_path / "local")
     trainer = _sac_with(again, 128)
     assert tdcp.resume(trainer.checkpoint, tmp_path / "run").tier == "local"
     with pytest.warns(tdcp.LocalTierWarning, match=r"steps \[48, 64\] were removed, newer than step 32"):
@@ -1083,14 +1085,10 @@ def test_a_roll_back_drops_the_local_tiers_abandoned_steps_and_a_partial_resume_
     assert info.step == 64 and "trainer_state" not in info.loaded
     assert partial._last_step == int(warm.collected_frames) == 0
 
-    def warm_rotation() -> tdcp.CheckpointRotation:  # (probe i1: its local tier counted from 64, its steps stayed)
-        local = tdcp.LocalTier(tmp_path / "local-2", every_steps=16, keep_last=4, replicas=0)
-        return tdcp.CheckpointRotation(tmp_path / "run-2", keep_last=10, every_steps=32, local=local)
-
-    first = warm_rotation()
+    first = _tiered(tmp_path / "run-2", tmp_path / "local-2")  # (probe i1: its tier counted from 64, kept its steps)
     _sac_with(first, 64).train()
     first.close()
-    partial = warm_rotation()
+    partial = _tiered(tmp_path / "run-2", tmp_path / "local-2")
     warm = _sac_with(partial, 64)
     with pytest.warns(tdcp.LocalTierWarning, match="were removed"):
         info = partial.resume(warm.checkpoint, components=["policy", "loss_module", "optimizer"])
@@ -1128,15 +1126,11 @@ def test_a_resume_through_a_link_to_the_rotations_directory_resumes_with_its_loc
     strings: a new rotation without the Trainer's local tier resumed the shared step 32, and the Trainer's rotation,
     told of that load, dropped the local tier's newer step 48 (the newest good state) as an abandoned future."""
 
-    def rotation() -> tdcp.CheckpointRotation:
-        local = tdcp.LocalTier(tmp_path / "local", every_steps=16, keep_last=4, replicas=0)
-        return tdcp.CheckpointRotation(tmp_path / "run", keep_last=10, every_steps=32, local=local)
-
-    first = rotation()
+    first = _tiered(tmp_path / "run", tmp_path / "local")
     _sac_with(first, 48).train()
     first.close()
     (tmp_path / "link").symlink_to(tmp_path / "run")
-    again = rotation()
+    again = _tiered(tmp_path / "run", tmp_path / "local")
     info = tdcp.resume(_sac_with(again, 96).checkpoint, tmp_path / "link")
     assert (info.step, info.tier) == (48, "local")
     assert 48 in again.local.steps_on_disk()
