@@ -182,6 +182,31 @@ def test_a_newer_shared_step_wins_and_newer_local_steps_are_dropped_after_it(tmp
     assert rotation.local.steps_on_disk() == [8]  # step 12 came after the step restored: dropped
 
 
+def test_a_job_restarted_through_a_link_to_its_shared_directory_resumes_its_local_tier(tmp_path: Path) -> None:
+    """Probe l1: a part's record named the shared directory as spelled, so a restart through a link to it (or back)
+    took the tier for another job's: it resumed the older shared step and dropped the newer local one."""
+    ckpt, model, optimizer = _job()
+    _train(ckpt, model, optimizer, _rotation(tmp_path), 0, 13)  # local 12, shared 10
+    (tmp_path / "link").symlink_to(tmp_path / "shared")
+    through = tdcp.CheckpointRotation(
+        tmp_path / "link", every_steps=10, keep_last=2, local=tdcp.LocalTier(tmp_path / "local", every_steps=2)
+    )
+    info = through.resume(_job(1)[0])
+    assert (info.step, info.tier) == (12, "local")
+    assert 12 in through.local.steps_on_disk()
+
+
+def test_a_rotation_through_a_link_to_nothing_says_to_create_its_target(tmp_path: Path) -> None:
+    """Probe l1: a rotation whose directory is a link to a directory not made yet failed its first save with
+    "something already exists at this path ... choose another path": the link's target is named, and what to do."""
+    (tmp_path / "link").symlink_to(tmp_path / "not-yet")
+    ckpt, model, optimizer = _job()
+    with pytest.raises(tdcp.CheckpointError, match="is a link to .*not-yet, which does not exist: create that"):
+        tdcp.CheckpointRotation(tmp_path / "link").save(ckpt, step=1)
+    (tmp_path / "not-yet").mkdir()
+    tdcp.CheckpointRotation(tmp_path / "link").save(ckpt, step=1)
+
+
 def test_a_tier_of_another_job_is_ignored_with_a_log_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     ckpt, model, optimizer = _job()
     _train(ckpt, model, optimizer, _rotation(tmp_path), 0, 13)

@@ -215,7 +215,23 @@ def os_error_hint(err: OSError) -> str:
         blocking = _file_on_the_way(os.fsdecode(err.filename))
         if blocking is not None:
             return f"{blocking} is a file where a directory is needed: choose another path, or move that file"
+    if err.errno == errno.EEXIST and isinstance(err.filename, (str, os.PathLike)):
+        dangling = _dangling_link(os.fsdecode(err.filename))
+        if dangling is not None:
+            link, target = dangling
+            return f"{link} is a link to {target}, which does not exist: create that directory, or pass another path"
     return _OS_HINTS.get(err.errno or 0, "")
+
+
+def _dangling_link(path: str) -> tuple[str, str] | None:
+    """``(link, its target)`` where ``path`` or one of its parents is a link to nothing (``None``: none is)."""
+    for p in (PurePath(path), *PurePath(path).parents):
+        try:
+            if stat.S_ISLNK(os.lstat(p).st_mode) and not os.path.exists(p):
+                return str(p), os.readlink(p)
+        except OSError:
+            continue
+    return None
 
 
 def _file_on_the_way(path: str) -> str | None:
