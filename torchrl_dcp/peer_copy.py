@@ -179,11 +179,12 @@ def _receive_entry(destination: Path, peer: int, group: object, buffers: list[to
     staging = staging_path(destination, uuid.uuid4().hex)
     failure: CheckpointError | None = None
     handle = None
-    if not _real_directory(destination.parent):  # (the pieces are still drained: the next entry's messages follow)
+    step_dir = destination.parent  # (a missing one fails where the staging directory is made, saying so)
+    if os.path.lexists(step_dir) and not _real_directory(step_dir):  # (still drained: the next entry's messages follow)
         failure = CheckpointError(
             f"the step directory the part received from rank {peer} goes into is not a directory (a link or a file "
             "was put in its place): refused, never written through; the part was not received",
-            path=destination.parent,
+            path=step_dir,
         )
     elif not _replaceable(destination):
         failure = CheckpointError(
