@@ -569,11 +569,10 @@ def tier_identity(ckpt: Any, shared: Any) -> dict[str, Any]:
 
 
 def job_identity(world_size: int, shared: Any) -> dict[str, Any]:
-    """:func:`tier_identity` of a job of ``world_size`` ranks saving to ``shared`` (before its checkpoint exists): a
-    local shared directory by its resolved path (a job restarted through a link to it is the same job), a store's
-    by its URL."""
-    where = os.path.realpath(shared) if isinstance(shared, Path) else str(shared)
-    return {"run": os.environ.get("TORCHELASTIC_RUN_ID"), "world_size": world_size, "shared": where}
+    """:func:`tier_identity` of a job of ``world_size`` ranks saving to ``shared`` (before its checkpoint exists):
+    the shared location's :meth:`~torchrl_dcp.storage.base.Location.identity` (a job restarted through a link to its
+    directory is the same job)."""
+    return {"run": os.environ.get("TORCHELASTIC_RUN_ID"), "world_size": world_size, "shared": str(shared)}
 
 
 def _holds_checkpoint(part: Path) -> bool:

@@ -437,7 +437,7 @@ class CheckpointRotation:
         from torchrl_dcp.local_tier import tier_identity
 
         check_step(step)
-        return self.local.save(ckpt, step, metadata_values(metadata), tier_identity(ckpt, self.directory))
+        return self.local.save(ckpt, step, metadata_values(metadata), tier_identity(ckpt, self.location.identity()))
 
     def wait(self) -> Path | None:
         """Block until the async save in flight (if any) is committed and pruned; its path, or ``None``."""
@@ -681,9 +681,7 @@ def resume(ckpt: Any, directory: str | os.PathLike, **load_kwargs: Any) -> Resum
 def _same_directory(a: CheckpointRotation, b: CheckpointRotation) -> bool:
     """Whether two rotations name one directory: a local one however spelled (a link to it, ``..``), a store's by
     its URL."""
-    if a.location.is_local and b.location.is_local:
-        return os.path.realpath(a.directory) == os.path.realpath(b.directory)
-    return str(a.directory) == str(b.directory)
+    return a.location.identity() == b.location.identity()
 
 
 def _trainer_rotation(ckpt: Any) -> CheckpointRotation | None:

@@ -107,7 +107,7 @@ def _resume(rotation: Any, ckpt: Any, fallback: bool, load_kwargs: dict[str, Any
     if rotation.local is not None:
         from torchrl_dcp.local_tier import tier_identity
 
-        identity = tier_identity(ckpt, rotation.directory)
+        identity = tier_identity(ckpt, rotation.location.identity())
 
         def local_resume(shared_step: int | None) -> ResumeInfo | None:
             """The local tier's newest complete step, if not older than ``shared_step`` (collective)."""

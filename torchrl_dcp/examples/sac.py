@@ -415,7 +415,7 @@ def adopt_latest_config(args: argparse.Namespace, world: int, say: Any) -> None:
     latest = rotation.latest()
     if args.local_dir:
         local = tdcp.LocalTier(args.local_dir, every_steps=args.local_every).newest_part(
-            job_identity(world, rotation.directory)
+            job_identity(world, rotation.location.identity())
         )
         shared_step = tdcp.read_manifest(latest)["step"] if latest is not None else None
         if local is not None and (shared_step is None or local[0] >= shared_step):

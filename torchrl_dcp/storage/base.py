@@ -508,6 +508,16 @@ class Location(abc.ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.path)!r})"
 
+    def identity(self) -> str:
+        """Where this is, however spelled: a local path resolved (links followed, ``..`` folded), a store's URL.
+
+        Example:
+            >>> from torchrl_dcp.storage.backends import location_for
+            >>> location_for("/tmp/../tmp").identity()
+            '/tmp'
+        """
+        return os.path.realpath(self.path) if self.is_local else str(self.path)
+
     # ------------------------------------------------------------------ reading
     @abc.abstractmethod
     def container(self) -> Container:
