@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 import uuid
 import warnings
 from collections.abc import Mapping
@@ -81,6 +80,7 @@ from torchrl_dcp.storage.directory import (
     is_replaceable,
     refuse_inside_checkpoint,
 )
+from torchrl_dcp.storage.files import is_real_dir
 from torchrl_dcp.storage.urls import local_path
 
 logger = get_logger(__name__)
@@ -271,14 +271,14 @@ class LocalTier:
 
     def steps_on_disk(self) -> list[int]:
         """The steps of the ``step-<N>`` directories under ``path`` (a link or file planted there is no step)."""
-        if not _is_real_dir(self.path):  # absent, or a link or file planted in its place: nothing of the tier's
+        if not is_real_dir(self.path):  # absent, or a link or file planted in its place: nothing of the tier's
             return []
         try:
             names = os.listdir(self.path)
         except (FileNotFoundError, NotADirectoryError):
             return []
         found = (m for m in map(_STEP.fullmatch, names) if m and f"{int(m.group(1)):012d}" == m.group(1))
-        return sorted(int(m.group(1)) for m in found if _is_real_dir(self.path / m.group(0)))  # (names it writes)
+        return sorted(int(m.group(1)) for m in found if is_real_dir(self.path / m.group(0)))  # (names it writes)
 
     def _remove_step(self, step: int) -> None:
         step_dir = self.path / f"step-{step:012d}"
@@ -287,10 +287,10 @@ class LocalTier:
         except (FileNotFoundError, NotADirectoryError):
             return
         for name in names:  # records first: a step half removed is never taken for a committed one
-            if RECORD.fullmatch(name) and not _is_real_dir(step_dir / name):  # (a directory of that name: not ours)
+            if RECORD.fullmatch(name) and not is_real_dir(step_dir / name):  # (a directory of that name: not ours)
                 (step_dir / name).unlink(missing_ok=True)
         for name in names:  # a killed record write's temporary (``write_file_durably``)
-            if RECORD_TMP.fullmatch(name) and not _is_real_dir(step_dir / name):
+            if RECORD_TMP.fullmatch(name) and not is_real_dir(step_dir / name):
                 (step_dir / name).unlink(missing_ok=True)
         for name in names:  # parts it wrote (committed checkpoints), never a directory of the user's of that name;
             part = step_dir / name  # a link planted in a part's place goes (itself: never what it points to)
@@ -578,7 +578,7 @@ def job_identity(world_size: int, shared: Any) -> dict[str, Any]:
 def _holds_checkpoint(part: Path) -> bool:
     """Whether ``part`` is a directory holding a checkpoint (ours, with a user's file put into it: its own files are
     removed, the user's kept); a directory of the user's named like a part holds none and stays."""
-    if not _is_real_dir(part):
+    if not is_real_dir(part):
         return False
     try:
         DirectoryContainer(part).manifest()
@@ -587,19 +587,12 @@ def _holds_checkpoint(part: Path) -> bool:
     return True
 
 
-def _is_real_dir(path: Path) -> bool:
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except OSError:
-        return False
-
-
 def _make_dir(path: Path) -> None:
     """Create ``path`` (and its parents); what is there must be a directory itself, not a link to one, and never
     inside a checkpoint (refused before anything is made: an entry its manifest does not list would damage it)."""
     refuse_inside_checkpoint(path)
     path.mkdir(parents=True, exist_ok=True)
-    if not _is_real_dir(path):
+    if not is_real_dir(path):
         raise CheckpointError(
             "is not a directory (a link or a file was put in its place): refused, never followed; a link of your own "
             "to the tier: pass its resolved path (os.path.realpath) as the LocalTier's",
@@ -610,7 +603,7 @@ def _make_dir(path: Path) -> None:
 def _check_part(part: Path) -> None:
     """A part directory must be a real directory, as the tier's and its step directories: a link planted in its
     place (to a directory outside the tier) is refused, never followed."""
-    if not _is_real_dir(part):
+    if not is_real_dir(part):
         raise CheckpointError("is not a directory (a link or a file was put in its place): refused", path=part)
 
 

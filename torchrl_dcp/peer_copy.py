@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, from_os_error
 from torchrl_dcp.json_bytes import loads_json
 from torchrl_dcp.storage.commit import publish, remove_tree, staging_path
-from torchrl_dcp.storage.files import DirHandle
+from torchrl_dcp.storage.files import DirHandle, is_real_dir
 
 PIECE = 16 << 20  # bytes per message: bounds the memory of a copy (two buffers each way)
 _HEADER_LIMIT = 1 << 20  # a part lists a handful of files: a larger header is not ours
@@ -180,7 +180,7 @@ def _receive_entry(destination: Path, peer: int, group: object, buffers: list[to
     failure: CheckpointError | None = None
     handle = None
     step_dir = destination.parent  # (a missing one fails where the staging directory is made, saying so)
-    if os.path.lexists(step_dir) and not _real_directory(step_dir):  # (still drained: the next entry's messages follow)
+    if os.path.lexists(step_dir) and not is_real_dir(step_dir):  # (still drained: the next entry's messages follow)
         failure = CheckpointError(
             f"the step directory the part received from rank {peer} goes into is not a directory (a link or a file "
             "was put in its place): refused, never written through; the part was not received",
@@ -218,13 +218,6 @@ def _receive_entry(destination: Path, peer: int, group: object, buffers: list[to
         _close(handle)
         remove_tree(staging)
         raise failure
-
-
-def _real_directory(path: Path) -> bool:
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except OSError:
-        return False
 
 
 def _replaceable(destination: Path) -> bool:

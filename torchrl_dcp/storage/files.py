@@ -55,6 +55,14 @@ def absent_because(path: str | os.PathLike) -> str:
     return "the path does not exist"  # (made since it was looked at)
 
 
+def is_real_dir(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a directory itself: not a link to one (never followed), not a file, not absent."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def open_regular(path: str | os.PathLike, where: Any = None) -> int:
     """Open ``path`` for reading without following a symlink; refuse anything but a regular file.
 
