@@ -37,7 +37,6 @@ from torchrl_dcp.format.layout import DCP_METADATA, MANIFEST, MAX_MANIFEST_BYTES
 from torchrl_dcp.format.manifest import loads_manifest
 from torchrl_dcp.storage.archive import BUFFER, ArchiveContainer, Progress, byte_counter, write_archive
 from torchrl_dcp.storage.backends import is_remote, location_for, read_manifest, save_location
-from torchrl_dcp.storage.base import check_identities
 from torchrl_dcp.storage.commit import (
     DestinationLock,
     publish,
@@ -55,6 +54,7 @@ from torchrl_dcp.storage.directory import (
     refuse_working_directory,
 )
 from torchrl_dcp.storage.files import DirHandle, absent_because, open_regular, read_whole
+from torchrl_dcp.storage.trailers import check_identities
 from torchrl_dcp.storage.urls import resolve_path
 
 logger = get_logger(__name__)

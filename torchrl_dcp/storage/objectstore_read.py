@@ -41,11 +41,11 @@ from torchrl_dcp.errors import CheckpointError, CheckpointIntegrityError
 from torchrl_dcp.format.checksums import checksum_mismatch, combined_crc, crc32, format_crc
 from torchrl_dcp.format.layout import TRAILER_SIZE
 from torchrl_dcp.format.record import check_bool_bytes, record_data_offset
-from torchrl_dcp.storage.base import check_trailer
 from torchrl_dcp.storage.objectstore import object_checksums, store_error
 from torchrl_dcp.storage.reader import InPlaceFileSystemReader
 from torchrl_dcp.storage.readitems import HUGEPAGE_MIN, populate
 from torchrl_dcp.storage.staging import copy_into
+from torchrl_dcp.storage.trailers import check_trailer
 
 MERGE_GAP = 1 << 20  # needed records closer than this are fetched in one span (the gap is read and dropped)
 
@@ -122,7 +122,7 @@ class _File:
     verify: str | None  # the manifest's checksum, when checked while read
     identity: str | None  # the save id its trailer must carry, when not checked yet
     pieces: list[tuple[int, int, int]] = field(default_factory=list)  # (offset, length, crc) fetched
-    rank: int | None = None  # the rank its trailer must name (``storage.base.trailer_identity``), when checked
+    rank: int | None = None  # the rank its trailer must name (``storage.trailers.trailer_identity``), when checked
 
 
 class StoreReader(InPlaceFileSystemReader):

@@ -17,11 +17,11 @@ from typing import Any, BinaryIO
 
 from torchrl_dcp.errors import CheckpointError, CheckpointIntegrityError
 from torchrl_dcp.format.layout import TRAILER_SIZE
-from torchrl_dcp.storage.base import check_trailer, trailer_identity
 from torchrl_dcp.storage.objectstore import ObjectStoreContainer, concurrency, map_pieces, range_size, read_range
 from torchrl_dcp.storage.objectstore_read import MERGE_GAP, StoreReader
 from torchrl_dcp.storage.readitems import RangeFile
 from torchrl_dcp.storage.source import CheckpointSource
+from torchrl_dcp.storage.trailers import check_trailer, trailer_identity
 from torchrl_dcp.storage.urls import StorePath
 
 

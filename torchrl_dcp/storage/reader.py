@@ -60,7 +60,7 @@ from torchrl_dcp.format.layout import TRAILER_SIZE, is_plain_name
 from torchrl_dcp.format.metadata_checks import chunk_specs
 from torchrl_dcp.format.record import decode_record, is_memmap_tensor, record_data_offset
 from torchrl_dcp.settings import setting
-from torchrl_dcp.storage.base import ByteRange, Container, check_trailer
+from torchrl_dcp.storage.base import ByteRange, Container
 from torchrl_dcp.storage.copying import ReadAhead, read_threads, run_split
 from torchrl_dcp.storage.files import open_regular
 from torchrl_dcp.storage.filesystem import SafeFileSystemReader
@@ -82,6 +82,7 @@ from torchrl_dcp.storage.readitems import (  # noqa: F401 - RangeFile and the co
     whole_record_view,
 )
 from torchrl_dcp.storage.staging import copy_batch, host_window, read_staged
+from torchrl_dcp.storage.trailers import check_trailer
 
 
 class InPlaceFileSystemReader(SafeFileSystemReader):
@@ -126,7 +127,7 @@ class InPlaceFileSystemReader(SafeFileSystemReader):
         self._lock = threading.RLock()  # stats and planner calls, from the threads reading records and files
         self._local = threading.local()  # each reading thread's scratch buffer
         self._specs: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]] = {}
-        #: ``{data file: (save, rank)}`` its identity trailer names (``storage.base.trailer_identity``): each handle
+        #: ``{data file: (save, rank)}`` its identity trailer names (``storage.trailers.trailer_identity``): each handle
         #: opened on it is checked to be that file (:meth:`_check_handle`)
         self.identities: dict[str, tuple[str, int | None]] = {}
         self._inodes: dict[str, tuple[int, int]] = {}

@@ -39,10 +39,11 @@ from torchrl_dcp.format.record import (
     record_data_offset,
     template_tail_size,
 )
-from torchrl_dcp.storage.base import Container, check_identities, trailer_identity
+from torchrl_dcp.storage.base import Container
 from torchrl_dcp.storage.files import open_regular
 from torchrl_dcp.storage.reader import InPlaceFileSystemReader
 from torchrl_dcp.storage.readitems import BATCH, SMALL, small_record
+from torchrl_dcp.storage.trailers import check_identities, trailer_identity
 
 
 class CheckpointSource:
@@ -244,7 +245,7 @@ class CheckpointSource:
 
     def check_identity(self, names: Iterable[str]) -> None:
         """Every data file in ``names`` ends with this save's identity trailer (format 3 and later;
-        :func:`~torchrl_dcp.storage.base.check_identities`)."""
+        :func:`~torchrl_dcp.storage.trailers.check_identities`)."""
         manifest = self.manifest()
         if manifest.get("save_id") is not None:  # older formats carry no identity (verify says so)
             check_identities(self.container, names, manifest["files"], manifest["save_id"])
