@@ -373,6 +373,27 @@ def _earlier_run(directory: Path, steps: tuple[int, ...]) -> None:
         ckpt_for(step)[0].save(directory / f"step-{step:012d}", step=step, metadata={"reward": 0.0})
 
 
+def test_a_checkpoint_saved_by_hand_into_the_directory_is_ordered_after_the_rotations_earlier_saves(
+    tmp_path: Path,
+) -> None:
+    """Probe m1: ``ckpt.save(rotation.path_for(30))`` after the rotation's saves of steps 10 and 20 writes no commit
+    counter, and was ordered before every counted entry: ``latest()`` was step 20, a resume took step 20 silently, and
+    the next save (``keep_last=2``) pruned step 30. It follows the newest counted commit created before it."""
+    ckpt = tdcp.DistributedCheckpoint(w={"x": torch.zeros(1)})
+    rotation = tdcp.CheckpointRotation(tmp_path, keep_last=2)
+    rotation.save(ckpt, step=10)
+    rotation.save(ckpt, step=20)
+    ckpt.components["w"]["x"] += 30
+    ckpt.save(rotation.path_for(30), step=30)
+    assert rotation.latest() == rotation.path_for(30)
+    again = tdcp.DistributedCheckpoint(w={"x": torch.zeros(1)})
+    assert tdcp.resume(again, tmp_path).step == 30 and again.components["w"]["x"].item() == 30
+    rotation.save(ckpt, step=40)
+    assert [e.step for e in tdcp.by_commit(rotation.entries())] == [30, 40]
+    ckpt.save(rotation.path_for(5), step=5)  # (by hand, after step 40: the newest, whatever its step)
+    assert rotation.latest() == rotation.path_for(5)
+
+
 @pytest.mark.parametrize("archive", [False, True])
 @pytest.mark.parametrize("keep_last", [1, 2, 3])
 @pytest.mark.parametrize("stale", [(100,), (100, 200, 300)])

@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import os
@@ -71,6 +72,9 @@ class RotationEntry:
     damaged: bool = False
     #: a checkpoint of a newer format than this library reads (written by a newer torchrl_dcp): never replaced
     newer_format: bool = False
+    #: an entry without a counter (a plain ``ckpt.save`` into the directory, or an old one): the largest counter among
+    #: the entries listed with it that were created no later than it (``created_at``), the commit it follows
+    placed_after: int = 0
 
     @property
     def commit_key(self) -> tuple[int, float, int]:
@@ -78,10 +82,15 @@ class RotationEntry:
 
         The counter (manifest ``sequence``) is one more than the largest in the directory
         when a save starts, so the order holds whatever the clocks of the nodes that
-        coordinated each save; ``created_at`` (seconds, UTC; unreadable: oldest) only
-        orders entries written before counters existed (counter 0).
+        coordinated each save. An entry without one (saved by ``DistributedCheckpoint.save`` rather than the
+        rotation, or before counters existed) follows the newest commit created no later than it
+        (``placed_after``, :func:`list_entries`); ``created_at`` (seconds, UTC; unreadable: oldest) orders it there.
         """
-        return (self.sequence or 0, _timestamp(self.created_at), self.step)
+        return (
+            self.sequence if self.sequence is not None else self.placed_after,
+            _timestamp(self.created_at),
+            self.step,
+        )
 
 
 def by_commit(entries: Iterable[RotationEntry]) -> list[RotationEntry]:
@@ -203,7 +212,25 @@ def list_entries(
         old = found.get(entry.step)
         if old is None or (entry.committed, not entry.archive) > (old.committed, not old.archive):
             found[entry.step] = entry  # one entry per step: committed first, a directory over an archive
-    return sorted(found.values(), key=lambda e: e.step)
+    return sorted(_placed(found.values()), key=lambda e: e.step)
+
+
+def _placed(entries: Iterable[RotationEntry]) -> list[RotationEntry]:
+    """``entries``, each committed one without a counter placed after the newest counted commit created no later than
+    it: a checkpoint saved into the directory by hand after the rotation's saves is newer than they are (ordered
+    first, ``latest()`` passed over it, ``resume`` took an older entry and the next save pruned it)."""
+    entries = list(entries)
+    counted = sorted((_timestamp(e.created_at), e.sequence) for e in entries if e.committed and e.sequence is not None)
+    if not counted:
+        return entries
+    out = []
+    for e in entries:
+        if e.committed and e.sequence is None:
+            when = _timestamp(e.created_at)
+            after = max((seq for at, seq in counted if at <= when), default=0)
+            e = dataclasses.replace(e, placed_after=after)
+        out.append(e)
+    return out
 
 
 def blocking_entries(location: Location, after: int) -> list[RotationEntry]:
