@@ -182,6 +182,38 @@ def test_a_newer_shared_step_wins_and_newer_local_steps_are_dropped_after_it(tmp
     assert rotation.local.steps_on_disk() == [8]  # step 12 came after the step restored: dropped
 
 
+def test_the_tiers_are_ordered_by_commit_not_by_step(tmp_path: Path) -> None:
+    """A shared entry committed after the local tier's newest step, at a lower step (a roll-back saved by hand), is
+    the newest: compared by step, the local step 12 was resumed over it. Each local step's records name the newest
+    shared commit the job knew of when it saved the step."""
+    ckpt, model, optimizer = _job()
+    _train(ckpt, model, optimizer, _rotation(tmp_path), 0, 13)  # local 10, 12 (after shared 10's commit); shared 10
+    records = [json.loads(r.read_text()) for r in sorted((tmp_path / "local").glob("step-*/rank-00000.commit.json"))]
+    assert [(r["step"], r["shared_sequence"]) for r in records] == [(10, 0), (12, 1)]
+    rolled, _, _ = _job(seed=3)
+    rolled.components["counter"]["steps"] = 8
+    tdcp.CheckpointRotation(tmp_path / "shared", keep_last=3).save(rolled, step=8)  # committed after local step 12
+    ckpt2 = _job(1)[0]
+    with pytest.warns(tdcp.LocalTierWarning, match=r"steps \[10, 12\] were removed"):
+        info = _rotation(tmp_path).resume(ckpt2)
+    assert (info.step, info.tier) == (8, "shared")
+    assert ckpt2.components["counter"] == {"steps": 8}
+
+
+@pytest.mark.parametrize("value", ["1", -2, 1.5, True, None])
+def test_a_record_naming_no_valid_shared_commit_is_damaged(tmp_path: Path, value: object) -> None:
+    ckpt, model, optimizer = _job()
+    _train(ckpt, model, optimizer, _rotation(tmp_path), 0, 13)  # local 10, 12; shared 10
+    record = tmp_path / "local" / "step-000000000012" / "rank-00000.commit.json"
+    forged = json.loads(record.read_text())
+    forged["shared_sequence"] = value
+    record.write_text(json.dumps(forged))
+    ckpt2 = _job(1)[0]
+    with pytest.warns(tdcp.LocalTierWarning, match="step 12 rank 0's part: its commit record is not this part's"):
+        info = _rotation(tmp_path).resume(ckpt2)
+    assert (info.step, info.tier) == (10, "local")  # (the same step as the shared entry's: its local copy)
+
+
 def test_a_job_restarted_through_a_link_to_its_shared_directory_resumes_its_local_tier(tmp_path: Path) -> None:
     """Probe l1: a part's record named the shared directory as spelled, so a restart through a link to it (or back)
     took the tier for another job's: it resumed the older shared step and dropped the newer local one."""

@@ -1098,6 +1098,46 @@ def test_a_roll_back_drops_the_local_tiers_abandoned_steps_and_a_partial_resume_
     partial.close()
 
 
+def test_after_a_roll_back_this_runs_later_local_step_is_resumed_over_the_abandoned_runs_higher_shared_step(
+    tmp_path: Path,
+) -> None:
+    """Probe i1: after a roll-back to shared step 32 past the abandoned run's shared step 64, the run saved local step
+    48 and stopped; a resume compared the tiers by step and took the abandoned step 64. The tiers are ordered by
+    commit: each local step's records name the newest shared commit the job knew of, so step 48 is resumed, exactly
+    as the run had it."""
+    first = _tiered(tmp_path / "run", tmp_path / "local")
+    _sac_with(first, 64).train()
+    first.close()
+    again = _tiered(tmp_path / "run", tmp_path / "local")
+    trainer = _sac_with(again, 96)
+    with pytest.warns(tdcp.LocalTierWarning, match="were removed"):
+        with pytest.warns(tdcp.TorchrlDcpWarning, match=r"rolled back past its entries of steps \[64\]"):
+            trainer.checkpoint.load(tmp_path / "run" / "step-000000000032")
+    expected: dict[str, torch.Tensor] = {}
+
+    def crash_after_48(batch: Any) -> Any:
+        if int(trainer.collected_frames) == 48:  # (the iteration after step 48's saves)
+            expected.update({k: v.clone() for k, v in trainer.loss_module.state_dict().items()})
+            raise RuntimeError("the node was lost")
+        return batch
+
+    trainer.register_op("batch_process", crash_after_48)
+    with pytest.raises(RuntimeError, match="node was lost"):
+        trainer.train()  # frames 32 -> 48: local step 48 (no shared save is due before 64)
+    assert again.local.steps_on_disk()[-1] == 48 and {e.step for e in again.entries()} == {32, 64}
+    again.close()
+
+    later = _tiered(tmp_path / "run", tmp_path / "local")
+    resumed = _sac_with(later, 64)
+    info = later.resume(resumed.checkpoint)
+    assert (info.tier, info.step) == ("local", 48), info
+    assert int(resumed.collected_frames) == 48
+    got = resumed.loss_module.state_dict()
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[k], got[k]) for k in expected), "not the roll-back run's step 48"
+    later.close()
+
+
 def test_a_hooks_save_is_made_where_the_loaded_step_is_not_in_the_rotation(tmp_path: Path) -> None:
     """Probe h1: a Trainer started from another run's step 32 (``trainer.checkpoint.load``) into an empty rotation
     directory: a forced save from a ``batch_process`` hook (at step 32) was refused, naming a checkpoint of step 32

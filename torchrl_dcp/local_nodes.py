@@ -6,8 +6,8 @@ gathered once per group) and the ranks on other nodes that hold its replicas; at
 
 Example:
     >>> layout = NodeLayout(("a", "a", "b", "b"))
-    >>> newest_complete([[(4, 0, "s")], [(4, 1, "s")], [], []], 2, (), layout)
-    (4, 's', {0: [0], 1: [1]})
+    >>> newest_complete([[(4, 0, "s", 3)], [(4, 1, "s", 3)], [], []], 2, (), layout)
+    (4, 's', {0: [0], 1: [1]}, 3)
 """
 
 from __future__ import annotations
@@ -67,22 +67,23 @@ class NodeLayout:
 
 
 def newest_complete(
-    held: list[list[tuple[int, int, str]]],
+    held: list[list[tuple[int, int, str, int]]],
     world: int,
     refused: Collection[tuple[int, str, int, str]],
     layout: NodeLayout,
-) -> tuple[int, str, dict[int, list[int]]] | None:
-    """The newest ``(step, save_id)`` whose every rank's part some rank holds, with the holders of each part;
-    ``refused``: copies ``(step, save_id, part's rank, node)`` not to count (found damaged; ``layout`` names the
-    holders' nodes)."""
-    found: dict[tuple[int, str], dict[int, list[int]]] = {}
+) -> tuple[int, str, dict[int, list[int]], int] | None:
+    """The newest ``(step, save_id)`` whose every rank's part some rank holds, with the holders of each part and the
+    shared-tier commit its records name (``local_records.HeldPart.shared_sequence``: parts whose records differ there
+    are not one save's); ``held``: each rank's ``(step, part's rank, save_id, shared sequence)``; ``refused``: copies
+    ``(step, save_id, part's rank, node)`` not to count (found damaged; ``layout`` names the holders' nodes)."""
+    found: dict[tuple[int, str, int], dict[int, list[int]]] = {}
     for holder, parts in enumerate(held):
-        for step, owner, save_id in parts:
+        for step, owner, save_id, shared_sequence in parts:
             if (step, save_id, owner, layout.nodes[holder]) in refused:
                 continue
-            found.setdefault((step, save_id), {}).setdefault(owner, []).append(holder)
+            found.setdefault((step, save_id, shared_sequence), {}).setdefault(owner, []).append(holder)
     complete = [key for key, owners in found.items() if sorted(owners) == list(range(world))]
     if not complete:
         return None
-    step, save_id = max(complete)
-    return step, save_id, found[(step, save_id)]
+    step, save_id, shared_sequence = max(complete)
+    return step, save_id, found[(step, save_id, shared_sequence)], shared_sequence

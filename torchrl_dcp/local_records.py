@@ -2,8 +2,9 @@
 
 Once every rank's part of a step and every replica is durable, each node writes, beside each part it
 holds, a small JSON record (``step-<N>/rank-<R>.commit.json``) naming the step, the rank, the save,
-the job's identity (run id, world size, shared directory) and the SHA-256 of the part's manifest.
-A part without its record, with a record that does not parse or match, or whose manifest is not the
+the job's identity (run id, world size, shared directory), the SHA-256 of the part's manifest and the
+newest shared-tier commit the job knew of when it saved the step (:func:`local_is_newer` orders the tiers by
+it). A part without its record, with a record that does not parse or match, or whose manifest is not the
 one recorded, does not exist for a resume (:func:`read_record`).
 
 Example:
@@ -43,6 +44,9 @@ class HeldPart:
     step: int
     rank: int
     save_id: str
+    #: the newest shared-tier commit (the rotation's ``sequence``) the job knew of when it saved the step; ``-1``:
+    #: not known (a record written before the tiers were ordered by commit)
+    shared_sequence: int = -1
 
 
 def record_name(rank: int) -> str:
@@ -94,7 +98,9 @@ def _described(data: bytes) -> tuple[Any, Any]:
     return manifest.get("step"), tier.get("rank") if isinstance(tier, dict) else None
 
 
-def write_record(step_dir: Path, rank: int, step: int, save_id: str, identity: Mapping[str, Any]) -> None:
+def write_record(
+    step_dir: Path, rank: int, step: int, save_id: str, identity: Mapping[str, Any], shared_sequence: int = -1
+) -> None:
     part = step_dir / f"rank-{rank:05d}"
     record = {
         "format": RECORD_FORMAT,
@@ -104,6 +110,7 @@ def write_record(step_dir: Path, rank: int, step: int, save_id: str, identity: M
         "save_id": save_id,
         "identity": dict(identity),
         "manifest_sha256": manifest_digest(part),
+        "shared_sequence": shared_sequence,
     }
     handle = DirHandle.open(step_dir)
     try:
@@ -134,6 +141,7 @@ def check_record(step_dir: Path, rank: int, step: int, identity: Mapping[str, An
         and record.get("step") == step
         and record.get("rank") == rank
         and isinstance(record.get("save_id"), str)
+        and _is_sequence(record.get("shared_sequence", -1))
     ):
         return "its commit record is not this part's"
     if identity is not None and record.get("identity") != json.loads(json.dumps(dict(identity))):
@@ -147,8 +155,33 @@ def check_record(step_dir: Path, rank: int, step: int, identity: Mapping[str, An
     held = _described(data)
     if held != (step, rank):  # (a record resealed over another step's or rank's part: never restored as this one)
         return f"its manifest holds step {held[0]!r} of rank {held[1]!r}, its commit record step {step} of rank {rank}"
-    return HeldPart(step, rank, record["save_id"])
+    return HeldPart(step, rank, record["save_id"], record.get("shared_sequence", -1))
 
 
-def plain(part: HeldPart) -> tuple[int, int, str]:
-    return part.step, part.rank, part.save_id
+def _is_sequence(value: Any) -> bool:
+    return type(value) is int and value >= -1
+
+
+def plain(part: HeldPart) -> tuple[int, int, str, int]:
+    return part.step, part.rank, part.save_id, part.shared_sequence
+
+
+def local_is_newer(local: tuple[int, int], shared: tuple[int, int | None]) -> bool:
+    """Whether a local step ``(step, shared sequence its record names)`` is to be resumed rather than the shared
+    tier's newest entry ``(step, its commit sequence)``: the tiers ordered by commit where both are known.
+
+    The local step is newer when no shared commit came after it (the entry's sequence is one the job knew of when it
+    saved the step: after a roll-back to an older step, this run's local steps come after the abandoned run's higher
+    shared steps), or when both hold the same step (the same state: the local copy restores faster). Where either
+    sequence is not known (a record written before, a damaged entry), by step, the local tier winning ties.
+
+    Example:
+        >>> local_is_newer((48, 7), (64, 7))  # saved after a roll-back from step 64 (commit 7) to 32
+        True
+        >>> local_is_newer((48, 5), (64, 7)), local_is_newer((64, 5), (64, 6)), local_is_newer((48, -1), (32, None))
+        (False, True, True)
+    """
+    (step, known), (shared_step, sequence) = local, shared
+    if known >= 0 and sequence is not None:
+        return sequence <= known or step == shared_step
+    return step >= shared_step

@@ -9,8 +9,8 @@ Once every part and every replica is durable (one agreement), each node writes t
 records of the parts it holds: a step without them does not exist for a resume.
 
 :meth:`CheckpointRotation.resume` asks the tier first: every rank lists what its node holds, and
-the newest step whose parts are **all** held somewhere (and not older than the shared tier's
-newest) is restored: a rank loads its part from its own node (``ResumeInfo.tier == "local"``), or
+the newest step whose parts are **all** held somewhere (and newer than the shared tier's
+newest, by commit) is restored: a rank loads its part from its own node (``ResumeInfo.tier == "local"``), or
 receives it from a rank that holds its replica (``"peer"``). A tier of another job (run id, shared
 directory) or world size is ignored with a log line. Nothing is restored on any rank before
 every rank's part is verified and read; a copy of a part found damaged is passed over for the
@@ -67,6 +67,7 @@ from torchrl_dcp.local_records import (
     RECORD_TMP,
     HeldPart,
     check_record,
+    local_is_newer,
     plain,
     record_name,
     write_record,
@@ -134,20 +135,33 @@ class LocalTier:
         """The steps this node's tier holds committed parts of (any rank's, any job's), sorted."""
         return sorted({p.step for p in self._held(None)})
 
-    def newest_part(self, identity: Mapping[str, Any]) -> tuple[int, Path] | None:
+    def newest_part(
+        self, identity: Mapping[str, Any], than: tuple[int, int | None] | None = None
+    ) -> tuple[int, Path] | None:
         """``(step, part)`` of the newest step this node holds a committed part of for the job ``identity``
         (:func:`job_identity`), its lowest rank's: what a resume may restore, readable before the job is built (its
-        options, a ``config`` component); ``None`` when it holds none."""
+        options, a ``config`` component); ``None`` when it holds none, or when ``than``, the shared tier's newest
+        entry ``(step, its manifest's sequence)``, is newer (:func:`~torchrl_dcp.local_records.local_is_newer`)."""
         held = self._held(identity)
         if not held:
             return None
-        step = max(p.step for p in held)
-        rank = min(p.rank for p in held if p.step == step)
-        return step, self.path / f"step-{step:012d}" / f"rank-{rank:05d}"
+        newest = max(held, key=lambda p: (p.step, -p.rank))
+        if than is not None and not local_is_newer((newest.step, newest.shared_sequence), than):
+            return None
+        return newest.step, self.path / f"step-{newest.step:012d}" / f"rank-{newest.rank:05d}"
 
     # ------------------------------------------------------------------ saving
-    def save(self, ckpt: Any, step: int, metadata: Mapping[str, Any], identity: Mapping[str, Any]) -> Path:
-        """Save this rank's part of ``step`` and its replicas, agree, then record the commit (collective)."""
+    def save(
+        self,
+        ckpt: Any,
+        step: int,
+        metadata: Mapping[str, Any],
+        identity: Mapping[str, Any],
+        shared_sequence: int = -1,
+    ) -> Path:
+        """Save this rank's part of ``step`` and its replicas, agree, then record the commit (collective);
+        ``shared_sequence``: the newest shared-tier commit the job knows of (``-1``: none known), which the records
+        name (a resume orders the tiers by it: :func:`~torchrl_dcp.local_records.local_is_newer`)."""
         group = _group(ckpt)
         rank = _dist.group_rank(group)
         layout = self._layout(group)
@@ -194,7 +208,7 @@ class LocalTier:
         save_id = written[0][0]
         for r in (rank, *sources):  # every part and replica is durable: this node records what it holds
             try:
-                write_record(step_dir, r, step, save_id, identity)
+                write_record(step_dir, r, step, save_id, identity, shared_sequence)
             except (OSError, CheckpointError) as err:
                 logger.warning(
                     "local tier %s: the commit record of rank %d at step %d failed: %s", step_dir, r, step, err
@@ -331,13 +345,13 @@ class LocalTier:
     def resume(
         self,
         ckpt: Any,
-        shared_step: int | None,
+        shared: tuple[int, int | None] | None,
         identity: Mapping[str, Any],
         load_kwargs: Mapping[str, Any],
         *,
         fallback: bool = True,
         failed: list[CheckpointError] | None = None,
-    ) -> tuple[int, Path, Any, Tier] | None:
+    ) -> tuple[int, Path, Any, Tier, int] | None:
         """Restore the newest step every rank can obtain from the tier (collective); ``None``: use the shared tier.
 
         A copy of a part that fails its verified load as damaged (a data file, a shard) is passed over: the
@@ -345,22 +359,26 @@ class LocalTier:
         without it, :class:`~torchrl_dcp.CheckpointIntegrityError` on every rank, the tier kept) the next older
         complete step, as long as it is not older than ``shared_step``; each try warns, naming the rank and
         the copy. Any other failure sends every rank to the shared tier, and is appended to ``failed``: the
-        caller raises it if the shared tier has nothing to resume either (the local steps are then kept)."""
+        caller raises it if the shared tier has nothing to resume either (the local steps are then kept).
+
+        ``shared``: the shared tier's newest entry, ``(step, commit sequence)`` (``None``: no entry; a sequence of
+        ``None``: not known): a local step is restored only when it is newer (:func:`local_is_newer`)."""
         group = _group(ckpt)
         layout = self._layout(group)
         held = self._listing(identity, group)
         refused: set[tuple[int, str, int, str]] = set()  # (step, save, part's rank, node): copies found damaged
         chosen = newest_complete(held, _dist.group_size(group), refused, layout)
         while chosen is not None:
-            if shared_step is not None and chosen[0] < shared_step:
+            if not _newer(chosen, shared):
                 logger.info(
-                    "local tier %s: step %d is older than the shared tier's %d", self.path, chosen[0], shared_step
-                )
+                    "local tier %s: step %d was saved before the shared tier's step %d (commit %s)",
+                    self.path, chosen[0], *shared,  # type: ignore[misc]
+                )  # fmt: skip
                 return None
             outcome = self._attempt(ckpt, group, layout, chosen, identity, load_kwargs, failed)
             if not isinstance(outcome, dict):
                 return outcome
-            step, save_id, _ = chosen
+            step, save_id, _, _ = chosen
             for r, (holder, _) in sorted(outcome.items()):
                 refused.add((step, save_id, r, layout.nodes[holder]))
             chosen = newest_complete(held, _dist.group_size(group), refused, layout)
@@ -372,15 +390,15 @@ class LocalTier:
                     "fallback=True to resume the previous complete step, or the shared tier's newest entry)",
                     path=self.path / f"step-{step:012d}",
                 )
-            self._warn_damaged(step, outcome, chosen, shared_step)
+            self._warn_damaged(step, outcome, chosen, shared)
         return None
 
     def _warn_damaged(
         self,
         step: int,
         damaged: Mapping[int, tuple[int, str]],
-        chosen: tuple[int, str, dict[int, list[int]]] | None,
-        shared_step: int | None,
+        chosen: tuple[int, str, dict[int, list[int]], int] | None,
+        shared: tuple[int, int | None] | None,
     ) -> None:
         """Say which parts of ``step`` were found damaged, and what is tried next (``chosen``)."""
 
@@ -390,7 +408,7 @@ class LocalTier:
         copies = "; ".join(
             f"rank {r}'s part ({copy(r, h)}) is damaged: {why}" for r, (h, why) in sorted(damaged.items())
         )
-        if chosen is None or (shared_step is not None and chosen[0] < shared_step):
+        if chosen is None or not _newer(chosen, shared):
             after = "the shared tier is next"
         elif chosen[0] == step:
             after = f"step {step} is tried again with the other copies of those parts"
@@ -405,16 +423,16 @@ class LocalTier:
         ckpt: Any,
         group: Any,
         layout: NodeLayout,
-        chosen: tuple[int, str, dict[int, list[int]]],
+        chosen: tuple[int, str, dict[int, list[int]], int],
         identity: Mapping[str, Any],
         load_kwargs: Mapping[str, Any],
         failed: list[CheckpointError] | None = None,
-    ) -> tuple[int, Path, Any, Tier] | dict[int, tuple[int, str]] | None:
+    ) -> tuple[int, Path, Any, Tier, int] | dict[int, tuple[int, str]] | None:
         """One try at restoring ``chosen`` (collective): what :meth:`resume` returns, or ``{rank: (holder, why)}``
         of the copies that failed their verified load as damaged (every rank as it was); ``None`` after another
         failure (appended to ``failed``)."""
         rank = _dist.group_rank(group)
-        step, save_id, holders = chosen
+        step, save_id, holders, shared_sequence = chosen
         step_dir = self.path / f"step-{step:012d}"
         own = step_dir / f"rank-{rank:05d}"
         source = {r: (r if r in hs else min(hs)) for r, hs in holders.items()}
@@ -438,7 +456,7 @@ class LocalTier:
             if layout.leader(rank):  # steps newer than the one restored belong to an abandoned future
                 self._drop_newer(step)
             if receives:
-                write_record(step_dir, rank, step, save_id, identity)
+                write_record(step_dir, rank, step, save_id, identity, shared_sequence)
             _check_part(own)  # (listed as held while it was a real directory: a link since planted is refused)
             return _read_part(solo, own, load_kwargs, loading)
 
@@ -481,7 +499,7 @@ class LocalTier:
             return None
         self.last_step = step
         logger.info("local tier %s: resumed step %d (%s)", self.path, step, tier)
-        return step, own, loading["result"], tier
+        return step, own, loading["result"], tier, shared_sequence
 
     def _held(self, identity: Mapping[str, Any] | None, damaged: list[str] | None = None) -> list[HeldPart]:
         """The committed parts this node holds whose record matches ``identity`` (``None``: any); ``damaged``
@@ -532,6 +550,11 @@ class LocalTier:
             logger.warning("%s", text)
             warnings.warn(LocalTierWarning(text), stacklevel=5)
         return [parts for parts, _ in listed]
+
+
+def _newer(chosen: tuple[int, str, Any, int], shared: tuple[int, int | None] | None) -> bool:
+    """Whether the local step ``chosen`` (:func:`newest_complete`) is to be resumed rather than ``shared``."""
+    return shared is None or local_is_newer((chosen[0], chosen[3]), shared)
 
 
 def _own_failure(err: Exception, rank: int, own: Path) -> Exception:

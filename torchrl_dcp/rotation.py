@@ -8,8 +8,8 @@ picked. :func:`resume` loads the newest checkpoint that loads, or says to start 
 
 Retention, ``latest()`` and resume follow the **commit order** (the rotation's
 commit counter, the manifest's ``sequence``, one more than the largest in the
-directory at each save; then ``created_at`` and step for entries written without
-one), never the step number nor a node's clock: after a rollback or a
+directory at each save; an entry saved without one follows the newest counted commit
+created before it), never the step number nor a node's clock: after a rollback or a
 new run in the same directory, the checkpoint just saved is the newest, is never
 deleted by its own save, and higher steps left by the earlier run are reported
 (a warning) and pruned as they fall out of ``keep_last``. ``entries()`` lists by
@@ -146,7 +146,7 @@ class CheckpointRotation:
         storage_options: fsspec options when ``directory`` is a URL (``s3://bucket/run``; docs/objectstores.md).
         local: a :class:`~torchrl_dcp.LocalTier`: :meth:`maybe_save` also saves to each node's own storage on
             its (more frequent) schedule, with replicas on other nodes, and :meth:`resume` restores from it
-            first when it holds a step at least as new as the shared tier's (docs/recovery.md).
+            first when it holds a step newer than the shared tier's newest entry, by commit (docs/recovery.md).
 
     ``save``, ``maybe_save``, ``resume`` and ``load_latest`` are collective (every rank of the
     checkpoint calls them); ``entries``, ``latest`` and ``best`` only read manifests and may be
@@ -212,6 +212,10 @@ class CheckpointRotation:
         self._watcher = PreemptionWatcher(preemption_signals) if preemption_signals else None
         self._last_step = 0  # the step last saved or resumed (every_steps counts from it)
         self._resuming = False  # while resume() runs (its Trainer's loads leave the counting to it)
+        #: the newest commit sequence this job knows of in the shared tier (listed, or given to a save of its own),
+        #: the same on every rank; ``None``: not listed yet. The local tier's records name it: a resume orders the
+        #: tiers by it (``local_records.local_is_newer``)
+        self._shared_sequence: int | None = None
         self._last_time = time.monotonic()  # when the last save started (rank 0's clock decides)
         self._in_flight: Any = None  # the checkpoint of the async save in flight
 
@@ -437,7 +441,28 @@ class CheckpointRotation:
         from torchrl_dcp.local_tier import tier_identity
 
         check_step(step)
-        return self.local.save(ckpt, step, metadata_values(metadata), tier_identity(ckpt, self.location.identity()))
+        if self._shared_sequence is None:  # (the first local save of a run that neither resumed nor saved: once)
+            self._note_shared(ckpt)
+        return self.local.save(
+            ckpt,
+            step,
+            metadata_values(metadata),
+            tier_identity(ckpt, self.location.identity()),
+            shared_sequence=self._shared_sequence if self._shared_sequence is not None else -1,
+        )
+
+    def _note_shared(self, ckpt: Any) -> list[int]:
+        """Learn the shared tier's newest commit sequence (rank 0 lists; collective with ``ckpt``); returns the steps
+        of its entries."""
+        from torchrl_dcp.collective import broadcast_step
+
+        def newest() -> tuple[int, list[int]]:
+            entries = self.entries()
+            return max((e.sequence or 0 for e in entries), default=0), [e.step for e in entries]
+
+        sequence, steps = newest() if ckpt is None else broadcast_step(group_of(ckpt), "listing checkpoints", newest)
+        self._shared_sequence = max(sequence, self._shared_sequence or 0)
+        return steps
 
     def wait(self) -> Path | None:
         """Block until the async save in flight (if any) is committed and pruned; its path, or ``None``."""
@@ -552,9 +577,11 @@ class CheckpointRotation:
             entries = self.entries()
             base = next((e for e in reversed(by_commit(e for e in entries if not e.archive)) if _whole(self, e)), None)
             counter = 1 + max((e.sequence or 0 for e in entries), default=0)
+            counter = max(counter, (self._shared_sequence or 0) + 1)  # (after a failed save of its own: not again)
             return (None if base is None else str(base.path)), counter, refused
 
         chosen, counter, refused = broadcast_step(group_of(ckpt), "choosing the incremental base", choose)
+        self._shared_sequence = counter  # (before it commits: a local step saved meanwhile is newer than it)
         if refused is not None and preempting:  # (every rank alike: rank 0's metadata is the one recorded)
             warnings.warn(
                 f"{refused}: the preemption save records it as null (the entry is kept as one of the last, not ranked "
@@ -633,13 +660,14 @@ class CheckpointRotation:
         too): the save policy counts from it, and the local tier drops its newer steps (an abandoned future: a
         later resume would take them), as after a resume (collective with a local tier)."""
         self._last_step, self._last_time = step, time.monotonic()
-        newer = sorted({e.step for e in self.entries() if e.step > step})
+        listed = self._note_shared(ckpt if self.local is not None else None)  # (one listing on each rank without)
+        newer = sorted({s for s in listed if s > step})  # (this run's local steps are saved after them)
         if newer:  # (the newest commit is a resume's: until this run commits, it is the abandoned run's)
             warnings.warn(
                 f"checkpoint rotation {self.directory}: a load of step {step} rolled back past its entries of steps "
-                f"{newer}; until this run commits a save, a resume takes the last of them committed (the abandoned "
-                "run's), passing over any newer local-tier step of this run: save now (rotation.save) to make this "
-                "run's state the newest, or remove those entries",
+                f"{newer}; until this run saves (to the shared tier, or to its local tier), a resume takes the last "
+                "of them committed (the abandoned run's): save now (rotation.save) to make this run's state the "
+                "newest, or remove those entries",
                 TorchrlDcpWarning,
                 stacklevel=3,
             )

@@ -80,8 +80,8 @@ class ResumeInfo:
 
 
 def resume_rotation(rotation: Any, ckpt: Any, fallback: bool, load_kwargs: dict[str, Any]) -> ResumeInfo | None:
-    """What ``rotation.resume(ckpt)`` does (collective): the local tier's newest complete step when it is not older
-    than the shared tier's newest entry, else the newest loadable shared entry (asking the local tier again before each
+    """What ``rotation.resume(ckpt)`` does (collective): the local tier's newest complete step when it is newer than
+    the shared tier's newest entry (by commit: ``local_records.local_is_newer``), else the newest loadable shared entry (asking the local tier again before each
     older one once a newer proved damaged); newer local steps are then forgotten. Starting fresh while entries are
     there is warned about, naming them."""
     from torchrl_dcp import _dist
@@ -102,26 +102,29 @@ def _resume(rotation: Any, ckpt: Any, fallback: bool, load_kwargs: dict[str, Any
     candidates = broadcast_step(  # rank 0 lists, newest commit first; every rank loads the same entries
         group, "listing checkpoints", lambda: _candidates(_listed(rotation.location))
     )
-    local_resume: Callable[[int | None], ResumeInfo | None] | None = None
+    rotation._shared_sequence = max((seq or 0 for _, _, seq in candidates), default=0)  # (every rank alike)
+    local_resume: Callable[[tuple[int, int | None] | None], ResumeInfo | None] | None = None
     failed: list[CheckpointError] = []  # the local tier's tries that failed but for damage
     if rotation.local is not None:
         from torchrl_dcp.local_tier import tier_identity
 
         identity = tier_identity(ckpt, rotation.location.identity())
 
-        def local_resume(shared_step: int | None) -> ResumeInfo | None:
-            """The local tier's newest complete step, if not older than ``shared_step`` (collective)."""
-            found = rotation.local.resume(ckpt, shared_step, identity, load_kwargs, fallback=fallback, failed=failed)
+        def local_resume(shared: tuple[int, int | None] | None) -> ResumeInfo | None:
+            """The local tier's newest complete step, if newer than the shared entry ``(step, commit sequence)``
+            (collective)."""
+            found = rotation.local.resume(ckpt, shared, identity, load_kwargs, fallback=fallback, failed=failed)
             if found is None:
                 return None
-            step, path, result, tier = found
+            step, path, result, tier, known = found
+            rotation._shared_sequence = max(rotation._shared_sequence, known)  # (a shared save after it: later)
             counted = _counted_step(ckpt, step)
             rotation._last_step, rotation._last_time = counted, time.monotonic()
             if counted != step:  # (a Trainer whose counters the load left out: its run goes on from its frames)
                 rotation.local.forget_after(ckpt, counted)
             return ResumeInfo(step, path, result, tier)
 
-        info = local_resume(candidates[0][0] if candidates else None)
+        info = local_resume(candidates[0][::2] if candidates else None)
         if info is not None:
             return info
     for attempt in range(_RELISTS + 1):
@@ -180,15 +183,16 @@ def _listed(location: Any) -> list[Any]:
     return list_entries(location, include_damaged=True)
 
 
-def _candidates(entries: list[Any]) -> list[tuple[int, str]]:
-    """``(step, path)`` of what a resume tries, in order: the committed entries, newest commit first, after the
+def _candidates(entries: list[Any]) -> list[tuple[int, str, int | None]]:
+    """``(step, path, commit sequence)`` of what a resume tries, in order: the committed entries, newest commit
+    first (a sequence of ``None``: not recorded, or unreadable), after the
     damaged ones of a later step (a manifest truncated or altered: loading them fails, and the resume warns and
     falls back, or raises with ``fallback=False``, rather than skip them unseen) and those of a newer format (the
     load raises :class:`~torchrl_dcp.CheckpointVersionError`: upgrade to resume from it)."""
-    committed = [(e.step, str(e.path)) for e in reversed(by_commit(entries))]
-    newest = max((step for step, _ in committed), default=-1)
+    committed = [(e.step, str(e.path), e.sequence) for e in reversed(by_commit(entries))]
+    newest = max((step for step, _, _ in committed), default=-1)
     later = (e for e in entries if (e.damaged or e.newer_format) and e.step > newest)
-    damaged = sorted(((e.step, str(e.path)) for e in later), reverse=True)
+    damaged = sorted(((e.step, str(e.path), None) for e in later), key=lambda c: c[0], reverse=True)
     return damaged + committed
 
 
@@ -204,10 +208,10 @@ def torchrl_entries(rotation: Any) -> list[str]:
 def _resume_shared(
     rotation: Any,
     ckpt: Any,
-    candidates: list[tuple[int, str]],
+    candidates: list[tuple[int, str, int | None]],
     fallback: bool,
     load_kwargs: dict[str, Any],
-    local_resume: Callable[[int | None], ResumeInfo | None] | None = None,
+    local_resume: Callable[[tuple[int, int | None] | None], ResumeInfo | None] | None = None,
 ) -> ResumeInfo | None:
     """The newest loadable shared entry; once a newer one proved damaged, the local tier is asked again before
     each older one (``local_resume``): a local step between them is the newest step every rank can obtain (it
@@ -216,9 +220,9 @@ def _resume_shared(
 
     group = group_of(ckpt)
     skipped: list[str] = []
-    for step, listed in candidates:
+    for step, listed, sequence in candidates:
         if skipped and local_resume is not None:
-            info = local_resume(step)
+            info = local_resume((step, sequence))
             if info is not None:
                 return info
         path = rotation.directory / listed.rsplit("/", 1)[-1]  # the rotation's own path (and storage options)

@@ -408,17 +408,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def adopt_latest_config(args: argparse.Namespace, world: int, say: Any) -> None:
     """Take the training options of the newest committed checkpoint (``--resume``), saying what changed: the shared
-    tier's, or this node's local tier's when it holds a step at least as new (what the resume restores then)."""
+    tier's, or this node's local tier's when it holds a newer step (what the resume restores then)."""
     from torchrl_dcp.local_tier import job_identity
 
     rotation = tdcp.CheckpointRotation(args.ckpt_dir)
     latest = rotation.latest()
     if args.local_dir:
+        shared = tdcp.read_manifest(latest) if latest is not None else None
         local = tdcp.LocalTier(args.local_dir, every_steps=args.local_every).newest_part(
-            job_identity(world, rotation.location.identity())
+            job_identity(world, rotation.location.identity()),
+            than=None if shared is None else (shared["step"], shared.get("sequence")),
         )
-        shared_step = tdcp.read_manifest(latest)["step"] if latest is not None else None
-        if local is not None and (shared_step is None or local[0] >= shared_step):
+        if local is not None:
             latest = local[1]
     if latest is not None and "config" in tdcp.read_manifest(latest)["components"]:
         from torchrl_dcp.extract import read_component
