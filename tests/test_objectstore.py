@@ -711,6 +711,23 @@ def test_paths_and_urls(tmp_path: Path) -> None:
         copy_object(fs, "/tdcp-tests/copy/missing", "/tdcp-tests/copy/c")
 
 
+def test_a_memory_url_with_three_slashes_saves_loads_and_rotates() -> None:
+    """Probe m2: ``memory:///run/ck`` (fsspec's absolute spelling) loaded but a save was refused ("a checkpoint URL
+    needs a bucket and a key", naming ``memory://``): the check that a save is not inside another checkpoint walked
+    up past the top prefix. The top prefix is its own parent, in either spelling."""
+    root = f"memory:///tdcp-{uuid.uuid4().hex}"
+    assert StorePath(root).parent == StorePath(root) and StorePath(root + "/run").parent == StorePath(root)
+    objs = _objects(0)
+    ckpt = _ckpt(objs, {})
+    ckpt.save(f"{root}/run/ck", step=1)
+    fresh = _objects(1)
+    assert _ckpt(fresh, {}).load(f"{root}/run/ck").step == 1 and _same(objs, fresh)
+    rotation = tdcp.CheckpointRotation(f"{root}/rot", keep_last=1)
+    rotation.save(ckpt, step=1)
+    rotation.save(ckpt, step=2)
+    assert [e.step for e in rotation.entries()] == [2]
+
+
 def test_file_urls_follow_rfc_8089(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     for url in (f"file://{tmp_path}/c", f"file://localhost{tmp_path}/c", f"FILE://LocalHost{tmp_path}/c"):

@@ -118,8 +118,9 @@ class StorePath:
 
     @property
     def parent(self) -> StorePath:
+        """The enclosing prefix; the top one (a bucket, or the first part of ``memory:///run``) is its own parent."""
         head = self.url.rsplit("/", 1)[0]
-        if head.endswith(":/"):
+        if head.endswith(":/") or head.endswith("://"):
             return self
         return StorePath(head, self.storage_options, self._fs)
 
