@@ -325,6 +325,70 @@ def test_a_resealed_shard_may_list_only_its_rank_s_own_files_as_the_root_counts_
             action()
 
 
+@pytest.mark.parametrize("listed", ["a file outside", "a file of the root", "junk"])
+def test_a_version_5_shard_listing_files_is_refused_by_every_reader(tmp_path: Path, listed: str) -> None:
+    """Probe m4: a root resealed with a version-5 rank table (a migrated format 5/6 checkpoint's: the root lists every
+    file) over a shard that kept a ``files`` table: nothing checked it, and readers took it in. ``verify`` read and
+    counted ``../../secret.txt`` outside the checkpoint, ``to_archive`` wrote it as a member that unpacks outside
+    (and ``{"x": 5}`` crashed ``verify`` with a TypeError); a 1-rank load accepted a planted file it listed."""
+    from torchrl_dcp.format.manifest import dumps, seal
+    from torchrl_dcp.storage.filesums import file_checksum
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("outside the checkpoint")
+    path = tmp_path / "sub" / "c"
+    ckpt = tdcp.DistributedCheckpoint(no_dist=True, policy=torch.nn.Linear(2, 2))
+    ckpt.register("mine", {"x": torch.ones(3)}, placement="per_rank")
+    ckpt.save(path, step=1)
+    root = json.loads((path / "manifest.json").read_text())
+    shard = json.loads((path / shard_name(0)).read_text())
+    root["files"].update(shard.pop("files"))
+    shard["format_version"] = 5
+    shard["files"] = {
+        "a file outside": {"../../secret.txt": {"size": secret.stat().st_size, "checksum": file_checksum(secret)}},
+        "a file of the root": {"__0_shared.distcp": root["files"]["__0_shared.distcp"]},
+        "junk": {"x": 5},
+    }[listed]
+    (path / shard_name(0)).write_bytes(dumps(shard))
+    crc = int(file_checksum(path / shard_name(0)).split(":")[1], 16)
+    root["rank_table"] = rank_table.rank_table(
+        [rank_table.RankRow((path / shard_name(0)).stat().st_size, crc, 0, 0)], 5
+    )
+    root.pop("manifest_checksum")
+    (path / "manifest.json").write_bytes(dumps(seal(root)))
+    for action in (
+        lambda: tdcp.verify(path),
+        lambda: tdcp.to_archive(path, tmp_path / "c.zip"),
+        lambda: tdcp.DistributedCheckpoint(no_dist=True, policy=torch.nn.Linear(2, 2), mine={"x": torch.zeros(3)}).load(
+            path
+        ),
+    ):
+        with pytest.raises(tdcp.CheckpointFormatError, match=r"manifest-0\.json.*a v5 shard lists no files"):
+            action()
+    assert not (tmp_path / "c.zip").exists()
+
+
+def test_a_sealed_manifest_naming_no_save_is_refused(tmp_path: Path) -> None:
+    """Probe m4: ``save_id`` set to null in a format-8 root and shard, resealed, turned every save-identity check
+    off: another save's data file copied in loaded, and ``verify`` called it a format < 3 checkpoint. Only a format 2
+    checkpoint's migration names no save."""
+    from torchrl_dcp.format.manifest import dumps, seal
+
+    path = tmp_path / "c"
+    ckpt = tdcp.DistributedCheckpoint(no_dist=True, policy=torch.nn.Linear(2, 2))
+    ckpt.register("mine", {"x": torch.ones(3)}, placement="per_rank")
+    ckpt.save(path, step=1)
+    root = json.loads((path / "manifest.json").read_text())
+    root["save_id"] = None
+    root.pop("manifest_checksum")
+    (path / "manifest.json").write_bytes(dumps(seal(root)))
+    for action in (lambda: tdcp.verify(path), lambda: ckpt.load(path), lambda: tdcp.read_manifest(path)):
+        with pytest.raises(
+            tdcp.CheckpointFormatError, match=r"manifest\.json.*save_id is null, which format version 8"
+        ):
+            action()
+
+
 def test_a_tool_that_rewrites_a_checkpoint_keeps_each_rank_s_own_files_in_its_shard(
     tmp_path: Path, monkeypatch: Any
 ) -> None:

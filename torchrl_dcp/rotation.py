@@ -442,7 +442,7 @@ class CheckpointRotation:
 
         check_step(step)
         if self._shared_sequence is None:  # (the first local save of a run that neither resumed nor saved: once)
-            self._note_shared(ckpt)
+            self._note_shared(ckpt)  # (not listed: the records name none, and a resume compares the steps)
         return self.local.save(
             ckpt,
             step,
@@ -451,16 +451,22 @@ class CheckpointRotation:
             shared_sequence=self._shared_sequence if self._shared_sequence is not None else -1,
         )
 
-    def _note_shared(self, ckpt: Any) -> list[int]:
+    def _note_shared(self, ckpt: Any) -> list[int] | None:
         """Learn the shared tier's newest commit sequence (rank 0 lists; collective with ``ckpt``); returns the steps
-        of its entries."""
+        of its entries, or ``None`` when the listing failed (said in the log: the sequence stays as it was)."""
         from torchrl_dcp.collective import broadcast_step
 
         def newest() -> tuple[int, list[int]]:
             entries = self.entries()
             return max((e.sequence or 0 for e in entries), default=0), [e.step for e in entries]
 
-        sequence, steps = newest() if ckpt is None else broadcast_step(group_of(ckpt), "listing checkpoints", newest)
+        try:
+            sequence, steps = (
+                newest() if ckpt is None else broadcast_step(group_of(ckpt), "listing checkpoints", newest)
+            )
+        except (CheckpointError, OSError) as err:  # (every rank alike: the broadcast raises on each)
+            logger.warning("checkpoint rotation %s: listing its entries failed: %s", self.directory, err)
+            return None
         self._shared_sequence = max(sequence, self._shared_sequence or 0)
         return steps
 
@@ -661,7 +667,7 @@ class CheckpointRotation:
         later resume would take them), as after a resume (collective with a local tier)."""
         self._last_step, self._last_time = step, time.monotonic()
         listed = self._note_shared(ckpt if self.local is not None else None)  # (one listing on each rank without)
-        newer = sorted({s for s in listed if s > step})  # (this run's local steps are saved after them)
+        newer = sorted({s for s in listed or () if s > step})  # (this run's local steps are saved after them)
         if newer:  # (the newest commit is a resume's: until this run commits, it is the abandoned run's)
             warnings.warn(
                 f"checkpoint rotation {self.directory}: a load of step {step} rolled back past its entries of steps "

@@ -315,6 +315,13 @@ def parse_manifest(raw: Any, source: Any, *, text: bytes | None = None) -> dict[
         raise CheckpointFormatError(f"format_version {version!r} is not a positive integer", path=source)
     if (version >= 3 or CHECKSUM_FIELD in raw) and version <= FORMAT_VERSION:
         _check_seal(raw, source, text)  # a sealed manifest is checked whatever version it claims (3 -> 2 too)
+    if 3 <= version <= FORMAT_VERSION and raw.get("save_id") is None:  # (a v2's migration sets null: nothing else)
+        raise CheckpointFormatError(
+            f"malformed manifest: save_id is null, which format version {version} never writes (every save since "
+            "format 3 records its identity, and its data files end with it): damaged, or altered to waive the "
+            "save-identity checks; refused",
+            path=source,
+        )
     if version > FORMAT_VERSION:
         raise CheckpointVersionError(
             f"written with format version {version}, this torchrl_dcp reads up to {FORMAT_VERSION}: "

@@ -137,6 +137,8 @@ def check_shard(raw: Any, root: Mapping[str, Any], rank: int, source: Any) -> di
     entries = raw.get("entries")
     if (entries is None) != (root.get("index") is None):
         raise bad("entries must be a list exactly when the manifest has an index")
+    if version != SHARD_VERSION and "files" in raw:  # (assembled into what the tools read: never unchecked)
+        raise bad(f"a v{version} shard lists no files (the root lists every file of a format 5 or 6 checkpoint)")
     files = (
         root["files"] if version != SHARD_VERSION else ChainMap(_own_files(raw, root, rank, source, bad), root["files"])
     )

@@ -33,7 +33,7 @@ from typing import Any
 from torchrl_dcp.errors import CheckpointError, CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError
 from torchrl_dcp.format import manifest as schema
 from torchrl_dcp.format.checksums import checksum_mismatch, crc32, format_crc
-from torchrl_dcp.format.layout import MANIFEST, MAX_MANIFEST_BYTES
+from torchrl_dcp.format.layout import MANIFEST, MAX_MANIFEST_BYTES, is_plain_name
 from torchrl_dcp.format.zipformat import (
     U32,
     ZIPALIGN_PAD,
@@ -432,6 +432,13 @@ def write_archive(
     from torchrl_dcp.storage.commit import create_exclusive
     from torchrl_dcp.storage.copying import CopyRange, copy_ranges, pwrite_all
 
+    for name, path, _, _ in files:  # (every conversion's members: never one that unpacks outside the checkpoint)
+        if not is_plain_name(name) or name == MANIFEST:
+            raise CheckpointFormatError(
+                f"the manifest lists {name!r}, which is no file of a checkpoint (a member named so would unpack "
+                "outside it, or over its manifest): damaged or forged; nothing was written",
+                path=path,
+            )
     entries: list[tuple[str, Path | None, int, str | None]] = [(MANIFEST, None, len(manifest_bytes), None)]
     entries += list(files)
     layout: list[tuple[bytes, int, int]] = []  # encoded name, header offset, data offset
