@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from pathlib import Path
 
 import pytest
@@ -189,19 +190,26 @@ def test_the_tiers_are_ordered_by_commit_not_by_step(tmp_path: Path) -> None:
     ckpt, model, optimizer = _job()
     _train(ckpt, model, optimizer, _rotation(tmp_path), 0, 13)  # local 10, 12 (after shared 10's commit); shared 10
     records = [json.loads(r.read_text()) for r in sorted((tmp_path / "local").glob("step-*/rank-00000.commit.json"))]
-    assert [(r["step"], r["shared_sequence"]) for r in records] == [(10, 0), (12, 1)]
-    rolled, _, _ = _job(seed=3)
-    rolled.components["counter"]["steps"] = 8
-    tdcp.CheckpointRotation(tmp_path / "shared", keep_last=3).save(rolled, step=8)  # committed after local step 12
-    ckpt2 = _job(1)[0]
-    with pytest.warns(tdcp.LocalTierWarning, match=r"steps \[10, 12\] were removed"):
-        info = _rotation(tmp_path).resume(ckpt2)
-    assert (info.step, info.tier) == (8, "shared")
-    assert ckpt2.components["counter"] == {"steps": 8}
+    assert [(r["step"], r["shared_sequence"]) for r in records] == [(10, 1), (12, 1)]  # (10: made with the shared)
+    assert _rotation(tmp_path).resume(_job(1)[0]).tier == "local"
+    for step in (8, 12):  # a roll-back saved after local step 12, below it or at it (probe m5: the local copy won)
+        rolled, _, _ = _job(seed=3)
+        rolled.components["counter"]["steps"] = step
+        tdcp.CheckpointRotation(tmp_path / "shared", keep_last=3).save(rolled, step=step)
+        ckpt2 = _job(1)[0]
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            info = _rotation(tmp_path).resume(ckpt2)
+        assert (info.step, info.tier) == (step, "shared")
+        assert ("steps [10, 12] were removed" in " ".join(str(w.message) for w in said)) == (step == 8)
+        assert ckpt2.components["counter"] == {"steps": step}
+        _train(ckpt, model, optimizer, _rotation(tmp_path), 0, 13)  # (the local steps again, after the roll-back)
 
 
-@pytest.mark.parametrize("value", ["1", -2, 1.5, True, None])
+@pytest.mark.parametrize("value", ["1", -2, 1.5, True, None, 5])
 def test_a_record_naming_no_valid_shared_commit_is_damaged(tmp_path: Path, value: object) -> None:
+    """A record whose ``shared_sequence`` is no commit counter, or not the one its part's manifest names (probe m5:
+    edited from 1 to 5, a stale step was resumed over the shared tier's newer commits), is damaged."""
     ckpt, model, optimizer = _job()
     _train(ckpt, model, optimizer, _rotation(tmp_path), 0, 13)  # local 10, 12; shared 10
     record = tmp_path / "local" / "step-000000000012" / "rank-00000.commit.json"
@@ -209,7 +217,8 @@ def test_a_record_naming_no_valid_shared_commit_is_damaged(tmp_path: Path, value
     forged["shared_sequence"] = value
     record.write_text(json.dumps(forged))
     ckpt2 = _job(1)[0]
-    with pytest.warns(tdcp.LocalTierWarning, match="step 12 rank 0's part: its commit record is not this part's"):
+    says = "its manifest names shared commit 1, its commit record 5" if value == 5 else "its commit record is not"
+    with pytest.warns(tdcp.LocalTierWarning, match=f"step 12 rank 0's part: {says}"):
         info = _rotation(tmp_path).resume(ckpt2)
     assert (info.step, info.tier) == (10, "local")  # (the same step as the shared entry's: its local copy)
 

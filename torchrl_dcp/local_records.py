@@ -85,17 +85,20 @@ def _manifest_bytes(part: Path) -> bytes:
         os.close(fd)
 
 
-def _described(data: bytes) -> tuple[Any, Any]:
-    """``(step, rank)`` a part's manifest says it holds: its step and the rank its local-tier save recorded."""
+def _described(data: bytes) -> tuple[Any, Any, Any]:
+    """``(step, rank, shared sequence)`` a part's manifest says it holds: its step, and the rank and the newest shared
+    commit its local-tier save recorded (``-1``: a part saved before the tiers were ordered by commit)."""
     try:
         manifest = loads_json(data)
     except ValueError:
-        return None, None
+        return None, None, None
     if not isinstance(manifest, dict):
-        return None, None
+        return None, None, None
     metadata = manifest.get("metadata")
     tier = metadata.get("local_tier") if isinstance(metadata, dict) else None
-    return manifest.get("step"), tier.get("rank") if isinstance(tier, dict) else None
+    if not isinstance(tier, dict):
+        return manifest.get("step"), None, None
+    return manifest.get("step"), tier.get("rank"), tier.get("shared_sequence", -1)
 
 
 def write_record(
@@ -153,9 +156,12 @@ def check_record(step_dir: Path, rank: int, step: int, identity: Mapping[str, An
     if record.get("manifest_sha256") != hashlib.sha256(data).hexdigest():
         return "its manifest is not the one its commit record names (damaged or altered)"
     held = _described(data)
-    if held != (step, rank):  # (a record resealed over another step's or rank's part: never restored as this one)
+    if held[:2] != (step, rank):  # (a record resealed over another step's or rank's part: never restored as this one)
         return f"its manifest holds step {held[0]!r} of rank {held[1]!r}, its commit record step {step} of rank {rank}"
-    return HeldPart(step, rank, record["save_id"], record.get("shared_sequence", -1))
+    known = record.get("shared_sequence", -1)
+    if held[2] != known:  # (a record edited to order a stale step after the shared tier's newer commits)
+        return f"its manifest names shared commit {held[2]!r}, its commit record {known!r} (altered)"
+    return HeldPart(step, rank, record["save_id"], known)
 
 
 def _is_sequence(value: Any) -> bool:
@@ -170,18 +176,19 @@ def local_is_newer(local: tuple[int, int], shared: tuple[int, int | None]) -> bo
     """Whether a local step ``(step, shared sequence its record names)`` is to be resumed rather than the shared
     tier's newest entry ``(step, its commit sequence)``: the tiers ordered by commit where both are known.
 
-    The local step is newer when no shared commit came after it (the entry's sequence is one the job knew of when it
-    saved the step: after a roll-back to an older step, this run's local steps come after the abandoned run's higher
-    shared steps), or when both hold the same step (the same state: the local copy restores faster). Where either
-    sequence is not known (a record written before, a damaged entry), by step, the local tier winning ties.
+    The local step is newer when no shared commit came after it: the entry's sequence is one the job knew of when it
+    saved the step (after a roll-back to an older step, this run's local steps come after the abandoned run's higher
+    shared steps; a local save due with a shared one is made once the shared one's sequence is chosen, and names it:
+    the same state, the local copy restores faster). Where either sequence is not known (a record written before, a
+    damaged entry, an entry saved by hand into the rotation's directory), by step, the local tier winning ties.
 
     Example:
         >>> local_is_newer((48, 7), (64, 7))  # saved after a roll-back from step 64 (commit 7) to 32
         True
         >>> local_is_newer((48, 5), (64, 7)), local_is_newer((64, 5), (64, 6)), local_is_newer((48, -1), (32, None))
-        (False, True, True)
+        (False, False, True)
     """
     (step, known), (shared_step, sequence) = local, shared
     if known >= 0 and sequence is not None:
-        return sequence <= known or step == shared_step
+        return sequence <= known
     return step >= shared_step

@@ -184,7 +184,12 @@ class LocalTier:
                 _make_dir(step_dir)
                 for r in (rank, *sources):  # a step saved again: its old records go before its parts change
                     (step_dir / record_name(r)).unlink(missing_ok=True)
-                solo.save(own, step=step, metadata={**metadata, "local_tier": {"rank": rank}}, components=names)
+                solo.save(
+                    own,
+                    step=step,
+                    metadata={**metadata, "local_tier": {"rank": rank, "shared_sequence": shared_sequence}},
+                    components=names,
+                )
             except Exception as err:  # raised below, after the peers know
                 failure = _own_failure(err, rank, own)
             # the peers are told of a failure instead of waiting for a part that will not come

@@ -295,6 +295,7 @@ class CheckpointRotation:
         save_kwargs: dict[str, Any],
         *,
         preempting: bool = False,
+        local: bool = False,
     ) -> Path:
         try:
             step = check_step(step)
@@ -304,7 +305,7 @@ class CheckpointRotation:
                 raise
             self._prepare(ckpt, None, metadata, save_kwargs)  # the exchanges the other ranks make before the save's
             refuse(err)  # its first exchange, as a rank that failed: every rank raises, none waits for this one
-        directory_path, metadata, save_kwargs = self._prepare(ckpt, step, metadata, save_kwargs, preempting)
+        directory_path, metadata, save_kwargs = self._prepare(ckpt, step, metadata, save_kwargs, preempting, local)
         path = ckpt.save(directory_path, step=step, metadata=metadata, components=components, **save_kwargs)
         return self._rotate(ckpt, path, step)
 
@@ -380,13 +381,10 @@ class CheckpointRotation:
         components: Collection[str] | None,
         save_kwargs: dict[str, Any],
     ) -> Any:
-        if self.local is not None and not decision.preempted and self.local.due(decision.step):
-            try:
-                self._save_local(ckpt, decision.step, metadata)
-            except CheckpointError as err:  # (every rank hears of it): a fast-recovery copy, not the job's own
-                self.local.last_step = decision.step  # tried: the next try comes every_steps later, not each step
-                warnings.warn(LocalTierWarning(self._local_failure(ckpt, decision.step, err)), stacklevel=4)
+        local = self.local is not None and not decision.preempted and self.local.due(decision.step)
         if not (force or decision.due or decision.preempted):
+            if local:
+                self._local_step(ckpt, decision.step, metadata)
             return None
         step, started = decision.step, time.monotonic()
         if decision.preempted:
@@ -399,7 +397,7 @@ class CheckpointRotation:
                     stacklevel=4,
                 )
         if decision.preempted or sync or not self.async_saves:
-            path = self._save(ckpt, step, metadata, components, save_kwargs, preempting=decision.preempted)
+            path = self._save(ckpt, step, metadata, components, save_kwargs, preempting=decision.preempted, local=local)
             self._last_step, self._last_time = step, started  # (a failed save leaves the step due)
             if decision.preempted:
                 self.preempted = True
@@ -412,7 +410,7 @@ class CheckpointRotation:
         )
         if unknown:  # before anything is staged or exchanged
             raise TypeError(f"unexpected save arguments: {unknown}")
-        directory_path, metadata, save_kwargs = self._prepare(ckpt, step, metadata, save_kwargs)
+        directory_path, metadata, save_kwargs = self._prepare(ckpt, step, metadata, save_kwargs, local=local)
         handle = ckpt._async_save(
             directory_path, step, metadata, components,
             save_kwargs.pop("component_options", None), save_kwargs.pop("stage_memmap", False),
@@ -423,6 +421,15 @@ class CheckpointRotation:
         self._in_flight = ckpt
         self._last_step, self._last_time = step, started
         return handle
+
+    def _local_step(self, ckpt: Any, step: int, metadata: Mapping[str, Any] | None) -> None:
+        """Save ``step`` to the local tier; a failure is a warning (every rank hears of it): a fast-recovery copy, not
+        the job's own."""
+        try:
+            self._save_local(ckpt, step, metadata)
+        except CheckpointError as err:
+            self.local.last_step = step  # tried: the next try comes every_steps later, not each step
+            warnings.warn(LocalTierWarning(self._local_failure(ckpt, step, err)), stacklevel=5)
 
     def _local_failure(self, ckpt: Any, step: int, err: CheckpointError) -> str:
         """A failed local save, said from this rank (an error of its own part's save names it already)."""
@@ -502,15 +509,20 @@ class CheckpointRotation:
         metadata: Mapping[str, Any] | None,
         save_kwargs: dict[str, Any],
         preempting: bool = False,
+        local: bool = False,
     ) -> tuple[Path, dict[str, Any], dict[str, Any]]:
         """Check the metric, wait for a save in flight, choose the commit counter and the base (``step``: checked by
         the caller; ``None``: refused on this rank, which makes the same exchanges before raising). ``preempting``:
-        a refused metric is recorded as ``null`` (the entry is not ranked), not raised: the job's last save first."""
+        a refused metric is recorded as ``null`` (the entry is not ranked), not raised: the job's last save first.
+        ``local``: the local tier's save of the step is due, made once the counter is chosen (its records name this
+        save's commit: a later commit at the same step, a roll-back's, is newer than it)."""
         metadata = metadata_values(metadata)  # a metric may be a numpy or 0-d tensor scalar
         settle_pending(ckpt)  # a save in flight prunes in its thread: never interleave with its collectives
         if self._in_flight is not None and self._in_flight is not ckpt:  # this rotation's save of another checkpoint:
             settle_pending(self._in_flight)  # committed first, or the next commit took its order and it the newest's
         base, sequence = self._next_commit(ckpt, metadata, preempting)
+        if local and step is not None:  # (its records name this commit, as the shared save's step is the same)
+            self._local_step(ckpt, step, metadata)
         save_kwargs = dict(save_kwargs)
         save_kwargs.setdefault("commit_sequence", sequence)
         if (
