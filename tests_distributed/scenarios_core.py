@@ -196,6 +196,13 @@ def save_unlike(path: str, case: str) -> dict[str, Any]:
             step = 3
         elif case == "components":
             components = ["model"]
+        elif case == "chunking":  # (what TDCP_CHUNK_BYTES set on one node only gives that rank: probe m6)
+            from torchrl_dcp import chunking
+
+            chunking.CHUNK_BYTES, chunking.MIN_CHUNKED_BYTES = (
+                chunking.CHUNK_BYTES // 2,
+                chunking.MIN_CHUNKED_BYTES // 2,
+            )
     try:
         ckpt.save(target, step=step, components=components)
     except tdcp.CheckpointError as err:

@@ -144,14 +144,15 @@ def test_a_rank_saving_while_another_loads_raises_a_checkpoint_error_on_every_ra
     tdcp.verify(tmp_path / "ckpt")
 
 
-@pytest.mark.parametrize("case", ["extra_component", "placement", "kind", "path", "step", "components"])
+@pytest.mark.parametrize("case", ["extra_component", "placement", "kind", "path", "step", "components", "chunking"])
 def test_a_save_the_ranks_describe_differently_raises_on_every_rank_and_keeps_the_checkpoint(
     tmp_path: Path, case: str
 ) -> None:
     """The manifest is rank 0's description of the save: a rank that registered another component, placement or
     kind of object, or called save with another path, step or components, committed a checkpoint no load read (in
     place of the good one) or silently lost its state. Now every rank raises the same error naming the difference,
-    before anything is written; the previous checkpoint still loads."""
+    before anything is written; the previous checkpoint still loads. Chunk sizes too (probe m6: ranks with another
+    ``TDCP_CHUNK_BYTES`` committed a replicated tensor's chunks that no load read, refused as damaged or forged)."""
     path = str(tmp_path / "ckpt")
     results = launch(f"{S}:save_unlike", 2, path, case)
     messages = {r.value["message"] for r in results}
@@ -165,6 +166,7 @@ def test_a_save_the_ranks_describe_differently_raises_on_every_rank_and_keeps_th
         "path": "ckpt-elsewhere",
         "step": "'step': 3",
         "components": "components only on rank 0:",
+        "chunking": "TDCP_CHUNK_BYTES=8388608 and TDCP_MIN_CHUNKED_BYTES=16777216 on rank 0, 4194304 and 8388608 on rank 1",
     }[case]
     assert expected in message, message
     assert tdcp.read_manifest(path)["step"] == 1 and not (tmp_path / "ckpt-elsewhere").exists()

@@ -46,7 +46,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from torchrl_dcp import _dist
+from torchrl_dcp import _dist, chunking
 from torchrl_dcp._gc import gc_paused
 from torchrl_dcp._log import get_logger
 from torchrl_dcp.adapters import Adapter, AdapterContext
@@ -327,9 +327,11 @@ def save_layout(encoded: Encoded, call: Any, options: Collection[str] = ()) -> d
     each component's placement and adapter. The manifest is rank 0's description of them: a rank that registered
     another component, placement or adapter would commit a checkpoint no load reads. ``options`` (the names
     ``component_options`` gives) are each rank's own: not compared, but one no rank registered is refused
-    (:func:`refuse_unregistered`)."""
+    (:func:`refuse_unregistered`). ``chunking``: the chunk sizes this rank cuts large tensors by (``TDCP_CHUNK_BYTES``,
+    ``TDCP_MIN_CHUNKED_BYTES``): each rank plans the chunks of the replicated tensors it writes by its own."""
     components = {n: [r.placement, r.adapter, r.adapter_version] for n, r in sorted(encoded.records.items())}
-    return {"call": call, "components": components, "options": sorted(options)}
+    sizes = [chunking.CHUNK_BYTES, chunking.MIN_CHUNKED_BYTES]
+    return {"call": call, "components": components, "options": sorted(options), "chunking": sizes}
 
 
 def _absent_ones(layouts: list[dict[str, Any]]) -> dict[str, list[Any]]:
@@ -384,6 +386,13 @@ def compare_layouts(layouts: list[dict[str, Any]]) -> None:
     first rank that differs from rank 0 and what."""
     first = layouts[0]
     for rank, layout in enumerate(layouts):
+        if layout["chunking"] != first["chunking"]:
+            (a, b), (c, d) = first["chunking"], layout["chunking"]
+            raise CheckpointError(
+                f"the ranks do not save alike: they cut large tensors into chunk files of different sizes (TDCP_CHUNK_BYTES={a} and "
+                f"TDCP_MIN_CHUNKED_BYTES={b} on rank 0, {c} and {d} on rank {rank}): set these variables alike on "
+                "every rank (in the launcher's environment, for every node), or on none; nothing was written"
+            )
         if (layout["call"], layout["components"]) == (first["call"], first["components"]):
             continue
         why = []

@@ -72,7 +72,8 @@ SETTINGS: dict[str, Setting] = {
                 choices=("auto", "0", "1")),
         Setting("TDCP_READ_PREFAULT", "switch", True, "map fresh destination pages ahead of large reads"),
         Setting("TDCP_CHUNK_BYTES", "int", 8 * MIB, "bytes per chunk file of a large tensor (incremental saves "
-                "keep unchanged chunks)", minimum=1),
+                "keep unchanged chunks; alike on every rank, with TDCP_MIN_CHUNKED_BYTES: a save refuses ranks that "
+                "differ)", minimum=1),
         Setting("TDCP_MIN_CHUNKED_BYTES", "int", None, "smallest tensor cut into chunk files (default: twice "
                 "TDCP_CHUNK_BYTES)", minimum=1),
         Setting("TDCP_STORE_PART_SIZE", "int", 16 * MIB, "bytes per uploaded part of an object-store save (S3's "
