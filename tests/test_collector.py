@@ -752,3 +752,41 @@ def test_the_generators_of_a_deeply_nested_env_are_saved(tmp_path: Path) -> None
     it2 = iter(collector2)
     assert_same_batches(expected, [next(it2) for _ in range(2)])
     collector2.shutdown()
+
+
+@pytest.mark.parametrize("how", ["save", "async_save"])
+def test_a_collector_collecting_in_its_background_thread_is_paused_for_a_save(tmp_path: Path, how: str) -> None:
+    """Probe m8: a ``Collector`` started with ``collector.start()`` (torchrl's async collection) was saved while its
+    thread stepped the env and wrote the buffer: no warning, and the checkpoint was torn (refused by its own load
+    in half the runs: the writer's cursor past the rows). The thread is paused at a batch boundary for the save,
+    started again, and the save warns that async collection does not resume exactly."""
+    import time
+
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    def build(seed: int) -> tuple[Collector, ReplayBuffer]:
+        rb = ReplayBuffer(storage=LazyTensorStorage(100_000))
+        return Collector(make_env(None, seed), None, frames_per_batch=10, total_frames=-1, replay_buffer=rb), rb
+
+    collector, rb = build(0)
+    collector.start()
+    try:
+        while rb.write_count < 30:
+            time.sleep(0.01)
+        ckpt = tdcp.DistributedCheckpoint(collector=collector, rb=rb)
+        with pytest.warns(tdcp.InexactResumeWarning, match=r"\['collector'\]: collecting in a background thread"):
+            saved = getattr(ckpt, how)(tmp_path / "c")
+        if how == "async_save":
+            saved.wait()
+        assert collector._thread.is_alive()  # (collecting again)
+        written = rb.write_count
+        while rb.write_count == written:
+            time.sleep(0.01)
+    finally:
+        collector.async_shutdown()
+    fresh, fresh_rb = build(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tdcp.DistributedCheckpoint(collector=fresh, rb=fresh_rb).load(tmp_path / "c")
+    assert fresh._frames == len(fresh_rb) == fresh_rb.write_count and len(fresh_rb) % 10 == 0
+    fresh.shutdown()

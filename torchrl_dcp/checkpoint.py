@@ -79,6 +79,14 @@ class _Registration:
     optional: bool = False  # registered by the library itself: a checkpoint without it loads, with a warning
 
 
+def _collection_paused(components: Mapping[str, Any]) -> Any:
+    """:func:`~torchrl_dcp.adapters.collector.collection_paused` (imported when a save runs: it imports torchrl's
+    collectors)."""
+    from torchrl_dcp.adapters.collector import collection_paused
+
+    return collection_paused(components)
+
+
 class DistributedCheckpoint:
     """Saves and restores named components from every rank of a job through DCP.
 
@@ -374,7 +382,7 @@ class DistributedCheckpoint:
             The absolute checkpoint path.
         """
         self._settle_async()
-        with gc_paused():
+        with _collection_paused(self.components), gc_paused():
             job = self._prepare_save(path, step, metadata, components, component_options, incremental_from)
             job.sequence = commit_sequence
             return save_engine.run(job)
@@ -435,20 +443,24 @@ class DistributedCheckpoint:
         """:meth:`async_save`; ``then(committed_path) -> path`` runs in the background thread after the commit
         (a rotation's conversion and pruning: its collectives follow the save's, in the same thread on every rank)."""
         self._settle_async()
-        with gc_paused():
-            job = self._prepare_save(
-                path, step, metadata, components, component_options, incremental_from,
-                stage=lambda f: self._async.stage(f, stage_memmap=stage_memmap),
-            )  # fmt: skip
-        job.sequence = commit_sequence
-        event, job.stage_event = job.stage_event, None
+        with _collection_paused(self.components) as paused:  # (until the state is staged)
+            with gc_paused():
+                job = self._prepare_save(
+                    path, step, metadata, components, component_options, incremental_from,
+                    stage=lambda f: self._async.stage(f, stage_memmap=stage_memmap),
+                )  # fmt: skip
+            job.sequence = commit_sequence
+            event, job.stage_event = job.stage_event, None
+            if paused and event is not None:  # (a device's copies to host still running: done before collection)
+                event.synchronize()
+                event = None
 
-        def run() -> Path:
-            committed = save_engine.run(job)
-            return committed if then is None else then(committed)
+            def run() -> Path:
+                committed = save_engine.run(job)
+                return committed if then is None else then(committed)
 
-        self._async.group = self._group()
-        return self._async.submit(job.destination, job.step, run, event)
+            self._async.group = self._group()
+            return self._async.submit(job.destination, job.step, run, event)
 
     def _refuse_save(self, err: BaseException) -> NoReturn:
         """Raise ``err``, an argument this rank refused before its save (a rotation's step), after taking part in the

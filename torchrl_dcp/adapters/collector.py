@@ -25,10 +25,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -226,6 +227,47 @@ _NOT_IN_STATE_DICT = [
     "the env's generators",
     "transform state outside state_dict() (Python attributes, Compose'd and sub-envs' transforms)",
 ]
+
+
+@contextlib.contextmanager
+def collection_paused(components: Mapping[str, Any]) -> Iterator[list[str]]:
+    """Stop, at its next batch boundary, the background thread of each single-process ``Collector`` among
+    ``components`` that collects on its own (``collector.start()``, what ``Trainer(async_collection=True)`` runs),
+    for the duration of a save, then start it again.
+
+    The save then reads the collector, its env and the replay buffer the thread writes while nothing writes them
+    (read while the thread wrote, a checkpoint was torn: a buffer's cursor past its rows, refused by its own load).
+    torchrl's ``Collector`` has no ``pause()``; its thread ends after the batch it is collecting when asked
+    (``_stop``), and ``start()`` goes on from the collector's counters. Each such save warns: the checkpoint is whole,
+    but how far background collection ran ahead of training is timing, which a resume does not repeat. Yields the
+    names of the collectors paused.
+
+    Example:
+        >>> with collection_paused({}) as paused:  # (no collector running free: nothing to pause)
+        ...     paused
+        []
+    """
+    stopped: list[tuple[str, Collector]] = []
+    try:
+        for name, obj in components.items():
+            thread = getattr(obj, "_thread", None) if isinstance(obj, Collector) else None
+            if thread is not None and thread.is_alive():
+                obj._stop = True  # (checked by its thread after each batch: torchrl's own async_shutdown)
+                thread.join()
+                stopped.append((name, obj))
+        if stopped:
+            warnings.warn(
+                f"components {[n for n, _ in stopped]}: collecting in a background thread (collector.start(), "
+                "Trainer(async_collection=True)); paused at a batch boundary for this save, so the checkpoint is "
+                "whole, but how far collection ran ahead of training is timing: a resumed run does not repeat the "
+                "run that never stopped",
+                InexactResumeWarning,
+                stacklevel=4,
+            )
+        yield [n for n, _ in stopped]
+    finally:
+        for _, obj in stopped:
+            obj.start()
 
 
 def _statistics_only(state: Mapping[str, Any]) -> dict[str, Any]:
