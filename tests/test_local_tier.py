@@ -593,3 +593,21 @@ def test_a_part_whose_json_is_nested_too_deeply_is_passed_over_with_a_warning(tm
     with pytest.warns(tdcp.LocalTierWarning):
         info = rotation().resume(ckpt)
     assert (info.step, info.tier) == (2, "local") and torch.all(policy.weight == 2)
+
+
+def test_a_local_save_is_made_when_the_shared_save_of_its_step_refuses_its_metric(tmp_path: Path) -> None:
+    """Probe m7: with the local save made after the shared save chose its counter, a ``keep_best`` metric refused
+    at a step both tiers were due left the tier without that step (and off its schedule). The local tier saves
+    first, as documented."""
+    ckpt, model, optimizer = _job()
+    local = tdcp.LocalTier(tmp_path / "local", every_steps=2)
+    rotation = tdcp.CheckpointRotation(tmp_path / "shared", every_steps=4, keep_best=("reward", "max"), local=local)
+    for step in range(1, 11):
+        _step(model, optimizer, ckpt)
+        if step == 8:
+            with pytest.raises(ValueError, match="keep_best needs a finite number"):
+                rotation.maybe_save(ckpt, step, {"loss": 1.0})
+        else:
+            rotation.maybe_save(ckpt, step, {"reward": float(step)})
+    rotation.close()
+    assert local.steps() == [8, 10] and [e.step for e in rotation.entries()] == [4, 9]

@@ -178,8 +178,8 @@ def local_is_newer(local: tuple[int, int], shared: tuple[int, int | None]) -> bo
 
     The local step is newer when no shared commit came after it: the entry's sequence is one the job knew of when it
     saved the step (after a roll-back to an older step, this run's local steps come after the abandoned run's higher
-    shared steps; a local save due with a shared one is made once the shared one's sequence is chosen, and names it:
-    the same state, the local copy restores faster). Where either sequence is not known (a record written before, a
+    shared steps; a local save due with a shared one names the commit that shared save will make: the same state,
+    the local copy restores faster). Where either sequence is not known (a record written before, a
     damaged entry, an entry saved by hand into the rotation's directory), by step, the local tier winning ties.
 
     Example:

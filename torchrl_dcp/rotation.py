@@ -295,7 +295,6 @@ class CheckpointRotation:
         save_kwargs: dict[str, Any],
         *,
         preempting: bool = False,
-        local: bool = False,
     ) -> Path:
         try:
             step = check_step(step)
@@ -305,7 +304,7 @@ class CheckpointRotation:
                 raise
             self._prepare(ckpt, None, metadata, save_kwargs)  # the exchanges the other ranks make before the save's
             refuse(err)  # its first exchange, as a rank that failed: every rank raises, none waits for this one
-        directory_path, metadata, save_kwargs = self._prepare(ckpt, step, metadata, save_kwargs, preempting, local)
+        directory_path, metadata, save_kwargs = self._prepare(ckpt, step, metadata, save_kwargs, preempting)
         path = ckpt.save(directory_path, step=step, metadata=metadata, components=components, **save_kwargs)
         return self._rotate(ckpt, path, step)
 
@@ -381,10 +380,9 @@ class CheckpointRotation:
         components: Collection[str] | None,
         save_kwargs: dict[str, Any],
     ) -> Any:
-        local = self.local is not None and not decision.preempted and self.local.due(decision.step)
+        if self.local is not None and not decision.preempted and self.local.due(decision.step):
+            self._local_step(ckpt, decision.step, metadata, with_shared=force or decision.due)
         if not (force or decision.due or decision.preempted):
-            if local:
-                self._local_step(ckpt, decision.step, metadata)
             return None
         step, started = decision.step, time.monotonic()
         if decision.preempted:
@@ -397,7 +395,7 @@ class CheckpointRotation:
                     stacklevel=4,
                 )
         if decision.preempted or sync or not self.async_saves:
-            path = self._save(ckpt, step, metadata, components, save_kwargs, preempting=decision.preempted, local=local)
+            path = self._save(ckpt, step, metadata, components, save_kwargs, preempting=decision.preempted)
             self._last_step, self._last_time = step, started  # (a failed save leaves the step due)
             if decision.preempted:
                 self.preempted = True
@@ -410,7 +408,7 @@ class CheckpointRotation:
         )
         if unknown:  # before anything is staged or exchanged
             raise TypeError(f"unexpected save arguments: {unknown}")
-        directory_path, metadata, save_kwargs = self._prepare(ckpt, step, metadata, save_kwargs, local=local)
+        directory_path, metadata, save_kwargs = self._prepare(ckpt, step, metadata, save_kwargs)
         handle = ckpt._async_save(
             directory_path, step, metadata, components,
             save_kwargs.pop("component_options", None), save_kwargs.pop("stage_memmap", False),
@@ -422,11 +420,11 @@ class CheckpointRotation:
         self._last_step, self._last_time = step, started
         return handle
 
-    def _local_step(self, ckpt: Any, step: int, metadata: Mapping[str, Any] | None) -> None:
-        """Save ``step`` to the local tier; a failure is a warning (every rank hears of it): a fast-recovery copy, not
-        the job's own."""
+    def _local_step(self, ckpt: Any, step: int, metadata: Mapping[str, Any] | None, with_shared: bool) -> None:
+        """Save ``step`` to the local tier (``with_shared``: a shared save of the step follows in this call); a failure
+        is a warning (every rank hears of it): a fast-recovery copy, not the job's own."""
         try:
-            self._save_local(ckpt, step, metadata)
+            self._save_local(ckpt, step, metadata, with_shared)
         except CheckpointError as err:
             self.local.last_step = step  # tried: the next try comes every_steps later, not each step
             warnings.warn(LocalTierWarning(self._local_failure(ckpt, step, err)), stacklevel=5)
@@ -444,18 +442,22 @@ class CheckpointRotation:
             f"(replicas={tier.replicas}): give it that room (docs/recovery.md, Sizing) or lower keep_last or replicas"
         )
 
-    def _save_local(self, ckpt: Any, step: int, metadata: Mapping[str, Any] | None) -> Path:
+    def _save_local(self, ckpt: Any, step: int, metadata: Mapping[str, Any] | None, with_shared: bool = False) -> Path:
+        """The local tier's save of ``step``, its records naming the newest shared commit known, or, ``with_shared``,
+        the one the shared save of the same step that follows will choose (no later than: a later commit at the same
+        step, a roll-back's, is newer than this local step; a shared save that chose more is the same state)."""
         from torchrl_dcp.local_tier import tier_identity
 
         check_step(step)
         if self._shared_sequence is None:  # (the first local save of a run that neither resumed nor saved: once)
             self._note_shared(ckpt)  # (not listed: the records name none, and a resume compares the steps)
+        known = self._shared_sequence
         return self.local.save(
             ckpt,
             step,
             metadata_values(metadata),
             tier_identity(ckpt, self.location.identity()),
-            shared_sequence=self._shared_sequence if self._shared_sequence is not None else -1,
+            shared_sequence=-1 if known is None else known + with_shared,
         )
 
     def _note_shared(self, ckpt: Any) -> list[int] | None:
@@ -509,20 +511,15 @@ class CheckpointRotation:
         metadata: Mapping[str, Any] | None,
         save_kwargs: dict[str, Any],
         preempting: bool = False,
-        local: bool = False,
     ) -> tuple[Path, dict[str, Any], dict[str, Any]]:
         """Check the metric, wait for a save in flight, choose the commit counter and the base (``step``: checked by
         the caller; ``None``: refused on this rank, which makes the same exchanges before raising). ``preempting``:
-        a refused metric is recorded as ``null`` (the entry is not ranked), not raised: the job's last save first.
-        ``local``: the local tier's save of the step is due, made once the counter is chosen (its records name this
-        save's commit: a later commit at the same step, a roll-back's, is newer than it)."""
+        a refused metric is recorded as ``null`` (the entry is not ranked), not raised: the job's last save first."""
         metadata = metadata_values(metadata)  # a metric may be a numpy or 0-d tensor scalar
         settle_pending(ckpt)  # a save in flight prunes in its thread: never interleave with its collectives
         if self._in_flight is not None and self._in_flight is not ckpt:  # this rotation's save of another checkpoint:
             settle_pending(self._in_flight)  # committed first, or the next commit took its order and it the newest's
         base, sequence = self._next_commit(ckpt, metadata, preempting)
-        if local and step is not None:  # (its records name this commit, as the shared save's step is the same)
-            self._local_step(ckpt, step, metadata)
         save_kwargs = dict(save_kwargs)
         save_kwargs.setdefault("commit_sequence", sequence)
         if (
