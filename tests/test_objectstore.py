@@ -981,6 +981,23 @@ def test_a_bucket_or_a_missing_bucket_is_refused_saying_so(s3: Any) -> None:
     assert not isinstance(err.value, tdcp.CheckpointIntegrityError)
 
 
+def test_a_conversion_to_a_bucket_root_is_refused_as_a_save_is(tmp_path: Path) -> None:
+    """Probe m7: ``to_directory(zip, "memory:///bk")`` and ``to_archive(d, "memory:///bk.zip")`` wrote at a bucket's
+    root, which ``ckpt.save`` refuses: a conversion's destination follows the save's rule."""
+    ckpt = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(4, 2))
+    ckpt.save(tmp_path / "c")
+    tdcp.to_archive(tmp_path / "c", tmp_path / "c.zip")
+    root = f"tdcp-root-{uuid.uuid4().hex}"
+    for convert, where in (
+        (lambda to: tdcp.to_directory(tmp_path / "c.zip", to), f"memory:///{root}"),
+        (lambda to: tdcp.to_directory(tmp_path / "c.zip", to, overwrite=True), f"memory://{root}"),
+        (lambda to: tdcp.to_archive(tmp_path / "c", to), f"memory:///{root}.zip"),
+    ):
+        with pytest.raises(tdcp.CheckpointError, match="is a bucket, not a checkpoint prefix or an archive"):
+            convert(where)
+    assert not fsspec.filesystem("memory").exists(f"/{root}")
+
+
 def test_a_key_the_store_does_not_take_is_not_called_a_missing_bucket(s3: Any) -> None:
     """A key holding a newline answers 'not found' on the S3 server the tests run: the refusal said the bucket did
     not exist ("create it"), of a bucket that had just taken a save. It now says the bucket exists and what to

@@ -83,11 +83,7 @@ class ObjectStoreLocation(Location):
 
     # ------------------------------------------------------------------ saving
     def prepare_save(self, save_id: str) -> SaveTarget:
-        if "/" not in self.path.key.strip("/"):  # (its marker and lock live beside it: in the bucket's parent)
-            raise CheckpointError(
-                "is a bucket, not a checkpoint prefix inside one: save to a key in it (e.g. s3://bucket/run/step-1)",
-                path=self.path,
-            )
+        _refuse_bucket(self.path)
         try:
             objectstore_save.begin(self.path, save_id)
         except FileNotFoundError as err:
@@ -186,6 +182,7 @@ class ObjectStoreLocation(Location):
     def check_destination(self, kind: str, overwrite: bool) -> None:
         from torchrl_dcp.storage.objectstore_tools import check_replaceable
 
+        _refuse_bucket(self.path)  # (what a save refuses, a conversion too)
         objectstore_save.refuse_inside_checkpoint(self.path)
         if kind == "checkpoint":  # (an archive's destination is an object: replaced, if it is an archive of ours)
             objectstore_save.refuse_an_object_at(self.path)
@@ -202,6 +199,17 @@ class ObjectStoreLocation(Location):
         from torchrl_dcp.storage.objectstore_tools import upload_result
 
         upload_result(local, self.path, kind)
+
+
+def _refuse_bucket(path: StorePath) -> None:
+    """A checkpoint or archive is a key inside a bucket, never the bucket itself (a save's marker and lock live
+    beside it, in its parent)."""
+    if "/" not in path.key.strip("/"):
+        raise CheckpointError(
+            "is a bucket, not a checkpoint prefix or an archive inside one: name a key in it (e.g. "
+            "s3://bucket/run/step-1)",
+            path=path,
+        )
 
 
 def _bucket_exists(path: StorePath) -> bool:
