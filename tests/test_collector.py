@@ -790,3 +790,31 @@ def test_a_collector_collecting_in_its_background_thread_is_paused_for_a_save(tm
         tdcp.DistributedCheckpoint(collector=fresh, rb=fresh_rb).load(tmp_path / "c")
     assert fresh._frames == len(fresh_rb) == fresh_rb.write_count and len(fresh_rb) % 10 == 0
     fresh.shutdown()
+
+
+def test_a_load_into_a_collector_collecting_in_its_background_thread_pauses_it(tmp_path: Path) -> None:
+    """Probe m9: a load into a ``Collector`` whose thread collected restored it under the thread: counters and buffer
+    torn, or the thread killed by a bare AttributeError, or a refusal that could not roll back. The thread is
+    paused for the load too, and started again from the restored state."""
+    import time
+
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    rb = ReplayBuffer(storage=LazyTensorStorage(100_000))
+    collector = Collector(make_env(None, 0), None, frames_per_batch=10, total_frames=-1, replay_buffer=rb)
+    ckpt = tdcp.DistributedCheckpoint(collector=collector, rb=rb)
+    for _ in range(3):
+        next(iter(collector))
+    ckpt.save(tmp_path / "c")
+    collector.start()
+    try:
+        while rb.write_count < 100:
+            time.sleep(0.01)
+        with pytest.warns(tdcp.InexactResumeWarning, match=r"paused at a batch boundary for this load"):
+            ckpt.load(tmp_path / "c")
+        assert collector._thread.is_alive()
+        collector._stop = True  # (the next batch boundary: then compare)
+        collector._thread.join()
+        assert collector._frames == len(rb) == rb.write_count >= 30
+    finally:
+        collector.async_shutdown()

@@ -79,12 +79,12 @@ class _Registration:
     optional: bool = False  # registered by the library itself: a checkpoint without it loads, with a warning
 
 
-def _collection_paused(components: Mapping[str, Any]) -> Any:
-    """:func:`~torchrl_dcp.adapters.collector.collection_paused` (imported when a save runs: it imports torchrl's
-    collectors)."""
+def _collection_paused(components: Mapping[str, Any], action: str = "save") -> Any:
+    """:func:`~torchrl_dcp.adapters.collector.collection_paused` (imported when a save or load runs: it imports
+    torchrl's collectors)."""
     from torchrl_dcp.adapters.collector import collection_paused
 
-    return collection_paused(components)
+    return collection_paused(components, action)
 
 
 class DistributedCheckpoint:
@@ -592,7 +592,7 @@ class DistributedCheckpoint:
         )
         self._async.wait_for_path(request.path)  # (another checkpoint's save in flight to it: what it commits)
         warn_networks_left_out({n: self.components[n] for n in request.requested}, "loading")
-        with gc_paused(), _dist.reading():  # (a collective's failure then says nothing was saved)
+        with _collection_paused(self.components, "load"), gc_paused(), _dist.reading():  # (a failure: nothing saved)
             if is_torchrl_checkpoint(request.path):  # (a URL never is: torchrl writes local paths)
                 from torchrl_dcp.torchrl_format.importer import import_load
 

@@ -230,13 +230,14 @@ _NOT_IN_STATE_DICT = [
 
 
 @contextlib.contextmanager
-def collection_paused(components: Mapping[str, Any]) -> Iterator[list[str]]:
+def collection_paused(components: Mapping[str, Any], action: str = "save") -> Iterator[list[str]]:
     """Stop, at its next batch boundary, the background thread of each single-process ``Collector`` among
     ``components`` that collects on its own (``collector.start()``, what ``Trainer(async_collection=True)`` runs),
-    for the duration of a save, then start it again.
+    for the duration of a save or a load (``action``), then start it again.
 
     The save then reads the collector, its env and the replay buffer the thread writes while nothing writes them
-    (read while the thread wrote, a checkpoint was torn: a buffer's cursor past its rows, refused by its own load).
+    (read while the thread wrote, a checkpoint was torn: a buffer's cursor past its rows, refused by its own load);
+    a load restores them while nothing writes them (restored under the thread, they were torn, or its thread died).
     torchrl's ``Collector`` has no ``pause()``; its thread ends after the batch it is collecting when asked
     (``_stop``), and ``start()`` goes on from the collector's counters. Each such save warns: the checkpoint is whole,
     but how far background collection ran ahead of training is timing, which a resume does not repeat. Yields the
@@ -258,9 +259,9 @@ def collection_paused(components: Mapping[str, Any]) -> Iterator[list[str]]:
         if stopped:
             warnings.warn(
                 f"components {[n for n, _ in stopped]}: collecting in a background thread (collector.start(), "
-                "Trainer(async_collection=True)); paused at a batch boundary for this save, so the checkpoint is "
-                "whole, but how far collection ran ahead of training is timing: a resumed run does not repeat the "
-                "run that never stopped",
+                f"Trainer(async_collection=True)); paused at a batch boundary for this {action}, so the state "
+                f"{'saved' if action == 'save' else 'restored'} is whole, but how far collection runs ahead of "
+                "training is timing: a resumed run does not repeat the run that never stopped",
                 InexactResumeWarning,
                 stacklevel=4,
             )
