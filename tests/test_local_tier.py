@@ -611,3 +611,30 @@ def test_a_local_save_is_made_when_the_shared_save_of_its_step_refuses_its_metri
             rotation.maybe_save(ckpt, step, {"reward": float(step)})
     rotation.close()
     assert local.steps() == [8, 10] and [e.step for e in rotation.entries()] == [4, 9]
+
+
+def test_a_shared_save_that_fails_before_its_counter_never_lets_an_older_local_step_win(tmp_path: Path) -> None:
+    """Probe m9: local step 4 named the commit the shared save of step 4 would make; that save raised the previous
+    async save's failure before choosing its counter, and the next shared save (step 5) took that very counter:
+    a resume took local step 4 over shared step 5, committed after it. The local step's counter is taken then."""
+
+    def rotation() -> tdcp.CheckpointRotation:
+        local = tdcp.LocalTier(tmp_path / "local", every_steps=4)
+        return tdcp.CheckpointRotation(tmp_path / "shared", every_steps=2, keep_last=3, async_saves=True, local=local)
+
+    ckpt, model, optimizer = _job()
+    blocked = tmp_path / "shared" / f"step-{2:012d}"
+    blocked.mkdir(parents=True)
+    (blocked / "notes.txt").write_text("a user's file: the save of step 2 fails")
+    first = rotation()
+    for step in range(1, 6):
+        _step(model, optimizer, ckpt)
+        try:
+            first.maybe_save(ckpt, step)
+        except tdcp.CheckpointError as err:  # (step 4: step 2's failure, raised at the next save)
+            assert step == 4 and "refusing to replace it" in str(err), (step, err)
+    first.close()
+    assert first.local.steps() == [4] and [e.step for e in first.entries()] == [5]
+    ckpt2 = _job(1)[0]
+    info = rotation().resume(ckpt2)
+    assert (info.step, info.tier) == (5, "shared") and ckpt2.components["counter"] == {"steps": 5}

@@ -380,10 +380,27 @@ class CheckpointRotation:
         components: Collection[str] | None,
         save_kwargs: dict[str, Any],
     ) -> Any:
+        reserved = None  # the shared commit the local step's records name, when a shared save of the step follows
         if self.local is not None and not decision.preempted and self.local.due(decision.step):
-            self._local_step(ckpt, decision.step, metadata, with_shared=force or decision.due)
+            reserved = self._local_step(ckpt, decision.step, metadata, with_shared=force or decision.due)
         if not (force or decision.due or decision.preempted):
             return None
+        try:
+            return self._act_shared(ckpt, decision, metadata, components, sync, save_kwargs)
+        except BaseException:  # (before its counter was chosen: the next shared commit comes after the local step)
+            if reserved is not None:
+                self._shared_sequence = max(self._shared_sequence or 0, reserved)
+            raise
+
+    def _act_shared(
+        self,
+        ckpt: Any,
+        decision: SaveDecision,
+        metadata: Mapping[str, Any] | None,
+        components: Collection[str] | None,
+        sync: bool,
+        save_kwargs: dict[str, Any],
+    ) -> Any:
         step, started = decision.step, time.monotonic()
         if decision.preempted:
             try:
@@ -392,7 +409,7 @@ class CheckpointRotation:
                 warnings.warn(
                     f"the previous async save failed ({err}); the preemption save of step {step} is made now",
                     TorchrlDcpWarning,
-                    stacklevel=4,
+                    stacklevel=5,
                 )
         if decision.preempted or sync or not self.async_saves:
             path = self._save(ckpt, step, metadata, components, save_kwargs, preempting=decision.preempted)
@@ -420,14 +437,18 @@ class CheckpointRotation:
         self._last_step, self._last_time = step, started
         return handle
 
-    def _local_step(self, ckpt: Any, step: int, metadata: Mapping[str, Any] | None, with_shared: bool) -> None:
+    def _local_step(self, ckpt: Any, step: int, metadata: Mapping[str, Any] | None, with_shared: bool) -> int | None:
         """Save ``step`` to the local tier (``with_shared``: a shared save of the step follows in this call); a failure
-        is a warning (every rank hears of it): a fast-recovery copy, not the job's own."""
+        is a warning (every rank hears of it): a fast-recovery copy, not the job's own. Returns the shared commit
+        the step's records name when ``with_shared`` (``None``: none named, or not saved)."""
         try:
             self._save_local(ckpt, step, metadata, with_shared)
         except CheckpointError as err:
             self.local.last_step = step  # tried: the next try comes every_steps later, not each step
             warnings.warn(LocalTierWarning(self._local_failure(ckpt, step, err)), stacklevel=5)
+            return None
+        known = self._shared_sequence
+        return None if known is None or not with_shared else known + 1
 
     def _local_failure(self, ckpt: Any, step: int, err: CheckpointError) -> str:
         """A failed local save, said from this rank (an error of its own part's save names it already)."""
