@@ -442,13 +442,12 @@ class CheckpointRotation:
         is a warning (every rank hears of it): a fast-recovery copy, not the job's own. Returns the shared commit
         the step's records name when ``with_shared`` (``None``: none named, or not saved)."""
         try:
-            self._save_local(ckpt, step, metadata, with_shared)
+            named = self._save_local(ckpt, step, metadata, with_shared)
         except CheckpointError as err:
             self.local.last_step = step  # tried: the next try comes every_steps later, not each step
             warnings.warn(LocalTierWarning(self._local_failure(ckpt, step, err)), stacklevel=5)
             return None
-        known = self._shared_sequence
-        return None if known is None or not with_shared else known + 1
+        return named if with_shared and named >= 0 else None
 
     def _local_failure(self, ckpt: Any, step: int, err: CheckpointError) -> str:
         """A failed local save, said from this rank (an error of its own part's save names it already)."""
@@ -463,23 +462,20 @@ class CheckpointRotation:
             f"(replicas={tier.replicas}): give it that room (docs/recovery.md, Sizing) or lower keep_last or replicas"
         )
 
-    def _save_local(self, ckpt: Any, step: int, metadata: Mapping[str, Any] | None, with_shared: bool = False) -> Path:
+    def _save_local(self, ckpt: Any, step: int, metadata: Mapping[str, Any] | None, with_shared: bool = False) -> int:
         """The local tier's save of ``step``, its records naming the newest shared commit known, or, ``with_shared``,
         the one the shared save of the same step that follows will choose (no later than: a later commit at the same
-        step, a roll-back's, is newer than this local step; a shared save that chose more is the same state)."""
+        step, a roll-back's, is newer than this local step; a shared save that chose more is the same state).
+        Returns the commit named (``-1``: none known)."""
         from torchrl_dcp.local_tier import tier_identity
 
         check_step(step)
         if self._shared_sequence is None:  # (the first local save of a run that neither resumed nor saved: once)
             self._note_shared(ckpt)  # (not listed: the records name none, and a resume compares the steps)
-        known = self._shared_sequence
-        return self.local.save(
-            ckpt,
-            step,
-            metadata_values(metadata),
-            tier_identity(ckpt, self.location.identity()),
-            shared_sequence=-1 if known is None else known + with_shared,
-        )
+        named = -1 if self._shared_sequence is None else self._shared_sequence + with_shared
+        identity = tier_identity(ckpt, self.location.identity())
+        self.local.save(ckpt, step, metadata_values(metadata), identity, shared_sequence=named)
+        return named
 
     def _note_shared(self, ckpt: Any) -> list[int] | None:
         """Learn the shared tier's newest commit sequence (rank 0 lists; collective with ``ckpt``); returns the steps
