@@ -818,3 +818,16 @@ def test_a_load_into_a_collector_collecting_in_its_background_thread_pauses_it(t
         assert collector._frames == len(rb) == rb.write_count >= 30
     finally:
         collector.async_shutdown()
+
+
+def test_a_load_into_a_collector_that_was_shut_down_says_so(tmp_path: Path) -> None:
+    """Probe m10: a load into a shut-down collector (``Trainer.train()`` shuts its collector down when it ends) raised
+    a wrapped AttributeError saying it could not roll back; the save says what happened, and so does the load now,
+    while planning: nothing restored."""
+    collector = Collector(make_env(None, 0), None, frames_per_batch=10, total_frames=-1)
+    next(iter(collector))
+    ckpt = tdcp.DistributedCheckpoint(collector=collector)
+    ckpt.save(tmp_path / "c")
+    collector.shutdown()
+    with pytest.raises(tdcp.CheckpointError, match="the collector was shut down.*nothing was restored"):
+        ckpt.load(tmp_path / "c")

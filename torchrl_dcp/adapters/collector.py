@@ -91,7 +91,7 @@ class CollectorAdapter(Adapter):
     default_placement = "per_rank"
 
     def state(self, collector: Collector, ctx: AdapterContext) -> Any:
-        if "env" not in vars(collector) and not hasattr(collector, "env"):
+        if _shut_down(collector):
             raise EncodingError(
                 f"component {ctx.name!r}: the collector was shut down (collector.shutdown(), which Trainer.train() "
                 "calls when it ends), its env is gone: save before the shutdown (a Trainer's scheduled and final "
@@ -105,7 +105,12 @@ class CollectorAdapter(Adapter):
         """The saved carrier (what the next step starts from) holds every entry the live env's specs declare
         (observations, done flags, state) that the live carrier holds: an env built otherwise (another transform, even one without state, such
         as a second ``StepCounter``) would get a carrier without its entries and fail at its next step. Refused
-        while planning."""
+        while planning. So is a collector that was shut down (nothing to restore into: its env is gone)."""
+        if _shut_down(collector):
+            raise IncompatibleComponentError(
+                f"component {ctx.name!r}: the collector was shut down (collector.shutdown(), which Trainer.train() "
+                "calls when it ends), its env is gone: load into a collector built anew (nothing was restored)"
+            )
         carrier = getattr(collector, "_carrier", None)
         if carrier is None:
             return
@@ -227,6 +232,11 @@ _NOT_IN_STATE_DICT = [
     "the env's generators",
     "transform state outside state_dict() (Python attributes, Compose'd and sub-envs' transforms)",
 ]
+
+
+def _shut_down(collector: Any) -> bool:
+    """Whether ``collector.shutdown()`` ran (torchrl deletes its env)."""
+    return "env" not in vars(collector) and not hasattr(collector, "env")
 
 
 @contextlib.contextmanager
