@@ -115,6 +115,18 @@ def test_ranks_passing_different_steps_commit_nothing_and_are_told_which(tmp_pat
         assert "rank 1 passed step 5, rank 0 step 2" in res["warned"][1], res["warned"]
 
 
+def test_ranks_whose_shared_save_is_due_on_one_only_are_told_and_raise_no_bare_error(tmp_path: Path) -> None:
+    """Probe m7: rank 0's step made the shared save due, rank 1's did not (per-rank counters). With the local save
+    made after the shared save chose its counter, the ranks met different exchanges: rank 1 read rank 0's answer as
+    its own and raised a bare ValueError. The local save comes first on every rank: both are told the steps differ,
+    and rank 0's shared save, alone, fails as a CheckpointError naming rank 1."""
+    zero, one = (r.value for r in launch(f"{S}:shared_due_on_one_rank", 2, str(tmp_path)))
+    for res in (zero, one):
+        assert res["bare"] is None, res
+        assert any("rank 1 passed step 3, rank 0 step 4" in w for w in res["warned"]), res
+    assert zero["error"] is not None and "rank 1" in zero["error"] and one["error"] is None, (zero, one)
+
+
 # ---------------------------------------------------------------------- per-rank programs
 def _rotation(root: str, **kw: Any) -> tdcp.CheckpointRotation:
     local = tdcp.LocalTier(Path(root) / "local", every_steps=1, **kw)
@@ -392,5 +404,28 @@ def steps_differ(root: str) -> dict[str, Any]:
     rotation.close()
     return {
         "steps": rotation.local.steps(),
+        "warned": [str(w.message) for w in heard if issubclass(w.category, tdcp.LocalTierWarning)],
+    }
+
+
+def shared_due_on_one_rank(root: str) -> dict[str, Any]:
+    """Rank 0 passes step 4 (the shared save due, every 4), rank 1 step 3 (the local save only)."""
+    rank = dist.get_rank()
+    os.environ["GROUP_RANK"] = str(rank)
+    ckpt = tdcp.DistributedCheckpoint(policy=torch.nn.Linear(2, 2), timeout=10)
+    local = tdcp.LocalTier(Path(root) / f"node{rank}" / "local", every_steps=1)
+    rotation = tdcp.CheckpointRotation(Path(root) / "shared", every_steps=4, local=local)
+    error = bare = None
+    with warnings.catch_warnings(record=True) as heard:
+        warnings.simplefilter("always")
+        try:
+            rotation.maybe_save(ckpt, 4 if rank == 0 else 3)
+        except tdcp.CheckpointError as err:
+            error = str(err)
+        except Exception as err:  # noqa: BLE001 - what the test refuses
+            bare = f"{type(err).__name__}: {err}"
+    return {
+        "error": error,
+        "bare": bare,
         "warned": [str(w.message) for w in heard if issubclass(w.category, tdcp.LocalTierWarning)],
     }
