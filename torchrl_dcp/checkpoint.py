@@ -28,6 +28,7 @@ from torchrl_dcp import _dist, load_engine, save_engine
 from torchrl_dcp._gc import gc_paused
 from torchrl_dcp._log import get_logger
 from torchrl_dcp.adapters import Adapter, AdapterContext, CheckpointOptions, resolve_adapter
+from torchrl_dcp.adapters.collector import collection_paused
 from torchrl_dcp.adapters.modules import warn_networks_left_out
 from torchrl_dcp.adapters.trainer import trainer_placement
 from torchrl_dcp.arguments import (
@@ -77,14 +78,6 @@ class _Registration:
     resolved: Adapter | None = None
     replica_check: ReplicaCheck | None = None  # None: the checkpoint's default
     optional: bool = False  # registered by the library itself: a checkpoint without it loads, with a warning
-
-
-def _collection_paused(components: Mapping[str, Any], action: str = "save") -> Any:
-    """:func:`~torchrl_dcp.adapters.collector.collection_paused` (imported when a save or load runs: it imports
-    torchrl's collectors)."""
-    from torchrl_dcp.adapters.collector import collection_paused
-
-    return collection_paused(components, action)
 
 
 class DistributedCheckpoint:
@@ -382,7 +375,7 @@ class DistributedCheckpoint:
             The absolute checkpoint path.
         """
         self._settle_async()
-        with _collection_paused(self.components), gc_paused():
+        with collection_paused(self.components), gc_paused():
             job = self._prepare_save(path, step, metadata, components, component_options, incremental_from)
             job.sequence = commit_sequence
             return save_engine.run(job)
@@ -443,7 +436,7 @@ class DistributedCheckpoint:
         """:meth:`async_save`; ``then(committed_path) -> path`` runs in the background thread after the commit
         (a rotation's conversion and pruning: its collectives follow the save's, in the same thread on every rank)."""
         self._settle_async()
-        with _collection_paused(self.components) as paused:  # (until the state is staged)
+        with collection_paused(self.components) as paused:  # (until the state is staged)
             with gc_paused():
                 job = self._prepare_save(
                     path, step, metadata, components, component_options, incremental_from,
@@ -592,7 +585,7 @@ class DistributedCheckpoint:
         )
         self._async.wait_for_path(request.path)  # (another checkpoint's save in flight to it: what it commits)
         warn_networks_left_out({n: self.components[n] for n in request.requested}, "loading")
-        with _collection_paused(self.components, "load"), gc_paused(), _dist.reading():  # (a failure: nothing saved)
+        with collection_paused(self.components, "load"), gc_paused(), _dist.reading():  # (a failure: nothing saved)
             if is_torchrl_checkpoint(request.path):  # (a URL never is: torchrl writes local paths)
                 from torchrl_dcp.torchrl_format.importer import import_load
 

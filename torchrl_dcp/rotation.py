@@ -59,6 +59,7 @@ from torchrl_dcp.rotation_entries import (
     list_entries,
     metric_value,
 )
+from torchrl_dcp.rotation_local import note_shared, save_local
 from torchrl_dcp.rotation_resume import ResumeInfo, group_of, resume_rotation, settle_pending
 from torchrl_dcp.save_decision import SaveDecision, check_step
 from torchrl_dcp.save_policy import MetricMode, Retention, SaveSchedule, parse_keep_best
@@ -382,7 +383,7 @@ class CheckpointRotation:
     ) -> Any:
         reserved = None  # the shared commit the local step's records name, when a shared save of the step follows
         if self.local is not None and not decision.preempted and self.local.due(decision.step):
-            reserved = self._local_step(ckpt, decision.step, metadata, with_shared=force or decision.due)
+            reserved = save_local(self, ckpt, decision.step, metadata, with_shared=force or decision.due)
         if not (force or decision.due or decision.preempted):
             return None
         try:
@@ -436,65 +437,6 @@ class CheckpointRotation:
         self._in_flight = ckpt
         self._last_step, self._last_time = step, started
         return handle
-
-    def _local_step(self, ckpt: Any, step: int, metadata: Mapping[str, Any] | None, with_shared: bool) -> int | None:
-        """Save ``step`` to the local tier (``with_shared``: a shared save of the step follows in this call); a failure
-        is a warning (every rank hears of it): a fast-recovery copy, not the job's own. Returns the shared commit
-        the step's records name when ``with_shared`` (``None``: none named, or not saved)."""
-        try:
-            named = self._save_local(ckpt, step, metadata, with_shared)
-        except CheckpointError as err:
-            self.local.last_step = step  # tried: the next try comes every_steps later, not each step
-            warnings.warn(LocalTierWarning(self._local_failure(ckpt, step, err)), stacklevel=5)
-            return None
-        return named if with_shared and named >= 0 else None
-
-    def _local_failure(self, ckpt: Any, step: int, err: CheckpointError) -> str:
-        """A failed local save, said from this rank (an error of its own part's save names it already)."""
-        from torchrl_dcp import _dist
-
-        rank = _dist.group_rank(ckpt._control_group())
-        tier = self.local
-        return (
-            f"rank {rank}: step {step} was not saved to the local tier {tier.path} ({err}); the job goes on, the "
-            f"shared tier's saves are made as scheduled, and the tier is tried again at step {step + tier.every_steps}."
-            f" The tier holds up to keep_last={tier.keep_last} steps of each rank's part and its replicas "
-            f"(replicas={tier.replicas}): give it that room (docs/recovery.md, Sizing) or lower keep_last or replicas"
-        )
-
-    def _save_local(self, ckpt: Any, step: int, metadata: Mapping[str, Any] | None, with_shared: bool = False) -> int:
-        """The local tier's save of ``step``, its records naming the newest shared commit known, or, ``with_shared``,
-        the one the shared save of the same step that follows will choose (no later than: a later commit at the same
-        step, a roll-back's, is newer than this local step; a shared save that chose more is the same state).
-        Returns the commit named (``-1``: none known)."""
-        from torchrl_dcp.local_tier import tier_identity
-
-        check_step(step)
-        if self._shared_sequence is None:  # (the first local save of a run that neither resumed nor saved: once)
-            self._note_shared(ckpt)  # (not listed: the records name none, and a resume compares the steps)
-        named = -1 if self._shared_sequence is None else self._shared_sequence + with_shared
-        identity = tier_identity(ckpt, self.location.identity())
-        self.local.save(ckpt, step, metadata_values(metadata), identity, shared_sequence=named)
-        return named
-
-    def _note_shared(self, ckpt: Any) -> list[int] | None:
-        """Learn the shared tier's newest commit sequence (rank 0 lists; collective with ``ckpt``); returns the steps
-        of its entries, or ``None`` when the listing failed (said in the log: the sequence stays as it was)."""
-        from torchrl_dcp.collective import broadcast_step
-
-        def newest() -> tuple[int, list[int]]:
-            entries = self.entries()
-            return max((e.sequence or 0 for e in entries), default=0), [e.step for e in entries]
-
-        try:
-            sequence, steps = (
-                newest() if ckpt is None else broadcast_step(group_of(ckpt), "listing checkpoints", newest)
-            )
-        except (CheckpointError, OSError) as err:  # (every rank alike: the broadcast raises on each)
-            logger.warning("checkpoint rotation %s: listing its entries failed: %s", self.directory, err)
-            return None
-        self._shared_sequence = max(sequence, self._shared_sequence or 0)
-        return steps
 
     def wait(self) -> Path | None:
         """Block until the async save in flight (if any) is committed and pruned; its path, or ``None``."""
@@ -692,7 +634,7 @@ class CheckpointRotation:
         too): the save policy counts from it, and the local tier drops its newer steps (an abandoned future: a
         later resume would take them), as after a resume (collective with a local tier)."""
         self._last_step, self._last_time = step, time.monotonic()
-        listed = self._note_shared(ckpt if self.local is not None else None)  # (one listing on each rank without)
+        listed = note_shared(self, ckpt if self.local is not None else None)  # (one listing on each rank without)
         newer = sorted({s for s in listed or () if s > step})  # (this run's local steps are saved after them)
         if newer:  # (the newest commit is a resume's: until this run commits, it is the abandoned run's)
             warnings.warn(
