@@ -14,6 +14,7 @@ from torchrl.collectors import Collector, MultiSyncCollector
 from torchrl.envs import (
     CatTensors,
     Compose,
+    InitTracker,
     ObservationNorm,
     PendulumEnv,
     RewardSum,
@@ -586,6 +587,52 @@ def test_collectors_over_torchrls_unusual_envs_load_their_own_checkpoints(tmp_pa
     ((expected,), (got,)) = _batches_around_a_resume(make, tmp_path, 1)
     assert got.batch_size == expected.batch_size
     _assert_equal_leaves(expected, got)
+
+
+@pytest.mark.parametrize("noise", ["ornstein_uhlenbeck", "additive_gaussian"])
+def test_a_collectors_exploration_noise_resumes_mid_trajectory_with_its_annealing(tmp_path: Path, noise: str) -> None:
+    """The noise modules' annealed scale is the policy's (a buffer); an OU process's running noise and step count
+    live in the tensordict it writes, which the collector's carrier holds mid-trajectory."""
+    from tensordict.nn import TensorDictSequential
+    from torchrl.modules import AdditiveGaussianModule, OrnsteinUhlenbeckProcessModule
+
+    def build(seed: int):
+        env = make_env(seed=seed)
+        env.append_transform(InitTracker())  # (an OU process resets its noise where a trajectory starts)
+        torch.manual_seed(seed)
+        actor = TensorDictModule(torch.nn.Linear(2, 1), in_keys=["observation"], out_keys=["action"])
+        kind = OrnsteinUhlenbeckProcessModule if noise == "ornstein_uhlenbeck" else AdditiveGaussianModule
+        explore = kind(spec=env.action_spec, annealing_num_steps=50)
+        policy = TensorDictSequential(actor, explore)
+        collector = Collector(env, policy, frames_per_batch=7, total_frames=-1, auto_register_policy_transforms=False)
+        return explore, policy, collector
+
+    def ckpt(policy, collector) -> tdcp.DistributedCheckpoint:
+        return tdcp.DistributedCheckpoint(policy=policy, collector=collector, rng=tdcp.RNGState())
+
+    explore, policy, collector = build(0)
+    it = iter(collector)
+    for _ in range(3):  # 21 steps: the carrier is mid-episode (max_steps=15), the noise annealed three times
+        next(it)
+        explore.step(frames=7)
+    path = ckpt(policy, collector).save(tmp_path / "c")
+    expected = []
+    for _ in range(4):
+        expected.append(next(it))
+        explore.step(frames=7)
+    collector.shutdown()
+    explore2, policy2, collector2 = build(5)
+    ckpt(policy2, collector2).load(path)
+    it2 = iter(collector2)
+    got = []
+    for _ in range(4):
+        got.append(next(it2))
+        explore2.step(frames=7)
+    collector2.shutdown()
+    assert_same(explore.state_dict(), explore2.state_dict())  # (the annealed scale, after the same steps)
+    for a, b in zip(expected, got):
+        assert set(a.keys(True, True)) == set(b.keys(True, True))
+        _assert_equal_leaves(a, b)
 
 
 def _batches_around_a_resume(make, tmp_path: Path, n: int) -> tuple[list, list]:

@@ -119,7 +119,8 @@ NO_RECIPE = {
     "AdditiveGaussianWrapper": "a deprecated wrapper of AdditiveGaussianModule (see its recipe)",
     "OrnsteinUhlenbeckProcessWrapper": "a deprecated wrapper of OrnsteinUhlenbeckProcessModule",
     "OrnsteinUhlenbeckProcessModule": "its noise lives in the tensordict it writes (`_ou_prev_noise`, `_ou_steps`), "
-    "which the collector's carrier holds: covered under a Collector (tests/test_collector.py); registered alone, "
+    "which the collector's carrier holds: covered under a Collector, annealed mid-run (tests/test_collector.py::"
+    "test_a_collectors_exploration_noise_resumes_mid_trajectory_with_its_annealing); registered alone, "
     "register that tensordict too",
     "ConsistentDropout": "its mask lives in the tensordict it reads, not in the module",
     "ConsistentDropoutModule": "its mask lives in the tensordict under a key naming the instance's id by default: "
