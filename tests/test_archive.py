@@ -730,6 +730,80 @@ def test_a_damaged_field_zipfile_cannot_read_is_never_an_exception_of_another_ki
             pass
 
 
+def _end_record(data: bytes) -> tuple[int, int, int]:
+    """``(position, central directory size, central directory offset)`` of a ZIP's end record."""
+    at = data.rfind(b"PK\x05\x06")
+    cd_size, cd_offset = struct.unpack_from("<II", data, at + 12)
+    return at, cd_size, cd_offset
+
+
+def _central_entries(directory: bytes) -> list[int]:
+    out, at = [], 0
+    while at < len(directory):
+        out.append(at)
+        at += 46 + sum(struct.unpack_from("<HHH", directory, at + 28))
+    return out
+
+
+def _polyglot(ours: bytes, theirs: bytes) -> bytes:
+    """One file that is ``ours`` to a reader that takes the end record's offsets as they are, and ``theirs`` (a
+    torchrl.checkpoint archive) to Python's zipfile, which takes whatever lies between the central directory and
+    the end record for a prefix and shifts every offset by its length: ``ours``'s members, ``theirs``'s, ``ours``'s
+    central directory, ``theirs``'s (both padded to one size with an entry comment), one end record."""
+    (end_a, size_a, off_a), (_, size_b, off_b) = _end_record(ours), _end_record(theirs)
+    size = max(size_a, size_b)
+
+    def padded(directory: bytes, extra: int) -> bytearray:
+        out = bytearray(directory)
+        last = _central_entries(out)[-1]
+        struct.pack_into("<H", out, last + 32, struct.unpack_from("<H", out, last + 32)[0] + extra)
+        return out + b" " * extra
+
+    cd_a = padded(ours[off_a : off_a + size_a], size - size_a)
+    cd_b = padded(theirs[off_b : off_b + size_b], size - size_b)
+    for at in _central_entries(cd_b):  # zipfile adds the gap (one directory's size) to each header offset
+        struct.pack_into("<I", cd_b, at + 42, struct.unpack_from("<I", cd_b, at + 42)[0] + off_a - size)
+    end = bytearray(ours[end_a:])
+    struct.pack_into("<II", end, 12, size, off_a + off_b)
+    return ours[:off_a] + theirs[:off_b] + bytes(cd_a) + bytes(cd_b) + bytes(end)
+
+
+def test_one_file_is_never_read_as_two_checkpoints(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Bytes between an archive's central directory and its end record: this package's reader took the offsets as
+    written (our archive, step 12), Python's zipfile (which asks whether a file is a torchrl.checkpoint archive, first)
+    took the bytes for a prefix and read another archive (a torchrl.checkpoint of other weights, step 999):
+    ``resume`` said step 12 and restored the other weights. Every reader refuses the file now, nothing restored."""
+    policy = torch.nn.Linear(8, 4)
+    ours = tdcp.to_archive(tdcp.DistributedCheckpoint(policy=policy).save(tmp_path / "a", step=12), tmp_path / "a.zip")
+    other = torch.nn.Linear(8, 4)
+    with torch.no_grad():
+        other.weight.fill_(42.0)
+    theirs = tmp_path / "b.torchrl"
+    tdcp.export_torchrl(tdcp.DistributedCheckpoint(policy=other).save(tmp_path / "b", step=999), theirs, ["policy"])
+    (tmp_path / "run").mkdir()
+    both = tmp_path / "run" / "step-000000000012.zip"
+    both.write_bytes(_polyglot(ours.read_bytes(), theirs.read_bytes()))
+    with zipfile.ZipFile(both) as z:  # (the forgery works: zipfile finds the other archive's members)
+        assert any("components/" in n for n in z.namelist())
+    live = torch.nn.Linear(8, 4)
+    before = {k: v.clone() for k, v in live.state_dict().items()}
+    for attempt in (
+        lambda: tdcp.read_manifest(both),
+        lambda: tdcp.verify(both),
+        lambda: tdcp.DistributedCheckpoint(policy=live).load(both),
+        lambda: tdcp.to_directory(both, tmp_path / "back"),
+    ):
+        with pytest.raises(tdcp.CheckpointError, match="between the central directory and the end record"):
+            attempt()
+    with pytest.warns(UserWarning):
+        assert tdcp.resume(tdcp.DistributedCheckpoint(policy=live), both.parent) is None
+    assert all(torch.equal(v, before[k]) for k, v in live.state_dict().items())
+    from torchrl_dcp.cli import main
+
+    assert main(["verify", str(both)]) == 1
+    assert "please report" not in capsys.readouterr().err
+
+
 def test_an_export_of_a_component_the_checkpoint_lacks_is_a_checkpoint_error_naming_what_it_holds(
     tmp_path: Path,
 ) -> None:

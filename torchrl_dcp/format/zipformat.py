@@ -129,7 +129,9 @@ class ZipError(ValueError):
 
 def central_directory_span(read: Callable[[int, int], bytes], size: int) -> tuple[int, int, int]:
     """``(offset, size, entries)`` of the central directory of a ZIP of ``size`` bytes that ends with its end record
-    (no archive comment); ``read(offset, n)`` returns bytes of the file. ZIP64 records are followed.
+    (no archive comment), the directory right before the end records (nothing between them: a reader such as
+    Python's ``zipfile`` takes such bytes for a prefix and shifts every offset, reading another archive from the same
+    file); ``read(offset, n)`` returns bytes of the file. ZIP64 records are followed.
 
     Example:
         >>> blob = central_entry(b"a", 0, 0, 0) + end_records(1, 0, 47)
@@ -150,8 +152,8 @@ def central_directory_span(read: Callable[[int, int], bytes], size: int) -> tupl
         if end < _Z64_LOCATOR.size:
             raise ZipError("ZIP64 locator missing")
         lsig, z64_disk, z64_at, disks = _Z64_LOCATOR.unpack(read(end - _Z64_LOCATOR.size, _Z64_LOCATOR.size))
-        if lsig != 0x07064B50 or z64_at + _Z64_END.size > end - _Z64_LOCATOR.size:
-            raise ZipError("ZIP64 locator damaged")
+        if lsig != 0x07064B50 or z64_at + _Z64_END.size != end - _Z64_LOCATOR.size:
+            raise ZipError("ZIP64 locator damaged, or bytes between the ZIP64 end record and its locator")
         if z64_disk != 0 or disks > 1:
             raise ZipError(f"the ZIP64 locator counts {disks} disks, its end record on disk {z64_disk}: " + _SPLIT)
         zsig, _, _, _, disk, cd_disk, here, entries, cd_size, cd_offset = _Z64_END.unpack(read(z64_at, _Z64_END.size))
@@ -162,6 +164,8 @@ def central_directory_span(read: Callable[[int, int], bytes], size: int) -> tupl
         end = z64_at
     if cd_offset + cd_size > end or entries * _CENTRAL.size > cd_size:
         raise ZipError(f"central directory of {entries} entries at {cd_offset}+{cd_size} does not fit the file")
+    if cd_offset + cd_size != end:  # (a reader that takes the gap for a prefix shifts every offset: another archive)
+        raise ZipError(f"{end - cd_offset - cd_size} bytes between the central directory and the end record")
     return cd_offset, cd_size, entries
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
+import struct
 import zipfile
 import zlib
 from pathlib import Path
@@ -17,11 +18,69 @@ from typing import BinaryIO
 
 from torchrl_dcp.errors import CheckpointError
 from torchrl_dcp.format.torchrl_listing import FORMAT_NAME, JSON_LIMIT, MANIFEST, written_files
+from torchrl_dcp.format.zipformat import ZipError, central_directory_span
 from torchrl_dcp.json_bytes import loads_json
 from torchrl_dcp.storage.backends import is_remote
 from torchrl_dcp.storage.urls import is_file_url, resolve_path
 
-__all__ = ["FORMAT_NAME", "JSON_LIMIT", "MANIFEST", "is_torchrl_checkpoint", "read_torchrl_manifest", "written_files"]
+__all__ = [
+    "FORMAT_NAME",
+    "JSON_LIMIT",
+    "MANIFEST",
+    "ZIPFILE_ERRORS",
+    "is_torchrl_checkpoint",
+    "open_zip",
+    "read_torchrl_manifest",
+    "written_files",
+]
+
+try:
+    from lzma import LZMAError
+except ImportError:  # pragma: no cover - a Python built without lzma (zipfile then refuses such members itself)
+    LZMAError = zlib.error  # type: ignore[assignment,misc]
+
+#: what Python's ``zipfile`` raises on a damaged or unusual archive or member (a damaged deflate or LZMA stream, a
+#: bad CRC, a method or encryption it cannot read, a truncated file): every reader of torchrl's ZIPs catches these
+ZIPFILE_ERRORS = (
+    zipfile.BadZipFile,
+    zlib.error,
+    LZMAError,
+    EOFError,
+    NotImplementedError,
+    RuntimeError,
+    ValueError,
+    OSError,
+)
+
+
+def open_zip(path: str | os.PathLike) -> zipfile.ZipFile:
+    """``path`` opened with ``zipfile``, where ``zipfile`` and this package's own ZIP reader
+    (:func:`~torchrl_dcp.format.zipformat.central_directory_span`) find the same central directory: one file is one
+    archive to every reader (``zipfile`` alone takes bytes before the directory for a prefix and shifts every offset,
+    so a file built for it could read as one checkpoint here and as another there). Raises
+    :class:`zipfile.BadZipFile` otherwise.
+
+    Example:
+        >>> import tempfile, zipfile
+        >>> path = tempfile.mkdtemp() + "/a.zip"
+        >>> with zipfile.ZipFile(path, "w") as z:
+        ...     z.writestr("a.txt", "hi")
+        >>> open_zip(path).namelist()
+        ['a.txt']
+    """
+    archive = zipfile.ZipFile(path)
+    try:
+        fd = archive.fp.fileno()  # (the file zipfile read, not whatever is at the path now)
+        cd_offset, _, entries = central_directory_span(lambda o, n: os.pread(fd, n, o), os.fstat(fd).st_size)
+        if archive.start_dir != cd_offset or len(archive.infolist()) != entries:
+            raise ZipError(
+                f"zipfile finds {len(archive.infolist())} members at {archive.start_dir}, the end record says "
+                f"{entries} at {cd_offset}"
+            )
+    except (ZipError, struct.error, OSError, AttributeError) as err:
+        archive.close()
+        raise zipfile.BadZipFile(f"the archive's layout is ambiguous or damaged ({err})") from None
+    return archive
 
 
 _SIGNATURE = b'"torchrl.checkpoint"'
@@ -66,7 +125,7 @@ def read_torchrl_manifest(path: str | os.PathLike) -> dict | None:
                     return None
                 raw = _read_if_theirs(f)
         elif p.is_file() and zipfile.is_zipfile(p):  # (a link the user names is read as what it names)
-            with zipfile.ZipFile(p) as z:
+            with open_zip(p) as z:
                 info = z.getinfo(MANIFEST)
                 if info.file_size > JSON_LIMIT:
                     return None
@@ -77,7 +136,7 @@ def read_torchrl_manifest(path: str | os.PathLike) -> dict | None:
         if raw is None:
             return None
         manifest = loads_json(raw)
-    except (OSError, KeyError, ValueError, RuntimeError, NotImplementedError, EOFError, zipfile.BadZipFile, zlib.error):
+    except (KeyError, *ZIPFILE_ERRORS):
         return None  # (what zipfile raises on a damaged archive: not torchrl's then; the reader that opens it says)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         return None

@@ -38,7 +38,6 @@ import math
 import os
 import stat
 import zipfile
-import zlib
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from pathlib import Path, PurePosixPath
@@ -56,7 +55,14 @@ from torchrl_dcp.errors import (
 from torchrl_dcp.format.manifest import check_parse_cost
 from torchrl_dcp.format.manifest_depth import check_depth
 from torchrl_dcp.json_bytes import loads_json
-from torchrl_dcp.torchrl_format.detect import FORMAT_NAME, JSON_LIMIT, MANIFEST, is_torchrl_checkpoint
+from torchrl_dcp.torchrl_format.detect import (
+    FORMAT_NAME,
+    JSON_LIMIT,
+    MANIFEST,
+    ZIPFILE_ERRORS,
+    is_torchrl_checkpoint,
+    open_zip,
+)
 
 __all__ = ["FORMAT_NAME", "TorchrlContainer", "is_torchrl_checkpoint"]  # (detection: .detect, torch-free)
 
@@ -98,8 +104,8 @@ class TorchrlContainer:
         if p.is_dir():
             return cls(p, None)
         try:
-            return cls(p, zipfile.ZipFile(p))
-        except (zipfile.BadZipFile, NotImplementedError, RuntimeError, EOFError, ValueError) as err:
+            return cls(p, open_zip(p))
+        except ZIPFILE_ERRORS as err:
             raise CheckpointFormatError(f"not a torchrl.checkpoint archive: {str(err)[:200]}", path=p) from None
 
     def close(self) -> None:
@@ -393,7 +399,7 @@ def zip_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, limit: int, wher
     try:
         with archive.open(info) as f:
             return f.read(limit)
-    except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, RuntimeError, OSError) as err:
+    except ZIPFILE_ERRORS as err:
         raise CheckpointIntegrityError(
             f"cannot be read from its archive ({type(err).__name__}: {str(err)[:200]}): the checkpoint is damaged, or "
             "written by a tool this reader does not follow",
@@ -409,7 +415,7 @@ def read_tensordict_archive(box: TorchrlContainer, member: str) -> dict[str, tor
     where = box.where(member)
     try:
         inner = zipfile.ZipFile(io.BytesIO(raw))
-    except zipfile.BadZipFile as err:
+    except ZIPFILE_ERRORS as err:
         raise CheckpointFormatError(f"not a TensorDict archive: {err}", path=where) from None
     with inner:
         infos = {i.filename: i for i in inner.infolist()}
