@@ -436,6 +436,29 @@ def test_a_nested_or_quantized_tensor_is_refused_with_advice_that_works() -> Non
         encode({"q": q})
 
 
+class _ScaledTensor(torch.Tensor):
+    pass
+
+
+def test_a_tensor_subclass_is_refused_at_save_not_called_forged_at_load(tmp_path) -> None:
+    """A module buffer of a user's tensor subclass: the save committed (DCP's writer pickled the class into the
+    record), and the save's own verify and load called the checkpoint damaged or forged. Refused at save now, saying
+    what to save instead, which works; parameters and memory-mapped tensors are saved as before."""
+    import torchrl_dcp as tdcp
+    from tensordict import MemoryMappedTensor
+
+    model = torch.nn.Linear(2, 2)
+    model.register_buffer("scale", torch.ones(2).as_subclass(_ScaledTensor))
+    with pytest.raises(EncodingError, match=r"subclass .*_ScaledTensor.*value.as_subclass\(torch.Tensor\)"):
+        tdcp.DistributedCheckpoint(model=model).save(tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+    model.scale = model.scale.as_subclass(torch.Tensor)  # what it says works
+    path = tdcp.DistributedCheckpoint(model=model).save(tmp_path / "a")
+    assert tdcp.verify(path)
+    (out, _) = roundtrip({"p": torch.nn.Parameter(torch.ones(2)), "m": MemoryMappedTensor.from_tensor(torch.ones(3))})
+    assert torch.equal(out["p"], torch.ones(2)) and torch.equal(out["m"], torch.ones(3))
+
+
 class _Phase(__import__("enum").IntEnum):
     WARMUP = 1
     TRAIN = 2

@@ -36,6 +36,7 @@ import torch
 from torchrl_dcp.errors import CheckpointFormatError, EncodingError
 from torchrl_dcp.format.key_hashes import HASH_MODULUS, HASHES_CHECKED_FROM, check_hashes, count_hash
 from torchrl_dcp.format.manifest_depth import MAPPING_NODES
+from torchrl_dcp.format.record import is_memmap_tensor
 from torchrl_dcp.format.scalar_nodes import (
     UnstorableLeaf,
     decode_enum,
@@ -296,6 +297,14 @@ class _Encoder:
                 "shape": list(value.shape),
                 "device": str(value.device),
             }
+        if type(value) not in _PLAIN_TENSORS and not is_memmap_tensor(value):  # (DCP would pickle its class)
+            raise self.fail(
+                path,
+                value,
+                f" (a tensor of subclass {type(value).__module__}.{type(value).__qualname__}: a load never unpickles "
+                "a class; save its data, value.as_subclass(torch.Tensor), and build the subclass again after the "
+                "load, or register an adapter for the object that holds it)",
+            )
         if value.layout == torch.sparse_coo:  # its parts stored as its own (never an alias: a load checks them)
             indices, values = sparse_parts(value)
             inner = f"{path}/" if path else ""
