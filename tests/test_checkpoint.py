@@ -272,6 +272,29 @@ def test_map_location_and_version_skew(tmp_path: Path, caplog) -> None:
     assert result.values["w"]["x"].device.type == "cpu"
 
 
+@pytest.mark.parametrize(
+    "map_location", ["meta", {"cpu": "meta"}, lambda saved: "meta"], ids=["device", "mapping", "callable"]
+)
+def test_a_load_onto_the_meta_device_is_refused_restoring_nothing(tmp_path: Path, map_location) -> None:
+    """``map_location="meta"``: a dict "loaded" tensors that hold no data (reported loaded), an optimizer's load
+    called the checkpoint damaged or forged. Refused, naming map_location, every object left as it was."""
+    from tensordict import TensorDict
+
+    policy = torch.nn.Linear(2, 2)
+    optim = torch.optim.Adam(policy.parameters())
+    policy(torch.ones(2)).sum().backward()
+    optim.step()
+    path = tdcp.DistributedCheckpoint(stats={"x": torch.ones(2)}, td=TensorDict(a=torch.ones(3)), opt=optim).save(
+        tmp_path / "c"
+    )
+    stats, td = {"x": torch.zeros(2)}, TensorDict(a=torch.zeros(3))
+    optim2 = torch.optim.Adam(torch.nn.Linear(2, 2).parameters())
+    for name, obj in (("stats", stats), ("td", td), ("opt", optim2)):
+        with pytest.raises(tdcp.IncompatibleComponentError, match="map_location.*meta device, which holds no data"):
+            tdcp.DistributedCheckpoint(**{name: obj}).load(path, map_location=map_location)
+    assert torch.equal(stats["x"], torch.zeros(2)) and torch.equal(td["a"], torch.zeros(3)) and not optim2.state
+
+
 def test_encoding_error_at_save_names_component_and_key(tmp_path: Path) -> None:
     with pytest.raises(tdcp.EncodingError, match=r"stats/bad"):
         tdcp.DistributedCheckpoint(stats={"bad": object()}).save(tmp_path / "c")

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torchrl_dcp.errors import IncompatibleComponentError
 from torchrl_dcp.format.codec import repeated_tensors
 from torchrl_dcp.placement import Placement
 
@@ -80,7 +81,9 @@ class AdapterContext:
     plan: dict[str, Any] = field(default_factory=dict)  # carried from reshard_sources() to reshard()
 
     def device_for(self, saved_device: str) -> torch.device:
-        """The device a tensor saved on ``saved_device`` is restored to, after ``map_location``."""
+        """The device a tensor saved on ``saved_device`` is restored to, after ``map_location`` (a device, a
+        ``{saved device: device}`` mapping, or a callable given the saved device's name, e.g. ``"cuda:1"``). The meta
+        device holds no data: a load there would restore nothing, so it is refused."""
         loc = self.map_location
         if loc is None:
             device = torch.device(saved_device)
@@ -92,6 +95,11 @@ class AdapterContext:
             device = torch.device(loc)
         if device.type == "cuda" and not torch.cuda.is_available():
             device = torch.device("cpu")
+        if device.type == "meta":
+            raise IncompatibleComponentError(
+                f"component {self.name!r}: map_location={loc!r} puts tensors saved on {saved_device!r} on the meta "
+                "device, which holds no data (the load would restore nothing): map them to a real device"
+            )
         return device
 
 
