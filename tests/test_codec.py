@@ -444,8 +444,9 @@ def test_a_tensor_subclass_is_refused_at_save_not_called_forged_at_load(tmp_path
     """A module buffer of a user's tensor subclass: the save committed (DCP's writer pickled the class into the
     record), and the save's own verify and load called the checkpoint damaged or forged. Refused at save now, saying
     what to save instead, which works; parameters and memory-mapped tensors are saved as before."""
-    import torchrl_dcp as tdcp
     from tensordict import MemoryMappedTensor
+
+    import torchrl_dcp as tdcp
 
     model = torch.nn.Linear(2, 2)
     model.register_buffer("scale", torch.ones(2).as_subclass(_ScaledTensor))

@@ -201,3 +201,22 @@ def test_a_tensordict_inside_a_dict_component_is_warned_about_at_save(tmp_path: 
     with warnings.catch_warnings():
         warnings.simplefilter("error", tdcp.InexactResumeWarning)
         tdcp.DistributedCheckpoint(no_dist=True, s={"n": 1}, td=state["last"]).save(tmp_path / "d")
+
+
+@pytest.mark.parametrize("case", ["non-tensor rows, none selected", "lazy stack, no row", "non-tensor, inner dim"])
+def test_an_empty_stack_is_refused_at_save_naming_the_component(tmp_path: Path, case: str) -> None:
+    """An empty stack (``td[mask]`` selecting no row): the save committed and ``verify`` passed, and every load
+    called the checkpoint malformed (tensordict cannot set an empty stack into a TensorDict again: its ``set`` asks
+    the first part for its dimension names). Refused at save now, naming the component and what to save instead."""
+    from tensordict import NonTensorData, NonTensorStack
+
+    if case == "non-tensor rows, none selected":
+        td = TensorDict({"obs": torch.ones(2, 3), "tag": ["a", "b"]}, [2])[torch.zeros(2, dtype=torch.bool)]
+    elif case == "lazy stack, no row":
+        td = _ragged([1, 2])[:0]
+    else:
+        rows = [NonTensorStack(NonTensorData("a"), NonTensorData("b")) for _ in range(3)]
+        td = TensorDict({"tag": NonTensorStack(*rows)}, [3, 2])[:, :0]
+    with pytest.raises(tdcp.EncodingError, match=r"component .batch.: an empty .*Stack.*td.exclude"):
+        tdcp.DistributedCheckpoint(batch=td).save(tmp_path / "c")
+    assert not (tmp_path / "c").exists()

@@ -186,9 +186,9 @@ def encode(items: list[EncodeItem], rank: int) -> Encoded:
     return out
 
 
-def _encode_item(item: EncodeItem, rank: int, out: Encoded, shared: dict[tuple[Any, ...], tuple[str, str]]) -> None:
-    """One component: its tracked row changes (first), then its state as skeleton + tensors under DCP keys."""
-    prefix = key_prefix(item.placement, item.name, rank)
+def _adapter_state(item: EncodeItem, prefix: str, out: Encoded) -> Any:
+    """The component's tracked row changes (into ``out``), then its state, as its adapter gives them; what the
+    object's own code raises is an :class:`EncodingError` naming the component."""
     try:
         changes = item.adapter.row_changes(item.value, item.ctx) or {}
         for path, snap in changes.items():
@@ -198,6 +198,10 @@ def _encode_item(item: EncodeItem, rank: int, out: Encoded, shared: dict[tuple[A
             if not any(s is snap for s in out.snapshots):
                 out.snapshots.append(snap)
         state = item.adapter.state(item.value, item.ctx)
+    except EncodingError as err:  # (an adapter's own refusal: named for the component, when it does not say whose)
+        if not err.message.startswith("component "):
+            err.reword(f"component {item.name!r}: {err.message}")
+        raise
     except (CheckpointError, Warning):  # (a warning turned into an error is the caller's choice: raised as is)
         raise
     except Exception as err:  # the object's own code (its state_dict, ...) failed: say whose, and what to do
@@ -209,6 +213,13 @@ def _encode_item(item: EncodeItem, rank: int, out: Encoded, shared: dict[tuple[A
             f"give its state: {why}; fix the object, or register it with an adapter that can save it "
             "(register(name, obj, adapter=...))"
         ) from err
+    return state
+
+
+def _encode_item(item: EncodeItem, rank: int, out: Encoded, shared: dict[tuple[Any, ...], tuple[str, str]]) -> None:
+    """One component: its tracked row changes (first), then its state as skeleton + tensors under DCP keys."""
+    prefix = key_prefix(item.placement, item.name, rank)
+    state = _adapter_state(item, prefix, out)
     skeleton, tensors = encode_value(state, where=item.name, shared=shared)
     if is_absent_skeleton(skeleton):  # (what a rank that registered no such component saves: loads would skip it)
         raise EncodingError(

@@ -24,13 +24,15 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from torchrl_dcp.adapters.base import Adapter, AdapterContext
 from torchrl_dcp.adapters.in_place import copy_except, in_place_tensors, is_expanded
-from torchrl_dcp.errors import CheckpointFormatError, IncompatibleComponentError
+from torchrl_dcp.errors import CheckpointFormatError, EncodingError, IncompatibleComponentError
 
 
 def tensordict_state(td: TensorDictBase) -> dict[str, Any]:
     """Nested plain state of a TensorDict: tensors, sub-TensorDicts and non-tensor values; a lazy stack as the
     states of its TensorDicts (they may differ in shape: ragged transitions)."""
     if isinstance(td, LazyStackedTensorDict):
+        if not td.tensordicts:
+            raise _empty_stack(td)
         return {"stack_dim": int(td.stack_dim), "tensordicts": [tensordict_state(t) for t in td.tensordicts]}
     entries: dict[str, Any] = {}
     for key in td.keys():
@@ -64,6 +66,8 @@ def _is_stack(value: Any) -> bool:
 def _stack_state(value: Any) -> dict[str, Any]:
     """A ``NonTensorStack`` as the states of what it stacks (values, or stacks of them), with each value's batch
     size: ``tolist()`` would not tell a stack's rows from values that are lists."""
+    if not value.tensordicts:
+        raise _empty_stack(value)
     parts = []
     for part in value.tensordicts:
         if _is_stack(part):
@@ -71,6 +75,18 @@ def _stack_state(value: Any) -> dict[str, Any]:
         else:
             parts.append({"value": part.data, "batch_size": list(part.batch_size)})
     return {"stack_dim": int(value.stack_dim), "parts": parts}
+
+
+def _empty_stack(stack: Any) -> EncodingError:
+    """Why an empty stack (no part, e.g. the rows of ``td[mask]`` where no row is selected) is not saved: tensordict
+    cannot put one back into a TensorDict (its ``set`` and ``update`` ask the first part for its dimension names), so
+    the checkpoint could never load."""
+    return EncodingError(
+        f"an empty {type(stack).__name__} of batch size {list(stack.batch_size)} (no row along its stack dimension): "
+        "tensordict cannot set one into a TensorDict again, so no load could restore it; save the TensorDict before "
+        "selecting no row, or without the empty entry (td.exclude(key)), or as td.to_tensordict() where its entries "
+        "are tensors"
+    )
 
 
 #: nested non-tensor stacks (one per batch dimension a stack spans): tensordict builds each level again for every
