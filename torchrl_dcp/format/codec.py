@@ -297,14 +297,6 @@ class _Encoder:
                 "shape": list(value.shape),
                 "device": str(value.device),
             }
-        if type(value) not in _PLAIN_TENSORS and not is_memmap_tensor(value):  # (DCP would pickle its class)
-            raise self.fail(
-                path,
-                value,
-                f" (a tensor of subclass {type(value).__module__}.{type(value).__qualname__}: a load never unpickles "
-                "a class; save its data, value.as_subclass(torch.Tensor), and build the subclass again after the "
-                "load, or register an adapter for the object that holds it)",
-            )
         if value.layout == torch.sparse_coo:  # its parts stored as its own (never an alias: a load checks them)
             indices, values = sparse_parts(value)
             inner = f"{path}/" if path else ""
@@ -324,6 +316,14 @@ class _Encoder:
             )
         if value.dtype in _REFUSED_DTYPES:
             raise self.fail(path, value, f" (dtype {value.dtype}, which torchrl_dcp does not save)")
+        if type(value) not in _PLAIN_TENSORS and not is_memmap_tensor(value):  # (DCP would pickle its class)
+            raise self.fail(
+                path,
+                value,
+                f" (a tensor of subclass {type(value).__module__}.{type(value).__qualname__}: a load never unpickles "
+                "a class; save its data, value.as_subclass(torch.Tensor), and build the subclass again after the "
+                "load, or register an adapter for the object that holds it)",
+            )
         ident = tensor_identity(value) if share else None
         alias = self._seen.get(ident) if ident is not None else None
         if alias is not None:
