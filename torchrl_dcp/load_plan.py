@@ -239,9 +239,10 @@ def plan_components(
                 if problem:
                     incompatible[name] += f"; could not roll back {problem}"
                 continue
-            _references(comp, saved, load_plan, rank, metadata, source)
             load_plan.components[name] = comp
             planning.clear()
+        for comp in load_plan.components.values():  # (once every component is planned: in any registration order,
+            _references(comp, saved, load_plan, rank, metadata, source)  # a tensor takes its owner's destination)
     except BaseException as err:  # a refusal part-way: what planning allocated so far is undone before it propagates
         problems = [
             problem
