@@ -62,8 +62,8 @@ def incremental_shards(directory: str) -> dict[str, Any]:
     received: list[str] = []  # the keys of the base this rank was sent: the shared ones and its own
     original_share = checkpoint_module.share_base
 
-    def recording(*args: Any) -> Any:
-        part = original_share(*args)
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        part = original_share(*args, **kwargs)
         received.extend(sorted(set(part.inventory) | set(part.chunks)))
         return part
 
@@ -139,8 +139,19 @@ def kill_during_incremental_save(directory: str, phase: str, victim: int) -> Any
     return {"error": None}
 
 
-def resume_and_save_again(directory: str) -> dict[str, Any]:
-    """After the kill: load the latest, check it is step 2 exactly, then save step 3 incrementally from it."""
+def two_rotation_saves(directory: str) -> None:
+    """The rotation commits step 1 (full) and step 2 (incremental from it)."""
+    rank = dist.get_rank()
+    rb, policy, ckpt = job(rank)
+    rotation = tdcp.CheckpointRotation(directory, keep_last=2)
+    for k in (1, 2):
+        step(rb, policy, rank, k)
+        rotation.save(ckpt, step=k)
+
+
+def resume_and_save_again(directory: str, asynchronous: bool = False) -> dict[str, Any]:
+    """After the kill: load the latest, check it is step 2 exactly, then save step 3 incrementally from it (with
+    ``asynchronous``, an async save: kept chunks get no staged rows, so a base file no longer vouched for fails it)."""
     rank = dist.get_rank()
     rb, policy, ckpt = job(rank)
     for k in (1, 2):
@@ -153,7 +164,10 @@ def resume_and_save_again(directory: str) -> dict[str, Any]:
     info = rotation.resume(fresh)
     same = bool((fresh_rb[:].exclude("index") == expected).all())
     step(fresh_rb, fresh_policy, rank, 3)
-    path = rotation.save(fresh, step=3)
+    if asynchronous:
+        path = fresh.async_save(rotation.path_for(3), step=3, incremental_from=rotation.path_for(2)).wait()
+    else:
+        path = rotation.save(fresh, step=3)
     return {"step": info.step if info else None, "same": same, "path": str(path), **kept(path)}
 
 

@@ -71,6 +71,31 @@ def test_sigkill_during_an_incremental_save_leaves_the_previous_checkpoint(
     assert names == [rotation.path_for(2).name, rotation.path_for(3).name], names  # leftovers cleaned
 
 
+def test_an_async_incremental_save_beside_a_killed_jobs_staging_keeps_the_base_files(tmp_path: Path) -> None:
+    """A job killed whole (torchrun stops every rank when one dies) mid-save leaves its staging directory, holding
+    hard links to the base's chunk files. The resumed job's async incremental save failed: rank 1 proved its base
+    files, then rank 0, preparing the destination in the background, unlinked the leftover links (a file's ``ctime``
+    moves), and rank 1's proofs no longer held ("changed after the incremental save checked it"). Rank 0 sweeps
+    before any rank proves the base now: the save keeps the files, exactly."""
+    from torchrl_dcp.storage.commit import staging_path
+
+    directory = tmp_path / "run"
+    launch(f"{S}:two_rotation_saves", 2, str(directory), env=SMALL_CHUNKS)
+    rotation = tdcp.CheckpointRotation(directory, keep_last=2)
+    base = rotation.path_for(2)
+    leftover = staging_path(rotation.path_for(3))
+    leftover.mkdir()
+    own = sorted(p for p in base.iterdir() if p.name.startswith("__1_") and p.name != "__1_0.distcp")
+    assert own, sorted(p.name for p in base.iterdir())
+    for p in own:  # (what a save killed after linking rank 1's kept chunk files leaves)
+        (leftover / p.name).hardlink_to(p)
+    after = [r.value for r in launch(f"{S}:resume_and_save_again", 2, str(directory), True, env=SMALL_CHUNKS)]
+    assert all(r["step"] == 2 and r["same"] for r in after), after
+    assert any(f.startswith("__1_") for f in after[0]["kept"]), after[0]
+    assert not leftover.exists()
+    assert tdcp.verify(rotation.path_for(3))["unchecked"] == []
+
+
 def test_first_save_after_a_reshard_is_full(tmp_path: Path) -> None:
     launch(f"{S}:incremental_shards", 2, str(tmp_path), env=SMALL_CHUNKS)
     results = [r.value for r in launch(f"{S}:save_after_reshard", 1, str(tmp_path), env=SMALL_CHUNKS)]

@@ -522,7 +522,7 @@ class DistributedCheckpoint:
         job = save_engine.SaveJob(location.path, location, step, metadata, encoded, write_plan, group, rank, world)
         try:
             base = incremental_base(incremental_from, location, self.storage_options)
-            base_info = share_base(group, base, rank)
+            base_info = share_base(group, base, rank, before=location.sweep_before_save)  # (before any proof)
             if base_info is None:  # nothing to check in a base: local views only, no exchange
                 save_engine.plan_chunks(job, None, stage is not None)
             else:

@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,14 +126,18 @@ def read_base(location: Location, world_size: int) -> Base | None:
     return base
 
 
-def share_base(group: Any, request: Any, rank: int) -> Base | None:
+def share_base(group: Any, request: Any, rank: int, before: Callable[[], None] | None = None) -> Base | None:
     """Rank 0 reads the base (:func:`read_base`), every rank receives its part of it (collective; the same error
-    everywhere). A rank receives the shared keys' chunks and its own, not every rank's."""
+    everywhere). A rank receives the shared keys' chunks and its own, not every rank's. ``before``: what rank 0 does
+    first, before any rank can prove the base's files (e.g. the destination's
+    :meth:`~torchrl_dcp.storage.base.Location.sweep_before_save`)."""
     if request is None:
         return None
     size = _dist.group_size(group)
 
     def parts() -> list[Base | None]:
+        if before is not None:
+            before()
         base = read_base(request, size)
         return [None if base is None else base.part(r) for r in range(size)]
 

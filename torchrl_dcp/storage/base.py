@@ -535,6 +535,12 @@ class Location(abc.ABC):
             f"cannot save a checkpoint into an existing {self.kind}; choose another path", path=self.path
         )
 
+    def sweep_before_save(self) -> None:  # noqa: B027 - only locations whose leftovers can void proofs sweep early
+        """Rank 0, before any rank proves the files of an incremental base (collective order): remove what failed or
+        killed saves to this path left, as :meth:`prepare_save` would later. Their hard links to the base's files are
+        unlinked here, not while the ranks write: an unlink moves a file's ``ctime``, and a file whose ``ctime`` moved
+        after another rank proved it is no longer vouched for (:mod:`~torchrl_dcp.storage.proven`)."""
+
     def attach_save(self, token: str) -> SaveTarget:
         """Every other rank: the staging area rank 0 prepared (``token``)."""
         raise CheckpointError(f"cannot save a checkpoint into an existing {self.kind}", path=self.path)

@@ -71,6 +71,7 @@ from torchrl_dcp.storage.commit import (
     remove_entry,
     remove_tree,
     staging_path,
+    stale_entries,
     sweep_leftovers,
     sweep_stale_locks,
     write_file_durably,
@@ -488,6 +489,18 @@ class DirectoryLocation(Location):
             lock.release()
             raise
         return target
+
+    def sweep_before_save(self) -> None:
+        if not stale_entries(self.path):  # (nothing made beside the destination when there is nothing to remove)
+            return
+        try:
+            lock = DestinationLock(self.path).acquire()
+        except CheckpointError:
+            return  # another save of this path runs: its leftovers are its own (prepare_save refuses this one)
+        try:
+            sweep_leftovers(self.path)
+        finally:
+            lock.release()
 
     def attach_save(self, token: str) -> SaveTarget:
         return DirectorySaveTarget(self.path, Path(token))
