@@ -123,11 +123,7 @@ def arm(phase: str) -> None:
 def kill_during_incremental_save(directory: str, phase: str, victim: int) -> Any:
     """Rotation commits step 1 (full) and 2 (incremental); step 3's incremental save is killed at ``phase``."""
     rank = dist.get_rank()
-    rb, policy, ckpt = job(rank)
-    rotation = tdcp.CheckpointRotation(directory, keep_last=2)
-    for k in (1, 2):
-        step(rb, policy, rank, k)
-        rotation.save(ckpt, step=k)
+    rb, policy, ckpt, rotation = _two_saves(directory)
     dist.barrier()
     step(rb, policy, rank, 3)
     if rank == victim:
@@ -141,12 +137,18 @@ def kill_during_incremental_save(directory: str, phase: str, victim: int) -> Any
 
 def two_rotation_saves(directory: str) -> None:
     """The rotation commits step 1 (full) and step 2 (incremental from it)."""
+    _two_saves(directory)
+
+
+def _two_saves(directory: str) -> tuple[Any, Any, tdcp.DistributedCheckpoint, tdcp.CheckpointRotation]:
+    """:func:`two_rotation_saves`, returning the buffer, policy, checkpoint and rotation."""
     rank = dist.get_rank()
     rb, policy, ckpt = job(rank)
     rotation = tdcp.CheckpointRotation(directory, keep_last=2)
     for k in (1, 2):
         step(rb, policy, rank, k)
         rotation.save(ckpt, step=k)
+    return rb, policy, ckpt, rotation
 
 
 def resume_and_save_again(directory: str, asynchronous: bool = False) -> dict[str, Any]:
