@@ -459,6 +459,11 @@ def test_a_metadata_value_json_refuses_is_named_by_its_path(tmp_path: Path) -> N
     # naming neither the metadata nor the key
     with pytest.raises(tdcp.EncodingError, match=r"metadata\['v'\] must be JSON-safe"):
         ckpt.save(tmp_path / "a", metadata={"v": {1: "a", "b": 2}})
+    # a key of one other kind: JSON wrote it as a string, and another key came back ({None: 1} as {"null": 1})
+    for key, at in ((None, ""), (1.5, r"\['cfg'\]"), (0, r"\['runs'\]\[0\]")):
+        metadata = {None: {key: 1}, 1.5: {"cfg": {key: 1}}, 0: {"runs": [{key: 1}]}}[key]
+        with pytest.raises(tdcp.EncodingError, match=rf"metadata{at} must be JSON-safe: key {key!r} is of type"):
+            ckpt.save(tmp_path / "a", metadata=metadata)
     assert not (tmp_path / "a").exists()
 
 

@@ -90,10 +90,38 @@ def check_step(step: Any) -> int | None:
 
 
 def check_json(value: Any, where: str) -> None:
+    """Refuse (:class:`EncodingError`, naming where in ``value``) what JSON cannot hold, or would give back changed: a
+    key that is not a string (``json`` writes ``1.5`` as ``"1.5"``, ``None`` as ``"null"``)."""
+    found = _non_string_key(value)
+    if found is not None:
+        at, key = found
+        raise EncodingError(
+            f"{where}{at} must be JSON-safe: key {key!r} is of type {type(key).__name__}, and JSON keys are strings "
+            f"(it would come back as another key): use a string key, e.g. {str(key)!r}"
+        )
     try:
         json.dumps(value, allow_nan=False, sort_keys=True)  # (as the manifest is written: keys of one kind each)
     except (TypeError, ValueError) as err:
         raise EncodingError(f"{where}{json_culprit(value)} must be JSON-safe: {err}") from None
+
+
+def _non_string_key(value: Any, at: str = "", depth: int = 0) -> tuple[str, Any] | None:
+    """Where the first mapping key that is not a string is, and the key (``None``: none)."""
+    if depth > 1000:  # (a cycle or a nesting JSON refuses anyway: json.dumps says so)
+        return None
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                return at, k
+            found = _non_string_key(v, f"{at}[{k!r}]", depth + 1)
+            if found is not None:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            found = _non_string_key(v, f"{at}[{i}]", depth + 1)
+            if found is not None:
+                return found
+    return None
 
 
 def json_culprit(value: Any, at: str = "") -> str:
