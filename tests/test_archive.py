@@ -812,3 +812,17 @@ def test_an_export_of_a_component_the_checkpoint_lacks_is_a_checkpoint_error_nam
         tdcp.export_torchrl(src, tmp_path / "out", components=["policy", "critic"])
     assert "step-1" in str(err.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_torch_save_file_is_named_as_one(tmp_path: Path) -> None:
+    """A ``torch.save`` file is a ZIP (its ZIP64 end record written even when small, which this package's reader
+    follows as zipfile does): it was called a damaged archive "in a sub-directory (a torchrl.checkpoint archive?)"."""
+    torch.save({"w": torch.ones(2)}, tmp_path / "model.pt")
+    for attempt in (
+        lambda: tdcp.verify(tmp_path / "model.pt"),
+        lambda: tdcp.read_manifest(tmp_path / "model.pt"),
+        lambda: tdcp.DistributedCheckpoint(w={}).load(tmp_path / "model.pt"),
+        lambda: tdcp.to_directory(tmp_path / "model.pt", tmp_path / "d"),
+    ):
+        with pytest.raises(tdcp.CheckpointFormatError, match=r"a torch.save file, not a checkpoint.*torch.load"):
+            attempt()

@@ -119,6 +119,7 @@ def end_records(entries: int, cd_offset: int, cd_size: int) -> bytes:
 # ---------------------------------------------------------------------- reading
 _END = struct.Struct("<IHHHHIIH")  # the end of central directory record: 22 bytes
 _Z64_LOCATOR = struct.Struct("<IIQI")  # 20 bytes
+_Z64_LOCATOR_SIG = struct.pack("<I", 0x07064B50)
 _Z64_END = struct.Struct("<IQHHIIQQQQ")  # 56 bytes
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes, then name, extra, comment
 
@@ -144,7 +145,10 @@ def central_directory_span(read: Callable[[int, int], bytes], size: int) -> tupl
     if sig != 0x06054B50 or comment:
         raise ZipError("no ZIP end record at the end of the file")
     end = size - _END.size
-    zip64 = entries == 0xFFFF or cd_size == U32 or cd_offset == U32
+    # ZIP64 records are followed where the end record points to them, and wherever their locator precedes it (as
+    # Python's zipfile does: torch.save writes them for every file, its end record holding the plain values too)
+    located = end >= _Z64_LOCATOR.size and read(end - _Z64_LOCATOR.size, 4) == _Z64_LOCATOR_SIG
+    zip64 = entries == 0xFFFF or cd_size == U32 or cd_offset == U32 or located
     # one disk: this disk and the central directory's are disk 0 (0xFFFF: see the ZIP64 end record), every entry on it
     if not ((disk, cd_disk) == (0, 0) or (zip64 and (disk, cd_disk) == (0xFFFF, 0xFFFF))) or here != entries:
         raise ZipError(_multi_disk(disk, cd_disk, here, entries))

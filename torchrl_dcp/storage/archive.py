@@ -242,11 +242,20 @@ def _check_name(name: str, where: str) -> None:
             "member name escapes the archive (absolute, '..', '\\' or a NUL byte): refused", path=where
         )
     if len(parts) != 1:
+        if len(parts) == 2 and parts[1] in _TORCH_SAVE_MEMBERS:  # (torch.save's ZIP: <name>/data.pkl, ...)
+            raise CheckpointFormatError(
+                "a torch.save file, not a checkpoint (its members are under one folder, with a pickle): load it with "
+                "torch.load(path, weights_only=True), or save its state with torchrl_dcp first",
+                path=where,
+            )
         raise CheckpointFormatError(
             "member is in a sub-directory; torchrl_dcp archives are flat (a torchrl.checkpoint archive? read it from a "
             "local path: torchrl_dcp imports those read-only)",
             path=where,
         )
+
+
+_TORCH_SAVE_MEMBERS = frozenset({"data.pkl", "version", "byteorder", ".format_version", ".storage_alignment"})
 
 
 class ArchiveContainer(ManifestParts):
