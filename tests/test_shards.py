@@ -389,6 +389,52 @@ def test_a_sealed_manifest_naming_no_save_is_refused(tmp_path: Path) -> None:
             action()
 
 
+@pytest.mark.parametrize("field,value", [("rank", 0.0), ("rank", False), ("format_version", 7.0)])
+def test_a_shard_spelling_its_rank_or_version_as_another_type_is_refused(tmp_path: Path, field: str, value) -> None:
+    """Probe n5: a shard naming its rank ``0.0`` or ``false`` (or its version ``7.0``), resealed, was taken for rank
+    0 (``0.0 == 0``): no save writes one."""
+    from torchrl_dcp.format.manifest import dumps, seal
+    from torchrl_dcp.storage.filesums import file_checksum
+
+    path = tmp_path / "c"
+    ckpt = tdcp.DistributedCheckpoint(no_dist=True)
+    ckpt.register("mine", {"x": torch.ones(3)}, placement="per_rank")
+    ckpt.save(path, step=1)
+    shard = json.loads((path / shard_name(0)).read_text())
+    shard[field] = value
+    (path / shard_name(0)).write_bytes(dumps(shard))
+    root = json.loads((path / "manifest.json").read_text())
+    root.pop("manifest_checksum")
+    record_shards(
+        root, {0: {"size": (path / shard_name(0)).stat().st_size, "checksum": file_checksum(path / shard_name(0))}}
+    )
+    (path / "manifest.json").write_bytes(dumps(seal(root)))
+    for action in (lambda: tdcp.verify(path), lambda: ckpt.load(path)):
+        with pytest.raises(tdcp.CheckpointError, match=re.escape(shard_name(0))):
+            action()
+
+
+def test_a_resealed_root_without_a_components_totals_is_refused_by_every_reader(tmp_path: Path, capsys) -> None:
+    """Probe n5: ``nbytes`` removed from a replicated component, resealed: ``inspect`` raised a bare ``KeyError``
+    (the command line: "error: nbytes", naming no file). Every save writes the totals (a v1's migration counts them):
+    a root without them is malformed, for every reader."""
+    from torchrl_dcp.cli import main
+    from torchrl_dcp.format.manifest import dumps, seal
+
+    path = tmp_path / "c"
+    ckpt = tdcp.DistributedCheckpoint(no_dist=True, policy=torch.nn.Linear(2, 2))
+    ckpt.save(path, step=1)
+    root = json.loads((path / "manifest.json").read_text())
+    root.pop("manifest_checksum")
+    del root["components"]["policy"]["nbytes"]
+    (path / "manifest.json").write_bytes(dumps(seal(root)))
+    for action in (lambda: tdcp.verify(path), lambda: ckpt.load(path), lambda: tdcp.read_manifest(path)):
+        with pytest.raises(tdcp.CheckpointFormatError, match=r"manifest\.json.*\.nbytes must be a count"):
+            action()
+    assert main(["inspect", str(path)]) == 1
+    assert "manifest.json" in capsys.readouterr().err
+
+
 def test_a_tool_that_rewrites_a_checkpoint_keeps_each_rank_s_own_files_in_its_shard(
     tmp_path: Path, monkeypatch: Any
 ) -> None:

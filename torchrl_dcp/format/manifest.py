@@ -522,9 +522,9 @@ def _validate_component(
     placement = rec.get("placement")
     if placement not in PLACEMENTS:
         raise bad(f"components[{name!r}].placement {placement!r} is not one of {PLACEMENTS}")
-    for total in ("num_tensors", "nbytes"):  # every rank's tensors counted (compared with them by verify)
-        if total in rec and not (_is_int(rec[total]) and rec[total] >= 0):
-            raise bad(f"components[{name!r}].{total} must be a count (an integer >= 0), not {rec[total]!r}")
+    for total in ("num_tensors", "nbytes"):  # every rank's tensors counted (compared with them by verify; a v1's
+        if not (_is_int(rec.get(total)) and rec[total] >= 0):  # migration counts them)
+            raise bad(f"components[{name!r}].{total} must be a count (an integer >= 0), not {rec.get(total)!r}")
     if placement == "per_rank" and ranks is None:
         if "ranks" in rec or "inventory" in rec or not all(_is_int(rec.get(f)) for f in ("num_tensors", "nbytes")):
             raise bad(f"components[{name!r}] is per-rank: its states are in the shards, its totals in the root")

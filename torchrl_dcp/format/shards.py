@@ -118,9 +118,14 @@ def check_shard(raw: Any, root: Mapping[str, Any], rank: int, source: Any) -> di
         return CheckpointFormatError(f"malformed manifest shard: {what}", path=source)
 
     version = rank_table.shard_version(root)
-    if not isinstance(raw, dict) or raw.get("format") != SHARD_FORMAT or raw.get("format_version") != version:
+    if (
+        not isinstance(raw, dict)
+        or raw.get("format") != SHARD_FORMAT
+        or not _is_int(raw.get("format_version"))
+        or raw["format_version"] != version
+    ):
         raise bad(f"not a {SHARD_FORMAT} v{version} object")
-    if raw.get("save_id") != root.get("save_id") or raw.get("rank") != rank:
+    if raw.get("save_id") != root.get("save_id") or not _is_int(raw.get("rank")) or raw["rank"] != rank:
         raise CheckpointIntegrityError(
             f"manifest shard belongs to save {raw.get('save_id')!r} rank {raw.get('rank')!r}, the manifest expects "
             f"save {root.get('save_id')!r} rank {rank}: a shard of another save or rank was copied in; refused",
