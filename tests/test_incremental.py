@@ -556,3 +556,22 @@ def test_buffers_that_swapped_names_are_not_kept_from_each_others_chunks(tmp_pat
     assert torch.equal(live["aux"][:700]["obs"], first[:700]["obs"])
     again = swapped.save(tmp_path / "again", incremental_from=path)  # (the proof holds under the new names)
     assert kept_files(again)
+
+
+def test_an_incremental_save_into_a_checkpoint_removes_nothing_named_there_like_a_leftover(tmp_path: Path) -> None:
+    """Rank 0 removes a killed save's leftovers before the base is read (before any rank proves a base file): a
+    destination inside a checkpoint is refused first, as the save itself refuses it, so a directory named there like
+    a leftover of it is never removed."""
+    import uuid
+
+    from torchrl_dcp.storage.commit import staging_path
+
+    ckpt = tdcp.DistributedCheckpoint(w={"x": torch.ones(4)})
+    base = ckpt.save(tmp_path / "base")
+    other = ckpt.save(tmp_path / "other")
+    planted = staging_path(other / "x", uuid.uuid4().hex)
+    planted.mkdir()
+    (planted / "__0_0.distcp").write_bytes(b"kept")
+    with pytest.raises(tdcp.CheckpointError, match="inside"):
+        ckpt.save(other / "x", incremental_from=base)
+    assert (planted / "__0_0.distcp").read_bytes() == b"kept"

@@ -491,6 +491,8 @@ class DirectoryLocation(Location):
         return target
 
     def sweep_before_save(self) -> None:
+        refuse_inside_checkpoint(self.path)  # (as prepare_save: nothing removed inside a checkpoint, whatever is named
+        refuse_working_directory(self.path)  # there)
         if not stale_entries(self.path):  # (nothing made beside the destination when there is nothing to remove)
             return
         try:
