@@ -719,3 +719,22 @@ def test_a_memmap_folder_entry_naming_no_entry_is_refused_naming_its_file(tmp_pa
     assert str(err.value.path).endswith("meta.json")
     with pytest.raises(tdcp.CheckpointFormatError, match=why):
         tdcp.verify(path)
+
+
+@pytest.mark.parametrize("comment", [b"run 7", b"PK\x05\x06 inside"], ids=["plain", "holding-an-end-record-signature"])
+def test_a_torchrl_archive_with_an_archive_comment(tmp_path: Path, comment: bytes) -> None:
+    """A ``torchrl.checkpoint`` archive given a comment by another tool (``zip -z``): torchrl reads it, and so do
+    we (one file, one reading: the end record zipfile takes, its comment filling the rest of the file). A comment
+    holding an end record's signature makes zipfile take that one: refused, never read two ways."""
+    policy = _trained()["policy"]
+    path = Checkpoint(policy=policy).save(tmp_path / "run.torchrl", format="archive")
+    with zipfile.ZipFile(path, "a") as z:
+        z.comment = comment
+    live = _module()
+    if b"PK" in comment:
+        with pytest.raises(tdcp.CheckpointError):
+            tdcp.DistributedCheckpoint(policy=live).load(path)
+        return
+    tdcp.DistributedCheckpoint(policy=live).load(path)
+    assert all(torch.equal(a, b) for a, b in zip(live.state_dict().values(), policy.state_dict().values()))
+    assert tdcp.verify(path)

@@ -128,9 +128,12 @@ class ZipError(ValueError):
     """A ZIP structure this module cannot read (the message says what)."""
 
 
-def central_directory_span(read: Callable[[int, int], bytes], size: int) -> tuple[int, int, int]:
+def central_directory_span(
+    read: Callable[[int, int], bytes], size: int, *, comment: bool = False
+) -> tuple[int, int, int]:
     """``(offset, size, entries)`` of the central directory of a ZIP of ``size`` bytes that ends with its end record
-    (no archive comment), the directory right before the end records (nothing between them: a reader such as
+    (no archive comment, unless ``comment``: then the end record is the last one in the file's last 64 KiB, as
+    ``zipfile`` finds it, and its comment must fill the rest of the file), the directory right before the end records (nothing between them: a reader such as
     Python's ``zipfile`` takes such bytes for a prefix and shifts every offset, reading another archive from the same
     file); ``read(offset, n)`` returns bytes of the file. ZIP64 records are followed.
 
@@ -141,8 +144,10 @@ def central_directory_span(read: Callable[[int, int], bytes], size: int) -> tupl
     """
     if size < _END.size:
         raise ZipError("too short for a ZIP end record")
-    sig, disk, cd_disk, here, entries, cd_size, cd_offset, comment = _END.unpack(read(size - _END.size, _END.size))
-    if sig != 0x06054B50 or comment:
+    if comment:
+        size = _before_comment(read, size)
+    sig, disk, cd_disk, here, entries, cd_size, cd_offset, n_comment = _END.unpack(read(size - _END.size, _END.size))
+    if sig != 0x06054B50 or (n_comment and not comment):
         raise ZipError("no ZIP end record at the end of the file")
     end = size - _END.size
     # ZIP64 records are followed where the end record points to them, and wherever their locator precedes it (as
@@ -171,6 +176,17 @@ def central_directory_span(read: Callable[[int, int], bytes], size: int) -> tupl
     if cd_offset + cd_size != end:  # (a reader that takes the gap for a prefix shifts every offset: another archive)
         raise ZipError(f"{end - cd_offset - cd_size} bytes between the central directory and the end record")
     return cd_offset, cd_size, entries
+
+
+def _before_comment(read: Callable[[int, int], bytes], size: int) -> int:
+    """Where a ZIP's end record ends, its archive comment (the rest of the file) left out: the last end record
+    whose comment length reaches exactly the end of the file (as Python's ``zipfile`` finds it)."""
+    span = min(size, _END.size + 0xFFFF)
+    tail = read(size - span, span)
+    at = tail.rfind(b"PK\x05\x06")  # (the last one, as zipfile takes it: one inside a comment is taken too)
+    if at < 0 or at + _END.size > len(tail) or at + _END.size + _END.unpack_from(tail, at)[7] != len(tail):
+        raise ZipError("no ZIP end record at the end of the file, nor one followed by its archive comment")
+    return size - span + at + _END.size
 
 
 def central_entries(directory: bytes | memoryview) -> Iterator[tuple[str, int, int, int, int, int, int, int, int]]:

@@ -71,7 +71,9 @@ def open_zip(path: str | os.PathLike) -> zipfile.ZipFile:
     archive = zipfile.ZipFile(path)
     try:
         fd = archive.fp.fileno()  # (the file zipfile read, not whatever is at the path now)
-        cd_offset, _, entries = central_directory_span(lambda o, n: os.pread(fd, n, o), os.fstat(fd).st_size)
+        cd_offset, _, entries = central_directory_span(  # (tools other than torchrl's may add an archive comment)
+            lambda o, n: os.pread(fd, n, o), os.fstat(fd).st_size, comment=True
+        )
         if archive.start_dir != cd_offset or len(archive.infolist()) != entries:
             raise ZipError(
                 f"zipfile finds {len(archive.infolist())} members at {archive.start_dir}, the end record says "
