@@ -826,3 +826,24 @@ def test_a_torch_save_file_is_named_as_one(tmp_path: Path) -> None:
     ):
         with pytest.raises(tdcp.CheckpointFormatError, match=r"a torch.save file, not a checkpoint.*torch.load"):
             attempt()
+
+
+def test_an_end_record_whose_fields_hold_its_own_signature_is_found_at_the_end() -> None:
+    """Probe r3: a torchrl archive whose central directory starts at byte 0x06054B50 (its end record's offset field
+    spells the signature): looking for an archive comment, the last signature found was that field, and the archive
+    was refused. zipfile takes the end record at the very end first; so does this search."""
+    from torchrl_dcp.format.zipformat import central_directory_span, central_entry, end_records
+
+    at = 0x06054B50
+    directory = central_entry(b"manifest.json", 0, 5, 0)
+    tail = directory + end_records(1, at, len(directory))
+    size = at + len(tail)
+
+    def read(offset: int, n: int) -> bytes:  # (a sparse 101 MB file: its last bytes only)
+        out = bytearray(n)
+        lo = max(offset, at)
+        out[lo - offset : offset + n - offset] = tail[lo - at : offset + n - at]
+        return bytes(out)
+
+    for comment in (False, True):
+        assert central_directory_span(read, size, comment=comment) == (at, len(directory), 1)

@@ -178,6 +178,39 @@ def test_overwrite_never_replaces_a_users_zip_whose_first_member_has_our_name(
     tdcp.export_torchrl(src, exported, ["policy"], overwrite=True)
 
 
+def test_overwrite_never_replaces_a_users_zip_a_local_path_would_keep(
+    store: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """Probe r3: a user's ZIP holding a checkpoint's files (deflated) and a note of theirs, or their file with a
+    torchrl archive appended, was replaced by ``overwrite=True`` in a store (read with zipfile alone), where a local
+    path refuses both: the object is read as a local archive is now (one central directory to every reader; ours
+    STORED, holding only files a save writes)."""
+    import io
+    import os
+    import zipfile
+
+    from torchrl.checkpoint import Checkpoint
+
+    url, options = store
+    src = _ckpt(_objects(8), options).save(tmp_path / "c", step=1)
+    fs = _store_fs(url, options)
+    bundle = io.BytesIO()
+    with zipfile.ZipFile(bundle, "w", zipfile.ZIP_DEFLATED) as z:
+        for name in sorted(os.listdir(src)):
+            z.write(src / name, name)
+        z.writestr("my_notes.txt", "results I care about")
+    theirs = Checkpoint(policy=torch.nn.Linear(2, 2)).save(tmp_path / "t.torchrl", format="archive")
+    for kind, body in (("archive", bundle.getvalue()), ("export", b"my notes\n" + theirs.read_bytes())):
+        dst = resolve_path(f"{url}/user-{kind}.zip", options)
+        fs.pipe_file(dst.key, body)
+        with pytest.raises(tdcp.CheckpointError, match="refusing to replace it|is not a torchrl.checkpoint"):
+            if kind == "archive":
+                tdcp.to_archive(src, dst, overwrite=True)
+            else:
+                tdcp.export_torchrl(src, dst, ["policy"], overwrite=True)
+        assert fs.cat_file(dst.key) == body
+
+
 # ---------------------------------------------------------------------- a prefix without a manifest; leftovers
 def test_prefix_without_manifest_is_absent_and_swept(store: tuple[str, dict[str, Any]]) -> None:
     url, options = store

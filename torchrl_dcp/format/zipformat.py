@@ -24,6 +24,7 @@ from __future__ import annotations
 import stat
 import struct
 from collections.abc import Callable, Iterator
+from typing import Any
 
 ALIGN = 64
 U32 = 0xFFFFFFFF
@@ -132,8 +133,8 @@ def central_directory_span(
     read: Callable[[int, int], bytes], size: int, *, comment: bool = False
 ) -> tuple[int, int, int]:
     """``(offset, size, entries)`` of the central directory of a ZIP of ``size`` bytes that ends with its end record
-    (no archive comment, unless ``comment``: then the end record is the last one in the file's last 64 KiB, as
-    ``zipfile`` finds it, and its comment must fill the rest of the file), the directory right before the end records (nothing between them: a reader such as
+    (no archive comment, unless ``comment``: then the end record is found as ``zipfile`` finds it, at the end of the
+    file without a comment, else the last one in the file's last 64 KiB, whose comment must fill the rest), the directory right before the end records (nothing between them: a reader such as
     Python's ``zipfile`` takes such bytes for a prefix and shifts every offset, reading another archive from the same
     file); ``read(offset, n)`` returns bytes of the file. ZIP64 records are followed.
 
@@ -178,12 +179,35 @@ def central_directory_span(
     return cd_offset, cd_size, entries
 
 
+def check_zipfile_agrees(archive: Any, *, comment: bool = False) -> None:
+    """Raise :class:`ZipError` unless Python's ``zipfile`` (``archive``, a ``zipfile.ZipFile`` just opened) found
+    the central directory :func:`central_directory_span` finds, reading through the same file object: one file is
+    then one archive to every reader (``zipfile`` alone takes bytes before the directory for a prefix and shifts
+    every offset, so a file built for it could read as one checkpoint to one reader and another to the other)."""
+    fp = archive.fp
+
+    def read(offset: int, n: int) -> bytes:
+        fp.seek(offset)
+        return fp.read(n)
+
+    fp.seek(0, 2)
+    cd_offset, _, entries = central_directory_span(read, fp.tell(), comment=comment)
+    if archive.start_dir != cd_offset or len(archive.infolist()) != entries:
+        raise ZipError(
+            f"zipfile finds {len(archive.infolist())} members at {archive.start_dir}, the end record says "
+            f"{entries} at {cd_offset}"
+        )
+
+
 def _before_comment(read: Callable[[int, int], bytes], size: int) -> int:
     """Where a ZIP's end record ends, its archive comment (the rest of the file) left out: the last end record
     whose comment length reaches exactly the end of the file (as Python's ``zipfile`` finds it)."""
+    last = read(size - _END.size, _END.size)  # (zipfile takes an end record with no comment at the end first)
+    if last[:4] == b"PK\x05\x06" and _END.unpack(last)[7] == 0:
+        return size
     span = min(size, _END.size + 0xFFFF)
     tail = read(size - span, span)
-    at = tail.rfind(b"PK\x05\x06")  # (the last one, as zipfile takes it: one inside a comment is taken too)
+    at = tail.rfind(b"PK\x05\x06")  # (then the last one, as zipfile takes it: one inside a comment is taken too)
     if at < 0 or at + _END.size > len(tail) or at + _END.size + _END.unpack_from(tail, at)[7] != len(tail):
         raise ZipError("no ZIP end record at the end of the file, nor one followed by its archive comment")
     return size - span + at + _END.size

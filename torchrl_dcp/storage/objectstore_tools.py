@@ -19,13 +19,15 @@ Example:
 from __future__ import annotations
 
 import os
+import struct
 import zipfile
 from pathlib import Path
 
 from torchrl_dcp.errors import CheckpointError
-from torchrl_dcp.format.layout import MANIFEST, MAX_MANIFEST_BYTES
+from torchrl_dcp.format.layout import MANIFEST, MAX_MANIFEST_BYTES, is_library_file
 from torchrl_dcp.format.manifest import loads_manifest
 from torchrl_dcp.format.torchrl_listing import FORMAT_NAME, JSON_LIMIT, written_files
+from torchrl_dcp.format.zipformat import ZipError, check_zipfile_agrees
 from torchrl_dcp.json_bytes import loads_json
 from torchrl_dcp.storage.directory import DirectoryContainer
 from torchrl_dcp.storage.objectstore import ObjectStoreContainer, download, list_objects, read_range, upload_pieces
@@ -86,12 +88,19 @@ def _is_archive_of(dst: StorePath, kind: str) -> bool:
     limit = MAX_MANIFEST_BYTES if kind == "file" else JSON_LIMIT
     try:
         with dst.fs.open(dst.key, "rb") as f, zipfile.ZipFile(f) as z:
+            # the layout a local reader accepts: the same directory to zipfile and to ours (a comment only on
+            # torchrl's); ours: every member STORED and named as a save names its files (a user's extra file: theirs)
+            check_zipfile_agrees(z, comment=kind == "torchrl")
+            if kind == "file" and not all(
+                i.compress_type == zipfile.ZIP_STORED and is_library_file(i.filename) for i in z.infolist()
+            ):
+                return False
             info = z.getinfo(MANIFEST)
             if info.file_size > limit:
                 return False
             raw = z.read(info)
-    except (zipfile.BadZipFile, KeyError, OSError, ValueError, RuntimeError, NotImplementedError, EOFError):
-        return False
+    except (zipfile.BadZipFile, ZipError, struct.error, KeyError, OSError, ValueError, RuntimeError, EOFError):
+        return False  # (NotImplementedError: a RuntimeError)
     if kind == "torchrl":
         try:
             parsed = loads_json(raw)

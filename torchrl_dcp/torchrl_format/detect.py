@@ -18,7 +18,7 @@ from typing import BinaryIO
 
 from torchrl_dcp.errors import CheckpointError
 from torchrl_dcp.format.torchrl_listing import FORMAT_NAME, JSON_LIMIT, MANIFEST, written_files
-from torchrl_dcp.format.zipformat import ZipError, central_directory_span
+from torchrl_dcp.format.zipformat import ZipError, check_zipfile_agrees
 from torchrl_dcp.json_bytes import loads_json
 from torchrl_dcp.storage.backends import is_remote
 from torchrl_dcp.storage.urls import is_file_url, resolve_path
@@ -69,17 +69,9 @@ def open_zip(path: str | os.PathLike) -> zipfile.ZipFile:
         ['a.txt']
     """
     archive = zipfile.ZipFile(path)
-    try:
-        fd = archive.fp.fileno()  # (the file zipfile read, not whatever is at the path now)
-        cd_offset, _, entries = central_directory_span(  # (tools other than torchrl's may add an archive comment)
-            lambda o, n: os.pread(fd, n, o), os.fstat(fd).st_size, comment=True
-        )
-        if archive.start_dir != cd_offset or len(archive.infolist()) != entries:
-            raise ZipError(
-                f"zipfile finds {len(archive.infolist())} members at {archive.start_dir}, the end record says "
-                f"{entries} at {cd_offset}"
-            )
-    except (ZipError, struct.error, OSError, AttributeError) as err:
+    try:  # (tools other than torchrl's may add an archive comment)
+        check_zipfile_agrees(archive, comment=True)
+    except (ZipError, struct.error, OSError, ValueError) as err:
         archive.close()
         raise zipfile.BadZipFile(f"the archive's layout is ambiguous or damaged ({err})") from None
     return archive
