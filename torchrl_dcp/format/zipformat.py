@@ -134,9 +134,10 @@ def central_directory_span(
 ) -> tuple[int, int, int]:
     """``(offset, size, entries)`` of the central directory of a ZIP of ``size`` bytes that ends with its end record
     (no archive comment, unless ``comment``: then the end record is found as ``zipfile`` finds it, at the end of the
-    file without a comment, else the last one in the file's last 64 KiB, whose comment must fill the rest), the directory right before the end records (nothing between them: a reader such as
-    Python's ``zipfile`` takes such bytes for a prefix and shifts every offset, reading another archive from the same
-    file); ``read(offset, n)`` returns bytes of the file. ZIP64 records are followed.
+    file without a comment, else the last one in the file's last 64 KiB, whose comment must fill the rest), the
+    directory right before the end records (nothing between them: a reader such as Python's ``zipfile`` takes such
+    bytes for a prefix and shifts every offset, reading another archive from the same file); ``read(offset, n)``
+    returns bytes of the file. ZIP64 records are followed.
 
     Example:
         >>> blob = central_entry(b"a", 0, 0, 0) + end_records(1, 0, 47)
@@ -200,8 +201,9 @@ def check_zipfile_agrees(archive: Any, *, comment: bool = False) -> None:
 
 
 def _before_comment(read: Callable[[int, int], bytes], size: int) -> int:
-    """Where a ZIP's end record ends, its archive comment (the rest of the file) left out: the last end record
-    whose comment length reaches exactly the end of the file (as Python's ``zipfile`` finds it)."""
+    """Where a ZIP's end record ends, its archive comment (the rest of the file) left out, found as Python's
+    ``zipfile`` finds it: the end record at the very end (no comment), else the last one in the last 64 KiB, whose
+    comment must reach exactly the end of the file."""
     last = read(size - _END.size, _END.size)  # (zipfile takes an end record with no comment at the end first)
     if last[:4] == b"PK\x05\x06" and _END.unpack(last)[7] == 0:
         return size
