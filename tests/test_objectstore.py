@@ -231,7 +231,9 @@ def test_prefix_without_manifest_is_absent_and_swept(store: tuple[str, dict[str,
     assert not [n for n in fs.ls(resolve_path(url, options).key, detail=False) if n.endswith(PENDING)]
 
 
-@pytest.mark.parametrize("planted", ["parent", "unrelated prefix", "foreign object", "other save", "no save id"])
+@pytest.mark.parametrize(
+    "planted", ["parent", "unrelated prefix", "foreign object", "other save", "other save's chunk file", "no save id"]
+)
 def test_sweeps_delete_only_what_a_killed_save_wrote(store: tuple[str, dict[str, Any]], planted: str) -> None:
     """A marker planted by someone else never makes a save delete committed checkpoints or the user's data."""
     url, options = store
@@ -251,6 +253,8 @@ def test_sweeps_delete_only_what_a_killed_save_wrote(store: tuple[str, dict[str,
             "unrelated prefix": {"train/part-0.csv": b"a,b\n1,2\n"},
             "foreign object": {"__0_shared.distcp": b"x" * 10 + identity_trailer(sid, 0), "notes.txt": b"mine"},
             "other save": {"__0_shared.distcp": b"x" * 10 + identity_trailer("f" * 32, 0)},
+            # a chunk file: only the saves the marker names as kept from its base (none here) may have written it
+            "other save's chunk file": {"__0_1.distcp": b"x" * 10 + identity_trailer("f" * 32, 0)},
             "no save id": {"__0_shared.distcp": b"x" * 10 + identity_trailer(sid, 0)},
         }[planted]
         for name, body in files.items():
@@ -481,7 +485,10 @@ def test_a_killed_saves_newer_prefix_is_no_damaged_entry(store: tuple[str, dict[
     for step in (1, 2):
         rotation.save(_ckpt(_objects(step), options), step=step)
     fs = _store_fs(url, options)
-    fs.rm_file(resolve_path(f"{url}/run/step-000000000002/manifest.json", options).key)
+    killed = resolve_path(f"{url}/run/step-000000000002", options)
+    save_id = json.loads(fs.cat_file((killed / "manifest.json").key))["save_id"]
+    fs.rm_file((killed / "manifest.json").key)  # what a save killed before its commit leaves: data and its marker
+    fs.pipe_file(marker_for(killed).key, json.dumps({"save_id": save_id, "started": 0.0}).encode())
     with warnings.catch_warnings():
         warnings.simplefilter("error", tdcp.TorchrlDcpWarning)
         info = rotation.resume(_ckpt(_objects(0), options), fallback=False)
@@ -1135,3 +1142,63 @@ def test_a_torchrl_checkpoint_export_in_a_store_is_told_to_be_read_from_a_local_
         tdcp.verify(f"{url}/e.torchrl")
     with pytest.raises(tdcp.CheckpointFormatError, match="a torchrl.checkpoint archive\\? read it from a local path"):
         tdcp.to_directory(f"{url}/e.torchrl", tmp_path / "out")
+
+
+def test_an_object_at_an_entrys_own_key_never_hides_the_entry(s3: Any) -> None:
+    """An object uploaded at ``run/step-2`` (no trailing slash) beside the committed ``run/step-2/``: the listing held
+    the prefix as ``step-2/`` and the object as a foreign ``step-2``, so ``entries()`` and ``resume()`` passed over the
+    committed step 2 and resumed step 1, silently (a direct load of the path loads step 2)."""
+    url, options = s3.url(), s3.storage_options
+    rotation = tdcp.CheckpointRotation(url, keep_last=3, storage_options=options)
+    for step in (1, 2):
+        rotation.save(
+            tdcp.DistributedCheckpoint(w={"x": torch.full((4,), float(step))}, storage_options=options), step=step
+        )
+    entry = resolve_path(f"{url}/step-000000000002", options)
+    entry.fs.pipe_file(entry.key, b"my notes")
+    assert [e.step for e in rotation.entries()] == [1, 2]
+    target = {"x": torch.zeros(4)}
+    info = tdcp.CheckpointRotation(url, storage_options=options).resume(
+        tdcp.DistributedCheckpoint(w=target, storage_options=options)
+    )
+    assert info.step == 2 and target["x"].tolist() == [2.0] * 4
+    assert entry.fs.cat_file(entry.key) == b"my notes"
+
+
+def test_a_users_object_the_store_reads_as_a_version_is_no_entry(s3: Any) -> None:
+    """``run/results?versionId=1.csv`` (a legal S3 key, beside the entries where users keep their files): every
+    listing, resume and save of the rotation raised "the store reads this URL as object ... choose a prefix without
+    it", naming a URL the user never passed. A marker named like it is left alone by the sweep."""
+    from fsspec.asyn import sync
+
+    url, options = s3.url(), s3.storage_options
+    rotation = tdcp.CheckpointRotation(url, keep_last=5, storage_options=options)
+    ckpt = tdcp.DistributedCheckpoint(w={"x": torch.arange(4.0)}, storage_options=options)
+    rotation.save(ckpt, step=1)
+    root = resolve_path(url, options)
+    bucket, prefix, _ = root.fs.split_path(root.key)
+    planted = [f"{prefix}/results?versionId=1.csv", f"{prefix}/.x?versionId=1.tdcp-pending"]
+    for key in planted:  # (put_object: s3fs's own writes cut the key at '?versionId=')
+        sync(root.fs.loop, root.fs._call_s3, "put_object", Bucket=bucket, Key=key, Body=b"a,b\n")
+    assert [e.step for e in rotation.entries()] == [1]
+    assert rotation.resume(ckpt).step == 1
+    rotation.save(ckpt, step=2)
+    assert [e.step for e in rotation.entries()] == [1, 2]
+    for key in planted:
+        assert sync(root.fs.loop, root.fs._call_s3, "get_object", Bucket=bucket, Key=key)["ContentLength"] == 4
+
+
+def test_a_resume_warns_of_a_store_entry_its_next_save_refuses(store: tuple[str, dict[str, Any]]) -> None:
+    """A user's object in ``step-3/`` (or what a killed prune left) beside steps 1 and 2: a directory's resume warned
+    that the save of step 3 would be refused; a store's said nothing, and the job failed at that save."""
+    url, options = store
+    rotation = tdcp.CheckpointRotation(url, keep_last=5, storage_options=options)
+    ckpt = tdcp.DistributedCheckpoint(w={"x": torch.arange(4.0)}, storage_options=options)
+    for step in (1, 2):
+        rotation.save(ckpt, step=step)
+    blocked = resolve_path(f"{url}/step-000000000003/notes.txt", options)
+    blocked.fs.pipe_file(blocked.key, b"mine")
+    with pytest.warns(tdcp.TorchrlDcpWarning, match=r"step-000000000003 \(holds 1 object\(s\) but no valid"):
+        assert tdcp.CheckpointRotation(url, storage_options=options).resume(ckpt).step == 2
+    with pytest.raises(tdcp.CheckpointError, match="refusing to overwrite it"):
+        rotation.save(ckpt, step=3)

@@ -526,6 +526,7 @@ class DistributedCheckpoint:
             if base_info is None:  # nothing to check in a base: local views only, no exchange
                 save_engine.plan_chunks(job, None, stage is not None)
             else:
+                job.kept_from = base_info.origins
                 run_agreed(
                     group,
                     "planning the chunk files",

@@ -60,6 +60,9 @@ class Base:
     world_size: int
     chunks: dict[str, dict[tuple[int, int], KeptChunk]] = field(default_factory=dict)
     inventory: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    # the saves whose identity trailers the chunk files of the whole base carry (every rank's): what a save keeping
+    # them copies in (an object store's pending marker names them, so a sweep can prove those copies)
+    origins: frozenset[str] = frozenset()
 
     def part(self, rank: int) -> Base:
         """What ``rank`` can keep: the shared keys and its own (``rank/<rank>/...``), not the other ranks'."""
@@ -74,6 +77,7 @@ class Base:
             self.world_size,
             {k: v for k, v in self.chunks.items() if wanted(k)},
             {k: v for k, v in self.inventory.items() if wanted(k)},
+            self.origins,
         )
 
 
@@ -123,6 +127,7 @@ def read_base(location: Location, world_size: int) -> Base | None:
             table[(e["start"], e["rows"])] = KeptChunk(
                 path / e["file"], rec["size"], rec["checksum"], origin, e["fingerprint"], key, e["start"], e["rows"]
             )
+    base.origins = frozenset(k.origin for table in base.chunks.values() for k in table.values())
     return base
 
 

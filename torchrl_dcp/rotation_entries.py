@@ -234,9 +234,10 @@ def _placed(entries: Iterable[RotationEntry]) -> list[RotationEntry]:
 
 
 def blocking_entries(location: Location, after: int) -> list[RotationEntry]:
-    """The ``step-<N>`` directories of a local rotation directory, ``N > after``, that a save of their step will refuse
-    to replace: not committed, not a damaged checkpoint of ours (a manifest lost, a user's files). A resume from
-    ``after`` says so then, rather than the job failing at that step's save hours later.
+    """The ``step-<N>`` entries of a rotation directory (or prefix), ``N > after``, that a save of their step will
+    refuse to replace: not committed, not a damaged checkpoint of ours (a manifest lost, a user's files; in a store,
+    also an object at the entry's key). A resume from ``after`` says so then, rather than the job failing at that
+    step's save hours later.
 
     Example:
         >>> import tempfile
@@ -248,8 +249,18 @@ def blocking_entries(location: Location, after: int) -> list[RotationEntry]:
         >>> [e.step for e in blocking_entries(location_for(d), 20)], blocking_entries(location_for(d), 30)
         ([30], [])
     """
-    if not location.is_local:
-        return []
+    if not location.is_local:  # (an object store: what its save refuses, asked of each newer entry)
+        return sorted(
+            (
+                RotationEntry(step=step, path=child.location.path, committed=False, archive=False, size=0, error=why)
+                for child in location.children()
+                if (parsed := entry_name_step(child.name)) is not None
+                and not parsed[1]
+                and (step := parsed[0]) > after
+                and (why := child.location.save_refusal()) is not None
+            ),
+            key=lambda e: e.step,
+        )
     from torchrl_dcp.storage.directory import is_replaceable
 
     found = [

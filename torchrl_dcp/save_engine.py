@@ -161,6 +161,7 @@ class SaveJob:
     stage_event: Any = None  # CUDA event the async writer waits for before reading staged tensors
     save_id: str = ""  # chosen by rank 0 with the staging directory: in the manifest, .metadata, every data file
     keeps: dict[str, KeptChunk] = field(default_factory=dict)  # chunk files kept from the incremental base
+    kept_from: frozenset[str] = frozenset()  # the saves whose chunk files any rank may keep (the base's origins)
     chunk_rows: dict[str, torch.Tensor | None] = field(default_factory=dict)  # rows of each chunk file to write
     outcome: WriteOutcome | None = None  # what this rank wrote, once committed
     sequence: int | None = None  # commit order in a rotation directory (manifest ``sequence``)
@@ -493,7 +494,7 @@ def prepare(job: SaveJob) -> SaveTarget:
     def on_rank_0() -> tuple[str, str]:
         save_id = uuid.uuid4().hex
         try:
-            prepared.append(job.location.prepare_save(save_id))
+            prepared.append(job.location.prepare_save(save_id, kept_from=job.kept_from))
         except Exception as err:
             raise save_failure(err, "preparing the staging directory", job.destination) from err
         return prepared[0].token, save_id

@@ -529,11 +529,20 @@ class Location(abc.ABC):
         return self.container().root()
 
     # ------------------------------------------------------------------ saving
-    def prepare_save(self, save_id: str) -> SaveTarget:
-        """Rank 0: make ready to save here (lock, sweep leftovers, refuse a foreign destination, staging)."""
+    def prepare_save(self, save_id: str, kept_from: Collection[str] = ()) -> SaveTarget:
+        """Rank 0: make ready to save here (lock, sweep leftovers, refuse a foreign destination, staging).
+        ``kept_from``: the saves whose chunk files the save may keep from its incremental base (their identity
+        trailers: what a location that proves a killed save's leftovers by them must accept)."""
         raise CheckpointError(
             f"cannot save a checkpoint into an existing {self.kind}; choose another path", path=self.path
         )
+
+    def save_refusal(self) -> str | None:
+        """Why a save to this path would be refused now (a user's objects under it, an object at its key), said
+        ahead (a resume warns of the entries its job will fail to save); ``None``: a save may write here. Locations
+        whose refusals are found otherwise (directories: :func:`~torchrl_dcp.rotation_entries.blocking_entries`)
+        say ``None``."""
+        return None
 
     def sweep_before_save(self) -> None:  # noqa: B027 - only locations whose leftovers can void proofs sweep early
         """Rank 0, before any rank proves the files of an incremental base (collective order): remove what failed or

@@ -464,7 +464,7 @@ class DirectoryLocation(Location):
         return CheckpointSource(self.container())
 
     # ------------------------------------------------------------------ saving
-    def prepare_save(self, save_id: str) -> SaveTarget:
+    def prepare_save(self, save_id: str, kept_from: Collection[str] = ()) -> SaveTarget:
         destination = self.path
         refuse_inside_checkpoint(destination)  # before the lock and staging entries beside it are made
         refuse_working_directory(destination)

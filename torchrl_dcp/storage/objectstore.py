@@ -105,10 +105,23 @@ def list_objects(path: StorePath) -> dict[str, dict[str, Any]]:
     return out
 
 
+def listed_child(path: StorePath, name: str) -> StorePath | None:
+    """The path of ``name`` (from :func:`list_objects`) under ``path``; ``None`` where no path can name it: no plain
+    name (a stray ``..`` key, a prefix listed as ``x/``), or a key the store reads as another one (a user's
+    ``results?versionId=1.csv``: s3fs takes an object version there). Such a name is never an entry of ours."""
+    if not is_plain_name(name):
+        return None
+    try:
+        return path / name
+    except CheckpointError:
+        return None
+
+
 def listed_path(path: StorePath, name: str) -> StorePath | str:
-    """What names ``name`` (from :func:`list_objects`) in errors: its path, or its URL as a string where the name is
-    no plain name (a stray ``..`` key, a prefix listed as ``x/``: a path would refuse to be built)."""
-    return path / name if is_plain_name(name) else f"{path}/{name}"
+    """What names ``name`` (from :func:`list_objects`) in errors: its path, or its URL as a string where no path
+    can name it (:func:`listed_child`)."""
+    child = listed_child(path, name)
+    return f"{path}/{name}" if child is None else child
 
 
 #: protocols whose first path segment is a bucket (or container) that must exist before anything is under it

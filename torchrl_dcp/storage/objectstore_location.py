@@ -18,7 +18,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from torchrl_dcp.format.layout import MANIFEST, is_plain_name
 from torchrl_dcp.storage import objectstore_save
 from torchrl_dcp.storage.base import Entry, EntryKind, Leftover, Location, SaveTarget, ShareWrite, WriteOutcome
 from torchrl_dcp.storage.chunk_writer import KeptChunk
-from torchrl_dcp.storage.objectstore import ObjectStoreContainer, list_objects, store_error
+from torchrl_dcp.storage.objectstore import ObjectStoreContainer, list_objects, listed_child, store_error
 from torchrl_dcp.storage.urls import StorePath, supports_copy
 
 logger = get_logger(__name__)
@@ -82,10 +82,10 @@ class ObjectStoreLocation(Location):
         return open_store_source(self.path, listing=whole)
 
     # ------------------------------------------------------------------ saving
-    def prepare_save(self, save_id: str) -> SaveTarget:
+    def prepare_save(self, save_id: str, kept_from: Collection[str] = ()) -> SaveTarget:
         _refuse_bucket(self.path)
         try:
-            objectstore_save.begin(self.path, save_id)
+            objectstore_save.begin(self.path, save_id, kept_from)
         except FileNotFoundError as err:
             if _bucket_exists(self.path):  # (a key the store does not take, e.g. one holding a newline)
                 raise CheckpointError(
@@ -102,6 +102,16 @@ class ObjectStoreLocation(Location):
         except Exception as err:
             raise store_error(err, "preparing the destination prefix", self.path) from None
         return ObjectStoreSaveTarget(self.path)
+
+    def save_refusal(self) -> str | None:
+        try:
+            objectstore_save.refuse_an_object_at(self.path)
+            found = list_objects(self.path)
+            if found and not (MANIFEST not in found and objectstore_save.swept_next(self.path, found)):
+                objectstore_save.replaced_save(self.path, found)  # (a killed save's prefix: swept first)
+        except CheckpointError as err:
+            return err.message
+        return None
 
     def attach_save(self, token: str) -> SaveTarget:
         return ObjectStoreSaveTarget(self.path)
@@ -120,11 +130,18 @@ class ObjectStoreLocation(Location):
 
     def children(self) -> list[Entry]:
         out = []
-        for name, info in sorted(list_objects(self.path).items()):
-            if not is_plain_name(name):  # a stray key ".." (legal in S3) names no child: never an entry of ours
+        found = list_objects(self.path)
+        for name, info in sorted(found.items()):
+            if name.endswith("/") and (path := listed_child(self.path, name[:-1])) is not None:
+                # an object and a prefix of one name (``step-2`` uploaded beside ``step-2/...``): the child is the
+                # prefix, which a save writes and a load of the path reads (the object is no entry of ours)
+                out.append(Entry(name[:-1], "checkpoint", ObjectStoreLocation(path)))
+                continue
+            path = listed_child(self.path, name)  # a stray key "..", a user's "x?versionId=1": no child
+            if path is None or f"{name}/" in found:
                 continue
             kind: EntryKind = "checkpoint" if info.get("type") == "directory" else "other"  # archives: never in stores
-            out.append(Entry(name, kind, self.child(name)))
+            out.append(Entry(name, kind, ObjectStoreLocation(path)))
         return out
 
     def entry_kind(self) -> EntryKind | None:

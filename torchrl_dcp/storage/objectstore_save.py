@@ -48,7 +48,6 @@ from torchrl_dcp.format.layout import (
     is_chunk_file,
     is_data_file,
     is_library_file,
-    is_plain_name,
     read_identity,
 )
 from torchrl_dcp.json_bytes import loads_json
@@ -60,6 +59,7 @@ from torchrl_dcp.storage.objectstore import (
     ObjectStoreContainer,
     concurrency,
     list_objects,
+    listed_child,
     map_pieces,
     marker_for,
     upload_pieces,
@@ -109,22 +109,33 @@ def _is_save_id(value: Any) -> bool:
     return isinstance(value, str) and len(value) == 32 and value.isalnum()
 
 
-def _marker_saves(marker: StorePath) -> set[str] | None:
-    """The saves a marker names (``None``: not a marker this library wrote): the save it announces, and the save of
-    the checkpoint it replaces (``replaces``), whose objects a killed or failed retirement leaves."""
+#: a marker's size limit: it names the save, the save it replaces and the saves of the chunk files it may keep
+_MARKER_MAX = 64 << 10
+
+
+def _marker_saves(marker: StorePath) -> tuple[set[str], set[str]] | None:
+    """``(saves, kept_from)`` a marker names (``None``: not a marker this library wrote): the save it announces and
+    the save of the checkpoint it replaces (``replaces``), whose objects a killed or failed retirement leaves; and the
+    saves whose chunk files that save may have copied from its incremental base (``kept_from``)."""
     try:
-        body = loads_json(marker.fs.cat_file(marker.key, start=0, end=4096))
+        body = loads_json(marker.fs.cat_file(marker.key, start=0, end=_MARKER_MAX))
     except (OSError, ValueError):
         return None
     if not isinstance(body, dict) or not _is_save_id(body.get("save_id")):
         return None
-    return {body["save_id"], *([body["replaces"]] if _is_save_id(body.get("replaces")) else [])}
+    kept = body.get("kept_from")
+    return (
+        {body["save_id"], *([body["replaces"]] if _is_save_id(body.get("replaces")) else [])},
+        {s for s in kept if _is_save_id(s)} if isinstance(kept, list) else set(),
+    )
 
 
-def _left_by(target: StorePath, found: dict[str, dict[str, Any]], saves: set[str] | None) -> bool:
+def _left_by(
+    target: StorePath, found: dict[str, dict[str, Any]], saves: set[str] | None, kept_from: Collection[str] = ()
+) -> bool:
     """Whether every object under ``target`` is one the saves ``saves`` write (``None``: any save): library names
-    only, each data file ending with one of those saves' identity trailer (a chunk file: any save's, it may have been
-    kept from its base)."""
+    only, each data file ending with one of those saves' identity trailer, or, for a chunk file, that of a save in
+    ``kept_from`` (copied from the incremental base)."""
     if foreign_objects(target, found):
         return False
     names = sorted(n for n in found if is_data_file(n))  # (the manifest, its shards and .metadata carry none)
@@ -133,7 +144,10 @@ def _left_by(target: StorePath, found: dict[str, dict[str, Any]], saves: set[str
         return False
     spans = [(target / n, size - TRAILER_SIZE, TRAILER_SIZE) for n, size in zip(names, sizes)]
     tails = map_pieces(spans, lambda i, data: read_identity(bytes(data)), concurrency())
-    return all(t is not None and (saves is None or t[0] in saves or is_chunk_file(n)) for n, t in zip(names, tails))
+    return all(
+        t is not None and (saves is None or t[0] in saves or (is_chunk_file(n) and t[0] in kept_from))
+        for n, t in zip(names, tails)
+    )
 
 
 def sweep(parent: StorePath) -> list[str]:
@@ -150,21 +164,23 @@ def sweep(parent: StorePath) -> list[str]:
     for name in list_objects(parent):
         if not (name.startswith(".") and name.endswith(PENDING)):
             continue
-        entry, marker = name[1 : -len(PENDING)], parent / name
-        saves = _marker_saves(marker)
-        if not is_plain_name(entry) or entry.startswith(".") or saves is None:
-            logger.warning("left %s alone: not a marker torchrl_dcp writes (remove it if it is not yours)", marker)
+        entry = name[1 : -len(PENDING)]
+        marker, target = listed_child(parent, name), listed_child(parent, entry)  # (None: a name no save makes)
+        named = None if marker is None or target is None or entry.startswith(".") else _marker_saves(marker)
+        if named is None or target is None:
+            logger.warning(
+                "left %s/%s alone: not a marker torchrl_dcp writes (remove it if it is not yours)", parent, name
+            )
             continue
-        target = parent / entry
         if not (target / MANIFEST).is_file():
             found = list_objects(target)
-            if found and not _left_by(target, found, saves):
+            if found and not _left_by(target, found, *named):
                 logger.warning(
                     "left %s alone: the marker %s names saves %s, but the prefix holds objects they did not write "
                     "(%s); remove what is not yours by hand",
                     target,
                     marker.name,
-                    sorted(saves),
+                    sorted(named[0]),
                     foreign_objects(target, found) or "other saves' data files",
                 )
                 continue
@@ -174,6 +190,13 @@ def sweep(parent: StorePath) -> list[str]:
     if cleaned:
         logger.info("removed leftovers of killed saves under %s: %s", parent, cleaned)
     return cleaned
+
+
+def swept_next(destination: StorePath, found: dict[str, dict[str, Any]]) -> bool:
+    """Whether the next save's sweep (:func:`sweep`) removes ``destination`` (holding ``found``, no manifest): a
+    killed save's prefix, named by its pending marker, every object proven that save's."""
+    named = _marker_saves(marker_for(destination))
+    return named is not None and _left_by(destination, found, *named)
 
 
 def refuse_inside_checkpoint(destination: StorePath) -> None:
@@ -236,8 +259,9 @@ def replaced_save(destination: StorePath, found: Collection[str]) -> str | None:
     return replaces
 
 
-def begin(destination: StorePath, save_id: str) -> None:
-    """Step 1 (one process): sweep, refuse foreign objects, write the marker, retire a committed checkpoint."""
+def begin(destination: StorePath, save_id: str, kept_from: Collection[str] = ()) -> None:
+    """Step 1 (one process): sweep, refuse foreign objects, write the marker, retire a committed checkpoint.
+    ``kept_from``: the saves whose chunk files the save may copy in (named by the marker: a sweep proves them)."""
     refuse_inside_checkpoint(destination)
     refuse_an_object_at(destination)
     sweep(destination.parent)
@@ -245,7 +269,11 @@ def begin(destination: StorePath, save_id: str) -> None:
     replaces = replaced_save(destination, found) if found else None
     # the marker names the replaced checkpoint's save too: a retirement that fails or is killed half-way leaves
     # objects of that save, which the next sweep then proves and removes
-    body = json.dumps({"save_id": save_id, "started": time.time(), "replaces": replaces}).encode()
+    body = json.dumps(
+        {"save_id": save_id, "started": time.time(), "replaces": replaces, "kept_from": sorted(set(kept_from))}
+    ).encode()
+    if len(body) > _MARKER_MAX:  # (a base of chunk files kept over thousands of saves: proven by hand, if killed)
+        body = json.dumps({"save_id": save_id, "started": time.time(), "replaces": replaces}).encode()
     marker_for(destination).fs.pipe_file(marker_for(destination).key, body)
     if found:  # replacing a committed checkpoint: it stops being one before any object changes
         remove_prefix(destination)
@@ -422,8 +450,8 @@ def keepable_objects(keeps: dict[str, KeptChunk]) -> dict[str, KeptChunk]:
     listed: dict[str, dict[str, Any]] = {}
     for prefix in {k.source.parent for k in keeps.values()}:  # type: ignore[union-attr]
         for name, info in list_objects(prefix).items():
-            if is_plain_name(name):  # (a stray ``..`` key, a prefix listed as ``x/``: no chunk of a base)
-                listed[str(prefix / name)] = info
+            if (child := listed_child(prefix, name)) is not None:  # (a stray ``..`` key, ``x/``: no chunk of a base)
+                listed[str(child)] = info
     out = {}
     for f, k in keeps.items():
         info = listed.get(str(k.source), {})
@@ -436,7 +464,8 @@ def keepable_objects(keeps: dict[str, KeptChunk]) -> dict[str, KeptChunk]:
 
 def publish_directory(local: Any, destination: StorePath, manifest: dict[str, Any], raw_manifest: bytes) -> None:
     """Upload the verified local checkpoint directory ``local`` to ``destination``, manifest last (conversions)."""
-    begin(destination, manifest.get("save_id") or uuid.uuid4().hex)
+    origins = {rec["origin"] for rec in manifest["files"].values() if isinstance(rec.get("origin"), str)}
+    begin(destination, manifest.get("save_id") or uuid.uuid4().hex, origins)
     try:
         for name, rec in manifest["files"].items():
             if name == DCP_METADATA:
