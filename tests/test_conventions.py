@@ -87,3 +87,23 @@ def test_every_json_the_package_reads_is_decoded_by_loads_json() -> None:
                     raw.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     allowed = {"checkpoint_diff.py"}  # (decodes a key that checkpoint_diff itself encoded with json.dumps)
     assert [r for r in raw if r.split(":")[0] not in allowed] == []
+
+
+def test_an_adapter_whose_state_is_not_the_state_dict_says_so() -> None:
+    """An import of a torchrl checkpoint runs an adapter's checks on the ``state_dict()`` torchrl saved where
+    ``state_is_state_dict``: a subclass that inherits ``True`` and overrides ``state`` must say again what it is."""
+    import torchrl_dcp.adapters.defaults  # noqa: F401 - every adapter class of the library imported
+    from torchrl_dcp.adapters.base import Adapter
+
+    def subclasses(cls: type) -> list[type]:
+        return [c for sub in cls.__subclasses__() for c in (sub, *subclasses(sub))]
+
+    unsaid = [
+        c.__qualname__
+        for c in subclasses(Adapter)
+        if c.__module__.startswith("torchrl_dcp.")
+        and c.state_is_state_dict
+        and "state" in vars(c)
+        and "state_is_state_dict" not in vars(c)
+    ]
+    assert not unsaid, f"override state() and inherit state_is_state_dict=True: {unsaid}"

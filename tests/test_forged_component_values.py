@@ -263,6 +263,25 @@ def _rng() -> dict[str, Any]:
     return {"rng": tdcp.RNGState()}
 
 
+def _global_rng() -> dict[str, Any]:
+    from torchrl.checkpoint import GlobalRNGState
+
+    return {"rng": GlobalRNGState()}
+
+
+def _global_python_zeros(objs: dict[str, Any]) -> None:
+    """torchrl's ``GlobalRNGState`` (its ``random.getstate()`` tuple) with a Python stream of zeros."""
+    real = objs["rng"].state_dict
+
+    def forged() -> dict[str, Any]:
+        state = real()
+        version, words, gauss = state["python"]
+        state["python"] = (version, (0,) * (len(words) - 1) + (words[-1],), gauss)
+        return state
+
+    objs["rng"].state_dict = forged
+
+
 def _zeros_but_position(words: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(words)
     out[-1] = words[-1]
@@ -308,6 +327,7 @@ STATE_FORGERIES: dict[str, tuple[Callable[[], dict[str, Any]], Callable[[dict[st
         False,
     ),
     "Python stream of zeros": (_rng, _rng_words("python", _zeros_but_position), r"all zeros", True),
+    "Python stream of zeros (GlobalRNGState)": (_global_rng, _global_python_zeros, r"all zeros", True),
     "NumPy key past 32 bits": (_rng, _rng_words("numpy", lambda k: k + (1 << 32)), r"outside 32 bits", True),
     "Python pending Gaussian infinite": (_rng, _rng_words("python gauss", float("inf")), r"Gaussian of inf", True),
     "torch state of 100 bytes": (

@@ -211,6 +211,16 @@ class Adapter(abc.ABC):
         obj.load_state_dict(state_dict, *(opts.load_args or ()), **(opts.load_kwargs or {}))
         return []
 
+    #: whether :meth:`state` is the object's own ``state_dict()`` (what ``torchrl.checkpoint`` saves of it): an import
+    #: of a torchrl checkpoint then runs :meth:`check_saved`, :meth:`validate` and :meth:`check_values` on what it
+    #: reads, as our loads do (a subclass whose :meth:`state` differs sets it ``False``: ``tests/test_conventions.py``)
+    state_is_state_dict: bool = False
+
+    def from_torchrl_state_dict(self, state_dict: Any) -> Any:
+        """The state this adapter saves, from the ``state_dict()`` a ``torchrl.checkpoint`` saved of its object (where
+        :attr:`state_is_state_dict`: the checks of an import run on it). The default: that state dict itself."""
+        return state_dict
+
     #: whether :meth:`reshard_sources` / :meth:`reshard` are implemented (per_rank state only)
     can_reshard: bool = False
     #: whether a reshard shares the saved states' contents out among the new ranks, each taking a part (a replay

@@ -40,6 +40,7 @@ class OptimizerAdapter(Adapter):
     """``Optimizer.state_dict()`` / ``load_state_dict()`` (state allocated from the checkpoint)."""
 
     adapter_id = "torchrl_dcp.optimizer"
+    state_is_state_dict = True
     version = 1
     shares_tensors = False
 

@@ -205,6 +205,7 @@ class RNGStateAdapter(Adapter):
     """Global RNG streams, per rank; after a world-size change, deterministically re-seeded."""
 
     adapter_id = "torchrl_dcp.rng"
+    state_is_state_dict = True
     version = 1
     shares_tensors = False
     default_placement = "per_rank"
@@ -213,6 +214,15 @@ class RNGStateAdapter(Adapter):
 
     def state(self, obj: RNGState, ctx: AdapterContext) -> Any:
         return obj.state_dict()
+
+    def from_torchrl_state_dict(self, state_dict: Any) -> Any:
+        """``GlobalRNGState``'s layout (what a torchrl checkpoint holds) in ours, as :meth:`RNGState.load_state_dict`
+        reads it."""
+        return (
+            rng_state_from_torchrl(state_dict)
+            if isinstance(state_dict, dict) and "torch_cpu" in state_dict
+            else state_dict
+        )
 
     def check_saved(self, saved: Any) -> None:
         """What ``random.getstate()`` and ``np.random.get_state()`` return, and nothing else."""
@@ -286,6 +296,25 @@ class TorchrlGlobalRNGAdapter(StateDictAdapter):
     default_placement = "per_rank"
     restore_last = True
     can_reshard = True
+
+    def check_values(self, saved: Any, read: Any) -> None:
+        """What :meth:`RNGStateAdapter.check_values` checks, on ``GlobalRNGState.state_dict()``'s layout: Python's
+        ``random.getstate()`` tuple, NumPy's ``get_state()`` tuple (its keys a tensor) and ``torch_cpu``."""
+        try:
+            version, words, gauss = saved["python"]
+            kind, keys, pos, has_gauss, np_gauss = saved["numpy"]
+            if not isinstance(words, torch.Tensor):
+                if not all(type(w) is int for w in words):
+                    raise ValueError("Python RNG words that are not integers")
+                words = torch.tensor(words, dtype=torch.int64)
+        except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as err:
+            raise ValueError(f"its RNG state is not what GlobalRNGState.state_dict() holds ({err})") from None
+        streams = {
+            "python": {"version": version, "state": words, "gauss": gauss},
+            "numpy": {"kind": kind, "keys": keys, "pos": pos, "has_gauss": has_gauss, "gauss": np_gauss},
+            "torch": saved.get("torch_cpu"),
+        }
+        check_stream_values(streams, read)
 
     def reshard_sources(self, saved: dict[int, Any], ctx: AdapterContext) -> list[int]:
         return same_rank_source(ctx)

@@ -56,6 +56,7 @@ class StateDictAdapter(Adapter):
     """
 
     adapter_id = "torchrl_dcp.state_dict"
+    state_is_state_dict = True
     version = 1
 
     def __init__(self, in_place: bool = True) -> None:
@@ -127,6 +128,8 @@ class ParameterSchedulerAdapter(StateDictAdapter):
         >>> sorted(ParameterSchedulerAdapter().state(StepScheduler(rb, "beta", 1.1, 2), AdapterContext("s")))[:3]
         ['_max_val', '_min_val', '_step_cnt']
     """
+
+    state_is_state_dict = False  # (its state leaves out the functions it was built with)
 
     def state(self, obj: Any, ctx: AdapterContext) -> Any:
         return {k: v for k, v in super().state(obj, ctx).items() if not callable(v)}

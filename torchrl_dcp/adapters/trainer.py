@@ -199,6 +199,8 @@ class TrainerStateAdapter(StateDictAdapter):
         ('_greedy_last_frames',)
     """
 
+    state_is_state_dict = False
+
     def state(self, obj: Any, ctx: AdapterContext) -> Any:
         trainer = getattr(obj, "trainer", None)
         state = super().state(obj, ctx)
@@ -247,6 +249,8 @@ class TrainerHookAdapter(StateDictAdapter):
 
     default_placement = "per_rank"
     can_reshard = True
+
+    state_is_state_dict = False
 
     def state(self, obj: Any, ctx: AdapterContext) -> Any:
         state = _with_attributes(super().state(obj, ctx), obj, _attributes_of(obj, LAZY_HOOK_ATTRIBUTES))

@@ -281,6 +281,12 @@ def _read_sampler(box: TorchrlContainer, name: str, sampler: Any, batch_size: in
     if kind is SamplerWithoutReplacement:
         box_need(box, name, "sampler/meta.json")
         state = read_memmap_folder(box, box.record(name)["path"] + "/sampler", flat=True)
+        # scalars a memory-mapped TensorDict holds as tensors: the values of the sampler's state_dict(), as its
+        # load_state_dict makes them (what our checks and a save of ours see); anything else is checked as it is
+        for key, as_value in (("len_storage", int), ("drop_last", bool), ("_ran_out", bool)):
+            value = state.get(key)
+            if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point():
+                state[key] = as_value(value.item())
         out = {"kind": "state_dict", "type": kind.__name__, "state": state}
         left = state.get("_sample_list")
         if isinstance(left, torch.Tensor) and batch_size:  # not in torchrl's files; what sampling set it to

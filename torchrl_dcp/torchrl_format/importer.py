@@ -38,6 +38,7 @@ from torchrl_dcp.collective import failures, run_agreed
 from torchrl_dcp.errors import (
     CheckpointError,
     CheckpointFormatError,
+    CheckpointIntegrityError,
     CollectiveError,
     IncompatibleComponentError,
     InexactResumeWarning,
@@ -151,6 +152,17 @@ def _read_payload(
             )
             return False
         p.payload = box.state_dict_payload(name, ctx.device_for)
+        if reg.adapter is not None and reg.adapter.state_is_state_dict:
+            where = box.where(box.record(name)["path"])
+            try:
+                state = reg.adapter.from_torchrl_state_dict(p.payload)
+            except (KeyError, TypeError, ValueError) as err:
+                raise CheckpointIntegrityError(
+                    f"component {name!r}: its state is not what {type(reg.value).__name__}.state_dict() returns "
+                    f"({type(err).__name__}: {err})",
+                    path=where,
+                ) from None
+            return _check_as_saved(reg, state, name, where, result)
     else:
         if not _is_buffer(reg.value):
             result.incompatible[name] = (
@@ -164,6 +176,40 @@ def _read_payload(
         except IncompatibleComponentError as err:
             result.incompatible[name] = err.message
             return False
+        if reg.adapter is None:
+            return True  # (refused by the caller, naming why)
+        saved = p.payload
+        state = {**saved.state, "storage": {**saved.state["storage"], "data": saved.rows}}
+        return _check_as_saved(reg, state, name, box.where(box.record(name)["path"]), result)
+    return True
+
+
+def _check_as_saved(reg: Any, state: Any, name: str, where: Any, result: LoadResult) -> bool:
+    """Run the registered adapter's checks on ``state`` (what torchrl saved, in the adapter's own layout) as a load
+    of ours runs them on a saved state, before anything changes: :meth:`~Adapter.check_saved`, :meth:`~Adapter.
+    validate` (against the live object, with a context of its own: nothing it notes reaches the restore) and
+    :meth:`~Adapter.check_values`. A state no save writes raises; one the live object cannot take is said in
+    ``result`` (``False``)."""
+    from torchrl_dcp.format.codec import encode
+    from torchrl_dcp.load_plan import plan_view
+
+    adapter = reg.adapter
+    try:
+        skeleton, tensors = encode(state, name)
+        view = plan_view(skeleton)[0]
+        adapter.check_saved(view)
+        adapter.check_values(view, lambda spec: tensors[spec.key])
+    except CheckpointError:
+        raise
+    except Exception as err:  # (the adapter's ValueError, TypeError, KeyError: what our loads refuse as forged)
+        raise CheckpointIntegrityError(
+            f"component {name!r}: {err}: no save writes that state; the checkpoint is damaged or forged", path=where
+        ) from None
+    try:
+        adapter.validate(reg.value, {0: view}, reg.make_ctx(saved_world_size=1, source_rank=0))
+    except IncompatibleComponentError as err:
+        result.incompatible[name] = err.message
+        return False
     return True
 
 
