@@ -177,6 +177,13 @@ def _kind_buffer(kind: str, capacity: int = 20):
         from torchrl.data import ReplayBuffer
 
         return ReplayBuffer(storage=LazyTensorStorage(capacity), batch_size=4)
+    if kind == "preallocated":  # (rows the user allocated: torchrl counts the 8 of a shard, the writer wrote 6)
+        from torchrl.data import ReplayBuffer, TensorDictRoundRobinWriter, TensorStorage
+
+        fresh = {"id": torch.full((capacity,), -1), "index": torch.full((capacity,), -1, dtype=torch.long)}
+        return ReplayBuffer(
+            storage=TensorStorage(TensorDict(fresh, [capacity])), writer=TensorDictRoundRobinWriter(), batch_size=4
+        )
     if kind == "observation_norm":  # (a transform not verified exact in a buffer: warned at save and at load)
         from torchrl.envs.transforms import ObservationNorm
 
@@ -204,7 +211,11 @@ def _kind_data(kind: str, rank: int) -> TensorDict:
 def save_kind_shards(path: str, kind: str) -> dict[str, Any]:
     """Every rank a buffer of ``kind`` with 6 transitions (ids ``100 * rank + i``)."""
     rank = dist.get_rank()
-    rb = _kind_buffer(kind, 4 if kind == "generations" else 20)
+    rb = _kind_buffer(kind, {"generations": 4, "preallocated": 8}.get(kind, 20))
+    if kind == "preallocated":
+        rb.extend(TensorDict({"id": torch.arange(6) + 100 * rank, "index": torch.zeros(6, dtype=torch.long)}, [6]))
+        tdcp.DistributedCheckpoint(buffer=rb).save(path)
+        return {}
     rb.extend(_kind_data(kind, rank))
     if kind == "prioritized":
         rb.update_priority(torch.arange(6), torch.arange(6).float() + 1)
@@ -217,7 +228,7 @@ def load_kind_resharded(path: str, kind: str, live: str) -> dict[str, Any]:
     """Reshard into a buffer of ``kind``; ``live``: what the buffer is or holds before the load."""
     from torchrl.data import ListStorage, TensorDictReplayBuffer
 
-    rb = _kind_buffer(kind)
+    rb = _kind_buffer(kind, 16 if kind == "preallocated" else 20)
     if live == "list":
         rb = TensorDictReplayBuffer(storage=ListStorage(20), batch_size=4)
     elif live == "extra":

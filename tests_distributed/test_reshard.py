@@ -157,6 +157,10 @@ def test_a_reshard_renumbers_the_rows_index_entries_and_keeps_their_generations(
     launch(f"{S}:save_kind_shards", 2, path, "user_index")
     (r,) = launch(f"{S}:load_kind_resharded", 1, path, "user_index", "fresh")
     assert r.value["index"] == [*range(6), *range(6)], r.value
+    path = str(tmp_path / "preallocated")  # 6 of 8 preallocated rows written per shard: those 6 renumbered (torchrl
+    launch(f"{S}:save_kind_shards", 2, path, "preallocated")  # counts all 8: the 2 never written are the oldest)
+    (r,) = launch(f"{S}:load_kind_resharded", 1, path, "preallocated", "fresh")
+    assert r.value["index"] == [-1, -1, *range(2, 8), -1, -1, *range(10, 16)], r.value
 
 
 def test_transitions_held_back_by_an_n_step_transform_refuse_a_reshard(tmp_path: Path) -> None:

@@ -328,16 +328,17 @@ def _writes_index(saved_writer: Mapping[str, Any]) -> bool:
 def _renumbered(data: Any, positions: torch.Tensor, start: int) -> Any:
     """``data`` (rows taken at the saved ``positions``) with the ``"index"`` entry a TensorDict writer stores in each
     row (its storage position, which ``update_tensordict_priority`` writes priorities at) set to the rows' new
-    positions ``start, start + 1, ...``: only when every row's entry is its saved position (a user's own ``"index"``
-    entry is left as it is)."""
+    positions ``start, start + 1, ...``, in each row whose entry is its saved position: the rows the writer wrote (a
+    storage allocated by the user holds rows it never wrote, whose entries are left as they are)."""
     index = data.get("index") if isinstance(data, Mapping) else None
     if not isinstance(index, torch.Tensor) or index.dtype != torch.long or index.shape[:1] != positions.shape:
         return data
     saved = positions.to(index.device).reshape(-1, *([1] * (index.ndim - 1)))
-    if not bool((index == saved).all()):
-        return data
     new = torch.arange(start, start + len(positions), dtype=torch.long, device=index.device)
-    return {**data, "index": new.reshape(saved.shape).expand_as(index).clone()}
+    written = index == saved
+    if not bool(written.any()):
+        return data
+    return {**data, "index": torch.where(written, new.reshape(saved.shape), index)}
 
 
 def _received(
