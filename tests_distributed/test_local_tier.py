@@ -429,3 +429,40 @@ def shared_due_on_one_rank(root: str) -> dict[str, Any]:
         "bare": bare,
         "warned": [str(w.message) for w in heard if issubclass(w.category, tdcp.LocalTierWarning)],
     }
+
+
+def run_on_nodes(root: str, nodes: list[str], run: int, last_step: int) -> dict[str, Any]:
+    """Rank ``r`` on node ``nodes[r]`` (its tier ``node-<name>``): resume, then train to ``last_step`` with local
+    saves every 2 steps and shared ones every 8; the policy's weight says which run saved a step (100 * run + step)."""
+    rank = dist.get_rank()
+    os.environ["GROUP_RANK"] = nodes[rank]
+    policy = torch.nn.Linear(2, 2)
+    ckpt = tdcp.DistributedCheckpoint(policy=policy)
+    local = tdcp.LocalTier(Path(root) / f"node-{nodes[rank]}", every_steps=2, keep_last=3)
+    rotation = tdcp.CheckpointRotation(Path(root) / "shared", every_steps=8, keep_last=3, local=local)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (steps dropped as an abandoned future are warned about)
+        info = rotation.resume(ckpt)
+    resumed = None if info is None else [info.step, info.tier, float(policy.weight[0, 0])]
+    for step in range(1 if info is None else info.step + 1, last_step + 1):
+        with torch.no_grad():
+            policy.weight.fill_(100 * run + step)
+        rotation.maybe_save(ckpt, step)
+    rotation.close()
+    return {"resumed": resumed}
+
+
+def test_a_node_back_with_an_abandoned_futures_steps_never_has_them_resumed(tmp_path: Path) -> None:
+    """Run 1 (nodes A, B) saves local steps 10 and 12 (shared 8) and dies. Run 2 (A, its tier lost, and C; B away)
+    resumes shared 8 and saves local 10. Run 3 (A, and B back with run 1's steps): run 1's step 12 was restored (the
+    newest complete step, both naming shared commit 8), silently undoing run 2. A part saved before a later run
+    resumed an older step is an abandoned future."""
+    root = str(tmp_path)
+    launch(f"{S}:run_on_nodes", 2, root, ["A", "B"], 1, 13)
+    shutil.rmtree(tmp_path / "node-A")  # (rebooted: its tier empty)
+    (tmp_path / "node-B").rename(tmp_path / "away")
+    second = [r.value["resumed"] for r in launch(f"{S}:run_on_nodes", 2, root, ["A", "C"], 2, 11)]
+    assert [s[:2] for s in second] == [[8, "shared"]] * 2, second
+    (tmp_path / "away").rename(tmp_path / "node-B")
+    third = [r.value["resumed"] for r in launch(f"{S}:run_on_nodes", 2, root, ["A", "B"], 3, 10)]
+    assert [s[0] for s in third] == [10, 10] and [s[2] for s in third] == [210.0, 210.0], third

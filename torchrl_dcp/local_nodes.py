@@ -6,7 +6,7 @@ gathered once per group) and the ranks on other nodes that hold its replicas; at
 
 Example:
     >>> layout = NodeLayout(("a", "a", "b", "b"))
-    >>> newest_complete([[(4, 0, "s", 3)], [(4, 1, "s", 3)], [], []], 2, (), layout)
+    >>> newest_complete([[(4, 0, "s", 3, 10.0, None)], [(4, 1, "s", 3, 10.0, None)], [], []], 2, (), layout)
     (4, 's', {0: [0], 1: [1]}, 3)
 """
 
@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 
 def node_identity() -> str:
@@ -67,19 +68,22 @@ class NodeLayout:
 
 
 def newest_complete(
-    held: list[list[tuple[int, int, str, int]]],
+    held: list[list[tuple[Any, ...]]],
     world: int,
     refused: Collection[tuple[int, str, int, str]],
     layout: NodeLayout,
 ) -> tuple[int, str, dict[int, list[int]], int] | None:
     """The newest ``(step, save_id)`` whose every rank's part some rank holds, with the holders of each part and the
     shared-tier commit its records name (``local_records.HeldPart.shared_sequence``: parts whose records differ there
-    are not one save's); ``held``: each rank's ``(step, part's rank, save_id, shared sequence)``; ``refused``: copies
-    ``(step, save_id, part's rank, node)`` not to count (found damaged; ``layout`` names the holders' nodes)."""
+    are not one save's); ``held``: each rank's parts as :func:`~torchrl_dcp.local_records.plain` gives them;
+    ``refused``: copies ``(step, save_id, part's rank, node)`` not to count (found damaged; ``layout`` names the
+    holders' nodes). Parts of an abandoned future do not count (:func:`abandoned`: a
+    node back with steps a later run, found on another node, rolled back past)."""
+    runs = {tuple(part[5]) for parts in held for part in parts if part[5] is not None}
     found: dict[tuple[int, str, int], dict[int, list[int]]] = {}
     for holder, parts in enumerate(held):
-        for step, owner, save_id, shared_sequence in parts:
-            if (step, save_id, owner, layout.nodes[holder]) in refused:
+        for step, owner, save_id, shared_sequence, saved_at, _ in parts:
+            if (step, save_id, owner, layout.nodes[holder]) in refused or abandoned(step, saved_at, runs):
                 continue
             found.setdefault((step, save_id, shared_sequence), {}).setdefault(owner, []).append(holder)
     complete = [key for key, owners in found.items() if sorted(owners) == list(range(world))]
@@ -87,3 +91,17 @@ def newest_complete(
         return None
     step, save_id, shared_sequence = max(complete)
     return step, save_id, found[(step, save_id, shared_sequence)], shared_sequence
+
+
+def abandoned(step: int, saved_at: float | None, runs: Iterable[tuple[int, float]]) -> bool:
+    """Whether a part of ``step`` saved at ``saved_at`` is an abandoned future: a later run (one of ``runs``, the
+    runs that saved the parts found anywhere: ``(step resumed, when)``) resumed an older step after it was saved.
+    Such a run rolled back past it (it could not reach the part, or chose an older step): the part's node may come
+    back with it, but the job went on from elsewhere. Compares clocks: the nodes' (within seconds of each other,
+    as NTP keeps them) against the time between a run's last save and the next run's resume.
+
+    Example:
+        >>> abandoned(12, 100.0, [(8, 160.0)]), abandoned(10, 170.0, [(8, 160.0)]), abandoned(12, None, [(8, 160.0)])
+        (True, False, False)
+    """
+    return saved_at is not None and any(at > saved_at and resumed < step for resumed, at in runs)

@@ -47,6 +47,12 @@ class HeldPart:
     #: the newest shared-tier commit (the rotation's ``sequence``) the job knew of when it saved the step; ``-1``:
     #: not known (a record written before the tiers were ordered by commit)
     shared_sequence: int = -1
+    #: when the part was saved (its rank's clock, seconds since the epoch; ``None``: not recorded)
+    saved_at: float | None = None
+    #: the run that saved it: the step it resumed (``-1``: a fresh start) and when (rank 0's clock); ``None``: not
+    #: recorded (a run that never resumed, or a part saved before runs were recorded); ``local_nodes.abandoned``
+    #: reads them
+    resumed: tuple[int, float] | None = None
 
 
 def record_name(rank: int) -> str:
@@ -85,20 +91,43 @@ def _manifest_bytes(part: Path) -> bytes:
         os.close(fd)
 
 
-def _described(data: bytes) -> tuple[Any, Any, Any]:
-    """``(step, rank, shared sequence)`` a part's manifest says it holds: its step, and the rank and the newest shared
-    commit its local-tier save recorded (``-1``: a part saved before the tiers were ordered by commit)."""
+def _described(data: bytes) -> tuple[Any, Any, Any, Any, Any]:
+    """``(step, rank, shared sequence, saved at, resumed)`` a part's manifest says it holds: its step, and what its
+    local-tier save recorded: the rank, the newest shared commit (``-1``: a part saved before the tiers were ordered
+    by commit), when it was saved and the run that saved it (:class:`HeldPart`; ``None``: not recorded)."""
     try:
         manifest = loads_json(data)
     except ValueError:
-        return None, None, None
+        return None, None, None, None, None
     if not isinstance(manifest, dict):
-        return None, None, None
+        return None, None, None, None, None
     metadata = manifest.get("metadata")
     tier = metadata.get("local_tier") if isinstance(metadata, dict) else None
     if not isinstance(tier, dict):
-        return manifest.get("step"), None, None
-    return manifest.get("step"), tier.get("rank"), tier.get("shared_sequence", -1)
+        return manifest.get("step"), None, None, None, None
+    return (
+        manifest.get("step"),
+        tier.get("rank"),
+        tier.get("shared_sequence", -1),
+        tier.get("saved_at"),
+        tier.get("resumed"),
+    )
+
+
+def _is_time(value: Any) -> bool:
+    return type(value) in (int, float) and 0 <= value < 1e12  # (seconds since the epoch, finite)
+
+
+def run_of(saved_at: Any, resumed: Any) -> tuple[float | None, tuple[int, float] | None] | None:
+    """``(saved at, resumed)`` as :class:`HeldPart` holds them, from a manifest's values; ``None`` when they are
+    not what a save records (a part whose manifest says so is damaged)."""
+    if saved_at is not None and not _is_time(saved_at):
+        return None
+    if resumed is None:
+        return (None if saved_at is None else float(saved_at)), None
+    if not (isinstance(resumed, list) and len(resumed) == 2 and _is_sequence(resumed[0]) and _is_time(resumed[1])):
+        return None
+    return (None if saved_at is None else float(saved_at)), (resumed[0], float(resumed[1]))
 
 
 def write_record(
@@ -161,15 +190,20 @@ def check_record(step_dir: Path, rank: int, step: int, identity: Mapping[str, An
     known = record.get("shared_sequence", -1)
     if held[2] != known:  # (a record edited to order a stale step after the shared tier's newer commits)
         return f"its manifest names shared commit {held[2]!r}, its commit record {known!r} (altered)"
-    return HeldPart(step, rank, record["save_id"], known)
+    run = run_of(held[3], held[4])
+    if run is None:
+        return f"its manifest records the run that saved it as {held[3]!r}, {held[4]!r} (no save writes that)"
+    return HeldPart(step, rank, record["save_id"], known, *run)
 
 
 def _is_sequence(value: Any) -> bool:
     return type(value) is int and value >= -1
 
 
-def plain(part: HeldPart) -> tuple[int, int, str, int]:
-    return part.step, part.rank, part.save_id, part.shared_sequence
+def plain(part: HeldPart) -> tuple[int, int, str, int, float | None, list[Any] | None]:
+    """``part`` as the ranks exchange it (:func:`~torchrl_dcp.local_nodes.newest_complete` reads it)."""
+    resumed = None if part.resumed is None else list(part.resumed)
+    return part.step, part.rank, part.save_id, part.shared_sequence, part.saved_at, resumed
 
 
 def local_is_newer(local: tuple[int, int], shared: tuple[int, int | None]) -> bool:

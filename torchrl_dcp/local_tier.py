@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 import uuid
 import warnings
 from collections.abc import Mapping
@@ -61,7 +62,7 @@ from torchrl_dcp.errors import (
     from_os_error,
 )
 from torchrl_dcp.load_plan import LoadPlan
-from torchrl_dcp.local_nodes import NodeLayout, newest_complete, node_identity
+from torchrl_dcp.local_nodes import NodeLayout, abandoned, newest_complete, node_identity
 from torchrl_dcp.local_records import (
     RECORD,
     RECORD_TMP,
@@ -119,6 +120,9 @@ class LocalTier:
         self.every_steps, self.keep_last, self.replicas = every_steps, keep_last, replicas
         self.schedule = SaveSchedule(every_steps, None)
         self.last_step = 0  # the step last saved to the tier or resumed (every_steps counts from it)
+        # this run: the step it resumed (-1: a fresh start) and when (rank 0's clock), recorded with every part it
+        # saves: a later resume passes over parts an older run saved after which this one rolled back (``abandoned``)
+        self.run: tuple[int, float] | None = None
         self._layouts: dict[int, NodeLayout] = {}
         self._warned_replicas = False
 
@@ -143,6 +147,8 @@ class LocalTier:
         options, a ``config`` component); ``None`` when it holds none, or when ``than``, the shared tier's newest
         entry ``(step, its manifest's sequence)``, is newer (:func:`~torchrl_dcp.local_records.local_is_newer`)."""
         held = self._held(identity)
+        runs = {p.resumed for p in held if p.resumed is not None}
+        held = [p for p in held if not abandoned(p.step, p.saved_at, runs)]  # (what this node tells of later runs)
         if not held:
             return None
         newest = max(held, key=lambda p: (p.step, -p.rank))
@@ -187,7 +193,7 @@ class LocalTier:
                 solo.save(
                     own,
                     step=step,
-                    metadata={**metadata, "local_tier": {"rank": rank, "shared_sequence": shared_sequence}},
+                    metadata={**metadata, "local_tier": self._described(rank, shared_sequence)},
                     components=names,
                 )
             except Exception as err:  # raised below, after the peers know
@@ -226,6 +232,11 @@ class LocalTier:
                 logger.warning("local tier %s: removing steps older than %d failed: %s", self.path, step, err)
         logger.info("local tier %s: step %d committed (replicas on ranks %s)", self.path, step, targets or "none")
         return own
+
+    def _described(self, rank: int, shared_sequence: int) -> dict[str, Any]:
+        """What a part's manifest records of its save (``local_records.HeldPart``)."""
+        resumed = None if self.run is None else list(self.run)
+        return {"rank": rank, "shared_sequence": shared_sequence, "saved_at": time.time(), "resumed": resumed}
 
     def _peers(self, layout: NodeLayout, rank: int) -> tuple[list[int], list[int]]:
         if self.replicas > layout.node_count() - 1 and not self._warned_replicas:
@@ -333,7 +344,7 @@ class LocalTier:
         layout = self._layout(group)
         self.last_step = step or 0
 
-        def drop() -> None:
+        def drop() -> float:
             if layout.leader(_dist.group_rank(group)) and (removed := self._drop_newer(step)):
                 text = (  # (a relaunch on another number of ranks, or a roll-back: never unseen)
                     f"local tier {self.path}: steps {removed} were removed, newer than "
@@ -343,8 +354,10 @@ class LocalTier:
                 )
                 logger.warning("%s", text)
                 warnings.warn(LocalTierWarning(text), stacklevel=4)
+            return time.time()
 
-        run_step(group, f"dropping local steps after step {step}", drop)
+        stamps = run_step(group, f"dropping local steps after step {step}", drop)
+        self.run = (-1 if step is None else step, float(stamps[0]))  # (rank 0's clock, on every rank)
 
     # ------------------------------------------------------------------ resuming
     def resume(
