@@ -6,7 +6,10 @@ fsspec's configuration (``FSSPEC_S3_*`` in the environment). Phases: ``none``, `
 ``before_manifest`` (data and ``.metadata`` uploaded, no manifest); ``inc_mid_copy`` and
 ``inc_before_manifest``: the previous step saved, then an incremental save of :func:`incremental_state`
 (few rows changed since; chunk files of ``TDCP_CHUNK_BYTES``) killed after some unchanged chunk
-objects were copied server-side, or after every copy and upload but before its manifest.
+objects were copied server-side, or after every copy and upload but before its manifest; ``retire_incremental``
+and ``retire_damaged``: ``<url>/A`` saved incrementally from ``<url>/base`` (its chunk objects carry the base's
+identity), or saved and its manifest then damaged, then saved again and killed while retiring it (its manifest
+deleted, its other objects not yet).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 
 import torchrl_dcp as tdcp
 from torchrl_dcp.storage import objectstore, objectstore_save
+from torchrl_dcp.storage.urls import resolve_path
 
 
 def state(step: int) -> dict[str, torch.Tensor]:
@@ -37,7 +41,22 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _retire(url: str, kind: str) -> None:
+    if kind == "incremental":
+        tdcp.DistributedCheckpoint(state=incremental_state(0)).save(f"{url}/base")
+        tdcp.DistributedCheckpoint(state=incremental_state(1)).save(f"{url}/A", incremental_from=f"{url}/base")
+    else:
+        path = tdcp.DistributedCheckpoint(state=state(1)).save(f"{url}/A")
+        manifest = resolve_path(f"{path}/manifest.json")
+        manifest.fs.pipe_file(manifest.key, manifest.fs.cat_file(manifest.key)[:-10])  # damaged: a save replaces it
+    objectstore_save.delete_objects = lambda fs, keys: _die()  # type: ignore[assignment]
+    tdcp.DistributedCheckpoint(state=state(2)).save(f"{url}/A")
+
+
 def main(url: str, step: int, phase: str) -> None:
+    if phase.startswith("retire_"):
+        _retire(url, phase.removeprefix("retire_"))
+        return
     make = incremental_state if phase.startswith("inc_") else state
     if phase.startswith("inc_"):  # the base first, by this process: only objects it wrote are copied
         tdcp.CheckpointRotation(url, keep_last=5).save(tdcp.DistributedCheckpoint(state=make(step - 1)), step=step - 1)

@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 import torchrl_dcp as tdcp
 from torchrl_dcp.cli import main as cli
 from torchrl_dcp.format.layout import identity_trailer, shard_name
+from torchrl_dcp.storage.objectstore import list_objects
 from torchrl_dcp.storage.objectstore_save import PENDING, marker_for
 from torchrl_dcp.storage.objectstore_tools import download_checkpoint
 from torchrl_dcp.storage.urls import StorePath, copy_object, resolve_path
@@ -1144,11 +1145,12 @@ def test_a_torchrl_checkpoint_export_in_a_store_is_told_to_be_read_from_a_local_
         tdcp.to_directory(f"{url}/e.torchrl", tmp_path / "out")
 
 
-def test_an_object_at_an_entrys_own_key_never_hides_the_entry(s3: Any) -> None:
+def test_an_object_at_an_entrys_own_key_never_hides_the_entry(store: tuple[str, dict[str, Any]]) -> None:
     """An object uploaded at ``run/step-2`` (no trailing slash) beside the committed ``run/step-2/``: the listing held
     the prefix as ``step-2/`` and the object as a foreign ``step-2``, so ``entries()`` and ``resume()`` passed over the
-    committed step 2 and resumed step 1, silently (a direct load of the path loads step 2)."""
-    url, options = s3.url(), s3.storage_options
+    committed step 2 and resumed step 1, silently (a direct load of the path loads step 2). memory:// lists such a key
+    as the object alone: its objects were missing to the load, and a prune never removed them."""
+    url, options = store
     rotation = tdcp.CheckpointRotation(url, keep_last=3, storage_options=options)
     for step in (1, 2):
         rotation.save(
@@ -1163,6 +1165,40 @@ def test_an_object_at_an_entrys_own_key_never_hides_the_entry(s3: Any) -> None:
     )
     assert info.step == 2 and target["x"].tolist() == [2.0] * 4
     assert entry.fs.cat_file(entry.key) == b"my notes"
+    one = tdcp.CheckpointRotation(url, keep_last=1, storage_options=options)
+    one.save(tdcp.DistributedCheckpoint(w={"x": torch.zeros(4)}, storage_options=options), step=3)
+    assert [e.step for e in one.entries()] == [3]
+    assert not list_objects(entry) and entry.fs.cat_file(entry.key) == b"my notes"  # pruned; the user's object kept
+
+
+def test_a_store_failing_to_answer_for_a_marker_never_fails_a_resume(
+    store: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A newer killed save's prefix, and its marker's GET failing with a dropped connection (botocore's own error,
+    which s3fs lets out): the resume, whose state was restored, raised it bare from its check of newer entries."""
+    url, options = store
+    rotation = tdcp.CheckpointRotation(url, keep_last=5, storage_options=options)
+    ckpt = tdcp.DistributedCheckpoint(w={"x": torch.arange(4.0)}, storage_options=options)
+    for step in (1, 2):
+        rotation.save(ckpt, step=step)
+    fs = _store_fs(url, options)
+    killed = resolve_path(f"{url}/step-000000000002", options)
+    save_id = json.loads(fs.cat_file((killed / "manifest.json").key))["save_id"]
+    fs.rm_file((killed / "manifest.json").key)  # a save killed before its commit
+    fs.pipe_file(marker_for(killed).key, json.dumps({"save_id": save_id, "started": 0.0}).encode())
+
+    class EndpointConnectionError(Exception):  # (what botocore raises for a dropped connection)
+        pass
+
+    real = killed.fs.cat_file
+
+    def dropped(path: str, *args: Any, **kwargs: Any) -> Any:
+        if str(path).endswith(marker_for(killed).name):
+            raise EndpointConnectionError("Could not connect to the endpoint URL")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(killed.fs, "cat_file", dropped)  # (fsspec keeps one file system per store and options)
+    assert tdcp.CheckpointRotation(url, storage_options=options).resume(ckpt).step == 1
 
 
 def test_a_users_object_the_store_reads_as_a_version_is_no_entry(s3: Any) -> None:

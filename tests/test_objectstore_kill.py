@@ -100,3 +100,23 @@ def test_kill_during_an_incremental_save_keeps_the_previous_checkpoint(  # type:
     save(3)  # incremental from step 1 again; cleans the killed prefix
     assert not list_objects(killed)
     assert [e.step for e in rotation.entries()] == [1, 3] and loads_exactly(rotation.latest(), 3)
+
+
+@pytest.mark.parametrize("replaced", ["incremental", "damaged"])
+def test_a_save_killed_while_retiring_the_checkpoint_it_replaces_is_swept(s3, replaced: str) -> None:  # type: ignore[no-untyped-def]
+    """Killed after the replaced checkpoint's manifest went, before its objects: the marker named the new save and the
+    replaced one, but not the saves an incremental checkpoint's kept chunk objects come from, nor (the replaced one a
+    damaged checkpoint, no save id to read) the saves its objects carry: the next sweep left the prefix, and every
+    save to it was refused ("holds 7 object(s) but no valid manifest.json"). The marker now names them."""
+    url = s3.url()
+    _child(s3, url, 2, f"retire_{replaced}", TDCP_CHUNK_BYTES=str(1 << 20))
+    killed = resolve_path(f"{url}/A", s3.storage_options)
+    left = list_objects(killed)
+    assert left and "manifest.json" not in left
+    if replaced == "incremental":
+        assert any(n.endswith(".distcp") and not n.endswith(("_0.distcp", "_shared.distcp")) for n in left), left
+    ckpt = tdcp.DistributedCheckpoint(state=state(3), storage_options=s3.storage_options)
+    ckpt.save(f"{url}/other")  # the sweep of the parent prefix
+    assert not list_objects(killed)
+    ckpt.save(f"{url}/A")
+    assert float(_load_step(s3, f"{url}/A")) == 3.0

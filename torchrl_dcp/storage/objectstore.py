@@ -83,6 +83,8 @@ def list_objects(path: StorePath) -> dict[str, dict[str, Any]]:
     fs.invalidate_cache(path.key)
     try:
         entries = fs.ls(path.key, detail=True)
+        if len(entries) == 1 and entries[0].get("type") == "file" and _hides_prefix(fs):
+            entries = _under_an_object(fs, path.key)
     except FileNotFoundError:
         check_bucket(path)  # (a typo in the bucket's name is no empty prefix: a resume would start fresh)
         return {}
@@ -103,6 +105,28 @@ def list_objects(path: StorePath) -> dict[str, dict[str, Any]]:
             continue
         out[name] = e
     return out
+
+
+def _hides_prefix(fs: Any) -> bool:
+    """Whether ``fs`` lists a key that is an object and a prefix as the object alone (fsspec's in-memory store;
+    S3, GCS and Azure list the prefix's objects)."""
+    return type(fs).__name__ == "MemoryFileSystem" and isinstance(getattr(fs, "store", None), dict)
+
+
+def _under_an_object(fs: Any, key: str) -> list[dict[str, Any]]:
+    """What an in-memory store holds under ``key/`` (objects, and sub-prefixes as directories), as ``ls`` would list
+    it if no object sat at ``key`` itself (:func:`_hides_prefix`)."""
+    root = "/" + key.strip("/") + "/"
+    found: dict[str, dict[str, Any]] = {}
+    for name, obj in list(fs.store.items()):
+        if name.startswith(root):
+            head, _, rest = name[len(root) :].partition("/")
+            entry = root + head
+            if rest:
+                found.setdefault(entry, {"name": entry, "size": 0, "type": "directory"})
+            else:
+                found[entry] = {"name": entry, "size": obj.size, "type": "file"}
+    return list(found.values())
 
 
 def listed_child(path: StorePath, name: str) -> StorePath | None:

@@ -107,8 +107,16 @@ class ObjectStoreLocation(Location):
         try:
             objectstore_save.refuse_an_object_at(self.path)
             found = list_objects(self.path)
-            if found and not (MANIFEST not in found and objectstore_save.swept_next(self.path, found)):
-                objectstore_save.replaced_save(self.path, found)  # (a killed save's prefix: swept first)
+            if not found:
+                return None
+            if MANIFEST not in found:  # (a killed save's prefix: the save's sweep removes it first)
+                try:
+                    if objectstore_save.swept_next(self.path, found):
+                        return None
+                except CheckpointError as err:  # the store did not answer: nothing said ahead (the save will)
+                    logger.info("%s: whether a save may replace it is not known now: %s", self.path, err)
+                    return None
+            objectstore_save.replaced_save(self.path, found)
         except CheckpointError as err:
             return err.message
         return None

@@ -65,7 +65,7 @@ from torchrl_dcp.storage.objectstore import (
     upload_pieces,
 )
 from torchrl_dcp.storage.proven import ChunkIdentity
-from torchrl_dcp.storage.urls import StorePath, copy_object, delete_objects
+from torchrl_dcp.storage.urls import StorePath, copy_object, delete_objects, store_error
 from torchrl_dcp.storage.writer import plan_layout
 
 logger = get_logger(__name__)
@@ -114,20 +114,48 @@ _MARKER_MAX = 64 << 10
 
 
 def _marker_saves(marker: StorePath) -> tuple[set[str], set[str]] | None:
-    """``(saves, kept_from)`` a marker names (``None``: not a marker this library wrote): the save it announces and
-    the save of the checkpoint it replaces (``replaces``), whose objects a killed or failed retirement leaves; and the
-    saves whose chunk files that save may have copied from its incremental base (``kept_from``)."""
+    """``(saves, kept_from)`` a marker names (``None``: no marker there, or not one this library wrote): the save it
+    announces and the saves of the checkpoint it replaces (``replaces``: the committed one's, or those a damaged one's
+    objects carry), whose objects a killed or failed retirement leaves; and the saves whose chunk files may lie there
+    (``kept_from``: what the save may copy from its incremental base, and the replaced checkpoint's kept chunks).
+
+    Raises:
+        CheckpointError: the store failed to answer (a 503, a dropped connection): never read as "no marker".
+    """
     try:
-        body = loads_json(marker.fs.cat_file(marker.key, start=0, end=_MARKER_MAX))
-    except (OSError, ValueError):
+        raw = marker.fs.cat_file(marker.key, start=0, end=_MARKER_MAX)
+    except FileNotFoundError:
+        return None
+    except Exception as err:  # noqa: BLE001 - s3fs lets a dropped connection out as botocore's own error
+        raise store_error(err, "reading a pending marker", marker) from None
+    try:
+        body = loads_json(raw)
+    except ValueError:
         return None
     if not isinstance(body, dict) or not _is_save_id(body.get("save_id")):
         return None
-    kept = body.get("kept_from")
+    replaces, kept = body.get("replaces"), body.get("kept_from")
+    replaced = replaces if isinstance(replaces, list) else [replaces]
     return (
-        {body["save_id"], *([body["replaces"]] if _is_save_id(body.get("replaces")) else [])},
+        {body["save_id"], *(s for s in replaced if _is_save_id(s))},
         {s for s in kept if _is_save_id(s)} if isinstance(kept, list) else set(),
     )
+
+
+def _data_trailers(target: StorePath, found: dict[str, dict[str, Any]]) -> dict[str, str] | None:
+    """``{data object: the save its identity trailer names}`` under ``target``; ``None`` when anything there is no
+    library object, or a data object carries no trailer."""
+    if foreign_objects(target, found):
+        return None
+    names = sorted(n for n in found if is_data_file(n))  # (the manifest, its shards and .metadata carry none)
+    sizes = [int(found[n].get("size") or 0) for n in names]
+    if any(size < TRAILER_SIZE for size in sizes):
+        return None
+    spans = [(target / n, size - TRAILER_SIZE, TRAILER_SIZE) for n, size in zip(names, sizes)]
+    tails = map_pieces(spans, lambda i, data: read_identity(bytes(data)), concurrency())
+    if any(t is None for t in tails):
+        return None
+    return {n: t[0] for n, t in zip(names, tails)}
 
 
 def _left_by(
@@ -136,17 +164,9 @@ def _left_by(
     """Whether every object under ``target`` is one the saves ``saves`` write (``None``: any save): library names
     only, each data file ending with one of those saves' identity trailer, or, for a chunk file, that of a save in
     ``kept_from`` (copied from the incremental base)."""
-    if foreign_objects(target, found):
-        return False
-    names = sorted(n for n in found if is_data_file(n))  # (the manifest, its shards and .metadata carry none)
-    sizes = [int(found[n].get("size") or 0) for n in names]
-    if any(size < TRAILER_SIZE for size in sizes):
-        return False
-    spans = [(target / n, size - TRAILER_SIZE, TRAILER_SIZE) for n, size in zip(names, sizes)]
-    tails = map_pieces(spans, lambda i, data: read_identity(bytes(data)), concurrency())
-    return all(
-        t is not None and (saves is None or t[0] in saves or (is_chunk_file(n) and t[0] in kept_from))
-        for n, t in zip(names, tails)
+    trailers = _data_trailers(target, found)
+    return trailers is not None and all(
+        saves is None or save in saves or (is_chunk_file(n) and save in kept_from) for n, save in trailers.items()
     )
 
 
@@ -166,7 +186,11 @@ def sweep(parent: StorePath) -> list[str]:
             continue
         entry = name[1 : -len(PENDING)]
         marker, target = listed_child(parent, name), listed_child(parent, entry)  # (None: a name no save makes)
-        named = None if marker is None or target is None or entry.startswith(".") else _marker_saves(marker)
+        try:
+            named = None if marker is None or target is None or entry.startswith(".") else _marker_saves(marker)
+        except CheckpointError as err:  # (a 503: the marker is read again by the next save)
+            logger.warning("left %s/%s alone for now: %s", parent, name, err)
+            continue
         if named is None or target is None:
             logger.warning(
                 "left %s/%s alone: not a marker torchrl_dcp writes (remove it if it is not yours)", parent, name
@@ -194,7 +218,11 @@ def sweep(parent: StorePath) -> list[str]:
 
 def swept_next(destination: StorePath, found: dict[str, dict[str, Any]]) -> bool:
     """Whether the next save's sweep (:func:`sweep`) removes ``destination`` (holding ``found``, no manifest): a
-    killed save's prefix, named by its pending marker, every object proven that save's."""
+    killed save's prefix, named by its pending marker, every object proven that save's.
+
+    Raises:
+        CheckpointError: the store failed to answer.
+    """
     named = _marker_saves(marker_for(destination))
     return named is not None and _left_by(destination, found, *named)
 
@@ -230,20 +258,28 @@ def refuse_an_object_at(destination: StorePath) -> None:
         )
 
 
-def replaced_save(destination: StorePath, found: Collection[str]) -> str | None:
-    """The save id of the checkpoint a save to ``destination`` (holding the objects ``found``) replaces; a
-    :class:`CheckpointError` when it holds anything a save may not replace (a user's objects, beside a checkpoint or
-    alone). ``None``: a damaged checkpoint of ours, replaced as well."""
+def replaced_save(destination: StorePath, found: dict[str, dict[str, Any]]) -> tuple[list[str], set[str]]:
+    """``(saves, kept chunks' origins)`` of the checkpoint a save to ``destination`` (holding the objects ``found``)
+    replaces: its save and the saves its kept chunk objects come from, or, for a damaged checkpoint of ours (replaced
+    as well), the saves its data objects' identity trailers name: what a marker names so that the next sweep proves
+    what a killed retirement leaves. A :class:`CheckpointError` when it holds anything a save may not replace (a
+    user's objects, beside a checkpoint or alone)."""
     container = ObjectStoreContainer(destination)
-    replaces, listed = None, None
+    replaces: list[str] = []
+    origins: set[str] = set()
+    listed = None
     try:
         manifest = container.manifest()
-        replaces, listed = manifest.get("save_id"), manifest["files"]
+        replaces, listed = [manifest["save_id"]] if manifest.get("save_id") else [], manifest["files"]
+        origins = {rec["origin"] for rec in listed.values() if isinstance(rec.get("origin"), str)}
     except CheckpointError as err:
         # a damaged checkpoint of ours (its manifest there and ours, every data object a save's) is replaced
         # (and holds data objects: a user's own manifest.json and .metadata are no evidence a save wrote them)
         ours = container.root_damaged(err) and any(is_data_file(n) for n in found)
-        if not (ours and _left_by(destination, found, None)):
+        trailers = _data_trailers(destination, found) if ours else None
+        if trailers is not None:
+            replaces = sorted(set(trailers.values()))
+        else:
             raise CheckpointError(
                 f"holds {len(found)} object(s) but no valid {MANIFEST}: not a torchrl_dcp checkpoint; refusing to "
                 "overwrite it (choose another path, or delete the objects)",
@@ -256,7 +292,7 @@ def replaced_save(destination: StorePath, found: Collection[str]) -> str | None:
             "save elsewhere",
             path=destination,
         )
-    return replaces
+    return replaces, origins
 
 
 def begin(destination: StorePath, save_id: str, kept_from: Collection[str] = ()) -> None:
@@ -266,12 +302,11 @@ def begin(destination: StorePath, save_id: str, kept_from: Collection[str] = ())
     refuse_an_object_at(destination)
     sweep(destination.parent)
     found = list_objects(destination)
-    replaces = replaced_save(destination, found) if found else None
-    # the marker names the replaced checkpoint's save too: a retirement that fails or is killed half-way leaves
-    # objects of that save, which the next sweep then proves and removes
-    body = json.dumps(
-        {"save_id": save_id, "started": time.time(), "replaces": replaces, "kept_from": sorted(set(kept_from))}
-    ).encode()
+    replaces, origins = replaced_save(destination, found) if found else ([], set())
+    # the marker names the replaced checkpoint's saves too: a retirement that fails or is killed half-way leaves
+    # objects of those saves (its kept chunks: of their origins), which the next sweep then proves and removes
+    kept = sorted({*kept_from, *origins})
+    body = json.dumps({"save_id": save_id, "started": time.time(), "replaces": replaces, "kept_from": kept}).encode()
     if len(body) > _MARKER_MAX:  # (a base of chunk files kept over thousands of saves: proven by hand, if killed)
         body = json.dumps({"save_id": save_id, "started": time.time(), "replaces": replaces}).encode()
     marker_for(destination).fs.pipe_file(marker_for(destination).key, body)
