@@ -282,6 +282,19 @@ def _global_python_zeros(objs: dict[str, Any]) -> None:
     objs["rng"].state_dict = forged
 
 
+def _global_has_gauss_2(objs: dict[str, Any]) -> None:
+    """torchrl's ``GlobalRNGState`` (NumPy's ``get_state()`` tuple) with a ``has_gauss`` of 2."""
+    real = objs["rng"].state_dict
+
+    def forged() -> dict[str, Any]:
+        state = real()
+        kind, keys, pos, _, gauss = state["numpy"]
+        state["numpy"] = (kind, keys, pos, 2, gauss)
+        return state
+
+    objs["rng"].state_dict = forged
+
+
 def _zeros_but_position(words: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(words)
     out[-1] = words[-1]
@@ -327,7 +340,9 @@ STATE_FORGERIES: dict[str, tuple[Callable[[], dict[str, Any]], Callable[[dict[st
         False,
     ),
     "Python stream of zeros": (_rng, _rng_words("python", _zeros_but_position), r"all zeros", True),
-    "Python stream of zeros (GlobalRNGState)": (_global_rng, _global_python_zeros, r"all zeros", True),
+    # (GlobalRNGState's payload is the generic state-dict adapter's: verify, which knows no object, cannot tell)
+    "Python stream of zeros (GlobalRNGState)": (_global_rng, _global_python_zeros, r"all zeros", False),
+    "NumPy has_gauss 2 (GlobalRNGState)": (_global_rng, _global_has_gauss_2, r"has_gauss 2", False),
     "NumPy key past 32 bits": (_rng, _rng_words("numpy", lambda k: k + (1 << 32)), r"outside 32 bits", True),
     "Python pending Gaussian infinite": (_rng, _rng_words("python gauss", float("inf")), r"Gaussian of inf", True),
     "torch state of 100 bytes": (

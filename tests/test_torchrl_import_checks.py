@@ -133,3 +133,75 @@ def test_honest_torchrl_checkpoints_of_checked_components_still_load(tmp_path: P
     differences = tdcp.state_differences(tdcp.state_snapshot(rb), tdcp.state_snapshot(live_rb))
     assert not [d for d in differences if "_last_cursor" not in d.path]  # (torchrl's dump leaves the last cursor out)
     assert not tdcp.state_differences(tdcp.state_snapshot(optim), tdcp.state_snapshot(live_optim))
+
+
+def test_a_state_our_format_cannot_hold_is_restored_as_torchrl_restores_it(tmp_path: Path) -> None:
+    """A scheduler built with NumPy milestones (its ``state_dict``'s ``Counter`` keyed by ``np.int64``): the checks
+    re-encode the state in our format, which refused the keys (a save-time ``EncodingError`` on a load). The generic
+    adapter checks kinds only: such a state goes to the object's ``load_state_dict``, as before the checks."""
+    import numpy as np
+
+    def build() -> tuple[torch.optim.Optimizer, Any]:
+        optim = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+        return optim, torch.optim.lr_scheduler.MultiStepLR(optim, milestones=np.array([2, 4]), gamma=0.5)
+
+    optim, sched = build()
+    for _ in range(3):
+        optim.step()
+        sched.step()
+    path = Checkpoint(optim=optim, sched=sched).save(tmp_path / "c")
+    live_optim, live = build()
+    tdcp.DistributedCheckpoint(optim=live_optim, sched=live).load(path)
+    assert live.last_epoch == 3 and live.get_last_lr() == sched.get_last_lr()
+
+
+@pytest.mark.parametrize("into", ["GlobalRNGState", "RNGState"])
+@pytest.mark.parametrize("edit", ["numpy has_gauss 2", "python gauss an int"])
+def test_rng_values_no_generator_holds_are_refused(tmp_path: Path, into: str, edit: str) -> None:
+    path = Path(Checkpoint(rng=GlobalRNGState()).save(tmp_path / "c"))
+
+    def forge(node: Any) -> None:  # "python": (3, words, gauss); "numpy": (kind, keys, pos, has_gauss, gauss)
+        items = {key["value"]: value for key, value in node["items"]}
+        if edit == "numpy has_gauss 2":
+            items["numpy"]["items"][3].update(value=2)
+        else:
+            items["python"]["items"][2].update(value=7)
+
+    _edit_json(path, "components/*rng/state.json", forge)
+    live = GlobalRNGState() if into == "GlobalRNGState" else tdcp.RNGState()
+    with pytest.raises(tdcp.CheckpointIntegrityError, match="has_gauss|gauss values"):
+        tdcp.DistributedCheckpoint(rng=live).load(path)
+
+
+@pytest.mark.parametrize("value", [1, 0.5])
+def test_a_capturable_group_of_a_number_onto_cpu_parameters_is_refused(tmp_path: Path, value: float) -> None:
+    """``capturable`` 1 or 0.5 (torch's step reads any truthy value as capturable, and asserts on CPU parameters):
+    only ``True`` was compared with the parameters' device."""
+    _, saved = _adam(3, 2)
+    path = Path(Checkpoint(optim=saved).save(tmp_path / "c"))
+    (state,) = path.glob("components/*/state.json")
+    text = state.read_text()
+    forged = text.replace(
+        '"capturable"},{"kind":"value","value":false}', f'"capturable"}},{{"kind":"value","value":{value}}}'
+    )
+    assert forged != text
+    state.write_text(forged)
+    _, live = _adam(3, 2)
+    with pytest.raises(tdcp.IncompatibleComponentError, match="is capturable"):
+        tdcp.DistributedCheckpoint(optim=live).load(path)
+
+
+def test_a_sampler_without_replacement_that_never_sampled_loads(tmp_path: Path) -> None:
+    """torchrl writes its ``_sample_list`` (``None``) as a non-tensor entry of the sampler's folder, which the import
+    called "unexpected nested entry" (an honest checkpoint refused as malformed)."""
+    from torchrl.data import SamplerWithoutReplacement
+
+    def build() -> TensorDictReplayBuffer:
+        return TensorDictReplayBuffer(storage=LazyTensorStorage(10), sampler=SamplerWithoutReplacement(), batch_size=2)
+
+    rb = build()
+    rb.extend(TensorDict({"x": torch.arange(5.0)}, [5]))
+    path = Checkpoint(rb=rb).save(tmp_path / "c")
+    live = build()
+    tdcp.DistributedCheckpoint(rb=live).load(path)
+    assert live[:]["x"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0] and live._sampler._sample_list is None

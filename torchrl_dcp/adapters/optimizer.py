@@ -241,7 +241,8 @@ def _check_constructible(optimizer: torch.optim.Optimizer, saved: Any, name: str
         return
     accepts = inspect.signature(cls).parameters
     for i, (group, live) in enumerate(zip(saved["param_groups"], optimizer.param_groups)):
-        if group.get("capturable") is True and live.get("params"):
+        flag = group.get("capturable")  # (a number is what torch's step reads it as: 1 or 0.5 captures too)
+        if (flag is True or (type(flag) in (int, float) and flag)) and live.get("params"):
             _check_capturable(live["params"], i, cls.__name__, name)
         options = {k: v for k, v in group.items() if k in accepts and k != "params" and not _holds_spec(v)}
         if all(_same_option(live.get(k, ...), v) for k, v in options.items()):

@@ -66,8 +66,11 @@ def resolve_adapter(obj: Any, local: Mapping[type, Adapter] | None = None) -> Ad
 
 
 def adapter_by_id(adapter_id: str) -> Adapter | None:
-    """The registered (or built-in fallback) adapter whose ``adapter_id`` is ``adapter_id``, if any."""
+    """The registered (or built-in fallback) adapter whose ``adapter_id`` is ``adapter_id``, if any: one of the class
+    that names it. A subclass that inherits its parent's id (``TorchrlGlobalRNGAdapter``, the Trainer's adapters:
+    the generic state-dict payload) is never taken for every state saved under that id: what it checks of its own
+    objects' states (GlobalRNGState's streams) holds for them only, and is run where such an object is registered."""
     for adapter in (*_REGISTRY.values(), StateDictAdapter(), JSONAdapter()):
-        if adapter.adapter_id == adapter_id:
+        if adapter.adapter_id == adapter_id and "adapter_id" in vars(type(adapter)):
             return adapter
     return None

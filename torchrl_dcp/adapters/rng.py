@@ -227,15 +227,10 @@ class RNGStateAdapter(Adapter):
     def check_saved(self, saved: Any) -> None:
         """What ``random.getstate()`` and ``np.random.get_state()`` return, and nothing else."""
         py, npst = saved["python"], saved["numpy"]
-        if py["version"] not in (2, 3) or _spec_shape(py["state"]) != (625,):
-            raise ValueError(f"Python RNG state of version {py['version']!r}, {_spec_shape(py['state'])} words")
-        if npst["kind"] != "MT19937" or _spec_shape(npst["keys"]) != (624,) or not 0 <= npst["pos"] <= 624:
-            raise ValueError(f"NumPy RNG state of kind {npst['kind']!r} at position {npst['pos']!r}")
-        if npst["has_gauss"] not in (0, 1):
-            raise ValueError(f"NumPy RNG has_gauss {npst['has_gauss']!r}")
-        gauss = py.get("gauss")  # random.getstate()'s: a float, or None when no gauss() value is pending
-        if gauss is not None and type(gauss) is not float or type(npst.get("gauss")) is not float:
-            raise ValueError(f"RNG gauss values {gauss!r}, {npst.get('gauss')!r} (floats, or None for Python's)")
+        check_stream_layout(
+            (py["version"], _spec_shape(py["state"]), py.get("gauss")),
+            (npst["kind"], _spec_shape(npst["keys"]), npst["pos"], npst["has_gauss"], npst.get("gauss")),
+        )
 
     def check_values(self, saved: Any, read: Any) -> None:
         """Each saved stream is one its generator takes and can have reached: set on a scratch generator of its kind
@@ -255,6 +250,21 @@ class RNGStateAdapter(Adapter):
         (state,) = states.values()
         reseed_global_streams(state["torch"], ctx)
         return None
+
+
+def check_stream_layout(python: tuple[Any, Any, Any], numpy: tuple[Any, Any, Any, Any, Any]) -> None:
+    """``python`` ``(version, shape of its words, gauss)`` and ``numpy`` ``(kind, shape of its keys, pos, has_gauss,
+    gauss)`` are what ``random.getstate()`` and ``np.random.get_state()`` return (raises ``ValueError``)."""
+    version, words, gauss = python
+    kind, keys, pos, has_gauss, np_gauss = numpy
+    if version not in (2, 3) or words != (625,):
+        raise ValueError(f"Python RNG state of version {version!r}, {words} words")
+    if kind != "MT19937" or keys != (624,) or type(pos) is not int or not 0 <= pos <= 624:
+        raise ValueError(f"NumPy RNG state of kind {kind!r} at position {pos!r}")
+    if has_gauss not in (0, 1) or type(has_gauss) not in (int, bool):
+        raise ValueError(f"NumPy RNG has_gauss {has_gauss!r}")
+    if gauss is not None and type(gauss) is not float or type(np_gauss) is not float:  # (Python's: None when none)
+        raise ValueError(f"RNG gauss values {gauss!r}, {np_gauss!r} (floats, or None for Python's)")
 
 
 def check_stream_values(saved: Any, read: Any) -> None:
@@ -296,6 +306,16 @@ class TorchrlGlobalRNGAdapter(StateDictAdapter):
     default_placement = "per_rank"
     restore_last = True
     can_reshard = True
+
+    def check_saved(self, saved: Any) -> None:
+        """What :meth:`RNGStateAdapter.check_saved` checks, on ``GlobalRNGState.state_dict()``'s layout."""
+        try:
+            version, words, gauss = saved["python"]
+            kind, keys, pos, has_gauss, np_gauss = saved["numpy"]
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"its RNG state is not what GlobalRNGState.state_dict() holds ({err})") from None
+        shape = _spec_shape(words) if hasattr(words, "shape") else (len(words),)
+        check_stream_layout((version, shape, gauss), (kind, _spec_shape(keys), pos, has_gauss, np_gauss))
 
     def check_values(self, saved: Any, read: Any) -> None:
         """What :meth:`RNGStateAdapter.check_values` checks, on ``GlobalRNGState.state_dict()``'s layout: Python's

@@ -378,6 +378,9 @@ def read_memmap_folder(box: TorchrlContainer, folder: str, *, flat: bool = False
         if key in META_KEYS:
             continue
         check_entry_name(key, box.where(meta_name))
+        if entry == {"type": "NonTensorData"}:  # (a None: a sampler without replacement that never sampled)
+            out[key] = _none_entry(box, f"{folder}/{key}")
+            continue
         if isinstance(entry, dict) and "dtype" not in entry:  # a nested tensordict: its own folder
             if flat:
                 raise CheckpointFormatError(f"unexpected nested entry {key!r}", path=box.where(meta_name))
@@ -390,6 +393,24 @@ def read_memmap_folder(box: TorchrlContainer, folder: str, *, flat: bool = False
         member = f"{folder}/{key}.memmap"
         out[key] = tensor_from_bytes(box.read(member), dtype, shape, box.where(member))
     return out
+
+
+#: what tensordict writes for a ``None`` entry (``NonTensorData(None)``), in the entry's own folder
+_NONE_ENTRY = {"_type": "<class 'tensordict.tensorclass.NonTensorData'>", "data": None, "_is_non_tensor": True}
+
+
+def _none_entry(box: TorchrlContainer, folder: str) -> None:
+    """A non-tensor entry of a memory-map folder, read when it holds ``None`` (any other value is refused: it would be
+    built by the class its ``meta.json`` names)."""
+    meta_name = f"{folder}/meta.json"
+    meta = box.read_json(meta_name)
+    if not (isinstance(meta, dict) and {k: meta.get(k) for k in _NONE_ENTRY} == _NONE_ENTRY):
+        raise CheckpointFormatError(
+            "a non-tensor entry other than None: torchrl_dcp reads tensors and None from a torchrl checkpoint's "
+            "memory-map folders",
+            path=box.where(meta_name),
+        )
+    return None
 
 
 def zip_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, limit: int, where: str) -> bytes:
