@@ -120,8 +120,9 @@ def _resume(rotation: Any, ckpt: Any, fallback: bool, load_kwargs: dict[str, Any
             rotation._shared_sequence = max(rotation._shared_sequence, known)  # (a shared save after it: later)
             counted = _counted_step(ckpt, step)
             rotation._last_step, rotation._last_time = counted, time.monotonic()
-            if counted != step:  # (a Trainer whose counters the load left out: its run goes on from its frames)
-                rotation.local.forget_after(ckpt, counted)
+            # this run is recorded with the parts it saves (the step it goes on from: a Trainer whose counters the
+            # load left out goes on from its frames), and newer steps are an abandoned future
+            rotation.local.forget_after(ckpt, counted)
             return ResumeInfo(step, path, result, tier)
 
         info = local_resume(candidates[0][::2] if candidates else None)
