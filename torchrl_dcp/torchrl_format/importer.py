@@ -219,8 +219,13 @@ def _check_as_saved(reg: Any, state: Any, name: str, where: Any, result: LoadRes
         ) from None
     try:
         adapter.validate(reg.value, {0: view}, reg.make_ctx(saved_world_size=1, source_rank=0))
+    except (CheckpointFormatError, CheckpointIntegrityError):  # damaged or forged: never skipped (strict)
+        raise
     except IncompatibleComponentError as err:
         result.incompatible[name] = err.message
+        return False
+    except Exception as err:  # (as our loads say it: the live object cannot take the state)
+        result.incompatible[name] = f"cannot be loaded: {type(err).__name__}: {err}"
         return False
     return True
 
