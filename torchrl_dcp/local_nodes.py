@@ -82,8 +82,9 @@ def newest_complete(
     runs = {tuple(part[5]) for parts in held for part in parts if part[5] is not None}
     found: dict[tuple[int, str, int], dict[int, list[int]]] = {}
     for holder, parts in enumerate(held):
-        for step, owner, save_id, shared_sequence, saved_at, _ in parts:
-            if (step, save_id, owner, layout.nodes[holder]) in refused or abandoned(step, saved_at, runs):
+        for step, owner, save_id, shared_sequence, saved_at, run in parts:
+            own = None if run is None else tuple(run)
+            if (step, save_id, owner, layout.nodes[holder]) in refused or abandoned(step, saved_at, runs, own):
                 continue
             found.setdefault((step, save_id, shared_sequence), {}).setdefault(owner, []).append(holder)
     complete = [key for key, owners in found.items() if sorted(owners) == list(range(world))]
@@ -93,15 +94,22 @@ def newest_complete(
     return step, save_id, found[(step, save_id, shared_sequence)], shared_sequence
 
 
-def abandoned(step: int, saved_at: float | None, runs: Iterable[tuple[int, float]]) -> bool:
-    """Whether a part of ``step`` saved at ``saved_at`` is an abandoned future: a later run (one of ``runs``, the
-    runs that saved the parts found anywhere: ``(step resumed, when)``) resumed an older step after it was saved.
-    Such a run rolled back past it (it could not reach the part, or chose an older step): the part's node may come
-    back with it, but the job went on from elsewhere. Compares clocks: the nodes' (within seconds of each other,
-    as NTP keeps them) against the time between a run's last save and the next run's resume.
+def abandoned(
+    step: int, saved_at: float | None, runs: Iterable[tuple[int, float]], own: tuple[int, float] | None = None
+) -> bool:
+    """Whether a part of ``step`` saved at ``saved_at`` by the run ``own`` is an abandoned future: another, later run
+    (one of ``runs``, the runs that saved the parts found anywhere: ``(step resumed, when)``) resumed an older step
+    after it was saved. Such a run rolled back past it (it could not reach the part, or chose an older step): the
+    part's node may come back with it, but the job went on from elsewhere. Compares clocks: the nodes' (within
+    seconds of each other, as NTP keeps them) against the time between a run's last save and the next run's resume;
+    never a part's own run's (its ranks' clocks may differ by more than its first save took).
 
     Example:
         >>> abandoned(12, 100.0, [(8, 160.0)]), abandoned(10, 170.0, [(8, 160.0)]), abandoned(12, None, [(8, 160.0)])
         (True, False, False)
+        >>> abandoned(12, 159.9, [(8, 160.0)], own=(8, 160.0))  # (its own run's rank 0 a little ahead)
+        False
     """
-    return saved_at is not None and any(at > saved_at and resumed < step for resumed, at in runs)
+    return saved_at is not None and any(
+        (resumed, at) != own and at > saved_at and resumed < step for resumed, at in runs
+    )

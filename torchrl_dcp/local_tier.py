@@ -148,7 +148,7 @@ class LocalTier:
         entry ``(step, its manifest's sequence)``, is newer (:func:`~torchrl_dcp.local_records.local_is_newer`)."""
         held = self._held(identity)
         runs = {p.resumed for p in held if p.resumed is not None}
-        held = [p for p in held if not abandoned(p.step, p.saved_at, runs)]  # (what this node tells of later runs)
+        held = [p for p in held if not abandoned(p.step, p.saved_at, runs, p.resumed)]  # (this node's word of runs)
         if not held:
             return None
         newest = max(held, key=lambda p: (p.step, -p.rank))
