@@ -19,7 +19,7 @@ import copy
 import datetime
 import os
 import warnings
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NoReturn
@@ -33,32 +33,26 @@ from torchrl_dcp.adapters.modules import warn_networks_left_out
 from torchrl_dcp.adapters.trainer import trainer_placement
 from torchrl_dcp.arguments import (
     check_component_options,
-    check_json,
-    check_step,
     check_strict,
     check_timeout,
 )
 from torchrl_dcp.async_save import AsyncSaver, SaveHandle
-from torchrl_dcp.collective import run_agreed
+from torchrl_dcp.collective import refused_on_every_rank, run_agreed
 from torchrl_dcp.errors import TorchrlDcpWarning
 from torchrl_dcp.format.layout import COMPONENT_NAME, is_component_name
-from torchrl_dcp.format.manifest_depth import MAX_DEPTH
-from torchrl_dcp.incremental import incremental_base, share_base
-from torchrl_dcp.json_values import metadata_values
 from torchrl_dcp.load_engine import LoadResult, Strictness
 from torchrl_dcp.load_plan import Registered
 from torchrl_dcp.placement import Placement, check_placement
 from torchrl_dcp.replicas import ReplicaCheck
 from torchrl_dcp.replicas import check_mode as check_replica_mode
+from torchrl_dcp.save_prepare import prepare_save
 from torchrl_dcp.settings import check_environment
-from torchrl_dcp.storage.backends import save_location
 from torchrl_dcp.storage.urls import resolve_path
 from torchrl_dcp.torchrl_format import is_torchrl_checkpoint
 from torchrl_dcp.trainer_binding import (
     TRAINER_MARKER,
     bind_trainer,
     note_trainer_load,
-    register_op_hooks,
     sync_trainer,
 )
 
@@ -376,7 +370,7 @@ class DistributedCheckpoint:
         """
         self._settle_async()
         with collection_paused(self.components), gc_paused():
-            job = self._prepare_save(path, step, metadata, components, component_options, incremental_from)
+            job = prepare_save(self, path, step, metadata, components, component_options, incremental_from)
             job.sequence = commit_sequence
             return save_engine.run(job)
 
@@ -438,8 +432,8 @@ class DistributedCheckpoint:
         self._settle_async()
         with collection_paused(self.components) as paused:  # (until the state is staged)
             with gc_paused():
-                job = self._prepare_save(
-                    path, step, metadata, components, component_options, incremental_from,
+                job = prepare_save(
+                    self, path, step, metadata, components, component_options, incremental_from,
                     stage=lambda f: self._async.stage(f, stage_memmap=stage_memmap),
                 )  # fmt: skip
             job.sequence = commit_sequence
@@ -459,86 +453,7 @@ class DistributedCheckpoint:
         """Raise ``err``, an argument this rank refused before its save (a rotation's step), after taking part in the
         save's first exchange as a rank that failed: the other ranks, in their save, raise naming this rank."""
         group = self._group()
-        _refused_on_every_rank(group, err, lambda fail: save_engine.plan(group, fail))
-
-    def _prepare_save(
-        self,
-        path: str | os.PathLike,
-        step: int | None,
-        metadata: Mapping[str, Any] | None,
-        components: Collection[str] | None,
-        component_options: Mapping[str, CheckpointOptions] | None,
-        incremental_from: str | os.PathLike | None = None,
-        stage: Any = None,
-    ) -> save_engine.SaveJob:
-        """Steps 1-2 of a save (encode, plan, chunks kept from an incremental base), and staging for async saves.
-
-        Collective. With ``stage`` (async saves), each rank stages only the tensors and
-        chunk rows it will write.
-        """
-        group = self._group()
-        rank, world = _dist.group_rank(group), _dist.group_size(group)
-        try:  # the arguments, checked at the call: refused on one rank, on every rank (or the others would wait)
-            check_environment()  # a bad TDCP_* value fails here, whichever step would read it
-            register_op_hooks(getattr(self, "_solo_of", self))  # a bound Trainer's hooks that only register_op reaches
-            location = save_location(path, self.storage_options)  # a URL: an object-store prefix (docs/objectstores.md)
-            several = _dist.group_size(group) > 1
-            names = self._select(components, self.save_components, some_ranks=several)
-            # (options for another rank's per-rank component: left out here; refused where no rank registered it)
-            elsewhere = set(component_options or ()) - set(self._components) if several else ()
-            options = check_component_options(component_options, names, "saved", elsewhere=elsewhere)
-            step = check_step(step)  # before anything is written: the manifest records an integer (or null)
-            # (numpy and 0-d tensor scalars as numbers; nested as deep as the manifest holding it may be)
-            metadata = metadata_values(metadata, MAX_DEPTH - 1)
-        except Exception as err:
-            _refused_on_every_rank(group, err, lambda fail: save_engine.plan(group, fail))
-        given = step
-        if step is None and type(metadata.get("step")) is int:  # (rank 0's metadata is the one recorded)
-            step = metadata["step"]
-
-        def encode_step() -> save_engine.Encoded:
-            if rank == 0:  # rank 0's metadata is the one recorded (another rank's mean over no episode may be NaN)
-                check_json(metadata, "metadata")
-            items = [
-                save_engine.EncodeItem(
-                    n,
-                    self._components[n].value,
-                    self._adapter(n),
-                    self._components[n].placement,
-                    self._ctx(n, options.get(n)),
-                )
-                for n in names
-            ]
-            return save_engine.encode(items, rank)
-
-        checks = {n: self._components[n].replica_check or self.replica_check for n in names}
-        chosen = components if components is not None else self.save_components
-        call = {  # what every rank passes alike (layouts compared): the selection too, where per-rank components
-            "path": str(location.path),  # one rank lacks are saved as absent on it
-            "step": given,
-            "components": None if chosen is None else sorted(chosen),
-        }
-        encoded, write_plan = save_engine.plan(group, encode_step, checks, call, component_options or ())
-        job = save_engine.SaveJob(location.path, location, step, metadata, encoded, write_plan, group, rank, world)
-        try:
-            base = incremental_base(incremental_from, location, self.storage_options)
-            base_info = share_base(group, base, rank, before=location.sweep_before_save)  # (before any proof)
-            if base_info is None:  # nothing to check in a base: local views only, no exchange
-                save_engine.plan_chunks(job, None, stage is not None)
-            else:
-                job.kept_from = base_info.origins
-                run_agreed(
-                    group,
-                    "planning the chunk files",
-                    lambda: save_engine.plan_chunks(job, base_info, stage is not None),
-                    monitored=False,
-                )
-            if stage is not None:
-                run_agreed(group, "staging the state", lambda: _stage_share(job, stage), monitored=False)
-        except BaseException:
-            encoded.settle(None)
-            raise
-        return job
+        refused_on_every_rank(group, err, lambda fail: save_engine.plan(group, fail))
 
     # ------------------------------------------------------------------ load
     def load(
@@ -622,7 +537,7 @@ class DistributedCheckpoint:
             elsewhere = set(component_options or ()) - set(self._components) if _dist.group_size(group) > 1 else ()
             options = check_component_options(component_options, requested, "loaded", elsewhere=elsewhere)
         except Exception as err:
-            _refused_on_every_rank(
+            refused_on_every_rank(
                 group, err, lambda fail: run_agreed(group, "validating the checkpoint", fail, alike=lambda d: d)
             )
         return load_engine.LoadRequest(
@@ -672,30 +587,3 @@ def _warn_if_option_typo(name: str, value: Any) -> None:
             TorchrlDcpWarning,
             stacklevel=3,
         )
-
-
-def _stage_share(job: save_engine.SaveJob, stage: Any) -> None:
-    """Async saves: copy into host buffers what this rank writes (everything, for DCP's writer)."""
-    encoded, write_plan = job.encoded, job.plan
-    mine = set(write_plan.share(job.rank)) if write_plan.backend == "fast" else set(encoded.flat)
-    todo = {k: t for k, t in encoded.flat.items() if k in mine}
-    todo.update({f"chunk:{f}": rows for f, rows in job.chunk_rows.items() if rows is not None})
-    staged, job.stage_event = stage(todo)
-    encoded.flat = {k: staged.get(k, t) for k, t in encoded.flat.items()}  # the others are never read
-    job.chunk_rows = {f: None if rows is None else staged[f"chunk:{f}"] for f, rows in job.chunk_rows.items()}
-
-
-def _refused_on_every_rank(group: Any, err: BaseException, join: Callable[[Callable[[], Any]], Any]) -> NoReturn:
-    """Raise ``err``, an argument this rank refused at the call, after taking part in the call's first exchange as
-    a rank that failed (``join(fail)``): the other ranks, already in it, raise naming this rank, instead of waiting
-    for it (and pairing with its next call: every later save and load then failed)."""
-    if group is not None and _dist.group_size(group) > 1:
-
-        def fail() -> Any:
-            raise err
-
-        try:
-            join(fail)
-        except BaseException:  # noqa: BLE001 - this rank's own error is raised, as a single process raises it
-            pass
-    raise err

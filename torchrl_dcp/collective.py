@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import zlib
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from torchrl_dcp import _dist
 from torchrl_dcp.errors import CheckpointError, CollectiveError
@@ -217,3 +217,19 @@ def differing_steps(steps: list[int], where: str) -> CheckpointError:
         "the same step (a count every rank shares: the iteration, or frames summed over the ranks); "
         "nothing was saved"
     )
+
+
+def refused_on_every_rank(group: Any, err: BaseException, join: Callable[[Callable[[], Any]], Any]) -> NoReturn:
+    """Raise ``err``, an argument this rank refused at the call, after taking part in the call's first exchange as
+    a rank that failed (``join(fail)``): the other ranks, already in it, raise naming this rank, instead of waiting
+    for it (and pairing with its next call: every later save and load then failed)."""
+    if group is not None and _dist.group_size(group) > 1:
+
+        def fail() -> Any:
+            raise err
+
+        try:
+            join(fail)
+        except BaseException:  # noqa: BLE001 - this rank's own error is raised, as a single process raises it
+            pass
+    raise err
