@@ -76,3 +76,42 @@ def test_a_resume_whose_entry_is_pruned_meanwhile_lists_again_and_takes_the_newe
         warnings.simplefilter("error", tdcp.TorchrlDcpWarning)  # no "damaged", no "starting fresh"
         info = tdcp.CheckpointRotation(tmp_path).resume(tdcp.DistributedCheckpoint(no_dist=True, policy=live))
     assert info is not None and info.step == 2 and bool((live.weight == 2.0).all())
+
+
+def _at_listing(monkeypatch: pytest.MonkeyPatch, action: Callable[[], Any]) -> None:
+    """Run ``action`` once, while the load's validation lists the checkpoint's directory (before it reads data)."""
+    from torchrl_dcp.storage import directory
+
+    real, done = directory.DirectoryContainer._listing, []
+
+    def listing(self: Any, files: Any) -> Any:
+        if not done:
+            done.append(action())
+        return real(self, files)
+
+    monkeypatch.setattr(directory.DirectoryContainer, "_listing", listing)
+
+
+@pytest.mark.parametrize("when", [_at_listing, _meanwhile], ids=["validation", "read"])
+def test_a_checkpoint_removed_at_any_point_of_its_load_is_said_to_be_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: Callable[..., None]
+) -> None:
+    """Removed while the validation listed its directory, it was a bare ``CheckpointError("validating the checkpoint
+    failed: FileNotFoundError ...")``, and a resume stopped there instead of listing its entries again."""
+    rotation = tdcp.CheckpointRotation(tmp_path, keep_last=3)
+    for step in (1, 2):
+        rotation.save(tdcp.DistributedCheckpoint(no_dist=True, policy=_policy(float(step))), step=step)
+    newest = rotation.latest()
+    assert newest is not None
+    when(monkeypatch, lambda: shutil.rmtree(newest))
+    live = _policy(-1.0)
+    with pytest.raises(tdcp.CheckpointReplacedError, match="was removed while this load read it"):
+        tdcp.DistributedCheckpoint(no_dist=True, policy=live).load(newest)
+    assert bool((live.weight == -1.0).all())
+
+    rotation.save(tdcp.DistributedCheckpoint(no_dist=True, policy=_policy(3.0)), step=3)
+    newest = rotation.latest()
+    monkeypatch.undo()
+    when(monkeypatch, lambda: shutil.rmtree(newest))  # the entry a resume picks: pruned by another job meanwhile
+    info = tdcp.CheckpointRotation(tmp_path).resume(tdcp.DistributedCheckpoint(no_dist=True, policy=live))
+    assert info is not None and info.step == 1 and bool((live.weight == 1.0).all())

@@ -60,7 +60,6 @@ from torchrl_dcp.errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointIntegrityError,
-    CheckpointNotFoundError,
     CheckpointReplacedError,
     CollectiveError,
     IncompatibleComponentError,
@@ -623,7 +622,9 @@ def load(request: LoadRequest) -> LoadResult:
             rollback_refused(planned_changes(load_plan), err)
             raise
         restore(src, request, load_plan, result)  # 6. restore
-    except (CheckpointIntegrityError, CheckpointNotFoundError, CheckpointFormatError) as err:
+    except CheckpointError as err:  # (a file gone is wrapped as it was met: the validation's listing, a read)
+        if isinstance(err, CollectiveError) and getattr(err, "failed_rank", None) is None:
+            raise  # the exchange itself failed (a rank dead or stuck): that is what the error says
         replaced = replaced_meanwhile(request.path, result.manifest, err)
         if replaced is None:
             raise
