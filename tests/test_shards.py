@@ -12,6 +12,7 @@ import os
 import pickle
 import re
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -389,10 +390,14 @@ def test_a_sealed_manifest_naming_no_save_is_refused(tmp_path: Path) -> None:
             action()
 
 
-@pytest.mark.parametrize("field,value", [("rank", 0.0), ("rank", False), ("format_version", 7.0)])
-def test_a_shard_spelling_its_rank_or_version_as_another_type_is_refused(tmp_path: Path, field: str, value) -> None:
+@pytest.mark.parametrize(
+    "field,value",
+    [("rank", 0.0), ("rank", False), ("format_version", 7.0), ("entries", 0), ("entries", False), ("entries", {})],
+)
+def test_a_shard_spelling_a_field_as_another_type_is_refused(tmp_path: Path, field: str, value) -> None:
     """Probe n5: a shard naming its rank ``0.0`` or ``false`` (or its version ``7.0``), resealed, was taken for rank
-    0 (``0.0 == 0``): no save writes one."""
+    0 (``0.0 == 0``): no save writes one. Probe t2: ``entries`` of ``0`` or ``false`` passed for no entries, then
+    failed every reader with a bare ``TypeError`` (``assemble`` extends a list with it)."""
     from torchrl_dcp.format.manifest import dumps, seal
     from torchrl_dcp.storage.filesums import file_checksum
 
@@ -409,9 +414,19 @@ def test_a_shard_spelling_its_rank_or_version_as_another_type_is_refused(tmp_pat
         root, {0: {"size": (path / shard_name(0)).stat().st_size, "checksum": file_checksum(path / shard_name(0))}}
     )
     (path / "manifest.json").write_bytes(dumps(seal(root)))
-    for action in (lambda: tdcp.verify(path), lambda: ckpt.load(path)):
+    forged = tmp_path / "forged.zip"  # the same files in an archive (what an archive holds: stored members)
+    with zipfile.ZipFile(forged, "w", zipfile.ZIP_STORED) as z:
+        for f in sorted(os.listdir(path)):
+            z.write(path / f, f)
+    archive, directory = tmp_path / "c.zip", tmp_path / "d"
+    readers = [lambda p: tdcp.verify(p), lambda p: ckpt.load(p), lambda p: tdcp.read_manifest(p)]
+    for source, action in [(s, r) for s in (path, forged) for r in readers] + [
+        (path, lambda p: tdcp.to_archive(p, archive)),
+        (forged, lambda p: tdcp.to_directory(p, directory)),
+    ]:
         with pytest.raises(tdcp.CheckpointError, match=re.escape(shard_name(0))):
-            action()
+            action(source)
+    assert not archive.exists() and not directory.exists()
 
 
 def test_a_resealed_root_without_a_components_totals_is_refused_by_every_reader(tmp_path: Path, capsys) -> None:

@@ -147,7 +147,7 @@ def check_shard(raw: Any, root: Mapping[str, Any], rank: int, source: Any) -> di
     files = (
         root["files"] if version != SHARD_VERSION else ChainMap(_own_files(raw, root, rank, source, bad), root["files"])
     )
-    check_entries(entries or [], files, own, bad)
+    check_entries([] if entries is None else entries, files, own, bad)  # (0 or false: no list)
     chunks = raw.get("chunks")
     if not isinstance(chunks, dict) or not all(k in own for k in chunks):
         raise bad("chunks may only name this rank's tensors")
