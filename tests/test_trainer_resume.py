@@ -155,6 +155,44 @@ def test_trainer_load_from_file_imports_what_torchrls_trainer_saved(tmp_path: Pa
 _ATTRS = ["loss_module", "optimizer", "replay_buffer", "target_net_updater", "collector"]
 
 
+@pytest.mark.parametrize(
+    "component,key,forged",
+    [
+        ("trainer_state", "collected_frames", -5),
+        ("trainer_state", "collected_frames", 1.5),
+        ("trainer_state", "_optim_count", "x"),
+        ("trainer_module.count_frames_log", "frame_count", -1),
+    ],
+)
+def test_a_forged_counter_in_a_torchrl_trainer_checkpoint_is_refused_as_in_ours(
+    tmp_path: Path, component: str, key: str, forged: Any
+) -> None:
+    """Probe t4: our format refuses a Trainer counter that is no count (``TrainerStateAdapter.validate``, the hooks'
+    likewise); the same value in a ``torchrl.checkpoint`` checkpoint (JSON, no checksums) was imported silently."""
+    import json
+
+    from torchrl.trainers import CountFramesLog
+
+    def with_counter(directory: Path, **kw: Any) -> Any:
+        trainer = build("iql", directory, **kw)[0]
+        CountFramesLog(frame_skip=1).register(trainer)
+        return trainer
+
+    theirs = with_counter(tmp_path / "theirs", torchrl_checkpoint=True)
+    theirs.train()
+    path = tmp_path / "forged"
+    shutil.copytree(theirs.checkpoint_rotation.latest(), path)
+    (state_file,) = path.glob(f"components/*-{component}/state.json")
+    state = json.loads(state_file.read_text())
+    (entry,) = [v for k, v in state["items"] if k["value"] == key]
+    entry["value"] = forged
+    state_file.write_text(json.dumps(state))
+    ours = with_counter(tmp_path / "ours")
+    with pytest.raises(tdcp.IncompatibleComponentError, match=f"{component}.*{key}"):
+        ours.load_from_file(path)
+    assert ours.collected_frames == 0 and ours._optim_count == 0  # nothing restored
+
+
 def test_load_from_file_of_a_torchrl_checkpoint_names_what_it_leaves_as_it_is(tmp_path: Path) -> None:
     """torchrl's checkpoint holds no state for the hooks we register ourselves (a ``RewardNormalizer`` registered
     through ``register_op`` only): the import left it fresh without a word, and training went on differently."""

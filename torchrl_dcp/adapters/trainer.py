@@ -199,7 +199,9 @@ class TrainerStateAdapter(StateDictAdapter):
         ('_greedy_last_frames',)
     """
 
-    state_is_state_dict = False
+    #: what ``torchrl.checkpoint`` saves (``trainer_state``'s ``state_dict()``) is a state of ours without the extra
+    #: attributes (restored as saved, the attributes left as they are): an import runs the counters' checks on it
+    state_is_state_dict = True
 
     def state(self, obj: Any, ctx: AdapterContext) -> Any:
         trainer = getattr(obj, "trainer", None)
@@ -250,7 +252,9 @@ class TrainerHookAdapter(StateDictAdapter):
     default_placement = "per_rank"
     can_reshard = True
 
-    state_is_state_dict = False
+    #: what ``torchrl.checkpoint`` saves of a hook (its ``state_dict()``) is a state of ours without the lazy
+    #: attributes, env generators and monitor entry (each left as it is): an import runs the counters' checks on it
+    state_is_state_dict = True
 
     def state(self, obj: Any, ctx: AdapterContext) -> Any:
         state = _with_attributes(super().state(obj, ctx), obj, _attributes_of(obj, LAZY_HOOK_ATTRIBUTES))
@@ -388,6 +392,9 @@ class BufferHookAdapter(TrainerHookAdapter):
 
     key = BUFFER_KEY
     allocates_when_planned = True  # the buffer's storage, as the replay buffer's
+    #: torchrl's ``state_dict`` of such a hook says nothing the checks could read before: checked once restored
+    #: (:meth:`_check_restored`, rolled back if it fails)
+    state_is_state_dict = False
     reshard_shares_out = True  # (its transitions, as the replay buffer's)
 
     def __init__(self) -> None:
