@@ -102,6 +102,14 @@ def _ranks_named_in_a_subgroup(learners: Any, directory: str, rank: int) -> list
         ckpt.load(f"{directory}/counter")
     except tdcp.CheckpointError as err:
         said.append(str(err))
+    # probe t1: steps (and so save paths) differing between the ranks, said as bare group ranks
+    for kw in ({"preemption_signals": ("SIGUSR1",)}, {}):  # (decided together; decided alone, then the save)
+        rotation = tdcp.CheckpointRotation(f"{directory}/steps-{len(said)}", every_steps=1, **kw)
+        try:
+            rotation.maybe_save(tdcp.DistributedCheckpoint(process_group=learners, timeout=30, n={"n": 1}), 7 + rank)
+        except tdcp.CheckpointError as err:
+            said.append(str(err))
+        rotation.close()
     return said
 
 

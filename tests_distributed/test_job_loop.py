@@ -88,9 +88,11 @@ def test_a_subgroup_saves_and_loads_while_another_rank_works_alone(tmp_path: Pat
     assert all(r.value["later_groups"] for r in results)  # groups made by every rank afterwards: no deadlock
     assert tdcp.read_manifest(tmp_path / "world")["world_size"] == 3
     # errors name a group's ranks with their global ranks (said "rank 1" of global rank 2, where global 1 is another)
-    differs, restore = learners[0]["named"]
+    differs, restore, steps, layouts = learners[0]["named"]
     assert "differs between rank 0 (global rank 1) and rank 1 (global rank 2)" in differs, differs
     assert "rank 1 (global rank 2) failed while restoring components" in restore, restore
+    assert "rank 1 (global rank 2) passed step 9, rank 0 (global rank 1) step 8" in steps, steps
+    assert "rank 0 (global rank 1) saves" in layouts and "rank 1 (global rank 2) {" in layouts, layouts
     # probe c2: a rank new_group left out passed its placeholder (an int): "must be a ProcessGroup, got int"
     assert "rank 0 is not a member of the process_group given" in results[0].value["outsider"]
 

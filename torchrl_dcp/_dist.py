@@ -430,7 +430,7 @@ def _sealed(obj: Any, kind: str, phase: str) -> tuple[str, str, str, Any]:
     return (_TAG, kind, phase, obj)
 
 
-def _opened(items: list[Any], kind: str, phase: str, ranks: list[int] | None = None) -> list[Any]:
+def _opened(items: list[Any], kind: str, phase: str, group: Any, ranks: list[int] | None = None) -> list[Any]:
     """The objects of ``items`` (from ranks ``ranks``, default 0, 1, ...), each checked to belong to an exchange of
     ``kind``: a rank at another checkpoint exchange (one rank saving while another loads, one retrying what another
     gave up) sent something else, which would be read as garbage; every rank raises naming it instead."""
@@ -440,7 +440,8 @@ def _opened(items: list[Any], kind: str, phase: str, ranks: list[int] | None = N
         if not (isinstance(item, tuple) and len(item) == 4 and item[0] == _TAG and item[1] == kind):
             other = item[2] if isinstance(item, tuple) and len(item) == 4 and item[0] == _TAG else "another exchange"
             raise CollectiveError(
-                f"rank {rank} was at another checkpoint exchange ({other}) than this rank ({phase}): every rank must "
+                f"rank {ranks_named(group, str(rank))} was at another checkpoint exchange ({other}) than this rank "
+                f"({phase}): every rank must "
                 "call save, load, resume and the rotation's calls alike and in the same order; nothing was committed"
             )
         out.append(item[3])
@@ -457,7 +458,7 @@ def all_gather(
     _barrier_unless_inside(monitored, group, phase)
     out: list[Any] = [None] * dist.get_world_size(group)
     _collective(lambda: dist.all_gather_object(out, _sealed(obj, kind, phase), group=group), phase, group)
-    return _opened(out, kind, phase)
+    return _opened(out, kind, phase, group)
 
 
 def gather_to_0(
@@ -468,7 +469,7 @@ def gather_to_0(
     _barrier_unless_inside(monitored, group, phase)
     out: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
     _collective(lambda: dist.gather_object(_sealed(obj, kind, phase), out, group=group, group_dst=0), phase, group)
-    return None if out is None else _opened(out, kind, phase)
+    return None if out is None else _opened(out, kind, phase, group)
 
 
 def any_rank(flags: list[bool], group: Any, phase: str = "agreeing") -> list[bool]:
@@ -502,7 +503,7 @@ def scatter_from_0(
     box: list[Any] = [None]
     sent = [_sealed(o, kind, phase) for o in objs] if dist.get_rank(group) == 0 and objs is not None else None
     _collective(lambda: dist.scatter_object_list(box, sent, group=group, group_src=0), phase, group)
-    return _opened(box, kind, phase, [0])[0]
+    return _opened(box, kind, phase, group, [0])[0]
 
 
 def agree(flags: list[bool], digest: int, group: Any, phase: str, *, monitored: bool = True) -> tuple[list[bool], bool]:
@@ -536,4 +537,4 @@ def broadcast_from_0(
     _barrier_unless_inside(monitored, group, phase)
     box = [_sealed(obj, kind, phase)]
     _collective(lambda: dist.broadcast_object_list(box, group=group, group_src=0), phase, group)
-    return _opened(box, kind, phase, [0])[0]
+    return _opened(box, kind, phase, group, [0])[0]

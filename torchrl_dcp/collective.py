@@ -203,17 +203,19 @@ def broadcast_step(
     return value
 
 
-def differing_steps(steps: list[int], where: str) -> CheckpointError:
-    """The error of a collective call whose ranks passed different ``steps`` (by rank): it names the first rank
-    that differs from rank 0.
+def differing_steps(steps: list[int], where: str, group: Any = None) -> CheckpointError:
+    """The error of a collective call whose ranks passed different ``steps`` (by rank of ``group``): it names the
+    first rank that differs from rank 0 (with its global rank, in a subgroup).
 
     Example:
         >>> print(differing_steps([20, 20, 23], "maybe_save").message.split(":")[1])
          rank 2 passed step 23, rank 0 step 20
     """
     rank = next(r for r, s in enumerate(steps) if s != steps[0])
+    named = _dist.ranks_named(group, str(rank)) if group is not None else str(rank)
+    first = _dist.ranks_named(group, "0") if group is not None else "0"
     return CheckpointError(
-        f"{where}: rank {rank} passed step {steps[rank]}, rank 0 step {steps[0]}: every rank must pass "
+        f"{where}: rank {named} passed step {steps[rank]}, rank {first} step {steps[0]}: every rank must pass "
         "the same step (a count every rank shares: the iteration, or frames summed over the ranks); "
         "nothing was saved"
     )

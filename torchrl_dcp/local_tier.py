@@ -215,7 +215,7 @@ class LocalTier:
 
         written = run_step(group, f"saving step {step} to the local tier {self.path}", write)
         if any(s != step for _, s in written):  # ranks of other steps: their parts are never committed together
-            raise differing_steps([s for _, s in written], f"local tier {self.path}")
+            raise differing_steps([s for _, s in written], f"local tier {self.path}", group)
         save_id = written[0][0]
         for r in (rank, *sources):  # every part and replica is durable: this node records what it holds
             try:

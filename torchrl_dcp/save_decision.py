@@ -86,7 +86,7 @@ def decide(rotation: Any, ckpt: Any, step: Any) -> SaveDecision:
                 raise
         raise refused  # type: ignore[misc]
     if not same:  # (the steps decide a save: ranks of other steps would take other decisions)
-        raise differing_steps(_dist.all_gather(step, group, phase, monitored=False, kind="steps"), "maybe_save")
+        raise differing_steps(_dist.all_gather(step, group, phase, monitored=False, kind="steps"), "maybe_save", group)
     return SaveDecision(step, due or by_time, preempted, signalled)
 
 

@@ -328,7 +328,7 @@ def _plan_gathered(group: Any, held: list[Any], error: BaseException | None, rec
     for name, (placement, adapter, version) in absent.items():  # (another rank's per-rank component: held as none)
         skeleton = copy.deepcopy(ABSENT_SKELETON)
         records[name] = ComponentRecord(adapter, version, placement, skeleton, {})  # (``records``: this rank's own)
-    compare_layouts(with_absent(layouts))
+    compare_layouts(with_absent(layouts), group)
     refuse_unregistered(layouts)
     compare_replicas([replicas for _, replicas, _ in gathered], group)
     return plan_writes([infos for infos, _, _ in gathered])
@@ -393,29 +393,30 @@ def refuse_unregistered(layouts: list[dict[str, Any]]) -> None:
         )
 
 
-def compare_layouts(layouts: list[dict[str, Any]]) -> None:
+def compare_layouts(layouts: list[dict[str, Any]], group: Any = None) -> None:
     """Raise the same :class:`CheckpointError` on every rank when the ranks' :func:`save_layout` differ, naming the
-    first rank that differs from rank 0 and what."""
-    first = layouts[0]
-    for rank, layout in enumerate(layouts):
+    first rank that differs from rank 0 (of ``group``, with its global rank in a subgroup) and what."""
+    first, zero = layouts[0], _dist.ranks_named(group, "0") if group is not None else "0"
+    for r, layout in enumerate(layouts):
+        rank = _dist.ranks_named(group, str(r)) if group is not None else str(r)
         if layout["chunking"] != first["chunking"]:
             (a, b), (c, d) = first["chunking"], layout["chunking"]
             raise CheckpointError(
                 f"the ranks do not save alike: they cut large tensors into chunk files of different sizes (TDCP_CHUNK_BYTES={a} and "
-                f"TDCP_MIN_CHUNKED_BYTES={b} on rank 0, {c} and {d} on rank {rank}): set these variables alike on "
+                f"TDCP_MIN_CHUNKED_BYTES={b} on rank {zero}, {c} and {d} on rank {rank}): set these variables alike on "
                 "every rank (in the launcher's environment, for every node), or on none; nothing was written"
             )
         if (layout["call"], layout["components"]) == (first["call"], first["components"]):
             continue
         why = []
         if layout["call"] != first["call"]:
-            why.append(f"rank 0 saves {first['call']}, rank {rank} {layout['call']}")
+            why.append(f"rank {zero} saves {first['call']}, rank {rank} {layout['call']}")
         a, b = first["components"], layout["components"]
-        for r, x, y in ((0, a, b), (rank, b, a)):
+        for who, x, y in ((zero, a, b), (rank, b, a)):
             if set(x) - set(y):
-                why.append(f"components only on rank {r}: {sorted(set(x) - set(y))}")
+                why.append(f"components only on rank {who}: {sorted(set(x) - set(y))}")
         why += [
-            f"component {n!r} is {a[n][0]} ({a[n][1]} v{a[n][2]}) on rank 0, {b[n][0]} ({b[n][1]} v{b[n][2]}) on rank {rank}"
+            f"component {n!r} is {a[n][0]} ({a[n][1]} v{a[n][2]}) on rank {zero}, {b[n][0]} ({b[n][1]} v{b[n][2]}) on rank {rank}"
             for n in sorted(set(a) & set(b))
             if a[n] != b[n]
         ]
