@@ -334,14 +334,19 @@ def test_background_failure_raises_at_the_next_call(tmp_path: Path, monkeypatch:
         ckpt.async_save(tmp_path / "b")
 
 
+@pytest.mark.parametrize("spelt", ["as saved", "through a link"])
 def test_another_checkpoints_load_of_a_path_being_saved_waits_for_that_save(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spelt: str
 ) -> None:
     """A checkpoint without a process group loaded the path another checkpoint's async save was replacing without
     waiting for it: it restored the checkpoint being replaced, silently (docs: a load waits for a save in flight, of
-    this checkpoint or of another in the process). It now waits for a save in flight to the path it loads."""
+    this checkpoint or of another in the process). It now waits for a save in flight to the path it loads, however
+    it is spelt (probe t1: ``ckpts -> scratch``, the load of ``ckpts/P`` did not wait for the save to ``scratch/P``)."""
+    (tmp_path / "scratch").mkdir()
+    (tmp_path / "ckpts").symlink_to(tmp_path / "scratch")
+    loaded = tmp_path / ("scratch" if spelt == "as saved" else "ckpts") / "P"
     writer = tdcp.DistributedCheckpoint(no_dist=True, state={"w": torch.zeros(3)})
-    writer.save(tmp_path / "P", step=0)
+    writer.save(tmp_path / "scratch" / "P", step=0)
     release = threading.Event()
     original = W.write_share
 
@@ -351,10 +356,10 @@ def test_another_checkpoints_load_of_a_path_being_saved_waits_for_that_save(
 
     monkeypatch.setattr(W, "write_share", slow)
     writer.components["state"]["w"].fill_(5.0)
-    handle = writer.async_save(tmp_path / "P", step=1)
+    handle = writer.async_save(tmp_path / "scratch" / "P", step=1)
     threading.Timer(0.3, release.set).start()
     live = {"w": torch.ones(3)}
-    result = tdcp.DistributedCheckpoint(no_dist=True, state=live).load(tmp_path / "P")
+    result = tdcp.DistributedCheckpoint(no_dist=True, state=live).load(loaded)
     assert handle.done() and result.step == 1 and torch.equal(live["w"], torch.full((3,), 5.0))
 
 

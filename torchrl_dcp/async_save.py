@@ -32,6 +32,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import contextlib
+import os
 import threading
 import weakref
 from collections.abc import Callable, Mapping
@@ -140,6 +141,18 @@ def _report_at_exit() -> None:
 
 atexit.register(_report_at_exit)
 threading._register_atexit(_report_at_exit)  # type: ignore[attr-defined]  # (fork children: see the docstring)
+
+
+def _location_key(path: Any) -> str:
+    """What names one location however it is spelt: a local path with its links resolved (``ckpts/c`` through
+    ``ckpts -> /scratch/ckpts`` is ``/scratch/ckpts/c``), a URL as it is.
+
+    Example:
+        >>> _location_key("s3://bucket/run/c")
+        's3://bucket/run/c'
+    """
+    text = str(path)
+    return text if "://" in text else os.path.realpath(text)
 
 
 class AsyncSaver:
@@ -332,10 +345,10 @@ class AsyncSaver:
         """Wait until the background saves of this process's other checkpoints to ``path`` are done (a load of a path
         being saved reads what that save commits, never the checkpoint it replaces), their outcome left to their own
         next call. Any group, or none: a load waits for nothing else of theirs."""
-        target = str(path)
+        target = _location_key(path)
         for other in list(_IN_FLIGHT):
             handle = other._pending
-            if other is not self and handle is not None and str(handle.path) == target:
+            if other is not self and handle is not None and _location_key(handle.path) == target:
                 concurrent.futures.wait([handle._future])
 
     def release(self) -> None:
