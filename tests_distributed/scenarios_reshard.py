@@ -184,6 +184,12 @@ def _kind_buffer(kind: str, capacity: int = 20):
         return ReplayBuffer(
             storage=TensorStorage(TensorDict(fresh, [capacity])), writer=TensorDictRoundRobinWriter(), batch_size=4
         )
+    if kind == "preallocated_unwritten":  # (rows the user allocated without the "index" a first write adds)
+        from torchrl.data import TensorStorage
+
+        return TensorDictReplayBuffer(
+            storage=TensorStorage(TensorDict({"id": torch.full((capacity,), -1)}, [capacity]))
+        )
     if kind == "observation_norm":  # (a transform not verified exact in a buffer: warned at save and at load)
         from torchrl.envs.transforms import ObservationNorm
 
@@ -211,7 +217,12 @@ def _kind_data(kind: str, rank: int) -> TensorDict:
 def save_kind_shards(path: str, kind: str) -> dict[str, Any]:
     """Every rank a buffer of ``kind`` with 6 transitions (ids ``100 * rank + i``)."""
     rank = dist.get_rank()
-    rb = _kind_buffer(kind, {"generations": 4, "preallocated": 8}.get(kind, 20))
+    rb = _kind_buffer(kind, {"generations": 4, "preallocated": 8, "preallocated_unwritten": 8}.get(kind, 20))
+    if kind == "preallocated_unwritten":  # rank 0 has not written yet (its rows lack the "index" entry)
+        if rank == 1:
+            rb.extend(TensorDict({"id": torch.arange(3) + 100}, [3]))
+        tdcp.DistributedCheckpoint(buffer=rb).save(path)
+        return {}
     if kind == "preallocated":
         rb.extend(TensorDict({"id": torch.arange(6) + 100 * rank, "index": torch.zeros(6, dtype=torch.long)}, [6]))
         tdcp.DistributedCheckpoint(buffer=rb).save(path)
@@ -228,7 +239,7 @@ def load_kind_resharded(path: str, kind: str, live: str) -> dict[str, Any]:
     """Reshard into a buffer of ``kind``; ``live``: what the buffer is or holds before the load."""
     from torchrl.data import ListStorage, TensorDictReplayBuffer
 
-    rb = _kind_buffer(kind, 16 if kind == "preallocated" else 20)
+    rb = _kind_buffer(kind, 16 if kind.startswith("preallocated") else 20)
     if live == "list":
         rb = TensorDictReplayBuffer(storage=ListStorage(20), batch_size=4)
     elif live == "extra":
@@ -249,7 +260,7 @@ def load_kind_resharded(path: str, kind: str, live: str) -> dict[str, Any]:
     stored = rb._storage._storage if len(rb) else None
     if stored is not None and "index" in stored.keys():  # (the position a TensorDict writer stores in each row)
         out["index"] = stored["index"][: len(rb)].tolist()
-    if kind == "generations":
+    if kind in ("generations", "preallocated_unwritten"):
         out["ids"] = stored["id"][: len(rb)].tolist()
         out["generations"] = rb._writer.generations_of(torch.arange(len(rb) + 2)).tolist()
     if isinstance(rb._sampler, PrioritizedSampler):

@@ -161,6 +161,12 @@ def test_a_reshard_renumbers_the_rows_index_entries_and_keeps_their_generations(
     launch(f"{S}:save_kind_shards", 2, path, "preallocated")  # counts all 8: the 2 never written are the oldest)
     (r,) = launch(f"{S}:load_kind_resharded", 1, path, "preallocated", "fresh")
     assert r.value["index"] == [-1, -1, *range(2, 8), -1, -1, *range(10, 16)], r.value
+    path = str(tmp_path / "preallocated_unwritten")  # probe t3: one saved rank had not written yet, so its rows
+    launch(f"{S}:save_kind_shards", 2, path, "preallocated_unwritten")  # lacked "index": the reshard was refused
+    (r,) = launch(f"{S}:load_kind_resharded", 1, path, "preallocated_unwritten", "fresh")
+    assert r.value["error"] is None, r.value
+    assert r.value["ids"] == [-1] * 8 + [-1] * 5 + [100, 101, 102], r.value  # (torchrl counts the 8 rows a shard has)
+    assert r.value["index"] == [0] * 8 + [0] * 5 + [13, 14, 15], r.value  # zeros, as torchrl's first write gives
 
 
 def test_transitions_held_back_by_an_n_step_transform_refuse_a_reshard(tmp_path: Path) -> None:

@@ -160,11 +160,12 @@ def check_reshard(rb: ReplayBuffer, saved: dict[int, Any], ctx: AdapterContext) 
         raise IncompatibleComponentError(
             f"component {name!r}: storages with ndim > 1 cannot be resharded (the buffer's has ndim {storage.ndim})"
         )
-    entries = {r: _entries(saved[r]["storage"]) for r in tensors}
+    indexed = all(_writes_index(saved[r]["writer"]) for r in tensors)
+    entries = {r: _entries(saved[r]["storage"], indexed) for r in tensors}
     first = entries[tensors[0]]
     for r in tensors[1:]:
-        if entries[r] != first:
-            differ = sorted(set(entries[r][1]) ^ set(first[1]))
+        if entries[r] != first or _index_specs({q: saved[q] for q in tensors}, indexed) is None:
+            differ = sorted(set(entries[r][1]) ^ set(first[1])) or [(("index",), "", "of other shapes or dtypes")]
             named = ", ".join(f"{'.'.join(k) or '<tensor>'} {list(shape)} {dtype}" for k, shape, dtype in differ[:4])
             raise IncompatibleComponentError(
                 f"component {name!r}: saved ranks {tensors[0]} and {r} hold different storage entries (keys, item "
@@ -195,12 +196,45 @@ def check_reshard(rb: ReplayBuffer, saved: dict[int, Any], ctx: AdapterContext) 
             )
 
 
-def _entries(saved_storage: Mapping[str, Any]) -> tuple[Any, ...]:
+def _entries(saved_storage: Mapping[str, Any], indexed: bool = False) -> tuple[Any, ...]:
+    """A saved storage's kind and entries (key, item shape, dtype); ``indexed`` (every shard's writer stores each
+    row's position in ``"index"``): without that entry, which a storage the user allocated lacks until the buffer's
+    first write (:func:`_index_specs`)."""
     flat = flatten(saved_storage["data"])
     return (
         bool(saved_storage.get("is_tensordict")),
-        tuple(sorted((k, tuple(v.shape[1:]), str(v.dtype)) for k, v in flat.items())),
+        tuple(sorted((k, tuple(v.shape[1:]), str(v.dtype)) for k, v in flat.items() if not (indexed and k == _INDEX))),
     )
+
+
+_INDEX = ("index",)
+
+
+def _index_specs(states: Mapping[int, Any], indexed: bool) -> dict[tuple[str, ...], Any] | None:
+    """``{("index",): (item shape, dtype)}`` when some shards written by a TensorDict writer hold the ``"index"`` entry
+    it adds at its first write and the others (a storage the user allocated, never written) lack it: their rows get
+    zeros, as torchrl's first write allocates them; ``{}`` when there is nothing to add; ``None`` when the shards
+    holding it disagree on its shape or dtype."""
+    if not indexed:
+        return {}
+    found = {
+        (tuple(v.shape[1:]), v.dtype)
+        for state in states.values()
+        if isinstance(state["storage"].get("data"), Mapping)
+        for v in [flatten(state["storage"]["data"]).get(_INDEX)]
+        if isinstance(v, torch.Tensor)
+    }
+    if len(found) > 1:
+        return None
+    return {_INDEX: next(iter(found))} if found else {}
+
+
+def _with_index(rows: Any, specs: Mapping[tuple[str, ...], Any], n: int) -> Any:
+    """``rows`` (``n`` rows of a TensorDict storage) with the writer's ``"index"`` entry as zeros where they lack it."""
+    if not specs or not isinstance(rows, Mapping) or "index" in rows:
+        return rows
+    tail, dtype = specs[_INDEX]
+    return {**rows, "index": torch.zeros((n, *tail), dtype=dtype)}
 
 
 def _check_prioritized_settings(saved: dict[int, Any], name: str) -> None:
@@ -345,6 +379,8 @@ def _received(
     states: dict[int, Any], pieces: list[tuple[int, int, int]], ctx: AdapterContext, consuming: bool = False
 ) -> _Received:
     out = _Received()
+    tensors = {r: st for r, st in states.items() if st["storage"].get("kind") != LIST_KIND}
+    index_specs = _index_specs(tensors, all(_writes_index(st["writer"]) for st in tensors.values())) or {}
     for src, lo, hi in pieces:
         state = states[src]
         positions = _age_order(state)[lo:hi]
@@ -353,6 +389,7 @@ def _received(
             out.datas.append([items[p] for p in positions.tolist()])
         else:
             rows = _map_tree(state["storage"]["data"], lambda t, p=positions: t[p])
+            rows = _with_index(rows, index_specs, len(positions))
             out.datas.append(_renumbered(rows, positions, out.n) if _writes_index(state["writer"]) else rows)
         generations = (state["writer"].get("state") or {}).get("_generation")
         if isinstance(generations, torch.Tensor):  # (a RoundRobinWriter(track_generations=True)'s slot stamps)
