@@ -193,6 +193,29 @@ def test_a_forged_counter_in_a_torchrl_trainer_checkpoint_is_refused_as_in_ours(
     assert ours.collected_frames == 0 and ours._optim_count == 0  # nothing restored
 
 
+def test_a_failed_import_of_a_torchrl_trainer_checkpoint_rolls_back_its_logging_schedule(tmp_path: Path) -> None:
+    """Probe t4: torchrl's ``trainer_state`` holds the Trainer's ``_last_log``; our rollback snapshot keeps it in
+    ``trainer_rank_state`` (never part of an import), so a failed import left the checkpoint's ``_last_log``."""
+    import json
+
+    theirs = build("iql", tmp_path / "theirs", torchrl_checkpoint=True)[0]
+    theirs.train()
+    path = tmp_path / "saved"
+    shutil.copytree(theirs.checkpoint_rotation.latest(), path)
+    (state_file,) = path.glob("components/*-trainer_state/state.json")
+    state = json.loads(state_file.read_text())
+    logged = {"kind": "dict", "items": [[{"kind": "value", "value": "loss"}, {"kind": "value", "value": 32}]]}
+    state["items"] = [  # torchrl's trainer logged at frame 32, and a restore that fails: _optim_count taken out
+        [k, logged if k["value"] == "_last_log" else v] for k, v in state["items"] if k["value"] != "_optim_count"
+    ]
+    state_file.write_text(json.dumps(state))
+    ours = build("iql", tmp_path / "ours")[0]
+    ours._last_log = {"mine": 1}
+    with pytest.raises(tdcp.CheckpointError, match="rolled back"):
+        ours.load_from_file(path)
+    assert ours._last_log == {"mine": 1} and ours.collected_frames == 0
+
+
 def test_load_from_file_of_a_torchrl_checkpoint_names_what_it_leaves_as_it_is(tmp_path: Path) -> None:
     """torchrl's checkpoint holds no state for the hooks we register ourselves (a ``RewardNormalizer`` registered
     through ``register_op`` only): the import left it fresh without a word, and training went on differently."""

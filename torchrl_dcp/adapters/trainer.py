@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from collections.abc import Mapping
@@ -228,6 +229,15 @@ class TrainerStateAdapter(StateDictAdapter):
                     f"component {ctx.name!r}: its stop request is {stop!r} (reason {reason!r}), not a flag and a "
                     "text: no run leaves that; damaged or forged"
                 )
+
+    def snapshot(self, obj: Any, ctx: AdapterContext) -> Any:
+        """The state with the Trainer's ``_last_log`` itself (a save keeps it in ``trainer_rank_state``): a rollback
+        puts it back even where nothing else does (an import of torchrl's ``trainer_state``, which holds it)."""
+        snap = super().snapshot(obj, ctx)
+        if isinstance(snap, Mapping) and snap.get(LAST_LOG_ELSEWHERE) is True:
+            snap = {k: v for k, v in snap.items() if k != LAST_LOG_ELSEWHERE}
+            snap["_last_log"] = copy.deepcopy(getattr(getattr(obj, "trainer", None), "_last_log", None) or {})
+        return snap
 
     def restore(self, obj: Any, state: Any, ctx: AdapterContext) -> Any:
         state, extra = _split_attributes(state)
