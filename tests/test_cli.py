@@ -310,6 +310,26 @@ def test_inspect_names_where_shared_tensors_are_stored(tmp_path: Path, capsys: p
     assert torch.equal(dest["replicated/policy/weight"], policy.weight)
 
 
+@pytest.mark.parametrize("kind", [[], {}, 3])
+def test_inspect_of_a_node_whose_kind_is_no_name_never_crashes(
+    tmp_path: Path, capsys: pytest.CaptureFixture, kind: object
+) -> None:
+    """Probe t2: a resealed state node with ``"t": []`` (which ``read_manifest`` leaves to a load to refuse) made
+    ``inspect`` crash with "unexpected TypeError: unhashable type" naming no file."""
+    from tests import forging
+
+    path = tdcp.DistributedCheckpoint(stats={"n": {"m": 1}}).save(tmp_path / "c")
+
+    def forge(m: dict) -> None:
+        m["components"]["stats"]["state"]["items"][0][1]["t"] = kind
+
+    forging.edit(path, forge)
+    code, info = run_json(capsys, "inspect", str(path))
+    assert code == 0 and info["components"]["stats"]["shared"] == {}, info
+    with pytest.raises(tdcp.CheckpointError):
+        tdcp.DistributedCheckpoint(stats={"n": {"m": 0}}).load(path)  # a load refuses it
+
+
 # ---------------------------------------------------------------------- conventions of a command-line tool
 def test_version_module_entry_and_global_options(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as stop:

@@ -116,7 +116,7 @@ def _shared_tensors(rec: dict[str, Any]) -> dict[str, str]:
         elif isinstance(node, dict):
             if node.get("t") == "xref":  # (``inspect`` shows what the manifest says, unvalidated: never crash on it)
                 found[where or str(node.get("key", ""))] = f"replicated/{node.get('component')}/{node.get('key')}"
-            elif node.get("t") in MAPPING_NODES and isinstance(node.get("items"), list):
+            elif isinstance(node.get("t"), str) and node["t"] in MAPPING_NODES and isinstance(node.get("items"), list):
                 pairs = (i for i in node["items"] if isinstance(i, list) and len(i) == 2)
                 stack.extend((v, f"{where}/{k}" if where else str(k)) for k, v in pairs)
             else:
