@@ -422,3 +422,24 @@ def test_a_mapping_naming_a_key_twice_is_refused_at_load_and_verify(tmp_path: Pa
     with pytest.raises(tdcp.CheckpointError, match="holds the key '(exp_avg|t)' twice"):
         tdcp.DistributedCheckpoint(optimizer=live).register("stats", {}, placement=placement).load(path)
     assert live.state_dict()["state"] == {}
+
+
+@pytest.mark.parametrize("device", ["not-a-device", "cuda:-1", 0, -1, ["cpu"]])
+def test_a_tensordict_device_no_save_writes_is_refused_before_anything_is_read(tmp_path: Path, device: Any) -> None:
+    """Probe u3: a resealed TensorDict ``device`` that names no device was found only by the restore, after the rows
+    were read in place into the live TensorDict (left holding them); ``0`` loaded and set a device on a TensorDict
+    saved without one."""
+    path = tdcp.DistributedCheckpoint(
+        td=TensorDict({"obs": torch.arange(4.0), "n": {"b": torch.ones(4, 2)}}, [4])
+    ).save(tmp_path / "c")
+
+    def forge(m: dict[str, Any]) -> None:
+        items = m["components"]["td"]["state"]["items"]
+        (entry,) = [e for e in items if e[0] == "device"]
+        entry[1] = device
+
+    forging.edit(path, forge)
+    live = TensorDict({"obs": torch.full((4,), -7.0), "n": {"b": torch.zeros(4, 2)}}, [4])
+    with pytest.raises(tdcp.CheckpointFormatError, match=r"c: component 'td': malformed"):
+        tdcp.DistributedCheckpoint(td=live).load(path)
+    assert torch.equal(live["obs"], torch.full((4,), -7.0)) and live.device is None

@@ -56,6 +56,12 @@ class CheckpointError(_CheckpointErrorBase):
         self.message = message
         self.args = (_text(self.path, self.message),)
 
+    def place(self, path: Any) -> None:
+        """Name ``path`` where the error names no file yet (an adapter's check, which never knows the checkpoint)."""
+        if self.path is None and path is not None:
+            self.path = str(path)
+            self.args = (_text(self.path, self.message),)
+
     def relocate(self, old: str, new: str) -> None:
         """Say ``new`` where the path and the message say ``old`` (a local copy's path, replaced by what it copies:
         an archive in a store a conversion read through this machine's disk)."""

@@ -229,7 +229,8 @@ def plan_components(
                 reg.adapter.validate(reg.value, views, ctx)
                 _take_snapshot(comp)
                 _destinations(comp, views, load_plan, metadata, source)
-            except (CheckpointFormatError, CheckpointIntegrityError):  # damaged or forged: never skipped (strict)
+            except (CheckpointFormatError, CheckpointIntegrityError) as err:  # damaged or forged: never skipped
+                err.place(source)  # (an adapter's check names the component, the load names the checkpoint)
                 raise
             except Exception as err:
                 # (the others: nothing changed them)

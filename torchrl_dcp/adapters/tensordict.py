@@ -128,7 +128,7 @@ def tensordict_from_state(state: dict[str, Any], ctx: AdapterContext | None = No
         return LazyStackedTensorDict(*parts, stack_dim=state["stack_dim"])
     if not isinstance(state, dict) or not isinstance(state.get("entries"), dict):
         raise CheckpointFormatError("malformed TensorDict state")
-    device = state.get("device")
+    device = _saved_device(state.get("device"))
     if device is not None and ctx is not None:
         device = ctx.device_for(device)
     out = TensorDict({}, batch_size=torch.Size(state["batch_size"]), device=device)
@@ -150,6 +150,20 @@ def tensordict_from_state(state: dict[str, Any], ctx: AdapterContext | None = No
         except (RuntimeError, ValueError, TypeError, IndexError) as err:
             raise CheckpointFormatError(f"malformed TensorDict dimension names ({err})") from None
     return out
+
+
+def _saved_device(device: Any) -> str | None:
+    """A saved TensorDict's ``device``: ``None`` or the name of a device, as a save writes it (``str(td.device)``);
+    anything else is refused as malformed (an int was taken for a CUDA index)."""
+    if device is None:
+        return None
+    try:
+        if type(device) is not str:
+            raise TypeError(f"a {type(device).__name__}")
+        torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as err:
+        raise CheckpointFormatError(f"malformed TensorDict device {device!r} ({err}): no save writes it") from None
+    return device
 
 
 def _is_non_tensor(value: Any) -> bool:
@@ -211,7 +225,7 @@ def _on_meta(state: Any) -> Any:
     if type(state) is TensorSpec:
         return torch.empty(state.shape, dtype=state.dtype, device="meta")
     if isinstance(state, dict):
-        return {k: (None if k == "device" else _on_meta(v)) for k, v in state.items()}
+        return {k: (_saved_device(v) and None if k == "device" else _on_meta(v)) for k, v in state.items()}
     if isinstance(state, list):
         return [_on_meta(v) for v in state]
     return state
@@ -236,7 +250,8 @@ def _check_restorable(obj: Any, state: Any, name: str) -> None:
     try:
         new = tensordict_from_state(_on_meta(state))
         _check_stacks(obj, new, name)
-    except CheckpointFormatError:
+    except CheckpointFormatError as err:
+        err.reword(f"component {name!r}: {err.message}")
         raise
     except IncompatibleComponentError:
         raise
