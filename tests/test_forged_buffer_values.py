@@ -102,6 +102,8 @@ def _forge(path: Path, name: str) -> None:
     m = forging.read_parts(path)
     if name == "writer cursor past the rows":
         _writer_cursor(m)
+    elif name == "writer cursor inside the rows":  # (probe u3: the next write overwrote rows 3.. and counted 25..)
+        _value(_state(m), "writer", "state", "_cursor")[1] = 3
     elif name == "max_size not an integer":
         _float_max_size(m)
     elif name == "max-priority index past the capacity":
@@ -138,6 +140,7 @@ def _respell_shard(path: Path, old: str, new: str) -> None:
 
 FORGERIES = [
     "writer cursor past the rows",
+    "writer cursor inside the rows",
     "max_size not an integer",
     "max-priority index past the capacity",
     "last cursor past max_size",

@@ -144,7 +144,7 @@ def _check_saved_storage(storage: Mapping[str, Any]) -> None:
 
 def _check_saved_writer(writer: Any, storage: Mapping[str, Any]) -> None:
     """A saved round-robin or max-value writer's cursor is an int in ``[0, rows)`` (the storage's rows:
-    :func:`row_capacity`), at most the storage's length while the storage was never full, and its write count an int
+    :func:`row_capacity`), the storage's length while the storage was never full, and its write count an int
     ``>= 0``; a max-value writer's heap holds as many ranks as rows: what every save writes (a cursor outside the
     storage would write past its rows; one past the length would make unwritten rows part of the buffer at the next
     write)."""
@@ -157,9 +157,11 @@ def _check_saved_writer(writer: Any, storage: Mapping[str, Any]) -> None:
     if type(cursor) is not int or cursor < 0 or (rows is not None and cursor >= rows):
         raise ValueError(f"its writer's cursor is {cursor!r}, its storage's rows {rows!r} (max_size {max_size!r})")
     one_dim = storage.get("ndim") == 1 and storage.get("kind") != LIST_KIND
-    if one_dim and type(n) is int and type(max_size) is int and n < max_size and cursor > n:
+    if one_dim and type(n) is int and type(max_size) is int and n < max_size and cursor != n:
+        where = "past" if cursor > n else "inside"  # (inside: the next write overwrites rows, and counts new ones)
         raise ValueError(
-            f"its writer's cursor is {cursor}, past the {n} rows of a storage that was never full (max_size {max_size})"
+            f"its writer's cursor is {cursor}, {where} the {n} rows of a storage that was never full (max_size "
+            f"{max_size}): a writer that never filled its storage is at its end"
         )
     if type(write_count) is not int or write_count < 0:
         raise ValueError(f"its writer's write count is {write_count!r}")
