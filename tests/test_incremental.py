@@ -537,6 +537,39 @@ def test_each_open_save_keeps_its_own_record_of_the_rows_written() -> None:
     assert tracker.begin().epoch == "s1"
 
 
+def test_a_write_inside_set_when_a_save_begins_is_the_next_saves_to_write(tmp_path: Path) -> None:
+    """Probe u2: a collector thread inside ``set`` (torchrl stacks a list before writing its first row) when a save
+    began: the rows were marked before the save's record opened, and the write then counted as ours; the save copied
+    the old rows, and the next incremental save kept its chunk file (the old rows, silently)."""
+    import threading
+
+    entered, go = threading.Event(), threading.Event()
+
+    class PausingStorage(LazyTensorStorage):
+        pause = False
+
+        def set(self, cursor: Any, data: Any, *args: Any, **kwargs: Any) -> Any:
+            if PausingStorage.pause:  # (the time torchrl spends before its first leaf is written)
+                entered.set()
+                go.wait(30)
+            return super().set(cursor, data, *args, **kwargs)
+
+    rb = TensorDictReplayBuffer(storage=PausingStorage(256), batch_size=4)
+    fill(rb, 256, 0)
+    ckpt = tdcp.DistributedCheckpoint(buffer=rb)
+    base = ckpt.save(tmp_path / "base")
+    PausingStorage.pause = True
+    writer = threading.Thread(target=lambda: fill(rb, 64, 5000))  # rows 0..63 of the wrapped storage
+    writer.start()
+    assert entered.wait(30)
+    PausingStorage.pause = False
+    during = ckpt.save(tmp_path / "during", incremental_from=base)  # the write lands after this save copied
+    go.set()
+    writer.join()
+    after = ckpt.save(tmp_path / "after", incremental_from=during)  # nothing writing: the live rows
+    assert_same_checkpoint(after, ckpt.save(tmp_path / "full"))
+
+
 def test_buffers_that_swapped_names_are_not_kept_from_each_others_chunks(tmp_path: Path) -> None:
     """Two buffers saved as ``buffer`` and ``aux``, then registered under each other's names: each one's tracker
     said "no row written since that save" (true), and the incremental save kept the base's chunk files of the

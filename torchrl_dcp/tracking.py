@@ -72,11 +72,11 @@ class _TrackedSet:
         self.tracker, self.original = tracker, original
 
     def __call__(self, cursor: Any, data: Any, *args: Any, **kwargs: Any) -> Any:
-        self.tracker.mark(cursor)
+        write = self.tracker.mark(cursor)
         try:
             return self.original(cursor, data, *args, **kwargs)
         finally:
-            self.tracker.wrote()
+            self.tracker.wrote(write)
 
     def __reduce__(self) -> Any:  # a copied or pickled storage gets its class's plain ``set``
         return getattr, (self.tracker.storage, "set")
@@ -94,6 +94,8 @@ class RowTracker:
         self.open: dict[int, torch.Tensor | None] = {}  # a save in progress (its snapshot's token): rows since its call
         self.tokens = 0
         self.versions: Any = None  # leaf versions and torchrl's mutation counter after our last write
+        self.writing: dict[int, Any] = {}  # the cursors of the writes inside ``set`` now (other threads'), by number
+        self.writes = 0
         self.lock = threading.Lock()
 
     def __reduce__(self) -> Any:  # never travels with a copied storage
@@ -105,18 +107,24 @@ class RowTracker:
         self.open = dict.fromkeys(self.open)
 
     # ------------------------------------------------------------------ writes
-    def mark(self, cursor: Any) -> None:
+    def mark(self, cursor: Any) -> int:
+        """Mark the rows a write at ``cursor`` is about to make in every record; returns the write's number, which
+        :meth:`wrote` takes once it is done (until then, a save that begins marks its rows too)."""
         with self.lock:
+            self.writes += 1
+            self.writing[self.writes] = cursor
             masks = [m for m in (self.mask, *self.open.values()) if m is not None]
             if not masks:
-                return
+                return self.writes
             if _versions(self.storage, _leaves(self.storage)) != self.versions:  # written around ``set``: unknown
                 self._forget()
             elif not all(_mark_rows(m, cursor) for m in masks):
                 self._forget()
+            return self.writes
 
-    def wrote(self) -> None:
+    def wrote(self, write: int | None = None) -> None:
         with self.lock:
+            self.writing.pop(write, None)
             leaves = _leaves(self.storage)
             rows = int(leaves[0].shape[0]) if leaves else -1
             if self.mask is not None and self.mask.shape[0] != rows:
@@ -138,7 +146,12 @@ class RowTracker:
             snap = Snapshot(
                 self, self.epoch if known else None, self.mask.clone() if known else None, self.tokens, self.epoch_keys
             )
-            self.open[self.tokens] = torch.zeros(int(leaves[0].shape[0]), dtype=torch.bool) if leaves else None
+            record = torch.zeros(int(leaves[0].shape[0]), dtype=torch.bool) if leaves else None
+            # a write inside ``set`` now (another thread's: torchrl stacks a list before writing) may land after this
+            # save copied its rows: the rows are the next save's to write (marked here, or this record is unknown)
+            if record is not None and not all(_mark_rows(record, c) for c in self.writing.values()):
+                record = None
+            self.open[self.tokens] = record
             self.versions = versions
             return snap
 
