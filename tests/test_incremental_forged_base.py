@@ -145,3 +145,28 @@ def test_record_bytes_do_not_depend_on_how_a_shape_was_spelled_first() -> None:
     first = template(torch.float16, torch.Size(shape)).head, expected_pickle(torch.float16, torch.Size(shape))
     assert (template(torch.float16, shape).head, expected_pickle(torch.float16, shape)) == first
     assert b"Size" not in first[0] and b"Size" not in first[1]
+
+
+def test_an_older_checkpoint_claiming_the_newest_saves_identity_is_compared_by_content(tmp_path: Path) -> None:
+    """Probe u2: an older checkpoint of the job resealed to claim the save id of the newest commit (no data file
+    touched): the row trackers proved its rows unchanged since that save, and its own files vouched for its own
+    records, so the new checkpoint kept the older rows. The trackers' word now holds for a save where it committed."""
+    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(256), batch_size=4)
+    fill(rb, 256, 0)
+    ckpt = tdcp.DistributedCheckpoint(buffer=rb)
+    old = ckpt.save(tmp_path / "old")
+    fill(rb, 256, 1000)  # every row written again
+    newest = ckpt.save(tmp_path / "newest", incremental_from=old)
+    claimed = tdcp.read_manifest(newest)["save_id"]
+
+    def forge(m: dict[str, Any]) -> None:
+        own = m["save_id"]
+        m["save_id"] = claimed
+        for name in {c["file"] for parts in m["chunks"].values() for c in parts}:
+            m["files"][name]["origin"] = own  # (its chunk files' trailers name it: recorded as kept from it)
+
+    edit_manifest(old, forge)
+    forged_base = ckpt.save(tmp_path / "from_forged", incremental_from=old)
+    assert_same_checkpoint(forged_base, ckpt.save(tmp_path / "full"))

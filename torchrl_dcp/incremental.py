@@ -47,6 +47,7 @@ from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.storage.base import Location
 from torchrl_dcp.storage.chunk_writer import KeptChunk
 from torchrl_dcp.storage.copying import default_threads, run_split
+from torchrl_dcp.tracking import epoch_of
 
 logger = get_logger(__name__)
 
@@ -165,9 +166,10 @@ def plan_keeps(
         candidates.append((c, kept))
     keeps: dict[str, KeptChunk] = {}
     by_content: list[tuple[ChunkPlan, KeptChunk]] = []
+    epoch = epoch_of(base.save_id, base.location.path)  # (the trackers' word holds for that save, committed there)
     for c, kept in candidates:
         snap = changes.get(c.key)
-        if snap is not None and snap.unchanged(base.save_id, c.key, c.start, c.rows):
+        if snap is not None and snap.unchanged(epoch, c.key, c.start, c.rows):
             keeps[c.file] = kept
         else:
             by_content.append((c, kept))

@@ -73,6 +73,7 @@ from torchrl_dcp.replicas import digest as replica_digest
 from torchrl_dcp.save_support import quiet_single_process, save_failure, summarize
 from torchrl_dcp.storage.base import Location, SaveTarget, ShareWrite, WriteOutcome
 from torchrl_dcp.storage.chunk_writer import ChunkJob, KeptChunk
+from torchrl_dcp.tracking import epoch_of
 
 logger = get_logger(__name__)
 _DTYPES = {str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
@@ -135,14 +136,14 @@ class Encoded:
     changes: dict[str, Any] = field(default_factory=dict)
     snapshots: list[Any] = field(default_factory=list)
 
-    def settle(self, save_id: str | None) -> None:
-        """The save committed as ``save_id`` (or failed: ``None``): tell the row trackers."""
+    def settle(self, save_id: str | None, where: Any = None) -> None:
+        """The save committed as ``save_id`` at ``where`` (or failed: ``None``): tell the row trackers."""
         snapshots, self.snapshots = self.snapshots, []
         for snap in snapshots:
             if save_id is None:
                 snap.tracker.abort(snap)
             else:
-                snap.tracker.commit(snap, save_id)
+                snap.tracker.commit(snap, epoch_of(save_id, where))
 
 
 @dataclass
@@ -619,7 +620,7 @@ def run(job: SaveJob) -> Any:
         raise
     finally:
         target.release()
-    job.encoded.settle(job.save_id)
+    job.encoded.settle(job.save_id, job.location.path)
     if outcome.copied:
         logger.warning(
             "incremental save %s copied %d of %d kept chunk files (hard links were impossible, e.g. across "
