@@ -363,6 +363,12 @@ STATE_FORGERIES: dict[str, tuple[Callable[[], dict[str, Any]], Callable[[dict[st
         r"not a count",
         False,
     ),
+    "frame count null": (  # (probe u3: None was let through; the hook's next call raised TypeError)
+        _frames_hook,
+        lambda objs: setattr(objs["hook"], "frame_count", None),
+        r"not a count",
+        False,
+    ),
 }
 
 

@@ -115,10 +115,11 @@ MONITORED_KEY = "_tdcp_monitored_last"
 
 
 def _check_counts(state: Any, keys: tuple[str, ...], name: str) -> None:
-    """Each of ``keys`` that ``state`` holds is an int ``>= 0`` (a count), else :class:`IncompatibleComponentError`."""
+    """Each of ``keys`` that ``state`` holds is an int ``>= 0`` (a count; never ``None``: torchrl's counters start at
+    0), else :class:`IncompatibleComponentError`."""
     for key in keys if isinstance(state, Mapping) else ():
         value = state.get(key)
-        if value is not None and (type(value) is not int or value < 0):
+        if key in state and (type(value) is not int or value < 0):
             raise IncompatibleComponentError(
                 f"component {name!r}: its {key!r} is {value!r}, not a count: no run leaves that; damaged or forged"
             )
