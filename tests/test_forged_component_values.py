@@ -449,3 +449,38 @@ def test_a_tensordict_device_no_save_writes_is_refused_before_anything_is_read(t
     with pytest.raises(tdcp.CheckpointFormatError, match=r"c: component 'td': malformed"):
         tdcp.DistributedCheckpoint(td=live).load(path)
     assert torch.equal(live["obs"], torch.full((4,), -7.0)) and live.device is None
+
+
+def test_a_trajectory_counter_in_a_parent_envs_copy_is_checked_too(tmp_path: Path) -> None:
+    """Probe u3: a TrajCounter's count is saved with the env's transforms and again with each cached parent env's
+    (which share the counter); only the first copy was checked, and a forged -7 in the other handed out negative
+    trajectory ids after the resume."""
+    from torchrl.envs import RewardSum, TrajCounter
+
+    def build() -> TransformedEnv:
+        env = TransformedEnv(PendulumEnv(), Compose(StepCounter(max_steps=4), TrajCounter(), RewardSum()))
+        env.set_seed(0)
+        env.rollout(3)
+        return env
+
+    def items(node: dict[str, Any]) -> dict[Any, Any]:
+        return {e[0]: e for e in node["items"]}
+
+    path = tdcp.DistributedCheckpoint(env=build()).save(tmp_path / "c")
+    forged = []
+
+    def forge(m: dict[str, Any]) -> None:
+        state = m["components"]["env"]["ranks"]["0"]["state"]
+        for entry in items(items(state)["parents"][1]).values():
+            transforms = items(items(entry[1])["transforms"][1])
+            if "transform.1" in transforms:
+                items(transforms["transform.1"][1])["traj_count"][1] = -7
+                forged.append(entry[0])
+
+    forging.edit(path, forge)
+    assert forged
+    live = build()
+    before = live.transform[1]._traj_count.value
+    with pytest.raises(tdcp.CheckpointIntegrityError, match="parent env.*holds count -7"):
+        tdcp.DistributedCheckpoint(env=live).load(path)
+    assert live.transform[1]._traj_count.value == before

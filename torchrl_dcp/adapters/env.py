@@ -358,8 +358,20 @@ def restore_parents(env: Any, saved: Mapping[str, Any], name: str) -> None:
                     f"component {name!r}: the checkpoint holds the state of {at} in the parent env of {path}, which "
                     "this env does not have: build the env with the transforms it was saved with"
                 )
-            custom[at].load_state_dict(transform_state)
+            _load_custom_state(custom[at], transform_state, name, f"transform {at} of the parent env of {path}")
         restore_transform_attributes(parent, state["transform_attributes"], name)
+
+
+def _load_custom_state(transform: Any, saved: Any, name: str, where: str) -> None:
+    """Load a transform's saved custom state (every copy a save holds: the env's, and the cached parent envs', which
+    share the counter), a ``TrajCounter``'s count checked first (ids are handed out from 0 up)."""
+    if type(transform).__name__ == "TrajCounter" and isinstance(saved, Mapping) and "traj_count" in saved:
+        count = saved["traj_count"]
+        if not (type(count) is int and count >= 0):
+            raise CheckpointIntegrityError(
+                f"component {name!r}: {where} (TrajCounter) holds count {count!r}, not a count: damaged or forged"
+            )
+    transform.load_state_dict(saved)
 
 
 def serial_buffers(env: Any) -> dict[str, dict[tuple[str, ...], torch.Tensor]]:
@@ -474,13 +486,7 @@ def restore_env_extras(env: Any, state: Mapping[str, Any], name: str) -> None:
                 f"component {name!r}: the checkpoint holds the state of transform {path}, which this env does not "
                 "have at that place: build the env with the transforms it was saved with"
             )
-        count = saved.get("traj_count") if type(live[path]).__name__ == "TrajCounter" else None
-        if count is not None and not (type(count) is int and count >= 0):  # (ids handed out from 0 up)
-            raise CheckpointIntegrityError(
-                f"component {name!r}: transform {path} (TrajCounter) holds count {count!r}, not a count: damaged or "
-                "forged"
-            )
-        live[path].load_state_dict(saved)
+        _load_custom_state(live[path], saved, name, f"transform {path}")
     restore_base_envs(env, state.get("base_envs") or {}, name)
     restore_transform_attributes(env, state.get("transform_attributes") or {}, name)
     restore_parents(env, state.get("parents") or {}, name)  # (after the transforms they clone)
