@@ -32,7 +32,6 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import contextlib
-import os
 import threading
 import weakref
 from collections.abc import Callable, Mapping
@@ -46,6 +45,7 @@ from torchrl_dcp.format.record import GATHER_BYTES, byte_view, can_write_fast, p
 from torchrl_dcp.settings import setting
 from torchrl_dcp.storage.copying import leaving_cpus, yield_cpus
 from torchrl_dcp.storage.stable_bytes import own
+from torchrl_dcp.storage.urls import location_key
 
 
 class SaveHandle:
@@ -141,18 +141,6 @@ def _report_at_exit() -> None:
 
 atexit.register(_report_at_exit)
 threading._register_atexit(_report_at_exit)  # type: ignore[attr-defined]  # (fork children: see the docstring)
-
-
-def _location_key(path: Any) -> str:
-    """What names one location however it is spelt: a local path with its links resolved (``ckpts/c`` through
-    ``ckpts -> /scratch/ckpts`` is ``/scratch/ckpts/c``), a URL as it is.
-
-    Example:
-        >>> _location_key("s3://bucket/run/c")
-        's3://bucket/run/c'
-    """
-    text = str(path)
-    return text if "://" in text else os.path.realpath(text)
 
 
 class AsyncSaver:
@@ -345,10 +333,10 @@ class AsyncSaver:
         """Wait until the background saves of this process's other checkpoints to ``path`` are done (a load of a path
         being saved reads what that save commits, never the checkpoint it replaces), their outcome left to their own
         next call. Any group, or none: a load waits for nothing else of theirs."""
-        target = _location_key(path)
+        target = location_key(path)
         for other in list(_IN_FLIGHT):
             handle = other._pending
-            if other is not self and handle is not None and _location_key(handle.path) == target:
+            if other is not self and handle is not None and location_key(handle.path) == target:
                 concurrent.futures.wait([handle._future])
 
     def release(self) -> None:

@@ -47,9 +47,22 @@ from torchrl_dcp.storage.backends import location_for
 from torchrl_dcp.storage.base import Location
 from torchrl_dcp.storage.chunk_writer import KeptChunk
 from torchrl_dcp.storage.copying import default_threads, run_split
-from torchrl_dcp.tracking import epoch_of
+from torchrl_dcp.storage.urls import location_key
 
 logger = get_logger(__name__)
+
+
+def epoch_of(save_id: str, where: Any) -> str:
+    """What names a committed save to the row trackers (:mod:`torchrl_dcp.tracking`): its id and where it was
+    committed (:func:`~torchrl_dcp.storage.urls.location_key`). A base is kept on the trackers' word only where both
+    are the base's: another checkpoint whose manifest claims that id (forged, or a copy moved elsewhere) is compared
+    by content instead.
+
+    Example:
+        >>> epoch_of("abc", "s3://bucket/run/step-1")
+        'abc s3://bucket/run/step-1'
+    """
+    return f"{save_id} {location_key(where)}"
 
 
 @dataclass

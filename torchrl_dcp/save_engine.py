@@ -73,7 +73,6 @@ from torchrl_dcp.replicas import digest as replica_digest
 from torchrl_dcp.save_support import quiet_single_process, save_failure, summarize
 from torchrl_dcp.storage.base import Location, SaveTarget, ShareWrite, WriteOutcome
 from torchrl_dcp.storage.chunk_writer import ChunkJob, KeptChunk
-from torchrl_dcp.tracking import epoch_of
 
 logger = get_logger(__name__)
 _DTYPES = {str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
@@ -138,6 +137,8 @@ class Encoded:
 
     def settle(self, save_id: str | None, where: Any = None) -> None:
         """The save committed as ``save_id`` at ``where`` (or failed: ``None``): tell the row trackers."""
+        from torchrl_dcp.incremental import epoch_of
+
         snapshots, self.snapshots = self.snapshots, []
         for snap in snapshots:
             if save_id is None:

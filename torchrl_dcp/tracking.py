@@ -31,7 +31,6 @@ Example:
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -167,19 +166,6 @@ class RowTracker:
         """The save that took ``snap`` failed: its record is dropped (the committed one was never reset)."""
         with self.lock:
             self.open.pop(snap.token, None)
-
-
-def epoch_of(save_id: str, where: Any) -> str:
-    """What names a committed save to the trackers: its id and where it was committed (a local path with its links
-    resolved). A base is trusted on the trackers' word only where both are the base's: another checkpoint whose
-    manifest claims that id (forged, or a copy moved elsewhere) is compared by content instead.
-
-    Example:
-        >>> epoch_of("abc", "s3://bucket/run/step-1")
-        'abc s3://bucket/run/step-1'
-    """
-    text = str(where)
-    return f"{save_id} {text if '://' in text else os.path.realpath(text)}"
 
 
 def track(storage: Any) -> RowTracker:

@@ -244,6 +244,18 @@ def resolve_path(path: str | os.PathLike | StorePath, storage_options: Mapping[s
     return local_path(Path(path).expanduser())
 
 
+def location_key(path: Any) -> str:
+    """What names one location however it is spelt: a local path with its links resolved (``ckpts/c`` through
+    ``ckpts -> /scratch/ckpts`` is ``/scratch/ckpts/c``), a URL (a store's path) as it is.
+
+    Example:
+        >>> location_key("s3://bucket/run/c")
+        's3://bucket/run/c'
+    """
+    text = str(path)
+    return text if "://" in text else os.path.realpath(text)
+
+
 def local_path(path: str | os.PathLike) -> Path:
     """``path`` made absolute, its ``..`` steps taken as the file system takes them: ``ckpt/x/../..`` is the directory
     holding ``ckpt``, a link before a ``..`` followed first. What the library then creates (parents, a lock, staging)
