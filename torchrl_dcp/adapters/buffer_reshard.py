@@ -163,8 +163,9 @@ def check_reshard(rb: ReplayBuffer, saved: dict[int, Any], ctx: AdapterContext) 
     indexed = all(_writes_index(saved[r]["writer"]) for r in tensors)
     entries = {r: _entries(saved[r]["storage"], indexed) for r in tensors}
     first = entries[tensors[0]]
+    index_alike = _index_specs({r: saved[r] for r in tensors}, indexed) is not None
     for r in tensors[1:]:
-        if entries[r] != first or _index_specs({q: saved[q] for q in tensors}, indexed) is None:
+        if entries[r] != first or not index_alike:
             differ = sorted(set(entries[r][1]) ^ set(first[1])) or [(("index",), "", "of other shapes or dtypes")]
             named = ", ".join(f"{'.'.join(k) or '<tensor>'} {list(shape)} {dtype}" for k, shape, dtype in differ[:4])
             raise IncompatibleComponentError(
