@@ -57,7 +57,7 @@ def incremental_shards(directory: str) -> dict[str, Any]:
     d = Path(directory)
     base = ckpt.save(d / "base", step=0)
     step(rb, policy, rank, 1)
-    import torchrl_dcp.checkpoint as checkpoint_module
+    import torchrl_dcp.save_prepare as checkpoint_module
 
     received: list[str] = []  # the keys of the base this rank was sent: the shared ones and its own
     original_share = checkpoint_module.share_base
